@@ -1,0 +1,162 @@
+"""Model configuration, read from a checkpoint's config.json and generation_config.json.
+
+The official Qwen3.5 / Qwen3.6 checkpoints are vision-language repos: the text settings sit under
+`text_config`. A flat config (the text settings at the top level) is accepted too. Field names are
+the checkpoint's own; unknown keys are dropped; derived sizes are computed once in __post_init__.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+SUPPORTED_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
+
+
+class ConfigError(ValueError):
+    """A checkpoint's configuration cannot be used; the message says what and what to do."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    layer_types: tuple[str, ...] = ()
+    full_attention_interval: int = 4
+    rope_theta: float = 1e7
+    partial_rotary_factor: float = 0.25
+    mtp_num_hidden_layers: int = 0
+    max_position_embeddings: int = 262144
+    hidden_act: str = "silu"
+    attn_output_gate: bool = True
+    attention_bias: bool = False
+    dtype: str = "bfloat16"
+    # derived
+    rotary_dim: int = field(init=False)
+    key_dim: int = field(init=False)      # GDN: Hk * dk
+    value_dim: int = field(init=False)    # GDN: Hv * dv
+    conv_dim: int = field(init=False)     # GDN: 2 * key_dim + value_dim
+    q_dim: int = field(init=False)        # full attention: heads * head_dim
+    kv_dim: int = field(init=False)       # full attention: kv_heads * head_dim
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)
+        if not self.layer_types:
+            every = self.full_attention_interval
+            set_("layer_types", tuple("full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                      for i in range(self.num_hidden_layers)))
+        else:
+            set_("layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"config lists {len(self.layer_types)} layer_types for "
+                              f"{self.num_hidden_layers} layers; they must agree")
+        unknown = sorted(set(self.layer_types) - {"full_attention", "linear_attention"})
+        if unknown:
+            raise ConfigError(f"unsupported layer type(s) {unknown}; "
+                              "supported: full_attention, linear_attention")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple "
+                              f"of linear_num_key_heads ({self.linear_num_key_heads})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                              f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; only 'silu' is")
+        rotary = int(self.head_dim * self.partial_rotary_factor)
+        if rotary % 2:
+            raise ConfigError(f"rotary dim {rotary} (head_dim x partial_rotary_factor) must be even")
+        set_("rotary_dim", rotary)
+        set_("key_dim", self.linear_num_key_heads * self.linear_key_head_dim)
+        set_("value_dim", self.linear_num_value_heads * self.linear_value_head_dim)
+        set_("conv_dim", 2 * self.key_dim + self.value_dim)
+        set_("q_dim", self.num_attention_heads * self.head_dim)
+        set_("kv_dim", self.num_key_value_heads * self.head_dim)
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp_num_hidden_layers > 0
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        model_type = raw.get("model_type")
+        text = raw.get("text_config", raw)
+        text_type = text.get("model_type", model_type)
+        if model_type not in SUPPORTED_MODEL_TYPES and text_type not in SUPPORTED_MODEL_TYPES:
+            archs = ", ".join(raw.get("architectures") or []) or "none listed"
+            raise ConfigError(f"{source}: model_type {model_type!r} (architectures: {archs}) is not supported; "
+                              f"mtpchat runs Qwen3.5 / Qwen3.6 hybrid models (model_type "
+                              f"{' or '.join(SUPPORTED_MODEL_TYPES)})")
+        flat = dict(text)
+        rope = flat.pop("rope_parameters", None) or flat.pop("rope_scaling", None) or {}
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise ConfigError(f"{source}: rope_type {rope['rope_type']!r} is not supported; only 'default' is")
+        flat.setdefault("rope_theta", rope.get("rope_theta", 1e7))
+        flat.setdefault("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+        # tie_word_embeddings is set at the top level of the official configs, and repeated inside.
+        if "tie_word_embeddings" in raw and "tie_word_embeddings" not in flat:
+            flat["tie_word_embeddings"] = raw["tie_word_embeddings"]
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.init and f.default is dataclasses.MISSING and f.name not in flat]
+        if missing:
+            raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
+        try:
+            return cls(**{k: v for k, v in flat.items() if k in names})
+        except TypeError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.exists():
+            raise ConfigError(f"no config.json in {path}; a checkpoint folder holds config.json, "
+                              "the safetensors shards and the tokenizer files")
+        try:
+            raw = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{file} is not valid JSON ({e}); the download may be incomplete") from None
+        return cls.from_dict(raw, source=str(file))
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Stop ids and the checkpoint's sampling defaults (generation_config.json); all optional."""
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+
+    @classmethod
+    def load(cls, folder: str | Path, model_config: dict | None = None) -> "GenerationConfig":
+        file = Path(folder) / "generation_config.json"
+        raw = json.loads(file.read_text()) if file.exists() else {}
+        eos = raw.get("eos_token_id")
+        if eos is None and model_config is not None:
+            eos = model_config.get("text_config", model_config).get("eos_token_id")
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return cls(eos_token_ids=tuple(eos), pad_token_id=raw.get("pad_token_id"),
+                   temperature=raw.get("temperature"), top_k=raw.get("top_k"), top_p=raw.get("top_p"))

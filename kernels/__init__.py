@@ -1,0 +1,1 @@
+"""Compute kernels: each Triton kernel beside its float32 torch reference. Imports nothing of ours."""
