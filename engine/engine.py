@@ -1,0 +1,174 @@
+"""The Engine API: the only thing the app, the CLI, the tests and the benchmarks use.
+
+The engine sees token ids; the app owns text. One engine holds one conversation's decode state:
+`generate` continues from the state of the previous call when the new prompt extends the tokens
+already processed (a chat turn), and starts over otherwise.
+
+    engine = Engine.load("path/to/checkpoint", device="cpu", dtype=torch.float32)
+    for event in engine.generate(ids, SamplingParams(temperature=0)):
+        ...   # Prefilled, then Step per target forward, then Finished (engine/events.py)
+    engine.mtp = False          # live: takes effect at the next step
+    engine.draft_tokens = 2     # live: 1..k_max
+    engine.cancel()             # from another thread: generate ends with Finished("cancelled")
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from mtpchat.engine.config import GenerationConfig, ModelConfig
+from mtpchat.engine.decoder import Decoder
+from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
+from mtpchat.engine.model import Model
+from mtpchat.engine.mtp import MTPHead
+from mtpchat.engine.sampling import SamplingParams, make_generator
+from mtpchat.engine.state import DecodeState
+from mtpchat.engine.tokenizer import Tokenizer
+from mtpchat.engine.weights import has_mtp_weights, load_into, mtp_places, text_places
+
+
+class Engine:
+    def __init__(self, model: str | Path, device="cpu", dtype: torch.dtype | None = None,
+                 max_context: int = 4096, draft_tokens: int = 3, mtp: bool = True,
+                 cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int = 512):
+        # build -> load -> allocate state -> (warm up and capture: the CUDA runner)
+        folder = Path(model)
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.config = ModelConfig.load(folder)
+        self.generation_config = GenerationConfig.load(folder, json.loads((folder / "config.json").read_text()))
+        self.tokenizer = Tokenizer.load(folder)
+        self.notices: list[str] = []
+        self.mtp_available = self.config.has_mtp and has_mtp_weights(folder)
+        if not self.mtp_available:
+            self.notices.append("this checkpoint has no mtp.* weights: running with MTP off")
+        if not 1 <= draft_tokens <= k_max:
+            raise ValueError(f"draft_tokens must be between 1 and {k_max}, got {draft_tokens}")
+        self.k_max, self.max_context, self.cuda_graphs = k_max, max_context, cuda_graphs
+        self._draft_tokens, self._mtp = draft_tokens, mtp and self.mtp_available
+
+        self.model = Model(self.config)
+        self.head = MTPHead(self.config) if self.mtp_available else None
+        modules, places = {"model": self.model}, {"model": text_places(self.config)}
+        if self.head is not None:
+            modules["mtp"], places["mtp"] = self.head, mtp_places(self.config)
+        load_into(modules, places, folder, self.device, self.dtype)
+
+        self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
+        self.decoder = Decoder(self.model, self.head, self.state, prefill_chunk)
+        self._cancel = threading.Event()
+
+    load = classmethod(lambda cls, model, **kw: cls(model, **kw))
+
+    # --- live switches -------------------------------------------------------------------------
+    @property
+    def mtp(self) -> bool:
+        return self._mtp
+
+    @mtp.setter
+    def mtp(self, on: bool):
+        if on and not self.mtp_available:
+            return  # said once at load (notices); MTP simply stays off
+        self._mtp = bool(on)
+
+    @property
+    def draft_tokens(self) -> int:
+        return self._draft_tokens
+
+    @draft_tokens.setter
+    def draft_tokens(self, k: int):
+        if not 1 <= k <= self.k_max:
+            raise ValueError(f"draft_tokens must be between 1 and {self.k_max}, got {k}")
+        self._draft_tokens = int(k)
+
+    def cancel(self):
+        self._cancel.set()
+
+    def reset(self):
+        self.decoder.reset()
+
+    def memory(self) -> dict[str, int]:
+        size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
+        return {"weights": size(self.model) + size(self.head), **self.state.nbytes(),
+                "graph_pool": 0, "workspace": 0}
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self.generation_config.eos_token_ids or tuple(self.tokenizer.eos_token_ids)
+
+    # --- inference -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """A full forward from an empty state, separate from the conversation: [T, vocab] float32."""
+        scratch = DecodeState(self.config, len(ids), self.k_max, self.device, self.dtype, mtp=False)
+        hidden = Decoder(self.model, None, scratch, self.decoder.prefill_chunk).prefill(ids, keep_all=True)
+        return self.model.logits(hidden, rowwise=False)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator:
+        params = params or SamplingParams()
+        with torch.inference_mode():
+            yield from self._generate(list(prompt_ids), params)
+
+    def _generate(self, prompt: list[int], params: SamplingParams):
+        self._cancel.clear()
+        dec, stats = self.decoder, Stats(prompt_tokens=len(prompt))
+        stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.stop_ids)
+        if not prompt:
+            raise ValueError("the prompt is empty: pass at least one token id")
+        if len(prompt) + 1 > self.max_context:
+            raise ValueError(f"the prompt has {len(prompt)} tokens but max_context is {self.max_context}; "
+                             "start a new chat or load the model with a larger --max-context")
+        generator = make_generator(params, self.device)
+        t0 = time.perf_counter()
+        cached = dec.begin(prompt)
+        first = dec.first_token(params, generator)
+        stats.prefill_ms = stats.ttft_ms = (time.perf_counter() - t0) * 1e3
+        yield Prefilled(prompt_tokens=len(prompt), prefill_ms=stats.prefill_ms, cached_tokens=cached)
+
+        out, emitted = [first], [first]
+        stats.new_tokens = 1
+        yield Step((first,), (False,), 0, 0, False, PhaseTimes(), stats.prefill_ms)
+        t_first = time.perf_counter()
+        reason = None
+        while reason is None:
+            reason = self._finish_reason(out[-1], stats.new_tokens, params, stop)
+            if reason:
+                break
+            room = min(params.max_tokens - stats.new_tokens, self.max_context - 1 - dec.length)
+            k = min(self._draft_tokens, room - 1, self.k_max) if self._mtp else 0
+            result = dec.step(k, params, generator, budget=room, stop=stop)
+            stats.steps += 1
+            if k:
+                stats.verify_steps += 1
+                stats.drafted += k
+                stats.accepted += result.accepted
+                while len(stats.accepted_at_least) < self.k_max:
+                    stats.accepted_at_least.append(0)
+                for i in range(result.accepted):
+                    stats.accepted_at_least[i] += 1
+            p = stats.phase_ms
+            stats.phase_ms = PhaseTimes(p.draft + result.times.draft, p.verify + result.times.verify,
+                                        p.accept + result.times.accept, p.host + result.times.host)
+            out += result.tokens
+            stats.new_tokens += len(result.tokens)
+            stats.decode_ms = (time.perf_counter() - t_first) * 1e3
+            yield Step(tuple(result.tokens), tuple(result.from_draft), k, result.accepted, bool(k),
+                       result.times, (time.perf_counter() - t0) * 1e3)
+        stats.decode_ms = (time.perf_counter() - t_first) * 1e3
+        yield Finished(reason, stats, tuple(out))
+
+    def _finish_reason(self, last: int, produced: int, params: SamplingParams, stop: set[int]) -> str | None:
+        if last in stop:
+            return "stop"
+        if produced >= params.max_tokens:
+            return "length"
+        if self._cancel.is_set():
+            return "cancelled"
+        if self.decoder.length + 1 >= self.max_context:
+            return "context"
+        return None

@@ -1,0 +1,176 @@
+"""The Qwen3.5 / Qwen3.6 hybrid decoder: Gated DeltaNet and gated full-attention layers, each with a
+SwiGLU MLP, then a final RMSNorm and the lm_head. Facts and formulas: qwen35-model.md.
+
+Every forward works on one sequence of T new tokens over preallocated state (engine/state.py):
+- prefill (`ctx.step` False): GDN in chunked form, attention through SDPA;
+- decode / verify (`ctx.step` True, T = 1..k_max+1): the GDN recurrence writing a state snapshot
+  per token into the ring, attention row by row, and every product row by row, so a row's result
+  does not depend on T (greedy MTP on == MTP off).
+Projections are stored fused (weights.py fills them): GDN [qkv | z | b | a], attention
+[q+gate | k | v], MLP [gate | up].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtpchat.engine.config import ModelConfig
+from mtpchat.kernels import attention, conv, gdn, norm
+
+
+@dataclass
+class Ctx:
+    """What a forward needs besides the tokens and the per-layer caches."""
+    positions: torch.Tensor   # [T] long: the tokens' positions
+    start: int                # positions[0]: tokens already in the KV cache
+    step: bool                # decode/verify (recurrence + snapshots) rather than prefill
+    conv_off: torch.Tensor    # [1] long: committed conv window offset
+    slot: torch.Tensor        # [1] long: committed recurrent-state ring slot
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    """x [T, K] @ w[N, K]ᵀ. Row by row when `rowwise`, so each row's rounding is that of a 1-row call."""
+    if rowwise and x.shape[0] > 1:
+        return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])])
+    return F.linear(x, w)
+
+
+def empty(*shape) -> nn.Parameter:
+    # Built on the meta device; weights.py assigns the real tensors in place.
+    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = empty(dim), eps
+
+    def forward(self, x):
+        return norm.rmsnorm_ref(x, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_up = empty(2 * c.intermediate_size, c.hidden_size)
+        self.down = empty(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x, ctx: Ctx):
+        gate, up = linear(x, self.gate_up, ctx.step).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down, ctx.step)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
+    """Partial NeoX-style RoPE on the first `rotary_dim` dims of each head; x [T, H, D]."""
+    inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=x.device) / rotary_dim)
+    ang = positions.float()[:, None] * inv_freq                       # [T, rotary_dim/2]
+    cos, sin = ang.cos().repeat(1, 2)[:, None], ang.sin().repeat(1, 2)[:, None]
+    rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([(rot * cos + rotated * sin).to(x.dtype), rest], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        self.qkv = empty(2 * c.q_dim + 2 * c.kv_dim, c.hidden_size)   # [q|gate per head] | k | v
+        self.o_proj = empty(c.hidden_size, c.q_dim)
+        self.q_norm, self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps), RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
+        c, T = self.c, x.shape[0]
+        qg, k, v = linear(x, self.qkv, ctx.step).split([2 * c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        qg = qg.view(T, c.num_attention_heads, 2 * c.head_dim)           # per head: [query | gate]
+        q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:].reshape(T, c.q_dim)
+        q = rope(self.q_norm(q), ctx.positions, c.rotary_dim, c.rope_theta)                        # [T, Hq, D]
+        k = rope(self.k_norm(k.view(T, -1, c.head_dim)), ctx.positions, c.rotary_dim, c.rope_theta)  # [T, Hkv, D]
+        k_cache, v_cache = cache
+        k_cache.index_copy_(0, ctx.positions, k)
+        v_cache.index_copy_(0, ctx.positions, v.view(T, -1, c.head_dim))
+        scale = c.head_dim ** -0.5
+        if ctx.step:
+            o = attention.decode_attention_ref(q, k_cache, v_cache, ctx.start, scale)
+        else:
+            n = ctx.start + T
+            keys = torch.arange(n, device=x.device)
+            mask = keys[None, :] <= ctx.positions[:, None]                 # [T, n] causal
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k_cache[:n].transpose(0, 1), v_cache[:n].transpose(0, 1),
+                attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
+        o = o.reshape(T, c.q_dim) * torch.sigmoid(gate)
+        return linear(o, self.o_proj, ctx.step)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        hv = c.linear_num_value_heads
+        self.in_proj = empty(c.conv_dim + c.value_dim + 2 * hv, c.hidden_size)   # qkv | z | b | a
+        self.conv_weight = empty(c.conv_dim, c.linear_conv_kernel_dim)
+        self.A_log, self.dt_bias = empty(hv), empty(hv)
+        self.norm_weight = empty(c.linear_value_head_dim)
+        self.out_proj = empty(c.hidden_size, c.value_dim)
+
+    def forward(self, x, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
+        c, T = self.c, x.shape[0]
+        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        conv_buf, ring = cache
+        mixed, z, b, a = linear(x, self.in_proj, ctx.step).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+        mixed = conv.conv_update_ref(mixed, conv_buf, ctx.conv_off, self.conv_weight)   # pre-conv in, silu out
+        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
+        if ctx.step:
+            o = gdn.recurrent_ref(q, k, v, a, b, self.A_log, self.dt_bias, ring, ctx.slot)
+        else:
+            start_state = ring.index_select(0, ctx.slot)[0]
+            o, end_state = gdn.chunk_ref(q, k, v, a, b, self.A_log, self.dt_bias, start_state)
+            ring.index_copy_(0, ctx.slot, end_state[None])
+        o = norm.gated_rmsnorm_ref(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
+        return linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.mixer = GatedAttention(c) if kind == "full_attention" else GatedDeltaNet(c)
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cache, ctx: Ctx):
+        h = x + self.mixer(self.input_norm(x), cache, ctx)
+        return h + self.mlp(self.post_norm(h), ctx)
+
+
+class Model(nn.Module):
+    """The target model. `forward` returns the post-final-norm hidden states (what lm_head and the
+    MTP head read); `logits` applies the head."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        self.embed = empty(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, kind) for kind in c.layer_types)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if not c.tie_word_embeddings:
+            self.lm_head = empty(c.vocab_size, c.hidden_size)
+
+    @property
+    def head(self) -> torch.Tensor:
+        return self.embed if self.c.tie_word_embeddings else self.lm_head
+
+    def forward(self, ids: torch.Tensor, caches: list, ctx: Ctx) -> torch.Tensor:
+        x = F.embedding(ids, self.embed)                                   # [T, H]
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cache, ctx)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, rowwise: bool = True) -> torch.Tensor:
+        return linear(hidden, self.head, rowwise).float()

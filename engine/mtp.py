@@ -1,0 +1,35 @@
+"""The MTP draft head (`mtp.*` weights): one extra full-attention decoder layer with its own KV cache,
+reusing the target's embedding and lm_head (qwen35-model.md §6).
+
+Row p pairs the target's post-final-norm hidden h_p with the embedding of token x_{p+1}, runs at
+rotary position p, and predicts x_{p+2}:
+    u   = fc([norm_e(embed(x_{p+1})) | norm_h(h_p)])      # order: embedding first, then hidden
+    out = norm(DecoderLayer(u))                            # logits = lm_head(out)
+For the j-th chained draft the head feeds its own previous `out` in place of h and the previous
+draft as the token, one position further.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.model import Ctx, DecoderLayer, RMSNorm, empty, linear
+
+
+class MTPHead(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.pre_fc_norm_embedding = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.fc = empty(c.hidden_size, 2 * c.hidden_size)
+        self.layer = DecoderLayer(c, "full_attention")
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, embed: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor, cache, ctx: Ctx):
+        """ids [T] (tokens x_{p+1}), hidden [T, H] (h_p) at ctx.positions p -> out [T, H]."""
+        e = self.pre_fc_norm_embedding(F.embedding(ids, embed))
+        h = self.pre_fc_norm_hidden(hidden)
+        u = linear(torch.cat([e, h], dim=-1), self.fc, ctx.step)
+        return self.norm(self.layer(u, cache, ctx))

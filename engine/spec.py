@@ -1,0 +1,55 @@
+"""Acceptance of a speculative window, on the device, with no host sync.
+
+The drafts d_1..d_k come from the MTP head greedily (a one-hot proposal). The target verified
+[x, d_1..d_k] in one forward, giving distributions p_0..p_k (row i predicts the token after d_i).
+
+Greedy:   accept the longest prefix with d_{i+1} == argmax p_i; the bonus is argmax p_a.
+Sampling: accept d_{i+1} with probability p_i(d_{i+1}) (= min(1, p/q) for a one-hot q); at the first
+          rejection i, draw from norm(max(0, p_i - q_i)) = p_i without d_{i+1}; if all k pass, draw
+          the bonus from p_k. Every emitted token then has the target's distribution exactly.
+Returns (a, tokens) with tokens [k+1] = d_1..d_a, bonus, then filler: a+1 tokens are emitted.
+"""
+from __future__ import annotations
+
+import torch
+
+from mtpchat.engine.sampling import SamplingParams, process_logits, sample
+
+
+def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor):
+    """logits [k+1, V], drafts [k] -> (a: [1] long, tokens: [k+1] long)."""
+    target = logits.argmax(-1)                                    # [k+1]
+    return _splice(target[:-1] == drafts, drafts, target)
+
+
+def accept_sampled(logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams,
+                   seen: torch.Tensor | None, generator: torch.Generator):
+    """The lossless rule for a one-hot proposal. `seen` [k+1, V]: tokens counted by the presence
+    penalty at each row (the generated ones plus the drafts before that row)."""
+    k = drafts.shape[0]
+    probs = process_logits(logits, params, seen)                  # [k+1, V]
+    p_draft = probs[:-1].gather(1, drafts[:, None])[:, 0]         # p_i(d_{i+1})
+    u = torch.rand(k, device=probs.device, generator=generator)
+    residual = probs.clone()
+    residual[:-1].scatter_(1, drafts[:, None], 0.0)               # p_i without d_{i+1}
+    residual = residual / residual.sum(-1, keepdim=True).clamp_min(1e-30)
+    fallback = sample(residual, generator)                        # a draw for every row; row a is used
+    return _splice(u < p_draft, drafts, fallback)
+
+
+def _splice(match: torch.Tensor, drafts: torch.Tensor, fallback: torch.Tensor):
+    a = match.long().cumprod(0).sum().view(1)                     # leading accepted drafts
+    k = drafts.shape[0]
+    idx = torch.arange(k + 1, device=drafts.device)
+    padded = torch.cat([drafts, drafts[-1:]])
+    tokens = torch.where(idx < a, padded, fallback.gather(0, a.expand(k + 1)))
+    return a, tokens
+
+
+def seen_rows(seen: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """seen [V] bool -> [k+1, V]: row i also counts drafts d_1..d_i."""
+    k = drafts.shape[0]
+    rows = seen.expand(k + 1, -1).clone()
+    for i in range(k):
+        rows[i + 1:, drafts[i]] = True
+    return rows

@@ -1,0 +1,60 @@
+"""Decode state, allocated once for `max_context` tokens, typed per layer, rolled back explicitly.
+
+- full attention: K and V caches [max_context, Hkv, D]; rollback = a length that does not advance.
+- GDN: a conv window [conv_dim, K-1 + k_max+1] (model dtype) whose committed K-1 columns start at
+  `conv_off`, and a ring of k_max+1 recurrent-state slots [Hv, dk, dv] (float32) of which `slot` is
+  the committed one. A verify of T tokens writes the state after its t-th token into slot t, so
+  accepting n tokens commits slot n-1 and conv offset n: no copy, no recompute.
+- the MTP head's own K and V caches.
+`conv_off` and `slot` are device tensors shared by all GDN layers; `length` (committed tokens) is
+mirrored on the host.
+"""
+from __future__ import annotations
+
+import torch
+
+from mtpchat.engine.config import ModelConfig
+from mtpchat.kernels.conv import committed_offset
+
+
+class DecodeState:
+    def __init__(self, c: ModelConfig, max_context: int, k_max: int, device, dtype, mtp: bool):
+        self.max_context, self.k_max = max_context, k_max
+        self.conv_width = c.linear_conv_kernel_dim - 1 + k_max + 1
+        kv = lambda: (torch.zeros(max_context, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype),
+                      torch.zeros(max_context, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype))
+        gdn = lambda: (torch.zeros(c.conv_dim, self.conv_width, device=device, dtype=dtype),
+                       torch.zeros(k_max + 1, c.linear_num_value_heads, c.linear_key_head_dim,
+                                   c.linear_value_head_dim, device=device, dtype=torch.float32))
+        self.kernel = c.linear_conv_kernel_dim
+        self.layers = [kv() if kind == "full_attention" else gdn() for kind in c.layer_types]
+        self.gdn_layers = [cache for kind, cache in zip(c.layer_types, self.layers) if kind != "full_attention"]
+        self.kv_layers = [cache for kind, cache in zip(c.layer_types, self.layers) if kind == "full_attention"]
+        self.mtp = kv() if mtp else None
+        self.conv_off = torch.zeros(1, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.length = 0
+
+    def reset(self):
+        """Forget the sequence: zero the GDN states (the KV caches are masked by length)."""
+        for conv_buf, ring in self.gdn_layers:
+            conv_buf.zero_()
+            ring.zero_()
+        self.conv_off.zero_()
+        self.slot.zero_()
+        self.length = 0
+
+    def commit(self, fed: int, used: int, step: bool):
+        """After a forward over `fed` tokens, keep the first `used` of them."""
+        if step:
+            self.slot.fill_(used - 1)
+            self.conv_off.fill_(used)
+        else:
+            self.conv_off.fill_(committed_offset(fed, used, self.kernel, self.conv_width))
+        self.length += used
+
+    def nbytes(self) -> dict[str, int]:
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        return {"kv": size(t for pair in self.kv_layers for t in pair),
+                "mtp_kv": size(self.mtp) if self.mtp else 0,
+                "gdn_state": size(t for pair in self.gdn_layers for t in pair)}
