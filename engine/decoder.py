@@ -34,7 +34,7 @@ class Decoder:
     def __init__(self, model, head, state, prefill_chunk: int):
         self.model, self.head, self.state, self.prefill_chunk = model, head, state, prefill_chunk
         self.device = state.slot.device
-        self.drafter = None   # optional stand-in for the MTP head: (decoder, k) -> [k] long drafts
+        self.drafter = None   # optional ProfileDrafter (engine/spec.py) replacing the head's tokens
         self.reset()
 
     @property
@@ -81,6 +81,7 @@ class Decoder:
         if not reuse:
             self.reset()
         self.next_token = None
+        self.generated = 0    # tokens emitted in this generation
         self.seen = torch.zeros(self.model.c.vocab_size, dtype=torch.bool, device=self.device)
         h = self.prefill(prompt[L:] if reuse else prompt)
         self.last_logits = self.model.logits(h)
@@ -89,6 +90,7 @@ class Decoder:
     def first_token(self, params: SamplingParams, generator) -> int:
         tok = self._sample_one(self.last_logits, params, generator)
         self._set_next(tok)
+        self.generated = 1
         return tok
 
     # --- steps ---------------------------------------------------------------------------------
@@ -123,6 +125,7 @@ class Decoder:
         self.tokens += [self.next_token] + emitted[:n - 1]
         self.hidden.append(hidden[:n])
         self._set_next(emitted[-1])
+        self.generated += n
         for tok in emitted[:-1]:
             self.seen[tok] = True
         t4 = time.perf_counter()
@@ -166,8 +169,6 @@ class Decoder:
 
     def _draft(self, k: int) -> torch.Tensor:
         """k greedy drafts: the catch-up pass gives d_1, then the head chains on its own output."""
-        if self.drafter is not None:
-            return self.drafter(self, k)
         out = self._catch_up_mtp(known_next=None)
         assert out is not None and self.mtp_len == self.state.length, "MTP catch-up must reach the last token"
         drafts = [self.model.logits(out).argmax(-1)]
@@ -175,4 +176,7 @@ class Decoder:
             ctx = self._ctx(self.state.length + j - 1, 1, step=True)
             out = self.head(self.model.embed, drafts[-1], out, self.state.mtp, ctx)
             drafts.append(self.model.logits(out).argmax(-1))
-        return torch.cat(drafts)
+        drafts = torch.cat(drafts)
+        if self.drafter is not None:
+            drafts = self.drafter(self.generated, drafts)
+        return drafts

@@ -86,6 +86,15 @@ class Engine:
             raise ValueError(f"draft_tokens must be between 1 and {self.k_max}, got {k}")
         self._draft_tokens = int(k)
 
+    @property
+    def drafter(self):
+        """A ProfileDrafter (engine/spec.py) that replaces the head's draft tokens, or None."""
+        return self.decoder.drafter
+
+    @drafter.setter
+    def drafter(self, drafter):
+        self.decoder.drafter = drafter
+
     def cancel(self):
         self._cancel.set()
 

@@ -53,3 +53,29 @@ def seen_rows(seen: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     for i in range(k):
         rows[i + 1:, drafts[i]] = True
     return rows
+
+
+class ProfileDrafter:
+    """Drafts with a controlled acceptance profile, for benchmarks and tests on random weights.
+
+    Given the reference continuation (the greedy output with MTP off), it proposes the true next
+    token at draft position i with the conditional probability that makes
+    P(at least i+1 drafts accepted) = profile[i], and a wrong token otherwise. Under greedy
+    decoding the target then accepts with exactly that profile, and the output is unchanged.
+    The real MTP head still runs (so its cost is measured); only its tokens are replaced.
+    """
+
+    def __init__(self, reference: list[int], profile=(0.95, 0.83, 0.70, 0.55), seed: int = 0, vocab: int = 0):
+        self.reference, self.profile, self.vocab = list(reference), list(profile), vocab
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def __call__(self, position: int, drafts: torch.Tensor) -> torch.Tensor:
+        """position: index in `reference` of the first token to draft; drafts: the head's [k] tokens."""
+        out, right = [], True
+        for i in range(drafts.shape[0]):
+            prev = self.profile[i - 1] if i else 1.0
+            p = self.profile[i] / prev if i < len(self.profile) and prev > 0 else 0.0
+            true = self.reference[position + i] if position + i < len(self.reference) else 0
+            right = right and bool(torch.rand((), generator=self.rng) < p)
+            out.append(true if right else (true + 1) % max(self.vocab, true + 2))
+        return torch.tensor(out, device=drafts.device)

@@ -1,0 +1,100 @@
+"""Tiny random checkpoints in the exact official layout, for tests and demos (nothing is downloaded).
+
+The folder holds what a Qwen3.5 / Qwen3.6 repo holds: config.json (text settings under
+`text_config`, architecture Qwen3_5ForConditionalGeneration), generation_config.json, sharded
+safetensors with model.safetensors.index.json (text weights under `model.language_model.`,
+`lm_head.weight` unless tied, a few `model.visual.*` tensors to skip, the 15 `mtp.*` tensors), and
+a small byte-level BPE tokenizer with Qwen's special tokens and a ChatML template.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.tokenizer import default_corpus, train_tokenizer, write_tokenizer_files
+from mtpchat.engine.weights import mtp_places, text_places
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+
+VISUAL = {"model.visual.patch_embed.proj.weight": (32, 3, 2, 16, 16),
+          "model.visual.blocks.0.attn.qkv.weight": (96, 32),
+          "model.visual.merger.linear_fc1.weight": (64, 128)}
+
+
+def text_config(vocab_size: int, tie: bool, mtp: bool, special: dict[str, int], **overrides) -> dict:
+    shape = TINY | overrides
+    layers = shape["num_hidden_layers"]
+    return {**shape,
+            "model_type": "qwen3_5_text", "vocab_size": vocab_size, "hidden_act": "silu",
+            "rms_norm_eps": 1e-6, "attention_bias": False, "attn_output_gate": True,
+            "full_attention_interval": 4, "max_position_embeddings": 262144, "dtype": "float32",
+            "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+            "mamba_ssm_dtype": "float32", "mtp_num_hidden_layers": 1 if mtp else 0,
+            "mtp_use_dedicated_embeddings": False, "tie_word_embeddings": tie,
+            "bos_token_id": special["<|endoftext|>"], "eos_token_id": special["<|endoftext|>"]}
+
+
+def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Weights that keep activations in a sane range; norms and gates random, never zero."""
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=g).log()
+    if name.endswith("dt_bias"):
+        return torch.randn(shape, generator=g) * 0.5
+    if name.endswith("conv1d.weight"):
+        return torch.randn(shape, generator=g) * 0.5
+    if len(shape) == 1:   # RMSNorm weights (zero-centred, and the GDN norm's plain one)
+        return torch.randn(shape, generator=g) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0)
+    if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+        return torch.randn(shape, generator=g)
+    return torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+
+
+def write_tiny_checkpoint(folder: str | Path, *, tie: bool = False, mtp: bool = True, shards: int = 3,
+                          seed: int = 0, vocab_size: int | None = None, tokenizer_vocab: int = 512,
+                          dtype: torch.dtype = torch.float32, **shape) -> Path:
+    """Write a random checkpoint to `folder`; `shape` overrides TINY's sizes. Returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(default_corpus(), tokenizer_vocab)
+    special = write_tokenizer_files(folder, tok)
+    vocab = vocab_size or 64 * math.ceil(tok.get_vocab_size() / 64)   # padded, as the real ones are
+    text = text_config(vocab, tie, mtp, special, **shape)
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "tie_word_embeddings": tie, "text_config": text,
+              "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 32,
+                                "out_hidden_size": text["hidden_size"]},
+              "image_token_id": special["<|image_pad|>"], "video_token_id": special["<|video_pad|>"]}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]],
+         "pad_token_id": special["<|endoftext|>"], "do_sample": True, "temperature": 0.6,
+         "top_k": 20, "top_p": 0.95}, indent=2))
+
+    c = ModelConfig.from_dict(config)
+    shapes = {name: place.shape for name, place in text_places(c).items()}
+    if mtp:
+        shapes |= {name: place.shape for name, place in mtp_places(c).items()}
+    shapes |= VISUAL
+    g = torch.Generator().manual_seed(seed)
+    tensors = {name: random_tensor(name, shape, g).to(dtype) for name, shape in shapes.items()}
+    names = list(tensors)
+    per = math.ceil(len(names) / shards)
+    weight_map, total = {}, 0
+    for s in range(shards):
+        part = names[s * per:(s + 1) * per]
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, str(folder / file), metadata={"format": "pt"})
+        weight_map |= {n: file for n in part}
+        total += sum(tensors[n].numel() * tensors[n].element_size() for n in part)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return folder
