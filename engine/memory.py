@@ -1,0 +1,207 @@
+"""The memory plan: what a model needs on its device, computed from the config alone.
+
+Pure arithmetic (no torch), so the CLI can say "this will not fit, here is what would" before a
+single weight is read, and `mtpchat run --dry-run` can print it. The parts match the names of
+`Engine.memory()`: weights, kv, mtp_kv, gdn_state, graph_pool, workspace.
+
+What each part counts (27B numbers in bf16, see qwen35-model.md §9):
+  weights    text params (embedding, layers, final norm, lm_head unless tied) + the MTP head
+             (fc, one decoder layer, three norms); 26,895,998,464 + 424,699,392 params
+  kv         K and V of the main full-attention layers for max_context tokens: 64 KiB/token
+  mtp_kv     the same for the MTP layer(s): 4 KiB/token
+  gdn_state  per GDN layer a conv window of (K-1) + k_max columns in the model dtype and a
+             float32 recurrent state in k_max+1 ring slots; 146.8 MiB without the ring
+  graph_pool activations of the captured decode / verify / draft steps (an estimate)
+  workspace  prefill activations for one chunk and the float32 logits of a verify step (an estimate)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mtpchat.engine.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+PREFILL_CHUNK = 512          # tokens per prefill chunk assumed by the workspace estimate
+CONTEXT_STEP = 1024          # suggested context lengths are rounded down to this
+HEADROOM_FIXED = 256 << 20   # allocator slack and fragmentation: a fixed part ...
+HEADROOM_SHARE = 0.02        # ... plus a share of the plan
+
+
+def dtype_bytes(dtype) -> int:
+    """Bytes per element of a dtype given as a name ("bfloat16") or a torch.dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
+    return DTYPE_BYTES[name]
+
+
+def _norms_and_mlp(cfg: ModelConfig) -> int:
+    # input_layernorm + post_attention_layernorm, and the SwiGLU MLP (gate, up, down)
+    return 2 * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def gdn_block_params(cfg: ModelConfig) -> int:
+    h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    return (cfg.conv_dim * h                       # in_proj_qkv
+            + cfg.value_dim * h                    # in_proj_z
+            + 2 * hv * h                           # in_proj_b, in_proj_a
+            + cfg.conv_dim * cfg.linear_conv_kernel_dim  # depthwise conv1d, no bias
+            + 2 * hv                               # A_log, dt_bias
+            + cfg.linear_value_head_dim            # gated norm weight, shared by the heads
+            + cfg.hidden_size * cfg.value_dim)     # out_proj
+
+
+def attention_block_params(cfg: ModelConfig) -> int:
+    h = cfg.hidden_size
+    return (2 * cfg.q_dim * h                      # q_proj holds [query | gate] per head
+            + 2 * cfg.kv_dim * h                   # k_proj, v_proj
+            + h * cfg.q_dim                        # o_proj
+            + 2 * cfg.head_dim)                    # q_norm, k_norm
+
+
+def embedding_params(cfg: ModelConfig) -> int:
+    return cfg.vocab_size * cfg.hidden_size
+
+
+def text_params(cfg: ModelConfig) -> int:
+    """Parameters of the text model; the lm_head is counted once when tied to the embedding."""
+    layers = sum(gdn_block_params(cfg) if t == "linear_attention" else attention_block_params(cfg)
+                 for t in cfg.layer_types)
+    layers += cfg.num_hidden_layers * _norms_and_mlp(cfg)
+    heads = 1 if cfg.tie_word_embeddings else 2
+    return heads * embedding_params(cfg) + layers + cfg.hidden_size
+
+
+def mtp_params(cfg: ModelConfig) -> int:
+    """The MTP head: fc [H, 2H], its full-attention decoder layer(s), and three norms.
+    It reuses the target's embedding and lm_head, so those are not counted again."""
+    if not cfg.has_mtp:
+        return 0
+    h = cfg.hidden_size
+    layer = attention_block_params(cfg) + _norms_and_mlp(cfg)
+    return 2 * h * h + cfg.mtp_num_hidden_layers * layer + 3 * h
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype="bfloat16") -> int:
+    """K and V of every main full-attention layer, for one token."""
+    return len(cfg.full_layers) * 2 * cfg.kv_dim * dtype_bytes(dtype)
+
+
+def mtp_kv_bytes_per_token(cfg: ModelConfig, dtype="bfloat16") -> int:
+    return cfg.mtp_num_hidden_layers * 2 * cfg.kv_dim * dtype_bytes(dtype)
+
+
+def gdn_state_bytes(cfg: ModelConfig, dtype="bfloat16", k_max: int = 0) -> int:
+    """Conv windows (model dtype) and recurrent states (float32) of all GDN layers, one sequence.
+    k_max > 0 adds the snapshot ring: k_max extra conv columns and k_max extra state slots."""
+    conv = (cfg.linear_conv_kernel_dim - 1 + k_max) * cfg.conv_dim * dtype_bytes(dtype)
+    ssm = (k_max + 1) * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return len(cfg.linear_layers) * (conv + ssm)
+
+
+def _activation_bytes_per_token(cfg: ModelConfig, dtype) -> int:
+    # The widest point of a layer for one token: the residual and its normed copy, plus the
+    # largest mixer or MLP intermediate (GDN: qkv before and after the conv, z, output; attention:
+    # q with gate, k, v, output; MLP: gate, up and their product), plus float32 norm temporaries.
+    widest = max(3 * cfg.intermediate_size,
+                 2 * cfg.conv_dim + 2 * cfg.value_dim,
+                 3 * cfg.q_dim + 2 * cfg.kv_dim)
+    return (2 * cfg.hidden_size + widest) * dtype_bytes(dtype) + 2 * cfg.hidden_size * 4
+
+
+def _logits_bytes(cfg: ModelConfig, rows: int) -> int:
+    # float32 logits, probabilities, and a sort (values + int64 indices) for top-p
+    return rows * cfg.vocab_size * (4 + 4 + 12)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weights: int
+    kv: int
+    mtp_kv: int
+    gdn_state: int
+    graph_pool: int
+    workspace: int
+    max_context: int
+    k_max: int
+    dtype: str
+    bytes_per_token: int          # kv + mtp_kv for one more token of context
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.mtp_kv + self.gdn_state + self.graph_pool + self.workspace
+
+    @property
+    def headroom(self) -> int:
+        """Slack kept free on top of the plan (allocator rounding, fragmentation)."""
+        return HEADROOM_FIXED + int(HEADROOM_SHARE * self.total)
+
+    @property
+    def needed(self) -> int:
+        return self.total + self.headroom
+
+    def fits(self, free: int) -> bool:
+        return self.needed <= free
+
+    def as_dict(self) -> dict[str, int]:
+        d = asdict(self)
+        return {k: d[k] for k in ("weights", "kv", "mtp_kv", "gdn_state", "graph_pool", "workspace")}
+
+
+def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 3, dtype="bfloat16",
+                mtp: bool = True, cuda_graphs: bool = True,
+                prefill_chunk: int = PREFILL_CHUNK) -> MemoryPlan:
+    """The plan for one sequence of up to max_context tokens with up to k_max drafts per step.
+    `mtp` says whether the MTP head is loaded; without it k_max is taken as 0."""
+    mtp = mtp and cfg.has_mtp
+    k_max = k_max if mtp else 0
+    nbytes = dtype_bytes(dtype)
+    act = _activation_bytes_per_token(cfg, dtype)
+    weights = (text_params(cfg) + (mtp_params(cfg) if mtp else 0)) * nbytes
+    kv = kv_bytes_per_token(cfg, dtype) * max_context
+    mtp_kv = mtp_kv_bytes_per_token(cfg, dtype) * max_context if mtp else 0
+    # one captured graph per step shape: decode (1 token), verify (k+1) and draft for k = 1..k_max
+    shapes = [1] + [k + 1 for k in range(1, k_max + 1)] + list(range(1, k_max + 1))
+    graph_pool = sum(rows * act + _logits_bytes(cfg, rows) for rows in shapes) if cuda_graphs else 0
+    workspace = min(prefill_chunk, max_context) * act + _logits_bytes(cfg, k_max + 1)
+    return MemoryPlan(weights=weights, kv=kv, mtp_kv=mtp_kv,
+                      gdn_state=gdn_state_bytes(cfg, dtype, k_max),
+                      graph_pool=graph_pool, workspace=workspace, max_context=max_context,
+                      k_max=k_max, dtype=str(dtype).removeprefix("torch."),
+                      bytes_per_token=kv_bytes_per_token(cfg, dtype)
+                      + (mtp_kv_bytes_per_token(cfg, dtype) if mtp else 0))
+
+
+def max_context_that_fits(cfg: ModelConfig, free: int, k_max: int = 3, dtype="bfloat16",
+                          mtp: bool = True, cuda_graphs: bool = True) -> int | None:
+    """The longest context (a multiple of CONTEXT_STEP, at most max_position_embeddings) whose
+    plan fits in `free` bytes, or None when not even CONTEXT_STEP tokens fit."""
+    best = None
+    lo, hi = 1, cfg.max_position_embeddings // CONTEXT_STEP
+    while lo <= hi:  # the plan grows with the context, so bisect on it
+        mid = (lo + hi) // 2
+        if plan_memory(cfg, mid * CONTEXT_STEP, k_max, dtype, mtp, cuda_graphs).fits(free):
+            best, lo = mid * CONTEXT_STEP, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def fmt_bytes(n: int) -> str:
+    """Binary units with one decimal: '50.1 GiB', '64.0 KiB', '146.8 MiB'."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    size, i = float(n), 0
+    while abs(size) >= 1024 and i < len(units) - 1:
+        size, i = size / 1024, i + 1
+    return f"{n} B" if i == 0 else f"{size:.1f} {units[i]}"
+
+
+def describe(plan: MemoryPlan) -> list[str]:
+    """The plan as aligned lines for a terminal."""
+    rows = [("weights", plan.weights), ("KV cache", plan.kv), ("MTP KV cache", plan.mtp_kv),
+            ("GDN state + ring", plan.gdn_state), ("graph pools", plan.graph_pool),
+            ("workspace", plan.workspace), ("headroom", plan.headroom), ("total", plan.needed)]
+    lines = [f"  {name:<18}{fmt_bytes(n):>10}" for name, n in rows]
+    lines.insert(0, f"memory plan: {plan.dtype}, context {plan.max_context:,} tokens, "
+                    f"up to {plan.k_max} draft tokens, {fmt_bytes(plan.bytes_per_token)} per token")
+    return lines

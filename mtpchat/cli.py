@@ -1,0 +1,298 @@
+"""The `mtpchat` command: the chat app (no subcommand), `run`, `models` and `bench`.
+
+`mtpchat --help` must answer at once, so this module imports nothing heavy: torch, the engine
+and the app are imported inside the commands that need them. Every error a user can meet ends as
+one or two lines on stderr and a non-zero exit status, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+from mtpchat.errors import NotAvailable, UserError, as_user_error
+from mtpchat.settings import CHECKS, MAX_DRAFT_TOKENS
+
+S = argparse.SUPPRESS  # options left out stay out of the namespace, so the settings file can fill them
+
+EPILOG = """\
+examples:
+  mtpchat                                   chat with the demo model
+  mtpchat --model Qwen3.6-27B-MTP           chat with a model from Hugging Face (downloaded once)
+  mtpchat run --prompt "Hello" --json       one answer, as JSON, for scripts
+  mtpchat run --model Qwen3.5-9B --dry-run  the memory plan, without loading anything
+  mtpchat models                            the aliases and what is downloaded
+
+defaults come from settings.toml in the user config directory (MTPCHAT_SETTINGS to move it);
+flags win. See docs/CLI.md."""
+
+
+def _type(key: str):
+    check = CHECKS[key]
+
+    def convert(text: str):
+        try:
+            return check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = key.replace("_", "-")  # argparse names the type in its messages
+    return convert
+
+
+class _Version(argparse.Action):
+    """--version, looked up only when asked for (importlib.metadata is not free)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=S, help="print the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            v = version("mtpchat")
+        except PackageNotFoundError:
+            v = "unknown (not installed)"
+        parser.exit(message=f"mtpchat {v}\n")
+
+
+def _common() -> argparse.ArgumentParser:
+    """The flags shared by the app, `run` and `bench`."""
+    p = argparse.ArgumentParser(add_help=False)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=S, type=_type("model"), metavar="NAME",
+                   help="alias (see `mtpchat models`), local folder, or Hugging Face org/name "
+                        "(default: the demo model)")
+    m.add_argument("--device", default=S, type=_type("device"), metavar="{auto,cpu,cuda}",
+                   help="auto = cuda when available, else cpu (default: auto)")
+    m.add_argument("--dtype", default=S, type=_type("dtype"), metavar="{auto,bfloat16,float16,float32}",
+                   help="auto = bfloat16 on cuda, float32 on cpu")
+    m.add_argument("--max-context", default=S, type=_type("max_context"), metavar="N",
+                   help="tokens of context to allocate (default: 8192)")
+    m.add_argument("--offline", default=S, action="store_true",
+                   help="never touch the network; use only the local cache")
+    m.add_argument("--dry-run", default=S, action="store_true",
+                   help="print the memory plan and exit before reading any weight")
+    d = p.add_argument_group("decoding")
+    d.add_argument("--mtp", default=S, action=argparse.BooleanOptionalAction,
+                   help="draft with the model's MTP head (default: on when the checkpoint has one)")
+    d.add_argument("--draft-tokens", default=S, type=_type("draft_tokens"), metavar="K",
+                   help=f"drafts per step, 1..{MAX_DRAFT_TOKENS} (default: 3)")
+    d.add_argument("--cuda-graphs", default=S, action=argparse.BooleanOptionalAction,
+                   help="capture decode steps as CUDA graphs (default: on)")
+    s = p.add_argument_group("sampling (unset: the checkpoint's generation_config.json, else greedy)")
+    s.add_argument("--temperature", default=S, type=_type("temperature"), metavar="T",
+                   help="0 = greedy")
+    s.add_argument("--top-p", default=S, type=_type("top_p"), metavar="P")
+    s.add_argument("--top-k", default=S, type=_type("top_k"), metavar="K", help="0 = off")
+    s.add_argument("--min-p", default=S, type=_type("min_p"), metavar="P")
+    s.add_argument("--presence-penalty", default=S, type=_type("presence_penalty"), metavar="X",
+                   help="Qwen recommends 1.5 for general chat")
+    s.add_argument("--max-tokens", default=S, type=_type("max_tokens"), metavar="N",
+                   help="tokens to generate at most (default: 2048)")
+    s.add_argument("--seed", default=S, type=_type("seed"), metavar="S")
+    c = p.add_argument_group("chat")
+    c.add_argument("--system", default=S, type=_type("system"), metavar="TEXT", help="system prompt")
+    c.add_argument("--think", default=S, action=argparse.BooleanOptionalAction,
+                   help="let the model think before answering (default: on)")
+    c.add_argument("--data-dir", default=S, type=_type("data_dir"), metavar="DIR",
+                   help="where chat history lives (also MTPCHAT_DATA_DIR)")
+    return p
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    common = _common()
+    parser = argparse.ArgumentParser(
+        prog="mtpchat", parents=[common], epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Terminal chat for Qwen3.5 / Qwen3.6 models, decoding with their MTP head.")
+    parser.add_argument("--version", action=_Version)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = sub.add_parser("run", parents=[common], help="answer one prompt without the app",
+                         description="Answer one prompt and exit: the text streams to stdout.")
+    run.add_argument("--prompt", metavar="TEXT",
+                     help="the user message ('-' or left out with a pipe: read stdin)")
+    run.add_argument("--json", action="store_true",
+                     help="print one JSON object: text, token_ids, prompt_tokens, finish_reason, stats")
+    sub.add_parser("models", help="list the aliases and what is downloaded")
+    bench = sub.add_parser("bench", parents=[common], help="MTP off vs on: speed and acceptance")
+    if _first_command(argv) == "bench" and _has_module("mtpchat.bench"):
+        import mtpchat.bench
+        if hasattr(mtpchat.bench, "add_arguments"):
+            mtpchat.bench.add_arguments(bench)
+    return parser
+
+
+def _first_command(argv: list[str] | None) -> str | None:
+    return next((a for a in (argv or []) if not a.startswith("-")), None)
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def options_from(args: argparse.Namespace):
+    from mtpchat.settings import load_settings, merge
+    flags = {k: v for k, v in vars(args).items() if k in CHECKS}
+    return merge(flags, load_settings())
+
+
+def _err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except SystemExit as e:  # --help, --version, usage errors
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
+    try:
+        return COMMANDS[args.command](args) or 0
+    except KeyboardInterrupt:
+        _err("\ninterrupted")
+        return 130
+    except BrokenPipeError:  # stdout closed early (`| head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except Exception as e:
+        user = as_user_error(e)
+        if user is None:
+            raise
+        first, _, rest = str(user).partition("\n")
+        _err(f"mtpchat: error: {first}" + (f"\n  {rest}" if rest else ""))
+        return user.exit_code
+
+
+# ---- commands -----------------------------------------------------------------------------------
+
+def cmd_app(args) -> int:
+    options = options_from(args)
+    if getattr(args, "dry_run", False):
+        return dry_run(options)
+    if not _has_module("mtpchat.app.main"):
+        raise NotAvailable("the chat app is not part of this build yet; "
+                           "`mtpchat run --prompt TEXT` answers without it")
+    if not _has_module("textual"):
+        raise NotAvailable("the chat app needs textual (pip install 'textual>=8,<9'); "
+                           "`mtpchat run --prompt TEXT` works without it")
+    from mtpchat import loader
+    prep = loader.prepare(options)
+    for note in prep.notices:
+        _err(note)
+    from mtpchat.app.main import run_app
+    args.options, args.prepared = options, prep
+    return run_app(args) or 0
+
+
+def cmd_models(args) -> int:
+    from mtpchat.models import list_models
+    print("\n".join(list_models()))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if not _has_module("mtpchat.bench"):
+        raise NotAvailable("`mtpchat bench` is not available yet in this build")
+    import mtpchat.bench
+    args.options = options_from(args)
+    return mtpchat.bench.main(args) or 0
+
+
+def dry_run(options) -> int:
+    from mtpchat import loader
+    from mtpchat.engine import memory
+    prep = loader.prepare(options, dry_run=True)
+    for note in prep.notices:
+        _err(note)
+    cfg = prep.config
+    print(f"model: {prep.name}" + (f" ({prep.path})" if prep.path else ""))
+    print(f"parameters: {memory.text_params(cfg):,} text + {memory.mtp_params(cfg):,} MTP")
+    print(f"device: {prep.device}, {prep.dtype}; MTP {'on' if prep.mtp else 'off'}, "
+          f"up to {prep.draft_tokens} draft tokens; CUDA graphs {'on' if prep.cuda_graphs else 'off'}")
+    print("\n".join(memory.describe(prep.plan)))
+    if prep.free is None:
+        print("free memory on the device: unknown")
+        return 0
+    print(f"free memory on {prep.device}: {memory.fmt_bytes(prep.free)}")
+    if prep.plan.fits(prep.free):
+        print("fits")
+        return 0
+    print(loader.not_enough_memory_message(prep))
+    return 1
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt
+    if args.prompt == "-" or not sys.stdin.isatty():
+        return sys.stdin.read()
+    raise UserError("give the prompt with --prompt TEXT (or pipe it on stdin)", exit_code=2)
+
+
+def cmd_run(args) -> int:
+    options = options_from(args)
+    if getattr(args, "dry_run", False):
+        return dry_run(options)
+    prompt = _read_prompt(args)
+    from mtpchat import loader
+    prep = loader.prepare(options)
+    for note in prep.notices:
+        _err(note)
+    engine = loader.load_engine(prep)
+    if prep.mtp and not engine.mtp_available:
+        _err(f"{prep.name} has no usable MTP head: running with MTP off")
+    messages = ([{"role": "system", "content": options.system}] if options.system else []) \
+        + [{"role": "user", "content": prompt}]
+    prompt_ids = engine.tokenizer.apply_chat_template(messages, enable_thinking=options.think)
+    params = loader.sampling_params(options, prep.path)
+    result = generate(engine, prompt_ids, params, stream_to=None if args.json else sys.stdout)
+    if args.json:
+        result.update(model=prep.name, device=prep.device, dtype=prep.dtype,
+                      mtp=bool(engine.mtp), draft_tokens=engine.draft_tokens)
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        _err(summary(result))
+    return 0
+
+
+def generate(engine, prompt_ids: list[int], params, stream_to=None) -> dict:
+    """Run one generation; stream the text to `stream_to` if given; return the JSON-able result."""
+    from mtpchat.engine.events import Finished, Step
+    stream = engine.tokenizer.stream()
+    pieces: list[str] = []
+    finished = None
+    for event in engine.generate(prompt_ids, params):
+        if isinstance(event, Step):
+            piece = stream.push(list(event.token_ids))
+            if piece:
+                pieces.append(piece)
+                if stream_to is not None:
+                    stream_to.write(piece)
+                    stream_to.flush()
+        elif isinstance(event, Finished):
+            finished = event
+    if stream_to is not None:
+        stream_to.write("\n")
+        stream_to.flush()
+    stats = finished.stats.as_dict()
+    return {"text": "".join(pieces), "token_ids": list(finished.token_ids),
+            "prompt_tokens": len(prompt_ids), "finish_reason": finished.reason, "stats": stats}
+
+
+def summary(result: dict) -> str:
+    s = result["stats"]
+    line = (f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
+            f"time to first token {s['ttft_ms']:.0f} ms")
+    if s["drafted"]:
+        line += (f", mean acceptance length {s['mean_acceptance_length']:.2f}, "
+                 f"draft acceptance {100 * s['draft_acceptance_rate']:.0f}%")
+    if result["finish_reason"] != "stop":
+        line += f", stopped: {result['finish_reason']}"
+    return line + "]"
+
+
+COMMANDS = {None: cmd_app, "run": cmd_run, "models": cmd_models, "bench": cmd_bench}

@@ -1,0 +1,171 @@
+"""From options to a loaded engine: resolve the model, pick the device, plan memory, then load.
+
+Everything that can refuse does so before a weight is read: an unknown or incomplete model, a
+device that is missing or too old, a model too large for the CPU, a plan that does not fit the
+free memory (with what would fit instead). The CLI and the app share this path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtpchat import hubcache, models
+from mtpchat.errors import DeviceError, NotEnoughMemory
+from mtpchat.settings import Options
+
+CPU_MAX_PARAMS = 4.0e9      # above this the CPU path is too slow to be useful
+MIN_CAPABILITY = (8, 0)     # bfloat16 and the Triton kernels need Ampere or newer
+
+
+@dataclass
+class Prepared:
+    """What `prepare` decided; `load_engine` turns it into an Engine."""
+    name: str
+    path: Path | None         # None when planned from an alias's shape without a download
+    config: object            # ModelConfig
+    device: str
+    dtype: str
+    mtp: bool
+    draft_tokens: int
+    max_context: int
+    cuda_graphs: bool
+    plan: object              # MemoryPlan
+    free: int | None          # free bytes on the device, when known
+    notices: list[str] = field(default_factory=list)
+
+
+def pick_device(requested: str) -> tuple[str, bool]:
+    """(device, whether it was chosen automatically); checks that CUDA is usable when asked."""
+    import torch
+    if requested == "auto":
+        return ("cuda" if torch.cuda.is_available() else "cpu"), True
+    if requested.startswith("cuda"):
+        if not torch.cuda.is_available():
+            why = (f"this torch build ({torch.__version__}) has no CUDA support; install a CUDA build of torch"
+                   if torch.version.cuda is None else
+                   f"no GPU is visible, or the NVIDIA driver is too old for CUDA {torch.version.cuda} "
+                   "(check nvidia-smi)")
+            raise DeviceError(f"--device {requested}: CUDA is not available: {why}\n"
+                              "small models run on the CPU with --device cpu")
+        index = int(requested.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise DeviceError(f"--device {requested}: only {torch.cuda.device_count()} GPU(s) are visible")
+        cap = torch.cuda.get_device_capability(index)
+        if cap < MIN_CAPABILITY:
+            raise DeviceError(f"{torch.cuda.get_device_name(index)} has compute capability {cap[0]}.{cap[1]}; "
+                              f"mtpchat needs {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (Ampere, Ada, Hopper)")
+    return requested, False
+
+
+def free_memory(device: str) -> tuple[int | None, int | None]:
+    """(free, total) bytes on the device; (None, None) when unknown."""
+    if device.startswith("cuda"):
+        import torch
+        free, total = torch.cuda.mem_get_info(int(device.partition(":")[2] or 0))
+        return free, total
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        return int(info["MemAvailable"].split()[0]) * 1024, int(info["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None, None
+
+
+def model_config(options: Options, dry_run: bool, notices: list[str]):
+    """(name, folder or None, ModelConfig, has_mtp). A dry run of an alias that is not cached plans
+    from the alias's known shape instead of downloading."""
+    from mtpchat.engine.config import ModelConfig
+    spec = options.model
+    if dry_run and spec is not None:
+        kind, target, alias = models.classify(spec)
+        snap = hubcache.cached_snapshot(hubcache.hub_cache_dir(), target) if kind == "repo" else None
+        if alias and not (snap and hubcache.check_folder(snap).complete):
+            notices.append(f"{alias.name} is not downloaded: planned from its known shape")
+            return alias.name, None, models.alias_config(alias), True
+    resolved = models.resolve(spec, offline=options.offline, notify=notices.append)
+    config = ModelConfig.load(resolved.path)
+    return resolved.name, resolved.path, config, resolved.has_mtp and config.has_mtp
+
+
+def prepare(options: Options, dry_run: bool = False) -> Prepared:
+    from mtpchat.engine import memory
+    notices: list[str] = []
+    name, path, config, has_mtp = model_config(options, dry_run, notices)
+    params = memory.text_params(config)
+    device, auto = pick_device(options.device)
+    elsewhere = dry_run and auto and device == "cpu" and params > CPU_MAX_PARAMS
+    if elsewhere:  # a plan for the GPU this model needs, made on a machine without one
+        device = "cuda"
+        notices.append("no CUDA GPU here: planned for one (its free memory is unknown)")
+    if device == "cpu" and params > CPU_MAX_PARAMS:
+        lead = "no CUDA GPU was found, and " if auto else ""
+        small = [a.name for a in models.smaller_aliases(int(CPU_MAX_PARAMS) + 1)][:1]
+        raise DeviceError(f"{lead}{name} ({params / 1e9:.1f}B parameters) is too large for the CPU "
+                          f"(up to {CPU_MAX_PARAMS / 1e9:.0f}B runs there)\n"
+                          f"use a CUDA GPU, or a small model such as --model {small[0] if small else 'a 2B'}")
+    if device == "cpu" and auto:
+        notices.append("no CUDA GPU found: running on the CPU (fine for small models, slow for large ones)")
+    dtype = options.dtype if options.dtype != "auto" else ("float32" if device == "cpu" else "bfloat16")
+    mtp = options.mtp
+    if mtp and not has_mtp:
+        notices.append(f"{name} has no mtp.* weights: running with MTP off")
+        mtp = False
+    graphs = options.cuda_graphs and device.startswith("cuda")
+    # the snapshot ring is sized for the draft count at load; MTP can be toggled live, so it is
+    # allocated whenever the checkpoint has the head
+    plan = memory.plan_memory(config, options.max_context, options.draft_tokens, dtype,
+                              mtp=has_mtp, cuda_graphs=graphs)
+    free = None if elsewhere else free_memory(device)[0]
+    prep = Prepared(name, path, config, device, dtype, mtp, options.draft_tokens, options.max_context,
+                    graphs, plan, free, notices)
+    if free is not None and not plan.fits(free) and not dry_run:
+        raise NotEnoughMemory(not_enough_memory_message(prep))
+    return prep
+
+
+def not_enough_memory_message(prep: Prepared) -> str:
+    from mtpchat.engine import memory
+    plan, free, cfg = prep.plan, prep.free, prep.config
+    where = "the GPU" if prep.device.startswith("cuda") else "memory"
+    head = (f"{prep.name} does not fit: it needs {memory.fmt_bytes(plan.needed)} (weights "
+            f"{memory.fmt_bytes(plan.weights)}, KV {memory.fmt_bytes(plan.kv + plan.mtp_kv)} for "
+            f"{plan.max_context:,} tokens) but {memory.fmt_bytes(free)} is free on {where}")
+    return head + "\n" + what_would_fit(prep)
+
+
+def what_would_fit(prep: Prepared) -> str:
+    from mtpchat.engine import memory
+    mtp = prep.plan.k_max > 0
+    ctx = memory.max_context_that_fits(prep.config, prep.free, prep.plan.k_max, prep.dtype,
+                                       mtp, prep.cuda_graphs)
+    smaller = [a.name for a in models.smaller_aliases(memory.text_params(prep.config))
+               if memory.plan_memory(models.alias_config(a), prep.max_context, prep.draft_tokens,
+                                     prep.dtype, True, prep.cuda_graphs).fits(prep.free)]
+    options = ([f"--max-context {ctx}"] if ctx else []) + ([f"--model {smaller[0]}"] if smaller else [])
+    if not options:
+        return "nothing fits: free some memory (other processes on the GPU?) or use a larger GPU"
+    return "what fits: " + ", or ".join(options)
+
+
+def load_engine(prep: Prepared):
+    """Load the weights onto the device; run after `prepare` said the plan fits."""
+    import torch
+    from mtpchat.engine import Engine
+    if prep.path is None:
+        raise ValueError("a model planned from its shape alone cannot be loaded")
+    return Engine.load(prep.path, device=prep.device, dtype=getattr(torch, prep.dtype),
+                       max_context=prep.max_context, draft_tokens=prep.draft_tokens,
+                       mtp=prep.mtp, cuda_graphs=prep.cuda_graphs)
+
+
+def sampling_params(options: Options, folder: Path | None):
+    """SamplingParams from the options; unset ones come from generation_config.json, else off."""
+    from mtpchat.engine import SamplingParams
+    from mtpchat.engine.config import GenerationConfig
+    gen = GenerationConfig.load(folder) if folder else GenerationConfig()
+    pick = lambda mine, theirs, off: mine if mine is not None else theirs if theirs is not None else off
+    return SamplingParams(temperature=pick(options.temperature, gen.temperature, 0.0),
+                          top_k=pick(options.top_k, gen.top_k, 0),
+                          top_p=pick(options.top_p, gen.top_p, 1.0),
+                          min_p=pick(options.min_p, None, 0.0),
+                          presence_penalty=pick(options.presence_penalty, None, 0.0),
+                          max_tokens=options.max_tokens, seed=options.seed)

@@ -1,0 +1,170 @@
+"""Options: built-in defaults, then a TOML settings file, then command-line flags (flags win).
+
+The file is `settings.toml` in the user config directory (platformdirs: ~/.config/mtpchat on
+Linux), or wherever MTPCHAT_SETTINGS points. Its keys are the long flag names with underscores:
+
+    model = "Qwen3.6-27B-MTP"
+    max_context = 16384
+    draft_tokens = 3
+    temperature = 0.7
+    think = false
+
+The data directory (chat history) is --data-dir, else MTPCHAT_DATA_DIR, else `data_dir` in the
+file, else the platform's user data directory (~/.local/share/mtpchat on Linux).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtpchat.errors import SettingsError
+
+APP = "mtpchat"
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+MAX_DRAFT_TOKENS = 8
+
+
+@dataclass
+class Options:
+    model: str | None = None          # alias, folder or repo id; None = the demo model
+    device: str = "auto"              # auto = cuda when available, else cpu
+    dtype: str = "auto"               # auto = bfloat16 on cuda, float32 on cpu
+    max_context: int = 8192
+    draft_tokens: int = 3
+    mtp: bool = True
+    cuda_graphs: bool = True
+    # sampling; None = the checkpoint's generation_config.json, else greedy / off
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    max_tokens: int = 2048
+    seed: int | None = None
+    system: str | None = None
+    think: bool = True
+    offline: bool = False
+    data_dir: str | None = None
+
+
+# ---- value checks, shared by the flags and the file ---------------------------------------------
+
+def _choice(options):
+    def check(v):
+        v = str(v).lower()
+        if v not in options and not (options is DEVICES and v.startswith("cuda:") and v[5:].isdigit()):
+            raise ValueError(f"must be one of {', '.join(options)}, got {v!r}")
+        return v
+    return check
+
+
+def _int(lo=None, hi=None):
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, (int, str)):
+            raise ValueError(f"must be a whole number, got {v!r}")
+        try:
+            n = int(v)
+        except ValueError:
+            raise ValueError(f"must be a whole number, got {v!r}") from None
+        if (lo is not None and n < lo) or (hi is not None and n > hi):
+            raise ValueError(f"must be between {lo} and {hi}, got {n}" if hi is not None
+                             else f"must be at least {lo}, got {n}")
+        return n
+    return check
+
+
+def _float(lo=None, hi=None, lo_open=False):
+    def check(v):
+        if isinstance(v, bool):
+            raise ValueError(f"must be a number, got {v!r}")
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"must be a number, got {v!r}") from None
+        below = lo is not None and (x <= lo if lo_open else x < lo)
+        above = hi is not None and x > hi
+        if below or above:
+            if hi is None:
+                raise ValueError(f"must be at least {lo}, got {x}")
+            raise ValueError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {x}")
+        return x
+    return check
+
+
+def _bool(v):
+    if not isinstance(v, bool):
+        raise ValueError(f"must be true or false, got {v!r}")
+    return v
+
+
+def _str(v):
+    if not isinstance(v, str):
+        raise ValueError(f"must be a string, got {v!r}")
+    return v
+
+
+CHECKS = {
+    "model": _str, "device": _choice(DEVICES), "dtype": _choice(DTYPES),
+    "max_context": _int(16), "draft_tokens": _int(1, MAX_DRAFT_TOKENS),
+    "mtp": _bool, "cuda_graphs": _bool,
+    "temperature": _float(0.0), "top_p": _float(0.0, 1.0, lo_open=True), "top_k": _int(0),
+    "min_p": _float(0.0, 1.0), "presence_penalty": _float(-2.0, 2.0),
+    "max_tokens": _int(1), "seed": _int(0), "system": _str, "think": _bool, "offline": _bool,
+    "data_dir": _str,
+}
+assert set(CHECKS) == {f.name for f in dataclasses.fields(Options)}
+
+
+# ---- the file ----------------------------------------------------------------------------------
+
+def settings_path() -> Path:
+    if os.environ.get("MTPCHAT_SETTINGS"):
+        return Path(os.environ["MTPCHAT_SETTINGS"]).expanduser()
+    import platformdirs
+    return Path(platformdirs.user_config_dir(APP, appauthor=False)) / "settings.toml"
+
+
+def load_settings(path: Path | None = None) -> dict:
+    """The validated values of the settings file; {} when there is none."""
+    path = Path(path) if path else settings_path()
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError) as e:
+        raise SettingsError(f"cannot read the settings file {path}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"the settings file {path} is not valid TOML: {e}") from None
+    values = {}
+    for key, value in raw.items():
+        if key not in CHECKS:
+            close = difflib.get_close_matches(key, list(CHECKS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(CHECKS)}"
+            raise SettingsError(f"{path}: unknown setting {key!r}{hint}")
+        try:
+            values[key] = CHECKS[key](value)
+        except ValueError as e:
+            raise SettingsError(f"{path}: {key} {e}") from None
+    return values
+
+
+def merge(flags: dict, file_values: dict) -> Options:
+    """Options from the defaults, overridden by the file, overridden by the flags given."""
+    merged = {**file_values, **{k: v for k, v in flags.items() if k in CHECKS}}
+    options = Options(**merged)
+    if "data_dir" not in flags and os.environ.get("MTPCHAT_DATA_DIR"):
+        options.data_dir = os.environ["MTPCHAT_DATA_DIR"]  # the environment beats the file
+    return options
+
+
+def data_dir(options: Options) -> Path:
+    """Where chat history lives (created on first use by the app)."""
+    if options.data_dir:
+        return Path(options.data_dir).expanduser()
+    import platformdirs
+    return Path(platformdirs.user_data_dir(APP, appauthor=False))
