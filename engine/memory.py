@@ -9,7 +9,7 @@ What each part counts (27B numbers in bf16, see qwen35-model.md §9):
              (fc, one decoder layer, three norms); 26,895,998,464 + 424,699,392 params
   kv         K and V of the main full-attention layers for max_context tokens: 64 KiB/token
   mtp_kv     the same for the MTP layer(s): 4 KiB/token
-  gdn_state  per GDN layer a conv window of (K-1) + k_max columns in the model dtype and a
+  gdn_state  per GDN layer a conv window of K-1 + k_max+1 columns in the model dtype and a
              float32 recurrent state in k_max+1 ring slots; 146.8 MiB without the ring
   graph_pool activations of the captured decode / verify / draft steps (an estimate)
   workspace  prefill activations for one chunk and the float32 logits of a verify step (an estimate)
@@ -91,10 +91,18 @@ def mtp_kv_bytes_per_token(cfg: ModelConfig, dtype="bfloat16") -> int:
     return cfg.mtp_num_hidden_layers * 2 * cfg.kv_dim * dtype_bytes(dtype)
 
 
-def gdn_state_bytes(cfg: ModelConfig, dtype="bfloat16", k_max: int = 0) -> int:
-    """Conv windows (model dtype) and recurrent states (float32) of all GDN layers, one sequence.
-    k_max > 0 adds the snapshot ring: k_max extra conv columns and k_max extra state slots."""
-    conv = (cfg.linear_conv_kernel_dim - 1 + k_max) * cfg.conv_dim * dtype_bytes(dtype)
+def gdn_state_bytes(cfg: ModelConfig, dtype="bfloat16") -> int:
+    """The GDN state of one sequence as the model defines it: per GDN layer the last K-1 conv
+    inputs (model dtype) and one float32 recurrent state. 146.8 MiB for the 27B in bf16."""
+    conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * dtype_bytes(dtype)
+    ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    return len(cfg.linear_layers) * (conv + ssm)
+
+
+def gdn_ring_bytes(cfg: ModelConfig, dtype="bfloat16", k_max: int = 0) -> int:
+    """What the engine allocates for it: a conv window of K-1 history columns plus room for the
+    k_max+1 tokens of a verify step, and k_max+1 recurrent-state slots (the snapshot ring)."""
+    conv = (cfg.linear_conv_kernel_dim + k_max) * cfg.conv_dim * dtype_bytes(dtype)
     ssm = (k_max + 1) * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     return len(cfg.linear_layers) * (conv + ssm)
 
@@ -124,6 +132,7 @@ class MemoryPlan:
     workspace: int
     max_context: int
     k_max: int
+    mtp: bool
     dtype: str
     bytes_per_token: int          # kv + mtp_kv for one more token of context
 
@@ -148,31 +157,31 @@ class MemoryPlan:
         return {k: d[k] for k in ("weights", "kv", "mtp_kv", "gdn_state", "graph_pool", "workspace")}
 
 
-def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 3, dtype="bfloat16",
+def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloat16",
                 mtp: bool = True, cuda_graphs: bool = True,
                 prefill_chunk: int = PREFILL_CHUNK) -> MemoryPlan:
-    """The plan for one sequence of up to max_context tokens with up to k_max drafts per step.
-    `mtp` says whether the MTP head is loaded; without it k_max is taken as 0."""
+    """The plan for one sequence of up to max_context tokens, with a snapshot ring for up to k_max
+    drafts per step. `mtp` says whether the MTP head is loaded (its weights, KV and the graphs of
+    the speculative steps); the ring is allocated either way, as the engine does."""
     mtp = mtp and cfg.has_mtp
-    k_max = k_max if mtp else 0
     nbytes = dtype_bytes(dtype)
     act = _activation_bytes_per_token(cfg, dtype)
-    weights = (text_params(cfg) + (mtp_params(cfg) if mtp else 0)) * nbytes
-    kv = kv_bytes_per_token(cfg, dtype) * max_context
-    mtp_kv = mtp_kv_bytes_per_token(cfg, dtype) * max_context if mtp else 0
-    # one captured graph per step shape: decode (1 token), verify (k+1) and draft for k = 1..k_max
-    shapes = [1] + [k + 1 for k in range(1, k_max + 1)] + list(range(1, k_max + 1))
-    graph_pool = sum(rows * act + _logits_bytes(cfg, rows) for rows in shapes) if cuda_graphs else 0
-    workspace = min(prefill_chunk, max_context) * act + _logits_bytes(cfg, k_max + 1)
-    return MemoryPlan(weights=weights, kv=kv, mtp_kv=mtp_kv,
-                      gdn_state=gdn_state_bytes(cfg, dtype, k_max),
-                      graph_pool=graph_pool, workspace=workspace, max_context=max_context,
-                      k_max=k_max, dtype=str(dtype).removeprefix("torch."),
-                      bytes_per_token=kv_bytes_per_token(cfg, dtype)
-                      + (mtp_kv_bytes_per_token(cfg, dtype) if mtp else 0))
+    drafts = range(1, k_max + 1) if mtp else range(0)
+    # one captured graph per step shape: decode (1 token), then verify (k+1) and draft (k) per k
+    shapes = [1] + [k + 1 for k in drafts] + list(drafts)
+    per_token = kv_bytes_per_token(cfg, dtype) + (mtp_kv_bytes_per_token(cfg, dtype) if mtp else 0)
+    return MemoryPlan(
+        weights=(text_params(cfg) + (mtp_params(cfg) if mtp else 0)) * nbytes,
+        kv=kv_bytes_per_token(cfg, dtype) * max_context,
+        mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * max_context if mtp else 0,
+        gdn_state=gdn_ring_bytes(cfg, dtype, k_max),
+        graph_pool=sum(rows * act + _logits_bytes(cfg, rows) for rows in shapes) if cuda_graphs else 0,
+        workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes)),
+        max_context=max_context, k_max=k_max, mtp=mtp, dtype=str(dtype).removeprefix("torch."),
+        bytes_per_token=per_token)
 
 
-def max_context_that_fits(cfg: ModelConfig, free: int, k_max: int = 3, dtype="bfloat16",
+def max_context_that_fits(cfg: ModelConfig, free: int, k_max: int = 4, dtype="bfloat16",
                           mtp: bool = True, cuda_graphs: bool = True) -> int | None:
     """The longest context (a multiple of CONTEXT_STEP, at most max_position_embeddings) whose
     plan fits in `free` bytes, or None when not even CONTEXT_STEP tokens fit."""
@@ -202,6 +211,7 @@ def describe(plan: MemoryPlan) -> list[str]:
             ("GDN state + ring", plan.gdn_state), ("graph pools", plan.graph_pool),
             ("workspace", plan.workspace), ("headroom", plan.headroom), ("total", plan.needed)]
     lines = [f"  {name:<18}{fmt_bytes(n):>10}" for name, n in rows]
-    lines.insert(0, f"memory plan: {plan.dtype}, context {plan.max_context:,} tokens, "
-                    f"up to {plan.k_max} draft tokens, {fmt_bytes(plan.bytes_per_token)} per token")
+    drafts = f"ring for up to {plan.k_max} drafts" if plan.mtp else "MTP off"
+    lines.insert(0, f"memory plan: {plan.dtype}, context {plan.max_context:,} tokens, {drafts}, "
+                    f"{fmt_bytes(plan.bytes_per_token)} per token")
     return lines

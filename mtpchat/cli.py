@@ -212,7 +212,7 @@ def dry_run(options) -> int:
     print(f"model: {prep.name}" + (f" ({prep.path})" if prep.path else ""))
     print(f"parameters: {memory.text_params(cfg):,} text + {memory.mtp_params(cfg):,} MTP")
     print(f"device: {prep.device}, {prep.dtype}; MTP {'on' if prep.mtp else 'off'}, "
-          f"up to {prep.draft_tokens} draft tokens; CUDA graphs {'on' if prep.cuda_graphs else 'off'}")
+          f"{prep.draft_tokens} draft tokens per step; CUDA graphs {'on' if prep.cuda_graphs else 'off'}")
     print("\n".join(memory.describe(prep.plan)))
     if prep.free is None:
         print("free memory on the device: unknown")
@@ -244,7 +244,7 @@ def cmd_run(args) -> int:
         _err(note)
     engine = loader.load_engine(prep)
     if prep.mtp and not engine.mtp_available:
-        _err(f"{prep.name} has no usable MTP head: running with MTP off")
+        _err(f"{prep.name}: " + "; ".join(engine.notices or ["the MTP head is unusable: running with MTP off"]))
     messages = ([{"role": "system", "content": options.system}] if options.system else []) \
         + [{"role": "user", "content": prompt}]
     prompt_ids = engine.tokenizer.apply_chat_template(messages, enable_thinking=options.think)
@@ -262,19 +262,22 @@ def cmd_run(args) -> int:
 def generate(engine, prompt_ids: list[int], params, stream_to=None) -> dict:
     """Run one generation; stream the text to `stream_to` if given; return the JSON-able result."""
     from mtpchat.engine.events import Finished, Step
-    stream = engine.tokenizer.stream()
+    stream, stop = engine.tokenizer.stream(), set(engine.stop_ids)
     pieces: list[str] = []
     finished = None
+
+    def emit(piece: str):
+        if piece:
+            pieces.append(piece)
+            if stream_to is not None:
+                stream_to.write(piece)
+                stream_to.flush()
     for event in engine.generate(prompt_ids, params):
-        if isinstance(event, Step):
-            piece = stream.push(list(event.token_ids))
-            if piece:
-                pieces.append(piece)
-                if stream_to is not None:
-                    stream_to.write(piece)
-                    stream_to.flush()
+        if isinstance(event, Step):  # the stop token ends the turn; it is not part of the text
+            emit(stream.push([t for t in event.token_ids if t not in stop]))
         elif isinstance(event, Finished):
             finished = event
+    emit(stream.flush())
     if stream_to is not None:
         stream_to.write("\n")
         stream_to.flush()

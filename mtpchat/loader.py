@@ -13,6 +13,7 @@ from mtpchat import hubcache, models
 from mtpchat.errors import DeviceError, NotEnoughMemory
 from mtpchat.settings import Options
 
+K_MAX = 4                   # ring slots allocated at load: the draft count can rise live up to this
 CPU_MAX_PARAMS = 4.0e9      # above this the CPU path is too slow to be useful
 MIN_CAPABILITY = (8, 0)     # bfloat16 and the Triton kernels need Ampere or newer
 
@@ -27,6 +28,7 @@ class Prepared:
     dtype: str
     mtp: bool
     draft_tokens: int
+    k_max: int
     max_context: int
     cuda_graphs: bool
     plan: object              # MemoryPlan
@@ -110,13 +112,12 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
         notices.append(f"{name} has no mtp.* weights: running with MTP off")
         mtp = False
     graphs = options.cuda_graphs and device.startswith("cuda")
-    # the snapshot ring is sized for the draft count at load; MTP can be toggled live, so it is
-    # allocated whenever the checkpoint has the head
-    plan = memory.plan_memory(config, options.max_context, options.draft_tokens, dtype,
-                              mtp=has_mtp, cuda_graphs=graphs)
+    # MTP can be switched on live, so the head is loaded whenever the checkpoint has one
+    k_max = max(K_MAX, options.draft_tokens)
+    plan = memory.plan_memory(config, options.max_context, k_max, dtype, mtp=has_mtp, cuda_graphs=graphs)
     free = None if elsewhere else free_memory(device)[0]
-    prep = Prepared(name, path, config, device, dtype, mtp, options.draft_tokens, options.max_context,
-                    graphs, plan, free, notices)
+    prep = Prepared(name, path, config, device, dtype, mtp, options.draft_tokens, k_max,
+                    options.max_context, graphs, plan, free, notices)
     if free is not None and not plan.fits(free) and not dry_run:
         raise NotEnoughMemory(not_enough_memory_message(prep))
     return prep
@@ -134,11 +135,10 @@ def not_enough_memory_message(prep: Prepared) -> str:
 
 def what_would_fit(prep: Prepared) -> str:
     from mtpchat.engine import memory
-    mtp = prep.plan.k_max > 0
-    ctx = memory.max_context_that_fits(prep.config, prep.free, prep.plan.k_max, prep.dtype,
-                                       mtp, prep.cuda_graphs)
+    ctx = memory.max_context_that_fits(prep.config, prep.free, prep.k_max, prep.dtype,
+                                       prep.plan.mtp, prep.cuda_graphs)
     smaller = [a.name for a in models.smaller_aliases(memory.text_params(prep.config))
-               if memory.plan_memory(models.alias_config(a), prep.max_context, prep.draft_tokens,
+               if memory.plan_memory(models.alias_config(a), prep.max_context, prep.k_max,
                                      prep.dtype, True, prep.cuda_graphs).fits(prep.free)]
     options = ([f"--max-context {ctx}"] if ctx else []) + ([f"--model {smaller[0]}"] if smaller else [])
     if not options:
@@ -153,7 +153,7 @@ def load_engine(prep: Prepared):
     if prep.path is None:
         raise ValueError("a model planned from its shape alone cannot be loaded")
     return Engine.load(prep.path, device=prep.device, dtype=getattr(torch, prep.dtype),
-                       max_context=prep.max_context, draft_tokens=prep.draft_tokens,
+                       max_context=prep.max_context, draft_tokens=prep.draft_tokens, k_max=prep.k_max,
                        mtp=prep.mtp, cuda_graphs=prep.cuda_graphs)
 
 

@@ -199,12 +199,12 @@ def _snapshot(repo_id: str, cache_dir: Path, revision: str, files: list[str]) ->
     except errors.LocalEntryNotFoundError:
         raise ModelNotFound(f"cannot reach huggingface.co to download {repo_id}, and the cache "
                             f"({cache_dir}) does not have it; connect, or pass a local folder") from None
+    except errors.HfHubHTTPError as e:  # an OSError too: keep it before the OSError branch
+        raise UserError(f"downloading {repo_id} failed: {_first_line(e)}") from None
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise DiskFull(f"the disk holding {cache_dir} is full while downloading {repo_id}; "
                            "free some space (or set HF_HUB_CACHE to another disk) and run again") from None
-        raise UserError(f"downloading {repo_id} failed: {_first_line(e)}") from None
-    except errors.HfHubHTTPError as e:
         raise UserError(f"downloading {repo_id} failed: {_first_line(e)}") from None
     except Exception as e:  # the HTTP client's own connection errors (requests or httpx)
         if any(w in type(e).__name__ for w in ("Connect", "Timeout", "Network")):
