@@ -103,7 +103,7 @@ class Decoder:
         L = self.state.length
         fed = torch.cat([torch.tensor([self.next_token], device=self.device), drafts])
         hidden = self.model(fed, self._caches(), self._ctx(L, k + 1, step=True))
-        logits = self.model.logits(hidden)
+        logits = self.last_logits = self.model.logits(hidden)
         t2 = time.perf_counter()
         if k == 0:
             a, out = torch.zeros(1, dtype=torch.long), self._sample_rows(logits, params, generator, drafts)

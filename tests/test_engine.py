@@ -1,0 +1,131 @@
+"""The engine against Hugging Face transformers' Qwen3_5ForCausalLM on tiny checkpoints (float32, CPU)."""
+import pytest
+import torch
+
+from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine.events import Finished, Prefilled, Step
+from mtpchat.engine.tiny import write_tiny_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+SHAPES = {
+    "gqa3": dict(),                                                     # Hv/Hk = 3, untied
+    "tied": dict(tie=True, linear_num_value_heads=4, num_hidden_layers=8, seed=1),   # Hv/Hk = 2, tied
+}
+PREFILL_CHUNK = 48      # prompts below cross it, and the GDN chunk of 64
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def ckpt(request, tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), **SHAPES[request.param])
+    engine = Engine.load(path, prefill_chunk=PREFILL_CHUNK, max_context=512)
+    reference = transformers.Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return engine, reference
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def prompt(n, seed, vocab):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("n", [1, 7, 47, 48, 49, 64, 65, 97, 130])
+def test_prefill_logits_match_transformers(ckpt, n):
+    engine, ref = ckpt
+    ids = prompt(n, n, engine.config.vocab_size)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert rel_err(engine.logits(ids), expected) < 1e-4
+
+
+def test_tied_head_is_the_embedding(ckpt):
+    engine, _ = ckpt
+    c = engine.config
+    assert (engine.model.head is engine.model.embed) == c.tie_word_embeddings
+    assert not hasattr(engine.model, "lm_head") or not c.tie_word_embeddings
+
+
+def test_decode_through_state_matches_full_forward(ckpt):
+    engine, _ = ckpt
+    ids = prompt(90, 3, engine.config.vocab_size)
+    full = engine.logits(ids)
+    engine.mtp = False
+    dec = engine.decoder
+    with torch.inference_mode():
+        dec.reset()
+        dec.begin(ids[:20])                       # prefill the first 20, then one token at a time
+        got = [dec.last_logits[0]]
+        for tok in ids[20:]:
+            dec.next_token = tok
+            dec.step(0, SamplingParams(), None, budget=1, stop=set())
+            got.append(dec.last_logits[0])
+    assert rel_err(torch.stack(got[:-1]), full[19:-1]) < 1e-4
+    engine.reset()
+
+
+def test_greedy_generation_matches_transformers_generate(ckpt):
+    engine, ref = ckpt
+    engine.mtp = False
+    for seed in range(3):
+        ids = prompt(11 + 17 * seed, 100 + seed, engine.config.vocab_size)
+        with torch.no_grad():
+            expected = ref.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        engine.reset()
+        events = list(engine.generate(ids, SamplingParams(max_tokens=64, stop_token_ids=())))
+        assert list(events[-1].token_ids) == expected
+
+
+def test_events_and_stats(ckpt):
+    engine, _ = ckpt
+    engine.reset()
+    engine.mtp = False
+    events = list(engine.generate(prompt(9, 5, engine.config.vocab_size), SamplingParams(max_tokens=12, stop_token_ids=())))
+    assert isinstance(events[0], Prefilled) and events[0].prompt_tokens == 9
+    steps = [e for e in events if isinstance(e, Step)]
+    done = events[-1]
+    assert isinstance(done, Finished) and done.reason == "length"
+    assert [t for s in steps for t in s.token_ids] == list(done.token_ids) and len(done.token_ids) == 12
+    assert done.stats.new_tokens == 12 and done.stats.steps == 11 and done.stats.tokens_per_s > 0
+    assert done.stats.mean_acceptance_length == 1.0
+
+
+def test_stop_token_ends_generation(ckpt):
+    engine, _ = ckpt
+    engine.mtp = False
+    ids = prompt(9, 5, engine.config.vocab_size)
+    engine.reset()
+    free = list(engine.generate(ids, SamplingParams(max_tokens=20, stop_token_ids=())))[-1].token_ids
+    stop_at = free[6]
+    engine.reset()
+    done = list(engine.generate(ids, SamplingParams(max_tokens=20, stop_token_ids=(stop_at,))))[-1]
+    assert done.reason == "stop" and done.token_ids == free[:free.index(stop_at) + 1]
+
+
+def test_sampling_is_reproducible_for_a_seed(ckpt):
+    engine, _ = ckpt
+    engine.mtp = False
+    ids = prompt(9, 6, engine.config.vocab_size)
+    params = SamplingParams(temperature=4.0, top_k=50, top_p=0.95, min_p=0.01, seed=7, max_tokens=24, stop_token_ids=())
+    runs = []
+    for seed in (7, 7, 8):
+        engine.reset()
+        runs.append(list(engine.generate(ids, SamplingParams(**{**params.__dict__, "seed": seed})))[-1].token_ids)
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_chat_turns_reuse_the_state(ckpt):
+    engine, _ = ckpt
+    engine.mtp = False
+    ids = prompt(30, 8, engine.config.vocab_size)
+    p = SamplingParams(max_tokens=10, stop_token_ids=())
+    engine.reset()
+    first = list(engine.generate(ids, p))[-1].token_ids
+    follow = ids + list(first) + prompt(5, 9, engine.config.vocab_size)
+    events = list(engine.generate(follow, p))
+    assert events[0].cached_tokens == len(ids) + len(first) - 1   # the last emitted token was never fed
+    engine.reset()
+    fresh = list(engine.generate(follow, p))
+    assert events[-1].token_ids == fresh[-1].token_ids and fresh[0].cached_tokens == 0
