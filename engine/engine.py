@@ -156,7 +156,7 @@ class Engine:
                 stats.verify_steps += 1
                 stats.drafted += k
                 stats.accepted += result.accepted
-                while len(stats.accepted_at_least) < self.k_max:
+                while len(stats.accepted_at_least) < k:
                     stats.accepted_at_least.append(0)
                 for i in range(result.accepted):
                     stats.accepted_at_least[i] += 1
