@@ -1,0 +1,132 @@
+"""The memory plan: the numbers of qwen35-model.md §9, and agreement with what the engine allocates."""
+import pytest
+
+from mtpchat.engine import memory
+from mtpchat.engine.config import ModelConfig
+from mtpchat.models import alias_config, lookup_alias
+
+# text_config of Qwen3.6-27B as shipped (layer_types left to the interval rule, which gives the same list)
+CONFIG_27B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+    "tie_word_embeddings": False,
+    "text_config": {
+        "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120,
+        "intermediate_size": 17408, "num_hidden_layers": 64, "num_attention_heads": 24,
+        "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "mtp_num_hidden_layers": 1, "max_position_embeddings": 262144,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False, "dtype": "bfloat16"},
+}
+GB, GiB, MiB, KiB = 1e9, 2 ** 30, 2 ** 20, 2 ** 10
+
+
+@pytest.fixture(scope="module")
+def c27():
+    return ModelConfig.from_dict(CONFIG_27B)
+
+
+def test_27b_matches_the_fact_sheet(c27):
+    assert memory.text_params(c27) == 26_895_998_464
+    assert round(memory.text_params(c27) * 2 / GB, 2) == 53.79
+    assert round(memory.text_params(c27) * 2 / GiB, 2) == 50.10
+    assert memory.mtp_params(c27) == 424_699_392
+    assert memory.kv_bytes_per_token(c27, "bfloat16") == 64 * KiB
+    assert memory.mtp_kv_bytes_per_token(c27, "bfloat16") == 4 * KiB
+    assert round(memory.gdn_state_bytes(c27, "bfloat16") / MiB, 1) == 146.8
+    # the per-block figures of §9
+    assert memory.gdn_block_params(c27) == 115_876_064
+    assert memory.attention_block_params(c27) == 104_858_112
+    assert 3 * c27.hidden_size * c27.intermediate_size == 267_386_880
+    assert memory.embedding_params(c27) == 1_271_398_400
+
+
+@pytest.mark.parametrize("alias, text, mtp, kv_kib, gdn_mib", [
+    ("Qwen3.5-9B", 8_953_803_264, 243_290_624, 32, 49.1),
+    ("Qwen3.5-4B", 4_205_751_296, 120_599_552, 32, 49.1),
+    ("Qwen3.5-2B", 1_881_825_088, 60_828_160, 12, 18.6),
+    ("Qwen3.5-0.8B", 752_393_024, 20_452_864, 12, 18.6),
+])
+def test_smaller_sizes_match_the_fact_sheet(alias, text, mtp, kv_kib, gdn_mib):
+    cfg = alias_config(lookup_alias(alias))
+    assert memory.text_params(cfg) == text
+    assert memory.mtp_params(cfg) == mtp
+    assert memory.kv_bytes_per_token(cfg) == kv_kib * KiB
+    assert round(memory.gdn_state_bytes(cfg) / MiB, 1) == gdn_mib
+
+
+def test_alias_shape_equals_the_shipped_config(c27):
+    assert alias_config(lookup_alias("Qwen3.6-27B-MTP")) == c27
+
+
+def test_tied_head_is_counted_once(c27):
+    raw = {**CONFIG_27B, "tie_word_embeddings": True,
+           "text_config": {**CONFIG_27B["text_config"], "tie_word_embeddings": True}}
+    tied = ModelConfig.from_dict(raw)
+    assert memory.text_params(c27) - memory.text_params(tied) == 248320 * 5120
+
+
+def test_plan_parts_for_27b(c27):
+    plan = memory.plan_memory(c27, max_context=32768, k_max=3, dtype="bfloat16")
+    assert plan.weights == (26_895_998_464 + 424_699_392) * 2
+    assert plan.kv == 32768 * 64 * KiB
+    assert plan.mtp_kv == 32768 * 4 * KiB
+    # ring: 48 layers x (conv 10240 x (4 + 3) columns bf16 + 4 float32 states of 48x128x128)
+    assert plan.gdn_state == 48 * (10240 * 7 * 2 + 4 * 48 * 128 * 128 * 4)
+    assert plan.bytes_per_token == 68 * KiB
+    assert plan.total == plan.weights + plan.kv + plan.mtp_kv + plan.gdn_state + plan.graph_pool + plan.workspace
+    assert 0 < plan.graph_pool < GiB and 0 < plan.workspace < GiB
+    assert plan.needed > plan.total
+    assert set(plan.as_dict()) == {"weights", "kv", "mtp_kv", "gdn_state", "graph_pool", "workspace"}
+
+
+def test_plan_without_mtp_or_graphs(c27):
+    on = memory.plan_memory(c27, 4096, 3, "bfloat16")
+    off = memory.plan_memory(c27, 4096, 3, "bfloat16", mtp=False, cuda_graphs=False)
+    assert on.weights - off.weights == 424_699_392 * 2
+    assert off.mtp_kv == 0 and off.graph_pool == 0 and not off.mtp
+    assert off.gdn_state == on.gdn_state   # the ring is allocated either way
+
+
+def test_float32_doubles_weights_and_kv(c27):
+    bf = memory.plan_memory(c27, 4096, 3, "bfloat16")
+    fp = memory.plan_memory(c27, 4096, 3, "torch.float32")
+    assert fp.weights == 2 * bf.weights and fp.kv == 2 * bf.kv
+
+
+def test_max_context_that_fits_is_the_boundary(c27):
+    free = 60 * GiB
+    ctx = memory.max_context_that_fits(c27, free, 4, "bfloat16")
+    assert ctx is not None and ctx % memory.CONTEXT_STEP == 0
+    assert memory.plan_memory(c27, ctx, 4, "bfloat16").fits(free)
+    assert not memory.plan_memory(c27, ctx + memory.CONTEXT_STEP, 4, "bfloat16").fits(free)
+    assert memory.max_context_that_fits(c27, 80 * GiB, 4, "bfloat16") == 262144   # capped by the model
+    assert memory.max_context_that_fits(c27, 40 * GiB, 4, "bfloat16") is None      # weights alone do not fit
+
+
+def test_fmt_bytes_and_describe(c27):
+    assert memory.fmt_bytes(64 * KiB) == "64.0 KiB"
+    assert memory.fmt_bytes(memory.gdn_state_bytes(c27)) == "146.8 MiB"
+    assert memory.fmt_bytes(512) == "512 B"
+    text = "\n".join(memory.describe(memory.plan_memory(c27, 4096, 3)))
+    assert "50.9 GiB" in text and "256.0 MiB" in text and "68.0 KiB per token" in text
+
+
+def test_unknown_dtype():
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        memory.dtype_bytes("int8")
+
+
+@pytest.mark.parametrize("tie, mtp", [(False, True), (True, True), (False, False)])
+def test_plan_agrees_with_the_engine(tmp_path, tie, mtp):
+    import torch
+    from mtpchat.engine import Engine
+    from mtpchat.engine.tiny import write_tiny_checkpoint
+    folder = write_tiny_checkpoint(tmp_path / "m", tie=tie, mtp=mtp)
+    engine = Engine.load(folder, device="cpu", dtype=torch.float32, max_context=300, k_max=4)
+    plan = memory.plan_memory(engine.config, 300, 4, "float32", mtp=True, cuda_graphs=False)
+    actual = engine.memory()
+    for part in ("weights", "kv", "mtp_kv", "gdn_state"):
+        assert plan.as_dict()[part] == actual[part], part
+    assert (actual["mtp_kv"] > 0) == mtp
