@@ -53,7 +53,8 @@ class _Version(argparse.Action):
             v = version("mtpchat")
         except PackageNotFoundError:
             v = "unknown (not installed)"
-        parser.exit(message=f"mtpchat {v}\n")
+        print(f"mtpchat {v}")
+        parser.exit()
 
 
 def _common() -> argparse.ArgumentParser:
@@ -116,18 +117,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                      help="print one JSON object: text, token_ids, prompt_tokens, finish_reason, stats")
     sub.add_parser("models", help="list the aliases and what is downloaded")
     bench = sub.add_parser("bench", parents=[common], help="MTP off vs on: speed and acceptance")
-    if _first_command(argv) == "bench" and _has_module("mtpchat.bench"):
-        import mtpchat.bench
-        if hasattr(mtpchat.bench, "add_arguments"):
-            mtpchat.bench.add_arguments(bench)
+    # bench's own flags come from its module, imported only when bench may be the command
+    if "bench" in (argv or []) and _has_module("mtpchat.bench"):
+        add = getattr(importlib.import_module("mtpchat.bench"), "add_arguments", None)
+        if add is not None:
+            add(bench)
     return parser
 
 
-def _first_command(argv: list[str] | None) -> str | None:
-    return next((a for a in (argv or []) if not a.startswith("-")), None)
-
-
 def _has_module(name: str) -> bool:
+    if name in sys.modules:
+        return True
     try:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:
@@ -197,9 +197,8 @@ def cmd_models(args) -> int:
 def cmd_bench(args) -> int:
     if not _has_module("mtpchat.bench"):
         raise NotAvailable("`mtpchat bench` is not available yet in this build")
-    import mtpchat.bench
     args.options = options_from(args)
-    return mtpchat.bench.main(args) or 0
+    return importlib.import_module("mtpchat.bench").main(args) or 0
 
 
 def dry_run(options) -> int:

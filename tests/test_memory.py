@@ -1,30 +1,20 @@
 """The memory plan: the numbers of qwen35-model.md §9, and agreement with what the engine allocates."""
+import json
+from pathlib import Path
+
 import pytest
 
 from mtpchat.engine import memory
 from mtpchat.engine.config import ModelConfig
 from mtpchat.models import alias_config, lookup_alias
 
-# text_config of Qwen3.6-27B as shipped (layer_types left to the interval rule, which gives the same list)
-CONFIG_27B = {
-    "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-    "tie_word_embeddings": False,
-    "text_config": {
-        "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120,
-        "intermediate_size": 17408, "num_hidden_layers": 64, "num_attention_heads": 24,
-        "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
-        "linear_num_value_heads": 48, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "hidden_act": "silu",
-        "rms_norm_eps": 1e-6, "mtp_num_hidden_layers": 1, "max_position_embeddings": 262144,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-        "tie_word_embeddings": False, "dtype": "bfloat16"},
-}
+CONFIGS = Path(__file__).resolve().parents[1] / "engine" / "configs"  # the official configs, as shipped
 GB, GiB, MiB, KiB = 1e9, 2 ** 30, 2 ** 20, 2 ** 10
 
 
 @pytest.fixture(scope="module")
 def c27():
-    return ModelConfig.from_dict(CONFIG_27B)
+    return ModelConfig.load(CONFIGS / "qwen3.6-27b.json")
 
 
 def test_27b_matches_the_fact_sheet(c27):
@@ -56,13 +46,16 @@ def test_smaller_sizes_match_the_fact_sheet(alias, text, mtp, kv_kib, gdn_mib):
     assert round(memory.gdn_state_bytes(cfg) / MiB, 1) == gdn_mib
 
 
-def test_alias_shape_equals_the_shipped_config(c27):
-    assert alias_config(lookup_alias("Qwen3.6-27B-MTP")) == c27
+@pytest.mark.parametrize("alias, file", [("Qwen3.6-27B-MTP", "qwen3.6-27b"), ("Qwen3.5-27B", "qwen3.6-27b"),
+                                         ("Qwen3.5-9B", "qwen3.5-9b"), ("Qwen3.5-4B", "qwen3.5-4b"),
+                                         ("Qwen3.5-0.8B", "qwen3.5-0.8b")])
+def test_alias_shape_equals_the_shipped_config(alias, file):
+    assert alias_config(lookup_alias(alias)) == ModelConfig.load(CONFIGS / f"{file}.json")
 
 
 def test_tied_head_is_counted_once(c27):
-    raw = {**CONFIG_27B, "tie_word_embeddings": True,
-           "text_config": {**CONFIG_27B["text_config"], "tie_word_embeddings": True}}
+    raw = json.loads((CONFIGS / "qwen3.6-27b.json").read_text())
+    raw = {**raw, "tie_word_embeddings": True, "text_config": {**raw["text_config"], "tie_word_embeddings": True}}
     tied = ModelConfig.from_dict(raw)
     assert memory.text_params(c27) - memory.text_params(tied) == 248320 * 5120
 
