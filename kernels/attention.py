@@ -1,12 +1,21 @@
 """Attention over the KV cache for decode and verify: q_len 1..k+1 new tokens, GQA, causal among
-the new tokens. Float32 torch reference; the engine runs it on the CPU.
+the new tokens. The float32 torch reference, the Triton kernels beside it, and `decode_attention`,
+which takes the kernels for CUDA tensors and the reference otherwise.
 
 q [T, Hq, D] holds the new tokens at positions start..start+T-1, whose keys and values are already
 in the cache; k_cache, v_cache [L, Hkv, D]. Query head h reads kv head h // (Hq // Hkv).
+
+The kernels split the keys into fixed spans of SPLIT keys (a function of the cache size only): one
+program per (span, kv head, block of query rows) computes a partial softmax, a second kernel
+combines the spans of each row in span order. The start is read from a device tensor, so a CUDA
+graph captured once serves every length. Row t sees exactly the spans and blocks it would see in a
+1-row call at start + t, and masked keys add exact zeros, so a row's result does not depend on T.
 """
 from __future__ import annotations
 
 import torch
+
+from mtpchat.kernels._triton import tl, triton
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -23,3 +32,106 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         scores = torch.einsum("hd,nhd->hn", q[t].float(), k) * scale      # [Hq, n]
         out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
     return torch.stack(out).to(q.dtype)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _attn_split_kernel(q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale,
+                       s_qt, s_qh, s_kl, s_kh, s_vl, s_vh,
+                       HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
+    i_s, i_kv, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b_start = tl.load(start)
+    lo = i_s * SPLIT
+    hi = tl.minimum(lo + SPLIT, b_start + T)
+    if lo < hi:
+        # rows are (token t, head g of this kv head's group), token-major
+        o_r = i_m * BM + tl.arange(0, BM)
+        o_t, o_g = o_r // GROUP, o_r % GROUP
+        m_r = o_t < T
+        o_h = i_kv * GROUP + o_g
+        o_d = tl.arange(0, D)
+        b_q = tl.load(q + o_t[:, None] * s_qt + o_h[:, None] * s_qh + o_d[None, :], mask=m_r[:, None], other=0.)
+        b_last = b_start + o_t                                   # the last key row t may see
+        b_m = tl.full([BM], float("-inf"), tl.float32)
+        b_l = tl.zeros([BM], tl.float32)
+        b_o = tl.zeros([BM, D], tl.float32)
+        for n in range(lo, hi, BN):
+            o_n = n + tl.arange(0, BN)
+            m_n = o_n < hi
+            b_k = tl.load(k_cache + o_n[:, None] * s_kl + i_kv * s_kh + o_d[None, :], mask=m_n[:, None], other=0.)
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale        # [BM, BN]
+            b_s = tl.where(o_n[None, :] <= b_last[:, None], b_s, float("-inf"))
+            b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
+            b_ms = tl.where(b_mn == float("-inf"), 0., b_mn)    # a row with no key yet stays at 0
+            b_p = tl.exp(b_s - b_ms[:, None])
+            b_alpha = tl.exp(b_m - b_ms)
+            b_v = tl.load(v_cache + o_n[:, None] * s_vl + i_kv * s_vh + o_d[None, :], mask=m_n[:, None], other=0.)
+            b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+            b_o = b_o * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
+            b_m = b_mn
+        o_w = (i_s * T + o_t) * HQ + o_h                          # partials [span, T, Hq]
+        tl.store(ws_m + o_w, b_m, mask=m_r)
+        tl.store(ws_l + o_w, b_l, mask=m_r)
+        tl.store(ws_o + o_w[:, None] * D + o_d[None, :], b_o, mask=m_r[:, None])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _attn_combine_kernel(start, ws_m, ws_l, ws_o, out, T, s_ot, s_oh,
+                         HQ: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    o_d = tl.arange(0, D)
+    n_spans = (tl.load(start) + i_t) // SPLIT + 1               # the spans holding keys 0..start+t
+    b_m = tl.full([1], float("-inf"), tl.float32)
+    b_l = tl.zeros([1], tl.float32)
+    b_o = tl.zeros([D], tl.float32)
+    for i_s in range(n_spans):
+        o_w = (i_s * T + i_t) * HQ + i_h
+        b_ms = tl.load(ws_m + o_w + tl.zeros([1], tl.int32))
+        b_mn = tl.maximum(b_m, b_ms)                             # finite from span 0 on
+        b_a, b_b = tl.exp(b_m - b_mn), tl.exp(b_ms - b_mn)
+        b_l = b_l * b_a + tl.load(ws_l + o_w + tl.zeros([1], tl.int32)) * b_b
+        b_o = b_o * b_a + tl.load(ws_o + o_w * D + o_d) * b_b
+        b_m = b_mn
+    tl.store(out + i_t * s_ot + i_h * s_oh + o_d, (b_o / b_l).to(out.dtype.element_ty))
+
+
+def _span(L: int) -> int:
+    """Keys per span: a function of the cache size alone, at most ~256 spans."""
+    return max(128, triton.next_power_of_2(triton.cdiv(L, 256)))
+
+
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            start: torch.Tensor, scale: float) -> torch.Tensor:
+    """decode_attention_ref's contract with `start` a 1-element long tensor on q's device."""
+    T, Hq, D = q.shape
+    L, Hkv = k_cache.shape[0], k_cache.shape[1]
+    assert v_cache.shape == k_cache.shape == (L, Hkv, D) and Hq % Hkv == 0, "caches must be [L, Hkv, D]"
+    assert D & (D - 1) == 0 and D >= 16, "head_dim must be a power of two >= 16"
+    for t in (q, k_cache, v_cache):
+        assert t.stride(2) == 1, "head dims must be contiguous"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
+    assert start.numel() == 1 and start.dtype == torch.long, "start must be a 1-element long tensor"
+    group, split, BM, BN = Hq // Hkv, _span(L), 32, 64
+    spans = triton.cdiv(L, split)
+    ws_m = torch.empty(spans, T, Hq, dtype=torch.float32, device=q.device)
+    ws_l = torch.empty_like(ws_m)
+    ws_o = torch.empty(spans, T, Hq, D, dtype=torch.float32, device=q.device)
+    _attn_split_kernel[(spans, Hkv, triton.cdiv(T * group, BM))](
+        q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        HQ=Hq, GROUP=group, D=D, BM=BM, BN=BN, SPLIT=split, num_warps=4, num_stages=2)
+    out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    _attn_combine_kernel[(T, Hq)](start, ws_m, ws_l, ws_o, out, T, out.stride(0), out.stride(1),
+                                  HQ=Hq, D=D, SPLIT=split, num_warps=2)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     start: int | torch.Tensor, scale: float) -> torch.Tensor:
+    """decode_attention_ref's contract; the Triton kernels for CUDA tensors, where `start` is best
+    a device tensor (an int is accepted and copied over)."""
+    if q.is_cuda:
+        if not isinstance(start, torch.Tensor):
+            start = torch.tensor([start], dtype=torch.long, device=q.device)
+        return decode_attention_triton(q, k_cache, v_cache, start, scale)
+    return decode_attention_ref(q, k_cache, v_cache, int(start), scale)

@@ -1,5 +1,6 @@
 """Gated DeltaNet: the recurrence (decode / verify, with per-token state snapshots) and its chunked
-form (prefill). These are the float32 torch references; the engine runs them on the CPU.
+form (prefill). Float32 torch references, the Triton kernels beside them, and dispatchers that take
+the kernel for CUDA tensors and the reference otherwise.
 
 Shapes (one sequence): q, k [T, Hk, dk]; v [T, Hv, dv]; a, b [T, Hv]; A_log, dt_bias [Hv];
 states [Hv, dk, dv] float32 (the dk x dv layout of transformers and fla). V head j reads Q/K head
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from mtpchat.kernels._triton import tl, triton
 
 
 def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
@@ -52,6 +55,69 @@ def recurrent_ref(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch
         out.append(torch.einsum("hkv,hk->hv", S, q[:, t]))
         ring[t] = S
     return torch.stack(out).to(v.dtype if v.dtype != torch.float32 else torch.float32)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, ring, slot, o, T, scale,
+                      s_q, s_k, s_v, s_a, s_b, s_o, s_ring,
+                      GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
+    # stays in registers across the T tokens; the gates and the q/k l2norm are computed here.
+    i_h, i_v = tl.program_id(0), tl.program_id(1)
+    i_kh = i_h // GROUP
+    o_k = tl.arange(0, DK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < DV
+    m_s = (o_k < DK)[:, None] & m_v[None, :]
+    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]          # within one ring slot
+    b_S = tl.load(ring + tl.load(slot) * s_ring + o_s, mask=m_s, other=0.)
+    b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    b_dt = tl.load(dt_bias + i_h).to(tl.float32)
+    tl.debug_barrier()   # the committed slot is read whole before token 0 may overwrite it
+    for t in range(T):
+        b_q = tl.load(q + t * s_q + i_kh * DK + o_k).to(tl.float32)
+        b_k = tl.load(k + t * s_k + i_kh * DK + o_k).to(tl.float32)
+        b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v, other=0.).to(tl.float32)
+        b_x = tl.load(a + t * s_a + i_h).to(tl.float32) + b_dt
+        b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))      # torch's threshold 20
+        b_beta = tl.sigmoid(tl.load(b + t * s_b + i_h).to(tl.float32))
+        b_S = b_S * tl.exp(-b_A * b_softplus)
+        b_delta = b_beta * (b_v - tl.sum(b_S * b_k[:, None], axis=0))      # [BV]
+        b_S = b_S + b_k[:, None] * b_delta[None, :]
+        b_o = tl.sum(b_S * b_q[:, None], axis=0)
+        tl.store(o + t * s_o + i_h * DV + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        tl.store(ring + t * s_ring + o_s, b_S, mask=m_s)
+
+
+def recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """recurrent_ref's contract. q, k, v may be row-strided views (of the conv output) with each
+    token's heads contiguous; a, b likewise [T, Hv] views."""
+    T, Hk, DK = q.shape
+    Hv, DV = v.shape[1], v.shape[2]
+    assert k.shape == q.shape and v.shape[0] == T and Hv % Hk == 0, "q, k [T, Hk, dk], v [T, Hv, dv]"
+    assert DK & (DK - 1) == 0, "dk must be a power of two"
+    for t, hs in ((q, DK), (k, DK), (v, DV)):
+        assert t.stride(2) == 1 and t.stride(1) == hs, "each token's heads must be contiguous"
+    assert a.shape == b.shape == (T, Hv) and a.stride(1) == 1 and b.stride(1) == 1, "a, b must be [T, Hv]"
+    assert A_log.shape == dt_bias.shape == (Hv,), "A_log, dt_bias must be [Hv]"
+    assert ring.dtype == torch.float32 and ring.is_contiguous() and ring.shape[1:] == (Hv, DK, DV), \
+        "ring must be contiguous float32 [S, Hv, dk, dv]"
+    assert T <= ring.shape[0] and slot.numel() == 1 and slot.dtype == torch.long, "ring needs >= T slots"
+    o = torch.empty(T, Hv, DV, dtype=v.dtype, device=v.device)
+    BV = min(32, triton.next_power_of_2(DV))
+    _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
+        q, k, v, a, b, A_log, dt_bias, ring, slot, o, T, DK ** -0.5, q.stride(0), k.stride(0), v.stride(0),
+        a.stride(0), b.stride(0), o.stride(0), ring.stride(0), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV, num_warps=4)
+    return o
+
+
+def recurrent(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """recurrent_ref's contract; the Triton kernel for CUDA tensors."""
+    if q.is_cuda:
+        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring, slot)
+    return recurrent_ref(q, k, v, a, b, A_log, dt_bias, ring, slot)
 
 
 def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64):

@@ -1,14 +1,18 @@
-"""RMSNorm variants of Qwen3.5. Float32 torch references; the engine runs them on the CPU.
+"""RMSNorm variants of Qwen3.5: float32 torch references, the Triton kernels beside them, and the
+dispatchers the engine calls (Triton for CUDA tensors, the reference otherwise).
 
 rmsnorm:       y = x * rsqrt(mean(x²) + eps) * (1 + w), computed in float32, cast to x's dtype
                (the weights are stored zero-centred).
 gated_rmsnorm: the GDN output norm, per head: normalise in float32, cast, times w (plain, not 1+w),
                times silu(z) in float32, cast.
+Each row is normalised by one program, so a row's value does not depend on how many rows there are.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from mtpchat.kernels._triton import tl, triton
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,3 +32,108 @@ def gated_rmsnorm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, ep
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (weight * y * F.silu(z.float())).to(x.dtype)
+
+
+# Rows are addressed as [A, B, D] with element strides (s0, s1, 1): that covers a contiguous [T, D],
+# per-head rows [T, H, D], and per-head views of a wider projection (q of q_proj, z of in_proj).
+
+@triton.jit
+def _rmsnorm_kernel(x, r, w, y, h, B, D, eps, s_x0, s_x1, s_r0, s_r1, s_y0, s_y1, s_h0, s_h1,
+                    BD: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    i_r = tl.program_id(0)
+    i_a, i_b = i_r // B, i_r % B
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_x = tl.load(x + i_a * s_x0 + i_b * s_x1 + o_d, mask=m_d, other=0.).to(tl.float32)
+    if HAS_RESIDUAL:
+        # the sum is rounded to the stream's dtype first, as `x + residual` is in torch
+        b_x += tl.load(r + i_a * s_r0 + i_b * s_r1 + o_d, mask=m_d, other=0.).to(tl.float32)
+        b_x = b_x.to(h.dtype.element_ty)
+        tl.store(h + i_a * s_h0 + i_b * s_h1 + o_d, b_x, mask=m_d)
+        b_x = b_x.to(tl.float32)
+    b_rstd = tl.rsqrt(tl.sum(b_x * b_x) / D + eps)
+    b_w = 1. + tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32)
+    tl.store(y + i_a * s_y0 + i_b * s_y1 + o_d, (b_x * b_rstd * b_w).to(y.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(x, z, w, y, B, D, eps, s_x0, s_x1, s_z0, s_z1, s_y0, s_y1, BD: tl.constexpr):
+    i_r = tl.program_id(0)
+    i_a, i_b = i_r // B, i_r % B
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_x = tl.load(x + i_a * s_x0 + i_b * s_x1 + o_d, mask=m_d, other=0.).to(tl.float32)
+    b_n = (b_x * tl.rsqrt(tl.sum(b_x * b_x) / D + eps)).to(x.dtype.element_ty).to(tl.float32)
+    # weight * normed is rounded to the model dtype, as torch does for bf16 x bf16
+    b_wn = (tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32) * b_n).to(x.dtype.element_ty)
+    b_z = tl.load(z + i_a * s_z0 + i_b * s_z1 + o_d, mask=m_d, other=0.).to(tl.float32)
+    b_y = b_wn.to(tl.float32) * (b_z * tl.sigmoid(b_z))
+    tl.store(y + i_a * s_y0 + i_b * s_y1 + o_d, b_y.to(y.dtype.element_ty), mask=m_d)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """View [..., D] as [A, B, D] without copying when the strides allow it; the last dim contiguous."""
+    if t.dim() == 1:
+        t = t[None, None]
+    elif t.dim() == 2:
+        t = t[None]
+    elif t.dim() > 3:
+        t = t.reshape(-1, t.shape[-2], t.shape[-1])
+    assert t.stride(-1) == 1, "the normalised dimension must be contiguous"
+    return t
+
+
+def _launch_params(D: int):
+    BD = triton.next_power_of_2(D)
+    return BD, min(16, max(1, BD // 512))
+
+
+def _rmsnorm_launch(x, residual, weight, eps):
+    D = x.shape[-1]
+    assert weight.shape == (D,) and weight.is_contiguous(), f"weight must be [{D}] contiguous"
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(y) if residual is not None else y
+    x3, y3, h3 = _rows(x), _rows(y), _rows(h)
+    r3 = _rows(residual) if residual is not None else x3
+    assert r3.shape == x3.shape and r3.dtype == x.dtype, "residual must match x"
+    A, B = x3.shape[0], x3.shape[1]
+    BD, warps = _launch_params(D)
+    _rmsnorm_kernel[(A * B,)](x3, r3, weight, y3, h3, B, D, eps, x3.stride(0), x3.stride(1),
+                              r3.stride(0), r3.stride(1), y3.stride(0), y3.stride(1), h3.stride(0),
+                              h3.stride(1), BD=BD, HAS_RESIDUAL=residual is not None, num_warps=warps)
+    return y, h
+
+
+def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rmsnorm_launch(x, None, weight, eps)[0]
+
+
+def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    return _rmsnorm_launch(x, residual, weight, eps)
+
+
+def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    D = x.shape[-1]
+    assert z.shape == x.shape, f"z {tuple(z.shape)} must match x {tuple(x.shape)}"
+    assert weight.shape == (D,) and weight.is_contiguous(), f"weight must be [{D}] contiguous"
+    assert weight.dtype == x.dtype, "the gated norm's weight must have x's dtype"
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x3, z3, y3 = _rows(x), _rows(z), _rows(y)
+    B = x3.shape[1]
+    BD, warps = _launch_params(D)
+    _gated_rmsnorm_kernel[(x3.shape[0] * B,)](x3, z3, weight, y3, B, D, eps, x3.stride(0), x3.stride(1),
+                                               z3.stride(0), z3.stride(1), y3.stride(0), y3.stride(1),
+                                               BD=BD, num_warps=warps)
+    return y
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rmsnorm_triton(x, weight, eps) if x.is_cuda else rmsnorm_ref(x, weight, eps)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    return add_rmsnorm_triton(x, residual, weight, eps) if x.is_cuda else add_rmsnorm_ref(x, residual, weight, eps)
+
+
+def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return gated_rmsnorm_triton(x, z, weight, eps) if x.is_cuda else gated_rmsnorm_ref(x, z, weight, eps)

@@ -1,0 +1,64 @@
+"""Matrix-vector products for a few rows (decode, verify, draft): y [T, N] = x [T, K] @ w [N, K]ᵀ.
+
+The float32 torch reference, the Triton kernel beside it, and `matvec`, which takes the kernel for
+CUDA tensors and the reference otherwise.
+
+The kernel streams w once: one program per block of BN output columns walks K in BK steps and
+multiplies its w tile with all rows of x at once (rows padded to BT = 16, the smallest tensor-core
+tile). The compiled kernel is the same for every T <= BT (T is a run-time argument, never a
+specialisation), each output is accumulated over K in the same order whatever the other rows
+hold, so row i of a T-row call is bit-for-bit the 1-row call of row i.
+"""
+from __future__ import annotations
+
+import torch
+
+from mtpchat.kernels._triton import tl, triton
+
+MAX_ROWS = 16
+
+
+def matvec_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ w [N, K]ᵀ in float32, cast back to x's dtype."""
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
+                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    i_n = tl.program_id(0)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_t = tl.arange(0, BT)
+    m_n, m_t = o_n < N, o_t < T
+    b_y = tl.zeros([BN, BT], dtype=tl.float32)
+    for k in range(0, K, BK):
+        o_k = k + tl.arange(0, BK)
+        m_k = o_k < K
+        b_w = tl.load(w + o_n[:, None] * s_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
+        b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+        # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
+        b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
+    tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(y.dtype.element_ty), mask=m_n[:, None] & m_t[None, :])
+
+
+def _config(N: int, K: int) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages): a function of the matrix alone, never of T."""
+    return 32, 256, 4, 4
+
+
+def matvec_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    T, K = x.shape
+    N = w.shape[0]
+    assert 1 <= T <= MAX_ROWS, f"matvec takes 1..{MAX_ROWS} rows, got {T}"
+    assert w.shape == (N, K) and w.stride(1) == 1 and x.stride(1) == 1, "x [T, K], w [N, K], rows contiguous"
+    assert x.dtype == w.dtype, "x and w must share a dtype"
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    BN, BK, warps, stages = _config(N, K)
+    _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, T, N, K, x.stride(0), w.stride(0), y.stride(0),
+                                          BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+    return y
+
+
+def matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ w [N, K]ᵀ: the Triton kernel for CUDA tensors, the float32 reference otherwise."""
+    return matvec_triton(x, w) if x.is_cuda else matvec_ref(x, w)

@@ -1,0 +1,28 @@
+"""What the kernel tests share: one relative-error check, the tolerances, seeded random inputs."""
+from __future__ import annotations
+
+import torch
+
+INTERPRETED = not torch.cuda.is_available()
+
+# float32: reduction order only. bf16 outputs: one rounding of the output on the GPU (round to
+# nearest); Triton's interpreter truncates when it narrows to bf16, which doubles that error.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2 if INTERPRETED else 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "output"):
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(out).all(), f"{what}: not finite"
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
+
+
+def randn(*shape, dtype=torch.float32, device="cpu", scale=1.0, seed=None, gen=None) -> torch.Tensor:
+    """Standard normal numbers drawn on the CPU (the same values on every device), never zeros."""
+    g = gen if gen is not None else torch.Generator().manual_seed(seed if seed is not None else 0)
+    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)

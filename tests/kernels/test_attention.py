@@ -1,0 +1,64 @@
+"""Decode/verify attention over the KV cache against decode_attention_ref, and its row invariance:
+row t of a T-row call is bit for bit the 1-row call at start + t (GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import TOL, check, randn
+
+from mtpchat.kernels import attention
+
+
+def _case(T, Hq, Hkv, D, L, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = randn(T, Hq, D, dtype=dtype, device=device, gen=g)
+    kc = randn(L, Hkv, D, dtype=dtype, device=device, gen=g)
+    vc = randn(L, Hkv, D, dtype=dtype, device=device, gen=g)
+    return q, kc, vc
+
+
+# numpy's matmul treats Triton's bf16 as integers in the interpreter: bf16 runs on the GPU only
+DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,Hq,Hkv,D,L,start", [
+    (1, 6, 2, 32, 300, 0),          # first token
+    (1, 6, 2, 32, 300, 200),        # one span and a partial second
+    (2, 4, 4, 16, 200, 63),         # no GQA; crosses a 64-key block
+    (5, 12, 2, 32, 700, 400),       # several spans, 30 rows of query per kv head
+    (5, 8, 1, 16, 520, 508),        # the new tokens straddle a span edge, the cache nearly full
+])
+def test_decode_attention(device, dtype, T, Hq, Hkv, D, L, start):
+    q, kc, vc = _case(T, Hq, Hkv, D, L, dtype, device, seed=start + T)
+    out = attention.decode_attention_triton(q, kc, vc, torch.tensor([start], device=device), D ** -0.5)
+    check(out, attention.decode_attention_ref(q, kc, vc, start, D ** -0.5), TOL[dtype])
+
+
+def test_decode_attention_ignores_keys_past_the_new_tokens(device):
+    # keys past start + T (stale drafts, unwritten cache) must not leak in, even if they are huge
+    q, kc, vc = _case(3, 4, 2, 16, 256, torch.float32, device, seed=1)
+    kc[40:], vc[40:] = 1e4, 1e4
+    out = attention.decode_attention_triton(q, kc, vc, torch.tensor([37], device=device), 0.25)
+    check(out, attention.decode_attention_ref(q, kc, vc, 37, 0.25), TOL[torch.float32])
+
+
+def _rows_one_by_one(q, kc, vc, start, scale):
+    return torch.cat([attention.decode_attention(q[t:t + 1], kc, vc, torch.tensor([start + t], device=q.device), scale)
+                      for t in range(q.shape[0])])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,L,start", [(1, 4096, 1000), (5, 4096, 1000), (5, 4096, 4091), (4, 32768, 30000)])
+def test_decode_attention_27b_shapes(T, L, start):
+    q, kc, vc = _case(T, 24, 4, 256, L, torch.bfloat16, "cuda", seed=T)
+    out = attention.decode_attention(q, kc, vc, torch.tensor([start], device="cuda"), 256 ** -0.5)
+    check(out, attention.decode_attention_ref(q, kc, vc, start, 256 ** -0.5), 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,Hq,Hkv,start", [(5, 24, 4, 1000), (3, 24, 4, 127), (5, 8, 2, 3000), (2, 16, 16, 50)])
+def test_decode_attention_rows_do_not_depend_on_T(T, Hq, Hkv, start):
+    q, kc, vc = _case(T, Hq, Hkv, 256, 4096, torch.bfloat16, "cuda", seed=start)
+    out = attention.decode_attention(q, kc, vc, torch.tensor([start], device="cuda"), 0.0625)
+    assert torch.equal(out, _rows_one_by_one(q, kc, vc, start, 0.0625))

@@ -1,0 +1,67 @@
+"""Conv window update (silu fused) against conv_update_ref: outputs and the whole window buffer,
+for decode, verify, a prefill longer than the window, and a rollback by offset."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import TOL, check, randn
+
+from mtpchat.kernels import conv
+
+K = 4
+K_MAX = 4                      # drafts: the window keeps K-1 + K_MAX+1 columns
+WIDTH = K - 1 + K_MAX + 1
+
+
+def _case(C, T, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = randn(T, C, dtype=dtype, device=device, gen=g)
+    buf = randn(C, WIDTH, dtype=dtype, device=device, gen=g)
+    w = randn(C, K, dtype=dtype, device=device, gen=g, scale=0.5)
+    return x, buf, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 2, 5, 37])
+@pytest.mark.parametrize("off", [0, 2])
+def test_conv_update(device, dtype, T, off):
+    x, buf, w = _case(100, T, dtype, device, seed=T + 10 * off)
+    offset = torch.tensor([off], device=device)
+    buf_ref = buf.clone()
+    y = conv.conv_update_triton(x, buf, offset, w)
+    y_ref = conv.conv_update_ref(x, buf_ref, offset, w)
+    check(y, y_ref, TOL[dtype])
+    assert torch.equal(buf, buf_ref), "window buffer"
+
+
+def test_conv_strided_input(device):
+    # the conv input is the first C columns of a wider projection
+    wide = randn(3, 130, device=device, seed=3)
+    x = wide[:, :100]
+    _, buf, w = _case(100, 3, torch.float32, device, seed=4)
+    off = torch.tensor([1], device=device)
+    buf_ref = buf.clone()
+    check(conv.conv_update_triton(x, buf, off, w), conv.conv_update_ref(x, buf_ref, off, w), TOL[torch.float32])
+    assert torch.equal(buf, buf_ref)
+
+
+def test_conv_rollback(device):
+    # verify 4 tokens, accept 2 (offset 2), then decode 3 more: the same as feeding the 2 kept ones
+    # and the 3 new ones through the reference
+    x, buf, w = _case(70, 7, torch.float32, device, seed=5)
+    zero = torch.tensor([0], device=device)
+    buf_ref = buf.clone()
+    conv.conv_update_triton(x[:4], buf, zero, w)
+    y = conv.conv_update_triton(x[4:], buf, torch.tensor([2], device=device), w)
+    y_ref = conv.conv_update_ref(torch.cat([x[:2], x[4:]]), buf_ref, zero, w)[2:]
+    check(y, y_ref, TOL[torch.float32])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 8192])
+def test_conv_27b_shapes(T):
+    x, buf, w = _case(10240, T, torch.bfloat16, "cuda", seed=6)
+    off = torch.tensor([3], device="cuda")
+    buf_ref = buf.clone()
+    check(conv.conv_update(x, buf, off, w), conv.conv_update_ref(x, buf_ref, off, w), 1e-2)
+    assert torch.equal(buf, buf_ref)

@@ -1,0 +1,54 @@
+"""Few-row matrix-vector products against matvec_ref, and their row invariance: row i of a T-row
+call is bit for bit the 1-row call (GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import TOL, check, randn
+
+from mtpchat.kernels import matvec
+
+# numpy's matmul treats Triton's bf16 as integers in the interpreter: bf16 runs on the GPU only
+DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 2, 5])
+@pytest.mark.parametrize("N,K", [(100, 300), (77, 520), (64, 256)])
+def test_matvec(device, dtype, T, N, K):
+    g = torch.Generator().manual_seed(T * N + K)
+    x, w = randn(T, K, dtype=dtype, device=device, gen=g), randn(N, K, dtype=dtype, device=device, gen=g)
+    check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype])
+
+
+def test_matvec_strided_rows(device):
+    x = randn(3, 400, device=device, seed=1)[:, :300]
+    w = randn(50, 300, device=device, seed=2)
+    check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[torch.float32])
+
+
+def test_matvec_row_limit(device):
+    with pytest.raises(AssertionError, match="rows"):
+        matvec.matvec_triton(randn(matvec.MAX_ROWS + 1, 32, device=device), randn(16, 32, device=device))
+
+
+# the 27B decode matrices: MLP down, MLP gate|up, GDN in_proj, attention q|gate|k|v, o_proj, lm_head
+SHAPES_27B = [(5120, 17408), (34816, 5120), (16480, 5120), (14336, 5120), (5120, 6144), (248320, 5120)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", SHAPES_27B)
+def test_matvec_27b_shapes(N, K):
+    g = torch.Generator().manual_seed(N)
+    x, w = randn(5, K, dtype=torch.bfloat16, device="cuda", gen=g), randn(N, K, dtype=torch.bfloat16, device="cuda", gen=g)
+    check(matvec.matvec(x, w), matvec.matvec_ref(x, w), 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", SHAPES_27B[:3] + [(1000, 1000)])
+def test_matvec_rows_do_not_depend_on_T(N, K):
+    g = torch.Generator().manual_seed(K)
+    x, w = randn(matvec.MAX_ROWS, K, dtype=torch.bfloat16, device="cuda", gen=g), randn(N, K, dtype=torch.bfloat16, device="cuda", gen=g)
+    ones = torch.cat([matvec.matvec(x[i:i + 1], w) for i in range(x.shape[0])])
+    for T in (2, 3, 5, matvec.MAX_ROWS):
+        assert torch.equal(matvec.matvec(x[:T], w), ones[:T]), f"T={T}"

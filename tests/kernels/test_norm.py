@@ -1,0 +1,72 @@
+"""RMSNorm kernels (plain, fused with the residual add, gated) against their float32 references."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import TOL, check, randn
+
+from mtpchat.kernels import norm
+
+EPS = 1e-6
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 200), (5, 300), (2, 6, 40)])
+def test_rmsnorm(device, dtype, shape):
+    g = torch.Generator().manual_seed(1)
+    x = randn(*shape, dtype=dtype, device=device, gen=g)
+    w = randn(shape[-1], dtype=dtype, device=device, gen=g, scale=0.3)
+    check(norm.rmsnorm_triton(x, w, EPS), norm.rmsnorm_ref(x, w, EPS), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_add_rmsnorm(device, dtype, T):
+    g = torch.Generator().manual_seed(2)
+    x, r = randn(T, 300, dtype=dtype, device=device, gen=g), randn(T, 300, dtype=dtype, device=device, gen=g)
+    w = randn(300, dtype=dtype, device=device, gen=g, scale=0.3)
+    y, h = norm.add_rmsnorm_triton(x, r, w, EPS)
+    y_ref, h_ref = norm.add_rmsnorm_ref(x, r, w, EPS)
+    check(h, h_ref, TOL[dtype], "residual sum")
+    check(y, y_ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_strided_heads(device, dtype):
+    # the query half of a [T, H, query | gate] projection: rows 2D apart, each D contiguous
+    qg = randn(3, 4, 2 * 48, dtype=dtype, device=device, seed=3)
+    q = qg[..., :48]
+    w = randn(48, dtype=dtype, device=device, seed=4, scale=0.3)
+    check(norm.rmsnorm_triton(q, w, EPS), norm.rmsnorm_ref(q, w, EPS), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 5])
+def test_gated_rmsnorm(device, dtype, T):
+    g = torch.Generator().manual_seed(5)
+    H, D = 3, 40
+    x = randn(T, H, D, dtype=dtype, device=device, gen=g)
+    z = randn(T, H * D + 7, dtype=dtype, device=device, gen=g)[:, :H * D].view(T, H, D)   # a strided view
+    w = 1 + randn(D, dtype=dtype, device=device, gen=g, scale=0.2)
+    check(norm.gated_rmsnorm_triton(x, z, w, EPS), norm.gated_rmsnorm_ref(x, z, w, EPS), TOL[dtype])
+
+
+def test_dispatch_cpu_takes_the_reference():
+    x, w = randn(2, 30), randn(30, seed=1)
+    assert torch.equal(norm.rmsnorm(x, w, EPS), norm.rmsnorm_ref(x, w, EPS))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5])
+def test_norms_27b_shapes(T):
+    g = torch.Generator().manual_seed(6)
+    x, r = randn(T, 5120, dtype=torch.bfloat16, device="cuda", gen=g), randn(T, 5120, dtype=torch.bfloat16, device="cuda", gen=g)
+    w = randn(5120, dtype=torch.bfloat16, device="cuda", gen=g, scale=0.3)
+    y, h = norm.add_rmsnorm(x, r, w, EPS)
+    y_ref, h_ref = norm.add_rmsnorm_ref(x, r, w, EPS)
+    assert torch.equal(h, h_ref)
+    check(y, y_ref, 1e-2)
+    o, z = randn(T, 48, 128, dtype=torch.bfloat16, device="cuda", gen=g), randn(T, 48, 128, dtype=torch.bfloat16, device="cuda", gen=g)
+    wn = 1 + randn(128, dtype=torch.bfloat16, device="cuda", gen=g, scale=0.2)
+    check(norm.gated_rmsnorm(o, z, wn, EPS), norm.gated_rmsnorm_ref(o, z, wn, EPS), 1e-2)
