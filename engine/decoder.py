@@ -1,17 +1,23 @@
-"""The decode loop over one sequence: prefill, decode steps and speculative steps, with commit and
-rollback of the state. Position bookkeeping, in the notation of qwen35-model.md §6:
+"""The decode loop over one sequence: prefill, then decode or speculative steps that commit and
+roll back the state on the device. Positions follow qwen35-model.md §6:
 
-- `tokens` x_0..x_{L-1} have been fed to the target (L = state.length); `next_token` x_L is chosen
-  but not yet fed; `hidden` holds the target's post-norm hiddens h_p for p in [mtp_len, L).
-- The MTP head's KV is complete for positions < mtp_len. Its row p needs (x_{p+1}, h_p), so before
-  drafting, a catch-up pass runs it over [mtp_len, L) and its last row gives the first draft. With
-  MTP off the pending rows just accumulate, so MTP can be switched back on at any step.
-- A step feeds [x_L, d_1..d_k] at positions L..L+k; accepting and emitting n tokens commits n of
-  them: slot n-1 of the GDN ring, conv offset n, KV length L+n; nothing is copied or recomputed.
+- x_0..x_{L-1} have been fed to the target (L = `pos` on the device, `length` on the host);
+  `next_tok` x_L is chosen but not yet fed.
+- The MTP head's row p takes (x_{p+1}, h_p). Its KV is complete up to the *pending* rows: the
+  last `pend_n` positions, whose hiddens and next tokens wait in `pend_hidden` / `pend_tokens`.
+  A speculative step first runs the head over a fixed k_max+1 pending rows (rows past `pend_n`
+  write KV beyond L that is overwritten before anything reads it), takes d_1 from row pend_n-1,
+  then chains d_2..d_k on the head's own output.
+- The verify feeds [x_L, d_1..d_k] at L..L+k; accepting a drafts commits a+1 tokens, all on the
+  device: ring slot a, conv offset a+1, L += a+1, next token, pending rows = the verified rows.
+  The host learns (a, tokens) by one small copy per step and only intervenes at a stop id or the
+  token limit, rolling the same scalars back to what was emitted.
+
+Each phase (draft k, verify k, accept k) is a pure function of these preallocated buffers, so
+engine/runner.py can capture it as a CUDA graph; eagerly, the same code runs on any device.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +26,8 @@ from mtpchat.engine.events import PhaseTimes
 from mtpchat.engine.model import Ctx
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
 from mtpchat.engine.spec import accept_greedy, accept_sampled, seen_rows
+
+PENDING_ROWS = 64   # MTP rows kept while MTP is off; flushed through the head when full
 
 
 @dataclass
@@ -33,8 +41,20 @@ class StepResult:
 class Decoder:
     def __init__(self, model, head, state, prefill_chunk: int):
         self.model, self.head, self.state, self.prefill_chunk = model, head, state, prefill_chunk
-        self.device = state.slot.device
-        self.drafter = None   # optional ProfileDrafter (engine/spec.py) replacing the head's tokens
+        c, dev, R = model.c, state.slot.device, state.k_max + 1
+        self.device, self.R = dev, R
+        long = lambda *n: torch.zeros(*n, dtype=torch.long, device=dev)
+        self.pos, self.next_tok, self.pend_n = long(1), long(1), long(1)
+        rows = max(PENDING_ROWS, R) + R
+        self.pend_hidden = torch.zeros(rows, c.hidden_size, device=dev, dtype=model.embed.dtype)
+        self.pend_tokens = long(rows)
+        self.drafts = long(state.k_max)
+        self.v_hidden = torch.zeros(R, c.hidden_size, device=dev, dtype=model.embed.dtype)
+        self.v_logits = torch.zeros(R, c.vocab_size, device=dev)
+        self.result = long(R + 1)            # [a, tokens...]: the one device-to-host copy
+        self.seen = torch.zeros(c.vocab_size, dtype=torch.int32, device=dev)   # presence-penalty counts
+        self.drafter = None                  # optional ProfileDrafter (engine/spec.py)
+        self.runner = None                   # engine/runner.py sets itself here on CUDA
         self.reset()
 
     @property
@@ -43,34 +63,35 @@ class Decoder:
 
     def reset(self):
         self.state.reset()
-        self.tokens: list[int] = []
-        self.next_token: int | None = None
-        self.hidden: list[torch.Tensor] = []
-        self.mtp_len = 0
-        self.last_logits: torch.Tensor | None = None
+        for t in (self.pos, self.next_tok, self.pend_n):
+            t.zero_()
+        self.tokens: list[int] = []          # fed to the target, on the host
+        self.pending = 0                     # host mirror of pend_n
+        self.generated = 0                   # tokens emitted in this generation
 
-    def _ctx(self, start: int, T: int, step: bool) -> Ctx:
-        positions = torch.arange(start, start + T, device=self.device)
+    def _ctx(self, start, T: int, step: bool) -> Ctx:
+        if isinstance(start, int):
+            positions = torch.arange(start, start + T, device=self.device)
+        else:
+            positions = start + torch.arange(T, device=self.device)
         return Ctx(positions, start, step, self.state.conv_off, self.state.slot)
 
-    def _caches(self):
-        return self.state.layers
-
-    # --- prefill -------------------------------------------------------------------------------
+    # --- prefill (eager: its shapes vary) ------------------------------------------------------
     def prefill(self, ids: list[int], keep_all: bool = False) -> torch.Tensor:
-        """Feed `ids` after the committed tokens, in chunks. Returns the hidden of the last token,
-        or of every token with keep_all."""
+        """Feed `ids` after the committed tokens, in chunks; the head follows over every row whose
+        next token is known. Returns the last hidden, or every hidden with keep_all."""
+        self._flush_pending(keep_last=False)
         kept = []
         for s in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[s:s + self.prefill_chunk]
-            start = self.state.length
-            ctx = self._ctx(start, len(chunk), step=False)
-            h = self.model(torch.tensor(chunk, device=self.device), self._caches(), ctx)
+            chunk, L = ids[s:s + self.prefill_chunk], self.state.length
+            h = self.model(torch.tensor(chunk, device=self.device), self.state.layers, self._ctx(L, len(chunk), False))
             self.state.commit(len(chunk), len(chunk), step=False)
             self.tokens += chunk
-            self.hidden.append(h)
-            self._catch_up_mtp(known_next=ids[s + len(chunk)] if s + len(chunk) < len(ids) else None)
+            nxt = ids[s + 1:s + len(chunk) + 1]                    # x_{p+1} of each row, where known
+            if self.head is not None and nxt:
+                self._run_head(torch.tensor(nxt, device=self.device), h[:len(nxt)], L)
             kept.append(h if keep_all else h[-1:])
+        self.pos.fill_(self.state.length)
         return torch.cat(kept) if keep_all else kept[-1]
 
     def begin(self, prompt: list[int]) -> int:
@@ -80,103 +101,146 @@ class Decoder:
         reuse = 0 < L < len(prompt) and prompt[:L] == self.tokens
         if not reuse:
             self.reset()
-        self.next_token = None
-        self.generated = 0    # tokens emitted in this generation
-        self.seen = torch.zeros(self.model.c.vocab_size, dtype=torch.bool, device=self.device)
+        elif self.pending:
+            self.pend_tokens[self.pending - 1] = prompt[L]         # the token that follows, as fed now
+        self.generated = 0
+        self.seen.zero_()
         h = self.prefill(prompt[L:] if reuse else prompt)
+        self.pend_hidden[:1] = h                                   # the last row waits for its next token
         self.last_logits = self.model.logits(h)
         return L if reuse else 0
 
     def first_token(self, params: SamplingParams, generator) -> int:
-        tok = self._sample_one(self.last_logits, params, generator)
-        self._set_next(tok)
+        tok = self._sample(self.last_logits, params, generator, self.drafts[:0])
+        self.next_tok.copy_(tok)
+        self.pend_tokens[:1] = tok
+        self.pend_n.fill_(1 if self.head is not None else 0)
+        self.pending = int(self.pend_n)
+        self.last = int(tok)
+        self.seen.index_add_(0, tok, torch.ones(1, dtype=torch.int32, device=self.device))
         self.generated = 1
-        return tok
+        return self.last
 
-    # --- steps ---------------------------------------------------------------------------------
-    def step(self, k: int, params: SamplingParams, generator, budget: int, stop: set[int]) -> StepResult:
-        """One target forward: plain decode (k = 0) or a speculative step with k drafts. Emits at
-        most `budget` tokens and stops after a stop id, rolling the state back to what it emitted."""
-        t0 = time.perf_counter()
-        drafts = self._draft(k) if k else torch.empty(0, dtype=torch.long, device=self.device)
-        t1 = time.perf_counter()
-        L = self.state.length
-        fed = torch.cat([torch.tensor([self.next_token], device=self.device), drafts])
-        hidden = self.model(fed, self._caches(), self._ctx(L, k + 1, step=True))
-        logits = self.last_logits = self.model.logits(hidden)
-        t2 = time.perf_counter()
+    # --- the head ------------------------------------------------------------------------------
+    def _run_head(self, ids, hidden, start):
+        """The head over rows at positions start.. (prefill form): fills its KV, returns its output."""
+        T = ids.shape[0]
+        return self.head(self.model.embed, ids, hidden, self.state.mtp, self._ctx(start, T, step=False))
+
+    def _flush_pending(self, keep_last: bool):
+        """Run the head over the pending rows (all, or all but the last) outside the step graphs."""
+        n = self.pending - (1 if keep_last else 0)
+        if self.head is None or n <= 0:
+            return
+        start = self.state.length - self.pending
+        self._run_head(self.pend_tokens[:n], self.pend_hidden[:n], start)
+        if keep_last:
+            self.pend_hidden[:1] = self.pend_hidden[n:n + 1].clone()
+            self.pend_tokens[:1] = self.pend_tokens[n:n + 1].clone()
+        self.pending = 1 if keep_last else 0
+        self.pend_n.fill_(self.pending)
+
+    # --- the three phases of a step: pure functions of the buffers above -----------------------
+    def draft(self, k: int):
+        """Catch the head up over k_max+1 pending rows, then draft k tokens greedily into `drafts`."""
+        R, L = self.R, self.pos
+        start = L - self.pend_n
+        out = self.head(self.model.embed, self.pend_tokens[:R], self.pend_hidden[:R], self.state.mtp,
+                        self._ctx(start, R, step=True))
+        out = out.index_select(0, self.pend_n - 1)                        # the row at position L-1
+        d = self.model.logits(out).argmax(-1)
+        self.drafts[:1] = d
+        for j in range(1, k):
+            out = self.head(self.model.embed, d, out, self.state.mtp, self._ctx(L + (j - 1), 1, step=True))
+            d = self.model.logits(out).argmax(-1)
+            self.drafts[j:j + 1] = d
+
+    def verify(self, k: int):
+        """The target over [x_L, d_1..d_k] at positions L..L+k."""
+        fed = torch.cat([self.next_tok, self.drafts[:k]])
+        h = self.model(fed, self.state.layers, self._ctx(self.pos, k + 1, step=True))
+        self.v_hidden[:k + 1] = h
+        self.v_logits[:k + 1] = self.model.logits(h)
+
+    def accept(self, k: int, params: SamplingParams, generator):
+        """Accept on the device and commit a+1 tokens: ring slot, conv offset, length, pending rows."""
+        logits, drafts = self.v_logits[:k + 1], self.drafts[:k]
         if k == 0:
-            a, out = torch.zeros(1, dtype=torch.long), self._sample_rows(logits, params, generator, drafts)
+            a = torch.zeros(1, dtype=torch.long, device=self.device)
+            out = self._sample(logits, params, generator, drafts)
         elif params.greedy:
             a, out = accept_greedy(logits, drafts)
         else:
-            a, out = accept_sampled(logits, drafts, params, seen_rows(self.seen, drafts), generator)
-        t3 = time.perf_counter()
-        a, *emitted = torch.cat([a.to(out.device), out]).tolist()   # the step's one device-to-host copy
-        emitted = emitted[:a + 1]
+            a, out = accept_sampled(logits, drafts, params, seen_rows(self.seen > 0, drafts), generator)
+        used = (torch.arange(k + 1, device=self.device) <= a)
+        self.state.slot.copy_(a)
+        self.state.conv_off.copy_(a + 1)
+        self.pos.add_(a + 1)
+        self.next_tok.copy_(out.index_select(0, a))
+        self.seen.index_add_(0, out, used.int())
+        if self.head is not None:
+            base = self.pend_n if k == 0 else torch.zeros_like(self.pend_n)   # a step restarts the rows
+            rows = base + torch.arange(k + 1, device=self.device)
+            self.pend_hidden.index_copy_(0, rows, self.v_hidden[:k + 1])
+            self.pend_tokens.index_copy_(0, rows, out)
+            self.pend_n.copy_(base + a + 1)
+        self.result[0:1] = a
+        self.result[1:k + 2] = out
+
+    def _sample(self, logits, params, generator, drafts) -> torch.Tensor:
+        if params.greedy:
+            return logits.argmax(-1)
+        return sample(process_logits(logits, params, seen_rows(self.seen > 0, drafts)), generator)
+
+    # --- one step, from the host ---------------------------------------------------------------
+    def step(self, k: int, params: SamplingParams, generator, budget: int, stop: set[int]) -> StepResult:
+        """One target forward: plain decode (k = 0) or a speculative step with k drafts. Emits at
+        most `budget` tokens and stops after a stop id, rolling the state back to what it emitted."""
+        if (k and self.pending > self.R) or self.pending >= PENDING_ROWS:
+            self._flush_pending(keep_last=True)                    # MTP was off for a while
+        run = self.runner.run if self.runner is not None else _eager
+        times = [0.0, 0.0, 0.0]
+        if k:
+            times[0] = run(("draft", k), lambda: self.draft(k))
+            if self.drafter is not None:
+                self.drafts[:k] = self.drafter(self.generated, self.drafts[:k])
+        times[1] = run(("verify", k), lambda: self.verify(k))
+        accept = lambda: self.accept(k, params, generator)
+        times[2] = run(("accept", k), accept) if params.greedy else _eager(None, accept)
+        t = _clock()
+        a, *out = self.result[:k + 2].tolist()                    # the step's one device-to-host copy
         n = min(a + 1, budget)
-        for i, tok in enumerate(emitted[:n]):
+        for i, tok in enumerate(out[:n]):
             if tok in stop:
                 n = i + 1
                 break
-        emitted = emitted[:n]
-        # commit n of the k+1 fed tokens: x_L and the first n-1 drafts
-        self.state.commit(k + 1, n, step=True)
-        self.tokens += [self.next_token] + emitted[:n - 1]
-        self.hidden.append(hidden[:n])
-        self._set_next(emitted[-1])
+        emitted = out[:n]
+        if n < a + 1:
+            self._roll_back(n, emitted[-1], k)
+        self.state.length += n
+        self.tokens += [self.last] + emitted[:-1]                 # x_L and the drafts it kept
+        self.last = emitted[-1]
+        self.pending = ((self.pending if k == 0 else 0) + n) if self.head is not None else 0
         self.generated += n
-        for tok in emitted[:-1]:
-            self.seen[tok] = True
-        t4 = time.perf_counter()
-        ms = lambda x, y: (y - x) * 1e3
-        return StepResult(emitted, [i < a for i in range(n)], min(a, n), PhaseTimes(
-            draft=ms(t0, t1), verify=ms(t1, t2), accept=ms(t2, t3), host=ms(t3, t4)))
+        return StepResult(emitted, [i < a for i in range(n)], min(a, n),
+                          PhaseTimes(*times, host=(_clock() - t) * 1e3))
 
-    def _set_next(self, tok: int):
-        self.next_token = tok
-        self.seen[tok] = True
+    def _roll_back(self, n: int, last: int, k: int):
+        """Keep n of the a+1 accepted tokens (a stop id or the token limit inside the window)."""
+        self.state.slot.fill_(n - 1)
+        self.state.conv_off.fill_(n)
+        self.pos.fill_(self.state.length + n)
+        self.next_tok.fill_(last)
+        if self.head is not None:
+            self.pend_n.fill_((self.pending if k == 0 else 0) + n)
 
-    def _sample_rows(self, logits, params, generator, drafts) -> torch.Tensor:
-        if params.greedy:
-            return logits.argmax(-1)
-        return sample(process_logits(logits, params, seen_rows(self.seen, drafts)), generator)
 
-    def _sample_one(self, logits, params, generator) -> int:
-        return int(self._sample_rows(logits, params, generator, logits.new_empty(0, dtype=torch.long))[0])
+def _clock():
+    import time
+    return time.perf_counter()
 
-    # --- the MTP head --------------------------------------------------------------------------
-    def _catch_up_mtp(self, known_next: int | None):
-        """Run the head over the pending positions whose next token is known, filling its KV.
-        Returns the head's output for the last of them (None if nothing ran)."""
-        if self.head is None:
-            self.hidden = []
-            return None
-        L = self.state.length
-        upto = L if (known_next is not None or self.next_token is not None) else L - 1
-        if upto <= self.mtp_len:
-            return None
-        hidden = torch.cat(self.hidden)                       # rows for positions [mtp_len, L)
-        nxt = self.tokens[self.mtp_len + 1:L] + ([known_next if known_next is not None else self.next_token]
-                                                   if upto == L else [])
-        rows = hidden[:upto - self.mtp_len]
-        T = rows.shape[0]
-        ctx = self._ctx(self.mtp_len, T, step=T <= self.state.k_max + 1)
-        out = self.head(self.model.embed, torch.tensor(nxt, device=self.device), rows, self.state.mtp, ctx)
-        self.hidden = [hidden[upto - self.mtp_len:]]
-        self.mtp_len = upto
-        return out[-1:]
 
-    def _draft(self, k: int) -> torch.Tensor:
-        """k greedy drafts: the catch-up pass gives d_1, then the head chains on its own output."""
-        out = self._catch_up_mtp(known_next=None)
-        assert out is not None and self.mtp_len == self.state.length, "MTP catch-up must reach the last token"
-        drafts = [self.model.logits(out).argmax(-1)]
-        for j in range(1, k):
-            ctx = self._ctx(self.state.length + j - 1, 1, step=True)
-            out = self.head(self.model.embed, drafts[-1], out, self.state.mtp, ctx)
-            drafts.append(self.model.logits(out).argmax(-1))
-        drafts = torch.cat(drafts)
-        if self.drafter is not None:
-            drafts = self.drafter(self.generated, drafts)
-        return drafts
+def _eager(key, fn) -> float:
+    t = _clock()
+    fn()
+    return (_clock() - t) * 1e3

@@ -19,23 +19,27 @@ from torch import nn
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels import attention, conv, gdn, norm
+from mtpchat.kernels.matvec import matvec
 
 
 @dataclass
 class Ctx:
     """What a forward needs besides the tokens and the per-layer caches."""
     positions: torch.Tensor   # [T] long: the tokens' positions
-    start: int                # positions[0]: tokens already in the KV cache
+    start: int | torch.Tensor # positions[0]: tokens already in the KV cache (a [1] tensor in steps)
     step: bool                # decode/verify (recurrence + snapshots) rather than prefill
     conv_off: torch.Tensor    # [1] long: committed conv window offset
     slot: torch.Tensor        # [1] long: committed recurrent-state ring slot
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    """x [T, K] @ w[N, K]ᵀ. Row by row when `rowwise`, so each row's rounding is that of a 1-row call."""
-    if rowwise and x.shape[0] > 1:
-        return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])])
-    return F.linear(x, w)
+    """x [T, K] @ w[N, K]ᵀ. With `rowwise` (decode, verify, draft) each row's result is that of a
+    1-row call: the batch-invariant matvec kernel on the GPU, one product per row on the CPU."""
+    if not rowwise:
+        return F.linear(x, w)
+    if x.is_cuda:
+        return matvec(x, w)
+    return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)
 
 
 def empty(*shape) -> nn.Parameter:
@@ -49,7 +53,7 @@ class RMSNorm(nn.Module):
         self.weight, self.eps = empty(dim), eps
 
     def forward(self, x):
-        return norm.rmsnorm_ref(x, self.weight, self.eps)
+        return norm.rmsnorm(x, self.weight, self.eps)
 
 
 class MLP(nn.Module):
@@ -94,7 +98,7 @@ class GatedAttention(nn.Module):
         v_cache.index_copy_(0, ctx.positions, v.view(T, -1, c.head_dim))
         scale = c.head_dim ** -0.5
         if ctx.step:
-            o = attention.decode_attention_ref(q, k_cache, v_cache, ctx.start, scale)
+            o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale)
         else:
             n = ctx.start + T
             keys = torch.arange(n, device=x.device)
@@ -122,16 +126,16 @@ class GatedDeltaNet(nn.Module):
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         conv_buf, ring = cache
         mixed, z, b, a = linear(x, self.in_proj, ctx.step).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
-        mixed = conv.conv_update_ref(mixed, conv_buf, ctx.conv_off, self.conv_weight)   # pre-conv in, silu out
+        mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight)   # pre-conv in, silu out
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
         if ctx.step:
-            o = gdn.recurrent_ref(q, k, v, a, b, self.A_log, self.dt_bias, ring, ctx.slot)
+            o = gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, ring, ctx.slot)
         else:
             start_state = ring.index_select(0, ctx.slot)[0]
             o, end_state = gdn.chunk_ref(q, k, v, a, b, self.A_log, self.dt_bias, start_state)
             ring.index_copy_(0, ctx.slot, end_state[None])
-        o = norm.gated_rmsnorm_ref(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
+        o = norm.gated_rmsnorm(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
         return linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step)
 
 

@@ -21,8 +21,9 @@ class DecodeState:
     def __init__(self, c: ModelConfig, max_context: int, k_max: int, device, dtype, mtp: bool):
         self.max_context, self.k_max = max_context, k_max
         self.conv_width = c.linear_conv_kernel_dim - 1 + k_max + 1
-        kv = lambda: (torch.zeros(max_context, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype),
-                      torch.zeros(max_context, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype))
+        rows = max_context + k_max + 1    # a step may write up to k_max+1 rows past the last position
+        kv = lambda: (torch.zeros(rows, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype),
+                      torch.zeros(rows, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype))
         gdn = lambda: (torch.zeros(c.conv_dim, self.conv_width, device=device, dtype=dtype),
                        torch.zeros(k_max + 1, c.linear_num_value_heads, c.linear_key_head_dim,
                                    c.linear_value_head_dim, device=device, dtype=torch.float32))
