@@ -1,0 +1,286 @@
+"""What each key (and command palette entry) does. Mixed into ChatApp."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.app import SystemCommand
+
+from mtpchat.app.chat import ChatLog, Composer, MessageView, code_blocks
+from mtpchat.app.commands import CHAT_ONLY, COMMANDS
+from mtpchat.app.errors import NO_MTP
+from mtpchat.app.export import chat_markdown, export_path
+from mtpchat.app.race import LANES, RaceScreen
+from mtpchat.app.screens import CodePickScreen, SamplingScreen, SessionsScreen, SystemPromptScreen
+from mtpchat.app.store import decode_spans
+
+
+class ChatActions:
+    # --- helpers ---
+    def _chat(self) -> ChatLog:
+        return self.query_one(ChatLog)
+
+    def _views(self) -> list[MessageView]:
+        return self._chat().views()
+
+    def _engine_ready(self) -> bool:
+        if self.engine is None:
+            self.notice(self.load_error or "the model is still loading; try again in a moment",
+                        "error" if self.load_error else "warning")
+            return False
+        return True
+
+    def _when_idle(self, fn) -> None:
+        """Run fn now, or stop the reply and run fn once its thread has ended."""
+        if self.busy:
+            self._pending = fn
+            self.action_stop()
+        else:
+            self.call_later(fn)
+
+    def _prompt_messages(self, views=None) -> list[dict]:
+        msgs = [{"role": "system", "content": self.system}] if self.system.strip() else []
+        for v in views if views is not None else self._views():
+            if v.content or v.role == "user":
+                msgs.append({"role": v.role, "content": v.content})
+        return msgs
+
+    def check_action(self, action: str, parameters) -> bool | None:
+        if action in CHAT_ONLY and self.screen is not self.screen_stack[0]:
+            return False
+        return True
+
+    def get_system_commands(self, screen):
+        yield from super().get_system_commands(screen)
+        for c in COMMANDS:
+            if c.id != "theme":
+                yield SystemCommand(c.title, f"{c.help}  [{c.keys.split(',')[0]}]",
+                                    lambda a=c.action: self.run_action(a))
+
+    # --- sending ---
+    async def on_composer_submitted(self, event: Composer.Submitted) -> None:
+        if not self._engine_ready():
+            return
+        if self.busy:
+            self.notice("a reply is still streaming: press Esc to stop it", "warning")
+            return
+        self.query_one(Composer).clear()
+        text = event.text.strip()
+        mid = self._save("user", text)
+        await self._chat().add(MessageView("user", text, message_id=mid))
+        await self._start_reply()
+
+    async def _start_reply(self) -> None:
+        messages = self._prompt_messages()
+        view = await self._chat().add(MessageView("assistant", tint=self.tint))
+        view.set_footer("prefilling…")
+        self._chat().anchor()
+        self._reply_view = view
+        self.telemetry.new_reply()
+        self._begin([("chat", messages, None)])
+
+    # --- engine switches (live: the running reply picks them up at its next step) ---
+    def action_stop(self) -> None:
+        if self.busy:
+            self._stop.set()
+            if self.engine is not None:
+                self.engine.cancel()
+
+    def action_toggle_mtp(self) -> None:
+        if not self._engine_ready():
+            return
+        if not getattr(self.engine, "mtp_available", True):
+            self.notice(NO_MTP, "warning")
+            return
+        self.engine.mtp = not self.engine.mtp
+        self.notice(f"MTP on, {self.engine.draft_tokens} draft tokens" if self.engine.mtp else "MTP off")
+        self.redraw()
+
+    def _set_k(self, delta: int) -> None:
+        if not self._engine_ready():
+            return
+        k_max = int(getattr(self.engine, "k_max", 1))
+        k = min(max(self.engine.draft_tokens + delta, 1), k_max)
+        if k == self.engine.draft_tokens:
+            self.notice(f"draft tokens stay at {k} (1..{k_max})", "warning")
+            return
+        self.engine.draft_tokens = k
+        self.notice(f"{k} draft tokens per step" + ("" if self.engine.mtp else " (MTP is off)"))
+        self.redraw()
+
+    def action_draft_up(self) -> None:
+        self._set_k(+1)
+
+    def action_draft_down(self) -> None:
+        self._set_k(-1)
+
+    def action_toggle_think(self) -> None:
+        self.think = not self.think
+        self.notice("thinking on for the next reply" if self.think else "thinking off for the next reply")
+        self.redraw()
+
+    def action_toggle_tint(self) -> None:
+        self.tint = not self.tint
+        for v in self._views():
+            if v.role == "assistant":
+                v.set_tint(self.tint)
+        self.notice("tint: accepted drafts in green" if self.tint else "tint off")
+
+    # --- history ---
+    def action_regenerate(self) -> None:
+        if self._engine_ready():
+            self._when_idle(self._regenerate)
+
+    async def _regenerate(self) -> None:
+        views = self._views()
+        if not views:
+            self.notice("nothing to regenerate yet", "warning")
+            return
+        if views[-1].role == "assistant":
+            await self._drop(views[-1:])
+        await self._start_reply()
+
+    def action_edit_last(self) -> None:
+        self._when_idle(self._edit_last)
+
+    def on_composer_edit_last(self, event: Composer.EditLast) -> None:
+        self.action_edit_last()
+
+    async def _edit_last(self) -> None:
+        views = self._views()
+        users = [i for i, v in enumerate(views) if v.role == "user"]
+        if not users:
+            self.notice("no message to edit yet", "warning")
+            return
+        text = views[users[-1]].content
+        await self._drop(views[users[-1]:])
+        composer = self.query_one(Composer)
+        composer.text = text
+        composer.move_cursor(composer.document.end)
+        composer.focus()
+
+    async def _drop(self, views) -> None:
+        for v in views:
+            if v.message_id is not None:
+                self.store.delete_message(v.message_id)
+            await v.remove()
+
+    def action_new_chat(self) -> None:
+        self._when_idle(self._new_chat)
+
+    async def _new_chat(self) -> None:
+        await self._chat().clear()
+        self.session_id, self.session_title = None, "new chat"
+        self.system = self.default_system
+        self.telemetry.load_session([])
+        self.telemetry.new_reply()
+        if self.engine is not None:
+            self.engine.reset()
+        self.query_one(Composer).focus()
+        self.redraw()
+
+    def action_sessions(self) -> None:
+        def chosen(sid):
+            if sid is not None:
+                self._when_idle(lambda: self.open_session(sid))
+        self.push_screen(SessionsScreen(self.store, self.session_id, now=self.now), chosen)
+
+    async def open_session(self, sid: int) -> None:
+        row = self.store.session(sid)
+        if row is None:
+            self.notice("that chat no longer exists", "warning")
+            return
+        await self._chat().clear()
+        self.session_id, self.session_title, self.system = row.id, row.title, row.system
+        rows = self.store.messages(sid)
+        for r in rows:
+            footer = (r.stats or {}).get("footer", "")
+            await self._chat().add(MessageView(r.role, r.content, r.thinking, decode_spans(r.content, r.spans),
+                                               footer, self.tint, r.id))
+        self.telemetry.load_session([r.stats for r in rows if r.role == "assistant" and r.stats])
+        self.telemetry.new_reply()
+        if self.engine is not None:
+            self.engine.reset()
+        self._chat().anchor()
+        self.redraw()
+
+    # --- settings ---
+    def action_system_prompt(self) -> None:
+        def saved(text):
+            if text is None:
+                return
+            self.system = text
+            if self.session_id is not None:
+                self.store.set_system(self.session_id, text)
+            self.notice("system prompt saved for this chat")
+        self.push_screen(SystemPromptScreen(self.system), saved)
+
+    def action_sampling(self) -> None:
+        def saved(s):
+            if s is not None:
+                self.sampling = s
+                self.notice(f"sampling: {s.summary()}")
+        self.push_screen(SamplingScreen(self.sampling), saved)
+
+    # --- race ---
+    def action_race(self) -> None:
+        if not self._engine_ready():
+            return
+        if not getattr(self.engine, "mtp_available", True):
+            self.notice(NO_MTP + "; nothing to race", "warning")
+            return
+        if self.busy:
+            self.notice("a reply is still streaming: press Esc to stop it first", "warning")
+            return
+        views = self._views()
+        users = [i for i, v in enumerate(views) if v.role == "user"]
+        if not users:
+            self.notice("send a message first: the race reruns your last prompt", "warning")
+            return
+        messages = self._prompt_messages(views[:users[-1] + 1])
+        self.push_screen(RaceScreen(self.engine.draft_tokens))
+        self._begin([(LANES[0], messages, False), (LANES[1], messages, True)])
+
+    # --- copy and export ---
+    def _picked(self) -> MessageView | None:
+        focused = self.focused
+        if isinstance(focused, MessageView):
+            return focused
+        replies = [v for v in self._views() if v.role == "assistant" and v.content]
+        return replies[-1] if replies else None
+
+    def action_copy_message(self) -> None:
+        view = self._picked()
+        if view is None:
+            self.notice("no message to copy yet", "warning")
+            return
+        self.copy_to_clipboard(view.content)
+        self.notice(f"copied the message ({len(view.content)} characters)")
+
+    def action_copy_code(self) -> None:
+        view = self._picked()
+        blocks = code_blocks(view.content) if view else []
+        if not blocks:
+            self.notice("no code block in that message", "warning")
+            return
+
+        def copy(i):
+            if i is not None:
+                self.copy_to_clipboard(blocks[i])
+                self.notice(f"copied code block {i + 1} ({len(blocks[i].splitlines())} lines)")
+        copy(0) if len(blocks) == 1 else self.push_screen(CodePickScreen(blocks), copy)
+
+    def action_export(self) -> None:
+        views = self._views()
+        if not views:
+            self.notice("nothing to export yet", "warning")
+            return
+        turns = [(v.role, v.content, v.thinking, v.footer) for v in views]
+        text = chat_markdown(self.session_title, self.model_name, self.system, turns, self.now())
+        path = export_path(self.export_dir or Path.cwd(), self.session_title, self.now())
+        try:
+            path.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            self.notice(f"could not write {path} ({exc.strerror}): check the folder is writable", "error")
+            return
+        self.export_written = path
+        self.notice(f"chat exported to {path}")

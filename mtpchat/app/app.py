@@ -1,0 +1,317 @@
+"""The chat app: layout, engine loading, the generation worker and what its messages do.
+
+The engine runs on one thread worker at a time. The app never starts a generation while the last
+one's thread is still running: `busy` clears only when the worker says it has ended
+(`GenerationEnded`), and an action that needs the engine while busy stops the reply and runs after.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from textual import work
+from textual.app import App
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import Footer, LoadingIndicator, Static
+from textual.worker import get_current_worker
+
+from mtpchat.app.actions import ChatActions
+from mtpchat.app.chat import ChatLog, Composer, MessageView
+from mtpchat.app.commands import BINDINGS
+from mtpchat.app.errors import NO_MTP, describe_error
+from mtpchat.app.gpu import NvmlProbe, ProcessProbe, Sampler
+from mtpchat.app.messages import (EngineFailed, EngineReady, GpuSampled, ReplyDelta, ReplyDone, ReplyFailed,
+                                  ReplyPrefilled)
+from mtpchat.app.panel import HeaderBar, Live, StatusBar, TelemetryPane
+from mtpchat.app.race import RaceScreen
+from mtpchat.app.runner import drive
+from mtpchat.app.settings import Sampling
+from mtpchat.app.store import Store, encode_spans
+from mtpchat.app.telemetry import Telemetry
+from mtpchat.app.think import prompt_opens_think
+
+NARROW_BELOW = 100   # columns; below this the telemetry pane folds into the status bar
+
+
+@dataclass
+class GenerationEnded(Message):
+    """The generation thread has returned: the engine is free."""
+
+
+def build_prompt(tokenizer, messages: list[dict], think: bool) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=think))
+
+
+def reply_footer(stats, reason: str, mtp: bool, k: int) -> str:
+    parts = []
+    if stats is not None:
+        parts.append(f"{stats.tokens_per_s:.1f} tok/s" if stats.tokens_per_s else "— tok/s")
+        parts.append(f"{stats.new_tokens} tokens")
+        if stats.verify_steps:
+            parts.append(f"mean acceptance {stats.mean_acceptance_length:.2f}")
+        parts.append(f"TTFT {stats.ttft_ms:.0f} ms")
+    parts.append(f"MTP k={k}" if mtp else "MTP off")
+    note = {"cancelled": "stopped", "length": "hit max tokens", "context": "context full"}.get(reason)
+    if note:
+        parts.append(note)
+    return " · ".join(parts)
+
+
+class ChatApp(ChatActions, App):
+    CSS_PATH = "app.tcss"
+    TITLE = "mtpchat"
+    BINDINGS = BINDINGS
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (NARROW_BELOW, "-wide")]
+
+    def __init__(self, load_engine: Callable[[], object], *, model: str, store: Store, sampling: Sampling,
+                 device: str = "cpu", dtype: str = "", system: str = "", think: bool = True, mtp: bool = True,
+                 draft_tokens: int = 3, probe: Callable | None = None, gpu_interval: float = 1.0,
+                 refresh_hz: float = 4.0, keymap: dict | None = None, export_dir: Path | None = None,
+                 now: Callable[[], float] = time.time):
+        super().__init__()
+        self.load_engine = load_engine
+        self.model_name, self.device, self.dtype = model, device, dtype
+        self.store, self.sampling, self.system, self.think = store, sampling, system, think
+        self.default_system = system
+        self.initial_mtp, self.initial_k = mtp, draft_tokens
+        self.make_probe, self.gpu_interval, self.refresh_hz = probe, gpu_interval, refresh_hz
+        self.user_keymap = keymap or {}
+        self.export_dir = export_dir
+        self.now = now
+        self.engine = None
+        self.load_error: str | None = None
+        self.session_id: int | None = None
+        self.session_title = "new chat"
+        self.telemetry = Telemetry()
+        self.tokens_emitted = 0
+        self.busy = False
+        self.tint = False
+        self.notices: list[tuple[str, str]] = []   # (severity, text), newest last
+        self.startup_notices: list[tuple[str, str]] = []
+        self._stop = threading.Event()
+        self._pending: Callable | None = None
+        self._reply_view: MessageView | None = None
+        self._sampler: Sampler | None = None
+        self._drawn = None
+
+    # --- layout and lifecycle ---
+    def compose(self):
+        yield HeaderBar(id="header")
+        with Horizontal(id="body"):
+            with Vertical(id="chat-column"):
+                yield ChatLog(id="chat")
+                with Horizontal(id="loading"):
+                    yield LoadingIndicator()
+                    yield Static(f"loading {self.model_name} on {self.device}…", id="loading-text")
+                yield Composer(id="composer", placeholder="Message  (enter sends · ctrl+j newline · ctrl+p commands)")
+            yield TelemetryPane(id="telemetry")
+        yield StatusBar(id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        if self.user_keymap:
+            self.set_keymap(self.user_keymap)
+        theme = self.store.get_pref("theme")
+        if theme and theme in self.available_themes:
+            self.theme = theme
+        self.theme_changed_signal.subscribe(self, lambda t: self.store.set_pref("theme", t.name))
+        self.query_one(Composer).focus()
+        self.set_interval(1 / self.refresh_hz, self.redraw)
+        self.redraw()
+        for severity, text in self.startup_notices:
+            self.notice(text, severity)
+        self._load()
+
+    def on_unmount(self) -> None:
+        # let the threads end, or interpreter exit would wait for a whole reply
+        self._stop.set()
+        if self.busy and self.engine is not None:
+            self.engine.cancel()
+        if self._sampler is not None:
+            self._sampler.stop()
+
+    def notice(self, text: str, severity: str = "information") -> None:
+        self.notices.append((severity, text))
+        self.notify(text, severity=severity, timeout=8 if severity == "error" else 4)
+
+    # --- loading ---
+    @work(thread=True, exclusive=True, group="load", exit_on_error=False)
+    def _load(self) -> None:
+        try:
+            self.post_message(EngineReady(self.load_engine()))
+        except Exception as exc:
+            self.post_message(EngineFailed(describe_error(exc, "load", self.device)))
+
+    def on_engine_ready(self, m: EngineReady) -> None:
+        self.engine = m.engine
+        self.device = str(getattr(self.engine, "device", self.device))
+        self.dtype = str(getattr(self.engine, "dtype", self.dtype)).replace("torch.", "")
+        self.query_one("#loading").display = False
+        for text in getattr(self.engine, "notices", None) or []:
+            self.notice(text, "warning")
+        if not getattr(self.engine, "mtp_available", True) and not getattr(self.engine, "notices", None):
+            self.notice(NO_MTP, "warning")
+        try:
+            self.telemetry.memory = dict(self.engine.memory())
+        except Exception:
+            self.telemetry.memory = {}
+        probe = self.make_probe(self.engine) if self.make_probe else (
+            NvmlProbe() if self.device.startswith("cuda") else ProcessProbe())
+        self._sampler = Sampler(probe, lambda s: self.post_message(GpuSampled(s)),
+                                lambda: self.tokens_emitted, self.gpu_interval)
+        self.run_worker(self._sampler.run, thread=True, group="gpu", exit_on_error=False)
+        self.redraw()
+
+    def on_engine_failed(self, m: EngineFailed) -> None:
+        self.load_error = m.text
+        self.query_one("#loading").display = False
+        self.notice(m.text, "error")
+        self.redraw()
+
+    def on_gpu_sampled(self, m: GpuSampled) -> None:
+        self.telemetry.gpu_sampled(m.sample)
+
+    # --- what the header, pane and status bar show ---
+    def live(self) -> Live:
+        e = self.engine
+        return Live(model=self.model_name, device=self.device, dtype=self.dtype,
+                    mtp=bool(e.mtp) if e else self.initial_mtp,
+                    mtp_available=getattr(e, "mtp_available", True) if e else True,
+                    draft_tokens=int(e.draft_tokens) if e else self.initial_k,
+                    k_max=int(getattr(e, "k_max", 0)) if e else 0,
+                    thinking=self.think, busy=self.busy, loaded=e is not None)
+
+    def redraw(self, force: bool = False) -> None:
+        live = self.live()
+        key = (self.telemetry.version, live, self.session_title)
+        if key == self._drawn and not force:
+            return
+        self._drawn = key
+        self.query_one(HeaderBar).show(live, self.session_title)
+        self.query_one(TelemetryPane).show(self.telemetry, live)
+        self.query_one(StatusBar).show(self.telemetry, live)
+
+    # --- generation ---
+    def _begin(self, runs: list[tuple[str, list[dict], bool | None]]) -> None:
+        self.busy = True
+        self._stop.clear()
+        self._generate(runs, self.think, self.sampling)
+
+    def _count(self, n: int) -> None:
+        self.tokens_emitted += n
+
+    @work(thread=True, exclusive=True, group="engine", exit_on_error=False)
+    def _generate(self, runs, think: bool, sampling: Sampling) -> None:
+        worker = get_current_worker()
+        engine = self.engine
+        cancelled = lambda: self._stop.is_set() or worker.is_cancelled
+        racing = any(mtp is not None for _, _, mtp in runs)
+        restore = engine.mtp
+        target = runs[0][0]
+        try:
+            params = sampling.to_params()
+            for target, messages, mtp in runs:
+                if cancelled():
+                    break
+                if mtp is not None:
+                    engine.mtp = mtp
+                    engine.reset()   # each lane starts from the same empty state
+                ids = build_prompt(engine.tokenizer, messages, think)
+                think_open = prompt_opens_think(engine.tokenizer, ids)
+                drive(engine, ids, params, target=target, think_open=think_open, post=self.post_message,
+                      cancelled=cancelled, count_tokens=self._count)
+        except Exception as exc:
+            self.post_message(ReplyFailed(target, describe_error(exc, "reply"), "", "", ()))
+        finally:
+            if racing:
+                engine.mtp = restore
+                engine.reset()
+            self.post_message(GenerationEnded())
+
+    def _race_screen(self) -> RaceScreen | None:
+        return next((s for s in self.screen_stack if isinstance(s, RaceScreen)), None)
+
+    def on_reply_prefilled(self, m: ReplyPrefilled) -> None:
+        if m.target == "chat":
+            self.telemetry.prefilled(m.prompt_tokens, m.prefill_ms, m.cached_tokens)
+            if self._reply_view:
+                self._reply_view.set_footer(f"prefilled {m.prompt_tokens} tokens in {m.prefill_ms:.0f} ms…")
+
+    async def on_reply_delta(self, m: ReplyDelta) -> None:
+        if m.target == "chat":
+            self.telemetry.add_steps(m.steps)
+            if self._reply_view:
+                await self._reply_view.write(m.thinking, m.answer, m.spans)
+        elif race := self._race_screen():
+            race.lane(m.target).write(m.thinking, m.answer)
+
+    async def on_reply_done(self, m: ReplyDone) -> None:
+        if m.target != "chat":
+            if race := self._race_screen():
+                race.lane(m.target).write("", "")
+                race.finish_lane(m.target, m.stats, m.reason)
+                race.done = race.done or m.reason == "cancelled" or m.target == "race:on"
+            return
+        self.telemetry.finished(m.stats)
+        live = self.live()
+        footer = reply_footer(m.stats, m.reason, live.mtp, live.draft_tokens)
+        stats = dict(m.stats.as_dict()) if m.stats is not None else {}
+        stats.update(reason=m.reason, mtp=live.mtp, draft_tokens=live.draft_tokens, footer=footer)
+        view = self._reply_view
+        # commit before rendering: a crash after this line loses nothing that was shown
+        mid = self._save("assistant", m.answer, m.thinking, encode_spans(m.spans), stats)
+        if view is not None:
+            view.message_id = mid
+            await view.finish(m.answer, m.thinking, m.spans, footer)
+        if self._sampler:
+            self._sampler.wake()
+        self.redraw(force=True)
+
+    async def on_reply_failed(self, m: ReplyFailed) -> None:
+        self.notice(m.text, "error")
+        if m.target != "chat":
+            if race := self._race_screen():
+                race.fail(m.text)
+            return
+        view = self._reply_view
+        if view is None:
+            return
+        if m.answer or m.thinking:
+            footer = "the engine failed here"
+            mid = self._save("assistant", m.answer, m.thinking, encode_spans(m.spans), {"reason": "error", "footer": footer})
+            view.message_id = mid
+            await view.finish(m.answer, m.thinking, m.spans, footer)
+        else:
+            await view.remove()
+        try:
+            self.engine.reset()
+        except Exception:
+            pass
+
+    def on_generation_ended(self, m: GenerationEnded) -> None:
+        self.busy = False
+        self._reply_view = None
+        self.redraw(force=True)
+        if self._pending is not None:
+            fn, self._pending = self._pending, None
+            self.call_later(fn)
+
+    # --- persistence ---
+    def _save(self, role: str, content: str, thinking: str = "", spans=None, stats=None) -> int | None:
+        try:
+            if self.session_id is None:
+                self.session_title = title_of(content)
+                self.session_id = self.store.create_session(self.session_title, self.system, self.model_name)
+            return self.store.add_message(self.session_id, role, content, thinking, spans, stats)
+        except Exception as exc:   # a full disk must not take the chat down
+            self.notice(f"could not save the chat ({exc}): it stays on screen; export it to keep it", "error")
+            return None
+
+
+def title_of(text: str) -> str:
+    line = " ".join(text.split())
+    return line[:48] + ("…" if len(line) > 48 else "") if line else "chat"

@@ -1,0 +1,173 @@
+"""The chat pane: a scrolling log of messages and the composer.
+
+A reply streams into `Markdown.get_stream` (it coalesces appends when rendering falls behind); when
+the reply ends the stream is stopped (which flushes its tail) and the whole text is rendered once more
+with `update`, so constructs that only parse complete (code fences, tables) come out right. Thinking
+streams into its own collapsible block and folds away when the answer starts. The log is anchored:
+it follows the reply until the user scrolls up, and follows again once they scroll back down.
+"""
+from __future__ import annotations
+
+import re
+
+from textual import events
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.content import Content
+from textual.message import Message
+from textual.widgets import Collapsible, Markdown, Static, TextArea
+
+_FENCE = re.compile(r"^(```|~~~)[^\n]*\n(.*?)^\1[ \t]*$", re.M | re.S)
+
+
+def code_blocks(markdown: str) -> list[str]:
+    """The bodies of the fenced code blocks, in order."""
+    return [m.group(2) for m in _FENCE.finditer(markdown)]
+
+
+def tinted(spans) -> Content:
+    """Answer text coloured by provenance: accepted drafts vs the target's own tokens."""
+    return Content.assemble(*((text, "$success" if draft else "") for text, draft in spans))
+
+
+class MessageView(Vertical, can_focus=True):
+    """One message. Focus it (click or tab) to pick it for copying."""
+
+    def __init__(self, role: str, content: str = "", thinking: str = "", spans=None,
+                 footer: str = "", tint: bool = False, message_id: int | None = None):
+        super().__init__(classes=f"message {role}")
+        self.role = role
+        self.content = content
+        self.thinking = thinking
+        self.spans = list(spans) if spans else []
+        self.footer = footer
+        self.tint = tint and bool(self.spans)
+        self.message_id = message_id
+        self._streams = {}
+        self._answer_started = bool(content)
+
+    def compose(self):
+        if self.role == "assistant":
+            with Collapsible(title="Thinking", collapsed=True, id="thinking") as c:
+                c.display = bool(self.thinking)
+                yield Markdown(self.thinking, id="think-md")
+        yield Markdown(self.content, id="answer")
+        yield Static(tinted(self.spans) if self.spans else "", id="tinted")
+        yield Static(self.footer, id="footer", markup=False)
+
+    def on_mount(self) -> None:
+        self._apply_tint()
+
+    def _apply_tint(self) -> None:
+        tint = self.tint and bool(self.spans)
+        self.query_one("#answer").display = not tint
+        self.query_one("#tinted").display = tint
+
+    def set_tint(self, on: bool) -> None:
+        self.tint = on
+        if on and self.spans:
+            self.query_one("#tinted", Static).update(tinted(self.spans))
+        self._apply_tint()
+
+    def set_footer(self, text: str) -> None:
+        self.footer = text
+        self.query_one("#footer", Static).update(text)
+
+    def _stream(self, wid: str):
+        if wid not in self._streams:
+            self._streams[wid] = Markdown.get_stream(self.query_one(f"#{wid}", Markdown))
+        return self._streams[wid]
+
+    async def write(self, thinking: str, answer: str, spans) -> None:
+        if thinking:
+            self.thinking += thinking
+            box = self.query_one("#thinking", Collapsible)
+            if not box.display:
+                box.display = True
+                box.collapsed = False
+                box.title = "Thinking…"
+            await self._stream("think-md").write(thinking)
+        if answer:
+            if not self._answer_started:
+                self._answer_started = True
+                if self.thinking:
+                    self.query_one("#thinking", Collapsible).collapsed = True
+            self.content += answer
+            self.spans.extend(spans)
+            if self.tint:
+                self.query_one("#tinted", Static).update(tinted(self.spans))
+                self._apply_tint()
+            else:
+                await self._stream("answer").write(answer)
+
+    async def finish(self, content: str, thinking: str, spans, footer: str) -> None:
+        """Stop the streams (flushing their tails) and render the whole reply once."""
+        for stream in self._streams.values():
+            await stream.stop()
+        self._streams.clear()
+        self.content, self.thinking, self.spans = content, thinking, list(spans)
+        await self.query_one("#answer", Markdown).update(content)
+        if self.role == "assistant":
+            box = self.query_one("#thinking", Collapsible)
+            box.display = bool(thinking)
+            if thinking:
+                await self.query_one("#think-md", Markdown).update(thinking)
+                box.title = f"Thinking ({len(thinking.split())} words)"
+                box.collapsed = True
+        if self.spans:
+            self.query_one("#tinted", Static).update(tinted(self.spans))
+        self._apply_tint()
+        self.set_footer(footer)
+
+
+class ChatLog(VerticalScroll):
+    def on_mount(self) -> None:
+        self.anchor()
+
+    async def add(self, view: MessageView) -> MessageView:
+        await self.mount(view)
+        return view
+
+    async def clear(self) -> None:
+        await self.remove_children()
+        self.anchor()
+
+    def views(self) -> list[MessageView]:
+        return list(self.query(MessageView))
+
+
+class Composer(TextArea):
+    """Enter sends; ctrl+j (which every terminal passes through) or shift+enter adds a newline."""
+
+    BINDINGS = [
+        Binding("enter", "submit", "Send", id="send", priority=True),
+        Binding("ctrl+j,shift+enter", "newline", "Newline", id="newline", show=False, priority=True),
+    ]
+
+    class Submitted(Message):
+        def __init__(self, text: str):
+            super().__init__()
+            self.text = text
+
+    class EditLast(Message):
+        """Up arrow in an empty composer: take the last exchange back for editing."""
+
+    def __init__(self, **kwargs):
+        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus",
+                         compact=True, highlight_cursor_line=False, **kwargs)
+
+    def action_submit(self) -> None:
+        text = self.text
+        if text.strip():
+            self.post_message(self.Submitted(text))
+
+    def action_newline(self) -> None:
+        self.insert("\n")
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "up" and not self.text:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.EditLast())
+            return
+        await super()._on_key(event)

@@ -1,0 +1,30 @@
+"""Exceptions a user can meet, turned into one line saying what is wrong and what to do."""
+from __future__ import annotations
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def describe_error(exc: BaseException, during: str = "load", device: str | None = None) -> str:
+    name = type(exc).__name__
+    detail = first_line(exc)
+    low = detail.lower()
+    if name == "OutOfMemoryError" or "out of memory" in low:
+        if during == "load":
+            return (f"not enough GPU memory to load the model ({detail}): try a smaller model, "
+                    "a shorter --max-context, or --draft-tokens 1")
+        return (f"ran out of GPU memory during the reply ({detail}): start a new chat or lower "
+                "--max-context; the chat so far is kept")
+    if isinstance(exc, FileNotFoundError):
+        return f"model files not found ({detail}): pass --model with a downloaded checkpoint folder"
+    if device == "cuda" and during == "load" and ("cuda" in low or "nvidia" in low or "gpu" in low):
+        return f"no usable GPU ({detail}): run with --device cpu (small models only)"
+    if during == "reply":
+        return f"the engine failed during the reply ({name}: {detail}); the chat so far is kept"
+    # the engine's own errors (config, weights, shapes) are already one clear line
+    return detail if name in ("ValueError", "ConfigError", "WeightsError", "RuntimeError") else f"{name}: {detail}"
+
+
+NO_MTP = "this checkpoint has no mtp.* weights: running with MTP off (plain decoding)"
