@@ -183,8 +183,12 @@ def download(repo_id: str, cache_dir: Path, revision: str = "main", notify=print
 
 
 def _snapshot(repo_id: str, cache_dir: Path, revision: str, files: list[str]) -> Path:
-    import huggingface_hub as hub
-    from huggingface_hub import errors
+    try:
+        import huggingface_hub as hub
+        from huggingface_hub import errors
+    except ImportError:
+        raise ModelNotFound(f"{repo_id} is not in the cache and huggingface_hub is not installed to "
+                            "download it; pip install huggingface_hub, or pass a local folder") from None
     try:
         return Path(hub.snapshot_download(repo_id, revision=revision, cache_dir=str(cache_dir),
                                           allow_patterns=list(files)))

@@ -122,11 +122,20 @@ assert set(CHECKS) == {f.name for f in dataclasses.fields(Options)}
 
 # ---- the file ----------------------------------------------------------------------------------
 
+def _user_dir(kind: str) -> Path:
+    """platformdirs' user config or data directory; the XDG default where it is not installed."""
+    try:
+        import platformdirs
+    except ImportError:
+        var, default = {"config": ("XDG_CONFIG_HOME", ".config"), "data": ("XDG_DATA_HOME", ".local/share")}[kind]
+        return Path(os.environ.get(var) or Path.home() / default) / APP
+    return Path(getattr(platformdirs, f"user_{kind}_dir")(APP, appauthor=False))
+
+
 def settings_path() -> Path:
     if os.environ.get("MTPCHAT_SETTINGS"):
         return Path(os.environ["MTPCHAT_SETTINGS"]).expanduser()
-    import platformdirs
-    return Path(platformdirs.user_config_dir(APP, appauthor=False)) / "settings.toml"
+    return _user_dir("config") / "settings.toml"
 
 
 def load_settings(path: Path | None = None) -> dict:
@@ -166,5 +175,4 @@ def data_dir(options: Options) -> Path:
     """Where chat history lives (created on first use by the app)."""
     if options.data_dir:
         return Path(options.data_dir).expanduser()
-    import platformdirs
-    return Path(platformdirs.user_data_dir(APP, appauthor=False))
+    return _user_dir("data")

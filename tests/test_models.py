@@ -2,6 +2,7 @@
 import errno
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import huggingface_hub
@@ -328,3 +329,9 @@ def test_smaller_aliases_are_ordered_and_unique():
     assert names == ["Qwen3.6-27B-MTP", "Qwen3.5-27B", "Qwen3.5-9B", "Qwen3.5-4B", "Qwen3.5-2B", "Qwen3.5-0.8B"]
     assert [a.name for a in models.smaller_aliases(4_000_000_000)] == ["Qwen3.5-2B", "Qwen3.5-0.8B"]
 
+
+
+def test_download_without_huggingface_hub(cache, monkeypatch):
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(ModelNotFound, match="huggingface_hub is not installed to download it"):
+        models.resolve("nobody/nothing")

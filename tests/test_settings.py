@@ -1,4 +1,5 @@
 """Settings: the TOML file, its checks, and the order defaults < file < environment < flags."""
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,12 @@ def test_platform_directories(monkeypatch):
     monkeypatch.setattr(platformdirs, "user_data_dir", lambda app, appauthor=None: f"/data/{app}")
     assert settings.settings_path() == Path("/cfg/mtpchat/settings.toml")
     assert settings.data_dir(settings.Options()) == Path("/data/mtpchat")
+
+
+def test_without_platformdirs_the_xdg_defaults_apply(monkeypatch, tmp_path):
+    monkeypatch.delenv("MTPCHAT_SETTINGS", raising=False)
+    monkeypatch.setitem(sys.modules, "platformdirs", None)   # import fails, as where it is not installed
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert settings.settings_path() == tmp_path / "cfg" / "mtpchat" / "settings.toml"
+    assert settings.data_dir(settings.Options()) == tmp_path / "data" / "mtpchat"
