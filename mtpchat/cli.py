@@ -247,6 +247,9 @@ def cmd_run(args) -> int:
     messages = ([{"role": "system", "content": options.system}] if options.system else []) \
         + [{"role": "user", "content": prompt}]
     prompt_ids = engine.tokenizer.apply_chat_template(messages, enable_thinking=options.think)
+    if len(prompt_ids) >= prep.max_context:
+        raise UserError(f"the prompt is {len(prompt_ids):,} tokens but --max-context is {prep.max_context:,}; "
+                        "raise --max-context or shorten the prompt")
     params = loader.sampling_params(options, prep.path)
     result = generate(engine, prompt_ids, params, stream_to=None if args.json else sys.stdout)
     if args.json:

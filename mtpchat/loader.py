@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtpchat import hubcache, models
-from mtpchat.errors import DeviceError, NotEnoughMemory
+from mtpchat.errors import DeviceError, NotEnoughMemory, UserError
 from mtpchat.settings import Options
 
 K_MAX = 4                   # ring slots allocated at load: the draft count can rise live up to this
@@ -93,6 +93,9 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
     notices: list[str] = []
     name, path, config, has_mtp = model_config(options, dry_run, notices)
     params = memory.text_params(config)
+    if options.max_context > config.max_position_embeddings:
+        raise UserError(f"--max-context {options.max_context} is longer than {name} supports "
+                        f"({config.max_position_embeddings:,} tokens)")
     device, auto = pick_device(options.device)
     elsewhere = dry_run and auto and device == "cpu" and params > CPU_MAX_PARAMS
     if elsewhere:  # a plan for the GPU this model needs, made on a machine without one
@@ -125,7 +128,7 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
 
 def not_enough_memory_message(prep: Prepared) -> str:
     from mtpchat.engine import memory
-    plan, free, cfg = prep.plan, prep.free, prep.config
+    plan, free = prep.plan, prep.free
     where = "the GPU" if prep.device.startswith("cuda") else "memory"
     head = (f"{prep.name} does not fit: it needs {memory.fmt_bytes(plan.needed)} (weights "
             f"{memory.fmt_bytes(plan.weights)}, KV {memory.fmt_bytes(plan.kv + plan.mtp_kv)} for "

@@ -78,7 +78,7 @@ def _int(lo=None, hi=None):
     return check
 
 
-def _float(lo=None, hi=None, lo_open=False):
+def _float(lo=None, hi=None, lo_open=False, hi_open=False):
     def check(v):
         if isinstance(v, bool):
             raise ValueError(f"must be a number, got {v!r}")
@@ -87,11 +87,11 @@ def _float(lo=None, hi=None, lo_open=False):
         except (TypeError, ValueError):
             raise ValueError(f"must be a number, got {v!r}") from None
         below = lo is not None and (x <= lo if lo_open else x < lo)
-        above = hi is not None and x > hi
+        above = hi is not None and (x >= hi if hi_open else x > hi)
         if below or above:
             if hi is None:
                 raise ValueError(f"must be at least {lo}, got {x}")
-            raise ValueError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {x}")
+            raise ValueError(f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, got {x}")
         return x
     return check
 
@@ -113,7 +113,7 @@ CHECKS = {
     "max_context": _int(16), "draft_tokens": _int(1, MAX_DRAFT_TOKENS),
     "mtp": _bool, "cuda_graphs": _bool,
     "temperature": _float(0.0), "top_p": _float(0.0, 1.0, lo_open=True), "top_k": _int(0),
-    "min_p": _float(0.0, 1.0), "presence_penalty": _float(-2.0, 2.0),
+    "min_p": _float(0.0, 1.0, hi_open=True), "presence_penalty": _float(-2.0, 2.0),
     "max_tokens": _int(1), "seed": _int(0), "system": _str, "think": _bool, "offline": _bool,
     "data_dir": _str,
 }

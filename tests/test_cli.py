@@ -365,3 +365,13 @@ def test_version(capsys):
     from importlib.metadata import version
     code, out, _ = run(capsys, "--version")
     assert code == 0 and out.strip() == f"mtpchat {version('mtpchat')}"
+
+
+def test_prompt_longer_than_the_context(capsys, tiny):
+    code, _, err = run(capsys, "run", "--model", tiny, "--max-context", "16", "--prompt", "word " * 40)
+    assert code == 1 and "tokens but --max-context is 16; raise --max-context" in err
+
+
+def test_context_longer_than_the_model_supports(capsys, tiny):
+    code, _, err = run(capsys, "run", "--model", tiny, "--max-context", "300000", "--prompt", "x")
+    assert code == 1 and "--max-context 300000 is longer than" in err and "(262,144 tokens)" in err

@@ -46,6 +46,7 @@ def test_flags_win_over_the_file(file):
     ("top_p = 0\n", r"top_p must be in \(0.0, 1.0\], got 0.0"),
     ("max_context = 1.5\n", "max_context must be a whole number, got 1.5"),
     ("device = \"tpu\"\n", "device must be one of auto, cpu, cuda, got 'tpu'"),
+    ("min_p = 1.0\n", r"min_p must be in \[0.0, 1.0\), got 1.0"),
     ("model = [1]\n", "model must be a string"),
     ("model = \n", "is not valid TOML"),
 ])
