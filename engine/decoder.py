@@ -24,6 +24,7 @@ import torch
 
 from mtpchat.engine.events import PhaseTimes
 from mtpchat.engine.model import Ctx
+from mtpchat.engine.runner import elapsed_ms
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
 from mtpchat.engine.spec import accept_greedy, accept_sampled, seen_rows
 
@@ -56,6 +57,10 @@ class Decoder:
         self.drafter = None                  # optional ProfileDrafter (engine/spec.py)
         self.runner = None                   # engine/runner.py sets itself here on CUDA
         self.reset()
+
+    def nbytes(self) -> int:
+        bufs = (self.pend_hidden, self.pend_tokens, self.v_hidden, self.v_logits, self.seen, self.drafts)
+        return sum(t.numel() * t.element_size() for t in bufs)
 
     @property
     def length(self) -> int:
@@ -223,7 +228,7 @@ class Decoder:
         self.pending = ((self.pending if k == 0 else 0) + n) if self.head is not None else 0
         self.generated += n
         return StepResult(emitted, [i < a for i in range(n)], min(a, n),
-                          PhaseTimes(*times, host=(_clock() - t) * 1e3))
+                          PhaseTimes(*map(elapsed_ms, times), host=(_clock() - t) * 1e3))
 
     def _roll_back(self, n: int, last: int, k: int):
         """Keep n of the a+1 accepted tokens (a stop id or the token limit inside the window)."""

@@ -26,6 +26,7 @@ from mtpchat.engine.decoder import Decoder
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
 from mtpchat.engine.model import Model
 from mtpchat.engine.mtp import MTPHead
+from mtpchat.engine.runner import Runner
 from mtpchat.engine.sampling import SamplingParams, make_generator
 from mtpchat.engine.state import DecodeState
 from mtpchat.engine.tokenizer import Tokenizer
@@ -61,6 +62,11 @@ class Engine:
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
         self.decoder = Decoder(self.model, self.head, self.state, prefill_chunk)
+        self.runner = None
+        if self.device.type == "cuda":
+            self.runner = self.decoder.runner = Runner(self.decoder, cuda_graphs)
+            with torch.inference_mode():
+                self.runner.capture(k_max, self.head is not None, SamplingParams())
         self._cancel = threading.Event()
 
     load = classmethod(lambda cls, model, **kw: cls(model, **kw))
@@ -104,7 +110,7 @@ class Engine:
     def memory(self) -> dict[str, int]:
         size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
         return {"weights": size(self.model) + size(self.head), **self.state.nbytes(),
-                "graph_pool": 0, "workspace": 0}
+                "graph_pool": self.runner.pool_bytes if self.runner else 0, "workspace": self.decoder.nbytes()}
 
     @property
     def stop_ids(self) -> tuple[int, ...]:

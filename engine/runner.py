@@ -1,0 +1,76 @@
+"""CUDA graphs for the step phases, and their timing with CUDA events.
+
+Each phase of a step (draft k, verify k, accept k; engine/decoder.py) is a pure function of
+preallocated buffers. At load the runner warms each one up (compiling the Triton kernels) and
+captures it once per k into one shared memory pool; a step then replays three graphs and records
+an event between them, so phase times cost no synchronisation: they are read after the step's one
+device-to-host copy. With graphs off the same functions run eagerly between the same events.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class Runner:
+    def __init__(self, decoder, graphs: bool):
+        self.decoder, self.graphs_on = decoder, graphs
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if graphs else None
+        self.capture_s, self.pool_bytes = 0.0, 0
+
+    def run(self, key, fn):
+        """Run a phase (its graph if captured); returns a pair of events to time it."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        else:
+            fn()
+        end.record()
+        return start, end
+
+    def capture(self, k_max: int, has_head: bool, sampling_params):
+        """Warm up and capture draft / verify / greedy accept for k = 0..k_max. The warm-up runs
+        change the state, so the decoder is reset afterwards."""
+        if not self.graphs_on:
+            return
+        t0, reserved = time.perf_counter(), torch.cuda.memory_reserved()
+        d = self.decoder
+        d.reset()
+        d.pos.fill_(1)          # a non-empty context so every kernel path runs
+        d.pend_n.fill_(1)
+        phases = []
+        for k in range(0, k_max + 1):
+            if k and has_head:
+                phases.append((("draft", k), lambda k=k: d.draft(k)))
+            phases.append((("verify", k), lambda k=k: d.verify(k)))
+            phases.append((("accept", k), lambda k=k: d.accept(k, sampling_params, None)))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _, fn in phases:                     # warm-up: compile kernels, settle allocations
+                fn()
+                d.pos.fill_(1)
+                d.pend_n.fill_(1)
+        torch.cuda.current_stream().wait_stream(side)
+        for key, fn in phases:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                fn()
+            self.graphs[key] = graph
+            d.pos.fill_(1)
+            d.pend_n.fill_(1)
+        torch.cuda.synchronize()
+        d.reset()
+        self.capture_s = time.perf_counter() - t0
+        self.pool_bytes = torch.cuda.memory_reserved() - reserved
+
+
+def elapsed_ms(timing) -> float:
+    """A phase time: a float already, or a pair of CUDA events (read after the step's sync)."""
+    if isinstance(timing, tuple):
+        return timing[0].elapsed_time(timing[1])
+    return timing
