@@ -7,7 +7,8 @@ single weight is read, and `mtpchat run --dry-run` can print it. The parts match
 What each part counts (27B numbers in bf16, see qwen35-model.md §9):
   weights    text params (embedding, layers, final norm, lm_head unless tied) + the MTP head
              (fc, one decoder layer, three norms); 26,895,998,464 + 424,699,392 params
-  kv         K and V of the main full-attention layers for max_context tokens: 64 KiB/token
+  kv         K and V of the main full-attention layers for max_context tokens (plus the k_max+1
+             rows a verify step may write past the end): 64 KiB/token
   mtp_kv     the same for the MTP layer(s): 4 KiB/token
   gdn_state  per GDN layer a conv window of K-1 + k_max+1 columns in the model dtype and a
              float32 recurrent state in k_max+1 ring slots; 146.8 MiB without the ring
@@ -170,10 +171,11 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloa
     # one captured graph per step shape: decode (1 token), then verify (k+1) and draft (k) per k
     shapes = [1] + [k + 1 for k in drafts] + list(drafts)
     per_token = kv_bytes_per_token(cfg, dtype) + (mtp_kv_bytes_per_token(cfg, dtype) if mtp else 0)
+    rows = max_context + k_max + 1   # a verify step may write k_max+1 rows past the last position
     return MemoryPlan(
         weights=(text_params(cfg) + (mtp_params(cfg) if mtp else 0)) * nbytes,
-        kv=kv_bytes_per_token(cfg, dtype) * max_context,
-        mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * max_context if mtp else 0,
+        kv=kv_bytes_per_token(cfg, dtype) * rows,
+        mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * rows if mtp else 0,
         gdn_state=gdn_ring_bytes(cfg, dtype, k_max),
         graph_pool=sum(rows * act + _logits_bytes(cfg, rows) for rows in shapes) if cuda_graphs else 0,
         workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes)),

@@ -44,27 +44,24 @@ class NotAvailable(UserError):
     exit_code = 2
 
 
-class Interrupted(UserError):
-    exit_code = 130
-
-
 def as_user_error(exc: BaseException) -> UserError | None:
     """The user-facing form of an engine exception, or None when it is a bug (let it surface)."""
     if isinstance(exc, UserError):
         return exc
-    kind = type(exc).__name__
+    # matched by class name, so mapping an error never imports the engine (or torch)
+    kinds = {cls.__name__ for cls in type(exc).__mro__}
+    kind = next((k for k in ("ConfigError", "WeightsError", "TokenizerError", "OutOfMemoryError") if k in kinds),
+                type(exc).__name__)
     if kind == "ConfigError":
         return UserError(f"unsupported checkpoint: {exc}")
     if kind == "WeightsError":
         return IncompleteModel(f"cannot load the weights: {exc}")
     if kind == "TokenizerError":
         return IncompleteModel(f"cannot load the tokenizer: {exc}")
-    if isinstance(exc, KeyboardInterrupt):
-        return Interrupted("interrupted")
     if isinstance(exc, OSError) and exc.errno == 28:  # ENOSPC
         return DiskFull(f"the disk is full ({exc.filename or 'while writing'}); "
                         "free some space and try again")
-    if kind == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError, matched by name to avoid importing torch
+    if kind == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError
         first = str(exc).splitlines()[0] if str(exc) else ""
         return NotEnoughMemory(f"the GPU ran out of memory: {first}\n"
                                "try a shorter --max-context, fewer --draft-tokens or a smaller model")

@@ -63,8 +63,8 @@ def test_tied_head_is_counted_once(c27):
 def test_plan_parts_for_27b(c27):
     plan = memory.plan_memory(c27, max_context=32768, k_max=3, dtype="bfloat16")
     assert plan.weights == (26_895_998_464 + 424_699_392) * 2
-    assert plan.kv == 32768 * 64 * KiB
-    assert plan.mtp_kv == 32768 * 4 * KiB
+    assert plan.kv == (32768 + 4) * 64 * KiB      # room for the k_max+1 rows of a verify step
+    assert plan.mtp_kv == (32768 + 4) * 4 * KiB
     # ring: 48 layers x (conv 10240 x (4 + 3) columns bf16 + 4 float32 states of 48x128x128)
     assert plan.gdn_state == 48 * (10240 * 7 * 2 + 4 * 48 * 128 * 128 * 4)
     assert plan.bytes_per_token == 68 * KiB
@@ -103,7 +103,7 @@ def test_fmt_bytes_and_describe(c27):
     assert memory.fmt_bytes(memory.gdn_state_bytes(c27)) == "146.8 MiB"
     assert memory.fmt_bytes(512) == "512 B"
     text = "\n".join(memory.describe(memory.plan_memory(c27, 4096, 3)))
-    assert "50.9 GiB" in text and "256.0 MiB" in text and "68.0 KiB per token" in text
+    assert "50.9 GiB" in text and "256.2 MiB" in text and "68.0 KiB per token" in text
 
 
 def test_unknown_dtype():
