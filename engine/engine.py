@@ -30,22 +30,29 @@ from mtpchat.engine.runner import Runner
 from mtpchat.engine.sampling import SamplingParams, make_generator
 from mtpchat.engine.state import DecodeState
 from mtpchat.engine.tokenizer import Tokenizer
-from mtpchat.engine.weights import has_mtp_weights, load_into, mtp_places, text_places
+from mtpchat.engine.weights import fill_random, has_mtp_weights, load_into, mtp_places, text_places
 
 
 class Engine:
-    def __init__(self, model: str | Path, device="cpu", dtype: torch.dtype | None = None,
+    def __init__(self, model: str | Path | ModelConfig, device="cpu", dtype: torch.dtype | None = None,
                  max_context: int = 4096, draft_tokens: int = 3, mtp: bool = True,
-                 cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int = 512):
+                 cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int = 512, seed: int = 0):
+        """`model` is a checkpoint folder, or a ModelConfig for random weights of its shapes (benchmarks;
+        no tokenizer then)."""
         # build -> load -> allocate state -> (warm up and capture: the CUDA runner)
-        folder = Path(model)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.config = ModelConfig.load(folder)
-        self.generation_config = GenerationConfig.load(folder, json.loads((folder / "config.json").read_text()))
-        self.tokenizer = Tokenizer.load(folder)
         self.notices: list[str] = []
-        self.mtp_available = self.config.has_mtp and has_mtp_weights(folder)
+        if isinstance(model, ModelConfig):
+            folder, self.config = None, model
+            self.generation_config, self.tokenizer = GenerationConfig(), None
+            self.mtp_available = model.has_mtp
+        else:
+            folder = Path(model)
+            self.config = ModelConfig.load(folder)
+            self.generation_config = GenerationConfig.load(folder, json.loads((folder / "config.json").read_text()))
+            self.tokenizer = Tokenizer.load(folder)
+            self.mtp_available = self.config.has_mtp and has_mtp_weights(folder)
         if not self.mtp_available:
             self.notices.append("this checkpoint has no mtp.* weights: running with MTP off")
         if not 1 <= draft_tokens <= k_max:
@@ -58,7 +65,10 @@ class Engine:
         modules, places = {"model": self.model}, {"model": text_places(self.config)}
         if self.head is not None:
             modules["mtp"], places["mtp"] = self.head, mtp_places(self.config)
-        load_into(modules, places, folder, self.device, self.dtype)
+        if folder is None:
+            fill_random(modules, places, self.device, self.dtype, seed)
+        else:
+            load_into(modules, places, folder, self.device, self.dtype)
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
         self.decoder = Decoder(self.model, self.head, self.state, prefill_chunk)
@@ -114,7 +124,9 @@ class Engine:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        return self.generation_config.eos_token_ids or tuple(self.tokenizer.eos_token_ids)
+        if self.generation_config.eos_token_ids or self.tokenizer is None:
+            return self.generation_config.eos_token_ids
+        return tuple(self.tokenizer.eos_token_ids)
 
     # --- inference -----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -45,17 +45,16 @@ def text_config(vocab_size: int, tie: bool, mtp: bool, special: dict[str, int], 
 
 def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     """Weights that keep activations in a sane range; norms and gates random, never zero."""
+    randn = lambda: torch.randn(shape, generator=g, device=g.device)
     if name.endswith("A_log"):
-        return torch.empty(shape).uniform_(1.0, 16.0, generator=g).log()
-    if name.endswith("dt_bias"):
-        return torch.randn(shape, generator=g) * 0.5
-    if name.endswith("conv1d.weight"):
-        return torch.randn(shape, generator=g) * 0.5
+        return torch.empty(shape, device=g.device).uniform_(1.0, 16.0, generator=g).log()
+    if name.endswith(("dt_bias", "conv1d.weight")):
+        return randn() * 0.5
     if len(shape) == 1:   # RMSNorm weights (zero-centred, and the GDN norm's plain one)
-        return torch.randn(shape, generator=g) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0)
+        return randn() * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0)
     if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
-        return torch.randn(shape, generator=g)
-    return torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+        return randn()
+    return randn() / math.sqrt(shape[-1])
 
 
 def write_tiny_checkpoint(folder: str | Path, *, tie: bool = False, mtp: bool = True, shards: int = 3,

@@ -165,6 +165,19 @@ def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]]
         _assign(modules[key], name, tensor)
 
 
+def fill_random(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]], device, dtype, seed: int):
+    """Random weights of the checkpoint's shapes drawn on the device (benchmarks at real sizes)."""
+    from mtpchat.engine.tiny import random_tensor
+    g = torch.Generator(device=device).manual_seed(seed)
+    for key, module in modules.items():
+        names = {place.param: name for name, place in places[key].items()}   # a representative name
+        for pname, p in list(module.named_parameters()):
+            dt = torch.float32 if pname.endswith(FLOAT32_PARAMS) else dtype
+            shape = tuple(p.shape) if p.dim() != 2 or "conv" not in pname else (p.shape[0], 1, p.shape[1])
+            t = random_tensor(names[pname], shape, g).reshape(p.shape).to(dt)
+            _assign(module, pname, t)
+
+
 def _assign(module: nn.Module, name: str, tensor: torch.Tensor):
     *path, leaf = name.split(".")
     for part in path:

@@ -1,0 +1,126 @@
+"""Measurements for `mtpchat bench`: MTP off vs on, phase times, against the bandwidth floor.
+
+The floor of a decode step is the bytes of weights it must read (every target weight but the
+embedding rows it does not touch, plus the lm_head) over the device-to-device copy bandwidth
+measured in the same run. Every time is reported with its ratio to that floor.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from mtpchat.engine.events import Finished, Prefilled, Step
+from mtpchat.engine.sampling import SamplingParams
+from mtpchat.engine.spec import ProfileDrafter
+
+PROFILE = (0.95, 0.83, 0.70, 0.55)   # P(at least i+1 drafts accepted)
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written."""
+    if torch.device(device).type != "cuda":
+        return float("nan")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * nbytes * repeats / (start.elapsed_time(end) / 1e3)
+
+
+def step_bytes(engine) -> int:
+    """Weight bytes one target forward reads: all layers, the final norm and the lm_head."""
+    size = lambda t: t.numel() * t.element_size()
+    total = sum(size(p) for p in engine.model.parameters())
+    if not engine.config.tie_word_embeddings:
+        total -= size(engine.model.embed)          # only the looked-up rows are read
+    return total
+
+
+def draft_bytes(engine) -> int:
+    """Weight bytes one MTP draft step reads: the head's layer and fc, and the shared lm_head again."""
+    if engine.head is None:
+        return 0
+    size = lambda t: t.numel() * t.element_size()
+    return sum(size(p) for p in engine.head.parameters()) + size(engine.model.head)
+
+
+def generate(engine, prompt: list[int], tokens: int, mtp: bool, k: int = 3, drafter=None) -> dict:
+    engine.reset()
+    engine.mtp, engine.draft_tokens, engine.drafter = mtp, k, drafter
+    steps, done, prefill = [], None, None
+    for ev in engine.generate(prompt, SamplingParams(max_tokens=tokens, stop_token_ids=())):
+        if isinstance(ev, Prefilled):
+            prefill = ev
+        elif isinstance(ev, Step) and ev.times.total > 0:
+            steps.append(ev)
+        elif isinstance(ev, Finished):
+            done = ev
+    engine.drafter = None
+    mean = lambda xs: statistics.fmean(xs) if xs else 0.0
+    return {"tokens": list(done.token_ids), "stats": done.stats, "prefill_ms": prefill.prefill_ms,
+            "ms_per_token": done.stats.decode_ms / max(1, done.stats.new_tokens - 1),
+            "verify_ms": mean([s.times.verify for s in steps]),
+            "draft_ms": mean([s.times.draft for s in steps]),
+            "accept_ms": mean([s.times.accept for s in steps]),
+            "host_ms": mean([s.times.host for s in steps])}
+
+
+def time_to_first_token(engine, n: int, seed: int = 0) -> float:
+    prompt = random_prompt(engine, n, seed)
+    engine.reset()
+    t = time.perf_counter()
+    for ev in engine.generate(prompt, SamplingParams(max_tokens=1, stop_token_ids=())):
+        if isinstance(ev, Step):
+            return (time.perf_counter() - t) * 1e3
+    return float("nan")
+
+
+def random_prompt(engine, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, min(engine.config.vocab_size, 200_000), (n,), generator=g).tolist()
+
+
+def run(engine, context: int = 1024, tokens: int = 128, ks=(1, 2, 3, 4), ttft=(512, 8192),
+        exactness_prompts: int = 1, exactness_tokens: int = 128) -> dict:
+    """The whole benchmark: one dict of figures (ms) and their ratios to the floor."""
+    bw = copy_bandwidth(engine.device)
+    floor_ms = step_bytes(engine) / bw * 1e3
+    out = {"device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
+           "copy_bandwidth_tb_s": bw / 1e12, "step_bytes": step_bytes(engine), "draft_bytes": draft_bytes(engine),
+           "floor_ms": floor_ms, "draft_floor_ms": draft_bytes(engine) / bw * 1e3,
+           "memory": engine.memory(), "capture_s": engine.runner.capture_s if engine.runner else 0.0}
+    out["ttft_ms"] = {n: time_to_first_token(engine, n) for n in ttft if n < engine.max_context}
+    prompt = random_prompt(engine, context, 1)
+    off = generate(engine, prompt, tokens, mtp=False)
+    out["decode_ms"] = off["ms_per_token"]
+    out["decode_step_ms"] = off["verify_ms"]
+    out["mtp_profile"], out["mtp_real"] = {}, {}
+    for k in ks:
+        drafter = ProfileDrafter(off["tokens"], PROFILE, seed=k, vocab=engine.config.vocab_size)
+        on = generate(engine, prompt, tokens, mtp=True, k=k, drafter=drafter)
+        out["mtp_profile"][k] = {
+            "ms_per_token": on["ms_per_token"], "verify_ms": on["verify_ms"], "draft_ms_per_step": on["draft_ms"] / k,
+            "accept_ms": on["accept_ms"], "host_ms": on["host_ms"],
+            "mean_acceptance_length": on["stats"].mean_acceptance_length,
+            "identical_to_mtp_off": on["tokens"] == off["tokens"]}
+    real = generate(engine, prompt, tokens, mtp=True, k=3)
+    out["mtp_real"] = {"ms_per_token": real["ms_per_token"], "mean_acceptance_length": real["stats"].mean_acceptance_length,
+                       "identical_to_mtp_off": real["tokens"] == off["tokens"]}
+    mismatches = 0
+    for p in range(exactness_prompts):
+        prompt = random_prompt(engine, 64 + 37 * p, 100 + p)
+        ref = generate(engine, prompt, exactness_tokens, mtp=False)["tokens"]
+        for k in ks:
+            drafter = ProfileDrafter(ref, PROFILE, seed=p * 10 + k, vocab=engine.config.vocab_size)
+            mismatches += generate(engine, prompt, exactness_tokens, mtp=True, k=k, drafter=drafter)["tokens"] != ref
+    out["exactness"] = {"prompts": exactness_prompts, "tokens": exactness_tokens, "ks": list(ks),
+                        "mismatches": mismatches}
+    return out

@@ -1,0 +1,68 @@
+"""`mtpchat bench`: MTP off vs on in one process, as a table or JSON (the figures: engine/bench.py)."""
+from __future__ import annotations
+
+import json
+
+RANDOM = ("qwen3.6-27b", "qwen3.5-9b", "qwen3.5-4b", "qwen3.5-0.8b")
+
+
+def add_arguments(p):
+    p.add_argument("--random-weights", choices=RANDOM, metavar="NAME",
+                   help=f"random weights of an official shape, built on the device ({', '.join(RANDOM)})")
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens before decoding (default 1024)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens generated per measurement (default 128)")
+    p.add_argument("--exactness-prompts", type=int, default=1,
+                   help="prompts checked for MTP on == off, token for token (default 1)")
+    p.add_argument("--exactness-tokens", type=int, default=128)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def main(args) -> int:
+    import torch
+    from pathlib import Path
+
+    from mtpchat.engine import Engine
+    from mtpchat.engine import bench
+    from mtpchat.engine.config import ModelConfig
+
+    opts = getattr(args, "options", None)
+    device = getattr(opts, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    graphs = getattr(opts, "cuda_graphs", True)
+    context = args.context
+    max_context = max(context + args.tokens * 2 + 64, 8192 + 64)
+    if args.random_weights:
+        config = ModelConfig.load(Path(bench.__file__).parent / "configs" / f"{args.random_weights}.json")
+        model, name = config, f"random {args.random_weights}"
+    else:
+        model = getattr(opts, "path", None) or args.model
+        name = str(model)
+    engine = Engine(model, device=device, max_context=max_context, cuda_graphs=graphs)
+    result = {"model": name, "cuda_graphs": graphs, **bench.run(
+        engine, context=context, tokens=args.tokens, exactness_prompts=args.exactness_prompts,
+        exactness_tokens=args.exactness_tokens, ttft=tuple(n for n in (512, 8192) if n + 8 < max_context))}
+    print(json.dumps(result, indent=1, default=str) if args.json else table(result))
+    return 0
+
+
+def table(r: dict) -> str:
+    floor = r["floor_ms"]
+    row = lambda label, ms: f"{label:<44}{ms:>10.3f} ms {ms / floor:>8.3f} x floor"
+    lines = [f"{r['model']} on {r['device']}, CUDA graphs {'on' if r['cuda_graphs'] else 'off'}",
+             f"copy bandwidth {r['copy_bandwidth_tb_s']:.3f} TB/s; {r['step_bytes'] / 1e9:.2f} GB per target step "
+             f"-> floor {floor:.3f} ms; capture {r['capture_s']:.1f} s", ""]
+    for n, ms in r["ttft_ms"].items():
+        lines.append(f"{'time to first token, ' + str(n) + ' tokens':<44}{ms:>10.1f} ms")
+    lines.append(row("decode, MTP off (per token)", r["decode_ms"]))
+    lines.append(row("decode step, GPU time", r["decode_step_ms"]))
+    for k, m in r["mtp_profile"].items():
+        lines.append(row(f"verify k={k}", m["verify_ms"]))
+        lines.append(row(f"draft step (k={k})", m["draft_ms_per_step"]))
+        lines.append(row(f"MTP on k={k}, profile (len {m['mean_acceptance_length']:.2f})", m["ms_per_token"])
+                     + ("" if m["identical_to_mtp_off"] else "  OUTPUT DIFFERS"))
+    m = r["mtp_real"]
+    lines.append(row(f"MTP on k=3, real head (len {m['mean_acceptance_length']:.2f})", m["ms_per_token"]))
+    e = r["exactness"]
+    lines.append(f"exactness: {e['prompts']} prompts x {e['tokens']} tokens x k={e['ks']}: {e['mismatches']} mismatches")
+    mem = r["memory"]
+    lines.append("memory: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in mem.items()))
+    return "\n".join(lines)

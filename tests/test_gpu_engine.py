@@ -1,0 +1,64 @@
+"""The engine on the GPU in bf16: the Triton kernels, CUDA graphs, and exactness of MTP on vs off."""
+import pytest
+import torch
+
+from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine.spec import ProfileDrafter
+from mtpchat.engine.tiny import write_tiny_checkpoint
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# head_dim and GDN head dims are powers of two, as the kernels require (and the real models have)
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=6,
+             linear_key_head_dim=32, linear_value_head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu"), **SHAPE)
+
+
+def tokens(engine, ids, n=96, mtp=False, k=3, drafter=None):
+    engine.reset()
+    engine.mtp, engine.draft_tokens, engine.drafter = mtp, k, drafter
+    out = list(engine.generate(ids, SamplingParams(max_tokens=n, stop_token_ids=())))[-1].token_ids
+    engine.drafter = None
+    return list(out)
+
+
+def prompts(engine, n):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, engine.config.vocab_size - 64, (int(5 + 23 * i),), generator=g).tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_greedy_mtp_on_equals_off_bf16(ckpt, graphs):
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs, max_context=1024)
+    for i, ids in enumerate(prompts(engine, 4)):
+        ref = tokens(engine, ids)
+        for k in (1, 2, 3, 4):
+            drafter = ProfileDrafter(ref, seed=10 * i + k, vocab=engine.config.vocab_size)
+            assert tokens(engine, ids, mtp=True, k=k, drafter=drafter) == ref, (i, k)
+        assert tokens(engine, ids, mtp=True, k=3) == ref      # the real head
+
+
+def test_graph_replay_equals_eager(ckpt):
+    runs = []
+    for graphs in (True, False):
+        engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs, max_context=1024)
+        ids = prompts(engine, 2)[1]
+        ref = tokens(engine, ids)
+        runs.append((ref, tokens(engine, ids, mtp=True, k=2,
+                                 drafter=ProfileDrafter(ref, seed=1, vocab=engine.config.vocab_size))))
+        del engine
+    assert runs[0] == runs[1]
+
+
+def test_gpu_logits_close_to_cpu_float32(ckpt):
+    gpu = Engine.load(ckpt, device="cuda", dtype=torch.float32, max_context=512)
+    cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
+    ids = prompts(cpu, 3)[2]
+    a, b = gpu.logits(ids).cpu(), cpu.logits(ids)
+    assert ((a - b).abs().max() / b.abs().max()) < 1e-3
