@@ -26,7 +26,9 @@ def main(args) -> int:
     from mtpchat.engine.config import ModelConfig
 
     opts = getattr(args, "options", None)
-    device = getattr(opts, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = getattr(opts, "device", None)
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     graphs = getattr(opts, "cuda_graphs", True)
     context = args.context
     max_context = max(context + args.tokens * 2 + 64, 8192 + 64)
