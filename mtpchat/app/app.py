@@ -15,6 +15,7 @@ from typing import Callable
 from textual import work
 from textual.app import App
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.message import Message
 from textual.widgets import Footer, LoadingIndicator, Static
 from textual.worker import get_current_worker
@@ -190,10 +191,14 @@ class ChatApp(ChatActions, App):
         key = (self.telemetry.version, live, self.session_title)
         if key == self._drawn and not force:
             return
+        try:
+            screen = self.screen_stack[0]
+            screen.query_one(HeaderBar).show(live, self.session_title)
+            screen.query_one(TelemetryPane).show(self.telemetry, live)
+            screen.query_one(StatusBar).show(self.telemetry, live)
+        except (NoMatches, IndexError):
+            return   # shutting down: the widgets are gone
         self._drawn = key
-        self.query_one(HeaderBar).show(live, self.session_title)
-        self.query_one(TelemetryPane).show(self.telemetry, live)
-        self.query_one(StatusBar).show(self.telemetry, live)
 
     # --- generation ---
     def _begin(self, runs: list[tuple[str, list[dict], bool | None]]) -> None:

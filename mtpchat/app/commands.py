@@ -20,6 +20,7 @@ class Command:
     title: str          # command palette title
     help: str
     footer: bool = True
+    priority: bool = False    # f6 / f7 are the composer's own select keys: the app must see them first
 
 
 COMMANDS = (
@@ -39,9 +40,10 @@ COMMANDS = (
     Command("race", "f8", "race", "Race", "Race MTP off vs on",
             "Run the last prompt with MTP off, then on, side by side, and show the speedup"),
     Command("system_prompt", "f6", "system_prompt", "System", "System prompt",
-            "Edit the system prompt of this chat", footer=False),
+            "Edit the system prompt of this chat", footer=False, priority=True),
     Command("sampling", "f7", "sampling", "Sampling", "Sampling settings",
-            "Temperature, top-p, top-k, min-p, presence penalty, max tokens, seed; Qwen's presets", footer=False),
+            "Temperature, top-p, top-k, min-p, presence penalty, max tokens, seed; Qwen's presets", footer=False,
+            priority=True),
     Command("copy_message", "f9", "copy_message", "Copy", "Copy message",
             "Copy the selected message (or the last reply) to the clipboard", footer=False),
     Command("copy_code", "f10", "copy_code", "Copy code", "Copy code block",
@@ -53,7 +55,8 @@ COMMANDS = (
     Command("theme", "f12", "change_theme", "Theme", "Theme", "Pick a colour theme", footer=False),
 )
 
-BINDINGS = [Binding(c.keys, c.action, c.short, show=c.footer, id=c.id, tooltip=c.help) for c in COMMANDS]
+BINDINGS = [Binding(c.keys, c.action, c.short, show=c.footer, id=c.id, tooltip=c.help, priority=c.priority)
+            for c in COMMANDS]
 
 # actions that only make sense on the chat screen (not inside a dialog or the race)
 CHAT_ONLY = {"toggle_think", "regenerate", "edit_last", "new_chat", "sessions", "race", "system_prompt",

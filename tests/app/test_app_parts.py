@@ -1,0 +1,199 @@
+"""The app's parts without a screen: think parsing, telemetry definitions, batching, the store."""
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from mtpchat.app.fake import DEFAULT_ANSWER, DEFAULT_THINKING, FakeEngine, FakeTokenizer
+from mtpchat.app.gauges import bar, sparkline
+from mtpchat.app.gpu import GpuSample, Sampler, energy_per_token
+from mtpchat.app.messages import ReplyDelta, ReplyDone
+from mtpchat.app.runner import drive
+from mtpchat.app.settings import PRESETS, Sampling, initial_sampling, load_keymap
+from mtpchat.app.store import Store, data_dir, decode_spans, encode_spans
+from mtpchat.app.telemetry import StepRecord, Telemetry
+from mtpchat.app.think import ThinkSplitter, prompt_opens_think
+
+
+# --- thinking ---
+
+def split_all(pieces, inside):
+    s = ThinkSplitter(inside=inside)
+    out = [s.push(p) for p in pieces] + [s.flush()]
+    return "".join(t for t, _ in out), "".join(a for _, a in out)
+
+
+@pytest.mark.parametrize("cut", range(1, 30))
+def test_think_split_survives_any_chunking(cut):
+    text = "step one, step two</think>\n\nThe answer is 4."
+    pieces = [text[i:i + cut] for i in range(0, len(text), cut)]
+    assert split_all(pieces, inside=True) == ("step one, step two", "The answer is 4.")
+
+
+def test_think_split_when_the_model_opens_the_block_itself():
+    assert split_all(["<thi", "nk>\nhmm</th", "ink>\n\nyes"], inside=False) == ("\nhmm", "yes")
+    assert split_all(["no thinking at all, a < b"], inside=False) == ("", "no thinking at all, a < b")
+    assert split_all(["never closed </thin"], inside=True) == ("never closed </thin", "")
+
+
+def test_prompt_opens_think_reads_token_ids_not_user_text():
+    tok = FakeTokenizer()
+    thinking = tok.apply_chat_template([{"role": "user", "content": "hi"}], enable_thinking=True)
+    plain = tok.apply_chat_template([{"role": "user", "content": "hi"}], enable_thinking=False)
+    sneaky = tok.apply_chat_template([{"role": "user", "content": "<think>"}], add_generation_prompt=False)
+    assert prompt_opens_think(tok, thinking) and not prompt_opens_think(tok, plain)
+    assert not prompt_opens_think(tok, sneaky)
+
+
+# --- telemetry: the serving engines' definitions, equal to the engine's own Stats ---
+
+def test_telemetry_matches_the_engine_stats():
+    engine = FakeEngine(draft_tokens=3)
+    tok = engine.tokenizer
+    from mtpchat.engine.sampling import SamplingParams
+    events = list(engine.generate(tok.apply_chat_template([{"role": "user", "content": "x"}]),
+                                  SamplingParams(max_tokens=4096)))
+    stats = events[-1].stats
+    t = Telemetry()
+    t.add_steps([StepRecord.of(e) for e in events if type(e).__name__ == "Step"])
+    assert stats.verify_steps > 10 and 0 < stats.accepted < stats.drafted
+    assert t.reply.mean_length == pytest.approx(stats.mean_acceptance_length)
+    assert t.reply.rate == pytest.approx(stats.draft_acceptance_rate)
+    assert t.reply.per_position == pytest.approx(stats.per_position_acceptance)
+    assert t.tokens == stats.new_tokens
+    assert t.tokens_per_s == pytest.approx(stats.tokens_per_s, rel=1e-6)
+    phases = t.phase_ms()
+    assert phases["verify"] > phases["draft"] > phases["accept"] > 0
+    t.finished(stats)
+    t.new_reply()
+    assert t.phase_ms() is None and t.reply.mean_length is None
+    t.finished(stats)
+    assert t.session.mean_length == pytest.approx(stats.mean_acceptance_length)   # two equal replies
+
+
+def test_session_totals_from_stored_replies():
+    t = Telemetry()
+    t.load_session([{"verify_steps": 10, "drafted": 30, "accepted": 20, "per_position_acceptance": [0.9, 0.7, 0.4]},
+                    {"verify_steps": 30, "drafted": 90, "accepted": 30, "per_position_acceptance": [0.5, 0.3, 0.2]}])
+    assert t.session.mean_length == pytest.approx(1 + 50 / 40)
+    assert t.session.rate == pytest.approx(50 / 120)
+    assert t.session.per_position == pytest.approx([(9 + 15) / 40, (7 + 9) / 40, (4 + 6) / 40])
+
+
+def test_energy_per_token_over_a_window():
+    a = GpuSample(energy_j=100.0, tokens=10)
+    assert energy_per_token(a, GpuSample(energy_j=130.0, tokens=20)) == pytest.approx(3.0)
+    assert energy_per_token(a, GpuSample(energy_j=130.0, tokens=10)) is None     # idle
+    assert energy_per_token(a, GpuSample(tokens=20)) is None                     # unsupported
+
+
+def test_a_failing_probe_never_stops_the_sampler():
+    seen = []
+
+    class Flaky:
+        n = 0
+
+        def sample(self):
+            Flaky.n += 1
+            if Flaky.n % 2:
+                raise RuntimeError("NVML: not supported")
+            return GpuSample(used=1)
+    s = Sampler(Flaky(), lambda x: (seen.append(x), len(seen) >= 3 and s.stop()), lambda: 7, interval=0.001)
+    s.run()
+    assert len(seen) == 3 and all(x.tokens == 7 and x.used == 1 for x in seen)
+
+
+# --- the worker's batching ---
+
+def test_drive_batches_by_time_and_ends_with_the_whole_reply():
+    engine = FakeEngine()
+    tok = engine.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "x"}], enable_thinking=True)
+    clock = iter(range(10_000))
+    posted = []
+    from mtpchat.engine.sampling import SamplingParams
+    drive(engine, ids, SamplingParams(max_tokens=4096), target="chat", think_open=True, post=posted.append,
+          cancelled=lambda: False, interval=5, clock=lambda: next(clock))
+    deltas = [m for m in posted if isinstance(m, ReplyDelta)]
+    done = posted[-1]
+    assert isinstance(done, ReplyDone) and done.reason == "stop"
+    assert done.answer == DEFAULT_ANSWER and done.thinking.strip() == DEFAULT_THINKING
+    steps = len(engine.step_log)
+    assert len(deltas) == pytest.approx(steps / 5, abs=2)          # one message per 5 clock ticks
+    assert sum(len(d.steps) for d in deltas) == steps
+    assert "".join(d.answer for d in deltas) == DEFAULT_ANSWER
+    assert "".join(t for t, _ in done.spans) == DEFAULT_ANSWER
+    assert {d for _, d in done.spans} == {True, False}              # both provenances present
+
+
+def test_drive_passes_cancellation_to_the_engine():
+    engine = FakeEngine()
+    posted = []
+    from mtpchat.engine.sampling import SamplingParams
+    drive(engine, [1, 5], SamplingParams(max_tokens=4096), target="chat", think_open=False, post=posted.append,
+          cancelled=lambda: len(engine.step_log) >= 4)
+    assert posted[-1].reason == "cancelled" and len(engine.step_log) == 4
+
+
+# --- the store ---
+
+def test_store_commits_every_message_at_once(tmp_path):
+    store = Store(tmp_path, now=lambda: 5.0)
+    sid = store.create_session("t", "be brief", "m")
+    spans = [("Hello ", False), ("world", True)]
+    store.add_message(sid, "user", "hi")
+    store.add_message(sid, "assistant", "Hello world", "hmm", encode_spans(spans), {"new_tokens": 3})
+    # another connection (a restart after a kill) sees both without any close or commit
+    rows = sqlite3.connect(tmp_path / "chats.sqlite3").execute("SELECT role, content, stats FROM messages").fetchall()
+    assert rows == [("user", "hi", None), ("assistant", "Hello world", json.dumps({"new_tokens": 3}))]
+    (msg,) = [m for m in store.messages(sid) if m.role == "assistant"]
+    assert decode_spans(msg.content, msg.spans) == spans
+    assert decode_spans("Edited", msg.spans) is None
+    store.delete_session(sid)
+    assert store.messages(sid) == [] and store.sessions() == []
+
+
+def test_data_dir_precedence(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPCHAT_DATA_DIR", str(tmp_path / "env"))
+    assert data_dir(str(tmp_path / "flag")) == tmp_path / "flag"
+    assert data_dir(None) == tmp_path / "env"
+    monkeypatch.delenv("MTPCHAT_DATA_DIR")
+    assert data_dir(None).name == "mtpchat"
+
+
+# --- settings ---
+
+def test_initial_sampling_follows_the_run_command(tmp_path):
+    class Opts:
+        temperature = None
+        top_p = None
+        top_k = 7
+        min_p = presence_penalty = seed = None
+        max_tokens = 100
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    s = initial_sampling(Opts, tmp_path)
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.6, 0.95, 7, 100)
+    assert initial_sampling(Opts, None).temperature == 0.0
+    assert PRESETS["thinking · general"] == Sampling(1.0, 0.95, 20, 0.0, 1.5)
+    assert Sampling(top_p=0).check() and Sampling(temperature=-1).check() and Sampling().check() is None
+
+
+def test_keymap_file(tmp_path):
+    path = tmp_path / "keymap.toml"
+    assert load_keymap(path) == ({}, None)
+    path.write_text('toggle_mtp = "f2"\nrace = "ctrl+b"\n')
+    assert load_keymap(path) == ({"toggle_mtp": "f2", "race": "ctrl+b"}, None)
+    path.write_text("toggle_mtp = 3\n")
+    assert "must be a string" in load_keymap(path)[1]
+    path.write_text("toggle_mtp = \n")
+    assert "not valid TOML" in load_keymap(path)[1]
+
+
+# --- gauges ---
+
+def test_gauges():
+    assert bar(0.5, 4) == "██  " and bar(1.2, 3) == "███" and bar(1 / 16, 2) == "▏ "
+    assert sparkline([1, 2, 3], 5, lo=1, hi=3) == "  ▁▅█"
+    assert sparkline([], 3) == "   " and sparkline([2, 2], 2) == "▄▄"
