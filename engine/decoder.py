@@ -212,8 +212,8 @@ class Decoder:
         times[1] = run(("verify", k), lambda: self.verify(k))
         accept = lambda: self.accept(k, params, generator)
         times[2] = run(("accept", k), accept) if params.greedy else _eager(None, accept)
-        t = _clock()
         a, *out = self.result[:k + 2].tolist()                    # the step's one device-to-host copy
+        t = _clock()                                              # host time: after the device is done
         n = min(a + 1, budget)
         for i, tok in enumerate(out[:n]):
             if tok in stop:
