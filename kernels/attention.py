@@ -77,32 +77,44 @@ def _attn_split_kernel(q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale,
 
 @triton.jit(do_not_specialize=["T"])
 def _attn_combine_kernel(start, ws_m, ws_l, ws_o, out, T, s_ot, s_oh,
-                         HQ: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr):
+                         HQ: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BS: tl.constexpr):
+    # One program per (token, query head); spans are folded BS at a time into BS lanes, then the
+    # lanes are summed: a fixed order for a given number of spans, which depends on the row alone.
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_d = tl.arange(0, D)
     n_spans = (tl.load(start) + i_t) // SPLIT + 1               # the spans holding keys 0..start+t
-    b_m = tl.full([1], float("-inf"), tl.float32)
-    b_l = tl.zeros([1], tl.float32)
-    b_o = tl.zeros([D], tl.float32)
-    for i_s in range(n_spans):
-        o_w = (i_s * T + i_t) * HQ + i_h
-        b_ms = tl.load(ws_m + o_w + tl.zeros([1], tl.int32))
-        b_mn = tl.maximum(b_m, b_ms)                             # finite from span 0 on
-        b_a, b_b = tl.exp(b_m - b_mn), tl.exp(b_ms - b_mn)
-        b_l = b_l * b_a + tl.load(ws_l + o_w + tl.zeros([1], tl.int32)) * b_b
-        b_o = b_o * b_a + tl.load(ws_o + o_w * D + o_d) * b_b
-        b_m = b_mn
-    tl.store(out + i_t * s_ot + i_h * s_oh + o_d, (b_o / b_l).to(out.dtype.element_ty))
+    b_mx = tl.full([BS], float("-inf"), tl.float32)
+    for i_s in range(0, n_spans, BS):
+        o_s = i_s + tl.arange(0, BS)
+        b_mx = tl.maximum(b_mx, tl.load(ws_m + (o_s * T + i_t) * HQ + i_h, mask=o_s < n_spans, other=float("-inf")))
+    b_max = tl.max(b_mx, axis=0)                                 # finite: span 0 always has keys
+    b_l = tl.zeros([BS], tl.float32)
+    b_o = tl.zeros([BS, D], tl.float32)
+    for i_s in range(0, n_spans, BS):
+        o_s = i_s + tl.arange(0, BS)
+        m_s = o_s < n_spans
+        o_w = (o_s * T + i_t) * HQ + i_h
+        b_w = tl.exp(tl.load(ws_m + o_w, mask=m_s, other=float("-inf")) - b_max)   # 0 past the row's spans
+        b_l += b_w * tl.load(ws_l + o_w, mask=m_s, other=0.)
+        b_o += b_w[:, None] * tl.load(ws_o + o_w[:, None] * D + o_d[None, :], mask=m_s[:, None], other=0.)
+    b_out = tl.sum(b_o, axis=0) / tl.sum(b_l, axis=0)
+    tl.store(out + i_t * s_ot + i_h * s_oh + o_d, b_out.to(out.dtype.element_ty))
 
 
-def _span(L: int) -> int:
-    """Keys per span: a function of the cache size alone, at most ~256 spans."""
-    return max(128, triton.next_power_of_2(triton.cdiv(L, 256)))
+MAX_SPANS = 64
+
+
+def _config(L: int) -> tuple[int, int, int, int]:
+    """(keys per span, BN, warps, stages) for a cache of L rows: a function of L alone, never of
+    the length or of T, which keeps rows invariant. At most MAX_SPANS spans."""
+    BN = 64
+    return max(2 * BN, triton.next_power_of_2(triton.cdiv(L, MAX_SPANS))), BN, 4, 2
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            start: torch.Tensor, scale: float) -> torch.Tensor:
-    """decode_attention_ref's contract with `start` a 1-element long tensor on q's device."""
+                            start: torch.Tensor, scale: float, config: tuple | None = None) -> torch.Tensor:
+    """decode_attention_ref's contract with `start` a 1-element long tensor on q's device.
+    `config` overrides _config(L), for tuning."""
     T, Hq, D = q.shape
     L, Hkv = k_cache.shape[0], k_cache.shape[1]
     assert v_cache.shape == k_cache.shape == (L, Hkv, D) and Hq % Hkv == 0, "caches must be [L, Hkv, D]"
@@ -111,7 +123,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         assert t.stride(2) == 1, "head dims must be contiguous"
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
     assert start.numel() == 1 and start.dtype == torch.long, "start must be a 1-element long tensor"
-    group, split, BM, BN = Hq // Hkv, _span(L), 32, 64
+    group, BM = Hq // Hkv, 32
+    split, BN, warps, stages = config or _config(L)
     spans = triton.cdiv(L, split)
     ws_m = torch.empty(spans, T, Hq, dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)
@@ -119,10 +132,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _attn_split_kernel[(spans, Hkv, triton.cdiv(T * group, BM))](
         q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HQ=Hq, GROUP=group, D=D, BM=BM, BN=BN, SPLIT=split, num_warps=4, num_stages=2)
+        HQ=Hq, GROUP=group, D=D, BM=BM, BN=BN, SPLIT=split, num_warps=warps, num_stages=stages)
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     _attn_combine_kernel[(T, Hq)](start, ws_m, ws_l, ws_o, out, T, out.stride(0), out.stride(1),
-                                  HQ=Hq, D=D, SPLIT=split, num_warps=2)
+                                  HQ=Hq, D=D, SPLIT=split, BS=16, num_warps=4)
     return out
 
 

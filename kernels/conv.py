@@ -45,40 +45,42 @@ def committed_offset(T: int, used: int, K: int, width: int) -> int:
 @triton.jit(do_not_specialize=["T"])
 def _conv_update_kernel(x, buf, off, w, y, T, C, WIDTH, s_x, s_y, s_buf,
                         K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
-    # One program owns BC channels for all T tokens: it reads the committed window before it
-    # rewrites the front of the buffer, and no other program touches those channels.
-    i_c = tl.program_id(0)
+    # One program per (BC channels, BT tokens). Only the first token block reads the committed
+    # window, and only it rewrites the front of the buffer, after its own reads: no other program
+    # touches the buffer, so there is no ordering to arrange between programs.
+    i_c, i_t = tl.program_id(0), tl.program_id(1)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
+    o_t = i_t * BT + tl.arange(0, BT)
     i_off = tl.load(off)
     p_buf = buf + o_c * s_buf
-    for i_t in range(0, T, BT):
-        o_t = i_t + tl.arange(0, BT)
-        b_y = tl.zeros([BT, BC], dtype=tl.float32)
-        for j in tl.static_range(K):
-            # column t + j of [window | inputs]: a window column while it is < K-1, else input t+j-(K-1)
-            o_src = o_t + j - (K - 1)
-            m_x = (o_src >= 0)[:, None] & (o_src < T)[:, None] & m_c[None, :]
+    b_y = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(K):
+        # column t + j of [window | inputs]: a window column while it is < K-1, else input t+j-(K-1)
+        o_src = o_t + j - (K - 1)
+        m_x = (o_src >= 0)[:, None] & (o_src < T)[:, None] & m_c[None, :]
+        b_x = tl.load(x + o_src[:, None] * s_x + o_c[None, :], mask=m_x, other=0.)
+        b_x = b_x.to(buf.dtype.element_ty).to(tl.float32)
+        if i_t == 0:
             m_w = (o_src < 0)[:, None] & m_c[None, :]
-            b_x = tl.load(x + o_src[:, None] * s_x + o_c[None, :], mask=m_x, other=0.)
-            b_x = b_x.to(buf.dtype.element_ty).to(tl.float32)
             b_x += tl.load(p_buf[None, :] + (i_off + K - 1 + o_src)[:, None], mask=m_w, other=0.).to(tl.float32)
-            b_y += tl.load(w + o_c * K + j, mask=m_c, other=0.).to(tl.float32)[None, :] * b_x
-        b_y = b_y * tl.sigmoid(b_y)
-        tl.store(y + o_t[:, None] * s_y + o_c[None, :], b_y.to(y.dtype.element_ty), mask=(o_t < T)[:, None] & m_c[None, :])
-    tl.debug_barrier()   # every read of the old window is done before the buffer is rewritten
-    if K - 1 + T <= WIDTH:
-        # [window | inputs] to the front; moving left, column i is read before anything writes it
-        for i in range(K - 1):
-            tl.store(p_buf + i, tl.load(p_buf + i_off + i, mask=m_c), mask=m_c)
-        for t in range(T):
-            b_x = tl.load(x + t * s_x + o_c, mask=m_c)
-            tl.store(p_buf + K - 1 + t, b_x.to(buf.dtype.element_ty), mask=m_c)
-    else:
-        # a long call keeps its last K-1 inputs (the launcher checks T >= K-1 here)
-        for i in range(K - 1):
-            b_x = tl.load(x + (T - (K - 1) + i) * s_x + o_c, mask=m_c)
-            tl.store(p_buf + i, b_x.to(buf.dtype.element_ty), mask=m_c)
+        b_y += tl.load(w + o_c * K + j, mask=m_c, other=0.).to(tl.float32)[None, :] * b_x
+    b_y = b_y * tl.sigmoid(b_y)
+    tl.store(y + o_t[:, None] * s_y + o_c[None, :], b_y.to(y.dtype.element_ty), mask=(o_t < T)[:, None] & m_c[None, :])
+    if i_t == 0:
+        tl.debug_barrier()   # every read of the old window is done before the buffer is rewritten
+        if K - 1 + T <= WIDTH:
+            # [window | inputs] to the front; moving left, column i is read before anything writes it
+            for i in tl.static_range(K - 1):
+                tl.store(p_buf + i, tl.load(p_buf + i_off + i, mask=m_c), mask=m_c)
+            for t in range(T):
+                b_new = tl.load(x + t * s_x + o_c, mask=m_c)
+                tl.store(p_buf + K - 1 + t, b_new.to(buf.dtype.element_ty), mask=m_c)
+        else:
+            # a long call keeps its last K-1 inputs (the launcher checks T >= K-1 here)
+            for i in tl.static_range(K - 1):
+                b_new = tl.load(x + (T - (K - 1) + i) * s_x + o_c, mask=m_c)
+                tl.store(p_buf + i, b_new.to(buf.dtype.element_ty), mask=m_c)
 
 
 def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -91,8 +93,9 @@ def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, we
     assert K - 1 + T <= buf.shape[1] or T >= K - 1, "a call longer than the window must have >= K-1 inputs"
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
     BC, BT = 64, 16
-    _conv_update_kernel[(triton.cdiv(C, BC),)](x, buf, off, weight, y, T, C, buf.shape[1], x.stride(0),
-                                                y.stride(0), buf.stride(0), K=K, BC=BC, BT=BT, num_warps=4)
+    _conv_update_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](
+        x, buf, off, weight, y, T, C, buf.shape[1], x.stride(0), y.stride(0), buf.stride(0),
+        K=K, BC=BC, BT=BT, num_warps=4)
     return y
 
 

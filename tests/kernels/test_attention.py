@@ -28,6 +28,7 @@ DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [
     (2, 4, 4, 16, 200, 63),         # no GQA; crosses a 64-key block
     (5, 12, 2, 32, 700, 400),       # several spans, 30 rows of query per kv head
     (5, 8, 1, 16, 520, 508),        # the new tokens straddle a span edge, the cache nearly full
+    (2, 4, 2, 16, 2600, 2400),      # 20 spans: the combine folds more than one block of spans
 ])
 def test_decode_attention(device, dtype, T, Hq, Hkv, D, L, start):
     q, kc, vc = _case(T, Hq, Hkv, D, L, dtype, device, seed=start + T)
