@@ -1,0 +1,560 @@
+"""Train the demo checkpoint shipped in assets/demo: a small model of the Qwen3.5 hybrid architecture
+(Gated DeltaNet and gated full-attention layers) with its MTP head, on the source text of Python's
+own standard library (PSF licence), with a byte-level BPE tokenizer trained on the same text.
+
+    python -m mtpchat.engine.train_demo --out assets/demo --device cuda --seed 0 --steps N
+
+The corpus: every .py file under the standard library of the running Python, tests and data tables
+left out, in sorted order; a fixed ~4% of the files (by a hash of their path) is held out for
+evaluation. Besides the raw files it holds chat turns built from the same files (the user gives a
+function's docstring, the assistant thinks one line and writes the function), in the exact token
+layout of the chat template, so the app's chat prompts lead somewhere familiar.
+
+The model is trained in float32 on batches of packed windows. The MTP head learns what the engine
+asks of it (engine/mtp.py): row p pairs the post-norm hidden h_p with the embedding of x_{p+1} and
+predicts x_{p+2}; a second pass feeds the head its own output in place of h, as the engine chains
+it for drafts 2..k. Its loss mixes cross-entropy on the true token with a KL term towards the
+target's own next-token distribution (what verification compares against).
+
+The forward used for training is `batched` below: the engine's modules and parameters, with the
+batch folded into the GDN heads and conv channels so one call of each float32 reference kernel
+serves the whole batch. `check_batched` verifies it against the engine's own Model / MTPHead
+forward (through a DecodeState), outputs and gradients, before training starts.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import math
+import random
+import sys
+import sysconfig
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.model import Ctx, GatedAttention, GatedDeltaNet, Model, rope
+from mtpchat.engine.mtp import MTPHead
+from mtpchat.engine.state import DecodeState
+from mtpchat.engine.tiny import random_tensor, text_config
+from mtpchat.engine.tokenizer import Tokenizer, train_tokenizer, write_tokenizer_files
+from mtpchat.engine.weights import mtp_places, text_places
+from mtpchat.kernels import conv, gdn, norm
+
+# 8 layers, full attention at 3 and 7; GDN with Hv/Hk = 2; tied head. About 8M parameters, 16 MB in
+# bf16 (one shard under 16 MiB).
+SHAPE = dict(hidden_size=256, intermediate_size=640, num_hidden_layers=8, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4)
+VOCAB = 4096                 # BPE ids + Qwen's added tokens
+SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data", "__pycache__",
+             "lib-dynload", "ensurepip", "__phello__"}
+HELDOUT_PERCENT = 4
+
+
+# --- corpus ----------------------------------------------------------------------------------------
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path) -> list[str]:
+    """Relative paths of the library's own .py files, sorted; tests, vendored packages, codec tables
+    and the generated sysconfig data left out."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(p in SKIP_DIRS or p.startswith("config-") for p in rel.parts[:-1]):
+            continue
+        if rel.name.startswith("_sysconfigdata"):
+            continue
+        out.append(rel.as_posix())
+    return out
+
+
+def is_heldout(rel: str) -> bool:
+    # by path, not by position: the same files stay out whatever else a Python version ships
+    return int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) % 100 < HELDOUT_PERCENT
+
+
+def read(root: Path, rel: str) -> str:
+    return (root / rel).read_text(encoding="utf-8", errors="replace")
+
+
+def module_name(rel: str) -> str:
+    parts = rel[:-3].split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def functions(text: str, module: str) -> list[tuple[str, str, str]]:
+    """(request, thought, source) for each documented function of a file: the request is the first
+    paragraph of its docstring, the source the whole function, dedented."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines()
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        doc = ast.get_docstring(node)
+        request = " ".join(doc.strip().split("\n\n")[0].split()) if doc else ""
+        start = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
+        if not 20 <= len(request) <= 300 or node.end_lineno - start > 40:
+            continue
+        source = textwrap.dedent("\n".join(lines[start:node.end_lineno]))
+        out.append((request, f"This is `{node.name}` from the `{module}` module.", source))
+    return out
+
+
+def chat_ids(tok: Tokenizer, request: str, thought: str, source: str, think: bool) -> list[int]:
+    """A chat turn in the token layout the app produces: the template's generation prompt, then the
+    answer (with thinking on: the thought, </think>, the code), then <|im_end|>."""
+    ids = tok.apply_chat_template([{"role": "user", "content": request}], enable_thinking=think)
+    if think:
+        ids += tok.encode(thought + "\n") + [tok.think_end_id] + tok.encode("\n\n" + source)
+    else:
+        ids += tok.encode(source)
+    return ids + [tok.im_end_id] + tok.encode("\n")
+
+
+def heldout_prompts(n: int = 8, root: Path | None = None) -> list[str]:
+    """Raw code prompts from held-out files: a documented function's header and docstring, one per
+    file, in sorted file order. The model continues with the body."""
+    root = root or stdlib_root()
+    out = []
+    for rel in (r for r in stdlib_files(root) if is_heldout(r)):
+        for request, _, source in functions(read(root, rel), module_name(rel)):
+            body = source.split('"""')
+            if len(body) >= 3 and len(body[0]) < 200:
+                out.append(body[0] + '"""' + body[1] + '"""\n')
+                break
+        if len(out) == n:
+            break
+    return out
+
+
+def heldout_requests(n: int = 8, root: Path | None = None) -> list[str]:
+    """Chat requests from held-out files: the first paragraph of a docstring, one per file."""
+    root = root or stdlib_root()
+    out = []
+    for rel in (r for r in stdlib_files(root) if is_heldout(r)):
+        found = functions(read(root, rel), module_name(rel))
+        if found:
+            out.append(found[0][0])
+        if len(out) == n:
+            break
+    return out
+
+
+def build_corpus(root: Path, vocab: int, seed: int, max_files: int | None = None):
+    """-> (tokenizer, train ids, held-out ids): documents shuffled and packed, <|endoftext|> between."""
+    files = stdlib_files(root)[:max_files]
+    texts = {rel: read(root, rel) for rel in files}
+    train = [rel for rel in files if not is_heldout(rel)]
+    raw = train_tokenizer([texts[rel] for rel in train], vocab)
+    tok = Tokenizer(raw)
+    eot = tok.endoftext_id
+
+    def documents(rels):
+        docs = [tok.encode(texts[rel]) for rel in rels]
+        turns = [f for rel in rels for f in functions(texts[rel], module_name(rel))]
+        docs += [chat_ids(tok, *f, think=i % 3 != 0) for i, f in enumerate(turns)]
+        random.Random(seed).shuffle(docs)
+        return torch.tensor([t for d in docs for t in d + [eot]], dtype=torch.long), len(turns)
+
+    train_ids, n_turns = documents(train)
+    held_ids, _ = documents([rel for rel in files if is_heldout(rel)])
+    print(f"corpus: {root} (Python {sys.version.split()[0]}), {len(files)} files, {len(files) - len(train)} held out; "
+          f"{n_turns} chat turns; {train_ids.numel():,} training tokens, {held_ids.numel():,} held out; "
+          f"sha256 {hashlib.sha256(train_ids.numpy().tobytes()).hexdigest()[:16]}", flush=True)
+    return raw, tok, train_ids, held_ids
+
+
+# --- model -----------------------------------------------------------------------------------------
+
+def demo_config(tok, vocab: int) -> dict:
+    special = {name: tok.token_to_id(name) for name in ("<|endoftext|>", "<|image_pad|>", "<|video_pad|>")}
+    text = text_config(vocab, tie=True, mtp=True, special=special, **SHAPE)
+    half = int(SHAPE["head_dim"] * 0.25) // 2              # split as the official [11, 11, 10] splits 32
+    third = -(-half // 3)
+    text["rope_parameters"]["mrope_section"] = [third, third, half - 2 * third]
+    text["dtype"] = "bfloat16"
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "tie_word_embeddings": True, "text_config": text,
+            "image_token_id": special["<|image_pad|>"], "video_token_id": special["<|video_pad|>"]}
+
+
+def init_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, layers: int) -> torch.Tensor:
+    """tiny.py's random init, adjusted for training: a small tied embedding (it is also the head),
+    residual-branch outputs scaled down with depth, and Mamba-style decay rates (dt in [1e-3, 0.1])
+    so the GDN state starts with a memory of tens of tokens rather than one."""
+    t = random_tensor(name, shape, g)
+    if name.endswith("embed_tokens.weight"):
+        return t * 0.02
+    if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+        return t / math.sqrt(2 * layers)
+    if name.endswith("dt_bias"):
+        dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=g).exp()
+        return dt + torch.log(-torch.expm1(-dt))        # softplus(dt_bias) = dt
+    return t
+
+
+def build(c: ModelConfig, seed: int) -> tuple[Model, MTPHead]:
+    """The engine's modules with real, trainable float32 parameters, laid out through the same
+    name -> (parameter, row offset) tables the loader uses."""
+    g = torch.Generator().manual_seed(seed)
+    model, head = Model(c), MTPHead(c)
+    for module, places in ((model, text_places(c)), (head, mtp_places(c))):
+        params = {name: torch.empty(p.shape) for name, p in module.named_parameters()}
+        for name, place in places.items():
+            dest = params[place.param]
+            t = init_tensor(name, place.shape, g, c.num_hidden_layers)
+            dest[place.offset:place.offset + place.shape[0]] = t.reshape(-1, *dest.shape[1:])
+        for name, t in params.items():
+            _set(module, name, nn.Parameter(t))
+    return model, head
+
+
+def _set(module: nn.Module, name: str, value):
+    *path, leaf = name.split(".")
+    for part in path:
+        module = getattr(module, part)
+    setattr(module, leaf, value)
+
+
+def export(folder: Path, model: Model, head: MTPHead, config: dict, raw_tok) -> int:
+    """The official layout: bf16 safetensors (one shard and its index), config.json with
+    text_config, generation_config.json, tokenizer files and chat template. Returns the bytes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    special = write_tokenizer_files(folder, raw_tok)
+    c = ModelConfig.from_dict(config)
+    tensors = {}
+    for module, places in ((model, text_places(c)), (head, mtp_places(c))):
+        params = dict(module.named_parameters())
+        for name, place in places.items():
+            t = params[place.param].detach()[place.offset:place.offset + place.shape[0]]
+            tensors[name] = t.reshape(place.shape).to(torch.bfloat16).cpu().contiguous()
+    shard = "model-00001-of-00001.safetensors"
+    save_file(tensors, str(folder / shard), metadata={"format": "pt"})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": {n: shard for n in tensors}}, indent=2))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]],
+         "pad_token_id": special["<|endoftext|>"], "do_sample": True, "temperature": 0.6,
+         "top_k": 20, "top_p": 0.95}, indent=2))
+    return total
+
+
+# --- the batched training forward ------------------------------------------------------------------
+
+def _rms(x, mod):
+    return norm.rmsnorm_ref(x, mod.weight, mod.eps)
+
+
+def _attention(m: GatedAttention, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    c, (B, T, _) = m.c, x.shape
+    qg, k, v = F.linear(x, m.qkv).split([2 * c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+    qg = qg.view(B, T, c.num_attention_heads, 2 * c.head_dim)              # per head: [query | gate]
+    q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:].reshape(B, T, c.q_dim)
+    q = rope(_rms(q, m.q_norm), positions, c.rotary_dim, c.rope_theta)     # [B, T, Hq, D]
+    k = rope(_rms(k.view(B, T, -1, c.head_dim), m.k_norm), positions, c.rotary_dim, c.rope_theta)
+    v = v.view(B, T, -1, c.head_dim)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       is_causal=True, scale=c.head_dim ** -0.5, enable_gqa=True)
+    o = o.transpose(1, 2).reshape(B, T, c.q_dim) * torch.sigmoid(gate)
+    return F.linear(o, m.o_proj)
+
+
+def _gdn(m: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
+    # The batch is folded into the conv channels and the GDN heads: sequence b's head h becomes head
+    # b*H + h, so value head b*Hv + j still reads key head (b*Hv + j) // (Hv/Hk) = b*Hk + j // (Hv/Hk).
+    c, (B, T, _) = m.c, x.shape
+    hv, dk, dv, K = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim
+    mixed, z, b, a = F.linear(x, m.in_proj).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+    window = x.new_zeros(B * c.conv_dim, K - 1)
+    off = torch.zeros(1, dtype=torch.long, device=x.device)
+    mixed = conv.conv_update_ref(mixed.transpose(0, 1).reshape(T, B * c.conv_dim), window, off,
+                                 m.conv_weight.repeat(B, 1))                # [T, B*conv_dim]
+    q, k, v = mixed.view(T, B, c.conv_dim).split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+    fold = lambda t, d: t.reshape(T, -1, d)                                 # [T, B*heads, d]
+    heads = lambda t: t.transpose(0, 1).reshape(T, B * hv)                  # [B, T, hv] -> [T, B*hv]
+    state = x.new_zeros(B * hv, dk, dv, dtype=torch.float32)
+    o, _ = gdn.chunk_ref(fold(q, dk), fold(k, dk), fold(v, dv), heads(a), heads(b),
+                         m.A_log.repeat(B), m.dt_bias.repeat(B), state)     # [T, B*hv, dv]
+    o = o.view(T, B, hv, dv).transpose(0, 1)
+    o = norm.gated_rmsnorm_ref(o.to(x.dtype), z.view(B, T, hv, dv), m.norm_weight, c.rms_norm_eps)
+    return F.linear(o.reshape(B, T, c.value_dim), m.out_proj)
+
+
+def _layer(layer, x, positions):
+    mixer = layer.mixer
+    y = _rms(x, layer.input_norm)
+    h = x + (_attention(mixer, y, positions) if layer.kind == "full_attention" else _gdn(mixer, y))
+    gate, up = F.linear(_rms(h, layer.post_norm), layer.mlp.gate_up).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, layer.mlp.down)
+
+
+def _head(head: MTPHead, embed, ids, hidden):
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    e = _rms(F.embedding(ids, embed), head.pre_fc_norm_embedding)
+    u = F.linear(torch.cat([e, _rms(hidden, head.pre_fc_norm_hidden)], dim=-1), head.fc)
+    return _rms(_layer(head.layer, u, positions), head.norm)
+
+
+def batched(model: Model, head: MTPHead, ids: torch.Tensor):
+    """ids [B, T+2] -> (h [B, T, H], out1 [B, T, H], out2 [B, T-1, H]), all post-norm:
+    h_p from x_0..x_p; out1_p from (x_{p+1}, h_p), predicting x_{p+2}; out2 the chained pass,
+    row p from (x_{p+2}, out1_p), predicting x_{p+3}."""
+    T = ids.shape[1] - 2
+    x = F.embedding(ids[:, :T], model.embed)
+    positions = torch.arange(T, device=ids.device)
+    for layer in model.layers:
+        x = _layer(layer, x, positions)
+    h = _rms(x, model.norm)
+    out1 = _head(head, model.embed, ids[:, 1:T + 1], h)
+    out2 = _head(head, model.embed, ids[:, 2:T + 1], out1[:, :-1])
+    return h, out1, out2
+
+
+def engine_forward(model: Model, head: MTPHead, ids: torch.Tensor):
+    """`batched`'s contract for one sequence [T+2], through the engine's own forward and caches."""
+    c, T = model.c, ids.shape[0] - 2
+    state = DecodeState(c, T, 1, ids.device, torch.float32, mtp=True)
+    ctx = lambda n: Ctx(torch.arange(n, device=ids.device), 0, False, state.conv_off, state.slot)
+    h = model(ids[:T], state.layers, ctx(T))
+    out1 = head(model.embed, ids[1:T + 1], h, state.mtp, ctx(T))
+    # the chained pass, with a KV cache of its own; attention is relative, so positions from 0 do
+    chained_kv = tuple(torch.zeros_like(t) for t in state.mtp)
+    out2 = head(model.embed, ids[2:T + 1], out1[:-1], chained_kv, ctx(T - 1))
+    return h, out1, out2
+
+
+# --- losses, check, training -----------------------------------------------------------------------
+
+MTP_WEIGHT = 0.3     # of the head's losses in the total; they reach the shared trunk and embedding
+
+
+def losses(model: Model, h, out1, out2, ids) -> dict[str, torch.Tensor]:
+    """Target cross-entropy; for the head (both passes) cross-entropy on the true token and KL towards
+    the target's own distribution for the same token; and top-1 agreement with the target."""
+    T = h.shape[1]
+    logits = F.linear(h, model.head).float()                                   # row p predicts x_{p+1}
+    teacher = logits.detach().log_softmax(-1)
+    d1 = F.linear(out1, model.head).float().log_softmax(-1)                    # row p predicts x_{p+2}
+    d2 = F.linear(out2, model.head).float().log_softmax(-1)                    # row p predicts x_{p+3}
+    nll = lambda lp, y: F.nll_loss(lp.flatten(0, 1), y.flatten())
+    kl = lambda lp, t: F.kl_div(lp, t, log_target=True, reduction="none").sum(-1).mean()
+    agree = lambda lp, t: (lp.argmax(-1) == t.argmax(-1)).float().mean()
+    out = {"main": F.cross_entropy(logits.flatten(0, 1), ids[:, 1:T + 1].flatten()),
+           "mtp1": nll(d1, ids[:, 2:T + 2]), "mtp2": nll(d2, ids[:, 3:T + 2]),
+           "kl1": kl(d1[:, :-1], teacher[:, 1:]), "kl2": kl(d2[:, :-1], teacher[:, 2:]),
+           "agree1": agree(d1[:, :-1], teacher[:, 1:]), "agree2": agree(d2[:, :-1], teacher[:, 2:])}
+    mtp = (out["mtp1"] + out["kl1"]) / 2 + (out["mtp2"] + out["kl2"]) / 4
+    out["total"] = out["main"] + MTP_WEIGHT * mtp
+    return out
+
+
+def check_batched(model: Model, head: MTPHead, ids: torch.Tensor, tol: float = 1e-4):
+    """`batched` against the engine's forward, one sequence at a time: hidden states and gradients
+    (float32, on the CPU, where the engine's kernels are the references)."""
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+    params = [p for m in (model, head) for p in m.parameters()]
+    grads = []
+    for fn in (lambda: batched(model, head, ids),
+               lambda: [torch.stack(t) for t in zip(*(engine_forward(model, head, row) for row in ids))]):
+        for p in params:
+            p.grad = None
+        hs = fn()
+        losses(model, *hs, ids)["total"].backward()
+        grads.append(([h.detach() for h in hs], [p.grad.clone() for p in params]))
+    (ours, g_ours), (ref, g_ref) = grads
+    worst = max(rel(a, b) for a, b in zip(ours, ref))
+    worst_grad = max(rel(a, b) for a, b in zip(g_ours, g_ref))
+    missing = sum(not g.abs().sum() > 0 for g in g_ref)
+    print(f"check: batched vs engine forward, hidden rel err {worst:.1e}, gradient rel err {worst_grad:.1e}, "
+          f"{missing} parameters without gradient", flush=True)
+    if worst > tol or worst_grad > 10 * tol or missing:
+        raise SystemExit("the batched training forward does not match the engine's forward")
+    for p in params:
+        p.grad = None
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def windows(ids: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.stack([ids[s:s + length] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def evaluate_loss(model, head, held: torch.Tensor, device) -> dict[str, float]:
+    out = losses(model, *batched(model, head, held.to(device)), held.to(device))
+    return {k: v.item() for k, v in out.items()}
+
+
+def train(model, head, train_ids, held, args, device) -> dict:
+    params = [p for m in (model, head) for p in m.parameters()]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    g = torch.Generator().manual_seed(args.seed)
+    L, total, warmup = args.seq + 2, args.steps, 100
+    t0, timed, step, log = time.perf_counter(), None, 0, {}
+    print(f"training: batch {args.batch} x {args.seq} tokens, peak lr {args.lr}, "
+          f"{'steps ' + str(total) if total else f'{args.minutes} minutes'}", flush=True)
+    while total is None or step < total:
+        if step == 3:
+            timed = time.perf_counter()
+        if total is None and step == 13:   # from the time of 10 steps, inside the warm-up (lr independent of total)
+            per = (time.perf_counter() - timed) / 10
+            total = max(step + 1, int((args.minutes * 60 - (time.perf_counter() - t0)) / per) + step)
+            print(f"  {per * 1e3:.0f} ms per step: {total} steps in the time budget", flush=True)
+            continue
+        lr = lr_at(step, total or 10 ** 9, args.lr, warmup)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = windows(train_ids, torch.randint(0, train_ids.numel() - L, (args.batch,), generator=g), L).to(device)
+        out = losses(model, *batched(model, head, batch), batch)
+        opt.zero_grad(set_to_none=True)
+        out["total"].backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if step % args.log_every == 0 or step == total:
+            held_loss = evaluate_loss(model, head, held, device) if step % (args.log_every * 4) == 0 or step == total else None
+            elapsed = time.perf_counter() - t0
+            line = (f"  step {step:5d}  lr {lr:.2e}  loss {out['main'].item():.3f}  mtp1 {out['mtp1'].item():.3f}  "
+                    f"mtp2 {out['mtp2'].item():.3f}  agree1 {out['agree1'].item():.3f}  agree2 {out['agree2'].item():.3f}  "
+                    f"{step * args.batch * args.seq / elapsed:,.0f} tok/s  {elapsed:.0f} s")
+            if held_loss:
+                line += (f"  | held-out loss {held_loss['main']:.3f} mtp1 {held_loss['mtp1']:.3f} "
+                         f"mtp2 {held_loss['mtp2']:.3f} agree1 {held_loss['agree1']:.3f}")
+                log = {"step": step, "train": {k: round(v.item(), 4) for k, v in out.items()},
+                       "held_out": {k: round(v, 4) for k, v in held_loss.items()}}
+            print(line, flush=True)
+        if time.perf_counter() - t0 > args.minutes * 60 * 1.5:
+            print(f"  stopped at step {step} of {total}: past 1.5x the time budget", flush=True)
+            break
+    log["steps"], log["seconds"] = step, round(time.perf_counter() - t0, 1)
+    return log
+
+
+# --- evaluation through the engine -----------------------------------------------------------------
+
+def acceptance(engine, prompts: list[list[int]], k: int = 3, tokens: int = 64, temperature: float = 0.0) -> float:
+    """Mean acceptance length (tokens per target forward) over the prompts, `tokens` new tokens each."""
+    from mtpchat.engine import SamplingParams
+    from mtpchat.engine.events import Finished
+    engine.mtp, engine.draft_tokens = True, k
+    accepted = steps = 0
+    for ids in prompts:
+        engine.reset()
+        params = SamplingParams(temperature=temperature, max_tokens=tokens, stop_token_ids=(), seed=0)
+        for event in engine.generate(ids, params):
+            if isinstance(event, Finished):
+                accepted, steps = accepted + event.stats.accepted, steps + event.stats.verify_steps
+    return 1.0 + accepted / max(1, steps)
+
+
+def complete(engine, ids: list[int], tokens: int = 64, mtp: bool = True) -> list[int]:
+    from mtpchat.engine import SamplingParams
+    from mtpchat.engine.events import Finished
+    engine.mtp = mtp
+    engine.reset()
+    for event in engine.generate(ids, SamplingParams(max_tokens=tokens)):
+        if isinstance(event, Finished):
+            return list(event.token_ids)
+
+
+def report(folder: Path, model, head, held: torch.Tensor) -> dict:
+    """Load the written checkpoint with the engine on the CPU (float32, as the tests do): its
+    logits against the training model's, then held-out acceptance and two samples."""
+    from mtpchat.engine import Engine
+    engine = Engine.load(folder, device="cpu", dtype=torch.float32, max_context=1024)
+    ids = held[0, :256]
+    with torch.no_grad():
+        h, _, _ = batched(model, head, ids[None].to(model.embed.device))
+        ours = F.linear(h[0], model.head).float().cpu()
+    theirs = engine.logits(ids[:-2].tolist())
+    same = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    tok = engine.tokenizer
+    prompts = [tok.encode(p) for p in heldout_prompts(8)]
+    chats = [tok.apply_chat_template([{"role": "user", "content": r}]) for r in heldout_requests(8)]
+    out = {"engine_argmax_agreement": round(same, 4),
+           "acceptance_k3_code": round(acceptance(engine, prompts), 3),
+           "acceptance_k3_chat": round(acceptance(engine, chats), 3),
+           "acceptance_k3_code_t0.6": round(acceptance(engine, prompts, temperature=0.6), 3),
+           "acceptance_k1_code": round(acceptance(engine, prompts, k=1), 3),
+           "acceptance_k2_code": round(acceptance(engine, prompts, k=2), 3)}
+    print(f"engine (CPU, float32) on the written checkpoint: argmax agreement with training {same:.4f}", flush=True)
+    for key, value in out.items():
+        print(f"  {key}: {value}")
+    print("sample, raw 'def ':\n" + tok.decode(complete(engine, tok.encode("def "))), flush=True)
+    chat = tok.apply_chat_template([{"role": "user", "content": "Return the number of lines in a text file."}])
+    print("sample, chat:\n" + tok.decode(complete(engine, chat, 96)), flush=True)
+    if same < 0.9:
+        raise SystemExit("the written checkpoint does not reproduce the trained model")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mtpchat.engine.train_demo", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="assets/demo", help="checkpoint folder to write (default: assets/demo)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--minutes", type=float, default=4.0, help="time budget when --steps is not given")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (fixes the schedule: reproducible)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--max-files", type=int, default=None, help="use only the first N files (quick runs)")
+    args = p.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    device = torch.device(args.device)
+    t0 = time.perf_counter()
+    raw, tok, train_ids, held_ids = build_corpus(stdlib_root(), VOCAB, args.seed, args.max_files)
+    config = demo_config(raw, 64 * math.ceil(tok.vocab_size / 64))
+    c = ModelConfig.from_dict(config)
+    model, head = build(c, args.seed)
+    n_model, n_head = (sum(p.numel() for p in m.parameters()) for m in (model, head))
+    print(f"model: {n_model:,} parameters + MTP head {n_head:,}; vocab {c.vocab_size}; layers {list(c.layer_types)}; "
+          f"corpus ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    check_batched(model, head, train_ids[:2 * 132].view(2, 132))
+    model.to(device), head.to(device)
+    L = args.seq + 2
+    n_held = min(16, held_ids.numel() // L)
+    held = windows(held_ids, torch.linspace(0, held_ids.numel() - L, n_held).long(), L)
+    log = train(model, head, train_ids, held, args, device)
+    folder = Path(args.out)
+    size = export(folder, model, head, config, raw)
+    print(f"wrote {folder}: {size / 1e6:.1f} MB of bf16 weights", flush=True)
+    log |= {"report": report(folder, model, head, held), "python": sys.version.split()[0],
+            "torch": torch.__version__, "args": vars(args),
+            "command": f"python -m mtpchat.engine.train_demo --out {args.out} --seed {args.seed} "
+                       f"--steps {log['steps']} --batch {args.batch} --seq {args.seq} --lr {args.lr}"}
+    print("result: " + json.dumps(log), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
