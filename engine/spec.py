@@ -77,5 +77,5 @@ class ProfileDrafter:
             p = self.profile[i] / prev if i < len(self.profile) and prev > 0 else 0.0
             true = self.reference[position + i] if position + i < len(self.reference) else 0
             right = right and bool(torch.rand((), generator=self.rng) < p)
-            out.append(true if right else (true + 1) % max(self.vocab, true + 2))
+            out.append(true if right else (true + 1) % (self.vocab or true + 2))
         return torch.tensor(out, device=drafts.device)
