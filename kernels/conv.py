@@ -31,7 +31,7 @@ def conv_update_ref(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weigh
         buf[:, :K - 1 + T] = full
     else:
         buf[:, :K - 1] = full[:, T:]
-    return F.silu(y).T.to(x.dtype)
+    return F.silu(y).T.contiguous().to(x.dtype)   # [T, C] rows contiguous, as a 1-token call gives
 
 
 def committed_offset(T: int, used: int, K: int, width: int) -> int:
