@@ -127,30 +127,18 @@ def chat_ids(tok: Tokenizer, request: str, thought: str, source: str, think: boo
     return ids + [tok.im_end_id] + tok.encode("\n")
 
 
-def heldout_prompts(n: int = 8, root: Path | None = None) -> list[str]:
-    """Raw code prompts from held-out files: a documented function's header and docstring, one per
-    file, in sorted file order. The model continues with the body."""
+def heldout(n: int = 8, chat: bool = False, root: Path | None = None) -> list[str]:
+    """Prompts from held-out files, one per file in sorted order, from its first documented function:
+    raw code (the function's header and docstring; the model writes the body) or, with `chat`, the
+    request (the docstring's first paragraph) for a chat turn."""
     root = root or stdlib_root()
     out = []
     for rel in (r for r in stdlib_files(root) if is_heldout(r)):
         for request, _, source in functions(read(root, rel), module_name(rel)):
-            body = source.split('"""')
-            if len(body) >= 3 and len(body[0]) < 200:
-                out.append(body[0] + '"""' + body[1] + '"""\n')
+            parts = source.split('"""')
+            if chat or (len(parts) >= 3 and len(parts[0]) < 200):
+                out.append(request if chat else parts[0] + '"""' + parts[1] + '"""\n')
                 break
-        if len(out) == n:
-            break
-    return out
-
-
-def heldout_requests(n: int = 8, root: Path | None = None) -> list[str]:
-    """Chat requests from held-out files: the first paragraph of a docstring, one per file."""
-    root = root or stdlib_root()
-    out = []
-    for rel in (r for r in stdlib_files(root) if is_heldout(r)):
-        found = functions(read(root, rel), module_name(rel))
-        if found:
-            out.append(found[0][0])
         if len(out) == n:
             break
     return out
@@ -448,7 +436,7 @@ def train(model, head, train_ids, held, args, device) -> dict:
                 log = {"step": step, "train": {k: round(v.item(), 4) for k, v in out.items()},
                        "held_out": {k: round(v, 4) for k, v in held_loss.items()}}
             print(line, flush=True)
-        if time.perf_counter() - t0 > args.minutes * 60 * 1.5:
+        if args.steps is None and time.perf_counter() - t0 > args.minutes * 60 * 1.5:
             print(f"  stopped at step {step} of {total}: past 1.5x the time budget", flush=True)
             break
     log["steps"], log["seconds"] = step, round(time.perf_counter() - t0, 1)
@@ -494,8 +482,8 @@ def report(folder: Path, model, head, held: torch.Tensor) -> dict:
     theirs = engine.logits(ids[:-2].tolist())
     same = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
     tok = engine.tokenizer
-    prompts = [tok.encode(p) for p in heldout_prompts(8)]
-    chats = [tok.apply_chat_template([{"role": "user", "content": r}]) for r in heldout_requests(8)]
+    prompts = [tok.encode(p) for p in heldout(8)]
+    chats = [tok.apply_chat_template([{"role": "user", "content": r}]) for r in heldout(8, chat=True)]
     out = {"engine_argmax_agreement": round(same, 4),
            "acceptance_k3_code": round(acceptance(engine, prompts), 3),
            "acceptance_k3_chat": round(acceptance(engine, chats), 3),
