@@ -5,10 +5,11 @@ own standard library (PSF licence), with a byte-level BPE tokenizer trained on t
     python -m mtpchat.engine.train_demo --out assets/demo --device cuda --seed 0 --steps N
 
 The corpus: every .py file under the standard library of the running Python, tests and data tables
-left out, in sorted order; a fixed ~4% of the files (by a hash of their path) is held out for
-evaluation. Besides the raw files it holds chat turns built from the same files (the user gives a
-function's docstring, the assistant thinks one line and writes the function), in the exact token
-layout of the chat template, so the app's chat prompts lead somewhere familiar.
+left out, in sorted order; a fixed few percent of the files (by a hash of their path) is held out
+for evaluation. Besides the raw files it holds chat turns built from the same files (the user gives
+a function's docstring, the assistant thinks one line and writes the function; two turns in three
+with thinking on), in the exact token layout of the chat template, so the app's chat prompts lead
+somewhere familiar.
 
 The model is trained in float32 on batches of packed windows. The MTP head learns what the engine
 asks of it (engine/mtp.py): row p pairs the post-norm hidden h_p with the embedding of x_{p+1} and
