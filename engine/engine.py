@@ -77,6 +77,9 @@ class Engine:
             self.runner = self.decoder.runner = Runner(self.decoder, cuda_graphs)
             with torch.inference_mode():
                 self.runner.capture(k_max, self.head is not None, SamplingParams())
+        if self.device.type == "cpu" and sum(p.numel() for p in self.model.parameters()) < 100_000_000:
+            # small models are a few thousand tiny ops per token: threads cost more than they give
+            torch.set_num_threads(1)
         self._cancel = threading.Event()
 
     load = classmethod(lambda cls, model, **kw: cls(model, **kw))
