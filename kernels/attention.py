@@ -101,14 +101,15 @@ def _attn_combine_kernel(start, ws_m, ws_l, ws_o, out, T, s_ot, s_oh,
     tl.store(out + i_t * s_ot + i_h * s_oh + o_d, b_out.to(out.dtype.element_ty))
 
 
-MAX_SPANS = 64
+MAX_SPANS = 128
 
 
 def _config(L: int) -> tuple[int, int, int, int]:
     """(keys per span, BN, warps, stages) for a cache of L rows: a function of L alone, never of
-    the length or of T, which keeps rows invariant. At most MAX_SPANS spans."""
+    the length or of T, which keeps rows invariant. At most MAX_SPANS spans: on an H100 with a
+    32K cache this took 15 us per layer at 1K context and 74 at 32K; 32 spans, 37 and 54."""
     BN = 64
-    return max(2 * BN, triton.next_power_of_2(triton.cdiv(L, MAX_SPANS))), BN, 4, 2
+    return max(2 * BN, triton.next_power_of_2(triton.cdiv(L, MAX_SPANS))), BN, 4, 3
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

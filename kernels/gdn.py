@@ -164,7 +164,7 @@ def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 6
 @triton.jit(do_not_specialize=["T"])
 def _chunk_prep_kernel(k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, s_k, s_v, s_a, s_b,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BDV: tl.constexpr, BC: tl.constexpr):
+                       BDV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     o_r = tl.arange(0, BC)
     o_t = i_c * BC + o_r
@@ -181,7 +181,7 @@ def _chunk_prep_kernel(k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, s_
     b_G = tl.cumsum(b_g, axis=0)
     m_low = o_r[:, None] > o_r[None, :]
     b_decay = tl.exp(tl.where(m_low, b_G[:, None] - b_G[None, :], 0.))      # masked before exp: > 0 above
-    b_A = tl.where(m_low, b_beta[:, None] * b_decay * tl.dot(b_k, tl.trans(b_k)), 0.)
+    b_A = tl.where(m_low, b_beta[:, None] * b_decay * tl.dot(b_k, tl.trans(b_k), input_precision=DOT), 0.)
     o_ws = i_c * HV + i_h
     p_a = ws_a + o_ws * BC * BC
     tl.store(p_a + o_r[:, None] * BC + o_r[None, :], b_A)
@@ -194,8 +194,8 @@ def _chunk_prep_kernel(k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, s_
         b_Y = tl.where((o_r == i)[:, None], b_row[None, :], b_Y)
     b_X = b_Y + tl.where(o_r[:, None] == o_r[None, :], 1., 0.)
     b_v = tl.load(v + o_t[:, None] * s_v + i_h * DV + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
-    b_u = tl.dot(b_X, b_v.to(tl.float32) * b_beta[:, None])
-    b_w = tl.dot(b_X, b_k * (b_beta * tl.exp(b_G))[:, None])
+    b_u = tl.dot(b_X, b_v.to(tl.float32) * b_beta[:, None], input_precision=DOT)
+    b_w = tl.dot(b_X, b_k * (b_beta * tl.exp(b_G))[:, None], input_precision=DOT)
     tl.store(ws_u + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], b_u, mask=m_v[None, :])
     tl.store(ws_w + (o_ws * BC + o_r[:, None]) * DK + o_k[None, :], b_w)
     tl.store(ws_g + o_ws * BC + o_r, b_G)
@@ -204,7 +204,7 @@ def _chunk_prep_kernel(k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, s_
 @triton.jit(do_not_specialize=["T"])
 def _chunk_scan_kernel(q, k, ws_w, ws_u, ws_g, state, o, s_out, T, scale, s_q, s_k, s_o,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BV: tl.constexpr, BC: tl.constexpr):
+                       BV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
     i_h, i_v = tl.program_id(0), tl.program_id(1)
     i_kh = i_h // GROUP
     o_r, o_k = tl.arange(0, BC), tl.arange(0, DK)
@@ -225,18 +225,21 @@ def _chunk_scan_kernel(q, k, ws_w, ws_u, ws_g, state, o, s_out, T, scale, s_q, s
         b_last = tl.load(ws_g + o_ws + BC - 1)                  # G at the chunk's end (padding adds 0)
         b_w = tl.load(ws_w + (o_ws + o_r[:, None]) * DK + o_k[None, :])
         b_u = tl.load(ws_u + (o_ws + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.)
-        b_new = b_u - tl.dot(b_w, b_S)                                            # the chunk's writes
-        b_qk = tl.dot(b_q, tl.trans(b_k)) * tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.))
-        b_o = tl.dot(b_q * tl.exp(b_G)[:, None], b_S) + tl.dot(tl.where(m_causal, b_qk, 0.), b_new)
+        b_new = b_u - tl.dot(b_w, b_S, input_precision=DOT)                  # the chunk's writes
+        b_decay = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.))
+        b_qk = tl.where(m_causal, tl.dot(b_q, tl.trans(b_k), input_precision=DOT) * b_decay, 0.)
+        b_o = (tl.dot(b_q * tl.exp(b_G)[:, None], b_S, input_precision=DOT)
+               + tl.dot(b_qk, b_new, input_precision=DOT))
         tl.store(o + o_t[:, None] * s_o + i_h * DV + o_v[None, :], b_o.to(o.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
-        b_S = b_S * tl.exp(b_last) + tl.dot(tl.trans(b_k * tl.exp(b_last - b_G)[:, None]), b_new)
+        b_k_tail = b_k * tl.exp(b_last - b_G)[:, None]                       # e^{G_C - G_j} k_j
+        b_S = b_S * tl.exp(b_last) + tl.dot(tl.trans(b_k_tail), b_new, input_precision=DOT)
     tl.store(s_out + o_s, b_S, mask=m_v[None, :])
 
 
 def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, config: tuple | None = None):
     """chunk_ref's contract (chunk 64), with q, k, v, a, b as row-strided views like recurrent_triton's.
-    `config` = (prep warps, BV, scan warps) overrides the default, for tuning."""
+    `config` = (prep warps, BV, scan warps, scan stages, dot precision) overrides the default, for tuning."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert chunk == 64, "the chunk kernels work on 64 tokens at a time"
@@ -248,19 +251,21 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     assert state.dtype == torch.float32 and state.is_contiguous() and state.shape == (Hv, DK, DV), \
         "state must be contiguous float32 [Hv, dk, dv]"
     NT, dev = triton.cdiv(T, chunk), q.device
-    prep_warps, BV, scan_warps = config or (4, min(32, triton.next_power_of_2(DV)), 8)
+    # the products run on tf32 tensor cores; three-pass tf32 keeps them float32-accurate
+    prep_warps, BV, scan_warps, scan_stages, dot = config or (4, min(32, triton.next_power_of_2(DV)), 8, 2, "tf32x3")
     ws_a = torch.empty(NT, Hv, chunk, chunk, dtype=torch.float32, device=dev)
     ws_w = torch.empty(NT, Hv, chunk, DK, dtype=torch.float32, device=dev)
     ws_u = torch.empty(NT, Hv, chunk, DV, dtype=torch.float32, device=dev)
     ws_g = torch.empty(NT, Hv, chunk, dtype=torch.float32, device=dev)
     _chunk_prep_kernel[(NT, Hv)](k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, k.stride(0),
                                  v.stride(0), a.stride(0), b.stride(0), HV=Hv, GROUP=Hv // Hk, DK=DK, DV=DV,
-                                 BDV=triton.next_power_of_2(DV), BC=chunk, num_warps=prep_warps)
+                                 BDV=triton.next_power_of_2(DV), BC=chunk, DOT=dot, num_warps=prep_warps)
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=dev)
     s_out = torch.empty_like(state)
     _chunk_scan_kernel[(Hv, triton.cdiv(DV, BV))](q, k, ws_w, ws_u, ws_g, state, o, s_out, T, DK ** -0.5,
                                                    q.stride(0), k.stride(0), o.stride(0), HV=Hv, GROUP=Hv // Hk,
-                                                   DK=DK, DV=DV, BV=BV, BC=chunk, num_warps=scan_warps)
+                                                   DK=DK, DV=DV, BV=BV, BC=chunk, DOT=dot, num_warps=scan_warps,
+                                                   num_stages=scan_stages)
     return o, s_out
 
 

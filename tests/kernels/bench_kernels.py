@@ -64,10 +64,11 @@ def copy_bandwidth() -> float:
     kernel = graph_ms(lambda: [torch.mul(src, 1.0, out=dst) for _ in range(5)]) / 5
     read = graph_ms(lambda: [src.sum() for _ in range(5)]) / 5
     nbytes = src.numel() * 4
-    print(f"memcpy {2 * nbytes / memcpy / 1e12:.3f} TB/s, copy kernel {2 * nbytes / kernel / 1e12:.3f} TB/s, "
-          f"read-only (sum) {nbytes / read / 1e12:.3f} TB/s")
-    results.update(memcpy_TBps=2 * nbytes / memcpy / 1e12, copy_kernel_TBps=2 * nbytes / kernel / 1e12,
-                   read_TBps=nbytes / read / 1e12)
+    tbps = lambda n, ms: n / ms / 1e9
+    print(f"memcpy {tbps(2 * nbytes, memcpy):.3f} TB/s, copy kernel {tbps(2 * nbytes, kernel):.3f} TB/s, "
+          f"read-only (sum) {tbps(nbytes, read):.3f} TB/s")
+    results.update(memcpy_TBps=tbps(2 * nbytes, memcpy), copy_kernel_TBps=tbps(2 * nbytes, kernel),
+                   read_TBps=tbps(nbytes, read))
     del src, dst
     return 2 * nbytes / min(memcpy, kernel) / 1e-3
 
@@ -122,6 +123,11 @@ def bench_matvec(bw, sweep):
             best[k] = timed[0][1]
             print(f"  sweep {k}: " + ", ".join(f"{c}={N * K * 2 / t / 1e9:.2f}TB/s" for t, c in timed[:6]), flush=True)
             results[f"sweep {k}"] = [[list(c), t * 1e3] for t, c in timed]
+    gate_up = torch.randn(1, 2 * I, dtype=torch.bfloat16, device="cuda")
+    downs = weights["mlp_down"][:16]
+    glu = graph_ms(lambda: [matvec.matvec_glu(gate_up, w) for w in downs]) / len(downs)
+    apart = graph_ms(lambda: [matvec.matvec(F.silu(gate_up[:, :I]) * gate_up[:, I:], w) for w in downs]) / len(downs)
+    row("matvec_glu mlp_down T=1", glu, H * I * 2, bw, apart, "silu*up+matvec")
     # one decode step's worth of products: every layer's matrices and the lm_head
     layers = []
     for i in range(64):
@@ -237,7 +243,8 @@ def bench_chunk(bw, sweep):
     A_log, dt_bias = torch.randn(HV, device="cuda").bfloat16() * 0.5, torch.randn(HV, device="cuda").bfloat16()
     state = torch.randn(HV, DK, DV, device="cuda") * 0.1
     nbytes = T * (CONV * 2 + HV * DV * 2) + 2 * HV * DK * DV * 4
-    configs = [(4, 32, 8)] + ([(8, 32, 8), (4, 16, 4), (4, 32, 4), (4, 64, 8), (4, 16, 8), (2, 32, 8)] if sweep else [])
+    configs = [None] + ([(4, 32, 8, 2, "tf32"), (4, 32, 8, 1, "tf32x3"), (4, 16, 4, 2, "tf32x3"), (8, 32, 4, 2, "tf32x3"),
+                         (4, 64, 8, 1, "tf32x3"), (4, 16, 8, 2, "tf32x3")] if sweep else [])
     for cfg in configs:
         try:
             ms = graph_ms(lambda: gdn.chunk_triton(q, k, v, a, b, A_log, dt_bias, state, config=cfg), reps=5)

@@ -30,7 +30,7 @@ def test_chunk(device, dtype, T, Hk, Hv, dk, dv):
     o_ref, s_ref = gdn.chunk_ref(*args, state)
     assert torch.equal(state, state_in), "the start state is an input"
     check(o, o_ref, TOL[dtype])
-    check(s, s_ref, 1e-5 if device == "cpu" else 5e-3, "final state")   # GPU: tf32 products
+    check(s, s_ref, TOL[torch.float32], "final state")
 
 
 def test_chunk_matches_the_recurrence(device):
@@ -38,9 +38,8 @@ def test_chunk_matches_the_recurrence(device):
     o, s = gdn.chunk_triton(*args, state)
     ring = state[None].repeat(100, 1, 1, 1)
     o_rec = gdn.recurrent_ref(*args, ring, torch.tensor([0], device=device))
-    tol = 1e-5 if device == "cpu" else 5e-3
-    check(o, o_rec, tol)
-    check(s, ring[-1], tol, "final state")
+    check(o, o_rec, TOL[torch.float32])
+    check(s, ring[-1], TOL[torch.float32], "final state")
 
 
 @pytest.mark.gpu
@@ -50,4 +49,4 @@ def test_chunk_27b_shapes(T):
     o, s = gdn.chunk(*args, state)
     o_ref, s_ref = gdn.chunk_ref(*args, state)
     check(o, o_ref, 1e-2)
-    check(s, s_ref, 5e-3, "final state")
+    check(s, s_ref, 1e-4, "final state")

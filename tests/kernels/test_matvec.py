@@ -21,6 +21,17 @@ def test_matvec(device, dtype, T, N, K):
     check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 5])
+def test_matvec_glu(device, dtype, T):
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("numpy's matmul treats Triton's bf16 as integers in the interpreter")
+    g = torch.Generator().manual_seed(T)
+    gate_up = randn(T, 2 * 300, dtype=dtype, device=device, gen=g)
+    w = randn(70, 300, dtype=dtype, device=device, gen=g)
+    check(matvec.matvec_glu_triton(gate_up, w), matvec.matvec_glu_ref(gate_up, w), TOL[dtype])
+
+
 def test_matvec_strided_rows(device):
     x = randn(3, 400, device=device, seed=1)[:, :300]
     w = randn(50, 300, device=device, seed=2)
@@ -52,3 +63,13 @@ def test_matvec_rows_do_not_depend_on_T(N, K):
     ones = torch.cat([matvec.matvec(x[i:i + 1], w) for i in range(x.shape[0])])
     for T in (2, 3, 5, matvec.MAX_ROWS):
         assert torch.equal(matvec.matvec(x[:T], w), ones[:T]), f"T={T}"
+
+
+@pytest.mark.gpu
+def test_matvec_glu_27b_shapes_and_rows():
+    g = torch.Generator().manual_seed(9)
+    gate_up = randn(5, 2 * 17408, dtype=torch.bfloat16, device="cuda", gen=g)
+    w = randn(5120, 17408, dtype=torch.bfloat16, device="cuda", gen=g, scale=0.02)
+    y = matvec.matvec_glu(gate_up, w)
+    check(y, matvec.matvec_glu_ref(gate_up, w), 1e-2)
+    assert torch.equal(y, torch.cat([matvec.matvec_glu(gate_up[i:i + 1], w) for i in range(5)]))
