@@ -36,7 +36,7 @@ from mtpchat.engine.weights import fill_random, has_mtp_weights, load_into, mtp_
 class Engine:
     def __init__(self, model: str | Path | ModelConfig, device="cpu", dtype: torch.dtype | None = None,
                  max_context: int = 4096, draft_tokens: int = 3, mtp: bool = True,
-                 cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int = 512, seed: int = 0):
+                 cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int | None = None, seed: int = 0):
         """`model` is a checkpoint folder, or a ModelConfig for random weights of its shapes (benchmarks;
         no tokenizer then)."""
         # build -> load -> allocate state -> (warm up and capture: the CUDA runner)
@@ -71,6 +71,7 @@ class Engine:
             load_into(modules, places, folder, self.device, self.dtype)
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
+        prefill_chunk = prefill_chunk or (4096 if self.device.type == "cuda" else 512)
         self.decoder = Decoder(self.model, self.head, self.state, prefill_chunk)
         self.runner = None
         if self.device.type == "cuda":

@@ -101,11 +101,11 @@ class GatedAttention(nn.Module):
             o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale)
         else:
             n = ctx.start + T
-            keys = torch.arange(n, device=x.device)
-            mask = keys[None, :] <= ctx.positions[:, None]                 # [T, n] causal
+            # the first chunk is plain causal (the fused kernels); later ones see the cached keys too
+            mask = None if ctx.start == 0 else torch.arange(n, device=x.device)[None, :] <= ctx.positions[:, None]
             o = F.scaled_dot_product_attention(
                 q.transpose(0, 1), k_cache[:n].transpose(0, 1), v_cache[:n].transpose(0, 1),
-                attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
+                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True).transpose(0, 1)
         o = o.reshape(T, c.q_dim) * torch.sigmoid(gate)
         return linear(o, self.o_proj, ctx.step)
 
@@ -133,7 +133,7 @@ class GatedDeltaNet(nn.Module):
             o = gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, ring, ctx.slot)
         else:
             start_state = ring.index_select(0, ctx.slot)[0]
-            o, end_state = gdn.chunk_ref(q, k, v, a, b, self.A_log, self.dt_bias, start_state)
+            o, end_state = gdn.chunk(q, k, v, a, b, self.A_log, self.dt_bias, start_state)
             ring.index_copy_(0, ctx.slot, end_state[None])
         o = norm.gated_rmsnorm(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
         return linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step)
