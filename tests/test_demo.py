@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine import demo_corpus as corpus
 from mtpchat.engine import train_demo as td
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.events import Finished
@@ -72,7 +73,7 @@ def test_stops_on_both_end_tokens(engine):
 def test_transformers_reads_the_same_model(engine):
     transformers = pytest.importorskip("transformers")
     ref = transformers.Qwen3_5ForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
-    ids = engine.tokenizer.encode(td.heldout(1)[0])
+    ids = engine.tokenizer.encode(corpus.heldout(1)[0])
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
     got = engine.logits(ids)
@@ -82,7 +83,7 @@ def test_transformers_reads_the_same_model(engine):
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_greedy_mtp_on_equals_off(engine, k):
     tok = engine.tokenizer
-    prompts = [tok.encode("def "), tok.encode(td.heldout(2)[1]),
+    prompts = [tok.encode("def "), tok.encode(corpus.heldout(2)[1]),
                tok.apply_chat_template([{"role": "user", "content": "Return the sum of a list of numbers."}])]
     accepted = 0
     for ids in prompts:
@@ -105,7 +106,7 @@ def test_text_reflects_the_training_data(engine):
 
 
 def test_heldout_acceptance(engine):
-    prompts = td.heldout(8)
+    prompts = corpus.heldout(8)
     assert len(prompts) == 8
     mean = td.acceptance(engine, [engine.tokenizer.encode(p) for p in prompts], k=3, tokens=64)
     print(f"held-out mean acceptance length, k = 3: {mean:.3f}")
@@ -113,10 +114,10 @@ def test_heldout_acceptance(engine):
 
 
 def test_heldout_files_stay_out():
-    files = td.stdlib_files(td.stdlib_root())
-    held = [f for f in files if td.is_heldout(f)]
+    files = corpus.stdlib_files(corpus.stdlib_root())
+    held = [f for f in files if corpus.is_heldout(f)]
     assert 0 < len(held) < 0.1 * len(files)
-    assert not any(part in td.SKIP_DIRS for f in files for part in f.split("/")[:-1])
+    assert not any(part in corpus.SKIP_DIRS for f in files for part in f.split("/")[:-1])
 
 
 # --- the training script on a small random model ------------------------------------------------
