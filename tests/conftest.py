@@ -1,0 +1,25 @@
+"""Tiny random checkpoints shared by the MTP tests."""
+import pytest
+import torch
+
+from mtpchat.engine.tiny import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    # the tiny model is all per-op overhead: one thread is several times faster on a shared CPU
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def gqa3(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("gqa3"), seed=0)    # Hv/Hk = 6/2 = 3, untied
+
+
+@pytest.fixture(scope="session")
+def tied(tmp_path_factory):   # Hv/Hk = 2, tied head, two full-attention layers
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tied"), tie=True, linear_num_value_heads=4,
+                                 num_hidden_layers=8, seed=1)
