@@ -155,11 +155,15 @@ def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 6
     return o.to(out_dtype), S
 
 
-# Chunked prefill in two kernels. _chunk_prep_kernel, one program per (chunk, value head), all in
-# parallel: G = cumsum(g), the strictly lower A[r, c] = beta_r e^{G_r-G_c} (k_r·k_c), X = (I + A)^-1
-# by forward substitution, then u = X (beta v) and w = X (beta e^G k), so that the chunk's writes
-# are u - w S0 for any start state S0. _chunk_scan_kernel, one program per (value head, block of
-# value columns), walks the chunks in order with its slice of the state in registers.
+# Chunked prefill in three kernels, the way fla splits it.
+# _chunk_prep_kernel, one program per (chunk, value head), all in parallel: G = cumsum(g), the
+#   strictly lower A[r, c] = beta_r e^{G_r-G_c} (k_r·k_c), X = (I + A)^-1 by forward substitution,
+#   then u = X (beta v) and w = X (beta e^G k): the chunk's state writes are u - w S0 for any S0.
+# _chunk_scan_kernel, one program per (value head, block of value columns), walks the chunks in
+#   order with its slice of the state in registers: it saves each chunk's start state S0 and
+#   writes u - w S0, then moves the state to the chunk's end. Two products per chunk.
+# _chunk_out_kernel, one program per (chunk, value head, value block), in parallel again:
+#   o = (e^G q) S0 + (q kᵀ ∘ decay) (u - w S0).
 
 @triton.jit(do_not_specialize=["T"])
 def _chunk_prep_kernel(k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, s_k, s_v, s_a, s_b,
@@ -171,7 +175,8 @@ def _chunk_prep_kernel(k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, s_
     m_t = o_t < T
     o_k, o_v = tl.arange(0, DK), tl.arange(0, BDV)
     m_v = o_v < DV
-    b_k = tl.load(k + o_t[:, None] * s_k + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+    b_k = tl.load(k + o_t[:, None] * s_k + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
+    b_k = b_k.to(tl.float32)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
     b_x = tl.load(a + o_t * s_a + i_h, mask=m_t, other=0.).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
     b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))
@@ -202,44 +207,69 @@ def _chunk_prep_kernel(k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, s_
 
 
 @triton.jit(do_not_specialize=["T"])
-def _chunk_scan_kernel(q, k, ws_w, ws_u, ws_g, state, o, s_out, T, scale, s_q, s_k, s_o,
+def _chunk_scan_kernel(k, ws_w, ws_u, ws_g, ws_h, ws_v, state, s_out, T, s_k,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
     i_h, i_v = tl.program_id(0), tl.program_id(1)
-    i_kh = i_h // GROUP
     o_r, o_k = tl.arange(0, BC), tl.arange(0, DK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < DV
-    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
-    b_S = tl.load(state + o_s, mask=m_v[None, :], other=0.)
-    m_causal = o_r[:, None] >= o_r[None, :]
+    o_s = o_k[:, None] * DV + o_v[None, :]
+    b_S = tl.load(state + i_h * DK * DV + o_s, mask=m_v[None, :], other=0.)
     for i_c in range(tl.cdiv(T, BC)):
+        o_ws = i_c * HV + i_h
+        tl.store(ws_h + o_ws * DK * DV + o_s, b_S, mask=m_v[None, :])      # the state the chunk starts from
         o_t = i_c * BC + o_r
-        m_t = o_t < T
-        b_q = tl.load(q + o_t[:, None] * s_q + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
-        b_k = tl.load(k + o_t[:, None] * s_k + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
-        b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q, axis=1) + 1e-6) * scale)[:, None]
+        b_k = tl.load(k + o_t[:, None] * s_k + (i_h // GROUP) * DK + o_k[None, :], mask=(o_t < T)[:, None], other=0.)
+        b_k = b_k.to(tl.float32)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-        o_ws = (i_c * HV + i_h) * BC
-        b_G = tl.load(ws_g + o_ws + o_r)
-        b_last = tl.load(ws_g + o_ws + BC - 1)                  # G at the chunk's end (padding adds 0)
-        b_w = tl.load(ws_w + (o_ws + o_r[:, None]) * DK + o_k[None, :])
-        b_u = tl.load(ws_u + (o_ws + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+        b_G = tl.load(ws_g + o_ws * BC + o_r)
+        b_last = tl.load(ws_g + o_ws * BC + BC - 1)                  # G at the chunk's end (padding adds 0)
+        b_w = tl.load(ws_w + (o_ws * BC + o_r[:, None]) * DK + o_k[None, :])
+        b_u = tl.load(ws_u + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.)
         b_new = b_u - tl.dot(b_w, b_S, input_precision=DOT)                  # the chunk's writes
-        b_decay = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.))
-        b_qk = tl.where(m_causal, tl.dot(b_q, tl.trans(b_k), input_precision=DOT) * b_decay, 0.)
-        b_o = (tl.dot(b_q * tl.exp(b_G)[:, None], b_S, input_precision=DOT)
-               + tl.dot(b_qk, b_new, input_precision=DOT))
-        tl.store(o + o_t[:, None] * s_o + i_h * DV + o_v[None, :], b_o.to(o.dtype.element_ty),
-                 mask=m_t[:, None] & m_v[None, :])
+        tl.store(ws_v + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], b_new, mask=m_v[None, :])
         b_k_tail = b_k * tl.exp(b_last - b_G)[:, None]                       # e^{G_C - G_j} k_j
         b_S = b_S * tl.exp(b_last) + tl.dot(tl.trans(b_k_tail), b_new, input_precision=DOT)
-    tl.store(s_out + o_s, b_S, mask=m_v[None, :])
+    tl.store(s_out + i_h * DK * DV + o_s, b_S, mask=m_v[None, :])
 
 
-def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, config: tuple | None = None):
+@triton.jit(do_not_specialize=["T"])
+def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, o, T, scale, s_q, s_k, s_o,
+                      HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      BV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_kh = i_h // GROUP
+    o_r, o_k = tl.arange(0, BC), tl.arange(0, DK)
+    o_t = i_c * BC + o_r
+    m_t = o_t < T
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < DV
+    b_q = tl.load(q + o_t[:, None] * s_q + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+    b_k = tl.load(k + o_t[:, None] * s_k + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+    b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q, axis=1) + 1e-6) * scale)[:, None]
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+    o_ws = i_c * HV + i_h
+    b_G = tl.load(ws_g + o_ws * BC + o_r)
+    b_S = tl.load(ws_h + o_ws * DK * DV + o_k[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+    b_new = tl.load(ws_v + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+    m_causal = o_r[:, None] >= o_r[None, :]
+    b_decay = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.))
+    b_qk = tl.where(m_causal, tl.dot(b_q, tl.trans(b_k), input_precision=DOT) * b_decay, 0.)
+    b_o = (tl.dot(b_q * tl.exp(b_G)[:, None], b_S, input_precision=DOT)
+           + tl.dot(b_qk, b_new, input_precision=DOT))
+    tl.store(o + o_t[:, None] * s_o + i_h * DV + o_v[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_t[:, None] & m_v[None, :])
+
+
+# tf32 products, as fla's bf16 ones but with three more mantissa bits; "tf32x3" gives float32
+# accuracy at a little more than twice the time.
+CHUNK_CONFIG = dict(prep_warps=4, scan_bv=32, scan_warps=4, scan_stages=2, out_bv=64, out_warps=4, dot="tf32")
+
+
+def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, config: dict | None = None):
     """chunk_ref's contract (chunk 64), with q, k, v, a, b as row-strided views like recurrent_triton's.
-    `config` = (prep warps, BV, scan warps, scan stages, dot precision) overrides the default, for tuning."""
+    `config` overrides entries of CHUNK_CONFIG, for tuning."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert chunk == 64, "the chunk kernels work on 64 tokens at a time"
@@ -250,22 +280,23 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     assert a.shape == b.shape == (T, Hv) and a.stride(1) == 1 and b.stride(1) == 1, "a, b must be [T, Hv]"
     assert state.dtype == torch.float32 and state.is_contiguous() and state.shape == (Hv, DK, DV), \
         "state must be contiguous float32 [Hv, dk, dv]"
-    NT, dev = triton.cdiv(T, chunk), q.device
-    # the products run on tf32 tensor cores; three-pass tf32 keeps them float32-accurate
-    prep_warps, BV, scan_warps, scan_stages, dot = config or (4, min(32, triton.next_power_of_2(DV)), 8, 2, "tf32x3")
-    ws_a = torch.empty(NT, Hv, chunk, chunk, dtype=torch.float32, device=dev)
-    ws_w = torch.empty(NT, Hv, chunk, DK, dtype=torch.float32, device=dev)
-    ws_u = torch.empty(NT, Hv, chunk, DV, dtype=torch.float32, device=dev)
-    ws_g = torch.empty(NT, Hv, chunk, dtype=torch.float32, device=dev)
-    _chunk_prep_kernel[(NT, Hv)](k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, k.stride(0),
-                                 v.stride(0), a.stride(0), b.stride(0), HV=Hv, GROUP=Hv // Hk, DK=DK, DV=DV,
-                                 BDV=triton.next_power_of_2(DV), BC=chunk, DOT=dot, num_warps=prep_warps)
+    cfg = {**CHUNK_CONFIG, **(config or {})}
+    NT, dev, G = triton.cdiv(T, chunk), q.device, Hv // Hk
+    new = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=dev)
+    ws_a, ws_w, ws_u, ws_g = new(NT, Hv, chunk, chunk), new(NT, Hv, chunk, DK), new(NT, Hv, chunk, DV), new(NT, Hv, chunk)
+    ws_h, ws_v, s_out = new(NT, Hv, DK, DV), new(NT, Hv, chunk, DV), torch.empty_like(state)
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=dev)
-    s_out = torch.empty_like(state)
-    _chunk_scan_kernel[(Hv, triton.cdiv(DV, BV))](q, k, ws_w, ws_u, ws_g, state, o, s_out, T, DK ** -0.5,
-                                                   q.stride(0), k.stride(0), o.stride(0), HV=Hv, GROUP=Hv // Hk,
-                                                   DK=DK, DV=DV, BV=BV, BC=chunk, DOT=dot, num_warps=scan_warps,
-                                                   num_stages=scan_stages)
+    _chunk_prep_kernel[(NT, Hv)](k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, k.stride(0), v.stride(0),
+                                 a.stride(0), b.stride(0), HV=Hv, GROUP=G, DK=DK, DV=DV,
+                                 BDV=triton.next_power_of_2(DV), BC=chunk, DOT=cfg["dot"], num_warps=cfg["prep_warps"])
+    BV = min(cfg["scan_bv"], triton.next_power_of_2(DV))
+    _chunk_scan_kernel[(Hv, triton.cdiv(DV, BV))](k, ws_w, ws_u, ws_g, ws_h, ws_v, state, s_out, T, k.stride(0),
+                                                   HV=Hv, GROUP=G, DK=DK, DV=DV, BV=BV, BC=chunk, DOT=cfg["dot"],
+                                                   num_warps=cfg["scan_warps"], num_stages=cfg["scan_stages"])
+    BV = min(cfg["out_bv"], triton.next_power_of_2(DV))
+    _chunk_out_kernel[(NT, Hv, triton.cdiv(DV, BV))](q, k, ws_g, ws_h, ws_v, o, T, DK ** -0.5, q.stride(0),
+                                                      k.stride(0), o.stride(0), HV=Hv, GROUP=G, DK=DK, DV=DV,
+                                                      BV=BV, BC=chunk, DOT=cfg["dot"], num_warps=cfg["out_warps"])
     return o, s_out
 
 

@@ -1,8 +1,8 @@
 """Matrix-vector products for a few rows (decode, verify, draft): y [T, N] = x [T, K] @ w [N, K]ᵀ,
-and the same with the SwiGLU product fused into the input (the MLP's down projection).
+and the MLP's gate|up product with its SwiGLU fused in: silu(x @ w_gateᵀ) * (x @ w_upᵀ).
 
-Float32 torch references, the Triton kernel beside them, and `matvec` / `matvec_glu`, which take
-the kernel for CUDA tensors and the reference otherwise.
+Float32 torch references, the Triton kernels beside them, and `matvec` / `matvec_swiglu`, which
+take the kernels for CUDA tensors and the references otherwise.
 
 The kernel streams w once: one program per block of BN output columns walks K in BK steps and
 multiplies its w tile with all rows of x at once (rows padded to BT = 16, the smallest tensor-core
@@ -25,16 +25,16 @@ def matvec_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.float() @ w.float().T).to(x.dtype)
 
 
-def matvec_glu_ref(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """(silu(gate) * up) @ w [N, K]ᵀ for gate_up = [gate | up] [T, 2K], rounded as torch does it
-    in gate_up's dtype (silu, then the product)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return matvec_ref(F.silu(gate) * up, w)
+def matvec_swiglu_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """w = [w_gate | w_up] [2I, K] -> silu(gate) * up [T, I], each step rounded to x's dtype as the
+    model does it in torch (the product, silu, the multiplication)."""
+    gate, up = matvec_ref(x, w).chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 @triton.jit(do_not_specialize=["T"])
 def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
-                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GLU: tl.constexpr):
+                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     i_n = tl.program_id(0)
     o_n = i_n * BN + tl.arange(0, BN)
     o_t = tl.arange(0, BT)
@@ -43,18 +43,37 @@ def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
     for k in range(0, K, BK):
         o_k = k + tl.arange(0, BK)
         m_k = o_k < K
-        m_x = m_t[:, None] & m_k[None, :]
         b_w = tl.load(w + o_n[:, None] * s_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
-        p_x = x + o_t[:, None] * s_x + o_k[None, :]
-        b_x = tl.load(p_x, mask=m_x, other=0.)
-        if GLU:
-            # x holds [gate | up]: silu(gate), rounded, times up, rounded (torch's bf16 steps)
-            b_g = b_x.to(tl.float32)
-            b_s = (b_g * tl.sigmoid(b_g)).to(x.dtype.element_ty).to(tl.float32)
-            b_x = (b_s * tl.load(p_x + K, mask=m_x, other=0.).to(tl.float32)).to(x.dtype.element_ty)
+        b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
         # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
         b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
     tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(y.dtype.element_ty), mask=m_n[:, None] & m_t[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _matvec_swiglu_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
+                          BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # The program for output columns n reads the gate rows n and the up rows N + n of w together.
+    i_n = tl.program_id(0)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_t = tl.arange(0, BT)
+    m_n, m_t = o_n < N, o_t < T
+    b_g = tl.zeros([BN, BT], dtype=tl.float32)
+    b_u = tl.zeros([BN, BT], dtype=tl.float32)
+    for k in range(0, K, BK):
+        o_k = k + tl.arange(0, BK)
+        m_k = o_k < K
+        m_w = m_n[:, None] & m_k[None, :]
+        p_w = w + o_n[:, None] * s_w + o_k[None, :]
+        b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.))
+        b_g = tl.dot(tl.load(p_w, mask=m_w, other=0.), b_x, b_g, input_precision="ieee")
+        b_u = tl.dot(tl.load(p_w + N * s_w, mask=m_w, other=0.), b_x, b_u, input_precision="ieee")
+    # torch's steps, each rounded to the model dtype: the two products, silu(gate), the multiplication
+    dtype = y.dtype.element_ty
+    b_g = b_g.to(dtype).to(tl.float32)
+    b_s = (b_g * tl.sigmoid(b_g)).to(dtype).to(tl.float32)
+    b_y = b_s * b_u.to(dtype).to(tl.float32)
+    tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(dtype), mask=m_n[:, None] & m_t[None, :])
 
 
 def _config(N: int, K: int, itemsize: int) -> tuple[int, int, int, int]:
@@ -64,26 +83,35 @@ def _config(N: int, K: int, itemsize: int) -> tuple[int, int, int, int]:
     return 64, 512 // itemsize, 4, 4
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, glu: bool) -> torch.Tensor:
+def _check(x: torch.Tensor, w: torch.Tensor, K: int):
     T = x.shape[0]
-    N, K = w.shape
     assert 1 <= T <= MAX_ROWS, f"matvec takes 1..{MAX_ROWS} rows, got {T}"
-    assert x.shape[1] == (2 * K if glu else K), f"x must be [T, {2 * K if glu else K}] for w [{N}, {K}]"
+    assert x.shape[1] == K == w.shape[1], f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
     assert w.stride(1) == 1 and x.stride(1) == 1, "x and w rows must be contiguous"
     assert x.dtype == w.dtype, "x and w must share a dtype"
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    BN, BK, warps, stages = _config(N, K, x.element_size())
-    _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, T, N, K, x.stride(0), w.stride(0), y.stride(0),
-                                          BT=MAX_ROWS, BN=BN, BK=BK, GLU=glu, num_warps=warps, num_stages=stages)
-    return y
 
 
 def matvec_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return _launch(x, w, glu=False)
+    N, K = w.shape
+    _check(x, w, K)
+    y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    BN, BK, warps, stages = _config(N, K, x.element_size())
+    _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0),
+                                          BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+    return y
 
 
-def matvec_glu_triton(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return _launch(gate_up, w, glu=True)
+def matvec_swiglu_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    N2, K = w.shape
+    _check(x, w, K)
+    assert N2 % 2 == 0, "w must stack the gate and up rows"
+    N = N2 // 2
+    y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    BN, BK, warps, stages = _config(N, K, x.element_size())
+    BN //= 2          # two w tiles per step: the same bytes in flight as the plain kernel
+    _matvec_swiglu_kernel[(triton.cdiv(N, BN),)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0),
+                                                 BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+    return y
 
 
 def matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -91,6 +119,6 @@ def matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return matvec_triton(x, w) if x.is_cuda else matvec_ref(x, w)
 
 
-def matvec_glu(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """(silu(gate) * up) @ wᵀ for gate_up = [gate | up]: one kernel instead of three on CUDA."""
-    return matvec_glu_triton(gate_up, w) if gate_up.is_cuda else matvec_glu_ref(gate_up, w)
+def matvec_swiglu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """silu(x @ w_gateᵀ) * (x @ w_upᵀ) for w = [w_gate | w_up]: one kernel on CUDA, the reference otherwise."""
+    return matvec_swiglu_triton(x, w) if x.is_cuda else matvec_swiglu_ref(x, w)

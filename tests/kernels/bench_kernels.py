@@ -123,11 +123,12 @@ def bench_matvec(bw, sweep):
             best[k] = timed[0][1]
             print(f"  sweep {k}: " + ", ".join(f"{c}={N * K * 2 / t / 1e9:.2f}TB/s" for t, c in timed[:6]), flush=True)
             results[f"sweep {k}"] = [[list(c), t * 1e3] for t, c in timed]
-    gate_up = torch.randn(1, 2 * I, dtype=torch.bfloat16, device="cuda")
-    downs = weights["mlp_down"][:16]
-    glu = graph_ms(lambda: [matvec.matvec_glu(gate_up, w) for w in downs]) / len(downs)
-    apart = graph_ms(lambda: [matvec.matvec(F.silu(gate_up[:, :I]) * gate_up[:, I:], w) for w in downs]) / len(downs)
-    row("matvec_glu mlp_down T=1", glu, H * I * 2, bw, apart, "silu*up+matvec")
+    for T in (1, 4):
+        x = torch.randn(T, H, dtype=torch.bfloat16, device="cuda")
+        ups = weights["mlp_gate_up"][:16]
+        fused = graph_ms(lambda: [matvec.matvec_swiglu(x, w) for w in ups]) / len(ups)
+        apart = graph_ms(lambda: [(lambda g, u: F.silu(g) * u)(*matvec.matvec(x, w).chunk(2, -1)) for w in ups]) / len(ups)
+        row(f"matvec_swiglu mlp_gate_up T={T}", fused, 2 * I * H * 2, bw, apart, "matvec+silu*up")
     # one decode step's worth of products: every layer's matrices and the lm_head
     layers = []
     for i in range(64):
@@ -243,14 +244,23 @@ def bench_chunk(bw, sweep):
     A_log, dt_bias = torch.randn(HV, device="cuda").bfloat16() * 0.5, torch.randn(HV, device="cuda").bfloat16()
     state = torch.randn(HV, DK, DV, device="cuda") * 0.1
     nbytes = T * (CONV * 2 + HV * DV * 2) + 2 * HV * DK * DV * 4
-    configs = [None] + ([(4, 32, 8, 2, "tf32"), (4, 32, 8, 1, "tf32x3"), (4, 16, 4, 2, "tf32x3"), (8, 32, 4, 2, "tf32x3"),
-                         (4, 64, 8, 1, "tf32x3"), (4, 16, 8, 2, "tf32x3")] if sweep else [])
+    configs = [{}] + ([dict(scan_bv=64), dict(scan_bv=16), dict(scan_warps=8, scan_stages=1), dict(scan_stages=1),
+                       dict(out_bv=128, out_warps=8), dict(out_bv=32), dict(prep_warps=8), dict(prep_warps=2),
+                       dict(dot="tf32x3")] if sweep else [])
     for cfg in configs:
         try:
             ms = graph_ms(lambda: gdn.chunk_triton(q, k, v, a, b, A_log, dt_bias, state, config=cfg), reps=5)
-            row(f"gdn chunk T=8192 cfg={cfg}", ms, nbytes, bw)
+            row(f"gdn chunk T=8192 {cfg}", ms, nbytes, bw)
         except Exception as e:
-            print(f"  {cfg}: {type(e).__name__}: {e}", flush=True)
+            print(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            if "illegal" in str(e):
+                return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        gdn.chunk_triton(q, k, v, a, b, A_log, dt_bias, state)
+        torch.cuda.synchronize()
+    for ev in prof.key_averages():
+        if "chunk" in ev.key:
+            print(f"  {ev.key}: {ev.device_time_total:.0f} us")
     o, s = gdn.chunk(q, k, v, a, b, A_log, dt_bias, state)
     o_ref, s_ref = gdn.chunk_ref(q, k, v, a, b, A_log, dt_bias, state)
     err = lambda x, y: ((x.float() - y.float()).norm() / y.float().norm()).item()

@@ -8,6 +8,9 @@ from kernel_checks import TOL, check, randn
 
 from mtpchat.kernels import gdn
 
+# the GPU kernels multiply in tf32 (10-bit mantissa), as fla does in bf16
+STATE_TOL = TOL[torch.float32] if not torch.cuda.is_available() else 5e-3
+
 
 def _inputs(T, Hk, Hv, dk, dv, dtype, device, seed):
     g = torch.Generator().manual_seed(seed)
@@ -29,8 +32,8 @@ def test_chunk(device, dtype, T, Hk, Hv, dk, dv):
     o, s = gdn.chunk_triton(*args, state)
     o_ref, s_ref = gdn.chunk_ref(*args, state)
     assert torch.equal(state, state_in), "the start state is an input"
-    check(o, o_ref, TOL[dtype])
-    check(s, s_ref, TOL[torch.float32], "final state")
+    check(o, o_ref, max(TOL[dtype], STATE_TOL))
+    check(s, s_ref, STATE_TOL, "final state")
 
 
 def test_chunk_matches_the_recurrence(device):
@@ -38,8 +41,8 @@ def test_chunk_matches_the_recurrence(device):
     o, s = gdn.chunk_triton(*args, state)
     ring = state[None].repeat(100, 1, 1, 1)
     o_rec = gdn.recurrent_ref(*args, ring, torch.tensor([0], device=device))
-    check(o, o_rec, TOL[torch.float32])
-    check(s, ring[-1], TOL[torch.float32], "final state")
+    check(o, o_rec, STATE_TOL)
+    check(s, ring[-1], STATE_TOL, "final state")
 
 
 @pytest.mark.gpu
@@ -49,4 +52,4 @@ def test_chunk_27b_shapes(T):
     o, s = gdn.chunk(*args, state)
     o_ref, s_ref = gdn.chunk_ref(*args, state)
     check(o, o_ref, 1e-2)
-    check(s, s_ref, 1e-4, "final state")
+    check(s, s_ref, STATE_TOL, "final state")

@@ -21,15 +21,13 @@ def test_matvec(device, dtype, T, N, K):
     check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 5])
-def test_matvec_glu(device, dtype, T):
-    if dtype == torch.bfloat16 and device == "cpu":
-        pytest.skip("numpy's matmul treats Triton's bf16 as integers in the interpreter")
-    g = torch.Generator().manual_seed(T)
-    gate_up = randn(T, 2 * 300, dtype=dtype, device=device, gen=g)
-    w = randn(70, 300, dtype=dtype, device=device, gen=g)
-    check(matvec.matvec_glu_triton(gate_up, w), matvec.matvec_glu_ref(gate_up, w), TOL[dtype])
+@pytest.mark.parametrize("N,K", [(70, 300), (64, 512)])
+def test_matvec_swiglu(device, dtype, T, N, K):
+    g = torch.Generator().manual_seed(T + N)
+    x, w = randn(T, K, dtype=dtype, device=device, gen=g), randn(2 * N, K, dtype=dtype, device=device, gen=g, scale=0.1)
+    check(matvec.matvec_swiglu_triton(x, w), matvec.matvec_swiglu_ref(x, w), TOL[dtype])
 
 
 def test_matvec_strided_rows(device):
@@ -66,10 +64,10 @@ def test_matvec_rows_do_not_depend_on_T(N, K):
 
 
 @pytest.mark.gpu
-def test_matvec_glu_27b_shapes_and_rows():
+def test_matvec_swiglu_27b_shapes_and_rows():
     g = torch.Generator().manual_seed(9)
-    gate_up = randn(5, 2 * 17408, dtype=torch.bfloat16, device="cuda", gen=g)
-    w = randn(5120, 17408, dtype=torch.bfloat16, device="cuda", gen=g, scale=0.02)
-    y = matvec.matvec_glu(gate_up, w)
-    check(y, matvec.matvec_glu_ref(gate_up, w), 1e-2)
-    assert torch.equal(y, torch.cat([matvec.matvec_glu(gate_up[i:i + 1], w) for i in range(5)]))
+    x = randn(5, 5120, dtype=torch.bfloat16, device="cuda", gen=g)
+    w = randn(2 * 17408, 5120, dtype=torch.bfloat16, device="cuda", gen=g, scale=0.02)
+    y = matvec.matvec_swiglu(x, w)
+    check(y, matvec.matvec_swiglu_ref(x, w), 1e-2)
+    assert torch.equal(y, torch.cat([matvec.matvec_swiglu(x[i:i + 1], w) for i in range(5)]))
