@@ -157,8 +157,10 @@ def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 6
 
 # Chunked prefill in three kernels, the way fla splits it.
 # _chunk_prep_kernel, one program per (chunk, value head), all in parallel: G = cumsum(g), the
-#   strictly lower A[r, c] = beta_r e^{G_r-G_c} (k_r·k_c), X = (I + A)^-1 by forward substitution,
-#   then u = X (beta v) and w = X (beta e^G k): the chunk's state writes are u - w S0 for any S0.
+#   strictly lower A[r, c] = beta_r e^{G_r-G_c} (k_r·k_c), then u = (I + A)^-1 (beta v) and
+#   w = (I + A)^-1 (beta e^G k) by blocked forward substitution (16-row blocks: the diagonal
+#   blocks inverted row by row, the rest as small products), so that the chunk's state writes
+#   are u - w S0 for any start state S0.
 # _chunk_scan_kernel, one program per (value head, block of value columns), walks the chunks in
 #   order with its slice of the state in registers: it saves each chunk's start state S0 and
 #   writes u - w S0, then moves the state to the chunk's end. Two products per chunk.
@@ -168,7 +170,8 @@ def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 6
 @triton.jit(do_not_specialize=["T"])
 def _chunk_prep_kernel(k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, s_k, s_v, s_a, s_b,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BDV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
+                       BDV: tl.constexpr, BC: tl.constexpr, SB: tl.constexpr, NB: tl.constexpr,
+                       DOT: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     o_r = tl.arange(0, BC)
     o_t = i_c * BC + o_r
@@ -188,22 +191,38 @@ def _chunk_prep_kernel(k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, s_
     b_decay = tl.exp(tl.where(m_low, b_G[:, None] - b_G[None, :], 0.))      # masked before exp: > 0 above
     b_A = tl.where(m_low, b_beta[:, None] * b_decay * tl.dot(b_k, tl.trans(b_k), input_precision=DOT), 0.)
     o_ws = i_c * HV + i_h
-    p_a = ws_a + o_ws * BC * BC
-    tl.store(p_a + o_r[:, None] * BC + o_r[None, :], b_A)
-    tl.debug_barrier()   # rows of A are read back below by other threads
-    # X = I + Y; row i of Y is -A[i] - sum_{j<i} A[i, j] Y[j], with the rows above i final
-    b_Y = tl.zeros([BC, BC], tl.float32)
-    for i in range(1, BC):
-        b_row = -tl.load(p_a + i * BC + o_r)                                  # zero from column i on
-        b_row += tl.sum(b_row[:, None] * b_Y, axis=0)
-        b_Y = tl.where((o_r == i)[:, None], b_row[None, :], b_Y)
-    b_X = b_Y + tl.where(o_r[:, None] == o_r[None, :], 1., 0.)
+    p_a, p_u, p_w = ws_a + o_ws * BC * BC, ws_u + o_ws * BC * DV, ws_w + o_ws * BC * DK
     b_v = tl.load(v + o_t[:, None] * s_v + i_h * DV + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
-    b_u = tl.dot(b_X, b_v.to(tl.float32) * b_beta[:, None], input_precision=DOT)
-    b_w = tl.dot(b_X, b_k * (b_beta * tl.exp(b_G))[:, None], input_precision=DOT)
-    tl.store(ws_u + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], b_u, mask=m_v[None, :])
-    tl.store(ws_w + (o_ws * BC + o_r[:, None]) * DK + o_k[None, :], b_w)
+    tl.store(p_a + o_r[:, None] * BC + o_r[None, :], b_A)
+    # the right-hand sides beta v and beta e^G k, solved in place below into u and w
+    tl.store(p_u + o_r[:, None] * DV + o_v[None, :], b_v.to(tl.float32) * b_beta[:, None], mask=m_v[None, :])
+    tl.store(p_w + o_r[:, None] * DK + o_k[None, :], b_k * (b_beta * tl.exp(b_G))[:, None])
     tl.store(ws_g + o_ws * BC + o_r, b_G)
+    tl.debug_barrier()   # what was stored is read back below by other threads
+    # inverses of the NB diagonal SB x SB blocks at once, by forward substitution:
+    # Y[d] = (I + A_dd)^-1 - I, whose row i is -A_dd[i] - sum_{j<i} A_dd[i, j] Y[d][j]
+    o_d, o_i = tl.arange(0, NB), tl.arange(0, SB)
+    b_Y = tl.zeros([NB, SB, SB], tl.float32)
+    for i in range(1, SB):
+        b_row = -tl.load(p_a + (o_d[:, None] * SB + i) * BC + o_d[:, None] * SB + o_i[None, :])   # [NB, SB]
+        b_row += tl.sum(b_row[:, :, None] * b_Y, axis=1)
+        b_Y = tl.where((o_i == i)[None, :, None], b_row[:, None, :], b_Y)
+    b_Xd = b_Y + tl.where(o_i[:, None] == o_i[None, :], 1., 0.)[None, :, :]
+    # block forward substitution, in place: Z_i = X_ii (R_i - sum_{j<i} A_ij Z_j)
+    for i in tl.static_range(NB):
+        o_ri = i * SB + o_i
+        b_rv = tl.load(p_u + o_ri[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+        b_rk = tl.load(p_w + o_ri[:, None] * DK + o_k[None, :])
+        for j in tl.static_range(i):
+            o_rj = j * SB + o_i
+            b_Aij = tl.load(p_a + o_ri[:, None] * BC + o_rj[None, :])
+            b_zv = tl.load(p_u + o_rj[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+            b_rv -= tl.dot(b_Aij, b_zv, input_precision=DOT)
+            b_rk -= tl.dot(b_Aij, tl.load(p_w + o_rj[:, None] * DK + o_k[None, :]), input_precision=DOT)
+        b_Xii = tl.sum(tl.where((o_d == i)[:, None, None], b_Xd, 0.), axis=0)
+        tl.store(p_u + o_ri[:, None] * DV + o_v[None, :], tl.dot(b_Xii, b_rv, input_precision=DOT), mask=m_v[None, :])
+        tl.store(p_w + o_ri[:, None] * DK + o_k[None, :], tl.dot(b_Xii, b_rk, input_precision=DOT))
+        tl.debug_barrier()   # block i is read by the blocks below it
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -288,7 +307,8 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=dev)
     _chunk_prep_kernel[(NT, Hv)](k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, k.stride(0), v.stride(0),
                                  a.stride(0), b.stride(0), HV=Hv, GROUP=G, DK=DK, DV=DV,
-                                 BDV=triton.next_power_of_2(DV), BC=chunk, DOT=cfg["dot"], num_warps=cfg["prep_warps"])
+                                 BDV=triton.next_power_of_2(DV), BC=chunk, SB=16, NB=chunk // 16, DOT=cfg["dot"],
+                                 num_warps=cfg["prep_warps"])
     BV = min(cfg["scan_bv"], triton.next_power_of_2(DV))
     _chunk_scan_kernel[(Hv, triton.cdiv(DV, BV))](k, ws_w, ws_u, ws_g, ws_h, ws_v, state, s_out, T, k.stride(0),
                                                    HV=Hv, GROUP=G, DK=DK, DV=DV, BV=BV, BC=chunk, DOT=cfg["dot"],

@@ -1,6 +1,7 @@
 """Kernel micro-benchmarks on a GPU at the Qwen3.6-27B shapes, against the bandwidth floor.
 
-    python tests/kernels/bench_kernels.py [--sweep] [--sweep-matvec] [--only matvec,gdn,...] [--json out.json]
+    python tests/kernels/bench_kernels.py [--sweep] [--sweep-matvec] [--sweep-attention] [--only matvec,...]
+                                          [--json out.json]
 
 Every kernel is timed the way a decode step runs it: once per layer over that layer's own buffers
 (so nothing stays in L2 between calls), inside a CUDA graph (no launch gaps), time / layers. The
@@ -98,7 +99,7 @@ MATVEC_CONFIGS = [(bn, bk, wp, st) for bn in (16, 32, 64) for bk in (128, 256, 5
                   if bn * bk * 2 * st <= 160 * 1024] + [(128, 128, 4, 4), (128, 64, 4, 6), (32, 128, 4, 6), (16, 256, 4, 6)]
 
 
-def bench_matvec(bw, sweep):
+def bench_matvec(bw, sweep, sweep_swiglu=False):
     print("\n== matvec: per call, weights streamed cold ==")
     weights = {k: [torch.empty(n, kk, dtype=torch.bfloat16, device="cuda").normal_() for _ in range(COUNT[k])]
                for k, (n, kk) in SHAPES.items()}
@@ -129,6 +130,24 @@ def bench_matvec(bw, sweep):
         fused = graph_ms(lambda: [matvec.matvec_swiglu(x, w) for w in ups]) / len(ups)
         apart = graph_ms(lambda: [(lambda g, u: F.silu(g) * u)(*matvec.matvec(x, w).chunk(2, -1)) for w in ups]) / len(ups)
         row(f"matvec_swiglu mlp_gate_up T={T}", fused, 2 * I * H * 2, bw, apart, "matvec+silu*up")
+    if sweep_swiglu:
+        x = torch.randn(1, H, dtype=torch.bfloat16, device="cuda")
+        ups = weights["mlp_gate_up"][:16]
+        ref = matvec.matvec_swiglu_ref(x, ups[0])
+        for BN, BK, warps, stages in ((32, 256, 4, 4), (64, 256, 4, 2), (64, 256, 8, 2), (32, 256, 4, 6),
+                                      (32, 512, 4, 3), (64, 128, 4, 4), (16, 512, 4, 4), (32, 128, 4, 6)):
+            def launch(w):
+                y = torch.empty(1, I, dtype=x.dtype, device="cuda")
+                matvec._matvec_swiglu_kernel[(triton.cdiv(I, BN),)](x, w, y, 1, I, H, x.stride(0), w.stride(0),
+                                                                    y.stride(0), BT=16, BN=BN, BK=BK,
+                                                                    num_warps=warps, num_stages=stages)
+                return y
+            try:
+                err = ((launch(ups[0]).float() - ref.float()).norm() / ref.float().norm()).item()
+                t = graph_ms(lambda: [launch(w) for w in ups], reps=3) / len(ups)
+                print(f"  swiglu BN={BN} BK={BK} w={warps} st={stages}: {t * 1e3:.1f} us err {err:.1e}", flush=True)
+            except Exception as e:
+                print(f"  swiglu BN={BN} BK={BK} w={warps} st={stages}: {type(e).__name__}", flush=True)
     # one decode step's worth of products: every layer's matrices and the lm_head
     layers = []
     for i in range(64):
@@ -244,9 +263,8 @@ def bench_chunk(bw, sweep):
     A_log, dt_bias = torch.randn(HV, device="cuda").bfloat16() * 0.5, torch.randn(HV, device="cuda").bfloat16()
     state = torch.randn(HV, DK, DV, device="cuda") * 0.1
     nbytes = T * (CONV * 2 + HV * DV * 2) + 2 * HV * DK * DV * 4
-    configs = [{}] + ([dict(scan_bv=64), dict(scan_bv=16), dict(scan_warps=8, scan_stages=1), dict(scan_stages=1),
-                       dict(out_bv=128, out_warps=8), dict(out_bv=32), dict(prep_warps=8), dict(prep_warps=2),
-                       dict(dot="tf32x3")] if sweep else [])
+    configs = [{}] + ([dict(scan_bv=64), dict(scan_bv=64, scan_warps=8), dict(prep_warps=2), dict(prep_warps=8),
+                       dict(scan_bv=64, out_bv=128, out_warps=8), dict(dot="tf32x3")] if sweep else [])
     for cfg in configs:
         try:
             ms = graph_ms(lambda: gdn.chunk_triton(q, k, v, a, b, A_log, dt_bias, state, config=cfg), reps=5)
@@ -260,7 +278,7 @@ def bench_chunk(bw, sweep):
         torch.cuda.synchronize()
     for ev in prof.key_averages():
         if "chunk" in ev.key:
-            print(f"  {ev.key}: {ev.device_time_total:.0f} us")
+            print(f"  {ev.key}: {getattr(ev, 'device_time_total', 0):.0f} us")
     o, s = gdn.chunk(q, k, v, a, b, A_log, dt_bias, state)
     o_ref, s_ref = gdn.chunk_ref(q, k, v, a, b, A_log, dt_bias, state)
     err = lambda x, y: ((x.float() - y.float()).norm() / y.float().norm()).item()
@@ -294,6 +312,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true", help="tile sweeps of the small kernels")
     p.add_argument("--sweep-matvec", action="store_true", help="the matvec tile sweep (long)")
+    p.add_argument("--sweep-attention", action="store_true", help="the attention span and tile sweep (long)")
     p.add_argument("--json")
     p.add_argument("--only", default="matvec,gdn,conv,attention,chunk,norms")
     args = p.parse_args()
@@ -304,8 +323,8 @@ def main():
     print(f"device-to-device copy: {bw / 1e12:.3f} TB/s (bytes read + written)")
     for name in args.only.split(","):
         try:
-            {"matvec": lambda: bench_matvec(bw, args.sweep_matvec), "gdn": lambda: bench_gdn(bw, args.sweep),
-             "conv": lambda: bench_conv(bw), "attention": lambda: bench_attention(bw, args.sweep),
+            {"matvec": lambda: bench_matvec(bw, args.sweep_matvec, args.sweep), "gdn": lambda: bench_gdn(bw, args.sweep),
+             "conv": lambda: bench_conv(bw), "attention": lambda: bench_attention(bw, args.sweep_attention),
              "chunk": lambda: bench_chunk(bw, args.sweep), "norms": lambda: bench_norms(bw)}[name]()
         except Exception as e:
             print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
