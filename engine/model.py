@@ -19,7 +19,7 @@ from torch import nn
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels import attention, conv, gdn, norm
-from mtpchat.kernels.matvec import matvec
+from mtpchat.kernels.matvec import matvec, matvec_swiglu
 
 
 @dataclass
@@ -63,8 +63,12 @@ class MLP(nn.Module):
         self.down = empty(c.hidden_size, c.intermediate_size)
 
     def forward(self, x, ctx: Ctx):
-        gate, up = linear(x, self.gate_up, ctx.step).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down, ctx.step)
+        if ctx.step and x.is_cuda:
+            h = matvec_swiglu(x, self.gate_up)          # the product and the gating in one kernel
+        else:
+            gate, up = linear(x, self.gate_up, ctx.step).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return linear(h, self.down, ctx.step)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
