@@ -34,7 +34,7 @@ def main(args) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     graphs = getattr(opts, "cuda_graphs", True)
     context = args.context
-    max_context = max(context + args.tokens * 2 + 64, 8192 + 64)
+    max_context = max(context + args.tokens * 2 + 64, 8192 + 64, getattr(opts, "max_context", 0) or 0)
     if args.random_weights:
         config = ModelConfig.load(Path(bench.__file__).parent / "configs" / f"{args.random_weights}.json")
         model, name = config, f"random {args.random_weights}"
@@ -75,6 +75,9 @@ def table(r: dict) -> str:
                      + ("" if m["identical_to_mtp_off"] else "  OUTPUT DIFFERS"))
     e = r["exactness"]
     lines.append(f"exactness: {e['prompts']} prompts x {e['tokens']} tokens x k={e['ks']}: {e['mismatches']} mismatches")
+    if "peak_beyond_weights" in r:
+        lines.append(f"peak GPU memory beyond the weights at {r['max_context']:,} tokens of context: "
+                     f"{r['peak_beyond_weights'] / 2**30:.2f} GiB")
     mem = r["memory"]
     lines.append("memory: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in mem.items()))
     return "\n".join(lines)
