@@ -108,7 +108,9 @@ def matvec_swiglu_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     N = N2 // 2
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     BN, BK, warps, stages = _config(N, K, x.element_size())
-    BN //= 2          # two w tiles per step: the same bytes in flight as the plain kernel
+    # two w tiles of half the rows per step; bf16 takes a deeper pipeline: 122.9 us for the 27B
+    # gate|up on an H100, against 119.8 for the plain product and 124.8 with silu * up apart
+    BN, stages = BN // 2, 6 if x.element_size() == 2 else stages
     _matvec_swiglu_kernel[(triton.cdiv(N, BN),)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0),
                                                  BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
     return y

@@ -57,7 +57,8 @@ def test_matvec_27b_shapes(N, K):
 @pytest.mark.parametrize("N,K", SHAPES_27B[:3] + [(1000, 1000)])
 def test_matvec_rows_do_not_depend_on_T(N, K):
     g = torch.Generator().manual_seed(K)
-    x, w = randn(matvec.MAX_ROWS, K, dtype=torch.bfloat16, device="cuda", gen=g), randn(N, K, dtype=torch.bfloat16, device="cuda", gen=g)
+    bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
+    x, w = randn(matvec.MAX_ROWS, K, **bf16), randn(N, K, **bf16)
     ones = torch.cat([matvec.matvec(x[i:i + 1], w) for i in range(x.shape[0])])
     for T in (2, 3, 5, matvec.MAX_ROWS):
         assert torch.equal(matvec.matvec(x[:T], w), ones[:T]), f"T={T}"
