@@ -27,9 +27,10 @@ from mtpchat.app.errors import NO_MTP, describe_error
 from mtpchat.app.gpu import NvmlProbe, ProcessProbe, Sampler
 from mtpchat.app.messages import (EngineFailed, EngineReady, GpuSampled, ReplyDelta, ReplyDone, ReplyFailed,
                                   ReplyPrefilled)
+from mtpchat.app.pacer import Pacer
 from mtpchat.app.panel import HeaderBar, Live, StatusBar, TelemetryPane
 from mtpchat.app.race import RaceScreen
-from mtpchat.app.runner import drive
+from mtpchat.app.runner import POST_INTERVAL, drive
 from mtpchat.app.settings import Sampling
 from mtpchat.app.store import Store, encode_spans
 from mtpchat.app.telemetry import Telemetry
@@ -63,7 +64,7 @@ def reply_footer(stats, reason: str, mtp: bool, k: int) -> str:
 
 
 class ChatApp(ChatActions, App):
-    CSS_PATH = "app.tcss"
+    CSS_PATH = Path(__file__).with_name("app.tcss")
     TITLE = "mtpchat"
     BINDINGS = BINDINGS
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (NARROW_BELOW, "-wide")]
@@ -72,7 +73,7 @@ class ChatApp(ChatActions, App):
                  device: str = "cpu", dtype: str = "", system: str = "", think: bool = True, mtp: bool = True,
                  draft_tokens: int = 3, probe: Callable | None = None, gpu_interval: float = 1.0,
                  refresh_hz: float = 4.0, keymap: dict | None = None, export_dir: Path | None = None,
-                 now: Callable[[], float] = time.time):
+                 now: Callable[[], float] = time.time, ui_budget: float = 0.03):
         super().__init__()
         self.load_engine = load_engine
         self.model_name, self.device, self.dtype = model, device, dtype
@@ -98,6 +99,9 @@ class ChatApp(ChatActions, App):
         self._reply_view: MessageView | None = None
         self._sampler: Sampler | None = None
         self._drawn = None
+        self.pacer = Pacer(ui_budget)
+        self._unpainted: dict[str, tuple[list, list, list]] = {}   # target -> thinking, answer, spans
+        self._paint_timer = None
 
     # --- layout and lifecycle ---
     def compose(self):
@@ -151,7 +155,7 @@ class ChatApp(ChatActions, App):
         self.engine = m.engine
         self.device = str(getattr(self.engine, "device", self.device))
         self.dtype = str(getattr(self.engine, "dtype", self.dtype)).replace("torch.", "")
-        self.query_one("#loading").display = False
+        self.query_one("#loading").remove()   # its spinner would repaint 16 times a second
         for text in getattr(self.engine, "notices", None) or []:
             self.notice(text, "warning")
         if not getattr(self.engine, "mtp_available", True) and not getattr(self.engine, "notices", None):
@@ -169,7 +173,7 @@ class ChatApp(ChatActions, App):
 
     def on_engine_failed(self, m: EngineFailed) -> None:
         self.load_error = m.text
-        self.query_one("#loading").display = False
+        self.query_one("#loading").remove()
         self.notice(m.text, "error")
         self.redraw()
 
@@ -187,6 +191,8 @@ class ChatApp(ChatActions, App):
                     thinking=self.think, busy=self.busy, loaded=e is not None)
 
     def redraw(self, force: bool = False) -> None:
+        if self.busy and not force:
+            return   # while a reply streams, the pacer paints the pane together with the text
         live = self.live()
         key = (self.telemetry.version, live, self.session_title)
         if key == self._drawn and not force:
@@ -204,6 +210,8 @@ class ChatApp(ChatActions, App):
     def _begin(self, runs: list[tuple[str, list[dict], bool | None]]) -> None:
         self.busy = True
         self._stop.clear()
+        self.pacer.reset()
+        self.query_one(Composer).cursor_blink = False   # each blink is a repaint: none while decoding
         self._generate(runs, self.think, self.sampling)
 
     def _count(self, n: int) -> None:
@@ -228,7 +236,8 @@ class ChatApp(ChatActions, App):
                 ids = build_prompt(engine.tokenizer, messages, think)
                 think_open = prompt_opens_think(engine.tokenizer, ids)
                 drive(engine, ids, params, target=target, think_open=think_open, post=self.post_message,
-                      cancelled=cancelled, count_tokens=self._count)
+                      cancelled=cancelled, count_tokens=self._count,
+                      interval=lambda: max(POST_INTERVAL, self.pacer.interval / 2))
         except Exception as exc:
             self.post_message(ReplyFailed(target, describe_error(exc, "reply"), "", "", ()))
         finally:
@@ -241,23 +250,40 @@ class ChatApp(ChatActions, App):
         return next((s for s in self.screen_stack if isinstance(s, RaceScreen)), None)
 
     def on_reply_prefilled(self, m: ReplyPrefilled) -> None:
-        if m.target == "chat":
+        if m.target == "chat":   # shown with the first paint: a repaint costs the engine time
             self.telemetry.prefilled(m.prompt_tokens, m.prefill_ms, m.cached_tokens)
-            if self._reply_view:
-                self._reply_view.set_footer(f"prefilled {m.prompt_tokens} tokens in {m.prefill_ms:.0f} ms…")
 
     async def on_reply_delta(self, m: ReplyDelta) -> None:
         if m.target == "chat":
             self.telemetry.add_steps(m.steps)
-            if self._reply_view:
-                await self._reply_view.write(m.thinking, m.answer, m.spans)
-        elif race := self._race_screen():
-            race.lane(m.target).write(m.thinking, m.answer)
+        thinking, answer, spans = self._unpainted.setdefault(m.target, ([], [], []))
+        thinking.append(m.thinking)
+        answer.append(m.answer)
+        spans.extend(m.spans)
+        if self.pacer.due():
+            await self._paint()
+        elif self._paint_timer is None:
+            self._paint_timer = self.set_timer(self.pacer.delay(), self._paint)
+
+    async def _paint(self) -> None:
+        """Show the text that arrived since the last paint, and the telemetry, in one frame."""
+        if self._paint_timer is not None:
+            self._paint_timer.stop()
+            self._paint_timer = None
+        pending, self._unpainted = self._unpainted, {}
+        for target, (thinking, answer, spans) in pending.items():
+            if target == "chat":
+                if self._reply_view is not None:
+                    await self._reply_view.write("".join(thinking), "".join(answer), spans)
+            elif race := self._race_screen():
+                race.lane(target).write("".join(thinking), "".join(answer))
+        self.redraw(force=True)
+        self.pacer.painted()
 
     async def on_reply_done(self, m: ReplyDone) -> None:
+        await self._paint()
         if m.target != "chat":
             if race := self._race_screen():
-                race.lane(m.target).write("", "")
                 race.finish_lane(m.target, m.stats, m.reason)
                 race.done = race.done or m.reason == "cancelled" or m.target == "race:on"
             return
@@ -277,6 +303,7 @@ class ChatApp(ChatActions, App):
         self.redraw(force=True)
 
     async def on_reply_failed(self, m: ReplyFailed) -> None:
+        await self._paint()
         self.notice(m.text, "error")
         if m.target != "chat":
             if race := self._race_screen():
@@ -300,6 +327,7 @@ class ChatApp(ChatActions, App):
     def on_generation_ended(self, m: GenerationEnded) -> None:
         self.busy = False
         self._reply_view = None
+        self.query_one(Composer).cursor_blink = True
         self.redraw(force=True)
         if self._pending is not None:
             fn, self._pending = self._pending, None

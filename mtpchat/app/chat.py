@@ -30,6 +30,20 @@ def tinted(spans) -> Content:
     return Content.assemble(*((text, "$success" if draft else "") for text, draft in spans))
 
 
+def tail(text: str, chars: int) -> str:
+    """About the last `chars` characters of text, starting at a line or word boundary."""
+    if len(text) <= chars:
+        return text.strip()
+    cut = text[-chars:]
+    nl = cut.find("\n")
+    start = nl + 1 if 0 <= nl < chars // 2 else cut.find(" ") + 1
+    return "… " + cut[start:].strip()
+
+
+def thinking_title(thinking: str) -> str:
+    return f"Thinking ({len(thinking.split())} words)"
+
+
 class MessageView(Vertical, can_focus=True):
     """One message. Focus it (click or tab) to pick it for copying."""
 
@@ -48,9 +62,12 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self):
         if self.role == "assistant":
-            with Collapsible(title="Thinking", collapsed=True, id="thinking") as c:
+            with Collapsible(title=thinking_title(self.thinking), collapsed=True, id="thinking") as c:
                 c.display = bool(self.thinking)
                 yield Markdown(self.thinking, id="think-md")
+            live = Static("", id="think-live", markup=False)
+            live.display = False
+            yield live
         yield Markdown(self.content, id="answer")
         yield Static(tinted(self.spans) if self.spans else "", id="tinted")
         yield Static(self.footer, id="footer", markup=False)
@@ -80,18 +97,17 @@ class MessageView(Vertical, can_focus=True):
 
     async def write(self, thinking: str, answer: str, spans) -> None:
         if thinking:
+            # while it streams, thinking shows as its last few lines: a cost per paint that does not
+            # grow with its length; the whole of it is rendered once, folded, when the answer starts
             self.thinking += thinking
-            box = self.query_one("#thinking", Collapsible)
-            if not box.display:
-                box.display = True
-                box.collapsed = False
-                box.title = "Thinking…"
-            await self._stream("think-md").write(thinking)
+            live = self.query_one("#think-live", Static)
+            live.display = True
+            live.update(tail(self.thinking, max(400, self.size.width * 6)))
         if answer:
             if not self._answer_started:
                 self._answer_started = True
                 if self.thinking:
-                    self.query_one("#thinking", Collapsible).collapsed = True
+                    await self._fold_thinking()
             self.content += answer
             self.spans.extend(spans)
             if self.tint:
@@ -99,6 +115,14 @@ class MessageView(Vertical, can_focus=True):
                 self._apply_tint()
             else:
                 await self._stream("answer").write(answer)
+
+    async def _fold_thinking(self) -> None:
+        self.query_one("#think-live").display = False
+        box = self.query_one("#thinking", Collapsible)
+        await self.query_one("#think-md", Markdown).update(self.thinking)
+        box.title = thinking_title(self.thinking)
+        box.collapsed = True
+        box.display = True
 
     async def finish(self, content: str, thinking: str, spans, footer: str) -> None:
         """Stop the streams (flushing their tails) and render the whole reply once."""
@@ -108,12 +132,11 @@ class MessageView(Vertical, can_focus=True):
         self.content, self.thinking, self.spans = content, thinking, list(spans)
         await self.query_one("#answer", Markdown).update(content)
         if self.role == "assistant":
-            box = self.query_one("#thinking", Collapsible)
-            box.display = bool(thinking)
             if thinking:
-                await self.query_one("#think-md", Markdown).update(thinking)
-                box.title = f"Thinking ({len(thinking.split())} words)"
-                box.collapsed = True
+                await self._fold_thinking()
+            else:
+                self.query_one("#thinking").display = False
+                self.query_one("#think-live").display = False
         if self.spans:
             self.query_one("#tinted", Static).update(tinted(self.spans))
         self._apply_tint()

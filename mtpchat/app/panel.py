@@ -119,26 +119,39 @@ def header_line(live: Live, title: str) -> str:
             f"[b]{live.mtp_label}[/]  │  {think}  │  [$text-muted]{escape(title)}[/]")
 
 
+class Lines(Static):
+    """A Static that skips the layout pass (a full reflow of the screen) when its height is unchanged."""
+
+    _markup = None
+
+    def show_markup(self, markup: str) -> None:
+        if markup == self._markup:
+            return
+        same_height = self._markup is not None and markup.count("\n") == self._markup.count("\n")
+        self._markup = markup
+        self.update(markup, layout=not same_height)
+
+
 class TelemetryPane(VerticalScroll):
     def compose(self):
-        yield Static(id="acceptance", classes="section")
-        yield Static(id="speed", classes="section")
-        yield Static(id="memory", classes="section")
+        yield Lines(id="acceptance", classes="section")
+        yield Lines(id="speed", classes="section")
+        yield Lines(id="memory", classes="section")
 
     def show(self, t: Telemetry, live: Live) -> None:
-        self.query_one("#acceptance", Static).update(acceptance(t, live))
-        self.query_one("#speed", Static).update(speed(t, live))
-        self.query_one("#memory", Static).update(memory(t, live))
+        self.query_one("#acceptance", Lines).show_markup(acceptance(t, live))
+        self.query_one("#speed", Lines).show_markup(speed(t, live))
+        self.query_one("#memory", Lines).show_markup(memory(t, live))
 
 
-class StatusBar(Static):
+class StatusBar(Lines):
     def show(self, t: Telemetry, live: Live) -> None:
-        self.update(status_line(t, live))
+        self.show_markup(status_line(t, live))
 
 
-class HeaderBar(Static):
+class HeaderBar(Lines):
     def show(self, live: Live, title: str) -> None:
-        self.update(header_line(live, title))
+        self.show_markup(header_line(live, title))
 
 
 __all__ = ["HeaderBar", "Live", "NA", "StatusBar", "TelemetryPane"]

@@ -73,7 +73,7 @@ class Batch:
 
 def drive(engine, prompt_ids: list[int], params, *, target: str, think_open: bool,
           post: Callable, cancelled: Callable[[], bool], count_tokens: Callable[[int], None] = lambda n: None,
-          interval: float = POST_INTERVAL, clock: Callable[[], float] = time.monotonic) -> None:
+          interval: float | Callable[[], float] = POST_INTERVAL, clock: Callable[[], float] = time.monotonic) -> None:
     text = ReplyText(think_open)
     batch = Batch()
     stream = engine.tokenizer.stream()
@@ -85,14 +85,19 @@ def drive(engine, prompt_ids: list[int], params, *, target: str, think_open: boo
         for ev in engine.generate(prompt_ids, params):
             kind = type(ev).__name__
             if kind == "Step":
-                for tid, from_draft in zip(ev.token_ids, ev.from_draft):
-                    if tid not in stop:
-                        piece = stream.push([tid])
+                # accepted drafts come first, then the target's own token: one push for each part
+                ids, drafts = ev.token_ids, ev.from_draft
+                a = drafts.index(False) if False in drafts else len(ids)
+                for part, from_draft in ((ids[:a], True), (ids[a:], False)):
+                    if part and not stop.isdisjoint(part):
+                        part = [t for t in part if t not in stop]
+                    if part:
+                        piece = stream.push(part)
                         batch.add_text(*text.add(piece, from_draft), from_draft)
                 batch.steps.append(StepRecord.of(ev))
                 count_tokens(len(ev.token_ids))
                 now = clock()
-                if now - last_post >= interval:
+                if now - last_post >= (interval() if callable(interval) else interval):
                     post(batch.take(target))
                     last_post = now
                 if not asked_cancel and cancelled():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from mtpchat.app.gpu import GpuSample, energy_per_token
 
@@ -18,9 +19,8 @@ WINDOW = 8        # steps per point of the sparklines and the phase split
 HISTORY = 240     # points kept per sparkline
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """The part of an engine Step the pane needs (no token ids)."""
+class StepRecord(NamedTuple):
+    """The part of an engine Step the pane needs (no token ids); a tuple: one is made per step."""
     tokens: int
     drafted: int
     accepted: int

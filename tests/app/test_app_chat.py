@@ -48,7 +48,7 @@ def test_escape_stops_the_reply_and_keeps_what_was_shown(data_dir):
         async with app.run_test(size=(140, 40)) as pilot:
             await ready(pilot)
             await send(pilot, "go on", wait=False)
-            await steps_reached(pilot, engine, 10)
+            await steps_reached(pilot, engine, 40)       # past the thinking, into the answer
             await pilot.press("escape")
             await idle(pilot)
             reply = app._views()[-1]

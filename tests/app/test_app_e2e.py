@@ -1,0 +1,56 @@
+"""The real engine on a tiny random checkpoint, on the CPU, through the app as `mtpchat` starts it."""
+from __future__ import annotations
+
+import pytest
+from apphelpers import idle, ready, run, send
+
+from mtpchat import cli, loader
+from mtpchat.app.main import build_app
+from mtpchat.app.store import Store
+from mtpchat.app.think import ThinkSplitter, prompt_opens_think
+from mtpchat.engine.tiny import write_tiny_checkpoint
+
+
+@pytest.fixture
+def cli_args(tmp_path, monkeypatch):
+    """Arguments exactly as `mtpchat --model <tiny> ...` hands them to run_app."""
+    monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
+    tiny = write_tiny_checkpoint(tmp_path / "tiny")
+    argv = ["--model", str(tiny), "--device", "cpu", "--data-dir", str(tmp_path / "data"),
+            "--temperature", "0", "--max-tokens", "40", "--max-context", "512"]
+    args = cli.build_parser(argv).parse_args(argv)
+    args.options = cli.options_from(args)
+    args.prepared = loader.prepare(args.options)
+    return args
+
+
+def test_real_engine_replies_through_the_app_as_it_does_headless(cli_args, tmp_path):
+    app = build_app(cli_args)
+    prompt = "Hello there, tiny model"
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await ready(pilot)
+            assert app.engine is not None and app.engine.mtp and not app.load_error
+            await send(pilot, prompt)
+            reply = app._views()[-1]
+            # the same prompt headless, from a fresh state, greedy: the app showed exactly this
+            engine = app.engine
+            engine.reset()
+            ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            result = cli.generate(engine, ids, loader.sampling_params(cli_args.options, cli_args.prepared.path))
+            split = ThinkSplitter(inside=prompt_opens_think(engine.tokenizer, ids))
+            think, answer = split.push(result["text"])
+            tail = split.flush()
+            assert (reply.thinking, reply.content) == (think + tail[0], answer + tail[1])
+            assert f"{result['stats']['new_tokens']} tokens" in reply.footer and "tok/s" in reply.footer
+            # MTP off through the app reaches the real engine
+            await pilot.press("ctrl+t")
+            assert engine.mtp is False
+            await send(pilot, "again")
+            await idle(pilot)
+    run(go())
+    store = Store(tmp_path / "data")
+    stats = [m.stats for m in store.messages(store.sessions()[0].id) if m.role == "assistant"]
+    assert stats[0]["verify_steps"] > 0 and stats[0]["mtp"] is True and 0 < stats[0]["new_tokens"] <= 40
+    assert stats[1]["verify_steps"] == 0 and stats[1]["mtp"] is False
