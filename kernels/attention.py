@@ -59,6 +59,7 @@ def _attn_split_kernel(q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale,
             o_n = n + tl.arange(0, BN)
             m_n = o_n < hi
             b_k = tl.load(k_cache + o_n[:, None] * s_kl + i_kv * s_kh + o_d[None, :], mask=m_n[:, None], other=0.)
+            # "ieee" keeps float32 caches exact (no tf32); bf16 ones take the tensor cores regardless
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale        # [BM, BN]
             b_s = tl.where(o_n[None, :] <= b_last[:, None], b_s, float("-inf"))
             b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
