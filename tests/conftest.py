@@ -1,6 +1,12 @@
 """Tiny random checkpoints shared by the MTP tests."""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton picks interpreted or compiled mode at import: set it before anything imports the kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from mtpchat.engine.tiny import write_tiny_checkpoint
 
