@@ -13,6 +13,7 @@ import time
 
 MIN_INTERVAL = 1 / 30
 MAX_INTERVAL = 2.0
+START_CAP = 0.25        # each reply starts at least this lively
 
 
 class Pacer:
@@ -22,9 +23,11 @@ class Pacer:
         self.reset()
 
     def reset(self) -> None:
-        """A new reply: paint the first text at once."""
-        self._last_wall, self._last_cpu = self.clock(), self.cpu()
-        self.next_at = self._last_wall
+        """A new reply: paint the first text at once, then re-learn the cost from there (a reply
+        starts with one-off work, mounting its message, that says nothing about the cost of a paint)."""
+        self.interval = min(self.interval, START_CAP)
+        self._fresh = True
+        self.next_at = self.clock()
 
     def due(self) -> bool:
         return self.clock() >= self.next_at
@@ -35,7 +38,11 @@ class Pacer:
     def painted(self) -> None:
         """Call right after a paint was requested; sets when the next may happen."""
         wall, cpu = self.clock(), self.cpu()
-        dt, used = wall - self._last_wall, cpu - self._last_cpu
+        if self._fresh:
+            self._fresh = False
+            dt = 0.0
+        else:
+            dt, used = wall - self._last_wall, cpu - self._last_cpu
         self._last_wall, self._last_cpu = wall, cpu
         if dt > 0:
             share = used / dt
