@@ -251,3 +251,19 @@ def test_narrow_terminal_folds_the_pane_into_a_status_line(data_dir):
             await pilot.pause(0.2)
             assert app.query_one("#telemetry").region.width > 30 and app.query_one("#status").region.height == 0
     run(go())
+
+
+def test_a_keymap_file_moves_a_binding(data_dir):
+    data_dir.mkdir(parents=True)
+    (data_dir / "keymap.toml").write_text('toggle_mtp = "ctrl+b"\n')
+    engine = FakeEngine()
+    app = make_app(data_dir, engine)
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await ready(pilot)
+            await pilot.press("ctrl+t")
+            assert engine.mtp is True
+            await pilot.press("ctrl+b")
+            assert engine.mtp is False
+    run(go())

@@ -197,3 +197,14 @@ def test_gauges():
     assert bar(0.5, 4) == "██  " and bar(1.2, 3) == "███" and bar(1 / 16, 2) == "▏ "
     assert sparkline([1, 2, 3], 5, lo=1, hi=3) == "  ▁▅█"
     assert sparkline([], 3) == "   " and sparkline([2, 2], 2) == "▄▄"
+
+
+def test_the_key_list_documents_every_binding():
+    from pathlib import Path
+
+    from mtpchat.app.commands import COMMANDS
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "KEYS.md").read_text()
+    for c in COMMANDS:
+        keys = " or ".join(f"`{k}`" for k in c.keys.split(","))
+        assert f"| {keys} |" in doc, c.id
+        assert c.id == "stop" or f"`{c.id}`" in doc, c.id
