@@ -1,4 +1,7 @@
-"""Exceptions a user can meet, turned into one line saying what is wrong and what to do."""
+"""Exceptions a user can meet, turned into one line saying what is wrong and what to do.
+
+Load errors are worded by mtpchat.errors (shared with the CLI); the rest here.
+"""
 from __future__ import annotations
 
 
@@ -8,6 +11,11 @@ def first_line(exc: BaseException) -> str:
 
 
 def describe_error(exc: BaseException, during: str = "load", device: str | None = None) -> str:
+    if during == "load":
+        from mtpchat.errors import as_user_error   # the CLI's wording, so both say the same
+        user = as_user_error(exc)
+        if user is not None:
+            return "; ".join(line.strip() for line in str(user).splitlines() if line.strip())
     name = type(exc).__name__
     detail = first_line(exc)
     low = detail.lower()

@@ -128,7 +128,9 @@ def test_error_lines_name_the_problem_and_the_fix():
     class OutOfMemoryError(RuntimeError):
         pass
     oom = describe_error(OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "load")
-    assert oom.startswith("not enough GPU memory") and "--max-context" in oom
+    assert "ran out of memory" in oom and "--max-context" in oom and "\n" not in oom
+    mid_oom = describe_error(OutOfMemoryError("CUDA out of memory"), "reply")
+    assert "during the reply" in mid_oom and "kept" in mid_oom
     gpu = describe_error(RuntimeError("Found no NVIDIA driver on your system"), "load", device="cuda")
     assert "--device cpu" in gpu
     mid = describe_error(ValueError("boom\nsecond line"), "reply")
