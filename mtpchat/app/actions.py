@@ -93,7 +93,7 @@ class ChatActions:
             return
         self.engine.mtp = not self.engine.mtp
         self.notice(f"MTP on, {self.engine.draft_tokens} draft tokens" if self.engine.mtp else "MTP off")
-        self.redraw()
+        self.redraw(force=True)
 
     def _set_k(self, delta: int) -> None:
         if not self._engine_ready():
@@ -105,7 +105,7 @@ class ChatActions:
             return
         self.engine.draft_tokens = k
         self.notice(f"{k} draft tokens per step" + ("" if self.engine.mtp else " (MTP is off)"))
-        self.redraw()
+        self.redraw(force=True)
 
     def action_draft_up(self) -> None:
         self._set_k(+1)
@@ -116,7 +116,7 @@ class ChatActions:
     def action_toggle_think(self) -> None:
         self.think = not self.think
         self.notice("thinking on for the next reply" if self.think else "thinking off for the next reply")
-        self.redraw()
+        self.redraw(force=True)
 
     def action_toggle_tint(self) -> None:
         self.tint = not self.tint
@@ -176,7 +176,7 @@ class ChatActions:
         if self.engine is not None:
             self.engine.reset()
         self.query_one(Composer).focus()
-        self.redraw()
+        self.redraw(force=True)
 
     def action_sessions(self) -> None:
         def chosen(sid):
@@ -201,7 +201,7 @@ class ChatActions:
         if self.engine is not None:
             self.engine.reset()
         self._chat().anchor()
-        self.redraw()
+        self.redraw(force=True)
 
     # --- settings ---
     def action_system_prompt(self) -> None:

@@ -135,3 +135,18 @@ def test_error_lines_name_the_problem_and_the_fix():
     assert "--device cpu" in gpu
     mid = describe_error(ValueError("boom\nsecond line"), "reply")
     assert "boom" in mid and "second line" not in mid and "kept" in mid
+
+
+def test_quitting_mid_reply_ends_the_engine_thread(data_dir):
+    import time
+    engine = FakeEngine(step_delay=0.02, answer="word " * 2000)
+    app = make_app(data_dir, engine)
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await ready(pilot)
+            await send(pilot, "long", wait=False)
+            await until(pilot, lambda: len(engine.step_log) > 3)
+    t = time.monotonic()
+    run(go())   # leaving run_test exits the app; the worker thread must not keep it alive
+    assert time.monotonic() - t < 5 and len(engine.step_log) < 200
