@@ -57,6 +57,9 @@ class SessionsScreen(Dialog):
         if ol.highlighted is None:
             return
         sid = int(ol.get_option_at_index(ol.highlighted).id)
+        if sid == self.current and self.app.busy:
+            self.app.notify("this chat is still streaming a reply: press Esc in the chat first", severity="warning")
+            return
         self.store.delete_session(sid)
         self.app.notify("chat deleted")
         if sid == self.current:

@@ -267,3 +267,23 @@ def test_a_keymap_file_moves_a_binding(data_dir):
             await pilot.press("ctrl+b")
             assert engine.mtp is False
     run(go())
+
+
+def test_deleting_chats_from_the_list(data_dir):
+    app = make_app(data_dir)
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await ready(pilot)
+            await send(pilot, "old chat")
+            await pilot.press("ctrl+n")
+            await until(pilot, lambda: not app._views())
+            await send(pilot, "current chat")
+            await pilot.press("ctrl+o")
+            await pilot.pause()
+            await pilot.press("d")                      # the highlighted one: the current chat
+            await until(pilot, lambda: app.session_id is None and not app._views(), what="a new chat")
+            options = app.screen.query_one("OptionList")
+            assert options.option_count == 1 and "old chat" in str(options.get_option_at_index(0).prompt)
+    run(go())
+    assert [s.title for s in Store(data_dir).sessions()] == ["old chat"]
