@@ -73,14 +73,18 @@ def generate(engine, prompt: list[int], tokens: int, mtp: bool, k: int = 3, draf
             "host_ms": mean([s.times.host for s in steps])}
 
 
-def time_to_first_token(engine, n: int, seed: int = 0) -> float:
+def time_to_first_token(engine, n: int, seed: int = 0, repeats: int = 2) -> float:
+    """The best of `repeats` (the first call of a length also compiles kernels and tunes cuBLAS)."""
     prompt = random_prompt(engine, n, seed)
-    engine.reset()
-    t = time.perf_counter()
-    for ev in engine.generate(prompt, SamplingParams(max_tokens=1, stop_token_ids=())):
-        if isinstance(ev, Step):
-            return (time.perf_counter() - t) * 1e3
-    return float("nan")
+    best = float("inf")
+    for _ in range(repeats):
+        engine.reset()
+        t = time.perf_counter()
+        for ev in engine.generate(prompt, SamplingParams(max_tokens=1, stop_token_ids=())):
+            if isinstance(ev, Step):
+                best = min(best, (time.perf_counter() - t) * 1e3)
+                break
+    return best
 
 
 def random_prompt(engine, n: int, seed: int) -> list[int]:
@@ -107,6 +111,8 @@ def real_acceptance(engine, prompts: list[list[int]], tokens: int, ks=(1, 2, 3, 
 def run(engine, context: int = 1024, tokens: int = 128, ks=(1, 2, 3, 4), ttft=(512, 8192),
         exactness_prompts: int = 1, exactness_tokens: int = 128, prompts: list[list[int]] | None = None) -> dict:
     """The whole benchmark: one dict of figures (ms) and their ratios to the floor."""
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()     # from here on: what serving needs, not loading
     bw = copy_bandwidth(engine.device)
     floor_ms = step_bytes(engine) / bw * 1e3
     out = {"device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
