@@ -16,10 +16,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels import attention, conv, gdn, norm
 from mtpchat.kernels.matvec import matvec, matvec_swiglu
+
+
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -105,11 +109,19 @@ class GatedAttention(nn.Module):
             o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale)
         else:
             n = ctx.start + T
-            # the first chunk is plain causal (the fused kernels); later ones see the cached keys too
-            mask = None if ctx.start == 0 else torch.arange(n, device=x.device)[None, :] <= ctx.positions[:, None]
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k_cache[:n].transpose(0, 1), v_cache[:n].transpose(0, 1),
-                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True).transpose(0, 1)
+            # [1, H, T, D]: the fused SDPA kernels take 4-D inputs only (3-D falls back to the math path)
+            q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))
+            # flash or memory-efficient only: cuDNN would build a new plan for every key length
+            with sdpa_kernel(PREFILL_SDPA):
+                if ctx.start == 0:   # plain causal: the flash kernel, which takes GQA as it is
+                    o = F.scaled_dot_product_attention(q4, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+                else:                # later chunks also see the cached keys: a mask, so the memory-efficient
+                                     # kernel, which needs the kv heads expanded
+                    group = c.num_attention_heads // c.num_key_value_heads
+                    mask = torch.arange(n, device=x.device)[None, :] <= ctx.positions[:, None]
+                    o = F.scaled_dot_product_attention(q4, keys.repeat_interleave(group, 1),
+                                                       values.repeat_interleave(group, 1), attn_mask=mask, scale=scale)
+            o = o[0].transpose(0, 1)
         o = o.reshape(T, c.q_dim) * torch.sigmoid(gate)
         return linear(o, self.o_proj, ctx.step)
 
