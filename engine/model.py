@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels import attention, conv, gdn, norm
 from mtpchat.kernels.matvec import matvec, matvec_swiglu
+from mtpchat.kernels.rope import norm_rope
 
 
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -75,17 +76,6 @@ class MLP(nn.Module):
         return linear(h, self.down, ctx.step)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
-    """Partial NeoX-style RoPE on the first `rotary_dim` dims of each head; x [T, H, D]."""
-    inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=x.device) / rotary_dim)
-    ang = positions.float()[:, None] * inv_freq                       # [T, rotary_dim/2]
-    cos, sin = ang.cos().repeat(1, 2)[:, None], ang.sin().repeat(1, 2)[:, None]
-    rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([(rot * cos + rotated * sin).to(x.dtype), rest], dim=-1)
-
-
 class GatedAttention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -93,16 +83,26 @@ class GatedAttention(nn.Module):
         self.qkv = empty(2 * c.q_dim + 2 * c.kv_dim, c.hidden_size)   # [q|gate per head] | k | v
         self.o_proj = empty(c.hidden_size, c.q_dim)
         self.q_norm, self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps), RMSNorm(c.head_dim, c.rms_norm_eps)
+        self._freqs: torch.Tensor | None = None
+
+    def inv_freq(self, device) -> torch.Tensor:
+        """RoPE's [rotary_dim/2] float32 frequencies theta^(-2i/R), made once on the model's device."""
+        if self._freqs is None or self._freqs.device != device:
+            R = self.c.rotary_dim
+            self._freqs = self.c.rope_theta ** (-torch.arange(0, R, 2, dtype=torch.float32, device=device) / R)
+        return self._freqs
 
     def forward(self, x, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
         c, T = self.c, x.shape[0]
         qg, k, v = linear(x, self.qkv, ctx.step).split([2 * c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
         qg = qg.view(T, c.num_attention_heads, 2 * c.head_dim)           # per head: [query | gate]
         q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:].reshape(T, c.q_dim)
-        q = rope(self.q_norm(q), ctx.positions, c.rotary_dim, c.rope_theta)                        # [T, Hq, D]
-        k = rope(self.k_norm(k.view(T, -1, c.head_dim)), ctx.positions, c.rotary_dim, c.rope_theta)  # [T, Hkv, D]
         k_cache, v_cache = cache
-        k_cache.index_copy_(0, ctx.positions, k)
+        freqs = self.inv_freq(x.device)
+        eps = c.rms_norm_eps
+        q = norm_rope(q, self.q_norm.weight, ctx.positions, freqs, eps)                           # [T, Hq, D]
+        norm_rope(k.view(T, -1, c.head_dim), self.k_norm.weight, ctx.positions, freqs, eps,       # straight into
+                  out=k_cache, rows=ctx.positions)                                                # the cache
         v_cache.index_copy_(0, ctx.positions, v.view(T, -1, c.head_dim))
         scale = c.head_dim ** -0.5
         if ctx.step:

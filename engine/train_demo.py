@@ -38,13 +38,14 @@ from torch import nn
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.demo_corpus import build_corpus, heldout, stdlib_root
-from mtpchat.engine.model import Ctx, GatedAttention, GatedDeltaNet, Model, rope
+from mtpchat.engine.model import Ctx, GatedAttention, GatedDeltaNet, Model
 from mtpchat.engine.mtp import MTPHead
 from mtpchat.engine.state import DecodeState
 from mtpchat.engine.tiny import random_tensor, text_config
 from mtpchat.engine.tokenizer import write_tokenizer_files
 from mtpchat.engine.weights import mtp_places, text_places
 from mtpchat.kernels import conv, gdn, norm
+from mtpchat.kernels.rope import norm_rope_ref
 
 # 8 layers, full attention at 3 and 7; GDN with Hv/Hk = 2; tied head. About 8M parameters, 16 MB in
 # bf16 (one shard under 16 MiB).
@@ -140,8 +141,9 @@ def _attention(m: GatedAttention, x: torch.Tensor, positions: torch.Tensor) -> t
     qg, k, v = F.linear(x, m.qkv).split([2 * c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
     qg = qg.view(B, T, c.num_attention_heads, 2 * c.head_dim)              # per head: [query | gate]
     q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:].reshape(B, T, c.q_dim)
-    q = rope(_rms(q, m.q_norm), positions, c.rotary_dim, c.rope_theta)     # [B, T, Hq, D]
-    k = rope(_rms(k.view(B, T, -1, c.head_dim), m.k_norm), positions, c.rotary_dim, c.rope_theta)
+    freqs, eps = m.inv_freq(x.device), c.rms_norm_eps                     # positions [T] broadcast over B
+    q = norm_rope_ref(q, m.q_norm.weight, positions, freqs, eps)           # [B, T, Hq, D]
+    k = norm_rope_ref(k.view(B, T, -1, c.head_dim), m.k_norm.weight, positions, freqs, eps)
     v = v.view(B, T, -1, c.head_dim)
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        is_causal=True, scale=c.head_dim ** -0.5, enable_gqa=True)
