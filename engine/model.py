@@ -164,9 +164,16 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, cache, ctx: Ctx):
-        h = x + self.mixer(self.input_norm(x), cache, ctx)
-        return h + self.mlp(self.post_norm(h), ctx)
+    def forward(self, x, residual, cache, ctx: Ctx):
+        """Pre-norm block, with each residual add fused into the norm after it: takes the previous
+        block's (output, residual stream) unsummed (residual None for the first block) and returns
+        its own. The block's value is output + residual."""
+        if residual is None:
+            normed, h = self.input_norm(x), x
+        else:
+            normed, h = norm.add_rmsnorm(x, residual, self.input_norm.weight, self.input_norm.eps)
+        normed, h = norm.add_rmsnorm(self.mixer(normed, cache, ctx), h, self.post_norm.weight, self.post_norm.eps)
+        return self.mlp(normed, ctx), h
 
 
 class Model(nn.Module):
@@ -187,10 +194,10 @@ class Model(nn.Module):
         return self.embed if self.c.tie_word_embeddings else self.lm_head
 
     def forward(self, ids: torch.Tensor, caches: list, ctx: Ctx) -> torch.Tensor:
-        x = F.embedding(ids, self.embed)                                   # [T, H]
+        x, residual = F.embedding(ids, self.embed), None                  # [T, H]
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, cache, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, cache, ctx)
+        return norm.add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor, rowwise: bool = True) -> torch.Tensor:
         return linear(hidden, self.head, rowwise).float()

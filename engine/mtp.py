@@ -16,6 +16,7 @@ from torch import nn
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.model import Ctx, DecoderLayer, RMSNorm, empty, linear
+from mtpchat.kernels import norm
 
 
 class MTPHead(nn.Module):
@@ -32,4 +33,5 @@ class MTPHead(nn.Module):
         e = self.pre_fc_norm_embedding(F.embedding(ids, embed))
         h = self.pre_fc_norm_hidden(hidden)
         u = linear(torch.cat([e, h], dim=-1), self.fc, ctx.step)
-        return self.norm(self.layer(u, cache, ctx))
+        out, residual = self.layer(u, None, cache, ctx)
+        return norm.add_rmsnorm(out, residual, self.norm.weight, self.norm.eps)[0]
