@@ -1,4 +1,4 @@
-"""Tiny random checkpoints shared by the MTP tests."""
+"""Shared by the tests: one CPU thread (tiny models are all per-op overhead), tiny random checkpoints."""
 import os
 
 import pytest

@@ -24,15 +24,6 @@ from mtpchat.engine.tokenizer import default_corpus, train_tokenizer
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # a small model is all per-op overhead: one thread is much faster on a shared CPU
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def engine():
     return Engine.load(DEMO, device="cpu", dtype=torch.float32, max_context=1024)
