@@ -83,7 +83,10 @@ class Engine:
             torch.set_num_threads(1)
         self._cancel = threading.Event()
 
-    load = classmethod(lambda cls, model, **kw: cls(model, **kw))
+    @classmethod
+    def load(cls, model: str | Path | ModelConfig, **options) -> "Engine":
+        """The documented entry point; the same as calling Engine(model, **options)."""
+        return cls(model, **options)
 
     # --- live switches -------------------------------------------------------------------------
     @property
