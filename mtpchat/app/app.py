@@ -73,7 +73,7 @@ class ChatApp(ChatActions, App):
                  device: str = "cpu", dtype: str = "", system: str = "", think: bool = True, mtp: bool = True,
                  draft_tokens: int = 3, probe: Callable | None = None, gpu_interval: float = 1.0,
                  refresh_hz: float = 4.0, keymap: dict | None = None, export_dir: Path | None = None,
-                 now: Callable[[], float] = time.time, ui_budget: float = 0.03):
+                 now: Callable[[], float] = time.time, ui_budget: float = 0.02):
         super().__init__()
         self.load_engine = load_engine
         self.model_name, self.device, self.dtype = model, device, dtype

@@ -30,6 +30,9 @@ def tinted(spans) -> Content:
     return Content.assemble(*((text, "$success" if draft else "") for text, draft in spans))
 
 
+LIVE_LINES = 6   # height of the live thinking tail (app.tcss)
+
+
 def tail(text: str, chars: int) -> str:
     """About the last `chars` characters of text, starting at a line or word boundary."""
     if len(text) <= chars:
@@ -101,8 +104,10 @@ class MessageView(Vertical, can_focus=True):
             # grow with its length; the whole of it is rendered once, folded, when the answer starts
             self.thinking += thinking
             live = self.query_one("#think-live", Static)
+            first = not live.display
             live.display = True
-            live.update(tail(self.thinking, max(400, self.size.width * 6)))
+            # a fixed height: after the first paint no update changes the layout
+            live.update(tail(self.thinking, max(200, (self.size.width - 6) * (LIVE_LINES - 1))), layout=first)
         if answer:
             if not self._answer_started:
                 self._answer_started = True

@@ -17,7 +17,7 @@ START_CAP = 0.25        # each reply starts at least this lively
 
 
 class Pacer:
-    def __init__(self, budget: float = 0.03, cpu=time.thread_time, clock=time.perf_counter):
+    def __init__(self, budget: float = 0.02, cpu=time.thread_time, clock=time.perf_counter):
         self.budget, self.cpu, self.clock = budget, cpu, clock
         self.interval = MIN_INTERVAL
         self.reset()

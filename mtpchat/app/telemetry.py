@@ -94,6 +94,7 @@ class Telemetry:
         self.last_elapsed: float | None = None
         self.tokens_per_s: float | None = None
         self.recent.clear()
+        self._window_tokens = 0
         self.version += 1
 
     def prefilled(self, prompt_tokens: int, prefill_ms: float, cached_tokens: int = 0) -> None:
@@ -101,32 +102,41 @@ class Telemetry:
         self.version += 1
 
     def add_steps(self, records) -> None:
+        # runs on the UI thread for every step: plain arithmetic, running sums, no lists
+        recent, reply = self.recent, self.reply
         for r in records:
             self.steps += 1
             self.tokens += r.tokens
             if self.first_elapsed is None:
-                self.first_elapsed = r.elapsed_ms
-                self.ttft_ms = r.elapsed_ms
+                self.first_elapsed = self.ttft_ms = r.elapsed_ms
             self.last_elapsed = r.elapsed_ms
             if r.mtp:
-                at_least = [1] * r.accepted + [0] * (r.drafted - r.accepted)
-                self.reply.add(1, r.drafted, r.accepted, at_least)
-            self.recent.append(r)
+                reply.verify_steps += 1
+                reply.drafted += r.drafted
+                reply.accepted += r.accepted
+                at_least = reply.at_least
+                if len(at_least) < r.drafted:
+                    at_least.extend([0] * (r.drafted - len(at_least)))
+                for i in range(r.accepted):
+                    at_least[i] += 1
+            if len(recent) == WINDOW:
+                self._window_tokens -= recent[0].tokens
+            recent.append(r)
+            self._window_tokens += r.tokens
             if self.steps > 1:   # the first step is prefill's token, not decode speed
-                self.tps_history.append(self._window_tps())
-                self.acc_history.append(sum(x.tokens for x in self.recent) / len(self.recent))
+                self.tps_history.append(self._window_tps(r))
+                self.acc_history.append(self._window_tokens / len(recent))
         if self.tokens > 1 and self.last_elapsed > self.first_elapsed:
             self.tokens_per_s = (self.tokens - 1) / ((self.last_elapsed - self.first_elapsed) / 1e3)
         self.version += 1
 
-    def _window_tps(self) -> float:
-        steps = list(self.recent)
-        if len(steps) > 1:
-            dt = steps[-1].elapsed_ms - steps[0].elapsed_ms
-            n = sum(s.tokens for s in steps[1:])
+    def _window_tps(self, last: StepRecord) -> float:
+        """Tokens/s over the window: the tokens after its first step, over the time since that step."""
+        first = self.recent[0]
+        if first is last:
+            dt, n = last.elapsed_ms - (self.first_elapsed or 0.0), last.tokens
         else:
-            dt = steps[-1].elapsed_ms - (self.first_elapsed or 0.0)
-            n = steps[-1].tokens
+            dt, n = last.elapsed_ms - first.elapsed_ms, self._window_tokens - first.tokens
         return n / (dt / 1e3) if dt > 0 else 0.0
 
     def finished(self, stats) -> None:

@@ -55,13 +55,13 @@ def load(a):
     import torch
     from mtpchat.engine import Engine
     if not a.random_weights:
-        return Engine.load(a.ckpt, device=a.device, dtype=torch.float32, max_context=2048, draft_tokens=a.k,
+        return Engine.load(a.ckpt, device=a.device, dtype=torch.float32, max_context=8192, draft_tokens=a.k,
                            cuda_graphs=a.device != "cpu")
     from mtpchat.engine import bench
     from mtpchat.engine.config import ModelConfig
     from mtpchat.engine.tokenizer import Tokenizer
     config = ModelConfig.load(Path(bench.__file__).parent / "configs" / f"{a.random_weights}.json")
-    engine = Engine(config, device=a.device, max_context=2048, draft_tokens=a.k, cuda_graphs=True)
+    engine = Engine(config, device=a.device, max_context=8192, draft_tokens=a.k, cuda_graphs=True)
     tok = Tokenizer.load(a.ckpt)
     engine.tokenizer = WrappedIds(tok, tok.vocab_size)
     return engine
