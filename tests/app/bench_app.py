@@ -67,12 +67,19 @@ def load(a):
     return engine
 
 
+def progress(a, mtp: int, result) -> None:
+    print(f"  {a.child} MTP {'on' if mtp else 'off'}: {result[0]:.1f} tok/s", file=sys.stderr, flush=True)
+
+
 def child(a) -> None:
     """One process, one mode (headless or app), MTP off then on: prints {"0": [...], "1": [...]}."""
     from mtpchat.cli import generate
     from mtpchat.engine import SamplingParams
     from mtpchat.engine.spec import ProfileDrafter
 
+    if a.threads:
+        import torch
+        torch.set_num_threads(a.threads)
     engine = load(a)
     generate_any = engine.generate
     engine.generate = lambda ids, params: generate_any(ids, dataclasses.replace(params, stop_token_ids=()))
@@ -94,6 +101,7 @@ def child(a) -> None:
                 r = generate(engine, ids, params)
                 assert r["token_ids"] == reference, "greedy output must not depend on MTP"
                 results[mtp].append((r["stats"]["tokens_per_s"], r["stats"]["mean_acceptance_length"]))
+                progress(a, mtp, results[mtp][-1])
     else:
         from mtpchat.app.app import ChatApp
         from mtpchat.app.chat import Composer
@@ -123,6 +131,7 @@ def child(a) -> None:
                         (msg,) = [m for m in store.messages(app.session_id) if m.role == "assistant"]
                         assert msg.stats["new_tokens"] == a.tokens, msg.stats
                         results[mtp].append((msg.stats["tokens_per_s"], msg.stats["mean_acceptance_length"]))
+                        progress(a, mtp, results[mtp][-1])
         asyncio.run(go())
     print(json.dumps({m: r[1:] for m, r in results.items()}))   # the first run of each warms up
 
@@ -135,6 +144,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--random-weights", metavar="NAME",
                    help="random weights of an official shape (engine/configs/NAME.json) instead of the tiny model")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--child", choices=("headless", "app"), help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -146,11 +156,11 @@ def main(argv=None) -> None:
     out = {}
     for mode in ("headless", "app"):
         cmd = [sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--tokens", str(a.tokens),
-               "--runs", str(a.runs), "--k", str(a.k), "--device", a.device]
+               "--runs", str(a.runs), "--k", str(a.k), "--device", a.device, "--threads", str(a.threads)]
         cmd += ["--random-weights", a.random_weights] if a.random_weights else []
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)   # progress goes to stderr as it comes
         if proc.returncode:
-            sys.exit(proc.stderr[-3000:])
+            sys.exit(f"the {mode} run failed")
         out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
     what = f"random {a.random_weights}, bfloat16" if a.random_weights else "tiny checkpoint, float32"
     print(f"{what} on {a.device}, {a.tokens} tokens per run, {a.runs} runs per mode, medians")
