@@ -44,7 +44,7 @@ def _title(name: str, right: str = "") -> str:
 
 
 def acceptance(t: Telemetry, live: Live) -> str:
-    r, s = t.reply, t.session
+    r, s = t.reply, t.session_live
     lines = [_title("ACCEPTANCE", live.mtp_label)]
     lines.append(f"mean length   [b]{num(r.mean_length, '.2f'):>5}[/]  session {num(s.mean_length, '.2f')}")
     rate = r.rate

@@ -93,6 +93,7 @@ class Telemetry:
         self.first_elapsed: float | None = None
         self.last_elapsed: float | None = None
         self.tokens_per_s: float | None = None
+        self._folded = False        # whether `reply` is already counted in `session`
         self.recent.clear()
         self._window_tokens = 0
         self.version += 1
@@ -145,7 +146,18 @@ class Telemetry:
             self.ttft_ms = stats.ttft_ms
             self.tokens_per_s = stats.tokens_per_s or self.tokens_per_s
             self.session.add(stats.verify_steps, stats.drafted, stats.accepted, stats.accepted_at_least)
+            self._folded = True
         self.version += 1
+
+    @property
+    def session_live(self) -> Totals:
+        """The session's totals including the reply that is still streaming."""
+        if self._folded or not self.reply.verify_steps:
+            return self.session
+        live = Totals()
+        for t in (self.session, self.reply):
+            live.add(t.verify_steps, t.drafted, t.accepted, t.at_least)
+        return live
 
     def load_session(self, stats_dicts) -> None:
         """Session totals from stored replies (a reloaded chat)."""

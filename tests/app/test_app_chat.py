@@ -11,7 +11,7 @@ LONG = "\n\n".join(f"Paragraph {i}: " + "speculative decoding drafts and verifie
 
 
 def test_sending_streams_a_reply_in_batches(data_dir):
-    engine = FakeEngine(step_delay=0.004)
+    engine = FakeEngine(step_delay=0.015)
     deltas = []
     app = make_app(data_dir, engine)
 
@@ -26,8 +26,9 @@ def test_sending_streams_a_reply_in_batches(data_dir):
             assert "tok/s" in reply.footer and "mean acceptance" in reply.footer
             # thinking streamed first, then folded away once the answer started
             assert any(d.thinking for d in deltas) and reply.query_one("#thinking").collapsed
-            # streamed: several deltas, but far fewer messages than engine steps (batched, not per token)
-            assert 3 <= len(deltas) < len(engine.step_log)
+            # streamed: several deltas, but far fewer messages than engine steps (batched, not per token;
+            # how many depends on how fast this machine paints, see pacer.py)
+            assert 2 <= len(deltas) < len(engine.step_log) / 2
             assert "".join(d.answer for d in deltas) == DEFAULT_ANSWER
             # the final full render has the code block (fences parse only once complete)
             assert reply.query("MarkdownFence")

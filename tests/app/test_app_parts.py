@@ -66,7 +66,9 @@ def test_telemetry_matches_the_engine_stats():
     assert t.tokens_per_s == pytest.approx(stats.tokens_per_s, rel=1e-6)
     phases = t.phase_ms()
     assert phases["verify"] > phases["draft"] > phases["accept"] > 0
+    assert t.session.mean_length is None and t.session_live.mean_length == t.reply.mean_length
     t.finished(stats)
+    assert t.session_live is t.session
     t.new_reply()
     assert t.phase_ms() is None and t.reply.mean_length is None
     t.finished(stats)
