@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine import demo_corpus as corpus
+from mtpchat.engine import demo_forward as fwd
 from mtpchat.engine import train_demo as td
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.events import Finished
@@ -142,11 +143,11 @@ def test_batched_check_catches_a_miswired_head(small, monkeypatch):
 
     def swapped(head, embed, ids, hidden):   # [hidden | embedding]: the wrong order for mtp.fc
         positions = torch.arange(ids.shape[1])
-        e = td._rms(torch.nn.functional.embedding(ids, embed), head.pre_fc_norm_embedding)
-        u = torch.nn.functional.linear(torch.cat([td._rms(hidden, head.pre_fc_norm_hidden), e], -1), head.fc)
-        return td._rms(td._layer(head.layer, u, positions), head.norm)
+        e = fwd._rms(torch.nn.functional.embedding(ids, embed), head.pre_fc_norm_embedding)
+        u = torch.nn.functional.linear(torch.cat([fwd._rms(hidden, head.pre_fc_norm_hidden), e], -1), head.fc)
+        return fwd._rms(fwd._layer(head.layer, u, positions), head.norm)
 
-    monkeypatch.setattr(td, "_head", swapped)
+    monkeypatch.setattr(fwd, "_head", swapped)
     with pytest.raises(SystemExit):
         td.check_batched(model, head, ids)
 
@@ -157,7 +158,7 @@ def test_export_reads_back(small, tmp_path):
     engine = Engine.load(tmp_path, device="cpu", dtype=torch.float32, max_context=256)
     assert engine.mtp_available
     with torch.no_grad():
-        want = td.batched(model, head, ids[:1])
-        got = td.engine_forward(engine.model, engine.head, ids[0])     # the loaded modules
+        want = fwd.batched(model, head, ids[:1])
+        got = fwd.engine_forward(engine.model, engine.head, ids[0])     # the loaded modules
     for a, b in zip(got, want):
         assert ((a - b[0]).abs().max() / b.abs().max()).item() < 1e-4
