@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import types
 
+import torch
+
 try:
     import triton
     import triton.language as tl
@@ -16,3 +18,9 @@ except ImportError:
     tl = None
 
 __all__ = ["triton", "tl"]
+
+
+def use_triton(*tensors) -> bool:
+    """The kernels serve CUDA tensors outside autograd (they have no backward); anything else, a
+    CPU tensor or a forward that records gradients, takes the float32 torch reference."""
+    return tensors[0].is_cuda and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpchat.kernels._triton import tl, triton
+from mtpchat.kernels._triton import tl, triton, use_triton
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -145,7 +145,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      start: int | torch.Tensor, scale: float) -> torch.Tensor:
     """decode_attention_ref's contract; the Triton kernels for CUDA tensors, where `start` is best
     a device tensor (an int is accepted and copied over)."""
-    if q.is_cuda:
+    if use_triton(q, k_cache, v_cache):
         if not isinstance(start, torch.Tensor):
             start = torch.tensor([start], dtype=torch.long, device=q.device)
         return decode_attention_triton(q, k_cache, v_cache, start, scale)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtpchat.kernels._triton import tl, triton
+from mtpchat.kernels._triton import tl, triton, use_triton
 
 
 def conv_update_ref(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -101,4 +101,4 @@ def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, we
 
 def conv_update(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """conv_update_ref's contract; the Triton kernel for CUDA tensors."""
-    return conv_update_triton(x, buf, off, weight) if x.is_cuda else conv_update_ref(x, buf, off, weight)
+    return conv_update_triton(x, buf, off, weight) if use_triton(x, weight) else conv_update_ref(x, buf, off, weight)

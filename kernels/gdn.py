@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtpchat.kernels._triton import tl, triton
+from mtpchat.kernels._triton import tl, triton, use_triton
 
 
 def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
@@ -116,7 +116,7 @@ def recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: to
 
 def recurrent(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """recurrent_ref's contract; the Triton kernel for CUDA tensors."""
-    if q.is_cuda:
+    if use_triton(q, k, v, a, b):
         return recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring, slot)
     return recurrent_ref(q, k, v, a, b, A_log, dt_bias, ring, slot)
 
@@ -323,6 +323,6 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
 
 def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64):
     """chunk_ref's contract; the Triton kernels for CUDA tensors."""
-    if q.is_cuda:
+    if use_triton(q, k, v, a, b):
         return chunk_triton(q, k, v, a, b, A_log, dt_bias, state, chunk)
     return chunk_ref(q, k, v, a, b, A_log, dt_bias, state, chunk)

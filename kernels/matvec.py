@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtpchat.kernels._triton import tl, triton
+from mtpchat.kernels._triton import tl, triton, use_triton
 
 MAX_ROWS = 16
 
@@ -118,9 +118,9 @@ def matvec_swiglu_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ w [N, K]ᵀ: the Triton kernel for CUDA tensors, the float32 reference otherwise."""
-    return matvec_triton(x, w) if x.is_cuda else matvec_ref(x, w)
+    return matvec_triton(x, w) if use_triton(x, w) else matvec_ref(x, w)
 
 
 def matvec_swiglu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """silu(x @ w_gateᵀ) * (x @ w_upᵀ) for w = [w_gate | w_up]: one kernel on CUDA, the reference otherwise."""
-    return matvec_swiglu_triton(x, w) if x.is_cuda else matvec_swiglu_ref(x, w)
+    return matvec_swiglu_triton(x, w) if use_triton(x, w) else matvec_swiglu_ref(x, w)

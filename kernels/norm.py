@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtpchat.kernels._triton import tl, triton
+from mtpchat.kernels._triton import tl, triton, use_triton
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -128,12 +128,12 @@ def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rmsnorm_triton(x, weight, eps) if x.is_cuda else rmsnorm_ref(x, weight, eps)
+    return rmsnorm_triton(x, weight, eps) if use_triton(x, weight) else rmsnorm_ref(x, weight, eps)
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    return add_rmsnorm_triton(x, residual, weight, eps) if x.is_cuda else add_rmsnorm_ref(x, residual, weight, eps)
+    return add_rmsnorm_triton(x, residual, weight, eps) if use_triton(x, residual, weight) else add_rmsnorm_ref(x, residual, weight, eps)
 
 
 def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return gated_rmsnorm_triton(x, z, weight, eps) if x.is_cuda else gated_rmsnorm_ref(x, z, weight, eps)
+    return gated_rmsnorm_triton(x, z, weight, eps) if use_triton(x, z, weight) else gated_rmsnorm_ref(x, z, weight, eps)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpchat.kernels._triton import tl, triton
+from mtpchat.kernels._triton import tl, triton, use_triton
 from mtpchat.kernels.norm import rmsnorm_ref
 
 
@@ -80,6 +80,6 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Ten
 
 def norm_rope(x, weight, positions, inv_freq, eps, out=None, rows=None) -> torch.Tensor:
     """norm_rope_ref's contract: the Triton kernel for CUDA tensors, the reference otherwise."""
-    if x.is_cuda:
+    if use_triton(x, weight):
         return norm_rope_triton(x, weight, positions, inv_freq, eps, out, rows)
     return norm_rope_ref(x, weight, positions, inv_freq, eps, out, rows)
