@@ -58,6 +58,10 @@ class ChatActions:
 
     # --- sending ---
     async def on_composer_submitted(self, event: Composer.Submitted) -> None:
+        if self.engine is None and self.load_error is None and event.text.strip():
+            self._queued = event.text       # sent by on_engine_ready; the text stays in the box till then
+            self.notice("the model is still loading: this message goes out as soon as it is ready")
+            return
         if not self._engine_ready():
             return
         if self.busy:

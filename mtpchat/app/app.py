@@ -96,6 +96,7 @@ class ChatApp(ChatActions, App):
         self.startup_notices: list[tuple[str, str]] = []
         self._stop = threading.Event()
         self._pending: Callable | None = None
+        self._queued: str | None = None         # a message submitted before the engine was ready
         self._reply_view: MessageView | None = None
         self._sampler: Sampler | None = None
         self._drawn = None
@@ -170,6 +171,9 @@ class ChatApp(ChatActions, App):
                                 lambda: self.tokens_emitted, self.gpu_interval)
         self.run_worker(self._sampler.run, thread=True, group="gpu", exit_on_error=False)
         self.redraw()
+        if self._queued is not None:         # a message sent while the model was loading
+            text, self._queued = self._queued, None
+            self.query_one(Composer).post_message(Composer.Submitted(text))
 
     def on_engine_failed(self, m: EngineFailed) -> None:
         self.load_error = m.text

@@ -150,3 +150,28 @@ def test_quitting_mid_reply_ends_the_engine_thread(data_dir):
     t = time.monotonic()
     run(go())   # leaving run_test exits the app; the worker thread must not keep it alive
     assert time.monotonic() - t < 5 and len(engine.step_log) < 200
+
+
+def test_a_message_sent_while_loading_goes_out_once_the_model_is_ready(data_dir):
+    import threading
+    loaded = threading.Event()
+    engine = FakeEngine()
+
+    def slow_load():
+        assert loaded.wait(10), "the test never released the load"
+        return engine
+    app = make_app(data_dir, load=slow_load)
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await send(pilot, "hello while loading", wait=False)
+            assert app.engine is None and not app._views()
+            assert "goes out as soon as it is ready" in app.notices[-1][1]
+            loaded.set()
+            await ready(pilot)
+            await until(pilot, lambda: len(app._views()) == 2, what="the queued message to be sent")
+            await idle(pilot)
+            user, reply = app._views()
+            assert user.role == "user" and user.content == "hello while loading"
+            assert reply.role == "assistant" and reply.content
+    run(go())
