@@ -18,6 +18,7 @@ engine/runner.py can capture it as a CUDA graph; eagerly, the same code runs on 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -210,8 +211,9 @@ class Decoder:
             if self.drafter is not None:
                 self.drafts[:k] = self.drafter(self.generated, self.drafts[:k])
         times[1] = run(("verify", k), lambda: self.verify(k))
-        accept = lambda: self.accept(k, params, generator)
-        times[2] = run(("accept", k), accept) if params.greedy else _eager(None, accept)
+        # greedy acceptance is captured per k; sampling runs eagerly (its parameters vary per request)
+        times[2] = run(("accept", k) if params.greedy else ("accept, sampled", k),
+                       lambda: self.accept(k, params, generator))
         a, *out = self.result[:k + 2].tolist()                    # the step's one device-to-host copy
         t = _clock()                                              # host time: after the device is done
         n = min(a + 1, budget)
@@ -240,9 +242,7 @@ class Decoder:
             self.pend_n.fill_((self.pending if k == 0 else 0) + n)
 
 
-def _clock():
-    import time
-    return time.perf_counter()
+_clock = time.perf_counter
 
 
 def _eager(key, fn) -> float:
