@@ -22,7 +22,16 @@ from pathlib import Path
 from mtpchat import hubcache
 from mtpchat.errors import DiskFull, IncompleteModel, ModelNotFound, UserError
 
-DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
+def _demo_dir() -> Path:
+    """assets/demo, installed as package data of mtpchat.assets (a checkout maps it to assets/)."""
+    try:
+        from importlib.resources import files
+        return Path(str(files("mtpchat.assets") / "demo"))
+    except (ModuleNotFoundError, TypeError):
+        return Path(__file__).resolve().parent.parent / "assets" / "demo"
+
+
+DEMO_DIR = _demo_dir()
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
