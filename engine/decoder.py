@@ -91,7 +91,7 @@ class Decoder:
         for s in range(0, len(ids), self.prefill_chunk):
             chunk, L = ids[s:s + self.prefill_chunk], self.state.length
             h = self.model(torch.tensor(chunk, device=self.device), self.state.layers, self._ctx(L, len(chunk), False))
-            self.state.commit(len(chunk), len(chunk), step=False)
+            self.state.commit_prefill(len(chunk))
             self.tokens += chunk
             nxt = ids[s + 1:s + len(chunk) + 1]                    # x_{p+1} of each row, where known
             if self.head is not None and nxt:

@@ -164,7 +164,7 @@ class Engine:
         stats.prefill_ms = stats.ttft_ms = (time.perf_counter() - t0) * 1e3
         yield Prefilled(prompt_tokens=len(prompt), prefill_ms=stats.prefill_ms, cached_tokens=cached)
 
-        out, emitted = [first], [first]
+        out = [first]
         stats.new_tokens = 1
         yield Step((first,), (False,), 0, 0, False, PhaseTimes(), stats.prefill_ms)
         t_first = time.perf_counter()

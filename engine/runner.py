@@ -56,13 +56,11 @@ class Runner:
                 d.pos.fill_(1)
                 d.pend_n.fill_(1)
         torch.cuda.current_stream().wait_stream(side)
-        for key, fn in phases:
+        for key, fn in phases:                      # capture records the kernels without running them
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 fn()
             self.graphs[key] = graph
-            d.pos.fill_(1)
-            d.pend_n.fill_(1)
         torch.cuda.synchronize()
         d.reset()
         self.capture_s = time.perf_counter() - t0

@@ -14,12 +14,11 @@ from __future__ import annotations
 import torch
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.kernels.conv import committed_offset
 
 
 class DecodeState:
     def __init__(self, c: ModelConfig, max_context: int, k_max: int, device, dtype, mtp: bool):
-        self.max_context, self.k_max = max_context, k_max
+        self.k_max = k_max
         self.conv_width = c.linear_conv_kernel_dim - 1 + k_max + 1
         rows = max_context + k_max + 1    # a step may write up to k_max+1 rows past the last position
         kv = lambda: (torch.zeros(rows, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype),
@@ -45,14 +44,12 @@ class DecodeState:
         self.slot.zero_()
         self.length = 0
 
-    def commit(self, fed: int, used: int, step: bool):
-        """After a forward over `fed` tokens, keep the first `used` of them."""
-        if step:
-            self.slot.fill_(used - 1)
-            self.conv_off.fill_(used)
-        else:
-            self.conv_off.fill_(committed_offset(fed, used, self.kernel, self.conv_width))
-        self.length += used
+    def commit_prefill(self, T: int):
+        """After a prefill chunk of T tokens (steps commit on the device: engine/decoder.py). The
+        conv call wrote [window | inputs] to the front of the buffer when it fitted, else only the
+        last K-1 inputs (kernels/conv.py)."""
+        self.conv_off.fill_(T if self.kernel - 1 + T <= self.conv_width else 0)
+        self.length += T
 
     def nbytes(self) -> dict[str, int]:
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)

@@ -100,7 +100,6 @@ def _weight_map(folder: Path) -> dict[str, str]:
             raise WeightsError(f"{index} is not a valid safetensors index ({e}); re-download the checkpoint") from None
     single = folder / "model.safetensors"
     if single.exists():
-        from safetensors import safe_open
         with _open(single) as f:
             return {name: single.name for name in f.keys()}
     raise WeightsError(f"no model.safetensors.index.json or model.safetensors in {folder}")

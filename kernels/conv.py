@@ -34,14 +34,6 @@ def conv_update_ref(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weigh
     return F.silu(y).T.contiguous().to(x.dtype)   # [T, C] rows contiguous, as a 1-token call gives
 
 
-def committed_offset(T: int, used: int, K: int, width: int) -> int:
-    """Offset of the committed window after a call of T inputs of which the first `used` are kept."""
-    if K - 1 + T <= width:
-        return used
-    assert used == T, "a call longer than the window can only be committed whole"
-    return 0
-
-
 @triton.jit(do_not_specialize=["T"])
 def _conv_update_kernel(x, buf, off, w, y, T, C, WIDTH, s_x, s_y, s_buf,
                         K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
