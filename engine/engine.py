@@ -24,6 +24,7 @@ import torch
 from mtpchat.engine.config import GenerationConfig, ModelConfig
 from mtpchat.engine.decoder import Decoder
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
+from mtpchat.engine.memory import PREFILL_CHUNK
 from mtpchat.engine.model import Model
 from mtpchat.engine.mtp import MTPHead
 from mtpchat.engine.runner import Runner
@@ -71,7 +72,7 @@ class Engine:
             load_into(modules, places, folder, self.device, self.dtype)
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
-        prefill_chunk = prefill_chunk or (4096 if self.device.type == "cuda" else 512)
+        prefill_chunk = prefill_chunk or (PREFILL_CHUNK if self.device.type == "cuda" else 512)
         self.decoder = Decoder(self.model, self.head, self.state, prefill_chunk)
         self.runner = None
         if self.device.type == "cuda":

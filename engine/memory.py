@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from mtpchat.engine.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
-PREFILL_CHUNK = 512          # tokens per prefill chunk assumed by the workspace estimate
+PREFILL_CHUNK = 2048         # tokens per prefill chunk on a GPU (the engine's default; the estimate's)
 CONTEXT_STEP = 1024          # suggested context lengths are rounded down to this
 HEADROOM_FIXED = 256 << 20   # allocator slack and fragmentation: a fixed part ...
 HEADROOM_SHARE = 0.02        # ... plus a share of the plan

@@ -20,8 +20,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels import attention, conv, gdn, norm
-from mtpchat.kernels.matvec import matvec, matvec_swiglu
-from mtpchat.kernels.rope import norm_rope
+from mtpchat.kernels.matvec import gated_matvec, matvec, norm_matvec, norm_matvec_swiglu, silu_mul
+from mtpchat.kernels.rope import qkv_norm_rope
 
 
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -47,6 +47,37 @@ def linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
     return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)
 
 
+def fused(x: torch.Tensor, ctx: "Ctx") -> bool:
+    """Whether a step's products take their norms (and the GDN conv) inside the kernel: CUDA steps."""
+    return ctx.step and x.is_cuda
+
+
+def norm_linear(x, residual, nrm: "RMSNorm", w, ctx: "Ctx"):
+    """(rmsnorm(x + residual) @ wᵀ, x + residual); residual None for the first layer."""
+    if fused(x, ctx):
+        return norm_matvec(x, residual, nrm.weight, nrm.eps, w)
+    normed, h = (nrm(x), x) if residual is None else norm.add_rmsnorm(x, residual, nrm.weight, nrm.eps)
+    return linear(normed, w, ctx.step), h
+
+
+def prefill_attention(q, keys, values, first: bool, scale: float) -> torch.Tensor:
+    """Causal attention of T new queries q [1, Hq, T, D], the last T of the n rows in keys and values
+    [1, Hkv, n, D] (GQA: Hq a multiple of Hkv). `first`: the keys are these T tokens alone."""
+    if first:
+        # flash or memory-efficient only: cuDNN would build a new plan for every key length
+        with sdpa_kernel(PREFILL_SDPA):
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        # flash attention aligns its causal mask to the bottom right, as later chunks need (query t sees
+        # keys up to n - T + t), and takes the kv heads as they are
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, False, scale=scale)[0]
+    n, T = keys.shape[2], q.shape[2]
+    mask = torch.arange(n)[None, :] <= torch.arange(n - T, n)[:, None]
+    group = q.shape[1] // keys.shape[1]
+    return F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1),
+                                          attn_mask=mask, scale=scale)
+
+
 def empty(*shape) -> nn.Parameter:
     # Built on the meta device; weights.py assigns the real tensors in place.
     return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
@@ -67,13 +98,15 @@ class MLP(nn.Module):
         self.gate_up = empty(2 * c.intermediate_size, c.hidden_size)
         self.down = empty(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x, ctx: Ctx):
-        if ctx.step and x.is_cuda:
-            h = matvec_swiglu(x, self.gate_up)          # the product and the gating in one kernel
+    def forward(self, x, residual, nrm: RMSNorm, ctx: Ctx):
+        """The MLP of norm(x + residual); returns (its output, x + residual)."""
+        if fused(x, ctx):
+            # the add, the norm, the product and the gating in one kernel
+            mid, h = norm_matvec_swiglu(x, residual, nrm.weight, nrm.eps, self.gate_up)
         else:
-            gate, up = linear(x, self.gate_up, ctx.step).chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        return linear(h, self.down, ctx.step)
+            normed, h = norm.add_rmsnorm(x, residual, nrm.weight, nrm.eps)
+            mid = silu_mul(linear(normed, self.gate_up, ctx.step))
+        return linear(mid, self.down, ctx.step), h
 
 
 class GatedAttention(nn.Module):
@@ -92,38 +125,27 @@ class GatedAttention(nn.Module):
             self._freqs = self.c.rope_theta ** (-torch.arange(0, R, 2, dtype=torch.float32, device=device) / R)
         return self._freqs
 
-    def forward(self, x, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
+    def forward(self, x, residual, nrm: RMSNorm, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
+        """Attention over norm(x + residual); returns (its output, x + residual)."""
         c, T = self.c, x.shape[0]
-        qg, k, v = linear(x, self.qkv, ctx.step).split([2 * c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        qkv, h = norm_linear(x, residual, nrm, self.qkv, ctx)
+        qg, k, v = qkv.split([2 * c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
         qg = qg.view(T, c.num_attention_heads, 2 * c.head_dim)           # per head: [query | gate]
-        q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:].reshape(T, c.q_dim)
+        q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:]
         k_cache, v_cache = cache
-        freqs = self.inv_freq(x.device)
-        eps = c.rms_norm_eps
-        q = norm_rope(q, self.q_norm.weight, ctx.positions, freqs, eps)                           # [T, Hq, D]
-        norm_rope(k.view(T, -1, c.head_dim), self.k_norm.weight, ctx.positions, freqs, eps,       # straight into
-                  out=k_cache, rows=ctx.positions)                                                # the cache
-        v_cache.index_copy_(0, ctx.positions, v.view(T, -1, c.head_dim))
+        # q normalised and rotated; k likewise and v as it is, straight into the cache rows
+        q = qkv_norm_rope(q, k.view(T, -1, c.head_dim), v.view(T, -1, c.head_dim), self.q_norm.weight,
+                          self.k_norm.weight, ctx.positions, self.inv_freq(x.device), c.rms_norm_eps, k_cache, v_cache)
         scale = c.head_dim ** -0.5
         if ctx.step:
-            o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale)
+            o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale, gate)   # the gate fused in
         else:
             n = ctx.start + T
             # [1, H, T, D]: the fused SDPA kernels take 4-D inputs only (3-D falls back to the math path)
             q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))
-            # flash or memory-efficient only: cuDNN would build a new plan for every key length
-            with sdpa_kernel(PREFILL_SDPA):
-                if ctx.start == 0:   # plain causal: the flash kernel, which takes GQA as it is
-                    o = F.scaled_dot_product_attention(q4, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-                else:                # later chunks also see the cached keys: a mask, so the memory-efficient
-                                     # kernel, which needs the kv heads expanded
-                    group = c.num_attention_heads // c.num_key_value_heads
-                    mask = torch.arange(n, device=x.device)[None, :] <= ctx.positions[:, None]
-                    o = F.scaled_dot_product_attention(q4, keys.repeat_interleave(group, 1),
-                                                       values.repeat_interleave(group, 1), attn_mask=mask, scale=scale)
-            o = o[0].transpose(0, 1)
-        o = o.reshape(T, c.q_dim) * torch.sigmoid(gate)
-        return linear(o, self.o_proj, ctx.step)
+            o = prefill_attention(q4, keys, values, ctx.start == 0, scale)[0].transpose(0, 1)
+            o = o * torch.sigmoid(gate)
+        return linear(o.reshape(T, c.q_dim), self.o_proj, ctx.step), h
 
 
 class GatedDeltaNet(nn.Module):
@@ -137,12 +159,18 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = empty(c.linear_value_head_dim)
         self.out_proj = empty(c.hidden_size, c.value_dim)
 
-    def forward(self, x, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
+    def forward(self, x, residual, nrm: RMSNorm, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
+        """The GDN over norm(x + residual); returns (its output, x + residual)."""
         c, T = self.c, x.shape[0]
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         conv_buf, ring = cache
-        mixed, z, b, a = linear(x, self.in_proj, ctx.step).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
-        mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight)   # pre-conv in, silu out
+        if fused(x, ctx):    # the norm before and the conv after the product, in its kernel
+            y, h = norm_matvec(x, residual, nrm.weight, nrm.eps, self.in_proj, conv=(conv_buf, ctx.conv_off, self.conv_weight))
+            mixed, z, b, a = y.split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+        else:
+            y, h = norm_linear(x, residual, nrm, self.in_proj, ctx)
+            mixed, z, b, a = y.split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+            mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight)   # pre-conv in, silu out
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
         if ctx.step:
@@ -151,8 +179,11 @@ class GatedDeltaNet(nn.Module):
             start_state = ring.index_select(0, ctx.slot)[0]
             o, end_state = gdn.chunk(q, k, v, a, b, self.A_log, self.dt_bias, start_state)
             ring.index_copy_(0, ctx.slot, end_state[None])
-        o = norm.gated_rmsnorm(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
-        return linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step)
+        o = o.to(x.dtype)
+        if fused(x, ctx):   # the output norm inside out_proj
+            return gated_matvec(o.reshape(T, c.value_dim), z, self.norm_weight, c.rms_norm_eps, self.out_proj), h
+        o = norm.gated_rmsnorm(o, z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
+        return linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step), h
 
 
 class DecoderLayer(nn.Module):
@@ -168,12 +199,8 @@ class DecoderLayer(nn.Module):
         """Pre-norm block, with each residual add fused into the norm after it: takes the previous
         block's (output, residual stream) unsummed (residual None for the first block) and returns
         its own. The block's value is output + residual."""
-        if residual is None:
-            normed, h = self.input_norm(x), x
-        else:
-            normed, h = norm.add_rmsnorm(x, residual, self.input_norm.weight, self.input_norm.eps)
-        normed, h = norm.add_rmsnorm(self.mixer(normed, cache, ctx), h, self.post_norm.weight, self.post_norm.eps)
-        return self.mlp(normed, ctx), h
+        o, h = self.mixer(x, residual, self.input_norm, cache, ctx)
+        return self.mlp(o, h, self.post_norm, ctx)
 
 
 class Model(nn.Module):

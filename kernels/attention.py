@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from mtpchat.kernels._triton import tl, triton, use_triton
+from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         start: int, scale: float) -> torch.Tensor:
-    """-> [T, Hq, D] in q's dtype. Each row is computed on its own (keys 0..start+t), so a row's
-    value does not depend on how many rows the call has."""
+                         start: int, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """-> [T, Hq, D] in q's dtype, times sigmoid(gate [T, Hq, D]) when a gate is given (the output
+    gate of Qwen3.5's attention, each step rounded to q's dtype as torch does it). Each row is
+    computed on its own (keys 0..start+t), so a row's value does not depend on how many rows the
+    call has."""
     T, Hq, D = q.shape
     group = Hq // k_cache.shape[1]
     out = []
@@ -31,14 +33,16 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         v = v_cache[:n].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[t].float(), k) * scale      # [Hq, n]
         out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
-    return torch.stack(out).to(q.dtype)
+    o = torch.stack(out).to(q.dtype)
+    return o if gate is None else o * torch.sigmoid(gate)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _attn_split_kernel(q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale,
                        s_qt, s_qh, s_kl, s_kh, s_vl, s_vh,
                        HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     i_s, i_kv, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b_start = tl.load(start)
     lo = i_s * SPLIT
@@ -77,10 +81,12 @@ def _attn_split_kernel(q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale,
 
 
 @triton.jit(do_not_specialize=["T"])
-def _attn_combine_kernel(start, ws_m, ws_l, ws_o, out, T, s_ot, s_oh,
-                         HQ: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BS: tl.constexpr):
+def _attn_combine_kernel(start, ws_m, ws_l, ws_o, gate, out, T, s_gt, s_gh, s_ot, s_oh,
+                         HQ: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BS: tl.constexpr,
+                         HAS_GATE: tl.constexpr, PDL: tl.constexpr):
     # One program per (token, query head); spans are folded BS at a time into BS lanes, then the
     # lanes are summed: a fixed order for a given number of spans, which depends on the row alone.
+    pdl_start(PDL)
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_d = tl.arange(0, D)
     n_spans = (tl.load(start) + i_t) // SPLIT + 1               # the spans holding keys 0..start+t
@@ -99,6 +105,11 @@ def _attn_combine_kernel(start, ws_m, ws_l, ws_o, out, T, s_ot, s_oh,
         b_l += b_w * tl.load(ws_l + o_w, mask=m_s, other=0.)
         b_o += b_w[:, None] * tl.load(ws_o + o_w[:, None] * D + o_d[None, :], mask=m_s[:, None], other=0.)
     b_out = tl.sum(b_o, axis=0) / tl.sum(b_l, axis=0)
+    if HAS_GATE:
+        # o * sigmoid(gate), each rounded to the output dtype as the model does it in torch
+        b_g = tl.load(gate + i_t * s_gt + i_h * s_gh + o_d).to(tl.float32)
+        b_sig = tl.sigmoid(b_g).to(out.dtype.element_ty).to(tl.float32)
+        b_out = b_out.to(out.dtype.element_ty).to(tl.float32) * b_sig
     tl.store(out + i_t * s_ot + i_h * s_oh + o_d, b_out.to(out.dtype.element_ty))
 
 
@@ -114,7 +125,8 @@ def _config(L: int) -> tuple[int, int, int, int]:
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            start: torch.Tensor, scale: float, config: tuple | None = None) -> torch.Tensor:
+                            start: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
+                            config: tuple | None = None) -> torch.Tensor:
     """decode_attention_ref's contract with `start` a 1-element long tensor on q's device.
     `config` overrides _config(L), for tuning."""
     T, Hq, D = q.shape
@@ -125,7 +137,9 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         assert t.stride(2) == 1, "head dims must be contiguous"
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q and the caches must share a dtype"
     assert start.numel() == 1 and start.dtype == torch.long, "start must be a 1-element long tensor"
-    group, BM = Hq // Hkv, 32
+    if gate is not None:
+        assert gate.shape == q.shape and gate.stride(2) == 1 and gate.dtype == q.dtype, "gate must be like q"
+    group, BM, on = Hq // Hkv, 32, pdl(q)
     split, BN, warps, stages = config or _config(L)
     spans = triton.cdiv(L, split)
     ws_m = torch.empty(spans, T, Hq, dtype=torch.float32, device=q.device)
@@ -134,19 +148,22 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _attn_split_kernel[(spans, Hkv, triton.cdiv(T * group, BM))](
         q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HQ=Hq, GROUP=group, D=D, BM=BM, BN=BN, SPLIT=split, num_warps=warps, num_stages=stages)
+        HQ=Hq, GROUP=group, D=D, BM=BM, BN=BN, SPLIT=split, PDL=on, num_warps=warps, num_stages=stages,
+        launch_pdl=on)
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
-    _attn_combine_kernel[(T, Hq)](start, ws_m, ws_l, ws_o, out, T, out.stride(0), out.stride(1),
-                                  HQ=Hq, D=D, SPLIT=split, BS=16, num_warps=4)
+    g = gate if gate is not None else out
+    _attn_combine_kernel[(T, Hq)](start, ws_m, ws_l, ws_o, g, out, T, g.stride(0), g.stride(1), out.stride(0),
+                                  out.stride(1), HQ=Hq, D=D, SPLIT=split, BS=16, HAS_GATE=gate is not None, PDL=on,
+                                  num_warps=4, launch_pdl=on)
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     start: int | torch.Tensor, scale: float) -> torch.Tensor:
+                     start: int | torch.Tensor, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
     """decode_attention_ref's contract; the Triton kernels for CUDA tensors, where `start` is best
     a device tensor (an int is accepted and copied over)."""
     if use_triton(q, k_cache, v_cache):
         if not isinstance(start, torch.Tensor):
             start = torch.tensor([start], dtype=torch.long, device=q.device)
-        return decode_attention_triton(q, k_cache, v_cache, start, scale)
-    return decode_attention_ref(q, k_cache, v_cache, int(start), scale)
+        return decode_attention_triton(q, k_cache, v_cache, start, scale, gate)
+    return decode_attention_ref(q, k_cache, v_cache, int(start), scale, gate)

@@ -1,18 +1,20 @@
-"""The per-head RMSNorm (1+w) of q and k fused with partial NeoX-style RoPE, optionally writing
-straight into the KV cache. The float32 torch reference, the Triton kernel beside it, and
-`norm_rope`, which takes the kernel for CUDA tensors and the reference otherwise.
+"""What an attention layer does between its q|k|v projection and attention, in one kernel: the
+per-head RMSNorm (1+w) of q and k with partial NeoX-style RoPE, k written straight into the KV
+cache, v copied beside it. The float32 torch references, the Triton kernel, and `qkv_norm_rope`,
+which takes the kernel for CUDA tensors and the reference otherwise.
 
-x [T, H, D] (rows of heads may be strided views into a fused projection); weight [D]; positions
-[T] long; inv_freq [R/2] float32 with R the rotary dims. Per head: y = rmsnorm(x) cast to x's
-dtype, then on its first R dims, with a = position * inv_freq_i and halves y1, y2:
+q [T, Hq, D], k and v [T, Hkv, D] (rows of heads may be strided views into the fused projection);
+weights [D]; positions [T] long (also the cache rows); inv_freq [R/2] float32 with R the rotary
+dims. Per head: y = rmsnorm(x) cast to x's dtype, then on its first R dims, with
+a = position * inv_freq_i and halves y1, y2:
     out[i] = y1[i] cos a_i - y2[i] sin a_i,  out[R/2 + i] = y2[i] cos a_i + y1[i] sin a_i
-computed in float32 and cast back; dims R..D pass through. Row t goes to out[rows[t]].
+computed in float32 and cast back; dims R..D pass through.
 """
 from __future__ import annotations
 
 import torch
 
-from mtpchat.kernels._triton import tl, triton, use_triton
+from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.norm import rmsnorm_ref
 
 
@@ -31,19 +33,27 @@ def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor
     return out
 
 
+def qkv_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                      k_weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """An attention layer's q/k/v after its projection: q normalised and rotated (returned, [T, Hq, D]
+    contiguous), k normalised and rotated into k_cache rows `positions`, v copied to v_cache rows."""
+    out = norm_rope_ref(q, q_weight, positions, inv_freq, eps)
+    norm_rope_ref(k, k_weight, positions, inv_freq, eps, out=k_cache, rows=positions)
+    v_cache.index_copy_(0, positions, v)
+    return out
+
+
 @triton.jit
-def _norm_rope_kernel(x, w, pos, inv_freq, out, rows, H, eps, s_xt, s_xh, s_ot, s_oh,
-                      D: tl.constexpr, HALF: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    p_x = x + i_t * s_xt + i_h * s_xh
+def _norm_rope_row(p_x, w, p_o, b_pos, inv_freq, eps,
+                   D: tl.constexpr, HALF: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr):
+    """One head: rmsnorm (1+w) over D, RoPE on the first 2 * HALF dims, stored at p_o."""
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_x = tl.load(p_x + o_d, mask=m_d, other=0.).to(tl.float32)
     b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=0) / D + eps)
     b_w = tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32)
-    b_y = (b_x * b_rstd * (1. + b_w)).to(x.dtype.element_ty)
-    i_row = tl.load(rows + i_t)
-    p_o = out + i_row * s_ot + i_h * s_oh
+    b_y = (b_x * b_rstd * (1. + b_w)).to(p_o.dtype.element_ty)
     tl.store(p_o + o_d, b_y, mask=m_d & (o_d >= 2 * HALF))                  # dims past the rotary ones
     # the two rotary halves, normalised the same way
     o_r = tl.arange(0, BH)
@@ -52,34 +62,61 @@ def _norm_rope_kernel(x, w, pos, inv_freq, out, rows, H, eps, s_xt, s_xh, s_ot, 
     b_2 = tl.load(p_x + HALF + o_r, mask=m_r, other=0.).to(tl.float32)
     b_w1 = tl.load(w + o_r, mask=m_r, other=0.).to(tl.float32)
     b_w2 = tl.load(w + HALF + o_r, mask=m_r, other=0.).to(tl.float32)
-    b_1 = (b_1 * b_rstd * (1. + b_w1)).to(x.dtype.element_ty).to(tl.float32)
-    b_2 = (b_2 * b_rstd * (1. + b_w2)).to(x.dtype.element_ty).to(tl.float32)
-    b_a = tl.load(pos + i_t).to(tl.float32) * tl.load(inv_freq + o_r, mask=m_r, other=0.)
+    b_1 = (b_1 * b_rstd * (1. + b_w1)).to(p_o.dtype.element_ty).to(tl.float32)
+    b_2 = (b_2 * b_rstd * (1. + b_w2)).to(p_o.dtype.element_ty).to(tl.float32)
+    b_a = b_pos.to(tl.float32) * tl.load(inv_freq + o_r, mask=m_r, other=0.)
     b_cos, b_sin = tl.cos(b_a), tl.sin(b_a)
-    tl.store(p_o + o_r, (b_1 * b_cos - b_2 * b_sin).to(out.dtype.element_ty), mask=m_r)
-    tl.store(p_o + HALF + o_r, (b_2 * b_cos + b_1 * b_sin).to(out.dtype.element_ty), mask=m_r)
+    tl.store(p_o + o_r, (b_1 * b_cos - b_2 * b_sin).to(p_o.dtype.element_ty), mask=m_r)
+    tl.store(p_o + HALF + o_r, (b_2 * b_cos + b_1 * b_sin).to(p_o.dtype.element_ty), mask=m_r)
 
 
-def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                     eps: float, out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
-    T, H, D = x.shape
-    half = inv_freq.shape[0]
-    assert x.stride(2) == 1 and weight.shape == (D,) and weight.is_contiguous(), "x [T, H, D] rows contiguous, weight [D]"
+@triton.jit
+def _qkv_norm_rope_kernel(q, k, v, q_w, k_w, pos, inv_freq, q_out, k_cache, v_cache, eps,
+                          s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_kc, s_kch, s_vc, s_vch,
+                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                          BD: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
+    # One program per (token, head) over the q heads, then the k heads, then the v heads.
+    pdl_start(PDL)
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    b_pos = tl.load(pos + i_t)
+    if i_h < HQ:
+        _norm_rope_row(q + i_t * s_qt + i_h * s_qh, q_w, q_out + i_t * s_ot + i_h * s_oh, b_pos, inv_freq, eps,
+                       D, HALF, BD, BH)
+    elif i_h < HQ + HKV:
+        _norm_rope_row(k + i_t * s_kt + (i_h - HQ) * s_kh, k_w, k_cache + b_pos * s_kc + (i_h - HQ) * s_kch, b_pos,
+                       inv_freq, eps, D, HALF, BD, BH)
+    else:
+        o_d = tl.arange(0, BD)
+        m_d = o_d < D
+        i_v = i_h - HQ - HKV
+        b_v = tl.load(v + i_t * s_vt + i_v * s_vh + o_d, mask=m_d)
+        tl.store(v_cache + b_pos * s_vc + i_v * s_vch + o_d, b_v, mask=m_d)
+
+
+def qkv_norm_rope_triton(q, k, v, q_weight, k_weight, positions, inv_freq, eps, k_cache, v_cache) -> torch.Tensor:
+    T, Hq, D = q.shape
+    Hkv, half = k.shape[1], inv_freq.shape[0]
+    assert k.shape == v.shape == (T, Hkv, D), f"k, v must be [{T}, Hkv, {D}]"
+    assert k_cache.shape[1:] == v_cache.shape[1:] == (Hkv, D), "caches must be [L, Hkv, D]"
+    for t in (q, k, v, k_cache, v_cache):
+        assert t.stride(2) == 1 and t.dtype == q.dtype, "head dims contiguous, one dtype throughout"
+    for w in (q_weight, k_weight):
+        assert w.shape == (D,) and w.is_contiguous(), f"norm weights must be [{D}] contiguous"
     assert positions.shape == (T,) and positions.dtype == torch.long, "positions must be [T] long"
     assert inv_freq.dtype == torch.float32 and 2 * half <= D, "inv_freq [R/2] float32 with R <= D"
-    if out is None:
-        out = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
-    if rows is None:
-        rows = torch.arange(T, device=x.device)
-    assert out.shape[1:] == (H, D) and out.stride(2) == 1 and out.dtype == x.dtype, "out [N, H, D] like x"
-    _norm_rope_kernel[(T, H)](x, weight, positions, inv_freq, out, rows, H, eps, x.stride(0), x.stride(1),
-                              out.stride(0), out.stride(1), D=D, HALF=half, BD=triton.next_power_of_2(D),
-                              BH=triton.next_power_of_2(half), num_warps=1 if D <= 256 else 2)
+    out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    on = pdl(q)
+    _qkv_norm_rope_kernel[(T, Hq + 2 * Hkv)](
+        q, k, v, q_weight, k_weight, positions, inv_freq, out, k_cache, v_cache, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        HQ=Hq, HKV=Hkv, D=D, HALF=half, BD=triton.next_power_of_2(D), BH=triton.next_power_of_2(half), PDL=on,
+        num_warps=1 if D <= 256 else 2, launch_pdl=on)
     return out
 
 
-def norm_rope(x, weight, positions, inv_freq, eps, out=None, rows=None) -> torch.Tensor:
-    """norm_rope_ref's contract: the Triton kernel for CUDA tensors, the reference otherwise."""
-    if use_triton(x, weight):
-        return norm_rope_triton(x, weight, positions, inv_freq, eps, out, rows)
-    return norm_rope_ref(x, weight, positions, inv_freq, eps, out, rows)
+def qkv_norm_rope(q, k, v, q_weight, k_weight, positions, inv_freq, eps, k_cache, v_cache) -> torch.Tensor:
+    """qkv_norm_rope_ref's contract: one Triton kernel for CUDA tensors, the reference otherwise."""
+    if use_triton(q, k, v, q_weight):
+        return qkv_norm_rope_triton(q, k, v, q_weight, k_weight, positions, inv_freq, eps, k_cache, v_cache)
+    return qkv_norm_rope_ref(q, k, v, q_weight, k_weight, positions, inv_freq, eps, k_cache, v_cache)

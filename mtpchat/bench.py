@@ -17,6 +17,8 @@ def add_arguments(p):
     p.add_argument("--prompts", metavar="FILE",
                    help="JSON lines of {\"prompt\": text}: the real MTP head is measured on these "
                         "(raw text, no chat template) instead of a random prompt")
+    p.add_argument("--prefill-chunk", type=int, metavar="N",
+                   help="prompt tokens per prefill forward (default: the engine's, 2048 on a GPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -41,14 +43,14 @@ def main(args) -> int:
     else:
         model = getattr(opts, "path", None) or args.model
         name = str(model)
-    engine = Engine(model, device=device, max_context=max_context, cuda_graphs=graphs)
+    engine = Engine(model, device=device, max_context=max_context, cuda_graphs=graphs, prefill_chunk=args.prefill_chunk)
     prompts = None
     if args.prompts:
         if engine.tokenizer is None:
             raise SystemExit("mtpchat bench: --prompts needs a checkpoint with a tokenizer, not random weights")
         lines = Path(args.prompts).read_text().splitlines()
         prompts = [engine.tokenizer.encode(json.loads(line)["prompt"]) for line in lines if line.strip()]
-    result = {"model": name, "cuda_graphs": graphs, **bench.run(
+    result = {"model": name, "cuda_graphs": graphs, "prefill_chunk": engine.decoder.prefill_chunk, **bench.run(
         engine, context=context, tokens=args.tokens, exactness_prompts=args.exactness_prompts,
         exactness_tokens=args.exactness_tokens, prompts=prompts, ttft=tuple(n for n in (512, 8192) if n + 8 < max_context))}
     print(json.dumps(result, indent=1, default=str) if args.json else table(result))

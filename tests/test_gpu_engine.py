@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine.model import prefill_attention
 from mtpchat.engine.spec import ProfileDrafter
 from mtpchat.engine.tiny import write_tiny_checkpoint
 
@@ -64,3 +65,29 @@ def test_gpu_logits_close_to_cpu_float32(ckpt):
     # the chunked GDN kernel multiplies in tf32 (about 3e-3 relative per layer against float32)
     assert ((a - b).abs().max() / b.abs().max()) < 3e-2
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("Hq,Hkv,T,n", [(24, 4, 100, 300), (8, 2, 1, 77), (6, 6, 64, 64)])
+def test_prefill_attention_of_a_later_chunk(Hq, Hkv, T, n):
+    # the last T of n rows attend to every earlier row and causally among themselves (flash on the GPU)
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(1, h, m, 256, generator=g) for h, m in ((Hq, T), (Hkv, n), (Hkv, n)))
+    want = prefill_attention(q, k, v, n == T, 0.0625)                     # float32 on the CPU
+    got = prefill_attention(*(t.to("cuda", torch.bfloat16) for t in (q, k, v)), n == T, 0.0625)
+    err = ((got.float().cpu() - want).norm() / want.norm()).item()
+    assert err < 1e-2, err
+
+
+def test_chunked_prefill_matches_the_cpu(ckpt):
+    # 97 prompt tokens in chunks of 32, where later chunks take flash attention's bottom-right causal
+    # mask: as close to float32 on the CPU as one unchunked bf16 prefill is (a wrong mask is far off)
+    cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
+    ids = prompts(cpu, 5)[4]
+    want = cpu.logits(ids)
+    errs = {}
+    for chunk in (32, 4096):
+        gpu = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512, prefill_chunk=chunk)
+        got = gpu.logits(ids).float().cpu()
+        errs[chunk] = ((got - want).norm() / want.norm()).item()
+        del gpu
+    assert errs[32] < 1.5 * errs[4096] + 1e-3, errs

@@ -44,6 +44,20 @@ def test_decode_attention_ignores_keys_past_the_new_tokens(device):
     check(out, attention.decode_attention_ref(q, kc, vc, 37, 0.25), TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,Hq,Hkv,D,L,start", [(1, 6, 2, 32, 300, 200), (3, 12, 2, 16, 700, 401)])
+def test_decode_attention_with_the_output_gate(device, dtype, T, Hq, Hkv, D, L, start):
+    # the gate is a strided view, as it is inside the fused q|gate projection
+    q, kc, vc = _case(T, Hq, Hkv, D, L, dtype, device, seed=start)
+    gate = randn(T, Hq, 2 * D, dtype=dtype, device=device, seed=start + 1, scale=2.0)[..., D:]
+    start_t = torch.tensor([start], device=device)
+    out = attention.decode_attention_triton(q, kc, vc, start_t, D ** -0.5, gate)
+    want = attention.decode_attention_ref(q, kc, vc, start, D ** -0.5, gate)
+    check(out, want, TOL[dtype])
+    plain = attention.decode_attention_ref(q, kc, vc, start, D ** -0.5)
+    assert (want - plain).abs().max() > 0.1, "the gate must change the output (a test that cannot fail otherwise)"
+
+
 def _rows_one_by_one(q, kc, vc, start, scale):
     return torch.cat([attention.decode_attention(q[t:t + 1], kc, vc, torch.tensor([start + t], device=q.device), scale)
                       for t in range(q.shape[0])])

@@ -1,11 +1,11 @@
-"""The fused q/k norm + partial RoPE (+ cache write) against its float32 reference."""
+"""The fused q/k norm + partial RoPE with the k and v cache writes against its float32 reference."""
 from __future__ import annotations
 
 import pytest
 import torch
 from kernel_checks import TOL, check, randn
 
-from mtpchat.kernels.rope import norm_rope_ref, norm_rope_triton
+from mtpchat.kernels.rope import norm_rope_ref, qkv_norm_rope_ref, qkv_norm_rope_triton
 
 EPS = 1e-6
 
@@ -14,32 +14,35 @@ def inv_freq(rotary: int, theta: float = 1e7) -> torch.Tensor:
     return theta ** (-torch.arange(0, rotary, 2, dtype=torch.float32) / rotary)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,H,D,R", [(1, 3, 64, 16), (5, 2, 48, 12), (3, 4, 256, 64)])
-def test_norm_rope(device, dtype, T, H, D, R):
-    g = torch.Generator().manual_seed(T * 10 + H)
-    qg = randn(T, H, 2 * D, dtype=dtype, device=device, gen=g)
-    x = qg[..., :D]                                           # a strided view, as q inside q|gate
-    w = randn(D, dtype=dtype, device=device, gen=g, scale=0.3)
-    pos = torch.tensor([1000 + 37 * t for t in range(T)], device=device)
-    f = inv_freq(R).to(device)
-    check(norm_rope_triton(x, w, pos, f, EPS), norm_rope_ref(x, w, pos, f, EPS), TOL[dtype])
+def _qkv(T, Hq, Hkv, D, dtype, device, seed):
+    """q, k, v as strided views into one fused projection row, as the model has them."""
+    g = torch.Generator().manual_seed(seed)
+    row = randn(T, Hq * 2 * D + 2 * Hkv * D, dtype=dtype, device=device, gen=g)
+    qg, k, v = row.split([Hq * 2 * D, Hkv * D, Hkv * D], dim=-1)
+    q = qg.view(T, Hq, 2 * D)[..., :D]
+    return q, k.view(T, Hkv, D), v.view(T, Hkv, D), g
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_rope_writes_the_cache_rows(device, dtype):
-    T, H, D, R, L = 4, 2, 32, 8, 23
-    g = torch.Generator().manual_seed(7)
-    x = randn(T, H, D, dtype=dtype, device=device, gen=g)
-    w = randn(D, dtype=dtype, device=device, gen=g, scale=0.3)
-    pos = torch.tensor([9, 10, 11, 12], device=device)
+@pytest.mark.parametrize("T,Hq,Hkv,D,R,L", [(1, 3, 1, 64, 16, 40), (5, 4, 2, 48, 12, 23), (3, 6, 2, 256, 64, 1100)])
+def test_qkv_norm_rope(device, dtype, T, Hq, Hkv, D, R, L):
+    q, k, v, g = _qkv(T, Hq, Hkv, D, dtype, device, seed=T * 10 + Hq)
+    qw = randn(D, dtype=dtype, device=device, gen=g, scale=0.3)
+    kw = randn(D, dtype=dtype, device=device, gen=g, scale=0.3)
+    pos = torch.tensor([L - T - 3 + t for t in range(T)], device=device)
     f = inv_freq(R).to(device)
-    cache = randn(L, H, D, dtype=dtype, device=device, gen=g)
-    want = norm_rope_ref(x, w, pos, f, EPS, cache.clone(), pos)
-    got = norm_rope_triton(x, w, pos, f, EPS, cache.clone(), pos)
-    check(got, want, TOL[dtype], "cache")
-    untouched = [i for i in range(L) if i not in (9, 10, 11, 12)]
-    assert torch.equal(got[untouched], cache[untouched]), "rows other than the positions must not change"
+    kc, vc = randn(L, Hkv, D, dtype=dtype, device=device, gen=g), randn(L, Hkv, D, dtype=dtype, device=device, gen=g)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_q = qkv_norm_rope_ref(q, k, v, qw, kw, pos, f, EPS, want_k, want_v)
+    got_k, got_v = kc.clone(), vc.clone()
+    got_q = qkv_norm_rope_triton(q, k, v, qw, kw, pos, f, EPS, got_k, got_v)
+    check(got_q, want_q, TOL[dtype], "q")
+    check(got_k, want_k, TOL[dtype], "k cache")
+    assert torch.equal(got_v, want_v), "v is copied into its cache rows as it is"
+    untouched = [i for i in range(L) if i not in pos.tolist()]
+    assert torch.equal(got_k[untouched], kc[untouched]) and torch.equal(got_v[untouched], vc[untouched]), \
+        "rows other than the positions must not change"
+    assert not torch.equal(want_k[pos], k), "the k rows are normalised and rotated, not copied"
 
 
 def test_reference_matches_the_model_formula():
