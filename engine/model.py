@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels import attention, conv, gdn, norm
-from mtpchat.kernels.matvec import gated_matvec, matvec, norm_matvec, norm_matvec_swiglu, silu_mul
+from mtpchat.kernels.matvec import matvec, matvec_swiglu, silu_mul
 from mtpchat.kernels.rope import qkv_norm_rope
 
 
@@ -45,19 +45,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
     if x.is_cuda:
         return matvec(x, w)
     return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)
-
-
-def fused(x: torch.Tensor, ctx: "Ctx") -> bool:
-    """Whether a step's products take their norms (and the GDN conv) inside the kernel: CUDA steps."""
-    return ctx.step and x.is_cuda
-
-
-def norm_linear(x, residual, nrm: "RMSNorm", w, ctx: "Ctx"):
-    """(rmsnorm(x + residual) @ wᵀ, x + residual); residual None for the first layer."""
-    if fused(x, ctx):
-        return norm_matvec(x, residual, nrm.weight, nrm.eps, w)
-    normed, h = (nrm(x), x) if residual is None else norm.add_rmsnorm(x, residual, nrm.weight, nrm.eps)
-    return linear(normed, w, ctx.step), h
 
 
 def prefill_attention(q, keys, values, first: bool, scale: float) -> torch.Tensor:
@@ -98,15 +85,12 @@ class MLP(nn.Module):
         self.gate_up = empty(2 * c.intermediate_size, c.hidden_size)
         self.down = empty(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x, residual, nrm: RMSNorm, ctx: Ctx):
-        """The MLP of norm(x + residual); returns (its output, x + residual)."""
-        if fused(x, ctx):
-            # the add, the norm, the product and the gating in one kernel
-            mid, h = norm_matvec_swiglu(x, residual, nrm.weight, nrm.eps, self.gate_up)
+    def forward(self, x, ctx: Ctx):
+        if ctx.step and x.is_cuda:
+            h = matvec_swiglu(x, self.gate_up)          # the product and the gating in one kernel
         else:
-            normed, h = norm.add_rmsnorm(x, residual, nrm.weight, nrm.eps)
-            mid = silu_mul(linear(normed, self.gate_up, ctx.step))
-        return linear(mid, self.down, ctx.step), h
+            h = silu_mul(linear(x, self.gate_up, ctx.step))
+        return linear(h, self.down, ctx.step)
 
 
 class GatedAttention(nn.Module):
@@ -125,11 +109,9 @@ class GatedAttention(nn.Module):
             self._freqs = self.c.rope_theta ** (-torch.arange(0, R, 2, dtype=torch.float32, device=device) / R)
         return self._freqs
 
-    def forward(self, x, residual, nrm: RMSNorm, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
-        """Attention over norm(x + residual); returns (its output, x + residual)."""
+    def forward(self, x, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
         c, T = self.c, x.shape[0]
-        qkv, h = norm_linear(x, residual, nrm, self.qkv, ctx)
-        qg, k, v = qkv.split([2 * c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        qg, k, v = linear(x, self.qkv, ctx.step).split([2 * c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
         qg = qg.view(T, c.num_attention_heads, 2 * c.head_dim)           # per head: [query | gate]
         q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:]
         k_cache, v_cache = cache
@@ -145,7 +127,7 @@ class GatedAttention(nn.Module):
             q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))
             o = prefill_attention(q4, keys, values, ctx.start == 0, scale)[0].transpose(0, 1)
             o = o * torch.sigmoid(gate)
-        return linear(o.reshape(T, c.q_dim), self.o_proj, ctx.step), h
+        return linear(o.reshape(T, c.q_dim), self.o_proj, ctx.step)
 
 
 class GatedDeltaNet(nn.Module):
@@ -159,18 +141,12 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = empty(c.linear_value_head_dim)
         self.out_proj = empty(c.hidden_size, c.value_dim)
 
-    def forward(self, x, residual, nrm: RMSNorm, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
-        """The GDN over norm(x + residual); returns (its output, x + residual)."""
+    def forward(self, x, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
         c, T = self.c, x.shape[0]
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         conv_buf, ring = cache
-        if fused(x, ctx):    # the norm before and the conv after the product, in its kernel
-            y, h = norm_matvec(x, residual, nrm.weight, nrm.eps, self.in_proj, conv=(conv_buf, ctx.conv_off, self.conv_weight))
-            mixed, z, b, a = y.split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
-        else:
-            y, h = norm_linear(x, residual, nrm, self.in_proj, ctx)
-            mixed, z, b, a = y.split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
-            mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight)   # pre-conv in, silu out
+        mixed, z, b, a = linear(x, self.in_proj, ctx.step).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+        mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight)   # pre-conv in, silu out
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
         if ctx.step:
@@ -179,11 +155,8 @@ class GatedDeltaNet(nn.Module):
             start_state = ring.index_select(0, ctx.slot)[0]
             o, end_state = gdn.chunk(q, k, v, a, b, self.A_log, self.dt_bias, start_state)
             ring.index_copy_(0, ctx.slot, end_state[None])
-        o = o.to(x.dtype)
-        if fused(x, ctx):   # the output norm inside out_proj
-            return gated_matvec(o.reshape(T, c.value_dim), z, self.norm_weight, c.rms_norm_eps, self.out_proj), h
-        o = norm.gated_rmsnorm(o, z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
-        return linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step), h
+        o = norm.gated_rmsnorm(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
+        return linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step)
 
 
 class DecoderLayer(nn.Module):
@@ -199,8 +172,12 @@ class DecoderLayer(nn.Module):
         """Pre-norm block, with each residual add fused into the norm after it: takes the previous
         block's (output, residual stream) unsummed (residual None for the first block) and returns
         its own. The block's value is output + residual."""
-        o, h = self.mixer(x, residual, self.input_norm, cache, ctx)
-        return self.mlp(o, h, self.post_norm, ctx)
+        if residual is None:
+            normed, h = self.input_norm(x), x
+        else:
+            normed, h = norm.add_rmsnorm(x, residual, self.input_norm.weight, self.input_norm.eps)
+        normed, h = norm.add_rmsnorm(self.mixer(normed, cache, ctx), h, self.post_norm.weight, self.post_norm.eps)
+        return self.mlp(normed, ctx), h
 
 
 class Model(nn.Module):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
+from mtpchat.kernels._triton import tl, triton, use_triton
 
 
 def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
@@ -60,10 +60,9 @@ def recurrent_ref(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch
 @triton.jit(do_not_specialize=["T"])
 def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, ring, slot, o, T, scale,
                       s_q, s_k, s_v, s_a, s_b, s_o, s_ring,
-                      GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+                      GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
     # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
     # stays in registers across the T tokens; the gates and the q/k l2norm are computed here.
-    pdl_start(PDL)
     i_h, i_v = tl.program_id(0), tl.program_id(1)
     i_kh = i_h // GROUP
     o_k = tl.arange(0, DK)
@@ -111,8 +110,7 @@ def recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: to
     BV = min(16, triton.next_power_of_2(DV))
     _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
         q, k, v, a, b, A_log, dt_bias, ring, slot, o, T, DK ** -0.5, q.stride(0), k.stride(0), v.stride(0),
-        a.stride(0), b.stride(0), o.stride(0), ring.stride(0), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV, PDL=pdl(q),
-        num_warps=1, launch_pdl=pdl(q))
+        a.stride(0), b.stride(0), o.stride(0), ring.stride(0), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV, num_warps=1)
     return o
 
 

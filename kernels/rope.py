@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
+from mtpchat.kernels._triton import tl, triton, use_triton
 from mtpchat.kernels.norm import rmsnorm_ref
 
 
@@ -74,9 +74,8 @@ def _norm_rope_row(p_x, w, p_o, b_pos, inv_freq, eps,
 def _qkv_norm_rope_kernel(q, k, v, q_w, k_w, pos, inv_freq, q_out, k_cache, v_cache, eps,
                           s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_kc, s_kch, s_vc, s_vch,
                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                          BD: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
+                          BD: tl.constexpr, BH: tl.constexpr):
     # One program per (token, head) over the q heads, then the k heads, then the v heads.
-    pdl_start(PDL)
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     b_pos = tl.load(pos + i_t)
     if i_h < HQ:
@@ -105,13 +104,12 @@ def qkv_norm_rope_triton(q, k, v, q_weight, k_weight, positions, inv_freq, eps, 
     assert positions.shape == (T,) and positions.dtype == torch.long, "positions must be [T] long"
     assert inv_freq.dtype == torch.float32 and 2 * half <= D, "inv_freq [R/2] float32 with R <= D"
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
-    on = pdl(q)
     _qkv_norm_rope_kernel[(T, Hq + 2 * Hkv)](
         q, k, v, q_weight, k_weight, positions, inv_freq, out, k_cache, v_cache, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HQ=Hq, HKV=Hkv, D=D, HALF=half, BD=triton.next_power_of_2(D), BH=triton.next_power_of_2(half), PDL=on,
-        num_warps=1 if D <= 256 else 2, launch_pdl=on)
+        HQ=Hq, HKV=Hkv, D=D, HALF=half, BD=triton.next_power_of_2(D), BH=triton.next_power_of_2(half),
+        num_warps=1 if D <= 256 else 2)
     return out
 
 

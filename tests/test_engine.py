@@ -47,12 +47,7 @@ def test_tied_head_is_the_embedding(ckpt):
     assert not hasattr(engine.model, "lm_head") or not c.tie_word_embeddings
 
 
-@pytest.mark.parametrize("fused_path", [False, True])
-def test_decode_through_state_matches_full_forward(ckpt, fused_path, monkeypatch):
-    # fused_path: the steps take the GPU's structure (norms inside the products, the conv after
-    # in_proj, the gated norm inside out_proj), here through the fused products' references
-    if fused_path:
-        monkeypatch.setattr("mtpchat.engine.model.fused", lambda x, ctx: ctx.step)
+def test_decode_through_state_matches_full_forward(ckpt):
     engine, _ = ckpt
     ids = prompt(90, 3, engine.config.vocab_size)
     full = engine.logits(ids)

@@ -91,7 +91,7 @@ def matvec_launch(x, w, cfg):
     N = w.shape[0]
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     matvec._matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, T, N, K, x.stride(0), w.stride(0), y.stride(0),
-                                                 BT=matvec.MAX_ROWS, BN=BN, BK=BK, PDL=False, PF=0, num_warps=warps, num_stages=stages)
+                                                 BT=matvec.MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -139,7 +139,7 @@ def bench_matvec(bw, sweep, sweep_swiglu=False):
             def launch(w):
                 y = torch.empty(1, I, dtype=x.dtype, device="cuda")
                 matvec._matvec_swiglu_kernel[(triton.cdiv(I, BN),)](x, w, y, 1, I, H, x.stride(0), w.stride(0),
-                                                                    y.stride(0), BT=16, BN=BN, BK=BK, PDL=False, PF=0,
+                                                                    y.stride(0), BT=16, BN=BN, BK=BK,
                                                                     num_warps=warps, num_stages=stages)
                 return y
             try:
@@ -190,7 +190,7 @@ def bench_gdn(bw, sweep):
                         gdn._recurrent_kernel[(HV, DV // BV)](
                             q, k, v, a, b, A_log, dt_bias, r, slot, o, T, DK ** -0.5, q.stride(0), k.stride(0),
                             v.stride(0), a.stride(0), b.stride(0), o.stride(0), r.stride(0),
-                            GROUP=HV // HK, DK=DK, DV=DV, BV=BV, PDL=False, num_warps=warps)
+                            GROUP=HV // HK, DK=DK, DV=DV, BV=BV, num_warps=warps)
                     try:
                         t = graph_ms(lambda: [launch(r) for r in rings], reps=3) / len(rings)
                         print(f"  BV={BV} warps={warps}: {t * 1e3:.1f} us", flush=True)
