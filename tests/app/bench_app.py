@@ -1,15 +1,25 @@
-"""Tokens/s inside the app vs headless, on the same tiny checkpoint.
+"""Tokens/s inside the app vs headless, on the same tiny checkpoint, runs interleaved.
 
-    python tests/app/bench_app.py [--tokens 256] [--runs 5] [--k 3] [--device cpu]
+    python tests/app/bench_app.py [--tokens 2048] [--runs 9] [--k 3] [--threads 1] [--device cpu]
 
 Headless is the `mtpchat run` loop (engine.generate, detokenizing each step, on the main thread).
-The app run sends the same prompt through the Textual app (headless driver: it lays out and renders
-every frame and only skips writing to a terminal), with the generation worker, the 30 Hz batches,
-the streaming Markdown and the 4 Hz telemetry pane all live; a new chat before each run resets the
-engine. Both report the engine's own decode rate (Stats.tokens_per_s, prefill excluded), greedy,
-with the stop tokens ignored so every run decodes exactly --tokens tokens. MTP on uses
-ProfileDrafter (engine/spec.py) so drafts are accepted at a realistic rate on random weights.
-Each mode runs in its own process, with one untimed warm-up run per setting; medians are compared.
+The app run sends the same prompt through the Textual app, drawing to a pseudo-terminal with its
+real driver (escape sequences rendered and written every frame; `--terminal none` uses Textual's
+test driver, which skips that), with the generation worker, its batches, the streaming text and the
+telemetry pane all live; a new chat before each run resets the engine. Both report the engine's own
+decode rate (Stats.tokens_per_s, prefill excluded), greedy, with the stop tokens ignored so every
+run decodes exactly --tokens tokens. MTP on uses ProfileDrafter (engine/spec.py) so drafts are
+accepted at a realistic rate on random weights.
+
+Both run in one process on one engine (separate processes differ by a few percent from memory
+layout alone), loaded and warmed up once (one untimed run per mode and setting); the headless run
+blocks the app's event loop, so the app does nothing meanwhile. The modes take turns, swapping which
+goes first every round (ABBA), so drift and other load on the machine fall on both alike. The verdict
+is the median of the per-round ratios app / headless, with their range; each mode's median and range
+are shown too. glibc's malloc thresholds are pinned for the process (see pin_malloc; `--malloc
+default` leaves them). `--diag` adds, per run, the CPU time of each thread, page faults, context
+switches and garbage-collector pauses.
+`--think off` sends the reply through the answer's streaming Markdown instead of the thinking tail.
 `--device cuda --random-weights qwen3.6-27b` runs the same comparison on a GPU with random weights of
 the real 27B shapes (the tiny checkpoint's tokenizer renders the ids as text).
 """
@@ -17,15 +27,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
-import json
+import gc
+import os
+import resource
 import statistics
-import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 PROMPT = "Tell me a long story about a tiny model."
+MODES = ("headless", "app")
+SIZE = (150, 46)   # columns, rows: wide enough for the telemetry pane
+log = sys.stderr   # progress; the app's terminal driver takes over fd 2 while it runs
 
 
 class WrappedIds:
@@ -51,128 +68,253 @@ class WrappedIds:
         return Stream()
 
 
+class Diagnosis:
+    """Where the CPU went between prefill and the last step of one run (`--diag`): milliseconds of
+    CPU on the thread that decodes and on the main thread (the app's UI; the same thread headless),
+    and the garbage collector's pauses on each."""
+
+    def __init__(self):
+        self.main = time.pthread_getcpuclockid(threading.main_thread().ident)
+        self.gc = {}
+        self.out = {}
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info) -> None:
+        who = "main" if threading.current_thread() is threading.main_thread() else "worker"
+        if phase == "start":
+            self._gc_at = time.perf_counter()
+        else:
+            n, ms = self.gc.get(who, (0, 0.0))
+            self.gc[who] = (n + 1, ms + (time.perf_counter() - self._gc_at) * 1e3)
+
+    def watch(self, events):
+        for ev in events:
+            if type(ev).__name__ == "Finished":
+                wall, decoder, main = time.perf_counter(), time.thread_time(), time.clock_gettime(self.main)
+                use = resource.getrusage(resource.RUSAGE_THREAD)
+                self.out = {"wall_ms": (wall - self.t[0]) * 1e3, "decoder_cpu_ms": (decoder - self.t[1]) * 1e3,
+                            "decoder_sys_ms": (use.ru_stime - self.t[3].ru_stime) * 1e3,
+                            "faults": use.ru_minflt - self.t[3].ru_minflt,
+                            "switches": f"{use.ru_nvcsw - self.t[3].ru_nvcsw}+{use.ru_nivcsw - self.t[3].ru_nivcsw}"}
+                if threading.current_thread() is not threading.main_thread():
+                    self.out["ui_cpu_ms"] = (main - self.t[2]) * 1e3
+                self.out.update({f"gc_{who}": f"{n}x/{ms:.1f}ms" for who, (n, ms) in self.gc.items()})
+            yield ev
+            if type(ev).__name__ == "Prefilled":
+                self.gc.clear()
+                self.t = (time.perf_counter(), time.thread_time(), time.clock_gettime(self.main),
+                          resource.getrusage(resource.RUSAGE_THREAD))
+
+    def report(self) -> dict:
+        gc.callbacks.remove(self._gc)
+        return {k: round(v) if isinstance(v, float) else v for k, v in self.out.items()}
+
+
+def pin_malloc() -> None:
+    """Fixed glibc malloc thresholds for the whole process (both modes alike).
+
+    With glibc's defaults, the per-step temporaries above 128 KiB are mmap'd and unmapped every step,
+    and each run pays hundreds of thousands of page faults; how many depends on which thread
+    decodes (the main thread allocates from the main arena, a worker thread from its own), so the
+    app's worker and the headless main thread differ by up to 10% for reasons that are not the
+    app's. Keeping those blocks on the heap takes the allocator out of the comparison."""
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6")
+    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+    ok = libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) and libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+    ok = ok and libc.mallopt(M_TOP_PAD, 64 << 20)
+    if not ok:
+        sys.exit("mallopt failed: run with --malloc default")
+
+
 def load(a):
     import torch
     from mtpchat.engine import Engine
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if not a.random_weights:
-        return Engine.load(a.ckpt, device=a.device, dtype=torch.float32, max_context=8192, draft_tokens=a.k,
-                           cuda_graphs=a.device != "cpu")
+        return Engine.load(a.ckpt, device=a.device, dtype=torch.float32, max_context=a.tokens + 256,
+                           draft_tokens=a.k, cuda_graphs=a.device != "cpu")
     from mtpchat.engine import bench
     from mtpchat.engine.config import ModelConfig
     from mtpchat.engine.tokenizer import Tokenizer
     config = ModelConfig.load(Path(bench.__file__).parent / "configs" / f"{a.random_weights}.json")
-    engine = Engine(config, device=a.device, max_context=8192, draft_tokens=a.k, cuda_graphs=True)
+    engine = Engine(config, device=a.device, max_context=a.tokens + 256, draft_tokens=a.k, cuda_graphs=True)
     tok = Tokenizer.load(a.ckpt)
     engine.tokenizer = WrappedIds(tok, tok.vocab_size)
     return engine
 
 
-def progress(a, mtp: int, result) -> None:
-    print(f"  {a.child} MTP {'on' if mtp else 'off'}: {result[0]:.1f} tok/s", file=sys.stderr, flush=True)
-
-
-def child(a) -> None:
-    """One process, one mode (headless or app), MTP off then on: prints {"0": [...], "1": [...]}."""
+def bench(a) -> dict:
+    """Loads the engine and the app once, warms both up, then takes turns; returns the runs by
+    (mode, mtp) as [tokens/s, mean acceptance length, diagnostics]."""
+    from mtpchat.app.app import ChatApp
+    from mtpchat.app.chat import Composer
+    from mtpchat.app.settings import Sampling
+    from mtpchat.app.store import Store
     from mtpchat.cli import generate
     from mtpchat.engine import SamplingParams
     from mtpchat.engine.spec import ProfileDrafter
 
-    if a.threads:
-        import torch
-        torch.set_num_threads(a.threads)
     engine = load(a)
     generate_any = engine.generate
-    engine.generate = lambda ids, params: generate_any(ids, dataclasses.replace(params, stop_token_ids=()))
-    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}])
+    diag = None
+
+    def generate_all(ids, params):
+        events = generate_any(ids, dataclasses.replace(params, stop_token_ids=()))
+        return diag.watch(events) if diag else events
+    engine.generate = generate_all
+    think = a.think == "on"
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                               enable_thinking=think)
     params = SamplingParams(temperature=0.0, max_tokens=a.tokens)
     engine.mtp = False
     reference = generate(engine, ids, params)["token_ids"]      # also the warm-up of the weights
 
     def arm(mtp: bool) -> None:
+        nonlocal diag
         engine.reset()
         engine.mtp = mtp
         engine.drafter = ProfileDrafter(reference, seed=0, vocab=engine.config.vocab_size) if mtp else None
+        diag = Diagnosis() if a.diag else None
 
-    results = {0: [], 1: []}
-    if a.child == "headless":
-        for mtp in (0, 1):
-            for _ in range(a.runs + 1):
-                arm(bool(mtp))
-                r = generate(engine, ids, params)
-                assert r["token_ids"] == reference, "greedy output must not depend on MTP"
-                results[mtp].append((r["stats"]["tokens_per_s"], r["stats"]["mean_acceptance_length"]))
-                progress(a, mtp, results[mtp][-1])
-    else:
-        from mtpchat.app.app import ChatApp
-        from mtpchat.app.chat import Composer
-        from mtpchat.app.settings import Sampling
-        from mtpchat.app.store import Store
-        store = Store(tempfile.mkdtemp())
-        app = ChatApp(lambda: engine, model="bench", store=store, device=a.device, think=True,
-                      sampling=Sampling(temperature=0.0, max_tokens=a.tokens), draft_tokens=a.k)
+    def headless(mtp: bool):
+        # on the app's own thread, which this call blocks: the event loop does nothing meanwhile
+        arm(mtp)
+        r = generate(engine, ids, params)
+        assert r["token_ids"] == reference, "greedy output must not depend on MTP"
+        return [r["stats"]["tokens_per_s"], r["stats"]["mean_acceptance_length"], diag.report() if diag else {}]
 
-        async def wait(cond):
-            # plain sleeps: the test pilot's pause() repaints the screen on every call, which
-            # would be charged to the app here
-            while not cond():
-                await asyncio.sleep(0.05)
+    store = Store(tempfile.mkdtemp())
+    app = ChatApp(lambda: engine, model="bench", store=store, device=a.device, think=think,
+                  sampling=Sampling(temperature=0.0, max_tokens=a.tokens), draft_tokens=a.k)
 
-        async def go():
-            async with app.run_test(size=(150, 46)):
-                await wait(lambda: app.engine is not None)
-                for mtp in (0, 1):
-                    for _ in range(a.runs + 1):
-                        app.action_new_chat()
-                        await wait(lambda: app.session_id is None and not app._views())
-                        arm(bool(mtp))
-                        app.query_one(Composer).post_message(Composer.Submitted(PROMPT))
-                        await wait(lambda: app.busy)
-                        await wait(lambda: not app.busy)
-                        (msg,) = [m for m in store.messages(app.session_id) if m.role == "assistant"]
-                        assert msg.stats["new_tokens"] == a.tokens, msg.stats
-                        results[mtp].append((msg.stats["tokens_per_s"], msg.stats["mean_acceptance_length"]))
-                        progress(a, mtp, results[mtp][-1])
+    async def wait(cond):
+        # plain sleeps: the test pilot's pause() repaints the screen on every call, which would
+        # be charged to the app here
+        while not cond():
+            await asyncio.sleep(0.05)
+
+    async def in_app(mtp: bool):
+        app.action_new_chat()
+        await wait(lambda: app.session_id is None and not app._views())
+        arm(mtp)
+        app.redraw(force=True)             # as the MTP key does: the pane shows the new setting
+        await asyncio.sleep(0.1)
+        app.query_one(Composer).post_message(Composer.Submitted(PROMPT))
+        await wait(lambda: app.busy)
+        await wait(lambda: not app.busy)
+        (msg,) = [m for m in store.messages(app.session_id) if m.role == "assistant"]
+        assert msg.stats["new_tokens"] == a.tokens, msg.stats
+        return [msg.stats["tokens_per_s"], msg.stats["mean_acceptance_length"], diag.report() if diag else {}]
+
+    runs = {(m, mtp): [] for m in MODES for mtp in (0, 1)}
+
+    async def session():
+        await wait(lambda: app.engine is not None)
+        for mtp in (False, True):          # untimed warm-ups
+            headless(mtp), await in_app(mtp)
+        for r in range(a.runs):
+            for mtp in (0, 1):
+                got = {}
+                for m in (MODES if (r + mtp) % 2 == 0 else MODES[::-1]):
+                    got[m] = headless(bool(mtp)) if m == "headless" else await in_app(bool(mtp))
+                    runs[m, mtp].append(got[m])
+                extra = "".join(f"\n    {m}: " + " ".join(f"{k} {v}" for k, v in got[m][2].items())
+                                for m in MODES if got[m][2])
+                print(f"  round {r + 1} MTP {'on ' if mtp else 'off'}: headless {got['headless'][0]:7.1f}  "
+                      f"app {got['app'][0]:7.1f} tok/s  ratio {got['app'][0] / got['headless'][0]:.3f}{extra}",
+                      file=log, flush=True)
+
+    async def go():
+        if a.terminal == "none":
+            async with app.run_test(size=SIZE):
+                await session()
+            return
+        running = asyncio.create_task(app.run_async())
+        try:
+            await session()
+        finally:
+            app.exit()
+            await running
+
+    if a.terminal == "none":
         asyncio.run(go())
-    print(json.dumps({m: r[1:] for m, r in results.items()}))   # the first run of each warms up
+    else:
+        with on_pty(*SIZE):
+            asyncio.run(go())
+    return runs
+
+
+@contextlib.contextmanager
+def on_pty(columns: int, rows: int):
+    """Stdin and stderr (where Textual's driver reads and writes) on a pseudo-terminal of the given
+    size, drained by `cat` into /dev/null: the app runs its real terminal driver, writer thread and
+    escape-sequence rendering, which its headless test driver skips."""
+    import fcntl
+    import pty
+    import struct
+    import subprocess
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    drain = subprocess.Popen(["cat"], stdin=master, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.close(master)
+    saved = os.dup(0), os.dup(2)
+    env = {k: os.environ.get(k) for k in ("COLUMNS", "LINES")}
+    os.environ.update(COLUMNS=str(columns), LINES=str(rows))
+    os.dup2(slave, 0)
+    os.dup2(slave, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved[0], 0)
+        os.dup2(saved[1], 2)
+        os.close(slave)
+        drain.wait()
+        for k, v in env.items():
+            os.environ.pop(k) if v is None else os.environ.update({k: v})
+
+
+def spread(xs, f: str = ".3f") -> str:
+    return f"{statistics.median(xs):{f}} ({min(xs):{f}}-{max(xs):{f}})"
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--runs", type=int, default=9, help="rounds; each is one run of each mode per setting")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--think", choices=("on", "off"), default="on")
+    p.add_argument("--malloc", choices=("pinned", "default"), default="pinned",
+                   help="glibc malloc thresholds: pinned (see pin_malloc) or glibc's defaults")
+    p.add_argument("--terminal", choices=("pty", "none"), default="pty",
+                   help="the app draws to a pseudo-terminal (its real driver) or to none (Textual's test driver)")
+    p.add_argument("--diag", action="store_true", help="per run: CPU time per thread and GC pauses")
     p.add_argument("--random-weights", metavar="NAME",
                    help="random weights of an official shape (engine/configs/NAME.json) instead of the tiny model")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--child", choices=("headless", "app"), help=argparse.SUPPRESS)
-    p.add_argument("--ckpt", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.child:
-        return child(a)
+    if a.malloc == "pinned":
+        pin_malloc()
+    global log
+    log = open(os.dup(2), "w")
 
     from mtpchat.engine.tiny import write_tiny_checkpoint
-    ckpt = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny")
-    out = {}
-    for mode in ("headless", "app"):
-        cmd = [sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--tokens", str(a.tokens),
-               "--runs", str(a.runs), "--k", str(a.k), "--device", a.device, "--threads", str(a.threads)]
-        cmd += ["--random-weights", a.random_weights] if a.random_weights else []
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)   # progress goes to stderr as it comes
-        if proc.returncode:
-            sys.exit(f"the {mode} run failed")
-        out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    a.ckpt = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny")
+    runs = bench(a)
     what = f"random {a.random_weights}, bfloat16" if a.random_weights else "tiny checkpoint, float32"
-    print(f"{what} on {a.device}, {a.tokens} tokens per run, {a.runs} runs per mode, medians")
-    for mtp in ("0", "1"):
-        h = [t for t, _ in out["headless"][mtp]]
-        u = [t for t, _ in out["app"][mtp]]
-        acc = sorted({round(x, 2) for _, x in out["headless"][mtp] + out["app"][mtp]})
-        hm, um = statistics.median(h), statistics.median(u)
-        label = f"MTP on k={a.k}" if mtp == "1" else "MTP off"
-        print(f"{label:10s} headless {hm:8.1f} tok/s  app {um:8.1f} tok/s  app/headless {um / hm:.3f}  "
-              f"(mean acceptance length {acc}; headless {' '.join(f'{x:.0f}' for x in h)}; "
-              f"app {' '.join(f'{x:.0f}' for x in u)})")
+    print(f"{what} on {a.device}, {a.tokens} tokens per run, {a.runs} rounds, thinking {a.think}, "
+          f"malloc {a.malloc}, terminal {a.terminal}; "
+          f"median (min-max)")
+    for mtp in (0, 1):
+        h, u = ([x[0] for x in runs[m, mtp]] for m in MODES)
+        ratios = [x / y for x, y in zip(u, h)]
+        acc = sorted({round(x[1], 2) for m in MODES for x in runs[m, mtp]})
+        label = f"MTP on k={a.k}" if mtp else "MTP off"
+        print(f"{label:10s} app/headless {spread(ratios)}   headless {spread(h, '.1f')} tok/s   "
+              f"app {spread(u, '.1f')} tok/s   mean acceptance length {acc}")
 
 
 if __name__ == "__main__":
