@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels import attention, conv, gdn, norm
-from mtpchat.kernels.matvec import matvec, matvec_partials, matvec_swiglu, silu_mul
+from mtpchat.kernels.matvec import matvec, matvec_swiglu, silu_mul
 from mtpchat.kernels.rope import qkv_norm_rope
 
 
@@ -45,15 +45,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
     if x.is_cuda:
         return matvec(x, w)
     return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)
-
-
-def linear_out(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    """A block's last product (o_proj, out_proj, MLP down), read only by the add_rmsnorm after it: in
-    GPU steps it stays two float32 partial sums over halves of K (those products have few output
-    rows, 80 programs on 132 SMs for the 27B, and twice as many fill the GPU); add_rmsnorm adds them."""
-    if rowwise and x.is_cuda:
-        return matvec_partials(x, w)
-    return linear(x, w, rowwise)
 
 
 def prefill_attention(q, keys, values, first: bool, scale: float) -> torch.Tensor:
@@ -99,7 +90,7 @@ class MLP(nn.Module):
             h = matvec_swiglu(x, self.gate_up)          # the product and the gating in one kernel
         else:
             h = silu_mul(linear(x, self.gate_up, ctx.step))
-        return linear_out(h, self.down, ctx.step)
+        return linear(h, self.down, ctx.step)
 
 
 class GatedAttention(nn.Module):
@@ -136,7 +127,7 @@ class GatedAttention(nn.Module):
             q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))
             o = prefill_attention(q4, keys, values, ctx.start == 0, scale)[0].transpose(0, 1)
             o = o * torch.sigmoid(gate)
-        return linear_out(o.reshape(T, c.q_dim), self.o_proj, ctx.step)
+        return linear(o.reshape(T, c.q_dim), self.o_proj, ctx.step)
 
 
 class GatedDeltaNet(nn.Module):
@@ -165,7 +156,7 @@ class GatedDeltaNet(nn.Module):
             o, end_state = gdn.chunk(q, k, v, a, b, self.A_log, self.dt_bias, start_state)
             ring.index_copy_(0, ctx.slot, end_state[None])
         o = norm.gated_rmsnorm(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
-        return linear_out(o.reshape(T, c.value_dim), self.out_proj, ctx.step)
+        return linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step)
 
 
 class DecoderLayer(nn.Module):

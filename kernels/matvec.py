@@ -34,16 +34,14 @@ def matvec_swiglu_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["T"])
-def _matvec_kernel(x, w, y, T, N, K, K_PART, s_x, s_w, s_y, s_part,
+def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # program (i_n, i_s) sums columns [i_s * K_PART, (i_s + 1) * K_PART) into y[i_s] (partials) or y
-    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    i_n = tl.program_id(0)
     o_n = i_n * BN + tl.arange(0, BN)
     o_t = tl.arange(0, BT)
     m_n, m_t = o_n < N, o_t < T
     b_y = tl.zeros([BN, BT], dtype=tl.float32)
-    y += i_s * s_part
-    for k in range(i_s * K_PART, tl.minimum(K, (i_s + 1) * K_PART), BK):
+    for k in range(0, K, BK):
         o_k = k + tl.arange(0, BK)
         m_k = o_k < K
         b_w = tl.load(w + o_n[:, None] * s_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
@@ -128,31 +126,14 @@ def _check(x: torch.Tensor, w: torch.Tensor, K: int):
     assert x.dtype == w.dtype, "x and w must share a dtype"
 
 
-def _partition(K: int, BK: int, parts: int) -> int:
-    """Columns per part: whole BK tiles, so each part is tiled as the whole product would be."""
-    return triton.cdiv(triton.cdiv(K, BK), parts) * BK
-
-
-def matvec_triton(x: torch.Tensor, w: torch.Tensor, parts: int = 1) -> torch.Tensor:
+def matvec_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     N, K = w.shape
     _check(x, w, K)
-    T = x.shape[0]
+    y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     BN, BK, warps, stages = _config(N, K, x.element_size())
-    if parts == 1:
-        y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    else:
-        y = torch.empty(parts, T, N, dtype=torch.float32, device=x.device)
-    _matvec_kernel[(triton.cdiv(N, BN), parts)](x, w, y, T, N, K, _partition(K, BK, parts), x.stride(0), w.stride(0),
-                                                y.stride(-2), y.stride(0) if parts > 1 else 0,
-                                                BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+    _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0),
+                                          BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
     return y
-
-
-def matvec_partials_ref(x: torch.Tensor, w: torch.Tensor, parts: int = 2) -> torch.Tensor:
-    """[parts, T, N] float32: x @ wᵀ over consecutive column ranges (of whole tiles), to be summed."""
-    N, K = w.shape
-    step = _partition(K, _config(N, K, x.element_size())[1], parts)
-    return torch.stack([x[:, i:i + step].float() @ w[:, i:i + step].float().T for i in range(0, step * parts, step)])
 
 
 def matvec_swiglu_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -173,13 +154,6 @@ def matvec_swiglu_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ w [N, K]ᵀ: the Triton kernel for CUDA tensors, the float32 reference otherwise."""
     return matvec_triton(x, w) if use_triton(x, w) else matvec_ref(x, w)
-
-
-def matvec_partials(x: torch.Tensor, w: torch.Tensor, parts: int = 2) -> torch.Tensor:
-    """x @ wᵀ left as `parts` float32 partial sums [parts, T, N] over halves of K, for products with
-    too few output rows to fill the GPU (5,120 rows make 80 programs on 132 SMs): twice the programs.
-    The consumer adds them in order (norm.add_rmsnorm), so the result stays independent of T."""
-    return matvec_triton(x, w, parts) if use_triton(x, w) else matvec_partials_ref(x, w, parts)
 
 
 def matvec_swiglu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

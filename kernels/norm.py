@@ -22,14 +22,7 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 
 def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """The residual add fused with the next norm: returns (norm(x + residual), x + residual).
-    x may also be float32 partial sums [P, ..., D] of a product (matvec_partials): they are added
-    in order and rounded to the residual's dtype first, which is the product's value."""
-    if x.dim() == residual.dim() + 1:
-        total = x[0]
-        for part in x[1:]:
-            total = total + part
-        x = total.to(residual.dtype)
+    """The residual add fused with the next norm: returns (norm(x + residual), x + residual)."""
     h = x + residual
     return rmsnorm_ref(h, weight, eps), h
 
@@ -45,18 +38,13 @@ def gated_rmsnorm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, ep
 # per-head rows [T, H, D], and per-head views of a wider projection (q of q_proj, z of in_proj).
 
 @triton.jit
-def _rmsnorm_kernel(x, r, w, y, h, B, D, eps, s_x0, s_x1, s_r0, s_r1, s_y0, s_y1, s_h0, s_h1, s_part,
-                    BD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr):
+def _rmsnorm_kernel(x, r, w, y, h, B, D, eps, s_x0, s_x1, s_r0, s_r1, s_y0, s_y1, s_h0, s_h1,
+                    BD: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     i_r = tl.program_id(0)
     i_a, i_b = i_r // B, i_r % B
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_x = tl.load(x + i_a * s_x0 + i_b * s_x1 + o_d, mask=m_d, other=0.).to(tl.float32)
-    if PARTS > 1:
-        # float32 partial sums of a product, added in order, then rounded: the product's value
-        for i_p in tl.static_range(1, PARTS):
-            b_x += tl.load(x + i_p * s_part + i_a * s_x0 + i_b * s_x1 + o_d, mask=m_d, other=0.)
-        b_x = b_x.to(h.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:
         # the sum is rounded to the stream's dtype first, as `x + residual` is in torch
         b_x += tl.load(r + i_a * s_r0 + i_b * s_r1 + o_d, mask=m_d, other=0.).to(tl.float32)
@@ -103,22 +91,16 @@ def _launch_params(D: int):
 def _rmsnorm_launch(x, residual, weight, eps):
     D = x.shape[-1]
     assert weight.shape == (D,) and weight.is_contiguous(), f"weight must be [{D}] contiguous"
-    parts, s_part = 1, 0
-    if residual is not None and x.dim() == residual.dim() + 1:     # partial sums [P, ..., D]
-        assert x.dtype == torch.float32 and x.shape[1:] == residual.shape, "partials must be float32 [P, *residual]"
-        parts, s_part, x = x.shape[0], x.stride(0), x[0]
-    dtype = residual.dtype if residual is not None else x.dtype
-    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty_like(y) if residual is not None else y
     x3, y3, h3 = _rows(x), _rows(y), _rows(h)
     r3 = _rows(residual) if residual is not None else x3
-    assert r3.shape == x3.shape and (r3.dtype == x.dtype or parts > 1), "residual must match x"
+    assert r3.shape == x3.shape and r3.dtype == x.dtype, "residual must match x"
     A, B = x3.shape[0], x3.shape[1]
     BD, warps = _launch_params(D)
     _rmsnorm_kernel[(A * B,)](x3, r3, weight, y3, h3, B, D, eps, x3.stride(0), x3.stride(1),
                               r3.stride(0), r3.stride(1), y3.stride(0), y3.stride(1), h3.stride(0),
-                              h3.stride(1), s_part, BD=BD, HAS_RESIDUAL=residual is not None, PARTS=parts,
-                              num_warps=warps)
+                              h3.stride(1), BD=BD, HAS_RESIDUAL=residual is not None, num_warps=warps)
     return y, h
 
 

@@ -88,29 +88,3 @@ def test_matvec_swiglu_27b_shapes_and_rows():
     check(y, matvec.matvec_swiglu_ref(x, w), 1e-2)
     assert torch.equal(y, torch.cat([matvec.matvec_swiglu(x[i:i + 1], w) for i in range(5)]))
 
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,N,K", [(1, 100, 300), (4, 64, 1100), (3, 37, 130)])
-def test_matvec_partials(device, dtype, T, N, K):
-    # two float32 partial sums over whole tiles of K; together they are the product
-    g = torch.Generator().manual_seed(T * N + K)
-    x, w = randn(T, K, dtype=dtype, device=device, gen=g), randn(N, K, dtype=dtype, device=device, gen=g)
-    got = matvec.matvec_triton(x, w, parts=2)
-    want = matvec.matvec_partials_ref(x, w, 2)
-    assert got.shape == (2, T, N) and got.dtype == torch.float32
-    check(got[0], want[0], TOL[torch.float32] if dtype == torch.float32 else 1e-3, "first part")
-    check(got[1], want[1], TOL[torch.float32] if dtype == torch.float32 else 1e-3, "second part")
-    check((want[0] + want[1]).to(dtype), matvec.matvec_ref(x, w), TOL[dtype], "parts sum to the product")
-    assert want[1].abs().max() > 0, "the second part holds columns"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("N,K", [(5120, 6144), (5120, 17408)])
-def test_matvec_partials_27b_rows_do_not_depend_on_T(N, K):
-    g = torch.Generator().manual_seed(N + K)
-    bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
-    x, w = randn(5, K, **bf16), randn(N, K, scale=0.02, **bf16)
-    parts = matvec.matvec_partials(x, w)
-    assert torch.equal(parts, torch.cat([matvec.matvec_partials(x[i:i + 1], w) for i in range(5)], dim=1))
-    check(parts.sum(0), matvec.matvec_ref(x, w).float(), 1e-2)
