@@ -75,7 +75,7 @@ class ChatActions:
 
     async def _start_reply(self) -> None:
         messages = self._prompt_messages()
-        view = await self._chat().add(MessageView("assistant", tint=self.tint))
+        view = await self._chat().add(MessageView("assistant", tint=self.tint, thinking_live=self.think))
         view.set_footer("generating…")
         self._chat().anchor()
         self._reply_view = view

@@ -6,6 +6,7 @@ one's thread is still running: `busy` clears only when the worker says it has en
 """
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from dataclasses import dataclass
@@ -27,10 +28,10 @@ from mtpchat.app.errors import NO_MTP, describe_error
 from mtpchat.app.gpu import NvmlProbe, ProcessProbe, Sampler
 from mtpchat.app.messages import (EngineFailed, EngineReady, GpuSampled, ReplyDelta, ReplyDone, ReplyFailed,
                                   ReplyPrefilled)
-from mtpchat.app.pacer import Pacer
+from mtpchat.app.pacer import PANE_INTERVAL, Pacer
 from mtpchat.app.panel import HeaderBar, Live, StatusBar, TelemetryPane
 from mtpchat.app.race import RaceScreen
-from mtpchat.app.runner import POST_INTERVAL, drive
+from mtpchat.app.runner import drive
 from mtpchat.app.settings import Sampling
 from mtpchat.app.store import Store, encode_spans
 from mtpchat.app.telemetry import Telemetry
@@ -103,6 +104,7 @@ class ChatApp(ChatActions, App):
         self.pacer = Pacer(ui_budget)
         self._unpainted: dict[str, tuple[list, list, list]] = {}   # target -> thinking, answer, spans
         self._paint_timer = None
+        self._pane_due = 0.0
 
     # --- layout and lifecycle ---
     def compose(self):
@@ -133,6 +135,7 @@ class ChatApp(ChatActions, App):
         self._load()
 
     def on_unmount(self) -> None:
+        gc.unfreeze()
         # let the threads end, or interpreter exit would wait for a whole reply
         self._stop.set()
         if self.busy and self.engine is not None:
@@ -170,6 +173,11 @@ class ChatApp(ChatActions, App):
         self._sampler = Sampler(probe, lambda s: self.post_message(GpuSampled(s)),
                                 lambda: self.tokens_emitted, self.gpu_interval)
         self.run_worker(self._sampler.run, thread=True, group="gpu", exit_on_error=False)
+        # everything alive now (torch, the tokenizer, the widgets) lives as long as the app: kept out
+        # of the collector's full passes, each of which would otherwise walk it all (~130 ms here)
+        # holding the GIL, the decode loop waiting
+        gc.collect()
+        gc.freeze()
         self.redraw()
         if self._queued is not None:         # a message sent while the model was loading
             text, self._queued = self._queued, None
@@ -214,9 +222,17 @@ class ChatApp(ChatActions, App):
     def _begin(self, runs: list[tuple[str, list[dict], bool | None]]) -> None:
         self.busy = True
         self._stop.clear()
-        self.pacer.reset()
         self.query_one(Composer).cursor_blink = False   # each blink is a repaint: none while decoding
-        self._generate(runs, self.think, self.sampling)
+        # the engine starts once the screen has laid out the new reply, not while it decodes
+        self.call_after_refresh(self._start_generation, runs, self.think, self.sampling)
+
+    def _start_generation(self, runs, think: bool, sampling: Sampling) -> None:
+        if self._stop.is_set():   # stopped before it started
+            self.post_message(GenerationEnded())
+            return
+        self.pacer.reset()
+        self._pane_due = 0.0
+        self._generate(runs, think, sampling)
 
     def _count(self, n: int) -> None:
         self.tokens_emitted += n
@@ -241,7 +257,7 @@ class ChatApp(ChatActions, App):
                 think_open = prompt_opens_think(engine.tokenizer, ids)
                 drive(engine, ids, params, target=target, think_open=think_open, post=self.post_message,
                       cancelled=cancelled, count_tokens=self._count,
-                      interval=lambda: max(POST_INTERVAL, self.pacer.interval / 2))
+                      interval=lambda: self.pacer.interval)
         except Exception as exc:
             self.post_message(ReplyFailed(target, describe_error(exc, "reply"), "", "", ()))
         finally:
@@ -270,7 +286,7 @@ class ChatApp(ChatActions, App):
             self._paint_timer = self.set_timer(self.pacer.delay(), self._paint)
 
     async def _paint(self) -> None:
-        """Show the text that arrived since the last paint, and the telemetry, in one frame."""
+        """Show the text that arrived since the last paint; the telemetry pane follows when it is due."""
         if self._paint_timer is not None:
             self._paint_timer.stop()
             self._paint_timer = None
@@ -281,7 +297,12 @@ class ChatApp(ChatActions, App):
                     await self._reply_view.write("".join(thinking), "".join(answer), spans)
             elif race := self._race_screen():
                 race.lane(target).write("".join(thinking), "".join(answer))
-        self.redraw(force=True)
+        now = self.pacer.clock()
+        if now >= self._pane_due:
+            # in a frame of its own, right after this one: one frame with both would redraw the
+            # whole screen (Textual repaints the box around everything that changed)
+            self.call_after_refresh(self.redraw, True)
+            self._pane_due = now + PANE_INTERVAL
         self.pacer.painted()
 
     async def on_reply_done(self, m: ReplyDone) -> None:

@@ -17,6 +17,8 @@ from textual.content import Content
 from textual.message import Message
 from textual.widgets import Collapsible, Markdown, Static, TextArea
 
+from mtpchat.app.tail import LiveTail
+
 _FENCE = re.compile(r"^(```|~~~)[^\n]*\n(.*?)^\1[ \t]*$", re.M | re.S)
 
 
@@ -30,19 +32,6 @@ def tinted(spans) -> Content:
     return Content.assemble(*((text, "$success" if draft else "") for text, draft in spans))
 
 
-LIVE_LINES = 6   # height of the live thinking tail (app.tcss)
-
-
-def tail(text: str, chars: int) -> str:
-    """About the last `chars` characters of text, starting at a line or word boundary."""
-    if len(text) <= chars:
-        return text.strip()
-    cut = text[-chars:]
-    nl = cut.find("\n")
-    start = nl + 1 if 0 <= nl < chars // 2 else cut.find(" ") + 1
-    return "… " + cut[start:].strip()
-
-
 def thinking_title(thinking: str) -> str:
     return f"Thinking ({len(thinking.split())} words)"
 
@@ -51,7 +40,7 @@ class MessageView(Vertical, can_focus=True):
     """One message. Focus it (click or tab) to pick it for copying."""
 
     def __init__(self, role: str, content: str = "", thinking: str = "", spans=None,
-                 footer: str = "", tint: bool = False, message_id: int | None = None):
+                 footer: str = "", tint: bool = False, message_id: int | None = None, thinking_live: bool = False):
         super().__init__(classes=f"message {role}")
         self.role = role
         self.content = content
@@ -62,14 +51,17 @@ class MessageView(Vertical, can_focus=True):
         self.message_id = message_id
         self._streams = {}
         self._answer_started = bool(content)
+        self._thinking_live = thinking_live   # a reply that will likely think first: the tail shows from the start
+        self._live: LiveTail | None = None
 
     def compose(self):
         if self.role == "assistant":
             with Collapsible(title=thinking_title(self.thinking), collapsed=True, id="thinking") as c:
                 c.display = bool(self.thinking)
                 yield Markdown(self.thinking, id="think-md")
-            live = Static("", id="think-live", markup=False)
-            live.display = False
+            # laid out with the view when the reply is expected to think: then no paint changes the layout
+            live = LiveTail("thinking…", id="think-live")
+            live.display = self._thinking_live
             yield live
         yield Markdown(self.content, id="answer")
         yield Static(tinted(self.spans) if self.spans else "", id="tinted")
@@ -103,11 +95,10 @@ class MessageView(Vertical, can_focus=True):
             # while it streams, thinking shows as its last few lines: a cost per paint that does not
             # grow with its length; the whole of it is rendered once, folded, when the answer starts
             self.thinking += thinking
-            live = self.query_one("#think-live", Static)
-            first = not live.display
-            live.display = True
-            # a fixed height: after the first paint no update changes the layout
-            live.update(tail(self.thinking, max(200, (self.size.width - 6) * (LIVE_LINES - 1))), layout=first)
+            if self._live is None:
+                self._live = self.query_one("#think-live", LiveTail)
+                self._live.display = True
+            self._live.append(thinking)
         if answer:
             if not self._answer_started:
                 self._answer_started = True
@@ -123,6 +114,7 @@ class MessageView(Vertical, can_focus=True):
 
     async def _fold_thinking(self) -> None:
         self.query_one("#think-live").display = False
+        self._live = None
         box = self.query_one("#thinking", Collapsible)
         await self.query_one("#think-md", Markdown).update(self.thinking)
         box.title = thinking_title(self.thinking)

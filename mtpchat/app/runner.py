@@ -79,7 +79,7 @@ def drive(engine, prompt_ids: list[int], params, *, target: str, think_open: boo
     stream = engine.tokenizer.stream()
     # the stop token ends the turn; it is not part of the text
     stop = set(getattr(engine, "stop_ids", None) or getattr(engine.tokenizer, "eos_token_ids", ()) or ())
-    last_post = clock()
+    last_post = float("-inf")   # the first text goes out at once: time to first token is what users watch
     asked_cancel = False
     try:
         for ev in engine.generate(prompt_ids, params):

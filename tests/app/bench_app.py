@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import gc
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -68,19 +67,35 @@ class WrappedIds:
         return Stream()
 
 
+def threads_now() -> dict[int, tuple[float, int, int, int]]:
+    """Per thread of this process (Linux): CPU ms, voluntary and involuntary switches, page faults."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if "ctxt_switches" in line)
+        except OSError:
+            continue   # the thread ended
+        out[int(tid)] = ((int(fields[11]) + int(fields[12])) * 1e3 / tick, int(status["voluntary_ctxt_switches"]),
+                         int(status["nonvoluntary_ctxt_switches"]), int(fields[7]))
+    return out
+
+
 class Diagnosis:
-    """Where the CPU went between prefill and the last step of one run (`--diag`): milliseconds of
-    CPU on the thread that decodes and on the main thread (the app's UI; the same thread headless),
-    and the garbage collector's pauses on each."""
+    """Where the time went between prefill and the last step of one run (`--diag`): per thread, CPU
+    milliseconds (clock ticks) and context switches (voluntary+forced); the decoding thread's own CPU
+    clock and page faults; the garbage collector's pauses on each thread."""
 
     def __init__(self):
-        self.main = time.pthread_getcpuclockid(threading.main_thread().ident)
         self.gc = {}
         self.out = {}
         gc.callbacks.append(self._gc)
 
     def _gc(self, phase: str, info) -> None:
-        who = "main" if threading.current_thread() is threading.main_thread() else "worker"
+        who = threading.current_thread().name
         if phase == "start":
             self._gc_at = time.perf_counter()
         else:
@@ -90,20 +105,21 @@ class Diagnosis:
     def watch(self, events):
         for ev in events:
             if type(ev).__name__ == "Finished":
-                wall, decoder, main = time.perf_counter(), time.thread_time(), time.clock_gettime(self.main)
-                use = resource.getrusage(resource.RUSAGE_THREAD)
-                self.out = {"wall_ms": (wall - self.t[0]) * 1e3, "decoder_cpu_ms": (decoder - self.t[1]) * 1e3,
-                            "decoder_sys_ms": (use.ru_stime - self.t[3].ru_stime) * 1e3,
-                            "faults": use.ru_minflt - self.t[3].ru_minflt,
-                            "switches": f"{use.ru_nvcsw - self.t[3].ru_nvcsw}+{use.ru_nivcsw - self.t[3].ru_nivcsw}"}
-                if threading.current_thread() is not threading.main_thread():
-                    self.out["ui_cpu_ms"] = (main - self.t[2]) * 1e3
-                self.out.update({f"gc_{who}": f"{n}x/{ms:.1f}ms" for who, (n, ms) in self.gc.items()})
+                wall, cpu, after = time.perf_counter(), time.thread_time(), threads_now()
+                me = threading.get_native_id()
+                names = {t.native_id: t.name for t in threading.enumerate()}
+                self.out = {"wall_ms": (wall - self.t0) * 1e3, "decoder_cpu_ms": (cpu - self.cpu0) * 1e3,
+                            "faults": after[me][3] - self.before[me][3]}
+                for tid, (ms, vol, invol, _) in after.items():
+                    ms0, vol0, invol0, _ = self.before.get(tid, (0.0, 0, 0, 0))
+                    if ms - ms0 >= 1 or vol - vol0 >= 10:
+                        name = "decoder" if tid == me else names.get(tid, f"thread {tid}")
+                        self.out[name] = f"{ms - ms0:.0f}ms/{vol - vol0}+{invol - invol0}"
+                self.out.update({f"gc[{who}]": f"{n}x/{ms:.1f}ms" for who, (n, ms) in self.gc.items()})
             yield ev
             if type(ev).__name__ == "Prefilled":
                 self.gc.clear()
-                self.t = (time.perf_counter(), time.thread_time(), time.clock_gettime(self.main),
-                          resource.getrusage(resource.RUSAGE_THREAD))
+                self.t0, self.cpu0, self.before = time.perf_counter(), time.thread_time(), threads_now()
 
     def report(self) -> dict:
         gc.callbacks.remove(self._gc)
@@ -185,13 +201,19 @@ def bench(a) -> dict:
         assert r["token_ids"] == reference, "greedy output must not depend on MTP"
         return [r["stats"]["tokens_per_s"], r["stats"]["mean_acceptance_length"], diag.report() if diag else {}]
 
+    class BenchApp(ChatApp):
+        ended: asyncio.Event
+
+        def on_generation_ended(self, m) -> None:   # ChatApp's own handler runs as well
+            self.ended.set()
+
     store = Store(tempfile.mkdtemp())
-    app = ChatApp(lambda: engine, model="bench", store=store, device=a.device, think=think,
-                  sampling=Sampling(temperature=0.0, max_tokens=a.tokens), draft_tokens=a.k)
+    app = BenchApp(lambda: engine, model="bench", store=store, device=a.device, think=think,
+                   sampling=Sampling(temperature=0.0, max_tokens=a.tokens), draft_tokens=a.k)
 
     async def wait(cond):
-        # plain sleeps: the test pilot's pause() repaints the screen on every call, which would
-        # be charged to the app here
+        # plain sleeps, only between runs: the test pilot's pause() repaints the screen on every
+        # call, and polling during a run would be charged to the app
         while not cond():
             await asyncio.sleep(0.05)
 
@@ -201,8 +223,9 @@ def bench(a) -> dict:
         arm(mtp)
         app.redraw(force=True)             # as the MTP key does: the pane shows the new setting
         await asyncio.sleep(0.1)
+        app.ended = asyncio.Event()
         app.query_one(Composer).post_message(Composer.Submitted(PROMPT))
-        await wait(lambda: app.busy)
+        await app.ended.wait()
         await wait(lambda: not app.busy)
         (msg,) = [m for m in store.messages(app.session_id) if m.role == "assistant"]
         assert msg.stats["new_tokens"] == a.tokens, msg.stats
