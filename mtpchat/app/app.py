@@ -128,7 +128,8 @@ class ChatApp(ChatActions, App):
             self.theme = theme
         self.theme_changed_signal.subscribe(self, lambda t: self.store.set_pref("theme", t.name))
         self.query_one(Composer).focus()
-        self.set_interval(1 / self.refresh_hz, self.redraw)
+        # idle refreshes (GPU samples, settings); while a reply streams the paints draw the pane
+        self._redraw_timer = self.set_interval(1 / self.refresh_hz, self.redraw)
         self.redraw()
         for severity, text in self.startup_notices:
             self.notice(text, severity)
@@ -204,24 +205,29 @@ class ChatApp(ChatActions, App):
 
     def redraw(self, force: bool = False) -> None:
         if self.busy and not force:
-            return   # while a reply streams, the pacer paints the pane together with the text
-        live = self.live()
-        key = (self.telemetry.version, live, self.session_title)
-        if key == self._drawn and not force:
-            return
+            return   # while a reply streams, the paints draw the pane at their own pace
         try:
             screen = self.screen_stack[0]
-            screen.query_one(HeaderBar).show(live, self.session_title)
-            screen.query_one(TelemetryPane).show(self.telemetry, live)
-            screen.query_one(StatusBar).show(self.telemetry, live)
+            pane, status = screen.query_one(TelemetryPane), screen.query_one(StatusBar)
         except (NoMatches, IndexError):
             return   # shutting down: the widgets are gone
+        live = self.live()
+        key = (self.telemetry.version, live, self.session_title, pane.display)
+        if key == self._drawn and not force:
+            return
+        screen.query_one(HeaderBar).show(live, self.session_title)
+        # only the one the terminal's width shows (a narrow terminal folds the pane into the bar)
+        if pane.display:
+            pane.show(self.telemetry, live)
+        if status.display:
+            status.show(self.telemetry, live)
         self._drawn = key
 
     # --- generation ---
     def _begin(self, runs: list[tuple[str, list[dict], bool | None]]) -> None:
         self.busy = True
         self._stop.clear()
+        self._redraw_timer.pause()
         self.query_one(Composer).cursor_blink = False   # each blink is a repaint: none while decoding
         # the engine starts once the screen has laid out the new reply, not while it decodes
         self.call_after_refresh(self._start_generation, runs, self.think, self.sampling)
@@ -351,6 +357,7 @@ class ChatApp(ChatActions, App):
 
     def on_generation_ended(self, m: GenerationEnded) -> None:
         self.busy = False
+        self._redraw_timer.resume()
         self._reply_view = None
         self.query_one(Composer).cursor_blink = True
         self.redraw(force=True)

@@ -16,23 +16,9 @@ from textual.widget import Widget
 _CLEAN = {c: None for c in (*range(32), 127)} | {ord("\t"): " ", ord("\n"): "\n"}
 
 
-def _cut(part: str, width: int) -> int:
-    """Where a line longer than `width` cells breaks: after the last space that fits, else mid-word."""
-    if part.isascii():
-        fit = width
-    else:
-        fit, cells = 0, 0
-        for fit, ch in enumerate(part):
-            cells += cell_len(ch)
-            if cells > width:
-                break
-        fit = max(fit, 1)
-    cut = part.rfind(" ", 0, fit + 1)
-    return cut if cut > 0 else fit
-
-
 def wrap_into(lines: list[str], partial: str, text: str, width: int) -> str:
-    """Append text to a wrapped body: finished lines go to `lines`; returns the new unfinished line."""
+    """Append text to a wrapped body: finished lines go to `lines`; returns the new unfinished line.
+    A line breaks after its last space that fits, or mid-word when a word is longer than the line."""
     parts = (partial + text).split("\n")
     for part in parts[:-1]:
         lines.extend(_wrapped(part, width))
@@ -42,11 +28,33 @@ def wrap_into(lines: list[str], partial: str, text: str, width: int) -> str:
 
 
 def _wrapped(part: str, width: int) -> list[str]:
+    if part.isascii() or cell_len(part) == len(part):   # one cell per character: cut by length
+        cells = None
+    else:                                                # wide characters (CJK, emoji)
+        cells = [cell_len(ch) for ch in part]
     out = []
-    while (len(part) if part.isascii() else cell_len(part)) > width:
-        cut = _cut(part, width)
+    while True:
+        if cells is None:
+            if len(part) <= width:
+                break
+            fit = width
+        else:
+            total, fit = 0, 0
+            for fit, w in enumerate(cells):
+                total += w
+                if total > width:
+                    break
+            else:
+                break
+            fit = max(fit, 1)
+        cut = part.rfind(" ", 0, fit + 1)
+        cut = cut if cut > 0 else fit
+        rest = part[cut:]
+        skip = len(rest) - len(rest.lstrip(" "))
         out.append(part[:cut])
-        part = part[cut:].lstrip(" ")
+        part = rest[skip:]
+        if cells is not None:
+            cells = cells[cut + skip:]
     out.append(part)
     return out
 
