@@ -9,7 +9,9 @@ it follows the reply until the user scrolls up, and follows again once they scro
 from __future__ import annotations
 
 import re
+import threading
 
+from markdown_it import MarkdownIt
 from textual import events
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
@@ -20,6 +22,18 @@ from textual.widgets import Collapsible, Markdown, Static, TextArea
 from mtpchat.app.tail import LiveTail
 
 _FENCE = re.compile(r"^(```|~~~)[^\n]*\n(.*?)^\1[ \t]*$", re.M | re.S)
+
+
+_parsers = threading.local()
+
+
+def markdown_parser() -> MarkdownIt:
+    """Textual's default parser, built once per thread (it parses in a worker thread on `update`):
+    left to itself Textual builds a new one for every streamed append, each paint."""
+    parser = getattr(_parsers, "parser", None)
+    if parser is None:
+        parser = _parsers.parser = MarkdownIt("gfm-like")
+    return parser
 
 
 def code_blocks(markdown: str) -> list[str]:
@@ -58,12 +72,12 @@ class MessageView(Vertical, can_focus=True):
         if self.role == "assistant":
             with Collapsible(title=thinking_title(self.thinking), collapsed=True, id="thinking") as c:
                 c.display = bool(self.thinking)
-                yield Markdown(self.thinking, id="think-md")
+                yield Markdown(self.thinking, id="think-md", parser_factory=markdown_parser)
             # laid out with the view when the reply is expected to think: then no paint changes the layout
             live = LiveTail("thinking…", id="think-live")
             live.display = self._thinking_live
             yield live
-        yield Markdown(self.content, id="answer")
+        yield Markdown(self.content, id="answer", parser_factory=markdown_parser)
         yield Static(tinted(self.spans) if self.spans else "", id="tinted")
         yield Static(self.footer, id="footer", markup=False)
 
