@@ -115,10 +115,14 @@ class ChatApp(ChatActions, App):
                 with Horizontal(id="loading"):
                     yield LoadingIndicator()
                     yield Static(f"loading {self.model_name} on {self.device}…", id="loading-text")
-                yield Composer(id="composer", placeholder="Message  (enter sends · ctrl+j newline · ctrl+p commands)")
+                # in a box of its own: a widget whose container overlaps a repaint is redrawn with it,
+                # and the text area is dear to redraw (a streaming paint next to it would redraw it too)
+                with Vertical(id="composer-box"):
+                    yield Composer(id="composer", placeholder="Message  (enter sends · ctrl+j newline · ctrl+p commands)")
             yield TelemetryPane(id="telemetry")
         yield StatusBar(id="status")
-        yield Footer()
+        with Vertical(id="footer-box"):   # a box of its own, as the composer's
+            yield Footer()
 
     def on_mount(self) -> None:
         if self.user_keymap:
