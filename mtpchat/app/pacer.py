@@ -23,6 +23,7 @@ class Pacer:
     def __init__(self, budget: float = 0.02, cap: float = 0.04, cpu=time.thread_time, clock=time.perf_counter):
         self.budget, self.cap, self.cpu, self.clock = budget, cap, cpu, clock
         self.cost: float | None = None      # CPU seconds of the UI per paint, smoothed
+        self.paints = 0
         self.interval = MIN_INTERVAL
         self.reset()
 
@@ -47,6 +48,7 @@ class Pacer:
     def painted(self) -> None:
         """Call right after a paint was requested; sets when the next may happen."""
         wall, cpu = self.clock(), self.cpu()
+        self.paints += 1
         if not self._fresh:
             used = cpu - self._last_cpu
             self.cost = used if self.cost is None else 0.7 * self.cost + 0.3 * used

@@ -1,6 +1,6 @@
 """Tokens/s inside the app vs headless, on the same tiny checkpoint, runs interleaved.
 
-    python tests/app/bench_app.py [--tokens 2048] [--runs 9] [--k 3] [--threads 1] [--device cpu]
+    python tests/app/bench_app.py [--tokens 2048] [--runs 15] [--k 3] [--threads 1] [--device cpu]
 
 Headless is the `mtpchat run` loop (engine.generate, detokenizing each step, on the main thread).
 The app run sends the same prompt through the Textual app, drawing to a pseudo-terminal with its
@@ -224,12 +224,15 @@ def bench(a) -> dict:
         app.redraw(force=True)             # as the MTP key does: the pane shows the new setting
         await asyncio.sleep(0.1)
         app.ended = asyncio.Event()
+        paints = app.pacer.paints
         app.query_one(Composer).post_message(Composer.Submitted(PROMPT))
         await app.ended.wait()
         await wait(lambda: not app.busy)
         (msg,) = [m for m in store.messages(app.session_id) if m.role == "assistant"]
         assert msg.stats["new_tokens"] == a.tokens, msg.stats
-        return [msg.stats["tokens_per_s"], msg.stats["mean_acceptance_length"], diag.report() if diag else {}]
+        # text paints per second of decoding (the last, with the whole reply, comes after it)
+        hz = (app.pacer.paints - paints - 1) / (msg.stats["decode_ms"] / 1e3)
+        return [msg.stats["tokens_per_s"], msg.stats["mean_acceptance_length"], diag.report() if diag else {}, hz]
 
     runs = {(m, mtp): [] for m in MODES for mtp in (0, 1)}
 
@@ -306,7 +309,7 @@ def spread(xs, f: str = ".3f") -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--runs", type=int, default=9, help="rounds; each is one run of each mode per setting")
+    p.add_argument("--runs", type=int, default=15, help="rounds; each is one run of each mode per setting")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
@@ -315,12 +318,17 @@ def main(argv=None) -> None:
                    help="glibc malloc thresholds: pinned (see pin_malloc) or glibc's defaults")
     p.add_argument("--terminal", choices=("pty", "none"), default="pty",
                    help="the app draws to a pseudo-terminal (its real driver) or to none (Textual's test driver)")
+    p.add_argument("--text-hz", type=float, default=0,
+                   help="the slowest the streaming text may paint (default: the app's, pacer.LIVE_INTERVAL)")
     p.add_argument("--diag", action="store_true", help="per run: CPU time per thread and GC pauses")
     p.add_argument("--random-weights", metavar="NAME",
                    help="random weights of an official shape (engine/configs/NAME.json) instead of the tiny model")
     a = p.parse_args(argv)
     if a.malloc == "pinned":
         pin_malloc()
+    if a.text_hz:
+        from mtpchat.app import pacer
+        pacer.LIVE_INTERVAL = 1 / a.text_hz
     global log
     log = open(os.dup(2), "w")
 
@@ -328,16 +336,18 @@ def main(argv=None) -> None:
     a.ckpt = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny")
     runs = bench(a)
     what = f"random {a.random_weights}, bfloat16" if a.random_weights else "tiny checkpoint, float32"
+    from mtpchat.app import pacer
     print(f"{what} on {a.device}, {a.tokens} tokens per run, {a.runs} rounds, thinking {a.think}, "
-          f"malloc {a.malloc}, terminal {a.terminal}; "
+          f"malloc {a.malloc}, terminal {a.terminal}, text >= {1 / pacer.LIVE_INTERVAL:g} Hz; "
           f"median (min-max)")
     for mtp in (0, 1):
         h, u = ([x[0] for x in runs[m, mtp]] for m in MODES)
         ratios = [x / y for x, y in zip(u, h)]
         acc = sorted({round(x[1], 2) for m in MODES for x in runs[m, mtp]})
         label = f"MTP on k={a.k}" if mtp else "MTP off"
+        hz = statistics.median(x[3] for x in runs["app", mtp])
         print(f"{label:10s} app/headless {spread(ratios)}   headless {spread(h, '.1f')} tok/s   "
-              f"app {spread(u, '.1f')} tok/s   mean acceptance length {acc}")
+              f"app {spread(u, '.1f')} tok/s   text paints {hz:.1f}/s   mean acceptance length {acc}")
 
 
 if __name__ == "__main__":
