@@ -1,6 +1,6 @@
 """Messages the worker threads post to the app (post_message is thread-safe and never blocks).
 
-A reply streams as `ReplyPrefilled`, then `ReplyDelta`s batched at about 30 Hz, then `ReplyDone`
+A reply streams as `ReplyPrefilled`, then `ReplyDelta`s, one per paint (10-30 Hz), then `ReplyDone`
 (or `ReplyFailed`). `target` says where the text goes: "chat", or a lane of the race screen.
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The body of the generation worker: drive `engine.generate`, turn ids into text, post in batches.
 
-Runs on a worker thread. Per step it only detokenizes the accepted ids and appends to a batch; every
-~1/30 s the batch goes to the UI as one `ReplyDelta` through `post` (post_message: thread-safe, never
+Runs on a worker thread. Per step it only detokenizes the accepted ids and appends to a batch; the
+first text goes to the UI at once, then a batch every `interval` (the app passes its paint pacing,
+10 to 30 times a second) as one `ReplyDelta` through `post` (post_message: thread-safe, never
 blocks), so the UI cost does not grow with tokens/s. Cancellation is checked every step and passed to
 the engine, which ends the generation with Finished(reason="cancelled").
 """
