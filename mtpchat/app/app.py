@@ -362,7 +362,9 @@ class ChatApp(ChatActions, App):
     def on_generation_ended(self, m: GenerationEnded) -> None:
         self.busy = False
         self._redraw_timer.resume()
-        self._reply_view = None
+        view, self._reply_view = self._reply_view, None
+        if view is not None and not view.finished and view.is_attached:
+            view.remove()   # stopped before the engine said anything: no empty "generating…" reply stays
         self.query_one(Composer).cursor_blink = True
         self.redraw(force=True)
         if self._pending is not None:

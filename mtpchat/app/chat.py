@@ -67,6 +67,7 @@ class MessageView(Vertical, can_focus=True):
         self._answer_started = bool(content)
         self._thinking_live = thinking_live   # a reply that will likely think first: the tail shows from the start
         self._live: LiveTail | None = None
+        self.finished = bool(content)         # a streamed reply: once finish() has rendered it whole
 
     def compose(self):
         if self.role == "assistant":
@@ -152,6 +153,7 @@ class MessageView(Vertical, can_focus=True):
             self.query_one("#tinted", Static).update(tinted(self.spans))
         self._apply_tint()
         self.set_footer(footer)
+        self.finished = True
 
 
 class ChatLog(VerticalScroll):

@@ -68,6 +68,25 @@ def test_escape_stops_the_reply_and_keeps_what_was_shown(data_dir):
     assert msgs[1].stats["reason"] == "cancelled" and LONG.startswith(msgs[1].content)
 
 
+def test_stopping_before_the_engine_says_anything_leaves_no_empty_reply(data_dir):
+    engine = FakeEngine(step_delay=0.01)
+    app = make_app(data_dir, engine)
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await ready(pilot)
+            composer = app.query_one(Composer)
+            composer.text = "hello"
+            composer.action_submit()
+            await until(pilot, lambda: app.busy, what="the reply to start")
+            app.action_stop()
+            await idle(pilot)
+            assert all(v.finished and "generating" not in v.footer for v in app._views() if v.role == "assistant")
+            await send(pilot, "again")
+            assert app._views()[-1].content == DEFAULT_ANSWER
+    run(go())
+
+
 def test_mtp_toggle_and_draft_count_reach_the_engine_mid_reply(data_dir):
     engine = FakeEngine(step_delay=0.01, answer=LONG, draft_tokens=2)
     app = make_app(data_dir, engine)
