@@ -59,7 +59,7 @@ def prefill_attention(q, keys, values, first: bool, scale: float) -> torch.Tenso
         # keys up to n - T + t), and takes the kv heads as they are
         return torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, False, scale=scale)[0]
     n, T = keys.shape[2], q.shape[2]
-    mask = torch.arange(n)[None, :] <= torch.arange(n - T, n)[:, None]
+    mask = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - T, n, device=q.device)[:, None]
     group = q.shape[1] // keys.shape[1]
     return F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1),
                                           attn_mask=mask, scale=scale)

@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from mtpchat.engine import bench
 from mtpchat.engine.bench import random_prompt
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.engine import Engine
 from mtpchat.engine.sampling import SamplingParams
 
-CONFIGS = Path(__import__("mtpchat.engine", fromlist=["x"]).__file__).parent / "configs"
+CONFIGS = Path(bench.__file__).parent / "configs"
 
 
 def kernel_table(fn, repeats: int) -> dict:
