@@ -68,7 +68,7 @@ def test_gpu_logits_close_to_cpu_float32(ckpt):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("Hq,Hkv,T,n", [(24, 4, 100, 300), (8, 2, 1, 77), (6, 6, 64, 64)])
+@pytest.mark.parametrize("Hq,Hkv,T,n", [(24, 4, 100, 300), (8, 2, 1, 77), (6, 6, 64, 100), (6, 6, 64, 64)])
 def test_prefill_attention_of_a_later_chunk(Hq, Hkv, T, n):
     # the last T of n rows attend to every earlier row and causally among themselves (flash on the GPU)
     g = torch.Generator().manual_seed(T)
