@@ -8,10 +8,15 @@ roll back the state on the device. Positions follow qwen35-model.md §6:
   A speculative step first runs the head over a fixed k_max+1 pending rows (rows past `pend_n`
   write KV beyond L that is overwritten before anything reads it), takes d_1 from row pend_n-1,
   then chains d_2..d_k on the head's own output.
-- The verify feeds [x_L, d_1..d_k] at L..L+k; accepting a drafts commits a+1 tokens, all on the
-  device: ring slot a, conv offset a+1, L += a+1, next token, pending rows = the verified rows.
-  The host learns (a, tokens) by one small copy per step and only intervenes at a stop id or the
-  token limit, rolling the same scalars back to what was emitted.
+- The verify feeds [x_L, d_1..d_k] at L..L+k; of the a+1 accepted tokens the step emits n: up to
+  and including the first stop id, and no more than `room` (what the token limit and the context
+  leave). It commits them on the device: ring slot n-1, conv offset n, L += n, next token, pending
+  rows = the verified rows. A stop id or an exhausted room sets `room` to 0, after which a step
+  emits nothing and writes no state (the conv and recurrent kernels read `room` as their `live`
+  flag; the other writes land past the committed rows).
+- So the host never has to intervene: it can launch step s+1 before it reads step s (a CUDA
+  device runs them back to back while the host handles the tokens), and learns (n, a, tokens) by
+  one small copy per step into pinned memory.
 
 Each phase (draft k, verify k, accept k) is a pure function of these preallocated buffers, so
 engine/runner.py can capture it as a CUDA graph; eagerly, the same code runs on any device.
@@ -40,6 +45,15 @@ class StepResult:
     times: PhaseTimes
 
 
+@dataclass
+class Launched:
+    """A step on its way: what `finish` needs to read it."""
+    k: int
+    out: torch.Tensor          # [n, a, tokens...]: pinned host memory on CUDA
+    done: object               # a CUDA event after the copy, or None
+    times: list
+
+
 class Decoder:
     def __init__(self, model, head, state, prefill_chunk: int):
         self.model, self.head, self.state, self.prefill_chunk = model, head, state, prefill_chunk
@@ -47,20 +61,25 @@ class Decoder:
         self.device, self.R = dev, R
         long = lambda *n: torch.zeros(*n, dtype=torch.long, device=dev)
         self.pos, self.next_tok, self.pend_n = long(1), long(1), long(1)
-        rows = max(PENDING_ROWS, R) + R
+        self.room, self.gen = long(1), long(1)   # tokens the generation may still emit / has emitted
+        self.is_stop = torch.zeros(c.vocab_size, dtype=torch.bool, device=dev)
+        rows = max(PENDING_ROWS, R) + 2 * R      # room past the pending rows for an ended step's writes
         self.pend_hidden = torch.zeros(rows, c.hidden_size, device=dev, dtype=model.embed.dtype)
         self.pend_tokens = long(rows)
         self.drafts = long(state.k_max)
         self.v_hidden = torch.zeros(R, c.hidden_size, device=dev, dtype=model.embed.dtype)
         self.v_logits = torch.zeros(R, c.vocab_size, device=dev)
-        self.result = long(R + 1)            # [a, tokens...]: the one device-to-host copy
+        self.result = long(R + 2)            # [n, a, tokens...]: the one device-to-host copy
+        # a few pinned copies of it, used in turn, so a step's result is never overwritten unread
+        self.host_results = [torch.zeros(R + 2, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(4)]
+        self.launched = self.read = self.most_in_flight = 0   # steps launched / read; the most unread at once
         self.seen = torch.zeros(c.vocab_size, dtype=torch.int32, device=dev)   # presence-penalty counts
         self.drafter = None                  # optional ProfileDrafter (engine/spec.py)
         self.runner = None                   # engine/runner.py sets itself here on CUDA
         self.reset()
 
     def nbytes(self) -> int:
-        bufs = (self.pend_hidden, self.pend_tokens, self.v_hidden, self.v_logits, self.seen, self.drafts)
+        bufs = (self.pend_hidden, self.pend_tokens, self.v_hidden, self.v_logits, self.seen, self.drafts, self.is_stop)
         return sum(t.numel() * t.element_size() for t in bufs)
 
     @property
@@ -69,7 +88,7 @@ class Decoder:
 
     def reset(self):
         self.state.reset()
-        for t in (self.pos, self.next_tok, self.pend_n):
+        for t in (self.pos, self.next_tok, self.pend_n, self.room, self.gen):
             t.zero_()
         self.tokens: list[int] = []          # fed to the target, on the host
         self.pending = 0                     # host mirror of pend_n
@@ -80,7 +99,7 @@ class Decoder:
             positions = torch.arange(start, start + T, device=self.device)
         else:
             positions = start + torch.arange(T, device=self.device)
-        return Ctx(positions, start, step, self.state.conv_off, self.state.slot)
+        return Ctx(positions, start, step, self.state.conv_off, self.state.slot, self.room if step else None)
 
     # --- prefill (eager: its shapes vary) ------------------------------------------------------
     def prefill(self, ids: list[int], keep_all: bool = False) -> torch.Tensor:
@@ -125,7 +144,16 @@ class Decoder:
         self.last = int(tok)
         self.seen.index_add_(0, tok, torch.ones(1, dtype=torch.int32, device=self.device))
         self.generated = 1
+        self.gen.fill_(1)
         return self.last
+
+    def limit(self, room: int, stop: set[int]):
+        """What the steps of this generation may emit: at most `room` tokens, ending at a stop id."""
+        self.room.fill_(max(0, room))
+        self.is_stop.zero_()
+        ids = [t for t in stop if 0 <= t < self.is_stop.numel()]
+        if ids:
+            self.is_stop[torch.tensor(ids, device=self.device)] = True
 
     # --- the head ------------------------------------------------------------------------------
     def _run_head(self, ids, hidden, start):
@@ -169,7 +197,9 @@ class Decoder:
         self.v_logits[:k + 1] = self.model.logits(h)
 
     def accept(self, k: int, params: SamplingParams, generator):
-        """Accept on the device and commit a+1 tokens: ring slot, conv offset, length, pending rows."""
+        """Accept on the device; emit n of the a+1 accepted tokens (up to the first stop id, within
+        `room`) and commit them: ring slot, conv offset, length, next token, pending rows. With
+        `room` 0 (the generation has ended) n is 0 and nothing changes."""
         logits, drafts = self.v_logits[:k + 1], self.drafts[:k]
         if k == 0:
             a = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -178,20 +208,27 @@ class Decoder:
             a, out = accept_greedy(logits, drafts)
         else:
             a, out = accept_sampled(logits, drafts, params, seen_rows(self.seen > 0, drafts), generator)
-        used = (torch.arange(k + 1, device=self.device) <= a)
-        self.state.slot.copy_(a)
-        self.state.conv_off.copy_(a + 1)
-        self.pos.add_(a + 1)
-        self.next_tok.copy_(out.index_select(0, a))
-        self.seen.index_add_(0, out, used.int())
+        idx = torch.arange(k + 1, device=self.device)
+        stop_at = torch.where(self.is_stop[out] & (idx <= a), idx, k + 1).min().view(1)
+        n = torch.minimum(torch.minimum(a, stop_at) + 1, self.room)
+        live = n > 0
+        self.state.slot.copy_(torch.where(live, n - 1, self.state.slot))
+        self.state.conv_off.copy_(torch.where(live, n, self.state.conv_off))
+        self.pos.add_(n)
+        self.gen.add_(n)
+        self.next_tok.copy_(torch.where(live, out.index_select(0, (n - 1).clamp(min=0)), self.next_tok))
+        self.room.copy_(torch.where(stop_at < n, 0, self.room - n))     # a stop id emitted ends it
+        self.seen.index_add_(0, out, (idx < n).int())
         if self.head is not None:
             base = self.pend_n if k == 0 else torch.zeros_like(self.pend_n)   # a step restarts the rows
-            rows = base + torch.arange(k + 1, device=self.device)
+            base = torch.where(live, base, self.pend_n)                     # an ended step writes past them
+            rows = base + idx
             self.pend_hidden.index_copy_(0, rows, self.v_hidden[:k + 1])
             self.pend_tokens.index_copy_(0, rows, out)
-            self.pend_n.copy_(base + a + 1)
-        self.result[0:1] = a
-        self.result[1:k + 2] = out
+            self.pend_n.copy_(torch.where(live, base + n, self.pend_n))
+        self.result[0:1] = n
+        self.result[1:2] = a
+        self.result[2:k + 3] = out
 
     def _sample(self, logits, params, generator, drafts) -> torch.Tensor:
         if params.greedy:
@@ -199,47 +236,66 @@ class Decoder:
         return sample(process_logits(logits, params, seen_rows(self.seen > 0, drafts)), generator)
 
     # --- one step, from the host ---------------------------------------------------------------
-    def step(self, k: int, params: SamplingParams, generator, budget: int, stop: set[int]) -> StepResult:
-        """One target forward: plain decode (k = 0) or a speculative step with k drafts. Emits at
-        most `budget` tokens and stops after a stop id, rolling the state back to what it emitted."""
-        if (k and self.pending > self.R) or self.pending >= PENDING_ROWS:
-            self._flush_pending(keep_last=True)                    # MTP was off for a while
+    def needs_flush(self, k: int, in_flight: list[int] = ()) -> bool:
+        """Whether a step with k drafts must first run the head over the pending rows outside the
+        graphs (MTP was off for a while), counting what launched but unread steps (their k) may
+        add: a plain step adds its row, a speculative one restarts them."""
+        if self.head is None:
+            return False
+        pending = self.pending
+        for kf in in_flight:
+            pending = (pending if kf == 0 else 0) + kf + 1
+        return (k > 0 and pending > self.R) or pending >= PENDING_ROWS
+
+    def launch(self, k: int, params: SamplingParams, generator) -> Launched:
+        """Queue one target forward: plain decode (k = 0) or a speculative step with k drafts. Needs
+        no host sync, so the next step can be launched before this one is read (`finish`); a flush
+        of the pending rows needs the host's count exact, so it must come with nothing in flight."""
+        if self.needs_flush(k):
+            self._flush_pending(keep_last=True)
         run = self.runner.run if self.runner is not None else _eager
         times = [0.0, 0.0, 0.0]
         if k:
             times[0] = run(("draft", k), lambda: self.draft(k))
             if self.drafter is not None:
-                self.drafts[:k] = self.drafter(self.generated, self.drafts[:k])
+                where = self.gen if getattr(self.drafter, "on_device", False) else self.generated
+                self.drafts[:k] = self.drafter(where, self.drafts[:k])
         times[1] = run(("verify", k), lambda: self.verify(k))
         # greedy acceptance is captured per k; sampling runs eagerly (its parameters vary per request)
         times[2] = run(("accept", k) if params.greedy else ("accept, sampled", k),
                        lambda: self.accept(k, params, generator))
-        a, *out = self.result[:k + 2].tolist()                    # the step's one device-to-host copy
-        t = _clock()                                              # host time: after the device is done
-        n = min(a + 1, budget)
-        for i, tok in enumerate(out[:n]):
-            if tok in stop:
-                n = i + 1
-                break
-        emitted = out[:n]
-        if n < a + 1:
-            self._roll_back(n, emitted[-1], k)
-        self.state.length += n
-        self.tokens += [self.last] + emitted[:-1]                 # x_L and the drafts it kept
-        self.last = emitted[-1]
-        self.pending = ((self.pending if k == 0 else 0) + n) if self.head is not None else 0
-        self.generated += n
-        return StepResult(emitted, [i < a for i in range(n)], min(a, n),
-                          PhaseTimes(*map(elapsed_ms, times), host=(_clock() - t) * 1e3))
+        out = self.host_results[self.launched % len(self.host_results)][:k + 3]
+        self.launched += 1
+        done = None
+        if self.device.type == "cuda":
+            out.copy_(self.result[:k + 3], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            out.copy_(self.result[:k + 3])
+        return Launched(k, out, done, times)
 
-    def _roll_back(self, n: int, last: int, k: int):
-        """Keep n of the a+1 accepted tokens (a stop id or the token limit inside the window)."""
-        self.state.slot.fill_(n - 1)
-        self.state.conv_off.fill_(n)
-        self.pos.fill_(self.state.length + n)
-        self.next_tok.fill_(last)
-        if self.head is not None:
-            self.pend_n.fill_((self.pending if k == 0 else 0) + n)
+    def finish(self, step: Launched) -> StepResult:
+        """Read a launched step (waiting for it) and bring the host's mirror up to date."""
+        self.most_in_flight = max(self.most_in_flight, self.launched - self.read)
+        self.read += 1
+        if step.done is not None:
+            step.done.synchronize()
+        n, a, *out = step.out.tolist()
+        t = _clock()                                              # host time: after the device is done
+        emitted = out[:n]
+        if n:
+            self.state.length += n
+            self.tokens += [self.last] + emitted[:-1]             # x_L and the drafts it kept
+            self.last = emitted[-1]
+            self.pending = ((self.pending if step.k == 0 else 0) + n) if self.head is not None else 0
+            self.generated += n
+        return StepResult(emitted, [i < a for i in range(n)], min(a, n),
+                          PhaseTimes(*map(elapsed_ms, step.times), host=(_clock() - t) * 1e3))
+
+    def step(self, k: int, params: SamplingParams, generator) -> StepResult:
+        """Launch one step and read it."""
+        return self.finish(self.launch(k, params, generator))
 
 
 _clock = time.perf_counter

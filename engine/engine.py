@@ -13,6 +13,7 @@ already processed (a chat turn), and starts over otherwise.
 """
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -83,6 +84,8 @@ class Engine:
             # small models are a few thousand tiny ops per token: threads cost more than they give
             torch.set_num_threads(1)
         self._cancel = threading.Event()
+        # steps in flight at once: two on CUDA (the host reads one while the device runs the next)
+        self.pipeline = 2 if self.device.type == "cuda" else 1
 
     @classmethod
     def load(cls, model: str | Path | ModelConfig, **options) -> "Engine":
@@ -169,31 +172,52 @@ class Engine:
         stats.new_tokens = 1
         yield Step((first,), (False,), 0, 0, False, PhaseTimes(), stats.prefill_ms)
         t_first = time.perf_counter()
-        reason = None
-        while reason is None:
-            reason = self._finish_reason(out[-1], stats.new_tokens, params, stop)
-            if reason:
-                break
-            room = min(params.max_tokens - stats.new_tokens, self.max_context - 1 - dec.length)
-            k = min(self._draft_tokens, room - 1, self.k_max) if self._mtp else 0
-            result = dec.step(k, params, generator, budget=room, stop=stop)
-            stats.steps += 1
-            if k:
-                stats.verify_steps += 1
-                stats.drafted += k
-                stats.accepted += result.accepted
-                while len(stats.accepted_at_least) < k:
-                    stats.accepted_at_least.append(0)
-                for i in range(result.accepted):
-                    stats.accepted_at_least[i] += 1
-            p = stats.phase_ms
-            stats.phase_ms = PhaseTimes(p.draft + result.times.draft, p.verify + result.times.verify,
-                                        p.accept + result.times.accept, p.host + result.times.host)
-            out += result.tokens
-            stats.new_tokens += len(result.tokens)
-            stats.decode_ms = (time.perf_counter() - t_first) * 1e3
-            yield Step(tuple(result.tokens), tuple(result.from_draft), k, result.accepted, bool(k),
-                       result.times, (time.perf_counter() - t0) * 1e3)
+        dec.limit(min(params.max_tokens - 1, self.max_context - 1 - dec.length), stop)
+        # Steps commit on the device and stop there by themselves (engine/decoder.py), so the next one
+        # is launched before the last one is read: the device never waits for the host. A drafter
+        # that reads the host's position (tests) needs each step read before the next.
+        on_device = self.decoder.drafter is None or getattr(self.decoder.drafter, "on_device", False)
+        depth = self.pipeline if on_device else 1
+        flight: collections.deque = collections.deque()
+        reason = self._finish_reason(out[-1], stats.new_tokens, params, stop)
+        try:
+            while True:
+                while reason is None and len(flight) < depth:
+                    # what the steps in flight may still emit, at most: this one must fit after them
+                    room = min(params.max_tokens - stats.new_tokens, self.max_context - 1 - dec.length)
+                    room -= sum(s.k + 1 for s in flight)
+                    k = min(self._draft_tokens, room - 1, self.k_max) if self._mtp else 0
+                    if room < 1 or (flight and dec.needs_flush(k, [s.k for s in flight])):
+                        break
+                    flight.append(dec.launch(max(k, 0), params, generator))
+                if not flight:
+                    break
+                launched = flight.popleft()
+                result = dec.finish(launched)
+                if not result.tokens:
+                    continue                    # launched after the generation ended on the device
+                k = launched.k
+                stats.steps += 1
+                if k:
+                    stats.verify_steps += 1
+                    stats.drafted += k
+                    stats.accepted += result.accepted
+                    while len(stats.accepted_at_least) < k:
+                        stats.accepted_at_least.append(0)
+                    for i in range(result.accepted):
+                        stats.accepted_at_least[i] += 1
+                p = stats.phase_ms
+                stats.phase_ms = PhaseTimes(p.draft + result.times.draft, p.verify + result.times.verify,
+                                            p.accept + result.times.accept, p.host + result.times.host)
+                out += result.tokens
+                stats.new_tokens += len(result.tokens)
+                stats.decode_ms = (time.perf_counter() - t_first) * 1e3
+                reason = reason or self._finish_reason(out[-1], stats.new_tokens, params, stop)
+                yield Step(tuple(result.tokens), tuple(result.from_draft), k, result.accepted, bool(k),
+                           result.times, (time.perf_counter() - t0) * 1e3)
+        finally:
+            while flight:                       # abandoned mid-way: keep the host's mirror exact
+                dec.finish(flight.popleft())
         stats.decode_ms = (time.perf_counter() - t_first) * 1e3
         yield Finished(reason, stats, tuple(out))
 

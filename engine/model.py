@@ -35,6 +35,7 @@ class Ctx:
     step: bool                # decode/verify (recurrence + snapshots) rather than prefill
     conv_off: torch.Tensor    # [1] long: committed conv window offset
     slot: torch.Tensor        # [1] long: committed recurrent-state ring slot
+    live: torch.Tensor | None = None   # [1] long, steps: 0 once the generation has ended (write no state)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
@@ -146,11 +147,11 @@ class GatedDeltaNet(nn.Module):
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         conv_buf, ring = cache
         mixed, z, b, a = linear(x, self.in_proj, ctx.step).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
-        mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight)   # pre-conv in, silu out
+        mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live)   # pre-conv in, silu out
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
         if ctx.step:
-            o = gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, ring, ctx.slot)
+            o = gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, ring, ctx.slot, ctx.live)
         else:
             start_state = ring.index_select(0, ctx.slot)[0]
             o, end_state = gdn.chunk(q, k, v, a, b, self.A_log, self.dt_bias, start_state)

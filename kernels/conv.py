@@ -6,6 +6,8 @@ The window buffer `buf` [C, W] (W = K-1 + k_max+1 columns, model dtype) holds pr
 committed window is the K-1 columns starting at `off` (a device tensor). A call with T new inputs
 writes [window | inputs] to the front of the buffer when it fits, so accepting n of the T tokens
 commits offset n with no copy; a long prefill call keeps only the last K-1 inputs (offset 0).
+An optional `live` (1-element long tensor) of 0 leaves the buffer as it was: a step launched after
+its generation ended must not touch the state.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import tl, triton, use_triton
 
 
-def conv_update_ref(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def conv_update_ref(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor,
+                    live: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, C] pre-conv inputs, buf [C, W], off 1-element long tensor, weight [C, K] -> silu(conv) [T, C].
 
     Each output is an explicit K-term sum, so its value does not depend on T (row invariance).
@@ -27,16 +30,17 @@ def conv_update_ref(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weigh
     full = torch.cat([window, x.T.to(buf.dtype)], dim=1)                # [C, K-1+T]
     w = weight.float()
     y = sum(w[:, j, None] * full[:, j:j + T].float() for j in range(K))  # [C, T]
+    keep = (lambda new, old: new) if live is None else (lambda new, old: torch.where(live > 0, new, old))
     if K - 1 + T <= buf.shape[1]:
-        buf[:, :K - 1 + T] = full
+        buf[:, :K - 1 + T] = keep(full, buf[:, :K - 1 + T])
     else:
-        buf[:, :K - 1] = full[:, T:]
+        buf[:, :K - 1] = keep(full[:, T:], buf[:, :K - 1])
     return F.silu(y).T.contiguous().to(x.dtype)   # [T, C] rows contiguous, as a 1-token call gives
 
 
 @triton.jit(do_not_specialize=["T"])
-def _conv_update_kernel(x, buf, off, w, y, T, C, WIDTH, s_x, s_y, s_buf,
-                        K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
+                        K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, HAS_LIVE: tl.constexpr):
     # One program per (BC channels, BT tokens). Only the first token block reads the committed
     # window, and only it rewrites the front of the buffer, after its own reads: no other program
     # touches the buffer, so there is no ordering to arrange between programs.
@@ -59,6 +63,8 @@ def _conv_update_kernel(x, buf, off, w, y, T, C, WIDTH, s_x, s_y, s_buf,
         b_y += tl.load(w + o_c * K + j, mask=m_c, other=0.).to(tl.float32)[None, :] * b_x
     b_y = b_y * tl.sigmoid(b_y)
     tl.store(y + o_t[:, None] * s_y + o_c[None, :], b_y.to(y.dtype.element_ty), mask=(o_t < T)[:, None] & m_c[None, :])
+    if HAS_LIVE:
+        m_c = m_c & (tl.zeros([BC], dtype=tl.int64) + tl.load(live) > 0)   # an ended generation's step writes nothing
     if i_t == 0:
         tl.debug_barrier()   # every read of the old window is done before the buffer is rewritten
         if K - 1 + T <= WIDTH:
@@ -75,22 +81,27 @@ def _conv_update_kernel(x, buf, off, w, y, T, C, WIDTH, s_x, s_y, s_buf,
                 tl.store(p_buf + i, b_new.to(buf.dtype.element_ty), mask=m_c)
 
 
-def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor,
+                       live: torch.Tensor | None = None) -> torch.Tensor:
     T, C = x.shape
     K = weight.shape[1]
     assert x.stride(1) == 1, "x rows must be contiguous"
     assert buf.shape[0] == C and buf.stride(1) == 1, f"buf must be [{C}, W] with contiguous rows"
     assert weight.shape == (C, K) and weight.is_contiguous(), f"weight must be [{C}, K] contiguous"
     assert off.numel() == 1 and off.dtype == torch.long, "off must be a 1-element long tensor"
+    assert live is None or (live.numel() == 1 and live.dtype == torch.long), "live must be a 1-element long tensor"
     assert K - 1 + T <= buf.shape[1] or T >= K - 1, "a call longer than the window must have >= K-1 inputs"
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
     BC, BT = 64, 16
     _conv_update_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](
-        x, buf, off, weight, y, T, C, buf.shape[1], x.stride(0), y.stride(0), buf.stride(0),
-        K=K, BC=BC, BT=BT, num_warps=4)
+        x, buf, off, live if live is not None else off, weight, y, T, C, buf.shape[1], x.stride(0), y.stride(0),
+        buf.stride(0), K=K, BC=BC, BT=BT, HAS_LIVE=live is not None, num_warps=4)
     return y
 
 
-def conv_update(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def conv_update(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor,
+                live: torch.Tensor | None = None) -> torch.Tensor:
     """conv_update_ref's contract; the Triton kernel for CUDA tensors."""
-    return conv_update_triton(x, buf, off, weight) if use_triton(x, weight) else conv_update_ref(x, buf, off, weight)
+    if use_triton(x, weight):
+        return conv_update_triton(x, buf, off, weight, live)
+    return conv_update_ref(x, buf, off, weight, live)

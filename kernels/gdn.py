@@ -35,12 +35,15 @@ def _prepare(q, k, v, a, b, A_log, dt_bias):
     return q.transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1), g.T, beta.T
 
 
-def recurrent_ref(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+def recurrent_ref(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch.Tensor,
+                  live: torch.Tensor | None = None) -> torch.Tensor:
     """T = 1..k+1 tokens through the recurrence, starting from ring[slot].
 
     ring [S, Hv, dk, dv] float32 holds the snapshot slots; the state after token t is written to
     ring[t] (so slot t is the state with t+1 of these tokens consumed). `slot` is a 1-element long
-    tensor, read before any write. Returns o [T, Hv, dv] in v's dtype.
+    tensor, read before any write. `live` (optional 1-element long tensor): when it is 0 the ring is
+    left as it was (a step launched after its generation ended must not touch the state).
+    Returns o [T, Hv, dv] in v's dtype.
     """
     T = q.shape[0]
     assert ring.dtype == torch.float32 and T <= ring.shape[0], "ring must be float32 with >= T slots"
@@ -53,14 +56,15 @@ def recurrent_ref(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch
         delta = beta[:, t, None] * (v[:, t] - pred)                  # [Hv, dv]
         S = S + k[:, t, :, None] * delta[:, None, :]
         out.append(torch.einsum("hkv,hk->hv", S, q[:, t]))
-        ring[t] = S
+        ring[t] = S if live is None else torch.where(live > 0, S, ring[t])
     return torch.stack(out).to(v.dtype if v.dtype != torch.float32 else torch.float32)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, ring, slot, o, T, scale,
+def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, ring, slot, live, o, T, scale,
                       s_q, s_k, s_v, s_a, s_b, s_o, s_ring,
-                      GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+                      GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                      HAS_LIVE: tl.constexpr):
     # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
     # stays in registers across the T tokens; the gates and the q/k l2norm are computed here.
     i_h, i_v = tl.program_id(0), tl.program_id(1)
@@ -71,6 +75,9 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, ring, slot, o, T, scale,
     m_s = (o_k < DK)[:, None] & m_v[None, :]
     o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]          # within one ring slot
     b_S = tl.load(ring + tl.load(slot) * s_ring + o_s, mask=m_s, other=0.)
+    m_w = m_s
+    if HAS_LIVE:
+        m_w = m_s & (tl.zeros([BV], dtype=tl.int64) + tl.load(live) > 0)[None, :]
     b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     b_dt = tl.load(dt_bias + i_h).to(tl.float32)
     tl.debug_barrier()   # the committed slot is read whole before token 0 may overwrite it
@@ -88,10 +95,11 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, ring, slot, o, T, scale,
         b_S = b_S + b_k[:, None] * b_delta[None, :]
         b_o = tl.sum(b_S * b_q[:, None], axis=0)
         tl.store(o + t * s_o + i_h * DV + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        tl.store(ring + t * s_ring + o_s, b_S, mask=m_s)
+        tl.store(ring + t * s_ring + o_s, b_S, mask=m_w)
 
 
-def recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+def recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch.Tensor,
+                     live: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_ref's contract. q, k, v may be row-strided views (of the conv output) with each
     token's heads contiguous; a, b likewise [T, Hv] views."""
     T, Hk, DK = q.shape
@@ -105,20 +113,23 @@ def recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: to
     assert ring.dtype == torch.float32 and ring.is_contiguous() and ring.shape[1:] == (Hv, DK, DV), \
         "ring must be contiguous float32 [S, Hv, dk, dv]"
     assert T <= ring.shape[0] and slot.numel() == 1 and slot.dtype == torch.long, "ring needs >= T slots"
+    assert live is None or (live.numel() == 1 and live.dtype == torch.long), "live must be a 1-element long tensor"
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=v.device)
     # small programs win: at T = 4 on an H100, BV 16 with one warp took 9.3 us, BV 32 with four 11.8
     BV = min(16, triton.next_power_of_2(DV))
     _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
-        q, k, v, a, b, A_log, dt_bias, ring, slot, o, T, DK ** -0.5, q.stride(0), k.stride(0), v.stride(0),
-        a.stride(0), b.stride(0), o.stride(0), ring.stride(0), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV, num_warps=1)
+        q, k, v, a, b, A_log, dt_bias, ring, slot, live if live is not None else slot, o, T, DK ** -0.5, q.stride(0), k.stride(0), v.stride(0),
+        a.stride(0), b.stride(0), o.stride(0), ring.stride(0), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV,
+        HAS_LIVE=live is not None, num_warps=1)
     return o
 
 
-def recurrent(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+def recurrent(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch.Tensor,
+              live: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_ref's contract; the Triton kernel for CUDA tensors."""
     if use_triton(q, k, v, a, b):
-        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring, slot)
-    return recurrent_ref(q, k, v, a, b, A_log, dt_bias, ring, slot)
+        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring, slot, live)
+    return recurrent_ref(q, k, v, a, b, A_log, dt_bias, ring, slot, live)
 
 
 def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64):

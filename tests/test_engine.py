@@ -57,10 +57,11 @@ def test_decode_through_state_matches_full_forward(ckpt):
         dec.reset()
         dec.begin(ids[:20])                       # prefill the first 20, then one token at a time
         got = [dec.last_logits[0]]
+        dec.limit(len(ids), set())
         for tok in ids[20:]:
             dec.next_tok.fill_(tok)                 # feed the prompt's token instead of the sampled one
             dec.last = tok
-            dec.step(0, SamplingParams(), None, budget=1, stop=set())
+            dec.step(0, SamplingParams(), None)
             got.append(dec.v_logits[0].clone())
     assert rel_err(torch.stack(got[:-1]), full[19:-1]) < 1e-4
     engine.reset()

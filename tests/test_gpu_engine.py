@@ -92,3 +92,29 @@ def test_chunked_prefill_matches_the_cpu(ckpt):
         errs[chunk] = ((got - want).norm() / want.norm()).item()
         del gpu
     assert errs[32] < 1.5 * errs[4096] + 1e-3, errs
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_pipelined_steps_equal_one_at_a_time(ckpt, graphs):
+    # two steps in flight (the default on CUDA) against each read before the next: the same tokens
+    # and, after a stop id inside an accepted window, the same committed state to the bit
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs, max_context=1024)
+    assert engine.pipeline == 2
+    ids = prompts(engine, 3)[2]
+    ref = tokens(engine, ids, n=60)
+    states = []
+    for depth in (2, 1):
+        engine.pipeline = depth
+        engine.reset()
+        engine.mtp, engine.draft_tokens = True, 4
+        engine.drafter = ProfileDrafter(ref, (1.0, 0.9, 0.8, 0.7), seed=3, vocab=engine.config.vocab_size)
+        engine.decoder.most_in_flight = 0
+        done = list(engine.generate(ids, SamplingParams(max_tokens=60, stop_token_ids=(ref[40],))))[-1]
+        assert done.reason == "stop" and list(done.token_ids) == ref[:ref.index(ref[40]) + 1]
+        assert engine.decoder.most_in_flight == depth
+        s, L = engine.state, engine.state.length
+        states.append([t[:L] for pair in s.kv_layers for t in pair] + [s.slot, s.conv_off] +
+                      [buf[:, int(s.conv_off):int(s.conv_off) + s.kernel - 1] for buf, _ in s.gdn_layers] +
+                      [ring[int(s.slot)] for _, ring in s.gdn_layers])
+        states[-1] = [t.clone() for t in states[-1]]
+    assert all(torch.equal(a, b) for a, b in zip(*states))

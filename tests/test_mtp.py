@@ -176,7 +176,8 @@ def test_step_budget_truncates_the_window_and_rolls_back(gqa3, window_case, budg
     with torch.inference_mode():
         dec.begin(prompt)
         assert dec.first_token(GREEDY, None) == ref[0]
-        r = dec.step(4, GREEDY, None, budget=budget, stop=set())
+        dec.limit(budget, set())
+        r = dec.step(4, GREEDY, None)
     assert (r.tokens, r.accepted) == (ref[1:1 + budget], budget)
     assert_same_state(snapshot(e), sequential_state(gqa3, prompt, ref[:1 + budget]))
     assert_next_turn_continues(gqa3, e, prompt, ref[:1 + budget], seed=20 + budget)

@@ -57,6 +57,22 @@ def test_conv_rollback(device):
     check(y, y_ref, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("live", [0, 2])
+@pytest.mark.parametrize("T", [1, 4])
+def test_conv_live_flag(device, T, live):
+    # a step launched after its generation ended (live 0) computes its outputs but leaves the
+    # window as it was; a positive value writes as without the flag
+    x, buf, w = _case(90, T, torch.float32, device, seed=40 + T)
+    off, flag = torch.tensor([1], device=device), torch.tensor([live], device=device)
+    before, buf_ref, plain = buf.clone(), buf.clone(), buf.clone()
+    y = conv.conv_update_triton(x, buf, off, w, flag)
+    check(y, conv.conv_update_ref(x, buf_ref, off, w, flag), TOL[torch.float32])
+    check(y, conv.conv_update_ref(x, plain, off, w), TOL[torch.float32])
+    assert torch.equal(buf, buf_ref)
+    assert torch.equal(buf, plain if live else before)
+    assert live == 0 or not torch.equal(buf, before)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 5, 8192])
 def test_conv_27b_shapes(T):

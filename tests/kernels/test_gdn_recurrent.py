@@ -73,3 +73,23 @@ def test_recurrent_27b_shapes(T):
     ring_ref = ring.clone()
     check(gdn.recurrent(*args, ring, slot), gdn.recurrent_ref(*args, ring_ref, slot), 1e-2)
     check(ring, ring_ref, 1e-5, "ring")
+
+
+@pytest.mark.parametrize("live", [0, 3])
+def test_recurrent_live_flag(device, live):
+    # a step launched after its generation ended (live 0) leaves every slot as it was; any positive
+    # value writes as without the flag; the outputs are computed either way
+    args, ring = _inputs(3, 2, 4, 16, 24, torch.float32, device, seed=9)
+    before, ring_ref = ring.clone(), ring.clone()
+    slot, flag = torch.tensor([1], device=device), torch.tensor([live], device=device)
+    o = gdn.recurrent_triton(*args, ring, slot, flag)
+    o_ref = gdn.recurrent_ref(*args, ring_ref, slot, flag)
+    check(o, o_ref, TOL[torch.float32])
+    check(ring, ring_ref, TOL[torch.float32], "ring")
+    if live:
+        plain = before.clone()
+        gdn.recurrent_ref(*args, plain, slot)
+        assert not torch.equal(ring[:3], before[:3])
+        check(ring, plain, TOL[torch.float32], "ring")
+    else:
+        assert torch.equal(ring, before), "an ended step must not write the ring"
