@@ -72,6 +72,7 @@ def table(r: dict) -> str:
         lines.append(row(f"draft step (k={k})", m["draft_ms_per_step"]))
         lines.append(row(f"MTP on k={k}, profile (len {m['mean_acceptance_length']:.2f})", m["ms_per_token"])
                      + ("" if m["identical_to_mtp_off"] else "  OUTPUT DIFFERS"))
+        lines.append(row(f"  the same at the expected len {m['expected_length']:.2f}", m["ms_per_token_at_expected_length"]))
     for k, m in r["mtp_real"].items():
         lines.append(row(f"MTP on k={k}, real head (len {m['mean_acceptance_length']:.2f})", m["ms_per_token"])
                      + ("" if m["identical_to_mtp_off"] else "  OUTPUT DIFFERS"))
