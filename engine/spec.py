@@ -63,30 +63,29 @@ class ProfileDrafter:
     P(at least i+1 drafts accepted) = profile[i], and a wrong token otherwise. Under greedy
     decoding the target then accepts with exactly that profile, and the output is unchanged.
     The real MTP head still runs (so its cost is measured); only its tokens are replaced.
-    It works on the device: the position comes as the decoder's count of emitted tokens (a device
-    tensor), the right/wrong draws are made on the host ahead of it, so no step waits for the host.
+    It works on the device (the position comes as the decoder's count of emitted tokens, the
+    right/wrong draws from a generator on the device), so no step waits for the host.
     """
     on_device = True
 
     def __init__(self, reference: list[int], profile=(0.95, 0.83, 0.70, 0.55), seed: int = 0, vocab: int = 0):
-        self.reference, self.profile, self.vocab = list(reference), list(profile), vocab
-        self.rng = torch.Generator().manual_seed(seed)
-        self._ref: torch.Tensor | None = None
+        self.reference, self.profile, self.vocab, self.seed = list(reference), list(profile), vocab, seed
+        self._ref = self._rng = None
 
     def __call__(self, position, drafts: torch.Tensor) -> torch.Tensor:
         """position: index in `reference` of the first token to draft (an int, or a 1-element
         device tensor); drafts: the head's [k] tokens."""
-        rights, right = [], True
-        for i in range(drafts.shape[0]):
-            prev = self.profile[i - 1] if i else 1.0
-            p = self.profile[i] / prev if i < len(self.profile) and prev > 0 else 0.0
-            right = right and bool(torch.rand((), generator=self.rng) < p)
-            rights.append(right)
-        dev = drafts.device
+        k, dev = drafts.shape[0], drafts.device
         if self._ref is None or self._ref.device != dev:
             self._ref = torch.tensor(self.reference + [0], device=dev)     # past the end: token 0
-        at = torch.as_tensor(position, device=dev).view(-1)[:1] + torch.arange(len(rights), device=dev)
+            self._rng = torch.Generator(device=dev).manual_seed(self.seed)
+            # P(draft i right | the drafts before it right) = profile[i] / profile[i-1]
+            cond = [self.profile[i] / (self.profile[i - 1] if i else 1.0) if i == 0 or self.profile[i - 1] > 0 else 0.0
+                    for i in range(len(self.profile))]
+            self._cond = torch.tensor(cond + [0.0] * 16, device=dev)
+        u = torch.rand(k, generator=self._rng, device=dev)
+        right = (u < self._cond[:k]).cumprod(0).bool()
+        at = torch.as_tensor(position, device=dev).view(-1)[:1] + torch.arange(k, device=dev)
         true = self._ref[at.clamp(max=len(self.reference))]
         wrong = (true + 1) % self.vocab if self.vocab else true + 1
-        mask = torch.tensor(rights, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
-        return torch.where(mask, true, wrong)
+        return torch.where(right, true, wrong)

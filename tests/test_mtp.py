@@ -209,3 +209,14 @@ def test_profile_drafter_wrong_tokens_stay_in_the_vocabulary():
     drafter = ProfileDrafter([V - 1] * 4, profile=(0.0,) * 4, seed=0, vocab=V)
     out = drafter(0, torch.zeros(4, dtype=torch.long))
     assert ((out >= 0) & (out < V)).all() and (out != V - 1).all()
+
+
+def test_profile_drafter_follows_its_profile():
+    profile = (0.9, 0.6, 0.45, 0.2)
+    drafter = ProfileDrafter(list(range(100, 140)), profile=profile, seed=1, vocab=512)
+    n, hits = 4000, torch.zeros(4)
+    for t in range(n):
+        out = drafter(torch.tensor([t % 30]), torch.zeros(4, dtype=torch.long))
+        right = out == torch.arange(100, 104) + t % 30
+        hits += right.long().cumprod(0)                # right from the start up to draft i
+    assert torch.allclose(hits / n, torch.tensor(profile), atol=0.03), hits / n
