@@ -57,9 +57,9 @@ def main():
         return {"ms_per_step": r["ms_per_step"], "device_ms_per_step": r["draft_ms"] + r["verify_ms"] + r["accept_ms"],
                 "idle_us": {k: med(v) for k, v in gaps.items()}, "launch_us": {k: med(v) for k, v in launch.items()}}
 
-    reply(False)                                                  # untimed: first flush compiles
+    ref = bench.generate(engine, prompt, args.tokens, mtp=False)["tokens"]     # untimed warm-ups
+    bench.generate(engine, prompt, args.tokens, mtp=True, k=1, drafter=ProfileDrafter(ref, vocab=config.vocab_size))
     out = {"mtp off": reply(False)}
-    ref = bench.generate(engine, prompt, args.tokens, mtp=False)["tokens"]
     out["mtp on k=3, profile"] = reply(True, ProfileDrafter(ref, bench.PROFILE, seed=3, vocab=config.vocab_size))
     out["mtp on k=3, real head"] = reply(True)
     Runner.run = plain_run
