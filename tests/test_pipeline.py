@@ -150,3 +150,19 @@ def test_pipelined_cancel(gqa3, refs):
     got = list(done.token_ids)
     assert got == ref[:len(got)] and len(got) < NEW_TOKENS
     assert_same_state(snapshot(e), sequential_state(gqa3, ids, got))
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_pipelined_sampling_draws_the_same_tokens(gqa3, refs, mtp):
+    # a seeded sampled reply: the draws happen in launch order, so two steps in flight give the
+    # tokens one at a time gives, up to the last windows before the token limit (there the step in
+    # flight makes the engine draft fewer tokens, and a window of another size draws other numbers)
+    params = SamplingParams(temperature=1.3, top_k=20, presence_penalty=0.5, max_tokens=60, seed=11,
+                            stop_token_ids=())
+    got = []
+    for depth in (1, 2):
+        e = load(gqa3, mtp=mtp, draft_tokens=3)
+        e.pipeline = depth
+        got.append(list(generate(e, refs[0][3], params)[-1].token_ids))
+    assert len(got[0]) == len(got[1]) == 60
+    assert got[0][:60 - 2 * 4] == got[1][:60 - 2 * 4]
