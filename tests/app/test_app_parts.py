@@ -139,6 +139,52 @@ def test_drive_passes_cancellation_to_the_engine():
     assert posted[-1].reason == "cancelled" and len(engine.step_log) == 4
 
 
+
+def test_drive_leaves_the_decoding_steps_alone_between_batches():
+    """The text of the steps is made when a batch goes out, not between the engine's steps."""
+    engine = FakeEngine()
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], enable_thinking=True)
+    now = {"t": 0}
+
+    def tick():
+        now["t"] += 1
+        return now["t"]
+    pushed_at, posted_at = [], []
+    streams = engine.tokenizer.stream
+
+    def stream():
+        inner = streams()
+
+        class Counting:
+            def push(self, part):
+                pushed_at.append(now["t"])
+                return inner.push(part)
+            flush = staticmethod(inner.flush)
+        return Counting()
+    engine.tokenizer.stream = stream
+    from mtpchat.engine.sampling import SamplingParams
+    posted = []
+    drive(engine, ids, SamplingParams(max_tokens=4096), target="chat", think_open=True,
+          post=lambda m: (posted.append(m), posted_at.append(now["t"])), cancelled=lambda: False,
+          interval=7, clock=tick)
+    assert len(pushed_at) > 3 * len(set(posted_at))            # several steps' text per batch
+    assert set(pushed_at) <= set(posted_at)                    # and only when a batch goes out
+    assert posted[-1].answer == DEFAULT_ANSWER and posted[-1].thinking.strip() == DEFAULT_THINKING
+
+
+def test_drive_shows_what_came_before_an_engine_failure():
+    engine = FakeEngine(fail_after=6)
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], enable_thinking=True)
+    from mtpchat.engine.sampling import SamplingParams
+    posted = []
+    drive(engine, ids, SamplingParams(max_tokens=4096), target="chat", think_open=True, post=posted.append,
+          cancelled=lambda: False, interval=10**9, clock=lambda: 0.0)
+    failed = posted[-1]
+    assert type(failed).__name__ == "ReplyFailed" and "simulated engine failure" in failed.text
+    # the first step went out at once; the next five were kept, and still reach the screen
+    assert sum(len(m.steps) for m in posted if isinstance(m, ReplyDelta)) == 6
+    assert failed.thinking and DEFAULT_THINKING.startswith(failed.thinking.strip()[:20])
+
 # --- the store ---
 
 def test_store_commits_every_message_at_once(tmp_path):
