@@ -1,14 +1,23 @@
 """The telemetry pane (wide terminals), the one-line status bar (narrow ones) and the header.
 
-Each section is a pure function from the Telemetry and the engine's live settings to markup, so it
-can be tested and pinned; the widgets only redraw when `Telemetry.version` moved.
+Each section is a pure function from the Telemetry and the engine's live settings to its lines
+(styled text, built directly rather than parsed from markup: the pane updates twice a second while a
+reply streams, and on the CPU every millisecond of the UI is one the decoder waits), so it can be
+tested and pinned; the widgets only redraw when `Telemetry.version` moved, and only the lines that
+changed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 from textual.containers import VerticalScroll
+from textual.content import Content
+from textual.geometry import Region, Size
 from textual.markup import escape
+from textual.strip import Strip
+from textual.visual import Visual
+from textual.widget import Widget
 from textual.widgets import Static
 
 from mtpchat.app.gauges import NA, bar, num, pct, size, sparkline
@@ -38,64 +47,74 @@ class Live:
         return f"MTP on · k={self.draft_tokens}" if self.mtp else "MTP off"
 
 
-def _title(name: str, right: str = "") -> str:
+Part = Union[str, tuple[str, str]]   # plain text, or (text, style) as in Textual's markup tags
+
+
+def row(*parts: Part) -> Content:
+    """One line of the pane, its styles given directly: no markup to parse on every update."""
+    return Content.assemble(*parts)
+
+
+def _title(name: str, right: str = "") -> Content:
     pad = W - len(name) - len(right)
-    return f"[b $accent]{name}[/]{' ' * max(pad, 1)}[$text-muted]{escape(right)}[/]"
+    return row((name, "b $accent"), " " * max(pad, 1), (right, "$text-muted"))
 
 
-def acceptance(t: Telemetry, live: Live) -> str:
+def acceptance(t: Telemetry, live: Live) -> list[Content]:
     r, s = t.reply, t.session_live
     lines = [_title("ACCEPTANCE", live.mtp_label)]
-    lines.append(f"mean length   [b]{num(r.mean_length, '.2f'):>5}[/]  session {num(s.mean_length, '.2f')}")
+    lines.append(row("mean length   ", (f"{num(r.mean_length, '.2f'):>5}", "b"), f"  session {num(s.mean_length, '.2f')}"))
     rate = r.rate
     counts = f"({r.accepted}/{r.drafted})" if r.drafted else ""
-    lines.append(f"draft accept  [b]{pct(rate):>5}[/]  {counts}")
+    lines.append(row("draft accept  ", (f"{pct(rate):>5}", "b"), f"  {counts}"))
     positions = max(len(r.at_least), live.draft_tokens if live.mtp else 0)
     per = r.per_position
     for i in range(positions):
         p = per[i] if i < len(per) else None
-        lines.append(f"[$text-muted]pos {i + 1}[/] [$success]{bar(p or 0.0, W - 11)}[/] {pct(p):>4}")
+        lines.append(row((f"pos {i + 1}", "$text-muted"), " ", (bar(p or 0.0, W - 11), "$success"), f" {pct(p):>4}"))
     hist = sparkline(t.acc_history, W - 8, lo=1.0, hi=float(max(live.k_max, live.draft_tokens, 1) + 1))
-    lines.append(f"[$text-muted]history[/] [$accent]{hist}[/]")
-    return "\n".join(lines)
+    lines.append(row(("history", "$text-muted"), " ", (hist, "$accent")))
+    return lines
 
 
-def speed(t: Telemetry, live: Live) -> str:
+def speed(t: Telemetry, live: Live) -> list[Content]:
     lines = [_title("SPEED", f"{t.tokens} tok" if t.tokens else "")]
     tps = list(t.tps_history)[-(W - 14):]
     spark = sparkline(tps, W - 14, lo=min(tps) * 0.8 if tps else None)
-    lines.append(f"tok/s [b]{num(t.tokens_per_s, '.1f'):>6}[/] [$accent]{spark}[/]")
+    lines.append(row("tok/s ", (f"{num(t.tokens_per_s, '.1f'):>6}", "b"), " ", (spark, "$accent")))
     prompt = f"prefill {t.prompt_tokens} tok" if t.prefill_ms is not None else ""
-    lines.append(f"TTFT  [b]{num(t.ttft_ms, '.0f', ' ms'):>9}[/]  [$text-muted]{prompt}[/]")
+    lines.append(row("TTFT  ", (f"{num(t.ttft_ms, '.0f', ' ms'):>9}", "b"), "  ", (prompt, "$text-muted")))
     phases = t.phase_ms()
     top = max(phases.values()) if phases else 1.0
     for name in ("draft", "verify", "accept", "host"):
         ms = phases[name] if phases else None
         frac = (ms or 0.0) / top if top else 0.0
-        lines.append(f"[$text-muted]{name:<6}[/] [$warning]{bar(frac, W - 17)}[/] {num(ms, '6.2f', ' ms'):>9}")
-    return "\n".join(lines)
+        lines.append(row((f"{name:<6}", "$text-muted"), " ", (bar(frac, W - 17), "$warning"),
+                         f" {num(ms, '6.2f', ' ms'):>9}"))
+    return lines
 
 
-def memory(t: Telemetry, live: Live) -> str:
+def memory(t: Telemetry, live: Live) -> list[Content]:
     g = t.gpu
     on_gpu = live.device.startswith("cuda")
     lines = [_title("MEMORY", (g.name or "GPU") if (on_gpu and g) else ("CPU" if not on_gpu else "GPU"))]
     if on_gpu:
         used, total = (g.used, g.total) if g else (None, None)
         frac = used / total if used is not None and total else 0.0
-        lines.append(f"used [$error]{bar(frac, W - 25)}[/] {size(used):>8} / {size(total)}")
+        lines.append(row("used ", (bar(frac, W - 25), "$error"), f" {size(used):>8} / {size(total)}"))
     else:
-        lines.append(f"process  [b]{size(g.rss if g else None)}[/]  [$text-muted]resident[/]")
+        lines.append(row("process  ", (size(g.rss if g else None), "b"), "  ", ("resident", "$text-muted")))
     m = t.memory
     if m:
         items = [("weights", m.get("weights")), ("KV", m.get("kv")), ("MTP KV", m.get("mtp_kv")),
                  ("GDN+ring", m.get("gdn_state")), ("graphs", m.get("graph_pool")), ("workspace", m.get("workspace"))]
         for a, b in zip(items[::2], items[1::2]):
-            lines.append(f"[$text-muted]{a[0]:<8}[/]{size(a[1]):>9}  [$text-muted]{b[0]:<10}[/]{size(b[1]):>9}")
+            lines.append(row((f"{a[0]:<8}", "$text-muted"), f"{size(a[1]):>9}  ", (f"{b[0]:<10}", "$text-muted"),
+                             f"{size(b[1]):>9}"))
     if on_gpu:
         power = num(g.power_w if g else None, '.0f', ' W')
-        lines.append(f"power [b]{power}[/]   energy [b]{num(t.joules_per_token, '.2f', ' J/tok')}[/]")
-    return "\n".join(lines)
+        lines.append(row("power ", (power, "b"), "   energy ", (num(t.joules_per_token, '.2f', ' J/tok'), "b")))
+    return lines
 
 
 def status_line(t: Telemetry, live: Live) -> str:
@@ -132,16 +151,72 @@ class Lines(Static):
         self.update(markup, layout=not same_height)
 
 
+class PaneLines(Widget):
+    """Styled lines, each rendered once and repainted alone: an update of the pane redraws only the
+    lines whose text or styles changed (titles, labels and idle bars stay as they are), with no
+    layout pass unless the number of lines changed. Lines are cut at the widget's width, never
+    wrapped (the pane's are at most W cells)."""
+
+    DEFAULT_CSS = "PaneLines { height: auto; }"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._lines: list[Content] = []
+        self._keys: list[tuple] = []
+        self._strips: dict[tuple, Strip] = {}
+
+    def show_lines(self, lines: list[Content]) -> None:
+        keys = [(c.plain, tuple(c.spans)) for c in lines]
+        old, self._lines, self._keys = self._keys, lines, keys
+        if len(keys) != len(old):
+            self.refresh(layout=True)
+            return
+        width = self.size.width
+        for y, (new, was) in enumerate(zip(keys, old)):
+            if new != was:
+                self.refresh(Region(0, y, width, 1))
+
+    @property
+    def plain(self) -> str:
+        return "\n".join(c.plain for c in self._lines)
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return len(self._lines)
+
+    def get_content_width(self, container: Size, viewport: Size) -> int:
+        return max((c.cell_length for c in self._lines), default=0)
+
+    def on_resize(self) -> None:
+        self._strips.clear()
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._strips.clear()        # the theme or the styles changed: lines are built again
+
+    def render_line(self, y: int) -> Strip:
+        width = self.content_size.width
+        if y >= len(self._lines):
+            return Strip.blank(width, self.rich_style)
+        key = self._keys[y]
+        strip = self._strips.get(key)
+        if strip is None:
+            if len(self._strips) > 256:
+                self._strips.clear()
+            strips = Visual.to_strips(self, self._lines[y], width, 1, self.visual_style)
+            strip = self._strips[key] = strips[0] if strips else Strip.blank(width, self.rich_style)
+        return strip
+
+
 class TelemetryPane(VerticalScroll):
     def compose(self):
-        yield Lines(id="acceptance", classes="section")
-        yield Lines(id="speed", classes="section")
-        yield Lines(id="memory", classes="section")
+        yield PaneLines(id="acceptance", classes="section")
+        yield PaneLines(id="speed", classes="section")
+        yield PaneLines(id="memory", classes="section")
 
     def show(self, t: Telemetry, live: Live) -> None:
-        self.query_one("#acceptance", Lines).show_markup(acceptance(t, live))
-        self.query_one("#speed", Lines).show_markup(speed(t, live))
-        self.query_one("#memory", Lines).show_markup(memory(t, live))
+        self.query_one("#acceptance", PaneLines).show_lines(acceptance(t, live))
+        self.query_one("#speed", PaneLines).show_lines(speed(t, live))
+        self.query_one("#memory", PaneLines).show_lines(memory(t, live))
 
 
 class StatusBar(Lines):
@@ -154,4 +229,4 @@ class HeaderBar(Lines):
         self.show_markup(header_line(live, title))
 
 
-__all__ = ["HeaderBar", "Live", "NA", "StatusBar", "TelemetryPane"]
+__all__ = ["HeaderBar", "Live", "NA", "PaneLines", "StatusBar", "TelemetryPane"]

@@ -1,4 +1,5 @@
-"""What keeps streaming cheap: the live tail's incremental wrapping and the paint pacing."""
+"""What keeps streaming cheap: the live tail's incremental wrapping, the pane's line-by-line repaints
+and the paint pacing."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +7,7 @@ from rich.cells import cell_len
 from textual.app import App
 
 from mtpchat.app.pacer import LIVE_INTERVAL, MAX_INTERVAL, MIN_INTERVAL, Pacer
+from mtpchat.app.panel import PaneLines, row
 from mtpchat.app.tail import LiveTail, wrap_into
 from apphelpers import run
 
@@ -64,6 +66,43 @@ def test_live_tail_shows_the_last_lines_as_text_arrives():
             await pilot.pause()
             rows = shown(tail)
             assert " ".join(rows).split()[-3:] == ["word39", "a[31mred", "end"] and rows[-1] == ""
+    run(go())
+
+
+class PaneApp(App):
+    CSS = "PaneLines { width: 30; }"
+
+    def compose(self):
+        yield PaneLines()
+
+
+def test_pane_lines_repaint_only_what_changed_and_lay_out_only_when_the_count_does():
+    async def go():
+        app = PaneApp()
+        async with app.run_test(size=(40, 10)) as pilot:
+            lines = app.query_one(PaneLines)
+            painted = []
+            render = lines.render_line
+            lines.render_line = lambda y: (painted.append(y), render(y))[1]
+            first = [row(("SPEED", "b $accent")), row("tok/s ", ("912.3", "b")), row(("host", "$text-muted"), " 0.02")]
+            lines.show_lines(first)
+            await pilot.pause()
+            assert lines.size.height == 3 and lines.plain == "SPEED\ntok/s 912.3\nhost 0.02"
+            assert [lines.render_line(y).text.rstrip() for y in range(3)] == ["SPEED", "tok/s 912.3", "host 0.02"]
+            painted.clear()
+            lines.show_lines([first[0], row("tok/s ", ("915.0", "b")), first[2]])
+            assert not lines._layout_required
+            await pilot.pause()
+            assert set(painted) == {1} and lines.render_line(1).text.rstrip() == "tok/s 915.0"
+            # same text, another style: that line repaints too
+            painted.clear()
+            lines.show_lines([first[0], row("tok/s ", ("915.0", "i")), first[2]])
+            await pilot.pause()
+            assert set(painted) == {1}
+            lines.show_lines(first + [row("one more")])
+            assert lines._layout_required
+            await pilot.pause()
+            assert lines.size.height == 4 and lines.plain.endswith("one more")
     run(go())
 
 
