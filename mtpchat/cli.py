@@ -185,6 +185,7 @@ def cmd_app(args) -> int:
         _err(note)
     from mtpchat.app.main import run_app
     args.options, args.prepared = options, prep
+    cpu_allocator(prep.device)
     return run_app(args) or 0
 
 
@@ -198,7 +199,22 @@ def cmd_bench(args) -> int:
     if not _has_module("mtpchat.bench"):
         raise NotAvailable("`mtpchat bench` is not available yet in this build")
     args.options = options_from(args)
+    device = getattr(args.options, "device", "auto")
+    if device == "auto":   # as the bench picks it
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cpu_allocator(device)
     return importlib.import_module("mtpchat.bench").main(args) or 0
+
+
+def cpu_allocator(device: str) -> bool:
+    """Before an engine loads on the CPU: glibc's malloc thresholds fixed, so the temporaries each
+    decode step frees and allocates again stay in the process (mtpchat/malloc.py says why). Whether
+    they were set; a GPU run leaves the allocator as it is."""
+    if not str(device).startswith("cpu"):
+        return False
+    from mtpchat import malloc
+    return malloc.keep_step_memory()
 
 
 def dry_run(options) -> int:
@@ -241,6 +257,7 @@ def cmd_run(args) -> int:
     prep = loader.prepare(options)
     for note in prep.notices:
         _err(note)
+    cpu_allocator(prep.device)
     engine = loader.load_engine(prep)
     if prep.mtp and not engine.mtp_available:
         _err(f"{prep.name}: " + "; ".join(engine.notices or ["the MTP head is unusable: running with MTP off"]))

@@ -127,20 +127,13 @@ class Diagnosis:
 
 
 def pin_malloc() -> None:
-    """Fixed glibc malloc thresholds for the whole process (both modes alike).
-
-    With glibc's defaults, the per-step temporaries above 128 KiB are mmap'd and unmapped every step,
-    and each run pays hundreds of thousands of page faults; how many depends on which thread
-    decodes (the main thread allocates from the main arena, a worker thread from its own), so the
-    app's worker and the headless main thread differ by up to 10% for reasons that are not the
-    app's. Keeping those blocks on the heap takes the allocator out of the comparison."""
-    import ctypes
-    libc = ctypes.CDLL("libc.so.6")
-    M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-    ok = libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) and libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
-    ok = ok and libc.mallopt(M_TOP_PAD, 64 << 20)
-    if not ok:
-        sys.exit("mallopt failed: run with --malloc default")
+    """glibc's malloc thresholds fixed for the whole process (both modes alike), as `mtpchat` itself
+    does for CPU runs (mtpchat/malloc.py). With glibc's moving thresholds the per-step temporaries
+    go back to the system and fault in again every step, by amounts that differ between the main
+    thread (headless) and a worker (the app), up to 10% for reasons that are not the app's."""
+    from mtpchat.malloc import keep_step_memory
+    if not keep_step_memory():
+        sys.exit("mallopt failed or this is not glibc: run with --malloc default")
 
 
 def load(a):
