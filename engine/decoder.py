@@ -63,7 +63,7 @@ class Decoder:
         self.pos, self.next_tok, self.pend_n = long(1), long(1), long(1)
         self.room, self.gen = long(1), long(1)   # tokens the generation may still emit / has emitted
         self.is_stop = torch.zeros(c.vocab_size, dtype=torch.bool, device=dev)
-        rows = max(PENDING_ROWS, R) + 2 * R      # room past the pending rows for an ended step's writes
+        rows = max(PENDING_ROWS, R) + R          # a step writes k+1 rows after at most that many pending
         self.pend_hidden = torch.zeros(rows, c.hidden_size, device=dev, dtype=model.embed.dtype)
         self.pend_tokens = long(rows)
         self.drafts = long(state.k_max)

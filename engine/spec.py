@@ -70,7 +70,7 @@ class ProfileDrafter:
 
     def __init__(self, reference: list[int], profile=(0.95, 0.83, 0.70, 0.55), seed: int = 0, vocab: int = 0):
         self.reference, self.profile, self.vocab, self.seed = list(reference), list(profile), vocab, seed
-        self._ref = self._rng = None
+        self._ref = self._rng = self._cond = None     # made on the drafts' device at the first call
 
     def __call__(self, position, drafts: torch.Tensor) -> torch.Tensor:
         """position: index in `reference` of the first token to draft (an int, or a 1-element
@@ -79,9 +79,9 @@ class ProfileDrafter:
         if self._ref is None or self._ref.device != dev:
             self._ref = torch.tensor(self.reference + [0], device=dev)     # past the end: token 0
             self._rng = torch.Generator(device=dev).manual_seed(self.seed)
-            # P(draft i right | the drafts before it right) = profile[i] / profile[i-1]
-            cond = [self.profile[i] / (self.profile[i - 1] if i else 1.0) if i == 0 or self.profile[i - 1] > 0 else 0.0
-                    for i in range(len(self.profile))]
+            # P(draft i right | the drafts before it right) = profile[i] / profile[i-1]; 0 past the profile
+            prev = [1.0] + self.profile[:-1]
+            cond = [p / q if q > 0 else 0.0 for p, q in zip(self.profile, prev)]
             self._cond = torch.tensor(cond + [0.0] * 16, device=dev)
         u = torch.rand(k, generator=self._rng, device=dev)
         right = (u < self._cond[:k]).cumprod(0).bool()

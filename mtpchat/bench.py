@@ -26,6 +26,7 @@ def main(args) -> int:
     import torch
     from pathlib import Path
 
+    from mtpchat.cli import cpu_allocator
     from mtpchat.engine import Engine
     from mtpchat.engine import bench
     from mtpchat.engine.config import ModelConfig
@@ -34,6 +35,7 @@ def main(args) -> int:
     device = getattr(opts, "device", None)
     if device in (None, "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    cpu_allocator(device)
     graphs = getattr(opts, "cuda_graphs", True)
     context = args.context
     max_context = max(context + args.tokens * 2 + 64, 8192 + 64, getattr(opts, "max_context", 0) or 0)

@@ -199,11 +199,6 @@ def cmd_bench(args) -> int:
     if not _has_module("mtpchat.bench"):
         raise NotAvailable("`mtpchat bench` is not available yet in this build")
     args.options = options_from(args)
-    device = getattr(args.options, "device", "auto")
-    if device == "auto":   # as the bench picks it
-        import torch
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    cpu_allocator(device)
     return importlib.import_module("mtpchat.bench").main(args) or 0
 
 
