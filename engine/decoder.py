@@ -29,11 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from mtpchat.engine.events import PhaseTimes
-from mtpchat.engine.model import Ctx, PrefetchPlan
+from mtpchat.engine.model import Ctx
 from mtpchat.engine.runner import elapsed_ms
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
 from mtpchat.engine.spec import accept_greedy, accept_sampled, seen_rows
-from mtpchat.kernels.matvec import Prefetch
 
 PENDING_ROWS = 64   # MTP rows kept while MTP is off; flushed through the head when full
 
@@ -77,20 +76,7 @@ class Decoder:
         self.seen = torch.zeros(c.vocab_size, dtype=torch.int32, device=dev)   # presence-penalty counts
         self.drafter = None                  # optional ProfileDrafter (engine/spec.py)
         self.runner = None                   # engine/runner.py sets itself here on CUDA
-        self.head_then: dict[str, Prefetch] = {}   # the lm_head's next weight: "target" or "draft"
         self.reset()
-
-    def plan_prefetch(self, plan: PrefetchPlan | None):
-        """Link every step product to the weight read after it, for L2 to fetch early (model.py);
-        None unlinks. Set before the graphs are captured: they keep what was linked then."""
-        self.model.plan_prefetch(plan)
-        self.head_then = {}
-        if plan is not None:
-            self.head_then["target"] = Prefetch(self.model.first_weight(), plan.norm)   # the next verify's
-        if self.head is not None:
-            self.head.plan_prefetch(plan, self.model.head)
-            if plan is not None:
-                self.head_then["draft"] = Prefetch(self.head.fc, plan.norm)           # the next draft's
 
     def nbytes(self) -> int:
         bufs = (self.pend_hidden, self.pend_tokens, self.v_hidden, self.v_logits, self.seen, self.drafts, self.is_stop)
@@ -196,12 +182,11 @@ class Decoder:
         out = self.head(self.model.embed, self.pend_tokens[:R], self.pend_hidden[:R], self.state.mtp,
                         self._ctx(start, R, step=True))
         out = out.index_select(0, self.pend_n - 1)                        # the row at position L-1
-        then = lambda j: self.head_then.get("draft" if j < k - 1 else "target")   # next: a draft, or the verify
-        d = self.model.logits(out, then=then(0)).argmax(-1)
+        d = self.model.logits(out).argmax(-1)
         self.drafts[:1] = d
         for j in range(1, k):
             out = self.head(self.model.embed, d, out, self.state.mtp, self._ctx(L + (j - 1), 1, step=True))
-            d = self.model.logits(out, then=then(j)).argmax(-1)
+            d = self.model.logits(out).argmax(-1)
             self.drafts[j:j + 1] = d
 
     def verify(self, k: int):
@@ -209,8 +194,7 @@ class Decoder:
         fed = torch.cat([self.next_tok, self.drafts[:k]])
         h = self.model(fed, self.state.layers, self._ctx(self.pos, k + 1, step=True))
         self.v_hidden[:k + 1] = h
-        # with MTP on (k > 0) a draft follows the verify, otherwise the next verify
-        self.v_logits[:k + 1] = self.model.logits(h, then=self.head_then.get("draft" if k else "target"))
+        self.v_logits[:k + 1] = self.model.logits(h)
 
     def accept(self, k: int, params: SamplingParams, generator):
         """Accept on the device; emit n of the a+1 accepted tokens (up to the first stop id, within

@@ -26,7 +26,7 @@ from mtpchat.engine.config import GenerationConfig, ModelConfig
 from mtpchat.engine.decoder import Decoder
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
 from mtpchat.engine.memory import PREFILL_CHUNK
-from mtpchat.engine.model import Model, PrefetchPlan
+from mtpchat.engine.model import Model
 from mtpchat.engine.mtp import MTPHead
 from mtpchat.engine.runner import Runner
 from mtpchat.engine.sampling import SamplingParams, make_generator
@@ -77,7 +77,6 @@ class Engine:
         self.decoder = Decoder(self.model, self.head, self.state, prefill_chunk)
         self.runner = None
         if self.device.type == "cuda":
-            self.decoder.plan_prefetch(PrefetchPlan())    # each product warms L2 for the next one
             self.runner = self.decoder.runner = Runner(self.decoder, cuda_graphs)
             with torch.inference_mode():
                 self.runner.capture(k_max, self.head is not None, SamplingParams())

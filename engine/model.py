@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels import attention, conv, gdn, norm
-from mtpchat.kernels.matvec import Prefetch, matvec, matvec_swiglu, silu_mul
+from mtpchat.kernels.matvec import matvec, matvec_swiglu, silu_mul
 from mtpchat.kernels.rope import qkv_norm_rope
 
 
@@ -38,25 +38,13 @@ class Ctx:
     live: torch.Tensor | None = None   # [1] long, steps: 0 once the generation has ended (write no state)
 
 
-@dataclass(frozen=True)
-class PrefetchPlan:
-    """How many bytes of the next weight a step's product asks L2 for as it ends (kernels/matvec.py),
-    by what runs between the two products: nothing (gate|up then down), a norm, or a mixer's small
-    kernels (conv, recurrence, output norm; or q/k norm and attention). The memory idles for about
-    that long, so that is what can be fetched for free."""
-    direct: int = 8 << 20
-    norm: int = 12 << 20
-    mixer: int = 24 << 20
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool, then: Prefetch | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
     """x [T, K] @ w[N, K]ᵀ. With `rowwise` (decode, verify, draft) each row's result is that of a
-    1-row call: the batch-invariant matvec kernel on the GPU, one product per row on the CPU; the
-    GPU kernel also warms L2 with `then`, the next product's weight."""
+    1-row call: the batch-invariant matvec kernel on the GPU, one product per row on the CPU."""
     if not rowwise:
         return F.linear(x, w)
     if x.is_cuda:
-        return matvec(x, w, then)
+        return matvec(x, w)
     return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)
 
 
@@ -97,14 +85,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up = empty(2 * c.intermediate_size, c.hidden_size)
         self.down = empty(c.hidden_size, c.intermediate_size)
-        self.then: dict[str, Prefetch] = {}      # after a step's product: what L2 fetches (Model.plan_prefetch)
 
     def forward(self, x, ctx: Ctx):
         if ctx.step and x.is_cuda:
-            h = matvec_swiglu(x, self.gate_up, self.then.get("first"))   # the product and the gating in one kernel
+            h = matvec_swiglu(x, self.gate_up)          # the product and the gating in one kernel
         else:
             h = silu_mul(linear(x, self.gate_up, ctx.step))
-        return linear(h, self.down, ctx.step, self.then.get("last"))
+        return linear(h, self.down, ctx.step)
 
 
 class GatedAttention(nn.Module):
@@ -115,7 +102,6 @@ class GatedAttention(nn.Module):
         self.o_proj = empty(c.hidden_size, c.q_dim)
         self.q_norm, self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps), RMSNorm(c.head_dim, c.rms_norm_eps)
         self._freqs: torch.Tensor | None = None
-        self.then: dict[str, Prefetch] = {}
 
     def inv_freq(self, device) -> torch.Tensor:
         """RoPE's [rotary_dim/2] float32 frequencies theta^(-2i/R), made once on the model's device."""
@@ -126,7 +112,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, x, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
         c, T = self.c, x.shape[0]
-        qg, k, v = linear(x, self.qkv, ctx.step, self.then.get("first")).split([2 * c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        qg, k, v = linear(x, self.qkv, ctx.step).split([2 * c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
         qg = qg.view(T, c.num_attention_heads, 2 * c.head_dim)           # per head: [query | gate]
         q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:]
         k_cache, v_cache = cache
@@ -142,7 +128,7 @@ class GatedAttention(nn.Module):
             q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))
             o = prefill_attention(q4, keys, values, ctx.start == 0, scale)[0].transpose(0, 1)
             o = o * torch.sigmoid(gate)
-        return linear(o.reshape(T, c.q_dim), self.o_proj, ctx.step, self.then.get("last"))
+        return linear(o.reshape(T, c.q_dim), self.o_proj, ctx.step)
 
 
 class GatedDeltaNet(nn.Module):
@@ -155,13 +141,12 @@ class GatedDeltaNet(nn.Module):
         self.A_log, self.dt_bias = empty(hv), empty(hv)
         self.norm_weight = empty(c.linear_value_head_dim)
         self.out_proj = empty(c.hidden_size, c.value_dim)
-        self.then: dict[str, Prefetch] = {}
 
     def forward(self, x, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
         c, T = self.c, x.shape[0]
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         conv_buf, ring = cache
-        mixed, z, b, a = linear(x, self.in_proj, ctx.step, self.then.get("first")).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+        mixed, z, b, a = linear(x, self.in_proj, ctx.step).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
         mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live)   # pre-conv in, silu out
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
@@ -172,7 +157,7 @@ class GatedDeltaNet(nn.Module):
             o, end_state = gdn.chunk(q, k, v, a, b, self.A_log, self.dt_bias, start_state)
             ring.index_copy_(0, ctx.slot, end_state[None])
         o = norm.gated_rmsnorm(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
-        return linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step, self.then.get("last"))
+        return linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step)
 
 
 class DecoderLayer(nn.Module):
@@ -219,35 +204,5 @@ class Model(nn.Module):
             x, residual = layer(x, residual, cache, ctx)
         return norm.add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
-    def logits(self, hidden: torch.Tensor, rowwise: bool = True, then: Prefetch | None = None) -> torch.Tensor:
-        return linear(hidden, self.head, rowwise, then).float()
-
-    def first_weight(self) -> torch.Tensor:
-        """The weight a step reads first: layer 0's input projection."""
-        m = self.layers[0].mixer
-        return m.in_proj if isinstance(m, GatedDeltaNet) else m.qkv
-
-    def plan_prefetch(self, plan: PrefetchPlan | None):
-        """Link each step product to the next one's weight (None: unlink). The lm_head's own next
-        weight depends on the phase (the draft head's, or layer 0's): the decoder passes it."""
-        chain = [link for layer in self.layers for link in layer_chain(layer)]
-        link_chain(chain + [(self, "head", self.head, "norm")], plan)
-
-
-def layer_chain(layer: "DecoderLayer") -> list:
-    """A layer's step products in order: (module, "first" | "last", weight, what runs after it)."""
-    m = layer.mixer
-    first, last = (m.in_proj, m.out_proj) if isinstance(m, GatedDeltaNet) else (m.qkv, m.o_proj)
-    return [(m, "first", first, "mixer"), (m, "last", last, "norm"),
-            (layer.mlp, "first", layer.mlp.gate_up, "direct"), (layer.mlp, "last", layer.mlp.down, "norm")]
-
-
-def link_chain(chain: list, plan: PrefetchPlan | None):
-    """Give each product in `chain` but the last the Prefetch of the weight after it ([gate | up] in
-    two parts), sized by what runs between them."""
-    for (module, key, _, gap), (nxt_module, _, nxt, _) in zip(chain, chain[1:]):
-        if plan is None:
-            module.then.pop(key, None)
-        else:
-            parts = 2 if isinstance(nxt_module, MLP) and nxt is nxt_module.gate_up else 1
-            module.then[key] = Prefetch(nxt, getattr(plan, gap), parts)
+    def logits(self, hidden: torch.Tensor, rowwise: bool = True) -> torch.Tensor:
+        return linear(hidden, self.head, rowwise).float()

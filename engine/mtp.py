@@ -15,9 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.model import Ctx, DecoderLayer, PrefetchPlan, RMSNorm, empty, layer_chain, linear, link_chain
+from mtpchat.engine.model import Ctx, DecoderLayer, RMSNorm, empty, linear
 from mtpchat.kernels import norm
-from mtpchat.kernels.matvec import Prefetch
 
 
 class MTPHead(nn.Module):
@@ -28,16 +27,11 @@ class MTPHead(nn.Module):
         self.fc = empty(c.hidden_size, 2 * c.hidden_size)
         self.layer = DecoderLayer(c, "full_attention")
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.then: dict[str, Prefetch] = {}
-
-    def plan_prefetch(self, plan: PrefetchPlan | None, lm_head: torch.Tensor):
-        """Link the head's step products in order, the last one to the lm_head (model.py)."""
-        link_chain([(self, "fc", self.fc, "norm"), *layer_chain(self.layer), (None, "head", lm_head, "norm")], plan)
 
     def forward(self, embed: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor, cache, ctx: Ctx):
         """ids [T] (tokens x_{p+1}), hidden [T, H] (h_p) at ctx.positions p -> out [T, H]."""
         e = self.pre_fc_norm_embedding(F.embedding(ids, embed))
         h = self.pre_fc_norm_hidden(hidden)
-        u = linear(torch.cat([e, h], dim=-1), self.fc, ctx.step, self.then.get("fc"))
+        u = linear(torch.cat([e, h], dim=-1), self.fc, ctx.step)
         out, residual = self.layer(u, None, cache, ctx)
         return norm.add_rmsnorm(out, residual, self.norm.weight, self.norm.eps)[0]

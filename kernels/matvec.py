@@ -10,18 +10,8 @@ multiplies its w tile with all rows of x at once (rows padded to BT = 16, the sm
 tile). The compiled kernel is the same for every T <= BT (T is a run-time argument, never a
 specialisation), each output is accumulated over K in the same order whatever the other rows
 hold, so row i of a T-row call is bit-for-bit the 1-row call of row i.
-
-A product may also warm L2 for the product after it (`Prefetch`): once its own rows are stored,
-its last programs ask L2 for the first bytes of the next weight (cp.async.bulk.prefetch, a hint
-that moves no data into the program). The device's memory would otherwise idle while the slowest
-programs finish, the next kernels launch, and the small kernels between two products run; the
-next product then finds its first tiles in L2. Results do not change: only where bytes come from.
 """
 from __future__ import annotations
-
-import functools
-import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,33 +19,6 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import tl, triton, use_triton
 
 MAX_ROWS = 16
-PF_LANES = 128          # prefetching threads per program: the 4 warps of a product
-
-
-class Prefetch(NamedTuple):
-    """What a product asks L2 to fetch after it: the first `nbytes` of w, split evenly over its
-    `parts` equal row halves (2 for a [gate | up] weight, whose programs read both halves at once)."""
-    w: torch.Tensor
-    nbytes: int
-    parts: int = 1
-
-
-@triton.jit
-def _prefetch_l2(pf, i_n, pf_span, pf_gap, pf_chunk, pf_progs,
-                 PF: tl.constexpr, PF_LANES: tl.constexpr):
-    """The last pf_progs programs each issue PF_LANES bulk L2 prefetches of pf_chunk bytes, covering
-    the first pf_span bytes of each of PF parts, pf_gap bytes apart. Lanes past the span repeat its
-    last chunk (a hint: repeats cost nothing but an instruction)."""
-    if PF > 0:
-        i_p = i_n - (tl.num_programs(0) - pf_progs)
-        if i_p >= 0:
-            o_b = (i_p * PF_LANES + tl.arange(0, PF_LANES)).to(tl.int64) * pf_chunk
-            o_b = tl.minimum(o_b, pf_span - pf_chunk)
-            p_b = pf.to(tl.pointer_type(tl.int8)) + o_b
-            size = tl.full([PF_LANES], 0, tl.int32) + pf_chunk
-            for part in tl.static_range(PF):
-                tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                          [p_b + part * pf_gap, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def matvec_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -71,8 +34,8 @@ def matvec_swiglu_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["T"])
-def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y, pf, pf_span, pf_gap, pf_chunk, pf_progs,
-                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PF: tl.constexpr, PF_LANES: tl.constexpr):
+def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
+                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     i_n = tl.program_id(0)
     o_n = i_n * BN + tl.arange(0, BN)
     o_t = tl.arange(0, BT)
@@ -86,13 +49,11 @@ def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y, pf, pf_span, pf_gap, pf_chun
         # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
         b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
     tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(y.dtype.element_ty), mask=m_n[:, None] & m_t[None, :])
-    _prefetch_l2(pf, i_n, pf_span, pf_gap, pf_chunk, pf_progs, PF, PF_LANES)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _matvec_swiglu_kernel(x, w, y, T, N, K, s_x, s_w, s_y, pf, pf_span, pf_gap, pf_chunk, pf_progs,
-                          BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PF: tl.constexpr,
-                          PF_LANES: tl.constexpr):
+def _matvec_swiglu_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
+                          BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     # The program for output columns n reads the gate rows n and the up rows N + n of w together.
     i_n = tl.program_id(0)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -114,7 +75,6 @@ def _matvec_swiglu_kernel(x, w, y, T, N, K, s_x, s_w, s_y, pf, pf_span, pf_gap, 
     b_s = (b_g * tl.sigmoid(b_g)).to(dtype).to(tl.float32)
     b_y = b_s * b_u.to(dtype).to(tl.float32)
     tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(dtype), mask=m_n[:, None] & m_t[None, :])
-    _prefetch_l2(pf, i_n, pf_span, pf_gap, pf_chunk, pf_progs, PF, PF_LANES)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -166,54 +126,17 @@ def _check(x: torch.Tensor, w: torch.Tensor, K: int):
     assert x.dtype == w.dtype, "x and w must share a dtype"
 
 
-def prefetch_layout(then: Prefetch, programs: int, sms: int) -> tuple[int, int, int, int]:
-    """(span, gap, chunk, progs): bytes fetched per part (what was asked, at most a part, a multiple
-    of 16), bytes between parts, bytes per bulk prefetch (a multiple of 16), and how many of the
-    launch's last programs issue them (one per SM at most), so progs x PF_LANES x chunk >= span."""
-    part = then.w.numel() * then.w.element_size() // then.parts
-    span = min(then.nbytes // then.parts, part) // 16 * 16
-    progs = max(1, min(programs, sms))
-    chunk = max(1, -(-span // (progs * PF_LANES * 16))) * 16
-    return span, part, chunk, progs
-
-
-def _prefetch_args(then: Prefetch | None, programs: int, device: torch.device) -> tuple:
-    """(pf, pf_span, pf_gap, pf_chunk, pf_progs, PF) for a launch of `programs` programs. Off (PF 0)
-    without a target, under the interpreter (no PTX to run), before Hopper (no bulk prefetch), or
-    for a target not 16-byte aligned."""
-    if then is None or not _bulk_prefetch(device) or then.w.data_ptr() % 16 or not then.w.is_contiguous():
-        return None, 0, 0, 16, 1, 0
-    span, gap, chunk, progs = prefetch_layout(then, programs, _sms(device))
-    if span < 16:
-        return None, 0, 0, 16, 1, 0
-    return then.w, span, gap, chunk, progs, then.parts
-
-
-@functools.cache
-def _bulk_prefetch(device: torch.device) -> bool:
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
-            and torch.cuda.get_device_capability(device) >= (9, 0))
-
-
-@functools.cache
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def matvec_triton(x: torch.Tensor, w: torch.Tensor, then: Prefetch | None = None) -> torch.Tensor:
+def matvec_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     N, K = w.shape
     _check(x, w, K)
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     BN, BK, warps, stages = _config(N, K, x.element_size())
-    grid = triton.cdiv(N, BN)
-    pf, *pf_args, PF = _prefetch_args(then, grid, x.device)
-    _matvec_kernel[(grid,)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0), pf if PF else w,
-                            *pf_args, BT=MAX_ROWS, BN=BN, BK=BK, PF=PF, PF_LANES=PF_LANES,
-                            num_warps=warps, num_stages=stages)
+    _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0),
+                                          BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
     return y
 
 
-def matvec_swiglu_triton(x: torch.Tensor, w: torch.Tensor, then: Prefetch | None = None) -> torch.Tensor:
+def matvec_swiglu_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     N2, K = w.shape
     _check(x, w, K)
     assert N2 % 2 == 0, "w must stack the gate and up rows"
@@ -223,21 +146,16 @@ def matvec_swiglu_triton(x: torch.Tensor, w: torch.Tensor, then: Prefetch | None
     # two w tiles of half the rows per step; bf16 takes a deeper pipeline: 122.9 us for the 27B
     # gate|up on an H100, against 119.8 for the plain product and 124.8 with silu * up apart
     BN, stages = BN // 2, 6 if x.element_size() == 2 else stages
-    grid = triton.cdiv(N, BN)
-    pf, *pf_args, PF = _prefetch_args(then, grid, x.device)
-    _matvec_swiglu_kernel[(grid,)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0), pf if PF else w,
-                                   *pf_args, BT=MAX_ROWS, BN=BN, BK=BK, PF=PF, PF_LANES=PF_LANES,
-                                   num_warps=warps, num_stages=stages)
+    _matvec_swiglu_kernel[(triton.cdiv(N, BN),)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0),
+                                                 BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
     return y
 
 
-def matvec(x: torch.Tensor, w: torch.Tensor, then: Prefetch | None = None) -> torch.Tensor:
-    """x [T, K] @ w [N, K]ᵀ: the Triton kernel for CUDA tensors (warming L2 with `then`), the
-    float32 reference otherwise."""
-    return matvec_triton(x, w, then) if use_triton(x, w) else matvec_ref(x, w)
+def matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ w [N, K]ᵀ: the Triton kernel for CUDA tensors, the float32 reference otherwise."""
+    return matvec_triton(x, w) if use_triton(x, w) else matvec_ref(x, w)
 
 
-def matvec_swiglu(x: torch.Tensor, w: torch.Tensor, then: Prefetch | None = None) -> torch.Tensor:
-    """silu(x @ w_gateᵀ) * (x @ w_upᵀ) for w = [w_gate | w_up]: one kernel on CUDA (warming L2 with
-    `then`), the reference otherwise."""
-    return matvec_swiglu_triton(x, w, then) if use_triton(x, w) else matvec_swiglu_ref(x, w)
+def matvec_swiglu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """silu(x @ w_gateᵀ) * (x @ w_upᵀ) for w = [w_gate | w_up]: one kernel on CUDA, the reference otherwise."""
+    return matvec_swiglu_triton(x, w) if use_triton(x, w) else matvec_swiglu_ref(x, w)

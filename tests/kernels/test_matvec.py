@@ -88,31 +88,3 @@ def test_matvec_swiglu_27b_shapes_and_rows():
     check(y, matvec.matvec_swiglu_ref(x, w), 1e-2)
     assert torch.equal(y, torch.cat([matvec.matvec_swiglu(x[i:i + 1], w) for i in range(5)]))
 
-
-
-@pytest.mark.parametrize("shape,parts,nbytes,programs", [((5120, 6144), 1, 24 << 20, 80), ((34816, 5120), 2, 8 << 20, 544),
-                                                        ((100, 30), 1, 1 << 30, 7), ((64, 48), 2, 1000, 500),
-                                                        ((3, 5), 1, 17, 1)])
-def test_prefetch_layout(shape, parts, nbytes, programs):
-    w = torch.empty(shape, dtype=torch.bfloat16)
-    span, gap, chunk, progs = matvec.prefetch_layout(matvec.Prefetch(w, nbytes, parts), programs, sms=132)
-    part = w.numel() * 2 // parts
-    assert gap == part and span <= min(nbytes // parts, part) and span % 16 == 0 and span > min(nbytes // parts, part) - 16
-    assert chunk % 16 == 0 and chunk >= 16 and progs == min(programs, 132)
-    assert progs * matvec.PF_LANES * chunk >= span                  # every byte asked for is covered
-    assert (chunk - 16) * progs * matvec.PF_LANES < span              # and no chunk larger than it needs be
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("nbytes,parts", [(24 << 20, 1), (8 << 20, 2), (1000, 1), (1 << 34, 2)])
-def test_matvec_prefetch_changes_nothing(nbytes, parts):
-    # the L2 hint moves no data: both products give the same bits, and the next weight is untouched
-    g = torch.Generator().manual_seed(nbytes % 1000 + parts)
-    bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
-    x, w, nxt = randn(4, 5120, **bf16), randn(2 * 1000 + 3, 5120, **bf16, scale=0.02), randn(2 * 2048, 6144, **bf16)
-    before = nxt.clone()
-    then = matvec.Prefetch(nxt, nbytes, parts)
-    assert torch.equal(matvec.matvec(x, w, then), matvec.matvec(x, w))
-    assert torch.equal(matvec.matvec_swiglu(x, w[:2000], then), matvec.matvec_swiglu(x, w[:2000]))
-    torch.cuda.synchronize()
-    assert torch.equal(nxt, before)
