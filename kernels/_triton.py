@@ -2,6 +2,8 @@
 and the kernels' decorators are no-ops. The Triton paths are only taken for CUDA tensors."""
 from __future__ import annotations
 
+import functools
+import os
 import types
 
 import torch
@@ -17,10 +19,44 @@ except ImportError:
                                    next_power_of_2=lambda n: 1 << max(0, n - 1).bit_length())
     tl = None
 
-__all__ = ["triton", "tl"]
+__all__ = ["triton", "tl", "pdl", "pdl_start"]
 
 
 def use_triton(*tensors) -> bool:
     """The kernels serve CUDA tensors outside autograd (they have no backward); anything else, a
     CPU tensor or a forward that records gradients, takes the float32 torch reference."""
     return tensors[0].is_cuda and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+# Programmatic dependent launch (Hopper and later). A decode step is a chain of some 590 kernels,
+# half of them small (norms, conv, recurrence, attention) between the weight-streaming products.
+# Launched in order, each waits for its predecessor to end before its programs are even placed;
+# launched with PDL, a kernel's programs are placed as soon as the previous kernel's have all
+# started, and wait (griddepcontrol.wait) for its results before reading or writing anything. Every
+# step kernel starts with `pdl_start`, so a kernel that passes its wait knows that all before it
+# have ended, and the launch latency of each kernel hides behind the one before.
+
+@functools.cache
+def _pdl_device(index: int) -> bool:
+    return (tl is not None and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and torch.cuda.get_device_capability(index) >= (9, 0))
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """Launch options for a kernel that begins with `pdl_start`: {"PDL": True, "launch_pdl": True}
+    for CUDA tensors on Hopper or later, {"PDL": False} elsewhere (CPU, the interpreter, Ampere)."""
+    if t.is_cuda and _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+if tl is not None:
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """Let the next kernel's programs be placed, then wait until the previous kernel has ended
+        and its writes are visible. First in every step kernel, before any load, store or return."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+else:
+    pdl_start = None

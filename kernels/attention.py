@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpchat.kernels._triton import tl, triton, use_triton
+from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -41,7 +41,8 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def _attn_split_kernel(q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale,
                        s_qt, s_qh, s_kl, s_kh, s_vl, s_vh,
                        HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     i_s, i_kv, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b_start = tl.load(start)
     lo = i_s * SPLIT
@@ -82,9 +83,10 @@ def _attn_split_kernel(q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale,
 @triton.jit(do_not_specialize=["T"])
 def _attn_combine_kernel(start, ws_m, ws_l, ws_o, gate, out, T, s_gt, s_gh, s_ot, s_oh,
                          HQ: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BS: tl.constexpr,
-                         HAS_GATE: tl.constexpr):
+                         HAS_GATE: tl.constexpr, PDL: tl.constexpr):
     # One program per (token, query head); spans are folded BS at a time into BS lanes, then the
     # lanes are summed: a fixed order for a given number of spans, which depends on the row alone.
+    pdl_start(PDL)
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_d = tl.arange(0, D)
     n_spans = (tl.load(start) + i_t) // SPLIT + 1               # the spans holding keys 0..start+t
@@ -146,12 +148,12 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _attn_split_kernel[(spans, Hkv, triton.cdiv(T * group, BM))](
         q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HQ=Hq, GROUP=group, D=D, BM=BM, BN=BN, SPLIT=split, num_warps=warps, num_stages=stages)
+        HQ=Hq, GROUP=group, D=D, BM=BM, BN=BN, SPLIT=split, num_warps=warps, num_stages=stages, **pdl(q))
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     g = gate if gate is not None else out
     _attn_combine_kernel[(T, Hq)](start, ws_m, ws_l, ws_o, g, out, T, g.stride(0), g.stride(1), out.stride(0),
                                   out.stride(1), HQ=Hq, D=D, SPLIT=split, BS=16, HAS_GATE=gate is not None,
-                                  num_warps=4)
+                                  num_warps=4, **pdl(q))
     return out
 
 

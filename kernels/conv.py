@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtpchat.kernels._triton import tl, triton, use_triton
+from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 
 
 def conv_update_ref(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor,
@@ -40,10 +40,12 @@ def conv_update_ref(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weigh
 
 @triton.jit(do_not_specialize=["T"])
 def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
-                        K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, HAS_LIVE: tl.constexpr):
+                        K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, HAS_LIVE: tl.constexpr,
+                        PDL: tl.constexpr):
     # One program per (BC channels, BT tokens). Only the first token block reads the committed
     # window, and only it rewrites the front of the buffer, after its own reads: no other program
     # touches the buffer, so there is no ordering to arrange between programs.
+    pdl_start(PDL)
     i_c, i_t = tl.program_id(0), tl.program_id(1)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
@@ -95,7 +97,7 @@ def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, we
     BC, BT = 64, 16
     _conv_update_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](
         x, buf, off, live if live is not None else off, weight, y, T, C, buf.shape[1], x.stride(0), y.stride(0),
-        buf.stride(0), K=K, BC=BC, BT=BT, HAS_LIVE=live is not None, num_warps=4)
+        buf.stride(0), K=K, BC=BC, BT=BT, HAS_LIVE=live is not None, num_warps=4, **pdl(x))
     return y
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtpchat.kernels._triton import tl, triton, use_triton
+from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 
 
 def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
@@ -64,9 +64,10 @@ def recurrent_ref(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch
 def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, ring, slot, live, o, T, scale,
                       s_q, s_k, s_v, s_a, s_b, s_o, s_ring,
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                      HAS_LIVE: tl.constexpr):
+                      HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
     # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
     # stays in registers across the T tokens; the gates and the q/k l2norm are computed here.
+    pdl_start(PDL)
     i_h, i_v = tl.program_id(0), tl.program_id(1)
     i_kh = i_h // GROUP
     o_k = tl.arange(0, DK)
@@ -120,7 +121,7 @@ def recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: to
     _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
         q, k, v, a, b, A_log, dt_bias, ring, slot, live if live is not None else slot, o, T, DK ** -0.5, q.stride(0), k.stride(0), v.stride(0),
         a.stride(0), b.stride(0), o.stride(0), ring.stride(0), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV,
-        HAS_LIVE=live is not None, num_warps=1)
+        HAS_LIVE=live is not None, num_warps=1, **pdl(q))
     return o
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtpchat.kernels._triton import tl, triton, use_triton
+from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 
 MAX_ROWS = 16
 
@@ -35,7 +35,8 @@ def matvec_swiglu_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["T"])
 def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
-                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     i_n = tl.program_id(0)
     o_n = i_n * BN + tl.arange(0, BN)
     o_t = tl.arange(0, BT)
@@ -53,7 +54,8 @@ def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
 
 @triton.jit(do_not_specialize=["T"])
 def _matvec_swiglu_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
-                          BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                          BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     # The program for output columns n reads the gate rows n and the up rows N + n of w together.
     i_n = tl.program_id(0)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -132,7 +134,7 @@ def matvec_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     BN, BK, warps, stages = _config(N, K, x.element_size())
     _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0),
-                                          BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+                                          BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages, **pdl(x))
     return y
 
 
@@ -147,7 +149,8 @@ def matvec_swiglu_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # gate|up on an H100, against 119.8 for the plain product and 124.8 with silu * up apart
     BN, stages = BN // 2, 6 if x.element_size() == 2 else stages
     _matvec_swiglu_kernel[(triton.cdiv(N, BN),)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0),
-                                                 BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+                                                 BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages,
+                                                 **pdl(x))
     return y
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtpchat.kernels._triton import tl, triton, use_triton
+from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,7 +39,8 @@ def gated_rmsnorm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, ep
 
 @triton.jit
 def _rmsnorm_kernel(x, r, w, y, h, B, D, eps, s_x0, s_x1, s_r0, s_r1, s_y0, s_y1, s_h0, s_h1,
-                    BD: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                    BD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     i_r = tl.program_id(0)
     i_a, i_b = i_r // B, i_r % B
     o_d = tl.arange(0, BD)
@@ -57,7 +58,8 @@ def _rmsnorm_kernel(x, r, w, y, h, B, D, eps, s_x0, s_x1, s_r0, s_r1, s_y0, s_y1
 
 
 @triton.jit
-def _gated_rmsnorm_kernel(x, z, w, y, B, D, eps, s_x0, s_x1, s_z0, s_z1, s_y0, s_y1, BD: tl.constexpr):
+def _gated_rmsnorm_kernel(x, z, w, y, B, D, eps, s_x0, s_x1, s_z0, s_z1, s_y0, s_y1, BD: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     i_r = tl.program_id(0)
     i_a, i_b = i_r // B, i_r % B
     o_d = tl.arange(0, BD)
@@ -100,7 +102,7 @@ def _rmsnorm_launch(x, residual, weight, eps):
     BD, warps = _launch_params(D)
     _rmsnorm_kernel[(A * B,)](x3, r3, weight, y3, h3, B, D, eps, x3.stride(0), x3.stride(1),
                               r3.stride(0), r3.stride(1), y3.stride(0), y3.stride(1), h3.stride(0),
-                              h3.stride(1), BD=BD, HAS_RESIDUAL=residual is not None, num_warps=warps)
+                              h3.stride(1), BD=BD, HAS_RESIDUAL=residual is not None, num_warps=warps, **pdl(x))
     return y, h
 
 
@@ -123,7 +125,7 @@ def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     BD, warps = _launch_params(D)
     _gated_rmsnorm_kernel[(x3.shape[0] * B,)](x3, z3, weight, y3, B, D, eps, x3.stride(0), x3.stride(1),
                                                z3.stride(0), z3.stride(1), y3.stride(0), y3.stride(1),
-                                               BD=BD, num_warps=warps)
+                                               BD=BD, num_warps=warps, **pdl(x))
     return y
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpchat.kernels._triton import tl, triton, use_triton
+from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.norm import rmsnorm_ref
 
 
@@ -74,8 +74,9 @@ def _norm_rope_row(p_x, w, p_o, b_pos, inv_freq, eps,
 def _qkv_norm_rope_kernel(q, k, v, q_w, k_w, pos, inv_freq, q_out, k_cache, v_cache, eps,
                           s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_kc, s_kch, s_vc, s_vch,
                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                          BD: tl.constexpr, BH: tl.constexpr):
+                          BD: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
     # One program per (token, head) over the q heads, then the k heads, then the v heads.
+    pdl_start(PDL)
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     b_pos = tl.load(pos + i_t)
     if i_h < HQ:
@@ -109,7 +110,7 @@ def qkv_norm_rope_triton(q, k, v, q_weight, k_weight, positions, inv_freq, eps, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HQ=Hq, HKV=Hkv, D=D, HALF=half, BD=triton.next_power_of_2(D), BH=triton.next_power_of_2(half),
-        num_warps=1 if D <= 256 else 2)
+        num_warps=1 if D <= 256 else 2, **pdl(q))
     return out
 
 
