@@ -13,8 +13,6 @@ hold, so row i of a T-row call is bit-for-bit the 1-row call of row i.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -36,37 +34,22 @@ def matvec_swiglu_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["T"])
-def _matvec_kernel(x, w, y, ws, count, T, N, K, KS, s_x, s_w, s_y,
-                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr):
-    # program (i_n, i_s): output columns i_n*BN.., over K split s (KS columns, a multiple of BK)
+def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
+                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
-    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    i_n = tl.program_id(0)
     o_n = i_n * BN + tl.arange(0, BN)
     o_t = tl.arange(0, BT)
     m_n, m_t = o_n < N, o_t < T
     b_y = tl.zeros([BN, BT], dtype=tl.float32)
-    for k in range(i_s * KS, tl.minimum(i_s * KS + KS, K), BK):
+    for k in range(0, K, BK):
         o_k = k + tl.arange(0, BK)
         m_k = o_k < K
         b_w = tl.load(w + o_n[:, None] * s_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
         b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
         # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
         b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
-    m_y = m_n[:, None] & m_t[None, :]
-    if S > 1:
-        # each split leaves its float32 partial in ws [S, BT, N]; the program that finishes its
-        # column block last adds the S partials in split order (whatever the order they came in)
-        o_ws = (o_t[None, :] * N + o_n[:, None])
-        tl.store(ws + i_s * BT * N + o_ws, b_y, mask=m_y)
-        tl.debug_barrier()                                   # every thread's partial is stored ...
-        if tl.atomic_add(count + i_n, 1, sem="acq_rel") == S - 1:   # ... before the count says so
-            b_y = tl.zeros([BN, BT], dtype=tl.float32)
-            for s in tl.static_range(S):
-                b_y += tl.load(ws + s * BT * N + o_ws, mask=m_y, other=0., cache_modifier=".cg")
-            tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(y.dtype.element_ty), mask=m_y)
-            tl.store(count + i_n, 0)                         # ready for the next product
-    else:
-        tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(y.dtype.element_ty), mask=m_y)
+    tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(y.dtype.element_ty), mask=m_n[:, None] & m_t[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -145,54 +128,13 @@ def _check(x: torch.Tensor, w: torch.Tensor, K: int):
     assert x.dtype == w.dtype, "x and w must share a dtype"
 
 
-MAX_SPLITS = 3
-
-
-def _splits(N: int, K: int, BN: int, BK: int, device: torch.device) -> int:
-    """How many parts K is split into: 1, unless the N/BN column blocks would leave SMs without a
-    program (the 5120-row products of a 27B model: 80 blocks on 132 SMs); then up to MAX_SPLITS,
-    each at least 8 tiles of K. A function of the shapes alone, never of T."""
-    if device.type != "cuda" or triton.cdiv(N, BN) >= _sms(device):
-        return 1
-    return max(1, min(MAX_SPLITS, K // (8 * BK)))
-
-
-@functools.cache
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-_split_buffers: dict = {}
-
-
-def _split_workspace(device: torch.device, S: int, N: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ws, count): float32 partials [S, MAX_ROWS, N] and per-column-block arrival counts, made once
-    per device and grown as needed, never while a CUDA graph is being captured. The counts return
-    to zero after each product, so every product (they run one at a time) shares them."""
-    ws, count = _split_buffers.get(device, (None, None))
-    if ws is None or ws.numel() < S * MAX_ROWS * N or count.numel() < blocks:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "matvec: split-K buffers must be made before graph capture (run the product once eagerly)"
-        size = max(S * MAX_ROWS * N, ws.numel() if ws is not None else 0)
-        ws = torch.empty(size, dtype=torch.float32, device=device)
-        count = torch.zeros(max(blocks, 256, count.numel() if count is not None else 0), dtype=torch.int32,
-                            device=device)
-        _split_buffers[device] = ws, count
-    return ws, count
-
-
-def matvec_triton(x: torch.Tensor, w: torch.Tensor, splits: int | None = None) -> torch.Tensor:
-    """`splits` overrides _splits (tests)."""
+def matvec_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     N, K = w.shape
     _check(x, w, K)
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     BN, BK, warps, stages = _config(N, K, x.element_size())
-    S = splits or _splits(N, K, BN, BK, x.device)
-    KS = triton.cdiv(triton.cdiv(K, S), BK) * BK
-    S, blocks = triton.cdiv(K, KS), triton.cdiv(N, BN)
-    ws, count = _split_workspace(x.device, S, N, blocks) if S > 1 else (y, y)
-    _matvec_kernel[(blocks, S)](x, w, y, ws, count, x.shape[0], N, K, KS, x.stride(0), w.stride(0), y.stride(0),
-                                BT=MAX_ROWS, BN=BN, BK=BK, S=S, num_warps=warps, num_stages=stages, **pdl(x))
+    _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0),
+                                          BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages, **pdl(x))
     return y
 
 

@@ -1,7 +1,6 @@
-"""What programmatic dependent launch (kernels/_triton.py) and split-K for the products of few
-column blocks (kernels/matvec.py) buy: the decode step (verify 0), verify 3 and a 3-token draft,
-each captured once per variant and replayed in interleaved rounds, on random weights of an
-official shape. Variants without split-K must give the same logits bit for bit.
+"""What programmatic dependent launch (kernels/_triton.py) buys: the decode step (verify 0),
+verify 3 and a 3-token draft, each captured with PDL and without and replayed in interleaved
+rounds, on random weights of an official shape; the logits must be the same bits.
 
     python3 bench_pdl.py --model qwen3.6-27b --json out.json
 """
@@ -18,7 +17,7 @@ from mtpchat.engine import bench
 from mtpchat.engine.bench import random_prompt
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.engine import Engine
-from mtpchat.kernels import _triton, matvec
+from mtpchat.kernels import _triton
 from mtpchat.engine.sampling import SamplingParams
 
 CONFIGS = Path(bench.__file__).parent / "configs"
@@ -44,14 +43,12 @@ def main():
             t.copy_(s)
 
     phases = {"verify 0": lambda: d.verify(0), "verify 3": lambda: d.verify(3), "draft 3": lambda: d.draft(3)}
-    on, splits = _triton._pdl_device, matvec.MAX_SPLITS
-    off = lambda index: False
-    plans = {"off": (off, 1), "pdl": (on, 1), "pdl+split2": (on, 2), "pdl+split3": (on, 3), "pdl+split4": (on, 4),
-             "split3": (off, 3)}
+    on = _triton._pdl_device
+    plans = {"off": lambda index: False, "pdl": on}
     graphs, logits = {}, {}
     pool = torch.cuda.graph_pool_handle()
-    for name, (pdl_device, max_splits) in plans.items():
-        _triton._pdl_device, matvec.MAX_SPLITS = pdl_device, max_splits   # what pdl() and _splits() read
+    for name, plan in plans.items():
+        _triton._pdl_device = plan                 # what kernels/_triton.pdl() asks
         for phase, fn in phases.items():
             restore()
             fn()                                   # compiles this plan's kernels
@@ -64,7 +61,7 @@ def main():
         restore()
         graphs[name, "verify 0"].replay()
         logits[name] = d.v_logits[:1].clone()
-    _triton._pdl_device, matvec.MAX_SPLITS = on, splits
+    _triton._pdl_device = on
     same = {name: bool(torch.equal(logits[name], logits["off"])) for name in plans} if "off" in plans else {}
     times = {key: [] for key in graphs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -83,7 +80,7 @@ def main():
         row = {phase: statistics.median(times[name, phase]) for phase in phases}
         out["ms"][name] = row
         rel = "  ".join(f"{ph} {ms:7.3f} ms" + (f" ({ms / base[ph]:.4f})" if base else "") for ph, ms in row.items())
-        print(f"{name:>10}: {rel}  same logits: {same.get(name)}", flush=True)
+        print(f"{name:>4}: {rel}  same logits: {same.get(name)}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
 

@@ -88,31 +88,3 @@ def test_matvec_swiglu_27b_shapes_and_rows():
     check(y, matvec.matvec_swiglu_ref(x, w), 1e-2)
     assert torch.equal(y, torch.cat([matvec.matvec_swiglu(x[i:i + 1], w) for i in range(5)]))
 
-
-
-@pytest.mark.parametrize("splits", [2, 3])
-@pytest.mark.parametrize("T,N,K", [(1, 100, 777), (5, 70, 1000), (3, 33, 300)])
-def test_matvec_split_k(device, T, N, K, splits):
-    # K in `splits` parts, the partials added by whichever program of a column block ends last
-    g = torch.Generator().manual_seed(N * K + splits)
-    x, w = randn(matvec.MAX_ROWS, K, device=device, gen=g), randn(N, K, device=device, gen=g)
-    y = matvec.matvec_triton(x[:T], w, splits=splits)
-    check(y, matvec.matvec_ref(x[:T], w), TOL[torch.float32])
-    ones = torch.cat([matvec.matvec_triton(x[i:i + 1], w, splits=splits) for i in range(T)])
-    assert torch.equal(y, ones)                                    # rows do not depend on T
-    assert torch.equal(y, matvec.matvec_triton(x[:T], w, splits=splits))   # nor on arrival order
-    assert not matvec._split_buffers[y.device][1].any()            # the counts are back at zero
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("N,K", [(5120, 17408), (5120, 6144), (5120, 10240)])
-def test_matvec_split_27b_shapes(N, K):
-    # the 5120-row products split K on an H100 (80 column blocks < 132 SMs)
-    g = torch.Generator().manual_seed(K)
-    bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
-    x, w = randn(matvec.MAX_ROWS, K, **bf16), randn(N, K, **bf16)
-    assert matvec._splits(N, K, 64, 256, x.device) > 1
-    y = matvec.matvec(x, w)
-    check(y, matvec.matvec_ref(x, w), 1e-2)
-    for T in (1, 2, 5):
-        assert torch.equal(matvec.matvec(x[:T], w), y[:T]), f"T={T}"
