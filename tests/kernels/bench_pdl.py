@@ -29,6 +29,8 @@ def main():
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--room", type=int, default=1 << 20,
+                   help="tokens the generation may still emit: 0 replays ended steps, which write no GDN state")
     p.add_argument("--json")
     a = p.parse_args()
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
@@ -36,10 +38,11 @@ def main():
     d = engine.decoder
     for _ in engine.generate(random_prompt(engine, a.context, 1), SamplingParams(max_tokens=2, stop_token_ids=())):
         pass
-    save = [t.clone() for t in (d.pos, d.state.slot, d.state.conv_off, d.pend_n)]
+    d.room.fill_(a.room)
+    save = [t.clone() for t in (d.pos, d.state.slot, d.state.conv_off, d.pend_n, d.room)]
 
     def restore():
-        for t, s in zip((d.pos, d.state.slot, d.state.conv_off, d.pend_n), save):
+        for t, s in zip((d.pos, d.state.slot, d.state.conv_off, d.pend_n, d.room), save):
             t.copy_(s)
 
     phases = {"verify 0": lambda: d.verify(0), "verify 3": lambda: d.verify(3), "draft 3": lambda: d.draft(3)}

@@ -78,9 +78,11 @@ def main():
     def replay(key):
         return lambda: runner.graphs[key].replay()
 
-    save = [t.clone() for t in (d.pos, d.state.slot, d.state.conv_off)]
+    # a live generation (room left), so the steps write their GDN state as they do in a reply
+    d.room.fill_(1 << 20)
+    save = [t.clone() for t in (d.pos, d.state.slot, d.state.conv_off, d.room)]
     def restore():
-        for t, s in zip((d.pos, d.state.slot, d.state.conv_off), save):
+        for t, s in zip((d.pos, d.state.slot, d.state.conv_off, d.room), save):
             t.copy_(s)
 
     for key in (("verify", 0), ("verify", 3), ("draft", 3)):
