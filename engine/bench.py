@@ -156,7 +156,7 @@ def run(engine, context: int = 1024, tokens: int = 128, ks=(1, 2, 3, 4), ttft=(5
     out["exactness"] = {"prompts": exactness_prompts, "tokens": exactness_tokens, "ks": list(ks),
                         "mismatches": mismatches}
     if engine.device.type == "cuda":
-        # everything the run ever held beyond the weights: state, ring, graph pools, prefill activations
+        # everything the run ever held beyond the weights: state, graph pools, prefill activations
         out["peak_beyond_weights"] = torch.cuda.max_memory_allocated() - engine.memory()["weights"]
         out["max_context"] = engine.max_context
     return out

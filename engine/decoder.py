@@ -10,8 +10,9 @@ roll back the state on the device. Positions follow qwen35-model.md §6:
   then chains d_2..d_k on the head's own output.
 - The verify feeds [x_L, d_1..d_k] at L..L+k; of the a+1 accepted tokens the step emits n: up to
   and including the first stop id, and no more than `room` (what the token limit and the context
-  leave). It commits them on the device: ring slot n-1, conv offset n, L += n, next token, pending
-  rows = the verified rows. A stop id or an exhausted room sets `room` to 0, after which a step
+  leave). It commits them on the device: conv offset n, GDN fold n (the next step folds those
+  tokens into the recurrent states first; engine/state.py), L += n, next token, pending rows = the
+  verified rows. A stop id or an exhausted room sets `room` to 0, after which a step
   emits nothing and writes no state (the conv and recurrent kernels read `room` as their `live`
   flag; the other writes land past the committed rows).
 - So the host never has to intervene: it can launch step s+1 before it reads step s (a CUDA
@@ -57,7 +58,7 @@ class Launched:
 class Decoder:
     def __init__(self, model, head, state, prefill_chunk: int):
         self.model, self.head, self.state, self.prefill_chunk = model, head, state, prefill_chunk
-        c, dev, R = model.c, state.slot.device, state.k_max + 1
+        c, dev, R = model.c, state.fold.device, state.k_max + 1
         self.device, self.R = dev, R
         long = lambda *n: torch.zeros(*n, dtype=torch.long, device=dev)
         self.pos, self.next_tok, self.pend_n = long(1), long(1), long(1)
@@ -99,13 +100,15 @@ class Decoder:
             positions = torch.arange(start, start + T, device=self.device)
         else:
             positions = start + torch.arange(T, device=self.device)
-        return Ctx(positions, start, step, self.state.conv_off, self.state.slot, self.room if step else None)
+        return Ctx(positions, start, step, self.state.conv_off, self.state.fold, self.state.parity,
+                   self.room if step else None)
 
     # --- prefill (eager: its shapes vary) ------------------------------------------------------
     def prefill(self, ids: list[int], keep_all: bool = False) -> torch.Tensor:
         """Feed `ids` after the committed tokens, in chunks; the head follows over every row whose
         next token is known. Returns the last hidden, or every hidden with keep_all."""
         self._flush_pending(keep_last=False)
+        self.state.fold_pending()                                  # the chunked form starts from the state
         kept = []
         for s in range(0, len(ids), self.prefill_chunk):
             chunk, L = ids[s:s + self.prefill_chunk], self.state.length
@@ -198,7 +201,7 @@ class Decoder:
 
     def accept(self, k: int, params: SamplingParams, generator):
         """Accept on the device; emit n of the a+1 accepted tokens (up to the first stop id, within
-        `room`) and commit them: ring slot, conv offset, length, next token, pending rows. With
+        `room`) and commit them: GDN fold, conv offset, length, next token, pending rows. With
         `room` 0 (the generation has ended) n is 0 and nothing changes."""
         logits, drafts = self.v_logits[:k + 1], self.drafts[:k]
         if k == 0:
@@ -212,7 +215,8 @@ class Decoder:
         stop_at = torch.where(self.is_stop[out] & (idx <= a), idx, k + 1).min().view(1)
         n = torch.minimum(torch.minimum(a, stop_at) + 1, self.room)
         live = n > 0
-        self.state.slot.copy_(torch.where(live, n - 1, self.state.slot))
+        self.state.fold.copy_(torch.where(live, n, self.state.fold))          # the next step folds n tokens in
+        self.state.parity.copy_(torch.where(live, 1 - self.state.parity, self.state.parity))
         self.state.conv_off.copy_(torch.where(live, n, self.state.conv_off))
         self.pos.add_(n)
         self.gen.add_(n)

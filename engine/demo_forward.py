@@ -90,7 +90,7 @@ def engine_forward(model: Model, head: MTPHead, ids: torch.Tensor):
     """`batched`'s contract for one sequence [T+2], through the engine's own forward and caches."""
     c, T = model.c, ids.shape[0] - 2
     state = DecodeState(c, T, 1, ids.device, torch.float32, mtp=True)
-    ctx = lambda n: Ctx(torch.arange(n, device=ids.device), 0, False, state.conv_off, state.slot)
+    ctx = lambda n: Ctx(torch.arange(n, device=ids.device), 0, False, state.conv_off, state.fold, state.parity)
     h = model(ids[:T], state.layers, ctx(T))
     out1 = head(model.embed, ids[1:T + 1], h, state.mtp, ctx(T))
     # the chained pass, with a KV cache of its own; attention is relative, so positions from 0 do

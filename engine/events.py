@@ -16,7 +16,7 @@ class PhaseTimes:
     """Milliseconds spent in each phase of one step (0.0 where the phase did not run)."""
     draft: float = 0.0
     verify: float = 0.0     # the target forward (decode when MTP is off)
-    accept: float = 0.0     # acceptance, bonus token, commit of lengths and ring slot
+    accept: float = 0.0     # acceptance, bonus token, commit of lengths and of the GDN fold
     host: float = 0.0       # the device-to-host copy and the bookkeeping on the host
 
     @property

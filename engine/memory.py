@@ -10,8 +10,9 @@ What each part counts (27B numbers in bf16, see qwen35-model.md §9):
   kv         K and V of the main full-attention layers for max_context tokens (plus the k_max+1
              rows a verify step may write past the end): 64 KiB/token
   mtp_kv     the same for the MTP layer(s): 4 KiB/token
-  gdn_state  per GDN layer a conv window of K-1 + k_max+1 columns in the model dtype and a
-             float32 recurrent state in k_max+1 ring slots; 146.8 MiB without the ring
+  gdn_state  per GDN layer a conv window of K-1 + k_max+1 columns in the model dtype, a float32
+             recurrent state, and the tokens of the last step as the recurrence used them (two
+             halves of k_max+1 tokens x Hv x (dk + dv + 2) floats); 146.8 MiB for the state alone
   graph_pool activations of the captured decode / verify / draft steps (an estimate)
   workspace  prefill activations for one chunk and the float32 logits of a verify step (an estimate)
 """
@@ -100,12 +101,14 @@ def gdn_state_bytes(cfg: ModelConfig, dtype="bfloat16") -> int:
     return len(cfg.linear_layers) * (conv + ssm)
 
 
-def gdn_ring_bytes(cfg: ModelConfig, dtype="bfloat16", k_max: int = 0) -> int:
-    """What the engine allocates for it: a conv window of K-1 history columns plus room for the
-    k_max+1 tokens of a verify step, and k_max+1 recurrent-state slots (the snapshot ring)."""
+def gdn_step_state_bytes(cfg: ModelConfig, dtype="bfloat16", k_max: int = 0) -> int:
+    """What the engine allocates for it (engine/state.py): a conv window of K-1 history columns
+    plus room for the k_max+1 tokens of a verify step, one float32 recurrent state, and the last
+    step's tokens kept for folding in (2 x (k_max+1) x Hv x (dk + dv + 2) float32)."""
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     conv = (cfg.linear_conv_kernel_dim + k_max) * cfg.conv_dim * dtype_bytes(dtype)
-    ssm = (k_max + 1) * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    return len(cfg.linear_layers) * (conv + ssm)
+    pend = 2 * (k_max + 1) * hv * (dk + dv + 2) * 4
+    return len(cfg.linear_layers) * (conv + hv * dk * dv * 4 + pend)
 
 
 def _activation_bytes_per_token(cfg: ModelConfig, dtype) -> int:
@@ -161,9 +164,9 @@ class MemoryPlan:
 def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloat16",
                 mtp: bool = True, cuda_graphs: bool = True,
                 prefill_chunk: int = PREFILL_CHUNK) -> MemoryPlan:
-    """The plan for one sequence of up to max_context tokens, with a snapshot ring for up to k_max
-    drafts per step. `mtp` says whether the MTP head is loaded (its weights, KV and the graphs of
-    the speculative steps); the ring is allocated either way, as the engine does."""
+    """The plan for one sequence of up to max_context tokens, with room for up to k_max drafts per
+    step. `mtp` says whether the MTP head is loaded (its weights, KV and the graphs of the
+    speculative steps); the GDN step state is the same either way, as the engine allocates it."""
     mtp = mtp and cfg.has_mtp
     nbytes = dtype_bytes(dtype)
     act = _activation_bytes_per_token(cfg, dtype)
@@ -176,7 +179,7 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloa
         weights=(text_params(cfg) + (mtp_params(cfg) if mtp else 0)) * nbytes,
         kv=kv_bytes_per_token(cfg, dtype) * rows,
         mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * rows if mtp else 0,
-        gdn_state=gdn_ring_bytes(cfg, dtype, k_max),
+        gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
         graph_pool=sum(rows * act + _logits_bytes(cfg, rows) for rows in shapes) if cuda_graphs else 0,
         workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes)),
         max_context=max_context, k_max=k_max, mtp=mtp, dtype=str(dtype).removeprefix("torch."),
@@ -210,10 +213,10 @@ def fmt_bytes(n: int) -> str:
 def describe(plan: MemoryPlan) -> list[str]:
     """The plan as aligned lines for a terminal."""
     rows = [("weights", plan.weights), ("KV cache", plan.kv), ("MTP KV cache", plan.mtp_kv),
-            ("GDN state + ring", plan.gdn_state), ("graph pools", plan.graph_pool),
+            ("GDN state", plan.gdn_state), ("graph pools", plan.graph_pool),
             ("workspace", plan.workspace), ("headroom", plan.headroom), ("total", plan.needed)]
     lines = [f"  {name:<18}{fmt_bytes(n):>10}" for name, n in rows]
-    drafts = f"ring for up to {plan.k_max} drafts" if plan.mtp else "MTP off"
+    drafts = f"up to {plan.k_max} drafts a step" if plan.mtp else "MTP off"
     lines.insert(0, f"memory plan: {plan.dtype}, context {plan.max_context:,} tokens, {drafts}, "
                     f"{fmt_bytes(plan.bytes_per_token)} per token")
     return lines

@@ -3,9 +3,9 @@ SwiGLU MLP, then a final RMSNorm and the lm_head. Facts and formulas: qwen35-mod
 
 Every forward works on one sequence of T new tokens over preallocated state (engine/state.py):
 - prefill (`ctx.step` False): GDN in chunked form, attention through SDPA;
-- decode / verify (`ctx.step` True, T = 1..k_max+1): the GDN recurrence writing a state snapshot
-  per token into the ring, attention row by row, and every product row by row, so a row's result
-  does not depend on T (greedy MTP on == MTP off).
+- decode / verify (`ctx.step` True, T = 1..k_max+1): the GDN recurrence (the last step's accepted
+  tokens folded into the state first: one state written a step, whatever T), attention row by row,
+  and every product row by row, so a row's result does not depend on T (greedy MTP on == MTP off).
 Projections are stored fused (weights.py fills them): GDN [qkv | z | b | a], attention
 [q+gate | k | v], MLP [gate | up].
 """
@@ -34,7 +34,8 @@ class Ctx:
     start: int | torch.Tensor # positions[0]: tokens already in the KV cache (a [1] tensor in steps)
     step: bool                # decode/verify (recurrence + snapshots) rather than prefill
     conv_off: torch.Tensor    # [1] long: committed conv window offset
-    slot: torch.Tensor        # [1] long: committed recurrent-state ring slot
+    fold: torch.Tensor        # [1] long: the last step's accepted tokens, to fold into the GDN states
+    parity: torch.Tensor      # [1] long: which half of the GDN pend buffers holds them
     live: torch.Tensor | None = None   # [1] long, steps: 0 once the generation has ended (write no state)
 
 
@@ -145,17 +146,18 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
         c, T = self.c, x.shape[0]
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        conv_buf, ring = cache
+        conv_buf, state, pend = cache
         mixed, z, b, a = linear(x, self.in_proj, ctx.step).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
         mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live)   # pre-conv in, silu out
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
         if ctx.step:
-            o = gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, ring, ctx.slot, ctx.live)
+            o = gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, state, pend, ctx.fold, ctx.parity, ctx.live)
         else:
-            start_state = ring.index_select(0, ctx.slot)[0]
-            o, end_state = gdn.chunk(q, k, v, a, b, self.A_log, self.dt_bias, start_state)
-            ring.index_copy_(0, ctx.slot, end_state[None])
+            # a prefill starts from the state itself (DecodeState.fold_pending ran before it); a copy,
+            # since the state is overwritten below and a training forward may still need it
+            o, end_state = gdn.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state.clone())
+            state.copy_(end_state)
         o = norm.gated_rmsnorm(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
         return linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step)
 

@@ -2,18 +2,21 @@
 
 - full attention: K and V caches [max_context, Hkv, D]; rollback = a length that does not advance.
 - GDN: a conv window [conv_dim, K-1 + k_max+1] (model dtype) whose committed K-1 columns start at
-  `conv_off`, and a ring of k_max+1 recurrent-state slots [Hv, dk, dv] (float32) of which `slot` is
-  the committed one. A verify of T tokens writes the state after its t-th token into slot t, so
-  accepting n tokens commits slot n-1 and conv offset n: no copy, no recompute.
+  `conv_off`; the recurrent state [Hv, dk, dv] (float32) before the last step's tokens, and those
+  tokens as the recurrence used them (pend [2, k_max+1, Hv, dk+dv+2], the last step's in half
+  `parity`). Accepting n tokens commits conv offset n and `fold` n: the next step folds those n
+  into the state before its own tokens (kernels/gdn.py), so a verify of T tokens writes one state,
+  not T, and nothing is copied or recomputed at acceptance.
 - the MTP head's own K and V caches.
-`conv_off` and `slot` are device tensors shared by all GDN layers; `length` (committed tokens) is
-mirrored on the host.
+`conv_off`, `fold` and `parity` are device tensors shared by all GDN layers; `length` (committed
+tokens) is mirrored on the host.
 """
 from __future__ import annotations
 
 import torch
 
 from mtpchat.engine.config import ModelConfig
+from mtpchat.kernels import gdn
 
 
 class DecodeState:
@@ -23,26 +26,45 @@ class DecodeState:
         rows = max_context + k_max + 1    # a step may write up to k_max+1 rows past the last position
         kv = lambda: (torch.zeros(rows, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype),
                       torch.zeros(rows, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype))
-        gdn = lambda: (torch.zeros(c.conv_dim, self.conv_width, device=device, dtype=dtype),
-                       torch.zeros(k_max + 1, c.linear_num_value_heads, c.linear_key_head_dim,
-                                   c.linear_value_head_dim, device=device, dtype=torch.float32))
+        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        gdn_state = lambda: (torch.zeros(c.conv_dim, self.conv_width, device=device, dtype=dtype),
+                             torch.zeros(hv, dk, dv, device=device, dtype=torch.float32),
+                             torch.zeros(2, k_max + 1, hv, gdn.pending_width(dk, dv), device=device,
+                                         dtype=torch.float32))
         self.kernel = c.linear_conv_kernel_dim
-        self.layers = [kv() if kind == "full_attention" else gdn() for kind in c.layer_types]
+        self.layers = [kv() if kind == "full_attention" else gdn_state() for kind in c.layer_types]
         self.gdn_layers = [cache for kind, cache in zip(c.layer_types, self.layers) if kind != "full_attention"]
         self.kv_layers = [cache for kind, cache in zip(c.layer_types, self.layers) if kind == "full_attention"]
         self.mtp = kv() if mtp else None
         self.conv_off = torch.zeros(1, dtype=torch.long, device=device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.fold = torch.zeros(1, dtype=torch.long, device=device)
+        self.parity = torch.zeros(1, dtype=torch.long, device=device)
         self.length = 0
 
     def reset(self):
         """Forget the sequence: zero the GDN states (the KV caches are masked by length)."""
-        for conv_buf, ring in self.gdn_layers:
-            conv_buf.zero_()
-            ring.zero_()
-        self.conv_off.zero_()
-        self.slot.zero_()
+        for layer in self.gdn_layers:
+            for t in layer:
+                t.zero_()
+        for t in (self.conv_off, self.fold, self.parity):
+            t.zero_()
         self.length = 0
+
+    def fold_pending(self):
+        """Fold the last step's accepted tokens into every GDN state (before a prefill, which starts
+        from the state itself), with the same kernel a step folds them with."""
+        for _, state, pend in self.gdn_layers:
+            gdn.fold_pending(state, pend, self.fold, self.parity)
+        self.fold.zero_()
+
+    def gdn_committed(self) -> list[torch.Tensor]:
+        """Each GDN layer's recurrent state with every committed token in (copies; for tests)."""
+        out = []
+        for _, state, pend in self.gdn_layers:
+            s = state.clone()
+            gdn.fold_pending(s, pend, self.fold, self.parity)
+            out.append(s)
+        return out
 
     def commit_prefill(self, T: int):
         """After a prefill chunk of T tokens (steps commit on the device: engine/decoder.py). The
@@ -55,4 +77,4 @@ class DecodeState:
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
         return {"kv": size(t for pair in self.kv_layers for t in pair),
                 "mtp_kv": size(self.mtp) if self.mtp else 0,
-                "gdn_state": size(t for pair in self.gdn_layers for t in pair)}
+                "gdn_state": size(t for layer in self.gdn_layers for t in layer)}

@@ -1,5 +1,5 @@
-"""Gated DeltaNet: the recurrence (decode / verify, with per-token state snapshots) and its chunked
-form (prefill). Float32 torch references, the Triton kernels beside them, and dispatchers that take
+"""Gated DeltaNet: the recurrence (decode / verify, the accepted tokens of a step folded into the
+state at the next) and its chunked form (prefill). Float32 torch references, the Triton kernels beside them, and dispatchers that take
 the kernel for CUDA tensors and the reference otherwise.
 
 Shapes (one sequence): q, k [T, Hk, dk]; v [T, Hv, dv]; a, b [T, Hv]; A_log, dt_bias [Hv];
@@ -35,38 +35,84 @@ def _prepare(q, k, v, a, b, A_log, dt_bias):
     return q.transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1), g.T, beta.T
 
 
-def recurrent_ref(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch.Tensor,
-                  live: torch.Tensor | None = None) -> torch.Tensor:
-    """T = 1..k+1 tokens through the recurrence, starting from ring[slot].
+def pending_width(dk: int, dv: int) -> int:
+    """Floats kept per value head for each token of a step: k (normalised), v, decay and beta."""
+    return dk + dv + 2
 
-    ring [S, Hv, dk, dv] float32 holds the snapshot slots; the state after token t is written to
-    ring[t] (so slot t is the state with t+1 of these tokens consumed). `slot` is a 1-element long
-    tensor, read before any write. `live` (optional 1-element long tensor): when it is 0 the ring is
-    left as it was (a step launched after its generation ended must not touch the state).
-    Returns o [T, Hv, dv] in v's dtype.
+
+def _delta_rule(S, k, v, decay, beta):
+    """One token into states S [Hv, dk, dv] with k [Hv, dk], v [Hv, dv], decay and beta [Hv]."""
+    S = S * decay[:, None, None]
+    pred = torch.einsum("hkv,hk->hv", S, k)                       # what the state recalls for k
+    return S + k[:, :, None] * (beta[:, None] * (v - pred))[:, None, :]
+
+
+def _fold(state, pend, fold, parity):
+    """The state with the first `fold` tokens of pend[parity] folded in (a new tensor; no host sync)."""
+    dk, dv = state.shape[1], state.shape[2]
+    rows = pend.index_select(0, parity)[0]                         # [R, Hv, dk + dv + 2]
+    S = state
+    for j in range(rows.shape[0]):
+        k, v, decay, beta = rows[j].split([dk, dv, 1, 1], dim=-1)
+        S = torch.where(j < fold, _delta_rule(S, k, v, decay[:, 0], beta[:, 0]), S)
+    return S
+
+
+def recurrent_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
+                  fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    """T = 1..R tokens through the recurrence, the last step's accepted tokens folded in first.
+
+    state [Hv, dk, dv] float32: the state before the last step's tokens. pend [2, R, Hv, dk+dv+2]
+    float32: each token of a step as the recurrence used it (k normalised, v, decay, beta), the
+    last step's in half `parity`; `fold` of them were accepted. This call folds those into the
+    state and writes it back (when fold > 0), runs its own T tokens from there, and keeps them in
+    half 1 - parity: a verify writes one state, whatever T, and accepting n tokens commits them as
+    (fold n, parity flipped) with no copy. fold, parity: 1-element long tensors. `live` (optional
+    1-element long tensor): when 0, nothing is written (a step launched after its generation ended
+    must not touch the state). Returns o [T, Hv, dv] in v's dtype.
     """
-    T = q.shape[0]
-    assert ring.dtype == torch.float32 and T <= ring.shape[0], "ring must be float32 with >= T slots"
+    T, R = q.shape[0], pend.shape[1]
+    assert state.dtype == pend.dtype == torch.float32 and T <= R, "float32 state and pend with >= T rows"
+    S = _fold(state, pend, fold, parity)
+    writes = fold > 0 if live is None else (fold > 0) & (live > 0)
+    state.copy_(torch.where(writes, S, state))
     q, k, v, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias)   # [Hv, T, *]
-    S = ring.index_select(0, slot)[0]                              # [Hv, dk, dv]
-    out = []
+    decay = g.exp()
+    out, rows = [], pend.index_select(0, 1 - parity)[0].clone()   # [R, Hv, dk + dv + 2]
     for t in range(T):
-        S = S * g[:, t].exp()[:, None, None]
-        pred = torch.einsum("hkv,hk->hv", S, k[:, t])                # what the state recalls for k
-        delta = beta[:, t, None] * (v[:, t] - pred)                  # [Hv, dv]
-        S = S + k[:, t, :, None] * delta[:, None, :]
+        S = _delta_rule(S, k[:, t], v[:, t], decay[:, t], beta[:, t])
         out.append(torch.einsum("hkv,hk->hv", S, q[:, t]))
-        ring[t] = S if live is None else torch.where(live > 0, S, ring[t])
+        rows[t] = torch.cat([k[:, t], v[:, t], decay[:, t, None], beta[:, t, None]], dim=-1)
+    if live is not None:
+        rows = torch.where(live > 0, rows, pend.index_select(0, 1 - parity)[0])
+    pend.index_copy_(0, 1 - parity, rows[None])
     return torch.stack(out).to(v.dtype if v.dtype != torch.float32 else torch.float32)
 
 
+def fold_pending_ref(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor):
+    """Fold the last step's `fold` accepted tokens into state in place (before a prefill)."""
+    state.copy_(_fold(state, pend, fold, parity))
+
+
+@triton.jit
+def _delta_rule_tile(b_S, b_k, b_v, b_decay, b_beta):
+    # one token into a [DK, BV] state tile; the fold and the step share it, so a token folded in
+    # later gives the very bits it gave when the step ran it
+    b_S = b_S * b_decay
+    b_delta = b_beta * (b_v - tl.sum(b_S * b_k[:, None], axis=0))      # [BV]
+    return b_S + b_k[:, None] * b_delta[None, :]
+
+
 @triton.jit(do_not_specialize=["T"])
-def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, ring, slot, live, o, T, scale,
-                      s_q, s_k, s_v, s_a, s_b, s_o, s_ring,
+def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, scale,
+                      s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt,
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                       HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
     # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
-    # stays in registers across the T tokens; the gates and the q/k l2norm are computed here.
+    # stays in registers through the fold and the T tokens; the gates and the q/k l2norm are
+    # computed here. Each program reads and writes only its own slice of the state and of v in
+    # pend (k, decay and beta are written by the head's first program); pend's halves alternate,
+    # so no program reads what another writes in the same call.
     pdl_start(PDL)
     i_h, i_v = tl.program_id(0), tl.program_id(1)
     i_kh = i_h // GROUP
@@ -74,14 +120,29 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, ring, slot, live, o, T, sca
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < DV
     m_s = (o_k < DK)[:, None] & m_v[None, :]
-    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]          # within one ring slot
-    b_S = tl.load(ring + tl.load(slot) * s_ring + o_s, mask=m_s, other=0.)
-    m_w = m_s
+    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+    b_S = tl.load(state + o_s, mask=m_s, other=0.)
+    # what this program may write, as integers (scalar booleans do not make masks everywhere)
+    b_live = tl.full([], 1, tl.int64)
     if HAS_LIVE:
-        m_w = m_s & (tl.zeros([BV], dtype=tl.int64) + tl.load(live) > 0)[None, :]
+        b_live = tl.minimum(tl.maximum(tl.load(live), 0), 1)
+    b_head = b_live * (1 - tl.minimum(i_v, 1))                           # k, decay, beta: program 0 only
+    b_par, b_fold = tl.load(parity), tl.load(fold)
+    W: tl.constexpr = DK + DV + 2
+    p_in = pend + b_par * s_pp + i_h * W
+    for j in range(b_fold):
+        b_S = _delta_rule_tile(b_S, tl.load(p_in + j * s_pt + o_k),
+                               tl.load(p_in + j * s_pt + DK + o_v, mask=m_v, other=0.),
+                               tl.load(p_in + j * s_pt + DK + DV), tl.load(p_in + j * s_pt + DK + DV + 1))
+    m_fold = (tl.zeros([BV], dtype=tl.int64) + b_live * tl.minimum(b_fold, 1)) > 0
+    tl.store(state + o_s, b_S, mask=m_s & m_fold[None, :])
+    p_out = pend + (1 - b_par) * s_pp + i_h * W
+    m_vw = m_v & ((tl.zeros([BV], dtype=tl.int64) + b_live) > 0)
+    m_kw = (tl.zeros([DK], dtype=tl.int64) + b_head) > 0
+    o_g = tl.arange(0, 2)
+    m_gw = (tl.zeros([2], dtype=tl.int64) + b_head) > 0
     b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     b_dt = tl.load(dt_bias + i_h).to(tl.float32)
-    tl.debug_barrier()   # the committed slot is read whole before token 0 may overwrite it
     for t in range(T):
         b_q = tl.load(q + t * s_q + i_kh * DK + o_k).to(tl.float32)
         b_k = tl.load(k + t * s_k + i_kh * DK + o_k).to(tl.float32)
@@ -90,17 +151,27 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, ring, slot, live, o, T, sca
         b_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v, other=0.).to(tl.float32)
         b_x = tl.load(a + t * s_a + i_h).to(tl.float32) + b_dt
         b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))      # torch's threshold 20
+        b_decay = tl.exp(-b_A * b_softplus)
         b_beta = tl.sigmoid(tl.load(b + t * s_b + i_h).to(tl.float32))
-        b_S = b_S * tl.exp(-b_A * b_softplus)
-        b_delta = b_beta * (b_v - tl.sum(b_S * b_k[:, None], axis=0))      # [BV]
-        b_S = b_S + b_k[:, None] * b_delta[None, :]
+        b_S = _delta_rule_tile(b_S, b_k, b_v, b_decay, b_beta)
         b_o = tl.sum(b_S * b_q[:, None], axis=0)
         tl.store(o + t * s_o + i_h * DV + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        tl.store(ring + t * s_ring + o_s, b_S, mask=m_w)
+        tl.store(p_out + t * s_pt + DK + o_v, b_v, mask=m_vw)
+        tl.store(p_out + t * s_pt + o_k, b_k, mask=m_kw)
+        tl.store(p_out + t * s_pt + DK + DV + o_g, tl.where(o_g == 0, b_decay, b_beta), mask=m_gw)
 
 
-def recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch.Tensor,
-                     live: torch.Tensor | None = None) -> torch.Tensor:
+def _check_state(state, pend, fold, parity, Hv, DK, DV):
+    assert state.dtype == torch.float32 and state.is_contiguous() and state.shape == (Hv, DK, DV), \
+        f"state must be contiguous float32 [{Hv}, {DK}, {DV}]"
+    assert pend.dtype == torch.float32 and pend.is_contiguous() and pend.shape[0] == 2 \
+        and pend.shape[2:] == (Hv, pending_width(DK, DV)), f"pend must be contiguous float32 [2, R, {Hv}, dk+dv+2]"
+    for t in (fold, parity):
+        assert t.numel() == 1 and t.dtype == torch.long, "fold and parity must be 1-element long tensors"
+
+
+def recurrent_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
+                     fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_ref's contract. q, k, v may be row-strided views (of the conv output) with each
     token's heads contiguous; a, b likewise [T, Hv] views."""
     T, Hk, DK = q.shape
@@ -111,26 +182,45 @@ def recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: to
         assert t.stride(2) == 1 and t.stride(1) == hs, "each token's heads must be contiguous"
     assert a.shape == b.shape == (T, Hv) and a.stride(1) == 1 and b.stride(1) == 1, "a, b must be [T, Hv]"
     assert A_log.shape == dt_bias.shape == (Hv,), "A_log, dt_bias must be [Hv]"
-    assert ring.dtype == torch.float32 and ring.is_contiguous() and ring.shape[1:] == (Hv, DK, DV), \
-        "ring must be contiguous float32 [S, Hv, dk, dv]"
-    assert T <= ring.shape[0] and slot.numel() == 1 and slot.dtype == torch.long, "ring needs >= T slots"
+    _check_state(state, pend, fold, parity, Hv, DK, DV)
+    assert T <= pend.shape[1], f"pend holds {pend.shape[1]} tokens a step, got {T}"
     assert live is None or (live.numel() == 1 and live.dtype == torch.long), "live must be a 1-element long tensor"
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=v.device)
     # small programs win: at T = 4 on an H100, BV 16 with one warp took 9.3 us, BV 32 with four 11.8
     BV = min(16, triton.next_power_of_2(DV))
     _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
-        q, k, v, a, b, A_log, dt_bias, ring, slot, live if live is not None else slot, o, T, DK ** -0.5, q.stride(0), k.stride(0), v.stride(0),
-        a.stride(0), b.stride(0), o.stride(0), ring.stride(0), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV,
+        q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live if live is not None else fold, o, T,
+        DK ** -0.5, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), o.stride(0),
+        pend.stride(0), pend.stride(1), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV,
         HAS_LIVE=live is not None, num_warps=1, **pdl(q))
     return o
 
 
-def recurrent(q, k, v, a, b, A_log, dt_bias, ring: torch.Tensor, slot: torch.Tensor,
-              live: torch.Tensor | None = None) -> torch.Tensor:
+def fold_pending_triton(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor):
+    """fold_pending_ref's contract: the recurrent kernel with no tokens of its own."""
+    Hv, DK, DV = state.shape
+    _check_state(state, pend, fold, parity, Hv, DK, DV)
+    BV = min(16, triton.next_power_of_2(DV))
+    _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
+        state, state, state, state, state, state, state, state, pend, fold, parity, fold, state, 0, 1.,
+        0, 0, 0, 0, 0, 0, pend.stride(0), pend.stride(1), GROUP=1, DK=DK, DV=DV, BV=BV,
+        HAS_LIVE=False, num_warps=1, **pdl(state))
+
+
+def recurrent(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor,
+              parity: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_ref's contract; the Triton kernel for CUDA tensors."""
     if use_triton(q, k, v, a, b):
-        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring, slot, live)
-    return recurrent_ref(q, k, v, a, b, A_log, dt_bias, ring, slot, live)
+        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live)
+    return recurrent_ref(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live)
+
+
+def fold_pending(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor):
+    """fold_pending_ref's contract; the Triton kernel for CUDA tensors."""
+    if use_triton(state):
+        fold_pending_triton(state, pend, fold, parity)
+    else:
+        fold_pending_ref(state, pend, fold, parity)
 
 
 def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64):

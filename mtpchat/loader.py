@@ -13,7 +13,7 @@ from mtpchat import hubcache, models
 from mtpchat.errors import DeviceError, NotEnoughMemory, UserError
 from mtpchat.settings import Options
 
-K_MAX = 4                   # ring slots allocated at load: the draft count can rise live up to this
+K_MAX = 4                   # drafts a step allocated for at load: the draft count can rise live up to this
 CPU_MAX_PARAMS = 4.0e9      # above this the CPU path is too slow to be useful
 MIN_CAPABILITY = (8, 0)     # bfloat16 and the Triton kernels need Ampere or newer
 

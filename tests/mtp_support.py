@@ -67,17 +67,17 @@ def snapshot(e):
     """What the next token depends on: committed KV, the committed conv columns, the committed
     recurrent state, and the tokens fed so far."""
     s = e.state
-    L, off, slot, K = s.length, int(s.conv_off), int(s.slot), s.kernel
+    L, off, K = s.length, int(s.conv_off), s.kernel
     return dict(length=L, tokens=list(e.decoder.tokens),
                 kv=[t[:L].clone() for pair in s.kv_layers for t in pair],
-                conv=[buf[:, off:off + K - 1].clone() for buf, _ in s.gdn_layers],
-                ring=[ring[slot].clone() for _, ring in s.gdn_layers])
+                conv=[buf[:, off:off + K - 1].clone() for buf, _, _ in s.gdn_layers],
+                state=s.gdn_committed())
 
 
 def assert_same_state(got, want):
     assert (got["length"], got["tokens"]) == (want["length"], want["tokens"])
     assert len(got["tokens"]) == got["length"]
-    for part in ("kv", "conv", "ring"):
+    for part in ("kv", "conv", "state"):
         assert len(got[part]) == len(want[part]) > 0
         for a, b in zip(got[part], want[part]):
             assert b.abs().max() > 0, f"{part}: a reference state of zeros proves nothing"

@@ -113,8 +113,8 @@ def test_pipelined_steps_equal_one_at_a_time(ckpt, graphs):
         assert done.reason == "stop" and list(done.token_ids) == ref[:ref.index(ref[40]) + 1]
         assert engine.decoder.most_in_flight == depth
         s, L = engine.state, engine.state.length
-        states.append([t[:L] for pair in s.kv_layers for t in pair] + [s.slot, s.conv_off] +
-                      [buf[:, int(s.conv_off):int(s.conv_off) + s.kernel - 1] for buf, _ in s.gdn_layers] +
-                      [ring[int(s.slot)] for _, ring in s.gdn_layers])
+        states.append([t[:L] for pair in s.kv_layers for t in pair] + [s.fold, s.parity, s.conv_off] +
+                      [buf[:, int(s.conv_off):int(s.conv_off) + s.kernel - 1] for buf, _, _ in s.gdn_layers] +
+                      s.gdn_committed())
         states[-1] = [t.clone() for t in states[-1]]
     assert all(torch.equal(a, b) for a, b in zip(*states))

@@ -65,8 +65,9 @@ def test_plan_parts_for_27b(c27):
     assert plan.weights == (26_895_998_464 + 424_699_392) * 2
     assert plan.kv == (32768 + 4) * 64 * KiB      # room for the k_max+1 rows of a verify step
     assert plan.mtp_kv == (32768 + 4) * 4 * KiB
-    # ring: 48 layers x (conv 10240 x (4 + 3) columns bf16 + 4 float32 states of 48x128x128)
-    assert plan.gdn_state == 48 * (10240 * 7 * 2 + 4 * 48 * 128 * 128 * 4)
+    # 48 layers x (conv 10240 x (4 + 3) columns bf16 + a float32 state of 48x128x128
+    # + the last step's 2 x 4 tokens x 48 heads x (128 + 128 + 2) floats)
+    assert plan.gdn_state == 48 * (10240 * 7 * 2 + 48 * 128 * 128 * 4 + 2 * 4 * 48 * 258 * 4)
     assert plan.bytes_per_token == 68 * KiB
     assert plan.total == plan.weights + plan.kv + plan.mtp_kv + plan.gdn_state + plan.graph_pool + plan.workspace
     assert 0 < plan.graph_pool < GiB and 0 < plan.workspace < GiB
@@ -79,7 +80,7 @@ def test_plan_without_mtp_or_graphs(c27):
     off = memory.plan_memory(c27, 4096, 3, "bfloat16", mtp=False, cuda_graphs=False)
     assert on.weights - off.weights == 424_699_392 * 2
     assert off.mtp_kv == 0 and off.graph_pool == 0 and not off.mtp
-    assert off.gdn_state == on.gdn_state   # the ring is allocated either way
+    assert off.gdn_state == on.gdn_state   # the step state is allocated either way
 
 
 def test_float32_doubles_weights_and_kv(c27):

@@ -90,12 +90,12 @@ def test_a_step_after_the_end_changes_nothing(gqa3, window_case):
     dec, s = e.decoder, e.state
 
     def everything():
-        """Every buffer a step could touch: the GDN windows and rings whole, the KV caches up to the
+        """Every buffer a step could touch: the GDN windows, states and kept tokens whole, the KV caches up to the
         committed length (rows past it are scratch; the head's rows stop before the pending ones),
         the scalars and the pending rows."""
         L = s.length
         bufs = [t for pair in s.gdn_layers for t in pair] + [t[:L] for pair in s.kv_layers for t in pair]
-        bufs += [t[:L - dec.pending] for t in s.mtp] + [s.slot, s.conv_off, dec.pos, dec.next_tok, dec.pend_n, dec.room,
+        bufs += [t[:L - dec.pending] for t in s.mtp] + [s.fold, s.parity, s.conv_off, dec.pos, dec.next_tok, dec.pend_n, dec.room,
                                          dec.gen, dec.seen, dec.pend_hidden[:dec.pending], dec.pend_tokens[:dec.pending]]
         return [t.clone() for t in bufs]
 

@@ -107,7 +107,7 @@ def memory(t: Telemetry, live: Live) -> list[Content]:
     m = t.memory
     if m:
         items = [("weights", m.get("weights")), ("KV", m.get("kv")), ("MTP KV", m.get("mtp_kv")),
-                 ("GDN+ring", m.get("gdn_state")), ("graphs", m.get("graph_pool")), ("workspace", m.get("workspace"))]
+                 ("GDN state", m.get("gdn_state")), ("graphs", m.get("graph_pool")), ("workspace", m.get("workspace"))]
         for a, b in zip(items[::2], items[1::2]):
             lines.append(row((f"{a[0]:<8}", "$text-muted"), f"{size(a[1]):>9}  ", (f"{b[0]:<10}", "$text-muted"),
                              f"{size(b[1]):>9}"))

@@ -170,34 +170,39 @@ def bench_matvec(bw, sweep, sweep_swiglu=False):
 
 
 def bench_gdn(bw, sweep):
-    print("\n== GDN recurrent step (per layer; 48 layers' rings) ==")
-    rings = [torch.randn(5, HV, DK, DV, device="cuda") * 0.1 for _ in range(GDN_LAYERS)]
+    print("\n== GDN recurrent step (per layer; 48 layers' states, the last step's tokens folded in) ==")
+    states = [torch.randn(HV, DK, DV, device="cuda") * 0.1 for _ in range(GDN_LAYERS)]
+    pends = [torch.rand(2, 5, HV, gdn.pending_width(DK, DV), device="cuda") * 0.1 for _ in range(GDN_LAYERS)]
     A_log, dt_bias = torch.randn(HV, device="cuda").bfloat16(), torch.randn(HV, device="cuda").bfloat16()
-    slot = torch.tensor([1], device="cuda")
+    parity = torch.tensor([0], device="cuda")
     for T in (1, 4, 5):
+        fold = torch.tensor([min(T, 3)], device="cuda")       # what a step before it accepted
         mixed = torch.randn(T, CONV, dtype=torch.bfloat16, device="cuda")
         q, k, v = mixed.split([HK * DK, HK * DK, HV * DV], -1)
         q, k, v = q.view(T, HK, DK), k.view(T, HK, DK), v.view(T, HV, DV)
         a, b = torch.randn(T, HV, dtype=torch.bfloat16, device="cuda"), torch.randn(T, HV, dtype=torch.bfloat16, device="cuda")
-        ms = graph_ms(lambda: [gdn.recurrent(q, k, v, a, b, A_log, dt_bias, r, slot) for r in rings]) / len(rings)
-        nbytes = HV * DK * DV * 4 * (1 + T) + T * (CONV + HV * DV) * 2
+        layers = list(zip(states, pends))
+        ms = graph_ms(lambda: [gdn.recurrent(q, k, v, a, b, A_log, dt_bias, st, pe, fold, parity)
+                               for st, pe in layers]) / len(layers)
+        nbytes = HV * DK * DV * 4 * 2 + T * (CONV + HV * DV) * 2
         row(f"gdn recurrent T={T}", ms, nbytes, bw)
         if sweep:
             for BV in (8, 16, 32):
                 for warps in (1, 2):
-                    def launch(r):
+                    def launch(st, pe):
                         o = torch.empty(T, HV, DV, dtype=v.dtype, device="cuda")
                         gdn._recurrent_kernel[(HV, DV // BV)](
-                            q, k, v, a, b, A_log, dt_bias, r, slot, o, T, DK ** -0.5, q.stride(0), k.stride(0),
-                            v.stride(0), a.stride(0), b.stride(0), o.stride(0), r.stride(0),
-                            GROUP=HV // HK, DK=DK, DV=DV, BV=BV, num_warps=warps)
+                            q, k, v, a, b, A_log, dt_bias, st, pe, fold, parity, fold, o, T, DK ** -0.5,
+                            q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), o.stride(0),
+                            pe.stride(0), pe.stride(1), GROUP=HV // HK, DK=DK, DV=DV, BV=BV, HAS_LIVE=False,
+                            PDL=False, num_warps=warps)
                     try:
-                        t = graph_ms(lambda: [launch(r) for r in rings], reps=3) / len(rings)
+                        t = graph_ms(lambda: [launch(st, pe) for st, pe in layers], reps=3) / len(layers)
                         print(f"  BV={BV} warps={warps}: {t * 1e3:.1f} us", flush=True)
                         results[f"sweep gdn T={T} BV={BV} w={warps}"] = t * 1e3
                     except Exception as e:
                         print(f"  BV={BV} warps={warps}: {type(e).__name__}", flush=True)
-    del rings
+    del states, pends
 
 
 def bench_conv(bw):

@@ -80,9 +80,9 @@ def main():
 
     # a live generation (room left), so the steps write their GDN state as they do in a reply
     d.room.fill_(1 << 20)
-    save = [t.clone() for t in (d.pos, d.state.slot, d.state.conv_off, d.room)]
+    save = [t.clone() for t in (d.pos, d.state.fold, d.state.parity, d.state.conv_off, d.room)]
     def restore():
-        for t, s in zip((d.pos, d.state.slot, d.state.conv_off, d.room), save):
+        for t, s in zip((d.pos, d.state.fold, d.state.parity, d.state.conv_off, d.room), save):
             t.copy_(s)
 
     for key in (("verify", 0), ("verify", 3), ("draft", 3)):

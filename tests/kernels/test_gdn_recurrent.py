@@ -1,5 +1,6 @@
-"""Gated DeltaNet recurrent step (gates and q/k l2norm fused, ring snapshots) against recurrent_ref:
-outputs and every ring slot, for decode (T = 1), verify (T = k+1), GQA ratios 1-3, and rollback."""
+"""Gated DeltaNet recurrent step (gates and q/k l2norm fused; the last step's accepted tokens
+folded into the state first) against recurrent_ref: outputs, the state and the kept tokens, for
+decode (T = 1), verify (T = k+1), GQA ratios 1-3, rollback, ended steps and the fold alone."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ from kernel_checks import TOL, check, randn
 
 from mtpchat.kernels import gdn
 
-SLOTS = 5
+R = 5        # tokens a step may hold (k_max + 1)
 
 
 def _inputs(T, Hk, Hv, dk, dv, dtype, device, seed):
@@ -20,76 +21,119 @@ def _inputs(T, Hk, Hv, dk, dv, dtype, device, seed):
     a, b = ab[:, :Hv], ab[:, Hv:2 * Hv]
     A_log = randn(Hv, dtype=dtype, device=device, gen=g, scale=0.5)
     dt_bias = randn(Hv, dtype=dtype, device=device, gen=g)
-    ring = randn(SLOTS, Hv, dk, dv, device=device, gen=g, scale=0.2)
-    return (q.view(T, Hk, dk), k.view(T, Hk, dk), v.view(T, Hv, dv), a, b, A_log, dt_bias), ring
+    state = randn(Hv, dk, dv, device=device, gen=g, scale=0.2)
+    # a previous step's tokens: k of unit norm, decay and beta in (0, 1), as the recurrence keeps them
+    pend = randn(2, R, Hv, gdn.pending_width(dk, dv), device=device, gen=g, scale=0.5)
+    pend[..., :dk] = torch.nn.functional.normalize(pend[..., :dk], dim=-1)
+    pend[..., dk + dv:] = pend[..., dk + dv:].sigmoid()
+    return (q.view(T, Hk, dk), k.view(T, Hk, dk), v.view(T, Hv, dv), a, b, A_log, dt_bias), state, pend
+
+
+def _long(x, device):
+    return torch.tensor([x], device=device)
+
+
+def _both(args, state, pend, fold, parity, live=None):
+    """The kernel and the reference on copies: (o, state, pend) of each."""
+    got, want = (state.clone(), pend.clone()), (state.clone(), pend.clone())
+    o = gdn.recurrent_triton(*args, *got, fold, parity, live)
+    o_ref = gdn.recurrent_ref(*args, *want, fold, parity, live)
+    return (o, *got), (o_ref, *want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 2, 5])
+@pytest.mark.parametrize("T,fold", [(1, 1), (2, 0), (5, 3)])
 @pytest.mark.parametrize("Hk,Hv,dk,dv", [(2, 2, 32, 24), (2, 4, 16, 40), (1, 3, 32, 48)])
-def test_recurrent(device, dtype, T, Hk, Hv, dk, dv):
-    args, ring = _inputs(T, Hk, Hv, dk, dv, dtype, device, seed=T * 7 + Hv)
-    slot = torch.tensor([3], device=device)
-    ring_ref = ring.clone()
-    o = gdn.recurrent_triton(*args, ring, slot)
-    o_ref = gdn.recurrent_ref(*args, ring_ref, slot)
+def test_recurrent(device, dtype, T, fold, Hk, Hv, dk, dv):
+    args, state, pend = _inputs(T, Hk, Hv, dk, dv, dtype, device, seed=T * 7 + Hv)
+    (o, s, p), (o_ref, s_ref, p_ref) = _both(args, state, pend, _long(fold, device), _long(1, device))
     check(o, o_ref, TOL[dtype])
-    check(ring, ring_ref, TOL[torch.float32], "ring")     # the state is float32 whatever the inputs
-    assert torch.equal(ring[T:], ring_ref[T:]), "slots past T must be untouched"
+    check(s, s_ref, TOL[torch.float32], "state")       # the state is float32 whatever the inputs
+    if fold == 0:
+        assert torch.equal(s, state), "with nothing to fold the state is not written"
+    check(p[0, :T], p_ref[0, :T], TOL[torch.float32], "kept tokens")
+    assert torch.equal(p[1], pend[1]), "the half being folded is only read"
+    assert torch.equal(p[0, T:], pend[0, T:]), "rows past T are untouched"
 
 
 def test_recurrent_large_gates(device):
     # a + dt_bias past softplus' threshold (20) and far below it
-    args, ring = _inputs(3, 1, 2, 16, 16, torch.float32, device, seed=1)
+    args, state, pend = _inputs(3, 1, 2, 16, 16, torch.float32, device, seed=1)
     q, k, v, a, b, A_log, dt_bias = args
     a = torch.tensor([[30.0, -30.0], [25.0, 0.5], [-5.0, 21.0]], device=device)
-    slot = torch.tensor([0], device=device)
-    ring_ref = ring.clone()
-    o = gdn.recurrent_triton(q, k, v, a, b, A_log, dt_bias, ring, slot)
-    check(o, gdn.recurrent_ref(q, k, v, a, b, A_log, dt_bias, ring_ref, slot), TOL[torch.float32])
-    check(ring, ring_ref, TOL[torch.float32], "ring")
+    (o, s, p), (o_ref, s_ref, p_ref) = _both((q, k, v, a, b, A_log, dt_bias), state, pend,
+                                             _long(0, device), _long(0, device))
+    check(o, o_ref, TOL[torch.float32])
+    check(p, p_ref, TOL[torch.float32], "kept tokens")
+
+
+def _steps(args, state, pend, device, groups, accepted):
+    """Run the kernel over token groups (start, end) one step each, accepting `accepted[i]` of
+    group i as the engine commits them; returns each group's outputs and the committed state."""
+    fold, parity, outs = _long(0, device), _long(0, device), []
+    state, pend = state.clone(), pend.clone()
+    for (start, end), n in zip(groups, accepted):
+        group = [t[start:end] for t in args[:5]] + list(args[5:])
+        outs.append(gdn.recurrent_triton(*group, state, pend, fold, parity))
+        fold, parity = _long(n, device), 1 - parity
+    gdn.fold_pending_triton(state, pend, fold, parity)
+    return outs, state
 
 
 def test_recurrent_rollback(device):
-    # verify 4 tokens from slot 0, accept 2 (commit slot 1), decode 2 more from there: the same as
-    # the 2 kept tokens and the 2 new ones in one reference call
-    args, ring = _inputs(6, 2, 4, 16, 24, torch.float32, device, seed=2)
-    ring_ref = ring.clone()
-    first = [t[:4] for t in args[:5]] + list(args[5:])
-    gdn.recurrent_triton(*first, ring, torch.tensor([0], device=device))
-    second = [t[4:] for t in args[:5]] + list(args[5:])
-    o = gdn.recurrent_triton(*second, ring, torch.tensor([1], device=device))
+    # verify 4 tokens, accept 2, decode 2 more from there: the same as the 2 kept tokens and the 2
+    # new ones in one reference call, and bit for bit the same state as one token a step
+    args, state, pend = _inputs(6, 2, 4, 16, 24, torch.float32, device, seed=2)
     kept = [torch.cat([t[:2], t[4:]]) for t in args[:5]] + list(args[5:])
-    o_ref = gdn.recurrent_ref(*kept, ring_ref, torch.tensor([0], device=device))
-    check(o, o_ref[2:], TOL[torch.float32])
-    check(ring[:2], ring_ref[2:4], TOL[torch.float32], "ring")
+    outs, committed = _steps(args, state, pend, device, groups=[(0, 4), (4, 6)], accepted=[2, 2])
+    ref_state, ref_pend = state.clone(), pend.clone()
+    o_ref = gdn.recurrent_ref(*kept, ref_state, ref_pend, _long(0, device), _long(0, device))
+    gdn.fold_pending_ref(ref_state, ref_pend, _long(4, device), _long(1, device))
+    check(outs[1], o_ref[2:], TOL[torch.float32])
+    check(committed, ref_state, TOL[torch.float32], "committed state")
+    # one token a step over the kept tokens: the same bits (what greedy MTP on == off rests on)
+    one_outs, one_state = _steps(kept, state, pend, device, groups=[(i, i + 1) for i in range(4)], accepted=[1] * 4)
+    assert torch.equal(one_state, committed)
+    assert torch.equal(torch.cat(one_outs[2:]), outs[1])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 2, 5])
 def test_recurrent_27b_shapes(T):
-    args, ring = _inputs(T, 16, 48, 128, 128, torch.bfloat16, "cuda", seed=T)
-    slot = torch.tensor([T - 1], device="cuda")
-    ring_ref = ring.clone()
-    check(gdn.recurrent(*args, ring, slot), gdn.recurrent_ref(*args, ring_ref, slot), 1e-2)
-    check(ring, ring_ref, 1e-5, "ring")
+    args, state, pend = _inputs(T, 16, 48, 128, 128, torch.bfloat16, "cuda", seed=T)
+    (o, s, p), (o_ref, s_ref, p_ref) = _both(args, state, pend, _long(T - 1, "cuda"), _long(T % 2, "cuda"))
+    check(o, o_ref, 1e-2)
+    check(s, s_ref, 1e-5, "state")
+    check(p, p_ref, 1e-5, "kept tokens")
 
 
 @pytest.mark.parametrize("live", [0, 3])
 def test_recurrent_live_flag(device, live):
-    # a step launched after its generation ended (live 0) leaves every slot as it was; any positive
-    # value writes as without the flag; the outputs are computed either way
-    args, ring = _inputs(3, 2, 4, 16, 24, torch.float32, device, seed=9)
-    before, ring_ref = ring.clone(), ring.clone()
-    slot, flag = torch.tensor([1], device=device), torch.tensor([live], device=device)
-    o = gdn.recurrent_triton(*args, ring, slot, flag)
-    o_ref = gdn.recurrent_ref(*args, ring_ref, slot, flag)
+    # a step launched after its generation ended (live 0) writes neither the state nor its tokens;
+    # any positive value writes as without the flag; the outputs are computed either way
+    args, state, pend = _inputs(3, 2, 4, 16, 24, torch.float32, device, seed=9)
+    fold, parity, flag = _long(2, device), _long(1, device), _long(live, device)
+    (o, s, p), (o_ref, s_ref, p_ref) = _both(args, state, pend, fold, parity, flag)
     check(o, o_ref, TOL[torch.float32])
-    check(ring, ring_ref, TOL[torch.float32], "ring")
+    check(s, s_ref, TOL[torch.float32], "state")
+    check(p, p_ref, TOL[torch.float32], "kept tokens")
     if live:
-        plain = before.clone()
-        gdn.recurrent_ref(*args, plain, slot)
-        assert not torch.equal(ring[:3], before[:3])
-        check(ring, plain, TOL[torch.float32], "ring")
+        (_, s_plain, p_plain), _ = _both(args, state, pend, fold, parity)
+        assert not torch.equal(s, state) and not torch.equal(p, pend)
+        assert torch.equal(s, s_plain) and torch.equal(p, p_plain)
     else:
-        assert torch.equal(ring, before), "an ended step must not write the ring"
+        assert torch.equal(s, state) and torch.equal(p, pend), "an ended step must not write"
+
+
+@pytest.mark.parametrize("fold", [0, 1, 4])
+def test_fold_pending(device, fold):
+    # the fold alone (before a prefill) against the reference, and the very state a step folds to
+    args, state, pend = _inputs(1, 2, 4, 16, 24, torch.float32, device, seed=fold)
+    n, parity = _long(fold, device), _long(0, device)
+    got, want = state.clone(), state.clone()
+    gdn.fold_pending_triton(got, pend, n, parity)
+    gdn.fold_pending_ref(want, pend, n, parity)
+    check(got, want, TOL[torch.float32], "state")
+    stepped, p = state.clone(), pend.clone()
+    gdn.recurrent_triton(*args, stepped, p, n, parity)
+    assert torch.equal(got, stepped if fold else state)
