@@ -108,11 +108,11 @@ class Decoder:
         """Feed `ids` after the committed tokens, in chunks; the head follows over every row whose
         next token is known. Returns the last hidden, or every hidden with keep_all."""
         self._flush_pending(keep_last=False)
-        self.state.fold_pending()                                  # the chunked form starts from the state
         kept = []
         for s in range(0, len(ids), self.prefill_chunk):
             chunk, L = ids[s:s + self.prefill_chunk], self.state.length
             h = self.model(torch.tensor(chunk, device=self.device), self.state.layers, self._ctx(L, len(chunk), False))
+            self.state.fold.zero_()                                # the GDN layers folded the last step in
             self.state.commit_prefill(len(chunk))
             self.tokens += chunk
             nxt = ids[s + 1:s + len(chunk) + 1]                    # x_{p+1} of each row, where known

@@ -154,8 +154,11 @@ class GatedDeltaNet(nn.Module):
         if ctx.step:
             o = gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, state, pend, ctx.fold, ctx.parity, ctx.live)
         else:
-            # a prefill starts from the state itself (DecodeState.fold_pending ran before it); a copy,
-            # since the state is overwritten below and a training forward may still need it
+            # the last step's accepted tokens first (the decoder zeroes ctx.fold after the first
+            # chunk; decode state, no gradient); the chunked form starts from a copy, which a
+            # training forward may still need
+            with torch.no_grad():
+                gdn.fold_pending(state, pend, ctx.fold, ctx.parity, self.A_log, self.dt_bias)
             o, end_state = gdn.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state.clone())
             state.copy_(end_state)
         o = norm.gated_rmsnorm(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)

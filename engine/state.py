@@ -4,9 +4,9 @@
 - GDN: a conv window [conv_dim, K-1 + k_max+1] (model dtype) whose committed K-1 columns start at
   `conv_off`; the recurrent state [Hv, dk, dv] (float32) before the last step's tokens, and those
   tokens as the recurrence used them (pend [2, k_max+1, Hv, dk+dv+2], the last step's in half
-  `parity`). Accepting n tokens commits conv offset n and `fold` n: the next step folds those n
-  into the state before its own tokens (kernels/gdn.py), so a verify of T tokens writes one state,
-  not T, and nothing is copied or recomputed at acceptance.
+  `parity`). Accepting n tokens commits conv offset n and `fold` n: the next step (or prefill)
+  folds those n into the state before its own tokens (kernels/gdn.py), so a verify of T tokens
+  writes one state, not T, and nothing is copied at acceptance.
 - the MTP head's own K and V caches.
 `conv_off`, `fold` and `parity` are device tensors shared by all GDN layers; `length` (committed
 tokens) is mirrored on the host.
@@ -50,19 +50,14 @@ class DecodeState:
             t.zero_()
         self.length = 0
 
-    def fold_pending(self):
-        """Fold the last step's accepted tokens into every GDN state (before a prefill, which starts
-        from the state itself), with the same kernel a step folds them with."""
-        for _, state, pend in self.gdn_layers:
-            gdn.fold_pending(state, pend, self.fold, self.parity)
-        self.fold.zero_()
-
-    def gdn_committed(self) -> list[torch.Tensor]:
-        """Each GDN layer's recurrent state with every committed token in (copies; for tests)."""
+    def gdn_committed(self, model) -> list[torch.Tensor]:
+        """Each GDN layer's recurrent state with every committed token run in (copies, for tests),
+        by the kernel a step folds them with. `model`: the Model whose layers these are."""
+        mixers = [layer.mixer for layer in model.layers if layer.kind != "full_attention"]
         out = []
-        for _, state, pend in self.gdn_layers:
+        for (_, state, pend), m in zip(self.gdn_layers, mixers):
             s = state.clone()
-            gdn.fold_pending(s, pend, self.fold, self.parity)
+            gdn.fold_pending(s, pend, self.fold, self.parity, m.A_log, m.dt_bias)
             out.append(s)
         return out
 

@@ -36,7 +36,7 @@ def _prepare(q, k, v, a, b, A_log, dt_bias):
 
 
 def pending_width(dk: int, dv: int) -> int:
-    """Floats kept per value head for each token of a step: k (normalised), v, decay and beta."""
+    """Floats kept per value head for each token of a step: its raw k, v, a and b."""
     return dk + dv + 2
 
 
@@ -47,14 +47,26 @@ def _delta_rule(S, k, v, decay, beta):
     return S + k[:, :, None] * (beta[:, None] * (v - pred))[:, None, :]
 
 
-def _fold(state, pend, fold, parity):
-    """The state with the first `fold` tokens of pend[parity] folded in (a new tensor; no host sync)."""
-    dk, dv = state.shape[1], state.shape[2]
+def _raw_rows(k, v, a, b, Hv):
+    """A step's inputs [T, ...] -> the rows it keeps [T, Hv, dk + dv + 2] float32 (k per value head)."""
+    kr = k.float().repeat_interleave(Hv // k.shape[1], dim=1)
+    return torch.cat([kr, v.float(), a.float()[..., None], b.float()[..., None]], dim=-1)
+
+
+def _run_row(S, row, A_log, dt_bias):
+    """One kept row [Hv, dk + dv + 2] into S: the same code for a token run now or folded in later."""
+    dk = S.shape[1]
+    kr, vr, ar, br = row.split([dk, S.shape[2], 1, 1], dim=-1)
+    g, beta = gates(ar[:, 0], br[:, 0], A_log, dt_bias)
+    return _delta_rule(S, l2norm(kr), vr, g.exp(), beta)
+
+
+def _fold(state, pend, fold, parity, A_log, dt_bias):
+    """The state with the first `fold` rows of pend[parity] run in (a new tensor; no host sync)."""
     rows = pend.index_select(0, parity)[0]                         # [R, Hv, dk + dv + 2]
     S = state
     for j in range(rows.shape[0]):
-        k, v, decay, beta = rows[j].split([dk, dv, 1, 1], dim=-1)
-        S = torch.where(j < fold, _delta_rule(S, k, v, decay[:, 0], beta[:, 0]), S)
+        S = torch.where(j < fold, _run_row(S, rows[j], A_log, dt_bias), S)
     return S
 
 
@@ -63,44 +75,39 @@ def recurrent_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torc
     """T = 1..R tokens through the recurrence, the last step's accepted tokens folded in first.
 
     state [Hv, dk, dv] float32: the state before the last step's tokens. pend [2, R, Hv, dk+dv+2]
-    float32: each token of a step as the recurrence used it (k normalised, v, decay, beta), the
-    last step's in half `parity`; `fold` of them were accepted. This call folds those into the
+    float32: each token of a step as it came in (k of the value head's key head, v, a, b), the
+    last step's in half `parity`; `fold` of them were accepted. This call runs those into the
     state and writes it back (when fold > 0), runs its own T tokens from there, and keeps them in
     half 1 - parity: a verify writes one state, whatever T, and accepting n tokens commits them as
-    (fold n, parity flipped) with no copy. fold, parity: 1-element long tensors. `live` (optional
-    1-element long tensor): when 0, nothing is written (a step launched after its generation ended
-    must not touch the state). Returns o [T, Hv, dv] in v's dtype.
+    (fold n, parity flipped) with no copy. A token folded in later goes through the same code as
+    when its step ran it, so the state has the same bits whatever steps built it. fold, parity:
+    1-element long tensors. `live` (optional 1-element long tensor): when 0, nothing is written (a
+    step launched after its generation ended must not touch the state). Returns o [T, Hv, dv] in
+    v's dtype.
     """
-    T, R = q.shape[0], pend.shape[1]
+    T, R, Hv = q.shape[0], pend.shape[1], v.shape[1]
     assert state.dtype == pend.dtype == torch.float32 and T <= R, "float32 state and pend with >= T rows"
-    S = _fold(state, pend, fold, parity)
+    S = _fold(state, pend, fold, parity, A_log, dt_bias)
     writes = fold > 0 if live is None else (fold > 0) & (live > 0)
     state.copy_(torch.where(writes, S, state))
-    q, k, v, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias)   # [Hv, T, *]
-    decay = g.exp()
-    out, rows = [], pend.index_select(0, 1 - parity)[0].clone()   # [R, Hv, dk + dv + 2]
+    new = _raw_rows(k, v, a, b, Hv)                                 # [T, Hv, dk + dv + 2]
+    qn = l2norm(q).repeat_interleave(Hv // q.shape[1], dim=1) * q.shape[-1] ** -0.5
+    out = []
     for t in range(T):
-        S = _delta_rule(S, k[:, t], v[:, t], decay[:, t], beta[:, t])
-        out.append(torch.einsum("hkv,hk->hv", S, q[:, t]))
-        rows[t] = torch.cat([k[:, t], v[:, t], decay[:, t, None], beta[:, t, None]], dim=-1)
+        S = _run_row(S, new[t], A_log, dt_bias)
+        out.append(torch.einsum("hkv,hk->hv", S, qn[t]))
+    kept = pend.index_select(0, 1 - parity)[0]
+    rows = torch.cat([new, kept[T:]])
     if live is not None:
-        rows = torch.where(live > 0, rows, pend.index_select(0, 1 - parity)[0])
+        rows = torch.where(live > 0, rows, kept)
     pend.index_copy_(0, 1 - parity, rows[None])
     return torch.stack(out).to(v.dtype if v.dtype != torch.float32 else torch.float32)
 
 
-def fold_pending_ref(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor):
-    """Fold the last step's `fold` accepted tokens into state in place (before a prefill)."""
-    state.copy_(_fold(state, pend, fold, parity))
-
-
-@triton.jit
-def _delta_rule_tile(b_S, b_k, b_v, b_decay, b_beta):
-    # one token into a [DK, BV] state tile; the fold and the step share it, so a token folded in
-    # later gives the very bits it gave when the step ran it
-    b_S = b_S * b_decay
-    b_delta = b_beta * (b_v - tl.sum(b_S * b_k[:, None], axis=0))      # [BV]
-    return b_S + b_k[:, None] * b_delta[None, :]
+def fold_pending_ref(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
+                     A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """Run the last step's `fold` accepted tokens into state in place (before a prefill)."""
+    state.copy_(_fold(state, pend, fold, parity, A_log, dt_bias))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -109,10 +116,11 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                       HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
     # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
-    # stays in registers through the fold and the T tokens; the gates and the q/k l2norm are
-    # computed here. Each program reads and writes only its own slice of the state and of v in
-    # pend (k, decay and beta are written by the head's first program); pend's halves alternate,
-    # so no program reads what another writes in the same call.
+    # stays in registers through the last step's accepted tokens (read back from pend) and this
+    # step's T; one loop body runs both, so a token gives the same bits folded in later as when
+    # its step ran it. The gates and the q/k l2norm are computed here. Each program reads and
+    # writes only its own slice of the state and of v in pend (k, a and b are written by the
+    # head's first program); pend's halves alternate, so no program reads what another writes.
     pdl_start(PDL)
     i_h, i_v = tl.program_id(0), tl.program_id(1)
     i_kh = i_h // GROUP
@@ -121,44 +129,47 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
     m_v = o_v < DV
     m_s = (o_k < DK)[:, None] & m_v[None, :]
     o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+    o_g = tl.arange(0, 2)
     b_S = tl.load(state + o_s, mask=m_s, other=0.)
     # what this program may write, as integers (scalar booleans do not make masks everywhere)
     b_live = tl.full([], 1, tl.int64)
     if HAS_LIVE:
         b_live = tl.minimum(tl.maximum(tl.load(live), 0), 1)
-    b_head = b_live * (1 - tl.minimum(i_v, 1))                           # k, decay, beta: program 0 only
+    b_head = b_live * (1 - tl.minimum(i_v, 1))                           # k, a, b: program 0 only
     b_par, b_fold = tl.load(parity), tl.load(fold)
     W: tl.constexpr = DK + DV + 2
     p_in = pend + b_par * s_pp + i_h * W
-    for j in range(b_fold):
-        b_S = _delta_rule_tile(b_S, tl.load(p_in + j * s_pt + o_k),
-                               tl.load(p_in + j * s_pt + DK + o_v, mask=m_v, other=0.),
-                               tl.load(p_in + j * s_pt + DK + DV), tl.load(p_in + j * s_pt + DK + DV + 1))
-    m_fold = (tl.zeros([BV], dtype=tl.int64) + b_live * tl.minimum(b_fold, 1)) > 0
-    tl.store(state + o_s, b_S, mask=m_s & m_fold[None, :])
     p_out = pend + (1 - b_par) * s_pp + i_h * W
-    m_vw = m_v & ((tl.zeros([BV], dtype=tl.int64) + b_live) > 0)
-    m_kw = (tl.zeros([DK], dtype=tl.int64) + b_head) > 0
-    o_g = tl.arange(0, 2)
-    m_gw = (tl.zeros([2], dtype=tl.int64) + b_head) > 0
     b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     b_dt = tl.load(dt_bias + i_h).to(tl.float32)
-    for t in range(T):
-        b_q = tl.load(q + t * s_q + i_kh * DK + o_k).to(tl.float32)
-        b_k = tl.load(k + t * s_k + i_kh * DK + o_k).to(tl.float32)
-        b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale)
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v, other=0.).to(tl.float32)
-        b_x = tl.load(a + t * s_a + i_h).to(tl.float32) + b_dt
+    for j in range(b_fold + T):
+        t = j - b_fold                                                   # < 0: a token folded in
+        if j < b_fold:
+            b_k = tl.load(p_in + j * s_pt + o_k)
+            b_v = tl.load(p_in + j * s_pt + DK + o_v, mask=m_v, other=0.)
+            b_ab = tl.load(p_in + j * s_pt + DK + DV + o_g)
+            b_q = b_k                                                    # its output is not kept
+        else:
+            b_k = tl.load(k + t * s_k + i_kh * DK + o_k).to(tl.float32)
+            b_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v, other=0.).to(tl.float32)
+            b_ab = tl.where(o_g == 0, tl.load(a + t * s_a + i_h), tl.load(b + t * s_b + i_h)).to(tl.float32)
+            b_q = tl.load(q + t * s_q + i_kh * DK + o_k).to(tl.float32)
+        b_x = tl.sum(tl.where(o_g == 0, b_ab, 0.)) + b_dt
         b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))      # torch's threshold 20
-        b_decay = tl.exp(-b_A * b_softplus)
-        b_beta = tl.sigmoid(tl.load(b + t * s_b + i_h).to(tl.float32))
-        b_S = _delta_rule_tile(b_S, b_k, b_v, b_decay, b_beta)
-        b_o = tl.sum(b_S * b_q[:, None], axis=0)
-        tl.store(o + t * s_o + i_h * DV + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        tl.store(p_out + t * s_pt + DK + o_v, b_v, mask=m_vw)
-        tl.store(p_out + t * s_pt + o_k, b_k, mask=m_kw)
-        tl.store(p_out + t * s_pt + DK + DV + o_g, tl.where(o_g == 0, b_decay, b_beta), mask=m_gw)
+        b_beta = tl.sigmoid(tl.sum(tl.where(o_g == 1, b_ab, 0.)))
+        b_kn = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_S = b_S * tl.exp(-b_A * b_softplus)
+        b_delta = b_beta * (b_v - tl.sum(b_S * b_kn[:, None], axis=0))      # [BV]
+        b_S = b_S + b_kn[:, None] * b_delta[None, :]
+        b_new = tl.where(t >= 0, 1, 0)
+        b_last = tl.where(j == b_fold - 1, 1, 0)                         # the fold is done: write it
+        tl.store(state + o_s, b_S, mask=m_s & ((tl.zeros([BV], dtype=tl.int64) + b_live * b_last) > 0)[None, :])
+        b_o = tl.sum(b_S * (b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale))[:, None], axis=0)
+        tl.store(o + t * s_o + i_h * DV + o_v, b_o.to(o.dtype.element_ty),
+                 mask=m_v & ((tl.zeros([BV], dtype=tl.int64) + b_new) > 0))
+        tl.store(p_out + t * s_pt + DK + o_v, b_v, mask=m_v & ((tl.zeros([BV], dtype=tl.int64) + b_live * b_new) > 0))
+        tl.store(p_out + t * s_pt + o_k, b_k, mask=(tl.zeros([DK], dtype=tl.int64) + b_head * b_new) > 0)
+        tl.store(p_out + t * s_pt + DK + DV + o_g, b_ab, mask=(tl.zeros([2], dtype=tl.int64) + b_head * b_new) > 0)
 
 
 def _check_state(state, pend, fold, parity, Hv, DK, DV):
@@ -196,13 +207,14 @@ def recurrent_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: t
     return o
 
 
-def fold_pending_triton(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor):
+def fold_pending_triton(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
+                        A_log: torch.Tensor, dt_bias: torch.Tensor):
     """fold_pending_ref's contract: the recurrent kernel with no tokens of its own."""
     Hv, DK, DV = state.shape
     _check_state(state, pend, fold, parity, Hv, DK, DV)
     BV = min(16, triton.next_power_of_2(DV))
     _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
-        state, state, state, state, state, state, state, state, pend, fold, parity, fold, state, 0, 1.,
+        state, state, state, state, state, A_log, dt_bias, state, pend, fold, parity, fold, state, 0, 1.,
         0, 0, 0, 0, 0, 0, pend.stride(0), pend.stride(1), GROUP=1, DK=DK, DV=DV, BV=BV,
         HAS_LIVE=False, num_warps=1, **pdl(state))
 
@@ -215,12 +227,13 @@ def recurrent(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Te
     return recurrent_ref(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live)
 
 
-def fold_pending(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor):
+def fold_pending(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
+                 A_log: torch.Tensor, dt_bias: torch.Tensor):
     """fold_pending_ref's contract; the Triton kernel for CUDA tensors."""
     if use_triton(state):
-        fold_pending_triton(state, pend, fold, parity)
+        fold_pending_triton(state, pend, fold, parity, A_log, dt_bias)
     else:
-        fold_pending_ref(state, pend, fold, parity)
+        fold_pending_ref(state, pend, fold, parity, A_log, dt_bias)
 
 
 def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64):

@@ -71,7 +71,7 @@ def snapshot(e):
     return dict(length=L, tokens=list(e.decoder.tokens),
                 kv=[t[:L].clone() for pair in s.kv_layers for t in pair],
                 conv=[buf[:, off:off + K - 1].clone() for buf, _, _ in s.gdn_layers],
-                state=s.gdn_committed())
+                state=s.gdn_committed(e.model))
 
 
 def assert_same_state(got, want):

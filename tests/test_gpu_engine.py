@@ -115,6 +115,6 @@ def test_pipelined_steps_equal_one_at_a_time(ckpt, graphs):
         s, L = engine.state, engine.state.length
         states.append([t[:L] for pair in s.kv_layers for t in pair] + [s.fold, s.parity, s.conv_off] +
                       [buf[:, int(s.conv_off):int(s.conv_off) + s.kernel - 1] for buf, _, _ in s.gdn_layers] +
-                      s.gdn_committed())
+                      s.gdn_committed(engine.model))
         states[-1] = [t.clone() for t in states[-1]]
     assert all(torch.equal(a, b) for a, b in zip(*states))

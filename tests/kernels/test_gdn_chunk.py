@@ -43,7 +43,7 @@ def test_chunk_matches_the_recurrence(device):
     rec, pend = state.clone(), torch.zeros(2, 100, Hv, gdn.pending_width(dk, dv), device=device)
     zero = torch.tensor([0], device=device)
     o_rec = gdn.recurrent_ref(*args, rec, pend, zero, zero)
-    gdn.fold_pending_ref(rec, pend, torch.tensor([100], device=device), 1 - zero)
+    gdn.fold_pending_ref(rec, pend, torch.tensor([100], device=device), 1 - zero, *args[5:])
     check(o, o_rec, STATE_TOL)
     check(s, rec, STATE_TOL, "final state")
 

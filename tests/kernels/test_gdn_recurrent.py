@@ -22,10 +22,8 @@ def _inputs(T, Hk, Hv, dk, dv, dtype, device, seed):
     A_log = randn(Hv, dtype=dtype, device=device, gen=g, scale=0.5)
     dt_bias = randn(Hv, dtype=dtype, device=device, gen=g)
     state = randn(Hv, dk, dv, device=device, gen=g, scale=0.2)
-    # a previous step's tokens: k of unit norm, decay and beta in (0, 1), as the recurrence keeps them
-    pend = randn(2, R, Hv, gdn.pending_width(dk, dv), device=device, gen=g, scale=0.5)
-    pend[..., :dk] = torch.nn.functional.normalize(pend[..., :dk], dim=-1)
-    pend[..., dk + dv:] = pend[..., dk + dv:].sigmoid()
+    # a previous step's tokens as it kept them: raw k, v, a and b per value head
+    pend = randn(2, R, Hv, gdn.pending_width(dk, dv), device=device, gen=g)
     return (q.view(T, Hk, dk), k.view(T, Hk, dk), v.view(T, Hv, dv), a, b, A_log, dt_bias), state, pend
 
 
@@ -76,7 +74,7 @@ def _steps(args, state, pend, device, groups, accepted):
         group = [t[start:end] for t in args[:5]] + list(args[5:])
         outs.append(gdn.recurrent_triton(*group, state, pend, fold, parity))
         fold, parity = _long(n, device), 1 - parity
-    gdn.fold_pending_triton(state, pend, fold, parity)
+    gdn.fold_pending_triton(state, pend, fold, parity, *args[5:])
     return outs, state
 
 
@@ -88,7 +86,7 @@ def test_recurrent_rollback(device):
     outs, committed = _steps(args, state, pend, device, groups=[(0, 4), (4, 6)], accepted=[2, 2])
     ref_state, ref_pend = state.clone(), pend.clone()
     o_ref = gdn.recurrent_ref(*kept, ref_state, ref_pend, _long(0, device), _long(0, device))
-    gdn.fold_pending_ref(ref_state, ref_pend, _long(4, device), _long(1, device))
+    gdn.fold_pending_ref(ref_state, ref_pend, _long(4, device), _long(1, device), *args[5:])
     check(outs[1], o_ref[2:], TOL[torch.float32])
     check(committed, ref_state, TOL[torch.float32], "committed state")
     # one token a step over the kept tokens: the same bits (what greedy MTP on == off rests on)
@@ -131,8 +129,8 @@ def test_fold_pending(device, fold):
     args, state, pend = _inputs(1, 2, 4, 16, 24, torch.float32, device, seed=fold)
     n, parity = _long(fold, device), _long(0, device)
     got, want = state.clone(), state.clone()
-    gdn.fold_pending_triton(got, pend, n, parity)
-    gdn.fold_pending_ref(want, pend, n, parity)
+    gdn.fold_pending_triton(got, pend, n, parity, *args[5:])
+    gdn.fold_pending_ref(want, pend, n, parity, *args[5:])
     check(got, want, TOL[torch.float32], "state")
     stepped, p = state.clone(), pend.clone()
     gdn.recurrent_triton(*args, stepped, p, n, parity)
