@@ -215,8 +215,11 @@ class Decoder:
         stop_at = torch.where(self.is_stop[out] & (idx <= a), idx, k + 1).min().view(1)
         n = torch.minimum(torch.minimum(a, stop_at) + 1, self.room)
         live = n > 0
-        self.state.fold.copy_(torch.where(live, n, self.state.fold))          # the next step folds n tokens in
-        self.state.parity.copy_(torch.where(live, 1 - self.state.parity, self.state.parity))
+        if k:                              # the next step folds the n tokens in (a decode wrote its own)
+            self.state.fold.copy_(torch.where(live, n, self.state.fold))
+            self.state.parity.copy_(torch.where(live, 1 - self.state.parity, self.state.parity))
+        else:
+            self.state.fold.copy_(torch.where(live, 0, self.state.fold))
         self.state.conv_off.copy_(torch.where(live, n, self.state.conv_off))
         self.pos.add_(n)
         self.gen.add_(n)

@@ -6,7 +6,8 @@
   tokens as the recurrence used them (pend [2, k_max+1, Hv, dk+dv+2], the last step's in half
   `parity`). Accepting n tokens commits conv offset n and `fold` n: the next step (or prefill)
   folds those n into the state before its own tokens (kernels/gdn.py), so a verify of T tokens
-  writes one state, not T, and nothing is copied at acceptance.
+  writes one state, not T, and nothing is copied at acceptance. A decode step writes the state
+  after its one token (always accepted) and commits `fold` 0.
 - the MTP head's own K and V caches.
 `conv_off`, `fold` and `parity` are device tensors shared by all GDN layers; `length` (committed
 tokens) is mirrored on the host.

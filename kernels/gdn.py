@@ -79,7 +79,8 @@ def recurrent_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torc
     last step's in half `parity`; `fold` of them were accepted. This call runs those into the
     state and writes it back (when fold > 0), runs its own T tokens from there, and keeps them in
     half 1 - parity: a verify writes one state, whatever T, and accepting n tokens commits them as
-    (fold n, parity flipped) with no copy. A token folded in later goes through the same code as
+    (fold n, parity flipped) with no copy. A one-token step (a decode, always accepted) writes the
+    state after its token instead and keeps nothing: it commits as fold 0. A token folded in later goes through the same code as
     when its step ran it, so the state has the same bits whatever steps built it. fold, parity:
     1-element long tensors. `live` (optional 1-element long tensor): when 0, nothing is written (a
     step launched after its generation ended must not touch the state). Returns o [T, Hv, dv] in
@@ -87,20 +88,22 @@ def recurrent_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torc
     """
     T, R, Hv = q.shape[0], pend.shape[1], v.shape[1]
     assert state.dtype == pend.dtype == torch.float32 and T <= R, "float32 state and pend with >= T rows"
+    on = torch.ones_like(fold, dtype=torch.bool) if live is None else live > 0
     S = _fold(state, pend, fold, parity, A_log, dt_bias)
-    writes = fold > 0 if live is None else (fold > 0) & (live > 0)
-    state.copy_(torch.where(writes, S, state))
+    if T > 1:
+        state.copy_(torch.where((fold > 0) & on, S, state))
     new = _raw_rows(k, v, a, b, Hv)                                 # [T, Hv, dk + dv + 2]
     qn = l2norm(q).repeat_interleave(Hv // q.shape[1], dim=1) * q.shape[-1] ** -0.5
     out = []
     for t in range(T):
         S = _run_row(S, new[t], A_log, dt_bias)
         out.append(torch.einsum("hkv,hk->hv", S, qn[t]))
-    kept = pend.index_select(0, 1 - parity)[0]
-    rows = torch.cat([new, kept[T:]])
-    if live is not None:
-        rows = torch.where(live > 0, rows, kept)
-    pend.index_copy_(0, 1 - parity, rows[None])
+    if T == 1:
+        # a one-token step (a decode) always commits its token: the state takes it at once
+        state.copy_(torch.where(on, S, state))
+    else:
+        kept = pend.index_select(0, 1 - parity)[0]
+        pend.index_copy_(0, 1 - parity, torch.where(on, torch.cat([new, kept[T:]]), kept)[None])
     return torch.stack(out).to(v.dtype if v.dtype != torch.float32 else torch.float32)
 
 
@@ -161,15 +164,18 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
         b_S = b_S * tl.exp(-b_A * b_softplus)
         b_delta = b_beta * (b_v - tl.sum(b_S * b_kn[:, None], axis=0))      # [BV]
         b_S = b_S + b_kn[:, None] * b_delta[None, :]
-        b_new = tl.where(t >= 0, 1, 0)
-        b_last = tl.where(j == b_fold - 1, 1, 0)                         # the fold is done: write it
+        # the state is written once: when the fold is done, or, in a one-token step (a decode,
+        # whose token is always committed), after its token, which is then not kept
+        b_last = tl.where(j == tl.where(T == 1, b_fold, b_fold - 1), 1, 0)
         tl.store(state + o_s, b_S, mask=m_s & ((tl.zeros([BV], dtype=tl.int64) + b_live * b_last) > 0)[None, :])
+        b_new = tl.where(t >= 0, 1, 0)                                   # one of this step's tokens
+        b_keep = b_new * tl.where(T == 1, 0, 1)
         b_o = tl.sum(b_S * (b_q * (tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * scale))[:, None], axis=0)
         tl.store(o + t * s_o + i_h * DV + o_v, b_o.to(o.dtype.element_ty),
                  mask=m_v & ((tl.zeros([BV], dtype=tl.int64) + b_new) > 0))
-        tl.store(p_out + t * s_pt + DK + o_v, b_v, mask=m_v & ((tl.zeros([BV], dtype=tl.int64) + b_live * b_new) > 0))
-        tl.store(p_out + t * s_pt + o_k, b_k, mask=(tl.zeros([DK], dtype=tl.int64) + b_head * b_new) > 0)
-        tl.store(p_out + t * s_pt + DK + DV + o_g, b_ab, mask=(tl.zeros([2], dtype=tl.int64) + b_head * b_new) > 0)
+        tl.store(p_out + t * s_pt + DK + o_v, b_v, mask=m_v & ((tl.zeros([BV], dtype=tl.int64) + b_live * b_keep) > 0))
+        tl.store(p_out + t * s_pt + o_k, b_k, mask=(tl.zeros([DK], dtype=tl.int64) + b_head * b_keep) > 0)
+        tl.store(p_out + t * s_pt + DK + DV + o_g, b_ab, mask=(tl.zeros([2], dtype=tl.int64) + b_head * b_keep) > 0)
 
 
 def _check_state(state, pend, fold, parity, Hv, DK, DV):

@@ -67,13 +67,17 @@ def test_recurrent_large_gates(device):
 
 def _steps(args, state, pend, device, groups, accepted):
     """Run the kernel over token groups (start, end) one step each, accepting `accepted[i]` of
-    group i as the engine commits them; returns each group's outputs and the committed state."""
+    group i as the engine commits them (a one-token step as fold 0: it wrote its token); returns
+    each group's outputs and the committed state."""
     fold, parity, outs = _long(0, device), _long(0, device), []
     state, pend = state.clone(), pend.clone()
     for (start, end), n in zip(groups, accepted):
         group = [t[start:end] for t in args[:5]] + list(args[5:])
         outs.append(gdn.recurrent_triton(*group, state, pend, fold, parity))
-        fold, parity = _long(n, device), 1 - parity
+        if end - start > 1:
+            fold, parity = _long(n, device), 1 - parity
+        else:
+            fold = _long(0, device)
     gdn.fold_pending_triton(state, pend, fold, parity, *args[5:])
     return outs, state
 
@@ -89,7 +93,8 @@ def test_recurrent_rollback(device):
     gdn.fold_pending_ref(ref_state, ref_pend, _long(4, device), _long(1, device), *args[5:])
     check(outs[1], o_ref[2:], TOL[torch.float32])
     check(committed, ref_state, TOL[torch.float32], "committed state")
-    # one token a step over the kept tokens: the same bits (what greedy MTP on == off rests on)
+    # one token a step over the kept tokens (decode: each writes the state after its token, none
+    # is folded later): the same bits (what greedy MTP on == off rests on)
     one_outs, one_state = _steps(kept, state, pend, device, groups=[(i, i + 1) for i in range(4)], accepted=[1] * 4)
     assert torch.equal(one_state, committed)
     assert torch.equal(torch.cat(one_outs[2:]), outs[1])
@@ -103,6 +108,19 @@ def test_recurrent_27b_shapes(T):
     check(o, o_ref, 1e-2)
     check(s, s_ref, 1e-5, "state")
     check(p, p_ref, 1e-5, "kept tokens")
+
+
+def test_one_token_step_writes_its_token(device):
+    # a decode step folds what is pending, runs its token and writes the state after it; it keeps
+    # nothing, and the reference agrees
+    args, state, pend = _inputs(1, 2, 4, 16, 24, torch.float32, device, seed=4)
+    (o, s, p), (o_ref, s_ref, p_ref) = _both(args, state, pend, _long(2, device), _long(0, device))
+    check(o, o_ref, TOL[torch.float32])
+    check(s, s_ref, TOL[torch.float32], "state")
+    assert torch.equal(p, pend) and torch.equal(p_ref, pend), "a one-token step keeps no rows"
+    folded = state.clone()
+    gdn.fold_pending_triton(folded, pend, _long(2, device), _long(0, device), *args[5:])
+    assert not torch.equal(s, folded), "the state holds the step's own token too"
 
 
 @pytest.mark.parametrize("live", [0, 3])
@@ -126,7 +144,7 @@ def test_recurrent_live_flag(device, live):
 @pytest.mark.parametrize("fold", [0, 1, 4])
 def test_fold_pending(device, fold):
     # the fold alone (before a prefill) against the reference, and the very state a step folds to
-    args, state, pend = _inputs(1, 2, 4, 16, 24, torch.float32, device, seed=fold)
+    args, state, pend = _inputs(2, 2, 4, 16, 24, torch.float32, device, seed=fold)
     n, parity = _long(fold, device), _long(0, device)
     got, want = state.clone(), state.clone()
     gdn.fold_pending_triton(got, pend, n, parity, *args[5:])
