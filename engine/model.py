@@ -32,7 +32,7 @@ class Ctx:
     """What a forward needs besides the tokens and the per-layer caches."""
     positions: torch.Tensor   # [T] long: the tokens' positions
     start: int | torch.Tensor # positions[0]: tokens already in the KV cache (a [1] tensor in steps)
-    step: bool                # decode/verify (recurrence + snapshots) rather than prefill
+    step: bool                # decode/verify (the recurrence, one state written a step) rather than prefill
     conv_off: torch.Tensor    # [1] long: committed conv window offset
     fold: torch.Tensor        # [1] long: the last step's accepted tokens, to fold into the GDN states
     parity: torch.Tensor      # [1] long: which half of the GDN pend buffers holds them
