@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from mtpchat.engine.model import Ctx, GatedAttention, GatedDeltaNet, Model
 from mtpchat.engine.mtp import MTPHead
 from mtpchat.engine.state import DecodeState
-from mtpchat.kernels import conv, gdn, norm
+from mtpchat.kernels import conv, gdn_chunk, norm
 from mtpchat.kernels.rope import norm_rope_ref
 
 
@@ -49,7 +49,7 @@ def _gdn(m: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
     fold = lambda t, d: t.reshape(T, -1, d)                                 # [T, B*heads, d]
     heads = lambda t: t.transpose(0, 1).reshape(T, B * hv)                  # [B, T, hv] -> [T, B*hv]
     state = x.new_zeros(B * hv, dk, dv, dtype=torch.float32)
-    o, _ = gdn.chunk_ref(fold(q, dk), fold(k, dk), fold(v, dv), heads(a), heads(b),
+    o, _ = gdn_chunk.chunk_ref(fold(q, dk), fold(k, dk), fold(v, dv), heads(a), heads(b),
                          m.A_log.repeat(B), m.dt_bias.repeat(B), state)     # [T, B*hv, dv]
     o = o.view(T, B, hv, dv).transpose(0, 1)
     o = norm.gated_rmsnorm_ref(o.to(x.dtype), z.view(B, T, hv, dv), m.norm_weight, c.rms_norm_eps)

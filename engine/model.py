@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.kernels import attention, conv, gdn, norm
+from mtpchat.kernels import attention, conv, gdn, gdn_chunk, norm
 from mtpchat.kernels.matvec import matvec, matvec_swiglu, silu_mul
 from mtpchat.kernels.rope import qkv_norm_rope
 
@@ -159,7 +159,7 @@ class GatedDeltaNet(nn.Module):
             # training forward may still need
             with torch.no_grad():
                 gdn.fold_pending(state, pend, ctx.fold, ctx.parity, self.A_log, self.dt_bias)
-            o, end_state = gdn.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state.clone())
+            o, end_state = gdn_chunk.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state.clone())
             state.copy_(end_state)
         o = norm.gated_rmsnorm(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
         return linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step)

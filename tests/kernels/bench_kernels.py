@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from mtpchat.kernels import attention, conv, gdn, matvec, norm
+from mtpchat.kernels import attention, conv, gdn, gdn_chunk, matvec, norm
 from mtpchat.kernels._triton import triton
 
 H, I, VOCAB = 5120, 17408, 248320
@@ -272,27 +272,27 @@ def bench_chunk(bw, sweep):
                        dict(scan_bv=64, out_bv=128, out_warps=8), dict(dot="tf32x3")] if sweep else [])
     for cfg in configs:
         try:
-            ms = graph_ms(lambda: gdn.chunk_triton(q, k, v, a, b, A_log, dt_bias, state, config=cfg), reps=5)
+            ms = graph_ms(lambda: gdn_chunk.chunk_triton(q, k, v, a, b, A_log, dt_bias, state, config=cfg), reps=5)
             row(f"gdn chunk T=8192 {cfg}", ms, nbytes, bw)
         except Exception as e:
             print(f"  {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             if "illegal" in str(e):
                 return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        gdn.chunk_triton(q, k, v, a, b, A_log, dt_bias, state)
+        gdn_chunk.chunk_triton(q, k, v, a, b, A_log, dt_bias, state)
         torch.cuda.synchronize()
     for ev in prof.key_averages():
         if "chunk" in ev.key:
             print(f"  {ev.key}: {getattr(ev, 'device_time_total', 0):.0f} us")
-    o, s = gdn.chunk(q, k, v, a, b, A_log, dt_bias, state)
-    o_ref, s_ref = gdn.chunk_ref(q, k, v, a, b, A_log, dt_bias, state)
+    o, s = gdn_chunk.chunk(q, k, v, a, b, A_log, dt_bias, state)
+    o_ref, s_ref = gdn_chunk.chunk_ref(q, k, v, a, b, A_log, dt_bias, state)
     err = lambda x, y: ((x.float() - y.float()).norm() / y.float().norm()).item()
     print(f"  vs chunk_ref: output rel err {err(o, o_ref):.2e}, state {err(s, s_ref):.2e}")
     results["chunk_err"] = [err(o, o_ref), err(s, s_ref)]
-    gdn.chunk_ref(q, k, v, a, b, A_log, dt_bias, state)
+    gdn_chunk.chunk_ref(q, k, v, a, b, A_log, dt_bias, state)
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
-    gdn.chunk_ref(q, k, v, a, b, A_log, dt_bias, state)
+    gdn_chunk.chunk_ref(q, k, v, a, b, A_log, dt_bias, state)
     e1.record()
     torch.cuda.synchronize()
     ref_ms = e0.elapsed_time(e1)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_checks import TOL, check, randn
 
-from mtpchat.kernels import gdn
+from mtpchat.kernels import gdn, gdn_chunk
 
 # the GPU kernels multiply in tf32 (10-bit mantissa), as fla does in bf16
 STATE_TOL = TOL[torch.float32] if not torch.cuda.is_available() else 5e-3
@@ -29,8 +29,8 @@ def _inputs(T, Hk, Hv, dk, dv, dtype, device, seed):
 def test_chunk(device, dtype, T, Hk, Hv, dk, dv):
     args, state = _inputs(T, Hk, Hv, dk, dv, dtype, device, seed=T + Hv)
     state_in = state.clone()
-    o, s = gdn.chunk_triton(*args, state)
-    o_ref, s_ref = gdn.chunk_ref(*args, state)
+    o, s = gdn_chunk.chunk_triton(*args, state)
+    o_ref, s_ref = gdn_chunk.chunk_ref(*args, state)
     assert torch.equal(state, state_in), "the start state is an input"
     check(o, o_ref, max(TOL[dtype], STATE_TOL))
     check(s, s_ref, STATE_TOL, "final state")
@@ -38,7 +38,7 @@ def test_chunk(device, dtype, T, Hk, Hv, dk, dv):
 
 def test_chunk_matches_the_recurrence(device):
     args, state = _inputs(100, 2, 4, 16, 24, torch.float32, device, seed=3)
-    o, s = gdn.chunk_triton(*args, state)
+    o, s = gdn_chunk.chunk_triton(*args, state)
     Hv, dk, dv = state.shape
     rec, pend = state.clone(), torch.zeros(2, 100, Hv, gdn.pending_width(dk, dv), device=device)
     zero = torch.tensor([0], device=device)
@@ -52,7 +52,7 @@ def test_chunk_matches_the_recurrence(device):
 @pytest.mark.parametrize("T", [1000, 8192])
 def test_chunk_27b_shapes(T):
     args, state = _inputs(T, 16, 48, 128, 128, torch.bfloat16, "cuda", seed=T)
-    o, s = gdn.chunk(*args, state)
-    o_ref, s_ref = gdn.chunk_ref(*args, state)
+    o, s = gdn_chunk.chunk(*args, state)
+    o_ref, s_ref = gdn_chunk.chunk_ref(*args, state)
     check(o, o_ref, 1e-2)
     check(s, s_ref, STATE_TOL, "final state")

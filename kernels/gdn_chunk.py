@@ -1,0 +1,226 @@
+"""Gated DeltaNet in chunked form (prefill): a float32 torch reference, the Triton kernels beside it,
+and a dispatcher that takes the kernels for CUDA tensors and the reference otherwise. The model,
+its shapes and the recurrence it computes: gdn.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from mtpchat.kernels._triton import tl, triton, use_triton
+from mtpchat.kernels.gdn import gates, l2norm
+
+
+def _prepare(q, k, v, a, b, A_log, dt_bias):
+    """Normalise q/k, expand them to the value heads and compute the gates; all float32, heads first."""
+    group = v.shape[1] // k.shape[1]
+    q = l2norm(q).repeat_interleave(group, dim=1) * q.shape[-1] ** -0.5   # [T, Hv, dk]
+    k = l2norm(k).repeat_interleave(group, dim=1)                          # [T, Hv, dk]
+    g, beta = gates(a, b, A_log, dt_bias)                                   # [T, Hv]
+    return q.transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1), g.T, beta.T
+
+
+def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64):
+    """The same recurrence over a long sequence, `chunk` tokens at a time in closed (WY) form.
+
+    state [Hv, dk, dv] float32 is the initial state. Returns (o [T, Hv, dv] in v's dtype, final state).
+    Within a chunk with cumulative log decay G_t and start state S0, the delta-rule writes w_j solve
+        w_j + sum_{i<j} beta_j e^{G_j-G_i} (k_j·k_i) w_i = beta_j (v_j - e^{G_j} S0ᵀ k_j)
+    (a unit lower-triangular system), then o_t = e^{G_t} S0ᵀ q_t + sum_{j<=t} e^{G_t-G_j} (q_t·k_j) w_j
+    and S_end = e^{G_C} S0 + sum_j e^{G_C-G_j} k_j w_jᵀ.
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, a, b, A_log, dt_bias)   # [Hv, T, *]
+    T = q.shape[1]
+    S = state.float()
+    outs = []
+    for s in range(0, T, chunk):
+        qc, kc, vc = q[:, s:s + chunk], k[:, s:s + chunk], v[:, s:s + chunk]
+        G = g[:, s:s + chunk].cumsum(-1)                                   # [Hv, C]
+        C = G.shape[1]
+        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        # e^{G_t - G_j} for j <= t, 0 above the diagonal (masked before exp: the exponent is > 0 there)
+        decay = (G[:, :, None] - G[:, None, :]).masked_fill(~causal, float("-inf")).exp()   # [Hv, C, C]
+        kk = kc @ kc.transpose(-1, -2)                                     # [Hv, C, C]
+        lower = (beta[:, s:s + chunk, None] * kk * decay).tril(-1)
+        eye = torch.eye(C, device=q.device)
+        rhs = beta[:, s:s + chunk, None] * (vc - G.exp()[..., None] * (kc @ S))
+        w = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)  # [Hv, C, dv]
+        o = G.exp()[..., None] * (qc @ S) + ((qc @ kc.transpose(-1, -2)) * decay) @ w
+        outs.append(o)
+        tail = (G[:, -1:] - G).exp()                                       # e^{G_C - G_j}, [Hv, C]
+        S = G[:, -1].exp()[:, None, None] * S + (kc * tail[..., None]).transpose(-1, -2) @ w
+    o = torch.cat(outs, dim=1).transpose(0, 1)                             # [T, Hv, dv]
+    return o.to(out_dtype), S
+
+
+# Chunked prefill in three kernels, the way fla splits it.
+# _chunk_prep_kernel, one program per (chunk, value head), all in parallel: G = cumsum(g), the
+#   strictly lower A[r, c] = beta_r e^{G_r-G_c} (k_r·k_c), then u = (I + A)^-1 (beta v) and
+#   w = (I + A)^-1 (beta e^G k) by blocked forward substitution (16-row blocks: the diagonal
+#   blocks inverted row by row, the rest as small products), so that the chunk's state writes
+#   are u - w S0 for any start state S0.
+# _chunk_scan_kernel, one program per (value head, block of value columns), walks the chunks in
+#   order with its slice of the state in registers: it saves each chunk's start state S0 and
+#   writes u - w S0, then moves the state to the chunk's end. Two products per chunk.
+# _chunk_out_kernel, one program per (chunk, value head, value block), in parallel again:
+#   o = (e^G q) S0 + (q kᵀ ∘ decay) (u - w S0).
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_prep_kernel(k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, s_k, s_v, s_a, s_b,
+                       HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BDV: tl.constexpr, BC: tl.constexpr, SB: tl.constexpr, NB: tl.constexpr,
+                       DOT: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    o_r = tl.arange(0, BC)
+    o_t = i_c * BC + o_r
+    m_t = o_t < T
+    o_k, o_v = tl.arange(0, DK), tl.arange(0, BDV)
+    m_v = o_v < DV
+    b_k = tl.load(k + o_t[:, None] * s_k + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
+    b_k = b_k.to(tl.float32)
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+    b_x = tl.load(a + o_t * s_a + i_h, mask=m_t, other=0.).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
+    b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))
+    # tokens past T get g = 0 and beta = 0: they neither decay nor write the state
+    b_g = tl.where(m_t, -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * b_softplus, 0.)
+    b_beta = tl.where(m_t, tl.sigmoid(tl.load(b + o_t * s_b + i_h, mask=m_t, other=0.).to(tl.float32)), 0.)
+    b_G = tl.cumsum(b_g, axis=0)
+    m_low = o_r[:, None] > o_r[None, :]
+    b_decay = tl.exp(tl.where(m_low, b_G[:, None] - b_G[None, :], 0.))      # masked before exp: > 0 above
+    b_A = tl.where(m_low, b_beta[:, None] * b_decay * tl.dot(b_k, tl.trans(b_k), input_precision=DOT), 0.)
+    o_ws = i_c * HV + i_h
+    p_a, p_u, p_w = ws_a + o_ws * BC * BC, ws_u + o_ws * BC * DV, ws_w + o_ws * BC * DK
+    b_v = tl.load(v + o_t[:, None] * s_v + i_h * DV + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
+    tl.store(p_a + o_r[:, None] * BC + o_r[None, :], b_A)
+    # the right-hand sides beta v and beta e^G k, solved in place below into u and w
+    tl.store(p_u + o_r[:, None] * DV + o_v[None, :], b_v.to(tl.float32) * b_beta[:, None], mask=m_v[None, :])
+    tl.store(p_w + o_r[:, None] * DK + o_k[None, :], b_k * (b_beta * tl.exp(b_G))[:, None])
+    tl.store(ws_g + o_ws * BC + o_r, b_G)
+    tl.debug_barrier()   # what was stored is read back below by other threads
+    # inverses of the NB diagonal SB x SB blocks at once, by forward substitution:
+    # Y[d] = (I + A_dd)^-1 - I, whose row i is -A_dd[i] - sum_{j<i} A_dd[i, j] Y[d][j]
+    o_d, o_i = tl.arange(0, NB), tl.arange(0, SB)
+    b_Y = tl.zeros([NB, SB, SB], tl.float32)
+    for i in range(1, SB):
+        b_row = -tl.load(p_a + (o_d[:, None] * SB + i) * BC + o_d[:, None] * SB + o_i[None, :])   # [NB, SB]
+        b_row += tl.sum(b_row[:, :, None] * b_Y, axis=1)
+        b_Y = tl.where((o_i == i)[None, :, None], b_row[:, None, :], b_Y)
+    b_Xd = b_Y + tl.where(o_i[:, None] == o_i[None, :], 1., 0.)[None, :, :]
+    # block forward substitution, in place: Z_i = X_ii (R_i - sum_{j<i} A_ij Z_j)
+    for i in tl.static_range(NB):
+        o_ri = i * SB + o_i
+        b_rv = tl.load(p_u + o_ri[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+        b_rk = tl.load(p_w + o_ri[:, None] * DK + o_k[None, :])
+        for j in tl.static_range(i):
+            o_rj = j * SB + o_i
+            b_Aij = tl.load(p_a + o_ri[:, None] * BC + o_rj[None, :])
+            b_zv = tl.load(p_u + o_rj[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+            b_rv -= tl.dot(b_Aij, b_zv, input_precision=DOT)
+            b_rk -= tl.dot(b_Aij, tl.load(p_w + o_rj[:, None] * DK + o_k[None, :]), input_precision=DOT)
+        b_Xii = tl.sum(tl.where((o_d == i)[:, None, None], b_Xd, 0.), axis=0)
+        tl.store(p_u + o_ri[:, None] * DV + o_v[None, :], tl.dot(b_Xii, b_rv, input_precision=DOT), mask=m_v[None, :])
+        tl.store(p_w + o_ri[:, None] * DK + o_k[None, :], tl.dot(b_Xii, b_rk, input_precision=DOT))
+        tl.debug_barrier()   # block i is read by the blocks below it
+
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_scan_kernel(k, ws_w, ws_u, ws_g, ws_h, ws_v, state, s_out, T, s_k,
+                       HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
+    i_h, i_v = tl.program_id(0), tl.program_id(1)
+    o_r, o_k = tl.arange(0, BC), tl.arange(0, DK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < DV
+    o_s = o_k[:, None] * DV + o_v[None, :]
+    b_S = tl.load(state + i_h * DK * DV + o_s, mask=m_v[None, :], other=0.)
+    for i_c in range(tl.cdiv(T, BC)):
+        o_ws = i_c * HV + i_h
+        tl.store(ws_h + o_ws * DK * DV + o_s, b_S, mask=m_v[None, :])      # the state the chunk starts from
+        o_t = i_c * BC + o_r
+        b_k = tl.load(k + o_t[:, None] * s_k + (i_h // GROUP) * DK + o_k[None, :], mask=(o_t < T)[:, None], other=0.)
+        b_k = b_k.to(tl.float32)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+        b_G = tl.load(ws_g + o_ws * BC + o_r)
+        b_last = tl.load(ws_g + o_ws * BC + BC - 1)                  # G at the chunk's end (padding adds 0)
+        b_w = tl.load(ws_w + (o_ws * BC + o_r[:, None]) * DK + o_k[None, :])
+        b_u = tl.load(ws_u + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+        b_new = b_u - tl.dot(b_w, b_S, input_precision=DOT)                  # the chunk's writes
+        tl.store(ws_v + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], b_new, mask=m_v[None, :])
+        b_k_tail = b_k * tl.exp(b_last - b_G)[:, None]                       # e^{G_C - G_j} k_j
+        b_S = b_S * tl.exp(b_last) + tl.dot(tl.trans(b_k_tail), b_new, input_precision=DOT)
+    tl.store(s_out + i_h * DK * DV + o_s, b_S, mask=m_v[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, o, T, scale, s_q, s_k, s_o,
+                      HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      BV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_kh = i_h // GROUP
+    o_r, o_k = tl.arange(0, BC), tl.arange(0, DK)
+    o_t = i_c * BC + o_r
+    m_t = o_t < T
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < DV
+    b_q = tl.load(q + o_t[:, None] * s_q + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+    b_k = tl.load(k + o_t[:, None] * s_k + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+    b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q, axis=1) + 1e-6) * scale)[:, None]
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+    o_ws = i_c * HV + i_h
+    b_G = tl.load(ws_g + o_ws * BC + o_r)
+    b_S = tl.load(ws_h + o_ws * DK * DV + o_k[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+    b_new = tl.load(ws_v + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+    m_causal = o_r[:, None] >= o_r[None, :]
+    b_decay = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.))
+    b_qk = tl.where(m_causal, tl.dot(b_q, tl.trans(b_k), input_precision=DOT) * b_decay, 0.)
+    b_o = (tl.dot(b_q * tl.exp(b_G)[:, None], b_S, input_precision=DOT)
+           + tl.dot(b_qk, b_new, input_precision=DOT))
+    tl.store(o + o_t[:, None] * s_o + i_h * DV + o_v[None, :], b_o.to(o.dtype.element_ty),
+             mask=m_t[:, None] & m_v[None, :])
+
+
+# tf32 products, as fla's bf16 ones but with three more mantissa bits; "tf32x3" gives float32
+# accuracy at 2.6 times the time. On an H100, 27B shapes, 8192 tokens: 1.76 ms per layer
+# (prep 0.68, scan 0.57, output 0.51); tests/kernels/bench_kernels.py --sweep --only chunk.
+CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_bv=64, out_warps=4, dot="tf32")
+
+
+def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, config: dict | None = None):
+    """chunk_ref's contract (chunk 64), with q, k, v, a, b as row-strided views like recurrent_triton's.
+    `config` overrides entries of CHUNK_CONFIG, for tuning."""
+    T, Hk, DK = q.shape
+    Hv, DV = v.shape[1], v.shape[2]
+    assert chunk == 64, "the chunk kernels work on 64 tokens at a time"
+    assert k.shape == q.shape and v.shape[0] == T and Hv % Hk == 0, "q, k [T, Hk, dk], v [T, Hv, dv]"
+    assert DK & (DK - 1) == 0 and DK >= 16, "dk must be a power of two >= 16"
+    for t, hs in ((q, DK), (k, DK), (v, DV)):
+        assert t.stride(2) == 1 and t.stride(1) == hs, "each token's heads must be contiguous"
+    assert a.shape == b.shape == (T, Hv) and a.stride(1) == 1 and b.stride(1) == 1, "a, b must be [T, Hv]"
+    assert state.dtype == torch.float32 and state.is_contiguous() and state.shape == (Hv, DK, DV), \
+        "state must be contiguous float32 [Hv, dk, dv]"
+    cfg = {**CHUNK_CONFIG, **(config or {})}
+    NT, dev, G = triton.cdiv(T, chunk), q.device, Hv // Hk
+    new = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=dev)
+    ws_a, ws_w, ws_u, ws_g = new(NT, Hv, chunk, chunk), new(NT, Hv, chunk, DK), new(NT, Hv, chunk, DV), new(NT, Hv, chunk)
+    ws_h, ws_v, s_out = new(NT, Hv, DK, DV), new(NT, Hv, chunk, DV), torch.empty_like(state)
+    o = torch.empty(T, Hv, DV, dtype=v.dtype, device=dev)
+    _chunk_prep_kernel[(NT, Hv)](k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, k.stride(0), v.stride(0),
+                                 a.stride(0), b.stride(0), HV=Hv, GROUP=G, DK=DK, DV=DV,
+                                 BDV=triton.next_power_of_2(DV), BC=chunk, SB=16, NB=chunk // 16, DOT=cfg["dot"],
+                                 num_warps=cfg["prep_warps"])
+    BV = min(cfg["scan_bv"], triton.next_power_of_2(DV))
+    _chunk_scan_kernel[(Hv, triton.cdiv(DV, BV))](k, ws_w, ws_u, ws_g, ws_h, ws_v, state, s_out, T, k.stride(0),
+                                                   HV=Hv, GROUP=G, DK=DK, DV=DV, BV=BV, BC=chunk, DOT=cfg["dot"],
+                                                   num_warps=cfg["scan_warps"], num_stages=cfg["scan_stages"])
+    BV = min(cfg["out_bv"], triton.next_power_of_2(DV))
+    _chunk_out_kernel[(NT, Hv, triton.cdiv(DV, BV))](q, k, ws_g, ws_h, ws_v, o, T, DK ** -0.5, q.stride(0),
+                                                      k.stride(0), o.stride(0), HV=Hv, GROUP=G, DK=DK, DV=DV,
+                                                      BV=BV, BC=chunk, DOT=cfg["dot"], num_warps=cfg["out_warps"])
+    return o, s_out
+
+
+def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64):
+    """chunk_ref's contract; the Triton kernels for CUDA tensors."""
+    if use_triton(q, k, v, a, b):
+        return chunk_triton(q, k, v, a, b, A_log, dt_bias, state, chunk)
+    return chunk_ref(q, k, v, a, b, A_log, dt_bias, state, chunk)
