@@ -1,6 +1,7 @@
 """Gated DeltaNet's recurrence (decode / verify, the accepted tokens of a step folded into the
-state at the next); the chunked form (prefill) is in gdn_chunk.py. Float32 torch references, the Triton kernels beside them, and dispatchers that take
-the kernel for CUDA tensors and the reference otherwise.
+state at the next); the chunked form (prefill) is in gdn_chunk.py. Float32 torch references, the
+Triton kernel beside them, and dispatchers that take the kernel for CUDA tensors and the
+reference otherwise.
 
 Shapes (one sequence): q, k [T, Hk, dk]; v [T, Hv, dv]; a, b [T, Hv]; A_log, dt_bias [Hv];
 states [Hv, dk, dv] float32 (the dk x dv layout of transformers and fla). V head j reads Q/K head
@@ -71,9 +72,9 @@ def recurrent_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torc
     state and writes it back (when fold > 0), runs its own T tokens from there, and keeps them in
     half 1 - parity: a verify writes one state, whatever T, and accepting n tokens commits them as
     (fold n, parity flipped) with no copy. A one-token step (a decode, always accepted) writes the
-    state after its token instead and keeps nothing: it commits as fold 0. A token folded in later goes through the same code as
-    when its step ran it, so the state has the same bits whatever steps built it. fold, parity:
-    1-element long tensors. `live` (optional 1-element long tensor): when 0, nothing is written (a
+    state after its token instead and keeps nothing: it commits as fold 0. A token folded in later
+    goes through the same code as when its step ran it, so the state has the same bits whatever
+    steps built it. fold, parity: 1-element long tensors. `live` (optional 1-element long tensor): when 0, nothing is written (a
     step launched after its generation ended must not touch the state). Returns o [T, Hv, dv] in
     v's dtype.
     """
