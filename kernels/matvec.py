@@ -113,10 +113,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul_triton(gate_up) if use_triton(gate_up) else silu_mul_ref(gate_up)
 
 
-def _config(N: int, K: int, itemsize: int) -> tuple[int, int, int, int]:
-    """(BN, BK, warps, stages): never a function of T. One tile suits every 27B decode matrix in
-    bf16: on an H100 it was the fastest or within 1% of it for each (bench_kernels.py --sweep-matvec).
-    float32 tiles take half the K to fit the same shared memory."""
+def _config(N: int, K: int, itemsize: int, swiglu: bool = False) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages): never a function of T. BN counts output columns, so a SwiGLU
+    program reads 2 x BN rows of w. One tile suits every 27B decode matrix in bf16: on an H100 it
+    was the fastest or within 1% of it for each (bench_kernels.py --sweep-matvec, and whole decode
+    steps under other tiles: tests/kernels/ab_step.py). float32 tiles take half the K to fit the
+    same shared memory. The SwiGLU product takes two w tiles of half the rows per step and, in
+    bf16, a deeper pipeline: 122.9 us for the 27B gate|up on an H100, against 119.8 for the plain
+    product and 124.8 with silu * up apart."""
+    if swiglu:
+        return 32, 512 // itemsize, 4, 6 if itemsize == 2 else 4
     return 64, 512 // itemsize, 4, 4
 
 
@@ -144,10 +150,7 @@ def matvec_swiglu_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     assert N2 % 2 == 0, "w must stack the gate and up rows"
     N = N2 // 2
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
-    BN, BK, warps, stages = _config(N, K, x.element_size())
-    # two w tiles of half the rows per step; bf16 takes a deeper pipeline: 122.9 us for the 27B
-    # gate|up on an H100, against 119.8 for the plain product and 124.8 with silu * up apart
-    BN, stages = BN // 2, 6 if x.element_size() == 2 else stages
+    BN, BK, warps, stages = _config(N, K, x.element_size(), swiglu=True)
     _matvec_swiglu_kernel[(triton.cdiv(N, BN),)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0),
                                                  BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages,
                                                  **pdl(x))

@@ -1,0 +1,195 @@
+"""A/B of whole step phases under launch plans: the decode step (verify 0), verify 3 and a 3-token
+draft, captured once per plan and replayed in interleaved rounds on random weights of an official
+shape, so the ratios come from one process on one device.
+
+    python3 ab_step.py --plans pdl             # programmatic dependent launch off / on
+    python3 ab_step.py --plans tiles           # matvec tile tables (kernels/matvec.py: _config)
+
+A plan is a name and a function that sets the launch choice it stands for before its phases are
+compiled and captured (and undoes nothing: the next plan sets its own). Steps of a live
+generation write the GDN state they start from, so logits are compared on ended steps only
+(`--room 0`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from mtpchat.engine import bench
+from mtpchat.engine.bench import random_prompt
+from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.engine import Engine
+from mtpchat.engine.sampling import SamplingParams
+from mtpchat.kernels import _triton, matvec
+
+CONFIGS = Path(bench.__file__).parent / "configs"
+PDL_ON, DEFAULT_TILES = _triton._pdl_device, matvec._config
+
+
+def pdl_plans() -> dict:
+    def use(plan):
+        return lambda: setattr(_triton, "_pdl_device", plan)
+    return {"off": use(lambda index: False), "pdl": use(PDL_ON)}
+
+
+def tile_plan(rule) -> callable:
+    """rule(N, K, swiglu) -> (BN, BK, warps, stages) or None for the default tile (bf16 only)."""
+    def tiles(N, K, itemsize, swiglu=False):
+        return (rule(N, K, swiglu) if itemsize == 2 else None) or DEFAULT_TILES(N, K, itemsize, swiglu)
+    return lambda: setattr(matvec, "_config", tiles)
+
+
+def tile_plans() -> dict:
+    """Tiles for one group of the 27B's products at a time: the two 5120 x 6144 (GDN out_proj,
+    attention o_proj), the MLP down (5120 x 17408), the wide inputs (GDN in_proj 16480 rows,
+    attention q|gate|k|v 14336), the MLP gate|up (SwiGLU, 17408 columns) and the lm_head."""
+    groups = {"out": lambda N, K, g: N == 5120 and K == 6144, "down": lambda N, K, g: N == 5120 and K == 17408,
+              "in": lambda N, K, g: N in (16480, 14336) and not g, "glu": lambda N, K, g: g,
+              "lm": lambda N, K, g: N > 100_000}
+
+    def group(name, cfg):
+        return tile_plan(lambda N, K, g: cfg if groups[name](N, K, g) else None)
+    plans = {"base": tile_plan(lambda N, K, g: None)}
+    for name, cfgs in {"out": [(64, 256, 8, 4), (64, 128, 4, 8), (64, 256, 2, 4)],
+                       "down": [(64, 256, 8, 4), (64, 128, 4, 8), (64, 256, 2, 4)],
+                       "in": [(128, 128, 4, 4), (128, 128, 8, 4), (64, 256, 8, 4)],
+                       "glu": [(16, 256, 4, 6), (16, 256, 4, 4), (64, 128, 4, 6), (32, 256, 8, 6), (32, 128, 4, 8)],
+                       "lm": [(128, 128, 4, 4)]}.items():
+        for cfg in cfgs:
+            plans[f"{name}:{cfg[0]}x{cfg[1]}w{cfg[2]}s{cfg[3]}"] = group(name, cfg)
+    return plans
+
+
+def products_ms(model, reps: int = 20) -> float:
+    """One decode step's products alone, in the step's order (each waits for the one before, as in
+    the step), on the model's own weights: what the step's other kernels add is the difference."""
+    xs = {}
+    calls = []
+    for layer in model.layers:
+        m = layer.mixer
+        ws = [m.in_proj, m.out_proj] if layer.kind != "full_attention" else [m.qkv, m.o_proj]
+        calls += [(w, False) for w in ws] + [(layer.mlp.gate_up, True), (layer.mlp.down, False)]
+    calls.append((model.head, False))
+    for w, _ in calls:
+        xs.setdefault(w.shape[1], torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device))
+    run = lambda: [(matvec.matvec_swiglu if g else matvec.matvec)(xs[w.shape[1]], w) for w, g in calls]
+    run()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def kernel_resources():
+    """Shared memory and registers of each compiled matvec kernel, by its constants."""
+    out = []
+    for fn in (matvec._matvec_kernel, matvec._matvec_swiglu_kernel):
+        for cache in getattr(fn, "device_caches", {}).values():
+            for kernel in cache[0].values():
+                md = kernel.metadata
+                consts = {k: v for k, v in getattr(md, "constants", {}).items() if isinstance(v, int)}
+                out.append(f"{fn.__name__} {consts} warps={md.num_warps} stages={md.num_stages} "
+                           f"smem={md.shared} regs={getattr(kernel, 'n_regs', '?')}")
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3.6-27b")
+    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles"))
+    p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--room", type=int, default=1 << 20,
+                   help="tokens the generation may still emit: 0 replays ended steps, which write no GDN state")
+    p.add_argument("--products", action="store_true", help="also time the decode step's products alone")
+    p.add_argument("--json")
+    a = p.parse_args()
+    plans = pdl_plans() if a.plans == "pdl" else tile_plans()
+    if a.only:
+        plans = {name: plans[name] for name in a.only.split(",")}
+    config = ModelConfig.load(CONFIGS / f"{a.model}.json")
+    engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=a.context + 256, cuda_graphs=False)
+    d = engine.decoder
+    for _ in engine.generate(random_prompt(engine, a.context, 1), SamplingParams(max_tokens=2, stop_token_ids=())):
+        pass
+    d.room.fill_(a.room)
+    kept = (d.pos, d.state.fold, d.state.parity, d.state.conv_off, d.pend_n, d.room)
+    save = [t.clone() for t in kept]
+
+    def restore():
+        for t, s in zip(kept, save):
+            t.copy_(s)
+
+    phases = {"verify 0": lambda: d.verify(0), "verify 3": lambda: d.verify(3), "draft 3": lambda: d.draft(3)}
+    graphs, logits = {}, {}
+    pool = torch.cuda.graph_pool_handle()
+    for name, setup in list(plans.items()):
+        setup()
+        try:
+            for phase, fn in phases.items():
+                restore()
+                fn()                               # compiles this plan's kernels
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    restore()
+                    fn()
+                graphs[name, phase] = g
+        except Exception as e:                     # a tile that does not fit, and the like
+            print(f"{name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            del plans[name]
+            graphs = {key: g for key, g in graphs.items() if key[0] != name}
+            continue
+        restore()
+        graphs[name, "verify 0"].replay()
+        logits[name] = d.v_logits[:1].clone()
+    _triton._pdl_device, matvec._config = PDL_ON, DEFAULT_TILES
+    first = next(iter(plans))
+    same = {name: bool(torch.equal(logits[name], logits[first])) for name in plans} if a.room == 0 else {}
+    times = {key: [] for key in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(a.rounds):
+        for key, g in graphs.items():
+            g.replay()
+            start.record()
+            for _ in range(a.replays):
+                g.replay()
+            end.record()
+            end.synchronize()
+            times[key].append(start.elapsed_time(end) / a.replays)
+    out = {"plans": a.plans, "same_logits": same, "ms": {}, "spread": {}, "resources": kernel_resources()}
+    base = {phase: statistics.median(times[first, phase]) for phase in phases}
+    for name in plans:
+        row = {phase: statistics.median(times[name, phase]) for phase in phases}
+        out["ms"][name] = row
+        out["spread"][name] = {phase: [min(times[name, phase]), max(times[name, phase])] for phase in phases}
+        rel = "  ".join(f"{ph} {ms:7.3f} ms ({ms / base[ph]:.4f})" for ph, ms in row.items())
+        print(f"{name:>18}: {rel}  same logits: {same.get(name)}", flush=True)
+    for line in out["resources"]:
+        print(line)
+    if a.products:
+        out["products_ms"] = products_ms(engine.model)
+        print(f"the decode step's products alone: {out['products_ms']:.3f} ms")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
