@@ -115,14 +115,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def _config(N: int, K: int, itemsize: int, swiglu: bool = False) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages): never a function of T. BN counts output columns, so a SwiGLU
-    program reads 2 x BN rows of w. One tile suits every 27B decode matrix in bf16: on an H100 it
-    was the fastest or within 1% of it for each (bench_kernels.py --sweep-matvec, and whole decode
-    steps under other tiles: tests/kernels/ab_step.py). float32 tiles take half the K to fit the
-    same shared memory. The SwiGLU product takes two w tiles of half the rows per step and, in
-    bf16, a deeper pipeline: 122.9 us for the 27B gate|up on an H100, against 119.8 for the plain
-    product and 124.8 with silu * up apart."""
+    program reads 2 x BN rows of w. Chosen on an H100 by whole decode steps of the 27B under other
+    tiles (tests/kernels/ab_step.py --plans tiles, the ratios in docs/PERFORMANCE.md): 64 x 512
+    bytes suits every plain product (smaller tiles, more warps, other depths: 0-23% slower); the
+    SwiGLU product is fastest with 64 columns (128 rows of w) by 256 bytes of K, 5 deep (the
+    decode step 1.5% faster than with 32 x 512 bytes). float32 tiles take half the K."""
     if swiglu:
-        return 32, 512 // itemsize, 4, 6 if itemsize == 2 else 4
+        return (64, 128, 4, 5) if itemsize == 2 else (32, 128, 4, 4)
     return 64, 512 // itemsize, 4, 4
 
 
