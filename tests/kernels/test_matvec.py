@@ -88,3 +88,43 @@ def test_matvec_swiglu_27b_shapes_and_rows():
     check(y, matvec.matvec_swiglu_ref(x, w), 1e-2)
     assert torch.equal(y, torch.cat([matvec.matvec_swiglu(x[i:i + 1], w) for i in range(5)]))
 
+
+
+@pytest.mark.parametrize("T", [1, 3, 5])
+@pytest.mark.parametrize("off", [0, 2, 5])
+@pytest.mark.parametrize("live", [1, 0])
+def test_matvec_conv(device, T, off, live):
+    # 150 columns of which the first 70 take the conv: the second program straddles the boundary
+    N, K, C, KC, R = 150, 96, 70, 4, 5
+    g = torch.Generator().manual_seed(T * 7 + off)
+    x, w = randn(T, K, device=device, gen=g), randn(N, K, device=device, gen=g, scale=0.2)
+    cw = randn(C, KC, device=device, gen=g)
+    buf = randn(C, KC - 1 + R + off, device=device, gen=g)
+    o, lv = torch.tensor([off], device=device), torch.tensor([live], device=device)
+    buf_ref = buf.clone()
+    y = matvec.matvec_conv_triton(x, w, cw, buf, o, lv)
+    check(y, matvec.matvec_conv_ref(x, w, cw, buf_ref, o, lv), TOL[torch.float32])
+    check(buf, buf_ref, TOL[torch.float32], "window buffer")
+    if not live:
+        assert torch.equal(buf, buf_ref), "an ended step must leave the window as it was"
+
+
+@pytest.mark.gpu
+def test_matvec_conv_27b_rows_do_not_depend_on_T():
+    # the 27B GDN in_proj with its conv; each row of a T-row step is the 1-row step's, bit for bit,
+    # and the window after T one-row steps is the window after one T-row step
+    N, K, C, KC, W = 16480, 5120, 10240, 4, 3 + 5
+    g = torch.Generator().manual_seed(3)
+    bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
+    x, w, cw = randn(5, K, **bf16), randn(N, K, **bf16, scale=0.02), randn(C, KC, **bf16)
+    buf0 = randn(C, W, **bf16)
+    zero, one = torch.zeros(1, dtype=torch.long, device="cuda"), torch.ones(1, dtype=torch.long, device="cuda")
+    buf = buf0.clone()
+    y = matvec.matvec_conv(x, w, cw, buf, zero, one)
+    ref_buf = buf0.clone()
+    check(y, matvec.matvec_conv_ref(x, w, cw, ref_buf, zero, one), 1e-2)
+    step_buf, rows = buf0.clone(), []
+    for i in range(5):
+        rows.append(matvec.matvec_conv(x[i:i + 1], w, cw, step_buf, zero if i == 0 else one, one))
+    assert torch.equal(y, torch.cat(rows))
+    assert torch.equal(buf[:, 5:8], step_buf[:, 1:4])      # the committed windows: offset 5 and offset 1
