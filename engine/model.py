@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels import attention, conv, gdn, gdn_chunk, norm
-from mtpchat.kernels.matvec import matvec, matvec_conv, matvec_swiglu, silu_mul
+from mtpchat.kernels.matvec import matvec, matvec_swiglu, silu_mul
 from mtpchat.kernels.rope import qkv_norm_rope
 
 
@@ -147,14 +147,8 @@ class GatedDeltaNet(nn.Module):
         c, T = self.c, x.shape[0]
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         conv_buf, state, pend = cache
-        sizes = [c.conv_dim, c.value_dim, hv, hv]
-        if ctx.step and x.is_cuda:
-            # the conv (and its window) in the product's epilogue: one kernel
-            mixed, z, b, a = matvec_conv(x, self.in_proj, self.conv_weight, conv_buf, ctx.conv_off,
-                                         ctx.live).split(sizes, dim=-1)
-        else:
-            mixed, z, b, a = linear(x, self.in_proj, ctx.step).split(sizes, dim=-1)
-            mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live)   # pre-conv in, silu out
+        mixed, z, b, a = linear(x, self.in_proj, ctx.step).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+        mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live)   # pre-conv in, silu out
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
         if ctx.step:

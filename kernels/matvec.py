@@ -1,7 +1,6 @@
 """Matrix-vector products for a few rows (decode, verify, draft): y [T, N] = x [T, K] @ w [N, K]ᵀ,
-the MLP's gate|up product with its SwiGLU fused in: silu(x @ w_gateᵀ) * (x @ w_upᵀ), and the GDN
-input projection with its causal conv fused in (`matvec_conv`); also the SwiGLU alone (`silu_mul`),
-for the batched products of prefill.
+and the MLP's gate|up product with its SwiGLU fused in: silu(x @ w_gateᵀ) * (x @ w_upᵀ); also the
+SwiGLU alone (`silu_mul`), for the batched products of prefill.
 
 Float32 torch references, the Triton kernels beside them, and `matvec` / `matvec_swiglu`, which
 take the kernels for CUDA tensors and the references otherwise.
@@ -18,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.conv import conv_update_ref
 
 MAX_ROWS = 16
 
@@ -28,35 +26,11 @@ def matvec_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.float() @ w.float().T).to(x.dtype)
 
 
-def matvec_conv_ref(x: torch.Tensor, w: torch.Tensor, conv_weight: torch.Tensor, buf: torch.Tensor,
-                    off: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """The GDN input projection of a step with its conv fused: x @ wᵀ [T, N], whose first C =
-    conv_weight.shape[0] columns go through conv_update_ref (kernels/conv.py: the window buffer
-    `buf` [C, W] rolled, silu) and come back in place."""
-    y = matvec_ref(x, w)
-    C = conv_weight.shape[0]
-    return torch.cat([conv_update_ref(y[:, :C], buf, off, conv_weight, live), y[:, C:]], dim=1)
-
-
 def matvec_swiglu_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """w = [w_gate | w_up] [2I, K] -> silu(gate) * up [T, I], each step rounded to x's dtype as the
     model does it in torch (the product, silu, the multiplication)."""
     gate, up = matvec_ref(x, w).chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-@triton.jit
-def _product(x, w, o_n, o_t, m_n, m_t, K, s_x, s_w, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """[BN, BT] float32: rows o_n of w times rows o_t of x, over K in BK steps, always in this order."""
-    b_y = tl.zeros([BN, BT], dtype=tl.float32)
-    for k in range(0, K, BK):
-        o_k = k + tl.arange(0, BK)
-        m_k = o_k < K
-        b_w = tl.load(w + o_n[:, None] * s_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
-        b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-        # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
-        b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
-    return b_y
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -67,48 +41,15 @@ def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
     o_n = i_n * BN + tl.arange(0, BN)
     o_t = tl.arange(0, BT)
     m_n, m_t = o_n < N, o_t < T
-    b_y = _product(x, w, o_n, o_t, m_n, m_t, K, s_x, s_w, BN, BT, BK)
+    b_y = tl.zeros([BN, BT], dtype=tl.float32)
+    for k in range(0, K, BK):
+        o_k = k + tl.arange(0, BK)
+        m_k = o_k < K
+        b_w = tl.load(w + o_n[:, None] * s_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
+        b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+        # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
+        b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
     tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(y.dtype.element_ty), mask=m_n[:, None] & m_t[None, :])
-
-
-@triton.jit(do_not_specialize=["T"])
-def _matvec_conv_kernel(x, w, y, buf, off, live, cw, T, N, K, C, s_x, s_w, s_y, s_buf,
-                        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KC: tl.constexpr,
-                        PDL: tl.constexpr):
-    # The product, then, for the program's columns below C, the causal conv of kernels/conv.py
-    # over [window | these T tokens] with silu, in place of the product's values. Each channel
-    # belongs to one program, which alone reads and rewrites its rows of the window buffer.
-    pdl_start(PDL)
-    i_n = tl.program_id(0)
-    o_n = i_n * BN + tl.arange(0, BN)
-    o_t = tl.arange(0, BT)
-    m_n, m_t = o_n < N, o_t < T
-    b_y = _product(x, w, o_n, o_t, m_n, m_t, K, s_x, s_w, BN, BT, BK).to(y.dtype.element_ty)
-    p_y = y + o_t[None, :] * s_y + o_n[:, None]
-    tl.store(p_y, b_y, mask=m_n[:, None] & m_t[None, :])
-    if i_n * BN < C:
-        m_c = o_n < C
-        tl.debug_barrier()                  # the program's product values are stored: read them back shifted
-        i_off = tl.load(off)
-        p_buf = buf + o_n * s_buf
-        b_c = tl.zeros([BN, BT], dtype=tl.float32)
-        for j in tl.static_range(KC):
-            # column t + j of [window | inputs]: a window column while it is < KC-1, else input t+j-(KC-1)
-            o_src = o_t + j - (KC - 1)
-            b_x = tl.load(y + o_src[None, :] * s_y + o_n[:, None],
-                          mask=m_c[:, None] & ((o_src >= 0) & (o_src < T))[None, :], other=0.)
-            b_x += tl.load(p_buf[:, None] + (i_off + KC - 1 + o_src)[None, :],
-                           mask=m_c[:, None] & (o_src < 0)[None, :], other=0.)
-            b_c += tl.load(cw + o_n * KC + j, mask=m_c, other=0.).to(tl.float32)[:, None] * b_x.to(tl.float32)
-        b_c = b_c * tl.sigmoid(b_c)
-        tl.debug_barrier()                  # every read of the old window and the inputs is done
-        m_w = m_c & ((tl.zeros([BN], dtype=tl.int64) + tl.load(live)) > 0)   # an ended step writes no state
-        # [window | inputs] to the front; moving left, column i is read before anything writes it
-        for i in tl.static_range(KC - 1):
-            tl.store(p_buf + i, tl.load(p_buf + i_off + i, mask=m_w), mask=m_w)
-        tl.debug_barrier()                  # (the inputs are stored in another layout: other threads)
-        tl.store(p_buf[:, None] + (KC - 1 + o_t)[None, :], b_y, mask=m_w[:, None] & m_t[None, :])
-        tl.store(p_y, b_c.to(y.dtype.element_ty), mask=m_c[:, None] & m_t[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -215,25 +156,6 @@ def matvec_swiglu_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def matvec_conv_triton(x: torch.Tensor, w: torch.Tensor, conv_weight: torch.Tensor, buf: torch.Tensor,
-                       off: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    N, K = w.shape
-    _check(x, w, K)
-    T = x.shape[0]
-    C, KC = conv_weight.shape
-    assert C <= N and conv_weight.is_contiguous(), f"conv_weight must be contiguous [C <= {N}, taps]"
-    assert buf.shape[0] == C and buf.stride(1) == 1 and KC - 1 + T <= buf.shape[1], \
-        f"buf must be [{C}, W >= {KC - 1 + T}] with contiguous rows"
-    for t in (off, live):
-        assert t.numel() == 1 and t.dtype == torch.long, "off and live must be 1-element long tensors"
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    BN, BK, warps, stages = _config(N, K, x.element_size())
-    _matvec_conv_kernel[(triton.cdiv(N, BN),)](x, w, y, buf, off, live, conv_weight, T, N, K, C, x.stride(0),
-                                               w.stride(0), y.stride(0), buf.stride(0), BT=MAX_ROWS, BN=BN, BK=BK,
-                                               KC=KC, num_warps=warps, num_stages=stages, **pdl(x))
-    return y
-
-
 def matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ w [N, K]ᵀ: the Triton kernel for CUDA tensors, the float32 reference otherwise."""
     return matvec_triton(x, w) if use_triton(x, w) else matvec_ref(x, w)
@@ -242,12 +164,3 @@ def matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def matvec_swiglu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """silu(x @ w_gateᵀ) * (x @ w_upᵀ) for w = [w_gate | w_up]: one kernel on CUDA, the reference otherwise."""
     return matvec_swiglu_triton(x, w) if use_triton(x, w) else matvec_swiglu_ref(x, w)
-
-
-def matvec_conv(x: torch.Tensor, w: torch.Tensor, conv_weight: torch.Tensor, buf: torch.Tensor,
-                off: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """matvec_conv_ref's contract (a step's GDN input projection, the conv in its epilogue: one
-    kernel on CUDA, where the conv was a kernel of its own between two products)."""
-    if use_triton(x, w):
-        return matvec_conv_triton(x, w, conv_weight, buf, off, live)
-    return matvec_conv_ref(x, w, conv_weight, buf, off, live)

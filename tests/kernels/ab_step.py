@@ -4,7 +4,6 @@ shape, so the ratios come from one process on one device.
 
     python3 ab_step.py --plans pdl             # programmatic dependent launch off / on
     python3 ab_step.py --plans tiles           # matvec tile tables (kernels/matvec.py: _config)
-    python3 ab_step.py --plans conv            # the GDN conv in the in_proj product, or a kernel apart
 
 A plan is a name and a function that sets the launch choice it stands for before its phases are
 compiled and captured (and undoes nothing: the next plan sets its own). Steps of a live
@@ -67,28 +66,6 @@ def tile_plans() -> dict:
     return plans
 
 
-def conv_plans() -> dict:
-    """The GDN input projection with its conv fused in (the model's step path) against the two
-    kernels it replaced: the product, then kernels/conv.py's conv_update."""
-    from mtpchat.engine import model
-    from mtpchat.kernels import conv
-    fused = model.GatedDeltaNet.forward
-
-    def apart(self, x, cache, ctx):
-        c, T = self.c, x.shape[0]
-        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        conv_buf, state, pend = cache
-        mixed, z, b, a = matvec.matvec(x, self.in_proj).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
-        mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live)
-        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
-        o = model.gdn.recurrent(q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv), a, b, self.A_log,
-                                self.dt_bias, state, pend, ctx.fold, ctx.parity, ctx.live)
-        o = model.norm.gated_rmsnorm(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
-        return matvec.matvec(o.reshape(T, c.value_dim), self.out_proj)
-    return {"conv apart": lambda: setattr(model.GatedDeltaNet, "forward", apart),
-            "conv fused": lambda: setattr(model.GatedDeltaNet, "forward", fused)}
-
-
 def products_ms(model, reps: int = 20) -> float:
     """One decode step's products alone, in the step's order (each waits for the one before, as in
     the step), on the model's own weights: what the step's other kernels add is the difference."""
@@ -135,7 +112,7 @@ def kernel_resources():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3.6-27b")
-    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "conv"))
+    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles"))
     p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=7)
@@ -145,7 +122,7 @@ def main():
     p.add_argument("--products", action="store_true", help="also time the decode step's products alone")
     p.add_argument("--json")
     a = p.parse_args()
-    plans = {"pdl": pdl_plans, "tiles": tile_plans, "conv": conv_plans}[a.plans]()
+    plans = pdl_plans() if a.plans == "pdl" else tile_plans()
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
