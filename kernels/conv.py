@@ -40,8 +40,8 @@ def conv_update_ref(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weigh
 
 @triton.jit(do_not_specialize=["T"])
 def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
-                        K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, HAS_LIVE: tl.constexpr,
-                        PDL: tl.constexpr):
+                        K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, WP: tl.constexpr,
+                        HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
     # One program per (BC channels, BT tokens). Only the first token block reads the committed
     # window, and only it rewrites the front of the buffer, after its own reads: no other program
     # touches the buffer, so there is no ordering to arrange between programs.
@@ -52,6 +52,15 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
     o_t = i_t * BT + tl.arange(0, BT)
     i_off = tl.load(off)
     p_buf = buf + o_c * s_buf
+    # a step's new front of the buffer, [window | inputs] (first token block only): read whole
+    # into registers with the other loads, one round trip rather than a load and store per column
+    o_w = tl.arange(0, WP)
+    b_step = (tl.zeros([WP], dtype=tl.int32) + tl.where((i_t == 0) & (K - 1 + T <= WIDTH), 1, 0)) > 0
+    m_win = m_c[:, None] & ((o_w < K - 1) & b_step)[None, :]
+    m_new = m_c[:, None] & ((o_w >= K - 1) & (o_w < K - 1 + T) & b_step)[None, :]
+    b_front = tl.where(m_win, tl.load(p_buf[:, None] + i_off + o_w[None, :], mask=m_win, other=0.),
+                       tl.load(x + (o_w - (K - 1))[None, :] * s_x + o_c[:, None], mask=m_new,
+                               other=0.).to(buf.dtype.element_ty))
     b_y = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(K):
         # column t + j of [window | inputs]: a window column while it is < K-1, else input t+j-(K-1)
@@ -68,15 +77,11 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
     if HAS_LIVE:
         m_c = m_c & (tl.zeros([BC], dtype=tl.int64) + tl.load(live) > 0)   # an ended generation's step writes nothing
     if i_t == 0:
-        tl.debug_barrier()   # every read of the old window is done before the buffer is rewritten
         if K - 1 + T <= WIDTH:
-            # [window | inputs] to the front; moving left, column i is read before anything writes it
-            for i in tl.static_range(K - 1):
-                tl.store(p_buf + i, tl.load(p_buf + i_off + i, mask=m_c), mask=m_c)
-            for t in range(T):
-                b_new = tl.load(x + t * s_x + o_c, mask=m_c)
-                tl.store(p_buf + K - 1 + t, b_new.to(buf.dtype.element_ty), mask=m_c)
+            tl.debug_barrier()   # every read of the old window is done before the buffer is rewritten
+            tl.store(p_buf[:, None] + o_w[None, :], b_front, mask=(m_win | m_new) & m_c[:, None])
         else:
+            tl.debug_barrier()   # every read of the old window is done before the buffer is rewritten
             # a long call keeps its last K-1 inputs (the launcher checks T >= K-1 here)
             for i in tl.static_range(K - 1):
                 b_new = tl.load(x + (T - (K - 1) + i) * s_x + o_c, mask=m_c)
@@ -97,7 +102,8 @@ def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, we
     BC, BT = 64, 16
     _conv_update_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](
         x, buf, off, live if live is not None else off, weight, y, T, C, buf.shape[1], x.stride(0), y.stride(0),
-        buf.stride(0), K=K, BC=BC, BT=BT, HAS_LIVE=live is not None, num_warps=4, **pdl(x))
+        buf.stride(0), K=K, BC=BC, BT=BT, WP=triton.next_power_of_2(buf.shape[1]),
+        HAS_LIVE=live is not None, num_warps=4, **pdl(x))
     return y
 
 

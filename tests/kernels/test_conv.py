@@ -13,10 +13,10 @@ K_MAX = 4                      # drafts: the window keeps K-1 + K_MAX+1 columns
 WIDTH = K - 1 + K_MAX + 1
 
 
-def _case(C, T, dtype, device, seed):
+def _case(C, T, dtype, device, seed, width=WIDTH):
     g = torch.Generator().manual_seed(seed)
     x = randn(T, C, dtype=dtype, device=device, gen=g)
-    buf = randn(C, WIDTH, dtype=dtype, device=device, gen=g)
+    buf = randn(C, width, dtype=dtype, device=device, gen=g)
     w = randn(C, K, dtype=dtype, device=device, gen=g, scale=0.5)
     return x, buf, w
 
@@ -24,8 +24,11 @@ def _case(C, T, dtype, device, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 2, 5, 37])
 @pytest.mark.parametrize("off", [0, 2])
-def test_conv_update(device, dtype, T, off):
-    x, buf, w = _case(100, T, dtype, device, seed=T + 10 * off)
+@pytest.mark.parametrize("width", [WIDTH, WIDTH - 1])      # k_max 4, or 3: a window not a power of two
+def test_conv_update(device, dtype, T, off, width):
+    if off + K - 1 > width:
+        pytest.skip("no such offset")
+    x, buf, w = _case(100, T, dtype, device, seed=T + 10 * off, width=width)
     offset = torch.tensor([off], device=device)
     buf_ref = buf.clone()
     y = conv.conv_update_triton(x, buf, offset, w)
