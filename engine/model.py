@@ -209,5 +209,10 @@ class Model(nn.Module):
             x, residual = layer(x, residual, cache, ctx)
         return norm.add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
-    def logits(self, hidden: torch.Tensor, rowwise: bool = True) -> torch.Tensor:
-        return linear(hidden, self.head, rowwise).float()
+    def logits(self, hidden: torch.Tensor, rowwise: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, vocab] float32, written into `out` when given (a step's buffer: on CUDA the product
+        writes it, with no cast and no copy after it)."""
+        if out is not None and rowwise and hidden.is_cuda:
+            return matvec(hidden, self.head, out=out)
+        y = linear(hidden, self.head, rowwise).float()
+        return y if out is None else out.copy_(y)

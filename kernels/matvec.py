@@ -49,7 +49,9 @@ def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
         b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
         # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
         b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
-    tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(y.dtype.element_ty), mask=m_n[:, None] & m_t[None, :])
+    # rounded to the inputs' dtype as the product's value, then stored as y's (float32 logits)
+    b_y = b_y.to(x.dtype.element_ty).to(y.dtype.element_ty)
+    tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y, mask=m_n[:, None] & m_t[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -133,10 +135,10 @@ def _check(x: torch.Tensor, w: torch.Tensor, K: int):
     assert x.dtype == w.dtype, "x and w must share a dtype"
 
 
-def matvec_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def matvec_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     N, K = w.shape
     _check(x, w, K)
-    y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    y = _out(x, N, out)
     BN, BK, warps, stages = _config(N, K, x.element_size())
     _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0),
                                           BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages, **pdl(x))
@@ -156,9 +158,19 @@ def matvec_swiglu_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ w [N, K]ᵀ: the Triton kernel for CUDA tensors, the float32 reference otherwise."""
-    return matvec_triton(x, w) if use_triton(x, w) else matvec_ref(x, w)
+def _out(x: torch.Tensor, N: int, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    assert out.shape == (x.shape[0], N) and out.stride(1) == 1, f"out must be [{x.shape[0]}, {N}] with contiguous rows"
+    return out
+
+
+def matvec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ w [N, K]ᵀ: the Triton kernel for CUDA tensors, the float32 reference otherwise.
+    With `out` (e.g. float32 logits) the product, rounded to x's dtype, is written there."""
+    if not use_triton(x, w):
+        return matvec_ref(x, w) if out is None else out.copy_(matvec_ref(x, w))
+    return matvec_triton(x, w, out)
 
 
 def matvec_swiglu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -88,3 +88,15 @@ def test_matvec_swiglu_27b_shapes_and_rows():
     check(y, matvec.matvec_swiglu_ref(x, w), 1e-2)
     assert torch.equal(y, torch.cat([matvec.matvec_swiglu(x[i:i + 1], w) for i in range(5)]))
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matvec_into_float32(device, dtype):
+    # logits straight into a float32 buffer: the product rounded to the inputs' dtype, then widened
+    g = torch.Generator().manual_seed(11)
+    x, w = randn(3, 200, dtype=dtype, device=device, gen=g), randn(90, 200, dtype=dtype, device=device, gen=g)
+    buf = torch.full((5, 90), float("nan"), device=device)
+    y = matvec.matvec_triton(x, w, out=buf[1:4])
+    assert y.data_ptr() == buf[1:4].data_ptr() and buf[0].isnan().all() and buf[4].isnan().all()
+    assert torch.equal(y, matvec.matvec_triton(x, w).float())
+    check(y, matvec.matvec_ref(x, w).float(), TOL[dtype])
