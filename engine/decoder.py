@@ -33,7 +33,8 @@ from mtpchat.engine.events import PhaseTimes
 from mtpchat.engine.model import Ctx
 from mtpchat.engine.runner import elapsed_ms
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
-from mtpchat.engine.spec import accept_greedy, accept_sampled, seen_rows
+from mtpchat.engine.spec import accept_sampled, seen_rows
+from mtpchat.kernels.accept import AcceptBuffers, accept_greedy, argmax_partials_buffers, commit_ref
 
 PENDING_ROWS = 64   # MTP rows kept while MTP is off; flushed through the head when full
 
@@ -75,12 +76,19 @@ class Decoder:
         self.host_results = [torch.zeros(R + 2, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(4)]
         self.launched = self.read = self.most_in_flight = 0   # steps launched / read; the most unread at once
         self.seen = torch.zeros(c.vocab_size, dtype=torch.int32, device=dev)   # presence-penalty counts
+        self.partials = argmax_partials_buffers(R, c.vocab_size, dev)        # the greedy accept's argmax chunks
+        # what acceptance reads and commits, named once for kernels/accept.py
+        self.accept_bufs = AcceptBuffers(self.is_stop, self.room, self.pos, self.gen, self.next_tok, state.fold,
+                                         state.parity, state.conv_off, self.seen, self.v_hidden,
+                                         self.pend_hidden if head is not None else None,
+                                         self.pend_tokens if head is not None else None, self.pend_n, self.result)
         self.drafter = None                  # optional ProfileDrafter (engine/spec.py)
         self.runner = None                   # engine/runner.py sets itself here on CUDA
         self.reset()
 
     def nbytes(self) -> int:
-        bufs = (self.pend_hidden, self.pend_tokens, self.v_hidden, self.v_logits, self.seen, self.drafts, self.is_stop)
+        bufs = (self.pend_hidden, self.pend_tokens, self.v_hidden, self.v_logits, self.seen, self.drafts, self.is_stop,
+                *self.partials)
         return sum(t.numel() * t.element_size() for t in bufs)
 
     @property
@@ -202,40 +210,17 @@ class Decoder:
     def accept(self, k: int, params: SamplingParams, generator):
         """Accept on the device; emit n of the a+1 accepted tokens (up to the first stop id, within
         `room`) and commit them: GDN fold, conv offset, length, next token, pending rows. With
-        `room` 0 (the generation has ended) n is 0 and nothing changes."""
+        `room` 0 (the generation has ended) n is 0 and nothing changes (kernels/accept.py)."""
         logits, drafts = self.v_logits[:k + 1], self.drafts[:k]
+        if params.greedy:                  # two kernels on CUDA, the torch reference elsewhere
+            accept_greedy(logits, drafts, self.accept_bufs, self.partials)
+            return
         if k == 0:
             a = torch.zeros(1, dtype=torch.long, device=self.device)
             out = self._sample(logits, params, generator, drafts)
-        elif params.greedy:
-            a, out = accept_greedy(logits, drafts)
         else:
             a, out = accept_sampled(logits, drafts, params, seen_rows(self.seen > 0, drafts), generator)
-        idx = torch.arange(k + 1, device=self.device)
-        stop_at = torch.where(self.is_stop[out] & (idx <= a), idx, k + 1).min().view(1)
-        n = torch.minimum(torch.minimum(a, stop_at) + 1, self.room)
-        live = n > 0
-        if k:                              # the next step folds the n tokens in (a decode wrote its own)
-            self.state.fold.copy_(torch.where(live, n, self.state.fold))
-            self.state.parity.copy_(torch.where(live, 1 - self.state.parity, self.state.parity))
-        else:
-            self.state.fold.copy_(torch.where(live, 0, self.state.fold))
-        self.state.conv_off.copy_(torch.where(live, n, self.state.conv_off))
-        self.pos.add_(n)
-        self.gen.add_(n)
-        self.next_tok.copy_(torch.where(live, out.index_select(0, (n - 1).clamp(min=0)), self.next_tok))
-        self.room.copy_(torch.where(stop_at < n, 0, self.room - n))     # a stop id emitted ends it
-        self.seen.index_add_(0, out, (idx < n).int())
-        if self.head is not None:
-            base = self.pend_n if k == 0 else torch.zeros_like(self.pend_n)   # a step restarts the rows
-            base = torch.where(live, base, self.pend_n)                     # an ended step writes past them
-            rows = base + idx
-            self.pend_hidden.index_copy_(0, rows, self.v_hidden[:k + 1])
-            self.pend_tokens.index_copy_(0, rows, out)
-            self.pend_n.copy_(torch.where(live, base + n, self.pend_n))
-        self.result[0:1] = n
-        self.result[1:2] = a
-        self.result[2:k + 3] = out
+        commit_ref(a, out, self.accept_bufs)    # sampling runs eagerly in torch: so does its commit
 
     def _sample(self, logits, params, generator, drafts) -> torch.Tensor:
         if params.greedy:

@@ -17,7 +17,8 @@ from mtpchat.engine.sampling import SamplingParams, process_logits, sample
 
 
 def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor):
-    """logits [k+1, V], drafts [k] -> (a: [1] long, tokens: [k+1] long)."""
+    """logits [k+1, V], drafts [k], k >= 1 -> (a: [1] long, tokens: [k+1] long). The rule as it
+    reads; the decoder runs it fused with the commit (kernels/accept.py, tested against this)."""
     target = logits.argmax(-1)                                    # [k+1]
     return _splice(target[:-1] == drafts, drafts, target)
 
