@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpchat.engine.events import PhaseTimes
-from mtpchat.engine.model import Ctx
+from mtpchat.engine.model import Ctx, linear
 from mtpchat.engine.runner import elapsed_ms
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
 from mtpchat.engine.spec import accept_sampled, seen_rows
@@ -62,13 +62,16 @@ class Decoder:
         c, dev, R = model.c, state.fold.device, state.k_max + 1
         self.device, self.R = dev, R
         long = lambda *n: torch.zeros(*n, dtype=torch.long, device=dev)
-        self.pos, self.next_tok, self.pend_n = long(1), long(1), long(1)
+        self.pos, self.pend_n = long(1), long(1)
+        # [x_L, d_1..d_k_max]: the next token and the drafts side by side, so a verify feeds a view
+        self.fed = long(R)
+        self.next_tok, self.drafts = self.fed[:1], self.fed[1:]
+        self.steps = torch.arange(R, device=dev)   # 0..R-1, for positions with no arange per step
         self.room, self.gen = long(1), long(1)   # tokens the generation may still emit / has emitted
         self.is_stop = torch.zeros(c.vocab_size, dtype=torch.bool, device=dev)
         rows = max(PENDING_ROWS, R) + R          # a step writes k+1 rows after at most that many pending
         self.pend_hidden = torch.zeros(rows, c.hidden_size, device=dev, dtype=model.embed.dtype)
         self.pend_tokens = long(rows)
-        self.drafts = long(state.k_max)
         self.v_hidden = torch.zeros(R, c.hidden_size, device=dev, dtype=model.embed.dtype)
         self.v_logits = torch.zeros(R, c.vocab_size, device=dev)
         self.result = long(R + 2)            # [n, a, tokens...]: the one device-to-host copy
@@ -87,7 +90,7 @@ class Decoder:
         self.reset()
 
     def nbytes(self) -> int:
-        bufs = (self.pend_hidden, self.pend_tokens, self.v_hidden, self.v_logits, self.seen, self.drafts, self.is_stop,
+        bufs = (self.pend_hidden, self.pend_tokens, self.v_hidden, self.v_logits, self.seen, self.fed, self.steps, self.is_stop,
                 *self.partials)
         return sum(t.numel() * t.element_size() for t in bufs)
 
@@ -103,11 +106,11 @@ class Decoder:
         self.pending = 0                     # host mirror of pend_n
         self.generated = 0                   # tokens emitted in this generation
 
-    def _ctx(self, start, T: int, step: bool) -> Ctx:
-        if isinstance(start, int):
+    def _ctx(self, start, T: int, step: bool, positions: torch.Tensor | None = None) -> Ctx:
+        if positions is None and isinstance(start, int):
             positions = torch.arange(start, start + T, device=self.device)
-        else:
-            positions = start + torch.arange(T, device=self.device)
+        elif positions is None:
+            positions = start + self.steps[:T]
         return Ctx(positions, start, step, self.state.conv_off, self.state.fold, self.state.parity,
                    self.room if step else None)
 
@@ -193,19 +196,24 @@ class Decoder:
         out = self.head(self.model.embed, self.pend_tokens[:R], self.pend_hidden[:R], self.state.mtp,
                         self._ctx(start, R, step=True))
         out = out.index_select(0, self.pend_n - 1)                        # the row at position L-1
-        d = self.model.logits(out).argmax(-1)
-        self.drafts[:1] = d
+        self._greedy(out, self.drafts[:1])
+        chain = L + self.steps[:k - 1]                                    # the chained drafts' positions
         for j in range(1, k):
-            out = self.head(self.model.embed, d, out, self.state.mtp, self._ctx(L + (j - 1), 1, step=True))
-            d = self.model.logits(out).argmax(-1)
-            self.drafts[j:j + 1] = d
+            at = chain[j - 1:j]
+            out = self.head(self.model.embed, self.drafts[j - 1:j], out, self.state.mtp,
+                            self._ctx(at, 1, step=True, positions=at))
+            self._greedy(out, self.drafts[j:j + 1])
+
+    def _greedy(self, hidden: torch.Tensor, into: torch.Tensor):
+        """The head's greedy token, written into `into`: the argmax of the logits in the model's
+        dtype (widening them to float32 first would pick the same token, one kernel later)."""
+        torch.argmax(linear(hidden, self.model.head, rowwise=True), dim=-1, out=into)
 
     def verify(self, k: int):
         """The target over [x_L, d_1..d_k] at positions L..L+k."""
-        fed = torch.cat([self.next_tok, self.drafts[:k]])
-        h = self.model(fed, self.state.layers, self._ctx(self.pos, k + 1, step=True))
+        h = self.model(self.fed[:k + 1], self.state.layers, self._ctx(self.pos, k + 1, step=True))
         self.v_hidden[:k + 1] = h
-        self.v_logits[:k + 1] = self.model.logits(h)
+        self.model.logits(h, out=self.v_logits[:k + 1])
 
     def accept(self, k: int, params: SamplingParams, generator):
         """Accept on the device; emit n of the a+1 accepted tokens (up to the first stop id, within
