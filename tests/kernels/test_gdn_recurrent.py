@@ -153,3 +153,123 @@ def test_fold_pending(device, fold):
     stepped, p = state.clone(), pend.clone()
     gdn.recurrent_triton(*args, stepped, p, n, parity)
     assert torch.equal(got, stepped if fold else state)
+
+
+# --- a step from its pre-conv inputs: the conv inside the recurrent kernel -----------------------
+
+KC = 4
+
+
+def _step_inputs(T, Hk, Hv, dk, dv, dtype, device, seed, off):
+    """The pre-conv inputs [T, q | k | v] (a view of a wider projection), a, b, the gates, the conv
+    window buffer [C, 2 x (K-1 + R)] (the window at `off`), the conv weight, state and pend."""
+    g = torch.Generator().manual_seed(seed)
+    C = 2 * Hk * dk + Hv * dv
+    proj = randn(T, C + 2 * Hv + 5, dtype=dtype, device=device, gen=g)
+    x, a, b = proj[:, :C], proj[:, C:C + Hv], proj[:, C + Hv:C + 2 * Hv]
+    A_log = randn(Hv, dtype=dtype, device=device, gen=g, scale=0.5)
+    dt_bias = randn(Hv, dtype=dtype, device=device, gen=g)
+    buf = randn(C, 2 * (KC - 1 + R), dtype=dtype, device=device, gen=g)
+    cw = randn(C, KC, dtype=dtype, device=device, gen=g, scale=0.5)
+    state = randn(Hv, dk, dv, device=device, gen=g, scale=0.2)
+    pend = randn(2, R, Hv, gdn.pending_width(dk, dv), device=device, gen=g)
+    return x, a, b, buf, _long(off, device), cw, A_log, dt_bias, state, pend
+
+
+def _step_both(inputs, fold, parity, live, Hk):
+    """step_triton and step_ref on copies of the buffers: (o, conv buffer, state, pend) of each."""
+    x, a, b, buf, off, cw, A_log, dt_bias, state, pend = inputs
+    runs = []
+    for fn in (gdn.step_triton, gdn.step_ref):
+        bufs = (buf.clone(), state.clone(), pend.clone())
+        o = fn(x, a, b, bufs[0], off, cw, A_log, dt_bias, bufs[1], bufs[2], fold, parity, live, Hk)
+        runs.append((o, *bufs))
+    return runs
+
+
+@pytest.mark.parametrize("T,fold", [(1, 0), (1, 2), (3, 1), (5, 4)])
+@pytest.mark.parametrize("Hk,Hv,dk,dv", [(2, 2, 32, 24), (1, 3, 16, 40)])
+@pytest.mark.parametrize("off", [0, 2, KC - 1 + R + 1])          # the window in either half of the buffer
+def test_step(device, T, fold, Hk, Hv, dk, dv, off):
+    inputs = _step_inputs(T, Hk, Hv, dk, dv, torch.float32, device, seed=T * 5 + fold + off, off=off)
+    (o, c, s, p), (o_ref, c_ref, s_ref, p_ref) = _step_both(inputs, _long(fold, device), _long(fold % 2, device),
+                                                          _long(1, device), Hk)
+    check(o, o_ref, TOL[torch.float32])
+    check(s, s_ref, TOL[torch.float32], "state")
+    check(p, p_ref, TOL[torch.float32], "kept tokens")
+    assert torch.equal(c, c_ref), "conv window buffer"
+    assert not torch.equal(c, inputs[3]), "the step wrote its window"
+
+
+@pytest.mark.parametrize("live", [0, 2])
+def test_step_live_flag(device, live):
+    # an ended step (live 0) writes no window, state or kept tokens; its outputs are computed
+    inputs = _step_inputs(3, 2, 4, 16, 24, torch.float32, device, seed=31, off=1)
+    (o, c, s, p), (o_ref, c_ref, s_ref, p_ref) = _step_both(inputs, _long(2, device), _long(0, device),
+                                                          _long(live, device), 2)
+    check(o, o_ref, TOL[torch.float32])
+    assert torch.equal(c, c_ref)
+    check(s, s_ref, TOL[torch.float32], "state")
+    check(p, p_ref, TOL[torch.float32], "kept tokens")
+    if not live:
+        x, a, b, buf, off, cw, A_log, dt_bias, state, pend = inputs
+        assert torch.equal(c, buf) and torch.equal(s, state) and torch.equal(p, pend), "an ended step must not write"
+
+
+def test_step_bf16_matches_the_reference(device):
+    inputs = _step_inputs(2, 2, 4, 16, 24, torch.bfloat16 if device == "cuda" else torch.float32, device, seed=2,
+                          off=0)
+    (o, c, s, p), (o_ref, c_ref, s_ref, p_ref) = _step_both(inputs, _long(1, device), _long(1, device),
+                                                          _long(1, device), 2)
+    check(o, o_ref, TOL[o.dtype])
+    assert torch.equal(c, c_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_step_27b_shapes(T):
+    inputs = _step_inputs(T, 16, 48, 128, 128, torch.bfloat16, "cuda", seed=T, off=T)
+    (o, c, s, p), (o_ref, c_ref, s_ref, p_ref) = _step_both(inputs, _long(T - 1, "cuda"), _long(T % 2, "cuda"),
+                                                          _long(1, "cuda"), 16)
+    check(o, o_ref, 1e-2)
+    check(s, s_ref, 1e-5, "state")
+    check(p, p_ref, 1e-5, "kept tokens")
+    assert torch.equal(c, c_ref)
+
+
+@pytest.mark.gpu
+def test_step_tokens_one_at_a_time_or_together():
+    # the 27B's shapes in bf16: a verify of 4 tokens, 2 accepted, then 2 decode steps, against the
+    # same 4 tokens as decode steps: the same outputs, window and state to the bit; and a prefill's
+    # fold of the 2 kept tokens (fold_pending) gives the state that running them in steps gave
+    Hk, Hv, dk, dv = 16, 48, 128, 128
+    x, a, b, buf, off, cw, A_log, dt_bias, state, pend = _step_inputs(4, Hk, Hv, dk, dv, torch.bfloat16, "cuda",
+                                                                     seed=8, off=0)
+    one, zero = _long(1, "cuda"), _long(0, "cuda")
+    half = buf.shape[1] // 2
+    after = lambda o, n: torch.where(o < half, half, 0) + n      # the committed offset after n tokens
+    # one token a step
+    c1, s1, p1, o1, outs, states = buf.clone(), state.clone(), pend.clone(), off.clone(), [], []
+    for t in range(4):
+        outs.append(gdn.step(x[t:t + 1], a[t:t + 1], b[t:t + 1], c1, o1, cw, A_log, dt_bias, s1, p1, zero, zero,
+                             one, Hk))
+        states.append(s1.clone())
+        o1 = after(o1, 1)
+    # a verify of all 4 (it writes no state), the first 2 accepted: fold 2, kept in half 1
+    c2, s2, p2 = buf.clone(), state.clone(), pend.clone()
+    o_verify = gdn.step(x, a, b, c2, off, cw, A_log, dt_bias, s2, p2, zero, zero, one, Hk)
+    assert torch.equal(o_verify, torch.cat(outs)), "each row is the one-token step's"
+    assert torch.equal(s2, state)
+    folded = s2.clone()
+    gdn.fold_pending(folded, p2, _long(2, "cuda"), one, A_log, dt_bias)
+    assert torch.equal(folded, states[1]), "a prefill's fold against the same tokens run in steps"
+    o2 = after(off, 2)
+    rest = [gdn.step(x[2:3], a[2:3], b[2:3], c2, o2, cw, A_log, dt_bias, s2, p2, _long(2, "cuda"), one, one, Hk)]
+    assert torch.equal(s2, states[2])
+    o2 = after(o2, 1)
+    rest.append(gdn.step(x[3:4], a[3:4], b[3:4], c2, o2, cw, A_log, dt_bias, s2, p2, zero, one, one, Hk))
+    o2 = after(o2, 1)
+    assert torch.equal(torch.cat(rest), torch.cat(outs[2:]))
+    assert torch.equal(s2, s1), "the state after the same tokens, whichever steps ran them"
+    w1, w2 = int(o1), int(o2)
+    assert torch.equal(c1[:, w1:w1 + KC - 1], c2[:, w2:w2 + KC - 1]), "the committed conv windows"
