@@ -41,7 +41,7 @@ def _gdn(m: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
     c, (B, T, _) = m.c, x.shape
     hv, dk, dv, K = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim
     mixed, z, b, a = F.linear(x, m.in_proj).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
-    window = x.new_zeros(B * c.conv_dim, 2 * (K - 1))                       # two halves (kernels/conv.py)
+    window = x.new_zeros(B * c.conv_dim, K - 1)
     off = torch.zeros(1, dtype=torch.long, device=x.device)
     mixed = conv.conv_update_ref(mixed.transpose(0, 1).reshape(T, B * c.conv_dim), window, off,
                                  m.conv_weight.repeat(B, 1))                # [T, B*conv_dim]

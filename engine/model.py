@@ -148,14 +148,12 @@ class GatedDeltaNet(nn.Module):
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         conv_buf, state, pend = cache
         mixed, z, b, a = linear(x, self.in_proj, ctx.step).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+        mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live)   # pre-conv in, silu out
+        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
         if ctx.step:
-            # the conv and the recurrence in one kernel, the last step's accepted tokens folded in first
-            o = gdn.step(mixed, a, b, conv_buf, ctx.conv_off, self.conv_weight, self.A_log, self.dt_bias, state, pend,
-                         ctx.fold, ctx.parity, ctx.live, c.linear_num_key_heads)
+            o = gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, state, pend, ctx.fold, ctx.parity, ctx.live)
         else:
-            mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight)   # pre-conv in, silu out
-            q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
-            q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
             # the last step's accepted tokens first (the decoder zeroes ctx.fold after the first
             # chunk; decode state, no gradient); the chunked form starts from a copy, which a
             # training forward may still need

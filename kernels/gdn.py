@@ -7,7 +7,6 @@ Shapes (one sequence): q, k [T, Hk, dk]; v [T, Hv, dv]; a, b [T, Hv]; A_log, dt_
 states [Hv, dk, dv] float32 (the dk x dv layout of transformers and fla). V head j reads Q/K head
 j // (Hv // Hk). Per token, with g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b):
     S = exp(g) * S ;  S = S + k ⊗ beta * (v - Sᵀk) ;  o = Sᵀ q        (q, k l2-normalised, q * dk^-0.5)
-A step (`step`) takes q, k and v before the causal conv and runs it in the same kernel.
 """
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.conv import conv_update_ref
 
 
 def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
@@ -101,66 +99,23 @@ def recurrent_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torc
     return torch.stack(out).to(v.dtype if v.dtype != torch.float32 else torch.float32)
 
 
-def step_ref(x, a, b, conv_buf, conv_off, conv_weight, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
-             fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None, key_heads: int) -> torch.Tensor:
-    """A step's GDN mixer from its pre-conv inputs x [T, q | k | v] (key_heads heads of q and k):
-    kernels/conv.py's conv_update_ref on the window buffer, then recurrent_ref. Returns o [T, Hv, dv]."""
-    T, (Hv, dk, dv) = x.shape[0], state.shape
-    mixed = conv_update_ref(x, conv_buf, conv_off, conv_weight, live)
-    q, k, v = mixed.split([key_heads * dk, key_heads * dk, Hv * dv], dim=-1)
-    return recurrent_ref(q.view(T, key_heads, dk), k.view(T, key_heads, dk), v.view(T, Hv, dv), a, b, A_log,
-                         dt_bias, state, pend, fold, parity, live)
-
-
 def fold_pending_ref(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
                      A_log: torch.Tensor, dt_bias: torch.Tensor):
     """Run the last step's `fold` accepted tokens into state in place (before a prefill)."""
     state.copy_(_fold(state, pend, fold, parity, A_log, dt_bias))
 
 
-@triton.jit
-def _conv_at(x, buf, cw, o_ch, m_ch, t, i_off, s_x, s_buf, KC: tl.constexpr, B: tl.constexpr):
-    """[B] float32: silu of the causal conv (kernels/conv.py) of channels o_ch at this step's token
-    t, over [the window at i_off | the step's pre-conv inputs x], rounded to x's dtype."""
-    b_y = tl.zeros([B], dtype=tl.float32)
-    for j in tl.static_range(KC):
-        i_src = t + j - (KC - 1)                                   # < 0: a window column
-        m_x = m_ch & ((tl.zeros([B], dtype=tl.int32) + i_src) >= 0)
-        b_x = tl.load(x + i_src * s_x + o_ch, mask=m_x, other=0.).to(buf.dtype.element_ty).to(tl.float32)
-        b_x += tl.load(buf + o_ch * s_buf + i_off + KC - 1 + i_src, mask=m_ch & ~m_x, other=0.).to(tl.float32)
-        b_y += tl.load(cw + o_ch * KC + j, mask=m_ch, other=0.).to(tl.float32) * b_x
-    return (b_y * tl.sigmoid(b_y)).to(x.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _conv_front(x, buf, o_ch, m_ch, T, i_off, i_base, s_x, s_buf, KC: tl.constexpr, WP: tl.constexpr):
-    """[window at i_off | the step's T inputs] of channels o_ch to the front of the other half (at
-    i_base): what a conv call leaves behind (kernels/conv.py)."""
-    o_w = tl.arange(0, WP)
-    m_win = m_ch[:, None] & (o_w < KC - 1)[None, :]
-    m_new = m_ch[:, None] & ((o_w >= KC - 1) & (o_w < KC - 1 + T))[None, :]
-    p_row = buf + o_ch[:, None] * s_buf
-    b_front = tl.where(m_win, tl.load(p_row + i_off + o_w[None, :], mask=m_win, other=0.),
-                       tl.load(x + (o_w - (KC - 1))[None, :] * s_x + o_ch[:, None], mask=m_new,
-                               other=0.).to(buf.dtype.element_ty))
-    tl.store(p_row + i_base + o_w[None, :], b_front, mask=m_win | m_new)
-
-
 @triton.jit(do_not_specialize=["T"])
 def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, scale,
-                      s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt, buf, off, cw, KEY, HALF, s_buf,
+                      s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt,
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                      HAS_LIVE: tl.constexpr, CONV: tl.constexpr, KC: tl.constexpr, WP: tl.constexpr,
-                      PDL: tl.constexpr):
+                      HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
     # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
     # stays in registers through the last step's accepted tokens (read back from pend) and this
     # step's T; one loop body runs both, so a token gives the same bits folded in later as when
     # its step ran it. The gates and the q/k l2norm are computed here. Each program reads and
     # writes only its own slice of the state and of v in pend (k, a and b are written by the
     # head's first program); pend's halves alternate, so no program reads what another writes.
-    # With CONV, q (then k, v) points to the step's pre-conv inputs [T, q | k | v] (q at 0, k at
-    # KEY, v at 2 KEY) and each program runs the conv for the channels it reads; the window buffer's
-    # halves alternate too (kernels/conv.py), and each channel's new front is written by one program.
     pdl_start(PDL)
     i_h, i_v = tl.program_id(0), tl.program_id(1)
     i_kh = i_h // GROUP
@@ -182,15 +137,6 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
     p_out = pend + (1 - b_par) * s_pp + i_h * W
     b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     b_dt = tl.load(dt_bias + i_h).to(tl.float32)
-    if CONV:
-        i_off = tl.load(off)
-        o_cq, o_cv = i_kh * DK + o_k, 2 * KEY + i_h * DV + o_v
-        b_own = (tl.zeros([DK], dtype=tl.int64) + b_live * tl.where((i_h % GROUP == 0) & (i_v == 0), 1, 0)) > 0
-        i_base = tl.where(i_off < HALF, HALF, 0)
-        _conv_front(q, buf, o_cq, b_own, T, i_off, i_base, s_q, s_buf, KC, WP)
-        _conv_front(q, buf, KEY + o_cq, b_own, T, i_off, i_base, s_q, s_buf, KC, WP)
-        _conv_front(q, buf, o_cv, m_v & ((tl.zeros([BV], dtype=tl.int64) + b_live) > 0), T, i_off, i_base,
-                    s_q, s_buf, KC, WP)
     for j in range(b_fold + T):
         t = j - b_fold                                                   # < 0: a token folded in
         if j < b_fold:
@@ -199,16 +145,10 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
             b_ab = tl.load(p_in + j * s_pt + DK + DV + o_g)
             b_q = b_k                                                    # its output is not kept
         else:
-            if CONV:
-                m_k = o_k < DK
-                b_k = _conv_at(q, buf, cw, KEY + o_cq, m_k, t, i_off, s_q, s_buf, KC, DK)
-                b_v = _conv_at(q, buf, cw, o_cv, m_v, t, i_off, s_q, s_buf, KC, BV)
-                b_q = _conv_at(q, buf, cw, o_cq, m_k, t, i_off, s_q, s_buf, KC, DK)
-            else:
-                b_k = tl.load(k + t * s_k + i_kh * DK + o_k).to(tl.float32)
-                b_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v, other=0.).to(tl.float32)
-                b_q = tl.load(q + t * s_q + i_kh * DK + o_k).to(tl.float32)
+            b_k = tl.load(k + t * s_k + i_kh * DK + o_k).to(tl.float32)
+            b_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v, other=0.).to(tl.float32)
             b_ab = tl.where(o_g == 0, tl.load(a + t * s_a + i_h), tl.load(b + t * s_b + i_h)).to(tl.float32)
+            b_q = tl.load(q + t * s_q + i_kh * DK + o_k).to(tl.float32)
         b_x = tl.sum(tl.where(o_g == 0, b_ab, 0.)) + b_dt
         b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))      # torch's threshold 20
         b_beta = tl.sigmoid(tl.sum(tl.where(o_g == 1, b_ab, 0.)))
@@ -260,8 +200,8 @@ def recurrent_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: t
     _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
         q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live if live is not None else fold, o, T,
         DK ** -0.5, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), o.stride(0),
-        pend.stride(0), pend.stride(1), state, fold, state, 0, 0, 0, GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV,
-        HAS_LIVE=live is not None, CONV=False, KC=1, WP=1, num_warps=1, **pdl(q))
+        pend.stride(0), pend.stride(1), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV,
+        HAS_LIVE=live is not None, num_warps=1, **pdl(q))
     return o
 
 
@@ -273,48 +213,8 @@ def fold_pending_triton(state: torch.Tensor, pend: torch.Tensor, fold: torch.Ten
     BV = min(16, triton.next_power_of_2(DV))
     _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
         state, state, state, state, state, A_log, dt_bias, state, pend, fold, parity, fold, state, 0, 1.,
-        0, 0, 0, 0, 0, 0, pend.stride(0), pend.stride(1), state, fold, state, 0, 0, 0, GROUP=1, DK=DK, DV=DV,
-        BV=BV, HAS_LIVE=False, CONV=False, KC=1, WP=1, num_warps=1, **pdl(state))
-
-
-def step_triton(x, a, b, conv_buf, conv_off, conv_weight, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
-                fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor, key_heads: int) -> torch.Tensor:
-    """step_ref's contract in one kernel: the recurrent kernel runs the conv of the channels each
-    program reads, and writes the window's new front (kernels/conv.py's layout)."""
-    T, C = x.shape
-    Hv, DK, DV = state.shape
-    KC, KEY = conv_weight.shape[1], key_heads * DK
-    assert C == 2 * KEY + Hv * DV and x.stride(1) == 1, f"x must be [T, {2 * KEY + Hv * DV}] with contiguous rows"
-    assert conv_weight.shape == (C, KC) and conv_weight.is_contiguous(), f"conv_weight must be [{C}, K] contiguous"
-    assert conv_buf.shape[0] == C and conv_buf.stride(1) == 1 and conv_buf.shape[1] % 2 == 0, \
-        f"conv_buf must be [{C}, 2H] with contiguous rows"
-    HALF = conv_buf.shape[1] // 2
-    assert KC - 1 + T <= HALF, f"a step of {T} tokens needs halves of >= {KC - 1 + T} columns"
-    assert DK & (DK - 1) == 0 and Hv % key_heads == 0, "dk must be a power of two; Hv a multiple of the key heads"
-    assert a.shape == b.shape == (T, Hv) and a.stride(1) == 1 and b.stride(1) == 1, "a, b must be [T, Hv]"
-    assert A_log.shape == dt_bias.shape == (Hv,), "A_log, dt_bias must be [Hv]"
-    _check_state(state, pend, fold, parity, Hv, DK, DV)
-    assert T <= pend.shape[1], f"pend holds {pend.shape[1]} tokens a step, got {T}"
-    for t in (conv_off, live):
-        assert t.numel() == 1 and t.dtype == torch.long, "conv_off and live must be 1-element long tensors"
-    o = torch.empty(T, Hv, DV, dtype=x.dtype, device=x.device)
-    BV = min(16, triton.next_power_of_2(DV))
-    _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
-        x, x, x, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, DK ** -0.5,
-        x.stride(0), x.stride(0), x.stride(0), a.stride(0), b.stride(0), o.stride(0), pend.stride(0), pend.stride(1),
-        conv_buf, conv_off, conv_weight, KEY, HALF, conv_buf.stride(0), GROUP=Hv // key_heads, DK=DK, DV=DV, BV=BV,
-        HAS_LIVE=True, CONV=True, KC=KC, WP=triton.next_power_of_2(HALF), num_warps=1, **pdl(x))
-    return o
-
-
-def step(x, a, b, conv_buf, conv_off, conv_weight, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
-         fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor, key_heads: int) -> torch.Tensor:
-    """step_ref's contract; one Triton kernel for CUDA tensors (the conv was a kernel of its own)."""
-    if use_triton(x, a, b):
-        return step_triton(x, a, b, conv_buf, conv_off, conv_weight, A_log, dt_bias, state, pend, fold, parity,
-                           live, key_heads)
-    return step_ref(x, a, b, conv_buf, conv_off, conv_weight, A_log, dt_bias, state, pend, fold, parity, live,
-                    key_heads)
+        0, 0, 0, 0, 0, 0, pend.stride(0), pend.stride(1), GROUP=1, DK=DK, DV=DV, BV=BV,
+        HAS_LIVE=False, num_warps=1, **pdl(state))
 
 
 def recurrent(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor,

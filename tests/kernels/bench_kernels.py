@@ -194,8 +194,8 @@ def bench_gdn(bw, sweep):
                         gdn._recurrent_kernel[(HV, DV // BV)](
                             q, k, v, a, b, A_log, dt_bias, st, pe, fold, parity, fold, o, T, DK ** -0.5,
                             q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), o.stride(0),
-                            pe.stride(0), pe.stride(1), st, fold, st, 0, 0, 0, GROUP=HV // HK, DK=DK, DV=DV,
-                            BV=BV, HAS_LIVE=False, CONV=False, KC=1, WP=1, PDL=False, num_warps=warps)
+                            pe.stride(0), pe.stride(1), GROUP=HV // HK, DK=DK, DV=DV, BV=BV, HAS_LIVE=False,
+                            PDL=False, num_warps=warps)
                     try:
                         t = graph_ms(lambda: [launch(st, pe) for st, pe in layers], reps=3) / len(layers)
                         print(f"  BV={BV} warps={warps}: {t * 1e3:.1f} us", flush=True)
@@ -207,7 +207,7 @@ def bench_gdn(bw, sweep):
 
 def bench_conv(bw):
     print("\n== conv window update (per layer) ==")
-    bufs = [torch.randn(CONV, 2 * (3 + 5), device="cuda").bfloat16() for _ in range(GDN_LAYERS)]   # two halves
+    bufs = [torch.randn(CONV, 3 + 5, device="cuda").bfloat16() for _ in range(GDN_LAYERS)]
     w = torch.randn(CONV, 4, device="cuda").bfloat16()
     off = torch.tensor([1], device="cuda")
     for T in (1, 4):
