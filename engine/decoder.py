@@ -84,8 +84,7 @@ class Decoder:
         self.accept_bufs = AcceptBuffers(self.is_stop, self.room, self.pos, self.gen, self.next_tok, state.fold,
                                          state.parity, state.conv_off, self.seen, self.v_hidden,
                                          self.pend_hidden if head is not None else None,
-                                         self.pend_tokens if head is not None else None, self.pend_n, self.result,
-                                         state.conv_half)
+                                         self.pend_tokens if head is not None else None, self.pend_n, self.result)
         self.drafter = None                  # optional ProfileDrafter (engine/spec.py)
         self.runner = None                   # engine/runner.py sets itself here on CUDA
         self.reset()

@@ -102,12 +102,11 @@ def gdn_state_bytes(cfg: ModelConfig, dtype="bfloat16") -> int:
 
 
 def gdn_step_state_bytes(cfg: ModelConfig, dtype="bfloat16", k_max: int = 0) -> int:
-    """What the engine allocates for it (engine/state.py): a conv window buffer of two halves, each
-    K-1 history columns plus room for the k_max+1 tokens of a verify step (a step reads one and
-    writes the other), one float32 recurrent state, and the last step's tokens kept for folding
-    in (2 x (k_max+1) x Hv x (dk + dv + 2) float32)."""
+    """What the engine allocates for it (engine/state.py): a conv window of K-1 history columns
+    plus room for the k_max+1 tokens of a verify step, one float32 recurrent state, and the last
+    step's tokens kept for folding in (2 x (k_max+1) x Hv x (dk + dv + 2) float32)."""
     hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    conv = 2 * (cfg.linear_conv_kernel_dim + k_max) * cfg.conv_dim * dtype_bytes(dtype)
+    conv = (cfg.linear_conv_kernel_dim + k_max) * cfg.conv_dim * dtype_bytes(dtype)
     pend = 2 * (k_max + 1) * hv * (dk + dv + 2) * 4
     return len(cfg.linear_layers) * (conv + hv * dk * dv * 4 + pend)
 

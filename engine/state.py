@@ -1,8 +1,8 @@
 """Decode state, allocated once for `max_context` tokens, typed per layer, rolled back explicitly.
 
 - full attention: K and V caches [max_context, Hkv, D]; rollback = a length that does not advance.
-- GDN: a conv window buffer [conv_dim, 2 x (K-1 + k_max+1)] (model dtype) whose committed K-1
-  columns start at `conv_off`, in either half: each call writes the other (kernels/conv.py); the recurrent state [Hv, dk, dv] (float32) before the last step's tokens, and those
+- GDN: a conv window [conv_dim, K-1 + k_max+1] (model dtype) whose committed K-1 columns start at
+  `conv_off`; the recurrent state [Hv, dk, dv] (float32) before the last step's tokens, and those
   tokens as the recurrence used them (pend [2, k_max+1, Hv, dk+dv+2], the last step's in half
   `parity`). Accepting n tokens commits conv offset n and `fold` n: the next step (or prefill)
   folds those n into the state before its own tokens (kernels/gdn.py), so a verify of T tokens
@@ -17,14 +17,13 @@ from __future__ import annotations
 import torch
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.kernels import conv, gdn
+from mtpchat.kernels import gdn
 
 
 class DecodeState:
     def __init__(self, c: ModelConfig, max_context: int, k_max: int, device, dtype, mtp: bool):
         self.k_max = k_max
-        self.conv_half = c.linear_conv_kernel_dim - 1 + k_max + 1
-        self.conv_width = 2 * self.conv_half
+        self.conv_width = c.linear_conv_kernel_dim - 1 + k_max + 1
         rows = max_context + k_max + 1    # a step may write up to k_max+1 rows past the last position
         kv = lambda: (torch.zeros(rows, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype),
                       torch.zeros(rows, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype))
@@ -65,10 +64,9 @@ class DecodeState:
 
     def commit_prefill(self, T: int):
         """After a prefill chunk of T tokens (steps commit on the device: engine/decoder.py). The
-        conv call wrote [window | inputs] to the front of the other half when it fitted, else only
-        the last K-1 inputs (kernels/conv.py)."""
-        base = conv.written_at(self.conv_off, self.conv_half)
-        self.conv_off.copy_(base + (T if self.kernel - 1 + T <= self.conv_half else 0))
+        conv call wrote [window | inputs] to the front of the buffer when it fitted, else only the
+        last K-1 inputs (kernels/conv.py)."""
+        self.conv_off.fill_(T if self.kernel - 1 + T <= self.conv_width else 0)
         self.length += T
 
     def nbytes(self) -> dict[str, int]:

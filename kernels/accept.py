@@ -38,14 +38,13 @@ class AcceptBuffers(NamedTuple):
     next_tok: torch.Tensor           # x_L, chosen, not yet fed
     fold: torch.Tensor               # GDN: tokens the next step folds into the recurrent states
     parity: torch.Tensor             # GDN: the half of the pending buffer the last step wrote
-    conv_off: torch.Tensor           # GDN: where the committed conv window starts (kernels/conv.py)
+    conv_off: torch.Tensor           # GDN: where the committed conv window starts
     seen: torch.Tensor               # [V] int32, presence-penalty counts
     v_hidden: torch.Tensor           # [>= k+1, H] the verify's hiddens
     pend_hidden: torch.Tensor | None  # [rows, H] the MTP head's pending rows; None without a head
     pend_tokens: torch.Tensor | None  # [rows] long
     pend_n: torch.Tensor             # pending rows
     result: torch.Tensor             # [>= k+3] long: n, a, tokens
-    conv_half: int                   # GDN: the columns of each half of the conv window buffer
 
 
 # --- the reference ------------------------------------------------------------------------------
@@ -73,8 +72,7 @@ def commit_ref(a: torch.Tensor, out: torch.Tensor, b: AcceptBuffers):
         b.parity.copy_(torch.where(live, 1 - b.parity, b.parity))
     else:
         b.fold.copy_(torch.where(live, 0, b.fold))
-    # the step wrote [window | its tokens] at the other half's front: the window after n of them
-    b.conv_off.copy_(torch.where(live, torch.where(b.conv_off < b.conv_half, b.conv_half, 0) + n, b.conv_off))
+    b.conv_off.copy_(torch.where(live, n, b.conv_off))
     b.pos.add_(n)
     b.gen.add_(n)
     b.next_tok.copy_(torch.where(live, out.index_select(0, (n - 1).clamp(min=0)), b.next_tok))
@@ -114,7 +112,7 @@ def _argmax_partials_kernel(x, val, idx, V, s_x, s_p, BV: tl.constexpr, PDL: tl.
 
 @triton.jit
 def _accept_greedy_kernel(val, idx, s_p, P, drafts, is_stop, room, pos, gen, next_tok, fold, parity, conv_off,
-                          seen, v_hidden, pend_hidden, pend_tokens, pend_n, result, H, N_PEND, s_v, s_ph, CONV_HALF,
+                          seen, v_hidden, pend_hidden, pend_tokens, pend_n, result, H, N_PEND, s_v, s_ph,
                           K: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, BH: tl.constexpr,
                           HAS_HEAD: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
@@ -151,7 +149,7 @@ def _accept_greedy_kernel(val, idx, s_p, P, drafts, is_stop, room, pos, gen, nex
         tl.store(parity, tl.where(live, 1 - b_parity, b_parity))
     else:
         tl.store(fold, tl.where(live, 0, b_fold))
-    tl.store(conv_off, tl.where(live, tl.where(b_off < CONV_HALF, CONV_HALF, 0) + i_n, b_off))
+    tl.store(conv_off, tl.where(live, i_n, b_off))
     tl.store(pos, b_pos + i_n)
     tl.store(gen, b_gen + i_n)
     tl.store(next_tok, tl.where(live, b_last, b_next))
@@ -225,7 +223,7 @@ def accept_greedy_triton(logits: torch.Tensor, drafts: torch.Tensor, b: AcceptBu
     _accept_greedy_kernel[(1,)](val, idx, val.stride(0), P, drafts, b.is_stop, b.room, b.pos, b.gen, b.next_tok,
                                 b.fold, b.parity, b.conv_off, b.seen, b.v_hidden, pend_hidden, pend_tokens,
                                 b.pend_n, b.result, H, pend_hidden.shape[0], b.v_hidden.stride(0),
-                                pend_hidden.stride(0), b.conv_half, K=R - 1, BR=triton.next_power_of_2(R),
+                                pend_hidden.stride(0), K=R - 1, BR=triton.next_power_of_2(R),
                                 BP=triton.next_power_of_2(P), BH=min(1024, triton.next_power_of_2(H)),
                                 HAS_HEAD=head, num_warps=4, **pdl(logits))
 

@@ -2,14 +2,11 @@
 float32 torch reference, the Triton kernel beside it, and `conv_update`, which picks the kernel for
 CUDA tensors and the reference otherwise.
 
-The window buffer `buf` [C, 2H] (model dtype) holds pre-conv inputs in two halves of H = K-1 +
-k_max+1 columns. The committed window is the K-1 columns starting at `off` (a device tensor, a
-column of either half). A call with T new inputs reads that window and writes [window | inputs]
-to the front of the *other* half when it fits (a step), so accepting n of the T tokens commits
-offset base + n with no copy (`written_at` gives the base); a long prefill call keeps only the
-last K-1 inputs there (offset base). No call writes what it reads, so no program has to wait for
-another's reads (kernels/gdn.py runs the step's conv inside the recurrence on that account). An
-optional `live` (1-element long tensor) of 0 leaves the buffer as it was: a step launched after
+The window buffer `buf` [C, W] (W = K-1 + k_max+1 columns, model dtype) holds pre-conv inputs. The
+committed window is the K-1 columns starting at `off` (a device tensor). A call with T new inputs
+writes [window | inputs] to the front of the buffer when it fits, so accepting n of the T tokens
+commits offset n with no copy; a long prefill call keeps only the last K-1 inputs (offset 0).
+An optional `live` (1-element long tensor) of 0 leaves the buffer as it was: a step launched after
 its generation ended must not touch the state.
 """
 from __future__ import annotations
@@ -20,52 +17,45 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 
 
-def written_at(off: torch.Tensor, half: int) -> torch.Tensor:
-    """The column where a call reading the window at `off` writes its new front: the other half's first."""
-    return torch.where(off < half, half, 0)
-
-
 def conv_update_ref(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor,
                     live: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, C] pre-conv inputs, buf [C, 2H], off 1-element long tensor, weight [C, K] -> silu(conv) [T, C].
+    """x [T, C] pre-conv inputs, buf [C, W], off 1-element long tensor, weight [C, K] -> silu(conv) [T, C].
 
     Each output is an explicit K-term sum, so its value does not depend on T (row invariance).
     """
     T, C = x.shape
-    K, H = weight.shape[1], buf.shape[1] // 2
+    K = weight.shape[1]
     cols = off + torch.arange(K - 1, device=buf.device)
     window = buf.index_select(1, cols)                                  # [C, K-1]
     full = torch.cat([window, x.T.to(buf.dtype)], dim=1)                # [C, K-1+T]
     w = weight.float()
     y = sum(w[:, j, None] * full[:, j:j + T].float() for j in range(K))  # [C, T]
-    new = full if K - 1 + T <= H else full[:, T:]                       # a long call: its last K-1 inputs
-    cols = written_at(off, H) + torch.arange(new.shape[1], device=buf.device)
-    if live is not None:
-        new = torch.where(live > 0, new, buf.index_select(1, cols))
-    buf.index_copy_(1, cols, new)
+    keep = (lambda new, old: new) if live is None else (lambda new, old: torch.where(live > 0, new, old))
+    if K - 1 + T <= buf.shape[1]:
+        buf[:, :K - 1 + T] = keep(full, buf[:, :K - 1 + T])
+    else:
+        buf[:, :K - 1] = keep(full[:, T:], buf[:, :K - 1])
     return F.silu(y).T.contiguous().to(x.dtype)   # [T, C] rows contiguous, as a 1-token call gives
 
 
 @triton.jit(do_not_specialize=["T"])
-def _conv_update_kernel(x, buf, off, live, w, y, T, C, H, s_x, s_y, s_buf,
+def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
                         K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, WP: tl.constexpr,
                         HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
     # One program per (BC channels, BT tokens). Only the first token block reads the committed
-    # window and writes the other half of the buffer, so programs share nothing.
+    # window, and only it rewrites the front of the buffer, after its own reads: no other program
+    # touches the buffer, so there is no ordering to arrange between programs.
     pdl_start(PDL)
     i_c, i_t = tl.program_id(0), tl.program_id(1)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
     o_t = i_t * BT + tl.arange(0, BT)
     i_off = tl.load(off)
-    b_live = tl.full([], 1, tl.int64)
-    if HAS_LIVE:
-        b_live = tl.load(live)                                   # an ended generation's step writes nothing
     p_buf = buf + o_c * s_buf
-    # a step's new front [window | inputs] of the other half (first token block only): read whole
+    # a step's new front of the buffer, [window | inputs] (first token block only): read whole
     # into registers with the other loads, one round trip rather than a load and store per column
     o_w = tl.arange(0, WP)
-    b_step = (tl.zeros([WP], dtype=tl.int32) + tl.where((i_t == 0) & (K - 1 + T <= H), 1, 0)) > 0
+    b_step = (tl.zeros([WP], dtype=tl.int32) + tl.where((i_t == 0) & (K - 1 + T <= WIDTH), 1, 0)) > 0
     m_win = m_c[:, None] & ((o_w < K - 1) & b_step)[None, :]
     m_new = m_c[:, None] & ((o_w >= K - 1) & (o_w < K - 1 + T) & b_step)[None, :]
     b_front = tl.where(m_win, tl.load(p_buf[:, None] + i_off + o_w[None, :], mask=m_win, other=0.),
@@ -84,16 +74,18 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, H, s_x, s_y, s_buf,
         b_y += tl.load(w + o_c * K + j, mask=m_c, other=0.).to(tl.float32)[None, :] * b_x
     b_y = b_y * tl.sigmoid(b_y)
     tl.store(y + o_t[:, None] * s_y + o_c[None, :], b_y.to(y.dtype.element_ty), mask=(o_t < T)[:, None] & m_c[None, :])
-    m_c = m_c & ((tl.zeros([BC], dtype=tl.int64) + b_live) > 0)
-    p_new = p_buf + tl.where(i_off < H, H, 0)                   # the other half
+    if HAS_LIVE:
+        m_c = m_c & (tl.zeros([BC], dtype=tl.int64) + tl.load(live) > 0)   # an ended generation's step writes nothing
     if i_t == 0:
-        if K - 1 + T <= H:
-            tl.store(p_new[:, None] + o_w[None, :], b_front, mask=(m_win | m_new) & m_c[:, None])
+        if K - 1 + T <= WIDTH:
+            tl.debug_barrier()   # every read of the old window is done before the buffer is rewritten
+            tl.store(p_buf[:, None] + o_w[None, :], b_front, mask=(m_win | m_new) & m_c[:, None])
         else:
+            tl.debug_barrier()   # every read of the old window is done before the buffer is rewritten
             # a long call keeps its last K-1 inputs (the launcher checks T >= K-1 here)
             for i in tl.static_range(K - 1):
                 b_new = tl.load(x + (T - (K - 1) + i) * s_x + o_c, mask=m_c)
-                tl.store(p_new + i, b_new.to(buf.dtype.element_ty), mask=m_c)
+                tl.store(p_buf + i, b_new.to(buf.dtype.element_ty), mask=m_c)
 
 
 def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor,
@@ -101,18 +93,16 @@ def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, we
     T, C = x.shape
     K = weight.shape[1]
     assert x.stride(1) == 1, "x rows must be contiguous"
-    assert buf.shape[0] == C and buf.stride(1) == 1 and buf.shape[1] % 2 == 0, \
-        f"buf must be [{C}, 2H] with contiguous rows"
+    assert buf.shape[0] == C and buf.stride(1) == 1, f"buf must be [{C}, W] with contiguous rows"
     assert weight.shape == (C, K) and weight.is_contiguous(), f"weight must be [{C}, K] contiguous"
     assert off.numel() == 1 and off.dtype == torch.long, "off must be a 1-element long tensor"
     assert live is None or (live.numel() == 1 and live.dtype == torch.long), "live must be a 1-element long tensor"
-    H = buf.shape[1] // 2
-    assert K - 1 + T <= H or T >= K - 1, "a call longer than the window must have >= K-1 inputs"
+    assert K - 1 + T <= buf.shape[1] or T >= K - 1, "a call longer than the window must have >= K-1 inputs"
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
     BC, BT = 64, 16
     _conv_update_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](
-        x, buf, off, live if live is not None else off, weight, y, T, C, H, x.stride(0), y.stride(0),
-        buf.stride(0), K=K, BC=BC, BT=BT, WP=triton.next_power_of_2(H),
+        x, buf, off, live if live is not None else off, weight, y, T, C, buf.shape[1], x.stride(0), y.stride(0),
+        buf.stride(0), K=K, BC=BC, BT=BT, WP=triton.next_power_of_2(buf.shape[1]),
         HAS_LIVE=live is not None, num_warps=4, **pdl(x))
     return y
 

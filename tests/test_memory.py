@@ -65,9 +65,9 @@ def test_plan_parts_for_27b(c27):
     assert plan.weights == (26_895_998_464 + 424_699_392) * 2
     assert plan.kv == (32768 + 4) * 64 * KiB      # room for the k_max+1 rows of a verify step
     assert plan.mtp_kv == (32768 + 4) * 4 * KiB
-    # 48 layers x (conv 10240 x 2 halves x (4 + 3) columns bf16 + a float32 state of 48x128x128
+    # 48 layers x (conv 10240 x (4 + 3) columns bf16 + a float32 state of 48x128x128
     # + the last step's 2 x 4 tokens x 48 heads x (128 + 128 + 2) floats)
-    assert plan.gdn_state == 48 * (10240 * 2 * 7 * 2 + 48 * 128 * 128 * 4 + 2 * 4 * 48 * 258 * 4)
+    assert plan.gdn_state == 48 * (10240 * 7 * 2 + 48 * 128 * 128 * 4 + 2 * 4 * 48 * 258 * 4)
     assert plan.bytes_per_token == 68 * KiB
     assert plan.total == plan.weights + plan.kv + plan.mtp_kv + plan.gdn_state + plan.graph_pool + plan.workspace
     assert 0 < plan.graph_pool < GiB and 0 < plan.workspace < GiB
