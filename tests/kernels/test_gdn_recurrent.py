@@ -153,3 +153,17 @@ def test_fold_pending(device, fold):
     stepped, p = state.clone(), pend.clone()
     gdn.recurrent_triton(*args, stepped, p, n, parity)
     assert torch.equal(got, stepped if fold else state)
+
+
+@pytest.mark.gpu
+def test_prefill_fold_is_a_steps_fold_27b():
+    # what a new turn's prefill folds in (fold_pending) must be, to the bit, the state a live step's
+    # own fold writes (with the step's launch options: the live flag, the GQA ratio); otherwise
+    # MTP on and off could part at the next turn
+    args, state, pend = _inputs(2, 16, 48, 128, 128, torch.bfloat16, "cuda", seed=5)
+    n, parity = _long(3, "cuda"), _long(1, "cuda")
+    folded = state.clone()
+    gdn.fold_pending(folded, pend, n, parity, *args[5:])
+    stepped, p = state.clone(), pend.clone()
+    gdn.recurrent(*args, stepped, p, n, parity, _long(1, "cuda"))   # a verify writes the state when folded
+    assert torch.equal(folded, stepped)
