@@ -5,9 +5,10 @@ which takes the kernels for CUDA tensors and the reference otherwise.
 q [T, Hq, D] holds the new tokens at positions start..start+T-1, whose keys and values are already
 in the cache; k_cache, v_cache [L, Hkv, D]. Query head h reads kv head h // (Hq // Hkv).
 
-The kernels split the keys into fixed spans of SPLIT keys (a function of the cache size only): one
-program per (span, kv head, block of query rows) computes a partial softmax, a second kernel
-combines the spans of each row in span order. The start is read from a device tensor, so a CUDA
+The kernels split the keys into fixed spans (a function of the cache size only): the first
+FIRST_SPANS spans of BN keys, the rest of SPLIT keys (so a short context is spread over many
+programs and a long one over few spans); one program per (span, kv head, block of query rows)
+computes a partial softmax, a second kernel combines the spans of each row in span order. The start is read from a device tensor, so a CUDA
 graph captured once serves every length. Row t sees exactly the spans and blocks it would see in a
 1-row call at start + t, and masked keys add exact zeros, so a row's result does not depend on T.
 """
@@ -37,16 +38,29 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return o if gate is None else o * torch.sigmoid(gate)
 
 
+@triton.jit
+def _span_start(i_s, BN: tl.constexpr, FIRST: tl.constexpr, SPLIT: tl.constexpr):
+    """The first key of span i_s: FIRST spans of BN keys, then spans of SPLIT."""
+    return tl.where(i_s < FIRST, i_s * BN, FIRST * BN + (i_s - FIRST) * SPLIT)
+
+
+@triton.jit
+def _spans_to(last, BN: tl.constexpr, FIRST: tl.constexpr, SPLIT: tl.constexpr):
+    """How many spans hold keys 0..last."""
+    return tl.where(last < FIRST * BN, last // BN + 1, FIRST + (last - FIRST * BN) // SPLIT + 1)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _attn_split_kernel(q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale,
                        s_qt, s_qh, s_kl, s_kh, s_vl, s_vh,
                        HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr, SPLIT: tl.constexpr,
+                       PDL: tl.constexpr):
     pdl_start(PDL)
     i_s, i_kv, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b_start = tl.load(start)
-    lo = i_s * SPLIT
-    hi = tl.minimum(lo + SPLIT, b_start + T)
+    lo = _span_start(i_s, BN, FIRST, SPLIT)
+    hi = tl.minimum(_span_start(i_s + 1, BN, FIRST, SPLIT), b_start + T)
     if lo < hi:
         # rows are (token t, head g of this kv head's group), token-major
         o_r = i_m * BM + tl.arange(0, BM)
@@ -82,14 +96,14 @@ def _attn_split_kernel(q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale,
 
 @triton.jit(do_not_specialize=["T"])
 def _attn_combine_kernel(start, ws_m, ws_l, ws_o, gate, out, T, s_gt, s_gh, s_ot, s_oh,
-                         HQ: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BS: tl.constexpr,
-                         HAS_GATE: tl.constexpr, PDL: tl.constexpr):
+                         HQ: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr,
+                         SPLIT: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr):
     # One program per (token, query head); spans are folded BS at a time into BS lanes, then the
     # lanes are summed: a fixed order for a given number of spans, which depends on the row alone.
     pdl_start(PDL)
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_d = tl.arange(0, D)
-    n_spans = (tl.load(start) + i_t) // SPLIT + 1               # the spans holding keys 0..start+t
+    n_spans = _spans_to(tl.load(start) + i_t, BN, FIRST, SPLIT)   # the spans holding keys 0..start+t
     b_mx = tl.full([BS], float("-inf"), tl.float32)
     for i_s in range(0, n_spans, BS):
         o_s = i_s + tl.arange(0, BS)
@@ -116,12 +130,15 @@ def _attn_combine_kernel(start, ws_m, ws_l, ws_o, gate, out, T, s_gt, s_gh, s_ot
 MAX_SPANS = 128
 
 
-def _config(L: int) -> tuple[int, int, int, int]:
-    """(keys per span, BN, warps, stages) for a cache of L rows: a function of L alone, never of
-    the length or of T, which keeps rows invariant. At most MAX_SPANS spans: on an H100 with a
-    32K cache this took 15 us per layer at 1K context and 74 at 32K; 32 spans, 37 and 54."""
+def _config(L: int) -> tuple[int, int, int, int, int]:
+    """(spans of BN keys first, keys per later span, BN, warps, stages) for a cache of L rows: a
+    function of L alone, never of the length or of T, which keeps rows invariant. At most about
+    MAX_SPANS spans of the larger size: on an H100 with a 32K cache this took 15 us per layer at
+    1K context and 74 at 32K; 32 spans, 37 and 54. The first 2,048 keys come in spans of 64, so
+    a short context still has many programs: with those spans alone the 27B decode step at 1K
+    context was 0.15 ms faster, but 0.34 ms slower at 16K (tests/kernels/ab_step.py)."""
     BN = 64
-    return max(2 * BN, triton.next_power_of_2(triton.cdiv(L, MAX_SPANS))), BN, 4, 3
+    return 32, max(2 * BN, triton.next_power_of_2(triton.cdiv(L, MAX_SPANS))), BN, 4, 3
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -140,19 +157,22 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if gate is not None:
         assert gate.shape == q.shape and gate.stride(2) == 1 and gate.dtype == q.dtype, "gate must be like q"
     group, BM = Hq // Hkv, 32
-    split, BN, warps, stages = config or _config(L)
-    spans = triton.cdiv(L, split)
+    first, split, BN, warps, stages = config or _config(L)
+    assert split % BN == 0, "a span is whole tiles"
+    spans = min(first, triton.cdiv(L, BN)) + triton.cdiv(max(0, L - first * BN), split)
     ws_m = torch.empty(spans, T, Hq, dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)
     ws_o = torch.empty(spans, T, Hq, D, dtype=torch.float32, device=q.device)
     _attn_split_kernel[(spans, Hkv, triton.cdiv(T * group, BM))](
         q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HQ=Hq, GROUP=group, D=D, BM=BM, BN=BN, SPLIT=split, num_warps=warps, num_stages=stages, **pdl(q))
+        HQ=Hq, GROUP=group, D=D, BM=BM, BN=BN, FIRST=first, SPLIT=split, num_warps=warps, num_stages=stages,
+        **pdl(q))
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     g = gate if gate is not None else out
     _attn_combine_kernel[(T, Hq)](start, ws_m, ws_l, ws_o, g, out, T, g.stride(0), g.stride(1), out.stride(0),
-                                  out.stride(1), HQ=Hq, D=D, SPLIT=split, BS=16, HAS_GATE=gate is not None,
+                                  out.stride(1), HQ=Hq, D=D, BN=BN, FIRST=first, SPLIT=split, BS=16,
+                                  HAS_GATE=gate is not None,
                                   num_warps=4, **pdl(q))
     return out
 

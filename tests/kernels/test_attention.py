@@ -77,3 +77,12 @@ def test_decode_attention_rows_do_not_depend_on_T(T, Hq, Hkv, start):
     q, kc, vc = _case(T, Hq, Hkv, 256, 4096, torch.bfloat16, "cuda", seed=start)
     out = attention.decode_attention(q, kc, vc, torch.tensor([start], device="cuda"), 0.0625)
     assert torch.equal(out, _rows_one_by_one(q, kc, vc, start, 0.0625))
+
+
+@pytest.mark.parametrize("T,start", [(1, 30), (5, 44), (3, 47), (4, 200)])
+def test_decode_attention_two_sizes_of_span(device, T, start):
+    # 3 spans of 16 keys, then spans of 32: rows before, across and after the change of size
+    q, kc, vc = _case(T, 6, 2, 16, 300, torch.float32, device, seed=start)
+    out = attention.decode_attention_triton(q, kc, vc, torch.tensor([start], device=device), 0.25,
+                                            config=(3, 32, 16, 4, 2))
+    check(out, attention.decode_attention_ref(q, kc, vc, start, 0.25), TOL[torch.float32])
