@@ -4,6 +4,8 @@ shape, so the ratios come from one process on one device.
 
     python3 ab_step.py --plans pdl             # programmatic dependent launch off / on
     python3 ab_step.py --plans tiles           # matvec tile tables (kernels/matvec.py: _config)
+    python3 ab_step.py --plans knockout        # the step without one of its small kernels, each in turn
+    python3 ab_step.py --plans attention       # decode attention's key spans
 
 A plan is a name and a function that sets the launch choice it stands for before its phases are
 compiled and captured (and undoes nothing: the next plan sets its own). Steps of a live
@@ -49,7 +51,7 @@ def tile_plans() -> dict:
     attention q|gate|k|v 14336), the MLP gate|up (SwiGLU, 17408 columns) and the lm_head."""
     groups = {"out": lambda N, K, g: N == 5120 and K == 6144, "down": lambda N, K, g: N == 5120 and K == 17408,
               "in": lambda N, K, g: N in (16480, 14336) and not g, "glu": lambda N, K, g: g,
-              "lm": lambda N, K, g: N > 100_000}
+              "lm": lambda N, K, g: N > 100_000, "plain": lambda N, K, g: not g and N < 100_000}
 
     def group(name, cfg):
         return tile_plan(lambda N, K, g: cfg if groups[name](N, K, g) else None)
@@ -60,10 +62,46 @@ def tile_plans() -> dict:
                        "glu": [(16, 256, 4, 6), (16, 256, 4, 4), (64, 128, 4, 6), (32, 256, 8, 6), (32, 128, 4, 8),
                                (64, 128, 4, 5), (64, 128, 4, 4), (64, 128, 8, 6), (128, 64, 4, 6), (128, 64, 4, 5),
                                (64, 64, 4, 8), (32, 128, 4, 6), (128, 128, 4, 3), (128, 64, 8, 6), (64, 128, 2, 6)],
-                       "lm": [(128, 128, 4, 4)]}.items():
+                       "lm": [(128, 128, 4, 4)],
+                       "plain": [(64, 256, 4, 3), (64, 256, 4, 5), (64, 128, 4, 6), (64, 128, 4, 5)]}.items():
         for cfg in cfgs:
             plans[f"{name}:{cfg[0]}x{cfg[1]}w{cfg[2]}s{cfg[3]}"] = group(name, cfg)
     return plans
+
+
+def knockout_plans() -> dict:
+    """What each small kernel of a step costs where it runs: the step with that kernel replaced by
+    nothing (an empty or passed-through tensor of its output's shape; the logits are then
+    meaningless, the products and every other kernel run as before)."""
+    from mtpchat.engine import model
+    from mtpchat.kernels import attention, conv, gdn, norm
+    kept = {(norm, "add_rmsnorm"): norm.add_rmsnorm, (conv, "conv_update"): conv.conv_update,
+            (gdn, "recurrent"): gdn.recurrent, (norm, "gated_rmsnorm"): norm.gated_rmsnorm,
+            (attention, "decode_attention"): attention.decode_attention, (model, "qkv_norm_rope"): model.qkv_norm_rope}
+    skip = {"add_rmsnorm": lambda x, r, w, eps: (x, r),
+            "conv_update": lambda x, buf, off, w, live=None: x,
+            "recurrent": lambda q, k, v, *rest: torch.empty(v.shape, dtype=v.dtype, device=v.device),
+            "gated_rmsnorm": lambda x, z, w, eps: torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            "decode_attention": lambda q, *rest: torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            "qkv_norm_rope": lambda q, *rest: q}
+
+    def without(name):
+        def setup():
+            for (module, fn), f in kept.items():
+                setattr(module, fn, skip[fn] if fn == name else f)
+        return setup
+    return {"all": without(None), **{f"-{name}": without(name) for name in skip}}
+
+
+def attention_plans() -> dict:
+    """Key spans for decode attention (kernels/attention.py: _config, a function of the cache size
+    only): the default (spans of 64 keys first, then larger ones) against the larger spans only."""
+    from mtpchat.kernels import attention
+    default = attention._config
+
+    def spans(rule):
+        return lambda: setattr(attention, "_config", rule)
+    return {"base": spans(default), "one size": spans(lambda L: (0, *default(L)[1:]))}
 
 
 def products_ms(model, reps: int = 20) -> float:
@@ -112,9 +150,10 @@ def kernel_resources():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3.6-27b")
-    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles"))
+    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "knockout", "attention"))
     p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--max-context", type=int, help="the cache size (default: the context + 256)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--room", type=int, default=1 << 20,
@@ -122,11 +161,11 @@ def main():
     p.add_argument("--products", action="store_true", help="also time the decode step's products alone")
     p.add_argument("--json")
     a = p.parse_args()
-    plans = pdl_plans() if a.plans == "pdl" else tile_plans()
+    plans = {"pdl": pdl_plans, "tiles": tile_plans, "knockout": knockout_plans, "attention": attention_plans}[a.plans]()
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
-    engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=a.context + 256, cuda_graphs=False)
+    engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=a.max_context or a.context + 256, cuda_graphs=False)
     d = engine.decoder
     for _ in engine.generate(random_prompt(engine, a.context, 1), SamplingParams(max_tokens=2, stop_token_ids=())):
         pass
