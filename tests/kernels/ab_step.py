@@ -101,7 +101,8 @@ def attention_plans() -> dict:
 
     def spans(rule):
         return lambda: setattr(attention, "_config", rule)
-    return {"base": spans(default), "one size": spans(lambda L: (0, *default(L)[1:]))}
+    return {"base": spans(default), "one size": spans(lambda L: (0, *default(L)[1:])),
+            "first 16": spans(lambda L: (16, *default(L)[1:]))}
 
 
 def products_ms(model, reps: int = 20) -> float:
