@@ -6,7 +6,7 @@ q [T, Hq, D] holds the new tokens at positions start..start+T-1, whose keys and 
 in the cache; k_cache, v_cache [L, Hkv, D]. Query head h reads kv head h // (Hq // Hkv).
 
 The kernels split the keys into fixed spans (a function of the cache size only): the first
-FIRST_SPANS spans of BN keys, the rest of SPLIT keys (so a short context is spread over many
+FIRST spans of BN keys, the rest of SPLIT keys (so a short context is spread over many
 programs and a long one over few spans); one program per (span, kv head, block of query rows)
 computes a partial softmax, a second kernel combines the spans of each row in span order. The start is read from a device tensor, so a CUDA
 graph captured once serves every length. Row t sees exactly the spans and blocks it would see in a
@@ -134,11 +134,14 @@ def _config(L: int) -> tuple[int, int, int, int, int]:
     """(spans of BN keys first, keys per later span, BN, warps, stages) for a cache of L rows: a
     function of L alone, never of the length or of T, which keeps rows invariant. At most about
     MAX_SPANS spans of the larger size: on an H100 with a 32K cache this took 15 us per layer at
-    1K context and 74 at 32K; 32 spans, 37 and 54. The first 2,048 keys come in spans of 64, so
-    a short context still has many programs: with those spans alone the 27B decode step at 1K
-    context was 0.15 ms faster, but 0.34 ms slower at 16K (tests/kernels/ab_step.py)."""
+    1K context and 74 at 32K; 32 spans, 37 and 54. The first 1,024 keys come in spans of 64, so a
+    short context still has many programs. The 27B decode step with a 32K cache on an H100
+    (tests/kernels/ab_step.py --plans attention): at 1K context 0.9% faster than with the larger
+    spans alone, at 16K 0.7% slower; with the first 2,048 keys in small spans, the same at 1K and
+    0.9% slower at 16K; with spans of 64 or 128 keys throughout, 0.8% faster at 1K and 2-3% slower
+    at 16K."""
     BN = 64
-    return 32, max(2 * BN, triton.next_power_of_2(triton.cdiv(L, MAX_SPANS))), BN, 4, 3
+    return 16, max(2 * BN, triton.next_power_of_2(triton.cdiv(L, MAX_SPANS))), BN, 4, 3
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

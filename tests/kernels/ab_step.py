@@ -102,7 +102,7 @@ def attention_plans() -> dict:
     def spans(rule):
         return lambda: setattr(attention, "_config", rule)
     return {"base": spans(default), "one size": spans(lambda L: (0, *default(L)[1:])),
-            "first 16": spans(lambda L: (16, *default(L)[1:]))}
+            "first 32": spans(lambda L: (32, *default(L)[1:]))}
 
 
 def products_ms(model, reps: int = 20) -> float:
