@@ -138,8 +138,8 @@ def _config(L: int) -> tuple[int, int, int, int, int]:
     short context still has many programs. The 27B decode step with a 32K cache on an H100
     (tests/kernels/ab_step.py --plans attention): at 1K context 0.9% faster than with the larger
     spans alone, at 16K 0.7% slower; with the first 2,048 keys in small spans, the same at 1K and
-    0.9% slower at 16K; with spans of 64 or 128 keys throughout, 0.8% faster at 1K and 2-3% slower
-    at 16K."""
+    0.9% slower at 16K; with spans of 64 or 128 keys throughout, 0.7-0.8% faster at 1K and 1.8-3.3%
+    slower at 16K."""
     BN = 64
     return 16, max(2 * BN, triton.next_power_of_2(triton.cdiv(L, MAX_SPANS))), BN, 4, 3
 
