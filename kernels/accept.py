@@ -102,6 +102,10 @@ def _argmax_partials_kernel(x, val, idx, V, s_x, s_p, BV: tl.constexpr, PDL: tl.
     i_r, i_p = tl.program_id(0), tl.program_id(1)
     o_v = i_p * BV + tl.arange(0, BV)
     b_x = tl.load(x + i_r * s_x + o_v, mask=o_v < V, other=float("-inf"))
+    # a NaN is the largest value to torch.argmax: the first one wins (tl.max would skip it, and no
+    # index would match the max); told by its bits, which no compiler flag can fold away
+    b_nan = (b_x.to(tl.float32).to(tl.uint32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+    b_x = tl.where(b_nan, float("inf"), b_x)
     b_max = tl.max(b_x, 0)
     # the first index attaining the max (torch.argmax's rule); a chunk holds at least one index < V,
     # and the -inf padding after it can only tie, never come first

@@ -121,7 +121,7 @@ def _config(N: int, K: int, itemsize: int, swiglu: bool = False) -> tuple[int, i
     tiles (tests/kernels/ab_step.py --plans tiles, the ratios in docs/PERFORMANCE.md): 64 x 512
     bytes suits every plain product (smaller tiles, more warps, other depths: 0-23% slower); the
     SwiGLU product is fastest with 64 columns (128 rows of w) by 256 bytes of K, 5 deep (the
-    decode step 1.5% faster than with 32 x 512 bytes). float32 tiles take half the K."""
+    decode step 1.5% faster than with 32 x 512 bytes). float32 plain tiles take half the K."""
     if swiglu:
         return (64, 128, 4, 5) if itemsize == 2 else (32, 128, 4, 4)
     return 64, 512 // itemsize, 4, 4

@@ -232,7 +232,8 @@ def bench_attention(bw, sweep):
             line = []
             for spans in (16, 32, 64, 128):
                 for BN, warps, stages in ((64, 4, 2), (64, 4, 3), (32, 4, 2), (32, 4, 3), (64, 8, 2), (32, 2, 2)):
-                    cfg = (max(2 * BN, triton.next_power_of_2(triton.cdiv(cap, spans))), BN, warps, stages)
+                    cfg = (attention._config(cap)[0], max(2 * BN, triton.next_power_of_2(triton.cdiv(cap, spans))),
+                           BN, warps, stages)
                     try:
                         t = graph_ms(lambda: [attention.decode_attention_triton(q, kc, vc, start, HD ** -0.5, config=cfg)
                                               for kc, vc in small], reps=3) / len(small)

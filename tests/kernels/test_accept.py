@@ -198,3 +198,16 @@ def test_real_size_in_a_graph(head):
         for name, r, o in zip(accept.AcceptBuffers._fields, ref, out):
             if r is not None:
                 assert torch.equal(o, r), name
+
+
+def test_nan_logits_pick_the_first_nan(device):
+    # torch.argmax takes a NaN for the largest value, so the first NaN of a row wins, in whichever
+    # chunk it falls; a row of NaNs gives token 0, never an index past the vocabulary
+    logits, drafts, b, *_ = window(9000, 16, 2, seed=21, device=device)
+    logits[0, :] = float("nan")
+    logits[1, 5000], logits[1, 7000] = float("nan"), float("nan")
+    logits[2, 100] = float("nan")
+    drafts = torch.tensor([0, 5000], device=device)     # both kept: the bonus is row 2's first NaN
+    b.is_stop[[0, 5000, 100]] = False
+    ref = run_both(logits, drafts, b)
+    assert ref.result[:5].tolist() == [3, 2, 0, 5000, 100]
