@@ -3,7 +3,8 @@
 The drafts d_1..d_k come from the MTP head greedily (a one-hot proposal). The target verified
 [x, d_1..d_k] in one forward, giving distributions p_0..p_k (row i predicts the token after d_i).
 
-Greedy:   accept the longest prefix with d_{i+1} == argmax p_i; the bonus is argmax p_a.
+Greedy:   accept the longest prefix with d_{i+1} == argmax p_i; the bonus is argmax p_a (fused
+          with the commit in kernels/accept.py, whose greedy_tokens_ref is the rule in torch).
 Sampling: accept d_{i+1} with probability p_i(d_{i+1}) (= min(1, p/q) for a one-hot q); at the first
           rejection i, draw from norm(max(0, p_i - q_i)) = p_i without d_{i+1}; if all k pass, draw
           the bonus from p_k. Every emitted token then has the target's distribution exactly.
@@ -14,13 +15,6 @@ from __future__ import annotations
 import torch
 
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
-
-
-def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor):
-    """logits [k+1, V], drafts [k], k >= 1 -> (a: [1] long, tokens: [k+1] long). The rule as it
-    reads; the decoder runs it fused with the commit (kernels/accept.py, tested against this)."""
-    target = logits.argmax(-1)                                    # [k+1]
-    return _splice(target[:-1] == drafts, drafts, target)
 
 
 def accept_sampled(logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams,

@@ -8,7 +8,6 @@ import pytest
 import torch
 from kernel_checks import randn
 
-from mtpchat.engine.spec import accept_greedy as spec_accept_greedy
 from mtpchat.kernels import accept
 
 PEND_ROWS = 12
@@ -153,19 +152,6 @@ def test_repeated_tokens_count_each(device):
     drafts.fill_(77)
     ref = run_both(logits, drafts, b)
     assert ref.seen[77].item() == b.seen[77].item() + k + 1
-
-
-@pytest.mark.parametrize("k", range(5))
-def test_reference_keeps_the_rule_of_spec(k):
-    # the decoder took engine/spec.py's accept_greedy for k > 0, and a = 0, argmax p_0 for k = 0
-    for accepted in ("all", "none", "some"):
-        logits, drafts, *_ = window(1000, 8, k, seed=k, accepted=accepted)
-        a, tokens = accept.greedy_tokens_ref(logits, drafts)
-        if k:
-            a_old, tokens_old = spec_accept_greedy(logits, drafts)
-        else:
-            a_old, tokens_old = torch.zeros(1, dtype=torch.long), logits.argmax(-1)
-        assert torch.equal(a, a_old) and torch.equal(tokens, tokens_old)
 
 
 def test_dispatch_cpu_takes_the_reference():
