@@ -136,15 +136,14 @@ def products_ms(model, reps: int = 20) -> float:
 
 
 def kernel_resources():
-    """Shared memory and registers of each compiled matvec kernel, by its constants."""
+    """Warps, stages, shared memory and registers of each compiled matvec kernel."""
     out = []
     for fn in (matvec._matvec_kernel, matvec._matvec_swiglu_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for kernel in cache[0].values():
                 md = kernel.metadata
-                consts = {k: v for k, v in getattr(md, "constants", {}).items() if isinstance(v, int)}
-                out.append(f"{fn.__name__} {consts} warps={md.num_warps} stages={md.num_stages} "
-                           f"smem={md.shared} regs={getattr(kernel, 'n_regs', '?')}")
+                out.append(f"{fn.__name__} warps={md.num_warps} stages={md.num_stages} smem={md.shared} "
+                           f"regs={getattr(kernel, 'n_regs', '?')}")
     return out
 
 
