@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels import attention, conv, gdn, gdn_chunk, norm
-from mtpchat.kernels.matvec import matvec, matvec_swiglu, silu_mul
+from mtpchat.kernels.matvec import matvec, matvec_parts, matvec_swiglu, silu_mul
 from mtpchat.kernels.rope import qkv_norm_rope
 
 
@@ -47,6 +47,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
     if x.is_cuda:
         return matvec(x, w)
     return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)
+
+
+def out_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    """A block's last product (o_proj, out_proj, MLP down), which only the residual add and norm
+    after it read: in a step on the GPU its float32 parts over K (kernels/matvec.py:
+    matvec_parts: these products have too few column blocks to fill the GPU), which that norm adds
+    up; `linear` otherwise."""
+    if rowwise and x.is_cuda:
+        return matvec_parts(x, w)
+    return linear(x, w, rowwise)
 
 
 def prefill_attention(q, keys, values, first: bool, scale: float) -> torch.Tensor:
@@ -92,7 +102,7 @@ class MLP(nn.Module):
             h = matvec_swiglu(x, self.gate_up)          # the product and the gating in one kernel
         else:
             h = silu_mul(linear(x, self.gate_up, ctx.step))
-        return linear(h, self.down, ctx.step)
+        return out_linear(h, self.down, ctx.step)
 
 
 class GatedAttention(nn.Module):
@@ -129,7 +139,7 @@ class GatedAttention(nn.Module):
             q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))
             o = prefill_attention(q4, keys, values, ctx.start == 0, scale)[0].transpose(0, 1)
             o = o * torch.sigmoid(gate)
-        return linear(o.reshape(T, c.q_dim), self.o_proj, ctx.step)
+        return out_linear(o.reshape(T, c.q_dim), self.o_proj, ctx.step)
 
 
 class GatedDeltaNet(nn.Module):
@@ -162,7 +172,7 @@ class GatedDeltaNet(nn.Module):
             o, end_state = gdn_chunk.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state.clone())
             state.copy_(end_state)
         o = norm.gated_rmsnorm(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
-        return linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step)
+        return out_linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step)
 
 
 class DecoderLayer(nn.Module):
@@ -177,7 +187,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, cache, ctx: Ctx):
         """Pre-norm block, with each residual add fused into the norm after it: takes the previous
         block's (output, residual stream) unsummed (residual None for the first block) and returns
-        its own. The block's value is output + residual."""
+        its own. The block's value is output + residual (in a step on the GPU the output comes as
+        float32 parts, see out_linear)."""
         if residual is None:
             normed, h = self.input_norm(x), x
         else:

@@ -10,6 +10,12 @@ multiplies its w tile with all rows of x at once (rows padded to BT = 16, the sm
 tile). The compiled kernel is the same for every T <= BT (T is a run-time argument, never a
 specialisation), each output is accumulated over K in the same order whatever the other rows
 hold, so row i of a T-row call is bit-for-bit the 1-row call of row i.
+
+A product with fewer column blocks than the GPU has SMs (the 27B's 5120-row o_proj, out_proj and
+MLP down: 80 blocks of 64 on 132 SMs) leaves SMs idle. `matvec_parts` splits its K into S ranges,
+one program per (column block, range), and returns the S float32 partial products; the kernel that
+reads the product (the residual add and norm after it, kernels/norm.py) adds them up in order.
+The split is a function of the shapes alone, so it keeps the row invariance.
 """
 from __future__ import annotations
 
@@ -52,6 +58,25 @@ def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
     # rounded to the inputs' dtype as the product's value, then stored as y's (float32 logits)
     b_y = b_y.to(x.dtype.element_ty).to(y.dtype.element_ty)
     tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y, mask=m_n[:, None] & m_t[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _matvec_parts_kernel(x, w, y, T, N, K, KS, s_x, s_w, s_yp, s_y,
+                         BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
+    pdl_start(PDL)
+    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_t = tl.arange(0, BT)
+    m_n, m_t = o_n < N, o_t < T
+    b_y = tl.zeros([BN, BT], dtype=tl.float32)
+    for k in range(i_s * KS, tl.minimum(i_s * KS + KS, K), BK):
+        o_k = k + tl.arange(0, BK)
+        m_k = o_k < K
+        b_w = tl.load(w + o_n[:, None] * s_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
+        b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+        b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
+    tl.store(y + i_s * s_yp + o_t[None, :] * s_y + o_n[:, None], b_y, mask=m_n[:, None] & m_t[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -127,6 +152,40 @@ def _config(N: int, K: int, itemsize: int, swiglu: bool = False) -> tuple[int, i
     return 64, 512 // itemsize, 4, 4
 
 
+SPLIT_PROGRAMS = 240
+
+
+def _split_config(N: int, K: int, itemsize: int) -> tuple[int, int, int, int, int]:
+    """(S, BN, BK, warps, stages) of a split product: S ranges of K, each of at least 8 tiles of
+    BK, for some SPLIT_PROGRAMS programs in all (the 27B's 5120-row products: 80 column blocks x 3).
+    Tiles of 16 KB, 4 deep, so that three programs fit on an SM and all of them are resident at
+    once; never a function of T."""
+    BN, BK = 64, 256 // itemsize
+    S = max(1, min(triton.cdiv(K, 8 * BK), round(SPLIT_PROGRAMS / triton.cdiv(N, BN))))
+    return S, BN, BK, 4, 4
+
+
+def split_ranges(N: int, K: int, itemsize: int) -> list[tuple[int, int]]:
+    """The K ranges [k0, k1) of a split product's parts, in the order they are added."""
+    S, _, BK, _, _ = _split_config(N, K, itemsize)
+    KS = triton.cdiv(triton.cdiv(K, S), BK) * BK
+    return [(k0, min(K, k0 + KS)) for k0 in range(0, K, KS)]
+
+
+def matvec_parts_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[S, T, N] float32: the products of x and w over each K range of split_ranges."""
+    ranges = split_ranges(w.shape[0], w.shape[1], x.element_size())
+    return torch.stack([x[:, k0:k1].float() @ w[:, k0:k1].float().T for k0, k1 in ranges])
+
+
+def parts_sum_ref(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The product from its parts [S, T, N]: added in order in float32, rounded to dtype."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total.to(dtype)
+
+
 def _check(x: torch.Tensor, w: torch.Tensor, K: int):
     T = x.shape[0]
     assert 1 <= T <= MAX_ROWS, f"matvec takes 1..{MAX_ROWS} rows, got {T}"
@@ -142,6 +201,18 @@ def matvec_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     BN, BK, warps, stages = _config(N, K, x.element_size())
     _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0),
                                           BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages, **pdl(x))
+    return y
+
+
+def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    N, K = w.shape
+    _check(x, w, K)
+    ranges = split_ranges(N, K, x.element_size())
+    _, BN, BK, warps, stages = _split_config(N, K, x.element_size())
+    y = torch.empty(len(ranges), x.shape[0], N, dtype=torch.float32, device=x.device)
+    _matvec_parts_kernel[(triton.cdiv(N, BN), len(ranges))](
+        x, w, y, x.shape[0], N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0), y.stride(1),
+        BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages, **pdl(x))
     return y
 
 
@@ -171,6 +242,13 @@ def matvec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) ->
     if not use_triton(x, w):
         return matvec_ref(x, w) if out is None else out.copy_(matvec_ref(x, w))
     return matvec_triton(x, w, out)
+
+
+def matvec_parts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ w [N, K]ᵀ as its float32 parts [S, T, N] over the K ranges of split_ranges (S may
+    be 1): the Triton kernel for CUDA tensors, the float32 reference otherwise. parts_sum_ref, or
+    the norm that reads them, makes the product."""
+    return matvec_parts_triton(x, w) if use_triton(x, w) else matvec_parts_ref(x, w)
 
 
 def matvec_swiglu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@ dispatchers the engine calls (Triton for CUDA tensors, the reference otherwise).
 
 rmsnorm:       y = x * rsqrt(mean(x²) + eps) * (1 + w), computed in float32, cast to x's dtype
                (the weights are stored zero-centred).
+add_rmsnorm:   the residual add, h = x + residual in the stream's dtype, then rmsnorm(h); x may come
+               as a split product's float32 parts (kernels/matvec.py: matvec_parts), added here.
 gated_rmsnorm: the GDN output norm, per head: normalise in float32, cast, times w (plain, not 1+w),
                times silu(z) in float32, cast.
 Each row is normalised by one program, so a row's value does not depend on how many rows there are.
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
+from mtpchat.kernels.matvec import parts_sum_ref
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,7 +25,11 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 
 def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """The residual add fused with the next norm: returns (norm(x + residual), x + residual)."""
+    """The residual add fused with the next norm: returns (norm(x + residual), x + residual). x is
+    the block's output, or a split product's float32 parts [S, ...] (kernels/matvec.py:
+    matvec_parts), added in order and rounded to the residual's dtype first."""
+    if x.dim() == residual.dim() + 1:
+        x = parts_sum_ref(x, residual.dtype)
     h = x + residual
     return rmsnorm_ref(h, weight, eps), h
 
@@ -38,14 +45,21 @@ def gated_rmsnorm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, ep
 # per-head rows [T, H, D], and per-head views of a wider projection (q of q_proj, z of in_proj).
 
 @triton.jit
-def _rmsnorm_kernel(x, r, w, y, h, B, D, eps, s_x0, s_x1, s_r0, s_r1, s_y0, s_y1, s_h0, s_h1,
-                    BD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+def _rmsnorm_kernel(x, r, w, y, h, B, D, eps, s_xp, s_x0, s_x1, s_r0, s_r1, s_y0, s_y1, s_h0, s_h1,
+                    BD: tl.constexpr, PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     i_r = tl.program_id(0)
     i_a, i_b = i_r // B, i_r % B
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    b_x = tl.load(x + i_a * s_x0 + i_b * s_x1 + o_d, mask=m_d, other=0.).to(tl.float32)
+    p_x = x + i_a * s_x0 + i_b * s_x1 + o_d
+    b_x = tl.load(p_x, mask=m_d, other=0.).to(tl.float32)
+    if PARTS > 1:
+        # a split product's float32 parts, added in order, then rounded as the product's value
+        for i_p in tl.static_range(1, PARTS):
+            b_x += tl.load(p_x + i_p * s_xp, mask=m_d, other=0.)
+    if PARTS > 0:
+        b_x = b_x.to(h.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:
         # the sum is rounded to the stream's dtype first, as `x + residual` is in torch
         b_x += tl.load(r + i_a * s_r0 + i_b * s_r1 + o_d, mask=m_d, other=0.).to(tl.float32)
@@ -93,16 +107,22 @@ def _launch_params(D: int):
 def _rmsnorm_launch(x, residual, weight, eps):
     D = x.shape[-1]
     assert weight.shape == (D,) and weight.is_contiguous(), f"weight must be [{D}] contiguous"
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    parts = residual is not None and x.dim() == residual.dim() + 1
+    if parts:
+        assert x.dtype == torch.float32 and x.shape[1:] == residual.shape, \
+            f"parts {tuple(x.shape)} must be float32 [S, {', '.join(map(str, residual.shape))}]"
+    dtype = residual.dtype if parts else x.dtype
+    y = torch.empty(x.shape[1:] if parts else x.shape, dtype=dtype, device=x.device)
     h = torch.empty_like(y) if residual is not None else y
-    x3, y3, h3 = _rows(x), _rows(y), _rows(h)
+    x3, y3, h3 = _rows(x[0] if parts else x), _rows(y), _rows(h)
     r3 = _rows(residual) if residual is not None else x3
-    assert r3.shape == x3.shape and r3.dtype == x.dtype, "residual must match x"
+    assert r3.shape == x3.shape and r3.dtype == dtype, "residual must match x"
     A, B = x3.shape[0], x3.shape[1]
     BD, warps = _launch_params(D)
-    _rmsnorm_kernel[(A * B,)](x3, r3, weight, y3, h3, B, D, eps, x3.stride(0), x3.stride(1),
-                              r3.stride(0), r3.stride(1), y3.stride(0), y3.stride(1), h3.stride(0),
-                              h3.stride(1), BD=BD, HAS_RESIDUAL=residual is not None, num_warps=warps, **pdl(x))
+    _rmsnorm_kernel[(A * B,)](x3, r3, weight, y3, h3, B, D, eps, x.stride(0) if parts else 0, x3.stride(0),
+                              x3.stride(1), r3.stride(0), r3.stride(1), y3.stride(0), y3.stride(1), h3.stride(0),
+                              h3.stride(1), BD=BD, PARTS=x.shape[0] if parts else 0,
+                              HAS_RESIDUAL=residual is not None, num_warps=warps, **pdl(x))
     return y, h
 
 

@@ -6,6 +6,7 @@ shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans tiles           # matvec tile tables (kernels/matvec.py: _config)
     python3 ab_step.py --plans knockout        # the step without one of its small kernels, each in turn
     python3 ab_step.py --plans attention       # decode attention's key spans
+    python3 ab_step.py --plans split           # the blocks' last products split over K, or not
 
 A plan is a name and a function that sets the launch choice it stands for before its phases are
 compiled and captured (and undoes nothing: the next plan sets its own). Steps of a live
@@ -29,7 +30,7 @@ from mtpchat.engine.sampling import SamplingParams
 from mtpchat.kernels import _triton, matvec
 
 CONFIGS = Path(bench.__file__).parent / "configs"
-PDL_ON, DEFAULT_TILES = _triton._pdl_device, matvec._config
+PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT = _triton._pdl_device, matvec._config, matvec._split_config
 
 
 def pdl_plans() -> dict:
@@ -78,7 +79,7 @@ def knockout_plans() -> dict:
     kept = {(norm, "add_rmsnorm"): norm.add_rmsnorm, (conv, "conv_update"): conv.conv_update,
             (gdn, "recurrent"): gdn.recurrent, (norm, "gated_rmsnorm"): norm.gated_rmsnorm,
             (attention, "decode_attention"): attention.decode_attention, (model, "qkv_norm_rope"): model.qkv_norm_rope}
-    skip = {"add_rmsnorm": lambda x, r, w, eps: (x, r),
+    skip = {"add_rmsnorm": lambda x, r, w, eps: (r, r),
             "conv_update": lambda x, buf, off, w, live=None: x,
             "recurrent": lambda q, k, v, *rest: torch.empty(v.shape, dtype=v.dtype, device=v.device),
             "gated_rmsnorm": lambda x, z, w, eps: torch.empty(x.shape, dtype=x.dtype, device=x.device),
@@ -105,19 +106,43 @@ def attention_plans() -> dict:
             "first 32": spans(lambda L: (32, *default(L)[1:]))}
 
 
+def split_plans() -> dict:
+    """The blocks' last products (o_proj, out_proj, MLP down) as one product each, or split over K
+    into float32 parts that the norm after them adds (kernels/matvec.py: matvec_parts), under
+    splits and tiles: "S3 64x128w4s4" is 3 parts, 64 columns by 128 bf16 of K, 4 warps, 4 deep."""
+    from mtpchat.engine import model
+    kept = model.out_linear
+
+    def split(cfg):
+        def setup():
+            model.out_linear = kept
+            matvec._split_config = DEFAULT_SPLIT if cfg is None else (
+                lambda N, K, itemsize: cfg if itemsize == 2 else DEFAULT_SPLIT(N, K, itemsize))
+        return setup
+
+    def unsplit():
+        model.out_linear = model.linear
+    plans = {"unsplit": unsplit, "default": split(None)}
+    for cfg in [(1, 64, 256, 4, 4), (2, 64, 128, 4, 4), (3, 64, 128, 4, 4), (4, 64, 128, 4, 4), (6, 64, 128, 4, 4),
+                (3, 64, 256, 4, 3), (3, 64, 128, 4, 6), (3, 32, 256, 4, 4), (2, 64, 256, 4, 4), (4, 32, 128, 4, 4)]:
+        plans["S{}x{}x{}w{}s{}".format(*cfg)] = split(cfg)
+    return plans
+
+
 def products_ms(model, reps: int = 20) -> float:
     """One decode step's products alone, in the step's order (each waits for the one before, as in
     the step), on the model's own weights: what the step's other kernels add is the difference."""
     xs = {}
     calls = []
+    plain, glu, parts = matvec.matvec, matvec.matvec_swiglu, matvec.matvec_parts
     for layer in model.layers:
         m = layer.mixer
         ws = [m.in_proj, m.out_proj] if layer.kind != "full_attention" else [m.qkv, m.o_proj]
-        calls += [(w, False) for w in ws] + [(layer.mlp.gate_up, True), (layer.mlp.down, False)]
-    calls.append((model.head, False))
+        calls += [(ws[0], plain), (ws[1], parts), (layer.mlp.gate_up, glu), (layer.mlp.down, parts)]
+    calls.append((model.head, plain))
     for w, _ in calls:
         xs.setdefault(w.shape[1], torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device))
-    run = lambda: [(matvec.matvec_swiglu if g else matvec.matvec)(xs[w.shape[1]], w) for w, g in calls]
+    run = lambda: [fn(xs[w.shape[1]], w) for w, fn in calls]
     run()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -138,7 +163,7 @@ def products_ms(model, reps: int = 20) -> float:
 def kernel_resources():
     """Warps, stages, shared memory and registers of each compiled matvec kernel."""
     out = []
-    for fn in (matvec._matvec_kernel, matvec._matvec_swiglu_kernel):
+    for fn in (matvec._matvec_kernel, matvec._matvec_swiglu_kernel, matvec._matvec_parts_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for kernel in cache[0].values():
                 md = kernel.metadata
@@ -150,7 +175,7 @@ def kernel_resources():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3.6-27b")
-    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "knockout", "attention"))
+    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "knockout", "attention", "split"))
     p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--max-context", type=int, help="the cache size (default: the context + 256)")
@@ -161,7 +186,8 @@ def main():
     p.add_argument("--products", action="store_true", help="also time the decode step's products alone")
     p.add_argument("--json")
     a = p.parse_args()
-    plans = {"pdl": pdl_plans, "tiles": tile_plans, "knockout": knockout_plans, "attention": attention_plans}[a.plans]()
+    plans = {"pdl": pdl_plans, "tiles": tile_plans, "knockout": knockout_plans, "attention": attention_plans,
+             "split": split_plans}[a.plans]()
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
@@ -200,7 +226,7 @@ def main():
         restore()
         graphs[name, "verify 0"].replay()
         logits[name] = d.v_logits[:1].clone()
-    _triton._pdl_device, matvec._config = PDL_ON, DEFAULT_TILES
+    _triton._pdl_device, matvec._config, matvec._split_config = PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT
     first = next(iter(plans))
     same = {name: bool(torch.equal(logits[name], logits[first])) for name in plans} if a.room == 0 else {}
     times = {key: [] for key in graphs}

@@ -100,3 +100,50 @@ def test_matvec_into_float32(device, dtype):
     assert y.data_ptr() == buf[1:4].data_ptr() and buf[0].isnan().all() and buf[4].isnan().all()
     assert torch.equal(y, matvec.matvec_triton(x, w).float())
     check(y, matvec.matvec_ref(x, w).float(), TOL[dtype])
+
+
+@pytest.fixture
+def three_parts(monkeypatch):
+    """Split products in 3 parts of 32-wide K tiles (the rule would not split these small shapes)."""
+    monkeypatch.setattr(matvec, "_split_config", lambda N, K, itemsize: (3, 16, 32, 4, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("N,K", [(70, 300), (33, 200)])
+def test_matvec_parts(device, three_parts, dtype, T, N, K):
+    g = torch.Generator().manual_seed(T * N + K + 1)
+    x, w = randn(T, K, dtype=dtype, device=device, gen=g), randn(N, K, dtype=dtype, device=device, gen=g)
+    ranges = matvec.split_ranges(N, K, x.element_size())
+    assert ranges[0][0] == 0 and ranges[-1][1] == K and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert len(ranges) == 3 and all((k1 - k0) % 32 == 0 for k0, k1 in ranges[:-1])
+    parts = matvec.matvec_parts_triton(x, w)
+    assert parts.shape == (3, T, N) and parts.dtype == torch.float32
+    check(parts, matvec.matvec_parts_ref(x, w), TOL[torch.float32], "parts")
+    check(matvec.parts_sum_ref(parts, dtype), matvec.matvec_ref(x, w), TOL[dtype], "their sum")
+
+
+def test_split_config_27b():
+    # the 27B's 5120-row products: 80 column blocks of 64, each K in 3 ranges of whole 128-wide tiles
+    for K in (6144, 17408):
+        S, BN, BK, _, _ = matvec._split_config(5120, K, 2)
+        assert (S, BN, BK) == (3, 64, 128)
+        assert [k1 - k0 for k0, k1 in matvec.split_ranges(5120, K, 2)][:-1] == [triton_cdiv(K, 3 * BK) * BK] * 2
+    assert matvec._split_config(64, 256, 2)[0] == 1     # too short a K to split
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(5120, 17408), (5120, 6144), (1000, 3000)])
+def test_matvec_parts_27b_shapes_and_rows(N, K):
+    g = torch.Generator().manual_seed(K + 3)
+    bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
+    x, w = randn(5, K, **bf16), randn(N, K, **bf16)
+    parts = matvec.matvec_parts(x, w)
+    check(parts, matvec.matvec_parts_ref(x, w), 1e-5, "parts")
+    check(matvec.parts_sum_ref(parts, torch.bfloat16), matvec.matvec_ref(x, w), 1e-2, "their sum")
+    ones = torch.cat([matvec.matvec_parts(x[i:i + 1], w) for i in range(5)], dim=1)
+    assert torch.equal(parts, ones)

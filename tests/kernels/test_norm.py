@@ -33,6 +33,28 @@ def test_add_rmsnorm(device, dtype, T):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("S,T", [(1, 1), (3, 1), (3, 5), (4, 2)])
+def test_add_rmsnorm_parts(device, dtype, S, T):
+    # the output of a split product: S float32 parts, added in order and rounded to the stream's dtype
+    g = torch.Generator().manual_seed(S * 10 + T)
+    parts = randn(S, T, 300, device=device, gen=g)
+    r = randn(T, 300, dtype=dtype, device=device, gen=g)
+    w = randn(300, dtype=dtype, device=device, gen=g, scale=0.3)
+    y, h = norm.add_rmsnorm_triton(parts, r, w, EPS)
+    y_ref, h_ref = norm.add_rmsnorm_ref(parts, r, w, EPS)
+    assert y.dtype == h.dtype == dtype and y.shape == h.shape == (T, 300)
+    check(h, h_ref, TOL[dtype], "residual sum")
+    check(y, y_ref, TOL[dtype])
+    if dtype == torch.float32:
+        assert torch.equal(h, h_ref), "the parts are added in order, as the reference adds them"
+
+
+def test_add_rmsnorm_parts_shape_mismatch(device):
+    with pytest.raises(AssertionError, match="parts"):
+        norm.add_rmsnorm_triton(randn(2, 3, 40, device=device), randn(2, 40, device=device), randn(40, device=device), EPS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rmsnorm_strided_heads(device, dtype):
     # the query half of a [T, H, query | gate] projection: rows 2D apart, each D contiguous
     qg = randn(3, 4, 2 * 48, dtype=dtype, device=device, seed=3)
@@ -65,6 +87,11 @@ def test_norms_27b_shapes(T):
     x, r, w = randn(T, 5120, **bf16), randn(T, 5120, **bf16), randn(5120, scale=0.3, **bf16)
     y, h = norm.add_rmsnorm(x, r, w, EPS)
     y_ref, h_ref = norm.add_rmsnorm_ref(x, r, w, EPS)
+    assert torch.equal(h, h_ref)
+    check(y, y_ref, 1e-2)
+    parts = randn(3, T, 5120, dtype=torch.float32, device="cuda", gen=g)
+    y, h = norm.add_rmsnorm(parts, r, w, EPS)
+    y_ref, h_ref = norm.add_rmsnorm_ref(parts, r, w, EPS)
     assert torch.equal(h, h_ref)
     check(y, y_ref, 1e-2)
     o, z, wn = randn(T, 48, 128, **bf16), randn(T, 48, 128, **bf16), 1 + randn(128, scale=0.2, **bf16)
