@@ -58,7 +58,7 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
     b_step = (tl.zeros([WP], dtype=tl.int32) + tl.where((i_t == 0) & (K - 1 + T <= WIDTH), 1, 0)) > 0
     m_win = m_c[:, None] & ((o_w < K - 1) & b_step)[None, :]
     m_new = m_c[:, None] & ((o_w >= K - 1) & (o_w < K - 1 + T) & b_step)[None, :]
-    b_new = tl.load(x + (o_w - (K - 1))[None, :] * s_x + o_c[:, None], mask=m_new, other=0.).to(buf.dtype.element_ty)
+    b_inp = tl.load(x + (o_w - (K - 1))[None, :] * s_x + o_c[:, None], mask=m_new, other=0.).to(buf.dtype.element_ty)
     if ROW:
         # the whole buffer row, whose address does not wait for the offset; the window's K-1
         # columns are picked out of it in registers
@@ -67,9 +67,9 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
         b_win = tl.zeros([BC, WP], dtype=tl.float32)                  # window column c at c
         for c in tl.static_range(K - 1):
             b_win = tl.where((o_w == c)[None, :], tl.sum(tl.where(o_w[None, :] == i_off + c, b_row, 0.), axis=1)[:, None], b_win)
-        b_front = tl.where(m_win, b_win.to(buf.dtype.element_ty), b_new)
+        b_front = tl.where(m_win, b_win.to(buf.dtype.element_ty), b_inp)
     else:
-        b_front = tl.where(m_win, tl.load(p_buf[:, None] + i_off + o_w[None, :], mask=m_win, other=0.), b_new)
+        b_front = tl.where(m_win, tl.load(p_buf[:, None] + i_off + o_w[None, :], mask=m_win, other=0.), b_inp)
     b_y = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(K):
         # column t + j of [window | inputs]: a window column while it is < K-1, else input t+j-(K-1)
