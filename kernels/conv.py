@@ -41,7 +41,7 @@ def conv_update_ref(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weigh
 @triton.jit(do_not_specialize=["T"])
 def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
                         K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, WP: tl.constexpr,
-                        HAS_LIVE: tl.constexpr, ROW: tl.constexpr, PDL: tl.constexpr):
+                        HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
     # One program per (BC channels, BT tokens). Only the first token block reads the committed
     # window, and only it rewrites the front of the buffer, after its own reads: no other program
     # touches the buffer, so there is no ordering to arrange between programs.
@@ -58,18 +58,9 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
     b_step = (tl.zeros([WP], dtype=tl.int32) + tl.where((i_t == 0) & (K - 1 + T <= WIDTH), 1, 0)) > 0
     m_win = m_c[:, None] & ((o_w < K - 1) & b_step)[None, :]
     m_new = m_c[:, None] & ((o_w >= K - 1) & (o_w < K - 1 + T) & b_step)[None, :]
-    b_inp = tl.load(x + (o_w - (K - 1))[None, :] * s_x + o_c[:, None], mask=m_new, other=0.).to(buf.dtype.element_ty)
-    if ROW:
-        # the whole buffer row, whose address does not wait for the offset; the window's K-1
-        # columns are picked out of it in registers
-        m_row = m_c[:, None] & ((o_w < WIDTH) & ((o_w * 0 + i_t) == 0))[None, :]
-        b_row = tl.load(p_buf[:, None] + o_w[None, :], mask=m_row, other=0.).to(tl.float32)
-        b_win = tl.zeros([BC, WP], dtype=tl.float32)                  # window column c at c
-        for c in tl.static_range(K - 1):
-            b_win = tl.where((o_w == c)[None, :], tl.sum(tl.where(o_w[None, :] == i_off + c, b_row, 0.), axis=1)[:, None], b_win)
-        b_front = tl.where(m_win, b_win.to(buf.dtype.element_ty), b_inp)
-    else:
-        b_front = tl.where(m_win, tl.load(p_buf[:, None] + i_off + o_w[None, :], mask=m_win, other=0.), b_inp)
+    b_front = tl.where(m_win, tl.load(p_buf[:, None] + i_off + o_w[None, :], mask=m_win, other=0.),
+                       tl.load(x + (o_w - (K - 1))[None, :] * s_x + o_c[:, None], mask=m_new,
+                               other=0.).to(buf.dtype.element_ty))
     b_y = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(K):
         # column t + j of [window | inputs]: a window column while it is < K-1, else input t+j-(K-1)
@@ -78,12 +69,8 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
         b_x = tl.load(x + o_src[:, None] * s_x + o_c[None, :], mask=m_x, other=0.)
         b_x = b_x.to(buf.dtype.element_ty).to(tl.float32)
         if i_t == 0:
-            if ROW:
-                for c in tl.static_range(K - 1):
-                    b_x += tl.where((o_t + j == c)[:, None], tl.sum(tl.where(o_w[None, :] == c, b_win, 0.), axis=1)[None, :], 0.)
-            else:
-                m_w = (o_src < 0)[:, None] & m_c[None, :]
-                b_x += tl.load(p_buf[None, :] + (i_off + K - 1 + o_src)[:, None], mask=m_w, other=0.).to(tl.float32)
+            m_w = (o_src < 0)[:, None] & m_c[None, :]
+            b_x += tl.load(p_buf[None, :] + (i_off + K - 1 + o_src)[:, None], mask=m_w, other=0.).to(tl.float32)
         b_y += tl.load(w + o_c * K + j, mask=m_c, other=0.).to(tl.float32)[None, :] * b_x
     b_y = b_y * tl.sigmoid(b_y)
     tl.store(y + o_t[:, None] * s_y + o_c[None, :], b_y.to(y.dtype.element_ty), mask=(o_t < T)[:, None] & m_c[None, :])
@@ -101,9 +88,6 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
                 tl.store(p_buf + i, b_new.to(buf.dtype.element_ty), mask=m_c)
 
 
-WHOLE_ROW = True
-
-
 def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor,
                        live: torch.Tensor | None = None) -> torch.Tensor:
     T, C = x.shape
@@ -119,7 +103,7 @@ def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, we
     _conv_update_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](
         x, buf, off, live if live is not None else off, weight, y, T, C, buf.shape[1], x.stride(0), y.stride(0),
         buf.stride(0), K=K, BC=BC, BT=BT, WP=triton.next_power_of_2(buf.shape[1]),
-        HAS_LIVE=live is not None, ROW=WHOLE_ROW, num_warps=4, **pdl(x))
+        HAS_LIVE=live is not None, num_warps=4, **pdl(x))
     return y
 
 

@@ -105,23 +105,11 @@ def fold_pending_ref(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor
     state.copy_(_fold(state, pend, fold, parity, A_log, dt_bias))
 
 
-@triton.jit
-def _token(q, k, v, a, b, t, T, i_h, i_kh, o_k, o_v, m_v, o_g, s_q, s_k, s_v, s_a, s_b,
-           DK: tl.constexpr, DV: tl.constexpr):
-    """Token t's k, v, (a, b) and q for value head i_h, in float32 (nothing read unless t < T)."""
-    m_k = (o_k * 0 + t) < T
-    b_k = tl.load(k + t * s_k + i_kh * DK + o_k, mask=m_k, other=0.).to(tl.float32)
-    b_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v & ((o_v * 0 + t) < T), other=0.).to(tl.float32)
-    b_ab = tl.load(tl.where(o_g == 0, a + t * s_a, b + t * s_b) + i_h, mask=(o_g * 0 + t) < T, other=0.).to(tl.float32)
-    b_q = tl.load(q + t * s_q + i_kh * DK + o_k, mask=m_k, other=0.).to(tl.float32)
-    return b_k, b_v, b_ab, b_q
-
-
 @triton.jit(do_not_specialize=["T"])
 def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, scale,
                       s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt,
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                      HAS_LIVE: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+                      HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
     # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
     # stays in registers through the last step's accepted tokens (read back from pend) and this
     # step's T; one loop body runs both, so a token gives the same bits folded in later as when
@@ -149,10 +137,6 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
     p_out = pend + (1 - b_par) * s_pp + i_h * W
     b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     b_dt = tl.load(dt_bias + i_h).to(tl.float32)
-    if EARLY:
-        # this step's first token, read with the state rather than after the fold count arrives
-        b_k0, b_v0, b_ab0, b_q0 = _token(q, k, v, a, b, 0, T, i_h, i_kh, o_k, o_v, m_v, o_g,
-                                         s_q, s_k, s_v, s_a, s_b, DK, DV)
     for j in range(b_fold + T):
         t = j - b_fold                                                   # < 0: a token folded in
         if j < b_fold:
@@ -161,15 +145,10 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
             b_ab = tl.load(p_in + j * s_pt + DK + DV + o_g)
             b_q = b_k                                                    # its output is not kept
         else:
-            if EARLY:
-                if t == 0:
-                    b_k, b_v, b_ab, b_q = b_k0, b_v0, b_ab0, b_q0
-                else:
-                    b_k, b_v, b_ab, b_q = _token(q, k, v, a, b, t, T, i_h, i_kh, o_k, o_v, m_v, o_g,
-                                                 s_q, s_k, s_v, s_a, s_b, DK, DV)
-            else:
-                b_k, b_v, b_ab, b_q = _token(q, k, v, a, b, t, T, i_h, i_kh, o_k, o_v, m_v, o_g,
-                                             s_q, s_k, s_v, s_a, s_b, DK, DV)
+            b_k = tl.load(k + t * s_k + i_kh * DK + o_k).to(tl.float32)
+            b_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v, other=0.).to(tl.float32)
+            b_ab = tl.where(o_g == 0, tl.load(a + t * s_a + i_h), tl.load(b + t * s_b + i_h)).to(tl.float32)
+            b_q = tl.load(q + t * s_q + i_kh * DK + o_k).to(tl.float32)
         b_x = tl.sum(tl.where(o_g == 0, b_ab, 0.)) + b_dt
         b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))      # torch's threshold 20
         b_beta = tl.sigmoid(tl.sum(tl.where(o_g == 1, b_ab, 0.)))
@@ -189,9 +168,6 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
         tl.store(p_out + t * s_pt + DK + o_v, b_v, mask=m_v & ((tl.zeros([BV], dtype=tl.int64) + b_live * b_keep) > 0))
         tl.store(p_out + t * s_pt + o_k, b_k, mask=(tl.zeros([DK], dtype=tl.int64) + b_head * b_keep) > 0)
         tl.store(p_out + t * s_pt + DK + DV + o_g, b_ab, mask=(tl.zeros([2], dtype=tl.int64) + b_head * b_keep) > 0)
-
-
-EARLY_FIRST = True
 
 
 def _check_state(state, pend, fold, parity, Hv, DK, DV):
@@ -225,7 +201,7 @@ def recurrent_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: t
         q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live if live is not None else fold, o, T,
         DK ** -0.5, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), o.stride(0),
         pend.stride(0), pend.stride(1), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV,
-        HAS_LIVE=live is not None, EARLY=EARLY_FIRST, num_warps=1, **pdl(q))
+        HAS_LIVE=live is not None, num_warps=1, **pdl(q))
     return o
 
 
@@ -238,7 +214,7 @@ def fold_pending_triton(state: torch.Tensor, pend: torch.Tensor, fold: torch.Ten
     _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
         state, state, state, state, state, A_log, dt_bias, state, pend, fold, parity, fold, state, 0, 1.,
         0, 0, 0, 0, 0, 0, pend.stride(0), pend.stride(1), GROUP=1, DK=DK, DV=DV, BV=BV,
-        HAS_LIVE=False, EARLY=False, num_warps=1, **pdl(state))
+        HAS_LIVE=False, num_warps=1, **pdl(state))
 
 
 def recurrent(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor,

@@ -7,7 +7,6 @@ shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans knockout        # the step without one of its small kernels, each in turn
     python3 ab_step.py --plans attention       # decode attention's key spans
     python3 ab_step.py --plans split           # the blocks' last products split over K, or not
-    python3 ab_step.py --plans early           # the conv's and recurrence's first reads, early or not
 
 A plan is a name and a function that sets the launch choice it stands for before its phases are
 compiled and captured (and undoes nothing: the next plan sets its own). Steps of a live
@@ -130,20 +129,6 @@ def split_plans() -> dict:
     return plans
 
 
-def early_plans() -> dict:
-    """The conv reading its whole buffer row (kernels/conv.py: WHOLE_ROW) rather than the window at
-    the loaded offset, and the recurrence reading its first token with the state (kernels/gdn.py:
-    EARLY_FIRST) rather than after the fold count: each on and off."""
-    from mtpchat.kernels import conv, gdn
-
-    def use(row, early):
-        def setup():
-            conv.WHOLE_ROW, gdn.EARLY_FIRST = row, early
-        return setup
-    return {"both": use(True, True), "conv at offset": use(False, True), "recurrence late": use(True, False),
-            "neither": use(False, False)}
-
-
 def products_ms(model, reps: int = 20) -> float:
     """One decode step's products alone, in the step's order (each waits for the one before, as in
     the step), on the model's own weights: what the step's other kernels add is the difference."""
@@ -190,7 +175,7 @@ def kernel_resources():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3.6-27b")
-    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "knockout", "attention", "split", "early"))
+    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "knockout", "attention", "split"))
     p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--max-context", type=int, help="the cache size (default: the context + 256)")
@@ -202,7 +187,7 @@ def main():
     p.add_argument("--json")
     a = p.parse_args()
     plans = {"pdl": pdl_plans, "tiles": tile_plans, "knockout": knockout_plans, "attention": attention_plans,
-             "split": split_plans, "early": early_plans}[a.plans]()
+             "split": split_plans}[a.plans]()
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
