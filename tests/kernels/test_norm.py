@@ -96,3 +96,48 @@ def test_norms_27b_shapes(T):
     check(y, y_ref, 1e-2)
     o, z, wn = randn(T, 48, 128, **bf16), randn(T, 48, 128, **bf16), 1 + randn(128, scale=0.2, **bf16)
     check(norm.gated_rmsnorm(o, z, wn, EPS), norm.gated_rmsnorm_ref(o, z, wn, EPS), 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("split", [False, True])
+def test_product_add_rmsnorm(device, monkeypatch, dtype, T, split):
+    # a block's last product, the residual add and the next norm in one kernel (its last program
+    # adds the parts and normalises), against the reference; the arrival count goes back to 0
+    from mtpchat.kernels import matvec
+    if split:
+        monkeypatch.setattr(matvec, "_split_config", lambda N, K, itemsize: (3, 16, 32, 4, 2))
+    if dtype == torch.bfloat16 and not torch.cuda.is_available():
+        pytest.skip("the interpreter's matmul takes bf16 for integers")
+    g = torch.Generator().manual_seed(T + 7 * split)
+    x, wt = randn(T, 300, dtype=dtype, device=device, gen=g), randn(70, 300, dtype=dtype, device=device, gen=g, scale=0.1)
+    r = randn(T, 70, dtype=dtype, device=device, gen=g)
+    w = randn(70, dtype=dtype, device=device, gen=g, scale=0.3)
+    for _ in range(2):                       # the second call finds the count at 0 again
+        y, h = matvec.matvec_parts_triton(x, wt, norm=(r, w, EPS))
+        y_ref, h_ref = norm.product_add_rmsnorm_ref(x, wt, r, w, EPS)
+        check(h, h_ref, TOL[dtype], "residual sum")
+        check(y, y_ref, TOL[dtype])
+        assert matvec._counts[x.device].item() == 0
+    # the same bits as the product's parts added by the separate norm kernel
+    y2, h2 = norm.add_rmsnorm_triton(matvec.matvec_parts_triton(x, wt), r, w, EPS)
+    assert torch.equal(h, h2)
+    check(y, y2, TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [6144, 17408])
+def test_product_add_rmsnorm_27b_rows(K):
+    # the 27B's 5120-row products: rows do not depend on T, and h is the separate kernels' to the bit
+    g = torch.Generator().manual_seed(K)
+    bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
+    x, wt, r = randn(5, K, **bf16), randn(5120, K, scale=0.02, **bf16), randn(5, 5120, **bf16)
+    w = randn(5120, scale=0.3, **bf16)
+    y, h = norm.product_add_rmsnorm(x, wt, r, w, EPS)
+    y_ref, h_ref = norm.product_add_rmsnorm_ref(x, wt, r, w, EPS)
+    check(h, h_ref, 1e-2, "residual sum")
+    check(y, y_ref, 1e-2)
+    ones = [norm.product_add_rmsnorm(x[i:i + 1], wt, r[i:i + 1], w, EPS) for i in range(5)]
+    assert torch.equal(y, torch.cat([o[0] for o in ones])) and torch.equal(h, torch.cat([o[1] for o in ones]))
+    from mtpchat.kernels import matvec
+    assert torch.equal(h, norm.add_rmsnorm(matvec.matvec_parts(x, wt), r, w, EPS)[1])
