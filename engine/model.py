@@ -12,7 +12,6 @@ Projections are stored fused (weights.py fills them): GDN [qkv | z | b | a], att
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,31 +49,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
     return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)
 
 
-class Product(NamedTuple):
-    """A block's last product (o_proj, out_proj, MLP down) not yet run: in a step on the GPU the
-    residual add and the norm after the block run it, in one kernel (add_norm)."""
-    x: torch.Tensor
-    w: torch.Tensor
-
-
-FUSED_NORM = True
-
-
-def out_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool):
-    """A block's last product, which only the residual add and norm after it read: in a step on the
-    GPU left for add_norm to run (Product), or with FUSED_NORM off its float32 parts over K
-    (kernels/matvec.py: matvec_parts), which that norm adds up; `linear` otherwise."""
+def out_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    """A block's last product (o_proj, out_proj, MLP down), which only the residual add and norm
+    after it read: in a step on the GPU its float32 parts over K (kernels/matvec.py:
+    matvec_parts: these products have too few column blocks to fill the GPU), which that norm adds
+    up; `linear` otherwise."""
     if rowwise and x.is_cuda:
-        return Product(x, w) if FUSED_NORM else matvec_parts(x, w)
+        return matvec_parts(x, w)
     return linear(x, w, rowwise)
-
-
-def add_norm(x, residual: torch.Tensor, norm_: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm_(x + residual), x + residual) after a block whose output x is a tensor, a split
-    product's parts or a Product to run first."""
-    if isinstance(x, Product):
-        return norm.product_add_rmsnorm(x.x, x.w, residual, norm_.weight, norm_.eps)
-    return norm.add_rmsnorm(x, residual, norm_.weight, norm_.eps)
 
 
 def prefill_attention(q, keys, values, first: bool, scale: float) -> torch.Tensor:
@@ -206,12 +188,12 @@ class DecoderLayer(nn.Module):
         """Pre-norm block, with each residual add fused into the norm after it: takes the previous
         block's (output, residual stream) unsummed (residual None for the first block) and returns
         its own. The block's value is output + residual (in a step on the GPU the output comes as
-        product still to run, see out_linear)."""
+        float32 parts, see out_linear)."""
         if residual is None:
             normed, h = self.input_norm(x), x
         else:
-            normed, h = add_norm(x, residual, self.input_norm)
-        normed, h = add_norm(self.mixer(normed, cache, ctx), h, self.post_norm)
+            normed, h = norm.add_rmsnorm(x, residual, self.input_norm.weight, self.input_norm.eps)
+        normed, h = norm.add_rmsnorm(self.mixer(normed, cache, ctx), h, self.post_norm.weight, self.post_norm.eps)
         return self.mlp(normed, ctx), h
 
 
@@ -236,7 +218,7 @@ class Model(nn.Module):
         x, residual = F.embedding(ids, self.embed), None                  # [T, H]
         for layer, cache in zip(self.layers, caches):
             x, residual = layer(x, residual, cache, ctx)
-        return add_norm(x, residual, self.norm)[0]
+        return norm.add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def logits(self, hidden: torch.Tensor, rowwise: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, vocab] float32, written into `out` when given (a step's buffer: on CUDA the product

@@ -61,9 +61,8 @@ def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
 
 
 @triton.jit(do_not_specialize=["T"])
-def _matvec_parts_kernel(x, w, y, count, r, nw, normed, h, T, N, K, KS, s_x, s_w, s_yp, s_y, s_r, s_o, s_h, eps,
-                         BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr,
-                         NORM: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+def _matvec_parts_kernel(x, w, y, T, N, K, KS, s_x, s_w, s_yp, s_y,
+                         BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
     pdl_start(PDL)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
@@ -78,27 +77,6 @@ def _matvec_parts_kernel(x, w, y, count, r, nw, normed, h, T, N, K, KS, s_x, s_w
         b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
         b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
     tl.store(y + i_s * s_yp + o_t[None, :] * s_y + o_n[:, None], b_y, mask=m_n[:, None] & m_t[None, :])
-    if NORM:
-        # The program that ends last adds the parts in order, the residual, and normalises each
-        # row (kernels/norm.py: add_rmsnorm's arithmetic), then sets the count back to 0. The
-        # count's acq_rel add, after every thread of a program has stored, orders all parts
-        # before the last program's (L2) reads of them.
-        tl.debug_barrier()
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) * S - 1:
-            o_d = tl.arange(0, BD)
-            m_d = o_d < N
-            b_nw = 1. + tl.load(nw + o_d, mask=m_d, other=0.).to(tl.float32)
-            for t in range(T):
-                b_h = tl.load(y + t * s_y + o_d, mask=m_d, other=0., cache_modifier=".cg")
-                for i_p in tl.static_range(1, S):
-                    b_h += tl.load(y + i_p * s_yp + t * s_y + o_d, mask=m_d, other=0., cache_modifier=".cg")
-                b_h = b_h.to(h.dtype.element_ty).to(tl.float32)
-                b_h = (b_h + tl.load(r + t * s_r + o_d, mask=m_d, other=0.).to(tl.float32)).to(h.dtype.element_ty)
-                tl.store(h + t * s_h + o_d, b_h, mask=m_d)
-                b_h = b_h.to(tl.float32)
-                b_rstd = tl.rsqrt(tl.sum(b_h * b_h) / N + eps)
-                tl.store(normed + t * s_o + o_d, (b_h * b_rstd * b_nw).to(normed.dtype.element_ty), mask=m_d)
-            tl.atomic_xchg(count, 0)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -226,43 +204,16 @@ def matvec_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     return y
 
 
-_counts: dict = {}
-
-
-def _count(device: torch.device) -> torch.Tensor:
-    """The arrival count of the fused products on a device: one int32, made once outside graph
-    capture and left at 0 by every product, which run one after another on the stream."""
-    count = _counts.get(device)
-    if count is None:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "matvec: run a fused product once before capturing a graph (its count is made then)"
-        count = _counts[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return count
-
-
-def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = None):
-    """The parts [S, T, N]; with norm = (residual [T, N], weight [N], eps) the residual add and the
-    norm too, in the product's last program: returns (norm(x @ wᵀ + residual), x @ wᵀ + residual)."""
+def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     N, K = w.shape
     _check(x, w, K)
-    T = x.shape[0]
     ranges = split_ranges(N, K, x.element_size())
     _, BN, BK, warps, stages = _split_config(N, K, x.element_size())
-    y = torch.empty(len(ranges), T, N, dtype=torch.float32, device=x.device)
-    if norm is None:
-        r = nw = normed = h = count = y
-        eps = 0.
-    else:
-        r, nw, eps = norm
-        assert r.shape == (T, N) and r.stride(1) == 1 and r.dtype == x.dtype, f"residual must be [{T}, {N}] like x"
-        assert nw.shape == (N,) and nw.is_contiguous(), f"the norm's weight must be [{N}] contiguous"
-        normed, h, count = torch.empty_like(r), torch.empty_like(r), _count(x.device)
+    y = torch.empty(len(ranges), x.shape[0], N, dtype=torch.float32, device=x.device)
     _matvec_parts_kernel[(triton.cdiv(N, BN), len(ranges))](
-        x, w, y, count, r, nw, normed, h, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0), y.stride(1),
-        r.stride(0), normed.stride(0), h.stride(0), eps, BT=MAX_ROWS, BN=BN, BK=BK, S=len(ranges),
-        NORM=norm is not None, BD=triton.next_power_of_2(N) if norm is not None else 16,
-        num_warps=warps, num_stages=stages, **pdl(x))
-    return y if norm is None else (normed, h)
+        x, w, y, x.shape[0], N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0), y.stride(1),
+        BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages, **pdl(x))
+    return y
 
 
 def matvec_swiglu_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.matvec import matvec_parts_ref, matvec_parts_triton, parts_sum_ref
+from mtpchat.kernels.matvec import parts_sum_ref
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -155,21 +155,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     return add_rmsnorm_triton(x, residual, weight, eps) if use_triton(x, residual, weight) else add_rmsnorm_ref(x, residual, weight, eps)
-
-
-def product_add_rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                            eps: float):
-    """A block's last product x [T, K] @ w [N, K]ᵀ, then the residual add and the next norm:
-    (norm(p + residual), p + residual) with p made from the product's parts (matvec_parts_ref)."""
-    return add_rmsnorm_ref(matvec_parts_ref(x, w), residual, weight, eps)
-
-
-def product_add_rmsnorm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """product_add_rmsnorm_ref's contract: one kernel on CUDA (the split product, whose last
-    program adds the parts and the residual and normalises), the reference otherwise."""
-    if use_triton(x, w, residual, weight):
-        return matvec_parts_triton(x, w, norm=(residual, weight, eps))
-    return product_add_rmsnorm_ref(x, w, residual, weight, eps)
 
 
 def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -73,9 +73,7 @@ def tile_plans() -> dict:
 def knockout_plans() -> dict:
     """What each small kernel of a step costs where it runs: the step with that kernel replaced by
     nothing (an empty or passed-through tensor of its output's shape; the logits are then
-    meaningless, the products and every other kernel run as before). The residual adds and norms
-    fused into the products (model.FUSED_NORM) stay: plan "-add_rmsnorm" takes out those of the
-    unfused step (set FUSED_NORM off first)."""
+    meaningless, the products and every other kernel run as before)."""
     from mtpchat.engine import model
     from mtpchat.kernels import attention, conv, gdn, norm
     kept = {(norm, "add_rmsnorm"): norm.add_rmsnorm, (conv, "conv_update"): conv.conv_update,
@@ -109,25 +107,24 @@ def attention_plans() -> dict:
 
 
 def split_plans() -> dict:
-    """The blocks' last products (o_proj, out_proj, MLP down): one product each, then the residual
-    add and norm ("unsplit"); split over K into float32 parts that the norm kernel adds ("parts");
-    split, with the add and the norm in the product's last program ("fused", the default); and the
-    fused products under other splits and tiles ("S3 64x128w4s4": 3 parts, 64 columns by 128 bf16
-    of K, 4 warps, 4 deep)."""
+    """The blocks' last products (o_proj, out_proj, MLP down) as one product each, or split over K
+    into float32 parts that the norm after them adds (kernels/matvec.py: matvec_parts), under
+    splits and tiles: "S3 64x128w4s4" is 3 parts, 64 columns by 128 bf16 of K, 4 warps, 4 deep."""
     from mtpchat.engine import model
     kept = model.out_linear
 
-    def split(cfg, fused=True):
+    def split(cfg):
         def setup():
-            model.out_linear, model.FUSED_NORM = kept, fused
+            model.out_linear = kept
             matvec._split_config = DEFAULT_SPLIT if cfg is None else (
                 lambda N, K, itemsize: cfg if itemsize == 2 else DEFAULT_SPLIT(N, K, itemsize))
         return setup
 
     def unsplit():
         model.out_linear = model.linear
-    plans = {"unsplit": unsplit, "parts": split(None, fused=False), "fused": split(None)}
-    for cfg in [(2, 64, 128, 4, 4), (4, 64, 128, 4, 4), (3, 64, 128, 8, 4), (3, 64, 256, 4, 3)]:
+    plans = {"unsplit": unsplit, "default": split(None)}
+    for cfg in [(1, 64, 256, 4, 4), (2, 64, 128, 4, 4), (3, 64, 128, 4, 4), (4, 64, 128, 4, 4), (6, 64, 128, 4, 4),
+                (3, 64, 256, 4, 3), (3, 64, 128, 4, 6), (3, 32, 256, 4, 4), (2, 64, 256, 4, 4), (4, 32, 128, 4, 4)]:
         plans["S{}x{}x{}w{}s{}".format(*cfg)] = split(cfg)
     return plans
 
@@ -230,8 +227,6 @@ def main():
         graphs[name, "verify 0"].replay()
         logits[name] = d.v_logits[:1].clone()
     _triton._pdl_device, matvec._config, matvec._split_config = PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT
-    from mtpchat.engine import model
-    model.FUSED_NORM = True
     first = next(iter(plans))
     same = {name: bool(torch.equal(logits[name], logits[first])) for name in plans} if a.room == 0 else {}
     times = {key: [] for key in graphs}
