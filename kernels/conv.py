@@ -88,6 +88,11 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
                 tl.store(p_buf + i, b_new.to(buf.dtype.element_ty), mask=m_c)
 
 
+def _tile() -> tuple[int, int]:
+    """(channels a program, warps)."""
+    return 64, 4
+
+
 def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor,
                        live: torch.Tensor | None = None) -> torch.Tensor:
     T, C = x.shape
@@ -99,11 +104,11 @@ def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, we
     assert live is None or (live.numel() == 1 and live.dtype == torch.long), "live must be a 1-element long tensor"
     assert K - 1 + T <= buf.shape[1] or T >= K - 1, "a call longer than the window must have >= K-1 inputs"
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
-    BC, BT = 64, 16
+    (BC, warps), BT = _tile(), 16
     _conv_update_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](
         x, buf, off, live if live is not None else off, weight, y, T, C, buf.shape[1], x.stride(0), y.stride(0),
         buf.stride(0), K=K, BC=BC, BT=BT, WP=triton.next_power_of_2(buf.shape[1]),
-        HAS_LIVE=live is not None, num_warps=4, **pdl(x))
+        HAS_LIVE=live is not None, num_warps=warps, **pdl(x))
     return y
 
 

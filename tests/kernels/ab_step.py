@@ -7,6 +7,7 @@ shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans knockout        # the step without one of its small kernels, each in turn
     python3 ab_step.py --plans attention       # decode attention's key spans
     python3 ab_step.py --plans split           # the blocks' last products split over K, or not
+    python3 ab_step.py --plans small           # the small kernels' tiles and warps
 
 A plan is a name and a function that sets the launch choice it stands for before its phases are
 compiled and captured (and undoes nothing: the next plan sets its own). Steps of a live
@@ -129,6 +130,29 @@ def split_plans() -> dict:
     return plans
 
 
+def small_plans() -> dict:
+    """Tiles and warps of the small kernels, one kernel at a time: the GDN recurrence (value columns
+    a program, warps), the conv (channels a program, warps), the residual add and norm (warps for a
+    5120-wide row)."""
+    from mtpchat.kernels import conv, gdn, norm
+    kept = {(gdn, "_tile"): gdn._tile, (conv, "_tile"): conv._tile, (norm, "_launch_params"): norm._launch_params}
+
+    def use(module, name, fn):
+        def setup():
+            for (m, n), f in kept.items():
+                setattr(m, n, fn if (m, n) == (module, name) else f)
+        return setup
+    plans = {"base": use(None, None, None)}
+    for bv, warps in [(8, 1), (32, 1), (32, 2), (16, 2), (64, 2)]:
+        plans[f"recurrent {bv}/{warps}w"] = use(gdn, "_tile", lambda DV, c=(bv, warps): c)
+    for bc, warps in [(32, 2), (32, 4), (64, 2), (128, 4), (256, 4)]:
+        plans[f"conv {bc}/{warps}w"] = use(conv, "_tile", lambda c=(bc, warps): c)
+    for warps in (4, 8, 32):
+        plans[f"norm {warps}w"] = use(norm, "_launch_params", lambda D, w=warps, f=kept[norm, "_launch_params"]:
+                                      (f(D)[0], w) if D > 1024 else f(D))
+    return plans
+
+
 def products_ms(model, reps: int = 20) -> float:
     """One decode step's products alone, in the step's order (each waits for the one before, as in
     the step), on the model's own weights: what the step's other kernels add is the difference."""
@@ -175,7 +199,7 @@ def kernel_resources():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3.6-27b")
-    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "knockout", "attention", "split"))
+    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "knockout", "attention", "split", "small"))
     p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--max-context", type=int, help="the cache size (default: the context + 256)")
@@ -187,7 +211,7 @@ def main():
     p.add_argument("--json")
     a = p.parse_args()
     plans = {"pdl": pdl_plans, "tiles": tile_plans, "knockout": knockout_plans, "attention": attention_plans,
-             "split": split_plans}[a.plans]()
+             "split": split_plans, "small": small_plans}[a.plans]()
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
