@@ -12,6 +12,7 @@ Projections are stored fused (weights.py fills them): GDN [qkv | z | b | a], att
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels import attention, conv, gdn, gdn_chunk, norm
-from mtpchat.kernels.matvec import matvec, matvec_parts, matvec_swiglu, silu_mul
+from mtpchat.kernels.matvec import Normed, matvec, matvec_parts, matvec_parts_triton, matvec_swiglu, silu_mul
 from mtpchat.kernels.rope import qkv_norm_rope
 
 
@@ -42,21 +43,43 @@ class Ctx:
 def linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
     """x [T, K] @ w[N, K]ᵀ. With `rowwise` (decode, verify, draft) each row's result is that of a
     1-row call: the batch-invariant matvec kernel on the GPU, one product per row on the CPU."""
+    if isinstance(x, Normed) or (rowwise and x.is_cuda):
+        return matvec(x, w)
     if not rowwise:
         return F.linear(x, w)
-    if x.is_cuda:
-        return matvec(x, w)
     return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)
 
 
-def out_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    """A block's last product (o_proj, out_proj, MLP down), which only the residual add and norm
-    after it read: in a step on the GPU its float32 parts over K (kernels/matvec.py:
-    matvec_parts: these products have too few column blocks to fill the GPU), which that norm adds
-    up; `linear` otherwise."""
+class Product(NamedTuple):
+    """A block's last product (o_proj, out_proj, MLP down) not yet run: in a step on the GPU the
+    residual add and the norm after the block run it (add_norm)."""
+    x: torch.Tensor
+    w: torch.Tensor
+
+
+SPLIT_NORM = True
+
+
+def out_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool):
+    """A block's last product, which only the residual add and the norm after it read: left for
+    add_norm in a step on the GPU, `linear` otherwise."""
     if rowwise and x.is_cuda:
-        return matvec_parts(x, w)
+        return Product(x, w)
     return linear(x, w, rowwise)
+
+
+def add_norm(x, residual: torch.Tensor, norm_: "RMSNorm", whole: bool = False):
+    """(norm_(x + residual), x + residual) after a block whose output x is a tensor or a Product.
+    A Product runs split over K (its 5120 columns in 80 blocks would leave SMs idle): each column
+    block's last program adds the parts and the residual, and the normalised rows come as a Normed
+    for the next product to finish (kernels/matvec.py); with `whole` (the final norm, whose rows the
+    lm_head and the MTP head both read) or SPLIT_NORM off, as whole rows from the norm kernel,
+    which adds the parts."""
+    if isinstance(x, Product):
+        if SPLIT_NORM and not whole:
+            return matvec_parts_triton(x.x, x.w, norm=(residual, norm_.weight, norm_.eps))
+        x = matvec_parts(x.x, x.w)
+    return norm.add_rmsnorm(x, residual, norm_.weight, norm_.eps)
 
 
 def prefill_attention(q, keys, values, first: bool, scale: float) -> torch.Tensor:
@@ -188,12 +211,12 @@ class DecoderLayer(nn.Module):
         """Pre-norm block, with each residual add fused into the norm after it: takes the previous
         block's (output, residual stream) unsummed (residual None for the first block) and returns
         its own. The block's value is output + residual (in a step on the GPU the output comes as
-        float32 parts, see out_linear)."""
+        product still to run, and the normalised rows may come as a Normed: see add_norm)."""
         if residual is None:
             normed, h = self.input_norm(x), x
         else:
-            normed, h = norm.add_rmsnorm(x, residual, self.input_norm.weight, self.input_norm.eps)
-        normed, h = norm.add_rmsnorm(self.mixer(normed, cache, ctx), h, self.post_norm.weight, self.post_norm.eps)
+            normed, h = add_norm(x, residual, self.input_norm)
+        normed, h = add_norm(self.mixer(normed, cache, ctx), h, self.post_norm)
         return self.mlp(normed, ctx), h
 
 
@@ -218,7 +241,7 @@ class Model(nn.Module):
         x, residual = F.embedding(ids, self.embed), None                  # [T, H]
         for layer, cache in zip(self.layers, caches):
             x, residual = layer(x, residual, cache, ctx)
-        return norm.add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
+        return add_norm(x, residual, self.norm, whole=True)[0]
 
     def logits(self, hidden: torch.Tensor, rowwise: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, vocab] float32, written into `out` when given (a step's buffer: on CUDA the product

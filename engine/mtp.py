@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.model import Ctx, DecoderLayer, RMSNorm, empty, linear
-from mtpchat.kernels import norm
+from mtpchat.engine.model import Ctx, DecoderLayer, RMSNorm, add_norm, empty, linear
 
 
 class MTPHead(nn.Module):
@@ -34,4 +33,4 @@ class MTPHead(nn.Module):
         h = self.pre_fc_norm_hidden(hidden)
         u = linear(torch.cat([e, h], dim=-1), self.fc, ctx.step)
         out, residual = self.layer(u, None, cache, ctx)
-        return norm.add_rmsnorm(out, residual, self.norm.weight, self.norm.eps)[0]
+        return add_norm(out, residual, self.norm, whole=True)[0]

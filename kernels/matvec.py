@@ -19,6 +19,8 @@ The split is a function of the shapes alone, so it keeps the row invariance.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -27,26 +29,62 @@ from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 MAX_ROWS = 16
 
 
-def matvec_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ w [N, K]ᵀ in float32, cast back to x's dtype."""
+class Normed(NamedTuple):
+    """Rows after a residual add and RMSNorm, kept in two pieces for the product that reads them:
+    x = h * (1 + w) in the model dtype, and ss [T, NB] float32, the sums of h² over NB blocks of
+    columns. The product scales each output row by rsqrt(sum(ss) / K + eps), the norm's 1 / rms,
+    after its dot, so no kernel between two products has to see a whole row (matvec_parts with
+    `norm` makes them)."""
+    x: torch.Tensor
+    ss: torch.Tensor
+    eps: float
+
+    # what the model's code asks of its activations
+    shape = property(lambda self: self.x.shape)
+    dtype = property(lambda self: self.x.dtype)
+    device = property(lambda self: self.x.device)
+    is_cuda = property(lambda self: self.x.is_cuda)
+
+
+def rstd_ref(n: Normed) -> torch.Tensor:
+    """[T] float32: 1 / rms of each row of a Normed."""
+    return torch.rsqrt(n.ss.sum(-1) / n.x.shape[1] + n.eps)
+
+
+def matvec_ref(x, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ w [N, K]ᵀ in float32, cast back to x's dtype; for a Normed x, each row scaled by
+    its 1 / rms before the cast."""
+    if isinstance(x, Normed):
+        return ((x.x.float() @ w.float().T) * rstd_ref(x)[:, None]).to(x.x.dtype)
     return (x.float() @ w.float().T).to(x.dtype)
 
 
-def matvec_swiglu_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def matvec_swiglu_ref(x, w: torch.Tensor) -> torch.Tensor:
     """w = [w_gate | w_up] [2I, K] -> silu(gate) * up [T, I], each step rounded to x's dtype as the
     model does it in torch (the product, silu, the multiplication)."""
     gate, up = matvec_ref(x, w).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
+@triton.jit
+def _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP: tl.constexpr):
+    """[BT] float32: 1 / rms of each row of a Normed input, from its NB partial sums of squares."""
+    o_b = tl.arange(0, NBP)
+    b_ss = tl.load(ss + o_t[:, None] * s_ss + o_b[None, :], mask=m_t[:, None] & (o_b < NB)[None, :], other=0.)
+    return tl.rsqrt(tl.sum(b_ss, axis=1) / K + eps)
+
+
 @triton.jit(do_not_specialize=["T"])
-def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
-                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+def _matvec_kernel(x, w, y, ss, T, N, K, NB, s_x, s_w, s_y, s_ss, eps,
+                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl_start(PDL)
     i_n = tl.program_id(0)
     o_n = i_n * BN + tl.arange(0, BN)
     o_t = tl.arange(0, BT)
     m_n, m_t = o_n < N, o_t < T
+    if NBP > 0:
+        b_rstd = _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP)     # read now, used after the loop
     b_y = tl.zeros([BN, BT], dtype=tl.float32)
     for k in range(0, K, BK):
         o_k = k + tl.arange(0, BK)
@@ -55,20 +93,24 @@ def _matvec_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
         b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
         # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
         b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
+    if NBP > 0:
+        b_y = b_y * b_rstd[None, :]
     # rounded to the inputs' dtype as the product's value, then stored as y's (float32 logits)
     b_y = b_y.to(x.dtype.element_ty).to(y.dtype.element_ty)
     tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y, mask=m_n[:, None] & m_t[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])
-def _matvec_parts_kernel(x, w, y, T, N, K, KS, s_x, s_w, s_yp, s_y,
-                         BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+def _matvec_parts_kernel(x, w, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x, s_w, s_yp, s_y, s_r, s_xn, s_h, s_ss,
+                         BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr,
+                         NORM: tl.constexpr, PDL: tl.constexpr):
     # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
     pdl_start(PDL)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
     o_t = tl.arange(0, BT)
     m_n, m_t = o_n < N, o_t < T
+    m_y = m_n[:, None] & m_t[None, :]
     b_y = tl.zeros([BN, BT], dtype=tl.float32)
     for k in range(i_s * KS, tl.minimum(i_s * KS + KS, K), BK):
         o_k = k + tl.arange(0, BK)
@@ -76,18 +118,43 @@ def _matvec_parts_kernel(x, w, y, T, N, K, KS, s_x, s_w, s_yp, s_y,
         b_w = tl.load(w + o_n[:, None] * s_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
         b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
         b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
-    tl.store(y + i_s * s_yp + o_t[None, :] * s_y + o_n[:, None], b_y, mask=m_n[:, None] & m_t[None, :])
+    o_y = o_t[None, :] * s_y + o_n[:, None]
+    tl.store(y + i_s * s_yp + o_y, b_y, mask=m_y)
+    if NORM:
+        # The last of a column block's S programs to end finishes its columns: the parts added in
+        # order and rounded (the product's value), the residual added (h), x = h * (1 + w) and the
+        # block's sums of h² for the next product (Normed), then sets the block's count back to 0.
+        # Its acq_rel add, after every thread of the program has stored, orders the S parts
+        # before the last program's reads of them (from L2).
+        tl.debug_barrier()
+        if tl.atomic_add(count + i_n, 1, sem="acq_rel", scope="gpu") == S - 1:
+            b_v = tl.load(y + o_y, mask=m_y, other=0., cache_modifier=".cg")
+            for i_p in tl.static_range(1, S):
+                b_v += tl.load(y + i_p * s_yp + o_y, mask=m_y, other=0., cache_modifier=".cg")
+            dtype = h.dtype.element_ty
+            b_v = b_v.to(dtype).to(tl.float32)
+            b_r = tl.load(r + o_t[None, :] * s_r + o_n[:, None], mask=m_y, other=0.).to(tl.float32)
+            b_h = (b_v + b_r).to(dtype)
+            tl.store(h + o_t[None, :] * s_h + o_n[:, None], b_h, mask=m_y)
+            b_h = b_h.to(tl.float32)
+            b_nw = 1. + tl.load(nw + o_n, mask=m_n, other=0.).to(tl.float32)
+            tl.store(xn + o_t[None, :] * s_xn + o_n[:, None], (b_h * b_nw[:, None]).to(dtype), mask=m_y)
+            tl.store(ss + o_t * s_ss + i_n, tl.sum(b_h * b_h, axis=0), mask=m_t)
+            tl.atomic_xchg(count + i_n, 0)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _matvec_swiglu_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
-                          BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+def _matvec_swiglu_kernel(x, w, y, ss, T, N, K, NB, s_x, s_w, s_y, s_ss, eps,
+                          BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
+                          PDL: tl.constexpr):
     pdl_start(PDL)
     # The program for output columns n reads the gate rows n and the up rows N + n of w together.
     i_n = tl.program_id(0)
     o_n = i_n * BN + tl.arange(0, BN)
     o_t = tl.arange(0, BT)
     m_n, m_t = o_n < N, o_t < T
+    if NBP > 0:
+        b_rstd = _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP)
     b_g = tl.zeros([BN, BT], dtype=tl.float32)
     b_u = tl.zeros([BN, BT], dtype=tl.float32)
     for k in range(0, K, BK):
@@ -99,6 +166,8 @@ def _matvec_swiglu_kernel(x, w, y, T, N, K, s_x, s_w, s_y,
         b_g = tl.dot(tl.load(p_w, mask=m_w, other=0.), b_x, b_g, input_precision="ieee")
         b_u = tl.dot(tl.load(p_w + N * s_w, mask=m_w, other=0.), b_x, b_u, input_precision="ieee")
     # torch's steps, each rounded to the model dtype: the two products, silu(gate), the multiplication
+    if NBP > 0:
+        b_g, b_u = b_g * b_rstd[None, :], b_u * b_rstd[None, :]
     dtype = y.dtype.element_ty
     b_g = b_g.to(dtype).to(tl.float32)
     b_s = (b_g * tl.sigmoid(b_g)).to(dtype).to(tl.float32)
@@ -194,38 +263,82 @@ def _check(x: torch.Tensor, w: torch.Tensor, K: int):
     assert x.dtype == w.dtype, "x and w must share a dtype"
 
 
-def matvec_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def _scale_args(x, K: int) -> tuple[torch.Tensor, dict]:
+    """x's rows and the row-scale arguments of a product kernel: a Normed's sums of squares, or
+    none (NBP 0) for a plain tensor."""
+    if not isinstance(x, Normed):
+        return x, dict(ss=x, NB=0, s_ss=0, eps=0., NBP=0)
+    assert x.ss.dtype == torch.float32 and x.ss.shape[0] == x.x.shape[0] and x.ss.stride(1) == 1, \
+        "a Normed's ss must be float32 [T, NB]"
+    return x.x, dict(ss=x.ss, NB=x.ss.shape[1], s_ss=x.ss.stride(0), eps=x.eps,
+                     NBP=triton.next_power_of_2(x.ss.shape[1]))
+
+
+def matvec_triton(x, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     N, K = w.shape
+    x, scale = _scale_args(x, K)
     _check(x, w, K)
     y = _out(x, N, out)
     BN, BK, warps, stages = _config(N, K, x.element_size())
-    _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0),
-                                          BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages, **pdl(x))
+    _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, T=x.shape[0], N=N, K=K, s_x=x.stride(0), s_w=w.stride(0),
+                                          s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps,
+                                          num_stages=stages, **scale, **pdl(x))
     return y
 
 
-def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+_counts: dict = {}
+
+
+def _counts_for(device: torch.device, blocks: int) -> torch.Tensor:
+    """Arrival counts of the column blocks of a split product with `norm`: int32, made once per
+    device outside graph capture and left at 0 by every product (they run one after another)."""
+    count = _counts.get(device)
+    if count is None or count.numel() < blocks:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
+            "matvec: run a split product with a norm once before capturing a graph (its counts are made then)"
+        count = _counts[device] = torch.zeros(max(blocks, 256), dtype=torch.int32, device=device)
+    return count
+
+
+def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = None):
+    """The parts [S, T, N]; with norm = (residual [T, N], weight [N], eps), the residual add and
+    the norm's two pieces instead: returns (Normed(h * (1 + weight), sums of h², eps), h) for
+    h = x @ wᵀ + residual, finished block by block by each column block's last program."""
     N, K = w.shape
     _check(x, w, K)
+    T = x.shape[0]
     ranges = split_ranges(N, K, x.element_size())
     _, BN, BK, warps, stages = _split_config(N, K, x.element_size())
-    y = torch.empty(len(ranges), x.shape[0], N, dtype=torch.float32, device=x.device)
-    _matvec_parts_kernel[(triton.cdiv(N, BN), len(ranges))](
-        x, w, y, x.shape[0], N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0), y.stride(1),
-        BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages, **pdl(x))
-    return y
+    blocks = triton.cdiv(N, BN)
+    y = torch.empty(len(ranges), T, N, dtype=torch.float32, device=x.device)
+    if norm is None:
+        r = nw = xn = h = ss = count = y
+        eps = 0.
+    else:
+        r, nw, eps = norm
+        assert r.shape == (T, N) and r.stride(1) == 1 and r.dtype == x.dtype, f"residual must be [{T}, {N}] like x"
+        assert nw.shape == (N,) and nw.is_contiguous(), f"the norm's weight must be [{N}] contiguous"
+        xn, h = torch.empty_like(r), torch.empty_like(r)
+        ss = torch.empty(T, blocks, dtype=torch.float32, device=x.device)
+        count = _counts_for(x.device, blocks)
+    _matvec_parts_kernel[(blocks, len(ranges))](
+        x, w, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0), y.stride(1),
+        r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, S=len(ranges),
+        NORM=norm is not None, num_warps=warps, num_stages=stages, **pdl(x))
+    return y if norm is None else (Normed(xn, ss, eps), h)
 
 
-def matvec_swiglu_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def matvec_swiglu_triton(x, w: torch.Tensor) -> torch.Tensor:
     N2, K = w.shape
+    x, scale = _scale_args(x, K)
     _check(x, w, K)
     assert N2 % 2 == 0, "w must stack the gate and up rows"
     N = N2 // 2
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     BN, BK, warps, stages = _config(N, K, x.element_size(), swiglu=True)
-    _matvec_swiglu_kernel[(triton.cdiv(N, BN),)](x, w, y, x.shape[0], N, K, x.stride(0), w.stride(0), y.stride(0),
-                                                 BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages,
-                                                 **pdl(x))
+    _matvec_swiglu_kernel[(triton.cdiv(N, BN),)](x, w, y, T=x.shape[0], N=N, K=K, s_x=x.stride(0), s_w=w.stride(0),
+                                                 s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps,
+                                                 num_stages=stages, **scale, **pdl(x))
     return y
 
 
@@ -236,10 +349,11 @@ def _out(x: torch.Tensor, N: int, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def matvec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ w [N, K]ᵀ: the Triton kernel for CUDA tensors, the float32 reference otherwise.
-    With `out` (e.g. float32 logits) the product, rounded to x's dtype, is written there."""
-    if not use_triton(x, w):
+def matvec(x, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] (or a Normed) @ w [N, K]ᵀ: the Triton kernel for CUDA tensors, the float32
+    reference otherwise. With `out` (e.g. float32 logits) the product, rounded to x's dtype, is
+    written there."""
+    if not use_triton(_rows_of(x), w):
         return matvec_ref(x, w) if out is None else out.copy_(matvec_ref(x, w))
     return matvec_triton(x, w, out)
 
@@ -251,6 +365,11 @@ def matvec_parts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return matvec_parts_triton(x, w) if use_triton(x, w) else matvec_parts_ref(x, w)
 
 
-def matvec_swiglu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """silu(x @ w_gateᵀ) * (x @ w_upᵀ) for w = [w_gate | w_up]: one kernel on CUDA, the reference otherwise."""
-    return matvec_swiglu_triton(x, w) if use_triton(x, w) else matvec_swiglu_ref(x, w)
+def matvec_swiglu(x, w: torch.Tensor) -> torch.Tensor:
+    """silu(x @ w_gateᵀ) * (x @ w_upᵀ) for w = [w_gate | w_up] (x a tensor or a Normed): one kernel
+    on CUDA, the reference otherwise."""
+    return matvec_swiglu_triton(x, w) if use_triton(_rows_of(x), w) else matvec_swiglu_ref(x, w)
+
+
+def _rows_of(x) -> torch.Tensor:
+    return x.x if isinstance(x, Normed) else x

@@ -108,24 +108,26 @@ def attention_plans() -> dict:
 
 
 def split_plans() -> dict:
-    """The blocks' last products (o_proj, out_proj, MLP down) as one product each, or split over K
-    into float32 parts that the norm after them adds (kernels/matvec.py: matvec_parts), under
-    splits and tiles: "S3 64x128w4s4" is 3 parts, 64 columns by 128 bf16 of K, 4 warps, 4 deep."""
+    """The blocks' last products (o_proj, out_proj, MLP down): one product each, then the residual
+    add and norm kernel ("unsplit"); split over K into float32 parts that the norm kernel adds
+    ("parts"); split, with each column block's last program adding its parts and the residual and
+    the next product taking the norm's scale ("split norm", the default: engine/model.py add_norm);
+    and that under other splits and tiles ("S3 64x128w4s4": 3 parts, 64 columns by 128 bf16 of K,
+    4 warps, 4 deep)."""
     from mtpchat.engine import model
     kept = model.out_linear
 
-    def split(cfg):
+    def split(cfg, split_norm=True):
         def setup():
-            model.out_linear = kept
+            model.out_linear, model.SPLIT_NORM = kept, split_norm
             matvec._split_config = DEFAULT_SPLIT if cfg is None else (
                 lambda N, K, itemsize: cfg if itemsize == 2 else DEFAULT_SPLIT(N, K, itemsize))
         return setup
 
     def unsplit():
         model.out_linear = model.linear
-    plans = {"unsplit": unsplit, "default": split(None)}
-    for cfg in [(1, 64, 256, 4, 4), (2, 64, 128, 4, 4), (3, 64, 128, 4, 4), (4, 64, 128, 4, 4), (6, 64, 128, 4, 4),
-                (3, 64, 256, 4, 3), (3, 64, 128, 4, 6), (3, 32, 256, 4, 4), (2, 64, 256, 4, 4), (4, 32, 128, 4, 4)]:
+    plans = {"unsplit": unsplit, "parts": split(None, split_norm=False), "split norm": split(None)}
+    for cfg in [(2, 64, 128, 4, 4), (4, 64, 128, 4, 4), (1, 64, 256, 4, 4), (2, 64, 256, 4, 4)]:
         plans["S{}x{}x{}w{}s{}".format(*cfg)] = split(cfg)
     return plans
 

@@ -147,3 +147,72 @@ def test_matvec_parts_27b_shapes_and_rows(N, K):
     check(matvec.parts_sum_ref(parts, torch.bfloat16), matvec.matvec_ref(x, w), 1e-2, "their sum")
     ones = torch.cat([matvec.matvec_parts(x[i:i + 1], w) for i in range(5)], dim=1)
     assert torch.equal(parts, ones)
+
+
+def _normed(T, K, dtype, device, gen, blocks=7):
+    """A Normed input with random rows and positive sums of squares."""
+    x = randn(T, K, dtype=dtype, device=device, gen=gen)
+    ss = (randn(T, blocks, device=device, gen=gen) ** 2 + 0.5) * (K / blocks)
+    return matvec.Normed(x, ss, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 5])
+def test_matvec_normed_input(device, dtype, T):
+    # a Normed input: each output row scaled by its rows' 1 / rms, from the partial sums of squares
+    g = torch.Generator().manual_seed(40 + T)
+    n = _normed(T, 300, dtype, device, g)
+    w = randn(70, 300, dtype=dtype, device=device, gen=g, scale=0.1)
+    check(matvec.matvec_triton(n, w), matvec.matvec_ref(n, w), TOL[dtype])
+    check(matvec.matvec_swiglu_triton(n, w), matvec.matvec_swiglu_ref(n, w), TOL[dtype], "swiglu")
+    ref = matvec.matvec_ref(n.x, w).float() * matvec.rstd_ref(n)[:, None].cpu().to(device)
+    check(matvec.matvec_ref(n, w), ref, TOL[dtype], "the reference's scale")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("split", [False, True])
+def test_matvec_parts_norm(device, monkeypatch, dtype, T, split):
+    # a block's last product, the residual add and the norm's two pieces: each column block's last
+    # program adds the parts and the residual, writes h, x = h * (1 + w) and the block's sums of h²
+    from mtpchat.kernels import norm
+    monkeypatch.setattr(matvec, "_split_config", lambda N, K, itemsize: (3 if split else 1, 16, 32, 4, 2))
+    g = torch.Generator().manual_seed(T + 10 * split)
+    x, w = randn(T, 300, dtype=dtype, device=device, gen=g), randn(70, 300, dtype=dtype, device=device, gen=g, scale=0.1)
+    r = randn(T, 70, dtype=dtype, device=device, gen=g)
+    nw = randn(70, dtype=dtype, device=device, gen=g, scale=0.3)
+    for _ in range(2):                               # the second call finds the counts at 0 again
+        n, h = matvec.matvec_parts_triton(x, w, norm=(r, nw, 1e-6))
+        assert int(matvec._counts[x.device].abs().sum()) == 0
+    y_ref, h_ref = norm.add_rmsnorm_ref(matvec.matvec_parts_ref(x, w), r, nw, 1e-6)
+    check(h, h_ref, TOL[dtype], "residual sum")
+    assert torch.equal(h, norm.add_rmsnorm_triton(matvec.matvec_parts_triton(x, w), r, nw, 1e-6)[1])
+    hf = h.float()
+    check(n.x, (hf * (1 + nw.float())).to(dtype), TOL[dtype], "h * (1 + w)")
+    assert n.ss.shape == (T, 5) and n.eps == 1e-6
+    blocks = torch.nn.functional.pad(hf * hf, (0, 10)).view(T, 5, 16)     # 16 columns a block
+    check(n.ss, blocks.sum(-1), TOL[torch.float32], "sums of squares")
+    # what the next product makes of it: the product of the normalised rows
+    w2 = randn(40, 70, dtype=dtype, device=device, gen=g, scale=0.1)
+    check(matvec.matvec_triton(n, w2), matvec.matvec_ref(y_ref, w2), 2 * TOL[dtype], "the next product")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [6144, 17408])
+def test_matvec_parts_norm_27b_rows(K):
+    # 27B shapes: every piece of a T-row call is the 1-row calls' to the bit, then the next product
+    from mtpchat.kernels import norm
+    g = torch.Generator().manual_seed(K + 1)
+    bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
+    x, w, r = randn(5, K, **bf16), randn(5120, K, scale=0.02, **bf16), randn(5, 5120, **bf16)
+    nw, w2 = randn(5120, scale=0.3, **bf16), randn(2 * 17408, 5120, scale=0.02, **bf16)
+    n, h = matvec.matvec_parts_triton(x, w, norm=(r, nw, 1e-6))
+    ones = [matvec.matvec_parts_triton(x[i:i + 1], w, norm=(r[i:i + 1], nw, 1e-6)) for i in range(5)]
+    assert torch.equal(h, torch.cat([o[1] for o in ones])) and torch.equal(n.x, torch.cat([o[0].x for o in ones]))
+    assert torch.equal(n.ss, torch.cat([o[0].ss for o in ones]))
+    y_ref, h_ref = norm.add_rmsnorm_ref(matvec.matvec_parts_ref(x, w), r, nw, 1e-6)
+    assert torch.equal(h, norm.add_rmsnorm(matvec.matvec_parts(x, w), r, nw, 1e-6)[1])
+    check(h, h_ref, 1e-2, "residual sum")
+    y = matvec.matvec_swiglu(n, w2)
+    check(y, matvec.matvec_swiglu_ref(y_ref, w2), 2e-2, "the next product")
+    assert torch.equal(y, torch.cat([matvec.matvec_swiglu(o[0], w2) for o in ones]))
