@@ -86,6 +86,28 @@ def test_greedy_exact_while_switching_mtp_and_k_mid_generation(gqa3, greedy_refs
     assert longest_off > e.k_max + 1
 
 
+def test_greedy_exact_across_full_pending_rows(gqa3, greedy_refs, monkeypatch):
+    # MTP off long enough to fill the head's pending rows (made small here) twice, then on: the
+    # flushes catch the head up, and the output is still MTP off's
+    from mtpchat.engine import decoder
+    monkeypatch.setattr(decoder, "PENDING_ROWS", 8)
+    e = load(gqa3, draft_tokens=3)
+    ids, ref = greedy_refs[0][1], greedy_refs[1][1]
+    flushes = []
+    flush = e.decoder._flush_pending
+    monkeypatch.setattr(e.decoder, "_flush_pending", lambda keep_last: flushes.append(e.decoder.pending) or flush(keep_last))
+
+    def switch(steps):
+        e.mtp = len(steps) > 25
+
+    e.mtp = False
+    events = generate(e, ids, after_step=switch)
+    assert list(events[-1].token_ids) == ref
+    steps = [ev for ev in events if isinstance(ev, Step)]
+    assert sum(not s.mtp for s in steps) > 2 * 8 and any(s.mtp for s in steps)
+    assert flushes.count(8) >= 2, f"flushes at {flushes} pending rows"
+
+
 # --- 2. rollback leaves exactly the state of one-at-a-time feeding ---------------------------------
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 @pytest.mark.parametrize("ckpt", ["gqa3", "tied"])
