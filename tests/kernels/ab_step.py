@@ -8,6 +8,7 @@ shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans attention       # decode attention's key spans
     python3 ab_step.py --plans split           # the blocks' last products split over K, or not
     python3 ab_step.py --plans small           # the small kernels' tiles and warps
+    python3 ab_step.py --plans resident        # wide products' tiles small enough to be resident at once
 
 A plan is a name and a function that sets the launch choice it stands for before its phases are
 compiled and captured (and undoes nothing: the next plan sets its own). Steps of a live
@@ -69,6 +70,21 @@ def tile_plans() -> dict:
         for cfg in cfgs:
             plans[f"{name}:{cfg[0]}x{cfg[1]}w{cfg[2]}s{cfg[3]}"] = group(name, cfg)
     return plans
+
+
+def resident_plans() -> dict:
+    """Tiles of the wide products (GDN in_proj 258 blocks of 64 rows, attention q|gate|k|v 224, the
+    MLP gate|up 272 SwiGLU blocks) whose shared memory lets every program be resident at once on
+    132 SMs (the default tiles take 160-180 KB, one program an SM, two waves and a bit)."""
+    wide = lambda N, K, g: N in (16480, 14336) and not g
+    rules = {"in:64x128w4s4": lambda N, K, g: (64, 128, 4, 4) if wide(N, K, g) else None,
+             "in:64x128w4s5": lambda N, K, g: (64, 128, 4, 5) if wide(N, K, g) else None,
+             "in:64x64w4s6": lambda N, K, g: (64, 64, 4, 6) if wide(N, K, g) else None,
+             "glu:64x64w4s4": lambda N, K, g: (64, 64, 4, 4) if g else None,
+             "glu:64x64w4s3": lambda N, K, g: (64, 64, 4, 3) if g else None,
+             "glu:32x64w4s4": lambda N, K, g: (32, 64, 4, 4) if g else None,
+             "both:64x128s4,64x64s4": lambda N, K, g: (64, 64, 4, 4) if g else ((64, 128, 4, 4) if wide(N, K, g) else None)}
+    return {"base": tile_plan(lambda N, K, g: None), **{name: tile_plan(rule) for name, rule in rules.items()}}
 
 
 def knockout_plans() -> dict:
@@ -201,7 +217,7 @@ def kernel_resources():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3.6-27b")
-    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "knockout", "attention", "split", "small"))
+    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "knockout", "attention", "split", "small", "resident"))
     p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--max-context", type=int, help="the cache size (default: the context + 256)")
@@ -213,7 +229,7 @@ def main():
     p.add_argument("--json")
     a = p.parse_args()
     plans = {"pdl": pdl_plans, "tiles": tile_plans, "knockout": knockout_plans, "attention": attention_plans,
-             "split": split_plans, "small": small_plans}[a.plans]()
+             "split": split_plans, "small": small_plans, "resident": resident_plans}[a.plans]()
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
