@@ -42,7 +42,8 @@ class Ctx:
 
 def linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
     """x [T, K] @ w[N, K]ᵀ. With `rowwise` (decode, verify, draft) each row's result is that of a
-    1-row call: the batch-invariant matvec kernel on the GPU, one product per row on the CPU."""
+    1-row call: the batch-invariant matvec kernel on the GPU (which also takes a Normed x, see
+    add_norm), one product per row on the CPU."""
     if isinstance(x, Normed) or (rowwise and x.is_cuda):
         return matvec(x, w)
     if not rowwise:
@@ -57,7 +58,7 @@ class Product(NamedTuple):
     w: torch.Tensor
 
 
-SPLIT_NORM = True
+SPLIT_NORM = True      # off: add_norm gives whole normalised rows (tests/kernels/ab_step.py --plans split)
 
 
 def out_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool):
@@ -210,8 +211,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, cache, ctx: Ctx):
         """Pre-norm block, with each residual add fused into the norm after it: takes the previous
         block's (output, residual stream) unsummed (residual None for the first block) and returns
-        its own. The block's value is output + residual (in a step on the GPU the output comes as
-        product still to run, and the normalised rows may come as a Normed: see add_norm)."""
+        its own. The block's value is output + residual (in a step on the GPU the output comes as a
+        Product still to run, and the normalised rows as a Normed: see add_norm)."""
         if residual is None:
             normed, h = self.input_norm(x), x
         else:

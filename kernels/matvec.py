@@ -15,7 +15,11 @@ A product with fewer column blocks than the GPU has SMs (the 27B's 5120-row o_pr
 MLP down: 80 blocks of 64 on 132 SMs) leaves SMs idle. `matvec_parts` splits its K into S ranges,
 one program per (column block, range), and returns the S float32 partial products; the kernel that
 reads the product (the residual add and norm after it, kernels/norm.py) adds them up in order.
-The split is a function of the shapes alone, so it keeps the row invariance.
+With `norm` the product finishes that norm block by block instead: the last of each column block's
+programs adds its parts and the residual and writes the block's share of the normalised rows as a
+`Normed` (h * (1 + w) and the block's sums of h²), and the next product, given the Normed, scales
+each output row by the row's 1 / rms after its dot. The split is a function of the shapes alone,
+so it keeps the row invariance.
 """
 from __future__ import annotations
 
