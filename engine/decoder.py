@@ -113,7 +113,7 @@ class Decoder:
         if positions is None and isinstance(start, int):
             positions = torch.arange(start, start + T, device=self.device)
         elif positions is None:
-            positions = start + self.steps[:T]
+            positions = start            # [1]: the first of T consecutive positions (kernels/rope.py)
         return Ctx(positions, start, step, self.state.conv_off, self.state.fold, self.state.parity,
                    self.room if step else None)
 
@@ -214,8 +214,8 @@ class Decoder:
 
     def verify(self, k: int):
         """The target over [x_L, d_1..d_k] at positions L..L+k."""
-        h = self.model(self.fed[:k + 1], self.state.layers, self._ctx(self.pos, k + 1, step=True))
-        self.v_hidden[:k + 1] = h
+        h = self.model(self.fed[:k + 1], self.state.layers, self._ctx(self.pos, k + 1, step=True),
+                       out=self.v_hidden[:k + 1])
         self.model.logits(h, out=self.v_logits[:k + 1])
 
     def accept(self, k: int, params: SamplingParams, generator):

@@ -31,7 +31,7 @@ PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPB
 @dataclass
 class Ctx:
     """What a forward needs besides the tokens and the per-layer caches."""
-    positions: torch.Tensor   # [T] long: the tokens' positions
+    positions: torch.Tensor   # [T] long: the tokens' positions, or [1]: the first of T consecutive ones
     start: int | torch.Tensor # positions[0]: tokens already in the KV cache (a [1] tensor in steps)
     step: bool                # decode/verify (the recurrence, one state written a step) rather than prefill
     conv_off: torch.Tensor    # [1] long: committed conv window offset
@@ -69,18 +69,18 @@ def out_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool):
     return linear(x, w, rowwise)
 
 
-def add_norm(x, residual: torch.Tensor, norm_: "RMSNorm", whole: bool = False):
+def add_norm(x, residual: torch.Tensor, norm_: "RMSNorm", whole: bool = False, out: torch.Tensor | None = None):
     """(norm_(x + residual), x + residual) after a block whose output x is a tensor or a Product.
     A Product runs split over K (its 5120 columns in 80 blocks would leave SMs idle): each column
     block's last program adds the parts and the residual, and the normalised rows come as a Normed
     for the next product to finish (kernels/matvec.py); with `whole` (the final norm, whose rows the
     lm_head and the MTP head both read) or SPLIT_NORM off, as whole rows from the norm kernel,
-    which adds the parts."""
+    which adds the parts. `out` (whole rows only) receives the normalised rows."""
     if isinstance(x, Product):
         if SPLIT_NORM and not whole:
             return matvec_parts_triton(x.x, x.w, norm=(residual, norm_.weight, norm_.eps))
         x = matvec_parts(x.x, x.w)
-    return norm.add_rmsnorm(x, residual, norm_.weight, norm_.eps)
+    return norm.add_rmsnorm(x, residual, norm_.weight, norm_.eps, out=out)
 
 
 def prefill_attention(q, keys, values, first: bool, scale: float) -> torch.Tensor:
@@ -238,11 +238,12 @@ class Model(nn.Module):
     def head(self) -> torch.Tensor:
         return self.embed if self.c.tie_word_embeddings else self.lm_head
 
-    def forward(self, ids: torch.Tensor, caches: list, ctx: Ctx) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, caches: list, ctx: Ctx, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The post-final-norm hidden states [T, H], written into `out` when given."""
         x, residual = F.embedding(ids, self.embed), None                  # [T, H]
         for layer, cache in zip(self.layers, caches):
             x, residual = layer(x, residual, cache, ctx)
-        return add_norm(x, residual, self.norm, whole=True)[0]
+        return add_norm(x, residual, self.norm, whole=True, out=out)[0]
 
     def logits(self, hidden: torch.Tensor, rowwise: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, vocab] float32, written into `out` when given (a step's buffer: on CUDA the product

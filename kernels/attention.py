@@ -144,6 +144,11 @@ def _config(L: int) -> tuple[int, int, int, int, int]:
     return 16, max(2 * BN, triton.next_power_of_2(triton.cdiv(L, MAX_SPANS))), BN, 4, 3
 
 
+def _combine_config() -> tuple[int, int]:
+    """(spans folded at a time, warps) of the combining kernel."""
+    return 16, 4
+
+
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             start: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
                             config: tuple | None = None) -> torch.Tensor:
@@ -173,10 +178,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         **pdl(q))
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     g = gate if gate is not None else out
+    BS, combine_warps = _combine_config()
     _attn_combine_kernel[(T, Hq)](start, ws_m, ws_l, ws_o, g, out, T, g.stride(0), g.stride(1), out.stride(0),
-                                  out.stride(1), HQ=Hq, D=D, BN=BN, FIRST=first, SPLIT=split, BS=16,
-                                  HAS_GATE=gate is not None,
-                                  num_warps=4, **pdl(q))
+                                  out.stride(1), HQ=Hq, D=D, BN=BN, FIRST=first, SPLIT=split, BS=BS,
+                                  HAS_GATE=gate is not None, num_warps=combine_warps, **pdl(q))
     return out
 
 

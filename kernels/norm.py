@@ -104,7 +104,7 @@ def _launch_params(D: int):
     return BD, min(16, max(1, BD // 512))
 
 
-def _rmsnorm_launch(x, residual, weight, eps):
+def _rmsnorm_launch(x, residual, weight, eps, out=None):
     D = x.shape[-1]
     assert weight.shape == (D,) and weight.is_contiguous(), f"weight must be [{D}] contiguous"
     parts = residual is not None and x.dim() == residual.dim() + 1
@@ -112,7 +112,10 @@ def _rmsnorm_launch(x, residual, weight, eps):
         assert x.dtype == torch.float32 and x.shape[1:] == residual.shape, \
             f"parts {tuple(x.shape)} must be float32 [S, {', '.join(map(str, residual.shape))}]"
     dtype = residual.dtype if parts else x.dtype
-    y = torch.empty(x.shape[1:] if parts else x.shape, dtype=dtype, device=x.device)
+    shape = x.shape[1:] if parts else x.shape
+    if out is not None:
+        assert out.shape == shape and out.dtype == dtype, f"out must be {tuple(shape)} {dtype}"
+    y = out if out is not None else torch.empty(shape, dtype=dtype, device=x.device)
     h = torch.empty_like(y) if residual is not None else y
     x3, y3, h3 = _rows(x[0] if parts else x), _rows(y), _rows(h)
     r3 = _rows(residual) if residual is not None else x3
@@ -130,8 +133,8 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return _rmsnorm_launch(x, None, weight, eps)[0]
 
 
-def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    return _rmsnorm_launch(x, residual, weight, eps)
+def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out=None):
+    return _rmsnorm_launch(x, residual, weight, eps, out)
 
 
 def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -153,8 +156,12 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rmsnorm_triton(x, weight, eps) if use_triton(x, weight) else rmsnorm_ref(x, weight, eps)
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    return add_rmsnorm_triton(x, residual, weight, eps) if use_triton(x, residual, weight) else add_rmsnorm_ref(x, residual, weight, eps)
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out=None):
+    """add_rmsnorm_ref's contract; the normalised rows written into `out` when given."""
+    if use_triton(x, residual, weight):
+        return add_rmsnorm_triton(x, residual, weight, eps, out)
+    y, h = add_rmsnorm_ref(x, residual, weight, eps)
+    return (y if out is None else out.copy_(y)), h
 
 
 def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

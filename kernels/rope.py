@@ -4,7 +4,8 @@ cache, v copied beside it. The float32 torch references, the Triton kernel, and 
 which takes the kernel for CUDA tensors and the reference otherwise.
 
 q [T, Hq, D], k and v [T, Hkv, D] (rows of heads may be strided views into the fused projection);
-weights [D]; positions [T] long (also the cache rows); inv_freq [R/2] float32 with R the rotary
+weights [D]; positions [T] long (also the cache rows), or [1] long: the first of T consecutive
+positions (a step's, with no kernel to spell them out); inv_freq [R/2] float32 with R the rotary
 dims. Per head: y = rmsnorm(x) cast to x's dtype, then on its first R dims, with
 a = position * inv_freq_i and halves y1, y2:
     out[i] = y1[i] cos a_i - y2[i] sin a_i,  out[R/2 + i] = y2[i] cos a_i + y1[i] sin a_i
@@ -38,6 +39,7 @@ def qkv_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weigh
                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """An attention layer's q/k/v after its projection: q normalised and rotated (returned, [T, Hq, D]
     contiguous), k normalised and rotated into k_cache rows `positions`, v copied to v_cache rows."""
+    positions = _spelled_out(positions, q.shape[0])
     out = norm_rope_ref(q, q_weight, positions, inv_freq, eps)
     norm_rope_ref(k, k_weight, positions, inv_freq, eps, out=k_cache, rows=positions)
     v_cache.index_copy_(0, positions, v)
@@ -70,15 +72,22 @@ def _norm_rope_row(p_x, w, p_o, b_pos, inv_freq, eps,
     tl.store(p_o + HALF + o_r, (b_2 * b_cos + b_1 * b_sin).to(p_o.dtype.element_ty), mask=m_r)
 
 
+def _spelled_out(positions: torch.Tensor, T: int) -> torch.Tensor:
+    """[T] positions from positions [T] or [1] (the first of T consecutive ones)."""
+    if positions.numel() == 1 and T > 1:
+        return positions + torch.arange(T, device=positions.device)
+    return positions
+
+
 @triton.jit
-def _qkv_norm_rope_kernel(q, k, v, q_w, k_w, pos, inv_freq, q_out, k_cache, v_cache, eps,
+def _qkv_norm_rope_kernel(q, k, v, q_w, k_w, pos, inv_freq, q_out, k_cache, v_cache, eps, s_pos, inc,
                           s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_kc, s_kch, s_vc, s_vch,
                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                           BD: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
     # One program per (token, head) over the q heads, then the k heads, then the v heads.
     pdl_start(PDL)
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    b_pos = tl.load(pos + i_t)
+    b_pos = tl.load(pos + i_t * s_pos) + i_t * inc          # inc 1: consecutive from pos[0]
     if i_h < HQ:
         _norm_rope_row(q + i_t * s_qt + i_h * s_qh, q_w, q_out + i_t * s_ot + i_h * s_oh, b_pos, inv_freq, eps,
                        D, HALF, BD, BH)
@@ -102,12 +111,13 @@ def qkv_norm_rope_triton(q, k, v, q_weight, k_weight, positions, inv_freq, eps, 
         assert t.stride(2) == 1 and t.dtype == q.dtype, "head dims contiguous, one dtype throughout"
     for w in (q_weight, k_weight):
         assert w.shape == (D,) and w.is_contiguous(), f"norm weights must be [{D}] contiguous"
-    assert positions.shape == (T,) and positions.dtype == torch.long, "positions must be [T] long"
+    assert positions.shape in ((T,), (1,)) and positions.dtype == torch.long, "positions must be [T] or [1] long"
+    consecutive = positions.numel() == 1
     assert inv_freq.dtype == torch.float32 and 2 * half <= D, "inv_freq [R/2] float32 with R <= D"
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     _qkv_norm_rope_kernel[(T, Hq + 2 * Hkv)](
         q, k, v, q_weight, k_weight, positions, inv_freq, out, k_cache, v_cache, eps,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        0 if consecutive else positions.stride(0), 1 if consecutive else 0, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HQ=Hq, HKV=Hkv, D=D, HALF=half, BD=triton.next_power_of_2(D), BH=triton.next_power_of_2(half),
         num_warps=1 if D <= 256 else 2, **pdl(q))

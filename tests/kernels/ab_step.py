@@ -113,14 +113,25 @@ def knockout_plans() -> dict:
 
 def attention_plans() -> dict:
     """Key spans for decode attention (kernels/attention.py: _config, a function of the cache size
-    only): the default (spans of 64 keys first, then larger ones) against the larger spans only."""
+    only): the default (spans of 64 keys first, then larger ones) against the larger spans only;
+    and the spans the combining kernel folds at a time, with its warps (_combine_config)."""
     from mtpchat.kernels import attention
     default = attention._config
 
+    combine = attention._combine_config
+
     def spans(rule):
-        return lambda: setattr(attention, "_config", rule)
-    return {"base": spans(default), "one size": spans(lambda L: (0, *default(L)[1:])),
-            "first 32": spans(lambda L: (32, *default(L)[1:]))}
+        def setup():
+            attention._config, attention._combine_config = rule, combine
+        return setup
+
+    def folds(cfg):
+        def setup():
+            attention._config, attention._combine_config = default, (lambda: cfg) if cfg else combine
+        return setup
+    return {"base": folds(None), "one size": spans(lambda L: (0, *default(L)[1:])),
+            "first 32": spans(lambda L: (32, *default(L)[1:])),
+            "combine 32/4w": folds((32, 4)), "combine 32/8w": folds((32, 8)), "combine 64/8w": folds((64, 8))}
 
 
 def split_plans() -> dict:

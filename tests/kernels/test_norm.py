@@ -96,3 +96,20 @@ def test_norms_27b_shapes(T):
     check(y, y_ref, 1e-2)
     o, z, wn = randn(T, 48, 128, **bf16), randn(T, 48, 128, **bf16), 1 + randn(128, scale=0.2, **bf16)
     check(norm.gated_rmsnorm(o, z, wn, EPS), norm.gated_rmsnorm_ref(o, z, wn, EPS), 1e-2)
+
+
+def test_add_rmsnorm_into_out(device):
+    # the normalised rows written into a given buffer (the decoder's verify hiddens), h as before
+    g = torch.Generator().manual_seed(12)
+    x, r = randn(3, 300, device=device, gen=g), randn(3, 300, device=device, gen=g)
+    w = randn(300, device=device, gen=g, scale=0.3)
+    buf = torch.full((5, 300), float("nan"), device=device)
+    y, h = norm.add_rmsnorm_triton(x, r, w, EPS, out=buf[1:4])
+    assert y.data_ptr() == buf[1:4].data_ptr() and buf[0].isnan().all() and buf[4].isnan().all()
+    y_ref, h_ref = norm.add_rmsnorm_ref(x, r, w, EPS)
+    check(y, y_ref, TOL[torch.float32])
+    check(h, h_ref, TOL[torch.float32], "residual sum")
+    parts = randn(2, 3, 300, device=device, gen=g)
+    y2, _ = norm.add_rmsnorm(parts, r, w, EPS, out=buf[1:4])
+    assert y2.data_ptr() == buf[1:4].data_ptr()
+    check(y2, norm.add_rmsnorm_ref(parts, r, w, EPS)[0], TOL[torch.float32], "from parts")

@@ -57,3 +57,22 @@ def test_reference_matches_the_model_formula():
     half = torch.cat([-rot[..., R // 2:], rot[..., :R // 2]], -1)
     want = torch.cat([rot * cos + half * sin, y[..., R:]], -1)
     check(norm_rope_ref(x, w, pos, inv_freq(R), EPS), want, 1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_qkv_norm_rope_consecutive_positions(device, T):
+    # positions [1]: the first of T consecutive ones, as a step passes them; the same as spelled out
+    q, k, v, g = _qkv(T, 3, 1, 64, torch.float32, device, seed=70 + T)
+    qw, kw = randn(64, device=device, gen=g, scale=0.3), randn(64, device=device, gen=g, scale=0.3)
+    f, L = inv_freq(16).to(device), 30
+    kc, vc = randn(L, 1, 64, device=device, gen=g), randn(L, 1, 64, device=device, gen=g)
+    start = torch.tensor([L - T - 2], device=device)
+    spelled = start + torch.arange(T, device=device)
+    outs = []
+    for pos, fn in ((spelled, qkv_norm_rope_triton), (start, qkv_norm_rope_triton), (start, qkv_norm_rope_ref)):
+        kk, vv = kc.clone(), vc.clone()
+        outs.append((fn(q, k, v, qw, kw, pos, f, EPS, kk, vv), kk, vv))
+    for a, b in zip(outs[0], outs[1]):
+        assert torch.equal(a, b)
+    for a, b in zip(outs[1], outs[2]):
+        check(a, b, TOL[torch.float32])
