@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels import attention, conv, gdn, gdn_chunk, norm
+from mtpchat.kernels._triton import use_triton
 from mtpchat.kernels.matvec import Normed, matvec, matvec_parts, matvec_parts_triton, matvec_swiglu, silu_mul
 from mtpchat.kernels.rope import qkv_norm_rope
 
@@ -64,7 +65,7 @@ SPLIT_NORM = True      # off: add_norm gives whole normalised rows (tests/kernel
 def out_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool):
     """A block's last product, which only the residual add and the norm after it read: left for
     add_norm in a step on the GPU, `linear` otherwise."""
-    if rowwise and x.is_cuda:
+    if rowwise and use_triton(x, w):
         return Product(x, w)
     return linear(x, w, rowwise)
 
@@ -78,6 +79,7 @@ def add_norm(x, residual: torch.Tensor, norm_: "RMSNorm", whole: bool = False, o
     which adds the parts. `out` (whole rows only) receives the normalised rows."""
     if isinstance(x, Product):
         if SPLIT_NORM and not whole:
+            assert out is None, "add_norm: the split norm gives a Normed, never whole rows into `out`"
             return matvec_parts_triton(x.x, x.w, norm=(residual, norm_.weight, norm_.eps))
         x = matvec_parts(x.x, x.w)
     return norm.add_rmsnorm(x, residual, norm_.weight, norm_.eps, out=out)

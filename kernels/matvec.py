@@ -229,10 +229,10 @@ SPLIT_PROGRAMS = 240
 
 
 def _split_config(N: int, K: int, itemsize: int) -> tuple[int, int, int, int, int]:
-    """(S, BN, BK, warps, stages) of a split product: S ranges of K, each of at least 8 tiles of
-    BK, for some SPLIT_PROGRAMS programs in all (the 27B's 5120-row products: 80 column blocks x 3).
-    Tiles of 16 KB, 4 deep, so that three programs fit on an SM and all of them are resident at
-    once; never a function of T."""
+    """(S, BN, BK, warps, stages) of a split product: S ranges of K (no more than K / (8 BK),
+    rounded up), for some SPLIT_PROGRAMS programs in all (the 27B's 5120-row products: 80 column
+    blocks x 3). Tiles of 16 KB of w, 4 deep (80 KB of shared memory with x's), so that two
+    programs fit on an SM and all 240 are resident at once on an H100; never a function of T."""
     BN, BK = 64, 256 // itemsize
     S = max(1, min(triton.cdiv(K, 8 * BK), round(SPLIT_PROGRAMS / triton.cdiv(N, BN))))
     return S, BN, BK, 4, 4
@@ -291,15 +291,21 @@ def matvec_triton(x, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.
 
 
 _counts: dict = {}
+_outgrown: list = []
 
 
 def _counts_for(device: torch.device, blocks: int) -> torch.Tensor:
     """Arrival counts of the column blocks of a split product with `norm`: int32, made once per
-    device outside graph capture and left at 0 by every product (they run one after another)."""
+    device outside graph capture and left at 0 by every product. One buffer serves every product
+    because they run one after another on one stream (two such products running at once on two
+    streams would share counts). A buffer outgrown by a wider model is kept, not freed: graphs
+    captured before still count in it."""
     count = _counts.get(device)
     if count is None or count.numel() < blocks:
         assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
             "matvec: run a split product with a norm once before capturing a graph (its counts are made then)"
+        if count is not None:
+            _outgrown.append(count)
         count = _counts[device] = torch.zeros(max(blocks, 256), dtype=torch.int32, device=device)
     return count
 

@@ -90,13 +90,15 @@ def resident_plans() -> dict:
 def knockout_plans() -> dict:
     """What each small kernel of a step costs where it runs: the step with that kernel replaced by
     nothing (an empty or passed-through tensor of its output's shape; the logits are then
-    meaningless, the products and every other kernel run as before)."""
+    meaningless, the products and every other kernel run as before). The norms between two
+    products run inside the split products (engine/model.py: add_norm): "-add_rmsnorm" takes out
+    the final norm alone."""
     from mtpchat.engine import model
     from mtpchat.kernels import attention, conv, gdn, norm
     kept = {(norm, "add_rmsnorm"): norm.add_rmsnorm, (conv, "conv_update"): conv.conv_update,
             (gdn, "recurrent"): gdn.recurrent, (norm, "gated_rmsnorm"): norm.gated_rmsnorm,
             (attention, "decode_attention"): attention.decode_attention, (model, "qkv_norm_rope"): model.qkv_norm_rope}
-    skip = {"add_rmsnorm": lambda x, r, w, eps: (r, r),
+    skip = {"add_rmsnorm": lambda x, r, w, eps, out=None: (r, r),
             "conv_update": lambda x, buf, off, w, live=None: x,
             "recurrent": lambda q, k, v, *rest: torch.empty(v.shape, dtype=v.dtype, device=v.device),
             "gated_rmsnorm": lambda x, z, w, eps: torch.empty(x.shape, dtype=x.dtype, device=x.device),

@@ -204,15 +204,22 @@ def test_matvec_parts_norm_27b_rows(K):
     from mtpchat.kernels import norm
     g = torch.Generator().manual_seed(K + 1)
     bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
-    x, w, r = randn(5, K, **bf16), randn(5120, K, scale=0.02, **bf16), randn(5, 5120, **bf16)
+    R = matvec.MAX_ROWS
+    x, w, r = randn(R, K, **bf16), randn(5120, K, scale=0.02, **bf16), randn(R, 5120, **bf16)
     nw, w2 = randn(5120, scale=0.3, **bf16), randn(2 * 17408, 5120, scale=0.02, **bf16)
-    n, h = matvec.matvec_parts_triton(x, w, norm=(r, nw, 1e-6))
-    ones = [matvec.matvec_parts_triton(x[i:i + 1], w, norm=(r[i:i + 1], nw, 1e-6)) for i in range(5)]
-    assert torch.equal(h, torch.cat([o[1] for o in ones])) and torch.equal(n.x, torch.cat([o[0].x for o in ones]))
-    assert torch.equal(n.ss, torch.cat([o[0].ss for o in ones]))
-    y_ref, h_ref = norm.add_rmsnorm_ref(matvec.matvec_parts_ref(x, w), r, nw, 1e-6)
-    assert torch.equal(h, norm.add_rmsnorm(matvec.matvec_parts(x, w), r, nw, 1e-6)[1])
+    w3 = randn(16480, 5120, scale=0.02, **bf16)
+    ones = [matvec.matvec_parts_triton(x[i:i + 1], w, norm=(r[i:i + 1], nw, 1e-6)) for i in range(R)]
+    next_ones = [(matvec.matvec_swiglu(o[0], w2), matvec.matvec(o[0], w3)) for o in ones]
+    for T in (2, 3, 5, R):
+        n, h = matvec.matvec_parts_triton(x[:T], w, norm=(r[:T], nw, 1e-6))
+        assert torch.equal(h, torch.cat([o[1] for o in ones[:T]])), f"T={T}"
+        assert torch.equal(n.x, torch.cat([o[0].x for o in ones[:T]])), f"T={T}"
+        assert torch.equal(n.ss, torch.cat([o[0].ss for o in ones[:T]])), f"T={T}"
+        assert torch.equal(matvec.matvec_swiglu(n, w2), torch.cat([y for y, _ in next_ones[:T]])), f"T={T}"
+        assert torch.equal(matvec.matvec(n, w3), torch.cat([y for _, y in next_ones[:T]])), f"T={T}"
+    n, h = matvec.matvec_parts_triton(x[:5], w, norm=(r[:5], nw, 1e-6))
+    y_ref, h_ref = norm.add_rmsnorm_ref(matvec.matvec_parts_ref(x[:5], w), r[:5], nw, 1e-6)
+    assert torch.equal(h, norm.add_rmsnorm(matvec.matvec_parts(x[:5], w), r[:5], nw, 1e-6)[1])
     check(h, h_ref, 1e-2, "residual sum")
-    y = matvec.matvec_swiglu(n, w2)
-    check(y, matvec.matvec_swiglu_ref(y_ref, w2), 2e-2, "the next product")
-    assert torch.equal(y, torch.cat([matvec.matvec_swiglu(o[0], w2) for o in ones]))
+    check(matvec.matvec_swiglu(n, w2), matvec.matvec_swiglu_ref(y_ref, w2), 2e-2, "the next product")
+    check(matvec.matvec(n, w3), matvec.matvec_ref(y_ref, w3), 2e-2, "a plain next product")
