@@ -93,8 +93,8 @@ class Decoder:
         self.reset()
 
     def nbytes(self) -> int:
-        bufs = (self.pend_hidden, self.pend_tokens, self.v_hidden, self.v_logits, self.seen, self.fed, self.steps, self.is_stop,
-                *self.partials)
+        bufs = (self.pend_hidden, self.pend_tokens, self.v_hidden, self.v_logits, self.seen, self.fed, self.steps,
+                self.is_stop, *self.partials)
         return sum(t.numel() * t.element_size() for t in bufs)
 
     @property
@@ -109,11 +109,9 @@ class Decoder:
         self.pending = 0                     # host mirror of pend_n
         self.generated = 0                   # tokens emitted in this generation
 
-    def _ctx(self, start, T: int, step: bool, positions: torch.Tensor | None = None) -> Ctx:
-        if positions is None and isinstance(start, int):
-            positions = torch.arange(start, start + T, device=self.device)
-        elif positions is None:
-            positions = start            # [1]: the first of T consecutive positions (kernels/rope.py)
+    def _ctx(self, start, T: int, step: bool) -> Ctx:
+        # a device start ([1]) stands for the T consecutive positions from it (kernels/rope.py)
+        positions = torch.arange(start, start + T, device=self.device) if isinstance(start, int) else start
         return Ctx(positions, start, step, self.state.conv_off, self.state.fold, self.state.parity,
                    self.room if step else None)
 
@@ -203,8 +201,7 @@ class Decoder:
         chain = L + self.steps[:k - 1]                                    # the chained drafts' positions
         for j in range(1, k):
             at = chain[j - 1:j]
-            out = self.head(self.model.embed, self.drafts[j - 1:j], out, self.state.mtp,
-                            self._ctx(at, 1, step=True, positions=at))
+            out = self.head(self.model.embed, self.drafts[j - 1:j], out, self.state.mtp, self._ctx(at, 1, step=True))
             self._greedy(out, self.drafts[j:j + 1])
 
     def _greedy(self, hidden: torch.Tensor, into: torch.Tensor):

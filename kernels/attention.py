@@ -6,11 +6,12 @@ q [T, Hq, D] holds the new tokens at positions start..start+T-1, whose keys and 
 in the cache; k_cache, v_cache [L, Hkv, D]. Query head h reads kv head h // (Hq // Hkv).
 
 The kernels split the keys into fixed spans (a function of the cache size only): the first
-FIRST spans of BN keys, the rest of SPLIT keys (so a short context is spread over many
-programs and a long one over few spans); one program per (span, kv head, block of query rows)
-computes a partial softmax, a second kernel combines the spans of each row in span order. The start is read from a device tensor, so a CUDA
-graph captured once serves every length. Row t sees exactly the spans and blocks it would see in a
-1-row call at start + t, and masked keys add exact zeros, so a row's result does not depend on T.
+FIRST spans of BN keys, the rest of SPLIT keys (so a short context is spread over many programs
+and a long one over few spans); one program per (span, kv head, block of query rows) computes a
+partial softmax, a second kernel combines the spans of each row in span order. The start is read
+from a device tensor, so a CUDA graph captured once serves every length. Row t sees exactly the
+spans and blocks it would see in a 1-row call at start + t, and masked keys add exact zeros, so a
+row's result does not depend on T.
 """
 from __future__ import annotations
 
@@ -145,7 +146,8 @@ def _config(L: int) -> tuple[int, int, int, int, int]:
 
 
 def _combine_config() -> tuple[int, int]:
-    """(spans folded at a time, warps) of the combining kernel."""
+    """(spans folded at a time, warps) of the combining kernel: 32 or 64 spans, 4 or 8 warps were
+    no faster in a 27B decode step (tests/kernels/ab_step.py --plans attention)."""
     return 16, 4
 
 

@@ -117,7 +117,8 @@ def qkv_norm_rope_triton(q, k, v, q_weight, k_weight, positions, inv_freq, eps, 
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     _qkv_norm_rope_kernel[(T, Hq + 2 * Hkv)](
         q, k, v, q_weight, k_weight, positions, inv_freq, out, k_cache, v_cache, eps,
-        0 if consecutive else positions.stride(0), 1 if consecutive else 0, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        0 if consecutive else positions.stride(0), 1 if consecutive else 0,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HQ=Hq, HKV=Hkv, D=D, HALF=half, BD=triton.next_power_of_2(D), BH=triton.next_power_of_2(half),
         num_warps=1 if D <= 256 else 2, **pdl(q))
