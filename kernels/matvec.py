@@ -11,6 +11,14 @@ tile). The compiled kernel is the same for every T <= BT (T is a run-time argume
 specialisation), each output is accumulated over K in the same order whatever the other rows
 hold, so row i of a T-row call is bit-for-bit the 1-row call of row i.
 
+A wide product whose column blocks make one to four waves on the GPU's SMs (the 27B's GDN in_proj,
+q|gate|k|v and MLP gate|up: 258, 224 and 272 blocks on 132 SMs) would end with a partial wave, a
+few SMs streaming alone while the rest wait. `matvec` and `matvec_swiglu` run such a product
+balanced: one program per SM, each taking an equal run of the product's (column block, K tile)
+steps in order, so a block may be shared by two or three programs; each then leaves its float32
+part, and the last to finish adds the parts in program order and writes the block. Where the
+parts begin and end is a function of the shapes and the number of SMs, never of T.
+
 A product with fewer column blocks than the GPU has SMs (the 27B's 5120-row o_proj, out_proj and
 MLP down: 80 blocks of 64 on 132 SMs) leaves SMs idle. `matvec_parts` splits its K into S ranges,
 one program per (column block, range), and returns the S float32 partial products; the kernel that
@@ -78,6 +86,24 @@ def _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP: tl.constexpr):
     return tl.rsqrt(tl.sum(b_ss, axis=1) / K + eps)
 
 
+@triton.jit
+def _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP: tl.constexpr, SWIGLU: tl.constexpr):
+    """A column block's outputs from its float32 sums [BN, BT]: scaled by the rows' 1 / rms for a
+    Normed input, then rounded as the product's value (x's dtype) and stored as y's; for SwiGLU,
+    b_g and b_u are the gate and up sums, each of torch's steps rounded to the model dtype."""
+    if NBP > 0:
+        b_g = b_g * b_rstd[None, :]
+        if SWIGLU:
+            b_u = b_u * b_rstd[None, :]
+    dtype = x.dtype.element_ty
+    b_y = b_g.to(dtype)
+    if SWIGLU:
+        b_g = b_y.to(tl.float32)
+        b_s = (b_g * tl.sigmoid(b_g)).to(dtype).to(tl.float32)
+        b_y = (b_s * b_u.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(y.dtype.element_ty), mask=m_n[:, None] & m_t[None, :])
+
+
 @triton.jit(do_not_specialize=["T"])
 def _matvec_kernel(x, w, y, ss, T, N, K, NB, s_x, s_w, s_y, s_ss, eps,
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
@@ -87,6 +113,7 @@ def _matvec_kernel(x, w, y, ss, T, N, K, NB, s_x, s_w, s_y, s_ss, eps,
     o_n = i_n * BN + tl.arange(0, BN)
     o_t = tl.arange(0, BT)
     m_n, m_t = o_n < N, o_t < T
+    b_rstd = tl.zeros([BT], dtype=tl.float32)
     if NBP > 0:
         b_rstd = _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP)     # read now, used after the loop
     b_y = tl.zeros([BN, BT], dtype=tl.float32)
@@ -97,11 +124,7 @@ def _matvec_kernel(x, w, y, ss, T, N, K, NB, s_x, s_w, s_y, s_ss, eps,
         b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
         # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
         b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
-    if NBP > 0:
-        b_y = b_y * b_rstd[None, :]
-    # rounded to the inputs' dtype as the product's value, then stored as y's (float32 logits)
-    b_y = b_y.to(x.dtype.element_ty).to(y.dtype.element_ty)
-    tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y, mask=m_n[:, None] & m_t[None, :])
+    _finish(b_y, b_y, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, False)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -157,6 +180,7 @@ def _matvec_swiglu_kernel(x, w, y, ss, T, N, K, NB, s_x, s_w, s_y, s_ss, eps,
     o_n = i_n * BN + tl.arange(0, BN)
     o_t = tl.arange(0, BT)
     m_n, m_t = o_n < N, o_t < T
+    b_rstd = tl.zeros([BT], dtype=tl.float32)
     if NBP > 0:
         b_rstd = _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP)
     b_g = tl.zeros([BN, BT], dtype=tl.float32)
@@ -169,14 +193,65 @@ def _matvec_swiglu_kernel(x, w, y, ss, T, N, K, NB, s_x, s_w, s_y, s_ss, eps,
         b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.))
         b_g = tl.dot(tl.load(p_w, mask=m_w, other=0.), b_x, b_g, input_precision="ieee")
         b_u = tl.dot(tl.load(p_w + N * s_w, mask=m_w, other=0.), b_x, b_u, input_precision="ieee")
-    # torch's steps, each rounded to the model dtype: the two products, silu(gate), the multiplication
+    _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, True)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _matvec_balanced_kernel(x, w, y, ws, count, ss, T, N, K, NB, P, s_x, s_w, s_y, s_ss, eps,
+                            BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
+                            SWIGLU: tl.constexpr, PDL: tl.constexpr):
+    # The product's steps are (column block, K tile) in block order, KI tiles a block; program p of
+    # P takes steps [p W / P, (p + 1) W / P). A block within one program is finished there; a block
+    # shared by programs q_lo..q_hi leaves each one's float32 part in ws[q, slot] (slot 0: the
+    # sharer's first block, 1: its last), and the last sharer to arrive adds the parts in program
+    # order, finishes the block and sets its count back to 0 (the acq_rel add orders the parts).
+    pdl_start(PDL)
+    p = tl.program_id(0)
+    KI = tl.cdiv(K, BK)
+    W = tl.cdiv(N, BN) * KI
+    i_lo, i_hi = p * W // P, (p + 1) * W // P
+    o_c, o_t = tl.arange(0, BN), tl.arange(0, BT)
+    m_t = o_t < T
+    b_rstd = tl.zeros([BT], dtype=tl.float32)
     if NBP > 0:
-        b_g, b_u = b_g * b_rstd[None, :], b_u * b_rstd[None, :]
-    dtype = y.dtype.element_ty
-    b_g = b_g.to(dtype).to(tl.float32)
-    b_s = (b_g * tl.sigmoid(b_g)).to(dtype).to(tl.float32)
-    b_y = b_s * b_u.to(dtype).to(tl.float32)
-    tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(dtype), mask=m_n[:, None] & m_t[None, :])
+        b_rstd = _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP)
+    o_ws = o_c[:, None] * BT + o_t[None, :]
+    s_ws: tl.constexpr = BN * BT
+    G: tl.constexpr = 2 if SWIGLU else 1
+    for i_n in range(i_lo // KI, tl.cdiv(i_hi, KI)):
+        o_n = i_n * BN + o_c
+        m_n = o_n < N
+        b_g = tl.zeros([BN, BT], dtype=tl.float32)
+        b_u = tl.zeros([BN, BT], dtype=tl.float32)
+        for k in range((tl.maximum(i_lo, i_n * KI) - i_n * KI) * BK, (tl.minimum(i_hi, i_n * KI + KI) - i_n * KI) * BK, BK):
+            o_k = k + tl.arange(0, BK)
+            m_k = o_k < K
+            m_w = m_n[:, None] & m_k[None, :]
+            p_w = w + o_n[:, None] * s_w + o_k[None, :]
+            b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.))
+            # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
+            b_g = tl.dot(tl.load(p_w, mask=m_w, other=0.), b_x, b_g, input_precision="ieee")
+            if SWIGLU:
+                b_u = tl.dot(tl.load(p_w + N * s_w, mask=m_w, other=0.), b_x, b_u, input_precision="ieee")
+        q_lo, q_hi = ((i_n * KI + 1) * P - 1) // W, ((i_n * KI + KI) * P - 1) // W
+        if q_lo == q_hi:
+            _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
+        else:
+            p_ws = ws + (p * 2 + tl.where(i_n == i_lo // KI, 0, 1)) * G * s_ws
+            tl.store(p_ws + o_ws, b_g)
+            if SWIGLU:
+                tl.store(p_ws + s_ws + o_ws, b_u)
+            tl.debug_barrier()
+            if tl.atomic_add(count + i_n, 1, sem="acq_rel", scope="gpu") == q_hi - q_lo:
+                b_g = tl.zeros([BN, BT], dtype=tl.float32)
+                b_u = tl.zeros([BN, BT], dtype=tl.float32)
+                for q in range(q_lo, q_hi + 1):
+                    p_q = ws + (q * 2 + tl.where((q * W // P) // KI == i_n, 0, 1)) * G * s_ws
+                    b_g += tl.load(p_q + o_ws, cache_modifier=".cg")
+                    if SWIGLU:
+                        b_u += tl.load(p_q + s_ws + o_ws, cache_modifier=".cg")
+                _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
+                tl.atomic_xchg(count + i_n, 0)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -278,12 +353,43 @@ def _scale_args(x, K: int) -> tuple[torch.Tensor, dict]:
                      NBP=triton.next_power_of_2(x.ss.shape[1]))
 
 
+BALANCED = True        # off: every product one program a column block (tests/kernels/ab_step.py --plans balance)
+CPU_PROGRAMS = 6       # the "SMs" of a balanced product under Triton's interpreter
+
+
+def _programs(device: torch.device) -> int:
+    """Programs of a balanced product: one per SM, as its tiles take most of an SM's shared memory."""
+    if device.type != "cuda":
+        return CPU_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _balanced(blocks: int, device: torch.device) -> int:
+    """The programs of a balanced product of `blocks` column blocks, or 0 where one program a
+    block serves: fewer blocks than SMs (a split product's business), or so many waves that the
+    last one's loss is small (the lm_head: 29 waves on an H100)."""
+    P = _programs(device)
+    return P if BALANCED and P < blocks <= 4 * P else 0
+
+
+def _launch_balanced(x, w, y, N, K, BN, BK, warps, stages, P, scale, swiglu: bool):
+    blocks = triton.cdiv(N, BN)
+    ws = torch.empty(P, 2, 2 if swiglu else 1, BN, MAX_ROWS, dtype=torch.float32, device=x.device)
+    _matvec_balanced_kernel[(P,)](x, w, y, ws, _counts_for(x.device, blocks), T=x.shape[0], N=N, K=K, P=P,
+                                  s_x=x.stride(0), s_w=w.stride(0), s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK,
+                                  SWIGLU=swiglu, num_warps=warps, num_stages=stages, **scale, **pdl(x))
+    return y
+
+
 def matvec_triton(x, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     N, K = w.shape
     x, scale = _scale_args(x, K)
     _check(x, w, K)
     y = _out(x, N, out)
     BN, BK, warps, stages = _config(N, K, x.element_size())
+    P = _balanced(triton.cdiv(N, BN), x.device)
+    if P:
+        return _launch_balanced(x, w, y, N, K, BN, BK, warps, stages, P, scale, swiglu=False)
     _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, T=x.shape[0], N=N, K=K, s_x=x.stride(0), s_w=w.stride(0),
                                           s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps,
                                           num_stages=stages, **scale, **pdl(x))
@@ -295,7 +401,8 @@ _outgrown: list = []
 
 
 def _counts_for(device: torch.device, blocks: int) -> torch.Tensor:
-    """Arrival counts of the column blocks of a split product with `norm`: int32, made once per
+    """Arrival counts of the column blocks of a split product with `norm` or of a balanced product
+    (matvec_triton): int32, made once per
     device outside graph capture and left at 0 by every product. One buffer serves every product
     because they run one after another on one stream (two such products running at once on two
     streams would share counts). A buffer outgrown by a wider model is kept, not freed: graphs
@@ -303,10 +410,10 @@ def _counts_for(device: torch.device, blocks: int) -> torch.Tensor:
     count = _counts.get(device)
     if count is None or count.numel() < blocks:
         assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "matvec: run a split product with a norm once before capturing a graph (its counts are made then)"
+            "matvec: run a split or balanced product once before capturing a graph (its counts are made then)"
         if count is not None:
             _outgrown.append(count)
-        count = _counts[device] = torch.zeros(max(blocks, 256), dtype=torch.int32, device=device)
+        count = _counts[device] = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)
     return count
 
 
@@ -346,6 +453,9 @@ def matvec_swiglu_triton(x, w: torch.Tensor) -> torch.Tensor:
     N = N2 // 2
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     BN, BK, warps, stages = _config(N, K, x.element_size(), swiglu=True)
+    P = _balanced(triton.cdiv(N, BN), x.device)
+    if P:
+        return _launch_balanced(x, w, y, N, K, BN, BK, warps, stages, P, scale, swiglu=True)
     _matvec_swiglu_kernel[(triton.cdiv(N, BN),)](x, w, y, T=x.shape[0], N=N, K=K, s_x=x.stride(0), s_w=w.stride(0),
                                                  s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps,
                                                  num_stages=stages, **scale, **pdl(x))

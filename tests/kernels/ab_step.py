@@ -9,6 +9,7 @@ shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans split           # the blocks' last products split over K, or not
     python3 ab_step.py --plans small           # the small kernels' tiles and warps
     python3 ab_step.py --plans resident        # wide products' tiles small enough to be resident at once
+    python3 ab_step.py --plans balance         # wide products balanced over the SMs, or one program a block
 
 A plan is a name and a function that sets the launch choice it stands for before its phases are
 compiled and captured (and undoes nothing: the next plan sets its own). Steps of a live
@@ -184,6 +185,29 @@ def small_plans() -> dict:
     return plans
 
 
+def balance_plans() -> dict:
+    """The wide products (GDN in_proj, q|gate|k|v, MLP gate|up: 1-4 waves of column blocks) one
+    program a column block ("plain") or balanced over one program an SM (kernels/matvec.py:
+    BALANCED), and balanced under other tiles (the deeper pipelines a program that runs longer may
+    want)."""
+    wide = lambda N, K, g: N in (16480, 14336) and not g
+
+    def balanced(on, rule=None):
+        def setup():
+            tile_plan(rule or (lambda N, K, g: None))()
+            matvec.BALANCED = on
+        return setup
+    plans = {"plain": balanced(False), "balanced": balanced(True)}
+    for name, rule in {"in:64x256s5": lambda N, K, g: (64, 256, 4, 5) if wide(N, K, g) else None,
+                       "in:64x256s3": lambda N, K, g: (64, 256, 4, 3) if wide(N, K, g) else None,
+                       "in:64x128s6": lambda N, K, g: (64, 128, 4, 6) if wide(N, K, g) else None,
+                       "glu:64x128s4": lambda N, K, g: (64, 128, 4, 4) if g else None,
+                       "glu:64x128s6": lambda N, K, g: (64, 128, 4, 6) if g else None,
+                       "glu:32x256s5": lambda N, K, g: (32, 256, 4, 5) if g else None}.items():
+        plans[f"balanced {name}"] = balanced(True, rule)
+    return plans
+
+
 def products_ms(model, reps: int = 20) -> float:
     """One decode step's products alone, in the step's order (each waits for the one before, as in
     the step), on the model's own weights: what the step's other kernels add is the difference."""
@@ -230,7 +254,8 @@ def kernel_resources():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3.6-27b")
-    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "knockout", "attention", "split", "small", "resident"))
+    p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "knockout", "attention", "split", "small", "resident",
+                                                           "balance"))
     p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--max-context", type=int, help="the cache size (default: the context + 256)")
@@ -242,7 +267,8 @@ def main():
     p.add_argument("--json")
     a = p.parse_args()
     plans = {"pdl": pdl_plans, "tiles": tile_plans, "knockout": knockout_plans, "attention": attention_plans,
-             "split": split_plans, "small": small_plans, "resident": resident_plans}[a.plans]()
+             "split": split_plans, "small": small_plans, "resident": resident_plans,
+             "balance": balance_plans}[a.plans]()
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
@@ -281,8 +307,14 @@ def main():
         restore()
         graphs[name, "verify 0"].replay()
         logits[name] = d.v_logits[:1].clone()
-    _triton._pdl_device, matvec._config, matvec._split_config = PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT
     first = next(iter(plans))
+    products = {}
+    if a.products:                 # the products alone: under each plan where the plans are about them
+        for name in plans if a.plans in ("balance", "tiles", "resident") else [first]:
+            plans[name]()
+            products[name] = products_ms(engine.model)
+    _triton._pdl_device, matvec._config, matvec._split_config = PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT
+    matvec.BALANCED = True
     same = {name: bool(torch.equal(logits[name], logits[first])) for name in plans} if a.room == 0 else {}
     times = {key: [] for key in graphs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -305,9 +337,10 @@ def main():
         print(f"{name:>18}: {rel}  same logits: {same.get(name)}", flush=True)
     for line in out["resources"]:
         print(line)
-    if a.products:
-        out["products_ms"] = products_ms(engine.model)
-        print(f"the decode step's products alone: {out['products_ms']:.3f} ms")
+    if products:
+        out["products_ms"] = products
+        for name, ms in products.items():
+            print(f"the decode step's products alone, {name}: {ms:.3f} ms")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
 

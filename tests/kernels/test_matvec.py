@@ -69,7 +69,7 @@ def test_matvec_27b_shapes(N, K):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K", SHAPES_27B[:3] + [(1000, 1000)])
+@pytest.mark.parametrize("N,K", SHAPES_27B[:4] + [(1000, 1000)])
 def test_matvec_rows_do_not_depend_on_T(N, K):
     g = torch.Generator().manual_seed(K)
     bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
@@ -88,6 +88,45 @@ def test_matvec_swiglu_27b_shapes_and_rows():
     check(y, matvec.matvec_swiglu_ref(x, w), 1e-2)
     assert torch.equal(y, torch.cat([matvec.matvec_swiglu(x[i:i + 1], w) for i in range(5)]))
 
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("P", [2, 3, 5])
+@pytest.mark.parametrize("T", [1, 4])
+def test_matvec_balanced(device, monkeypatch, dtype, P, T):
+    # 7 column blocks over P programs: most blocks are shared by two programs, whose float32 parts
+    # the last to finish adds; plain, SwiGLU and Normed inputs, against the references
+    monkeypatch.setattr(matvec, "_programs", lambda device: P)
+    g = torch.Generator().manual_seed(100 * P + T)
+    BN = matvec._config(443, 333, torch.tensor([], dtype=dtype).element_size())[0]
+    N = 7 * BN - 5
+    x, w = randn(T, 333, dtype=dtype, device=device, gen=g), randn(N, 333, dtype=dtype, device=device, gen=g, scale=0.1)
+    assert matvec._balanced(7, x.device) == P
+    for _ in range(2):                               # the second call finds the counts at 0 again
+        check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype])
+        assert int(matvec._counts[x.device].abs().sum()) == 0
+    n = _normed(T, 333, dtype, device, g)
+    check(matvec.matvec_triton(n, w), matvec.matvec_ref(n, w), TOL[dtype], "Normed")
+    BN2 = matvec._config(N, 333, x.element_size(), swiglu=True)[0]
+    w2 = randn(2 * (7 * BN2 - 3), 333, dtype=dtype, device=device, gen=g, scale=0.1)
+    check(matvec.matvec_swiglu_triton(x, w2), matvec.matvec_swiglu_ref(x, w2), TOL[dtype], "swiglu")
+    check(matvec.matvec_swiglu_triton(n, w2), matvec.matvec_swiglu_ref(n, w2), TOL[dtype], "swiglu, Normed")
+    monkeypatch.setattr(matvec, "BALANCED", False)
+    assert matvec._balanced(7, x.device) == 0
+    check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype], "unbalanced")
+
+
+def test_balanced_products_27b():
+    # on 132 SMs: GDN in_proj, q|gate|k|v and gate|up balanced; the lm_head and the 5120-row ones not
+    dev = torch.device("meta")
+    blocks = {name: matvec.triton.cdiv(N, matvec._config(N, 5120, 2, swiglu)[0])
+              for name, N, swiglu in [("in", 16480, False), ("qkv", 14336, False), ("glu", 17408, True),
+                                      ("lm", 248320, False), ("down", 5120, False)]}
+    assert blocks == {"in": 258, "qkv": 224, "glu": 272, "lm": 3880, "down": 80}
+    import unittest.mock
+    with unittest.mock.patch.object(matvec, "_programs", lambda device: 132):
+        assert {name: matvec._balanced(b, dev) for name, b in blocks.items()} == \
+            {"in": 132, "qkv": 132, "glu": 132, "lm": 0, "down": 0}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
