@@ -15,8 +15,9 @@ A wide product whose column blocks make one to four waves on the GPU's SMs (the 
 q|gate|k|v and MLP gate|up: 258, 224 and 272 blocks on 132 SMs) would end with a partial wave, a
 few SMs streaming alone while the rest wait. `matvec` and `matvec_swiglu` run such a product
 balanced: one program per SM, each taking an equal run of the product's (column block, K tile)
-steps in order, so a block may be shared by two or three programs; each then leaves its float32
-part, and the last to finish adds the parts in program order and writes the block. Where the
+steps in one loop (the loads run on across blocks), so a block may be shared by two programs;
+each then leaves its float32 part, and the second to finish adds the two in program order and
+writes the block. Where the
 parts begin and end is a function of the shapes and the number of SMs, never of T.
 
 A product with fewer column blocks than the GPU has SMs (the 27B's 5120-row o_proj, out_proj and
@@ -201,10 +202,12 @@ def _matvec_balanced_kernel(x, w, y, ws, count, ss, T, N, K, NB, P, s_x, s_w, s_
                             BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
                             SWIGLU: tl.constexpr, PDL: tl.constexpr):
     # The product's steps are (column block, K tile) in block order, KI tiles a block; program p of
-    # P takes steps [p W / P, (p + 1) W / P). A block within one program is finished there; a block
-    # shared by programs q_lo..q_hi leaves each one's float32 part in ws[q, slot] (slot 0: the
-    # sharer's first block, 1: its last), and the last sharer to arrive adds the parts in program
-    # order, finishes the block and sets its count back to 0 (the acq_rel add orders the parts).
+    # P (fewer than the blocks) takes steps [p W / P, (p + 1) W / P) in one loop, so its loads run
+    # on across blocks. A block within one program is finished there; a block shared by programs
+    # q and q + 1 (never more: a program has more steps than a block) leaves each one's float32
+    # part in ws[q, slot] (slot 0: the program's first block, 1: its last), and the second to
+    # arrive adds the two in program order, finishes the block and sets its count back to 0 (the
+    # acq_rel add orders the parts before its reads).
     pdl_start(PDL)
     p = tl.program_id(0)
     KI = tl.cdiv(K, BK)
@@ -218,40 +221,45 @@ def _matvec_balanced_kernel(x, w, y, ws, count, ss, T, N, K, NB, P, s_x, s_w, s_
     o_ws = o_c[:, None] * BT + o_t[None, :]
     s_ws: tl.constexpr = BN * BT
     G: tl.constexpr = 2 if SWIGLU else 1
-    for i_n in range(i_lo // KI, tl.cdiv(i_hi, KI)):
+    i_first = i_lo // KI
+    i_n, i_k = i_first, i_lo % KI
+    b_g = tl.zeros([BN, BT], dtype=tl.float32)
+    b_u = tl.zeros([BN, BT], dtype=tl.float32)
+    for i in range(i_lo, i_hi):
         o_n = i_n * BN + o_c
         m_n = o_n < N
-        b_g = tl.zeros([BN, BT], dtype=tl.float32)
-        b_u = tl.zeros([BN, BT], dtype=tl.float32)
-        for k in range((tl.maximum(i_lo, i_n * KI) - i_n * KI) * BK, (tl.minimum(i_hi, i_n * KI + KI) - i_n * KI) * BK, BK):
-            o_k = k + tl.arange(0, BK)
-            m_k = o_k < K
-            m_w = m_n[:, None] & m_k[None, :]
-            p_w = w + o_n[:, None] * s_w + o_k[None, :]
-            b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.))
-            # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
-            b_g = tl.dot(tl.load(p_w, mask=m_w, other=0.), b_x, b_g, input_precision="ieee")
-            if SWIGLU:
-                b_u = tl.dot(tl.load(p_w + N * s_w, mask=m_w, other=0.), b_x, b_u, input_precision="ieee")
-        q_lo, q_hi = ((i_n * KI + 1) * P - 1) // W, ((i_n * KI + KI) * P - 1) // W
-        if q_lo == q_hi:
-            _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
-        else:
-            p_ws = ws + (p * 2 + tl.where(i_n == i_lo // KI, 0, 1)) * G * s_ws
-            tl.store(p_ws + o_ws, b_g)
-            if SWIGLU:
-                tl.store(p_ws + s_ws + o_ws, b_u)
-            tl.debug_barrier()
-            if tl.atomic_add(count + i_n, 1, sem="acq_rel", scope="gpu") == q_hi - q_lo:
-                b_g = tl.zeros([BN, BT], dtype=tl.float32)
-                b_u = tl.zeros([BN, BT], dtype=tl.float32)
-                for q in range(q_lo, q_hi + 1):
-                    p_q = ws + (q * 2 + tl.where((q * W // P) // KI == i_n, 0, 1)) * G * s_ws
-                    b_g += tl.load(p_q + o_ws, cache_modifier=".cg")
-                    if SWIGLU:
-                        b_u += tl.load(p_q + s_ws + o_ws, cache_modifier=".cg")
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_w = m_n[:, None] & m_k[None, :]
+        p_w = w + o_n[:, None] * s_w + o_k[None, :]
+        b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.))
+        # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
+        b_g = tl.dot(tl.load(p_w, mask=m_w, other=0.), b_x, b_g, input_precision="ieee")
+        if SWIGLU:
+            b_u = tl.dot(tl.load(p_w + N * s_w, mask=m_w, other=0.), b_x, b_u, input_precision="ieee")
+        if (i_k == KI - 1) | (i == i_hi - 1):
+            q_lo, q_hi = ((i_n * KI + 1) * P - 1) // W, ((i_n * KI + KI) * P - 1) // W
+            if q_lo == q_hi:
                 _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
-                tl.atomic_xchg(count + i_n, 0)
+            else:
+                p_ws = ws + (p * 2 + tl.where(i_n == i_first, 0, 1)) * G * s_ws
+                tl.store(p_ws + o_ws, b_g)
+                if SWIGLU:
+                    tl.store(p_ws + s_ws + o_ws, b_u)
+                tl.debug_barrier()
+                if tl.atomic_add(count + i_n, 1, sem="acq_rel", scope="gpu") == 1:
+                    p_lo = ws + (q_lo * 2 + tl.where((q_lo * W // P) // KI == i_n, 0, 1)) * G * s_ws
+                    p_hi = ws + q_hi * 2 * G * s_ws                       # the block is q_hi's first
+                    b_g = tl.load(p_lo + o_ws, cache_modifier=".cg") + tl.load(p_hi + o_ws, cache_modifier=".cg")
+                    if SWIGLU:
+                        b_u = (tl.load(p_lo + s_ws + o_ws, cache_modifier=".cg")
+                               + tl.load(p_hi + s_ws + o_ws, cache_modifier=".cg"))
+                    _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
+                    tl.atomic_xchg(count + i_n, 0)
+            b_g = tl.zeros([BN, BT], dtype=tl.float32)
+            b_u = tl.zeros([BN, BT], dtype=tl.float32)
+        i_n = tl.where(i_k == KI - 1, i_n + 1, i_n)
+        i_k = tl.where(i_k == KI - 1, 0, i_k + 1)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -374,6 +382,7 @@ def _balanced(blocks: int, device: torch.device) -> int:
 
 def _launch_balanced(x, w, y, N, K, BN, BK, warps, stages, P, scale, swiglu: bool):
     blocks = triton.cdiv(N, BN)
+    assert P < blocks, "a balanced product needs more column blocks than programs (a block is then shared by two at most)"
     ws = torch.empty(P, 2, 2 if swiglu else 1, BN, MAX_ROWS, dtype=torch.float32, device=x.device)
     _matvec_balanced_kernel[(P,)](x, w, y, ws, _counts_for(x.device, blocks), T=x.shape[0], N=N, K=K, P=P,
                                   s_x=x.stride(0), s_w=w.stride(0), s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK,

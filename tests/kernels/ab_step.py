@@ -242,12 +242,15 @@ def products_ms(model, reps: int = 20) -> float:
 def kernel_resources():
     """Warps, stages, shared memory and registers of each compiled matvec kernel."""
     out = []
-    for fn in (matvec._matvec_kernel, matvec._matvec_swiglu_kernel, matvec._matvec_parts_kernel):
+    for fn in (matvec._matvec_kernel, matvec._matvec_swiglu_kernel, matvec._matvec_parts_kernel,
+               matvec._matvec_balanced_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for kernel in cache[0].values():
                 md = kernel.metadata
+                ptx = kernel.asm.get("ptx", "")
                 out.append(f"{fn.__name__} warps={md.num_warps} stages={md.num_stages} smem={md.shared} "
-                           f"regs={getattr(kernel, 'n_regs', '?')}")
+                           f"regs={getattr(kernel, 'n_regs', '?')} cp.async={ptx.count('cp.async')} "
+                           f"bulk={ptx.count('cp.async.bulk')}")
     return out
 
 
