@@ -11,14 +11,11 @@ tile). The compiled kernel is the same for every T <= BT (T is a run-time argume
 specialisation), each output is accumulated over K in the same order whatever the other rows
 hold, so row i of a T-row call is bit-for-bit the 1-row call of row i.
 
-A wide product whose column blocks make one to four waves on the GPU's SMs (the 27B's GDN in_proj,
-q|gate|k|v and MLP gate|up: 258, 224 and 272 blocks on 132 SMs) would end with a partial wave, a
-few SMs streaming alone while the rest wait. `matvec` and `matvec_swiglu` run such a product
-balanced: one program per SM, each taking an equal run of the product's (column block, K tile)
-steps in one loop (the loads run on across blocks), so a block may be shared by two programs;
-each then leaves its float32 part, and the second to finish adds the two in program order and
-writes the block. Where the
-parts begin and end is a function of the shapes and the number of SMs, never of T.
+A product whose column blocks end in a small partial wave on the GPU's SMs (the 27B's MLP gate|up:
+272 blocks on 132 SMs, one program an SM, leaves 8 blocks streaming alone at the end) has that
+last wave split over K: its blocks' programs each take a run of K tiles and leave float32 parts,
+and the last of a block's parts to finish adds them in order and writes the block. The split is
+a function of the shapes and the number of SMs, never of T.
 
 A product with fewer column blocks than the GPU has SMs (the 27B's 5120-row o_proj, out_proj and
 MLP down: 80 blocks of 64 on 132 SMs) leaves SMs idle. `matvec_parts` splits its K into S ranges,
@@ -198,37 +195,31 @@ def _matvec_swiglu_kernel(x, w, y, ss, T, N, K, NB, s_x, s_w, s_y, s_ss, eps,
 
 
 @triton.jit(do_not_specialize=["T"])
-def _matvec_balanced_kernel(x, w, y, ws, count, ss, T, N, K, NB, P, s_x, s_w, s_y, s_ss, eps,
-                            BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
-                            SWIGLU: tl.constexpr, PDL: tl.constexpr):
-    # The product's steps are (column block, K tile) in block order, KI tiles a block; program p of
-    # P (fewer than the blocks) takes steps [p W / P, (p + 1) W / P) in one loop, so its loads run
-    # on across blocks. A block within one program is finished there; a block shared by programs
-    # q and q + 1 (never more: a program has more steps than a block) leaves each one's float32
-    # part in ws[q, slot] (slot 0: the program's first block, 1: its last), and the second to
-    # arrive adds the two in program order, finishes the block and sets its count back to 0 (the
-    # acq_rel add orders the parts before its reads).
+def _matvec_tail_kernel(x, w, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_y, s_ss, eps,
+                        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
+                        SWIGLU: tl.constexpr, PDL: tl.constexpr):
+    # Programs 0..F-1 take column blocks 0..F-1 whole, as _matvec_kernel / _matvec_swiglu_kernel
+    # do; program F + j takes part j % S of block F + j // S, K[(j % S) KS, (j % S + 1) KS), and
+    # leaves its float32 sums in ws[j]; the last of a block's S parts to arrive adds them in
+    # order, finishes the block and sets its count back to 0 (its acq_rel add, after every thread
+    # of the program has stored, orders the parts before its reads).
     pdl_start(PDL)
-    p = tl.program_id(0)
-    KI = tl.cdiv(K, BK)
-    W = tl.cdiv(N, BN) * KI
-    i_lo, i_hi = p * W // P, (p + 1) * W // P
-    o_c, o_t = tl.arange(0, BN), tl.arange(0, BT)
-    m_t = o_t < T
+    pid = tl.program_id(0)
+    j = tl.maximum(pid - F, 0)
+    i_s = j % S
+    i_n = tl.where(pid < F, pid, F + j // S)
+    k_lo = tl.where(pid < F, 0, i_s * KS)
+    k_hi = tl.where(pid < F, K, tl.minimum(i_s * KS + KS, K))
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_t = tl.arange(0, BT)
+    m_n, m_t = o_n < N, o_t < T
     b_rstd = tl.zeros([BT], dtype=tl.float32)
     if NBP > 0:
         b_rstd = _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP)
-    o_ws = o_c[:, None] * BT + o_t[None, :]
-    s_ws: tl.constexpr = BN * BT
-    G: tl.constexpr = 2 if SWIGLU else 1
-    i_first = i_lo // KI
-    i_n, i_k = i_first, i_lo % KI
     b_g = tl.zeros([BN, BT], dtype=tl.float32)
     b_u = tl.zeros([BN, BT], dtype=tl.float32)
-    for i in range(i_lo, i_hi):
-        o_n = i_n * BN + o_c
-        m_n = o_n < N
-        o_k = i_k * BK + tl.arange(0, BK)
+    for k in range(k_lo, k_hi, BK):
+        o_k = k + tl.arange(0, BK)
         m_k = o_k < K
         m_w = m_n[:, None] & m_k[None, :]
         p_w = w + o_n[:, None] * s_w + o_k[None, :]
@@ -237,29 +228,26 @@ def _matvec_balanced_kernel(x, w, y, ws, count, ss, T, N, K, NB, P, s_x, s_w, s_
         b_g = tl.dot(tl.load(p_w, mask=m_w, other=0.), b_x, b_g, input_precision="ieee")
         if SWIGLU:
             b_u = tl.dot(tl.load(p_w + N * s_w, mask=m_w, other=0.), b_x, b_u, input_precision="ieee")
-        if (i_k == KI - 1) | (i == i_hi - 1):
-            q_lo, q_hi = ((i_n * KI + 1) * P - 1) // W, ((i_n * KI + KI) * P - 1) // W
-            if q_lo == q_hi:
-                _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
-            else:
-                p_ws = ws + (p * 2 + tl.where(i_n == i_first, 0, 1)) * G * s_ws
-                tl.store(p_ws + o_ws, b_g)
+    if pid < F:
+        _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
+    else:
+        o_ws = tl.arange(0, BN)[:, None] * BT + o_t[None, :]
+        s_ws: tl.constexpr = BN * BT * (2 if SWIGLU else 1)
+        tl.store(ws + j * s_ws + o_ws, b_g)
+        if SWIGLU:
+            tl.store(ws + j * s_ws + BN * BT + o_ws, b_u)
+        tl.debug_barrier()
+        if tl.atomic_add(count + i_n, 1, sem="acq_rel", scope="gpu") == S - 1:
+            p_0 = ws + (j - i_s) * s_ws                              # the block's first part
+            b_g = tl.load(p_0 + o_ws, cache_modifier=".cg")
+            if SWIGLU:
+                b_u = tl.load(p_0 + BN * BT + o_ws, cache_modifier=".cg")
+            for i_p in range(1, S):
+                b_g += tl.load(p_0 + i_p * s_ws + o_ws, cache_modifier=".cg")
                 if SWIGLU:
-                    tl.store(p_ws + s_ws + o_ws, b_u)
-                tl.debug_barrier()
-                if tl.atomic_add(count + i_n, 1, sem="acq_rel", scope="gpu") == 1:
-                    p_lo = ws + (q_lo * 2 + tl.where((q_lo * W // P) // KI == i_n, 0, 1)) * G * s_ws
-                    p_hi = ws + q_hi * 2 * G * s_ws                       # the block is q_hi's first
-                    b_g = tl.load(p_lo + o_ws, cache_modifier=".cg") + tl.load(p_hi + o_ws, cache_modifier=".cg")
-                    if SWIGLU:
-                        b_u = (tl.load(p_lo + s_ws + o_ws, cache_modifier=".cg")
-                               + tl.load(p_hi + s_ws + o_ws, cache_modifier=".cg"))
-                    _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
-                    tl.atomic_xchg(count + i_n, 0)
-            b_g = tl.zeros([BN, BT], dtype=tl.float32)
-            b_u = tl.zeros([BN, BT], dtype=tl.float32)
-        i_n = tl.where(i_k == KI - 1, i_n + 1, i_n)
-        i_k = tl.where(i_k == KI - 1, 0, i_k + 1)
+                    b_u += tl.load(p_0 + i_p * s_ws + BN * BT + o_ws, cache_modifier=".cg")
+            _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
+            tl.atomic_xchg(count + i_n, 0)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -361,33 +349,48 @@ def _scale_args(x, K: int) -> tuple[torch.Tensor, dict]:
                      NBP=triton.next_power_of_2(x.ss.shape[1]))
 
 
-BALANCED = True        # off: every product one program a column block (tests/kernels/ab_step.py --plans balance)
-CPU_PROGRAMS = 6       # the "SMs" of a balanced product under Triton's interpreter
+TAIL_SPLIT = True      # off: one program a column block throughout (tests/kernels/ab_step.py --plans tail)
+CPU_PROGRAMS = 6       # the "SMs" under Triton's interpreter
 
 
 def _programs(device: torch.device) -> int:
-    """Programs of a balanced product: one per SM, as its tiles take most of an SM's shared memory."""
+    """Programs resident at once for the wide products' tiles: one per SM (they take most of an
+    SM's shared memory)."""
     if device.type != "cuda":
         return CPU_PROGRAMS
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _balanced(blocks: int, device: torch.device) -> int:
-    """The programs of a balanced product of `blocks` column blocks, or 0 where one program a
-    block serves: fewer blocks than SMs (a split product's business), or so many waves that the
-    last one's loss is small (the lm_head: 29 waves on an H100)."""
-    P = _programs(device)
-    return P if BALANCED and P < blocks <= 4 * P else 0
+def _tail_config(blocks: int, KI: int, P: int) -> tuple[int, int] | None:
+    """(parts, K tiles a part) for the last, partial wave of a product of `blocks` column blocks of
+    KI K tiles on P resident programs, or None to leave it whole: a last wave of at most P / 4
+    blocks is split into as many parts as fill the SMs (two tiles a part at least). A function of
+    the shapes and P alone, never of T."""
+    r = blocks % P
+    if blocks <= P or r == 0 or r > P // 4:
+        return None
+    S = min(P // r, KI // 2)
+    if S < 2:
+        return None
+    KS = triton.cdiv(KI, S)
+    return triton.cdiv(KI, KS), KS
 
 
-def _launch_balanced(x, w, y, N, K, BN, BK, warps, stages, P, scale, swiglu: bool):
-    blocks = triton.cdiv(N, BN)
-    assert P < blocks, "a balanced product needs more column blocks than programs (a block is then shared by two at most)"
-    ws = torch.empty(P, 2, 2 if swiglu else 1, BN, MAX_ROWS, dtype=torch.float32, device=x.device)
-    _matvec_balanced_kernel[(P,)](x, w, y, ws, _counts_for(x.device, blocks), T=x.shape[0], N=N, K=K, P=P,
-                                  s_x=x.stride(0), s_w=w.stride(0), s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK,
-                                  SWIGLU=swiglu, num_warps=warps, num_stages=stages, **scale, **pdl(x))
-    return y
+def _launch_tail(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu: bool) -> bool:
+    """Run the product with its last wave split (_matvec_tail_kernel) where _tail_config says so;
+    False where it does not."""
+    blocks, KI = triton.cdiv(N, BN), triton.cdiv(K, BK)
+    tail = _tail_config(blocks, KI, _programs(x.device)) if TAIL_SPLIT else None
+    if tail is None:
+        return False
+    S, KS = tail
+    F = blocks - blocks % _programs(x.device)
+    ws = torch.empty((blocks - F) * S, 2 if swiglu else 1, BN, MAX_ROWS, dtype=torch.float32, device=x.device)
+    _matvec_tail_kernel[(F + (blocks - F) * S,)](
+        x, w, y, ws, _counts_for(x.device, blocks), T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0),
+        s_w=w.stride(0), s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, SWIGLU=swiglu, num_warps=warps,
+        num_stages=stages, **scale, **pdl(x))
+    return True
 
 
 def matvec_triton(x, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -396,9 +399,8 @@ def matvec_triton(x, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     _check(x, w, K)
     y = _out(x, N, out)
     BN, BK, warps, stages = _config(N, K, x.element_size())
-    P = _balanced(triton.cdiv(N, BN), x.device)
-    if P:
-        return _launch_balanced(x, w, y, N, K, BN, BK, warps, stages, P, scale, swiglu=False)
+    if _launch_tail(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu=False):
+        return y
     _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, T=x.shape[0], N=N, K=K, s_x=x.stride(0), s_w=w.stride(0),
                                           s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps,
                                           num_stages=stages, **scale, **pdl(x))
@@ -410,8 +412,8 @@ _outgrown: list = []
 
 
 def _counts_for(device: torch.device, blocks: int) -> torch.Tensor:
-    """Arrival counts of the column blocks of a split product with `norm` or of a balanced product
-    (matvec_triton): int32, made once per
+    """Arrival counts of the column blocks of a split product with `norm` or of a split last wave
+    (_launch_tail): int32, made once per
     device outside graph capture and left at 0 by every product. One buffer serves every product
     because they run one after another on one stream (two such products running at once on two
     streams would share counts). A buffer outgrown by a wider model is kept, not freed: graphs
@@ -419,7 +421,7 @@ def _counts_for(device: torch.device, blocks: int) -> torch.Tensor:
     count = _counts.get(device)
     if count is None or count.numel() < blocks:
         assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "matvec: run a split or balanced product once before capturing a graph (its counts are made then)"
+            "matvec: run a split product once before capturing a graph (its counts are made then)"
         if count is not None:
             _outgrown.append(count)
         count = _counts[device] = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)
@@ -462,9 +464,8 @@ def matvec_swiglu_triton(x, w: torch.Tensor) -> torch.Tensor:
     N = N2 // 2
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     BN, BK, warps, stages = _config(N, K, x.element_size(), swiglu=True)
-    P = _balanced(triton.cdiv(N, BN), x.device)
-    if P:
-        return _launch_balanced(x, w, y, N, K, BN, BK, warps, stages, P, scale, swiglu=True)
+    if _launch_tail(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu=True):
+        return y
     _matvec_swiglu_kernel[(triton.cdiv(N, BN),)](x, w, y, T=x.shape[0], N=N, K=K, s_x=x.stride(0), s_w=w.stride(0),
                                                  s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps,
                                                  num_stages=stages, **scale, **pdl(x))

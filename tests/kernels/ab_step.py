@@ -9,7 +9,7 @@ shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans split           # the blocks' last products split over K, or not
     python3 ab_step.py --plans small           # the small kernels' tiles and warps
     python3 ab_step.py --plans resident        # wide products' tiles small enough to be resident at once
-    python3 ab_step.py --plans balance         # wide products balanced over the SMs, or one program a block
+    python3 ab_step.py --plans tail            # a product's small last wave split over K, or whole
 
 A plan is a name and a function that sets the launch choice it stands for before its phases are
 compiled and captured (and undoes nothing: the next plan sets its own). Steps of a live
@@ -34,6 +34,7 @@ from mtpchat.kernels import _triton, matvec
 
 CONFIGS = Path(bench.__file__).parent / "configs"
 PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT = _triton._pdl_device, matvec._config, matvec._split_config
+DEFAULT_TAIL = matvec._tail_config
 
 
 def pdl_plans() -> dict:
@@ -185,27 +186,27 @@ def small_plans() -> dict:
     return plans
 
 
-def balance_plans() -> dict:
-    """The wide products (GDN in_proj, q|gate|k|v, MLP gate|up: 1-4 waves of column blocks) one
-    program a column block ("plain") or balanced over one program an SM (kernels/matvec.py:
-    BALANCED), and balanced under other tiles (the deeper pipelines a program that runs longer may
-    want)."""
-    wide = lambda N, K, g: N in (16480, 14336) and not g
+def tail_plans() -> dict:
+    """The products whose last wave of column blocks is small (the MLP gate|up: 8 of 272 blocks on
+    132 SMs) as one program a block ("whole") or with that wave split over K (kernels/matvec.py:
+    TAIL_SPLIT, "split"), and split into at most 8 or 4 parts a block."""
+    default = matvec._tail_config
 
-    def balanced(on, rule=None):
+    def capped(most):
+        def config(blocks, KI, P):
+            c = default(blocks, KI, P)
+            if c is None or c[0] <= most:
+                return c
+            KS = matvec.triton.cdiv(KI, most)
+            return matvec.triton.cdiv(KI, KS), KS
+        return config
+
+    def tail(on, most=None):
         def setup():
-            tile_plan(rule or (lambda N, K, g: None))()
-            matvec.BALANCED = on
+            matvec.TAIL_SPLIT = on
+            matvec._tail_config = default if most is None else capped(most)
         return setup
-    plans = {"plain": balanced(False), "balanced": balanced(True)}
-    for name, rule in {"in:64x256s5": lambda N, K, g: (64, 256, 4, 5) if wide(N, K, g) else None,
-                       "in:64x256s3": lambda N, K, g: (64, 256, 4, 3) if wide(N, K, g) else None,
-                       "in:64x128s6": lambda N, K, g: (64, 128, 4, 6) if wide(N, K, g) else None,
-                       "glu:64x128s4": lambda N, K, g: (64, 128, 4, 4) if g else None,
-                       "glu:64x128s6": lambda N, K, g: (64, 128, 4, 6) if g else None,
-                       "glu:32x256s5": lambda N, K, g: (32, 256, 4, 5) if g else None}.items():
-        plans[f"balanced {name}"] = balanced(True, rule)
-    return plans
+    return {"whole": tail(False), "split": tail(True), "split 8": tail(True, 8), "split 4": tail(True, 4)}
 
 
 def products_ms(model, reps: int = 20) -> float:
@@ -243,7 +244,7 @@ def kernel_resources():
     """Warps, stages, shared memory and registers of each compiled matvec kernel."""
     out = []
     for fn in (matvec._matvec_kernel, matvec._matvec_swiglu_kernel, matvec._matvec_parts_kernel,
-               matvec._matvec_balanced_kernel):
+               matvec._matvec_tail_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for kernel in cache[0].values():
                 md = kernel.metadata
@@ -258,7 +259,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3.6-27b")
     p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "knockout", "attention", "split", "small", "resident",
-                                                           "balance"))
+                                                           "tail"))
     p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--max-context", type=int, help="the cache size (default: the context + 256)")
@@ -271,7 +272,7 @@ def main():
     a = p.parse_args()
     plans = {"pdl": pdl_plans, "tiles": tile_plans, "knockout": knockout_plans, "attention": attention_plans,
              "split": split_plans, "small": small_plans, "resident": resident_plans,
-             "balance": balance_plans}[a.plans]()
+             "tail": tail_plans}[a.plans]()
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
@@ -313,11 +314,11 @@ def main():
     first = next(iter(plans))
     products = {}
     if a.products:                 # the products alone: under each plan where the plans are about them
-        for name in plans if a.plans in ("balance", "tiles", "resident") else [first]:
+        for name in plans if a.plans in ("tail", "tiles", "resident") else [first]:
             plans[name]()
             products[name] = products_ms(engine.model)
     _triton._pdl_device, matvec._config, matvec._split_config = PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT
-    matvec.BALANCED = True
+    matvec.TAIL_SPLIT, matvec._tail_config = True, DEFAULT_TAIL
     same = {name: bool(torch.equal(logits[name], logits[first])) for name in plans} if a.room == 0 else {}
     times = {key: [] for key in graphs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -91,42 +91,43 @@ def test_matvec_swiglu_27b_shapes_and_rows():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("P", [2, 3, 5])
+@pytest.mark.parametrize("P,blocks", [(4, 5), (6, 7), (8, 10)])
 @pytest.mark.parametrize("T", [1, 4])
-def test_matvec_balanced(device, monkeypatch, dtype, P, T):
-    # 7 column blocks over P programs: most blocks are shared by two programs, whose float32 parts
-    # the last to finish adds; plain, SwiGLU and Normed inputs, against the references
+def test_matvec_tail_split(device, monkeypatch, dtype, P, blocks, T):
+    # a last wave of one or two column blocks on P "SMs", split over K: each part leaves float32
+    # sums and the last to arrive adds them; plain, SwiGLU and Normed inputs against the references
     monkeypatch.setattr(matvec, "_programs", lambda device: P)
     g = torch.Generator().manual_seed(100 * P + T)
-    BN = matvec._config(443, 333, torch.tensor([], dtype=dtype).element_size())[0]
-    N = 7 * BN - 5
-    x, w = randn(T, 333, dtype=dtype, device=device, gen=g), randn(N, 333, dtype=dtype, device=device, gen=g, scale=0.1)
-    assert matvec._balanced(7, x.device) == P
+    size = torch.tensor([], dtype=dtype).element_size()
+    K = 1100
+    BN, BK = matvec._config(1000, K, size)[:2]
+    N = blocks * BN - 5
+    S, KS = matvec._tail_config(blocks, matvec.triton.cdiv(K, BK), P)
+    assert S >= 2 and (S - 1) * KS < matvec.triton.cdiv(K, BK) <= S * KS
+    x, w = randn(T, K, dtype=dtype, device=device, gen=g), randn(N, K, dtype=dtype, device=device, gen=g, scale=0.1)
     for _ in range(2):                               # the second call finds the counts at 0 again
         check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype])
         assert int(matvec._counts[x.device].abs().sum()) == 0
-    n = _normed(T, 333, dtype, device, g)
+    n = _normed(T, K, dtype, device, g)
     check(matvec.matvec_triton(n, w), matvec.matvec_ref(n, w), TOL[dtype], "Normed")
-    BN2 = matvec._config(N, 333, x.element_size(), swiglu=True)[0]
-    w2 = randn(2 * (7 * BN2 - 3), 333, dtype=dtype, device=device, gen=g, scale=0.1)
+    BN2 = matvec._config(1000, K, size, swiglu=True)[0]
+    w2 = randn(2 * (blocks * BN2 - 3), K, dtype=dtype, device=device, gen=g, scale=0.1)
     check(matvec.matvec_swiglu_triton(x, w2), matvec.matvec_swiglu_ref(x, w2), TOL[dtype], "swiglu")
     check(matvec.matvec_swiglu_triton(n, w2), matvec.matvec_swiglu_ref(n, w2), TOL[dtype], "swiglu, Normed")
-    monkeypatch.setattr(matvec, "BALANCED", False)
-    assert matvec._balanced(7, x.device) == 0
-    check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype], "unbalanced")
+    monkeypatch.setattr(matvec, "TAIL_SPLIT", False)
+    check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype], "unsplit")
 
 
-def test_balanced_products_27b():
-    # on 132 SMs: GDN in_proj, q|gate|k|v and gate|up balanced; the lm_head and the 5120-row ones not
-    dev = torch.device("meta")
-    blocks = {name: matvec.triton.cdiv(N, matvec._config(N, 5120, 2, swiglu)[0])
-              for name, N, swiglu in [("in", 16480, False), ("qkv", 14336, False), ("glu", 17408, True),
-                                      ("lm", 248320, False), ("down", 5120, False)]}
-    assert blocks == {"in": 258, "qkv": 224, "glu": 272, "lm": 3880, "down": 80}
-    import unittest.mock
-    with unittest.mock.patch.object(matvec, "_programs", lambda device: 132):
-        assert {name: matvec._balanced(b, dev) for name, b in blocks.items()} == \
-            {"in": 132, "qkv": 132, "glu": 132, "lm": 0, "down": 0}
+def test_tail_config_27b():
+    # on 132 SMs only the MLP gate|up ends in a small partial wave (272 blocks: 8 left), split in
+    # 14 parts of 3 of its 40 K tiles; the GDN in_proj (258), q|gate|k|v (224) and lm_head (3880)
+    # end in waves of 126, 92 and 52 blocks, the 5120-row products (80) make less than one
+    shapes = {"in": (16480, False), "qkv": (14336, False), "glu": (17408, True), "lm": (248320, False), "down": (5120, False)}
+    got = {}
+    for name, (N, swiglu) in shapes.items():
+        BN, BK = matvec._config(N, 5120, 2, swiglu)[:2]
+        got[name] = matvec._tail_config(matvec.triton.cdiv(N, BN), matvec.triton.cdiv(5120, BK), 132)
+    assert got == {"in": None, "qkv": None, "glu": (14, 3), "lm": None, "down": None}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
