@@ -206,7 +206,7 @@ def tail_plans() -> dict:
             matvec.TAIL_SPLIT = on
             matvec._tail_config = default if most is None else capped(most)
         return setup
-    return {"whole": tail(False), "split": tail(True), "split 8": tail(True, 8), "split 4": tail(True, 4)}
+    return {"whole": tail(False), "split": tail(True), **{f"split {n}": tail(True, n) for n in (8, 6, 5, 4, 3, 2)}}
 
 
 def products_ms(model, reps: int = 20) -> float:
