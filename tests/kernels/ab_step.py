@@ -206,7 +206,19 @@ def tail_plans() -> dict:
             matvec.TAIL_SPLIT = on
             matvec._tail_config = default if most is None else capped(most)
         return setup
-    return {"whole": tail(False), "split": tail(True), **{f"split {n}": tail(True, n) for n in (8, 6, 5, 4, 3, 2)}}
+    def wide_too(parts):
+        # any partial last wave split, the large ones (GDN in_proj 126 of 258, q|gate|k|v 92 of 224) in `parts`
+        def config(blocks, KI, P):
+            if blocks > P and blocks % P > P // 4:
+                KS = matvec.triton.cdiv(KI, parts)
+                return matvec.triton.cdiv(KI, KS), KS
+            return capped(3)(blocks, KI, P)
+
+        def setup():
+            matvec.TAIL_SPLIT, matvec._tail_config = True, config
+        return setup
+    return {"whole": tail(False), "split": tail(True), **{f"split {n}": tail(True, n) for n in (8, 6, 5, 4, 3, 2)},
+            "split 3, wide 2": wide_too(2), "split 3, wide 3": wide_too(3)}
 
 
 def products_ms(model, reps: int = 20) -> float:
