@@ -218,7 +218,7 @@ def tail_plans() -> dict:
             matvec.TAIL_SPLIT, matvec._tail_config = True, config
         return setup
     return {"whole": tail(False), "split": tail(True), **{f"split {n}": tail(True, n) for n in (8, 6, 5, 4, 3, 2)},
-            "split 3, wide 2": wide_too(2), "split 3, wide 3": wide_too(3)}
+            "split 3 wide 2": wide_too(2), "split 3 wide 3": wide_too(3)}
 
 
 def products_ms(model, reps: int = 20) -> float:
