@@ -13,8 +13,8 @@ hold, so row i of a T-row call is bit-for-bit the 1-row call of row i.
 
 A product whose column blocks end in a small partial wave on the GPU's SMs (the 27B's MLP gate|up:
 272 blocks on 132 SMs, one program an SM, leaves 8 blocks streaming alone at the end) has that
-last wave split over K: its blocks' programs each take a run of K tiles and leave float32 parts,
-and the last of a block's parts to finish adds them in order and writes the block. The split is
+last wave split over K: each of its blocks is taken by 3 programs, each over a third of K, which
+leave float32 parts, and the last of the three to finish adds them in order and writes the block. The split is
 a function of the shapes and the number of SMs, never of T.
 
 A product with fewer column blocks than the GPU has SMs (the 27B's 5120-row o_proj, out_proj and
@@ -361,16 +361,21 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+TAIL_PARTS = 3
+
+
 def _tail_config(blocks: int, KI: int, P: int) -> tuple[int, int] | None:
     """(parts, K tiles a part) for the last, partial wave of a product of `blocks` column blocks of
     KI K tiles on P resident programs, or None to leave it whole: a last wave of at most P / 4
-    blocks is split into as many parts as fill the SMs (two tiles a part at least). A function of
-    the shapes and P alone, never of T."""
+    blocks is split into TAIL_PARTS parts a block (two tiles a part at least). A function of the
+    shapes and P alone, never of T. The 27B's MLP gate|up on an H100 (8 of 272 blocks left on 132
+    SMs; tests/kernels/ab_step.py --plans tail): the decode step 1.2% faster in 3 parts, 1.1% in
+    2, 0.7-0.8% in 4 or 5, 0.4% in 6 and 8, no faster in 14 (one part of three tiles an SM);
+    splitting the large last waves of the GDN in_proj and q|gate|k|v too (126 of 258, 92 of 224
+    blocks) took most of the gain back."""
     r = blocks % P
-    if blocks <= P or r == 0 or r > P // 4:
-        return None
-    S = min(P // r, KI // 2)
-    if S < 2:
+    S = min(TAIL_PARTS, KI // 2)
+    if blocks <= P or r == 0 or r > P // 4 or S < 2:
         return None
     KS = triton.cdiv(KI, S)
     return triton.cdiv(KI, KS), KS

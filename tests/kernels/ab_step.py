@@ -34,7 +34,7 @@ from mtpchat.kernels import _triton, matvec
 
 CONFIGS = Path(bench.__file__).parent / "configs"
 PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT = _triton._pdl_device, matvec._config, matvec._split_config
-DEFAULT_TAIL = matvec._tail_config
+DEFAULT_TAIL = matvec._tail_config, matvec.TAIL_PARTS
 
 
 def pdl_plans() -> dict:
@@ -188,37 +188,23 @@ def small_plans() -> dict:
 
 def tail_plans() -> dict:
     """The products whose last wave of column blocks is small (the MLP gate|up: 8 of 272 blocks on
-    132 SMs) as one program a block ("whole") or with that wave split over K (kernels/matvec.py:
-    TAIL_SPLIT, "split"), and split into at most 8 or 4 parts a block."""
+    132 SMs) as one program a block ("whole") or with that wave split over K into 3 parts a block
+    (kernels/matvec.py: TAIL_SPLIT, TAIL_PARTS, "split 3"), or into 2-14 parts (14 fill the SMs);
+    and with the large last waves (GDN in_proj 126 of 258 blocks, q|gate|k|v 92 of 224) split too."""
     default = matvec._tail_config
 
-    def capped(most):
+    def tail(on, parts=3, wide=None):
         def config(blocks, KI, P):
-            c = default(blocks, KI, P)
-            if c is None or c[0] <= most:
-                return c
-            KS = matvec.triton.cdiv(KI, most)
-            return matvec.triton.cdiv(KI, KS), KS
-        return config
-
-    def tail(on, most=None):
-        def setup():
-            matvec.TAIL_SPLIT = on
-            matvec._tail_config = default if most is None else capped(most)
-        return setup
-    def wide_too(parts):
-        # any partial last wave split, the large ones (GDN in_proj 126 of 258, q|gate|k|v 92 of 224) in `parts`
-        def config(blocks, KI, P):
-            if blocks > P and blocks % P > P // 4:
-                KS = matvec.triton.cdiv(KI, parts)
+            if wide and blocks > P and blocks % P > P // 4:
+                KS = matvec.triton.cdiv(KI, wide)
                 return matvec.triton.cdiv(KI, KS), KS
-            return capped(3)(blocks, KI, P)
+            return default(blocks, KI, P)
 
         def setup():
-            matvec.TAIL_SPLIT, matvec._tail_config = True, config
+            matvec.TAIL_SPLIT, matvec.TAIL_PARTS, matvec._tail_config = on, parts, config
         return setup
-    return {"whole": tail(False), "split": tail(True), **{f"split {n}": tail(True, n) for n in (8, 6, 5, 4, 3, 2)},
-            "split 3 wide 2": wide_too(2), "split 3 wide 3": wide_too(3)}
+    return {"whole": tail(False), **{f"split {n}": tail(True, n) for n in (3, 2, 4, 5, 6, 8, 14)},
+            "split 3 wide 2": tail(True, 3, 2), "split 3 wide 3": tail(True, 3, 3)}
 
 
 def products_ms(model, reps: int = 20) -> float:
@@ -330,7 +316,7 @@ def main():
             plans[name]()
             products[name] = products_ms(engine.model)
     _triton._pdl_device, matvec._config, matvec._split_config = PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT
-    matvec.TAIL_SPLIT, matvec._tail_config = True, DEFAULT_TAIL
+    matvec.TAIL_SPLIT, (matvec._tail_config, matvec.TAIL_PARTS) = True, DEFAULT_TAIL
     same = {name: bool(torch.equal(logits[name], logits[first])) for name in plans} if a.room == 0 else {}
     times = {key: [] for key in graphs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -120,14 +120,14 @@ def test_matvec_tail_split(device, monkeypatch, dtype, P, blocks, T):
 
 def test_tail_config_27b():
     # on 132 SMs only the MLP gate|up ends in a small partial wave (272 blocks: 8 left), split in
-    # 14 parts of 3 of its 40 K tiles; the GDN in_proj (258), q|gate|k|v (224) and lm_head (3880)
+    # 3 parts of 14, 14 and 12 of its 40 K tiles; the GDN in_proj (258), q|gate|k|v (224) and lm_head (3880)
     # end in waves of 126, 92 and 52 blocks, the 5120-row products (80) make less than one
     shapes = {"in": (16480, False), "qkv": (14336, False), "glu": (17408, True), "lm": (248320, False), "down": (5120, False)}
     got = {}
     for name, (N, swiglu) in shapes.items():
         BN, BK = matvec._config(N, 5120, 2, swiglu)[:2]
         got[name] = matvec._tail_config(matvec.triton.cdiv(N, BN), matvec.triton.cdiv(5120, BK), 132)
-    assert got == {"in": None, "qkv": None, "glu": (14, 3), "lm": None, "down": None}
+    assert got == {"in": None, "qkv": None, "glu": (3, 14), "lm": None, "down": None}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
