@@ -169,37 +169,12 @@ def _matvec_parts_kernel(x, w, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x, s_w
 
 
 @triton.jit(do_not_specialize=["T"])
-def _matvec_swiglu_kernel(x, w, y, ss, T, N, K, NB, s_x, s_w, s_y, s_ss, eps,
-                          BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
-                          PDL: tl.constexpr):
-    pdl_start(PDL)
-    # The program for output columns n reads the gate rows n and the up rows N + n of w together.
-    i_n = tl.program_id(0)
-    o_n = i_n * BN + tl.arange(0, BN)
-    o_t = tl.arange(0, BT)
-    m_n, m_t = o_n < N, o_t < T
-    b_rstd = tl.zeros([BT], dtype=tl.float32)
-    if NBP > 0:
-        b_rstd = _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP)
-    b_g = tl.zeros([BN, BT], dtype=tl.float32)
-    b_u = tl.zeros([BN, BT], dtype=tl.float32)
-    for k in range(0, K, BK):
-        o_k = k + tl.arange(0, BK)
-        m_k = o_k < K
-        m_w = m_n[:, None] & m_k[None, :]
-        p_w = w + o_n[:, None] * s_w + o_k[None, :]
-        b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.))
-        b_g = tl.dot(tl.load(p_w, mask=m_w, other=0.), b_x, b_g, input_precision="ieee")
-        b_u = tl.dot(tl.load(p_w + N * s_w, mask=m_w, other=0.), b_x, b_u, input_precision="ieee")
-    _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, True)
-
-
-@triton.jit(do_not_specialize=["T"])
 def _matvec_tail_kernel(x, w, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_y, s_ss, eps,
                         BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
                         SWIGLU: tl.constexpr, PDL: tl.constexpr):
-    # Programs 0..F-1 take column blocks 0..F-1 whole, as _matvec_kernel / _matvec_swiglu_kernel
-    # do; program F + j takes part j % S of block F + j // S, K[(j % S) KS, (j % S + 1) KS), and
+    # Programs 0..F-1 take column blocks 0..F-1 whole, as _matvec_kernel does (with SWIGLU, the
+    # gate rows n and the up rows N + n of w together); program F + j takes part j % S of block
+    # F + j // S, K[(j % S) KS, (j % S + 1) KS), and
     # leaves its float32 sums in ws[j]; the last of a block's S parts to arrive adds them in
     # order, finishes the block and sets its count back to 0 (its acq_rel add, after every thread
     # of the program has stored, orders the parts before its reads).
@@ -381,20 +356,24 @@ def _tail_config(blocks: int, KI: int, P: int) -> tuple[int, int] | None:
     return triton.cdiv(KI, KS), KS
 
 
-def _launch_tail(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu: bool) -> bool:
-    """Run the product with its last wave split (_matvec_tail_kernel) where _tail_config says so;
-    False where it does not."""
-    blocks, KI = triton.cdiv(N, BN), triton.cdiv(K, BK)
-    tail = _tail_config(blocks, KI, _programs(x.device)) if TAIL_SPLIT else None
-    if tail is None:
+def _launch_blocks(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu: bool, whole: bool) -> bool:
+    """Run a product one program a column block (_matvec_tail_kernel), its small last wave split
+    over K where _tail_config says so; with `whole` False, only where it does (returns whether it
+    ran)."""
+    blocks, KI, P = triton.cdiv(N, BN), triton.cdiv(K, BK), _programs(x.device)
+    tail = _tail_config(blocks, KI, P) if TAIL_SPLIT else None
+    if tail is None and not whole:
         return False
-    S, KS = tail
-    F = blocks - blocks % _programs(x.device)
-    ws = torch.empty((blocks - F) * S, 2 if swiglu else 1, BN, MAX_ROWS, dtype=torch.float32, device=x.device)
+    S, KS = tail or (1, KI)
+    F = blocks - blocks % P if tail else blocks
+    ws, count = y, y                                  # not read without a split last wave
+    if tail:
+        ws = torch.empty((blocks - F) * S, 2 if swiglu else 1, BN, MAX_ROWS, dtype=torch.float32, device=x.device)
+        count = _counts_for(x.device, blocks)
     _matvec_tail_kernel[(F + (blocks - F) * S,)](
-        x, w, y, ws, _counts_for(x.device, blocks), T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0),
-        s_w=w.stride(0), s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, SWIGLU=swiglu, num_warps=warps,
-        num_stages=stages, **scale, **pdl(x))
+        x, w, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
+        s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, SWIGLU=swiglu, num_warps=warps, num_stages=stages,
+        **scale, **pdl(x))
     return True
 
 
@@ -404,7 +383,7 @@ def matvec_triton(x, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     _check(x, w, K)
     y = _out(x, N, out)
     BN, BK, warps, stages = _config(N, K, x.element_size())
-    if _launch_tail(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu=False):
+    if _launch_blocks(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu=False, whole=False):
         return y
     _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, T=x.shape[0], N=N, K=K, s_x=x.stride(0), s_w=w.stride(0),
                                           s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps,
@@ -418,7 +397,7 @@ _outgrown: list = []
 
 def _counts_for(device: torch.device, blocks: int) -> torch.Tensor:
     """Arrival counts of the column blocks of a split product with `norm` or of a split last wave
-    (_launch_tail): int32, made once per
+    (_launch_blocks): int32, made once per
     device outside graph capture and left at 0 by every product. One buffer serves every product
     because they run one after another on one stream (two such products running at once on two
     streams would share counts). A buffer outgrown by a wider model is kept, not freed: graphs
@@ -469,11 +448,7 @@ def matvec_swiglu_triton(x, w: torch.Tensor) -> torch.Tensor:
     N = N2 // 2
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     BN, BK, warps, stages = _config(N, K, x.element_size(), swiglu=True)
-    if _launch_tail(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu=True):
-        return y
-    _matvec_swiglu_kernel[(triton.cdiv(N, BN),)](x, w, y, T=x.shape[0], N=N, K=K, s_x=x.stride(0), s_w=w.stride(0),
-                                                 s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps,
-                                                 num_stages=stages, **scale, **pdl(x))
+    _launch_blocks(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu=True, whole=True)
     return y
 
 

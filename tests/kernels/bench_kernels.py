@@ -90,8 +90,9 @@ def matvec_launch(x, w, cfg):
     T, K = x.shape
     N = w.shape[0]
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    matvec._matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, T, N, K, x.stride(0), w.stride(0), y.stride(0),
-                                                 BT=matvec.MAX_ROWS, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+    matvec._matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, x, T, N, K, 0, x.stride(0), w.stride(0), y.stride(0), 0, 0.,
+                                                 BT=matvec.MAX_ROWS, BN=BN, BK=BK, NBP=0, PDL=False,
+                                                 num_warps=warps, num_stages=stages)
     return y
 
 
@@ -136,12 +137,13 @@ def bench_matvec(bw, sweep, sweep_swiglu=False):
         ref = matvec.matvec_swiglu_ref(x, ups[0])
         for BN, BK, warps, stages in ((32, 256, 4, 4), (64, 256, 4, 2), (64, 256, 8, 2), (32, 256, 4, 6),
                                       (32, 512, 4, 3), (64, 128, 4, 4), (16, 512, 4, 4), (32, 128, 4, 6)):
-            def launch(w):
-                y = torch.empty(1, I, dtype=x.dtype, device="cuda")
-                matvec._matvec_swiglu_kernel[(triton.cdiv(I, BN),)](x, w, y, 1, I, H, x.stride(0), w.stride(0),
-                                                                    y.stride(0), BT=16, BN=BN, BK=BK,
-                                                                    num_warps=warps, num_stages=stages)
-                return y
+            def launch(w, cfg=(BN, BK, warps, stages)):
+                kept = matvec._config
+                matvec._config = lambda N, K, itemsize, swiglu=False: cfg if swiglu else kept(N, K, itemsize)
+                try:
+                    return matvec.matvec_swiglu(x, w)
+                finally:
+                    matvec._config = kept
             try:
                 err = ((launch(ups[0]).float() - ref.float()).norm() / ref.float().norm()).item()
                 t = graph_ms(lambda: [launch(w) for w in ups], reps=3) / len(ups)
