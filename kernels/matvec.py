@@ -13,9 +13,9 @@ hold, so row i of a T-row call is bit-for-bit the 1-row call of row i.
 
 A product whose column blocks end in a small partial wave on the GPU's SMs (the 27B's MLP gate|up:
 272 blocks on 132 SMs, one program an SM, leaves 8 blocks streaming alone at the end) has that
-last wave split over K: each of its blocks is taken by 3 programs, each over a third of K, which
-leave float32 parts, and the last of the three to finish adds them in order and writes the block. The split is
-a function of the shapes and the number of SMs, never of T.
+last wave split over K: each of its blocks is taken by TAIL_PARTS programs (3), each over a run
+of whole K tiles, which leave float32 parts, and the last of them to finish adds them in order
+and writes the block. The split is a function of the shapes and the number of SMs, never of T.
 
 A product with fewer column blocks than the GPU has SMs (the 27B's 5120-row o_proj, out_proj and
 MLP down: 80 blocks of 64 on 132 SMs) leaves SMs idle. `matvec_parts` splits its K into S ranges,
@@ -171,13 +171,13 @@ def _matvec_parts_kernel(x, w, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x, s_w
 @triton.jit(do_not_specialize=["T"])
 def _matvec_tail_kernel(x, w, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_y, s_ss, eps,
                         BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
-                        SWIGLU: tl.constexpr, PDL: tl.constexpr):
+                        SWIGLU: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     # Programs 0..F-1 take column blocks 0..F-1 whole, as _matvec_kernel does (with SWIGLU, the
-    # gate rows n and the up rows N + n of w together); program F + j takes part j % S of block
-    # F + j // S, K[(j % S) KS, (j % S + 1) KS), and
-    # leaves its float32 sums in ws[j]; the last of a block's S parts to arrive adds them in
-    # order, finishes the block and sets its count back to 0 (its acq_rel add, after every thread
-    # of the program has stored, orders the parts before its reads).
+    # gate rows n and the up rows N + n of w together). With SPLIT, program F + j takes part
+    # i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
+    # leaves its float32 sums in ws[j]; the last of the block's S parts to arrive adds them in
+    # order, finishes the block and sets its count (count[j // S]) back to 0. Its acq_rel add,
+    # after every thread of the program has stored, orders the parts before its reads.
     pdl_start(PDL)
     pid = tl.program_id(0)
     j = tl.maximum(pid - F, 0)
@@ -203,7 +203,9 @@ def _matvec_tail_kernel(x, w, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w,
         b_g = tl.dot(tl.load(p_w, mask=m_w, other=0.), b_x, b_g, input_precision="ieee")
         if SWIGLU:
             b_u = tl.dot(tl.load(p_w + N * s_w, mask=m_w, other=0.), b_x, b_u, input_precision="ieee")
-    if pid < F:
+    if not SPLIT:
+        _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
+    elif pid < F:
         _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
     else:
         o_ws = tl.arange(0, BN)[:, None] * BT + o_t[None, :]
@@ -212,7 +214,7 @@ def _matvec_tail_kernel(x, w, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w,
         if SWIGLU:
             tl.store(ws + j * s_ws + BN * BT + o_ws, b_u)
         tl.debug_barrier()
-        if tl.atomic_add(count + i_n, 1, sem="acq_rel", scope="gpu") == S - 1:
+        if tl.atomic_add(count + j // S, 1, sem="acq_rel", scope="gpu") == S - 1:
             p_0 = ws + (j - i_s) * s_ws                              # the block's first part
             b_g = tl.load(p_0 + o_ws, cache_modifier=".cg")
             if SWIGLU:
@@ -222,7 +224,7 @@ def _matvec_tail_kernel(x, w, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w,
                 if SWIGLU:
                     b_u += tl.load(p_0 + i_p * s_ws + BN * BT + o_ws, cache_modifier=".cg")
             _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
-            tl.atomic_xchg(count + i_n, 0)
+            tl.atomic_xchg(count + j // S, 0)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -348,9 +350,11 @@ def _tail_config(blocks: int, KI: int, P: int) -> tuple[int, int] | None:
     2, 0.7-0.8% in 4 or 5, 0.4% in 6 and 8, no faster in 14 (one part of three tiles an SM);
     splitting the large last waves of the GDN in_proj and q|gate|k|v too (126 of 258, 92 of 224
     blocks) took most of the gain back."""
+    if P < 4 or blocks <= P:
+        return None
     r = blocks % P
     S = min(TAIL_PARTS, KI // 2)
-    if blocks <= P or r == 0 or r > P // 4 or S < 2:
+    if r == 0 or r > P // 4 or S < 2:
         return None
     KS = triton.cdiv(KI, S)
     return triton.cdiv(KI, KS), KS
@@ -366,14 +370,14 @@ def _launch_blocks(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu: bool, wh
         return False
     S, KS = tail or (1, KI)
     F = blocks - blocks % P if tail else blocks
-    ws, count = y, y                                  # not read without a split last wave
+    ws, count = y, y                                  # compiled out without a split (SPLIT False)
     if tail:
         ws = torch.empty((blocks - F) * S, 2 if swiglu else 1, BN, MAX_ROWS, dtype=torch.float32, device=x.device)
-        count = _counts_for(x.device, blocks)
+        count = _counts_for(x.device, blocks - F)
     _matvec_tail_kernel[(F + (blocks - F) * S,)](
         x, w, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
-        s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, SWIGLU=swiglu, num_warps=warps, num_stages=stages,
-        **scale, **pdl(x))
+        s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
+        num_stages=stages, **scale, **pdl(x))
     return True
 
 
@@ -397,11 +401,10 @@ _outgrown: list = []
 
 def _counts_for(device: torch.device, blocks: int) -> torch.Tensor:
     """Arrival counts of the column blocks of a split product with `norm` or of a split last wave
-    (_launch_blocks): int32, made once per
-    device outside graph capture and left at 0 by every product. One buffer serves every product
-    because they run one after another on one stream (two such products running at once on two
-    streams would share counts). A buffer outgrown by a wider model is kept, not freed: graphs
-    captured before still count in it."""
+    (_launch_blocks): int32, made once per device outside graph capture and left at 0 by every
+    product. One buffer serves every product because they run one after another on one stream
+    (two such products running at once on two streams would share counts). A buffer outgrown by a
+    wider model is kept, not freed: graphs captured before still count in it."""
     count = _counts.get(device)
     if count is None or count.numel() < blocks:
         assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \

@@ -191,7 +191,7 @@ def tail_plans() -> dict:
     132 SMs) as one program a block ("whole") or with that wave split over K into 3 parts a block
     (kernels/matvec.py: TAIL_SPLIT, TAIL_PARTS, "split 3"), or into 2-14 parts (14 fill the SMs);
     and with the large last waves (GDN in_proj 126 of 258 blocks, q|gate|k|v 92 of 224) split too."""
-    default = matvec._tail_config
+    default = DEFAULT_TAIL[0]
 
     def tail(on, parts=3, wide=None):
         def config(blocks, KI, P):
@@ -309,13 +309,16 @@ def main():
         graphs[name, "verify 0"].replay()
         logits[name] = d.v_logits[:1].clone()
     first = next(iter(plans))
+    def defaults():
+        _triton._pdl_device, matvec._config, matvec._split_config = PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT
+        matvec.TAIL_SPLIT, (matvec._tail_config, matvec.TAIL_PARTS) = True, DEFAULT_TAIL
+
     products = {}
-    if a.products:                 # the products alone: under each plan where the plans are about them
-        for name in plans if a.plans in ("tail", "tiles", "resident") else [first]:
-            plans[name]()
+    if a.products:                 # the products alone: under each plan where the plans choose them
+        for name, setup in plans.items() if a.plans in ("tail", "tiles", "resident") else [("defaults", defaults)]:
+            setup()
             products[name] = products_ms(engine.model)
-    _triton._pdl_device, matvec._config, matvec._split_config = PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT
-    matvec.TAIL_SPLIT, (matvec._tail_config, matvec.TAIL_PARTS) = True, DEFAULT_TAIL
+    defaults()
     same = {name: bool(torch.equal(logits[name], logits[first])) for name in plans} if a.room == 0 else {}
     times = {key: [] for key in graphs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -109,13 +109,46 @@ def test_matvec_tail_split(device, monkeypatch, dtype, P, blocks, T):
         check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype])
         assert int(matvec._counts[x.device].abs().sum()) == 0
     n = _normed(T, K, dtype, device, g)
-    check(matvec.matvec_triton(n, w), matvec.matvec_ref(n, w), TOL[dtype], "Normed")
     BN2 = matvec._config(1000, K, size, swiglu=True)[0]
     w2 = randn(2 * (blocks * BN2 - 3), K, dtype=dtype, device=device, gen=g, scale=0.1)
-    check(matvec.matvec_swiglu_triton(x, w2), matvec.matvec_swiglu_ref(x, w2), TOL[dtype], "swiglu")
-    check(matvec.matvec_swiglu_triton(n, w2), matvec.matvec_swiglu_ref(n, w2), TOL[dtype], "swiglu, Normed")
+    logits = torch.full((T, N), float("nan"), device=device)
+    for what, out, ref in [("Normed", lambda: matvec.matvec_triton(n, w), matvec.matvec_ref(n, w)),
+                           ("float32 out", lambda: matvec.matvec_triton(x, w, out=logits), matvec.matvec_ref(x, w).float()),
+                           ("swiglu", lambda: matvec.matvec_swiglu_triton(x, w2), matvec.matvec_swiglu_ref(x, w2)),
+                           ("swiglu, Normed", lambda: matvec.matvec_swiglu_triton(n, w2), matvec.matvec_swiglu_ref(n, w2))]:
+        check(out(), ref, TOL[dtype], what)
+        assert int(matvec._counts[x.device].abs().sum()) == 0, what
     monkeypatch.setattr(matvec, "TAIL_SPLIT", False)
     check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype], "unsplit")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [60, 114])
+def test_matvec_tail_split_races(monkeypatch, P):
+    # the last wave's parts finishing in any order on the GPU: many split blocks (P 60: 15 of 135
+    # left; P 114: the lm_head's 3880 blocks leave 4), each call the same bits, rows invariant in
+    # T, counts back at 0 after every call; plain, float32 logits, Normed and SwiGLU
+    monkeypatch.setattr(matvec, "_programs", lambda device: P)
+    g = torch.Generator().manual_seed(P)
+    bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
+    N = 135 * 64 - 5 if P == 60 else 248320
+    x, w = randn(5, 5120, **bf16), randn(N, 5120, scale=0.02, **bf16)
+    w2 = randn(2 * (135 * 64 - 7), 5120, scale=0.02, **bf16)
+    n = _normed(5, 5120, torch.bfloat16, "cuda", g)
+    logits = torch.empty(5, N, device="cuda")
+    calls = {"plain": (lambda x: matvec.matvec(x, w), matvec.matvec_ref(x, w)),
+             "logits": (lambda x: matvec.matvec(x, w, out=logits[:x.shape[0]]).clone(), matvec.matvec_ref(x, w).float()),
+             "Normed": (lambda x: matvec.matvec(n if x.shape[0] == 5 else matvec.Normed(n.x[:1], n.ss[:1], n.eps), w),
+                        matvec.matvec_ref(n, w))}
+    if P == 60:
+        calls["swiglu"] = (lambda x: matvec.matvec_swiglu(x, w2), matvec.matvec_swiglu_ref(x, w2))
+    for what, (call, ref) in calls.items():
+        first = call(x)
+        check(first, ref, 1e-2, what)
+        for _ in range(20):
+            assert torch.equal(call(x), first), what
+            assert int(matvec._counts[x.device].abs().sum()) == 0, what
+        assert torch.equal(call(x[:1]), first[:1]), f"{what}: row 0 alone"
 
 
 def test_tail_config_27b():
