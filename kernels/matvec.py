@@ -347,7 +347,7 @@ def _tail_config(blocks: int, KI: int, P: int) -> tuple[int, int] | None:
     blocks is split into TAIL_PARTS parts a block (two tiles a part at least). A function of the
     shapes and P alone, never of T. The 27B's MLP gate|up on an H100 (8 of 272 blocks left on 132
     SMs; tests/kernels/ab_step.py --plans tail): the decode step 1.2% faster in 3 parts, 1.1% in
-    2, 0.7-0.8% in 4 or 5, 0.4% in 6 and 8, no faster in 14 (one part of three tiles an SM);
+    2, 0.6-0.8% in 4 or 5, 0.3-0.4% in 6 and 8, no faster in 14 (one part of three tiles an SM);
     splitting the large last waves of the GDN in_proj and q|gate|k|v too (126 of 258, 92 of 224
     blocks) took most of the gain back."""
     if P < 4 or blocks <= P:
