@@ -103,29 +103,6 @@ def _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP: tl.constexpr, 
 
 
 @triton.jit(do_not_specialize=["T"])
-def _matvec_kernel(x, w, y, ss, T, N, K, NB, s_x, s_w, s_y, s_ss, eps,
-                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
-                   PDL: tl.constexpr):
-    pdl_start(PDL)
-    i_n = tl.program_id(0)
-    o_n = i_n * BN + tl.arange(0, BN)
-    o_t = tl.arange(0, BT)
-    m_n, m_t = o_n < N, o_t < T
-    b_rstd = tl.zeros([BT], dtype=tl.float32)
-    if NBP > 0:
-        b_rstd = _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP)     # read now, used after the loop
-    b_y = tl.zeros([BN, BT], dtype=tl.float32)
-    for k in range(0, K, BK):
-        o_k = k + tl.arange(0, BK)
-        m_k = o_k < K
-        b_w = tl.load(w + o_n[:, None] * s_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
-        b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-        # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
-        b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
-    _finish(b_y, b_y, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, False)
-
-
-@triton.jit(do_not_specialize=["T"])
 def _matvec_parts_kernel(x, w, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x, s_w, s_yp, s_y, s_r, s_xn, s_h, s_ss,
                          BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr,
                          NORM: tl.constexpr, PDL: tl.constexpr):
@@ -169,22 +146,25 @@ def _matvec_parts_kernel(x, w, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x, s_w
 
 
 @triton.jit(do_not_specialize=["T"])
-def _matvec_tail_kernel(x, w, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_y, s_ss, eps,
-                        BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
-                        SWIGLU: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
-    # Programs 0..F-1 take column blocks 0..F-1 whole, as _matvec_kernel does (with SWIGLU, the
-    # gate rows n and the up rows N + n of w together). With SPLIT, program F + j takes part
+def _matvec_kernel(x, w, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_y, s_ss, eps,
+                   BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
+                   SWIGLU: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    # Program i_n takes column block i_n, all of K (with SWIGLU, the gate rows n and the up rows
+    # N + n of w together). With SPLIT only the first F programs do; program F + j takes part
     # i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
     # leaves its float32 sums in ws[j]; the last of the block's S parts to arrive adds them in
     # order, finishes the block and sets its count (count[j // S]) back to 0. Its acq_rel add,
     # after every thread of the program has stored, orders the parts before its reads.
     pdl_start(PDL)
     pid = tl.program_id(0)
-    j = tl.maximum(pid - F, 0)
-    i_s = j % S
-    i_n = tl.where(pid < F, pid, F + j // S)
-    k_lo = tl.where(pid < F, 0, i_s * KS)
-    k_hi = tl.where(pid < F, K, tl.minimum(i_s * KS + KS, K))
+    if SPLIT:
+        j = tl.maximum(pid - F, 0)
+        i_s = j % S
+        i_n = tl.where(pid < F, pid, F + j // S)
+        k_lo = tl.where(pid < F, 0, i_s * KS)
+        k_hi = tl.where(pid < F, K, tl.minimum(i_s * KS + KS, K))
+    else:
+        i_n, k_lo, k_hi = pid, 0, K
     o_n = i_n * BN + tl.arange(0, BN)
     o_t = tl.arange(0, BT)
     m_n, m_t = o_n < N, o_t < T
@@ -360,25 +340,22 @@ def _tail_config(blocks: int, KI: int, P: int) -> tuple[int, int] | None:
     return triton.cdiv(KI, KS), KS
 
 
-def _launch_blocks(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu: bool, whole: bool) -> bool:
-    """Run a product one program a column block (_matvec_tail_kernel), its small last wave split
-    over K where _tail_config says so; with `whole` False, only where it does (returns whether it
-    ran)."""
+def _launch(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu: bool):
+    """One program a column block (_matvec_kernel), a small last wave split over K where
+    _tail_config says so."""
     blocks, KI, P = triton.cdiv(N, BN), triton.cdiv(K, BK), _programs(x.device)
     tail = _tail_config(blocks, KI, P) if TAIL_SPLIT else None
-    if tail is None and not whole:
-        return False
     S, KS = tail or (1, KI)
     F = blocks - blocks % P if tail else blocks
     ws, count = y, y                                  # compiled out without a split (SPLIT False)
     if tail:
         ws = torch.empty((blocks - F) * S, 2 if swiglu else 1, BN, MAX_ROWS, dtype=torch.float32, device=x.device)
         count = _counts_for(x.device, blocks - F)
-    _matvec_tail_kernel[(F + (blocks - F) * S,)](
+    _matvec_kernel[(F + (blocks - F) * S,)](
         x, w, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
         num_stages=stages, **scale, **pdl(x))
-    return True
+    return y
 
 
 def matvec_triton(x, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -387,12 +364,7 @@ def matvec_triton(x, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     _check(x, w, K)
     y = _out(x, N, out)
     BN, BK, warps, stages = _config(N, K, x.element_size())
-    if _launch_blocks(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu=False, whole=False):
-        return y
-    _matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, T=x.shape[0], N=N, K=K, s_x=x.stride(0), s_w=w.stride(0),
-                                          s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, num_warps=warps,
-                                          num_stages=stages, **scale, **pdl(x))
-    return y
+    return _launch(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu=False)
 
 
 _counts: dict = {}
@@ -401,7 +373,7 @@ _outgrown: list = []
 
 def _counts_for(device: torch.device, blocks: int) -> torch.Tensor:
     """Arrival counts of the column blocks of a split product with `norm` or of a split last wave
-    (_launch_blocks): int32, made once per device outside graph capture and left at 0 by every
+    (_launch): int32, made once per device outside graph capture and left at 0 by every
     product. One buffer serves every product because they run one after another on one stream
     (two such products running at once on two streams would share counts). A buffer outgrown by a
     wider model is kept, not freed: graphs captured before still count in it."""
@@ -451,8 +423,7 @@ def matvec_swiglu_triton(x, w: torch.Tensor) -> torch.Tensor:
     N = N2 // 2
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     BN, BK, warps, stages = _config(N, K, x.element_size(), swiglu=True)
-    _launch_blocks(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu=True, whole=True)
-    return y
+    return _launch(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu=True)
 
 
 def _out(x: torch.Tensor, N: int, out: torch.Tensor | None) -> torch.Tensor:

@@ -241,7 +241,7 @@ def products_ms(model, reps: int = 20) -> float:
 def kernel_resources():
     """Warps, stages, shared memory and registers of each compiled matvec kernel."""
     out = []
-    for fn in (matvec._matvec_kernel, matvec._matvec_tail_kernel, matvec._matvec_parts_kernel):
+    for fn in (matvec._matvec_kernel, matvec._matvec_parts_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for kernel in cache[0].values():
                 md = kernel.metadata

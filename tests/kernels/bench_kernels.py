@@ -85,15 +85,19 @@ def row(name, ms, nbytes, bw, peer_ms=None, peer="peer"):
           f"{nbytes / ms / 1e9:6.2f} TB/s{extra}", flush=True)
 
 
+def with_tile(cfg, fn, *args, swiglu=False):
+    """fn(*args) with the matvec tile table giving `cfg` (BN, BK, warps, stages) to the plain or
+    the SwiGLU products."""
+    kept = matvec._config
+    matvec._config = lambda N, K, itemsize, glu=False: cfg if glu == swiglu else kept(N, K, itemsize, glu)
+    try:
+        return fn(*args)
+    finally:
+        matvec._config = kept
+
+
 def matvec_launch(x, w, cfg):
-    BN, BK, warps, stages = cfg
-    T, K = x.shape
-    N = w.shape[0]
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    matvec._matvec_kernel[(triton.cdiv(N, BN),)](x, w, y, x, T, N, K, 0, x.stride(0), w.stride(0), y.stride(0), 0, 0.,
-                                                 BT=matvec.MAX_ROWS, BN=BN, BK=BK, NBP=0, PDL=False,
-                                                 num_warps=warps, num_stages=stages)
-    return y
+    return with_tile(cfg, matvec.matvec, x, w)
 
 
 MATVEC_CONFIGS = [(bn, bk, wp, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for wp in (4, 8) for st in (3, 4)
@@ -138,12 +142,7 @@ def bench_matvec(bw, sweep, sweep_swiglu=False):
         for BN, BK, warps, stages in ((32, 256, 4, 4), (64, 256, 4, 2), (64, 256, 8, 2), (32, 256, 4, 6),
                                       (32, 512, 4, 3), (64, 128, 4, 4), (16, 512, 4, 4), (32, 128, 4, 6)):
             def launch(w, cfg=(BN, BK, warps, stages)):
-                kept = matvec._config
-                matvec._config = lambda N, K, itemsize, swiglu=False: cfg if swiglu else kept(N, K, itemsize)
-                try:
-                    return matvec.matvec_swiglu(x, w)
-                finally:
-                    matvec._config = kept
+                return with_tile(cfg, matvec.matvec_swiglu, x, w, swiglu=True)
             try:
                 err = ((launch(ups[0]).float() - ref.float()).norm() / ref.float().norm()).item()
                 t = graph_ms(lambda: [launch(w) for w in ups], reps=3) / len(ups)
