@@ -22,7 +22,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels import attention, conv, gdn, gdn_chunk, norm
 from mtpchat.kernels._triton import use_triton
-from mtpchat.kernels.matvec import Normed, matvec, matvec_parts, matvec_parts_triton, matvec_swiglu, silu_mul
+from mtpchat.kernels.matvec import Normed, matvec, matvec_swiglu, silu_mul
+from mtpchat.kernels.matvec_parts import matvec_parts, matvec_parts_triton
 from mtpchat.kernels.rope import qkv_norm_rope
 
 
@@ -74,9 +75,9 @@ def add_norm(x, residual: torch.Tensor, norm_: "RMSNorm", whole: bool = False, o
     """(norm_(x + residual), x + residual) after a block whose output x is a tensor or a Product.
     A Product runs split over K (its 5120 columns in 80 blocks would leave SMs idle): each column
     block's last program adds the parts and the residual, and the normalised rows come as a Normed
-    for the next product to finish (kernels/matvec.py); with `whole` (the final norm, whose rows the
-    lm_head and the MTP head both read) or SPLIT_NORM off, as whole rows from the norm kernel,
-    which adds the parts. `out` (whole rows only) receives the normalised rows."""
+    for the next product to finish (kernels/matvec_parts.py); with `whole` (the final norm, whose
+    rows the lm_head and the MTP head both read) or SPLIT_NORM off, as whole rows from the norm
+    kernel, which adds the parts. `out` (whole rows only) receives the normalised rows."""
     if isinstance(x, Product):
         if SPLIT_NORM and not whole:
             assert out is None, "add_norm: the split norm gives a Normed, never whole rows into `out`"

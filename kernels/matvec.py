@@ -17,15 +17,8 @@ last wave split over K: each of its blocks is taken by TAIL_PARTS programs (3), 
 of whole K tiles, which leave float32 parts, and the last of them to finish adds them in order
 and writes the block. The split is a function of the shapes and the number of SMs, never of T.
 
-A product with fewer column blocks than the GPU has SMs (the 27B's 5120-row o_proj, out_proj and
-MLP down: 80 blocks of 64 on 132 SMs) leaves SMs idle. `matvec_parts` splits its K into S ranges,
-one program per (column block, range), and returns the S float32 partial products; the kernel that
-reads the product (the residual add and norm after it, kernels/norm.py) adds them up in order.
-With `norm` the product finishes that norm block by block instead: the last of each column block's
-programs adds its parts and the residual and writes the block's share of the normalised rows as a
-`Normed` (h * (1 + w) and the block's sums of h²), and the next product, given the Normed, scales
-each output row by the row's 1 / rms after its dot. The split is a function of the shapes alone,
-so it keeps the row invariance.
+Products with fewer column blocks than SMs are split over K in matvec_parts.py, whose norm-finishing
+form hands the next product its input as a `Normed` (below).
 """
 from __future__ import annotations
 
@@ -100,49 +93,6 @@ def _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP: tl.constexpr, 
         b_s = (b_g * tl.sigmoid(b_g)).to(dtype).to(tl.float32)
         b_y = (b_s * b_u.to(dtype).to(tl.float32)).to(dtype)
     tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(y.dtype.element_ty), mask=m_n[:, None] & m_t[None, :])
-
-
-@triton.jit(do_not_specialize=["T"])
-def _matvec_parts_kernel(x, w, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x, s_w, s_yp, s_y, s_r, s_xn, s_h, s_ss,
-                         BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr,
-                         NORM: tl.constexpr, PDL: tl.constexpr):
-    # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
-    pdl_start(PDL)
-    i_n, i_s = tl.program_id(0), tl.program_id(1)
-    o_n = i_n * BN + tl.arange(0, BN)
-    o_t = tl.arange(0, BT)
-    m_n, m_t = o_n < N, o_t < T
-    m_y = m_n[:, None] & m_t[None, :]
-    b_y = tl.zeros([BN, BT], dtype=tl.float32)
-    for k in range(i_s * KS, tl.minimum(i_s * KS + KS, K), BK):
-        o_k = k + tl.arange(0, BK)
-        m_k = o_k < K
-        b_w = tl.load(w + o_n[:, None] * s_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
-        b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-        b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
-    o_y = o_t[None, :] * s_y + o_n[:, None]
-    tl.store(y + i_s * s_yp + o_y, b_y, mask=m_y)
-    if NORM:
-        # The last of a column block's S programs to end finishes its columns: the parts added in
-        # order and rounded (the product's value), the residual added (h), x = h * (1 + w) and the
-        # block's sums of h² for the next product (Normed), then sets the block's count back to 0.
-        # Its acq_rel add, after every thread of the program has stored, orders the S parts
-        # before the last program's reads of them (from L2).
-        tl.debug_barrier()
-        if tl.atomic_add(count + i_n, 1, sem="acq_rel", scope="gpu") == S - 1:
-            b_v = tl.load(y + o_y, mask=m_y, other=0., cache_modifier=".cg")
-            for i_p in tl.static_range(1, S):
-                b_v += tl.load(y + i_p * s_yp + o_y, mask=m_y, other=0., cache_modifier=".cg")
-            dtype = h.dtype.element_ty
-            b_v = b_v.to(dtype).to(tl.float32)
-            b_r = tl.load(r + o_t[None, :] * s_r + o_n[:, None], mask=m_y, other=0.).to(tl.float32)
-            b_h = (b_v + b_r).to(dtype)
-            tl.store(h + o_t[None, :] * s_h + o_n[:, None], b_h, mask=m_y)
-            b_h = b_h.to(tl.float32)
-            b_nw = 1. + tl.load(nw + o_n, mask=m_n, other=0.).to(tl.float32)
-            tl.store(xn + o_t[None, :] * s_xn + o_n[:, None], (b_h * b_nw[:, None]).to(dtype), mask=m_y)
-            tl.store(ss + o_t * s_ss + i_n, tl.sum(b_h * b_h, axis=0), mask=m_t)
-            tl.atomic_xchg(count + i_n, 0)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -253,41 +203,8 @@ def _config(N: int, K: int, itemsize: int, swiglu: bool = False) -> tuple[int, i
     return 64, 512 // itemsize, 4, 4
 
 
-SPLIT_PROGRAMS = 240
-
-
-def _split_config(N: int, K: int, itemsize: int) -> tuple[int, int, int, int, int]:
-    """(S, BN, BK, warps, stages) of a split product: S ranges of K (no more than K / (8 BK),
-    rounded up), for some SPLIT_PROGRAMS programs in all (the 27B's 5120-row products: 80 column
-    blocks x 3). Tiles of 16 KB of w, 4 deep (80 KB of shared memory with x's), so that two
-    programs fit on an SM and all 240 are resident at once on an H100; never a function of T."""
-    BN, BK = 64, 256 // itemsize
-    S = max(1, min(triton.cdiv(K, 8 * BK), round(SPLIT_PROGRAMS / triton.cdiv(N, BN))))
-    return S, BN, BK, 4, 4
-
-
-def split_ranges(N: int, K: int, itemsize: int) -> list[tuple[int, int]]:
-    """The K ranges [k0, k1) of a split product's parts, in the order they are added."""
-    S, _, BK, _, _ = _split_config(N, K, itemsize)
-    KS = triton.cdiv(triton.cdiv(K, S), BK) * BK
-    return [(k0, min(K, k0 + KS)) for k0 in range(0, K, KS)]
-
-
-def matvec_parts_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """[S, T, N] float32: the products of x and w over each K range of split_ranges."""
-    ranges = split_ranges(w.shape[0], w.shape[1], x.element_size())
-    return torch.stack([x[:, k0:k1].float() @ w[:, k0:k1].float().T for k0, k1 in ranges])
-
-
-def parts_sum_ref(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The product from its parts [S, T, N]: added in order in float32, rounded to dtype."""
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total += part
-    return total.to(dtype)
-
-
-def _check(x: torch.Tensor, w: torch.Tensor, K: int):
+def check_product(x: torch.Tensor, w: torch.Tensor, K: int):
+    """x [T, K] and w [N, K] as every product kernel takes them (here and in matvec_parts.py)."""
     T = x.shape[0]
     assert 1 <= T <= MAX_ROWS, f"matvec takes 1..{MAX_ROWS} rows, got {T}"
     assert x.shape[1] == K == w.shape[1], f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
@@ -350,7 +267,7 @@ def _launch(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu: bool):
     ws, count = y, y                                  # compiled out without a split (SPLIT False)
     if tail:
         ws = torch.empty((blocks - F) * S, 2 if swiglu else 1, BN, MAX_ROWS, dtype=torch.float32, device=x.device)
-        count = _counts_for(x.device, blocks - F)
+        count = arrival_counts(x.device, blocks - F)
     _matvec_kernel[(F + (blocks - F) * S,)](
         x, w, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
@@ -361,7 +278,7 @@ def _launch(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu: bool):
 def matvec_triton(x, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     N, K = w.shape
     x, scale = _scale_args(x, K)
-    _check(x, w, K)
+    check_product(x, w, K)
     y = _out(x, N, out)
     BN, BK, warps, stages = _config(N, K, x.element_size())
     return _launch(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu=False)
@@ -371,10 +288,10 @@ _counts: dict = {}
 _outgrown: list = []
 
 
-def _counts_for(device: torch.device, blocks: int) -> torch.Tensor:
-    """Arrival counts of the column blocks of a split product with `norm` or of a split last wave
-    (_launch): int32, made once per device outside graph capture and left at 0 by every
-    product. One buffer serves every product because they run one after another on one stream
+def arrival_counts(device: torch.device, blocks: int) -> torch.Tensor:
+    """Arrival counts of the split column blocks of a product (a small last wave here, a split
+    product with `norm` in matvec_parts.py): int32, made once per device outside graph capture and
+    left at 0 by every product. One buffer serves every product because they run one after another on one stream
     (two such products running at once on two streams would share counts). A buffer outgrown by a
     wider model is kept, not freed: graphs captured before still count in it."""
     count = _counts.get(device)
@@ -387,38 +304,10 @@ def _counts_for(device: torch.device, blocks: int) -> torch.Tensor:
     return count
 
 
-def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = None):
-    """The parts [S, T, N]; with norm = (residual [T, N], weight [N], eps), the residual add and
-    the norm's two pieces instead: returns (Normed(h * (1 + weight), sums of h², eps), h) for
-    h = x @ wᵀ + residual, finished block by block by each column block's last program."""
-    N, K = w.shape
-    _check(x, w, K)
-    T = x.shape[0]
-    ranges = split_ranges(N, K, x.element_size())
-    _, BN, BK, warps, stages = _split_config(N, K, x.element_size())
-    blocks = triton.cdiv(N, BN)
-    y = torch.empty(len(ranges), T, N, dtype=torch.float32, device=x.device)
-    if norm is None:
-        r = nw = xn = h = ss = count = y
-        eps = 0.
-    else:
-        r, nw, eps = norm
-        assert r.shape == (T, N) and r.stride(1) == 1 and r.dtype == x.dtype, f"residual must be [{T}, {N}] like x"
-        assert nw.shape == (N,) and nw.is_contiguous(), f"the norm's weight must be [{N}] contiguous"
-        xn, h = torch.empty_like(r), torch.empty_like(r)
-        ss = torch.empty(T, blocks, dtype=torch.float32, device=x.device)
-        count = _counts_for(x.device, blocks)
-    _matvec_parts_kernel[(blocks, len(ranges))](
-        x, w, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0), y.stride(1),
-        r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, S=len(ranges),
-        NORM=norm is not None, num_warps=warps, num_stages=stages, **pdl(x))
-    return y if norm is None else (Normed(xn, ss, eps), h)
-
-
 def matvec_swiglu_triton(x, w: torch.Tensor) -> torch.Tensor:
     N2, K = w.shape
     x, scale = _scale_args(x, K)
-    _check(x, w, K)
+    check_product(x, w, K)
     assert N2 % 2 == 0, "w must stack the gate and up rows"
     N = N2 // 2
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
@@ -440,13 +329,6 @@ def matvec(x, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     if not use_triton(_rows_of(x), w):
         return matvec_ref(x, w) if out is None else out.copy_(matvec_ref(x, w))
     return matvec_triton(x, w, out)
-
-
-def matvec_parts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ w [N, K]ᵀ as its float32 parts [S, T, N] over the K ranges of split_ranges (S may
-    be 1): the Triton kernel for CUDA tensors, the float32 reference otherwise. parts_sum_ref, or
-    the norm that reads them, makes the product."""
-    return matvec_parts_triton(x, w) if use_triton(x, w) else matvec_parts_ref(x, w)
 
 
 def matvec_swiglu(x, w: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ dispatchers the engine calls (Triton for CUDA tensors, the reference otherwise).
 rmsnorm:       y = x * rsqrt(mean(x²) + eps) * (1 + w), computed in float32, cast to x's dtype
                (the weights are stored zero-centred).
 add_rmsnorm:   the residual add, h = x + residual in the stream's dtype, then rmsnorm(h); x may come
-               as a split product's float32 parts (kernels/matvec.py: matvec_parts), added here.
+               as a split product's float32 parts (kernels/matvec_parts.py), added here.
 gated_rmsnorm: the GDN output norm, per head: normalise in float32, cast, times w (plain, not 1+w),
                times silu(z) in float32, cast.
 Each row is normalised by one program, so a row's value does not depend on how many rows there are.
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.matvec import parts_sum_ref
+from mtpchat.kernels.matvec_parts import parts_sum_ref
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,8 +26,8 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """The residual add fused with the next norm: returns (norm(x + residual), x + residual). x is
-    the block's output, or a split product's float32 parts [S, ...] (kernels/matvec.py:
-    matvec_parts), added in order and rounded to the residual's dtype first."""
+    the block's output, or a split product's float32 parts [S, ...] (kernels/matvec_parts.py),
+    added in order and rounded to the residual's dtype first."""
     if x.dim() == residual.dim() + 1:
         x = parts_sum_ref(x, residual.dtype)
     h = x + residual

@@ -30,10 +30,10 @@ from mtpchat.engine.bench import random_prompt
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.engine import Engine
 from mtpchat.engine.sampling import SamplingParams
-from mtpchat.kernels import _triton, matvec
+from mtpchat.kernels import _triton, matvec, matvec_parts
 
 CONFIGS = Path(bench.__file__).parent / "configs"
-PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT = _triton._pdl_device, matvec._config, matvec._split_config
+PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT = _triton._pdl_device, matvec._config, matvec_parts._split_config
 DEFAULT_TAIL = matvec._tail_config, matvec.TAIL_PARTS
 
 
@@ -151,7 +151,7 @@ def split_plans() -> dict:
     def split(cfg, split_norm=True):
         def setup():
             model.out_linear, model.SPLIT_NORM = kept, split_norm
-            matvec._split_config = DEFAULT_SPLIT if cfg is None else (
+            matvec_parts._split_config = DEFAULT_SPLIT if cfg is None else (
                 lambda N, K, itemsize: cfg if itemsize == 2 else DEFAULT_SPLIT(N, K, itemsize))
         return setup
 
@@ -212,7 +212,7 @@ def products_ms(model, reps: int = 20) -> float:
     the step), on the model's own weights: what the step's other kernels add is the difference."""
     xs = {}
     calls = []
-    plain, glu, parts = matvec.matvec, matvec.matvec_swiglu, matvec.matvec_parts
+    plain, glu, parts = matvec.matvec, matvec.matvec_swiglu, matvec_parts.matvec_parts
     for layer in model.layers:
         m = layer.mixer
         ws = [m.in_proj, m.out_proj] if layer.kind != "full_attention" else [m.qkv, m.o_proj]
@@ -241,7 +241,7 @@ def products_ms(model, reps: int = 20) -> float:
 def kernel_resources():
     """Warps, stages, shared memory and registers of each compiled matvec kernel."""
     out = []
-    for fn in (matvec._matvec_kernel, matvec._matvec_parts_kernel):
+    for fn in (matvec._matvec_kernel, matvec_parts._matvec_parts_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             for kernel in cache[0].values():
                 md = kernel.metadata
@@ -310,7 +310,7 @@ def main():
         logits[name] = d.v_logits[:1].clone()
     first = next(iter(plans))
     def defaults():
-        _triton._pdl_device, matvec._config, matvec._split_config = PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT
+        _triton._pdl_device, matvec._config, matvec_parts._split_config = PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT
         matvec.TAIL_SPLIT, (matvec._tail_config, matvec.TAIL_PARTS) = True, DEFAULT_TAIL
 
     products = {}

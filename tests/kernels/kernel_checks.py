@@ -1,7 +1,10 @@
-"""What the kernel tests share: one relative-error check, the tolerances, seeded random inputs."""
+"""What the kernel tests share: one relative-error check, the tolerances, seeded random inputs
+(and Normed ones for the products)."""
 from __future__ import annotations
 
 import torch
+
+from mtpchat.kernels import matvec
 
 INTERPRETED = not torch.cuda.is_available()
 
@@ -26,3 +29,10 @@ def randn(*shape, dtype=torch.float32, device="cpu", scale=1.0, seed=None, gen=N
     """Standard normal numbers drawn on the CPU (the same values on every device), never zeros."""
     g = gen if gen is not None else torch.Generator().manual_seed(seed if seed is not None else 0)
     return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def normed(T, K, dtype, device, gen, blocks=7):
+    """A Normed input (kernels/matvec.py) with random rows and positive sums of squares."""
+    x = randn(T, K, dtype=dtype, device=device, gen=gen)
+    ss = (randn(T, blocks, device=device, gen=gen) ** 2 + 0.5) * (K / blocks)
+    return matvec.Normed(x, ss, 1e-6)

@@ -1,0 +1,129 @@
+"""Split products for a few rows, y [T, N] = x [T, K] @ w [N, K]ᵀ as in matvec.py, where w has fewer
+column blocks than the GPU has SMs (the 27B's 5120-row o_proj, out_proj and MLP down: 80 blocks of
+64 on 132 SMs), which one program a block would leave idle. `matvec_parts` splits K into S ranges,
+one program per (column block, range), and returns the S float32 partial products; the kernel that
+reads the product (the residual add and norm after it, kernels/norm.py) adds them up in order.
+With `norm` the product finishes that norm block by block instead: the last of each column block's
+programs adds its parts and the residual and writes the block's share of the normalised rows as a
+`Normed` (h * (1 + w) and the block's sums of h²), and the next product, given the Normed, scales
+each output row by the row's 1 / rms after its dot. The split is a function of the shapes alone,
+so it keeps the row invariance. The float32 references sit beside the kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
+from mtpchat.kernels.matvec import MAX_ROWS, Normed, arrival_counts, check_product
+
+
+@triton.jit(do_not_specialize=["T"])
+def _matvec_parts_kernel(x, w, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x, s_w, s_yp, s_y, s_r, s_xn, s_h, s_ss,
+                         BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr,
+                         NORM: tl.constexpr, PDL: tl.constexpr):
+    # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
+    pdl_start(PDL)
+    i_n, i_s = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_t = tl.arange(0, BT)
+    m_n, m_t = o_n < N, o_t < T
+    m_y = m_n[:, None] & m_t[None, :]
+    b_y = tl.zeros([BN, BT], dtype=tl.float32)
+    for k in range(i_s * KS, tl.minimum(i_s * KS + KS, K), BK):
+        o_k = k + tl.arange(0, BK)
+        m_k = o_k < K
+        b_w = tl.load(w + o_n[:, None] * s_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
+        b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+        b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
+    o_y = o_t[None, :] * s_y + o_n[:, None]
+    tl.store(y + i_s * s_yp + o_y, b_y, mask=m_y)
+    if NORM:
+        # The last of a column block's S programs to end finishes its columns: the parts added in
+        # order and rounded (the product's value), the residual added (h), x = h * (1 + w) and the
+        # block's sums of h² for the next product (Normed), then sets the block's count back to 0.
+        # Its acq_rel add, after every thread of the program has stored, orders the S parts
+        # before the last program's reads of them (from L2).
+        tl.debug_barrier()
+        if tl.atomic_add(count + i_n, 1, sem="acq_rel", scope="gpu") == S - 1:
+            b_v = tl.load(y + o_y, mask=m_y, other=0., cache_modifier=".cg")
+            for i_p in tl.static_range(1, S):
+                b_v += tl.load(y + i_p * s_yp + o_y, mask=m_y, other=0., cache_modifier=".cg")
+            dtype = h.dtype.element_ty
+            b_v = b_v.to(dtype).to(tl.float32)
+            b_r = tl.load(r + o_t[None, :] * s_r + o_n[:, None], mask=m_y, other=0.).to(tl.float32)
+            b_h = (b_v + b_r).to(dtype)
+            tl.store(h + o_t[None, :] * s_h + o_n[:, None], b_h, mask=m_y)
+            b_h = b_h.to(tl.float32)
+            b_nw = 1. + tl.load(nw + o_n, mask=m_n, other=0.).to(tl.float32)
+            tl.store(xn + o_t[None, :] * s_xn + o_n[:, None], (b_h * b_nw[:, None]).to(dtype), mask=m_y)
+            tl.store(ss + o_t * s_ss + i_n, tl.sum(b_h * b_h, axis=0), mask=m_t)
+            tl.atomic_xchg(count + i_n, 0)
+
+
+SPLIT_PROGRAMS = 240
+
+
+def _split_config(N: int, K: int, itemsize: int) -> tuple[int, int, int, int, int]:
+    """(S, BN, BK, warps, stages) of a split product: S ranges of K (no more than K / (8 BK),
+    rounded up), for some SPLIT_PROGRAMS programs in all (the 27B's 5120-row products: 80 column
+    blocks x 3). Tiles of 16 KB of w, 4 deep (80 KB of shared memory with x's), so that two
+    programs fit on an SM and all 240 are resident at once on an H100; never a function of T."""
+    BN, BK = 64, 256 // itemsize
+    S = max(1, min(triton.cdiv(K, 8 * BK), round(SPLIT_PROGRAMS / triton.cdiv(N, BN))))
+    return S, BN, BK, 4, 4
+
+
+def split_ranges(N: int, K: int, itemsize: int) -> list[tuple[int, int]]:
+    """The K ranges [k0, k1) of a split product's parts, in the order they are added."""
+    S, _, BK, _, _ = _split_config(N, K, itemsize)
+    KS = triton.cdiv(triton.cdiv(K, S), BK) * BK
+    return [(k0, min(K, k0 + KS)) for k0 in range(0, K, KS)]
+
+
+def matvec_parts_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[S, T, N] float32: the products of x and w over each K range of split_ranges."""
+    ranges = split_ranges(w.shape[0], w.shape[1], x.element_size())
+    return torch.stack([x[:, k0:k1].float() @ w[:, k0:k1].float().T for k0, k1 in ranges])
+
+
+def parts_sum_ref(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The product from its parts [S, T, N]: added in order in float32, rounded to dtype."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total.to(dtype)
+
+
+def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = None):
+    """The parts [S, T, N]; with norm = (residual [T, N], weight [N], eps), the residual add and
+    the norm's two pieces instead: returns (Normed(h * (1 + weight), sums of h², eps), h) for
+    h = x @ wᵀ + residual, finished block by block by each column block's last program."""
+    N, K = w.shape
+    check_product(x, w, K)
+    T = x.shape[0]
+    ranges = split_ranges(N, K, x.element_size())
+    _, BN, BK, warps, stages = _split_config(N, K, x.element_size())
+    blocks = triton.cdiv(N, BN)
+    y = torch.empty(len(ranges), T, N, dtype=torch.float32, device=x.device)
+    if norm is None:
+        r = nw = xn = h = ss = count = y
+        eps = 0.
+    else:
+        r, nw, eps = norm
+        assert r.shape == (T, N) and r.stride(1) == 1 and r.dtype == x.dtype, f"residual must be [{T}, {N}] like x"
+        assert nw.shape == (N,) and nw.is_contiguous(), f"the norm's weight must be [{N}] contiguous"
+        xn, h = torch.empty_like(r), torch.empty_like(r)
+        ss = torch.empty(T, blocks, dtype=torch.float32, device=x.device)
+        count = arrival_counts(x.device, blocks)
+    _matvec_parts_kernel[(blocks, len(ranges))](
+        x, w, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0), y.stride(1),
+        r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, S=len(ranges),
+        NORM=norm is not None, num_warps=warps, num_stages=stages, **pdl(x))
+    return y if norm is None else (Normed(xn, ss, eps), h)
+
+
+def matvec_parts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ w [N, K]ᵀ as its float32 parts [S, T, N] over the K ranges of split_ranges (S may
+    be 1): the Triton kernel for CUDA tensors, the float32 reference otherwise. parts_sum_ref, or
+    the norm that reads them, makes the product."""
+    return matvec_parts_triton(x, w) if use_triton(x, w) else matvec_parts_ref(x, w)
