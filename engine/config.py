@@ -19,6 +19,14 @@ class ConfigError(ValueError):
     """A checkpoint's configuration cannot be used; the message says what and what to do."""
 
 
+class UnsupportedFormat(ConfigError):
+    """The checkpoint stores its weights in a form this engine does not read (a quantization method,
+    tensors it has no place for): refused before anything is loaded, never read as garbage."""
+
+
+SUPPORTED_QUANTIZATION: tuple[str, ...] = ()   # quant_method values the loader implements
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -108,6 +116,14 @@ class ModelConfig:
             raise ConfigError(f"{source}: model_type {model_type!r} (architectures: {archs}) is not supported; "
                               f"mtpchat runs Qwen3.5 / Qwen3.6 hybrid models (model_type "
                               f"{' or '.join(SUPPORTED_MODEL_TYPES)})")
+        quant = raw.get("quantization_config") or text.get("quantization_config")
+        if quant is not None:
+            method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
+            if method not in SUPPORTED_QUANTIZATION:
+                have = ", ".join(SUPPORTED_QUANTIZATION) or "none yet"
+                raise UnsupportedFormat(
+                    f"{source}: quantization_config quant_method {method!r} is not supported (supported "
+                    f"quantization: {have}); use the unquantized (bf16) release of this model")
         flat = dict(text)
         rope = flat.pop("rope_parameters", None) or flat.pop("rope_scaling", None) or {}
         if rope.get("rope_type", "default") not in ("default", None):

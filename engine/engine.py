@@ -35,12 +35,15 @@ from mtpchat.engine.tokenizer import Tokenizer
 from mtpchat.engine.weights import fill_random, has_mtp_weights, load_into, mtp_places, text_places
 
 
+DEFAULT_CONTEXT = 4096      # tokens, when Engine.load is given no max_context
+
+
 class Engine:
     def __init__(self, model: str | Path | ModelConfig, device="cpu", dtype: torch.dtype | None = None,
-                 max_context: int = 4096, draft_tokens: int = 3, mtp: bool = True,
+                 max_context: int | None = None, draft_tokens: int = 3, mtp: bool = True,
                  cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int | None = None, seed: int = 0):
         """`model` is a checkpoint folder, or a ModelConfig for random weights of its shapes (benchmarks;
-        no tokenizer then)."""
+        no tokenizer then). `max_context` None: DEFAULT_CONTEXT, or what the model supports if less."""
         # build -> load -> allocate state -> (warm up and capture: the CUDA runner)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -57,6 +60,11 @@ class Engine:
             self.mtp_available = self.config.has_mtp and has_mtp_weights(folder)
         if not self.mtp_available:
             self.notices.append("this checkpoint has no mtp.* weights: running with MTP off")
+        supported = self.config.max_position_embeddings
+        if max_context is None:
+            max_context = min(DEFAULT_CONTEXT, supported)
+        elif max_context > supported:
+            raise ValueError(f"max_context {max_context:,} is longer than this model supports ({supported:,} tokens)")
         if not 1 <= draft_tokens <= k_max:
             raise ValueError(f"draft_tokens must be between 1 and {k_max}, got {draft_tokens}")
         self.k_max, self.max_context, self.cuda_graphs = k_max, max_context, cuda_graphs

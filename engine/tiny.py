@@ -31,7 +31,7 @@ VISUAL = {"model.visual.patch_embed.proj.weight": (32, 3, 2, 16, 16),
 def text_config(vocab_size: int, tie: bool, mtp: bool, special: dict[str, int], **overrides) -> dict:
     shape = TINY | overrides
     layers = shape["num_hidden_layers"]
-    return {**shape,
+    config = {**shape,
             "model_type": "qwen3_5_text", "vocab_size": vocab_size, "hidden_act": "silu",
             "rms_norm_eps": 1e-6, "attention_bias": False, "attn_output_gate": True,
             "full_attention_interval": 4, "max_position_embeddings": 262144, "dtype": "float32",
@@ -41,6 +41,7 @@ def text_config(vocab_size: int, tie: bool, mtp: bool, special: dict[str, int], 
             "mamba_ssm_dtype": "float32", "mtp_num_hidden_layers": 1 if mtp else 0,
             "mtp_use_dedicated_embeddings": False, "tie_word_embeddings": tie,
             "bos_token_id": special["<|endoftext|>"], "eos_token_id": special["<|endoftext|>"]}
+    return config | overrides     # an override of any key wins (max_position_embeddings, say)
 
 
 def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
@@ -60,7 +61,8 @@ def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torc
 def write_tiny_checkpoint(folder: str | Path, *, tie: bool = False, mtp: bool = True, shards: int = 3,
                           seed: int = 0, vocab_size: int | None = None, tokenizer_vocab: int = 512,
                           dtype: torch.dtype = torch.float32, **shape) -> Path:
-    """Write a random checkpoint to `folder`; `shape` overrides TINY's sizes. Returns the folder."""
+    """Write a random checkpoint to `folder`; `shape` overrides TINY's sizes or any other key of the
+    text config. Returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(default_corpus(), tokenizer_vocab)

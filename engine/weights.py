@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.config import ModelConfig, UnsupportedFormat
 
 TEXT_PREFIX = "model.language_model."
 MTP_PREFIX = "mtp."
@@ -25,6 +25,9 @@ SKIP_PREFIXES = ("model.visual.",)
 
 class WeightsError(ValueError):
     """The checkpoint's tensors are missing, truncated or of the wrong shape."""
+
+
+FLOAT_DTYPES = ("F32", "F16", "BF16")     # safetensors' names of the dtypes a weight may have on disk
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]]
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise WeightsError(f"{folder}: tensor {', '.join(missing[:3])}{more} not found in the checkpoint; "
                            "it is incomplete or of another architecture")
+    _refuse_unused(folder, weight_map, wanted, places)
     by_shard: dict[str, list[str]] = {}
     for name in wanted:
         by_shard.setdefault(weight_map[name], []).append(name)
@@ -153,7 +157,12 @@ def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]]
                     raise WeightsError(f"{shard}: tensor {name} is listed in the index but not in the shard; "
                                        "the shard is corrupt or from another download")
                 key, place = wanted[name]
-                shape = tuple(f.get_slice(name).get_shape())
+                info = f.get_slice(name)
+                shape, stored = tuple(info.get_shape()), info.get_dtype()
+                if stored not in FLOAT_DTYPES:
+                    raise UnsupportedFormat(f"{shard}: tensor {name} is stored as {stored}, not a float type "
+                                            f"({', '.join(FLOAT_DTYPES)}); quantized weights need their "
+                                            "quantization_config, which this checkpoint's config.json lacks")
                 if shape != place.shape:
                     raise WeightsError(f"{shard}: tensor {name} has shape {list(shape)}, expected "
                                        f"{list(place.shape)} from config.json")
@@ -162,6 +171,22 @@ def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]]
                 dest[place.offset:place.offset + t.shape[0]].copy_(t)
     for (key, name), tensor in params.items():
         _assign(modules[key], name, tensor)
+
+
+def _refuse_unused(folder: Path, weight_map: dict[str, str], wanted: dict, places: dict):
+    """Every tensor of the checkpoint must have a place, or be one we know to leave: the vision
+    tower, the draft head when it is not loaded, a tied checkpoint's copy of the embedding as
+    `lm_head.weight`. Anything else (block scales of a quantized checkpoint, layers of another
+    architecture) means the checkpoint is not what config.json says: refused, never dropped."""
+    known = [*SKIP_PREFIXES, *(() if "mtp" in places else (MTP_PREFIX,))]
+    if "lm_head.weight" not in wanted:
+        known.append("lm_head.weight")
+    unused = sorted(n for n in weight_map if n not in wanted and not n.startswith(tuple(known)))
+    if unused:
+        more = f" (and {len(unused) - 3} more)" if len(unused) > 3 else ""
+        raise UnsupportedFormat(f"{folder}: {len(unused)} tensor(s) have no place in a Qwen3.5/3.6 model as "
+                                f"config.json describes it: {', '.join(unused[:3])}{more}; the checkpoint is "
+                                "quantized or of another architecture")
 
 
 def fill_random(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]], device, dtype, seed: int):

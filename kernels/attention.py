@@ -131,9 +131,11 @@ def _attn_combine_kernel(start, ws_m, ws_l, ws_o, gate, out, T, s_gt, s_gh, s_ot
 MAX_SPANS = 128
 
 
-def _config(L: int) -> tuple[int, int, int, int, int]:
+def _config(L: int, itemsize: int = 2) -> tuple[int, int, int, int, int]:
     """(spans of BN keys first, keys per later span, BN, warps, stages) for a cache of L rows: a
-    function of L alone, never of the length or of T, which keeps rows invariant. At most about
+    function of L and the dtype alone, never of the length or of T, which keeps rows invariant.
+    float32 caches take tiles of 32 keys, one deep: at head_dim 256 the bf16 tiles, three deep,
+    would need 296 KB of shared memory in float32 (an H100 has 227 KB a program). At most about
     MAX_SPANS spans of the larger size: on an H100 with a 32K cache this took 15 us per layer at
     1K context and 74 at 32K; 32 spans, 37 and 54. The first 1,024 keys come in spans of 64, so a
     short context still has many programs. The 27B decode step with a 32K cache on an H100
@@ -141,8 +143,8 @@ def _config(L: int) -> tuple[int, int, int, int, int]:
     spans alone, at 16K 0.7% slower; with the first 2,048 keys in small spans, the same at 1K and
     0.9% slower at 16K; with spans of 64 or 128 keys throughout, 0.7-0.8% faster at 1K and 1.8-3.3%
     slower at 16K."""
-    BN = 64
-    return 16, max(2 * BN, triton.next_power_of_2(triton.cdiv(L, MAX_SPANS))), BN, 4, 3
+    BN, stages = (64, 3) if itemsize <= 2 else (32, 1)
+    return 16, max(2 * BN, triton.next_power_of_2(triton.cdiv(L, MAX_SPANS))), BN, 4, stages
 
 
 def _combine_config() -> tuple[int, int]:
@@ -167,7 +169,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if gate is not None:
         assert gate.shape == q.shape and gate.stride(2) == 1 and gate.dtype == q.dtype, "gate must be like q"
     group, BM = Hq // Hkv, 32
-    first, split, BN, warps, stages = config or _config(L)
+    first, split, BN, warps, stages = config or _config(L, q.element_size())
     assert split % BN == 0, "a span is whole tiles"
     spans = min(first, triton.cdiv(L, BN)) + triton.cdiv(max(0, L - first * BN), split)
     ws_m = torch.empty(spans, T, Hq, dtype=torch.float32, device=q.device)

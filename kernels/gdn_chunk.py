@@ -198,7 +198,8 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     assert a.shape == b.shape == (T, Hv) and a.stride(1) == 1 and b.stride(1) == 1, "a, b must be [T, Hv]"
     assert state.dtype == torch.float32 and state.is_contiguous() and state.shape == (Hv, DK, DV), \
         "state must be contiguous float32 [Hv, dk, dv]"
-    cfg = {**CHUNK_CONFIG, **(config or {})}
+    # a float32 model is float32 throughout: its products take "tf32x3" (float32 accuracy), not tf32
+    cfg = {**CHUNK_CONFIG, **({"dot": "tf32x3"} if v.dtype == torch.float32 else {}), **(config or {})}
     NT, dev, G = triton.cdiv(T, chunk), q.device, Hv // Hk
     new = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=dev)
     ws_a, ws_w, ws_u, ws_g = new(NT, Hv, chunk, chunk), new(NT, Hv, chunk, DK), new(NT, Hv, chunk, DV), new(NT, Hv, chunk)

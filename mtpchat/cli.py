@@ -69,7 +69,8 @@ def _common() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default=S, type=_type("dtype"), metavar="{auto,bfloat16,float16,float32}",
                    help="auto = bfloat16 on cuda, float32 on cpu")
     m.add_argument("--max-context", default=S, type=_type("max_context"), metavar="N",
-                   help="tokens of context to allocate (default: 8192)")
+                   help="tokens of context to allocate (default: 8192, or what the model "
+                        "supports and the memory holds, if less)")
     m.add_argument("--offline", default=S, action="store_true",
                    help="never touch the network; use only the local cache")
     m.add_argument("--dry-run", default=S, action="store_true",

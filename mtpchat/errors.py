@@ -50,8 +50,10 @@ def as_user_error(exc: BaseException) -> UserError | None:
         return exc
     # matched by class name, so mapping an error never imports the engine (or torch)
     kinds = {cls.__name__ for cls in type(exc).__mro__}
-    kind = next((k for k in ("ConfigError", "WeightsError", "TokenizerError", "OutOfMemoryError") if k in kinds),
-                type(exc).__name__)
+    kind = next((k for k in ("UnsupportedFormat", "ConfigError", "WeightsError", "TokenizerError",
+                             "OutOfMemoryError") if k in kinds), type(exc).__name__)
+    if kind == "UnsupportedFormat":   # not a damaged download: a format this build cannot run
+        return UserError(f"unsupported checkpoint: {exc}", exit_code=2)
     if kind == "ConfigError":
         return UserError(f"unsupported checkpoint: {exc}")
     if kind == "WeightsError":

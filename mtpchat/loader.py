@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mtpchat import hubcache, models
 from mtpchat.errors import DeviceError, NotEnoughMemory, UserError
-from mtpchat.settings import Options
+from mtpchat.settings import DEFAULT_CONTEXT, Options
 
 K_MAX = 4                   # drafts a step allocated for at load: the draft count can rise live up to this
 CPU_MAX_PARAMS = 4.0e9      # above this the CPU path is too slow to be useful
@@ -93,8 +93,9 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
     notices: list[str] = []
     name, path, config, has_mtp = model_config(options, dry_run, notices)
     params = memory.text_params(config)
-    if options.max_context > config.max_position_embeddings:
-        raise UserError(f"--max-context {options.max_context} is longer than {name} supports "
+    asked = options.max_context
+    if asked is not None and asked > config.max_position_embeddings:
+        raise UserError(f"--max-context {asked} is longer than {name} supports "
                         f"({config.max_position_embeddings:,} tokens)")
     device, auto = pick_device(options.device)
     elsewhere = dry_run and auto and device == "cpu" and params > CPU_MAX_PARAMS
@@ -117,13 +118,32 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
     graphs = options.cuda_graphs and device.startswith("cuda")
     # MTP can be switched on live, so the head is loaded whenever the checkpoint has one
     k_max = max(K_MAX, options.draft_tokens)
-    plan = memory.plan_memory(config, options.max_context, k_max, dtype, mtp=has_mtp, cuda_graphs=graphs)
     free = None if elsewhere else free_memory(device)[0]
+    context = asked or default_context(config, name, free, k_max, dtype, has_mtp, graphs, notices)
+    plan = memory.plan_memory(config, context, k_max, dtype, mtp=has_mtp, cuda_graphs=graphs)
     prep = Prepared(name, path, config, device, dtype, mtp, options.draft_tokens, k_max,
-                    options.max_context, graphs, plan, free, notices)
+                    context, graphs, plan, free, notices)
     if free is not None and not plan.fits(free) and not dry_run:
         raise NotEnoughMemory(not_enough_memory_message(prep))
     return prep
+
+
+def default_context(config, name: str, free: int | None, k_max: int, dtype: str, mtp: bool, graphs: bool,
+                    notices: list[str]) -> int:
+    """The context when none was asked for: DEFAULT_CONTEXT, or less where the model supports less
+    or the free memory holds less (said in a notice). Where not even CONTEXT_STEP tokens fit, the
+    default stays, and the plan's refusal says what would fit."""
+    from mtpchat.engine import memory
+    context = min(DEFAULT_CONTEXT, config.max_position_embeddings)
+    if context < DEFAULT_CONTEXT:
+        notices.append(f"context: {context:,} tokens, the most {name} supports")
+    if free is not None and not memory.plan_memory(config, context, k_max, dtype, mtp, graphs).fits(free):
+        fits = memory.max_context_that_fits(config, free, k_max, dtype, mtp, graphs)
+        if fits is not None and fits < context:
+            notices.append(f"context: {fits:,} tokens, what fits in the {memory.fmt_bytes(free)} free "
+                           f"(--max-context to choose)")
+            context = fits
+    return context
 
 
 def not_enough_memory_message(prep: Prepared) -> str:

@@ -27,6 +27,7 @@ APP = "mtpchat"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 MAX_DRAFT_TOKENS = 8
+DEFAULT_CONTEXT = 8192   # tokens of context when none is asked for (fewer where the model or memory has less)
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Options:
     model: str | None = None          # alias, folder or repo id; None = the demo model
     device: str = "auto"              # auto = cuda when available, else cpu
     dtype: str = "auto"               # auto = bfloat16 on cuda, float32 on cpu
-    max_context: int = 8192
+    max_context: int | None = None    # None: DEFAULT_CONTEXT, or less where the model or memory says so
     draft_tokens: int = 3
     mtp: bool = True
     cuda_graphs: bool = True

@@ -19,7 +19,8 @@ def file(tmp_path, monkeypatch):
 def test_no_file_means_defaults(file):
     assert settings.load_settings() == {}
     opts = settings.merge({}, {})
-    assert (opts.device, opts.dtype, opts.max_context, opts.draft_tokens, opts.mtp) == ("auto", "auto", 8192, 3, True)
+    # max_context None: the default context, or less where the model or the memory has less (loader.py)
+    assert (opts.device, opts.dtype, opts.max_context, opts.draft_tokens, opts.mtp) == ("auto", "auto", None, 3, True)
     assert opts.temperature is None and opts.think is True and opts.model is None
 
 
