@@ -30,6 +30,7 @@ from mtpchat.engine.model import Model
 from mtpchat.engine.mtp import MTPHead
 from mtpchat.engine.runner import Runner
 from mtpchat.engine.sampling import SamplingParams, make_generator
+from mtpchat.engine.snapshots import DEFAULT_SNAPSHOTS
 from mtpchat.engine.state import DecodeState
 from mtpchat.engine.tokenizer import Tokenizer
 from mtpchat.engine.weights import fill_random, has_mtp_weights, load_into, mtp_places, text_places
@@ -41,7 +42,8 @@ DEFAULT_CONTEXT = 4096      # tokens, when Engine.load is given no max_context
 class Engine:
     def __init__(self, model: str | Path | ModelConfig, device="cpu", dtype: torch.dtype | None = None,
                  max_context: int | None = None, draft_tokens: int = 3, mtp: bool = True,
-                 cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int | None = None, seed: int = 0):
+                 cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int | None = None, seed: int = 0,
+                 snapshots: int = DEFAULT_SNAPSHOTS):
         """`model` is a checkpoint folder, or a ModelConfig for random weights of its shapes (benchmarks;
         no tokenizer then). `max_context` None: DEFAULT_CONTEXT, or what the model supports if less."""
         # build -> load -> allocate state -> (warm up and capture: the CUDA runner)
@@ -82,7 +84,7 @@ class Engine:
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
         prefill_chunk = prefill_chunk or (PREFILL_CHUNK if self.device.type == "cuda" else 512)
-        self.decoder = Decoder(self.model, self.head, self.state, prefill_chunk)
+        self.decoder = Decoder(self.model, self.head, self.state, prefill_chunk, snapshots)
         self.runner = None
         if self.device.type == "cuda":
             self.runner = self.decoder.runner = Runner(self.decoder, cuda_graphs)
@@ -139,7 +141,8 @@ class Engine:
     def memory(self) -> dict[str, int]:
         size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
         return {"weights": size(self.model) + size(self.head), **self.state.nbytes(),
-                "graph_pool": self.runner.pool_bytes if self.runner else 0, "workspace": self.decoder.nbytes()}
+                "graph_pool": self.runner.pool_bytes if self.runner else 0, "workspace": self.decoder.nbytes(),
+                "snapshots": self.decoder.snapshots.nbytes()}
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -155,12 +158,16 @@ class Engine:
         hidden = Decoder(self.model, None, scratch, self.decoder.prefill_chunk).prefill(ids, keep_all=True)
         return self.model.logits(hidden, rowwise=False)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator:
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                 snapshot_at: tuple[int, ...] = ()) -> Iterator:
+        """Prefilled, Steps, Finished (engine/events.py). `snapshot_at`: positions in the prompt where
+        the decode state is worth keeping for a later turn (the end of the rendered conversation
+        before the generation prompt); the state at the end of the reply is kept too."""
         params = params or SamplingParams()
         with torch.inference_mode():
-            yield from self._generate(list(prompt_ids), params)
+            yield from self._generate(list(prompt_ids), params, tuple(snapshot_at))
 
-    def _generate(self, prompt: list[int], params: SamplingParams):
+    def _generate(self, prompt: list[int], params: SamplingParams, snapshot_at: tuple[int, ...]):
         self._cancel.clear()
         dec, stats = self.decoder, Stats(prompt_tokens=len(prompt))
         stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.stop_ids)
@@ -171,9 +178,10 @@ class Engine:
                              "start a new chat or load the model with a larger --max-context")
         generator = make_generator(params, self.device)
         t0 = time.perf_counter()
-        cached = dec.begin(prompt)
+        cached = dec.begin(prompt, snapshot_at)
         first = dec.first_token(params, generator)
         stats.prefill_ms = stats.ttft_ms = (time.perf_counter() - t0) * 1e3
+        stats.reused_tokens = cached
         yield Prefilled(prompt_tokens=len(prompt), prefill_ms=stats.prefill_ms, cached_tokens=cached)
 
         out = [first]
@@ -227,6 +235,7 @@ class Engine:
             while flight:                       # abandoned mid-way: keep the host's mirror exact
                 dec.finish(flight.popleft())
         stats.decode_ms = (time.perf_counter() - t_first) * 1e3
+        dec.snapshot()                          # the end of the reply, for a turn that goes on from it
         yield Finished(reason, stats, tuple(out))
 
     def _finish_reason(self, last: int, produced: int, params: SamplingParams, stop: set[int]) -> str | None:

@@ -47,6 +47,7 @@ class Step:
 class Stats:
     """Running totals of one generation; `Finished` carries the final copy."""
     prompt_tokens: int = 0
+    reused_tokens: int = 0        # prompt tokens resumed from an earlier turn's state, not prefilled
     new_tokens: int = 0
     prefill_ms: float = 0.0
     ttft_ms: float = 0.0          # time to first token: prefill plus the first sample
@@ -78,7 +79,7 @@ class Stats:
     def as_dict(self) -> dict:
         p = self.phase_ms
         return {
-            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+            "prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens, "new_tokens": self.new_tokens,
             "prefill_ms": round(self.prefill_ms, 3), "ttft_ms": round(self.ttft_ms, 3),
             "decode_ms": round(self.decode_ms, 3), "tokens_per_s": round(self.tokens_per_s, 3),
             "steps": self.steps, "verify_steps": self.verify_steps,

@@ -15,6 +15,8 @@ What each part counts (27B numbers in bf16, see qwen35-model.md §9):
              halves of k_max+1 tokens x Hv x (dk + dv + 2) floats); 146.8 MiB for the state alone
   graph_pool activations of the captured decode / verify / draft steps (an estimate)
   workspace  prefill activations for one chunk and the float32 logits of a verify step (an estimate)
+  snapshots  the decode-state snapshots kept for chat turns (engine/snapshots.py): each the GDN state
+             as the model defines it plus one hidden row; 4 x 146.8 MiB for the 27B
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ PREFILL_CHUNK = 2048         # tokens per prefill chunk on a GPU (the engine's d
 CONTEXT_STEP = 1024          # suggested context lengths are rounded down to this
 HEADROOM_FIXED = 256 << 20   # allocator slack and fragmentation: a fixed part ...
 HEADROOM_SHARE = 0.02        # ... plus a share of the plan
+DEFAULT_SNAPSHOTS = 4        # decode-state snapshots for chat turns: two turns' worth (engine/snapshots.py)
 
 
 def dtype_bytes(dtype) -> int:
@@ -111,6 +114,12 @@ def gdn_step_state_bytes(cfg: ModelConfig, dtype="bfloat16", k_max: int = 0) -> 
     return len(cfg.linear_layers) * (conv + hv * dk * dv * 4 + pend)
 
 
+def snapshot_bytes(cfg: ModelConfig, dtype="bfloat16") -> int:
+    """One decode-state snapshot: the GDN state (conv inputs and float32 recurrent state) and the
+    hidden of its last position."""
+    return gdn_state_bytes(cfg, dtype) + cfg.hidden_size * dtype_bytes(dtype)
+
+
 def _activation_bytes_per_token(cfg: ModelConfig, dtype) -> int:
     # The widest point of a layer for one token: the residual and its normed copy, plus the
     # largest mixer or MLP intermediate (GDN: qkv before and after the conv, z, output; attention:
@@ -134,6 +143,7 @@ class MemoryPlan:
     gdn_state: int
     graph_pool: int
     workspace: int
+    snapshots: int
     max_context: int
     k_max: int
     mtp: bool
@@ -142,7 +152,8 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.mtp_kv + self.gdn_state + self.graph_pool + self.workspace
+        return (self.weights + self.kv + self.mtp_kv + self.gdn_state + self.graph_pool + self.workspace
+                + self.snapshots)
 
     @property
     def headroom(self) -> int:
@@ -158,12 +169,12 @@ class MemoryPlan:
 
     def as_dict(self) -> dict[str, int]:
         d = asdict(self)
-        return {k: d[k] for k in ("weights", "kv", "mtp_kv", "gdn_state", "graph_pool", "workspace")}
+        return {k: d[k] for k in ("weights", "kv", "mtp_kv", "gdn_state", "graph_pool", "workspace", "snapshots")}
 
 
 def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloat16",
                 mtp: bool = True, cuda_graphs: bool = True,
-                prefill_chunk: int = PREFILL_CHUNK) -> MemoryPlan:
+                prefill_chunk: int = PREFILL_CHUNK, snapshots: int = DEFAULT_SNAPSHOTS) -> MemoryPlan:
     """The plan for one sequence of up to max_context tokens, with room for up to k_max drafts per
     step. `mtp` says whether the MTP head is loaded (its weights, KV and the graphs of the
     speculative steps); the GDN step state is the same either way, as the engine allocates it."""
@@ -182,19 +193,21 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloa
         gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
         graph_pool=sum(rows * act + _logits_bytes(cfg, rows) for rows in shapes) if cuda_graphs else 0,
         workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes)),
+        snapshots=snapshots * snapshot_bytes(cfg, dtype),
         max_context=max_context, k_max=k_max, mtp=mtp, dtype=str(dtype).removeprefix("torch."),
         bytes_per_token=per_token)
 
 
 def max_context_that_fits(cfg: ModelConfig, free: int, k_max: int = 4, dtype="bfloat16",
-                          mtp: bool = True, cuda_graphs: bool = True) -> int | None:
+                          mtp: bool = True, cuda_graphs: bool = True,
+                          snapshots: int = DEFAULT_SNAPSHOTS) -> int | None:
     """The longest context (a multiple of CONTEXT_STEP, at most max_position_embeddings) whose
     plan fits in `free` bytes, or None when not even CONTEXT_STEP tokens fit."""
     best = None
     lo, hi = 1, cfg.max_position_embeddings // CONTEXT_STEP
     while lo <= hi:  # the plan grows with the context, so bisect on it
         mid = (lo + hi) // 2
-        if plan_memory(cfg, mid * CONTEXT_STEP, k_max, dtype, mtp, cuda_graphs).fits(free):
+        if plan_memory(cfg, mid * CONTEXT_STEP, k_max, dtype, mtp, cuda_graphs, snapshots=snapshots).fits(free):
             best, lo = mid * CONTEXT_STEP, mid + 1
         else:
             hi = mid - 1
@@ -214,7 +227,8 @@ def describe(plan: MemoryPlan) -> list[str]:
     """The plan as aligned lines for a terminal."""
     rows = [("weights", plan.weights), ("KV cache", plan.kv), ("MTP KV cache", plan.mtp_kv),
             ("GDN state", plan.gdn_state), ("graph pools", plan.graph_pool),
-            ("workspace", plan.workspace), ("headroom", plan.headroom), ("total", plan.needed)]
+            ("workspace", plan.workspace), ("turn snapshots", plan.snapshots), ("headroom", plan.headroom),
+            ("total", plan.needed)]
     lines = [f"  {name:<18}{fmt_bytes(n):>10}" for name, n in rows]
     drafts = f"up to {plan.k_max} drafts a step" if plan.mtp else "MTP off"
     lines.insert(0, f"memory plan: {plan.dtype}, context {plan.max_context:,} tokens, {drafts}, "

@@ -97,6 +97,12 @@ def _common() -> argparse.ArgumentParser:
     c.add_argument("--system", default=S, type=_type("system"), metavar="TEXT", help="system prompt")
     c.add_argument("--think", default=S, action=argparse.BooleanOptionalAction,
                    help="let the model think before answering (default: on)")
+    c.add_argument("--preserve-thinking", default=S, action=argparse.BooleanOptionalAction,
+                   help="keep earlier replies' thinking in the prompt, where the chat template offers it "
+                        "(default: off, as the models were trained)")
+    c.add_argument("--snapshots", default=S, type=_type("snapshots"), metavar="N",
+                   help="decode-state snapshots kept on the device, so a chat turn prefills only what is new "
+                        "(default: 4; 0: none)")
     c.add_argument("--data-dir", default=S, type=_type("data_dir"), metavar="DIR",
                    help="where chat history lives (also MTPCHAT_DATA_DIR)")
     return p

@@ -34,6 +34,7 @@ class Prepared:
     plan: object              # MemoryPlan
     free: int | None          # free bytes on the device, when known
     notices: list[str] = field(default_factory=list)
+    snapshots: int = 4        # decode-state snapshots for chat turns (engine/snapshots.py)
 
 
 def pick_device(requested: str) -> tuple[str, bool]:
@@ -119,17 +120,18 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
     # MTP can be switched on live, so the head is loaded whenever the checkpoint has one
     k_max = max(K_MAX, options.draft_tokens)
     free = None if elsewhere else free_memory(device)[0]
-    context = asked or default_context(config, name, free, k_max, dtype, has_mtp, graphs, notices)
-    plan = memory.plan_memory(config, context, k_max, dtype, mtp=has_mtp, cuda_graphs=graphs)
+    snaps = options.snapshots
+    context = asked or default_context(config, name, free, k_max, dtype, has_mtp, graphs, snaps, notices)
+    plan = memory.plan_memory(config, context, k_max, dtype, mtp=has_mtp, cuda_graphs=graphs, snapshots=snaps)
     prep = Prepared(name, path, config, device, dtype, mtp, options.draft_tokens, k_max,
-                    context, graphs, plan, free, notices)
+                    context, graphs, plan, free, notices, snaps)
     if free is not None and not plan.fits(free) and not dry_run:
         raise NotEnoughMemory(not_enough_memory_message(prep))
     return prep
 
 
 def default_context(config, name: str, free: int | None, k_max: int, dtype: str, mtp: bool, graphs: bool,
-                    notices: list[str]) -> int:
+                    snapshots: int, notices: list[str]) -> int:
     """The context when none was asked for: DEFAULT_CONTEXT, or less where the model supports less
     or the free memory holds less (said in a notice). Where not even CONTEXT_STEP tokens fit, the
     default stays, and the plan's refusal says what would fit."""
@@ -137,8 +139,9 @@ def default_context(config, name: str, free: int | None, k_max: int, dtype: str,
     context = min(DEFAULT_CONTEXT, config.max_position_embeddings)
     if context < DEFAULT_CONTEXT:
         notices.append(f"context: {context:,} tokens, the most {name} supports")
-    if free is not None and not memory.plan_memory(config, context, k_max, dtype, mtp, graphs).fits(free):
-        fits = memory.max_context_that_fits(config, free, k_max, dtype, mtp, graphs)
+    if free is not None and not memory.plan_memory(config, context, k_max, dtype, mtp, graphs,
+                                                   snapshots=snapshots).fits(free):
+        fits = memory.max_context_that_fits(config, free, k_max, dtype, mtp, graphs, snapshots)
         if fits is not None and fits < context:
             notices.append(f"context: {fits:,} tokens, what fits in the {memory.fmt_bytes(free)} free "
                            f"(--max-context to choose)")
@@ -159,7 +162,7 @@ def not_enough_memory_message(prep: Prepared) -> str:
 def what_would_fit(prep: Prepared) -> str:
     from mtpchat.engine import memory
     ctx = memory.max_context_that_fits(prep.config, prep.free, prep.k_max, prep.dtype,
-                                       prep.plan.mtp, prep.cuda_graphs)
+                                       prep.plan.mtp, prep.cuda_graphs, prep.snapshots)
     smaller = [a.name for a in models.smaller_aliases(memory.text_params(prep.config))
                if memory.plan_memory(models.alias_config(a), prep.max_context, prep.k_max,
                                      prep.dtype, True, prep.cuda_graphs).fits(prep.free)]
@@ -177,7 +180,7 @@ def load_engine(prep: Prepared):
         raise ValueError("a model planned from its shape alone cannot be loaded")
     return Engine.load(prep.path, device=prep.device, dtype=getattr(torch, prep.dtype),
                        max_context=prep.max_context, draft_tokens=prep.draft_tokens, k_max=prep.k_max,
-                       mtp=prep.mtp, cuda_graphs=prep.cuda_graphs)
+                       mtp=prep.mtp, cuda_graphs=prep.cuda_graphs, snapshots=prep.snapshots)
 
 
 def sampling_params(options: Options, folder: Path | None):

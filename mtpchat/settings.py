@@ -49,6 +49,8 @@ class Options:
     seed: int | None = None
     system: str | None = None
     think: bool = True
+    preserve_thinking: bool = False   # keep earlier replies' thinking in the prompt, where the template can
+    snapshots: int = 4                # decode-state snapshots kept for chat turns (0: none)
     offline: bool = False
     data_dir: str | None = None
 
@@ -115,7 +117,8 @@ CHECKS = {
     "mtp": _bool, "cuda_graphs": _bool,
     "temperature": _float(0.0), "top_p": _float(0.0, 1.0, lo_open=True), "top_k": _int(0),
     "min_p": _float(0.0, 1.0, hi_open=True), "presence_penalty": _float(-2.0, 2.0),
-    "max_tokens": _int(1), "seed": _int(0), "system": _str, "think": _bool, "offline": _bool,
+    "max_tokens": _int(1), "seed": _int(0), "system": _str, "think": _bool, "preserve_thinking": _bool,
+    "snapshots": _int(0, 64), "offline": _bool,
     "data_dir": _str,
 }
 assert set(CHECKS) == {f.name for f in dataclasses.fields(Options)}

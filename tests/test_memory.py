@@ -69,10 +69,13 @@ def test_plan_parts_for_27b(c27):
     # + the last step's 2 x 4 tokens x 48 heads x (128 + 128 + 2) floats)
     assert plan.gdn_state == 48 * (10240 * 7 * 2 + 48 * 128 * 128 * 4 + 2 * 4 * 48 * 258 * 4)
     assert plan.bytes_per_token == 68 * KiB
-    assert plan.total == plan.weights + plan.kv + plan.mtp_kv + plan.gdn_state + plan.graph_pool + plan.workspace
+    # four turn snapshots: 48 x (conv 10240 x 3 columns bf16 + a float32 state) + one hidden row in bf16
+    assert plan.snapshots == 4 * (48 * (10240 * 3 * 2 + 48 * 128 * 128 * 4) + 5120 * 2)
+    assert plan.total == (plan.weights + plan.kv + plan.mtp_kv + plan.gdn_state + plan.graph_pool + plan.workspace
+                          + plan.snapshots)
     assert 0 < plan.graph_pool < GiB and 0 < plan.workspace < GiB
     assert plan.needed > plan.total
-    assert set(plan.as_dict()) == {"weights", "kv", "mtp_kv", "gdn_state", "graph_pool", "workspace"}
+    assert set(plan.as_dict()) == {"weights", "kv", "mtp_kv", "gdn_state", "graph_pool", "workspace", "snapshots"}
 
 
 def test_plan_without_mtp_or_graphs(c27):
@@ -121,6 +124,6 @@ def test_plan_agrees_with_the_engine(tmp_path, tie, mtp):
     engine = Engine.load(folder, device="cpu", dtype=torch.float32, max_context=300, k_max=4)
     plan = memory.plan_memory(engine.config, 300, 4, "float32", mtp=True, cuda_graphs=False)
     actual = engine.memory()
-    for part in ("weights", "kv", "mtp_kv", "gdn_state"):
+    for part in ("weights", "kv", "mtp_kv", "gdn_state", "snapshots"):
         assert plan.as_dict()[part] == actual[part], part
     assert (actual["mtp_kv"] > 0) == mtp

@@ -122,6 +122,16 @@ class ChatActions:
         self.notice("thinking on for the next reply" if self.think else "thinking off for the next reply")
         self.redraw(force=True)
 
+    def action_toggle_keep_thinking(self) -> None:
+        from mtpchat.app.app import offers_preserve_thinking
+        if self.engine is not None and not offers_preserve_thinking(self.engine.tokenizer):
+            self.notice("this model's chat template has no preserve_thinking: earlier replies' thinking is "
+                        "always left out of the prompt", "warning")
+            return
+        self.keep_thinking = not self.keep_thinking
+        self.notice("earlier replies' thinking stays in the prompt (preserve_thinking)" if self.keep_thinking
+                    else "earlier replies' thinking is left out of the prompt, as the model was trained")
+
     def action_toggle_tint(self) -> None:
         self.tint = not self.tint
         for v in self._views():

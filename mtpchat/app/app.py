@@ -45,8 +45,19 @@ class GenerationEnded(Message):
     """The generation thread has returned: the engine is free."""
 
 
-def build_prompt(tokenizer, messages: list[dict], think: bool) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=think))
+def offers_preserve_thinking(tokenizer) -> bool:
+    """Whether the chat template reads `preserve_thinking` (Qwen3.6's keeps earlier turns' thinking with it)."""
+    return "preserve_thinking" in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def build_prompt(tokenizer, messages: list[dict], think: bool, keep_thinking: bool = False) -> tuple[list[int], tuple]:
+    """The prompt ids for the next reply, and the positions worth a snapshot of the decode state
+    (engine/snapshots.py): where the rendered conversation ends, before the generation prompt. The
+    next turn's prompt goes on from there even when the template drops this reply's thinking."""
+    extra = {"preserve_thinking": True} if keep_thinking and offers_preserve_thinking(tokenizer) else {}
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=think, **extra))
+    history = list(tokenizer.apply_chat_template(messages, add_generation_prompt=False, enable_thinking=think, **extra))
+    return ids, ((len(history),) if 0 < len(history) < len(ids) and ids[:len(history)] == history else ())
 
 
 def reply_footer(stats, reason: str, mtp: bool, k: int) -> str:
@@ -72,7 +83,8 @@ class ChatApp(ChatActions, App):
 
     def __init__(self, load_engine: Callable[[], object], *, model: str, store: Store, sampling: Sampling,
                  device: str = "cpu", dtype: str = "", system: str = "", think: bool = True, mtp: bool = True,
-                 draft_tokens: int = 3, probe: Callable | None = None, gpu_interval: float = 1.0,
+                 draft_tokens: int = 3, preserve_thinking: bool = False, probe: Callable | None = None,
+                 gpu_interval: float = 1.0,
                  refresh_hz: float = 4.0, keymap: dict | None = None, export_dir: Path | None = None,
                  now: Callable[[], float] = time.time, ui_budget: float = 0.02):
         super().__init__()
@@ -80,6 +92,7 @@ class ChatApp(ChatActions, App):
         self.model_name, self.device, self.dtype = model, device, dtype
         self.store, self.sampling, self.system, self.think = store, sampling, system, think
         self.default_system = system
+        self.keep_thinking = preserve_thinking   # earlier replies' thinking stays in the prompt (template permitting)
         self.initial_mtp, self.initial_k = mtp, draft_tokens
         self.make_probe, self.gpu_interval, self.refresh_hz = probe, gpu_interval, refresh_hz
         self.user_keymap = keymap or {}
@@ -263,11 +276,11 @@ class ChatApp(ChatActions, App):
                 if mtp is not None:
                     engine.mtp = mtp
                     engine.reset()   # each lane starts from the same empty state
-                ids = build_prompt(engine.tokenizer, messages, think)
+                ids, keep_at = build_prompt(engine.tokenizer, messages, think, self.keep_thinking)
                 think_open = prompt_opens_think(engine.tokenizer, ids)
                 drive(engine, ids, params, target=target, think_open=think_open, post=self.post_message,
                       cancelled=cancelled, count_tokens=self._count,
-                      interval=lambda: self.pacer.interval)
+                      interval=lambda: self.pacer.interval, snapshot_at=keep_at)
         except Exception as exc:
             self.post_message(ReplyFailed(target, describe_error(exc, "reply"), "", "", ()))
         finally:

@@ -152,7 +152,7 @@ class FakeEngine:
         return {"weights": int(50.1 * gib), "kv": int(4.0 * gib), "mtp_kv": int(0.25 * gib),
                 "gdn_state": int(0.86 * gib), "graph_pool": int(0.4 * gib), "workspace": int(0.3 * gib)}
 
-    def generate(self, prompt_ids, params):
+    def generate(self, prompt_ids, params, snapshot_at=()):
         from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
 
         self._cancel.clear()

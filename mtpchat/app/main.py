@@ -29,6 +29,7 @@ class Launch:
     load: object
     notices: list = field(default_factory=list)
     fake: bool = False
+    preserve_thinking: bool = False
 
 
 def launch_from(args) -> Launch:
@@ -45,7 +46,8 @@ def launch_from(args) -> Launch:
         from mtpchat import loader
         return Launch(prep.name, prep.device, prep.dtype, prep.mtp, prep.draft_tokens, get("system") or "",
                       bool(get("think", True)), get("data_dir"), initial_sampling(opts, prep.path),
-                      lambda: loader.load_engine(prep), list(prep.notices))
+                      lambda: loader.load_engine(prep), list(prep.notices),
+                      preserve_thinking=bool(get("preserve_thinking", False)))
     device = str(get("device", "cpu"))
     if fake:
         from mtpchat.app.fake import FakeEngine
@@ -55,7 +57,8 @@ def launch_from(args) -> Launch:
         load = engine_loader(args)
     return Launch("fake-model" if fake else Path(str(get("model"))).name, device, str(get("dtype") or ""),
                   bool(get("mtp", True)), int(get("draft_tokens", 3)), get("system") or "", bool(get("think", True)),
-                  get("data_dir"), initial_sampling(opts, None) if not fake else Sampling(), load, fake=fake)
+                  get("data_dir"), initial_sampling(opts, None) if not fake else Sampling(), load, fake=fake,
+                  preserve_thinking=bool(get("preserve_thinking", False)))
 
 
 def engine_loader(args):
@@ -84,7 +87,8 @@ def build_app(args, *, load_engine=None, probe=None, now=time.time, gpu_interval
         probe = FakeGpu
     app = ChatApp(load_engine or launch.load, model=launch.model, store=store, sampling=launch.sampling,
                   device=launch.device, dtype=launch.dtype, system=launch.system, think=launch.think,
-                  mtp=launch.mtp, draft_tokens=launch.draft_tokens, probe=probe, gpu_interval=gpu_interval,
+                  mtp=launch.mtp, draft_tokens=launch.draft_tokens, preserve_thinking=launch.preserve_thinking,
+                  probe=probe, gpu_interval=gpu_interval,
                   keymap=keymap, now=now)
     app.startup_notices += [("information", n) for n in launch.notices]
     if keymap_error:
@@ -122,6 +126,7 @@ def dev_args(argv=None):
     p.add_argument("--seed", type=int)
     p.add_argument("--system", default="")
     p.add_argument("--no-think", dest="think", action="store_false")
+    p.add_argument("--preserve-thinking", action="store_true")
     p.add_argument("--offline", action="store_true")
     p.add_argument("--data-dir")
     return p.parse_args(argv)

@@ -82,7 +82,10 @@ def speed(t: Telemetry, live: Live) -> list[Content]:
     tps = list(t.tps_history)[-(W - 14):]
     spark = sparkline(tps, W - 14, lo=min(tps) * 0.8 if tps else None)
     lines.append(row("tok/s ", (f"{num(t.tokens_per_s, '.1f'):>6}", "b"), " ", (spark, "$accent")))
-    prompt = f"prefill {t.prompt_tokens} tok" if t.prefill_ms is not None else ""
+    prompt = ""
+    if t.prefill_ms is not None:
+        fed = t.prompt_tokens - t.cached_tokens
+        prompt = f"prefill {fed} tok" + (f", {t.cached_tokens} reused" if t.cached_tokens else "")
     lines.append(row("TTFT  ", (f"{num(t.ttft_ms, '.0f', ' ms'):>9}", "b"), "  ", (prompt, "$text-muted")))
     phases = t.phase_ms()
     top = max(phases.values()) if phases else 1.0
@@ -108,9 +111,14 @@ def memory(t: Telemetry, live: Live) -> list[Content]:
     if m:
         items = [("weights", m.get("weights")), ("KV", m.get("kv")), ("MTP KV", m.get("mtp_kv")),
                  ("GDN state", m.get("gdn_state")), ("graphs", m.get("graph_pool")), ("workspace", m.get("workspace"))]
-        for a, b in zip(items[::2], items[1::2]):
-            lines.append(row((f"{a[0]:<8}", "$text-muted"), f"{size(a[1]):>9}  ", (f"{b[0]:<10}", "$text-muted"),
-                             f"{size(b[1]):>9}"))
+        if m.get("snapshots"):   # the decode-state snapshots kept for chat turns (engine/snapshots.py)
+            items.append(("turns", m.get("snapshots")))
+        for i in range(0, len(items), 2):
+            a, *b = items[i:i + 2]
+            pair = [(f"{a[0]:<8}", "$text-muted"), f"{size(a[1]):>9}"]
+            if b:
+                pair += ["  ", (f"{b[0][0]:<10}", "$text-muted"), f"{size(b[0][1]):>9}"]
+            lines.append(row(*pair))
     if on_gpu:
         power = num(g.power_w if g else None, '.0f', ' W')
         lines.append(row("power ", (power, "b"), "   energy ", (num(t.joules_per_token, '.2f', ' J/tok'), "b")))

@@ -77,7 +77,8 @@ class Batch:
 
 def drive(engine, prompt_ids: list[int], params, *, target: str, think_open: bool,
           post: Callable, cancelled: Callable[[], bool], count_tokens: Callable[[int], None] = lambda n: None,
-          interval: float | Callable[[], float] = POST_INTERVAL, clock: Callable[[], float] = time.monotonic) -> None:
+          interval: float | Callable[[], float] = POST_INTERVAL, clock: Callable[[], float] = time.monotonic,
+          snapshot_at: tuple[int, ...] = ()) -> None:
     text = ReplyText(think_open)
     batch = Batch()
     steps: list = []            # kept since the last batch went out
@@ -108,7 +109,7 @@ def drive(engine, prompt_ids: list[int], params, *, target: str, think_open: boo
     last_post = float("-inf")   # the first text goes out at once: time to first token is what users watch
     asked_cancel = False
     try:
-        for ev in engine.generate(prompt_ids, params):
+        for ev in engine.generate(prompt_ids, params, snapshot_at=snapshot_at):
             kind = type(ev).__name__
             if kind == "Step":
                 steps.append(ev)
