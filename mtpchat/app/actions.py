@@ -42,6 +42,9 @@ class ChatActions:
         for v in views if views is not None else self._views():
             if v.content or v.role == "user":
                 msgs.append({"role": v.role, "content": v.content})
+                if v.role == "assistant" and v.thinking:
+                    # the template decides: Qwen's drop it from earlier turns unless preserve_thinking
+                    msgs[-1]["reasoning_content"] = v.thinking
         return msgs
 
     def check_action(self, action: str, parameters) -> bool | None:
