@@ -38,7 +38,7 @@ def main(args) -> int:
     cpu_allocator(device)
     graphs = getattr(opts, "cuda_graphs", True)
     context = args.context
-    max_context = max(context + args.tokens * 2 + 64, 8192 + 64, getattr(opts, "max_context", 0) or 0)
+    max_context = max(context + args.tokens * 2 + 64, 8192 + 128, getattr(opts, "max_context", 0) or 0)
     if args.random_weights:
         config = ModelConfig.load(Path(bench.__file__).parent / "configs" / f"{args.random_weights}.json")
         model, name = config, f"random {args.random_weights}"
@@ -67,6 +67,11 @@ def table(r: dict) -> str:
              f"-> floor {floor:.3f} ms; capture {r['capture_s']:.1f} s", ""]
     for n, ms in r["ttft_ms"].items():
         lines.append(f"{'time to first token, ' + str(n) + ' tokens':<44}{ms:>10.1f} ms")
+    if "second_turn" in r:
+        t = r["second_turn"]
+        lines.append(f"{'chat turn after ' + format(t['history'], ',') + ' tokens, +' + str(t['new']) + ' new:':<44}"
+                     f"{t['second_ms']:>10.1f} ms to first token ({t['second_reused']:,} reused; "
+                     f"the first turn {t['first_ms']:.1f} ms)")
     lines.append(row("decode, MTP off (per token)", r["decode_ms"]))
     lines.append(row("decode step, device time", r["decode_step_ms"]))
     for k, m in r["mtp_profile"].items():

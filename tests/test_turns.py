@@ -179,3 +179,10 @@ def test_the_end_of_a_reply_is_a_resume_point(official, mtp):
         events = list(engine.generate(nxt, SamplingParams(**GREEDY)))
         assert events[0].cached_tokens == len(end)
         assert list(events[-1].token_ids) == fresh_tokens(official, nxt, mtp)
+
+
+def test_the_bench_times_a_turn_after_a_long_history(gqa3):
+    from mtpchat.engine import bench
+    engine = Engine.load(gqa3, device="cpu", dtype=torch.float32, max_context=512)
+    turn = bench.second_turn(engine, history=300, new=20, reply=4, repeats=1)
+    assert turn["second_reused"] == 300 and turn["first_ms"] > 0 and turn["second_ms"] > 0
