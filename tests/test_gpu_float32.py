@@ -78,3 +78,19 @@ def test_float32_at_the_27b_layer_shapes():
     want = greedy(gpu, ids, 24)
     assert greedy(gpu, ids, 24, mtp=True, k=4) == want
     assert greedy(cpu, ids, 24) == want
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_a_turn_resumed_from_a_snapshot_equals_a_fresh_prefill(ckpt, mtp):
+    # on the GPU with CUDA graphs: the first turn keeps the state where its conversation ends; the
+    # next turn leaves the first's reply out (as the templates drop thinking) and resumes there
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.float32, max_context=512, mtp=mtp)
+    fresh = Engine.load(ckpt, device="cuda", dtype=torch.float32, max_context=512, mtp=mtp, snapshots=0)
+    vocab = engine.config.vocab_size
+    convo, gen, tail = prompt(150, vocab, 1), prompt(3, vocab, 2), prompt(40, vocab, 3)
+    params = SamplingParams(max_tokens=32, stop_token_ids=())
+    list(engine.generate(convo + gen, params, snapshot_at=(len(convo),)))
+    for follow in (tail, tail[:25] + gen):
+        events = list(engine.generate(convo + follow, params, snapshot_at=(len(convo) + len(follow) - 3,)))
+        assert events[0].cached_tokens == len(convo)
+        assert list(events[-1].token_ids) == list(list(fresh.generate(convo + follow, params))[-1].token_ids)

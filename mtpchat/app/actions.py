@@ -63,6 +63,7 @@ class ChatActions:
     async def on_composer_submitted(self, event: Composer.Submitted) -> None:
         if self.engine is None and self.load_error is None and event.text.strip():
             self._queued = event.text       # sent by on_engine_ready; the text stays in the box till then
+            self.query_one(Composer).border_subtitle = "queued: goes out when the model is ready"
             self.notice("the model is still loading: this message goes out as soon as it is ready")
             return
         if not self._engine_ready():

@@ -197,6 +197,7 @@ class ChatApp(ChatActions, App):
         gc.collect()
         gc.freeze()
         self.redraw()
+        self.query_one(Composer).border_subtitle = ""
         if self._queued is not None:         # a message sent while the model was loading
             text, self._queued = self._queued, None
             self.query_one(Composer).post_message(Composer.Submitted(text))
@@ -204,6 +205,8 @@ class ChatApp(ChatActions, App):
     def on_engine_failed(self, m: EngineFailed) -> None:
         self.load_error = m.text
         self.query_one("#loading").remove()
+        if self._queued is not None:         # the message stays in the box, never sent, never lost
+            self.query_one(Composer).border_subtitle = "not sent: the model did not load"
         self.notice(m.text, "error")
         self.redraw()
 

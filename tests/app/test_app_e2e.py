@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import pytest
-from apphelpers import idle, ready, run, send
+from apphelpers import idle, ready, run, send, until
 
 from mtpchat import cli, loader
+from mtpchat.app.chat import Composer
 from mtpchat.app.main import build_app
 from mtpchat.app.store import Store
 from mtpchat.app.think import ThinkSplitter, prompt_opens_think
@@ -54,3 +55,39 @@ def test_real_engine_replies_through_the_app_as_it_does_headless(cli_args, tmp_p
     stats = [m.stats for m in store.messages(store.sessions()[0].id) if m.role == "assistant"]
     assert stats[0]["verify_steps"] > 0 and stats[0]["mtp"] is True and 0 < stats[0]["new_tokens"] <= 40
     assert stats[1]["verify_steps"] == 0 and stats[1]["mtp"] is False
+
+
+def test_no_flags_on_a_short_model_and_a_message_sent_while_it_loads(tmp_path, monkeypatch):
+    # `mtpchat --model DIR` on a checkpoint that supports 4,096 tokens: no --max-context asked for,
+    # so none is refused; the message typed while the model loads goes out once it is ready
+    import threading
+    monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
+    monkeypatch.setenv("MTPCHAT_DATA_DIR", str(tmp_path / "data"))
+    short = write_tiny_checkpoint(tmp_path / "short", max_position_embeddings=4096)
+    argv = ["--model", str(short)]
+    args = cli.build_parser(argv).parse_args(argv)
+    args.options = cli.options_from(args)
+    args.prepared = loader.prepare(args.options)
+    assert args.prepared.max_context == 4096
+    assert any("context: 4,096 tokens, the most" in n for n in args.prepared.notices)
+    release = threading.Event()
+
+    def load():
+        assert release.wait(20), "the test never let the model load"
+        return loader.load_engine(args.prepared)
+    app = build_app(args, load_engine=load)
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            assert any("context: 4,096 tokens" in text for _, text in app.startup_notices)
+            await send(pilot, "sent while loading", wait=False)
+            assert app.engine is None and "goes out as soon as it is ready" in app.notices[-1][1]
+            assert "queued" in str(app.query_one(Composer).border_subtitle)
+            release.set()
+            await ready(pilot)
+            assert app.engine.max_context == 4096 and not app.load_error
+            await until(pilot, lambda: len(app._views()) == 2, what="the queued message to go out")
+            await idle(pilot)
+            user, reply = app._views()
+            assert user.content == "sent while loading" and (reply.content or reply.thinking)
+    run(go())
