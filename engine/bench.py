@@ -93,21 +93,28 @@ def second_turn(engine, history: int = 8192, new: int = 50, reply: int = 16, see
     """Time to first token of a chat turn after one with thinking. The first turn's prompt is
     `history` tokens of conversation and a 3-token generation prompt, with a snapshot kept where
     the conversation ends; its reply (thinking) is left out of the next prompt, as Qwen's templates
-    do, which adds `new` tokens to the conversation instead. The best of `repeats`, each from an
-    empty state: {first_ms, second_ms, second_reused}."""
+    do, which adds `new` tokens to the conversation instead. Beside it, from an empty state each:
+    the first prompt without the snapshot, and the second prompt prefilled whole (what a turn cost
+    before snapshots). The best of `repeats` of each, in ms; second_reused: prompt tokens resumed."""
     convo, gen, tail = (random_prompt(engine, n, seed + i) for i, n in enumerate((history, 3, new)))
-    best = {"first_ms": float("inf"), "second_ms": float("inf")}
+    first, second = convo + gen, convo + tail
+    best: dict = {}
+
+    def ttft(key, prompt, tokens=1, keep=(), fresh=True):
+        if fresh:
+            engine.reset()
+        t = time.perf_counter()
+        for ev in engine.generate(prompt, SamplingParams(max_tokens=tokens, stop_token_ids=()), snapshot_at=keep):
+            if isinstance(ev, Prefilled) and key == "second_ms":
+                best["second_reused"] = ev.cached_tokens
+            if isinstance(ev, Step) and t is not None:
+                best[key] = min(best.get(key, float("inf")), (time.perf_counter() - t) * 1e3)
+                t = None                  # the rest of the reply runs untimed
     for _ in range(repeats):
-        engine.reset()
-        for key, prompt, tokens in (("first_ms", convo + gen, reply), ("second_ms", convo + tail, 1)):
-            t = time.perf_counter()
-            for ev in engine.generate(prompt, SamplingParams(max_tokens=tokens, stop_token_ids=()),
-                                      snapshot_at=(history,)):
-                if isinstance(ev, Prefilled) and key == "second_ms":
-                    best["second_reused"] = ev.cached_tokens
-                if isinstance(ev, Step) and t is not None:
-                    best[key] = min(best[key], (time.perf_counter() - t) * 1e3)
-                    t = None              # the rest of the reply runs untimed
+        ttft("first_plain_ms", first)
+        ttft("second_full_ms", second)
+        ttft("first_ms", first, reply, keep=(history,))
+        ttft("second_ms", second, fresh=False)
     return best | {"history": history, "new": new}
 
 

@@ -69,9 +69,11 @@ def table(r: dict) -> str:
         lines.append(f"{'time to first token, ' + str(n) + ' tokens':<44}{ms:>10.1f} ms")
     if "second_turn" in r:
         t = r["second_turn"]
-        lines.append(f"{'chat turn after ' + format(t['history'], ',') + ' tokens, +' + str(t['new']) + ' new:':<44}"
-                     f"{t['second_ms']:>10.1f} ms to first token ({t['second_reused']:,} reused; "
-                     f"the first turn {t['first_ms']:.1f} ms)")
+        lines.append(f"{'chat turn after ' + format(t['history'], ',') + ' tokens, +' + str(t['new']) + ' new':<44}"
+                     f"{t['second_ms']:>10.1f} ms to first token ({t['second_reused']:,} reused; prefilled "
+                     f"whole {t['second_full_ms']:.1f} ms)")
+        lines.append(f"{'  the turn before, its snapshot kept':<44}{t['first_ms']:>10.1f} ms "
+                     f"(without the snapshot {t['first_plain_ms']:.1f} ms)")
     lines.append(row("decode, MTP off (per token)", r["decode_ms"]))
     lines.append(row("decode step, device time", r["decode_step_ms"]))
     for k, m in r["mtp_profile"].items():
