@@ -24,7 +24,19 @@ class UnsupportedFormat(ConfigError):
     tensors it has no place for): refused before anything is loaded, never read as garbage."""
 
 
-SUPPORTED_QUANTIZATION: tuple[str, ...] = ()   # quant_method values the loader implements
+SUPPORTED_QUANTIZATION = ("fp8",)   # quant_method values the loader implements
+
+
+def _fp8_format(quant: dict, source: str) -> None:
+    """The official FP8 releases' form (kernels/fp8.py); anything else is refused by name."""
+    fmt, block = quant.get("fmt", "e4m3"), quant.get("weight_block_size")
+    if fmt != "e4m3":
+        raise UnsupportedFormat(f"{source}: FP8 format {fmt!r} is not supported; only 'e4m3' is")
+    if block is not None and list(block) != [128, 128]:
+        raise UnsupportedFormat(f"{source}: FP8 weight_block_size {list(block)} is not supported; only [128, 128] is")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise UnsupportedFormat(f"{source}: FP8 activation_scheme {quant['activation_scheme']!r} is not supported; "
+                                "only 'dynamic' (no stored activation scales) is")
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,7 @@ class ModelConfig:
     attn_output_gate: bool = True
     attention_bias: bool = False
     dtype: str = "bfloat16"
+    quantization: str | None = None   # "fp8": block-scaled FP8 linear weights in the checkpoint
     # derived
     rotary_dim: int = field(init=False)
     key_dim: int = field(init=False)      # GDN: Hk * dk
@@ -123,8 +136,10 @@ class ModelConfig:
                 have = ", ".join(SUPPORTED_QUANTIZATION) or "none yet"
                 raise UnsupportedFormat(
                     f"{source}: quantization_config quant_method {method!r} is not supported (supported "
-                    f"quantization: {have}); use the unquantized (bf16) release of this model")
+                    f"quantization: {have}); use the unquantized (bf16) or the FP8 release of this model")
+            _fp8_format(quant, source)
         flat = dict(text)
+        flat["quantization"] = "fp8" if quant is not None else None
         rope = flat.pop("rope_parameters", None) or flat.pop("rope_scaling", None) or {}
         if rope.get("rope_type", "default") not in ("default", None):
             raise ConfigError(f"{source}: rope_type {rope['rope_type']!r} is not supported; only 'default' is")

@@ -43,9 +43,12 @@ class Engine:
     def __init__(self, model: str | Path | ModelConfig, device="cpu", dtype: torch.dtype | None = None,
                  max_context: int | None = None, draft_tokens: int = 3, mtp: bool = True,
                  cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int | None = None, seed: int = 0,
-                 snapshots: int = DEFAULT_SNAPSHOTS):
+                 snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None):
         """`model` is a checkpoint folder, or a ModelConfig for random weights of its shapes (benchmarks;
-        no tokenizer then). `max_context` None: DEFAULT_CONTEXT, or what the model supports if less."""
+        no tokenizer then). `max_context` None: DEFAULT_CONTEXT, or what the model supports if less.
+        `weights`: None keeps the checkpoint's format (FP8 for an FP8 release); "fp8" stores the big
+        products in block-scaled FP8, quantizing a bf16 checkpoint as it loads; "bf16" stores them in
+        the model dtype, dequantizing an FP8 checkpoint."""
         # build -> load -> allocate state -> (warm up and capture: the CUDA runner)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -72,15 +75,18 @@ class Engine:
         self.k_max, self.max_context, self.cuda_graphs = k_max, max_context, cuda_graphs
         self._draft_tokens, self._mtp = draft_tokens, mtp and self.mtp_available
 
-        self.model = Model(self.config)
+        if weights not in (None, "fp8", "bf16"):
+            raise ValueError(f"weights must be 'fp8' or 'bf16' (or None: the checkpoint's), got {weights!r}")
+        self.fp8 = weights == "fp8" or (weights is None and self.config.quantization == "fp8")
+        self.model = Model(self.config, fp8=self.fp8)
         self.head = MTPHead(self.config) if self.mtp_available else None
-        modules, places = {"model": self.model}, {"model": text_places(self.config)}
+        modules, places = {"model": self.model}, {"model": text_places(self.config, split_ba=self.fp8)}
         if self.head is not None:
             modules["mtp"], places["mtp"] = self.head, mtp_places(self.config)
         if folder is None:
-            fill_random(modules, places, self.device, self.dtype, seed)
+            fill_random(modules, places, self.device, self.dtype, seed, fp8=self.fp8)
         else:
-            load_into(modules, places, folder, self.device, self.dtype)
+            load_into(modules, places, folder, self.device, self.dtype, fp8=self.fp8)
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
         prefill_chunk = prefill_chunk or (PREFILL_CHUNK if self.device.type == "cuda" else 512)

@@ -20,8 +20,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.kernels import attention, conv, gdn, gdn_chunk, norm
+from mtpchat.kernels import attention, conv, fp8_gemm, gdn, gdn_chunk, norm
 from mtpchat.kernels._triton import use_triton
+from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref
 from mtpchat.kernels.matvec import Normed, matvec, matvec_swiglu, silu_mul
 from mtpchat.kernels.matvec_parts import matvec_parts, matvec_parts_triton
 from mtpchat.kernels.rope import qkv_norm_rope
@@ -42,12 +43,25 @@ class Ctx:
     live: torch.Tensor | None = None   # [1] long, steps: 0 once the generation has ended (write no state)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    """x [T, K] @ w[N, K]ᵀ. With `rowwise` (decode, verify, draft) each row's result is that of a
-    1-row call: the batch-invariant matvec kernel on the GPU (which also takes a Normed x, see
-    add_norm), one product per row on the CPU."""
+def weight(m: nn.Module, name: str):
+    """A product's weight: the parameter, or with its block scales (`<name>_scale`, an FP8 model:
+    engine/weights.py) a BlockFP8."""
+    scale = getattr(m, name + "_scale", None)
+    return getattr(m, name) if scale is None else BlockFP8(getattr(m, name), scale)
+
+
+def linear(x: torch.Tensor, w, rowwise: bool) -> torch.Tensor:
+    """x [T, K] @ w[N, K]ᵀ, w a tensor or a BlockFP8. With `rowwise` (decode, verify, draft) each
+    row's result is that of a 1-row call: the batch-invariant matvec kernel on the GPU (which also
+    takes a Normed x, see add_norm, and FP8 weights, scaled in registers), one product per row on
+    the CPU. A prefill over FP8 weights on the GPU runs on the FP8 tensor cores (fp8_gemm.py); on
+    the CPU it is the product of the dequantized weight."""
     if isinstance(x, Normed) or (rowwise and x.is_cuda):
         return matvec(x, w)
+    if isinstance(w, BlockFP8):
+        if not rowwise and use_triton(x, w.w):
+            return fp8_gemm.gemm(x, w)
+        w = dequantize_ref(w, x.dtype)
     if not rowwise:
         return F.linear(x, w)
     return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)
@@ -66,7 +80,7 @@ SPLIT_NORM = True      # off: add_norm gives whole normalised rows (tests/kernel
 def out_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool):
     """A block's last product, which only the residual add and the norm after it read: left for
     add_norm in a step on the GPU, `linear` otherwise."""
-    if rowwise and use_triton(x, w):
+    if rowwise and use_triton(x, w.w if isinstance(w, BlockFP8) else w):
         return Product(x, w)
     return linear(x, w, rowwise)
 
@@ -126,10 +140,10 @@ class MLP(nn.Module):
 
     def forward(self, x, ctx: Ctx):
         if ctx.step and x.is_cuda:
-            h = matvec_swiglu(x, self.gate_up)          # the product and the gating in one kernel
+            h = matvec_swiglu(x, weight(self, "gate_up"))     # the product and the gating in one kernel
         else:
-            h = silu_mul(linear(x, self.gate_up, ctx.step))
-        return out_linear(h, self.down, ctx.step)
+            h = silu_mul(linear(x, weight(self, "gate_up"), ctx.step))
+        return out_linear(h, weight(self, "down"), ctx.step)
 
 
 class GatedAttention(nn.Module):
@@ -150,7 +164,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, x, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
         c, T = self.c, x.shape[0]
-        qg, k, v = linear(x, self.qkv, ctx.step).split([2 * c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        qg, k, v = linear(x, weight(self, "qkv"), ctx.step).split([2 * c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
         qg = qg.view(T, c.num_attention_heads, 2 * c.head_dim)           # per head: [query | gate]
         q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:]
         k_cache, v_cache = cache
@@ -166,15 +180,17 @@ class GatedAttention(nn.Module):
             q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))
             o = prefill_attention(q4, keys, values, ctx.start == 0, scale)[0].transpose(0, 1)
             o = o * torch.sigmoid(gate)
-        return out_linear(o.reshape(T, c.q_dim), self.o_proj, ctx.step)
+        return out_linear(o.reshape(T, c.q_dim), weight(self, "o_proj"), ctx.step)
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, split_ba: bool = False):
         super().__init__()
         self.c = c
         hv = c.linear_num_value_heads
-        self.in_proj = empty(c.conv_dim + c.value_dim + 2 * hv, c.hidden_size)   # qkv | z | b | a
+        # qkv | z | b | a; an FP8 model keeps the bf16 [b | a] apart (engine/weights.py)
+        self.in_proj = empty(c.conv_dim + c.value_dim + (0 if split_ba else 2 * hv), c.hidden_size)
+        self.in_proj_ba = empty(2 * hv, c.hidden_size) if split_ba else None
         self.conv_weight = empty(c.conv_dim, c.linear_conv_kernel_dim)
         self.A_log, self.dt_bias = empty(hv), empty(hv)
         self.norm_weight = empty(c.linear_value_head_dim)
@@ -184,7 +200,11 @@ class GatedDeltaNet(nn.Module):
         c, T = self.c, x.shape[0]
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         conv_buf, state, pend = cache
-        mixed, z, b, a = linear(x, self.in_proj, ctx.step).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+        if self.in_proj_ba is None:
+            mixed, z, b, a = linear(x, self.in_proj, ctx.step).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+        else:
+            mixed, z = linear(x, weight(self, "in_proj"), ctx.step).split([c.conv_dim, c.value_dim], dim=-1)
+            b, a = linear(x, self.in_proj_ba, ctx.step).split([hv, hv], dim=-1)
         mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live)   # pre-conv in, silu out
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
@@ -199,14 +219,14 @@ class GatedDeltaNet(nn.Module):
             o, end_state = gdn_chunk.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state.clone())
             state.copy_(end_state)
         o = norm.gated_rmsnorm(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
-        return out_linear(o.reshape(T, c.value_dim), self.out_proj, ctx.step)
+        return out_linear(o.reshape(T, c.value_dim), weight(self, "out_proj"), ctx.step)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, kind: str):
+    def __init__(self, c: ModelConfig, kind: str, split_ba: bool = False):
         super().__init__()
         self.kind = kind
-        self.mixer = GatedAttention(c) if kind == "full_attention" else GatedDeltaNet(c)
+        self.mixer = GatedAttention(c) if kind == "full_attention" else GatedDeltaNet(c, split_ba)
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
@@ -228,11 +248,11 @@ class Model(nn.Module):
     """The target model. `forward` returns the post-final-norm hidden states (what lm_head and the
     MTP head read); `logits` applies the head."""
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, fp8: bool = False):
         super().__init__()
-        self.c = c
+        self.c, self.fp8 = c, fp8
         self.embed = empty(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, kind) for kind in c.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(c, kind, split_ba=fp8) for kind in c.layer_types)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if not c.tie_word_embeddings:
             self.lm_head = empty(c.vocab_size, c.hidden_size)

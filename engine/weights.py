@@ -6,6 +6,14 @@ model.safetensors). Text weights sit under `model.language_model.`, the head at 
 Separate projections are fused into one matrix per layer as they are read: GDN [qkv | z | b | a],
 attention [q | k | v], MLP [gate | up]. Each tensor goes straight to its place on the target
 device, one at a time, so the host never holds a copy of the model.
+
+FP8 (kernels/fp8.py): the official FP8 releases store the big products' weights in float8_e4m3fn
+with a `<name>.weight_scale_inv` of 128 x 128 block scales; everything else stays bf16 (the GDN's
+in_proj_b/a among them, so an FP8 model keeps [b | a] apart from [qkv | z]). The products of
+FP8_PARAMS are stored in FP8 (the parameter and its block scales as `<param>_scale`) when the
+model is, reading FP8 as it is and quantizing bf16 on the device as it is read; a model kept in
+bf16 dequantizes FP8 tensors instead. A fused product whose parts do not start on whole blocks of
+128 rows cannot share block scales: it is kept in the model dtype.
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import torch
 from torch import nn
 
 from mtpchat.engine.config import ModelConfig, UnsupportedFormat
+from mtpchat.kernels.fp8 import BLOCK, FP8, BlockFP8, dequantize_ref, quantize_ref, scale_shape
 
 TEXT_PREFIX = "model.language_model."
 MTP_PREFIX = "mtp."
@@ -28,6 +37,9 @@ class WeightsError(ValueError):
 
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")     # safetensors' names of the dtypes a weight may have on disk
+SCALE_SUFFIX = "_scale_inv"               # an FP8 tensor's block scales: `<name>_scale_inv`
+# the products kept in FP8 in an FP8 model (our parameter names, by suffix)
+FP8_PARAMS = ("mixer.in_proj", "mixer.out_proj", "mixer.qkv", "mixer.o_proj", "mlp.gate_up", "mlp.down")
 
 
 @dataclass(frozen=True)
@@ -37,7 +49,7 @@ class Place:
     shape: tuple[int, ...]  # the shape in the checkpoint
 
 
-def _layer_places(c: ModelConfig, src: str, dst: str, kind: str) -> dict[str, Place]:
+def _layer_places(c: ModelConfig, src: str, dst: str, kind: str, split_ba: bool = False) -> dict[str, Place]:
     H, I = c.hidden_size, c.intermediate_size
     p = {
         f"{src}.input_layernorm.weight": Place(f"{dst}.input_norm.weight", 0, (H,)),
@@ -61,8 +73,10 @@ def _layer_places(c: ModelConfig, src: str, dst: str, kind: str) -> dict[str, Pl
         p |= {
             f"{g}.in_proj_qkv.weight": Place(f"{m}.in_proj", 0, (c.conv_dim, H)),
             f"{g}.in_proj_z.weight": Place(f"{m}.in_proj", c.conv_dim, (c.value_dim, H)),
-            f"{g}.in_proj_b.weight": Place(f"{m}.in_proj", c.conv_dim + c.value_dim, (hv, H)),
-            f"{g}.in_proj_a.weight": Place(f"{m}.in_proj", c.conv_dim + c.value_dim + hv, (hv, H)),
+            f"{g}.in_proj_b.weight": Place(*((f"{m}.in_proj_ba", 0) if split_ba else
+                                             (f"{m}.in_proj", c.conv_dim + c.value_dim)), (hv, H)),
+            f"{g}.in_proj_a.weight": Place(*((f"{m}.in_proj_ba", hv) if split_ba else
+                                             (f"{m}.in_proj", c.conv_dim + c.value_dim + hv)), (hv, H)),
             f"{g}.conv1d.weight": Place(f"{m}.conv_weight", 0, (c.conv_dim, 1, c.linear_conv_kernel_dim)),
             f"{g}.A_log": Place(f"{m}.A_log", 0, (hv,)),
             f"{g}.dt_bias": Place(f"{m}.dt_bias", 0, (hv,)),
@@ -72,13 +86,14 @@ def _layer_places(c: ModelConfig, src: str, dst: str, kind: str) -> dict[str, Pl
     return p
 
 
-def text_places(c: ModelConfig) -> dict[str, Place]:
-    """Checkpoint name -> where it goes in engine/model.py's Model."""
+def text_places(c: ModelConfig, split_ba: bool = False) -> dict[str, Place]:
+    """Checkpoint name -> where it goes in engine/model.py's Model (`split_ba`: an FP8 model's GDN
+    layers keep [b | a] in their own parameter)."""
     H, V = c.hidden_size, c.vocab_size
     p = {f"{TEXT_PREFIX}embed_tokens.weight": Place("embed", 0, (V, H)),
          f"{TEXT_PREFIX}norm.weight": Place("norm.weight", 0, (H,))}
     for i, kind in enumerate(c.layer_types):
-        p |= _layer_places(c, f"{TEXT_PREFIX}layers.{i}", f"layers.{i}", kind)
+        p |= _layer_places(c, f"{TEXT_PREFIX}layers.{i}", f"layers.{i}", kind, split_ba)
     if not c.tie_word_embeddings:
         p["lm_head.weight"] = Place("lm_head", 0, (V, H))
     return p
@@ -128,23 +143,28 @@ FLOAT32_PARAMS = ("A_log", "dt_bias")
 
 
 def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]], folder: str | Path,
-              device, dtype):
+              device, dtype, fp8: bool = False):
     """Fill each module's parameters from the checkpoint. `places[key]` maps checkpoint names to
     parameters of `modules[key]`. Every parameter is allocated on `device` first; each tensor is
-    then read, checked and copied into its rows."""
+    then read, checked and copied into its rows. `fp8`: store the FP8_PARAMS in FP8."""
     folder = Path(folder)
     weight_map = _weight_map(folder)
-    params: dict[tuple[str, str], torch.Tensor] = {}
-    for key, module in modules.items():
-        for name, p in module.named_parameters():
-            dt = torch.float32 if name.endswith(FLOAT32_PARAMS) else dtype
-            params[key, name] = torch.empty(p.shape, device=device, dtype=dt)
     wanted = {name: (key, place) for key, table in places.items() for name, place in table.items()}
     missing = sorted(set(wanted) - set(weight_map))
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise WeightsError(f"{folder}: tensor {', '.join(missing[:3])}{more} not found in the checkpoint; "
                            "it is incomplete or of another architecture")
+    in_fp8 = _fp8_params(places, fp8)
+    params: dict[tuple[str, str], torch.Tensor | BlockFP8] = {}
+    for key, module in modules.items():
+        for name, p in module.named_parameters():
+            if (key, name) in in_fp8:
+                params[key, name] = BlockFP8(torch.empty(p.shape, device=device, dtype=FP8),
+                                             torch.empty(scale_shape(*p.shape), device=device, dtype=torch.float32))
+            else:
+                dt = torch.float32 if name.endswith(FLOAT32_PARAMS) else dtype
+                params[key, name] = torch.empty(p.shape, device=device, dtype=dt)
     _refuse_unused(folder, weight_map, wanted, places)
     by_shard: dict[str, list[str]] = {}
     for name in wanted:
@@ -157,20 +177,68 @@ def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]]
                     raise WeightsError(f"{shard}: tensor {name} is listed in the index but not in the shard; "
                                        "the shard is corrupt or from another download")
                 key, place = wanted[name]
-                info = f.get_slice(name)
-                shape, stored = tuple(info.get_shape()), info.get_dtype()
-                if stored not in FLOAT_DTYPES:
-                    raise UnsupportedFormat(f"{shard}: tensor {name} is stored as {stored}, not a float type "
-                                            f"({', '.join(FLOAT_DTYPES)}); quantized weights need their "
-                                            "quantization_config, which this checkpoint's config.json lacks")
-                if shape != place.shape:
-                    raise WeightsError(f"{shard}: tensor {name} has shape {list(shape)}, expected "
-                                       f"{list(place.shape)} from config.json")
-                dest = params[key, place.param]
-                t = f.get_tensor(name).reshape(-1, *dest.shape[1:]) if dest.dim() > 1 else f.get_tensor(name)
-                dest[place.offset:place.offset + t.shape[0]].copy_(t)
+                t = _read(f, shard, name, place, folder, weight_map)
+                _put(params[key, place.param], place.offset, t, device)
     for (key, name), tensor in params.items():
-        _assign(modules[key], name, tensor)
+        if isinstance(tensor, BlockFP8):
+            _assign(modules[key], name, tensor.w)
+            _assign(modules[key], name + "_scale", tensor.scale)
+        else:
+            _assign(modules[key], name, tensor)
+
+
+def _fp8_params(places: dict[str, dict[str, Place]], fp8: bool) -> set[tuple[str, str]]:
+    """The (module key, parameter) pairs stored in FP8: the FP8_PARAMS of an FP8 model whose parts
+    each start on a whole block of rows (offsets only: a part's last block may be partial only at
+    the end of the parameter, where its block is its own)."""
+    if not fp8:
+        return set()
+    parts: dict[tuple[str, str], list[Place]] = {}
+    for key, table in places.items():
+        for place in table.values():
+            parts.setdefault((key, place.param), []).append(place)
+    return {k for k, ps in parts.items() if k[1].endswith(FP8_PARAMS) and all(
+        p.offset % BLOCK == 0 and (p.offset + p.shape[0] == max(q.offset + q.shape[0] for q in ps)
+                                   or p.shape[0] % BLOCK == 0) for p in ps)}
+
+
+def _read(f, shard: str, name: str, place: Place, folder: Path, weight_map: dict[str, str]):
+    """The checkpoint tensor, checked: a float tensor, or an FP8 one with its block scales."""
+    info = f.get_slice(name)
+    shape, stored = tuple(info.get_shape()), info.get_dtype()
+    if shape != place.shape:
+        raise WeightsError(f"{shard}: tensor {name} has shape {list(shape)}, expected {list(place.shape)} "
+                           "from config.json")
+    scale_name = name + SCALE_SUFFIX
+    if stored == "F8_E4M3" and scale_name in weight_map:
+        with _open(folder / weight_map[scale_name]) as g:
+            scale = g.get_tensor(scale_name)
+        rows = shape[0] if len(shape) == 2 else -1
+        if len(shape) != 2 or tuple(scale.shape) != scale_shape(rows, shape[1]):
+            raise WeightsError(f"{weight_map[scale_name]}: tensor {scale_name} has shape {list(scale.shape)}, "
+                               f"expected {list(scale_shape(*shape)) if len(shape) == 2 else 'none'} for "
+                               f"{name} {list(shape)} in 128 x 128 blocks")
+        return BlockFP8(f.get_tensor(name), scale.float())
+    if stored not in FLOAT_DTYPES:
+        raise UnsupportedFormat(f"{shard}: tensor {name} is stored as {stored}, not a float type "
+                                f"({', '.join(FLOAT_DTYPES)}); quantized weights need their "
+                                "quantization_config, which this checkpoint's config.json lacks")
+    return f.get_tensor(name)
+
+
+def _put(dest, offset: int, t, device):
+    """Copy one checkpoint tensor into rows offset.. of its parameter: FP8 as it is, bf16 quantized
+    on the device into an FP8 parameter, FP8 dequantized into a model-dtype one."""
+    if isinstance(dest, BlockFP8):
+        q = t if isinstance(t, BlockFP8) else quantize_ref(t.to(device))
+        b = offset // BLOCK
+        dest.w[offset:offset + q.w.shape[0]].copy_(q.w)
+        dest.scale[b:b + q.scale.shape[0]].copy_(q.scale)
+        return
+    if isinstance(t, BlockFP8):
+        t = dequantize_ref(BlockFP8(t.w.to(device), t.scale.to(device)), dest.dtype)
+    t = t.reshape(-1, *dest.shape[1:]) if dest.dim() > 1 else t
+    dest[offset:offset + t.shape[0]].copy_(t)
 
 
 def _refuse_unused(folder: Path, weight_map: dict[str, str], wanted: dict, places: dict):
@@ -181,7 +249,8 @@ def _refuse_unused(folder: Path, weight_map: dict[str, str], wanted: dict, place
     known = [*SKIP_PREFIXES, *(() if "mtp" in places else (MTP_PREFIX,))]
     if "lm_head.weight" not in wanted:
         known.append("lm_head.weight")
-    unused = sorted(n for n in weight_map if n not in wanted and not n.startswith(tuple(known)))
+    unused = sorted(n for n in weight_map if n not in wanted and not n.startswith(tuple(known))
+                    and n.removesuffix(SCALE_SUFFIX) not in wanted)
     if unused:
         more = f" (and {len(unused) - 3} more)" if len(unused) > 3 else ""
         raise UnsupportedFormat(f"{folder}: {len(unused)} tensor(s) have no place in a Qwen3.5/3.6 model as "
@@ -189,17 +258,25 @@ def _refuse_unused(folder: Path, weight_map: dict[str, str], wanted: dict, place
                                 "quantized or of another architecture")
 
 
-def fill_random(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]], device, dtype, seed: int):
-    """Random weights of the checkpoint's shapes drawn on the device (benchmarks at real sizes)."""
+def fill_random(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]], device, dtype, seed: int,
+                fp8: bool = False):
+    """Random weights of the checkpoint's shapes drawn on the device (benchmarks at real sizes);
+    with `fp8` the FP8_PARAMS quantized, block scales and all, as an FP8 checkpoint holds them."""
     from mtpchat.engine.tiny import random_tensor
     g = torch.Generator(device=device).manual_seed(seed)
+    in_fp8 = _fp8_params(places, fp8)
     for key, module in modules.items():
         names = {place.param: name for name, place in places[key].items()}   # a representative name
         for pname, p in list(module.named_parameters()):
             dt = torch.float32 if pname.endswith(FLOAT32_PARAMS) else dtype
             shape = tuple(p.shape) if p.dim() != 2 or "conv" not in pname else (p.shape[0], 1, p.shape[1])
-            t = random_tensor(names[pname], shape, g).reshape(p.shape).to(dt)
-            _assign(module, pname, t)
+            t = random_tensor(names[pname], shape, g).reshape(p.shape)
+            if (key, pname) in in_fp8:
+                q = quantize_ref(t)
+                _assign(module, pname, q.w)
+                _assign(module, pname + "_scale", q.scale)
+            else:
+                _assign(module, pname, t.to(dt))
 
 
 def _assign(module: nn.Module, name: str, tensor: torch.Tensor):

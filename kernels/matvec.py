@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
+from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref
 
 MAX_ROWS = 16
 
@@ -54,9 +55,11 @@ def rstd_ref(n: Normed) -> torch.Tensor:
     return torch.rsqrt(n.ss.sum(-1) / n.x.shape[1] + n.eps)
 
 
-def matvec_ref(x, w: torch.Tensor) -> torch.Tensor:
+def matvec_ref(x, w) -> torch.Tensor:
     """x [T, K] @ w [N, K]ᵀ in float32, cast back to x's dtype; for a Normed x, each row scaled by
-    its 1 / rms before the cast."""
+    its 1 / rms before the cast; a BlockFP8 w is dequantized (kernels/fp8.py)."""
+    if isinstance(w, BlockFP8):
+        w = dequantize_ref(w)
     if isinstance(x, Normed):
         return ((x.x.float() @ w.float().T) * rstd_ref(x)[:, None]).to(x.x.dtype)
     return (x.float() @ w.float().T).to(x.dtype)
@@ -95,10 +98,22 @@ def _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP: tl.constexpr, 
     tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(y.dtype.element_ty), mask=m_n[:, None] & m_t[None, :])
 
 
+@triton.jit
+def _dot_tile(p_w, m_w, b_x, b_acc, sw, i_b, s_sw, k, FP8: tl.constexpr, BLOCK: tl.constexpr):
+    """b_acc + w tile [BN, BK] @ b_x [BK, BT]. FP8: the tile lies in one block of the weight's
+    scales (row block i_b, column block k // BLOCK): widened to x's dtype, multiplied, then scaled."""
+    b_w = tl.load(p_w, mask=m_w, other=0.)
+    if FP8:
+        b_s = tl.load(sw + i_b * s_sw + k // BLOCK)
+        return b_acc + b_s * tl.dot(b_w.to(b_x.dtype), b_x, input_precision="ieee")
+    # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
+    return tl.dot(b_w, b_x, b_acc, input_precision="ieee")
+
+
 @triton.jit(do_not_specialize=["T"])
-def _matvec_kernel(x, w, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_y, s_ss, eps,
+def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
-                   SWIGLU: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+                   SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     # Program i_n takes column block i_n, all of K (with SWIGLU, the gate rows n and the up rows
     # N + n of w together). With SPLIT only the first F programs do; program F + j takes part
     # i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
@@ -129,10 +144,10 @@ def _matvec_kernel(x, w, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_y,
         m_w = m_n[:, None] & m_k[None, :]
         p_w = w + o_n[:, None] * s_w + o_k[None, :]
         b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.))
-        # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
-        b_g = tl.dot(tl.load(p_w, mask=m_w, other=0.), b_x, b_g, input_precision="ieee")
+        # FP8: a column block's rows share one row of scales (BN divides the 128-row blocks)
+        b_g = _dot_tile(p_w, m_w, b_x, b_g, sw, i_n * BN // 128, s_sw, k, FP8, 128)
         if SWIGLU:
-            b_u = tl.dot(tl.load(p_w + N * s_w, mask=m_w, other=0.), b_x, b_u, input_precision="ieee")
+            b_u = _dot_tile(p_w + N * s_w, m_w, b_x, b_u, sw, (N + i_n * BN) // 128, s_sw, k, FP8, 128)
     if not SPLIT:
         _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
     elif pid < F:
@@ -191,25 +206,35 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul_triton(gate_up) if use_triton(gate_up) else silu_mul_ref(gate_up)
 
 
-def _config(N: int, K: int, itemsize: int, swiglu: bool = False) -> tuple[int, int, int, int]:
+def _config(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages): never a function of T. BN counts output columns, so a SwiGLU
     program reads 2 x BN rows of w. Chosen on an H100 by whole decode steps of the 27B under other
     tiles (tests/kernels/ab_step.py --plans tiles, the ratios in docs/PERFORMANCE.md): 64 x 512
     bytes suits every plain product (smaller tiles, more warps, other depths: 0-23% slower); the
     SwiGLU product is fastest with 64 columns (128 rows of w) by 256 bytes of K, 5 deep (the
-    decode step 1.5% faster than with 32 x 512 bytes). float32 plain tiles take half the K."""
+    decode step 1.5% faster than with 32 x 512 bytes). float32 plain tiles take half the K. FP8
+    weights: tiles of one scale block's 128 columns (128 bytes a row), 64 rows, deeper pipelines."""
+    if fp8:
+        return (64, BLOCK, 4, 6) if swiglu else (64, BLOCK, 4, 8)
     if swiglu:
         return (64, 128, 4, 5) if itemsize == 2 else (32, 128, 4, 4)
     return 64, 512 // itemsize, 4, 4
 
 
-def check_product(x: torch.Tensor, w: torch.Tensor, K: int):
-    """x [T, K] and w [N, K] as every product kernel takes them (here and in matvec_parts.py)."""
+def check_product(x: torch.Tensor, w, K: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """x [T, K] and w [N, K] as every product kernel takes them (here and in matvec_parts.py);
+    returns (w's values, its scales or w again, FP8 launch arguments)."""
     T = x.shape[0]
     assert 1 <= T <= MAX_ROWS, f"matvec takes 1..{MAX_ROWS} rows, got {T}"
     assert x.shape[1] == K == w.shape[1], f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
+    if isinstance(w, BlockFP8):
+        assert w.scale.dtype == torch.float32 and w.scale.stride(1) == 1 and w.scale.shape == \
+            (triton.cdiv(w.shape[0], BLOCK), triton.cdiv(K, BLOCK)), "FP8 scales must be float32 [N/128, K/128]"
+        assert w.w.stride(1) == 1 and x.stride(1) == 1, "x and w rows must be contiguous"
+        return w.w, w.scale, dict(s_sw=w.scale.stride(0), FP8=True)
     assert w.stride(1) == 1 and x.stride(1) == 1, "x and w rows must be contiguous"
     assert x.dtype == w.dtype, "x and w must share a dtype"
+    return w, w, dict(s_sw=0, FP8=False)
 
 
 def _scale_args(x, K: int) -> tuple[torch.Tensor, dict]:
@@ -257,7 +282,7 @@ def _tail_config(blocks: int, KI: int, P: int) -> tuple[int, int] | None:
     return triton.cdiv(KI, KS), KS
 
 
-def _launch(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu: bool):
+def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: bool):
     """One program a column block (_matvec_kernel), a small last wave split over K where
     _tail_config says so."""
     blocks, KI, P = triton.cdiv(N, BN), triton.cdiv(K, BK), _programs(x.device)
@@ -269,19 +294,19 @@ def _launch(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu: bool):
         ws = torch.empty((blocks - F) * S, 2 if swiglu else 1, BN, MAX_ROWS, dtype=torch.float32, device=x.device)
         count = arrival_counts(x.device, blocks - F)
     _matvec_kernel[(F + (blocks - F) * S,)](
-        x, w, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
+        x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
-        num_stages=stages, **scale, **pdl(x))
+        num_stages=stages, **scale, **fp8, **pdl(x))
     return y
 
 
-def matvec_triton(x, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def matvec_triton(x, w, out: torch.Tensor | None = None) -> torch.Tensor:
     N, K = w.shape
     x, scale = _scale_args(x, K)
-    check_product(x, w, K)
+    w, sw, fp8 = check_product(x, w, K)
     y = _out(x, N, out)
-    BN, BK, warps, stages = _config(N, K, x.element_size())
-    return _launch(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu=False)
+    BN, BK, warps, stages = _config(N, K, x.element_size(), fp8=fp8["FP8"])
+    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, swiglu=False)
 
 
 _counts: dict = {}
@@ -304,15 +329,16 @@ def arrival_counts(device: torch.device, blocks: int) -> torch.Tensor:
     return count
 
 
-def matvec_swiglu_triton(x, w: torch.Tensor) -> torch.Tensor:
+def matvec_swiglu_triton(x, w) -> torch.Tensor:
     N2, K = w.shape
     x, scale = _scale_args(x, K)
-    check_product(x, w, K)
+    w, sw, fp8 = check_product(x, w, K)
     assert N2 % 2 == 0, "w must stack the gate and up rows"
     N = N2 // 2
+    assert not fp8["FP8"] or N % BLOCK == 0, "FP8 gate rows must fill whole blocks, so the up rows start one"
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
-    BN, BK, warps, stages = _config(N, K, x.element_size(), swiglu=True)
-    return _launch(x, w, y, N, K, BN, BK, warps, stages, scale, swiglu=True)
+    BN, BK, warps, stages = _config(N, K, x.element_size(), swiglu=True, fp8=fp8["FP8"])
+    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, swiglu=True)
 
 
 def _out(x: torch.Tensor, N: int, out: torch.Tensor | None) -> torch.Tensor:
@@ -322,20 +348,24 @@ def _out(x: torch.Tensor, N: int, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def matvec(x, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] (or a Normed) @ w [N, K]ᵀ: the Triton kernel for CUDA tensors, the float32
-    reference otherwise. With `out` (e.g. float32 logits) the product, rounded to x's dtype, is
-    written there."""
-    if not use_triton(_rows_of(x), w):
+def matvec(x, w, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] (or a Normed) @ w [N, K]ᵀ (w a tensor or a BlockFP8): the Triton kernel for CUDA
+    tensors, the float32 reference otherwise. With `out` (e.g. float32 logits) the product, rounded
+    to x's dtype, is written there."""
+    if not use_triton(_rows_of(x), _values(w)):
         return matvec_ref(x, w) if out is None else out.copy_(matvec_ref(x, w))
     return matvec_triton(x, w, out)
 
 
-def matvec_swiglu(x, w: torch.Tensor) -> torch.Tensor:
-    """silu(x @ w_gateᵀ) * (x @ w_upᵀ) for w = [w_gate | w_up] (x a tensor or a Normed): one kernel
-    on CUDA, the reference otherwise."""
-    return matvec_swiglu_triton(x, w) if use_triton(_rows_of(x), w) else matvec_swiglu_ref(x, w)
+def matvec_swiglu(x, w) -> torch.Tensor:
+    """silu(x @ w_gateᵀ) * (x @ w_upᵀ) for w = [w_gate | w_up] (x a tensor or a Normed, w a tensor
+    or a BlockFP8): one kernel on CUDA, the reference otherwise."""
+    return matvec_swiglu_triton(x, w) if use_triton(_rows_of(x), _values(w)) else matvec_swiglu_ref(x, w)
 
 
 def _rows_of(x) -> torch.Tensor:
     return x.x if isinstance(x, Normed) else x
+
+
+def _values(w) -> torch.Tensor:
+    return w.w if isinstance(w, BlockFP8) else w

@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.matvec import MAX_ROWS, Normed, arrival_counts, check_product
+from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref
+from mtpchat.kernels.matvec import MAX_ROWS, Normed, _dot_tile, arrival_counts, check_product
 
 
 @triton.jit(do_not_specialize=["T"])
-def _matvec_parts_kernel(x, w, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x, s_w, s_yp, s_y, s_r, s_xn, s_h, s_ss,
-                         BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr,
-                         NORM: tl.constexpr, PDL: tl.constexpr):
+def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x, s_w, s_yp, s_y, s_r, s_xn,
+                         s_h, s_ss, s_sw, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr,
+                         NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
     pdl_start(PDL)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
@@ -32,9 +33,10 @@ def _matvec_parts_kernel(x, w, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x, s_w
     for k in range(i_s * KS, tl.minimum(i_s * KS + KS, K), BK):
         o_k = k + tl.arange(0, BK)
         m_k = o_k < K
-        b_w = tl.load(w + o_n[:, None] * s_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
         b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-        b_y = tl.dot(b_w, tl.trans(b_x), b_y, input_precision="ieee")
+        # FP8: BK divides the 128-column scale blocks and BN the 128-row ones (matvec._dot_tile)
+        b_y = _dot_tile(w + o_n[:, None] * s_w + o_k[None, :], m_n[:, None] & m_k[None, :], tl.trans(b_x), b_y,
+                        sw, i_n * BN // 128, s_sw, k, FP8, 128)
     o_y = o_t[None, :] * s_y + o_n[:, None]
     tl.store(y + i_s * s_yp + o_y, b_y, mask=m_y)
     if NORM:
@@ -80,9 +82,11 @@ def split_ranges(N: int, K: int, itemsize: int) -> list[tuple[int, int]]:
     return [(k0, min(K, k0 + KS)) for k0 in range(0, K, KS)]
 
 
-def matvec_parts_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """[S, T, N] float32: the products of x and w over each K range of split_ranges."""
+def matvec_parts_ref(x: torch.Tensor, w) -> torch.Tensor:
+    """[S, T, N] float32: the products of x and w (a BlockFP8 dequantized) over each K range of
+    split_ranges."""
     ranges = split_ranges(w.shape[0], w.shape[1], x.element_size())
+    w = dequantize_ref(w) if isinstance(w, BlockFP8) else w
     return torch.stack([x[:, k0:k1].float() @ w[:, k0:k1].float().T for k0, k1 in ranges])
 
 
@@ -99,7 +103,7 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
     the norm's two pieces instead: returns (Normed(h * (1 + weight), sums of h², eps), h) for
     h = x @ wᵀ + residual, finished block by block by each column block's last program."""
     N, K = w.shape
-    check_product(x, w, K)
+    w, sw, fp8 = check_product(x, w, K)
     T = x.shape[0]
     ranges = split_ranges(N, K, x.element_size())
     _, BN, BK, warps, stages = _split_config(N, K, x.element_size())
@@ -116,14 +120,15 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         ss = torch.empty(T, blocks, dtype=torch.float32, device=x.device)
         count = arrival_counts(x.device, blocks)
     _matvec_parts_kernel[(blocks, len(ranges))](
-        x, w, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0), y.stride(1),
-        r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, S=len(ranges),
-        NORM=norm is not None, num_warps=warps, num_stages=stages, **pdl(x))
+        x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0),
+        y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=MAX_ROWS, BN=BN, BK=BK,
+        S=len(ranges), NORM=norm is not None, num_warps=warps, num_stages=stages, **fp8, **pdl(x))
     return y if norm is None else (Normed(xn, ss, eps), h)
 
 
-def matvec_parts(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ w [N, K]ᵀ as its float32 parts [S, T, N] over the K ranges of split_ranges (S may
-    be 1): the Triton kernel for CUDA tensors, the float32 reference otherwise. parts_sum_ref, or
-    the norm that reads them, makes the product."""
-    return matvec_parts_triton(x, w) if use_triton(x, w) else matvec_parts_ref(x, w)
+def matvec_parts(x: torch.Tensor, w) -> torch.Tensor:
+    """x [T, K] @ w [N, K]ᵀ (w a tensor or a BlockFP8) as its float32 parts [S, T, N] over the K
+    ranges of split_ranges (S may be 1): the Triton kernel for CUDA tensors, the float32 reference
+    otherwise. parts_sum_ref, or the norm that reads them, makes the product."""
+    values = w.w if isinstance(w, BlockFP8) else w
+    return matvec_parts_triton(x, w) if use_triton(x, values) else matvec_parts_ref(x, w)

@@ -105,7 +105,6 @@ def _edit_config(folder: Path, **top):
 
 
 @pytest.mark.parametrize("quant", [
-    {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
     {"quant_method": "awq", "bits": 4, "group_size": 128},
     {"quant_method": "gptq", "bits": 4},
 ])
@@ -115,7 +114,19 @@ def test_a_quantization_config_is_refused_by_name(capsys, copy, quant):
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and f"quant_method '{quant['quant_method']}' is not supported" in lines[0]
-    assert "use the unquantized (bf16) release" in lines[0]
+    assert "use the unquantized (bf16) or the FP8 release" in lines[0]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"fmt": "e5m2"}, "FP8 format 'e5m2' is not supported"),
+    ({"weight_block_size": [64, 64]}, "FP8 weight_block_size [64, 64] is not supported"),
+    ({"activation_scheme": "static"}, "FP8 activation_scheme 'static' is not supported"),
+])
+def test_fp8_forms_other_than_the_official_one_are_refused(capsys, copy, change, message):
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    _edit_config(copy, quantization_config=quant | change)
+    code, _, err = run(capsys, "run", "--model", copy, "--prompt", "x")
+    assert code == 2 and message in err
 
 
 def test_a_quantization_config_inside_text_config_is_refused(copy):

@@ -45,8 +45,8 @@ def pdl_plans() -> dict:
 
 def tile_plan(rule) -> callable:
     """rule(N, K, swiglu) -> (BN, BK, warps, stages) or None for the default tile (bf16 only)."""
-    def tiles(N, K, itemsize, swiglu=False):
-        return (rule(N, K, swiglu) if itemsize == 2 else None) or DEFAULT_TILES(N, K, itemsize, swiglu)
+    def tiles(N, K, itemsize, swiglu=False, fp8=False):
+        return (rule(N, K, swiglu) if itemsize == 2 and not fp8 else None) or DEFAULT_TILES(N, K, itemsize, swiglu, fp8)
     return lambda: setattr(matvec, "_config", tiles)
 
 

@@ -89,7 +89,7 @@ def with_tile(cfg, fn, *args, swiglu=False):
     """fn(*args) with the matvec tile table giving `cfg` (BN, BK, warps, stages) to the plain or
     the SwiGLU products."""
     kept = matvec._config
-    matvec._config = lambda N, K, itemsize, glu=False: cfg if glu == swiglu else kept(N, K, itemsize, glu)
+    matvec._config = lambda N, K, itemsize, glu=False, fp8=False: cfg if glu == swiglu else kept(N, K, itemsize, glu, fp8)
     try:
         return fn(*args)
     finally:

@@ -1,0 +1,107 @@
+"""Few-row products over block-scaled FP8 weights (kernels/fp8.py) against their float32 references:
+the plain, SwiGLU and split products (a split finishing the norm too), the scales applied in
+registers; the quantization itself; rows bit for bit the 1-row calls, and the 27B's shapes (GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import TOL, check, normed, randn
+
+from mtpchat.kernels import fp8, matvec, matvec_parts
+
+# numpy's matmul treats Triton's bf16 as integers in the interpreter: bf16 activations on the GPU only
+DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+def weights(N: int, K: int, device, seed: int) -> fp8.BlockFP8:
+    """Random FP8 weights whose blocks have scales of very different sizes (and one block of zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    w = randn(N, K, gen=g) * torch.logspace(-2, 1, fp8.scale_shape(N, K)[0]).repeat_interleave(fp8.BLOCK)[:N, None]
+    w[:min(N, fp8.BLOCK), :min(K, fp8.BLOCK)] = 0.
+    q = fp8.quantize_ref(w)
+    return fp8.BlockFP8(q.w.to(device), q.scale.to(device))
+
+
+@pytest.mark.parametrize("N,K", [(300, 257), (128, 128), (200, 640)])
+def test_quantize_roundtrip(N, K):
+    w = randn(N, K, seed=N + K)
+    q = fp8.quantize_ref(w)
+    assert q.w.dtype == fp8.FP8 and q.scale.shape == fp8.scale_shape(N, K)
+    back = fp8.dequantize_ref(q)
+    assert ((back - w).norm() / w.norm()).item() < 0.04           # e4m3: 3 mantissa bits
+    again = fp8.quantize_ref(back)                                  # quantizing what it dequantizes: the same
+    assert torch.equal(again.w.view(torch.uint8), q.w.view(torch.uint8)) and torch.equal(again.scale, q.scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 3, 5])
+@pytest.mark.parametrize("N,K", [(300, 257), (128, 512), (448, 640)])
+def test_fp8_matvec(device, dtype, T, N, K):
+    # 448 rows: 7 column blocks on 6 programs (the interpreter's "SMs"), the last split over K in 2
+    w = weights(N, K, device, seed=T + N)
+    x = randn(T, K, dtype=dtype, device=device, seed=K)
+    if N == 448:
+        assert matvec._tail_config(7, 5, matvec._programs(x.device)) == (2, 3)
+    check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("N,K", [(128, 300), (256, 640)])
+def test_fp8_matvec_swiglu(device, dtype, T, N, K):
+    w = weights(2 * N, K, device, seed=N)
+    x = randn(T, K, dtype=dtype, device=device, seed=T)
+    check(matvec.matvec_swiglu_triton(x, w), matvec.matvec_swiglu_ref(x, w), TOL[dtype])
+
+
+def test_fp8_matvec_takes_a_normed_input(device):
+    g = torch.Generator().manual_seed(3)
+    n = normed(3, 300, torch.float32, device, g)
+    w = weights(200, 300, device, seed=4)
+    check(matvec.matvec_triton(n, w), matvec.matvec_ref(n, w), TOL[torch.float32])
+
+
+@pytest.fixture
+def three_parts(monkeypatch):
+    """Split products in 3 parts of 32-wide K tiles (the rule would not split these small shapes)."""
+    monkeypatch.setattr(matvec_parts, "_split_config", lambda N, K, itemsize: (3, 16, 32, 4, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K", [(70, 300), (130, 257)])
+def test_fp8_matvec_parts(device, three_parts, dtype, N, K):
+    w = weights(N, K, device, seed=N)
+    x = randn(4, K, dtype=dtype, device=device, seed=K)
+    parts = matvec_parts.matvec_parts_triton(x, w)
+    check(parts, matvec_parts.matvec_parts_ref(x, w), TOL[torch.float32], "parts")
+    # and with the norm finished block by block: the residual stream and the next product's input
+    r, nw = randn(4, N, dtype=dtype, device=device, seed=1), randn(N, dtype=dtype, device=device, seed=2, scale=0.1)
+    (xn, h) = matvec_parts.matvec_parts_triton(x, w, norm=(r, nw, 1e-6))
+    want_h = (matvec.matvec_ref(x, w).float() + r.float()).to(dtype)
+    check(h, want_h, TOL[dtype], "h")
+    check(xn.x, (h.float() * (1 + nw.float())).to(dtype), TOL[dtype], "x")
+
+
+# the 27B's FP8 products: GDN [qkv | z], attention q|gate|k|v, MLP gate|up (SwiGLU), and the 5120-row ones
+SHAPES_27B = [(16384, 5120), (14336, 5120), (5120, 6144), (5120, 17408)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", SHAPES_27B)
+def test_fp8_27b_shapes_and_rows(N, K):
+    w = weights(N, K, "cuda", seed=N)
+    x = randn(matvec.MAX_ROWS, K, dtype=torch.bfloat16, device="cuda", seed=K)
+    check(matvec.matvec(x[:5], w), matvec.matvec_ref(x[:5], w), 1e-2)
+    ones = torch.cat([matvec.matvec(x[i:i + 1], w) for i in range(x.shape[0])])
+    for T in (2, 3, 5, matvec.MAX_ROWS):
+        assert torch.equal(matvec.matvec(x[:T], w), ones[:T]), f"T={T}"
+
+
+@pytest.mark.gpu
+def test_fp8_swiglu_27b_rows():
+    w = weights(2 * 17408, 5120, "cuda", seed=1)
+    x = randn(matvec.MAX_ROWS, 5120, dtype=torch.bfloat16, device="cuda", seed=2)
+    check(matvec.matvec_swiglu(x[:4], w), matvec.matvec_swiglu_ref(x[:4], w), 2e-2)
+    ones = torch.cat([matvec.matvec_swiglu(x[i:i + 1], w) for i in range(x.shape[0])])
+    for T in (2, 4, matvec.MAX_ROWS):
+        assert torch.equal(matvec.matvec_swiglu(x[:T], w), ones[:T]), f"T={T}"
