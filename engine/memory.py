@@ -87,6 +87,55 @@ def mtp_params(cfg: ModelConfig) -> int:
     return 2 * h * h + cfg.mtp_num_hidden_layers * layer + 3 * h
 
 
+FP8_BLOCK = 128             # rows and columns of one FP8 scale (kernels/fp8.py)
+
+
+def _fp8_bytes(N: int, K: int) -> int:
+    """An FP8 product: a byte a weight and a float32 scale per 128 x 128 block."""
+    return N * K + -(-N // FP8_BLOCK) * -(-K // FP8_BLOCK) * 4
+
+
+def _fused(parts: list[int], K: int, nbytes: int, fp8: bool) -> int:
+    """A fused product of parts (rows) over K columns: FP8 when every part but the last fills
+    whole blocks of rows (they share the block scales; engine/weights.py), else the model dtype."""
+    if fp8 and all(rows % FP8_BLOCK == 0 for rows in parts[:-1]):
+        return _fp8_bytes(sum(parts), K)
+    return sum(parts) * K * nbytes
+
+
+def _layer_weight_bytes(cfg: ModelConfig, kind: str, nbytes: int, fp8: bool) -> int:
+    """One decoder layer's weights as the engine stores them (FP8: the products of FP8_PARAMS)."""
+    h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    mlp = _fused([cfg.intermediate_size] * 2, h, nbytes, fp8) + _fused([h], cfg.intermediate_size, nbytes, fp8)
+    norms = 2 * h * nbytes
+    if kind == "full_attention":
+        mixer = (_fused([2 * cfg.q_dim, cfg.kv_dim, cfg.kv_dim], h, nbytes, fp8)
+                 + _fused([h], cfg.q_dim, nbytes, fp8) + 2 * cfg.head_dim * nbytes)
+    else:
+        # [qkv | z] (with [b | a] fused in unless FP8 keeps them apart), the conv, the gated norm,
+        # A_log and dt_bias in float32, out_proj
+        inputs = _fused([cfg.conv_dim, cfg.value_dim], h, nbytes, fp8) + 2 * hv * h * nbytes if fp8 else \
+            _fused([cfg.conv_dim, cfg.value_dim, hv, hv], h, nbytes, fp8)
+        mixer = (inputs + (cfg.conv_dim * cfg.linear_conv_kernel_dim + cfg.linear_value_head_dim) * nbytes
+                 + 2 * hv * 4 + _fused([h], cfg.value_dim, nbytes, fp8))
+    return mixer + mlp + norms
+
+
+def weight_bytes(cfg: ModelConfig, dtype="bfloat16", mtp: bool = True, fp8: bool = False) -> int:
+    """What the engine allocates for the weights: the products of FP8_PARAMS in FP8 with `fp8`,
+    the rest (embedding, lm_head, norms, the GDN's conv, [b | a], A_log and dt_bias, the MTP fc) in
+    the model dtype, A_log and dt_bias in float32."""
+    nbytes = dtype_bytes(dtype)
+    heads = 1 if cfg.tie_word_embeddings else 2
+    total = heads * embedding_params(cfg) * nbytes + cfg.hidden_size * nbytes
+    total += sum(_layer_weight_bytes(cfg, kind, nbytes, fp8) for kind in cfg.layer_types)
+    if mtp and cfg.has_mtp:
+        h = cfg.hidden_size
+        total += (2 * h * h + 3 * h) * nbytes + cfg.mtp_num_hidden_layers * _layer_weight_bytes(
+            cfg, "full_attention", nbytes, fp8)
+    return total
+
+
 def kv_bytes_per_token(cfg: ModelConfig, dtype="bfloat16") -> int:
     """K and V of every main full-attention layer, for one token."""
     return len(cfg.full_layers) * 2 * cfg.kv_dim * dtype_bytes(dtype)
@@ -149,6 +198,7 @@ class MemoryPlan:
     mtp: bool
     dtype: str
     bytes_per_token: int          # kv + mtp_kv for one more token of context
+    weight_format: str = "bf16"   # "fp8": the big products in block-scaled FP8; else the model dtype's name
 
     @property
     def total(self) -> int:
@@ -174,11 +224,14 @@ class MemoryPlan:
 
 def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloat16",
                 mtp: bool = True, cuda_graphs: bool = True,
-                prefill_chunk: int = PREFILL_CHUNK, snapshots: int = DEFAULT_SNAPSHOTS) -> MemoryPlan:
+                prefill_chunk: int = PREFILL_CHUNK, snapshots: int = DEFAULT_SNAPSHOTS,
+                weights: str | None = None) -> MemoryPlan:
     """The plan for one sequence of up to max_context tokens, with room for up to k_max drafts per
     step. `mtp` says whether the MTP head is loaded (its weights, KV and the graphs of the
-    speculative steps); the GDN step state is the same either way, as the engine allocates it."""
+    speculative steps); the GDN step state is the same either way, as the engine allocates it.
+    `weights`: "fp8", "bf16", or None for the checkpoint's own format (Engine's `weights`)."""
     mtp = mtp and cfg.has_mtp
+    fp8 = weights == "fp8" or (weights is None and cfg.quantization == "fp8")
     nbytes = dtype_bytes(dtype)
     act = _activation_bytes_per_token(cfg, dtype)
     drafts = range(1, k_max + 1) if mtp else range(0)
@@ -187,7 +240,7 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloa
     per_token = kv_bytes_per_token(cfg, dtype) + (mtp_kv_bytes_per_token(cfg, dtype) if mtp else 0)
     rows = max_context + k_max + 1   # a verify step may write k_max+1 rows past the last position
     return MemoryPlan(
-        weights=(text_params(cfg) + (mtp_params(cfg) if mtp else 0)) * nbytes,
+        weights=weight_bytes(cfg, dtype, mtp, fp8),
         kv=kv_bytes_per_token(cfg, dtype) * rows,
         mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * rows if mtp else 0,
         gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
@@ -195,19 +248,20 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloa
         workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes)),
         snapshots=snapshots * snapshot_bytes(cfg, dtype),
         max_context=max_context, k_max=k_max, mtp=mtp, dtype=str(dtype).removeprefix("torch."),
-        bytes_per_token=per_token)
+        bytes_per_token=per_token, weight_format="fp8" if fp8 else str(dtype).removeprefix("torch."))
 
 
 def max_context_that_fits(cfg: ModelConfig, free: int, k_max: int = 4, dtype="bfloat16",
                           mtp: bool = True, cuda_graphs: bool = True,
-                          snapshots: int = DEFAULT_SNAPSHOTS) -> int | None:
+                          snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None) -> int | None:
     """The longest context (a multiple of CONTEXT_STEP, at most max_position_embeddings) whose
     plan fits in `free` bytes, or None when not even CONTEXT_STEP tokens fit."""
     best = None
     lo, hi = 1, cfg.max_position_embeddings // CONTEXT_STEP
     while lo <= hi:  # the plan grows with the context, so bisect on it
         mid = (lo + hi) // 2
-        if plan_memory(cfg, mid * CONTEXT_STEP, k_max, dtype, mtp, cuda_graphs, snapshots=snapshots).fits(free):
+        if plan_memory(cfg, mid * CONTEXT_STEP, k_max, dtype, mtp, cuda_graphs, snapshots=snapshots,
+                       weights=weights).fits(free):
             best, lo = mid * CONTEXT_STEP, mid + 1
         else:
             hi = mid - 1
@@ -225,7 +279,7 @@ def fmt_bytes(n: int) -> str:
 
 def describe(plan: MemoryPlan) -> list[str]:
     """The plan as aligned lines for a terminal."""
-    rows = [("weights", plan.weights), ("KV cache", plan.kv), ("MTP KV cache", plan.mtp_kv),
+    rows = [("weights" + (" (FP8)" if plan.weight_format == "fp8" else ""), plan.weights), ("KV cache", plan.kv), ("MTP KV cache", plan.mtp_kv),
             ("GDN state", plan.gdn_state), ("graph pools", plan.graph_pool),
             ("workspace", plan.workspace), ("turn snapshots", plan.snapshots), ("headroom", plan.headroom),
             ("total", plan.needed)]

@@ -58,11 +58,30 @@ def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torc
     return randn() / math.sqrt(shape[-1])
 
 
+# the checkpoint tensors an official FP8 release stores in FP8 (qwen35-model.md; FP8 issue)
+FP8_TENSORS = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.out_proj.weight",
+               "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+              "modules_to_not_convert": ["lm_head", "model.visual", "mtp.fc"]}
+
+
+def quantize_pow2(w: torch.Tensor):
+    """FP8 with block scales rounded up to powers of two: its dequantized weights are exact in bf16
+    (a 4-bit mantissa times a power of two), so a bf16 twin of the checkpoint is the same model."""
+    from mtpchat.kernels.fp8 import BLOCK, FP8, FP8_MAX, BlockFP8, quantize_ref
+    scale = torch.exp2(torch.ceil(torch.log2(quantize_ref(w).scale)))
+    full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:w.shape[0], :w.shape[1]]
+    return BlockFP8((w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale)
+
+
 def write_tiny_checkpoint(folder: str | Path, *, tie: bool = False, mtp: bool = True, shards: int = 3,
                           seed: int = 0, vocab_size: int | None = None, tokenizer_vocab: int = 512,
-                          dtype: torch.dtype = torch.float32, **shape) -> Path:
+                          dtype: torch.dtype = torch.float32, fp8: bool = False, **shape) -> Path:
     """Write a random checkpoint to `folder`; `shape` overrides TINY's sizes or any other key of the
-    text config. Returns the folder."""
+    text config. `fp8`: as the official FP8 releases are laid out (FP8_TENSORS in float8_e4m3fn
+    with bf16 `_scale_inv` block scales, powers of two here; a quantization_config). Returns the
+    folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(default_corpus(), tokenizer_vocab)
@@ -70,7 +89,7 @@ def write_tiny_checkpoint(folder: str | Path, *, tie: bool = False, mtp: bool = 
     vocab = vocab_size or 64 * math.ceil(tok.get_vocab_size() / 64)   # padded, as the real ones are
     text = text_config(vocab, tie, mtp, special, **shape)
     config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-              "tie_word_embeddings": tie, "text_config": text,
+              **({"quantization_config": FP8_CONFIG} if fp8 else {}), "tie_word_embeddings": tie, "text_config": text,
               "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 32,
                                 "out_hidden_size": text["hidden_size"]},
               "image_token_id": special["<|image_pad|>"], "video_token_id": special["<|video_pad|>"]}
@@ -87,6 +106,9 @@ def write_tiny_checkpoint(folder: str | Path, *, tie: bool = False, mtp: bool = 
     shapes |= VISUAL
     g = torch.Generator().manual_seed(seed)
     tensors = {name: random_tensor(name, shape, g).to(dtype) for name, shape in shapes.items()}
+    for name in [n for n in tensors if fp8 and n.endswith(FP8_TENSORS)]:
+        q = quantize_pow2(tensors[name])
+        tensors[name], tensors[name + "_scale_inv"] = q.w, q.scale.to(torch.bfloat16)
     names = list(tensors)
     per = math.ceil(len(names) / shards)
     weight_map, total = {}, 0
@@ -98,4 +120,28 @@ def write_tiny_checkpoint(folder: str | Path, *, tie: bool = False, mtp: bool = 
         total += sum(tensors[n].numel() * tensors[n].element_size() for n in part)
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return folder
+
+
+def write_dequantized_twin(fp8_folder: str | Path, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The same checkpoint with every FP8 tensor dequantized (to `dtype`) and no quantization_config:
+    the model an FP8 checkpoint stands for, which transformers reads as the oracle."""
+    import shutil
+    from safetensors.torch import load_file
+    from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref
+    fp8_folder, folder = Path(fp8_folder), Path(folder)
+    shutil.copytree(fp8_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    scales = {n: t for shard in shards for n, t in load_file(str(folder / shard)).items() if n.endswith("_scale_inv")}
+    for shard in shards:
+        held = load_file(str(folder / shard))
+        out = {n: dequantize_ref(BlockFP8(t, scales[n + "_scale_inv"].float()), dtype) if n + "_scale_inv" in scales
+               else t for n, t in held.items() if n not in scales}
+        save_file(out, str(folder / shard), metadata={"format": "pt"})
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not n.endswith("_scale_inv")}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return folder

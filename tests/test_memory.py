@@ -62,7 +62,11 @@ def test_tied_head_is_counted_once(c27):
 
 def test_plan_parts_for_27b(c27):
     plan = memory.plan_memory(c27, max_context=32768, k_max=3, dtype="bfloat16")
-    assert plan.weights == (26_895_998_464 + 424_699_392) * 2
+    # in bf16, but A_log and dt_bias (48 GDN layers x 2 x 48 heads) in float32, as the engine keeps them
+    assert plan.weights == (26_895_998_464 + 424_699_392) * 2 + 48 * 2 * 48 * 2
+    fp8 = memory.plan_memory(c27, max_context=32768, k_max=3, dtype="bfloat16", weights="fp8")
+    # embedding and lm_head stay bf16 (5.1 GB), the layers and the MTP layer in FP8: 29.9 GB in all
+    assert fp8.weight_format == "fp8" and 29.5e9 < fp8.weights < 30.5e9
     assert plan.kv == (32768 + 4) * 64 * KiB      # room for the k_max+1 rows of a verify step
     assert plan.mtp_kv == (32768 + 4) * 4 * KiB
     # 48 layers x (conv 10240 x (4 + 3) columns bf16 + a float32 state of 48x128x128
@@ -89,7 +93,8 @@ def test_plan_without_mtp_or_graphs(c27):
 def test_float32_doubles_weights_and_kv(c27):
     bf = memory.plan_memory(c27, 4096, 3, "bfloat16")
     fp = memory.plan_memory(c27, 4096, 3, "torch.float32")
-    assert fp.weights == 2 * bf.weights and fp.kv == 2 * bf.kv
+    float32_already = 48 * 2 * 48 * 4        # A_log and dt_bias are float32 in both
+    assert fp.weights - float32_already == 2 * (bf.weights - float32_already) and fp.kv == 2 * bf.kv
 
 
 def test_max_context_that_fits_is_the_boundary(c27):
