@@ -86,7 +86,8 @@ class Engine:
         if folder is None:
             fill_random(modules, places, self.device, self.dtype, seed, fp8=self.fp8)
         else:
-            load_into(modules, places, folder, self.device, self.dtype, fp8=self.fp8)
+            load_into(modules, places, folder, self.device, self.dtype, fp8=self.fp8,
+                      quantized=self.config.quantization == "fp8")
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
         prefill_chunk = prefill_chunk or (PREFILL_CHUNK if self.device.type == "cuda" else 512)

@@ -143,10 +143,11 @@ FLOAT32_PARAMS = ("A_log", "dt_bias")
 
 
 def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]], folder: str | Path,
-              device, dtype, fp8: bool = False):
+              device, dtype, fp8: bool = False, quantized: bool = False):
     """Fill each module's parameters from the checkpoint. `places[key]` maps checkpoint names to
     parameters of `modules[key]`. Every parameter is allocated on `device` first; each tensor is
-    then read, checked and copied into its rows. `fp8`: store the FP8_PARAMS in FP8."""
+    then read, checked and copied into its rows. `fp8`: store the FP8_PARAMS in FP8; `quantized`:
+    the checkpoint says it is FP8 (its block scales are read, not refused)."""
     folder = Path(folder)
     weight_map = _weight_map(folder)
     wanted = {name: (key, place) for key, table in places.items() for name, place in table.items()}
@@ -165,7 +166,7 @@ def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]]
             else:
                 dt = torch.float32 if name.endswith(FLOAT32_PARAMS) else dtype
                 params[key, name] = torch.empty(p.shape, device=device, dtype=dt)
-    _refuse_unused(folder, weight_map, wanted, places)
+    _refuse_unused(folder, weight_map, wanted, places, quantized)
     by_shard: dict[str, list[str]] = {}
     for name in wanted:
         by_shard.setdefault(weight_map[name], []).append(name)
@@ -210,7 +211,7 @@ def _read(f, shard: str, name: str, place: Place, folder: Path, weight_map: dict
         raise WeightsError(f"{shard}: tensor {name} has shape {list(shape)}, expected {list(place.shape)} "
                            "from config.json")
     scale_name = name + SCALE_SUFFIX
-    if stored == "F8_E4M3" and scale_name in weight_map:
+    if stored == "F8_E4M3" and scale_name in weight_map:    # read only when the config says FP8 (_refuse_unused)
         with _open(folder / weight_map[scale_name]) as g:
             scale = g.get_tensor(scale_name)
         rows = shape[0] if len(shape) == 2 else -1
@@ -241,7 +242,7 @@ def _put(dest, offset: int, t, device):
     dest[offset:offset + t.shape[0]].copy_(t)
 
 
-def _refuse_unused(folder: Path, weight_map: dict[str, str], wanted: dict, places: dict):
+def _refuse_unused(folder: Path, weight_map: dict[str, str], wanted: dict, places: dict, quantized: bool):
     """Every tensor of the checkpoint must have a place, or be one we know to leave: the vision
     tower, the draft head when it is not loaded, a tied checkpoint's copy of the embedding as
     `lm_head.weight`. Anything else (block scales of a quantized checkpoint, layers of another
@@ -250,7 +251,7 @@ def _refuse_unused(folder: Path, weight_map: dict[str, str], wanted: dict, place
     if "lm_head.weight" not in wanted:
         known.append("lm_head.weight")
     unused = sorted(n for n in weight_map if n not in wanted and not n.startswith(tuple(known))
-                    and n.removesuffix(SCALE_SUFFIX) not in wanted)
+                    and not (quantized and n.removesuffix(SCALE_SUFFIX) in wanted))
     if unused:
         more = f" (and {len(unused) - 3} more)" if len(unused) > 3 else ""
         raise UnsupportedFormat(f"{folder}: {len(unused)} tensor(s) have no place in a Qwen3.5/3.6 model as "

@@ -68,6 +68,9 @@ def _common() -> argparse.ArgumentParser:
                    help="auto = cuda when available, else cpu (default: auto)")
     m.add_argument("--dtype", default=S, type=_type("dtype"), metavar="{auto,bfloat16,float16,float32}",
                    help="auto = bfloat16 on cuda, float32 on cpu")
+    m.add_argument("--weights", default=S, type=_type("weights"), metavar="{auto,bf16,fp8}",
+                   help="auto = the checkpoint's own format (FP8 for an FP8 release); fp8 = quantize a bf16 "
+                        "checkpoint to FP8 as it loads (half the bytes a token); bf16 = dequantize an FP8 one")
     m.add_argument("--max-context", default=S, type=_type("max_context"), metavar="N",
                    help="tokens of context to allocate (default: 8192, or what the model "
                         "supports and the memory holds, if less)")
@@ -228,7 +231,8 @@ def dry_run(options) -> int:
     cfg = prep.config
     print(f"model: {prep.name}" + (f" ({prep.path})" if prep.path else ""))
     print(f"parameters: {memory.text_params(cfg):,} text + {memory.mtp_params(cfg):,} MTP")
-    print(f"device: {prep.device}, {prep.dtype}; MTP {'on' if prep.mtp else 'off'}, "
+    print(f"device: {prep.device}, {prep.dtype}{', FP8 weights' if prep.plan.weight_format == 'fp8' else ''}; "
+          f"MTP {'on' if prep.mtp else 'off'}, "
           f"{prep.draft_tokens} draft tokens per step; CUDA graphs {'on' if prep.cuda_graphs else 'off'}")
     print("\n".join(memory.describe(prep.plan)))
     if prep.free is None:

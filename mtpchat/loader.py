@@ -35,6 +35,7 @@ class Prepared:
     free: int | None          # free bytes on the device, when known
     notices: list[str] = field(default_factory=list)
     snapshots: int = 4        # decode-state snapshots for chat turns (engine/snapshots.py)
+    weights: str | None = None  # the weight format asked for: None (the checkpoint's), "fp8" or "bf16"
 
 
 def pick_device(requested: str) -> tuple[str, bool]:
@@ -120,18 +121,19 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
     # MTP can be switched on live, so the head is loaded whenever the checkpoint has one
     k_max = max(K_MAX, options.draft_tokens)
     free = None if elsewhere else free_memory(device)[0]
-    snaps = options.snapshots
-    context = asked or default_context(config, name, free, k_max, dtype, has_mtp, graphs, snaps, notices)
-    plan = memory.plan_memory(config, context, k_max, dtype, mtp=has_mtp, cuda_graphs=graphs, snapshots=snaps)
+    snaps, weights = options.snapshots, None if options.weights == "auto" else options.weights
+    context = asked or default_context(config, name, free, k_max, dtype, has_mtp, graphs, snaps, notices, weights)
+    plan = memory.plan_memory(config, context, k_max, dtype, mtp=has_mtp, cuda_graphs=graphs, snapshots=snaps,
+                              weights=weights)
     prep = Prepared(name, path, config, device, dtype, mtp, options.draft_tokens, k_max,
-                    context, graphs, plan, free, notices, snaps)
+                    context, graphs, plan, free, notices, snaps, weights)
     if free is not None and not plan.fits(free) and not dry_run:
         raise NotEnoughMemory(not_enough_memory_message(prep))
     return prep
 
 
 def default_context(config, name: str, free: int | None, k_max: int, dtype: str, mtp: bool, graphs: bool,
-                    snapshots: int, notices: list[str]) -> int:
+                    snapshots: int, notices: list[str], weights: str | None = None) -> int:
     """The context when none was asked for: DEFAULT_CONTEXT, or less where the model supports less
     or the free memory holds less (said in a notice). Where not even CONTEXT_STEP tokens fit, the
     default stays, and the plan's refusal says what would fit."""
@@ -140,8 +142,8 @@ def default_context(config, name: str, free: int | None, k_max: int, dtype: str,
     if context < DEFAULT_CONTEXT:
         notices.append(f"context: {context:,} tokens, the most {name} supports")
     if free is not None and not memory.plan_memory(config, context, k_max, dtype, mtp, graphs,
-                                                   snapshots=snapshots).fits(free):
-        fits = memory.max_context_that_fits(config, free, k_max, dtype, mtp, graphs, snapshots)
+                                                   snapshots=snapshots, weights=weights).fits(free):
+        fits = memory.max_context_that_fits(config, free, k_max, dtype, mtp, graphs, snapshots, weights)
         if fits is not None and fits < context:
             notices.append(f"context: {fits:,} tokens, what fits in the {memory.fmt_bytes(free)} free "
                            f"(--max-context to choose)")
@@ -153,7 +155,8 @@ def not_enough_memory_message(prep: Prepared) -> str:
     from mtpchat.engine import memory
     plan, free = prep.plan, prep.free
     where = "the GPU" if prep.device.startswith("cuda") else "memory"
-    head = (f"{prep.name} does not fit: it needs {memory.fmt_bytes(plan.needed)} (weights "
+    fmt = " in FP8" if plan.weight_format == "fp8" else ""
+    head = (f"{prep.name} does not fit: it needs {memory.fmt_bytes(plan.needed)} (weights{fmt} "
             f"{memory.fmt_bytes(plan.weights)}, KV {memory.fmt_bytes(plan.kv + plan.mtp_kv)} for "
             f"{plan.max_context:,} tokens) but {memory.fmt_bytes(free)} is free on {where}")
     return head + "\n" + what_would_fit(prep)
@@ -162,11 +165,19 @@ def not_enough_memory_message(prep: Prepared) -> str:
 def what_would_fit(prep: Prepared) -> str:
     from mtpchat.engine import memory
     ctx = memory.max_context_that_fits(prep.config, prep.free, prep.k_max, prep.dtype,
-                                       prep.plan.mtp, prep.cuda_graphs, prep.snapshots)
+                                       prep.plan.mtp, prep.cuda_graphs, prep.snapshots, prep.weights)
+    options = [f"--max-context {ctx}"] if ctx else []
+    if prep.plan.weight_format != "fp8" and prep.dtype != "float32":
+        # the same model in FP8: half the bytes of its products (an FP8 release, or quantized on load)
+        plan = memory.plan_memory(prep.config, prep.max_context, prep.k_max, prep.dtype, prep.plan.mtp,
+                                  prep.cuda_graphs, snapshots=prep.snapshots, weights="fp8")
+        if plan.fits(prep.free):
+            twin = models.fp8_alias(prep.name)
+            options.append(f"--model {twin.name}" if twin else "--weights fp8")
     smaller = [a.name for a in models.smaller_aliases(memory.text_params(prep.config))
                if memory.plan_memory(models.alias_config(a), prep.max_context, prep.k_max,
                                      prep.dtype, True, prep.cuda_graphs).fits(prep.free)]
-    options = ([f"--max-context {ctx}"] if ctx else []) + ([f"--model {smaller[0]}"] if smaller else [])
+    options += [f"--model {smaller[0]}"] if smaller else []
     if not options:
         return "nothing fits: free some memory (other processes on the GPU?) or use a larger GPU"
     return "what fits: " + ", or ".join(options)
@@ -180,7 +191,8 @@ def load_engine(prep: Prepared):
         raise ValueError("a model planned from its shape alone cannot be loaded")
     return Engine.load(prep.path, device=prep.device, dtype=getattr(torch, prep.dtype),
                        max_context=prep.max_context, draft_tokens=prep.draft_tokens, k_max=prep.k_max,
-                       mtp=prep.mtp, cuda_graphs=prep.cuda_graphs, snapshots=prep.snapshots)
+                       mtp=prep.mtp, cuda_graphs=prep.cuda_graphs, snapshots=prep.snapshots,
+                       weights=prep.weights)
 
 
 def sampling_params(options: Options, folder: Path | None):

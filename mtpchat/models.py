@@ -47,13 +47,16 @@ class Alias:
     num_key_value_heads: int
     linear_num_value_heads: int
     tie_word_embeddings: bool
+    fp8: bool = False           # an official FP8 release (block-scaled float8_e4m3fn weights)
 
 
 # largest first: `smaller_aliases` walks down this list
 ALIASES: dict[str, Alias] = {a.name.lower(): a for a in [
     Alias("Qwen3.6-27B-MTP", "Qwen/Qwen3.6-27B", 5120, 64, 17408, 24, 4, 48, False),
     Alias("Qwen3.6-27B", "Qwen/Qwen3.6-27B", 5120, 64, 17408, 24, 4, 48, False),
+    Alias("Qwen3.6-27B-FP8", "Qwen/Qwen3.6-27B-FP8", 5120, 64, 17408, 24, 4, 48, False, fp8=True),
     Alias("Qwen3.5-27B", "Qwen/Qwen3.5-27B", 5120, 64, 17408, 24, 4, 48, False),
+    Alias("Qwen3.5-27B-FP8", "Qwen/Qwen3.5-27B-FP8", 5120, 64, 17408, 24, 4, 48, False, fp8=True),
     Alias("Qwen3.5-9B", "Qwen/Qwen3.5-9B", 4096, 32, 12288, 16, 4, 32, False),
     Alias("Qwen3.5-4B", "Qwen/Qwen3.5-4B", 2560, 32, 9216, 16, 4, 32, True),
     Alias("Qwen3.5-2B", "Qwen/Qwen3.5-2B", 2048, 24, 6144, 8, 2, 16, True),
@@ -80,7 +83,16 @@ def alias_config(alias: Alias):
                        num_key_value_heads=alias.num_key_value_heads, head_dim=256,
                        linear_num_key_heads=16, linear_num_value_heads=alias.linear_num_value_heads,
                        linear_key_head_dim=128, linear_value_head_dim=128,
-                       tie_word_embeddings=alias.tie_word_embeddings, mtp_num_hidden_layers=1)
+                       tie_word_embeddings=alias.tie_word_embeddings, mtp_num_hidden_layers=1,
+                       quantization="fp8" if alias.fp8 else None)
+
+
+def fp8_alias(name: str) -> Alias | None:
+    """The FP8 release of the model an alias (or its repo id) names, if it has one."""
+    alias = lookup_alias(name) or next((a for a in ALIASES.values() if a.repo_id == name), None)
+    if alias is None or alias.fp8:
+        return None
+    return next((a for a in ALIASES.values() if a.fp8 and a.repo_id == alias.repo_id + "-FP8"), None)
 
 
 def smaller_aliases(than_params: int) -> list[Alias]:
@@ -88,7 +100,7 @@ def smaller_aliases(than_params: int) -> list[Alias]:
     from mtpchat.engine.memory import text_params
     seen, out = set(), []
     for alias in ALIASES.values():
-        if alias.repo_id not in seen and text_params(alias_config(alias)) < than_params:
+        if alias.repo_id not in seen and not alias.fp8 and text_params(alias_config(alias)) < than_params:
             seen.add(alias.repo_id)
             out.append(alias)
     return out
@@ -275,7 +287,7 @@ def list_models(cache_dir: Path | None = None) -> list[str]:
     for alias in ALIASES.values():
         repo = cached.get(alias.repo_id)
         state = "" if repo is None else "  [cached]" if repo.check and repo.check.complete else "  [incomplete]"
-        lines.append(f"  {alias.name:<18}{alias.repo_id}{state}")
+        lines.append(f"  {alias.name:<18}{alias.repo_id:<24}{'FP8' if alias.fp8 else 'bf16'}{state}".rstrip())
     demo = "present" if DEMO_DIR.is_dir() else "not built"
     lines.append(f"  {'(default)':<18}the demo model in {DEMO_DIR} ({demo})")
     lines.append(f"local cache ({cache_dir}):")

@@ -26,6 +26,7 @@ from mtpchat.errors import SettingsError
 APP = "mtpchat"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+WEIGHTS = ("auto", "bf16", "fp8")
 MAX_DRAFT_TOKENS = 8
 DEFAULT_CONTEXT = 8192   # tokens of context when none is asked for (fewer where the model or memory has less)
 
@@ -35,6 +36,7 @@ class Options:
     model: str | None = None          # alias, folder or repo id; None = the demo model
     device: str = "auto"              # auto = cuda when available, else cpu
     dtype: str = "auto"               # auto = bfloat16 on cuda, float32 on cpu
+    weights: str = "auto"             # auto = the checkpoint's format; fp8 = quantized on load; bf16 = dequantized
     max_context: int | None = None    # None: DEFAULT_CONTEXT, or less where the model or memory says so
     draft_tokens: int = 3
     mtp: bool = True
@@ -112,7 +114,7 @@ def _str(v):
 
 
 CHECKS = {
-    "model": _str, "device": _choice(DEVICES), "dtype": _choice(DTYPES),
+    "model": _str, "device": _choice(DEVICES), "dtype": _choice(DTYPES), "weights": _choice(WEIGHTS),
     "max_context": _int(16), "draft_tokens": _int(1, MAX_DRAFT_TOKENS),
     "mtp": _bool, "cuda_graphs": _bool,
     "temperature": _float(0.0), "top_p": _float(0.0, 1.0, lo_open=True), "top_k": _int(0),

@@ -272,7 +272,7 @@ def test_not_enough_memory_suggests_a_smaller_model(capsys, big, monkeypatch):
     code, _, err = run(capsys, "run", "--model", big, "--prompt", "x")
     assert code == 1
     assert "does not fit: it needs 53." in err and "but 40.0 GiB is free on the GPU" in err
-    assert "what fits: --model Qwen3.5-9B" in err
+    assert "what fits: --weights fp8, or --model Qwen3.5-9B" in err     # the 27B in FP8 fits 40 GiB
 
 
 def test_not_enough_memory_suggests_a_shorter_context(capsys, big, monkeypatch):
@@ -281,13 +281,13 @@ def test_not_enough_memory_suggests_a_shorter_context(capsys, big, monkeypatch):
     from mtpchat.engine.config import ModelConfig
     fits = memory.max_context_that_fits(ModelConfig.load(big), 56 * GiB, loader.K_MAX, "bfloat16")
     assert code == 1 and 0 < fits < 262144
-    assert f"what fits: --max-context {fits}, or --model Qwen3.5-9B" in err
+    assert f"what fits: --max-context {fits}, or --weights fp8, or --model Qwen3.5-9B" in err
 
 
 def test_dry_run_that_does_not_fit(capsys, big, monkeypatch):
     _gpu_with(monkeypatch, 40 * GiB)
     code, out, _ = run(capsys, "run", "--model", big, "--dry-run")
-    assert code == 1 and "memory plan: bfloat16" in out and "what fits: --model Qwen3.5-9B" in out
+    assert code == 1 and "memory plan: bfloat16" in out and "what fits: --weights fp8, or --model Qwen3.5-9B" in out
 
 
 def test_ctrl_c_exits_cleanly(capsys, tiny, monkeypatch):

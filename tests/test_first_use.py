@@ -183,3 +183,13 @@ def test_known_extra_tensors_still_load(tmp_path):
     assert any(n.startswith("mtp.") for n in json.loads((no_head / "model.safetensors.index.json").read_text())
                ["weight_map"])
     assert Engine.load(no_head).mtp_available is False
+
+
+def test_not_enough_memory_names_the_fp8_release(capsys, monkeypatch):
+    # an alias with an FP8 release: the plan that would fit is that release
+    monkeypatch.setattr(loader, "pick_device", lambda requested: ("cuda", False))
+    monkeypatch.setattr(loader, "free_memory", lambda device: (40 * GiB, 80 * GiB))
+    code, out, _ = run(capsys, "run", "--model", "Qwen3.6-27B-MTP", "--dry-run")
+    assert code == 1 and "what fits: --model Qwen3.6-27B-FP8, or --model Qwen3.5-9B" in out
+    code, out, _ = run(capsys, "run", "--model", "Qwen3.6-27B-FP8", "--dry-run")
+    assert code == 0 and "weights (FP8)" in out and "FP8 weights" in out and "fits" in out

@@ -1,0 +1,192 @@
+"""The prefill product over block-scaled FP8 weights (kernels/fp8.py): y [M, N] = x [M, K] @ wᵀ for
+M up to thousands of tokens, w the dequantized BlockFP8 weight [N, K], on Hopper's FP8 tensor cores.
+
+On the GPU the activations are quantized too, as the official FP8 checkpoints are meant to be run
+(`activation_scheme: dynamic` over 128 x 128 weight blocks, DeepSeek-V3's recipe): each token's row,
+per group of 128 columns, gets a float32 scale xs = amax / 448 and is rounded to float8_e4m3fn
+(`quantize_rows`). The product then runs fp8 x fp8:
+one program per BM x BN tile of y walks K in steps of BK = 128, one 128 x 128 weight-scale block a
+step, and adds each step's dot, scaled by its token scales and its weight scale, to a float32 sum:
+    acc += dot(xq[:, k-block], wq[n-block, k-block]ᵀ) * xs[:, k-block] * ws[n-block, k-block]
+With BN = BK = 128 = the weight's block, one weight scale serves a whole step of a tile. Each dot
+covers 128 products of K, so the tensor cores' reduced-precision fp8 accumulation (Triton's default
+on sm_90) never runs longer than that before the float32 sum takes over: the recipe's "promotion
+every 128".
+
+On the CPU (and for any tensor use_triton turns away) `gemm` is the exact product of the
+dequantized weights in float32, activations unquantized: the engine's CPU path must not lose the
+activations' precision that the GPU path trades for fp8 tensor cores. `gemm_ref` is something else:
+the float32 reference of exactly what the kernel computes, from activations already quantized, that
+the tests hold the kernel to.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mtpchat.kernels._triton import tl, triton, use_triton
+from mtpchat.kernels.fp8 import BLOCK, FP8, FP8_MAX, BlockFP8, dequantize_ref, scale_shape
+
+
+def quantize_rows_ref(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, K] float8_e4m3fn, xs [M, ceil(K / group)] float32): per token and group
+    of columns, xs = amax / 448 (1 for a group of zeros) and xq = x / xs rounded to the nearest
+    float8_e4m3fn, so that xq * xs is x to fp8's precision."""
+    M, K = x.shape
+    G = -(-K // group)
+    b = torch.nn.functional.pad(x.float(), (0, G * group - K)).view(M, G, group)
+    amax = b.abs().amax(dim=-1)                                          # [M, G]
+    xs = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    xq = (b / xs[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return xq.view(M, G * group)[:, :K].contiguous(), xs.contiguous()
+
+
+def gemm_ref(xq: torch.Tensor, xs: torch.Tensor, q: BlockFP8, out_dtype: torch.dtype) -> torch.Tensor:
+    """What the kernel computes, in float32: (xq * xs per 128-column group) @ dequant(q)ᵀ, cast to
+    out_dtype. xq [M, K] float8_e4m3fn, xs [M, ceil(K / 128)] float32 -> [M, N]."""
+    K = xq.shape[1]
+    x = xq.float() * xs.float().repeat_interleave(BLOCK, dim=1)[:, :K]
+    return (x @ dequantize_ref(q).T).to(out_dtype)
+
+
+@triton.jit
+def _round_e4m3(b_v):
+    """float32 values in [-448, 448] rounded to the nearest float8_e4m3fn value (ties to even),
+    still float32. Only for Triton's interpreter, whose float32 -> fp8 conversion rounds half up
+    without carrying into the exponent (124.3 -> 64) and mishandles fp8's subnormals; a value already
+    on the fp8 grid it converts exactly. Adding and taking away c = 1.5 * 2^(e + 20), for 2^e the
+    value's power of two (2^-6 at least: fp8's subnormals are spaced as its smallest normals),
+    rounds |v| to a multiple of 2^(e - 3), fp8's spacing there, with float32's own rounding."""
+    b_bits = b_v.to(tl.uint32, bitcast=True)
+    b_abs = (b_bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    b_e = tl.maximum((b_bits >> 23) & 0xFF, 127 - 6)                     # biased exponent
+    b_c = (((b_e + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    b_r = (b_abs + b_c) - b_c
+    return (b_r.to(tl.uint32, bitcast=True) | (b_bits & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_rows_kernel(x, xq, xs, M, K, s_x, s_q, s_sm, s_sk, BR: tl.constexpr, G: tl.constexpr,
+                          INTERPRET: tl.constexpr):
+    # program (i_r, i_g): rows i_r BR .. + BR, columns of group i_g
+    i_r, i_g = tl.program_id(0), tl.program_id(1)
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_k = i_g * G + tl.arange(0, G)
+    m_r = o_r < M
+    m_x = m_r[:, None] & (o_k < K)[None, :]
+    b_x = tl.load(x + o_r[:, None] * s_x + o_k[None, :], mask=m_x, other=0.).to(tl.float32)
+    b_amax = tl.max(tl.abs(b_x), axis=1)
+    # IEEE divisions (div_rn; `/` is div.full.f32 on NVIDIA) so that the bits are the reference's
+    b_s = tl.where(b_amax > 0, tl.math.div_rn(b_amax, tl.full([BR], 448., tl.float32)), 1.)
+    b_q = tl.math.div_rn(b_x, tl.broadcast_to(b_s[:, None], [BR, G]))
+    b_q = tl.minimum(tl.maximum(b_q, -448.), 448.)
+    if INTERPRET:
+        b_q = _round_e4m3(b_q)
+    tl.store(xq + o_r[:, None] * s_q + o_k[None, :], b_q.to(xq.dtype.element_ty), mask=m_x)
+    tl.store(xs + o_r * s_sm + i_g * s_sk, b_s, mask=m_r)
+
+
+def _interpreted() -> bool:
+    # Triton's interpreter runs the kernels on CPU tensors when TRITON_INTERPRET=1 (tests/conftest.py)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows_ref in one pass over x. xs comes as the transpose of a [KB, M] tensor (its
+    shape [M, KB], strides (1, M)): the product reads a step's BM token scales as one contiguous
+    run."""
+    assert x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with contiguous rows"
+    assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), f"x is {x.dtype}"
+    M, K = x.shape
+    KB = triton.cdiv(K, BLOCK)
+    xq = torch.empty(M, K, dtype=FP8, device=x.device)
+    xs = torch.empty(KB, M, dtype=torch.float32, device=x.device).T
+    if M == 0:
+        return xq, xs
+    BR = 32
+    _quantize_rows_kernel[(triton.cdiv(M, BR), KB)](
+        x, xq, xs, M, K, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1), BR=BR, G=BLOCK,
+        INTERPRET=_interpreted(), num_warps=4)
+    return xq, xs
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq, xs) by rows and 128-column groups: the kernel for CUDA tensors, the
+    reference otherwise."""
+    return quantize_rows_triton(x) if use_triton(x) else quantize_rows_ref(x)
+
+
+@triton.jit
+def _gemm_kernel(a, a_s, b, b_s, y, M, N, K, s_a, s_asm, s_ask, s_b, s_bs, s_y,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    # Tiles in groups of GROUP_M row blocks: consecutive programs take the group's row blocks of
+    # one column block, then of the next, so a wave of programs shares its weight tiles and its
+    # rows of x in L2. BN = BK = 128, the weight's scale block: the tile's column block i_n is its
+    # scale row, the K step i_k its scale column.
+    pid = tl.program_id(0)
+    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    in_group = GROUP_M * n_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    i_m = first_m + (pid % in_group) % size_m
+    i_n = (pid % in_group) // size_m
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_m, m_n = o_m < M, o_n < N
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_a = tl.load(a + o_m[:, None] * s_a + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.)
+        b_b = tl.load(b + o_n[:, None] * s_b + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
+        b_as = tl.load(a_s + o_m * s_asm + i_k * s_ask, mask=m_m, other=0.)
+        b_bs = tl.load(b_s + i_n * s_bs + i_k)
+        # fp8 x fp8 -> float32 on the tensor cores; b [BN, BK] rows are K-contiguous, so its
+        # transpose is the K-major operand that Hopper's fp8 wgmma takes. (Triton's interpreter
+        # runs the same dot: it widens fp8 to float16, exactly, and multiplies in float32.)
+        acc += tl.dot(b_a, tl.trans(b_b)) * (b_as * b_bs)[:, None]
+    tl.store(y + o_m[:, None] * s_y + o_n[None, :], acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+# Tiles for an H100: 128 x 128 outputs, K steps of 128 (the weight's scale block), two warpgroups
+# (each 64 rows of the tile), 4 stages of 32 KB of fp8 operands in shared memory.
+BM, BN, BK, GROUP_M, WARPS, STAGES = 128, BLOCK, BLOCK, 8, 8, 4
+
+
+def gemm_quantized_triton(xq: torch.Tensor, xs: torch.Tensor, q: BlockFP8, out_dtype: torch.dtype) -> torch.Tensor:
+    """The product of rows already quantized (quantize_rows) with q: y [M, N] in out_dtype, what
+    gemm_ref computes."""
+    N, K = q.w.shape
+    assert xq.dim() == 2 and xq.shape[1] == K, f"xq {tuple(xq.shape)} must be [M, {K}]"
+    M = xq.shape[0]
+    KB = scale_shape(N, K)[1]
+    assert xq.dtype == FP8 and xq.stride(1) == 1, "xq must be float8_e4m3fn with contiguous rows"
+    assert xs.dtype == torch.float32 and xs.shape == (M, KB), f"xs must be float32 [{M}, {KB}]"
+    assert q.w.dtype == FP8 and q.w.is_contiguous(), "the weight must be contiguous float8_e4m3fn [N, K]"
+    assert q.scale.dtype == torch.float32 and q.scale.shape == scale_shape(N, K) and q.scale.is_contiguous(), \
+        f"the weight's scale must be contiguous float32 {scale_shape(N, K)}"
+    assert out_dtype in (torch.float32, torch.bfloat16, torch.float16), f"out_dtype {out_dtype}"
+    y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+    if M == 0:
+        return y
+    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+    _gemm_kernel[grid](xq, xs, q.w, q.scale, y, M, N, K, xq.stride(0), xs.stride(0), xs.stride(1), q.w.stride(0),
+                       q.scale.stride(0), y.stride(0), BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, num_warps=WARPS,
+                       num_stages=STAGES)
+    return y
+
+
+def gemm_triton(x: torch.Tensor, q: BlockFP8) -> torch.Tensor:
+    """x [M, K] @ dequant(q)ᵀ -> [M, N] in x's dtype, x's rows quantized to fp8 on the way."""
+    assert x.dim() == 2 and x.shape[1] == q.w.shape[1], f"x {tuple(x.shape)} and the weight {tuple(q.w.shape)} disagree"
+    xq, xs = quantize_rows_triton(x)
+    return gemm_quantized_triton(xq, xs, q, x.dtype)
+
+
+def gemm(x: torch.Tensor, q: BlockFP8) -> torch.Tensor:
+    """x [M, K] @ dequant(q)ᵀ: fp8 activations and tensor cores for CUDA tensors (gemm_triton), the
+    exact float32 product of the dequantized weights otherwise (see the module's docstring)."""
+    if use_triton(x, q.w):
+        return gemm_triton(x, q)
+    return (x.float() @ dequantize_ref(q).T).to(x.dtype)

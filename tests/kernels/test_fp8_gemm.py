@@ -1,0 +1,135 @@
+"""The FP8 prefill product (kernels/fp8_gemm.py): the rows' quantization bit for bit against its
+reference, the fp8 GEMM against gemm_ref on the same quantized rows, the whole product against the
+exact one within fp8's precision; the 27B's prefill shapes on the GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import INTERPRETED, TOL, check, randn
+
+from mtpchat.kernels import fp8_gemm
+from mtpchat.kernels.fp8 import FP8, BlockFP8, dequantize_ref, quantize_ref
+
+# the exact product against the one with fp8 activations: e4m3 keeps 3 bits of mantissa
+FP8_TOL = 5e-2
+# the kernel against gemm_ref in float32: the order of the sums alone in the interpreter (numpy's
+# float32 matmul); on Hopper each 128-long fp8 dot also accumulates in the tensor cores' reduced
+# precision before the float32 sum takes it
+GEMM_TOL = TOL[torch.float32] if INTERPRETED else 1e-3
+
+
+def rows(M, K, dtype, device, gen):
+    """x [M, K] whose rows and columns span orders of magnitude (so a 128-column group holds values
+    down to fp8's subnormals), the last row's first group all zeros unless that is all of x."""
+    x = randn(M, K, gen=gen) * torch.exp(randn(M, 1, gen=gen)) * torch.exp(2 * randn(1, K, gen=gen))
+    if M > 1 or K > 128:
+        x[-1, :128] = 0
+    return x.to(device=device, dtype=dtype)
+
+
+def weight(N, K, device, gen):
+    """A BlockFP8 [N, K] whose 128 x 128 blocks have scales over orders of magnitude, so a block's
+    scale taken for another's shows."""
+    w = randn(N, K, gen=gen, scale=0.02) * torch.exp(randn(N, 1, gen=gen)) * torch.exp(randn(1, K, gen=gen))
+    return quantize_ref(w.to(device))
+
+
+def same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype == FP8 and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 5, 63, 130])
+@pytest.mark.parametrize("K", [128, 200, 300, 384])
+def test_quantize_rows(device, dtype, M, K):
+    g = torch.Generator().manual_seed(1000 * M + K)
+    x = rows(M, K, dtype, device, g)
+    xq, xs = fp8_gemm.quantize_rows_triton(x)
+    rq, rs = fp8_gemm.quantize_rows_ref(x)
+    assert xs.shape == rs.shape == (M, -(-K // 128))
+    assert same_fp8(xq, rq), f"{int((xq.view(torch.uint8) != rq.view(torch.uint8)).sum())} codes differ"
+    assert torch.equal(xs, rs)
+    if M > 1 or K > 128:
+        assert xs[-1, 0] == 1 and (rq[-1, :128].float() == 0).all(), "a group of zeros: scale 1, codes 0"
+    check(rq.float() * rs.repeat_interleave(128, dim=1)[:, :K], x.float(), FP8_TOL, "xq * xs")
+
+
+def test_quantize_rows_ties(device):
+    # a group whose amax is 448 (scale 1) holding every midpoint between two fp8 values, of either
+    # sign: each rounds to the even code, the normals' and the subnormals' alike
+    codes = torch.arange(0x7F, dtype=torch.uint8).view(FP8).float()              # 0 .. 448
+    mids = (codes[1:] + codes[:-1]) / 2                                          # 126 of them
+    row = torch.cat([torch.tensor([448.]), mids, torch.tensor([2.0 ** -11])])     # 2^-11: to 0
+    x = torch.stack([row, -row]).to(device)
+    xq, xs = fp8_gemm.quantize_rows_triton(x)
+    rq, rs = fp8_gemm.quantize_rows_ref(x)
+    assert torch.equal(rs, torch.ones_like(rs)) and torch.equal(xs, rs)
+    assert same_fp8(xq, rq)
+    assert (rq.view(torch.uint8)[0, 1:127] & 1 == 0).all(), "ties round to even codes"
+
+
+# (M, N, K): a row, odd rows and columns, N and K off multiples of 128, more than one tile each way
+GEMM_SHAPES = [(1, 64, 128), (5, 300, 200), (63, 129, 384), (130, 200, 300), (17, 256, 256)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K", GEMM_SHAPES)
+def test_gemm_kernel(device, dtype, M, N, K):
+    # the product of rows quantized by the reference (contiguous scales [M, KB]) in float32
+    g = torch.Generator().manual_seed(M * N + K)
+    x, q = rows(M, K, dtype, device, g), weight(N, K, device, g)
+    xq, xs = fp8_gemm.quantize_rows_ref(x)
+    y = fp8_gemm.gemm_quantized_triton(xq, xs, q, torch.float32)
+    check(y, fp8_gemm.gemm_ref(xq, xs, q, torch.float32), GEMM_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K", GEMM_SHAPES[1:4])
+def test_gemm_triton(device, dtype, M, N, K):
+    # the whole path, rows quantized by the kernel (scales [M, KB] with strides (1, M)), in x's
+    # dtype; and within fp8's precision of the exact product, which the CPU path returns
+    g = torch.Generator().manual_seed(M + N * K)
+    x, q = rows(M, K, dtype, device, g), weight(N, K, device, g)
+    y = fp8_gemm.gemm_triton(x, q)
+    assert y.dtype == dtype and y.shape == (M, N)
+    check(y, fp8_gemm.gemm_ref(*fp8_gemm.quantize_rows_ref(x), q, dtype), TOL[dtype])
+    check(y, (x.float() @ dequantize_ref(q).T).to(dtype), FP8_TOL, "against the exact product")
+
+
+def test_gemm_on_the_cpu_is_the_exact_product():
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, q = rows(7, 300, dtype, "cpu", g), weight(90, 300, "cpu", g)
+        assert torch.equal(fp8_gemm.gemm(x, q), (x.float() @ dequantize_ref(q).T).to(dtype))
+        assert all(torch.equal(a, b) if a.dtype != FP8 else same_fp8(a, b)
+                   for a, b in zip(fp8_gemm.quantize_rows(x), fp8_gemm.quantize_rows_ref(x)))
+
+
+def test_gemm_layout_contract(device):
+    g = torch.Generator().manual_seed(4)
+    x, q = rows(4, 256, torch.float32, device, g), weight(130, 256, device, g)
+    xq, xs = fp8_gemm.quantize_rows_ref(x)
+    with pytest.raises(AssertionError, match="xs must be"):
+        fp8_gemm.gemm_quantized_triton(xq, xs[:, :1], q, torch.float32)
+    with pytest.raises(AssertionError, match="scale"):
+        fp8_gemm.gemm_quantized_triton(xq, xs, BlockFP8(q.w, q.scale[:1]), torch.float32)
+    with pytest.raises(AssertionError, match="disagree"):
+        fp8_gemm.gemm_triton(x[:, :200], q)
+
+
+# the 27B's prefill products: GDN in_proj q|k|v|z, MLP gate|up, MLP down, GDN out_proj and
+# attention o_proj, attention q|gate (2 x 24 heads x 256) with k|v (2 x 4 x 256)
+SHAPES_27B = [(16384, 5120), (34816, 5120), (5120, 17408), (5120, 6144), (12288 + 2048, 5120)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", SHAPES_27B)
+def test_gemm_27b_prefill(N, K):
+    g = torch.Generator().manual_seed(N + K)
+    x, q = rows(2048, K, torch.bfloat16, "cuda", g), weight(N, K, "cuda", g)
+    xq, xs = fp8_gemm.quantize_rows_ref(x)
+    got_q, got_s = fp8_gemm.quantize_rows(x)
+    assert same_fp8(got_q, xq) and torch.equal(got_s, xs)
+    y = fp8_gemm.gemm(x, q)
+    check(y, fp8_gemm.gemm_ref(xq, xs, q, torch.bfloat16), GEMM_TOL)
+    check(y, x @ dequantize_ref(q, torch.bfloat16).T, FP8_TOL, "against the bf16 product")
