@@ -63,6 +63,7 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
 
 
 SPLIT_PROGRAMS = 240
+FP8_STAGES = 8
 
 
 def _split_config(N: int, K: int, itemsize: int) -> tuple[int, int, int, int, int]:
@@ -107,6 +108,8 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
     T = x.shape[0]
     ranges = split_ranges(N, K, x.element_size())
     _, BN, BK, warps, stages = _split_config(N, K, x.element_size())
+    if fp8["FP8"]:
+        stages = FP8_STAGES       # FP8 tiles hold half the bytes: twice as deep keeps as much in flight
     blocks = triton.cdiv(N, BN)
     y = torch.empty(len(ranges), T, N, dtype=torch.float32, device=x.device)
     if norm is None:

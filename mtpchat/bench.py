@@ -45,7 +45,11 @@ def main(args) -> int:
     else:
         model = getattr(opts, "path", None) or args.model
         name = str(model)
-    engine = Engine(model, device=device, max_context=max_context, cuda_graphs=graphs, prefill_chunk=args.prefill_chunk)
+    weights = getattr(opts, "weights", "auto")
+    engine = Engine(model, device=device, max_context=max_context, cuda_graphs=graphs, prefill_chunk=args.prefill_chunk,
+                    weights=None if weights in (None, "auto") else weights)
+    if engine.fp8:
+        name += ", FP8 weights"
     prompts = None
     if args.prompts:
         if engine.tokenizer is None:
@@ -63,7 +67,7 @@ def table(r: dict) -> str:
     floor = r["floor_ms"]
     row = lambda label, ms: f"{label:<44}{ms:>10.3f} ms {ms / floor:>8.3f} x floor"
     lines = [f"{r['model']} on {r['device']}, CUDA graphs {'on' if r['cuda_graphs'] else 'off'}",
-             f"copy bandwidth {r['copy_bandwidth_tb_s']:.3f} TB/s; {r['step_bytes'] / 1e9:.2f} GB per target step "
+             f"copy bandwidth {r['copy_bandwidth_tb_s']:.3f} TB/s; {r['step_bytes'] / 1e9:.2f} GB of weights per target step "
              f"-> floor {floor:.3f} ms; capture {r['capture_s']:.1f} s", ""]
     for n, ms in r["ttft_ms"].items():
         lines.append(f"{'time to first token, ' + str(n) + ' tokens':<44}{ms:>10.1f} ms")

@@ -221,7 +221,8 @@ class ChatApp(ChatActions, App):
                     mtp_available=getattr(e, "mtp_available", True) if e else True,
                     draft_tokens=int(e.draft_tokens) if e else self.initial_k,
                     k_max=int(getattr(e, "k_max", 0)) if e else 0,
-                    thinking=self.think, busy=self.busy, loaded=e is not None)
+                    thinking=self.think, busy=self.busy, loaded=e is not None,
+                    weights="FP8" if getattr(e, "fp8", False) else "")
 
     def redraw(self, force: bool = False) -> None:
         if self.busy and not force:

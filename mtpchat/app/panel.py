@@ -39,6 +39,7 @@ class Live:
     thinking: bool = True
     busy: bool = False
     loaded: bool = False
+    weights: str = ""          # "FP8" when the big products' weights are FP8, else "" (the model dtype)
 
     @property
     def mtp_label(self) -> str:
@@ -109,7 +110,7 @@ def memory(t: Telemetry, live: Live) -> list[Content]:
         lines.append(row("process  ", (size(g.rss if g else None), "b"), "  ", ("resident", "$text-muted")))
     m = t.memory
     if m:
-        items = [("weights", m.get("weights")), ("KV", m.get("kv")), ("MTP KV", m.get("mtp_kv")),
+        items = [("FP8 wts" if live.weights == "FP8" else "weights", m.get("weights")), ("KV", m.get("kv")), ("MTP KV", m.get("mtp_kv")),
                  ("GDN state", m.get("gdn_state")), ("graphs", m.get("graph_pool")), ("workspace", m.get("workspace"))]
         if m.get("snapshots"):   # the decode-state snapshots kept for chat turns (engine/snapshots.py)
             items.append(("turns", m.get("snapshots")))
@@ -141,7 +142,7 @@ def header_line(live: Live, title: str) -> str:
     if not live.loaded:
         return f"[b]mtpchat[/]  {escape(live.model)}  [$text-muted]loading…[/]"
     think = "thinking on" if live.thinking else "thinking off"
-    where = f"{live.device} {live.dtype}".strip()
+    where = f"{live.device} {live.dtype}".strip() + (f" · {live.weights} weights" if live.weights else "")
     return (f"[b]mtpchat[/]  [b $accent]{escape(live.model)}[/]  [$text-muted]{escape(where)}[/]  │  "
             f"[b]{live.mtp_label}[/]  │  {think}  │  [$text-muted]{escape(title)}[/]")
 

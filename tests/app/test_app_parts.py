@@ -256,3 +256,17 @@ def test_the_key_list_documents_every_binding():
         keys = " or ".join(f"`{k}`" for k in c.keys.split(","))
         assert f"| {keys} |" in doc, c.id
         assert c.id == "stop" or f"`{c.id}`" in doc, c.id
+
+
+def test_the_header_and_the_memory_panel_name_fp8_weights():
+    from mtpchat.app.panel import Live, header_line, memory
+    from mtpchat.app.telemetry import Telemetry
+    t = Telemetry()
+    t.memory = {"weights": 29 << 30, "kv": 2 << 30, "snapshots": 587 << 20}
+    fp8 = Live(model="Qwen3.6-27B-FP8", device="cuda", dtype="bfloat16", loaded=True, weights="FP8")
+    assert "cuda bfloat16 · FP8 weights" in header_line(fp8, "chat")
+    lines = [c.plain for c in memory(t, fp8)]
+    assert any("FP8 wts" in line and "29.0 GiB" in line for line in lines)
+    assert any("turns" in line and "587.0 MiB" in line for line in lines)
+    plain = Live(model="m", device="cuda", dtype="bfloat16", loaded=True)
+    assert "FP8" not in header_line(plain, "chat") and not any("FP8" in c.plain for c in memory(t, plain))

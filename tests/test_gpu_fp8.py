@@ -1,0 +1,56 @@
+"""The engine on the GPU with FP8 weights (bf16 activations): CUDA graphs, greedy MTP on equal to MTP
+off, and the FP8 model close to the CPU's exact product of its dequantized weights (the GPU's prefill
+quantizes activations per token and 128 columns, as the FP8 recipe does)."""
+import pytest
+import torch
+
+from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine.spec import ProfileDrafter
+from mtpchat.engine.tiny import write_tiny_checkpoint
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# every fused product's parts on whole 128-row blocks (each stored in FP8), K over several blocks
+SHAPE = dict(hidden_size=384, intermediate_size=640, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=6,
+             linear_key_head_dim=64, linear_value_head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu-fp8"), fp8=True, **SHAPE)
+
+
+def prompts(engine, n):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, engine.config.vocab_size - 64, (int(5 + 23 * i),), generator=g).tolist() for i in range(n)]
+
+
+def tokens(engine, ids, n=96, mtp=False, k=3, drafter=None):
+    engine.reset()
+    engine.mtp, engine.draft_tokens, engine.drafter = mtp, k, drafter
+    out = list(engine.generate(ids, SamplingParams(max_tokens=n, stop_token_ids=())))[-1].token_ids
+    engine.drafter = None
+    return list(out)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_fp8_greedy_mtp_on_equals_off(ckpt, graphs):
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs, max_context=1024)
+    assert engine.fp8 and engine.model.layers[0].mlp.gate_up.dtype == torch.float8_e4m3fn
+    for i, ids in enumerate(prompts(engine, 4)):
+        ref = tokens(engine, ids)
+        for k in (1, 2, 3, 4):
+            drafter = ProfileDrafter(ref, seed=10 * i + k, vocab=engine.config.vocab_size)
+            assert tokens(engine, ids, mtp=True, k=k, drafter=drafter) == ref, (i, k)
+        assert tokens(engine, ids, mtp=True, k=3) == ref      # the real head
+
+
+def test_fp8_on_the_gpu_is_close_to_the_cpu(ckpt):
+    gpu = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512)
+    cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
+    ids = prompts(cpu, 6)[5]
+    got, want = gpu.logits(ids).float().cpu(), cpu.logits(ids)
+    assert ((got - want).norm() / want.norm()).item() < 5e-2
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
