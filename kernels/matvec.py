@@ -105,9 +105,11 @@ def _dot_tile(p_w, m_w, b_x, b_acc, sw, i_b, s_sw, k, FP8: tl.constexpr, BLOCK: 
     b_w = tl.load(p_w, mask=m_w, other=0.)
     if FP8:
         b_s = tl.load(sw + i_b * s_sw + k // BLOCK)
-        return b_acc + b_s * tl.dot(b_w.to(b_x.dtype), b_x, input_precision="ieee")
-    # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
-    return tl.dot(b_w, b_x, b_acc, input_precision="ieee")
+        b_acc += b_s * tl.dot(b_w.to(b_x.dtype), b_x, input_precision="ieee")
+    else:
+        # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
+        b_acc = tl.dot(b_w, b_x, b_acc, input_precision="ieee")
+    return b_acc
 
 
 @triton.jit(do_not_specialize=["T"])

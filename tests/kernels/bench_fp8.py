@@ -1,0 +1,64 @@
+"""Tiles of the few-row FP8 products on the 27B's shapes: achieved bandwidth under each.
+
+    cd tests/kernels && python3 bench_fp8.py
+
+Each product (3 rows, bf16 activations, FP8 weights with their scales) is timed with CUDA events
+over rotating weight copies (more bytes than L2 holds), under the default tile and a few others;
+the bf16 product of the same shape is timed beside it. Prints bytes read / time in TB/s.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from mtpchat.kernels import fp8, matvec, matvec_parts
+
+SHAPES = [("GDN in_proj [qkv|z]", 16384, 5120, "plain"), ("attention q|gate|k|v", 14336, 5120, "plain"),
+          ("MLP gate|up", 34816, 5120, "swiglu"), ("GDN out_proj", 5120, 6144, "parts"),
+          ("MLP down", 5120, 17408, "parts")]
+TILES = {"plain": [(64, 128, 4, 8), (64, 128, 4, 6), (128, 128, 4, 6), (128, 128, 8, 6), (64, 128, 4, 10),
+                   (32, 128, 4, 8)],
+         "swiglu": [(64, 128, 4, 6), (64, 128, 4, 4), (32, 128, 4, 8), (128, 128, 8, 4), (64, 128, 8, 6)],
+         "parts": [8, 4, 6, 10]}
+
+
+def timed(fn, reps: int = 40) -> float:
+    for _ in range(3):
+        fn(0)
+    times = []
+    for i in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(i)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main():
+    x = torch.randn(3, 17408, device="cuda", dtype=torch.bfloat16)
+    kept_config, kept_stages = matvec._config, matvec_parts.FP8_STAGES
+    for name, N, K, kind in SHAPES:
+        ws = [fp8.quantize_ref(torch.randn(N, K, device="cuda") / K ** 0.5) for _ in range(3)]
+        bf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        xk = x[:, :K]
+        run = {"plain": lambda w: matvec.matvec(xk, w), "swiglu": lambda w: matvec.matvec_swiglu(xk, w),
+               "parts": lambda w: matvec_parts.matvec_parts(xk, w)}[kind]
+        fp8_bytes, bf_bytes = ws[0].nbytes(), bf[0].numel() * 2
+        t_bf = timed(lambda i: run(bf[i % 3]))
+        print(f"{name} [{N} x {K}] bf16: {t_bf * 1e3:.1f} us, {bf_bytes / t_bf / 1e9:.2f} TB/s")
+        for tile in TILES[kind]:
+            if kind == "parts":
+                matvec_parts.FP8_STAGES = tile
+            else:
+                matvec._config = (lambda t: lambda N, K, itemsize, swiglu=False, fp8=False:
+                                  t if fp8 else kept_config(N, K, itemsize, swiglu, fp8))(tile)
+            t = timed(lambda i: run(ws[i % 3]))
+            print(f"  FP8 {tile}: {t * 1e3:.1f} us, {fp8_bytes / t / 1e9:.2f} TB/s, {t / t_bf:.3f} x bf16")
+            matvec._config, matvec_parts.FP8_STAGES = kept_config, kept_stages
+
+
+if __name__ == "__main__":
+    main()
