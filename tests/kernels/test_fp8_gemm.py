@@ -138,5 +138,6 @@ def test_gemm_27b_prefill(N, K):
     got_q, got_s = fp8_gemm.quantize_rows(x)
     assert same_fp8(got_q, xq) and torch.equal(got_s, xs)
     y = fp8_gemm.gemm(x, q)
-    check(y, fp8_gemm.gemm_ref(xq, xs, q, torch.bfloat16), GEMM_TOL)
+    # both rounded to bf16 at the end: a last-bit difference is 2^-9 of a value
+    check(y, fp8_gemm.gemm_ref(xq, xs, q, torch.bfloat16), 4e-3)
     check(y, x @ dequantize_ref(q, torch.bfloat16).T, FP8_TOL, "against the bf16 product")

@@ -40,7 +40,7 @@ def test_fp8_matvec(device, dtype, T, N, K):
     # 448 rows: 7 column blocks on 6 programs (the interpreter's "SMs"), the last split over K in 2
     w = weights(N, K, device, seed=T + N)
     x = randn(T, K, dtype=dtype, device=device, seed=K)
-    if N == 448:
+    if N == 448 and x.device.type == "cpu":
         assert matvec._tail_config(7, 5, matvec._programs(x.device)) == (2, 3)
     check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype])
 
