@@ -17,23 +17,30 @@ from mtpchat.kernels import fp8, matvec, matvec_parts
 SHAPES = [("GDN in_proj [qkv|z]", 16384, 5120, "plain"), ("attention q|gate|k|v", 14336, 5120, "plain"),
           ("MLP gate|up", 34816, 5120, "swiglu"), ("GDN out_proj", 5120, 6144, "parts"),
           ("MLP down", 5120, 17408, "parts")]
-TILES = {"plain": [(64, 128, 4, 8), (64, 128, 4, 6), (128, 128, 4, 6), (128, 128, 8, 6), (64, 128, 4, 10),
-                   (32, 128, 4, 8)],
-         "swiglu": [(64, 128, 4, 6), (64, 128, 4, 4), (32, 128, 4, 8), (128, 128, 8, 4), (64, 128, 8, 6)],
-         "parts": [8, 4, 6, 10]}
+TILES = {"plain": [(64, 128, 4, 8), (64, 128, 4, 12), (64, 128, 4, 16), (128, 128, 8, 8), (128, 128, 4, 8),
+                   (128, 128, 8, 10), (32, 128, 4, 16)],
+         "swiglu": [(64, 128, 4, 6), (64, 128, 4, 8), (64, 128, 4, 10), (128, 128, 8, 5), (32, 128, 4, 12),
+                    (64, 128, 8, 8)],
+         "parts": [8, 4, 12, 16]}
 
 
-def timed(fn, reps: int = 40) -> float:
-    for _ in range(3):
-        fn(0)
+def timed(fn, launches: int = 20) -> float:
+    """ms a launch: the median of 5 replays of a CUDA graph of `launches` launches over the rotating
+    weight copies (a launch timed alone is mostly its launch)."""
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(launches):
+            fn(i)
     times = []
-    for i in range(reps):
+    for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn(i)
+        g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / launches)
     return statistics.median(times)
 
 
@@ -47,7 +54,9 @@ def main():
         run = {"plain": lambda w: matvec.matvec(xk, w), "swiglu": lambda w: matvec.matvec_swiglu(xk, w),
                "parts": lambda w: matvec_parts.matvec_parts(xk, w)}[kind]
         fp8_bytes, bf_bytes = ws[0].nbytes(), bf[0].numel() * 2
+        run(ws[0]), run(bf[0])
         t_bf = timed(lambda i: run(bf[i % 3]))
+
         print(f"{name} [{N} x {K}] bf16: {t_bf * 1e3:.1f} us, {bf_bytes / t_bf / 1e9:.2f} TB/s")
         for tile in TILES[kind]:
             if kind == "parts":

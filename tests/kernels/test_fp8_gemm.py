@@ -130,6 +130,22 @@ SHAPES_27B = [(16384, 5120), (34816, 5120), (5120, 17408), (5120, 6144), (12288 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(2048, 16384, 5120), (300, 640, 384), (5, 300, 200)])
+def test_cublas_and_triton_agree(M, N, K):
+    # cuBLAS's block-scaled product where it takes the shapes, else the Triton kernel: both within
+    # fp8 accumulation of gemm_ref
+    g = torch.Generator().manual_seed(M + N)
+    x, q = rows(M, K, torch.bfloat16, "cuda", g), weight(N, K, "cuda", g)
+    xq, xs = quantized_ref(x)
+    want = fp8_gemm.gemm_ref(xq, xs, q, torch.float32)
+    check(fp8_gemm.gemm_quantized_triton(xq, xs, q, torch.float32), want, GEMM_TOL)
+    check(fp8_gemm.gemm(x, q), want.to(torch.bfloat16), 4e-3)
+    if M == 2048:
+        m_major = xs.T.contiguous().T          # cuBLAS takes the rows' scales M-major, as quantize_rows lays them
+        check(fp8_gemm.gemm_cublas(xq, m_major, q, torch.bfloat16), want.to(torch.bfloat16), 4e-3)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("N,K", SHAPES_27B)
 def test_gemm_27b_prefill(N, K):
     g = torch.Generator().manual_seed(N + K)
