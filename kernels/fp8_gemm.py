@@ -193,6 +193,7 @@ def gemm_cublas(xq: torch.Tensor, xs: torch.Tensor, q: BlockFP8, out_dtype: torc
     return torch._scaled_mm(xq, q.w.T, scale_a=xs, scale_b=q.scale.T, out_dtype=out_dtype)
 
 
+CUBLAS_MIN_ROWS = 256         # fewer rows go to the Triton kernel
 _cublas_trusted: dict = {}    # (device, N, K, dtype) -> whether cuBLAS computed a check product right
 
 
@@ -224,9 +225,11 @@ def gemm(x: torch.Tensor, q: BlockFP8) -> torch.Tensor:
         return (x.float() @ dequantize_ref(q).T).to(x.dtype)
     assert x.dim() == 2 and x.shape[1] == q.w.shape[1], f"x {tuple(x.shape)} and the weight {tuple(q.w.shape)} disagree"
     xq, xs = quantize_rows_triton(x)
-    if x.dtype in (torch.bfloat16, torch.float16) and _cublas_for(q, x.dtype):
+    # a few rows are no work for either; cuBLAS has no algorithm for some row counts (1 and 130
+    # seen), and finding that out costs more than the Triton kernel's whole product
+    if x.shape[0] >= CUBLAS_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16) and _cublas_for(q, x.dtype):
         try:
             return gemm_cublas(xq, xs, q, x.dtype)
-        except RuntimeError:     # some row counts it has no algorithm for (1 and 130 of 2048 seen)
+        except RuntimeError:
             pass
     return gemm_quantized_triton(xq, xs, q, x.dtype)
