@@ -7,6 +7,7 @@ import torch
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.spec import ProfileDrafter
 from mtpchat.engine.tiny import write_tiny_checkpoint
+from test_gpu_engine import prompts, tokens
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -20,19 +21,6 @@ SHAPE = dict(hidden_size=384, intermediate_size=640, num_hidden_layers=8, num_at
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu-fp8"), fp8=True, **SHAPE)
-
-
-def prompts(engine, n):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, engine.config.vocab_size - 64, (int(5 + 23 * i),), generator=g).tolist() for i in range(n)]
-
-
-def tokens(engine, ids, n=96, mtp=False, k=3, drafter=None):
-    engine.reset()
-    engine.mtp, engine.draft_tokens, engine.drafter = mtp, k, drafter
-    out = list(engine.generate(ids, SamplingParams(max_tokens=n, stop_token_ids=())))[-1].token_ids
-    engine.drafter = None
-    return list(out)
 
 
 @pytest.mark.parametrize("graphs", [True, False])

@@ -8,9 +8,9 @@ the bf16 product of the same shape is timed beside it. Prints bytes read / time 
 """
 from __future__ import annotations
 
-import statistics
-
 import torch
+
+from probe_fp8 import graph_time
 
 from mtpchat.kernels import fp8, matvec, matvec_parts
 
@@ -24,24 +24,9 @@ TILES = {"plain": [(64, 128, 4, 8), (64, 128, 4, 12), (64, 128, 4, 16), (128, 12
          "parts": [8, 4, 12, 16]}
 
 
-def timed(fn, launches: int = 20) -> float:
-    """ms a launch: the median of 5 replays of a CUDA graph of `launches` launches over the rotating
-    weight copies (a launch timed alone is mostly its launch)."""
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(launches):
-            fn(i)
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / launches)
-    return statistics.median(times)
+def timed(fn) -> float:
+    """ms a launch, from CUDA graphs of 20 launches (probe_fp8.graph_time)."""
+    return graph_time(fn, 3) / 1e3
 
 
 def main():
