@@ -155,7 +155,8 @@ class Decoder:
         self.generated = 0
         self.seen.zero_()
         start = L
-        for cut in sorted({c for c in snapshot_at if L < c < len(prompt)}) + [len(prompt)]:
+        cuts = {c for c in snapshot_at if L < c < len(prompt)} if self.snapshots.count else set()
+        for cut in sorted(cuts) + [len(prompt)]:
             h = self.prefill(prompt[start:cut])
             self.pend_hidden[:1] = h                               # the last row waits for its next token
             if cut < len(prompt):

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from mtpchat.engine.config import GenerationConfig, ModelConfig
+from mtpchat.engine.config import GenerationConfig, ModelConfig, UnsupportedFormat
 from mtpchat.engine.decoder import Decoder
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
 from mtpchat.engine.memory import PREFILL_CHUNK
@@ -34,6 +34,7 @@ from mtpchat.engine.snapshots import DEFAULT_SNAPSHOTS
 from mtpchat.engine.state import DecodeState
 from mtpchat.engine.tokenizer import Tokenizer
 from mtpchat.engine.weights import fill_random, has_mtp_weights, load_into, mtp_places, text_places
+from mtpchat.kernels.fp8 import fp8_runs_on
 
 
 DEFAULT_CONTEXT = 4096      # tokens, when Engine.load is given no max_context
@@ -78,6 +79,16 @@ class Engine:
         if weights not in (None, "fp8", "bf16"):
             raise ValueError(f"weights must be 'fp8' or 'bf16' (or None: the checkpoint's), got {weights!r}")
         self.fp8 = weights == "fp8" or (weights is None and self.config.quantization == "fp8")
+        if self.fp8 and weights is None and (self.device.type == "cpu" or not fp8_runs_on(self.device)):
+            # nothing on the CPU or an Ampere GPU multiplies FP8: dequantized once, not at every product
+            where = "the CPU" if self.device.type == "cpu" else "this GPU (FP8 needs compute capability 8.9+)"
+            self.notices.append(f"FP8 weights on {where}: dequantized to {str(self.dtype).removeprefix('torch.')} "
+                                "as they load")
+            self.fp8 = False
+        if self.fp8 and not fp8_runs_on(self.device):
+            cap = ".".join(map(str, torch.cuda.get_device_capability(self.device)))
+            raise UnsupportedFormat(f"FP8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                                    f"this one has {cap}: load without weights='fp8'")
         self.model = Model(self.config, fp8=self.fp8)
         self.head = MTPHead(self.config) if self.mtp_available else None
         modules, places = {"model": self.model}, {"model": text_places(self.config, split_ba=self.fp8)}

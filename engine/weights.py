@@ -156,6 +156,11 @@ def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]]
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise WeightsError(f"{folder}: tensor {', '.join(missing[:3])}{more} not found in the checkpoint; "
                            "it is incomplete or of another architecture")
+    _refuse_unused(folder, weight_map, wanted, places, quantized)
+    by_shard: dict[str, list[str]] = {}
+    for name in wanted:
+        by_shard.setdefault(weight_map[name], []).append(name)
+    _check_stored(folder, by_shard, weight_map, quantized)
     in_fp8 = _fp8_params(places, fp8)
     params: dict[tuple[str, str], torch.Tensor | BlockFP8] = {}
     for key, module in modules.items():
@@ -166,10 +171,6 @@ def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]]
             else:
                 dt = torch.float32 if name.endswith(FLOAT32_PARAMS) else dtype
                 params[key, name] = torch.empty(p.shape, device=device, dtype=dt)
-    _refuse_unused(folder, weight_map, wanted, places, quantized)
-    by_shard: dict[str, list[str]] = {}
-    for name in wanted:
-        by_shard.setdefault(weight_map[name], []).append(name)
     for shard, names in sorted(by_shard.items()):
         with _open(folder / shard) as f:
             present = set(f.keys())
@@ -203,15 +204,37 @@ def _fp8_params(places: dict[str, dict[str, Place]], fp8: bool) -> set[tuple[str
                                    or p.shape[0] % BLOCK == 0) for p in ps)}
 
 
+def _check_stored(folder: Path, by_shard: dict[str, list[str]], weight_map: dict[str, str], quantized: bool):
+    """Before anything is allocated, from the shards' headers: every tensor a float type, or FP8
+    with its block scales in a checkpoint whose config says FP8."""
+    for shard, names in sorted(by_shard.items()):
+        with _open(folder / shard) as f:
+            present = set(f.keys())
+            for name in (n for n in names if n in present):
+                stored = f.get_slice(name).get_dtype()
+                if stored in FLOAT_DTYPES:
+                    continue
+                if stored != "F8_E4M3":
+                    raise UnsupportedFormat(f"{shard}: tensor {name} is stored as {stored}, not a float type "
+                                            f"({', '.join(FLOAT_DTYPES)}) or FP8; this build cannot read it")
+                if not quantized:
+                    raise UnsupportedFormat(f"{shard}: tensor {name} is stored as FP8 ({stored}) but config.json has "
+                                            "no quantization_config; the config does not belong to these weights")
+                if name + SCALE_SUFFIX not in weight_map:
+                    raise WeightsError(f"{shard}: FP8 tensor {name} has no {name + SCALE_SUFFIX} in the checkpoint; "
+                                       "it is incomplete: download it again")
+
+
 def _read(f, shard: str, name: str, place: Place, folder: Path, weight_map: dict[str, str]):
-    """The checkpoint tensor, checked: a float tensor, or an FP8 one with its block scales."""
+    """The checkpoint tensor (its stored type checked by _check_stored): a float tensor, or an FP8
+    one with its block scales."""
     info = f.get_slice(name)
     shape, stored = tuple(info.get_shape()), info.get_dtype()
     if shape != place.shape:
         raise WeightsError(f"{shard}: tensor {name} has shape {list(shape)}, expected {list(place.shape)} "
                            "from config.json")
     scale_name = name + SCALE_SUFFIX
-    if stored == "F8_E4M3" and scale_name in weight_map:    # read only when the config says FP8 (_refuse_unused)
+    if stored == "F8_E4M3":
         with _open(folder / weight_map[scale_name]) as g:
             scale = g.get_tensor(scale_name)
         rows = shape[0] if len(shape) == 2 else -1
@@ -220,10 +243,6 @@ def _read(f, shard: str, name: str, place: Place, folder: Path, weight_map: dict
                                f"expected {list(scale_shape(*shape)) if len(shape) == 2 else 'none'} for "
                                f"{name} {list(shape)} in 128 x 128 blocks")
         return BlockFP8(f.get_tensor(name), scale.float())
-    if stored not in FLOAT_DTYPES:
-        raise UnsupportedFormat(f"{shard}: tensor {name} is stored as {stored}, not a float type "
-                                f"({', '.join(FLOAT_DTYPES)}); quantized weights need their "
-                                "quantization_config, which this checkpoint's config.json lacks")
     return f.get_tensor(name)
 
 

@@ -15,6 +15,18 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0        # the largest finite float8_e4m3fn
 
 
+FP8_CAPABILITY = (8, 9)  # Triton's float8_e4m3fn type needs Ada or Hopper
+
+
+def fp8_runs_on(device) -> bool:
+    """Whether the FP8 kernels run on `device`: a CUDA GPU of compute capability 8.9 or newer (the
+    CPU takes the references, which dequantize)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
+
+
 class BlockFP8(NamedTuple):
     """A product's weight in FP8 with its block scales; `shape` and `device` are the weight's."""
     w: torch.Tensor        # [N, K] float8_e4m3fn

@@ -194,19 +194,20 @@ def gemm_cublas(xq: torch.Tensor, xs: torch.Tensor, q: BlockFP8, out_dtype: torc
 
 
 CUBLAS_MIN_ROWS = 256         # fewer rows go to the Triton kernel
-_cublas_trusted: dict = {}    # (device, N, K, dtype) -> whether cuBLAS computed a check product right
+_cublas_trusted: dict = {}    # (device, N, K, dtype, rows rounded up to a power of two) -> seen right
 
 
-def _cublas_for(q: BlockFP8, dtype: torch.dtype) -> bool:
-    """Whether cuBLAS's block-scaled product serves weights of q's shape: tried once a shape on 256
-    random rows against the Triton kernel. cuBLAS refuses some shapes with an error, and some it
-    returns wrong without one (an H100, CUDA 13.0: 640 x 384 weights came back 46% off, every 27B
-    shape right; tests/kernels/probe_fp8.py)."""
+def _cublas_for(q: BlockFP8, dtype: torch.dtype, M: int) -> bool:
+    """Whether cuBLAS's block-scaled product serves weights of q's shape for M rows: tried once
+    for each power of two of rows against the Triton kernel. cuBLAS refuses some shapes with an
+    error, and some it returns wrong without one (an H100, CUDA 13.0: 640 x 384 weights came back
+    46% off, every 27B shape right; tests/kernels/probe_fp8.py)."""
     N, K = q.w.shape
-    key = (q.w.device, N, K, dtype)
+    rows = triton.next_power_of_2(M)
+    key = (q.w.device, N, K, dtype, rows)
     if key not in _cublas_trusted:
         g = torch.Generator(device=q.w.device).manual_seed(0)
-        xq, xs = quantize_rows_triton(torch.randn(256, K, device=q.w.device, generator=g).to(dtype))
+        xq, xs = quantize_rows_triton(torch.randn(rows, K, device=q.w.device, generator=g).to(dtype))
         try:
             got = gemm_cublas(xq, xs, q, torch.float32)
         except RuntimeError:
@@ -227,7 +228,8 @@ def gemm(x: torch.Tensor, q: BlockFP8) -> torch.Tensor:
     xq, xs = quantize_rows_triton(x)
     # a few rows are no work for either; cuBLAS has no algorithm for some row counts (1 and 130
     # seen), and finding that out costs more than the Triton kernel's whole product
-    if x.shape[0] >= CUBLAS_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16) and _cublas_for(q, x.dtype):
+    M = x.shape[0]
+    if M >= CUBLAS_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16) and _cublas_for(q, x.dtype, M):
         try:
             return gemm_cublas(xq, xs, q, x.dtype)
         except RuntimeError:

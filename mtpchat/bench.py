@@ -38,13 +38,15 @@ def main(args) -> int:
     cpu_allocator(device)
     graphs = getattr(opts, "cuda_graphs", True)
     context = args.context
-    max_context = max(context + args.tokens * 2 + 64, 8192 + 128, getattr(opts, "max_context", 0) or 0)
     if args.random_weights:
         config = ModelConfig.load(Path(bench.__file__).parent / "configs" / f"{args.random_weights}.json")
         model, name = config, f"random {args.random_weights}"
     else:
         model = getattr(opts, "path", None) or args.model
-        name = str(model)
+        name, config = str(model), ModelConfig.load(model)
+    # room for the 8K time to first token and a chat turn after it, where the model has it
+    max_context = min(max(context + args.tokens * 2 + 64, 8192 + 128, getattr(opts, "max_context", 0) or 0),
+                      config.max_position_embeddings)
     weights = getattr(opts, "weights", "auto")
     engine = Engine(model, device=device, max_context=max_context, cuda_graphs=graphs, prefill_chunk=args.prefill_chunk,
                     weights=None if weights in (None, "auto") else weights)

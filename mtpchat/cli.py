@@ -256,6 +256,8 @@ def _read_prompt(args) -> str:
 
 def cmd_run(args) -> int:
     options = options_from(args)
+    if "snapshots" not in vars(args):
+        options.snapshots = 0          # one answer: no later turn resumes from a snapshot
     if getattr(args, "dry_run", False):
         return dry_run(options)
     prompt = _read_prompt(args)

@@ -121,7 +121,7 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
     # MTP can be switched on live, so the head is loaded whenever the checkpoint has one
     k_max = max(K_MAX, options.draft_tokens)
     free = None if elsewhere else free_memory(device)[0]
-    snaps, weights = options.snapshots, None if options.weights == "auto" else options.weights
+    snaps, weights = options.snapshots, weight_format(options.weights, config, device, name, notices)
     context = asked or default_context(config, name, free, k_max, dtype, has_mtp, graphs, snaps, notices, weights)
     plan = memory.plan_memory(config, context, k_max, dtype, mtp=has_mtp, cuda_graphs=graphs, snapshots=snaps,
                               weights=weights)
@@ -130,6 +130,32 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
     if free is not None and not plan.fits(free) and not dry_run:
         raise NotEnoughMemory(not_enough_memory_message(prep))
     return prep
+
+
+def fp8_capable(device: str) -> bool:
+    """Whether FP8 weights run on the device: a GPU of compute capability 8.9+ (Ada, Hopper); the
+    CPU dequantizes them (as does the engine there)."""
+    if not device.startswith("cuda"):
+        return False
+    import torch
+    if not torch.cuda.is_available():
+        return True        # a plan for a GPU made on a machine without one: assume a current GPU
+    from mtpchat.kernels.fp8 import fp8_runs_on
+    return fp8_runs_on(device)
+
+
+def weight_format(asked: str, config, device: str, name: str, notices: list[str]) -> str | None:
+    """The engine's `weights` for the options: None keeps an FP8 checkpoint in FP8 where FP8 runs
+    (else it is dequantized as it loads, said in a notice); fp8 where it cannot run is an error."""
+    if asked == "fp8" and not fp8_capable(device):
+        where = "the CPU" if not device.startswith("cuda") else "this GPU (compute capability below 8.9)"
+        raise UserError(f"--weights fp8: FP8 weights run on Ada or Hopper GPUs, not on {where}; "
+                        "leave --weights out to run the model in bf16", exit_code=2)
+    if asked == "auto" and config.quantization == "fp8" and not fp8_capable(device):
+        notices.append(f"{name} stores FP8 weights, which this device cannot multiply: "
+                       "dequantized as they load (twice the memory)")
+        return "bf16"
+    return None if asked == "auto" else asked
 
 
 def default_context(config, name: str, free: int | None, k_max: int, dtype: str, mtp: bool, graphs: bool,
@@ -167,7 +193,7 @@ def what_would_fit(prep: Prepared) -> str:
     ctx = memory.max_context_that_fits(prep.config, prep.free, prep.k_max, prep.dtype,
                                        prep.plan.mtp, prep.cuda_graphs, prep.snapshots, prep.weights)
     options = [f"--max-context {ctx}"] if ctx else []
-    if prep.plan.weight_format != "fp8" and prep.dtype != "float32":
+    if prep.plan.weight_format != "fp8" and prep.dtype != "float32" and fp8_capable(prep.device):
         # the same model in FP8: half the bytes of its products (an FP8 release, or quantized on load)
         plan = memory.plan_memory(prep.config, prep.max_context, prep.k_max, prep.dtype, prep.plan.mtp,
                                   prep.cuda_graphs, snapshots=prep.snapshots, weights="fp8")

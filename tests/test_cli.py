@@ -279,7 +279,8 @@ def test_not_enough_memory_suggests_a_shorter_context(capsys, big, monkeypatch):
     _gpu_with(monkeypatch, 56 * GiB)
     code, _, err = run(capsys, "run", "--model", big, "--max-context", "262144", "--prompt", "x")
     from mtpchat.engine.config import ModelConfig
-    fits = memory.max_context_that_fits(ModelConfig.load(big), 56 * GiB, loader.K_MAX, "bfloat16")
+    # `run` answers once: no turn snapshots in its plan
+    fits = memory.max_context_that_fits(ModelConfig.load(big), 56 * GiB, loader.K_MAX, "bfloat16", snapshots=0)
     assert code == 1 and 0 < fits < 262144
     assert f"what fits: --max-context {fits}, or --weights fp8, or --model Qwen3.5-9B" in err
 

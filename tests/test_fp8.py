@@ -53,7 +53,7 @@ def test_the_checkpoint_is_laid_out_as_the_official_fp8_release(pair):
 @pytest.mark.parametrize("n", [1, 63, 130, 257])
 def test_fp8_logits_equal_transformers_on_the_dequantized_weights(pair, n):
     fp8, twin = pair
-    engine = Engine.load(fp8, max_context=512, prefill_chunk=48)
+    engine = Engine.load(fp8, max_context=512, prefill_chunk=48, weights="fp8")
     assert engine.fp8 and len(fp8_params(engine)) == 4 * 4     # per layer: two mixer products, gate|up, down
     ref = transformers.Qwen3_5ForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
     ids = prompt(n, engine.config.vocab_size, seed=n)
@@ -79,7 +79,7 @@ def test_weights_fp8_on_load_equals_quantizing_offline(pair, tmp_path):
     config = json.loads((offline / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     (offline / "config.json").write_text(json.dumps(config))
-    on_load, from_disk = Engine.load(twin, weights="fp8"), Engine.load(offline)
+    on_load, from_disk = Engine.load(twin, weights="fp8"), Engine.load(offline, weights="fp8")
     bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
     mine, theirs = dict(on_load.model.named_parameters()), dict(from_disk.model.named_parameters())
     assert mine.keys() == theirs.keys() and fp8_params(on_load)
@@ -87,6 +87,16 @@ def test_weights_fp8_on_load_equals_quantizing_offline(pair, tmp_path):
         assert torch.equal(bits(mine[name]), bits(theirs[name])), name
     for (name, a), (_, b) in zip(on_load.head.named_parameters(), from_disk.head.named_parameters()):
         assert torch.equal(bits(a), bits(b)), name
+
+
+def test_on_the_cpu_an_fp8_checkpoint_is_dequantized_as_it_loads(pair):
+    # nothing on the CPU multiplies FP8: without weights="fp8" the weights are dequantized once
+    fp8, twin = pair
+    engine = Engine.load(fp8)
+    assert not engine.fp8 and not fp8_params(engine)
+    assert any("dequantized to float32 as they load" in n for n in engine.notices)
+    ids = prompt(40, engine.config.vocab_size, seed=3)
+    assert rel_err(engine.logits(ids), Engine.load(twin).logits(ids)) < 1e-6
 
 
 def test_weights_bf16_dequantizes_an_fp8_checkpoint(pair):
@@ -101,7 +111,7 @@ def test_unaligned_products_stay_in_the_model_dtype(tmp_path):
     # the tiny shapes: q|gate|k|v parts of 256, 64 and 64 rows cannot share 128-row blocks
     fp8 = write_tiny_checkpoint(tmp_path / "fp8", fp8=True)
     twin = write_dequantized_twin(fp8, tmp_path / "bf16")
-    engine = Engine.load(fp8)
+    engine = Engine.load(fp8, weights="fp8")
     kept = dict(engine.model.named_parameters())
     assert kept["layers.3.mixer.qkv"].dtype == torch.float32 and "layers.3.mixer.qkv_scale" not in kept
     ids = prompt(50, engine.config.vocab_size, seed=2)
@@ -111,7 +121,7 @@ def test_unaligned_products_stay_in_the_model_dtype(tmp_path):
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_greedy_mtp_on_equals_off_in_fp8(pair, k):
     fp8, _ = pair
-    engine = Engine.load(fp8, max_context=512)
+    engine = Engine.load(fp8, max_context=512, weights="fp8")
     params = SamplingParams(max_tokens=40, stop_token_ids=())
     for seed in range(2):
         ids = prompt(17 + 30 * seed, engine.config.vocab_size, seed=seed)
@@ -137,7 +147,7 @@ def test_a_scale_of_the_wrong_shape_is_named(pair, tmp_path):
 
 def test_the_memory_plan_knows_the_weight_format(pair):
     fp8, _ = pair
-    engine = Engine.load(fp8, max_context=300)
+    engine = Engine.load(fp8, max_context=300, weights="fp8")
     plan = memory.plan_memory(engine.config, 300, 4, "float32", weights="fp8")
     assert plan.weights == engine.memory()["weights"] and plan.weight_format == "fp8"
     assert plan.weights == memory.plan_memory(engine.config, 300, 4, "float32").weights   # the checkpoint says FP8
