@@ -186,3 +186,27 @@ def test_not_enough_memory_names_the_fp8_release(capsys, monkeypatch):
     assert code == 1 and "what fits: --model Qwen3.6-27B-FP8, or --model Qwen3.5-9B" in out
     code, out, _ = run(capsys, "run", "--model", "Qwen3.6-27B-FP8", "--dry-run")
     assert code == 0 and "weights (FP8)" in out and "FP8 weights" in out and "fits" in out
+
+
+def test_fp8_where_it_cannot_run(capsys, tmp_path, monkeypatch):
+    fp8 = write_tiny_checkpoint(tmp_path / "fp8", fp8=True)
+    # asked for on the CPU: refused in one line; left to the checkpoint: dequantized, with a notice
+    code, _, err = run(capsys, "run", "--model", fp8, "--device", "cpu", "--weights", "fp8", "--prompt", "x")
+    assert code == 2 and "--weights fp8: FP8 weights run on Ada or Hopper GPUs, not on the CPU" in err
+    code, out, err = run(capsys, "run", "--model", fp8, "--device", "cpu", "--prompt", "x", "--max-tokens", "3",
+                         "--json")
+    assert code == 0 and "stores FP8 weights, which this device cannot multiply" in err
+    # an Ampere GPU: the plan does not suggest FP8
+    monkeypatch.setattr(loader, "pick_device", lambda requested: ("cuda", False))
+    monkeypatch.setattr(loader, "free_memory", lambda device: (40 * GiB, 80 * GiB))
+    monkeypatch.setattr(loader, "fp8_capable", lambda device: False)
+    code, out, _ = run(capsys, "run", "--model", "Qwen3.6-27B-MTP", "--dry-run")
+    assert code == 1 and "what fits: --model Qwen3.5-9B" in out and "fp8" not in out.lower().split("what fits")[1]
+
+
+def test_bench_on_a_model_with_a_short_context(capsys, short):
+    code, out, err = run(capsys, "bench", "--model", short, "--device", "cpu", "--tokens", "6", "--context", "24",
+                         "--exactness-tokens", "6", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert set(result["ttft_ms"]) == {"512"} and result["second_turn"]["second_reused"] == 512
