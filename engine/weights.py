@@ -160,8 +160,8 @@ def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]]
     by_shard: dict[str, list[str]] = {}
     for name in wanted:
         by_shard.setdefault(weight_map[name], []).append(name)
-    _check_stored(folder, by_shard, weight_map, quantized)
-    in_fp8 = _fp8_params(places, fp8)
+    stored_fp8 = _check_stored(folder, by_shard, weight_map, quantized)
+    in_fp8 = _fp8_params(places, fp8, stored_fp8 if quantized else None)
     params: dict[tuple[str, str], torch.Tensor | BlockFP8] = {}
     for key, module in modules.items():
         for name, p in module.named_parameters():
@@ -189,24 +189,32 @@ def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]]
             _assign(modules[key], name, tensor)
 
 
-def _fp8_params(places: dict[str, dict[str, Place]], fp8: bool) -> set[tuple[str, str]]:
+def _fp8_params(places: dict[str, dict[str, Place]], fp8: bool,
+                stored_fp8: set[str] | None = None) -> set[tuple[str, str]]:
     """The (module key, parameter) pairs stored in FP8: the FP8_PARAMS of an FP8 model whose parts
     each start on a whole block of rows (offsets only: a part's last block may be partial only at
-    the end of the parameter, where its block is its own)."""
+    the end of the parameter, where its block is its own). `stored_fp8`: the checkpoint's FP8
+    tensors, when it is an FP8 checkpoint; a product it keeps in bf16 (its
+    modules_to_not_convert) stays so, rather than be quantized here."""
     if not fp8:
         return set()
-    parts: dict[tuple[str, str], list[Place]] = {}
+    parts: dict[tuple[str, str], list[tuple[str, Place]]] = {}
     for key, table in places.items():
-        for place in table.values():
-            parts.setdefault((key, place.param), []).append(place)
-    return {k for k, ps in parts.items() if k[1].endswith(FP8_PARAMS) and all(
-        p.offset % BLOCK == 0 and (p.offset + p.shape[0] == max(q.offset + q.shape[0] for q in ps)
-                                   or p.shape[0] % BLOCK == 0) for p in ps)}
+        for name, place in table.items():
+            parts.setdefault((key, place.param), []).append((name, place))
+
+    def aligned(ps: list[Place]) -> bool:
+        end = max(q.offset + q.shape[0] for q in ps)
+        return all(p.offset % BLOCK == 0 and (p.offset + p.shape[0] == end or p.shape[0] % BLOCK == 0) for p in ps)
+    return {k for k, named in parts.items() if k[1].endswith(FP8_PARAMS) and aligned([p for _, p in named])
+            and (stored_fp8 is None or all(n in stored_fp8 for n, _ in named))}
 
 
-def _check_stored(folder: Path, by_shard: dict[str, list[str]], weight_map: dict[str, str], quantized: bool):
+def _check_stored(folder: Path, by_shard: dict[str, list[str]], weight_map: dict[str, str],
+                  quantized: bool) -> set[str]:
     """Before anything is allocated, from the shards' headers: every tensor a float type, or FP8
-    with its block scales in a checkpoint whose config says FP8."""
+    with its block scales in a checkpoint whose config says FP8. Returns the FP8 ones."""
+    fp8: set[str] = set()
     for shard, names in sorted(by_shard.items()):
         with _open(folder / shard) as f:
             present = set(f.keys())
@@ -223,6 +231,8 @@ def _check_stored(folder: Path, by_shard: dict[str, list[str]], weight_map: dict
                 if name + SCALE_SUFFIX not in weight_map:
                     raise WeightsError(f"{shard}: FP8 tensor {name} has no {name + SCALE_SUFFIX} in the checkpoint; "
                                        "it is incomplete: download it again")
+                fp8.add(name)
+    return fp8
 
 
 def _read(f, shard: str, name: str, place: Place, folder: Path, weight_map: dict[str, str]):

@@ -152,3 +152,26 @@ def test_the_memory_plan_knows_the_weight_format(pair):
     assert plan.weights == engine.memory()["weights"] and plan.weight_format == "fp8"
     assert plan.weights == memory.plan_memory(engine.config, 300, 4, "float32").weights   # the checkpoint says FP8
     assert plan.weights < memory.plan_memory(engine.config, 300, 4, "float32", weights="bf16").weights
+
+
+def test_products_the_checkpoint_keeps_in_bf16_stay_so(tmp_path):
+    # an FP8 release that leaves the MTP layer unconverted: it loads as stored, not quantized here
+    full = write_tiny_checkpoint(tmp_path / "fp8", fp8=True, **ALIGNED)
+    twin = write_dequantized_twin(full, tmp_path / "bf16")
+    index = json.loads((full / "model.safetensors.index.json").read_text())
+    scales = [n for n in index["weight_map"] if n.startswith("mtp.") and n.endswith("_scale_inv")]
+    weights = {n.removesuffix("_scale_inv") for n in scales}
+    for shard in sorted(set(index["weight_map"].values())):
+        held, plain = load_file(str(full / shard)), load_file(str(twin / shard))
+        held = {n: plain[n] if n in weights else t for n, t in held.items() if n not in scales}
+        save_file(held, str(full / shard), metadata={"format": "pt"})
+    for name in scales:
+        del index["weight_map"][name]
+    (full / "model.safetensors.index.json").write_text(json.dumps(index))
+    engine = Engine.load(full, weights="fp8")
+    assert fp8_params(engine) and not any(p.dtype == torch.float8_e4m3fn for p in engine.head.parameters())
+    ids = prompt(60, engine.config.vocab_size, seed=4)
+    ref = Engine.load(twin)
+    assert rel_err(engine.logits(ids), ref.logits(ids)) < 1e-6
+    params = SamplingParams(max_tokens=24, stop_token_ids=())
+    assert list(engine.generate(ids, params))[-1].token_ids == list(ref.generate(ids, params))[-1].token_ids
