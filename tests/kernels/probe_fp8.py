@@ -36,6 +36,8 @@ def _probe_kernel(x, w, sw, y, K, s_w, s_sw, FORM: tl.constexpr, BN: tl.constexp
         b_w = tl.load(w + o_n[:, None] * s_w + o_k[None, :])
         if FORM == 0:       # bf16 weights
             acc = tl.dot(b_w, b_x, acc)
+        elif FORM == 8:     # bf16 weights, operands swapped
+            acc += tl.trans(tl.dot(tl.trans(b_x), tl.trans(b_w)))
         else:
             b_s = tl.load(sw + (i_n * BN // 128) * s_sw + k // 128)
             if FORM == 1:   # widened to bf16, dot, scaled
@@ -44,6 +46,9 @@ def _probe_kernel(x, w, sw, y, K, s_w, s_sw, FORM: tl.constexpr, BN: tl.constexp
                 acc = tl.dot(b_w.to(tl.bfloat16), (b_x.to(tl.float32) * b_s).to(tl.bfloat16), acc)
             elif FORM == 3:  # fp16 dot
                 acc += b_s * tl.dot(b_w.to(tl.float16), b_x.to(tl.float16))
+            elif FORM == 7:  # operands swapped: the rows [BT, BK] times the widened weights' transpose
+                acc7 = tl.dot(tl.trans(b_x), tl.trans(b_w.to(tl.bfloat16)))
+                acc += b_s * tl.trans(acc7)
             elif FORM == 5 or FORM == 6:
                 # e4m3 bits moved into an fp16's (the value times 2^-8, subnormals too) by integer ops,
                 # no conversion instructions; weights passed as uint8. FORM 6: rows already fp16
@@ -86,14 +91,14 @@ def decode_forms():
     q = [fp8.quantize_ref(torch.randn(N, K, device="cuda")) for _ in range(3)]
     names = {0: "bf16 weights", 1: "fp8 -> bf16, dot, scale", 2: "fp8, rows pre-scaled, chained dots",
              3: "fp8 -> fp16 dot", 4: "fp8, one row, no dot", 5: "fp8 bits -> fp16 bits, fp16 dot",
-             6: "the same, rows given in fp16"}
+             6: "the same, rows given in fp16", 7: "fp8 -> bf16, operands swapped", 8: "bf16, operands swapped"}
     x16 = x.half()
     base = None
-    for form, (BN, BK, warps, stages) in [(0, (64, 256, 4, 4)), (1, (64, 128, 4, 8)), (3, (64, 128, 4, 8)),
-                                          (5, (64, 128, 4, 8)), (6, (64, 128, 4, 8)), (5, (64, 128, 4, 6)),
-                                          (5, (128, 128, 8, 6)), (5, (64, 256, 4, 4)), (6, (64, 256, 4, 4))]:
+    for form, (BN, BK, warps, stages) in [(0, (64, 256, 4, 4)), (1, (64, 128, 4, 8)), (8, (64, 256, 4, 4)),
+                                          (7, (64, 128, 4, 8)), (7, (128, 128, 4, 6)), (7, (64, 128, 4, 4)),
+                                          (7, (128, 128, 8, 8)), (7, (256, 128, 8, 4))]:
         def run(i, form=form, BN=BN, BK=BK, warps=warps, stages=stages):
-            w, sw = (bf[i], bf[i]) if form == 0 else (q[i].w, q[i].scale)
+            w, sw = (bf[i], bf[i]) if form in (0, 8) else (q[i].w, q[i].scale)
             w = w.view(torch.uint8) if form in (5, 6) else w
             if BK == 256 and form:       # two scale blocks a tile: one scale for both (timing only)
                 pass
@@ -101,7 +106,7 @@ def decode_forms():
                                              FORM=form, BN=BN, BK=BK, BT=BT, num_warps=warps, num_stages=stages)
         kernel = run(0)
         us = graph_time(run, 3)
-        nbytes = N * K * (2 if form == 0 else 1)
+        nbytes = N * K * (2 if form in (0, 8) else 1)
         base = base or us
         ptx = kernel.asm.get("ptx", "")
         counts = {k: len(re.findall(p, ptx)) for k, p in
@@ -159,4 +164,3 @@ def prefill():
 if __name__ == "__main__":
     print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())
     decode_forms()
-    cublas_shapes()
