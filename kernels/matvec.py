@@ -104,10 +104,8 @@ def _dot_tile(p_w, m_w, b_x, b_acc, sw, i_b, s_sw, k, FP8: tl.constexpr, BLOCK: 
     scales (row block i_b, column block k // BLOCK): widened to x's dtype, multiplied, then scaled."""
     b_w = tl.load(p_w, mask=m_w, other=0.)
     if FP8:
-        # the rows as the product's first operand: 1.17 x the bandwidth of w first on an H100
-        # (tests/kernels/probe_fp8.py: 2.29 against 1.96 TB/s), the same value for every row count
         b_s = tl.load(sw + i_b * s_sw + k // BLOCK)
-        b_acc += b_s * tl.trans(tl.dot(tl.trans(b_x), tl.trans(b_w.to(b_x.dtype)), input_precision="ieee"))
+        b_acc += b_s * tl.dot(b_w.to(b_x.dtype), b_x, input_precision="ieee")
     else:
         # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
         b_acc = tl.dot(b_w, b_x, b_acc, input_precision="ieee")
@@ -219,7 +217,7 @@ def _config(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = Fal
     decode step 1.5% faster than with 32 x 512 bytes). float32 plain tiles take half the K. FP8
     weights: tiles of one scale block's 128 columns (128 bytes a row), 64 rows, deeper pipelines."""
     if fp8:
-        return (64, BLOCK, 4, 6) if swiglu else (64, BLOCK, 4, 4)
+        return (64, BLOCK, 4, 6) if swiglu else (64, BLOCK, 4, 8)
     if swiglu:
         return (64, 128, 4, 5) if itemsize == 2 else (32, 128, 4, 4)
     return 64, 512 // itemsize, 4, 4
