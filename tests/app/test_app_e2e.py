@@ -63,6 +63,7 @@ def test_no_flags_on_a_short_model_and_a_message_sent_while_it_loads(tmp_path, m
     import threading
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     monkeypatch.setenv("MTPCHAT_DATA_DIR", str(tmp_path / "data"))
+    (tmp_path / "settings.toml").write_text("max_tokens = 24\n")      # a short reply; no context setting
     short = write_tiny_checkpoint(tmp_path / "short", max_position_embeddings=4096)
     argv = ["--model", str(short)]
     args = cli.build_parser(argv).parse_args(argv)
