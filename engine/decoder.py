@@ -146,8 +146,11 @@ class Decoder:
         L = len(self.tokens)
         if not (0 < L < len(prompt) and prompt[:L] == self.tokens):
             snap = self.snapshots.best(prompt, self.tokens)
-            L = len(snap.tokens) if snap is not None else 0
-            self._restore(snap) if snap is not None else self.reset()
+            if snap is None:
+                self.reset()
+            else:
+                self._restore(snap)
+            L = self.state.length
         # what the prefill overwrites voids every snapshot that does not begin this prompt
         self.snapshots.keep_only(lambda t: begins(t, self.tokens) and begins(t, prompt))
         if self.pending:

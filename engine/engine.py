@@ -25,12 +25,11 @@ import torch
 from mtpchat.engine.config import GenerationConfig, ModelConfig, UnsupportedFormat
 from mtpchat.engine.decoder import Decoder
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
-from mtpchat.engine.memory import PREFILL_CHUNK
+from mtpchat.engine.memory import DEFAULT_SNAPSHOTS, PREFILL_CHUNK
 from mtpchat.engine.model import Model
 from mtpchat.engine.mtp import MTPHead
 from mtpchat.engine.runner import Runner
 from mtpchat.engine.sampling import SamplingParams, make_generator
-from mtpchat.engine.snapshots import DEFAULT_SNAPSHOTS
 from mtpchat.engine.state import DecodeState
 from mtpchat.engine.tokenizer import Tokenizer
 from mtpchat.engine.weights import fill_random, has_mtp_weights, load_into, mtp_places, text_places

@@ -279,7 +279,8 @@ def fmt_bytes(n: int) -> str:
 
 def describe(plan: MemoryPlan) -> list[str]:
     """The plan as aligned lines for a terminal."""
-    rows = [("weights" + (" (FP8)" if plan.weight_format == "fp8" else ""), plan.weights), ("KV cache", plan.kv), ("MTP KV cache", plan.mtp_kv),
+    weights = "weights" + (" (FP8)" if plan.weight_format == "fp8" else "")
+    rows = [(weights, plan.weights), ("KV cache", plan.kv), ("MTP KV cache", plan.mtp_kv),
             ("GDN state", plan.gdn_state), ("graph pools", plan.graph_pool),
             ("workspace", plan.workspace), ("turn snapshots", plan.snapshots), ("headroom", plan.headroom),
             ("total", plan.needed)]

@@ -250,7 +250,7 @@ class Model(nn.Module):
 
     def __init__(self, c: ModelConfig, fp8: bool = False):
         super().__init__()
-        self.c, self.fp8 = c, fp8
+        self.c = c
         self.embed = empty(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c, kind, split_ba=fp8) for kind in c.layer_types)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)

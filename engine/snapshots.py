@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.memory import DEFAULT_SNAPSHOTS  # noqa: F401  (two turns' worth: each prompt's end, each reply's)
 
 
 @dataclass
@@ -64,11 +63,9 @@ class Snapshots:
         self.clock += 1
         snap.used = self.clock
 
-    def slot_for(self, tokens: tuple[int, ...]) -> Snapshot | None:
-        """Where a snapshot of `tokens` goes: the one held for the same tokens, a free slot, or the
-        least recently used one's; None when there are no slots."""
-        if not self.count:
-            return None
+    def slot_for(self, tokens: tuple[int, ...]) -> Snapshot:
+        """Where a snapshot of `tokens` goes (there are slots): the one held for the same tokens, a
+        free slot, or the least recently used one's."""
         snap = next((s for s in self.held if s.tokens == tokens), None)
         if snap is None:
             taken = {s.slot for s in self.held}

@@ -9,6 +9,7 @@ from mtpchat.app.chat import ChatLog, Composer, MessageView, code_blocks
 from mtpchat.app.commands import CHAT_ONLY, COMMANDS
 from mtpchat.app.errors import NO_MTP
 from mtpchat.app.export import chat_markdown, export_path
+from mtpchat.app.prompt import offers_preserve_thinking
 from mtpchat.app.race import LANES, RaceScreen
 from mtpchat.app.screens import CodePickScreen, SamplingScreen, SessionsScreen, SystemPromptScreen
 from mtpchat.app.store import decode_spans
@@ -127,7 +128,6 @@ class ChatActions:
         self.redraw(force=True)
 
     def action_toggle_keep_thinking(self) -> None:
-        from mtpchat.app.app import offers_preserve_thinking
         if self.engine is not None and not offers_preserve_thinking(self.engine.tokenizer):
             self.notice("this model's chat template has no preserve_thinking: earlier replies' thinking is "
                         "always left out of the prompt", "warning")

@@ -29,6 +29,7 @@ from mtpchat.app.gpu import NvmlProbe, ProcessProbe, Sampler
 from mtpchat.app.messages import (EngineFailed, EngineReady, GpuSampled, ReplyDelta, ReplyDone, ReplyFailed,
                                   ReplyPrefilled)
 from mtpchat.app.pacer import PANE_INTERVAL, Pacer
+from mtpchat.app.prompt import build_prompt
 from mtpchat.app.panel import HeaderBar, Live, StatusBar, TelemetryPane
 from mtpchat.app.race import RaceScreen
 from mtpchat.app.runner import drive
@@ -43,21 +44,6 @@ NARROW_BELOW = 100   # columns; below this the telemetry pane folds into the sta
 @dataclass
 class GenerationEnded(Message):
     """The generation thread has returned: the engine is free."""
-
-
-def offers_preserve_thinking(tokenizer) -> bool:
-    """Whether the chat template reads `preserve_thinking` (Qwen3.6's keeps earlier turns' thinking with it)."""
-    return "preserve_thinking" in (getattr(tokenizer, "chat_template", None) or "")
-
-
-def build_prompt(tokenizer, messages: list[dict], think: bool, keep_thinking: bool = False) -> tuple[list[int], tuple]:
-    """The prompt ids for the next reply, and the positions worth a snapshot of the decode state
-    (engine/snapshots.py): where the rendered conversation ends, before the generation prompt. The
-    next turn's prompt goes on from there even when the template drops this reply's thinking."""
-    extra = {"preserve_thinking": True} if keep_thinking and offers_preserve_thinking(tokenizer) else {}
-    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=think, **extra))
-    history = list(tokenizer.apply_chat_template(messages, add_generation_prompt=False, enable_thinking=think, **extra))
-    return ids, ((len(history),) if 0 < len(history) < len(ids) and ids[:len(history)] == history else ())
 
 
 def reply_footer(stats, reason: str, mtp: bool, k: int) -> str:
