@@ -232,7 +232,6 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloa
     `weights`: "fp8", "bf16", or None for the checkpoint's own format (Engine's `weights`)."""
     mtp = mtp and cfg.has_mtp
     fp8 = weights == "fp8" or (weights is None and cfg.quantization == "fp8")
-    nbytes = dtype_bytes(dtype)
     act = _activation_bytes_per_token(cfg, dtype)
     drafts = range(1, k_max + 1) if mtp else range(0)
     # one captured graph per step shape: decode (1 token), then verify (k+1) and draft (k) per k

@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels import attention, conv, fp8_gemm, gdn, gdn_chunk, norm
 from mtpchat.kernels._triton import use_triton
-from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref
+from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref, values_of
 from mtpchat.kernels.matvec import Normed, matvec, matvec_swiglu, silu_mul
 from mtpchat.kernels.matvec_parts import matvec_parts, matvec_parts_triton
 from mtpchat.kernels.rope import qkv_norm_rope
@@ -80,7 +80,7 @@ SPLIT_NORM = True      # off: add_norm gives whole normalised rows (tests/kernel
 def out_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool):
     """A block's last product, which only the residual add and the norm after it read: left for
     add_norm in a step on the GPU, `linear` otherwise."""
-    if rowwise and use_triton(x, w.w if isinstance(w, BlockFP8) else w):
+    if rowwise and use_triton(x, values_of(w)):
         return Product(x, w)
     return linear(x, w, rowwise)
 

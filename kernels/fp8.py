@@ -40,6 +40,11 @@ class BlockFP8(NamedTuple):
         return self.w.numel() * self.w.element_size() + self.scale.numel() * self.scale.element_size()
 
 
+def values_of(w) -> torch.Tensor:
+    """A product's weight tensor itself: w, or a BlockFP8's FP8 values (for device and dispatch checks)."""
+    return w.w if isinstance(w, BlockFP8) else w
+
+
 def scale_shape(N: int, K: int) -> tuple[int, int]:
     return -(-N // BLOCK), -(-K // BLOCK)
 

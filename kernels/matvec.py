@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref
+from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref, values_of
 
 MAX_ROWS = 16
 
@@ -354,7 +354,7 @@ def matvec(x, w, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] (or a Normed) @ w [N, K]ᵀ (w a tensor or a BlockFP8): the Triton kernel for CUDA
     tensors, the float32 reference otherwise. With `out` (e.g. float32 logits) the product, rounded
     to x's dtype, is written there."""
-    if not use_triton(_rows_of(x), _values(w)):
+    if not use_triton(_rows_of(x), values_of(w)):
         return matvec_ref(x, w) if out is None else out.copy_(matvec_ref(x, w))
     return matvec_triton(x, w, out)
 
@@ -362,12 +362,9 @@ def matvec(x, w, out: torch.Tensor | None = None) -> torch.Tensor:
 def matvec_swiglu(x, w) -> torch.Tensor:
     """silu(x @ w_gateᵀ) * (x @ w_upᵀ) for w = [w_gate | w_up] (x a tensor or a Normed, w a tensor
     or a BlockFP8): one kernel on CUDA, the reference otherwise."""
-    return matvec_swiglu_triton(x, w) if use_triton(_rows_of(x), _values(w)) else matvec_swiglu_ref(x, w)
+    return matvec_swiglu_triton(x, w) if use_triton(_rows_of(x), values_of(w)) else matvec_swiglu_ref(x, w)
 
 
 def _rows_of(x) -> torch.Tensor:
     return x.x if isinstance(x, Normed) else x
 
-
-def _values(w) -> torch.Tensor:
-    return w.w if isinstance(w, BlockFP8) else w

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref
+from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref, values_of
 from mtpchat.kernels.matvec import MAX_ROWS, Normed, _dot_tile, arrival_counts, check_product
 
 
@@ -133,5 +133,4 @@ def matvec_parts(x: torch.Tensor, w) -> torch.Tensor:
     """x [T, K] @ w [N, K]ᵀ (w a tensor or a BlockFP8) as its float32 parts [S, T, N] over the K
     ranges of split_ranges (S may be 1): the Triton kernel for CUDA tensors, the float32 reference
     otherwise. parts_sum_ref, or the norm that reads them, makes the product."""
-    values = w.w if isinstance(w, BlockFP8) else w
-    return matvec_parts_triton(x, w) if use_triton(x, values) else matvec_parts_ref(x, w)
+    return matvec_parts_triton(x, w) if use_triton(x, values_of(w)) else matvec_parts_ref(x, w)

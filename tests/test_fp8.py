@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from mtpchat.engine import Engine, SamplingParams, memory
 from mtpchat.engine.tiny import FP8_TENSORS, write_dequantized_twin, write_tiny_checkpoint
 from mtpchat.engine.weights import WeightsError
-from mtpchat.kernels.fp8 import BlockFP8, quantize_ref
+from mtpchat.kernels.fp8 import quantize_ref
 
 transformers = pytest.importorskip("transformers")
 
