@@ -35,12 +35,25 @@ def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
     return 2 * nbytes * repeats / (start.elapsed_time(end) / 1e3)
 
 
+def _size(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _unread_experts(module, config) -> int:
+    """Bytes of the routed experts one token does not read: all but k of E in each MoE layer."""
+    if not config.is_moe:
+        return 0
+    E, k = config.num_experts, config.num_experts_per_tok
+    stored = sum(_size(p) for name, p in module.named_parameters() if ".experts_" in name)
+    return stored * (E - k) // E
+
+
 def step_bytes(engine) -> int:
-    """Weight bytes one target forward reads: all layers, the final norm and the lm_head."""
-    size = lambda t: t.numel() * t.element_size()
-    total = sum(size(p) for p in engine.model.parameters())
+    """Weight bytes one decode step reads: all layers, the final norm and the lm_head; of an MoE
+    layer's routed experts only the k one token chooses."""
+    total = sum(_size(p) for p in engine.model.parameters()) - _unread_experts(engine.model, engine.config)
     if not engine.config.tie_word_embeddings:
-        total -= size(engine.model.embed)          # only the looked-up rows are read
+        total -= _size(engine.model.embed)          # only the looked-up rows are read
     return total
 
 
@@ -48,8 +61,8 @@ def draft_bytes(engine) -> int:
     """Weight bytes one MTP draft step reads: the head's layer and fc, and the shared lm_head again."""
     if engine.head is None:
         return 0
-    size = lambda t: t.numel() * t.element_size()
-    return sum(size(p) for p in engine.head.parameters()) + size(engine.model.head)
+    return (sum(_size(p) for p in engine.head.parameters()) - _unread_experts(engine.head, engine.config)
+            + _size(engine.model.head))
 
 
 def generate(engine, prompt: list[int], tokens: int, mtp: bool, k: int = 3, drafter=None) -> dict:
@@ -164,6 +177,8 @@ def run(engine, context: int = 1024, tokens: int = 128, ks=(1, 2, 3, 4), ttft=(5
     off = generate(engine, prompt, tokens, mtp=False)
     out["decode_ms"] = off["ms_per_token"]
     out["decode_step_ms"] = off["verify_ms"]
+    if engine.config.is_moe:
+        out["decode_experts_per_layer"] = off["stats"].experts_per_layer["decode"]
     out["mtp_profile"], out["mtp_real"] = {}, {}
     for k in ks:
         drafter = ProfileDrafter(off["tokens"], PROFILE, seed=k, vocab=engine.config.vocab_size)
@@ -177,7 +192,8 @@ def run(engine, context: int = 1024, tokens: int = 128, ks=(1, 2, 3, 4), ttft=(5
             "verify_ms": on["verify_ms"], "draft_ms_per_step": on["draft_ms"] / k,
             "accept_ms": on["accept_ms"], "host_ms": on["host_ms"],
             "mean_acceptance_length": on["stats"].mean_acceptance_length,
-            "identical_to_mtp_off": on["tokens"] == off["tokens"]}
+            "identical_to_mtp_off": on["tokens"] == off["tokens"],
+            **({"experts_per_layer": on["stats"].experts_per_layer} if engine.config.is_moe else {})}
     out["mtp_real"] = real_acceptance(engine, prompts or [prompt], tokens, ks)
     mismatches = 0
     for p in range(exactness_prompts):

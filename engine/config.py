@@ -11,8 +11,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
-SUPPORTED_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM")
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+SUPPORTED_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM",
+                           "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
 
 
 class ConfigError(ValueError):
@@ -43,7 +44,6 @@ def _fp8_format(quant: dict, source: str) -> None:
 class ModelConfig:
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -66,6 +66,12 @@ class ModelConfig:
     attention_bias: bool = False
     dtype: str = "bfloat16"
     quantization: str | None = None   # "fp8": block-scaled FP8 linear weights in the checkpoint
+    intermediate_size: int = 0        # the dense MLP's (a dense model needs it)
+    # the MoE models (qwen3_5_moe): every MLP a sparse block of routed experts plus a shared one
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
     # derived
     rotary_dim: int = field(init=False)
     key_dim: int = field(init=False)      # GDN: Hk * dk
@@ -95,6 +101,15 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
                               f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                                  f"num_experts ({self.num_experts})")
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError("an MoE config needs moe_intermediate_size > 0")
+        elif self.intermediate_size <= 0:
+            raise ConfigError("missing required field intermediate_size (the MLP's width; an MoE config "
+                              "gives num_experts and moe_intermediate_size instead)")
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; only 'silu' is")
         rotary = int(self.head_dim * self.partial_rotary_factor)
@@ -114,6 +129,10 @@ class ModelConfig:
     @property
     def linear_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def has_mtp(self) -> bool:

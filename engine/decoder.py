@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpchat.engine.events import PhaseTimes
-from mtpchat.engine.model import Ctx, linear
+from mtpchat.engine.model import Ctx, SparseMoE, linear
 from mtpchat.engine.runner import elapsed_ms
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
 from mtpchat.engine.snapshots import Snapshots, begins
@@ -50,6 +50,7 @@ class StepResult:
     from_draft: list[bool]
     accepted: int
     times: PhaseTimes
+    experts_read: tuple[int, int] = (0, 0)   # an MoE model: distinct experts the target's / the head's layers read
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Launched:
     out: torch.Tensor          # [n, a, tokens...]: pinned host memory on CUDA
     done: object               # a CUDA event after the copy, or None
     times: list
+    reads: torch.Tensor | None = None   # an MoE model: the expert-read counters after the step
 
 
 class Decoder:
@@ -92,6 +94,16 @@ class Decoder:
                                          state.parity, state.conv_off, self.seen, self.v_hidden,
                                          self.pend_hidden if head is not None else None,
                                          self.pend_tokens if head is not None else None, self.pend_n, self.result)
+        # an MoE model's layers count the distinct experts a step reads (kernels/moe.py): the
+        # target's and the head's counters, copied to the host with each step's result
+        self.expert_reads = None
+        if c.is_moe:
+            self.expert_reads = long(2)
+            for i, part in enumerate((model, head)):
+                for m in (part.modules() if part is not None else ()):
+                    if isinstance(m, SparseMoE):
+                        m.reads = self.expert_reads[i:i + 1]
+            self.host_reads = [torch.zeros(2, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(4)]
         self.drafter = None                  # optional ProfileDrafter (engine/spec.py)
         self.runner = None                   # engine/runner.py sets itself here on CUDA
         self.reset()
@@ -109,6 +121,9 @@ class Decoder:
         self.state.reset()
         for t in (self.pos, self.next_tok, self.pend_n, self.room, self.gen):
             t.zero_()
+        if self.expert_reads is not None:
+            self.expert_reads.zero_()
+            self.reads_seen = (0, 0)
         self.tokens: list[int] = []          # fed to the target, on the host
         self.pending = 0                     # host mirror of pend_n
         self.generated = 0                   # tokens emitted in this generation
@@ -324,16 +339,19 @@ class Decoder:
         # greedy acceptance is captured per k; sampling runs eagerly (its parameters vary per request)
         times[2] = run(("accept", k) if params.greedy else ("accept, sampled", k),
                        lambda: self.accept(k, params, generator))
-        out = self.host_results[self.launched % len(self.host_results)][:k + 3]
+        slot = self.launched % len(self.host_results)
+        out = self.host_results[slot][:k + 3]
+        reads = self.host_reads[slot] if self.expert_reads is not None else None
         self.launched += 1
         done = None
-        if self.device.type == "cuda":
-            out.copy_(self.result[:k + 3], non_blocking=True)
+        cuda = self.device.type == "cuda"
+        out.copy_(self.result[:k + 3], non_blocking=cuda)
+        if reads is not None:
+            reads.copy_(self.expert_reads, non_blocking=cuda)
+        if cuda:
             done = torch.cuda.Event()
             done.record()
-        else:
-            out.copy_(self.result[:k + 3])
-        return Launched(k, out, done, times)
+        return Launched(k, out, done, times, reads)
 
     def finish(self, step: Launched) -> StepResult:
         """Read a launched step (waiting for it) and bring the host's mirror up to date."""
@@ -350,8 +368,12 @@ class Decoder:
             self.last = emitted[-1]
             self.pending = ((self.pending if step.k == 0 else 0) + n) if self.head is not None else 0
             self.generated += n
+        read = (0, 0)
+        if step.reads is not None:
+            now = tuple(step.reads.tolist())
+            read, self.reads_seen = (now[0] - self.reads_seen[0], now[1] - self.reads_seen[1]), now
         return StepResult(emitted, [i < a for i in range(n)], min(a, n),
-                          PhaseTimes(*map(elapsed_ms, step.times), host=(_clock() - t) * 1e3))
+                          PhaseTimes(*map(elapsed_ms, step.times), host=(_clock() - t) * 1e3), read)
 
     def step(self, k: int, params: SamplingParams, generator) -> StepResult:
         """Launch one step and read it."""

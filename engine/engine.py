@@ -32,7 +32,8 @@ from mtpchat.engine.runner import Runner
 from mtpchat.engine.sampling import SamplingParams, make_generator
 from mtpchat.engine.state import DecodeState
 from mtpchat.engine.tokenizer import Tokenizer
-from mtpchat.engine.weights import fill_random, has_mtp_weights, load_into, mtp_places, text_places
+from mtpchat.engine.weights import (MTP_PREFIX, STACKED, TEXT_PREFIX, expert_layout, fill_random, has_mtp_weights,
+                                    load_into, mtp_places, text_places, text_prefix)
 from mtpchat.kernels.fp8 import fp8_runs_on
 
 
@@ -90,9 +91,12 @@ class Engine:
                                     f"this one has {cap}: load without weights='fp8'")
         self.model = Model(self.config, fp8=self.fp8)
         self.head = MTPHead(self.config) if self.mtp_available else None
-        modules, places = {"model": self.model}, {"model": text_places(self.config, split_ba=self.fp8)}
+        prefix = text_prefix(folder) if folder is not None else TEXT_PREFIX
+        experts = lambda prefix: expert_layout(folder, prefix) if folder is not None and self.config.is_moe else STACKED
+        modules = {"model": self.model}
+        places = {"model": text_places(self.config, split_ba=self.fp8, experts=experts(prefix), prefix=prefix)}
         if self.head is not None:
-            modules["mtp"], places["mtp"] = self.head, mtp_places(self.config)
+            modules["mtp"], places["mtp"] = self.head, mtp_places(self.config, experts(MTP_PREFIX))
         if folder is None:
             fill_random(modules, places, self.device, self.dtype, seed, fp8=self.fp8)
         else:
@@ -162,6 +166,11 @@ class Engine:
                 "snapshots": self.decoder.snapshots.nbytes()}
 
     @property
+    def moe_layers(self) -> int:
+        """The target's MoE layers (0 for a dense model): Step.experts_read / this = experts per layer."""
+        return self.config.num_hidden_layers if self.config.is_moe else 0
+
+    @property
     def stop_ids(self) -> tuple[int, ...]:
         if self.generation_config.eos_token_ids or self.tokenizer is None:
             return self.generation_config.eos_token_ids
@@ -186,7 +195,7 @@ class Engine:
 
     def _generate(self, prompt: list[int], params: SamplingParams, snapshot_at: tuple[int, ...]):
         self._cancel.clear()
-        dec, stats = self.decoder, Stats(prompt_tokens=len(prompt))
+        dec, stats = self.decoder, Stats(prompt_tokens=len(prompt), moe_layers=self.moe_layers)
         stop = set(params.stop_token_ids if params.stop_token_ids is not None else self.stop_ids)
         if not prompt:
             raise ValueError("the prompt is empty: pass at least one token id")
@@ -239,6 +248,7 @@ class Engine:
                         stats.accepted_at_least.append(0)
                     for i in range(result.accepted):
                         stats.accepted_at_least[i] += 1
+                stats.count_experts(k, *result.experts_read)
                 p = stats.phase_ms
                 stats.phase_ms = PhaseTimes(p.draft + result.times.draft, p.verify + result.times.verify,
                                             p.accept + result.times.accept, p.host + result.times.host)
@@ -247,7 +257,7 @@ class Engine:
                 stats.decode_ms = (time.perf_counter() - t_first) * 1e3
                 reason = reason or self._finish_reason(out[-1], stats.new_tokens, params, stop)
                 yield Step(tuple(result.tokens), tuple(result.from_draft), k, result.accepted, bool(k),
-                           result.times, (time.perf_counter() - t0) * 1e3)
+                           result.times, (time.perf_counter() - t0) * 1e3, *result.experts_read)
         finally:
             while flight:                       # abandoned mid-way: keep the host's mirror exact
                 dec.finish(flight.popleft())

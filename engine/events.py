@@ -41,6 +41,8 @@ class Step:
     mtp: bool                     # whether this step was speculative
     times: PhaseTimes
     elapsed_ms: float             # since the generation started (for tokens/s over time)
+    experts_read: int = 0         # an MoE model: distinct experts read, summed over the target's layers
+    draft_experts_read: int = 0   # the same for the MTP head's layer over the step's drafts
 
 
 @dataclass
@@ -58,6 +60,31 @@ class Stats:
     accepted: int = 0
     accepted_at_least: list[int] = field(default_factory=list)  # [i] = steps that accepted >= i+1 drafts
     phase_ms: PhaseTimes = field(default_factory=PhaseTimes)     # summed over steps
+    # an MoE model (moe_layers > 0): distinct experts read, summed over layers and steps, apart
+    # for plain decode steps, speculative verify steps, and the head over the drafts
+    moe_layers: int = 0
+    experts_read_decode: int = 0
+    experts_read_verify: int = 0
+    experts_read_draft: int = 0
+
+    def count_experts(self, k: int, target: int, head: int):
+        if k:
+            self.experts_read_verify += target
+            self.experts_read_draft += head
+        else:
+            self.experts_read_decode += target
+
+    @property
+    def experts_per_layer(self) -> dict[str, float]:
+        """Mean distinct experts a step reads per MoE layer: a plain decode step, a verify step
+        (all its k+1 rows), and the head's layer over a step's drafts."""
+        if not self.moe_layers:
+            return {}
+        plain = self.steps - self.verify_steps
+        per = lambda total, steps, layers: round(total / steps / layers, 3) if steps else 0.0
+        return {"decode": per(self.experts_read_decode, plain, self.moe_layers),
+                "verify": per(self.experts_read_verify, self.verify_steps, self.moe_layers),
+                "draft": per(self.experts_read_draft, self.verify_steps, 1)}
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,6 +116,7 @@ class Stats:
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
             "phase_ms": {"draft": round(p.draft, 3), "verify": round(p.verify, 3),
                          "accept": round(p.accept, 3), "host": round(p.host, 3)},
+            **({"experts_per_layer": self.experts_per_layer} if self.moe_layers else {}),
         }
 
 

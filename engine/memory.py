@@ -40,9 +40,30 @@ def dtype_bytes(dtype) -> int:
     return DTYPE_BYTES[name]
 
 
+def mlp_params(cfg: ModelConfig) -> int:
+    """One layer's MLP: the SwiGLU (gate, up, down); for an MoE model the router (with the shared
+    expert's gate), every routed expert and the shared expert."""
+    h = cfg.hidden_size
+    if not cfg.is_moe:
+        return 3 * h * cfg.intermediate_size
+    shared = cfg.shared_expert_intermediate_size
+    return ((cfg.num_experts + (1 if shared else 0)) * h
+            + 3 * h * (cfg.num_experts * cfg.moe_intermediate_size + shared))
+
+
+def active_mlp_params(cfg: ModelConfig) -> int:
+    """The MLP weights one token reads: all of a dense MLP; the router, the k chosen experts and
+    the shared expert of an MoE."""
+    if not cfg.is_moe:
+        return mlp_params(cfg)
+    h, shared = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    return ((cfg.num_experts + (1 if shared else 0)) * h
+            + 3 * h * (cfg.num_experts_per_tok * cfg.moe_intermediate_size + shared))
+
+
 def _norms_and_mlp(cfg: ModelConfig) -> int:
-    # input_layernorm + post_attention_layernorm, and the SwiGLU MLP (gate, up, down)
-    return 2 * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    # input_layernorm + post_attention_layernorm, and the MLP
+    return 2 * cfg.hidden_size + mlp_params(cfg)
 
 
 def gdn_block_params(cfg: ModelConfig) -> int:
@@ -106,8 +127,17 @@ def _fused(parts: list[int], K: int, nbytes: int, fp8: bool) -> int:
 def _layer_weight_bytes(cfg: ModelConfig, kind: str, nbytes: int, fp8: bool) -> int:
     """One decoder layer's weights as the engine stores them (FP8: the products of FP8_PARAMS)."""
     h, hv = cfg.hidden_size, cfg.linear_num_value_heads
-    mlp = _fused([cfg.intermediate_size] * 2, h, nbytes, fp8) + _fused([h], cfg.intermediate_size, nbytes, fp8)
     norms = 2 * h * nbytes
+    if cfg.is_moe:
+        # the router (bf16), then each routed expert (its gate and up parts on whole blocks for
+        # FP8) and the shared expert; stacked, so per expert's blocks
+        E, Fm, Fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        experts = E * (_fused([Fm, Fm], h, nbytes, fp8 and Fm % FP8_BLOCK == 0)
+                       + _fused([h], Fm, nbytes, fp8 and h % FP8_BLOCK == 0))
+        shared = _fused([Fs] * 2, h, nbytes, fp8) + _fused([h], Fs, nbytes, fp8) if Fs else 0
+        mlp = (E + (1 if Fs else 0)) * h * nbytes + experts + shared
+    else:
+        mlp = _fused([cfg.intermediate_size] * 2, h, nbytes, fp8) + _fused([h], cfg.intermediate_size, nbytes, fp8)
     if kind == "full_attention":
         mixer = (_fused([2 * cfg.q_dim, cfg.kv_dim, cfg.kv_dim], h, nbytes, fp8)
                  + _fused([h], cfg.q_dim, nbytes, fp8) + 2 * cfg.head_dim * nbytes)
@@ -174,6 +204,8 @@ def _activation_bytes_per_token(cfg: ModelConfig, dtype) -> int:
     # largest mixer or MLP intermediate (GDN: qkv before and after the conv, z, output; attention:
     # q with gate, k, v, output; MLP: gate, up and their product), plus float32 norm temporaries.
     widest = max(3 * cfg.intermediate_size,
+                 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.num_experts_per_tok * cfg.hidden_size
+                 + cfg.num_experts + 3 * cfg.shared_expert_intermediate_size,
                  2 * cfg.conv_dim + 2 * cfg.value_dim,
                  3 * cfg.q_dim + 2 * cfg.kv_dim)
     return (2 * cfg.hidden_size + widest) * dtype_bytes(dtype) + 2 * cfg.hidden_size * 4

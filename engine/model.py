@@ -7,7 +7,7 @@ Every forward works on one sequence of T new tokens over preallocated state (eng
   tokens folded into the state first: one state written a step, whatever T), attention row by row,
   and every product row by row, so a row's result does not depend on T (greedy MTP on == MTP off).
 Projections are stored fused (weights.py fills them): GDN [qkv | z | b | a], attention
-[q+gate | k | v], MLP [gate | up].
+[q+gate | k | v], MLP [gate | up]. The MoE models' MLP is a SparseMoE (kernels/moe.py).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.kernels import attention, conv, fp8_gemm, gdn, gdn_chunk, norm
+from mtpchat.kernels import attention, conv, fp8_gemm, gdn, gdn_chunk, moe, norm
 from mtpchat.kernels._triton import use_triton
 from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref, values_of
 from mtpchat.kernels.matvec import Normed, matvec, matvec_swiglu, silu_mul
@@ -133,17 +133,46 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, width: int | None = None):
         super().__init__()
-        self.gate_up = empty(2 * c.intermediate_size, c.hidden_size)
-        self.down = empty(c.hidden_size, c.intermediate_size)
+        width = width or c.intermediate_size
+        self.gate_up = empty(2 * width, c.hidden_size)
+        self.down = empty(c.hidden_size, width)
 
-    def forward(self, x, ctx: Ctx):
+    def forward(self, x, ctx: Ctx, whole: bool = False):
+        """The MLP's output, or in a step on the GPU a Product for add_norm to finish (`whole`: a tensor)."""
         if ctx.step and x.is_cuda:
             h = matvec_swiglu(x, weight(self, "gate_up"))     # the product and the gating in one kernel
         else:
             h = silu_mul(linear(x, weight(self, "gate_up"), ctx.step))
-        return out_linear(h, weight(self, "down"), ctx.step)
+        return (linear if whole else out_linear)(h, weight(self, "down"), ctx.step)
+
+
+class SparseMoE(nn.Module):
+    """The MoE models' MLP: a router picks k of E experts per token (softmax, top k, renormalised),
+    their SwiGLU outputs are summed with those weights, plus a shared expert scaled by
+    sigmoid(its gate). The router's weight carries the shared gate as row E, so one product gives
+    both. Kernels: kernels/moe.py; `reads` (an int64 [1] the engine gives) counts the distinct
+    experts each step's layers read."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        E, Fm, Fs, H = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size, c.hidden_size
+        self.router = empty(E + (1 if Fs else 0), H)
+        self.experts_gate_up = empty(E * 2 * Fm, H)       # per expert: gate rows, then up rows
+        self.experts_down = empty(E * H, Fm)
+        self.shared = MLP(c, Fs) if Fs else None
+        self.reads: torch.Tensor | None = None
+
+    def forward(self, x, ctx: Ctx):
+        E, k = self.c.num_experts, self.c.num_experts_per_tok
+        logits = linear(x, self.router, ctx.step)
+        ids, weights, gate, layout = moe.route(logits, k, E, ctx.step, self.reads)
+        h = moe.expert_swiglu(x, weight(self, "experts_gate_up"), layout, k, E, ctx.step)
+        y = moe.expert_down(h, weight(self, "experts_down"), layout, E, ctx.step)
+        shared = self.shared(x, ctx, whole=True) if self.shared is not None else None
+        return moe.combine(y, weights, shared, gate, x.dtype)
 
 
 class GatedAttention(nn.Module):
@@ -225,11 +254,11 @@ class GatedDeltaNet(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, kind: str, split_ba: bool = False):
         super().__init__()
-        self.kind = kind
+        self.kind, self.kind_moe = kind, c.is_moe
         self.mixer = GatedAttention(c) if kind == "full_attention" else GatedDeltaNet(c, split_ba)
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = SparseMoE(c) if c.is_moe else MLP(c)
 
     def forward(self, x, residual, cache, ctx: Ctx):
         """Pre-norm block, with each residual add fused into the norm after it: takes the previous
@@ -240,7 +269,8 @@ class DecoderLayer(nn.Module):
             normed, h = self.input_norm(x), x
         else:
             normed, h = add_norm(x, residual, self.input_norm)
-        normed, h = add_norm(self.mixer(normed, cache, ctx), h, self.post_norm)
+        # the MoE's router and experts read whole rows, never a Normed
+        normed, h = add_norm(self.mixer(normed, cache, ctx), h, self.post_norm, whole=self.kind_moe)
         return self.mlp(normed, ctx), h
 
 

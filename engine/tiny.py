@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.tokenizer import default_corpus, train_tokenizer, write_tokenizer_files
-from mtpchat.engine.weights import mtp_places, text_places
+from mtpchat.engine.weights import STACKED, mtp_places, text_places
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
@@ -28,11 +28,19 @@ VISUAL = {"model.visual.patch_embed.proj.weight": (32, 3, 2, 16, 16),
           "model.visual.merger.linear_fc1.weight": (64, 128)}
 
 
-def text_config(vocab_size: int, tie: bool, mtp: bool, special: dict[str, int], **overrides) -> dict:
-    shape = TINY | overrides
+# a tiny MoE's routing (write_tiny_checkpoint(moe=True)): 6 experts, 3 a token, narrower than the
+# dense MLP, as the real ones are
+TINY_MOE = dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40, shared_expert_intermediate_size=48)
+
+
+def text_config(vocab_size: int, tie: bool, mtp: bool, special: dict[str, int], moe: bool = False,
+                **overrides) -> dict:
+    shape = TINY | (TINY_MOE if moe else {}) | overrides
+    if moe:
+        shape.pop("intermediate_size", None)
     layers = shape["num_hidden_layers"]
     config = {**shape,
-            "model_type": "qwen3_5_text", "vocab_size": vocab_size, "hidden_act": "silu",
+            "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text", "vocab_size": vocab_size, "hidden_act": "silu",
             "rms_norm_eps": 1e-6, "attention_bias": False, "attn_output_gate": True,
             "full_attention_interval": 4, "max_position_embeddings": 262144, "dtype": "float32",
             "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
@@ -61,9 +69,15 @@ def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torc
 # the checkpoint tensors an official FP8 release stores in FP8 (qwen35-model.md; FP8 issue)
 FP8_TENSORS = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.out_proj.weight",
                "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+               "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "shared_expert.down_proj.weight")
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
               "modules_to_not_convert": ["lm_head", "model.visual", "mtp.fc"]}
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's own weight, stored per expert (FP8 releases hold them in FP8)."""
+    return ".mlp.experts." in name and name.endswith("_proj.weight")
 
 
 def quantize_pow2(w: torch.Tensor):
@@ -77,18 +91,21 @@ def quantize_pow2(w: torch.Tensor):
 
 def write_tiny_checkpoint(folder: str | Path, *, tie: bool = False, mtp: bool = True, shards: int = 3,
                           seed: int = 0, vocab_size: int | None = None, tokenizer_vocab: int = 512,
-                          dtype: torch.dtype = torch.float32, fp8: bool = False, **shape) -> Path:
+                          dtype: torch.dtype = torch.float32, fp8: bool = False, moe: bool = False,
+                          experts: str = STACKED, **shape) -> Path:
     """Write a random checkpoint to `folder`; `shape` overrides TINY's sizes or any other key of the
     text config. `fp8`: as the official FP8 releases are laid out (FP8_TENSORS in float8_e4m3fn
-    with bf16 `_scale_inv` block scales, powers of two here; a quantization_config). Returns the
+    with bf16 `_scale_inv` block scales, powers of two here; a quantization_config). `moe`: a
+    Qwen3.5-MoE model (TINY_MOE's routing), its experts STACKED or PER_EXPERT. Returns the
     folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(default_corpus(), tokenizer_vocab)
     special = write_tokenizer_files(folder, tok)
     vocab = vocab_size or 64 * math.ceil(tok.get_vocab_size() / 64)   # padded, as the real ones are
-    text = text_config(vocab, tie, mtp, special, **shape)
-    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+    text = text_config(vocab, tie, mtp, special, moe, **shape)
+    arch, kind = ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe") if moe else ("Qwen3_5ForConditionalGeneration", "qwen3_5")
+    config = {"architectures": [arch], "model_type": kind,
               **({"quantization_config": FP8_CONFIG} if fp8 else {}), "tie_word_embeddings": tie, "text_config": text,
               "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 32,
                                 "out_hidden_size": text["hidden_size"]},
@@ -100,13 +117,13 @@ def write_tiny_checkpoint(folder: str | Path, *, tie: bool = False, mtp: bool = 
          "top_k": 20, "top_p": 0.95}, indent=2))
 
     c = ModelConfig.from_dict(config)
-    shapes = {name: place.shape for name, place in text_places(c).items()}
+    shapes = {name: place.shape for name, place in text_places(c, experts=experts).items()}
     if mtp:
-        shapes |= {name: place.shape for name, place in mtp_places(c).items()}
+        shapes |= {name: place.shape for name, place in mtp_places(c, experts).items()}
     shapes |= VISUAL
     g = torch.Generator().manual_seed(seed)
     tensors = {name: random_tensor(name, shape, g).to(dtype) for name, shape in shapes.items()}
-    for name in [n for n in tensors if fp8 and n.endswith(FP8_TENSORS)]:
+    for name in [n for n in tensors if fp8 and (n.endswith(FP8_TENSORS) or is_expert(n))]:
         q = quantize_pow2(tensors[name])
         tensors[name], tensors[name + "_scale_inv"] = q.w, q.scale.to(torch.bfloat16)
     names = list(tensors)

@@ -39,7 +39,8 @@ class WeightsError(ValueError):
 FLOAT_DTYPES = ("F32", "F16", "BF16")     # safetensors' names of the dtypes a weight may have on disk
 SCALE_SUFFIX = "_scale_inv"               # an FP8 tensor's block scales: `<name>_scale_inv`
 # the products kept in FP8 in an FP8 model (our parameter names, by suffix)
-FP8_PARAMS = ("mixer.in_proj", "mixer.out_proj", "mixer.qkv", "mixer.o_proj", "mlp.gate_up", "mlp.down")
+FP8_PARAMS = ("mixer.in_proj", "mixer.out_proj", "mixer.qkv", "mixer.o_proj", "mlp.gate_up", "mlp.down",
+              "shared.gate_up", "shared.down", "mlp.experts_gate_up", "mlp.experts_down")
 
 
 @dataclass(frozen=True)
@@ -49,14 +50,46 @@ class Place:
     shape: tuple[int, ...]  # the shape in the checkpoint
 
 
-def _layer_places(c: ModelConfig, src: str, dst: str, kind: str, split_ba: bool = False) -> dict[str, Place]:
-    H, I = c.hidden_size, c.intermediate_size
+STACKED, PER_EXPERT = "stacked", "per-expert"     # the two ways checkpoints store an MoE's experts
+
+
+def _mlp_places(c: ModelConfig, src: str, dst: str, experts: str) -> dict[str, Place]:
+    """The dense MLP [gate | up], down; or an MoE block: the router with the shared expert's gate
+    as its last row, the routed experts stacked ([E * 2F, H] gate|up per expert, [E * H, F] down)
+    from either checkpoint layout, and the shared expert as a dense MLP."""
+    H = c.hidden_size
+
+    def dense(name: str, param: str, I: int) -> dict[str, Place]:
+        return {f"{name}.gate_proj.weight": Place(f"{param}.gate_up", 0, (I, H)),
+                f"{name}.up_proj.weight": Place(f"{param}.gate_up", I, (I, H)),
+                f"{name}.down_proj.weight": Place(f"{param}.down", 0, (H, I))}
+    if not c.is_moe:
+        return dense(f"{src}.mlp", f"{dst}.mlp", c.intermediate_size)
+    E, Fm, Fs = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    m, d = f"{src}.mlp", f"{dst}.mlp"
+    p = {f"{m}.gate.weight": Place(f"{d}.router", 0, (E, H))}
+    if Fs:
+        p |= dense(f"{m}.shared_expert", f"{d}.shared", Fs)
+        p[f"{m}.shared_expert_gate.weight"] = Place(f"{d}.router", E, (1, H))
+    if experts == STACKED:
+        p[f"{m}.experts.gate_up_proj"] = Place(f"{d}.experts_gate_up", 0, (E, 2 * Fm, H))
+        p[f"{m}.experts.down_proj"] = Place(f"{d}.experts_down", 0, (E, H, Fm))
+        return p
+    for e in range(E):
+        x = f"{m}.experts.{e}"
+        p[f"{x}.gate_proj.weight"] = Place(f"{d}.experts_gate_up", e * 2 * Fm, (Fm, H))
+        p[f"{x}.up_proj.weight"] = Place(f"{d}.experts_gate_up", e * 2 * Fm + Fm, (Fm, H))
+        p[f"{x}.down_proj.weight"] = Place(f"{d}.experts_down", e * H, (H, Fm))
+    return p
+
+
+def _layer_places(c: ModelConfig, src: str, dst: str, kind: str, split_ba: bool = False,
+                  experts: str = STACKED) -> dict[str, Place]:
+    H = c.hidden_size
     p = {
         f"{src}.input_layernorm.weight": Place(f"{dst}.input_norm.weight", 0, (H,)),
         f"{src}.post_attention_layernorm.weight": Place(f"{dst}.post_norm.weight", 0, (H,)),
-        f"{src}.mlp.gate_proj.weight": Place(f"{dst}.mlp.gate_up", 0, (I, H)),
-        f"{src}.mlp.up_proj.weight": Place(f"{dst}.mlp.gate_up", I, (I, H)),
-        f"{src}.mlp.down_proj.weight": Place(f"{dst}.mlp.down", 0, (H, I)),
+        **_mlp_places(c, src, dst, experts),
     }
     if kind == "full_attention":
         a, m = f"{src}.self_attn", f"{dst}.mixer"
@@ -86,27 +119,50 @@ def _layer_places(c: ModelConfig, src: str, dst: str, kind: str, split_ba: bool 
     return p
 
 
-def text_places(c: ModelConfig, split_ba: bool = False) -> dict[str, Place]:
+def text_places(c: ModelConfig, split_ba: bool = False, experts: str = STACKED,
+                prefix: str = TEXT_PREFIX) -> dict[str, Place]:
     """Checkpoint name -> where it goes in engine/model.py's Model (`split_ba`: an FP8 model's GDN
-    layers keep [b | a] in their own parameter)."""
+    layers keep [b | a] in their own parameter; `experts`: how an MoE checkpoint stores its
+    experts, `expert_layout`; `prefix`: the text weights', `text_prefix`)."""
     H, V = c.hidden_size, c.vocab_size
-    p = {f"{TEXT_PREFIX}embed_tokens.weight": Place("embed", 0, (V, H)),
-         f"{TEXT_PREFIX}norm.weight": Place("norm.weight", 0, (H,))}
+    p = {f"{prefix}embed_tokens.weight": Place("embed", 0, (V, H)),
+         f"{prefix}norm.weight": Place("norm.weight", 0, (H,))}
     for i, kind in enumerate(c.layer_types):
-        p |= _layer_places(c, f"{TEXT_PREFIX}layers.{i}", f"layers.{i}", kind, split_ba)
+        p |= _layer_places(c, f"{prefix}layers.{i}", f"layers.{i}", kind, split_ba, experts)
     if not c.tie_word_embeddings:
         p["lm_head.weight"] = Place("lm_head", 0, (V, H))
     return p
 
 
-def mtp_places(c: ModelConfig) -> dict[str, Place]:
-    """Checkpoint name -> where it goes in engine/mtp.py's MTPHead (the 15 `mtp.*` tensors)."""
+def mtp_places(c: ModelConfig, experts: str = STACKED) -> dict[str, Place]:
+    """Checkpoint name -> where it goes in engine/mtp.py's MTPHead (the 15 `mtp.*` tensors of a
+    dense model; an MoE model's head layer is an MoE layer)."""
     H = c.hidden_size
     p = {"mtp.fc.weight": Place("fc", 0, (H, 2 * H)),
          "mtp.pre_fc_norm_embedding.weight": Place("pre_fc_norm_embedding.weight", 0, (H,)),
          "mtp.pre_fc_norm_hidden.weight": Place("pre_fc_norm_hidden.weight", 0, (H,)),
          "mtp.norm.weight": Place("norm.weight", 0, (H,))}
-    return p | _layer_places(c, "mtp.layers.0", "layer", "full_attention")
+    return p | _layer_places(c, "mtp.layers.0", "layer", "full_attention", experts=experts)
+
+
+TEXT_ONLY_PREFIX = "model."     # a text-only save (transformers' *ForCausalLM): `model.layers.*`
+
+
+def text_prefix(folder: str | Path) -> str:
+    """Where the text weights sit: under `model.language_model.` (the official vision-language
+    layout) or `model.` (a text-only model saved by transformers)."""
+    names = _weight_map(Path(folder))
+    if f"{TEXT_PREFIX}embed_tokens.weight" not in names and f"{TEXT_ONLY_PREFIX}embed_tokens.weight" in names:
+        return TEXT_ONLY_PREFIX
+    return TEXT_PREFIX
+
+
+def expert_layout(folder: str | Path, prefix: str = TEXT_PREFIX) -> str:
+    """How the checkpoint stores an MoE's experts: STACKED (`mlp.experts.gate_up_proj` [E, 2F, H],
+    transformers' save_pretrained and the bf16 releases) or PER_EXPERT (`mlp.experts.{e}.gate_proj`
+    and so on, the FP8 releases)."""
+    names = _weight_map(Path(folder))
+    return STACKED if any(n.startswith(prefix) and n.endswith(".mlp.experts.gate_up_proj") for n in names) else PER_EXPERT
 
 
 def _weight_map(folder: Path) -> dict[str, str]:
@@ -203,10 +259,14 @@ def _fp8_params(places: dict[str, dict[str, Place]], fp8: bool,
         for name, place in table.items():
             parts.setdefault((key, place.param), []).append((name, place))
 
-    def aligned(ps: list[Place]) -> bool:
+    def aligned(named: list[tuple[str, Place]]) -> bool:
+        ps = [p for _, p in named]
+        if any(len(p.shape) == 3 for p in ps):    # stacked experts: each expert's parts on whole blocks
+            return all(p.offset % BLOCK == 0 and p.shape[1] % (2 * BLOCK if "gate_up" in n else BLOCK) == 0
+                       for n, p in named)
         end = max(q.offset + q.shape[0] for q in ps)
         return all(p.offset % BLOCK == 0 and (p.offset + p.shape[0] == end or p.shape[0] % BLOCK == 0) for p in ps)
-    return {k for k, named in parts.items() if k[1].endswith(FP8_PARAMS) and aligned([p for _, p in named])
+    return {k for k, named in parts.items() if k[1].endswith(FP8_PARAMS) and aligned(named)
             and (stored_fp8 is None or all(n in stored_fp8 for n, _ in named))}
 
 
@@ -260,7 +320,7 @@ def _put(dest, offset: int, t, device):
     """Copy one checkpoint tensor into rows offset.. of its parameter: FP8 as it is, bf16 quantized
     on the device into an FP8 parameter, FP8 dequantized into a model-dtype one."""
     if isinstance(dest, BlockFP8):
-        q = t if isinstance(t, BlockFP8) else quantize_ref(t.to(device))
+        q = t if isinstance(t, BlockFP8) else quantize_ref(t.to(device).reshape(-1, t.shape[-1]))
         b = offset // BLOCK
         dest.w[offset:offset + q.w.shape[0]].copy_(q.w)
         dest.scale[b:b + q.scale.shape[0]].copy_(q.scale)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-RANDOM = ("qwen3.6-27b", "qwen3.5-9b", "qwen3.5-4b", "qwen3.5-0.8b")
+RANDOM = ("qwen3.6-27b", "qwen3.5-9b", "qwen3.5-4b", "qwen3.5-0.8b", "qwen3.5-35b-a3b")
 
 
 def add_arguments(p):
@@ -88,6 +88,10 @@ def table(r: dict) -> str:
         lines.append(row(f"MTP on k={k}, profile (len {m['mean_acceptance_length']:.2f})", m["ms_per_token"])
                      + ("" if m["identical_to_mtp_off"] else "  OUTPUT DIFFERS"))
         lines.append(row(f"  the same at the expected len {m['expected_length']:.2f}", m["ms_per_token_at_expected_length"]))
+        if "experts_per_layer" in m:
+            x = m["experts_per_layer"]
+            lines.append(f"  experts read per layer: verify {x['verify']:.1f} (decode {r['decode_experts_per_layer']:.1f}), "
+                         f"head {x['draft']:.1f} per step")
     for k, m in r["mtp_real"].items():
         lines.append(row(f"MTP on k={k}, real head (len {m['mean_acceptance_length']:.2f})", m["ms_per_token"])
                      + ("" if m["identical_to_mtp_off"] else "  OUTPUT DIFFERS"))

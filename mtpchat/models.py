@@ -48,15 +48,27 @@ class Alias:
     linear_num_value_heads: int
     tie_word_embeddings: bool
     fp8: bool = False           # an official FP8 release (block-scaled float8_e4m3fn weights)
+    # the MoE models: (experts, chosen per token, expert width, shared expert width); () for dense
+    moe: tuple[int, int, int, int] = ()
 
 
-# largest first: `smaller_aliases` walks down this list
+# dense models largest first, then the MoE ones (`smaller_aliases` orders them by size)
 ALIASES: dict[str, Alias] = {a.name.lower(): a for a in [
     Alias("Qwen3.6-27B-MTP", "Qwen/Qwen3.6-27B", 5120, 64, 17408, 24, 4, 48, False),
     Alias("Qwen3.6-27B", "Qwen/Qwen3.6-27B", 5120, 64, 17408, 24, 4, 48, False),
     Alias("Qwen3.6-27B-FP8", "Qwen/Qwen3.6-27B-FP8", 5120, 64, 17408, 24, 4, 48, False, fp8=True),
     Alias("Qwen3.5-27B", "Qwen/Qwen3.5-27B", 5120, 64, 17408, 24, 4, 48, False),
     Alias("Qwen3.5-27B-FP8", "Qwen/Qwen3.5-27B-FP8", 5120, 64, 17408, 24, 4, 48, False, fp8=True),
+    # the 122B's shape as planned here; its own config.json decides once it is downloaded
+    Alias("Qwen3.5-122B-A10B", "Qwen/Qwen3.5-122B-A10B", 3072, 48, 0, 32, 2, 64, False, moe=(256, 8, 1024, 1024)),
+    Alias("Qwen3.5-122B-A10B-FP8", "Qwen/Qwen3.5-122B-A10B-FP8", 3072, 48, 0, 32, 2, 64, False, fp8=True,
+          moe=(256, 8, 1024, 1024)),
+    Alias("Qwen3.6-35B-A3B", "Qwen/Qwen3.6-35B-A3B", 2048, 40, 0, 16, 2, 32, False, moe=(256, 8, 512, 512)),
+    Alias("Qwen3.6-35B-A3B-FP8", "Qwen/Qwen3.6-35B-A3B-FP8", 2048, 40, 0, 16, 2, 32, False, fp8=True,
+          moe=(256, 8, 512, 512)),
+    Alias("Qwen3.5-35B-A3B", "Qwen/Qwen3.5-35B-A3B", 2048, 40, 0, 16, 2, 32, False, moe=(256, 8, 512, 512)),
+    Alias("Qwen3.5-35B-A3B-FP8", "Qwen/Qwen3.5-35B-A3B-FP8", 2048, 40, 0, 16, 2, 32, False, fp8=True,
+          moe=(256, 8, 512, 512)),
     Alias("Qwen3.5-9B", "Qwen/Qwen3.5-9B", 4096, 32, 12288, 16, 4, 32, False),
     Alias("Qwen3.5-4B", "Qwen/Qwen3.5-4B", 2560, 32, 9216, 16, 4, 32, True),
     Alias("Qwen3.5-2B", "Qwen/Qwen3.5-2B", 2048, 24, 6144, 8, 2, 16, True),
@@ -84,7 +96,9 @@ def alias_config(alias: Alias):
                        linear_num_key_heads=16, linear_num_value_heads=alias.linear_num_value_heads,
                        linear_key_head_dim=128, linear_value_head_dim=128,
                        tie_word_embeddings=alias.tie_word_embeddings, mtp_num_hidden_layers=1,
-                       quantization="fp8" if alias.fp8 else None)
+                       quantization="fp8" if alias.fp8 else None,
+                       **dict(zip(("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                   "shared_expert_intermediate_size"), alias.moe)))
 
 
 def fp8_alias(name: str) -> Alias | None:
@@ -99,7 +113,7 @@ def smaller_aliases(than_params: int) -> list[Alias]:
     """Aliases of models with fewer parameters than `than_params`, largest first, one per repo."""
     from mtpchat.engine.memory import text_params
     seen, out = set(), []
-    for alias in ALIASES.values():
+    for alias in sorted(ALIASES.values(), key=lambda a: -text_params(alias_config(a))):   # stable: list order on ties
         if alias.repo_id not in seen and not alias.fp8 and text_params(alias_config(alias)) < than_params:
             seen.add(alias.repo_id)
             out.append(alias)

@@ -1,0 +1,390 @@
+"""The sparse MLP of the Qwen3.5 / Qwen3.6 MoE models, in four pieces: routing, the block layout,
+the expert products, the combine. Float32 torch references, the Triton kernels beside them, and
+dispatchers that take the kernels for CUDA tensors.
+
+    route    : softmax over the router's E logits (float32), the top k, renormalised to sum to 1;
+               a logit past the E experts' is the shared expert's gate, returned as its sigmoid
+    layout   : the (row, choice) pairs p = row * k + j grouped by expert into blocks of BM pairs:
+               block b holds pairs of expert block_expert[b] (-1: an empty block, which exits at once)
+    swiglu   : h[p] = silu(x[row] @ W_gate[e]ᵀ) * (x[row] @ W_up[e]ᵀ), over each block's pairs
+    down     : y[p] = h[p] @ W_down[e]ᵀ
+    combine  : out[row] = Σ_j weight[row, j] * y[row * k + j] + gate[row] * shared[row]
+
+A block reads its expert's weights once for all the pairs in it. In a step (a few rows: decode,
+verify, draft) BM is at least the number of rows, so every distinct expert the rows chose is one
+block and its weights are read once per step, however many rows chose it; the route kernel builds
+that layout on the device, sized for the worst case (min(E, T * k) blocks) so the step can be a
+CUDA graph. Each pair's products are accumulated in the same order whatever shares its block, and
+the combine sums a row's k choices in order, so a row's result does not depend on the other rows
+(greedy MTP on == off). Experts are stored stacked: W_gate_up [E * 2F, H] (expert e's gate rows,
+then its up rows), W_down [E * H, F]; either may be a BlockFP8 (kernels/fp8.py) whose 128-row
+blocks never straddle two experts.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
+from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref, values_of
+
+STEP_ROWS = 16          # the most rows a step's layout takes (one block per distinct expert)
+
+
+class Layout(NamedTuple):
+    """Which pairs each block of an expert product takes."""
+    expert: torch.Tensor    # [NB] int32: the block's expert, -1 for an empty block
+    pairs: torch.Tensor     # [NB, BM] int32: pair ids row * k + j, -1 for an empty place
+
+
+# --- float32 references ------------------------------------------------------------------------
+
+def route_ref(logits: torch.Tensor, top_k: int, n_experts: int, reads: torch.Tensor | None = None):
+    """logits [T, E (+1)] -> (ids [T, k] int32, weights [T, k] float32, gate [T] float32 or None).
+    The top k in descending probability; `gate`: the sigmoid of logit E where there is one.
+    `reads` (int32 [1]) is increased by the number of distinct experts chosen."""
+    probs = torch.softmax(logits[:, :n_experts].float(), dim=-1)
+    top, ids = torch.topk(probs, top_k, dim=-1)
+    weights = top / top.sum(dim=-1, keepdim=True)
+    gate = torch.sigmoid(logits[:, n_experts].float()) if logits.shape[1] > n_experts else None
+    if reads is not None:
+        chosen = torch.zeros(n_experts, dtype=torch.int32, device=logits.device)
+        chosen.index_fill_(0, ids.flatten(), 1)
+        reads += chosen.sum().to(reads.dtype)
+    return ids.to(torch.int32), weights, gate
+
+
+def layout_ref(ids: torch.Tensor, n_experts: int, bm: int, blocks: int | None = None) -> Layout:
+    """The pairs of ids [T, k] grouped by expert, ascending, each expert's pairs in order over
+    ceil(count / bm) blocks of bm; padded with empty blocks to `blocks` when given."""
+    T, k = ids.shape
+    flat = ids.flatten().long()
+    order = torch.sort(flat, stable=True).indices                     # pair ids, grouped by expert
+    counts = torch.zeros(n_experts, dtype=torch.long, device=ids.device).index_add_(
+        0, flat, torch.ones_like(flat))
+    per_expert = (counts + bm - 1) // bm                               # blocks each expert takes
+    first_block = torch.cumsum(per_expert, 0) - per_expert
+    first_pair = torch.cumsum(counts, 0) - counts
+    n = int(per_expert.sum())
+    blocks = n if blocks is None else blocks
+    assert n <= blocks, f"{n} blocks needed, {blocks} given"
+    expert = torch.full((blocks,), -1, dtype=torch.int32, device=ids.device)
+    expert[:n] = torch.repeat_interleave(torch.arange(n_experts, device=ids.device), per_expert).to(torch.int32)
+    e_sorted = flat[order]
+    rank = torch.arange(T * k, device=ids.device) - first_pair[e_sorted]   # place among its expert's pairs
+    pairs = torch.full((blocks, bm), -1, dtype=torch.int32, device=ids.device)
+    pairs[first_block[e_sorted] + rank // bm, rank % bm] = order.to(torch.int32)
+    return Layout(expert, pairs)
+
+
+def _weight_f32(w) -> torch.Tensor:
+    return dequantize_ref(w, torch.float32) if isinstance(w, BlockFP8) else w.float()
+
+
+def _blocks_of(layout: Layout):
+    """(expert, pair ids) of each non-empty block, on the host."""
+    for e, pairs in zip(layout.expert.tolist(), layout.pairs.tolist()):
+        if e >= 0:
+            yield e, [p for p in pairs if p >= 0]
+
+
+def _product(a: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
+    """a [M, K] @ w [N, K]ᵀ in float32; `rowwise`: one product per row, so a row's result does not
+    depend on the rows beside it (the CPU's batched product may order its sums by M)."""
+    if rowwise and a.shape[0] > 1:
+        return torch.cat([F.linear(a[i:i + 1], w) for i in range(a.shape[0])])
+    return F.linear(a, w)
+
+
+def expert_swiglu_ref(x: torch.Tensor, w_gate_up, layout: Layout, top_k: int, n_experts: int,
+                      rowwise: bool = True) -> torch.Tensor:
+    """x [T, H], w_gate_up [E * 2F, H] -> h [T * k, F] in x's dtype (a pair in no block: zero)."""
+    W = _weight_f32(w_gate_up)
+    F2 = W.shape[0] // n_experts
+    h = torch.zeros(x.shape[0] * top_k, F2 // 2, dtype=torch.float32, device=x.device)
+    for e, pairs in _blocks_of(layout):
+        idx = torch.tensor(pairs, device=x.device)
+        g, u = _product(x[idx // top_k].float(), W[e * F2:(e + 1) * F2], rowwise).chunk(2, dim=-1)
+        h[idx] = F.silu(g) * u
+    return h.to(x.dtype)
+
+
+def expert_down_ref(h: torch.Tensor, w_down, layout: Layout, n_experts: int, rowwise: bool = True) -> torch.Tensor:
+    """h [P, F], w_down [E * H, F] -> y [P, H] float32 (a pair in no block: zero)."""
+    W = _weight_f32(w_down)
+    H = W.shape[0] // n_experts
+    y = torch.zeros(h.shape[0], H, dtype=torch.float32, device=h.device)
+    for e, pairs in _blocks_of(layout):
+        idx = torch.tensor(pairs, device=h.device)
+        y[idx] = _product(h[idx].float(), W[e * H:(e + 1) * H], rowwise)
+    return y
+
+
+def combine_ref(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
+                gate: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """y [T * k, H] float32, weights [T, k] -> [T, H] in dtype: each row's k expert outputs summed
+    in order of choice, then the shared expert's output times its gate."""
+    T, k = weights.shape
+    y = y.view(T, k, -1)
+    out = torch.zeros(T, y.shape[-1], dtype=torch.float32, device=y.device)
+    for j in range(k):
+        out = out + weights[:, j, None] * y[:, j]
+    if shared is not None:
+        out = out + gate[:, None] * shared.float()
+    return out.to(dtype)
+
+
+# --- Triton kernels ----------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["T"])
+def _route_kernel(logits, s_l, ids, weights, gate, expert, pairs, reads, T, E, NB,
+                  K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, NBP: tl.constexpr,
+                  HAS_GATE: tl.constexpr, PDL: tl.constexpr):
+    # One program for all the step's rows (at most BT): softmax, top k by repeated argmax (the first
+    # of equal values, in descending order as torch.topk), renormalised; then the step's layout,
+    # one block per distinct expert in ascending order.
+    pdl_start(PDL)
+    o_t = tl.arange(0, BT)
+    m_t = o_t < T
+    o_e = tl.arange(0, BE)
+    m_e = o_e < E
+    b_l = tl.load(logits + o_t[:, None] * s_l + o_e[None, :], mask=m_t[:, None] & m_e[None, :], other=0.)
+    b_l = tl.where(m_e[None, :], b_l.to(tl.float32), float("-inf"))
+    b_p = tl.exp(b_l - tl.max(b_l, 1)[:, None])
+    b_p = b_p / tl.sum(b_p, 1)[:, None]
+    o_k = tl.arange(0, KP)
+    b_rank = tl.full([BT, BE], -1, tl.int32)
+    b_ids = tl.zeros([BT, KP], dtype=tl.int32)
+    b_top = tl.zeros([BT, KP], dtype=tl.float32)
+    for j in tl.static_range(K):
+        best = tl.max(b_p, 1)
+        idx = tl.argmax(b_p, 1)
+        hit = o_e[None, :] == idx[:, None]
+        b_rank = tl.where(hit, j, b_rank)
+        b_p = tl.where(hit, -1.0, b_p)
+        b_ids = tl.where(o_k[None, :] == j, idx[:, None], b_ids)
+        b_top = tl.where(o_k[None, :] == j, best[:, None], b_top)
+    m_k = m_t[:, None] & (o_k < K)[None, :]
+    tl.store(ids + o_t[:, None] * K + o_k[None, :], b_ids, mask=m_k)
+    tl.store(weights + o_t[:, None] * K + o_k[None, :], b_top / tl.sum(b_top, 1)[:, None], mask=m_k)
+    if HAS_GATE:
+        b_g = tl.load(logits + o_t * s_l + E, mask=m_t, other=0.).to(tl.float32)
+        tl.store(gate + o_t, tl.sigmoid(b_g), mask=m_t)
+    # the layout: expert e, if chosen, is block slot[e]; unused blocks are empty
+    b_chose = (b_rank >= 0) & m_t[:, None]
+    chosen = tl.max(b_chose.to(tl.int32), 0)
+    slot = tl.cumsum(chosen, 0) - 1
+    n = tl.sum(chosen, 0)
+    tl.store(expert + slot, o_e, mask=chosen > 0)
+    o_s = tl.arange(0, NBP)
+    m_empty = (o_s >= n) & (o_s < NB)
+    tl.store(expert + o_s, tl.full([NBP], -1, tl.int32), mask=m_empty)
+    # an expert's pairs in row order from place 0 (as layout_ref lays them), then empty places
+    place = tl.cumsum(b_chose.to(tl.int32), 0) - 1
+    p_block = pairs + slot[None, :] * BT
+    tl.store(p_block + place, o_t[:, None] * K + b_rank, mask=b_chose)
+    count = tl.sum(b_chose.to(tl.int32), 0)
+    tl.store(p_block + o_t[:, None], tl.full([BT, BE], -1, tl.int32), mask=(chosen > 0)[None, :] & (o_t[:, None] >= count[None, :]))
+    tl.store(pairs + o_s[:, None] * BT + o_t[None, :], tl.full([NBP, BT], -1, tl.int32), mask=m_empty[:, None])
+    tl.atomic_add(reads, n.to(tl.int64))
+
+
+def route_step(logits: torch.Tensor, top_k: int, n_experts: int, reads: torch.Tensor):
+    """route_ref and the step's layout (layout_ref with BM = STEP_ROWS and min(E, T * k) blocks) in
+    one kernel; `reads` is an int64 [1] counter."""
+    T = logits.shape[0]
+    assert T <= STEP_ROWS, f"a step routes at most {STEP_ROWS} rows, got {T}"
+    assert logits.stride(1) == 1 and reads.dtype == torch.int64
+    nb = min(n_experts, T * top_k)
+    dev = logits.device
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
+    has_gate = logits.shape[1] > n_experts
+    gate = torch.empty(T, dtype=torch.float32, device=dev) if has_gate else None
+    layout = Layout(torch.empty(nb, dtype=torch.int32, device=dev),
+                    torch.empty(nb, STEP_ROWS, dtype=torch.int32, device=dev))
+    _route_kernel[(1,)](logits, logits.stride(0), ids, weights, gate if has_gate else weights, *layout, reads,
+                        T, n_experts, nb, K=top_k, KP=triton.next_power_of_2(top_k),
+                        BE=triton.next_power_of_2(n_experts), BT=STEP_ROWS, NBP=triton.next_power_of_2(nb),
+                        HAS_GATE=has_gate, num_warps=4, **pdl(logits))
+    return ids, weights, gate, layout
+
+
+@triton.jit
+def _swiglu_kernel(x, w, ws, expert, pairs, h, H, F, s_x, s_h, s_ws,
+                   TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   FP8: tl.constexpr, PDL: tl.constexpr):
+    # One program per (block, BN of the F columns): the expert's gate and up tiles, multiplied
+    # with the block's rows of x, weights first ([BN, BK] @ [BK, BM]) as in matvec.py.
+    pdl_start(PDL)
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(expert + i_b).to(tl.int64)
+    if e < 0:
+        return
+    o_m = tl.arange(0, BM)
+    p = tl.load(pairs + i_b * BM + o_m)
+    m_p = p >= 0
+    rows = tl.where(m_p, p // TOPK, 0)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < F
+    g_rows = e * 2 * F + o_n
+    acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+    for k in range(0, H, BK):
+        o_k = k + tl.arange(0, BK)
+        m_k = o_k < H
+        b_x = tl.load(x + rows[None, :] * s_x + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
+        m_w = m_n[:, None] & m_k[None, :]
+        b_g = tl.load(w + g_rows[:, None] * H + o_k[None, :], mask=m_w, other=0.)
+        b_u = tl.load(w + (g_rows + F)[:, None] * H + o_k[None, :], mask=m_w, other=0.)
+        if FP8:
+            s_g = tl.load(ws + (e * 2 * F + i_n * BN) // 128 * s_ws + k // 128)
+            s_u = tl.load(ws + (e * 2 * F + F + i_n * BN) // 128 * s_ws + k // 128)
+            acc_g += s_g * tl.dot(b_g.to(b_x.dtype), b_x, input_precision="ieee")
+            acc_u += s_u * tl.dot(b_u.to(b_x.dtype), b_x, input_precision="ieee")
+        else:
+            acc_g = tl.dot(b_g, b_x, acc_g, input_precision="ieee")
+            acc_u = tl.dot(b_u, b_x, acc_u, input_precision="ieee")
+    out = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
+
+
+@triton.jit
+def _down_kernel(hin, w, ws, expert, pairs, y, H, F, s_h, s_y, s_ws,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    # One program per (block, BN of the H output columns), over the expert's F inputs.
+    pdl_start(PDL)
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(expert + i_b).to(tl.int64)
+    if e < 0:
+        return
+    o_m = tl.arange(0, BM)
+    p = tl.load(pairs + i_b * BM + o_m)
+    m_p = p >= 0
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < H
+    w_rows = e * H + o_n
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for k in range(0, F, BK):
+        o_k = k + tl.arange(0, BK)
+        m_k = o_k < F
+        b_h = tl.load(hin + p[None, :] * s_h + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
+        b_w = tl.load(w + w_rows[:, None] * F + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
+        if FP8:
+            s = tl.load(ws + (e * H + i_n * BN) // 128 * s_ws + k // 128)
+            acc += s * tl.dot(b_w.to(b_h.dtype), b_h, input_precision="ieee")
+        else:
+            acc = tl.dot(b_w, b_h, acc, input_precision="ieee")
+    tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _combine_kernel(y, weights, shared, gate, out, T, H, s_y, s_s, s_o,
+                    TOPK: tl.constexpr, BH: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
+    r, i_h = tl.program_id(0), tl.program_id(1)
+    o_h = i_h * BH + tl.arange(0, BH)
+    m_h = o_h < H
+    acc = tl.zeros([BH], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(weights + r * TOPK + j) * tl.load(y + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.)
+    if HAS_SHARED:
+        acc += tl.load(gate + r) * tl.load(shared + r * s_s + o_h, mask=m_h, other=0.).to(tl.float32)
+    tl.store(out + r * s_o + o_h, acc.to(out.dtype.element_ty), mask=m_h)
+
+
+def _tiles(bm: int, fp8: bool) -> tuple[int, int, int]:
+    """(BN, BK, warps) of the expert products: a function of the layout's block size (a step's is
+    always STEP_ROWS) and the weight format, never of the number of rows. FP8 tiles lie inside
+    one 128 x 128 block of scales."""
+    if bm <= STEP_ROWS:
+        return 32, 128, 4
+    return 64, 64 if not fp8 else 128, 4
+
+
+def _fp8_ok(w, rows_per_expert: int) -> bool:
+    return not isinstance(w, BlockFP8) or rows_per_expert % BLOCK == 0
+
+
+def expert_swiglu_triton(x, w_gate_up, layout: Layout, top_k: int, n_experts: int) -> torch.Tensor:
+    T, H = x.shape
+    wv = values_of(w_gate_up)
+    Fi = wv.shape[0] // (2 * n_experts)
+    fp8 = isinstance(w_gate_up, BlockFP8)
+    assert wv.shape == (n_experts * 2 * Fi, H) and wv.is_contiguous() and x.stride(1) == 1
+    assert _fp8_ok(w_gate_up, Fi), "FP8 experts need 128-row aligned gate and up parts"
+    bm = layout.pairs.shape[1]
+    BN, BK, warps = _tiles(bm, fp8)
+    h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
+    ws = w_gate_up.scale if fp8 else wv
+    _swiglu_kernel[(layout.expert.shape[0], triton.cdiv(Fi, BN))](
+        x, wv, ws, *layout, h, H, Fi, x.stride(0), h.stride(0), ws.stride(0),
+        TOPK=top_k, BM=bm, BN=BN, BK=BK, FP8=fp8, num_warps=warps, **pdl(x))
+    return h
+
+
+def expert_down_triton(h, w_down, layout: Layout, n_experts: int) -> torch.Tensor:
+    P, Fi = h.shape
+    wv = values_of(w_down)
+    H = wv.shape[0] // n_experts
+    fp8 = isinstance(w_down, BlockFP8)
+    assert wv.shape == (n_experts * H, Fi) and wv.is_contiguous() and h.stride(1) == 1
+    assert _fp8_ok(w_down, H), "FP8 experts need 128-row aligned down parts"
+    bm = layout.pairs.shape[1]
+    BN, BK, warps = _tiles(bm, fp8)
+    y = torch.empty(P, H, dtype=torch.float32, device=h.device)
+    ws = w_down.scale if fp8 else wv
+    _down_kernel[(layout.expert.shape[0], triton.cdiv(H, BN))](
+        h, wv, ws, *layout, y, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
+        BM=bm, BN=BN, BK=BK, FP8=fp8, num_warps=warps, **pdl(h))
+    return y
+
+
+def combine_triton(y, weights, shared=None, gate=None, dtype=torch.bfloat16) -> torch.Tensor:
+    T, k = weights.shape
+    H = y.shape[1]
+    assert y.shape[0] == T * k and y.stride(1) == 1 and weights.is_contiguous()
+    out = torch.empty(T, H, dtype=dtype, device=y.device)
+    BH = 512
+    _combine_kernel[(T, triton.cdiv(H, BH))](
+        y, weights, shared if shared is not None else y, gate if gate is not None else weights, out, T, H,
+        y.stride(0), shared.stride(0) if shared is not None else 0, out.stride(0),
+        TOPK=k, BH=BH, HAS_SHARED=shared is not None, num_warps=4, **pdl(y))
+    return out
+
+
+# --- dispatch ----------------------------------------------------------------------------------
+
+PREFILL_ROWS = 64       # the pairs a block takes in a prefill
+
+
+def route(logits: torch.Tensor, top_k: int, n_experts: int, step: bool, reads: torch.Tensor | None = None):
+    """(ids, weights, gate, layout). A step on the GPU routes and lays out in one kernel and counts
+    the distinct experts into `reads`; a prefill groups its pairs into blocks of PREFILL_ROWS."""
+    if step and use_triton(logits):
+        if reads is None:
+            reads = torch.zeros(1, dtype=torch.int64, device=logits.device)
+        return route_step(logits, top_k, n_experts, reads)
+    ids, weights, gate = route_ref(logits, top_k, n_experts, reads if step else None)
+    bm = STEP_ROWS if step else PREFILL_ROWS
+    return ids, weights, gate, layout_ref(ids, n_experts, bm)
+
+
+def expert_swiglu(x, w_gate_up, layout: Layout, top_k: int, n_experts: int, rowwise: bool) -> torch.Tensor:
+    if use_triton(x, values_of(w_gate_up)):
+        return expert_swiglu_triton(x, w_gate_up, layout, top_k, n_experts)
+    return expert_swiglu_ref(x, w_gate_up, layout, top_k, n_experts, rowwise)
+
+
+def expert_down(h, w_down, layout: Layout, n_experts: int, rowwise: bool) -> torch.Tensor:
+    if use_triton(h, values_of(w_down)):
+        return expert_down_triton(h, w_down, layout, n_experts)
+    return expert_down_ref(h, w_down, layout, n_experts, rowwise)
+
+
+def combine(y, weights, shared=None, gate=None, dtype=torch.float32) -> torch.Tensor:
+    if use_triton(y):
+        return combine_triton(y, weights, shared, gate, dtype)
+    return combine_ref(y, weights, shared, gate, dtype)

@@ -1,0 +1,155 @@
+"""The MoE kernels (kernels/moe.py) against their float32 references: the step's routing and layout,
+the expert SwiGLU and down products over bf16/float32 and FP8 experts (step and prefill layouts),
+the combine; a row's result the same whatever rows share its experts; and the 35B-A3B's shapes
+(GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import TOL, check, randn
+
+from mtpchat.kernels import fp8, moe
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+def experts(E: int, F: int, H: int, device, dtype, fp8_: bool, seed: int):
+    """Stacked gate|up [E*2F, H] and down [E*H, F], each expert's scale its own, so a product that
+    read the wrong expert's rows would be off by far more than rounding."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(-1, 0.5, E)
+    gu = randn(E, 2 * F, H, gen=g) * scales[:, None, None] / H ** 0.5
+    down = randn(E, H, F, gen=g) * scales.flip(0)[:, None, None] / F ** 0.5
+    gu, down = gu.reshape(E * 2 * F, H), down.reshape(E * H, F)
+    if fp8_:
+        q1, q2 = fp8.quantize_ref(gu), fp8.quantize_ref(down)
+        return (fp8.BlockFP8(q1.w.to(device), q1.scale.to(device)), fp8.BlockFP8(q2.w.to(device), q2.scale.to(device)))
+    return gu.to(device, dtype), down.to(device, dtype)
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 12, 3), (5, 12, 3), (4, 256, 8), (3, 7, 7)])
+@pytest.mark.parametrize("gate", [True, False])
+def test_route_step_equals_reference(device, T, E, k, gate):
+    logits = randn(T, E + gate, seed=T * E + k, scale=2.0).to(device)
+    reads = torch.zeros(1, dtype=torch.int64, device=device)
+    ids, w, g, lay = moe.route_step(logits, k, E, reads)
+    ids_r, w_r, g_r = moe.route_ref(logits.cpu(), k, E)
+    assert torch.equal(ids.cpu(), ids_r)
+    check(w.cpu(), w_r, 1e-6, "weights")
+    assert torch.allclose(w.sum(-1).cpu(), torch.ones(T), atol=1e-6)           # renormalised
+    if gate:
+        check(g.cpu(), g_r, 1e-6, "shared gate")
+    else:
+        assert g is None and g_r is None
+    want = moe.layout_ref(ids_r, E, moe.STEP_ROWS, min(E, T * k))
+    assert torch.equal(lay.expert.cpu(), want.expert) and torch.equal(lay.pairs.cpu(), want.pairs)
+    assert reads.item() == len(set(ids_r.flatten().tolist()))
+
+
+def test_layout_groups_every_pair_once():
+    ids = torch.tensor([[3, 1, 4], [1, 5, 9], [2, 6, 5], [3, 5, 8]], dtype=torch.int32)
+    lay = moe.layout_ref(ids, 10, bm=2)
+    flat = ids.flatten()
+    pairs = [p for row in lay.pairs.tolist() for p in row if p >= 0]
+    assert sorted(pairs) == list(range(12))                                   # every pair, once
+    for e, row in zip(lay.expert.tolist(), lay.pairs.tolist()):
+        assert e >= 0 and all(flat[p] == e for p in row if p >= 0)           # each block one expert
+    assert lay.expert.tolist() == sorted(lay.expert.tolist())
+    assert lay.expert.tolist().count(5) == 2                                  # 3 pairs in blocks of 2
+    padded = moe.layout_ref(ids, 10, bm=16, blocks=12)
+    assert padded.expert.tolist()[8:] == [-1] * 4 and (padded.pairs[8:] == -1).all()
+
+
+def routed(T, E, k, device, seed):
+    ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(seed + r))[:k] for r in range(T)])
+    return ids.to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,E,k,F,H", [(1, 6, 3, 40, 72), (5, 6, 3, 40, 72), (4, 9, 2, 24, 130)])
+@pytest.mark.parametrize("step", [True, False])
+def test_expert_products(device, dtype, T, E, k, F, H, step):
+    wgu, wd = experts(E, F, H, device, dtype, False, seed=T + E)
+    x = randn(T, H, dtype=dtype, device=device, seed=3)
+    ids = routed(T, E, k, device, seed=T)
+    lay_cpu = moe.layout_ref(ids, E, moe.STEP_ROWS if step else 2, min(E, T * k) if step else None)
+    lay = moe.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
+    h = moe.expert_swiglu(x, wgu, lay, k, E, rowwise=step)
+    h_ref = moe.expert_swiglu_ref(x.cpu().float(), wgu.cpu().float(), lay_cpu, k, E)
+    check(h.cpu().float(), h_ref, TOL[dtype], "swiglu")
+    y = moe.expert_down(h_ref.to(device, dtype), wd, lay, E, rowwise=step)
+    y_ref = moe.expert_down_ref(h_ref.to(dtype).float(), wd.cpu().float(), lay_cpu, E)
+    assert y.dtype == torch.float32
+    check(y.cpu(), y_ref, TOL[dtype], "down")
+
+
+@pytest.mark.parametrize("T", [1, 3, 5])
+def test_fp8_expert_products(device, T):
+    E, k, F, H = 5, 2, 128, 256          # FP8 experts: each part on whole 128-row blocks
+    wgu, wd = experts(E, F, H, device, None, True, seed=T)
+    x = randn(T, H, device=device, seed=T)
+    ids = routed(T, E, k, device, seed=7 * T)
+    lay_cpu = moe.layout_ref(ids, E, moe.STEP_ROWS, min(E, T * k))
+    lay = moe.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
+    cpu = lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())
+    h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(wgu), lay_cpu, k, E)
+    check(moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True).cpu(), h_ref, TOL[torch.float32], "fp8 swiglu")
+    y_ref = moe.expert_down_ref(h_ref, cpu(wd), lay_cpu, E)
+    check(moe.expert_down(h_ref.to(device), wd, lay, E, rowwise=True).cpu(), y_ref, TOL[torch.float32], "fp8 down")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shared", [True, False])
+def test_combine(device, dtype, shared):
+    T, k, H = 3, 4, 600
+    y = randn(T * k, H, device=device, seed=1)
+    w = torch.softmax(randn(T, k, seed=2), -1).to(device)
+    s = randn(T, H, dtype=dtype, device=device, seed=3) if shared else None
+    g = torch.sigmoid(randn(T, seed=4)).to(device) if shared else None
+    out = moe.combine(y, w, s, g, dtype)
+    ref = moe.combine_ref(y.cpu(), w.cpu(), s.cpu() if shared else None, g.cpu() if shared else None)
+    assert out.dtype == dtype
+    check(out.cpu().float(), ref, TOL[dtype])
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it(device):
+    """The step's pipeline (route, products, combine) for row i alone and among others: the same
+    bits (float32 on the CPU through the interpreter; bf16 on the GPU, in the gpu test below)."""
+    moe_rows_equal(device, torch.float32, E=12, k=3, F=40, H=72)
+
+
+def moe_rows_equal(device, dtype, E, k, F, H, T=5):
+    wgu, wd = experts(E, F, H, device, dtype, False, seed=11)
+    router = (randn(E + 1, H, seed=12) / H ** 0.5).to(device, dtype)
+    x = randn(T, H, dtype=dtype, device=device, seed=13)
+
+    def forward(rows):
+        logits = torch.cat([moe.F.linear(r[None], router) for r in rows])   # per row, as matvec gives
+        ids, w, g, lay = moe.route(logits, k, E, step=True, reads=torch.zeros(1, dtype=torch.int64, device=device))
+        h = moe.expert_swiglu(rows, wgu, lay, k, E, rowwise=True)
+        return moe.combine(moe.expert_down(h, wd, lay, E, rowwise=True), w, None, None, dtype)
+    together = forward(x)
+    for i in range(T):
+        assert torch.equal(forward(x[i:i + 1])[0], together[i]), f"row {i} differs alone"
+
+
+@pytest.mark.gpu
+def test_rows_bitwise_on_the_35b_shapes():
+    moe_rows_equal("cuda", torch.bfloat16, E=256, k=8, F=512, H=2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_", [False, True])
+def test_35b_shapes_against_reference(fp8_):
+    E, k, F, H, T = 256, 8, 512, 2048, 4
+    wgu, wd = experts(E, F, H, "cuda", torch.bfloat16, fp8_, seed=5)
+    x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=6)
+    logits = randn(T, E + 1, seed=7, scale=3.0).cuda()
+    ids, w, g, lay = moe.route(logits, k, E, step=True, reads=torch.zeros(1, dtype=torch.int64, device="cuda"))
+    h = moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True)
+    y = moe.expert_down(h, wd, lay, E, rowwise=True)
+    lay_cpu = moe.Layout(lay.expert.cpu(), lay.pairs.cpu())
+    cpu = (lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())) if fp8_ else (lambda t: t.cpu().float())
+    h_ref = moe.expert_swiglu_ref(x.cpu().float(), cpu(wgu), lay_cpu, k, E)
+    check(h.cpu().float(), h_ref, 1e-2, "swiglu")
+    check(y.cpu(), moe.expert_down_ref(h.cpu().float(), cpu(wd), lay_cpu, E), 1e-2, "down")

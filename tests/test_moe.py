@@ -1,0 +1,181 @@
+"""The Qwen3.5/3.6 MoE models (float32, CPU) against transformers' Qwen3_5MoeForCausalLM: checkpoints
+with their experts stacked, per expert, and as transformers' save_pretrained writes them; a wrong
+renormalisation or shared-expert gate fails the comparison; greedy MTP on == off; FP8 experts; the
+memory plan; the experts-read telemetry."""
+import shutil
+
+import pytest
+import torch
+
+from mtpchat.engine import Engine, SamplingParams, memory
+from mtpchat.engine.config import ConfigError, ModelConfig
+from mtpchat.engine.tiny import write_dequantized_twin, write_tiny_checkpoint
+from mtpchat.engine.weights import PER_EXPERT, STACKED, expert_layout
+from mtpchat.kernels import moe
+from mtpchat.kernels.fp8 import quantize_ref
+
+transformers = pytest.importorskip("transformers")
+
+LENGTHS = [1, 5, 64, 65, 130]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {STACKED: write_tiny_checkpoint(root / "stacked", moe=True, experts=STACKED, seed=1),
+            PER_EXPERT: write_tiny_checkpoint(root / "per_expert", moe=True, experts=PER_EXPERT, seed=2)}
+
+
+@pytest.fixture(scope="module")
+def saved_by_transformers(ckpts, tmp_path_factory):
+    """A model transformers builds from the config and initialises itself, as its save_pretrained
+    writes it (no MTP head: transformers has none), with the tokenizer beside it."""
+    src = ckpts[STACKED]
+    config = transformers.AutoConfig.from_pretrained(src)
+    torch.manual_seed(5)
+    model = transformers.Qwen3_5MoeForCausalLM(config.text_config).eval()
+    with torch.no_grad():       # transformers starts the router at zero: every expert tied
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.3)
+    out = tmp_path_factory.mktemp("moe_saved")
+    model.save_pretrained(out)
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, out)
+    return out
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def prompt(n, vocab, seed=0):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def max_error(folder, engine=None) -> float:
+    engine = engine or Engine.load(folder, max_context=512, prefill_chunk=48)
+    ref = transformers.Qwen3_5MoeForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    worst = 0.0
+    for n in LENGTHS:
+        ids = prompt(n, engine.config.vocab_size, seed=n)
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0]
+        worst = max(worst, rel_err(engine.logits(ids), want))
+    return worst
+
+
+@pytest.mark.parametrize("layout", [STACKED, PER_EXPERT])
+def test_logits_equal_transformers(ckpts, layout):
+    assert expert_layout(ckpts[layout]) == layout
+    assert max_error(ckpts[layout]) < 1e-4
+
+
+def test_logits_equal_transformers_on_its_own_save(saved_by_transformers):
+    engine = Engine.load(saved_by_transformers, max_context=512, prefill_chunk=48)
+    assert engine.config.is_moe and engine.head is None
+    assert max_error(saved_by_transformers, engine) < 1e-4
+
+
+@pytest.mark.parametrize("mistake", ["no renormalisation", "shared gate not squashed", "no shared gate"])
+def test_a_wrong_router_fails_the_comparison(ckpts, monkeypatch, mistake):
+    right = moe.route_ref
+
+    def wrong(logits, top_k, n_experts, reads=None):
+        ids, weights, gate = right(logits, top_k, n_experts, reads)
+        probs = torch.softmax(logits[:, :n_experts].float(), -1)
+        if mistake == "no renormalisation":
+            weights = torch.gather(probs, 1, ids.long())
+        elif mistake == "shared gate not squashed":
+            gate = logits[:, n_experts].float()
+        else:
+            gate = torch.ones_like(gate)
+        return ids, weights, gate
+    monkeypatch.setattr(moe, "route_ref", wrong)
+    assert max_error(ckpts[STACKED]) > 1e-3
+
+
+@pytest.mark.parametrize("layout", [STACKED, PER_EXPERT])
+def test_greedy_mtp_on_equals_off(ckpts, layout):
+    engine = Engine.load(ckpts[layout], max_context=600)
+    params = SamplingParams(temperature=0, max_tokens=48, stop_token_ids=())
+    for p in range(2):
+        ids = prompt(20 + 31 * p, engine.config.vocab_size, seed=40 + p)
+        engine.mtp = False
+        ref = [e for e in engine.generate(ids, params)][-1].token_ids
+        engine.mtp = True
+        for k in (1, 2, 3, 4):
+            engine.draft_tokens = k
+            done = [e for e in engine.generate(ids, params)][-1]
+            assert done.token_ids == ref, f"prompt {p}, k={k}"
+            assert done.stats.verify_steps > 0
+
+
+def test_experts_read_per_step(ckpts):
+    engine = Engine.load(ckpts[STACKED], max_context=300)
+    c = engine.config
+    ids = prompt(12, c.vocab_size, seed=3)
+    engine.mtp = False
+    off = [e for e in engine.generate(ids, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=()))]
+    assert all(e.experts_read == c.num_hidden_layers * c.num_experts_per_tok for e in off[2:-1])   # one row: k each
+    assert off[-1].stats.experts_per_layer["decode"] == c.num_experts_per_tok
+    engine.mtp, engine.draft_tokens = True, 3
+    done = [e for e in engine.generate(ids, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=()))][-1]
+    per = done.stats.experts_per_layer
+    assert c.num_experts_per_tok < per["verify"] <= c.num_experts        # 4 rows share some experts
+    assert c.num_experts_per_tok <= per["draft"]
+    assert done.stats.as_dict()["experts_per_layer"] == per
+
+
+def test_fp8_experts_equal_transformers_on_the_dequantized_weights(tmp_path):
+    aligned = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                   moe_intermediate_size=128, shared_expert_intermediate_size=128)
+    fp8 = write_tiny_checkpoint(tmp_path / "fp8", moe=True, experts=PER_EXPERT, fp8=True, **aligned)
+    twin = write_dequantized_twin(fp8, tmp_path / "twin")
+    engine = Engine.load(fp8, max_context=512, prefill_chunk=48, weights="fp8")
+    stored = {n for n, p in engine.model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    assert "layers.0.mlp.experts_gate_up" in stored and "layers.0.mlp.shared.down" in stored
+    assert "layers.0.mlp.router" not in stored
+    assert engine.memory()["weights"] == memory.weight_bytes(engine.config, "float32", fp8=True)
+    assert max_error(twin, engine) < 1e-4
+    # experts quantized on load, one tensor at a time: as quantizing the whole stacked weight offline
+    on_load = dict(Engine.load(twin, max_context=64, weights="fp8").model.named_parameters())
+    plain = dict(Engine.load(twin, max_context=64).model.named_parameters())
+    for name in ("layers.1.mlp.experts_gate_up", "layers.1.mlp.experts_down"):
+        offline = quantize_ref(plain[name])
+        assert torch.equal(on_load[name].view(torch.uint8), offline.w.view(torch.uint8)), name
+        assert torch.equal(on_load[name + "_scale"], offline.scale), name
+
+
+@pytest.mark.parametrize("layout", [STACKED, PER_EXPERT])
+def test_memory_plan_is_byte_exact(ckpts, layout):
+    engine = Engine.load(ckpts[layout], max_context=128)
+    assert engine.memory()["weights"] == memory.weight_bytes(engine.config, "float32")
+    assert memory.text_params(engine.config) + memory.mtp_params(engine.config) == sum(
+        p.numel() for m in (engine.model, engine.head) for p in m.parameters())
+
+
+def test_35b_a3b_config_and_plan():
+    from mtpchat.engine import bench
+    from pathlib import Path
+    c = ModelConfig.load(Path(bench.__file__).parent / "configs" / "qwen3.5-35b-a3b.json")
+    assert c.is_moe and (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (256, 8, 512)
+    total = memory.text_params(c)
+    assert 34e9 < total + memory.mtp_params(c) < 36.5e9               # "35B"
+    active = total - c.num_hidden_layers * (memory.mlp_params(c) - memory.active_mlp_params(c))
+    assert 2.5e9 < active - c.vocab_size * c.hidden_size < 3.5e9     # "A3B": active, less the embedding
+
+
+def test_moe_config_errors():
+    raw = {"model_type": "qwen3_5_moe_text", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "linear_num_key_heads": 1,
+           "linear_num_value_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+           "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
+    assert ModelConfig.from_dict(raw).is_moe
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        ModelConfig.from_dict(raw | {"num_experts_per_tok": 5})
+    with pytest.raises(ConfigError, match="moe_intermediate_size"):
+        ModelConfig.from_dict(raw | {"moe_intermediate_size": 0})
+    with pytest.raises(ConfigError, match="intermediate_size"):
+        ModelConfig.from_dict({k: v for k, v in raw.items() if k != "num_experts"} | {"model_type": "qwen3_5_text"})
