@@ -1,0 +1,69 @@
+"""Times the MoE step kernels at the 35B-A3B's shapes (H 2048, 256 experts of 512, 8 a token) for a
+decode row and a verify step, against the bytes of the experts they read, over a few tile choices.
+
+    python tests/kernels/bench_moe.py
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from mtpchat.kernels import fp8, moe
+
+
+def timed(fn, reps=200) -> float:
+    for _ in range(5):
+        fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(20):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps // 20):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps * 1e3      # us a call
+
+
+def main():
+    E, k, F, H = 256, 8, 512, 2048
+    bw = 3.0e12
+    for weights in ("bf16", "fp8"):
+        gu = torch.randn(E * 2 * F, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+        down = torch.randn(E * H, F, device="cuda", dtype=torch.bfloat16) / F ** 0.5
+        if weights == "fp8":
+            gu, down = fp8.quantize_ref(gu), fp8.quantize_ref(down)
+        per_expert = (fp8.BlockFP8.nbytes(gu) if weights == "fp8" else gu.numel() * 2) // E, \
+                     (fp8.BlockFP8.nbytes(down) if weights == "fp8" else down.numel() * 2) // E
+        for T in (1, 4):
+            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+            logits = torch.randn(T, E + 1, device="cuda", dtype=torch.bfloat16) * 3
+            reads = torch.zeros(1, dtype=torch.int64, device="cuda")
+            ids, w, g, lay = moe.route_step(logits, k, E, reads)
+            n = int((lay.expert >= 0).sum())
+            h = moe.expert_swiglu_triton(x, gu, lay, k, E)
+            y = moe.expert_down_triton(h, down, lay, E)
+            shared = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+            t_route = timed(lambda: moe.route_step(logits, k, E, reads))
+            t_comb = timed(lambda: moe.combine_triton(y, w, shared, g, torch.bfloat16))
+            print(f"{weights} T={T}: {n} experts; route {t_route:.1f} us, combine {t_comb:.1f} us")
+            for BN, BK, warps in itertools.product((16, 32, 64), (64, 128, 256), (4, 8)):
+                if weights == "fp8" and (BK > 128 or 128 % BN):
+                    continue
+                moe._tiles = lambda bm, fp8_, c=(BN, BK, warps): c
+                try:
+                    t1 = timed(lambda: moe.expert_swiglu_triton(x, gu, lay, k, E))
+                    t2 = timed(lambda: moe.expert_down_triton(h, down, lay, E))
+                except Exception as e:      # a tile that does not compile (shared memory)
+                    print(f"  BN {BN} BK {BK} warps {warps}: {type(e).__name__}")
+                    continue
+                f1, f2 = n * per_expert[0] / bw * 1e6, n * per_expert[1] / bw * 1e6
+                print(f"  BN {BN:>3} BK {BK:>3} warps {warps}: swiglu {t1:6.1f} us ({t1 / f1:.2f} x floor)  "
+                      f"down {t2:6.1f} us ({t2 / f2:.2f} x floor)")
+
+
+if __name__ == "__main__":
+    main()

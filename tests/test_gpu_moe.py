@@ -1,0 +1,64 @@
+"""The MoE models on the GPU: CUDA graphs, greedy MTP on equal to MTP off (a tiny MoE in both
+checkpoint layouts and FP8; the 35B-A3B's shapes with random weights, 8 prompts x 256 tokens,
+k = 1..4), and the GPU's logits close to the CPU's float32 ones."""
+import pytest
+import torch
+
+from mtpchat.engine import Engine
+from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.spec import ProfileDrafter
+from mtpchat.engine.tiny import write_tiny_checkpoint
+from mtpchat.engine.weights import PER_EXPERT, STACKED
+from test_gpu_engine import prompts, tokens
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# FP8 experts need their parts on whole 128-row blocks
+SHAPE = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+             num_experts=24, num_experts_per_tok=4, moe_intermediate_size=128, shared_expert_intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu-moe")
+    return {STACKED: write_tiny_checkpoint(root / "stacked", moe=True, **SHAPE),
+            PER_EXPERT: write_tiny_checkpoint(root / "per", moe=True, experts=PER_EXPERT, fp8=True, **SHAPE)}
+
+
+def on_equals_off(engine, n_prompts=4, n=96):
+    for i, ids in enumerate(prompts(engine, n_prompts)):
+        ref = tokens(engine, ids, n=n)
+        for k in (1, 2, 3, 4):
+            drafter = ProfileDrafter(ref, seed=10 * i + k, vocab=engine.config.vocab_size)
+            assert tokens(engine, ids, n=n, mtp=True, k=k, drafter=drafter) == ref, (i, k)
+        assert tokens(engine, ids, n=n, mtp=True, k=3) == ref      # the real head
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("layout", [STACKED, PER_EXPERT])
+def test_greedy_mtp_on_equals_off(ckpts, layout, graphs):
+    engine = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs, max_context=1024)
+    assert engine.fp8 == (layout == PER_EXPERT)
+    on_equals_off(engine)
+
+
+def test_gpu_logits_close_to_the_cpu(ckpts):
+    gpu = Engine.load(ckpts[STACKED], device="cuda", dtype=torch.float32, max_context=512, cuda_graphs=False)
+    cpu = Engine.load(ckpts[STACKED], device="cpu", dtype=torch.float32, max_context=512)
+    for ids in prompts(cpu, 6)[::2]:
+        want, got = cpu.logits(ids), gpu.logits(ids).cpu()
+        assert ((got - want).norm() / want.norm()).item() < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_35b_a3b_shapes_mtp_on_equals_off(weights):
+    from mtpchat.engine import bench
+    from pathlib import Path
+    config = ModelConfig.load(Path(bench.__file__).parent / "configs" / "qwen3.5-35b-a3b.json")
+    engine = Engine(config, device="cuda", max_context=2048, weights=weights)
+    on_equals_off(engine, n_prompts=8, n=256)
+    del engine
+    torch.cuda.empty_cache()
