@@ -168,8 +168,9 @@ class SparseMoE(nn.Module):
     def forward(self, x, ctx: Ctx):
         E, k = self.c.num_experts, self.c.num_experts_per_tok
         logits = linear(x, self.router, ctx.step)
-        ids, weights, gate, layout = moe.route(logits, k, E, ctx.step, self.reads)
-        h = moe.expert_swiglu(x, weight(self, "experts_gate_up"), layout, k, E, ctx.step)
+        ids, weights, gate, layout = moe.route(logits, k, E, ctx.step)
+        h = moe.expert_swiglu(x, weight(self, "experts_gate_up"), layout, k, E, ctx.step,
+                              self.reads if ctx.step else None)
         y = moe.expert_down(h, weight(self, "experts_down"), layout, E, ctx.step)
         shared = self.shared(x, ctx, whole=True) if self.shared is not None else None
         return moe.combine(y, weights, shared, gate, x.dtype)

@@ -11,14 +11,14 @@ dispatchers that take the kernels for CUDA tensors.
     combine  : out[row] = Σ_j weight[row, j] * y[row * k + j] + gate[row] * shared[row]
 
 A block reads its expert's weights once for all the pairs in it. In a step (a few rows: decode,
-verify, draft) BM is at least the number of rows, so every distinct expert the rows chose is one
-block and its weights are read once per step, however many rows chose it; the route kernel builds
-that layout on the device, sized for the worst case (min(E, T * k) blocks) so the step can be a
-CUDA graph. Each pair's products are accumulated in the same order whatever shares its block, and
-the combine sums a row's k choices in order, so a row's result does not depend on the other rows
-(greedy MTP on == off). Experts are stored stacked: W_gate_up [E * 2F, H] (expert e's gate rows,
-then its up rows), W_down [E * H, F]; either may be a BlockFP8 (kernels/fp8.py) whose 128-row
-blocks never straddle two experts.
+verify, draft) every distinct expert the rows chose is one block, so its weights are read once
+per step however many rows chose it: the expert kernels derive that layout on the device from the
+routing itself (`_step_block`), launched for the worst case (min(E, T * k) blocks; empty ones exit
+at once) so the step can be a CUDA graph. Each pair's products are accumulated in the same order
+whatever shares its block, and the combine sums a row's k choices in order, so a row's result does
+not depend on the other rows (greedy MTP on == off). Experts are stored stacked: W_gate_up
+[E * 2F, H] (expert e's gate rows, then its up rows), W_down [E * H, F]; either may be a BlockFP8
+(kernels/fp8.py) whose 128-row blocks never straddle two experts.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref, values_of
 
-STEP_ROWS = 16          # the most rows a step's layout takes (one block per distinct expert)
+STEP_ROWS = 16          # the pairs a step's block takes: one per row, for each distinct expert
 
 
 class Layout(NamedTuple):
@@ -41,18 +41,13 @@ class Layout(NamedTuple):
 
 # --- float32 references ------------------------------------------------------------------------
 
-def route_ref(logits: torch.Tensor, top_k: int, n_experts: int, reads: torch.Tensor | None = None):
+def route_ref(logits: torch.Tensor, top_k: int, n_experts: int):
     """logits [T, E (+1)] -> (ids [T, k] int32, weights [T, k] float32, gate [T] float32 or None).
-    The top k in descending probability; `gate`: the sigmoid of logit E where there is one.
-    `reads` (int32 [1]) is increased by the number of distinct experts chosen."""
+    The top k in descending probability; `gate`: the sigmoid of logit E where there is one."""
     probs = torch.softmax(logits[:, :n_experts].float(), dim=-1)
     top, ids = torch.topk(probs, top_k, dim=-1)
     weights = top / top.sum(dim=-1, keepdim=True)
     gate = torch.sigmoid(logits[:, n_experts].float()) if logits.shape[1] > n_experts else None
-    if reads is not None:
-        chosen = torch.zeros(n_experts, dtype=torch.int32, device=logits.device)
-        chosen.index_fill_(0, ids.flatten(), 1)
-        reads += chosen.sum().to(reads.dtype)
     return ids.to(torch.int32), weights, gate
 
 
@@ -138,93 +133,107 @@ def combine_ref(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | N
 
 # --- Triton kernels ----------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["T"])
-def _route_kernel(logits, s_l, ids, weights, gate, expert, pairs, reads, T, E, NB,
-                  K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, BT: tl.constexpr, NBP: tl.constexpr,
-                  HAS_GATE: tl.constexpr, PDL: tl.constexpr):
-    # One program for all the step's rows (at most BT): softmax, top k by repeated argmax (the first
-    # of equal values, in descending order as torch.topk), renormalised; then the step's layout,
-    # one block per distinct expert in ascending order.
+@triton.jit
+def _topk_kernel(logits, s_l, ids, weights, gate, E, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                 HAS_GATE: tl.constexpr, PDL: tl.constexpr):
+    # One program a row: softmax, the top k by repeated argmax (the first of equal values, in
+    # descending order as torch.topk gives them), renormalised.
     pdl_start(PDL)
-    o_t = tl.arange(0, BT)
-    m_t = o_t < T
+    r = tl.program_id(0)
     o_e = tl.arange(0, BE)
-    m_e = o_e < E
-    b_l = tl.load(logits + o_t[:, None] * s_l + o_e[None, :], mask=m_t[:, None] & m_e[None, :], other=0.)
-    b_l = tl.where(m_e[None, :], b_l.to(tl.float32), float("-inf"))
-    b_p = tl.exp(b_l - tl.max(b_l, 1)[:, None])
-    b_p = b_p / tl.sum(b_p, 1)[:, None]
+    b_l = tl.load(logits + r * s_l + o_e, mask=o_e < E, other=float("-inf")).to(tl.float32)
+    b_p = tl.exp(b_l - tl.max(b_l, 0))
+    b_p = b_p / tl.sum(b_p, 0)
     o_k = tl.arange(0, KP)
-    b_rank = tl.full([BT, BE], -1, tl.int32)
-    b_ids = tl.zeros([BT, KP], dtype=tl.int32)
-    b_top = tl.zeros([BT, KP], dtype=tl.float32)
+    b_ids = tl.zeros([KP], dtype=tl.int32)
+    b_top = tl.zeros([KP], dtype=tl.float32)
     for j in tl.static_range(K):
-        best = tl.max(b_p, 1)
-        idx = tl.argmax(b_p, 1)
-        hit = o_e[None, :] == idx[:, None]
-        b_rank = tl.where(hit, j, b_rank)
-        b_p = tl.where(hit, -1.0, b_p)
-        b_ids = tl.where(o_k[None, :] == j, idx[:, None], b_ids)
-        b_top = tl.where(o_k[None, :] == j, best[:, None], b_top)
-    m_k = m_t[:, None] & (o_k < K)[None, :]
-    tl.store(ids + o_t[:, None] * K + o_k[None, :], b_ids, mask=m_k)
-    tl.store(weights + o_t[:, None] * K + o_k[None, :], b_top / tl.sum(b_top, 1)[:, None], mask=m_k)
+        best = tl.max(b_p, 0)
+        idx = tl.argmax(b_p, 0)
+        b_p = tl.where(o_e == idx, -1.0, b_p)
+        b_ids = tl.where(o_k == j, idx, b_ids)
+        b_top = tl.where(o_k == j, best, b_top)
+    tl.store(ids + r * K + o_k, b_ids, mask=o_k < K)
+    tl.store(weights + r * K + o_k, b_top / tl.sum(b_top, 0), mask=o_k < K)
     if HAS_GATE:
-        b_g = tl.load(logits + o_t * s_l + E, mask=m_t, other=0.).to(tl.float32)
-        tl.store(gate + o_t, tl.sigmoid(b_g), mask=m_t)
-    # the layout: expert e, if chosen, is block slot[e]; unused blocks are empty
-    b_chose = (b_rank >= 0) & m_t[:, None]
-    chosen = tl.max(b_chose.to(tl.int32), 0)
-    slot = tl.cumsum(chosen, 0) - 1
-    n = tl.sum(chosen, 0)
-    tl.store(expert + slot, o_e, mask=chosen > 0)
-    o_s = tl.arange(0, NBP)
-    m_empty = (o_s >= n) & (o_s < NB)
-    tl.store(expert + o_s, tl.full([NBP], -1, tl.int32), mask=m_empty)
-    # an expert's pairs in row order from place 0 (as layout_ref lays them), then empty places
-    place = tl.cumsum(b_chose.to(tl.int32), 0) - 1
-    p_block = pairs + slot[None, :] * BT
-    tl.store(p_block + place, o_t[:, None] * K + b_rank, mask=b_chose)
-    count = tl.sum(b_chose.to(tl.int32), 0)
-    tl.store(p_block + o_t[:, None], tl.full([BT, BE], -1, tl.int32), mask=(chosen > 0)[None, :] & (o_t[:, None] >= count[None, :]))
-    tl.store(pairs + o_s[:, None] * BT + o_t[None, :], tl.full([NBP, BT], -1, tl.int32), mask=m_empty[:, None])
-    tl.atomic_add(reads, n.to(tl.int64))
+        tl.store(gate + r, tl.sigmoid(tl.load(logits + r * s_l + E).to(tl.float32)))
 
 
-def route_step(logits: torch.Tensor, top_k: int, n_experts: int, reads: torch.Tensor):
-    """route_ref and the step's layout (layout_ref with BM = STEP_ROWS and min(E, T * k) blocks) in
-    one kernel; `reads` is an int64 [1] counter."""
+class StepLayout(NamedTuple):
+    """A step's layout, left for the expert kernels to derive from the routing itself (`_step_block`):
+    block b takes the b-th smallest distinct expert the rows chose, its pairs in order."""
+    ids: torch.Tensor       # [T, k] int32
+    blocks: int             # min(E, T * k): as many as the step could need
+
+    def expand(self, n_experts: int) -> Layout:
+        return layout_ref(self.ids, n_experts, STEP_ROWS, self.blocks)
+
+
+def route_step(logits: torch.Tensor, top_k: int, n_experts: int):
+    """route_ref on the GPU for a step's few rows, with the step's layout."""
     T = logits.shape[0]
-    assert T <= STEP_ROWS, f"a step routes at most {STEP_ROWS} rows, got {T}"
-    assert logits.stride(1) == 1 and reads.dtype == torch.int64
-    nb = min(n_experts, T * top_k)
+    assert T * top_k <= STEP_PAIRS, f"a step routes at most {STEP_PAIRS} pairs, got {T} x {top_k}"
+    assert logits.stride(1) == 1
     dev = logits.device
     ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     has_gate = logits.shape[1] > n_experts
     gate = torch.empty(T, dtype=torch.float32, device=dev) if has_gate else None
-    layout = Layout(torch.empty(nb, dtype=torch.int32, device=dev),
-                    torch.empty(nb, STEP_ROWS, dtype=torch.int32, device=dev))
-    _route_kernel[(1,)](logits, logits.stride(0), ids, weights, gate if has_gate else weights, *layout, reads,
-                        T, n_experts, nb, K=top_k, KP=triton.next_power_of_2(top_k),
-                        BE=triton.next_power_of_2(n_experts), BT=STEP_ROWS, NBP=triton.next_power_of_2(nb),
-                        HAS_GATE=has_gate, num_warps=4, **pdl(logits))
-    return ids, weights, gate, layout
+    _topk_kernel[(T,)](logits, logits.stride(0), ids, weights, gate if has_gate else weights, n_experts,
+                       K=top_k, KP=triton.next_power_of_2(top_k), BE=triton.next_power_of_2(n_experts),
+                       HAS_GATE=has_gate, num_warps=2, **pdl(logits))
+    return ids, weights, gate, StepLayout(ids, min(n_experts, T * top_k))
 
 
 @triton.jit
-def _swiglu_kernel(x, w, ws, expert, pairs, h, H, F, s_x, s_h, s_ws,
+def _step_block(ids, P, i_b, BP: tl.constexpr, BM: tl.constexpr):
+    """Block i_b of a step: the i_b-th smallest distinct expert among the P pairs of `ids` (-1: none),
+    the pairs that chose it in order (place c the c-th; -1 past them), and the number of distinct
+    experts. Integer bookkeeping over at most BP pairs, exact, so the products see the same
+    layout as layout_ref gives."""
+    o_q = tl.arange(0, BP)
+    m_q = o_q < P
+    e_q = tl.load(ids + o_q, mask=m_q, other=-1)
+    same = (e_q[:, None] == e_q[None, :]) & m_q[:, None] & m_q[None, :]
+    first = m_q & (tl.sum((same & (o_q[None, :] < o_q[:, None])).to(tl.int32), 1) == 0)
+    rank = tl.sum(((e_q[None, :] < e_q[:, None]) & first[None, :]).to(tl.int32), 1)
+    mine = m_q & (rank == i_b)
+    e = tl.max(tl.where(mine, e_q, -1), 0)
+    place = tl.cumsum(mine.to(tl.int32), 0) - 1
+    o_c = tl.arange(0, BM)
+    hit = mine[None, :] & (place[None, :] == o_c[:, None])
+    pairs = tl.sum(tl.where(hit, o_q[None, :] + 1, 0), 1) - 1
+    return e, pairs, tl.sum(first.to(tl.int32), 0)
+
+
+@triton.jit
+def _block(expert, pairs, reads, P, i_b, i_n, BM: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
+           COUNT: tl.constexpr):
+    """(expert, pair ids [BM]) of block i_b: from a Layout, or derived in a step (counting the
+    step's distinct experts into `reads` once)."""
+    if STEP:
+        e, p, n = _step_block(expert, P, i_b, BP, BM)
+        if COUNT:
+            if (i_b == 0) & (i_n == 0):
+                tl.atomic_add(reads, n.to(tl.int64))
+    else:
+        e = tl.load(expert + i_b)
+        p = tl.load(pairs + i_b * BM + tl.arange(0, BM))
+    return e.to(tl.int64), p
+
+
+@triton.jit
+def _swiglu_kernel(x, w, ws, expert, pairs, reads, h, P, H, F, s_x, s_h, s_ws,
                    TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   FP8: tl.constexpr, PDL: tl.constexpr):
+                   STEP: tl.constexpr, BP: tl.constexpr, COUNT: tl.constexpr, FP8: tl.constexpr,
+                   PDL: tl.constexpr):
     # One program per (block, BN of the F columns): the expert's gate and up tiles, multiplied
     # with the block's rows of x, weights first ([BN, BK] @ [BK, BM]) as in matvec.py.
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(expert + i_b).to(tl.int64)
+    e, p = _block(expert, pairs, reads, P, i_b, i_n, BM, STEP, BP, COUNT)
     if e < 0:
         return
-    o_m = tl.arange(0, BM)
-    p = tl.load(pairs + i_b * BM + o_m)
     m_p = p >= 0
     rows = tl.where(m_p, p // TOPK, 0)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -252,16 +261,15 @@ def _swiglu_kernel(x, w, ws, expert, pairs, h, H, F, s_x, s_h, s_ws,
 
 
 @triton.jit
-def _down_kernel(hin, w, ws, expert, pairs, y, H, F, s_h, s_y, s_ws,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+def _down_kernel(hin, w, ws, expert, pairs, y, P, H, F, s_h, s_y, s_ws,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
+                 FP8: tl.constexpr, PDL: tl.constexpr):
     # One program per (block, BN of the H output columns), over the expert's F inputs.
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(expert + i_b).to(tl.int64)
+    e, p = _block(expert, pairs, y, P, i_b, i_n, BM, STEP, BP, False)
     if e < 0:
         return
-    o_m = tl.arange(0, BM)
-    p = tl.load(pairs + i_b * BM + o_m)
     m_p = p >= 0
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < H
@@ -295,50 +303,66 @@ def _combine_kernel(y, weights, shared, gate, out, T, H, s_y, s_s, s_o,
     tl.store(out + r * s_o + o_h, acc.to(out.dtype.element_ty), mask=m_h)
 
 
-def _tiles(bm: int, fp8: bool) -> tuple[int, int, int]:
-    """(BN, BK, warps) of the expert products: a function of the layout's block size (a step's is
-    always STEP_ROWS) and the weight format, never of the number of rows. FP8 tiles lie inside
-    one 128 x 128 block of scales."""
-    if bm <= STEP_ROWS:
-        return 32, 128, 4
-    return 64, 64 if not fp8 else 128, 4
+STEP_PAIRS = 64         # the most (row, choice) pairs a step routes: 8 rows of 8 choices
+
+
+def _tiles(product: str, step: bool, fp8: bool) -> tuple[int, int, int]:
+    """(BN, BK, warps) of an expert product: a function of the product, the phase and the weight
+    format, never of the number of rows (tests/kernels/bench_moe.py measured the step's at the
+    35B-A3B's shapes on an H100). FP8 tiles lie inside one 128 x 128 block of scales."""
+    if fp8:
+        return 64, 128, 4
+    if step:
+        return (64, 256, 4) if product == "swiglu" else (64, 128, 4)
+    return 64, 64, 4
 
 
 def _fp8_ok(w, rows_per_expert: int) -> bool:
     return not isinstance(w, BlockFP8) or rows_per_expert % BLOCK == 0
 
 
-def expert_swiglu_triton(x, w_gate_up, layout: Layout, top_k: int, n_experts: int) -> torch.Tensor:
+def _layout_args(layout, top_k: int) -> tuple:
+    """(expert or ids, pairs, P, BM, blocks, STEP, BP) for a kernel launch."""
+    if isinstance(layout, StepLayout):
+        P = layout.ids.numel()
+        return layout.ids, layout.ids, P, STEP_ROWS, layout.blocks, True, STEP_PAIRS
+    return layout.expert, layout.pairs, 0, layout.pairs.shape[1], layout.expert.shape[0], False, 16
+
+
+def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
+                         reads: torch.Tensor | None = None) -> torch.Tensor:
+    """`reads` (a step's layout only): the step's distinct experts are added to it."""
     T, H = x.shape
     wv = values_of(w_gate_up)
     Fi = wv.shape[0] // (2 * n_experts)
     fp8 = isinstance(w_gate_up, BlockFP8)
     assert wv.shape == (n_experts * 2 * Fi, H) and wv.is_contiguous() and x.stride(1) == 1
     assert _fp8_ok(w_gate_up, Fi), "FP8 experts need 128-row aligned gate and up parts"
-    bm = layout.pairs.shape[1]
-    BN, BK, warps = _tiles(bm, fp8)
+    expert, pairs, P, bm, blocks, step, bp = _layout_args(layout, top_k)
+    BN, BK, warps = _tiles("swiglu", step, fp8)
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
     ws = w_gate_up.scale if fp8 else wv
-    _swiglu_kernel[(layout.expert.shape[0], triton.cdiv(Fi, BN))](
-        x, wv, ws, *layout, h, H, Fi, x.stride(0), h.stride(0), ws.stride(0),
-        TOPK=top_k, BM=bm, BN=BN, BK=BK, FP8=fp8, num_warps=warps, **pdl(x))
+    _swiglu_kernel[(blocks, triton.cdiv(Fi, BN))](
+        x, wv, ws, expert, pairs, reads if reads is not None else h, h, P, H, Fi, x.stride(0), h.stride(0),
+        ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, COUNT=step and reads is not None,
+        FP8=fp8, num_warps=warps, **pdl(x))
     return h
 
 
-def expert_down_triton(h, w_down, layout: Layout, n_experts: int) -> torch.Tensor:
-    P, Fi = h.shape
+def expert_down_triton(h, w_down, layout, n_experts: int) -> torch.Tensor:
+    P_, Fi = h.shape
     wv = values_of(w_down)
     H = wv.shape[0] // n_experts
     fp8 = isinstance(w_down, BlockFP8)
     assert wv.shape == (n_experts * H, Fi) and wv.is_contiguous() and h.stride(1) == 1
     assert _fp8_ok(w_down, H), "FP8 experts need 128-row aligned down parts"
-    bm = layout.pairs.shape[1]
-    BN, BK, warps = _tiles(bm, fp8)
-    y = torch.empty(P, H, dtype=torch.float32, device=h.device)
+    expert, pairs, P, bm, blocks, step, bp = _layout_args(layout, 0)
+    BN, BK, warps = _tiles("down", step, fp8)
+    y = torch.empty(P_, H, dtype=torch.float32, device=h.device)
     ws = w_down.scale if fp8 else wv
-    _down_kernel[(layout.expert.shape[0], triton.cdiv(H, BN))](
-        h, wv, ws, *layout, y, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
-        BM=bm, BN=BN, BK=BK, FP8=fp8, num_warps=warps, **pdl(h))
+    _down_kernel[(blocks, triton.cdiv(H, BN))](
+        h, wv, ws, expert, pairs, y, P, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
+        BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, FP8=fp8, num_warps=warps, **pdl(h))
     return y
 
 
@@ -360,27 +384,35 @@ def combine_triton(y, weights, shared=None, gate=None, dtype=torch.bfloat16) -> 
 PREFILL_ROWS = 64       # the pairs a block takes in a prefill
 
 
-def route(logits: torch.Tensor, top_k: int, n_experts: int, step: bool, reads: torch.Tensor | None = None):
-    """(ids, weights, gate, layout). A step on the GPU routes and lays out in one kernel and counts
-    the distinct experts into `reads`; a prefill groups its pairs into blocks of PREFILL_ROWS."""
+def route(logits: torch.Tensor, top_k: int, n_experts: int, step: bool):
+    """(ids, weights, gate, layout). A step on the GPU routes its rows in one kernel and leaves the
+    layout to the expert kernels (StepLayout); a prefill groups its pairs into blocks of PREFILL_ROWS."""
     if step and use_triton(logits):
-        if reads is None:
-            reads = torch.zeros(1, dtype=torch.int64, device=logits.device)
-        return route_step(logits, top_k, n_experts, reads)
-    ids, weights, gate = route_ref(logits, top_k, n_experts, reads if step else None)
-    bm = STEP_ROWS if step else PREFILL_ROWS
-    return ids, weights, gate, layout_ref(ids, n_experts, bm)
+        return route_step(logits, top_k, n_experts)
+    ids, weights, gate = route_ref(logits, top_k, n_experts)
+    return ids, weights, gate, layout_ref(ids, n_experts, STEP_ROWS if step else PREFILL_ROWS)
 
 
-def expert_swiglu(x, w_gate_up, layout: Layout, top_k: int, n_experts: int, rowwise: bool) -> torch.Tensor:
+def count_reads(layout, reads: torch.Tensor):
+    """Add a step's distinct experts to `reads` (the CPU's; the GPU's swiglu kernel counts its own)."""
+    reads += (layout.expert >= 0).sum().to(reads.dtype)
+
+
+def expert_swiglu(x, w_gate_up, layout, top_k: int, n_experts: int, rowwise: bool,
+                  reads: torch.Tensor | None = None) -> torch.Tensor:
+    """`reads`: in a step, the distinct experts read are added to it."""
     if use_triton(x, values_of(w_gate_up)):
-        return expert_swiglu_triton(x, w_gate_up, layout, top_k, n_experts)
+        return expert_swiglu_triton(x, w_gate_up, layout, top_k, n_experts, reads)
+    layout = layout.expand(n_experts) if isinstance(layout, StepLayout) else layout
+    if reads is not None and rowwise:
+        count_reads(layout, reads)
     return expert_swiglu_ref(x, w_gate_up, layout, top_k, n_experts, rowwise)
 
 
-def expert_down(h, w_down, layout: Layout, n_experts: int, rowwise: bool) -> torch.Tensor:
+def expert_down(h, w_down, layout, n_experts: int, rowwise: bool) -> torch.Tensor:
     if use_triton(h, values_of(w_down)):
         return expert_down_triton(h, w_down, layout, n_experts)
+    layout = layout.expand(n_experts) if isinstance(layout, StepLayout) else layout
     return expert_down_ref(h, w_down, layout, n_experts, rowwise)
 
 

@@ -81,8 +81,8 @@ def test_logits_equal_transformers_on_its_own_save(saved_by_transformers):
 def test_a_wrong_router_fails_the_comparison(ckpts, monkeypatch, mistake):
     right = moe.route_ref
 
-    def wrong(logits, top_k, n_experts, reads=None):
-        ids, weights, gate = right(logits, top_k, n_experts, reads)
+    def wrong(logits, top_k, n_experts):
+        ids, weights, gate = right(logits, top_k, n_experts)
         probs = torch.softmax(logits[:, :n_experts].float(), -1)
         if mistake == "no renormalisation":
             weights = torch.gather(probs, 1, ids.long())

@@ -31,8 +31,7 @@ def experts(E: int, F: int, H: int, device, dtype, fp8_: bool, seed: int):
 @pytest.mark.parametrize("gate", [True, False])
 def test_route_step_equals_reference(device, T, E, k, gate):
     logits = randn(T, E + gate, seed=T * E + k, scale=2.0).to(device)
-    reads = torch.zeros(1, dtype=torch.int64, device=device)
-    ids, w, g, lay = moe.route_step(logits, k, E, reads)
+    ids, w, g, lay = moe.route_step(logits, k, E)
     ids_r, w_r, g_r = moe.route_ref(logits.cpu(), k, E)
     assert torch.equal(ids.cpu(), ids_r)
     check(w.cpu(), w_r, 1e-6, "weights")
@@ -41,9 +40,27 @@ def test_route_step_equals_reference(device, T, E, k, gate):
         check(g.cpu(), g_r, 1e-6, "shared gate")
     else:
         assert g is None and g_r is None
-    want = moe.layout_ref(ids_r, E, moe.STEP_ROWS, min(E, T * k))
-    assert torch.equal(lay.expert.cpu(), want.expert) and torch.equal(lay.pairs.cpu(), want.pairs)
-    assert reads.item() == len(set(ids_r.flatten().tolist()))
+    assert isinstance(lay, moe.StepLayout) and lay.blocks == min(E, T * k)
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 12, 3), (5, 12, 3), (4, 40, 8), (2, 5, 4)])
+def test_step_kernels_lay_out_and_count_as_the_reference(device, T, E, k):
+    """The swiglu kernel derives each block's expert and pairs from the routing: its output equals
+    the reference over layout_ref's blocks, pairs in no block stay as they were, and the distinct
+    experts are counted once."""
+    ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(T * 100 + r))[:k]
+                       for r in range(T)]).to(torch.int32)
+    F, H = 24, 40
+    wgu, wd = experts(E, F, H, device, torch.float32, False, seed=E)
+    x = randn(T, H, device=device, seed=k)
+    reads = torch.zeros(1, dtype=torch.int64, device=device)
+    step = moe.StepLayout(ids.to(device), min(E, T * k))
+    h = moe.expert_swiglu_triton(x, wgu, step, k, E, reads=reads)
+    want = moe.layout_ref(ids, E, moe.STEP_ROWS, min(E, T * k))
+    check(h.cpu(), moe.expert_swiglu_ref(x.cpu(), wgu.cpu(), want, k, E), TOL[torch.float32], "swiglu")
+    check(moe.expert_down_triton(h, wd, step, E).cpu(),
+          moe.expert_down_ref(h.cpu(), wd.cpu(), want, E), TOL[torch.float32], "down")
+    assert reads.item() == len(set(ids.flatten().tolist())) == int((want.expert >= 0).sum())
 
 
 def test_layout_groups_every_pair_once():
@@ -125,12 +142,15 @@ def moe_rows_equal(device, dtype, E, k, F, H, T=5):
 
     def forward(rows):
         logits = torch.cat([moe.F.linear(r[None], router) for r in rows])   # per row, as matvec gives
-        ids, w, g, lay = moe.route(logits, k, E, step=True, reads=torch.zeros(1, dtype=torch.int64, device=device))
-        h = moe.expert_swiglu(rows, wgu, lay, k, E, rowwise=True)
-        return moe.combine(moe.expert_down(h, wd, lay, E, rowwise=True), w, None, None, dtype)
+        ids, w, g, lay = moe.route_step(logits, k, E)
+        h = moe.expert_swiglu_triton(rows, wgu, lay, k, E)
+        y = moe.expert_down_triton(h, wd, lay, E)
+        return ids.view(-1, k), w, h.view(-1, k, F), y.view(-1, k, H), moe.combine_triton(y, w, None, None, dtype)
     together = forward(x)
     for i in range(T):
-        assert torch.equal(forward(x[i:i + 1])[0], together[i]), f"row {i} differs alone"
+        alone = forward(x[i:i + 1])
+        for name, a, b in zip(("ids", "weights", "swiglu", "down", "combine"), alone, together):
+            assert torch.equal(a[0], b[i]), f"row {i}: {name} differs alone"
 
 
 @pytest.mark.gpu
@@ -145,10 +165,10 @@ def test_35b_shapes_against_reference(fp8_):
     wgu, wd = experts(E, F, H, "cuda", torch.bfloat16, fp8_, seed=5)
     x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=6)
     logits = randn(T, E + 1, seed=7, scale=3.0).cuda()
-    ids, w, g, lay = moe.route(logits, k, E, step=True, reads=torch.zeros(1, dtype=torch.int64, device="cuda"))
+    ids, w, g, lay = moe.route_step(logits, k, E)
     h = moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True)
     y = moe.expert_down(h, wd, lay, E, rowwise=True)
-    lay_cpu = moe.Layout(lay.expert.cpu(), lay.pairs.cpu())
+    lay_cpu = moe.layout_ref(ids.cpu(), E, moe.STEP_ROWS)
     cpu = (lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())) if fp8_ else (lambda t: t.cpu().float())
     h_ref = moe.expert_swiglu_ref(x.cpu().float(), cpu(wgu), lay_cpu, k, E)
     check(h.cpu().float(), h_ref, 1e-2, "swiglu")
