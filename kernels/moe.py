@@ -306,12 +306,15 @@ def _combine_kernel(y, weights, shared, gate, out, T, H, s_y, s_s, s_o,
 STEP_PAIRS = 64         # the most (row, choice) pairs a step routes: 8 rows of 8 choices
 
 
-def _tiles(product: str, step: bool, fp8: bool) -> tuple[int, int, int]:
-    """(BN, BK, warps) of an expert product: a function of the product, the phase and the weight
-    format, never of the number of rows (tests/kernels/bench_moe.py measured the step's at the
-    35B-A3B's shapes on an H100). FP8 tiles lie inside one 128 x 128 block of scales."""
+def _tiles(product: str, step: bool, fp8: bool, itemsize: int = 2) -> tuple[int, int, int]:
+    """(BN, BK, warps) of an expert product: a function of the product, the phase, the weight
+    format and the activations' width, never of the number of rows (tests/kernels/bench_moe.py
+    measured the step's at the 35B-A3B's shapes on an H100). FP8 tiles lie inside one 128 x 128
+    block of scales; float32 tiles are smaller, to fit in shared memory."""
     if fp8:
         return 64, 128, 4
+    if itemsize > 2:
+        return 32, 64, 4
     if step:
         return (64, 256, 4) if product == "swiglu" else (64, 128, 4)
     return 64, 64, 4
@@ -339,7 +342,7 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     assert wv.shape == (n_experts * 2 * Fi, H) and wv.is_contiguous() and x.stride(1) == 1
     assert _fp8_ok(w_gate_up, Fi), "FP8 experts need 128-row aligned gate and up parts"
     expert, pairs, P, bm, blocks, step, bp = _layout_args(layout, top_k)
-    BN, BK, warps = _tiles("swiglu", step, fp8)
+    BN, BK, warps = _tiles("swiglu", step, fp8, x.element_size())
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
     ws = w_gate_up.scale if fp8 else wv
     _swiglu_kernel[(blocks, triton.cdiv(Fi, BN))](
@@ -357,7 +360,7 @@ def expert_down_triton(h, w_down, layout, n_experts: int) -> torch.Tensor:
     assert wv.shape == (n_experts * H, Fi) and wv.is_contiguous() and h.stride(1) == 1
     assert _fp8_ok(w_down, H), "FP8 experts need 128-row aligned down parts"
     expert, pairs, P, bm, blocks, step, bp = _layout_args(layout, 0)
-    BN, BK, warps = _tiles("down", step, fp8)
+    BN, BK, warps = _tiles("down", step, fp8, h.element_size())
     y = torch.empty(P_, H, dtype=torch.float32, device=h.device)
     ws = w_down.scale if fp8 else wv
     _down_kernel[(blocks, triton.cdiv(H, BN))](

@@ -52,7 +52,7 @@ def main():
             for BN, BK, warps in itertools.product((16, 32, 64), (64, 128, 256), (4, 8)):
                 if weights == "fp8" and (BK > 128 or 128 % BN):
                     continue
-                moe._tiles = lambda product, step, fp8_, c=(BN, BK, warps): c
+                moe._tiles = lambda product, step, fp8_, itemsize=2, c=(BN, BK, warps): c
                 try:
                     t1 = timed(lambda: moe.expert_swiglu_triton(x, gu, lay, k, E))
                     t2 = timed(lambda: moe.expert_down_triton(h, down, lay, E))
