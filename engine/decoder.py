@@ -59,6 +59,7 @@ class Launched:
     out: torch.Tensor          # [n, a, tokens...]: pinned host memory on CUDA
     done: object               # a CUDA event after the copy, or None
     times: list
+    why: str = ""              # why the step has k drafts (engine/policy.py), for the telemetry
 
 
 class Decoder:

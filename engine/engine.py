@@ -8,7 +8,8 @@ already processed (a chat turn), and starts over otherwise.
     for event in engine.generate(ids, SamplingParams(temperature=0)):
         ...   # Prefilled, then Step per target forward, then Finished (engine/events.py)
     engine.mtp = False          # live: takes effect at the next step
-    engine.draft_tokens = 2     # live: 1..k_max
+    engine.draft_tokens = 2     # live: 1..k_max (the most drafts a step carries)
+    engine.adaptive = True      # live: each step's k chosen by engine/policy.py, at most draft_tokens
     engine.cancel()             # from another thread: generate ends with Finished("cancelled")
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
 from mtpchat.engine.memory import DEFAULT_SNAPSHOTS, PREFILL_CHUNK
 from mtpchat.engine.model import Model
 from mtpchat.engine.mtp import MTPHead
+from mtpchat.engine.policy import AdaptiveK
 from mtpchat.engine.runner import Runner
 from mtpchat.engine.sampling import SamplingParams, make_generator
 from mtpchat.engine.state import DecodeState
@@ -43,7 +45,7 @@ class Engine:
     def __init__(self, model: str | Path | ModelConfig, device="cpu", dtype: torch.dtype | None = None,
                  max_context: int | None = None, draft_tokens: int = 3, mtp: bool = True,
                  cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int | None = None, seed: int = 0,
-                 snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None):
+                 snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None, adaptive: bool = False):
         """`model` is a checkpoint folder, or a ModelConfig for random weights of its shapes (benchmarks;
         no tokenizer then). `max_context` None: DEFAULT_CONTEXT, or what the model supports if less.
         `weights`: None keeps the checkpoint's format (FP8 for an FP8 release); "fp8" stores the big
@@ -74,6 +76,7 @@ class Engine:
             raise ValueError(f"draft_tokens must be between 1 and {k_max}, got {draft_tokens}")
         self.k_max, self.max_context, self.cuda_graphs = k_max, max_context, cuda_graphs
         self._draft_tokens, self._mtp = draft_tokens, mtp and self.mtp_available
+        self.policy, self.adaptive = AdaptiveK(k_max), adaptive
 
         if weights not in (None, "fp8", "bf16"):
             raise ValueError(f"weights must be 'fp8' or 'bf16' (or None: the checkpoint's), got {weights!r}")
@@ -219,10 +222,16 @@ class Engine:
                     # what the steps in flight may still emit, at most: this one must fit after them
                     room = min(params.max_tokens - stats.new_tokens, self.max_context - 1 - dec.length)
                     room -= sum(s.k + 1 for s in flight)
-                    k = min(self._draft_tokens, room - 1, self.k_max) if self._mtp else 0
+                    k, why = self._draft_tokens, ""
+                    if self._mtp and self.adaptive:
+                        k, why = self.policy.choose(k)
+                    k = max(min(k, room - 1, self.k_max), 0) if self._mtp else 0
                     if room < 1 or (flight and dec.needs_flush(k, [s.k for s in flight])):
                         break
-                    flight.append(dec.launch(max(k, 0), params, generator))
+                    flight.append(dec.launch(k, params, generator))
+                    flight[-1].why = why
+                    if why:
+                        self.policy.launched(k, why)
                 if not flight:
                     break
                 launched = flight.popleft()
@@ -231,6 +240,10 @@ class Engine:
                     continue                    # launched after the generation ended on the device
                 k = launched.k
                 stats.steps += 1
+                stats.k_histogram[k] = stats.k_histogram.get(k, 0) + 1
+                # what the policy learns: a window cut by a stop id or the token limit says nothing of acceptance
+                full = len(result.tokens) > result.accepted
+                self.policy.observe(k, result.accepted if full else None, result.times, self._draft_tokens)
                 if k:
                     stats.verify_steps += 1
                     stats.drafted += k
@@ -247,7 +260,7 @@ class Engine:
                 stats.decode_ms = (time.perf_counter() - t_first) * 1e3
                 reason = reason or self._finish_reason(out[-1], stats.new_tokens, params, stop)
                 yield Step(tuple(result.tokens), tuple(result.from_draft), k, result.accepted, bool(k),
-                           result.times, (time.perf_counter() - t0) * 1e3)
+                           result.times, (time.perf_counter() - t0) * 1e3, launched.why)
         finally:
             while flight:                       # abandoned mid-way: keep the host's mirror exact
                 dec.finish(flight.popleft())
