@@ -93,13 +93,15 @@ class Decoder:
                                          state.parity, state.conv_off, self.seen, self.v_hidden,
                                          self.pend_hidden if head is not None else None,
                                          self.pend_tokens if head is not None else None, self.pend_n, self.result)
+        self.draft_head = None               # (w [Vd, H], ids [Vd]): the trimmed draft vocabulary, or None
+        self.draft_row = long(1)             # the trimmed head's argmax, before its map to a token id
         self.drafter = None                  # optional ProfileDrafter (engine/spec.py)
         self.runner = None                   # engine/runner.py sets itself here on CUDA
         self.reset()
 
     def nbytes(self) -> int:
         bufs = (self.pend_hidden, self.pend_tokens, self.v_hidden, self.v_logits, self.seen, self.fed, self.steps,
-                self.is_stop, *self.partials)
+                self.is_stop, self.draft_row, *self.partials)
         return sum(t.numel() * t.element_size() for t in bufs)
 
     @property
@@ -267,8 +269,14 @@ class Decoder:
 
     def _greedy(self, hidden: torch.Tensor, into: torch.Tensor):
         """The head's greedy token, written into `into`: the argmax of the logits in the model's
-        dtype (widening them to float32 first would pick the same token, one kernel later)."""
-        torch.argmax(linear(hidden, self.model.head, rowwise=True), dim=-1, out=into)
+        dtype (widening them to float32 first would pick the same token, one kernel later), over
+        the trimmed draft vocabulary when there is one (engine/draft_vocab.py)."""
+        if self.draft_head is None:
+            torch.argmax(linear(hidden, self.model.head, rowwise=True), dim=-1, out=into)
+            return
+        w, ids = self.draft_head
+        torch.argmax(linear(hidden, w, rowwise=True), dim=-1, out=self.draft_row)   # a row of w
+        torch.index_select(ids, 0, self.draft_row, out=into)
 
     def verify(self, k: int):
         """The target over [x_L, d_1..d_k] at positions L..L+k."""

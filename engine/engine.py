@@ -25,6 +25,7 @@ import torch
 
 from mtpchat.engine.config import GenerationConfig, ModelConfig, UnsupportedFormat
 from mtpchat.engine.decoder import Decoder
+from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_token_ids, draft_vocab_size
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
 from mtpchat.engine.memory import DEFAULT_SNAPSHOTS, PREFILL_CHUNK
 from mtpchat.engine.model import Model
@@ -45,12 +46,15 @@ class Engine:
     def __init__(self, model: str | Path | ModelConfig, device="cpu", dtype: torch.dtype | None = None,
                  max_context: int | None = None, draft_tokens: int = 3, mtp: bool = True,
                  cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int | None = None, seed: int = 0,
-                 snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None, adaptive: bool = False):
+                 snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None, adaptive: bool = False,
+                 draft_vocab: int | None = DEFAULT_DRAFT_VOCAB):
         """`model` is a checkpoint folder, or a ModelConfig for random weights of its shapes (benchmarks;
         no tokenizer then). `max_context` None: DEFAULT_CONTEXT, or what the model supports if less.
         `weights`: None keeps the checkpoint's format (FP8 for an FP8 release); "fp8" stores the big
         products in block-scaled FP8, quantizing a bf16 checkpoint as it loads; "bf16" stores them in
-        the model dtype, dequantizing an FP8 checkpoint."""
+        the model dtype, dequantizing an FP8 checkpoint. `adaptive`: each step's k chosen by
+        engine/policy.py, draft_tokens its maximum. `draft_vocab`: rows of the trimmed head the drafts
+        are chosen from (engine/draft_vocab.py); 0 or None, or a vocabulary no larger: the full head."""
         # build -> load -> allocate state -> (warm up and capture: the CUDA runner)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -105,6 +109,11 @@ class Engine:
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
         prefill_chunk = prefill_chunk or (PREFILL_CHUNK if self.device.type == "cuda" else 512)
         self.decoder = Decoder(self.model, self.head, self.state, prefill_chunk, snapshots)
+        self.draft_vocab = draft_vocab_size(self.config.vocab_size, draft_vocab) if self.head is not None else 0
+        if self.draft_vocab:
+            ids = torch.tensor(draft_token_ids(self.tokenizer, self.config.vocab_size, self.draft_vocab),
+                               device=self.device)
+            self.decoder.draft_head = (self.model.head.detach().index_select(0, ids).contiguous(), ids)
         self.runner = None
         if self.device.type == "cuda":
             self.runner = self.decoder.runner = Runner(self.decoder, cuda_graphs)
@@ -160,7 +169,8 @@ class Engine:
 
     def memory(self) -> dict[str, int]:
         size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
-        return {"weights": size(self.model) + size(self.head), **self.state.nbytes(),
+        draft = sum(t.numel() * t.element_size() for t in self.decoder.draft_head or ())   # its own copy
+        return {"weights": size(self.model) + size(self.head) + draft, **self.state.nbytes(),
                 "graph_pool": self.runner.pool_bytes if self.runner else 0, "workspace": self.decoder.nbytes(),
                 "snapshots": self.decoder.snapshots.nbytes()}
 

@@ -166,7 +166,7 @@ def test_dry_run_of_an_alias_needs_no_download(capsys, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: pytest.fail("downloaded"))
     code, out, err = run(capsys, "run", "--model", "Qwen3.6-27B-MTP", "--dry-run")
     assert code == 0
-    assert "26,895,998,464 text + 424,699,392 MTP" in out and "weights             50.9 GiB" in out
+    assert "26,895,998,464 text + 424,699,392 MTP" in out and "weights             51.2 GiB" in out
     assert "planned from its known shape" in err and "no CUDA GPU here" in err
 
 
