@@ -90,7 +90,7 @@ class AdaptiveK:
         # what draft k+1 would need to reach the rate of k drafts, and what it gets
         need = (1.0 + sum(P[:k])) * (self.time(k + 1) / self.time(k) - 1.0)
         got = P[k]
-        head = "MTP off: draft 1" if k == 0 else f"draft {k + 1}"
+        head = "off: draft 1" if k == 0 else f"draft {k + 1}"
         return k, f"{head} needs {_pct(need)}, gets {_pct(got)}"
 
     # --- the host's side of a step -------------------------------------------------------------

@@ -44,7 +44,7 @@ def test_always_wrong_turns_mtp_off_and_probes_ever_more_rarely():
     probes = [i for i, k in enumerate(tail) if k]
     assert tail.count(0) > 0.95 * len(tail) and set(tail) <= {0, 1}
     assert len(probes) >= 3 and probes[-1] - probes[-2] == MAX_PROBE_EVERY + 1   # backed off to the limit
-    assert p.why.startswith("MTP off: draft 1 needs")
+    assert p.why.startswith("off: draft 1 needs")
 
 
 def test_always_right_rises_to_the_maximum_and_recovers_after_off():

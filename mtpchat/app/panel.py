@@ -73,6 +73,9 @@ def acceptance(t: Telemetry, live: Live) -> list[Content]:
     for i in range(positions):
         p = per[i] if i < len(per) else None
         lines.append(row((f"pos {i + 1}", "$text-muted"), " ", (bar(p or 0.0, W - 11), "$success"), f" {pct(p):>4}"))
+    if live.mtp and t.chosen_why:       # adaptive k: the k the last step carried, of at most draft_tokens, and why
+        lines.append(row(("k ", "$text-muted"), (f"{t.chosen_k}/{live.draft_tokens}", "b"), " ",
+                         (t.chosen_why[:W - 6], "$text-muted")))
     hist = sparkline(t.acc_history, W - 8, lo=1.0, hi=float(max(live.k_max, live.draft_tokens, 1) + 1))
     lines.append(row(("history", "$text-muted"), " ", (hist, "$accent")))
     return lines

@@ -30,12 +30,13 @@ class StepRecord(NamedTuple):
     accept_ms: float
     host_ms: float
     elapsed_ms: float
+    why: str = ""          # why the step had `drafted` drafts, where the engine chose k (adaptive)
 
     @classmethod
     def of(cls, step) -> "StepRecord":
         t = step.times
         return cls(len(step.token_ids), step.drafted, step.accepted, step.mtp,
-                   t.draft, t.verify, t.accept, t.host, step.elapsed_ms)
+                   t.draft, t.verify, t.accept, t.host, step.elapsed_ms, getattr(step, "why", ""))
 
 
 @dataclass
@@ -94,6 +95,8 @@ class Telemetry:
         self.last_elapsed: float | None = None
         self.tokens_per_s: float | None = None
         self._folded = False        # whether `reply` is already counted in `session`
+        self.chosen_k: int | None = None   # the last step's k where the engine chose it, and why
+        self.chosen_why = ""
         self.recent.clear()
         self._window_tokens = 0
         self.version += 1
@@ -111,6 +114,8 @@ class Telemetry:
             if self.first_elapsed is None:
                 self.first_elapsed = self.ttft_ms = r.elapsed_ms
             self.last_elapsed = r.elapsed_ms
+            if r.why:
+                self.chosen_k, self.chosen_why = r.drafted, r.why
             if r.mtp:
                 reply.verify_steps += 1
                 reply.drafted += r.drafted
