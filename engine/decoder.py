@@ -93,7 +93,7 @@ class Decoder:
                                          state.parity, state.conv_off, self.seen, self.v_hidden,
                                          self.pend_hidden if head is not None else None,
                                          self.pend_tokens if head is not None else None, self.pend_n, self.result)
-        self.draft_head = None               # (w [Vd, H], ids [Vd]): the trimmed draft vocabulary, or None
+        self.draft_head = None               # (w [Vd + C, H], ids [Vd + C]): the trimmed draft vocabulary, or None
         self.draft_row = long(1)             # the trimmed head's argmax, before its map to a token id
         self.drafter = None                  # optional ProfileDrafter (engine/spec.py)
         self.runner = None                   # engine/runner.py sets itself here on CUDA
@@ -251,6 +251,38 @@ class Decoder:
             self.pend_tokens[:1] = self.pend_tokens[n:n + 1].clone()
         self.pending = 1 if keep_last else 0
         self.pend_n.fill_(self.pending)
+
+    # --- the trimmed draft vocabulary (engine/draft_vocab.py) ----------------------------------
+    def trim_draft_head(self, ids: list[int], context: int):
+        """Draft from the lm_head rows of `ids` (ascending) and `context` rows for tokens of the
+        prompt and the reply outside them, in their own contiguous copy. The context rows start
+        as copies of the first row (a tie of equal tokens cannot change a draft)."""
+        self.draft_set, self.draft_ring, self.draft_slots, self.draft_next = set(ids), {}, [None] * context, 0
+        rows = torch.tensor(ids + [ids[0]] * context, device=self.device)
+        self.draft_head = (self.model.head.detach().index_select(0, rows).contiguous(), rows)
+        self.draft_static, self.draft_context_rows = len(ids), context
+
+    def draft_context(self, tokens: list[int]):
+        """Give the tokens outside the subset a context row, oldest replaced first: a few small
+        copies between steps, only when such a token shows up (no sync, nothing in the graphs)."""
+        if self.draft_head is None or not self.draft_context_rows:
+            return
+        fresh = list(dict.fromkeys(t for t in tokens[-self.draft_context_rows:]
+                                   if t not in self.draft_set and t not in self.draft_ring and 0 <= t < self.is_stop.numel()))
+        if not fresh:
+            return
+        slots = []
+        for t in fresh:                      # fewer than the context rows: no slot is written twice
+            i = self.draft_next
+            self.draft_next = (i + 1) % self.draft_context_rows
+            self.draft_ring.pop(self.draft_slots[i], None)
+            self.draft_slots[i], self.draft_ring[t] = t, i
+            slots.append(self.draft_static + i)
+        w, ids = self.draft_head
+        toks = torch.tensor(fresh, device=self.device)
+        rows = torch.tensor(slots, device=self.device)
+        w.index_copy_(0, rows, self.model.head.detach().index_select(0, toks))
+        ids.index_copy_(0, rows, toks)
 
     # --- the three phases of a step: pure functions of the buffers above -----------------------
     def draft(self, k: int):

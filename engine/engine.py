@@ -25,7 +25,7 @@ import torch
 
 from mtpchat.engine.config import GenerationConfig, ModelConfig, UnsupportedFormat
 from mtpchat.engine.decoder import Decoder
-from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_token_ids, draft_vocab_size
+from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, context_rows, draft_token_ids, draft_vocab_size
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
 from mtpchat.engine.memory import DEFAULT_SNAPSHOTS, PREFILL_CHUNK
 from mtpchat.engine.model import Model
@@ -111,9 +111,8 @@ class Engine:
         self.decoder = Decoder(self.model, self.head, self.state, prefill_chunk, snapshots)
         self.draft_vocab = draft_vocab_size(self.config.vocab_size, draft_vocab) if self.head is not None else 0
         if self.draft_vocab:
-            ids = torch.tensor(draft_token_ids(self.tokenizer, self.config.vocab_size, self.draft_vocab),
-                               device=self.device)
-            self.decoder.draft_head = (self.model.head.detach().index_select(0, ids).contiguous(), ids)
+            ids = draft_token_ids(self.tokenizer, self.config.vocab_size, self.draft_vocab)
+            self.decoder.trim_draft_head(ids, context_rows(self.draft_vocab))
         self.runner = None
         if self.device.type == "cuda":
             self.runner = self.decoder.runner = Runner(self.decoder, cuda_graphs)
@@ -209,6 +208,7 @@ class Engine:
         generator = make_generator(params, self.device)
         t0 = time.perf_counter()
         cached = dec.begin(prompt, snapshot_at)
+        dec.draft_context(prompt)
         first = dec.first_token(params, generator)
         stats.prefill_ms = stats.ttft_ms = (time.perf_counter() - t0) * 1e3
         stats.reused_tokens = cached
@@ -266,6 +266,7 @@ class Engine:
                 stats.phase_ms = PhaseTimes(p.draft + result.times.draft, p.verify + result.times.verify,
                                             p.accept + result.times.accept, p.host + result.times.host)
                 out += result.tokens
+                dec.draft_context(result.tokens)
                 stats.new_tokens += len(result.tokens)
                 stats.decode_ms = (time.perf_counter() - t_first) * 1e3
                 reason = reason or self._finish_reason(out[-1], stats.new_tokens, params, stop)

@@ -50,7 +50,7 @@ def trimmed(gqa3):
 def test_draft_is_the_argmax_over_the_subset(trimmed):
     e, dec = trimmed, trimmed.decoder
     w, ids = dec.draft_head
-    assert w.shape == (96, e.config.hidden_size) and w.is_contiguous() and ids.shape == (96,)
+    assert w.shape == (96 + 16, e.config.hidden_size) and w.is_contiguous() and ids.shape == (96 + 16,)
     assert torch.equal(w, e.model.head[ids])
     g = torch.Generator().manual_seed(0)
     full_pick = 0
@@ -69,7 +69,7 @@ def test_plan_counts_the_trimmed_head(gqa3, trimmed):
     assert plan.weights == trimmed.memory()["weights"]
     full = load(gqa3, draft_tokens=4, draft_vocab=0)
     assert full.decoder.draft_head is None
-    assert trimmed.memory()["weights"] - full.memory()["weights"] == 96 * (trimmed.config.hidden_size * 4 + 8)
+    assert trimmed.memory()["weights"] - full.memory()["weights"] == (96 + 16) * (trimmed.config.hidden_size * 4 + 8)
 
 
 def test_greedy_exact_with_trimmed_head_and_adaptive_k(gqa3, trimmed):
@@ -110,3 +110,19 @@ def test_demo_trimmed_head_keeps_its_acceptance(size):
         done = [ev for ev in e.generate(ids, SamplingParams(max_tokens=48, stop_token_ids=())) if isinstance(ev, Finished)]
         lengths[rows] = done[0].stats.mean_acceptance_length
     assert lengths[0] > 1.8 and lengths[size] > 0.9 * lengths[0], lengths
+
+
+def test_context_rows_take_the_tokens_the_subset_lacks(gqa3):
+    e = load(gqa3, draft_tokens=3, draft_vocab=64)
+    dec = e.decoder
+    w, ids = dec.draft_head
+    outside = [t for t in range(e.config.vocab_size) if t not in dec.draft_set][:40]
+    dec.draft_context(outside[:10] + [int(ids[0])] + outside[:3])       # repeats and subset tokens skipped
+    assert ids[64:74].tolist() == outside[:10] and (ids[74:] == ids[0]).all()
+    dec.draft_context(outside[10:30])                                    # 30 > 16 rows: the oldest go
+    assert set(ids[64:].tolist()) == set(outside[14:30]) and torch.equal(w, e.model.head[ids])
+    # the head drafts one of them when its logit is the largest
+    h = e.model.head[outside[29]][None] * 50
+    into = torch.zeros(1, dtype=torch.long)
+    dec._greedy(h, into)
+    assert into.item() == outside[29]

@@ -10,7 +10,7 @@ from mtpchat.models import alias_config, lookup_alias
 
 CONFIGS = Path(__file__).resolve().parents[1] / "engine" / "configs"  # the official configs, as shipped
 GB, GiB, MiB, KiB = 1e9, 2 ** 30, 2 ** 20, 2 ** 10
-DRAFT_27B = 32768 * (5120 * 2 + 8)    # the trimmed draft head: its rows in bf16 and their int64 token ids
+DRAFT_27B = (32768 + 2048) * (5120 * 2 + 8)   # the trimmed draft head, context rows included: bf16 rows, int64 ids
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_plan_without_mtp_or_graphs(c27):
 def test_float32_doubles_weights_and_kv(c27):
     bf = memory.plan_memory(c27, 4096, 3, "bfloat16")
     fp = memory.plan_memory(c27, 4096, 3, "torch.float32")
-    same = 48 * 2 * 48 * 4 + 32768 * 8       # A_log and dt_bias are float32 in both, the draft ids int64
+    same = 48 * 2 * 48 * 4 + (32768 + 2048) * 8   # A_log and dt_bias are float32 in both, the draft ids int64
     assert fp.weights - same == 2 * (bf.weights - same) and fp.kv == 2 * bf.kv
 
 
