@@ -267,8 +267,9 @@ class Decoder:
         copies between steps, only when such a token shows up (no sync, nothing in the graphs)."""
         if self.draft_head is None or not self.draft_context_rows:
             return
+        V = self.is_stop.numel()
         fresh = list(dict.fromkeys(t for t in tokens[-self.draft_context_rows:]
-                                   if t not in self.draft_set and t not in self.draft_ring and 0 <= t < self.is_stop.numel()))
+                                   if t not in self.draft_set and t not in self.draft_ring and 0 <= t < V))
         if not fresh:
             return
         slots = []

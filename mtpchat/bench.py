@@ -122,7 +122,9 @@ def table(r: dict) -> str:
         lines.append(row(f"MTP on k={k}, real head (len {m['mean_acceptance_length']:.2f})", m["ms_per_token"])
                      + ("" if m["identical_to_mtp_off"] else "  OUTPUT DIFFERS"))
     e = r.get("exactness")
-    lines.append("" if e is None else f"exactness: {e['prompts']} prompts x {e['tokens']} tokens x k={e['ks']}: {e['mismatches']} mismatches")
+    if e is not None:
+        lines.append(f"exactness: {e['prompts']} prompts x {e['tokens']} tokens x k={e['ks']}: "
+                     f"{e['mismatches']} mismatches")
     if "peak_beyond_weights" in r:
         lines.append(f"peak GPU memory beyond the weights at {r['max_context']:,} tokens of context: "
                      f"{r['peak_beyond_weights'] / 2**30:.2f} GiB")

@@ -285,7 +285,8 @@ def cmd_run(args) -> int:
     result = generate(engine, prompt_ids, params, stream_to=None if args.json else sys.stdout)
     if args.json:
         result.update(model=prep.name, device=prep.device, dtype=prep.dtype,
-                      mtp=bool(engine.mtp), draft_tokens=engine.draft_tokens)
+                      mtp=bool(engine.mtp), draft_tokens=engine.draft_tokens, adaptive_k=bool(engine.adaptive),
+                      draft_vocab=engine.draft_vocab)
         print(json.dumps(result, ensure_ascii=False))
     else:
         _err(summary(result))

@@ -89,6 +89,9 @@ def test_run_json(capsys, tiny):
                 "per_position_acceptance", "drafted", "accepted"):
         assert key in stats
     assert stats["new_tokens"] == len(result["token_ids"]) and result["mtp"] is True
+    # the draft count of every step, as the adaptive policy chose it (at most --draft-tokens)
+    assert result["adaptive_k"] is True and sum(stats["k_histogram"].values()) == stats["steps"]
+    assert all(0 <= int(k) <= result["draft_tokens"] for k in stats["k_histogram"])
     engine = Engine.load(tiny, device="cpu")
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}])
     assert result["prompt_tokens"] == len(prompt)

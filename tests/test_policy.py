@@ -5,7 +5,8 @@ import pytest
 
 from mtpchat.engine.events import PhaseTimes
 from mtpchat.engine.policy import MAX_PROBE_EVERY, AdaptiveK
-from mtp_support import ALL_RIGHT, MID_PROFILE, NEW_TOKENS, window_sizes, generate, load, profile_drafter, random_ids, steps_of
+from mtp_support import (ALL_RIGHT, MID_PROFILE, NEW_TOKENS, generate, load, profile_drafter, random_ids, steps_of,
+                         window_sizes)
 
 # a 27B-like device: verify k costs 0.6 % more per token, a draft step 2.5 % of a decode step
 GPU_LIKE = [1.0 + 0.031 * k for k in range(5)]
