@@ -15,7 +15,13 @@ from mtpchat.engine.events import Finished, Prefilled, Step
 from mtpchat.engine.sampling import SamplingParams
 from mtpchat.engine.spec import ProfileDrafter
 
-PROFILE = (0.95, 0.83, 0.70, 0.55)   # P(at least i+1 drafts accepted)
+PROFILE = (0.95, 0.83, 0.70, 0.55)   # P(at least i+1 drafts accepted): the optimistic end (3.48 at k = 3)
+# P(at least i drafts accepted), i = 1..4, named after the acceptance they model (the mean
+# acceptance length at k = 3 beside): what published measurements of Qwen3.6/3.8-27B's MTP give
+# for code and reasoning with thinking off, for chat with thinking on, and for creative writing
+PROFILES = {"code": (0.92, 0.78, 0.62, 0.48),             # 3.32
+            "chat-thinking": (0.78, 0.48, 0.25, 0.12),    # 2.51
+            "creative": (0.50, 0.22, 0.08, 0.03)}         # 1.80
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
@@ -58,16 +64,23 @@ def step_bytes(engine) -> int:
 
 
 def draft_bytes(engine) -> int:
-    """Weight bytes one MTP draft step reads: the head's layer and fc, and the shared lm_head again."""
+    """Weight bytes one MTP draft step reads: the head's layer and fc, and the lm_head again (the
+    trimmed draft head's rows where there is one)."""
     if engine.head is None:
         return 0
+    draft = engine.decoder.draft_head
     return (sum(_size(p) for p in engine.head.parameters()) - _unread_experts(engine.head, engine.config)
-            + _size(engine.model.head))
+            + _size(draft[0] if draft else engine.model.head))
 
 
-def generate(engine, prompt: list[int], tokens: int, mtp: bool, k: int = 3, drafter=None) -> dict:
+def generate(engine, prompt: list[int], tokens: int, mtp: bool, k: int = 3, drafter=None,
+             adaptive: bool = False) -> dict:
+    """One generation from an empty state; with `adaptive`, k is the policy's maximum and the
+    policy starts from its prior acceptance (the step times it measured before are kept)."""
     engine.reset()
-    engine.mtp, engine.draft_tokens, engine.drafter = mtp, k, drafter
+    engine.mtp, engine.draft_tokens, engine.drafter, engine.adaptive = mtp, k, drafter, adaptive
+    if adaptive:
+        engine.policy.forget()
     steps, done, prefill = [], None, None
     for ev in engine.generate(prompt, SamplingParams(max_tokens=tokens, stop_token_ids=())):
         if isinstance(ev, Prefilled):
@@ -76,7 +89,7 @@ def generate(engine, prompt: list[int], tokens: int, mtp: bool, k: int = 3, draf
             steps.append(ev)
         elif isinstance(ev, Finished):
             done = ev
-    engine.drafter = None
+    engine.drafter, engine.adaptive = None, False
     mean = lambda xs: statistics.fmean(xs) if xs else 0.0
     return {"tokens": list(done.token_ids), "stats": done.stats, "prefill_ms": prefill.prefill_ms,
             "ms_per_token": done.stats.decode_ms / max(1, done.stats.new_tokens - 1),
@@ -85,6 +98,64 @@ def generate(engine, prompt: list[int], tokens: int, mtp: bool, k: int = 3, draf
             "draft_ms": mean([s.times.draft for s in steps]),
             "accept_ms": mean([s.times.accept for s in steps]),
             "host_ms": mean([s.times.host for s in steps])}
+
+
+def draft_products(engine, repeats: int = 200) -> dict:
+    """The draft step's lm_head product alone, ms: the full head and the trimmed one (CUDA only)."""
+    if engine.device.type != "cuda" or engine.head is None:
+        return {}
+    from mtpchat.engine.model import linear
+    h = torch.randn(1, engine.config.hidden_size, device=engine.device, dtype=engine.dtype)
+    heads = {"full": engine.model.head}
+    if engine.decoder.draft_head is not None:
+        heads[f"trimmed {engine.draft_vocab}"] = engine.decoder.draft_head[0]
+    out = {}
+    for name, w in heads.items():
+        for _ in range(3):
+            linear(h, w, rowwise=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            linear(h, w, rowwise=True)
+        end.record()
+        end.synchronize()
+        out[name] = start.elapsed_time(end) / repeats
+    return out
+
+
+def policies(engine, prompt: list[int], tokens: int, profiles=None, ks=(1, 2, 3, 4), repeats: int = 2) -> dict:
+    """Per profile: ms per token measured end to end (the mean of `repeats` runs, each with its own
+    draws) with MTP off, each fixed k, and the adaptive policy (k at most max(ks)), the mean
+    acceptance length drawn, the histogram of k, and whether the output equals MTP off."""
+    ref = generate(engine, prompt, tokens, mtp=False)["tokens"]
+    vocab = engine.config.vocab_size
+    out = {}
+    for p, (name, profile) in enumerate((profiles or PROFILES).items()):
+        row = {}
+        for policy in ("off", *ks, "adaptive"):
+            runs = []
+            for r in range(repeats):
+                drafter = ProfileDrafter(ref, profile, seed=1000 * p + 10 * r + 1, vocab=vocab)
+                if policy == "off":
+                    runs.append(generate(engine, prompt, tokens, mtp=False))
+                elif policy == "adaptive":
+                    runs.append(generate(engine, prompt, tokens, mtp=True, k=max(ks), drafter=drafter, adaptive=True))
+                else:
+                    runs.append(generate(engine, prompt, tokens, mtp=True, k=policy, drafter=drafter))
+            hist: dict = {}
+            for run in runs:
+                for k, n in run["stats"].k_histogram.items():
+                    hist[k] = hist.get(k, 0) + n
+            row[str(policy)] = {
+                "ms_per_token": statistics.fmean(run["ms_per_token"] for run in runs),
+                "mean_acceptance_length": statistics.fmean(run["stats"].mean_acceptance_length for run in runs),
+                "k_histogram": dict(sorted(hist.items())),
+                "identical_to_mtp_off": all(run["tokens"] == ref for run in runs)}
+        fixed = min(row[str(k)]["ms_per_token"] for k in ks)
+        row["adaptive"]["vs_best_fixed"] = row["adaptive"]["ms_per_token"] / fixed
+        row["adaptive"]["vs_off"] = row["adaptive"]["ms_per_token"] / row["off"]["ms_per_token"]
+        out[name] = {"profile": list(profile), "expected_length_k3": 1 + sum(profile[:3]), "policies": row}
+    return out
 
 
 def time_to_first_token(engine, n: int, seed: int = 0, repeats: int = 2) -> float:
@@ -153,8 +224,10 @@ def real_acceptance(engine, prompts: list[list[int]], tokens: int, ks=(1, 2, 3, 
 
 
 def run(engine, context: int = 1024, tokens: int = 128, ks=(1, 2, 3, 4), ttft=(512, 8192),
-        exactness_prompts: int = 1, exactness_tokens: int = 128, prompts: list[list[int]] | None = None) -> dict:
-    """The whole benchmark: one dict of figures (ms) and their ratios to the floor."""
+        exactness_prompts: int = 1, exactness_tokens: int = 128, prompts: list[list[int]] | None = None,
+        policy_tokens: int = 256, policy_repeats: int = 2, profiles_only: bool = False) -> dict:
+    """The whole benchmark: one dict of figures (ms) and their ratios to the floor. `profiles_only`:
+    only decode, the draft step and the profile x policy table (no prefill, real head, exactness)."""
     bw = copy_bandwidth(engine.device)
     if engine.device.type == "cuda":
         # from here on: what serving needs, not loading or the bandwidth measurement's 2 GiB
@@ -163,11 +236,11 @@ def run(engine, context: int = 1024, tokens: int = 128, ks=(1, 2, 3, 4), ttft=(5
     floor_ms = step_bytes(engine) / bw * 1e3
     out = {"device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
            "copy_bandwidth_tb_s": bw / 1e12, "step_bytes": step_bytes(engine), "draft_bytes": draft_bytes(engine),
-           "floor_ms": floor_ms, "draft_floor_ms": draft_bytes(engine) / bw * 1e3,
+           "floor_ms": floor_ms, "draft_floor_ms": draft_bytes(engine) / bw * 1e3, "draft_vocab": engine.draft_vocab,
            "memory": engine.memory(), "capture_s": engine.runner.capture_s if engine.runner else 0.0}
-    out["ttft_ms"] = {n: time_to_first_token(engine, n) for n in ttft if n < engine.max_context}
+    out["ttft_ms"] = {n: time_to_first_token(engine, n) for n in ttft if n < engine.max_context and not profiles_only}
     history = max((n for n in ttft if n + 100 < engine.max_context), default=0)
-    if history and engine.decoder.snapshots.count:
+    if history and engine.decoder.snapshots.count and not profiles_only:
         out["second_turn"] = second_turn(engine, history)
     prompt = random_prompt(engine, context, 1)
     # untimed: the first flush of the MTP rows compiles kernels for its row count, and the profile
@@ -194,6 +267,12 @@ def run(engine, context: int = 1024, tokens: int = 128, ks=(1, 2, 3, 4), ttft=(5
             "mean_acceptance_length": on["stats"].mean_acceptance_length,
             "identical_to_mtp_off": on["tokens"] == off["tokens"],
             **({"experts_per_layer": on["stats"].experts_per_layer} if engine.config.is_moe else {})}
+    # one draft step (the head's layer and the draft product) over one decode step, per k
+    out["draft_step_ratio"] = {k: m["draft_ms_per_step"] / off["verify_ms"] for k, m in out["mtp_profile"].items()}
+    out["draft_products_ms"] = draft_products(engine)
+    out["policies"] = policies(engine, prompt, policy_tokens, ks=ks, repeats=policy_repeats)
+    if profiles_only:
+        return out
     out["mtp_real"] = real_acceptance(engine, prompts or [prompt], tokens, ks)
     mismatches = 0
     for p in range(exactness_prompts):

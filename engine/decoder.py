@@ -61,6 +61,7 @@ class Launched:
     done: object               # a CUDA event after the copy, or None
     times: list
     reads: torch.Tensor | None = None   # an MoE model: the expert-read counters after the step
+    why: str = ""              # why the step has k drafts (engine/policy.py), for the telemetry
 
 
 class Decoder:
@@ -104,13 +105,15 @@ class Decoder:
                     if isinstance(m, SparseMoE):
                         m.reads = self.expert_reads[i:i + 1]
             self.host_reads = [torch.zeros(2, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(4)]
+        self.draft_head = None               # (w [Vd + C, H], ids [Vd + C]): the trimmed draft vocabulary, or None
+        self.draft_row = long(1)             # the trimmed head's argmax, before its map to a token id
         self.drafter = None                  # optional ProfileDrafter (engine/spec.py)
         self.runner = None                   # engine/runner.py sets itself here on CUDA
         self.reset()
 
     def nbytes(self) -> int:
         bufs = (self.pend_hidden, self.pend_tokens, self.v_hidden, self.v_logits, self.seen, self.fed, self.steps,
-                self.is_stop, *self.partials)
+                self.is_stop, self.draft_row, *self.partials)
         return sum(t.numel() * t.element_size() for t in bufs)
 
     @property
@@ -264,6 +267,39 @@ class Decoder:
         self.pending = 1 if keep_last else 0
         self.pend_n.fill_(self.pending)
 
+    # --- the trimmed draft vocabulary (engine/draft_vocab.py) ----------------------------------
+    def trim_draft_head(self, ids: list[int], context: int):
+        """Draft from the lm_head rows of `ids` (ascending) and `context` rows for tokens of the
+        prompt and the reply outside them, in their own contiguous copy. The context rows start
+        as copies of the first row (a tie of equal tokens cannot change a draft)."""
+        self.draft_set, self.draft_ring, self.draft_slots, self.draft_next = set(ids), {}, [None] * context, 0
+        rows = torch.tensor(ids + [ids[0]] * context, device=self.device)
+        self.draft_head = (self.model.head.detach().index_select(0, rows).contiguous(), rows)
+        self.draft_static, self.draft_context_rows = len(ids), context
+
+    def draft_context(self, tokens: list[int]):
+        """Give the tokens outside the subset a context row, oldest replaced first: a few small
+        copies between steps, only when such a token shows up (no sync, nothing in the graphs)."""
+        if self.draft_head is None or not self.draft_context_rows:
+            return
+        V = self.is_stop.numel()
+        fresh = list(dict.fromkeys(t for t in tokens[-self.draft_context_rows:]
+                                   if t not in self.draft_set and t not in self.draft_ring and 0 <= t < V))
+        if not fresh:
+            return
+        slots = []
+        for t in fresh:                      # fewer than the context rows: no slot is written twice
+            i = self.draft_next
+            self.draft_next = (i + 1) % self.draft_context_rows
+            self.draft_ring.pop(self.draft_slots[i], None)
+            self.draft_slots[i], self.draft_ring[t] = t, i
+            slots.append(self.draft_static + i)
+        w, ids = self.draft_head
+        toks = torch.tensor(fresh, device=self.device)
+        rows = torch.tensor(slots, device=self.device)
+        w.index_copy_(0, rows, self.model.head.detach().index_select(0, toks))
+        ids.index_copy_(0, rows, toks)
+
     # --- the three phases of a step: pure functions of the buffers above -----------------------
     def draft(self, k: int):
         """Catch the head up over k_max+1 pending rows, then draft k tokens greedily into `drafts`."""
@@ -281,8 +317,14 @@ class Decoder:
 
     def _greedy(self, hidden: torch.Tensor, into: torch.Tensor):
         """The head's greedy token, written into `into`: the argmax of the logits in the model's
-        dtype (widening them to float32 first would pick the same token, one kernel later)."""
-        torch.argmax(linear(hidden, self.model.head, rowwise=True), dim=-1, out=into)
+        dtype (widening them to float32 first would pick the same token, one kernel later), over
+        the trimmed draft vocabulary when there is one (engine/draft_vocab.py)."""
+        if self.draft_head is None:
+            torch.argmax(linear(hidden, self.model.head, rowwise=True), dim=-1, out=into)
+            return
+        w, ids = self.draft_head
+        torch.argmax(linear(hidden, w, rowwise=True), dim=-1, out=self.draft_row)   # a row of w
+        torch.index_select(ids, 0, self.draft_row, out=into)
 
     def verify(self, k: int):
         """The target over [x_L, d_1..d_k] at positions L..L+k."""

@@ -8,7 +8,8 @@ already processed (a chat turn), and starts over otherwise.
     for event in engine.generate(ids, SamplingParams(temperature=0)):
         ...   # Prefilled, then Step per target forward, then Finished (engine/events.py)
     engine.mtp = False          # live: takes effect at the next step
-    engine.draft_tokens = 2     # live: 1..k_max
+    engine.draft_tokens = 2     # live: 1..k_max (the most drafts a step carries)
+    engine.adaptive = True      # live: each step's k chosen by engine/policy.py, at most draft_tokens
     engine.cancel()             # from another thread: generate ends with Finished("cancelled")
 """
 from __future__ import annotations
@@ -24,10 +25,12 @@ import torch
 
 from mtpchat.engine.config import GenerationConfig, ModelConfig, UnsupportedFormat
 from mtpchat.engine.decoder import Decoder
+from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, context_rows, draft_token_ids, draft_vocab_size
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
 from mtpchat.engine.memory import DEFAULT_SNAPSHOTS, PREFILL_CHUNK
 from mtpchat.engine.model import Model
 from mtpchat.engine.mtp import MTPHead
+from mtpchat.engine.policy import AdaptiveK
 from mtpchat.engine.runner import Runner
 from mtpchat.engine.sampling import SamplingParams, make_generator
 from mtpchat.engine.state import DecodeState
@@ -44,12 +47,15 @@ class Engine:
     def __init__(self, model: str | Path | ModelConfig, device="cpu", dtype: torch.dtype | None = None,
                  max_context: int | None = None, draft_tokens: int = 3, mtp: bool = True,
                  cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int | None = None, seed: int = 0,
-                 snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None):
+                 snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None, adaptive: bool = False,
+                 draft_vocab: int | None = DEFAULT_DRAFT_VOCAB):
         """`model` is a checkpoint folder, or a ModelConfig for random weights of its shapes (benchmarks;
         no tokenizer then). `max_context` None: DEFAULT_CONTEXT, or what the model supports if less.
         `weights`: None keeps the checkpoint's format (FP8 for an FP8 release); "fp8" stores the big
         products in block-scaled FP8, quantizing a bf16 checkpoint as it loads; "bf16" stores them in
-        the model dtype, dequantizing an FP8 checkpoint."""
+        the model dtype, dequantizing an FP8 checkpoint. `adaptive`: each step's k chosen by
+        engine/policy.py, draft_tokens its maximum. `draft_vocab`: rows of the trimmed head the drafts
+        are chosen from (engine/draft_vocab.py); 0 or None, or a vocabulary no larger: the full head."""
         # build -> load -> allocate state -> (warm up and capture: the CUDA runner)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -75,6 +81,7 @@ class Engine:
             raise ValueError(f"draft_tokens must be between 1 and {k_max}, got {draft_tokens}")
         self.k_max, self.max_context, self.cuda_graphs = k_max, max_context, cuda_graphs
         self._draft_tokens, self._mtp = draft_tokens, mtp and self.mtp_available
+        self.policy, self.adaptive = AdaptiveK(k_max), adaptive
 
         if weights not in (None, "fp8", "bf16"):
             raise ValueError(f"weights must be 'fp8' or 'bf16' (or None: the checkpoint's), got {weights!r}")
@@ -106,6 +113,10 @@ class Engine:
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
         prefill_chunk = prefill_chunk or (PREFILL_CHUNK if self.device.type == "cuda" else 512)
         self.decoder = Decoder(self.model, self.head, self.state, prefill_chunk, snapshots)
+        self.draft_vocab = draft_vocab_size(self.config.vocab_size, draft_vocab) if self.head is not None else 0
+        if self.draft_vocab:
+            ids = draft_token_ids(self.tokenizer, self.config.vocab_size, self.draft_vocab)
+            self.decoder.trim_draft_head(ids, context_rows(self.draft_vocab))
         self.runner = None
         if self.device.type == "cuda":
             self.runner = self.decoder.runner = Runner(self.decoder, cuda_graphs)
@@ -161,7 +172,8 @@ class Engine:
 
     def memory(self) -> dict[str, int]:
         size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
-        return {"weights": size(self.model) + size(self.head), **self.state.nbytes(),
+        draft = sum(t.numel() * t.element_size() for t in self.decoder.draft_head or ())   # its own copy
+        return {"weights": size(self.model) + size(self.head) + draft, **self.state.nbytes(),
                 "graph_pool": self.runner.pool_bytes if self.runner else 0, "workspace": self.decoder.nbytes(),
                 "snapshots": self.decoder.snapshots.nbytes()}
 
@@ -205,6 +217,7 @@ class Engine:
         generator = make_generator(params, self.device)
         t0 = time.perf_counter()
         cached = dec.begin(prompt, snapshot_at)
+        dec.draft_context(prompt)
         first = dec.first_token(params, generator)
         stats.prefill_ms = stats.ttft_ms = (time.perf_counter() - t0) * 1e3
         stats.reused_tokens = cached
@@ -228,10 +241,16 @@ class Engine:
                     # what the steps in flight may still emit, at most: this one must fit after them
                     room = min(params.max_tokens - stats.new_tokens, self.max_context - 1 - dec.length)
                     room -= sum(s.k + 1 for s in flight)
-                    k = min(self._draft_tokens, room - 1, self.k_max) if self._mtp else 0
+                    k, why = self._draft_tokens, ""
+                    if self._mtp and self.adaptive:
+                        k, why = self.policy.choose(k)
+                    k = max(min(k, room - 1, self.k_max), 0) if self._mtp else 0
                     if room < 1 or (flight and dec.needs_flush(k, [s.k for s in flight])):
                         break
-                    flight.append(dec.launch(max(k, 0), params, generator))
+                    flight.append(dec.launch(k, params, generator))
+                    flight[-1].why = why
+                    if why:
+                        self.policy.launched(k, why)
                 if not flight:
                     break
                 launched = flight.popleft()
@@ -240,6 +259,10 @@ class Engine:
                     continue                    # launched after the generation ended on the device
                 k = launched.k
                 stats.steps += 1
+                stats.k_histogram[k] = stats.k_histogram.get(k, 0) + 1
+                # what the policy learns: a window cut by a stop id or the token limit says nothing of acceptance
+                full = len(result.tokens) > result.accepted
+                self.policy.observe(k, result.accepted if full else None, result.times, self._draft_tokens)
                 if k:
                     stats.verify_steps += 1
                     stats.drafted += k
@@ -253,11 +276,13 @@ class Engine:
                 stats.phase_ms = PhaseTimes(p.draft + result.times.draft, p.verify + result.times.verify,
                                             p.accept + result.times.accept, p.host + result.times.host)
                 out += result.tokens
+                dec.draft_context(result.tokens)
                 stats.new_tokens += len(result.tokens)
                 stats.decode_ms = (time.perf_counter() - t_first) * 1e3
                 reason = reason or self._finish_reason(out[-1], stats.new_tokens, params, stop)
                 yield Step(tuple(result.tokens), tuple(result.from_draft), k, result.accepted, bool(k),
-                           result.times, (time.perf_counter() - t0) * 1e3, *result.experts_read)
+                           result.times, (time.perf_counter() - t0) * 1e3, why=launched.why,
+                           experts_read=result.experts_read[0], draft_experts_read=result.experts_read[1])
         finally:
             while flight:                       # abandoned mid-way: keep the host's mirror exact
                 dec.finish(flight.popleft())

@@ -41,6 +41,7 @@ class Step:
     mtp: bool                     # whether this step was speculative
     times: PhaseTimes
     elapsed_ms: float             # since the generation started (for tokens/s over time)
+    why: str = ""                 # why this step has `drafted` drafts (adaptive k; engine/policy.py)
     experts_read: int = 0         # an MoE model: distinct experts read, summed over the target's layers
     draft_experts_read: int = 0   # the same for the MTP head's layer over the step's drafts
 
@@ -59,6 +60,7 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     accepted_at_least: list[int] = field(default_factory=list)  # [i] = steps that accepted >= i+1 drafts
+    k_histogram: dict[int, int] = field(default_factory=dict)   # {k: steps with k drafts}; 0 = MTP off
     phase_ms: PhaseTimes = field(default_factory=PhaseTimes)     # summed over steps
     # an MoE model (moe_layers > 0): distinct experts read, summed over layers and steps, apart
     # for plain decode steps, speculative verify steps, and the head over the drafts
@@ -114,6 +116,7 @@ class Stats:
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "draft_acceptance_rate": round(self.draft_acceptance_rate, 4),
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
+            "k_histogram": {str(k): n for k, n in sorted(self.k_histogram.items())},
             "phase_ms": {"draft": round(p.draft, 3), "verify": round(p.verify, 3),
                          "accept": round(p.accept, 3), "host": round(p.host, 3)},
             **({"experts_per_layer": self.experts_per_layer} if self.moe_layers else {}),

@@ -6,7 +6,9 @@ single weight is read, and `mtpchat run --dry-run` can print it. The parts match
 
 What each part counts (27B numbers in bf16, see qwen35-model.md §9):
   weights    text params (embedding, layers, final norm, lm_head unless tied) + the MTP head
-             (fc, one decoder layer, three norms); 26,895,998,464 + 424,699,392 params
+             (fc, one decoder layer, three norms); 26,895,998,464 + 424,699,392 params; with the
+             head, the trimmed draft vocabulary's own copy of its lm_head rows and their token ids
+             (engine/draft_vocab.py): 32,768 x (5,120 x 2 + 8) bytes
   kv         K and V of the main full-attention layers for max_context tokens (plus the k_max+1
              rows a verify step may write past the end): 64 KiB/token
   mtp_kv     the same for the MTP layer(s): 4 KiB/token
@@ -23,6 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocab_bytes
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 PREFILL_CHUNK = 2048         # tokens per prefill chunk on a GPU (the engine's default; the estimate's)
@@ -151,7 +154,8 @@ def _layer_weight_bytes(cfg: ModelConfig, kind: str, nbytes: int, fp8: bool) -> 
     return mixer + mlp + norms
 
 
-def weight_bytes(cfg: ModelConfig, dtype="bfloat16", mtp: bool = True, fp8: bool = False) -> int:
+def weight_bytes(cfg: ModelConfig, dtype="bfloat16", mtp: bool = True, fp8: bool = False,
+                 draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> int:
     """What the engine allocates for the weights: the products of FP8_PARAMS in FP8 with `fp8`,
     the rest (embedding, lm_head, norms, the GDN's conv, [b | a], A_log and dt_bias, the MTP fc) in
     the model dtype, A_log and dt_bias in float32."""
@@ -163,6 +167,7 @@ def weight_bytes(cfg: ModelConfig, dtype="bfloat16", mtp: bool = True, fp8: bool
         h = cfg.hidden_size
         total += (2 * h * h + 3 * h) * nbytes + cfg.mtp_num_hidden_layers * _layer_weight_bytes(
             cfg, "full_attention", nbytes, fp8)
+        total += draft_vocab_bytes(cfg.vocab_size, h, draft_vocab, nbytes)
     return total
 
 
@@ -257,11 +262,12 @@ class MemoryPlan:
 def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloat16",
                 mtp: bool = True, cuda_graphs: bool = True,
                 prefill_chunk: int = PREFILL_CHUNK, snapshots: int = DEFAULT_SNAPSHOTS,
-                weights: str | None = None) -> MemoryPlan:
+                weights: str | None = None, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> MemoryPlan:
     """The plan for one sequence of up to max_context tokens, with room for up to k_max drafts per
     step. `mtp` says whether the MTP head is loaded (its weights, KV and the graphs of the
     speculative steps); the GDN step state is the same either way, as the engine allocates it.
-    `weights`: "fp8", "bf16", or None for the checkpoint's own format (Engine's `weights`)."""
+    `weights`: "fp8", "bf16", or None for the checkpoint's own format (Engine's `weights`);
+    `draft_vocab`: Engine's (the trimmed draft head's rows; 0 or None: the full head)."""
     mtp = mtp and cfg.has_mtp
     fp8 = weights == "fp8" or (weights is None and cfg.quantization == "fp8")
     act = _activation_bytes_per_token(cfg, dtype)
@@ -271,7 +277,7 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloa
     per_token = kv_bytes_per_token(cfg, dtype) + (mtp_kv_bytes_per_token(cfg, dtype) if mtp else 0)
     rows = max_context + k_max + 1   # a verify step may write k_max+1 rows past the last position
     return MemoryPlan(
-        weights=weight_bytes(cfg, dtype, mtp, fp8),
+        weights=weight_bytes(cfg, dtype, mtp, fp8, draft_vocab),
         kv=kv_bytes_per_token(cfg, dtype) * rows,
         mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * rows if mtp else 0,
         gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
@@ -284,7 +290,8 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloa
 
 def max_context_that_fits(cfg: ModelConfig, free: int, k_max: int = 4, dtype="bfloat16",
                           mtp: bool = True, cuda_graphs: bool = True,
-                          snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None) -> int | None:
+                          snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None,
+                          draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> int | None:
     """The longest context (a multiple of CONTEXT_STEP, at most max_position_embeddings) whose
     plan fits in `free` bytes, or None when not even CONTEXT_STEP tokens fit."""
     best = None
@@ -292,7 +299,7 @@ def max_context_that_fits(cfg: ModelConfig, free: int, k_max: int = 4, dtype="bf
     while lo <= hi:  # the plan grows with the context, so bisect on it
         mid = (lo + hi) // 2
         if plan_memory(cfg, mid * CONTEXT_STEP, k_max, dtype, mtp, cuda_graphs, snapshots=snapshots,
-                       weights=weights).fits(free):
+                       weights=weights, draft_vocab=draft_vocab).fits(free):
             best, lo = mid * CONTEXT_STEP, mid + 1
         else:
             hi = mid - 1

@@ -109,6 +109,11 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     @property
+    def added_token_ids(self) -> list[int]:
+        """The ids of the added tokens (the chat template's markers and Qwen's special tokens)."""
+        return sorted(self._added.values())
+
+    @property
     def im_start_id(self) -> int | None:
         return self._tok.token_to_id("<|im_start|>")
 

@@ -19,6 +19,11 @@ def add_arguments(p):
                         "(raw text, no chat template) instead of a random prompt")
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="prompt tokens per prefill forward (default: the engine's, 2048 on a GPU)")
+    p.add_argument("--policy-tokens", type=int, default=256,
+                   help="tokens generated per run of the profile x policy table (default 256)")
+    p.add_argument("--policy-repeats", type=int, default=2, help="runs averaged per cell of that table (default 2)")
+    p.add_argument("--profiles-only", action="store_true",
+                   help="only decode, the draft step and the profile x policy table")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -45,11 +50,14 @@ def main(args) -> int:
         model = getattr(opts, "path", None) or args.model
         name, config = str(model), ModelConfig.load(model)
     # room for the 8K time to first token and a chat turn after it, where the model has it
-    max_context = min(max(context + args.tokens * 2 + 64, 8192 + 128, getattr(opts, "max_context", 0) or 0),
+    max_context = min(max(context + max(args.tokens, args.policy_tokens) * 2 + 64, 8192 + 128,
+                          getattr(opts, "max_context", 0) or 0),
                       config.max_position_embeddings)
     weights = getattr(opts, "weights", "auto")
+    draft_vocab = getattr(opts, "draft_vocab", None)
     engine = Engine(model, device=device, max_context=max_context, cuda_graphs=graphs, prefill_chunk=args.prefill_chunk,
-                    weights=None if weights in (None, "auto") else weights)
+                    weights=None if weights in (None, "auto") else weights,
+                    **({} if draft_vocab is None else {"draft_vocab": draft_vocab}))
     if engine.fp8:
         name += ", FP8 weights"
     prompts = None
@@ -60,9 +68,26 @@ def main(args) -> int:
         prompts = [engine.tokenizer.encode(json.loads(line)["prompt"]) for line in lines if line.strip()]
     result = {"model": name, "cuda_graphs": graphs, "prefill_chunk": engine.decoder.prefill_chunk, **bench.run(
         engine, context=context, tokens=args.tokens, exactness_prompts=args.exactness_prompts,
-        exactness_tokens=args.exactness_tokens, prompts=prompts, ttft=tuple(n for n in (512, 8192) if n + 8 < max_context))}
+        exactness_tokens=args.exactness_tokens, prompts=prompts, ttft=tuple(n for n in (512, 8192) if n + 8 < max_context),
+        policy_tokens=args.policy_tokens, policy_repeats=args.policy_repeats, profiles_only=args.profiles_only)}
     print(json.dumps(result, indent=1, default=str) if args.json else table(result))
     return 0
+
+
+def policy_table(policies: dict) -> list[str]:
+    """ms per token, measured end to end, per profile (rows) and policy (columns)."""
+    names = list(next(iter(policies.values()))["policies"]) if policies else []
+    head = f"{'profile (len at k=3)':<26}" + "".join(f"{('k=' + n) if n.isdigit() else n:>10}" for n in names)
+    lines = ["", "ms per token, end to end: MTP off, fixed k, adaptive k", head]
+    for name, p in policies.items():
+        row = p["policies"]
+        cells = "".join(f"{row[n]['ms_per_token']:>10.3f}" for n in names)
+        a = row["adaptive"]
+        flag = "" if all(c["identical_to_mtp_off"] for c in row.values()) else "  OUTPUT DIFFERS"
+        lines.append(f"{name + ' (' + format(p['expected_length_k3'], '.2f') + ')':<26}{cells}  "
+                     f"adaptive/best fixed {a['vs_best_fixed']:.3f}, /off {a['vs_off']:.3f}, "
+                     f"k {a['k_histogram']}{flag}")
+    return lines + [""]
 
 
 def table(r: dict) -> str:
@@ -92,11 +117,18 @@ def table(r: dict) -> str:
             x = m["experts_per_layer"]
             lines.append(f"  experts read per layer: verify {x['verify']:.1f} (decode {r['decode_experts_per_layer']:.1f}), "
                          f"head {x['draft']:.1f} per step")
-    for k, m in r["mtp_real"].items():
+    lines.append(f"draft vocabulary: {r['draft_vocab'] or 'full'}; one draft step / one decode step: " + ", ".join(
+        f"k={k} {x:.4f}" for k, x in r["draft_step_ratio"].items()))
+    if r.get("draft_products_ms"):
+        lines.append("draft product alone: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in r["draft_products_ms"].items()))
+    lines += policy_table(r["policies"])
+    for k, m in r.get("mtp_real", {}).items():
         lines.append(row(f"MTP on k={k}, real head (len {m['mean_acceptance_length']:.2f})", m["ms_per_token"])
                      + ("" if m["identical_to_mtp_off"] else "  OUTPUT DIFFERS"))
-    e = r["exactness"]
-    lines.append(f"exactness: {e['prompts']} prompts x {e['tokens']} tokens x k={e['ks']}: {e['mismatches']} mismatches")
+    e = r.get("exactness")
+    if e is not None:
+        lines.append(f"exactness: {e['prompts']} prompts x {e['tokens']} tokens x k={e['ks']}: "
+                     f"{e['mismatches']} mismatches")
     if "peak_beyond_weights" in r:
         lines.append(f"peak GPU memory beyond the weights at {r['max_context']:,} tokens of context: "
                      f"{r['peak_beyond_weights'] / 2**30:.2f} GiB")

@@ -82,7 +82,13 @@ def _common() -> argparse.ArgumentParser:
     d.add_argument("--mtp", default=S, action=argparse.BooleanOptionalAction,
                    help="draft with the model's MTP head (default: on when the checkpoint has one)")
     d.add_argument("--draft-tokens", default=S, type=_type("draft_tokens"), metavar="K",
-                   help=f"drafts per step, 1..{MAX_DRAFT_TOKENS} (default: 3)")
+                   help=f"drafts per step, 1..{MAX_DRAFT_TOKENS}; with --adaptive-k the most (default: 3)")
+    d.add_argument("--adaptive-k", default=S, action=argparse.BooleanOptionalAction,
+                   help="choose each step's number of drafts from the acceptance and step times seen, "
+                        "MTP off where drafting does not pay (default: on)")
+    d.add_argument("--draft-vocab", default=S, type=_type("draft_vocab"), metavar="N",
+                   help="draft only among the N most frequent tokens, a smaller product per draft "
+                        "(default: 32768; 0: the whole vocabulary)")
     d.add_argument("--cuda-graphs", default=S, action=argparse.BooleanOptionalAction,
                    help="capture decode steps as CUDA graphs (default: on)")
     s = p.add_argument_group("sampling (unset: the checkpoint's generation_config.json, else greedy)")
@@ -279,7 +285,8 @@ def cmd_run(args) -> int:
     result = generate(engine, prompt_ids, params, stream_to=None if args.json else sys.stdout)
     if args.json:
         result.update(model=prep.name, device=prep.device, dtype=prep.dtype,
-                      mtp=bool(engine.mtp), draft_tokens=engine.draft_tokens)
+                      mtp=bool(engine.mtp), draft_tokens=engine.draft_tokens, adaptive_k=bool(engine.adaptive),
+                      draft_vocab=engine.draft_vocab)
         print(json.dumps(result, ensure_ascii=False))
     else:
         _err(summary(result))

@@ -36,6 +36,8 @@ class Prepared:
     notices: list[str] = field(default_factory=list)
     snapshots: int = 4        # decode-state snapshots for chat turns (engine/snapshots.py)
     weights: str | None = None  # the weight format asked for: None (the checkpoint's), "fp8" or "bf16"
+    draft_vocab: int = 32768    # rows of the trimmed draft head (0: the full head; engine/draft_vocab.py)
+    adaptive_k: bool = True     # each step's k chosen by engine/policy.py, draft_tokens its maximum
 
 
 def pick_device(requested: str) -> tuple[str, bool]:
@@ -124,9 +126,9 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
     snaps, weights = options.snapshots, weight_format(options.weights, config, device, name, notices)
     context = asked or default_context(config, name, free, k_max, dtype, has_mtp, graphs, snaps, notices, weights)
     plan = memory.plan_memory(config, context, k_max, dtype, mtp=has_mtp, cuda_graphs=graphs, snapshots=snaps,
-                              weights=weights)
+                              weights=weights, draft_vocab=options.draft_vocab)
     prep = Prepared(name, path, config, device, dtype, mtp, options.draft_tokens, k_max,
-                    context, graphs, plan, free, notices, snaps, weights)
+                    context, graphs, plan, free, notices, snaps, weights, options.draft_vocab, options.adaptive_k)
     if free is not None and not plan.fits(free) and not dry_run:
         raise NotEnoughMemory(not_enough_memory_message(prep))
     return prep
@@ -218,7 +220,7 @@ def load_engine(prep: Prepared):
     return Engine.load(prep.path, device=prep.device, dtype=getattr(torch, prep.dtype),
                        max_context=prep.max_context, draft_tokens=prep.draft_tokens, k_max=prep.k_max,
                        mtp=prep.mtp, cuda_graphs=prep.cuda_graphs, snapshots=prep.snapshots,
-                       weights=prep.weights)
+                       weights=prep.weights, draft_vocab=prep.draft_vocab, adaptive=prep.adaptive_k)
 
 
 def sampling_params(options: Options, folder: Path | None):

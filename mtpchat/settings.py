@@ -38,7 +38,9 @@ class Options:
     dtype: str = "auto"               # auto = bfloat16 on cuda, float32 on cpu
     weights: str = "auto"             # auto = the checkpoint's format; fp8 = quantized on load; bf16 = dequantized
     max_context: int | None = None    # None: DEFAULT_CONTEXT, or less where the model or memory says so
-    draft_tokens: int = 3
+    draft_tokens: int = 3             # with adaptive_k: the most drafts a step carries
+    adaptive_k: bool = True           # each step's number of drafts chosen from acceptance and step times
+    draft_vocab: int = 32768          # tokens the drafts are chosen from (0: the whole vocabulary)
     mtp: bool = True
     cuda_graphs: bool = True
     # sampling; None = the checkpoint's generation_config.json, else greedy / off
@@ -116,7 +118,7 @@ def _str(v):
 CHECKS = {
     "model": _str, "device": _choice(DEVICES), "dtype": _choice(DTYPES), "weights": _choice(WEIGHTS),
     "max_context": _int(16), "draft_tokens": _int(1, MAX_DRAFT_TOKENS),
-    "mtp": _bool, "cuda_graphs": _bool,
+    "adaptive_k": _bool, "draft_vocab": _int(0), "mtp": _bool, "cuda_graphs": _bool,
     "temperature": _float(0.0), "top_p": _float(0.0, 1.0, lo_open=True), "top_k": _int(0),
     "min_p": _float(0.0, 1.0, hi_open=True), "presence_penalty": _float(-2.0, 2.0),
     "max_tokens": _int(1), "seed": _int(0), "system": _str, "think": _bool, "preserve_thinking": _bool,

@@ -89,6 +89,9 @@ def test_run_json(capsys, tiny):
                 "per_position_acceptance", "drafted", "accepted"):
         assert key in stats
     assert stats["new_tokens"] == len(result["token_ids"]) and result["mtp"] is True
+    # the draft count of every step, as the adaptive policy chose it (at most --draft-tokens)
+    assert result["adaptive_k"] is True and sum(stats["k_histogram"].values()) == stats["steps"]
+    assert all(0 <= int(k) <= result["draft_tokens"] for k in stats["k_histogram"])
     engine = Engine.load(tiny, device="cpu")
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}])
     assert result["prompt_tokens"] == len(prompt)
@@ -166,7 +169,7 @@ def test_dry_run_of_an_alias_needs_no_download(capsys, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: pytest.fail("downloaded"))
     code, out, err = run(capsys, "run", "--model", "Qwen3.6-27B-MTP", "--dry-run")
     assert code == 0
-    assert "26,895,998,464 text + 424,699,392 MTP" in out and "weights             50.9 GiB" in out
+    assert "26,895,998,464 text + 424,699,392 MTP" in out and "weights             51.2 GiB" in out
     assert "planned from its known shape" in err and "no CUDA GPU here" in err
 
 

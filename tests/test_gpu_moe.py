@@ -57,8 +57,14 @@ def test_gpu_logits_close_to_the_cpu(ckpts):
 def test_35b_a3b_shapes_mtp_on_equals_off(weights):
     from mtpchat.engine import bench
     from pathlib import Path
+    import gc
     config = ModelConfig.load(Path(bench.__file__).parent / "configs" / "qwen3.5-35b-a3b.json")
-    engine = Engine(config, device="cuda", max_context=2048, weights=weights)
-    on_equals_off(engine, n_prompts=8, n=256)
-    del engine
+    gc.collect()                  # a model of the run before (the bf16 one is 66 GiB) must be gone
     torch.cuda.empty_cache()
+    engine = Engine(config, device="cuda", max_context=2048, weights=weights)
+    try:
+        on_equals_off(engine, n_prompts=8, n=256)
+    finally:
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -10,6 +10,7 @@ from mtpchat.models import alias_config, lookup_alias
 
 CONFIGS = Path(__file__).resolve().parents[1] / "engine" / "configs"  # the official configs, as shipped
 GB, GiB, MiB, KiB = 1e9, 2 ** 30, 2 ** 20, 2 ** 10
+DRAFT_27B = (32768 + 2048) * (5120 * 2 + 8)   # the trimmed draft head, context rows included: bf16 rows, int64 ids
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,9 @@ def test_tied_head_is_counted_once(c27):
 def test_plan_parts_for_27b(c27):
     plan = memory.plan_memory(c27, max_context=32768, k_max=3, dtype="bfloat16")
     # in bf16, but A_log and dt_bias (48 GDN layers x 2 x 48 heads) in float32, as the engine keeps them
-    assert plan.weights == (26_895_998_464 + 424_699_392) * 2 + 48 * 2 * 48 * 2
+    assert plan.weights == (26_895_998_464 + 424_699_392) * 2 + 48 * 2 * 48 * 2 + DRAFT_27B
+    full_head = memory.plan_memory(c27, max_context=32768, k_max=3, dtype="bfloat16", draft_vocab=0)
+    assert plan.weights - full_head.weights == DRAFT_27B
     fp8 = memory.plan_memory(c27, max_context=32768, k_max=3, dtype="bfloat16", weights="fp8")
     # embedding and lm_head stay bf16 (5.1 GB), the layers and the MTP layer in FP8: 29.9 GB in all
     assert fp8.weight_format == "fp8" and 29.5e9 < fp8.weights < 30.5e9
@@ -85,7 +88,7 @@ def test_plan_parts_for_27b(c27):
 def test_plan_without_mtp_or_graphs(c27):
     on = memory.plan_memory(c27, 4096, 3, "bfloat16")
     off = memory.plan_memory(c27, 4096, 3, "bfloat16", mtp=False, cuda_graphs=False)
-    assert on.weights - off.weights == 424_699_392 * 2
+    assert on.weights - off.weights == 424_699_392 * 2 + DRAFT_27B     # no head, no trimmed head
     assert off.mtp_kv == 0 and off.graph_pool == 0 and not off.mtp
     assert off.gdn_state == on.gdn_state   # the step state is allocated either way
 
@@ -93,8 +96,8 @@ def test_plan_without_mtp_or_graphs(c27):
 def test_float32_doubles_weights_and_kv(c27):
     bf = memory.plan_memory(c27, 4096, 3, "bfloat16")
     fp = memory.plan_memory(c27, 4096, 3, "torch.float32")
-    float32_already = 48 * 2 * 48 * 4        # A_log and dt_bias are float32 in both
-    assert fp.weights - float32_already == 2 * (bf.weights - float32_already) and fp.kv == 2 * bf.kv
+    same = 48 * 2 * 48 * 4 + (32768 + 2048) * 8   # A_log and dt_bias are float32 in both, the draft ids int64
+    assert fp.weights - same == 2 * (bf.weights - same) and fp.kv == 2 * bf.kv
 
 
 def test_max_context_that_fits_is_the_boundary(c27):
@@ -112,7 +115,7 @@ def test_fmt_bytes_and_describe(c27):
     assert memory.fmt_bytes(memory.gdn_state_bytes(c27)) == "146.8 MiB"
     assert memory.fmt_bytes(512) == "512 B"
     text = "\n".join(memory.describe(memory.plan_memory(c27, 4096, 3)))
-    assert "50.9 GiB" in text and "256.2 MiB" in text and "68.0 KiB per token" in text
+    assert "51.2 GiB" in text and "256.2 MiB" in text and "68.0 KiB per token" in text
 
 
 def test_unknown_dtype():

@@ -208,7 +208,8 @@ class ChatApp(ChatActions, App):
                     draft_tokens=int(e.draft_tokens) if e else self.initial_k,
                     k_max=int(getattr(e, "k_max", 0)) if e else 0,
                     thinking=self.think, busy=self.busy, loaded=e is not None,
-                    weights="FP8" if getattr(e, "fp8", False) else "")
+                    weights="FP8" if getattr(e, "fp8", False) else "",
+                    moe_layers=int(getattr(e, "moe_layers", 0) or 0) if e else 0)
 
     def redraw(self, force: bool = False) -> None:
         if self.busy and not force:

@@ -69,7 +69,7 @@ def engine_loader(args):
         name = _DTYPES.get(str(args.dtype or "auto").lower())
         return Engine.load(args.model, device=args.device, dtype=getattr(torch, name) if name else None,
                            max_context=args.max_context, draft_tokens=args.draft_tokens, mtp=args.mtp,
-                           cuda_graphs=args.cuda_graphs)
+                           cuda_graphs=args.cuda_graphs, adaptive=bool(getattr(args, "adaptive_k", True)))
     return load
 
 

@@ -40,6 +40,7 @@ class Live:
     busy: bool = False
     loaded: bool = False
     weights: str = ""          # "FP8" when the big products' weights are FP8, else "" (the model dtype)
+    moe_layers: int = 0        # an MoE model's layers: the speed panel shows the experts a step reads
 
     @property
     def mtp_label(self) -> str:
@@ -73,6 +74,9 @@ def acceptance(t: Telemetry, live: Live) -> list[Content]:
     for i in range(positions):
         p = per[i] if i < len(per) else None
         lines.append(row((f"pos {i + 1}", "$text-muted"), " ", (bar(p or 0.0, W - 11), "$success"), f" {pct(p):>4}"))
+    if live.mtp and t.chosen_why:       # adaptive k: the k the last step carried, of at most draft_tokens, and why
+        lines.append(row(("k ", "$text-muted"), (f"{t.chosen_k}/{live.draft_tokens}", "b"), " ",
+                         (t.chosen_why[:W - 6], "$text-muted")))
     hist = sparkline(t.acc_history, W - 8, lo=1.0, hi=float(max(live.k_max, live.draft_tokens, 1) + 1))
     lines.append(row(("history", "$text-muted"), " ", (hist, "$accent")))
     return lines
@@ -95,6 +99,10 @@ def speed(t: Telemetry, live: Live) -> list[Content]:
         frac = (ms or 0.0) / top if top else 0.0
         lines.append(row((f"{name:<6}", "$text-muted"), " ", (bar(frac, W - 17), "$warning"),
                          f" {num(ms, '6.2f', ' ms'):>9}"))
+    if live.moe_layers:         # what MTP costs on an MoE at batch 1: the experts a verify reads
+        per = lambda kind: t.experts_per_layer(kind, live.moe_layers)
+        lines.append(row(("experts", "$text-muted"), " ", (f"{num(per('decode'), '.1f')}", "b"), " decode · ",
+                         (f"{num(per('verify'), '.1f')}", "b"), (" verify /layer", "$text-muted")))
     return lines
 
 

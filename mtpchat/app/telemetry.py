@@ -30,12 +30,15 @@ class StepRecord(NamedTuple):
     accept_ms: float
     host_ms: float
     elapsed_ms: float
+    why: str = ""          # why the step had `drafted` drafts, where the engine chose k (adaptive)
+    experts: int = 0       # an MoE model: distinct experts the step read, summed over layers
 
     @classmethod
     def of(cls, step) -> "StepRecord":
         t = step.times
         return cls(len(step.token_ids), step.drafted, step.accepted, step.mtp,
-                   t.draft, t.verify, t.accept, t.host, step.elapsed_ms)
+                   t.draft, t.verify, t.accept, t.host, step.elapsed_ms, getattr(step, "why", ""),
+                   getattr(step, "experts_read", 0))
 
 
 @dataclass
@@ -94,6 +97,8 @@ class Telemetry:
         self.last_elapsed: float | None = None
         self.tokens_per_s: float | None = None
         self._folded = False        # whether `reply` is already counted in `session`
+        self.chosen_k: int | None = None   # the last step's k where the engine chose it, and why
+        self.chosen_why = ""
         self.recent.clear()
         self._window_tokens = 0
         self.version += 1
@@ -111,6 +116,8 @@ class Telemetry:
             if self.first_elapsed is None:
                 self.first_elapsed = self.ttft_ms = r.elapsed_ms
             self.last_elapsed = r.elapsed_ms
+            if r.why:
+                self.chosen_k, self.chosen_why = r.drafted, r.why
             if r.mtp:
                 reply.verify_steps += 1
                 reply.drafted += r.drafted
@@ -130,6 +137,11 @@ class Telemetry:
         if self.tokens > 1 and self.last_elapsed > self.first_elapsed:
             self.tokens_per_s = (self.tokens - 1) / ((self.last_elapsed - self.first_elapsed) / 1e3)
         self.version += 1
+
+    def experts_per_layer(self, kind: str, layers: int) -> float | None:
+        """Mean distinct experts a recent decode (1 row) or verify step read per layer."""
+        steps = [r for r in self.recent if r.experts and r.mtp == (kind == "verify")]
+        return sum(r.experts for r in steps) / len(steps) / layers if steps and layers else None
 
     def _window_tps(self, last: StepRecord) -> float:
         """Tokens/s over the window: the tokens after its first step, over the time since that step."""

@@ -270,3 +270,31 @@ def test_the_header_and_the_memory_panel_name_fp8_weights():
     assert any("turns" in line and "587.0 MiB" in line for line in lines)
     plain = Live(model="m", device="cuda", dtype="bfloat16", loaded=True)
     assert "FP8" not in header_line(plain, "chat") and not any("FP8" in c.plain for c in memory(t, plain))
+
+
+def test_the_acceptance_panel_shows_the_chosen_k_and_why():
+    from mtpchat.app.panel import Live, acceptance
+    from mtpchat.engine.events import PhaseTimes, Step
+    live = Live(model="m", device="cuda", loaded=True, mtp=True, draft_tokens=4, k_max=4)
+    t = Telemetry()
+    t.add_steps([StepRecord.of(Step((1, 2, 3), (True, True, False), 4, 2, True, PhaseTimes(verify=1.0), 5.0))])
+    assert not any(c.plain.startswith("k ") for c in acceptance(t, live))      # a fixed k: no line
+    why = "draft 3 needs 42%, gets 36%"
+    t.add_steps([StepRecord.of(Step((4, 5), (True, False), 2, 1, True, PhaseTimes(verify=1.0), 9.0, why))])
+    lines = [c.plain for c in acceptance(t, live)]
+    assert f"k 2/4 {why}" in lines
+    off = "off: draft 1 needs 7%, gets 2%"
+    t.add_steps([StepRecord.of(Step((6,), (False,), 0, 0, False, PhaseTimes(verify=1.0), 12.0, off))])
+    assert f"k 0/4 {off}" in [c.plain for c in acceptance(t, live)]
+
+
+def test_speed_panel_shows_the_experts_an_moe_step_reads():
+    from mtpchat.app import panel
+    t = Telemetry()
+    rec = lambda mtp, experts, at: StepRecord(1 + 2 * mtp, 3 * mtp, 2 * mtp, mtp, 0.1, 1.0, 0.1, 0.1, at, "", experts)
+    t.add_steps([rec(False, 40 * 8, 10.0), rec(False, 40 * 8, 20.0), rec(True, 40 * 30, 30.0), rec(True, 40 * 20, 40.0)])
+    assert t.experts_per_layer("decode", 40) == 8.0 and t.experts_per_layer("verify", 40) == 25.0
+    text = "\n".join(str(line) for line in panel.speed(t, panel.Live(moe_layers=40)))
+    assert "8.0 decode" in text and "25.0 verify /layer" in text
+    dense = "\n".join(str(line) for line in panel.speed(t, panel.Live()))
+    assert "experts" not in dense

@@ -1,0 +1,83 @@
+"""The draft vocabulary: the MTP head's greedy token taken over the most frequent tokens only.
+
+Each draft step multiplies the head's output by the lm_head: on the 27B, 248,320 rows x 5,120 in
+bf16, 2.54 GB, some 6 % of a decode step per draft (twice that share with FP8 layers, whose
+lm_head stays bf16). Almost every accepted draft is a common token, so the head's argmax is taken
+over the `size` most frequent rows only, copied once at load into their own contiguous [Vd, H]
+weight (so the product streams only those rows) beside a [Vd] map from row to token id.
+
+This cannot change the output: the target verifies every draft, and a draft outside the subset
+would simply never be proposed. Sampling stays exact too: drafts are a one-hot proposal, and the
+rule of engine/spec.py accepts a proposal d with p(d) whatever chose it.
+
+Which tokens: none of the models ship token frequencies and nothing can be downloaded, so they are
+counted at load in text the package ships, tokenized with the model's own tokenizer: a sample of
+chat answers, code in several languages, Markdown, math and a few other languages
+(draft_text.txt), and the package's own Python sources (English comments and code). The rest of
+the subset is filled in token-id order: byte-level BPE ids follow the order of the merges, which
+is roughly the order of frequency in the tokenizer's training text. Every added token (the chat
+template's <|im_end|>, <think>, </think>, ...) is always in, since a reply cannot end without them.
+Without a tokenizer (random weights) the subset is the first `size` ids.
+
+Replies also copy rare tokens from their context (identifiers of the code being edited, names in
+a quoted text), and a token missing from the subset fails every draft that should be it, again and
+again. So the trimmed head has `context_rows(size)` more rows, filled at run time with the tokens
+of the prompt and of the reply that the subset lacks, most recent kept (the decoder's
+`draft_context`): on the demo model, whose held-out code repeats names such as `_indent`, this is
+the difference between losing 5 % of the acceptance length and losing none.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+DEFAULT_DRAFT_VOCAB = 32768      # rows of the trimmed head (of Qwen3.5/3.6's 248,320)
+
+
+def draft_vocab_size(vocab_size: int, asked: int | None) -> int:
+    """Rows of the trimmed head; 0 means the full head (asked 0 or None, or not below the vocab)."""
+    if not asked or asked <= 0 or asked >= vocab_size:
+        return 0
+    return int(asked)
+
+
+def context_rows(size: int) -> int:
+    """Rows kept for tokens of the context outside the subset (module docstring)."""
+    return max(16, size // 16) if size else 0
+
+
+def draft_vocab_bytes(vocab_size: int, hidden_size: int, asked: int | None, nbytes: int) -> int:
+    """What the trimmed head allocates: its rows (the subset's and the context's) in the model
+    dtype and the int64 map to token ids."""
+    size = draft_vocab_size(vocab_size, asked)
+    return (size + context_rows(size)) * (hidden_size * nbytes + 8)
+
+
+def shipped_texts() -> list[str]:
+    """The text the token counts come from (module docstring)."""
+    import mtpchat.kernels
+    here = Path(__file__).parent
+    files = [here / "draft_text.txt", here / "chat_template.jinja"]
+    for folder in (here, Path(mtpchat.kernels.__file__).parent):
+        files += sorted(folder.glob("*.py"))
+    return [f.read_text(encoding="utf-8") for f in files if f.is_file()]
+
+
+def ranked_tokens(tokenizer, vocab_size: int, texts: list[str] | None = None) -> list[int]:
+    """Every token id below vocab_size, most useful to draft first: the added tokens, then the
+    tokens counted in `texts` (most frequent first), then the rest by id."""
+    first = sorted(i for i in tokenizer.added_token_ids if 0 <= i < vocab_size) if tokenizer is not None else []
+    counts: Counter = Counter()
+    if tokenizer is not None:
+        for text in shipped_texts() if texts is None else texts:
+            counts.update(tokenizer.encode(text))
+    seen = set(first)
+    counted = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if t < vocab_size and t not in seen]
+    seen.update(counted)
+    return first + counted + [t for t in range(vocab_size) if t not in seen]
+
+
+def draft_token_ids(tokenizer, vocab_size: int, size: int, texts: list[str] | None = None) -> list[int]:
+    """The `size` ids of the trimmed head, ascending (so ties in the argmax go to the smaller id, as
+    in the full head's)."""
+    return sorted(ranked_tokens(tokenizer, vocab_size, texts)[:size])

@@ -1,0 +1,52 @@
+"""On the GPU in bf16, CUDA graphs on: greedy output with the trimmed draft vocabulary and adaptive
+k equals MTP off, 8 prompts x 256 tokens, with the real head and with drafts of a chosen
+acceptance; the trimmed head's draft is the argmax of its rows."""
+import pytest
+import torch
+
+from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine.policy import AdaptiveK
+from mtpchat.engine.spec import ProfileDrafter
+from mtpchat.engine.tiny import write_tiny_checkpoint
+from test_gpu_engine import SHAPE, prompts, tokens
+from test_policy import GPU_LIKE
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu_draft"), **SHAPE)
+
+
+def test_trimmed_head_and_adaptive_k_equal_mtp_off_bf16(ckpt):
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, draft_vocab=160, adaptive=True)
+    assert engine.decoder.draft_head[0].shape[0] == 160 + 16          # the subset and its context rows
+    ks = set()
+    for i, ids in enumerate(prompts(engine, 8)):
+        ref = tokens(engine, ids, n=256)
+        for profile in ((0.9, 0.7, 0.5, 0.3), (0.0,) * 4, None):
+            engine.policy = AdaptiveK(4, costs=GPU_LIKE) if profile != (0.0,) * 4 else AdaptiveK(4)
+            drafter = ProfileDrafter(ref, profile, seed=i, vocab=engine.config.vocab_size) if profile else None
+            engine.adaptive = True
+            engine.reset()
+            engine.mtp, engine.draft_tokens, engine.drafter = True, 4, drafter
+            done = list(engine.generate(ids, SamplingParams(max_tokens=256, stop_token_ids=())))[-1]
+            engine.drafter = None
+            assert list(done.token_ids) == ref, (i, profile)
+            ks |= set(done.stats.k_histogram)
+    assert len(ks) >= 3                     # the policy really changed k along the way
+
+
+def test_trimmed_draft_is_the_argmax_of_its_rows(ckpt):
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256, draft_vocab=160)
+    w, ids = engine.decoder.draft_head
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(16):
+        h = torch.randn(1, engine.config.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+        into = torch.zeros(1, dtype=torch.long, device="cuda")
+        engine.decoder._greedy(h, into)
+        logits = (h.float() @ w.float().T)[0].to(torch.bfloat16)
+        top = logits.max()
+        assert logits[(ids == into).nonzero()[0, 0]] == top       # a row reaching the max (bf16 ties allowed)

@@ -1,0 +1,106 @@
+"""The draft-length policy (engine/policy.py): its choice against the expected-rate arithmetic, off
+under drafts that are always wrong, the maximum under drafts that are always right, back on when
+acceptance recovers; and in the engine, greedy output equal to MTP off while it switches k."""
+import pytest
+
+from mtpchat.engine.events import PhaseTimes
+from mtpchat.engine.policy import MAX_PROBE_EVERY, AdaptiveK
+from mtp_support import (ALL_RIGHT, MID_PROFILE, NEW_TOKENS, generate, load, profile_drafter, random_ids, steps_of,
+                         window_sizes)
+
+# a 27B-like device: verify k costs 0.6 % more per token, a draft step 2.5 % of a decode step
+GPU_LIKE = [1.0 + 0.031 * k for k in range(5)]
+
+
+def run(policy, k_user, accept_of, steps):
+    """Drive the policy as the engine does: choose, launch, observe; returns the ks launched."""
+    ks = []
+    for s in range(steps):
+        k, why = policy.choose(k_user)
+        policy.launched(k, why)
+        policy.observe(k, min(accept_of(s), k), PhaseTimes(verify=1.0), k_user)
+        ks.append(k)
+    return ks
+
+
+def test_choice_maximises_expected_tokens_per_time():
+    p = AdaptiveK(4, costs=[10.0, 11.0, 12.5, 14.5, 17.0])
+    p.hits, p.trials = [0.9, 0.8, 0.5, 0.3], [1.0] * 4          # conditional rates
+    P = [0.9, 0.72, 0.36, 0.108]
+    rates = [(1 + sum(P[:k])) / p.costs[k] for k in range(5)]
+    k, why = p.best(4)
+    assert k == max(range(5), key=rates.__getitem__) == 2
+    # draft 3 would need (1 + P1 + P2) (T3 / T2 - 1) = 2.62 x 0.16 = 42 %; it gets P3 = 36 %
+    assert why == "draft 3 needs 42%, gets 36%"
+    assert p.best(1)[0] == 1 and p.best(1)[1] == "1 draft pays"
+
+
+def test_always_wrong_turns_mtp_off_and_probes_ever_more_rarely():
+    p = AdaptiveK(4, costs=GPU_LIKE)
+    ks = run(p, 4, lambda s: 0, 400)
+    assert ks[0] == 4                                   # the prior starts optimistic
+    off_from = ks.index(0)
+    assert off_from < 25
+    tail = ks[off_from:]
+    probes = [i for i, k in enumerate(tail) if k]
+    assert tail.count(0) > 0.95 * len(tail) and set(tail) <= {0, 1}
+    assert len(probes) >= 3 and probes[-1] - probes[-2] == MAX_PROBE_EVERY + 1   # backed off to the limit
+    assert p.why.startswith("off: draft 1 needs")
+
+
+def test_always_right_rises_to_the_maximum_and_recovers_after_off():
+    p = AdaptiveK(4, costs=GPU_LIKE)
+    run(p, 4, lambda s: 0, 100)
+    assert p.choose(4)[0] == 0
+    ks = run(p, 4, lambda s: 4, 400)                     # acceptance recovers: the probes see it
+    assert ks[-50:] == [4] * 50 and p.why == "all 4 drafts pay"
+    assert ks.index(4) < 200
+    assert run(p, 2, lambda s: 4, 5) == [2] * 5          # the user's k stays the maximum
+
+
+def test_measured_times_decide_where_no_costs_are_given():
+    p = AdaptiveK(3)
+    # drafts that are always right, on a device where a verify costs (k + 1) decode steps: never pays
+    for _ in range(60):
+        k, why = p.choose(3)
+        p.launched(k, why)
+        p.observe(k, k, PhaseTimes(draft=0.1 * k, verify=10.0 * (k + 1)), 3)
+    assert p.choose(3)[0] == 0 and p.step_ms[0] == pytest.approx(10.0)
+    assert p.time(2) == pytest.approx(p.step_ms[1] + (p.step_ms[1] - p.step_ms[0]))
+
+
+@pytest.fixture(scope="module")
+def refs(gqa3):
+    e = load(gqa3, mtp=False)
+    prompts = [random_ids(n, 300 + n, e.config.vocab_size) for n in (7, 40)]
+    return prompts, [list(generate(e, ids)[-1].token_ids) for ids in prompts]
+
+
+@pytest.mark.parametrize("profile, expect", [((0.0,) * 4, 0), (ALL_RIGHT, 4), (MID_PROFILE, None)])
+def test_engine_adaptive_k_is_exact_and_follows_acceptance(gqa3, refs, profile, expect):
+    e = load(gqa3, draft_tokens=4, adaptive=True)
+    for i, (ids, ref) in enumerate(zip(*refs)):
+        e.policy = AdaptiveK(4, costs=GPU_LIKE)
+        e.drafter = profile_drafter(ref, i, e, profile)
+        events = generate(e, ids)
+        assert list(events[-1].token_ids) == ref
+        steps, stats = steps_of(events)[1:], events[-1].stats
+        assert sum(stats.k_histogram.values()) == stats.steps == len(steps)
+        assert all(s.why for s in steps if s.drafted) and all(s.drafted <= 4 for s in steps)
+        late = [s.drafted for s in steps[len(steps) // 2:-1]]      # the last step may be cut by the limit
+        if expect == 0:
+            assert late.count(0) > 0.8 * len(late)
+        elif expect == 4:
+            assert late.count(4) > 0.8 * len(late)
+        else:
+            assert len(set(s.drafted for s in steps)) >= 2
+
+
+def test_engine_fixed_k_when_adaptive_is_off(gqa3, refs):
+    e = load(gqa3, draft_tokens=3)
+    assert not e.adaptive
+    events = generate(e, refs[0][0])
+    steps = steps_of(events)
+    assert [(s.drafted, s.mtp) for s in steps[1:]] == window_sizes(steps, 3, NEW_TOKENS)
+    assert events[-1].stats.k_histogram[3] > 0
+    assert all(s.why == "" for s in steps_of(events))
