@@ -372,11 +372,19 @@ def build_app(engine, *, model: str, api_key: str | None = None, think: bool = T
             yield chunk({"role": "assistant", "content": ""})
             while item[0] == "text":
                 _, think, answer = item
+                item = None
+                while item is None and not queue.empty():
+                    # what piled up while the engine held the interpreter goes out as one event
+                    nxt = queue.get_nowait()
+                    if nxt[0] != "text" or (nxt[1] and answer):
+                        item = nxt
+                    else:
+                        think, answer = think + nxt[1], answer + nxt[2]
                 delta = {"reasoning": think, "reasoning_content": think} if think else {}
                 if answer:
                     delta["content"] = answer
                 yield chunk(delta)
-                item = await queue.get()
+                item = item or await queue.get()
             out = item[1]
             if out.error:   # the stream has begun: the error goes in it, and it ends without [DONE]
                 yield f"data: {json.dumps({'error': {'message': f'the engine failed: {out.error}', 'type': 'server_error', 'code': 500}})}\n\n"
