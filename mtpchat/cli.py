@@ -24,6 +24,8 @@ examples:
   mtpchat run --prompt "Hello" --json       one answer, as JSON, for scripts
   mtpchat run --model Qwen3.5-9B --dry-run  the memory plan, without loading anything
   mtpchat models                            the aliases and what is downloaded
+  mtpchat --server http://gpu-box:8000      the app on a vLLM / SGLang / mtpchat serve server
+  mtpchat serve --port 8000                 this engine behind an OpenAI-compatible API
 
 defaults come from settings.toml in the user config directory (MTPCHAT_SETTINGS to move it);
 flags win. See docs/CLI.md."""
@@ -117,6 +119,16 @@ def _common() -> argparse.ArgumentParser:
     return p
 
 
+def _remote(p: argparse.ArgumentParser) -> None:
+    r = p.add_argument_group("server (an OpenAI-compatible one: vLLM, SGLang, mtpchat serve)")
+    r.add_argument("--server", metavar="URL", default=None,
+                   help="chat through this server instead of a local model, e.g. http://gpu-box:8000")
+    r.add_argument("--api-key", metavar="KEY", default=None,
+                   help="the server's API key (default: $MTPCHAT_API_KEY)")
+    r.add_argument("--served-model", metavar="NAME", default=None,
+                   help="which of the server's models (default: the first it lists)")
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     common = _common()
     parser = argparse.ArgumentParser(
@@ -124,14 +136,26 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Terminal chat for Qwen3.5 / Qwen3.6 models, decoding with their MTP head.")
     parser.add_argument("--version", action=_Version)
+    _remote(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", parents=[common], help="answer one prompt without the app",
                          description="Answer one prompt and exit: the text streams to stdout.")
+    _remote(run)
     run.add_argument("--prompt", metavar="TEXT",
                      help="the user message ('-' or left out with a pipe: read stdin)")
     run.add_argument("--json", action="store_true",
                      help="print one JSON object: text, token_ids, prompt_tokens, finish_reason, stats")
     sub.add_parser("models", help="list the aliases and what is downloaded")
+    serve = sub.add_parser("serve", parents=[common], help="serve the model over an OpenAI-compatible HTTP API",
+                           description="Serve the model over an OpenAI-compatible API (/v1/chat/completions, "
+                                       "/v1/models, /metrics, /health), one generation at a time.")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine "
+                                                           "only; any other needs --api-key)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+    serve.add_argument("--api-key", metavar="KEY", default=None,
+                       help="require this key as a Bearer token (default: $MTPCHAT_API_KEY, else none)")
+    serve.add_argument("--max-waiting", type=int, default=8, metavar="N",
+                       help="requests that may wait for the one generating; more get HTTP 429 (default: 8)")
     bench = sub.add_parser("bench", parents=[common], help="MTP off vs on: speed and acceptance")
     # bench's own flags come from its module, imported only when bench may be the command
     if "bench" in (argv or []) and _has_module("mtpchat.bench"):
@@ -185,8 +209,25 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---- commands -----------------------------------------------------------------------------------
 
+def _api_key(args) -> str | None:
+    return getattr(args, "api_key", None) or os.environ.get("MTPCHAT_API_KEY") or None
+
+
+def _needs(*modules: str) -> None:
+    missing = [m for m in modules if not _has_module(m)]
+    if missing:
+        names = {"prometheus_client": "prometheus_client"}
+        raise NotAvailable(f"this needs {', '.join(names.get(m, m) for m in missing)}: "
+                           f"pip install {' '.join(missing)}")
+
+
 def cmd_app(args) -> int:
     options = options_from(args)
+    if getattr(args, "server", None):
+        _needs("httpx", "prometheus_client", "textual")
+        from mtpchat.app.main import run_app
+        args.options = options
+        return run_app(args) or 0
     if getattr(args, "dry_run", False):
         return dry_run(options)
     if not _has_module("mtpchat.app.main"):
@@ -262,6 +303,10 @@ def _read_prompt(args) -> str:
 
 def cmd_run(args) -> int:
     options = options_from(args)
+    if getattr(args, "server", None):
+        _needs("httpx", "prometheus_client")
+        from mtpchat.remote.run import run_remote
+        return run_remote(args, options, _read_prompt(args), _api_key(args))
     if "snapshots" not in vars(args):
         options.snapshots = 0          # one answer: no later turn resumes from a snapshot
     if getattr(args, "dry_run", False):
@@ -332,4 +377,26 @@ def summary(result: dict) -> str:
     return line + "]"
 
 
-COMMANDS = {None: cmd_app, "run": cmd_run, "models": cmd_models, "bench": cmd_bench}
+def cmd_serve(args) -> int:
+    options = options_from(args)
+    if getattr(args, "dry_run", False):
+        return dry_run(options)
+    _needs("starlette", "uvicorn", "prometheus_client")
+    from mtpchat import loader, serve
+    key = _api_key(args)
+    serve.check_bind(args.host, key)
+    if not 0 <= args.port <= 65535 or args.max_waiting < 0:
+        raise UserError("--port must be 0..65535 and --max-waiting 0 or more", exit_code=2)
+    prep = loader.prepare(options)
+    for note in prep.notices:
+        _err(note)
+    cpu_allocator(prep.device)
+    engine = loader.load_engine(prep)
+    if prep.mtp and not engine.mtp_available:
+        _err(f"{prep.name}: " + "; ".join(engine.notices or ["the MTP head is unusable: running with MTP off"]))
+    serve.serve(engine, model=prep.name, host=args.host, port=args.port, api_key=key, think=options.think,
+                max_waiting=args.max_waiting, announce=_err)
+    return 0
+
+
+COMMANDS = {None: cmd_app, "run": cmd_run, "models": cmd_models, "bench": cmd_bench, "serve": cmd_serve}

@@ -15,6 +15,9 @@ from mtpchat.app.screens import CodePickScreen, SamplingScreen, SessionsScreen, 
 from mtpchat.app.store import decode_spans
 
 
+FIXED_ON_SERVER = {"toggle_mtp", "draft_up", "draft_down", "race"}
+
+
 class ChatActions:
     # --- helpers ---
     def _chat(self) -> ChatLog:
@@ -51,6 +54,8 @@ class ChatActions:
     def check_action(self, action: str, parameters) -> bool | None:
         if action in CHAT_ONLY and self.screen is not self.screen_stack[0]:
             return False
+        if action in FIXED_ON_SERVER and getattr(self.engine, "fixed", ""):
+            return None    # shown, dimmed: a server was launched with its own speculative config
         return True
 
     def get_system_commands(self, screen):

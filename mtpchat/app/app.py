@@ -54,7 +54,9 @@ def reply_footer(stats, reason: str, mtp: bool, k: int) -> str:
         if stats.verify_steps:
             parts.append(f"mean acceptance {stats.mean_acceptance_length:.2f}")
         parts.append(f"TTFT {stats.ttft_ms:.0f} ms")
-    parts.append(f"MTP k={k}" if mtp else "MTP off")
+    if stats is not None and not stats.verify_steps and mtp and not k:
+        parts.append("acceptance N/A")   # a server that reports no speculative figures
+    parts.append((f"MTP k={k}" if k else "MTP: server's") if mtp else "MTP off")
     note = {"cancelled": "stopped", "length": "hit max tokens", "context": "context full"}.get(reason)
     if note:
         parts.append(note)
@@ -164,6 +166,7 @@ class ChatApp(ChatActions, App):
         self.device = str(getattr(self.engine, "device", self.device))
         self.dtype = str(getattr(self.engine, "dtype", self.dtype)).replace("torch.", "")
         self.query_one("#loading").remove()   # its spinner would repaint 16 times a second
+        self.refresh_bindings()               # a server's fixed switches show dimmed in the footer
         for text in getattr(self.engine, "notices", None) or []:
             self.notice(text, "warning")
         if not getattr(self.engine, "mtp_available", True) and not getattr(self.engine, "notices", None):
@@ -208,7 +211,7 @@ class ChatApp(ChatActions, App):
                     draft_tokens=int(e.draft_tokens) if e else self.initial_k,
                     k_max=int(getattr(e, "k_max", 0)) if e else 0,
                     thinking=self.think, busy=self.busy, loaded=e is not None,
-                    weights="FP8" if getattr(e, "fp8", False) else "",
+                    weights="FP8" if getattr(e, "fp8", False) else "", fixed=getattr(e, "fixed", "") if e else "",
                     moe_layers=int(getattr(e, "moe_layers", 0) or 0) if e else 0)
 
     def redraw(self, force: bool = False) -> None:
@@ -352,7 +355,7 @@ class ChatApp(ChatActions, App):
         if view is None:
             return
         if m.answer or m.thinking:
-            footer = "the engine failed here"
+            footer = "the server's stream broke here" if getattr(self.engine, "fixed", "") else "the engine failed here"
             mid = self._save("assistant", m.answer, m.thinking, encode_spans(m.spans), {"reason": "error", "footer": footer})
             view.message_id = mid
             await view.finish(m.answer, m.thinking, m.spans, footer)

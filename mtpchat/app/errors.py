@@ -16,6 +16,9 @@ def describe_error(exc: BaseException, during: str = "load", device: str | None 
         user = as_user_error(exc)
         if user is not None:
             return "; ".join(line.strip() for line in str(user).splitlines() if line.strip())
+    from mtpchat.errors import UserError
+    if isinstance(exc, UserError):   # already one line that says what to do (a server's failures)
+        return first_line(exc) + ("; the reply so far is kept" if during == "reply" else "")
     name = type(exc).__name__
     detail = first_line(exc)
     low = detail.lower()

@@ -42,6 +42,8 @@ def launch_from(args) -> Launch:
     prep = getattr(args, "prepared", None)
     get = lambda name, default=None: getattr(opts, name, default)
     fake = bool(getattr(args, "fake", False))
+    if getattr(args, "server", None):
+        return remote_launch(args, opts)
     if prep is not None:
         from mtpchat import loader
         return Launch(prep.name, prep.device, prep.dtype, prep.mtp, prep.draft_tokens, get("system") or "",
@@ -59,6 +61,22 @@ def launch_from(args) -> Launch:
                   bool(get("mtp", True)), int(get("draft_tokens", 3)), get("system") or "", bool(get("think", True)),
                   get("data_dir"), initial_sampling(opts, None) if not fake else Sampling(), load, fake=fake,
                   preserve_thinking=bool(get("preserve_thinking", False)))
+
+
+def remote_launch(args, opts) -> Launch:
+    """The app as a client of an OpenAI-compatible server (mtpchat/remote)."""
+    import os
+    from mtpchat.app.settings import initial_sampling
+    from mtpchat.remote.client import base_url
+    url = base_url(args.server)
+    key = getattr(args, "api_key", None) or os.environ.get("MTPCHAT_API_KEY") or None
+
+    def load():
+        from mtpchat.remote.engine import RemoteEngine
+        return RemoteEngine.connect(url, key, getattr(args, "served_model", None))
+    get = lambda name, default=None: getattr(opts, name, default)
+    return Launch(url, "server", "", True, 0, get("system") or "", bool(get("think", True)), get("data_dir"),
+                  initial_sampling(opts, None), load)
 
 
 def engine_loader(args):

@@ -41,9 +41,12 @@ class Live:
     loaded: bool = False
     weights: str = ""          # "FP8" when the big products' weights are FP8, else "" (the model dtype)
     moe_layers: int = 0        # an MoE model's layers: the speed panel shows the experts a step reads
+    fixed: str = ""            # why MTP and the draft count cannot change here (a server's), else ""
 
     @property
     def mtp_label(self) -> str:
+        if self.fixed:
+            return "MTP: server's"
         if not self.mtp_available:
             return "MTP n/a"
         return f"MTP on · k={self.draft_tokens}" if self.mtp else "MTP off"
@@ -107,6 +110,8 @@ def speed(t: Telemetry, live: Live) -> list[Content]:
 
 
 def memory(t: Telemetry, live: Live) -> list[Content]:
+    if live.fixed:   # the model runs on the server, which reports no memory over the API
+        return [_title("MEMORY", "server"), row(("N/A", "b"), "  ", ("the server reports none", "$text-muted"))]
     g = t.gpu
     on_gpu = live.device.startswith("cuda")
     lines = [_title("MEMORY", (g.name or "GPU") if (on_gpu and g) else ("CPU" if not on_gpu else "GPU"))]

@@ -155,6 +155,9 @@ class Telemetry:
     def finished(self, stats) -> None:
         """Take the engine's own totals for the reply and fold them into the session."""
         if stats is not None:
+            if not self.reply.verify_steps and stats.verify_steps:
+                # a server reports its speculative counts once, at the end, not with each step
+                self.reply.add(stats.verify_steps, stats.drafted, stats.accepted, stats.accepted_at_least)
             self.ttft_ms = stats.ttft_ms
             self.tokens_per_s = stats.tokens_per_s or self.tokens_per_s
             self.session.add(stats.verify_steps, stats.drafted, stats.accepted, stats.accepted_at_least)

@@ -1,5 +1,10 @@
 """Fixtures for the app tests."""
+import sys
+from pathlib import Path
+
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # serve_support, shared with tests/
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 verify k, one draft phase and a long prefill, on random weights of an official shape.
 
     python3 profile_step.py --model qwen3.6-27b --context 1024 --prefill 8192 --json out.json
+    python3 profile_step.py --model qwen3.5-35b-a3b --weights fp8 --prefill 0
 
 Graph replays are profiled as they run in the engine (CUPTI sees the kernels inside a graph).
 """
@@ -66,10 +67,12 @@ def main():
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--prefill", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--json")
     a = p.parse_args()
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
-    engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=max(a.context, a.prefill) + 256)
+    engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=max(a.context, a.prefill) + 256,
+                    weights=a.weights)
     d, out = engine.decoder, {}
     for _ in engine.generate(random_prompt(engine, a.context, 1), SamplingParams(max_tokens=2, stop_token_ids=())):
         pass

@@ -1,0 +1,428 @@
+"""`mtpchat serve`: the engine behind an OpenAI-compatible HTTP API, for editors, scripts and web UIs.
+
+One engine holds one decode state, so the server runs one generation at a time: a request that
+arrives while one runs waits its turn, and once `max_waiting` wait, the next gets 429 with a body
+that says so. The engine runs on a thread of its own; its text goes to the event loop through a
+queue, so a client that goes away mid-stream only sets a flag, which the thread passes to
+`engine.cancel()` at the next step, and the gate opens when that thread has ended, not before.
+
+Routes: POST /v1/chat/completions (streamed as server-sent events, or one JSON object),
+GET /v1/models, GET /metrics (Prometheus text, with vLLM's names for the speculative decoding
+counters so the same dashboards and `mtpchat --server` read it), GET /health.
+
+Starlette rather than FastAPI: four routes whose bodies are checked by hand in a few lines, and
+FastAPI's request models would add pydantic for nothing here. Nothing of this module's
+dependencies is imported before `build_app` runs, so `mtpchat --help` stays instant.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from mtpchat.app.prompt import build_prompt
+from mtpchat.app.think import ThinkSplitter, prompt_opens_think
+from mtpchat.errors import UserError
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+DEFAULT_MAX_WAITING = 8
+
+
+class BadRequest(ValueError):
+    """A request the API refuses with 400; the message names the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Request:
+    """One chat completion request, checked and turned into what the engine takes."""
+    messages: list[dict]
+    params: object                 # engine SamplingParams
+    stops: list[str]
+    think: bool
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, name: str, kind, lo=None, hi=None, default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise BadRequest(f"'{name}' must be a{'n integer' if kind is int else ' number'}, got {value!r}", name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {value!r}", name)
+    return kind(value)
+
+
+def _text(content, where: str) -> str:
+    """A message's content: a string, or a list of text parts (other kinds of part are refused)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise BadRequest(f"{where}.content must be a string or a list of text parts", where)
+
+
+def parse_request(body, engine, think_default: bool) -> Request:
+    """The request's fields, checked; unset sampling fields take the checkpoint's defaults."""
+    from mtpchat.engine.sampling import SamplingParams
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("'messages' must be a non-empty list of {role, content}", "messages")
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise BadRequest(f"messages[{i}] needs a role of system, user, assistant or tool", "messages")
+        msg = {"role": m["role"], "content": _text(m.get("content") or "", f"messages[{i}]")}
+        thinking = m.get("reasoning_content", m.get("reasoning"))
+        if isinstance(thinking, str) and thinking:
+            msg["reasoning_content"] = thinking
+        messages.append(msg)
+    if _number(body, "n", int, 1, 1, 1) != 1:
+        raise BadRequest("only n = 1 is served", "n")
+    gen = engine.generation_config
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise BadRequest("'stop' must be a string or a list of strings", "stop")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and all(isinstance(t, int) for t in stop_ids)):
+        raise BadRequest("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+    eos = () if body.get("ignore_eos") else tuple(engine.stop_ids)
+    max_tokens = _number(body, "max_completion_tokens", int, 1, default=None) or \
+        _number(body, "max_tokens", int, 1, default=None) or engine.max_context
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    options = body.get("stream_options") or {}
+    params = SamplingParams(
+        temperature=_number(body, "temperature", float, 0.0, 2.0, gen.temperature if gen.temperature is not None else 0.0),
+        top_p=_number(body, "top_p", float, 0.0, 1.0, gen.top_p if gen.top_p is not None else 1.0) or 1.0,
+        top_k=max(_number(body, "top_k", int, -1, default=gen.top_k if gen.top_k is not None else 0), 0),
+        min_p=_number(body, "min_p", float, 0.0, 0.999, 0.0),
+        presence_penalty=_number(body, "presence_penalty", float, -2.0, 2.0, 0.0),
+        max_tokens=max_tokens, seed=_number(body, "seed", int, default=None),
+        stop_token_ids=eos + tuple(stop_ids or ()))
+    return Request(messages, params, stop, bool(kwargs.get("enable_thinking", think_default)),
+                   bool(body.get("stream", False)), bool(isinstance(options, dict) and options.get("include_usage")))
+
+
+class StopStrings:
+    """Cuts the text at the first stop string; holds back a tail that could still start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.keep = max((len(s) for s in self.stops), default=1) - 1
+        self.held = ""
+        self.hit = False
+
+    def push(self, text: str) -> str:
+        if self.hit:
+            return ""
+        text = self.held + text
+        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if cuts:
+            self.hit, self.held = True, ""
+            return text[:min(cuts)]
+        out = text[:max(len(text) - self.keep, 0)]
+        self.held = text[len(out):]
+        return out
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.hit else self.held), ""
+        return out
+
+
+@dataclass
+class Outcome:
+    """What one generation produced, as the thread left it."""
+    reason: str = "stop"
+    stats: object = None
+    error: str | None = None
+    thinking: list[str] = field(default_factory=list)
+    answer: list[str] = field(default_factory=list)
+
+
+def produce(engine, req: Request, put, cancelled) -> Outcome:
+    """Run one generation on the calling thread: text goes out through `put(thinking, answer)` as it
+    is decoded; the finished outcome is returned. `cancelled()` is checked at every step."""
+    ids, keep_at = build_prompt(engine.tokenizer, req.messages, req.think)
+    if len(ids) + 1 >= engine.max_context:
+        raise BadRequest(f"the prompt is {len(ids):,} tokens; this server's context is {engine.max_context:,}",
+                         "messages")
+    stream, stop_ids = engine.tokenizer.stream(), set(req.params.stop_token_ids or ())
+    split, stops = ThinkSplitter(inside=prompt_opens_think(engine.tokenizer, ids)), StopStrings(req.stops)
+    out = Outcome()
+
+    def emit(text: str) -> None:
+        think, answer = split.push(text) if text else ("", "")
+        if think or answer:
+            out.thinking.append(think)
+            out.answer.append(answer)
+            put(think, answer)
+    asked = False
+    for ev in engine.generate(ids, req.params, snapshot_at=keep_at):
+        kind = type(ev).__name__
+        if kind == "Step":
+            emit(stops.push(stream.push([t for t in ev.token_ids if t not in stop_ids])))
+            if not asked and (stops.hit or cancelled()):
+                engine.cancel()
+                asked = True
+        elif kind == "Finished":
+            out.reason, out.stats = ("stop" if stops.hit else ev.reason), ev.stats
+    emit(stops.push(stream.flush()) + stops.flush())
+    think, answer = split.flush()
+    if think or answer:
+        out.thinking.append(think)
+        out.answer.append(answer)
+        put(think, answer)
+    return out
+
+
+FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "abort"}
+
+
+def spec_metrics(stats) -> dict:
+    """The request's own speculative decoding counts, named as vLLM names its counters."""
+    return {"speculative_decoding": {
+        "num_drafts": stats.verify_steps, "num_draft_tokens": stats.drafted,
+        "num_accepted_tokens": stats.accepted, "num_accepted_tokens_per_pos": list(stats.accepted_at_least)}}
+
+
+def usage(stats) -> dict:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
+            "total_tokens": stats.prompt_tokens + stats.new_tokens}
+
+
+class Counters:
+    """/metrics: Prometheus counters under vLLM's names, in a registry of this server's own."""
+
+    def __init__(self, model: str):
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+        self.registry = r = CollectorRegistry()
+        self.model = model
+        c = lambda name, doc, *labels: Counter(name, doc, ["model_name", *labels], registry=r)
+        self.drafts = c("vllm:spec_decode_num_drafts", "Speculative steps (one per verify forward).")
+        self.draft_tokens = c("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.accepted = c("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.per_pos = c("vllm:spec_decode_num_accepted_tokens_per_pos",
+                         "Steps that accepted the draft at this position.", "position")
+        self.prompt = c("vllm:prompt_tokens", "Prompt tokens processed.")
+        self.generated = c("vllm:generation_tokens", "Tokens generated.")
+        self.requests = c("vllm:request_success", "Finished requests, by how they finished.", "finished_reason")
+        self.running = Gauge("vllm:num_requests_running", "Requests generating.", ["model_name"], registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting their turn.", ["model_name"], registry=r)
+
+    def count(self, stats, reason: str) -> None:
+        m = self.model
+        self.drafts.labels(m).inc(stats.verify_steps)
+        self.draft_tokens.labels(m).inc(stats.drafted)
+        self.accepted.labels(m).inc(stats.accepted)
+        for i, n in enumerate(stats.accepted_at_least):
+            self.per_pos.labels(m, str(i)).inc(n)
+        self.prompt.labels(m).inc(stats.prompt_tokens)
+        self.generated.labels(m).inc(stats.new_tokens)
+        self.requests.labels(m, FINISH.get(reason, reason)).inc()
+
+    def text(self) -> bytes:
+        from prometheus_client import generate_latest
+        return generate_latest(self.registry)
+
+
+class Gate:
+    """One generation at a time; at most `max_waiting` requests wait for it."""
+
+    def __init__(self, max_waiting: int):
+        import asyncio
+        self.lock = asyncio.Lock()
+        self.max_waiting = max_waiting
+        self.waiting = 0
+
+    async def enter(self) -> bool:
+        if self.lock.locked() and self.waiting >= self.max_waiting:
+            return False
+        self.waiting += 1
+        try:
+            await self.lock.acquire()
+        finally:
+            self.waiting -= 1
+        return True
+
+
+def error_body(status: int, message: str, kind: str, param: str | None = None):
+    from starlette.responses import JSONResponse
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+def build_app(engine, *, model: str, api_key: str | None = None, think: bool = True,
+              max_waiting: int = DEFAULT_MAX_WAITING):
+    """The ASGI app serving `engine` under the name `model`."""
+    import asyncio
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    counters = Counters(model)
+    created = int(time.time())
+    state: dict = {}
+
+    def gate() -> Gate:   # made on the server's own event loop, at the first request
+        if "gate" not in state:
+            state["gate"] = Gate(max_waiting)
+        return state["gate"]
+
+    def refused(request):
+        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            return error_body(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                              "authentication_error")
+        return None
+
+    async def health(request):
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(request):
+        counters.waiting.labels(model).set(gate().waiting)
+        return Response(counters.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(request):
+        if (no := refused(request)) is not None:
+            return no
+        return JSONResponse({"object": "list", "data": [
+            {"id": model, "object": "model", "created": created, "owned_by": "mtpchat",
+             "max_model_len": engine.max_context}]})
+
+    async def chat(request):
+        if (no := refused(request)) is not None:
+            return no
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return error_body(400, "the body is not valid JSON", "invalid_request_error")
+        try:
+            req = parse_request(body, engine, think)
+        except (BadRequest, ValueError) as exc:
+            return error_body(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
+        if not await gate().enter():
+            return error_body(429, f"the server is busy: one generation runs and {max_waiting} requests wait; "
+                                   "retry in a moment", "rate_limit_error")
+        return await run(request, req)
+
+    async def run(request, req: Request):
+        """Start the generation thread; the gate opens when it ends, whatever the client does."""
+        loop, queue, gone = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+        put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)
+        counters.running.labels(model).set(1)
+
+        def work():
+            try:
+                out = produce(engine, req, lambda t, a: put(("text", t, a)), gone.is_set)
+                if out.stats is not None:
+                    counters.count(out.stats, out.reason)
+                put(("done", out))
+            except BadRequest as exc:
+                put(("bad", exc))
+            except Exception as exc:   # the engine failed: the client hears it, the server stays up
+                put(("done", Outcome(reason="error", error=f"{type(exc).__name__}: {exc}")))
+            finally:
+                counters.running.labels(model).set(0)
+                loop.call_soon_threadsafe(gate().lock.release)
+        threading.Thread(target=work, name="mtpchat-generate", daemon=True).start()
+        rid, stamp = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if not req.stream:
+            return await whole(queue, gone, rid, stamp)
+        first = await queue.get()      # a prompt too long is a 400, not a broken stream
+        if first[0] == "bad":
+            return error_body(400, str(first[1]), "invalid_request_error", first[1].param)
+        return StreamingResponse(events(first, queue, gone, req, rid, stamp), media_type="text/event-stream")
+
+    async def whole(queue, gone, rid, stamp):
+        try:
+            while (item := await queue.get())[0] == "text":
+                pass
+        finally:
+            gone.set()
+        if item[0] == "bad":
+            return error_body(400, str(item[1]), "invalid_request_error", item[1].param)
+        out = item[1]
+        if out.error:
+            return error_body(500, f"the engine failed: {out.error}", "server_error")
+        thinking, answer = "".join(out.thinking), "".join(out.answer)
+        message = {"role": "assistant", "content": answer}
+        if thinking:
+            message |= {"reasoning": thinking, "reasoning_content": thinking}
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": stamp, "model": model,
+                             "choices": [{"index": 0, "message": message, "finish_reason": FINISH[out.reason]}],
+                             "usage": usage(out.stats), "metrics": spec_metrics(out.stats)})
+
+    async def events(item, queue, gone, req: Request, rid: str, stamp: int):
+        def chunk(delta: dict | None, finish=None, **extra) -> str:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+            body = {"id": rid, "object": "chat.completion.chunk", "created": stamp, "model": model,
+                    "choices": choices, **extra}
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            while item[0] == "text":
+                _, think, answer = item
+                item = None
+                while item is None and not queue.empty():
+                    # what piled up while the engine held the interpreter goes out as one event
+                    nxt = queue.get_nowait()
+                    if nxt[0] != "text" or (nxt[1] and answer):
+                        item = nxt
+                    else:
+                        think, answer = think + nxt[1], answer + nxt[2]
+                delta = {"reasoning": think, "reasoning_content": think} if think else {}
+                if answer:
+                    delta["content"] = answer
+                yield chunk(delta)
+                item = item or await queue.get()
+            out = item[1]
+            if out.error:   # the stream has begun: the error goes in it, and it ends without [DONE]
+                yield f"data: {json.dumps({'error': {'message': f'the engine failed: {out.error}', 'type': 'server_error', 'code': 500}})}\n\n"
+                return
+            yield chunk({}, FINISH[out.reason], metrics=spec_metrics(out.stats))
+            if req.include_usage:
+                yield chunk(None, usage=usage(out.stats))
+            yield "data: [DONE]\n\n"
+        finally:
+            gone.set()     # the client left (or the reply ended): the thread cancels at its next step
+
+    return Starlette(routes=[
+        Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
+        Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    if host not in LOCAL_HOSTS and not api_key:
+        raise UserError(f"binding to {host} lets other machines use the model: pass --api-key KEY "
+                        "(clients send it as a Bearer token), or bind to 127.0.0.1", exit_code=2)
+
+
+def serve(engine, *, model: str, host: str, port: int, api_key: str | None, think: bool,
+          max_waiting: int, announce) -> None:
+    """Bind first (port 0 picks a free one), say where, then serve until interrupted."""
+    import socket
+    import uvicorn
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): pick another --port") from None
+    sock.listen(64)
+    bound = sock.getsockname()[1]
+    app = build_app(engine, model=model, api_key=api_key, think=think, max_waiting=max_waiting)
+    shown = f"[{host}]" if ":" in host else host
+    announce(f"mtpchat serve: {model} at http://{shown}:{bound}/v1 (one generation at a time; Ctrl-C stops)")
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    uvicorn.Server(config).run(sockets=[sock])

@@ -1,0 +1,66 @@
+"""The app as a client of `mtpchat serve` running as a real process: the reply and the acceptance
+figures are the in-process engine's, and the switches a server cannot take are shown dimmed."""
+from __future__ import annotations
+
+import pytest
+from apphelpers import idle, ready, run, send
+from serve_support import MAX_TOKENS, PROMPT, ServeProcess, in_process
+
+from mtpchat import cli
+from mtpchat.app.main import build_app
+from mtpchat.app.panel import acceptance
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc = ServeProcess(tmp_path_factory.mktemp("serve-app"))
+    yield proc
+    proc.stop()
+
+
+def test_the_app_chats_through_a_server_as_with_the_engine_in_process(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
+    thinking, answer, stats = in_process()
+    assert stats["accepted"] > 0
+    argv = ["--server", server.url, "--data-dir", str(tmp_path / "data"), "--temperature", "0",
+            "--max-tokens", str(MAX_TOKENS)]
+    args = cli.build_parser(argv).parse_args(argv)
+    args.options = cli.options_from(args)
+    app = build_app(args)
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await ready(pilot)
+            assert app.engine is not None and not app.load_error
+            await send(pilot, PROMPT)
+            await idle(pilot)
+            reply = app._views()[-1]
+            assert (reply.thinking, reply.content) == (thinking, answer)
+            assert f"mean acceptance {stats['mean_acceptance_length']:.2f}" in reply.footer
+            assert f"{stats['new_tokens']} tokens" in reply.footer
+            r = app.telemetry.reply
+            assert (r.verify_steps, r.drafted, r.accepted) == (stats["verify_steps"], stats["drafted"], stats["accepted"])
+            assert [round(p, 4) for p in r.per_position] == stats["per_position_acceptance"]
+            assert "MTP: server's" in str(acceptance(app.telemetry, app.live())[0])
+            # MTP, draft tokens and the race: shown, dimmed, and pressing them changes nothing
+            for action in ("toggle_mtp", "draft_up", "draft_down", "race"):
+                assert app.check_action(action, ()) is None
+            await pilot.press("ctrl+t")
+            assert app.engine.mtp is True
+    run(go())
+
+
+def test_a_server_that_is_not_there_is_one_line_in_the_app(tmp_path, monkeypatch):
+    from serve_support import free_port
+    monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
+    argv = ["--server", f"http://127.0.0.1:{free_port()}", "--data-dir", str(tmp_path / "data")]
+    args = cli.build_parser(argv).parse_args(argv)
+    args.options = cli.options_from(args)
+    app = build_app(args)
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await ready(pilot)
+            assert app.engine is None and "cannot reach the server" in app.load_error
+            assert "\n" not in app.load_error
+    run(go())
