@@ -75,6 +75,7 @@ class Product(NamedTuple):
 
 
 SPLIT_NORM = True      # off: add_norm gives whole normalised rows (tests/kernels/ab_step.py --plans split)
+SHARED_AS_EXPERT = True   # off: an MoE's shared expert runs as its own two products
 
 
 def out_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool):
@@ -167,13 +168,27 @@ class SparseMoE(nn.Module):
 
     def forward(self, x, ctx: Ctx):
         E, k = self.c.num_experts, self.c.num_experts_per_tok
+        gate_up, down = weight(self, "experts_gate_up"), weight(self, "experts_down")
         logits = linear(x, self.router, ctx.step)
+        reads = self.reads if ctx.step else None
+        if self._shared_as_expert(gate_up):
+            # the shared expert as every row's last choice, expert E: two launches fewer a layer
+            sgu, sd = weight(self.shared, "gate_up"), weight(self.shared, "down")
+            ids, weights, _, layout = moe.route(logits, k, E, ctx.step, shared=True)
+            h = moe.expert_swiglu(x, gate_up, layout, k + 1, E, ctx.step, reads, shared=sgu)
+            return moe.combine(moe.expert_down(h, down, layout, E, ctx.step, shared=sd), weights, dtype=x.dtype)
         ids, weights, gate, layout = moe.route(logits, k, E, ctx.step)
-        h = moe.expert_swiglu(x, weight(self, "experts_gate_up"), layout, k, E, ctx.step,
-                              self.reads if ctx.step else None)
-        y = moe.expert_down(h, weight(self, "experts_down"), layout, E, ctx.step)
+        h = moe.expert_swiglu(x, gate_up, layout, k, E, ctx.step, reads)
+        y = moe.expert_down(h, down, layout, E, ctx.step)
         shared = self.shared(x, ctx, whole=True) if self.shared is not None else None
         return moe.combine(y, weights, shared, gate, x.dtype)
+
+    def _shared_as_expert(self, gate_up) -> bool:
+        """Whether the expert kernels take the shared expert too: as wide as a routed one and
+        stored alike (both FP8 or neither)."""
+        s = self.shared
+        return (s is not None and SHARED_AS_EXPERT and s.down.shape[1] == self.c.moe_intermediate_size
+                and isinstance(weight(s, "gate_up"), BlockFP8) == isinstance(gate_up, BlockFP8))
 
 
 class GatedAttention(nn.Module):

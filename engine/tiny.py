@@ -29,8 +29,8 @@ VISUAL = {"model.visual.patch_embed.proj.weight": (32, 3, 2, 16, 16),
 
 
 # a tiny MoE's routing (write_tiny_checkpoint(moe=True)): 6 experts, 3 a token, narrower than the
-# dense MLP, as the real ones are
-TINY_MOE = dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40, shared_expert_intermediate_size=48)
+# dense MLP, and a shared expert as wide as a routed one, as the real ones are
+TINY_MOE = dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40, shared_expert_intermediate_size=40)
 
 
 def text_config(vocab_size: int, tie: bool, mtp: bool, special: dict[str, int], moe: bool = False,

@@ -41,14 +41,19 @@ class Layout(NamedTuple):
 
 # --- float32 references ------------------------------------------------------------------------
 
-def route_ref(logits: torch.Tensor, top_k: int, n_experts: int):
+def route_ref(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = False):
     """logits [T, E (+1)] -> (ids [T, k] int32, weights [T, k] float32, gate [T] float32 or None).
-    The top k in descending probability; `gate`: the sigmoid of logit E where there is one."""
+    The top k in descending probability; `gate`: the sigmoid of logit E where there is one. With
+    `shared`, the shared expert is a choice k+1 of every row instead: expert E, weighted by the gate."""
     probs = torch.softmax(logits[:, :n_experts].float(), dim=-1)
     top, ids = torch.topk(probs, top_k, dim=-1)
     weights = top / top.sum(dim=-1, keepdim=True)
     gate = torch.sigmoid(logits[:, n_experts].float()) if logits.shape[1] > n_experts else None
-    return ids.to(torch.int32), weights, gate
+    ids = ids.to(torch.int32)
+    if shared:
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], n_experts)], 1)
+        weights, gate = torch.cat([weights, gate[:, None]], 1), None
+    return ids, weights, gate
 
 
 def layout_ref(ids: torch.Tensor, n_experts: int, bm: int, blocks: int | None = None) -> Layout:
@@ -93,11 +98,18 @@ def _product(a: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
     return F.linear(a, w)
 
 
+def _with_shared(w, shared) -> torch.Tensor:
+    """The stacked experts in float32, the shared expert's weight after them as expert E."""
+    W = _weight_f32(w)
+    return W if shared is None else torch.cat([W, _weight_f32(shared)])
+
+
 def expert_swiglu_ref(x: torch.Tensor, w_gate_up, layout: Layout, top_k: int, n_experts: int,
-                      rowwise: bool = True) -> torch.Tensor:
-    """x [T, H], w_gate_up [E * 2F, H] -> h [T * k, F] in x's dtype (a pair in no block: zero)."""
-    W = _weight_f32(w_gate_up)
-    F2 = W.shape[0] // n_experts
+                      rowwise: bool = True, shared=None) -> torch.Tensor:
+    """x [T, H], w_gate_up [E * 2F, H] -> h [T * k, F] in x's dtype (a pair in no block: zero);
+    `shared` [2F, H]: expert E."""
+    W = _with_shared(w_gate_up, shared)
+    F2 = values_of(w_gate_up).shape[0] // n_experts
     h = torch.zeros(x.shape[0] * top_k, F2 // 2, dtype=torch.float32, device=x.device)
     for e, pairs in _blocks_of(layout):
         idx = torch.tensor(pairs, device=x.device)
@@ -106,10 +118,12 @@ def expert_swiglu_ref(x: torch.Tensor, w_gate_up, layout: Layout, top_k: int, n_
     return h.to(x.dtype)
 
 
-def expert_down_ref(h: torch.Tensor, w_down, layout: Layout, n_experts: int, rowwise: bool = True) -> torch.Tensor:
-    """h [P, F], w_down [E * H, F] -> y [P, H] float32 (a pair in no block: zero)."""
-    W = _weight_f32(w_down)
-    H = W.shape[0] // n_experts
+def expert_down_ref(h: torch.Tensor, w_down, layout: Layout, n_experts: int, rowwise: bool = True,
+                    shared=None) -> torch.Tensor:
+    """h [P, F], w_down [E * H, F] -> y [P, H] float32 (a pair in no block: zero); `shared` [H, F]:
+    expert E."""
+    W = _with_shared(w_down, shared)
+    H = values_of(w_down).shape[0] // n_experts
     y = torch.zeros(h.shape[0], H, dtype=torch.float32, device=h.device)
     for e, pairs in _blocks_of(layout):
         idx = torch.tensor(pairs, device=h.device)
@@ -135,7 +149,7 @@ def combine_ref(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | N
 
 @triton.jit
 def _topk_kernel(logits, s_l, ids, weights, gate, E, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                 HAS_GATE: tl.constexpr, PDL: tl.constexpr):
+                 HAS_GATE: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
     # One program a row: softmax, the top k by repeated argmax (the first of equal values, in
     # descending order as torch.topk gives them), renormalised.
     pdl_start(PDL)
@@ -153,10 +167,17 @@ def _topk_kernel(logits, s_l, ids, weights, gate, E, K: tl.constexpr, KP: tl.con
         b_p = tl.where(o_e == idx, -1.0, b_p)
         b_ids = tl.where(o_k == j, idx, b_ids)
         b_top = tl.where(o_k == j, best, b_top)
-    tl.store(ids + r * K + o_k, b_ids, mask=o_k < K)
-    tl.store(weights + r * K + o_k, b_top / tl.sum(b_top, 0), mask=o_k < K)
-    if HAS_GATE:
-        tl.store(gate + r, tl.sigmoid(tl.load(logits + r * s_l + E).to(tl.float32)))
+    if SHARED:      # choice K: the shared expert (E), weighted by its gate
+        g = tl.sigmoid(tl.load(logits + r * s_l + E).to(tl.float32))
+        tl.store(ids + r * (K + 1) + o_k, b_ids, mask=o_k < K)
+        tl.store(weights + r * (K + 1) + o_k, b_top / tl.sum(b_top, 0), mask=o_k < K)
+        tl.store(ids + r * (K + 1) + K, E)
+        tl.store(weights + r * (K + 1) + K, g)
+    else:
+        tl.store(ids + r * K + o_k, b_ids, mask=o_k < K)
+        tl.store(weights + r * K + o_k, b_top / tl.sum(b_top, 0), mask=o_k < K)
+        if HAS_GATE:
+            tl.store(gate + r, tl.sigmoid(tl.load(logits + r * s_l + E).to(tl.float32)))
 
 
 class StepLayout(NamedTuple):
@@ -169,20 +190,21 @@ class StepLayout(NamedTuple):
         return layout_ref(self.ids, n_experts, STEP_ROWS, self.blocks)
 
 
-def route_step(logits: torch.Tensor, top_k: int, n_experts: int):
+def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = False):
     """route_ref on the GPU for a step's few rows, with the step's layout."""
-    T = logits.shape[0]
-    assert T * top_k <= STEP_PAIRS, f"a step routes at most {STEP_PAIRS} pairs, got {T} x {top_k}"
+    T, kk = logits.shape[0], top_k + shared
+    assert T * kk <= STEP_PAIRS, f"a step routes at most {STEP_PAIRS} pairs, got {T} x {kk}"
     assert logits.stride(1) == 1
+    assert not shared or logits.shape[1] > n_experts, "a shared expert needs its gate's logit"
     dev = logits.device
-    ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=dev)
-    has_gate = logits.shape[1] > n_experts
+    ids = torch.empty(T, kk, dtype=torch.int32, device=dev)
+    weights = torch.empty(T, kk, dtype=torch.float32, device=dev)
+    has_gate = logits.shape[1] > n_experts and not shared
     gate = torch.empty(T, dtype=torch.float32, device=dev) if has_gate else None
     _topk_kernel[(T,)](logits, logits.stride(0), ids, weights, gate if has_gate else weights, n_experts,
                        K=top_k, KP=triton.next_power_of_2(top_k), BE=triton.next_power_of_2(n_experts),
-                       HAS_GATE=has_gate, num_warps=2, **pdl(logits))
-    return ids, weights, gate, StepLayout(ids, min(n_experts, T * top_k))
+                       HAS_GATE=has_gate, SHARED=shared, num_warps=1, **pdl(logits))
+    return ids, weights, gate, StepLayout(ids, min(n_experts + shared, T * kk))
 
 
 @triton.jit
@@ -208,14 +230,14 @@ def _step_block(ids, P, i_b, BP: tl.constexpr, BM: tl.constexpr):
 
 @triton.jit
 def _block(expert, pairs, reads, P, i_b, i_n, BM: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
-           COUNT: tl.constexpr):
+           COUNT: tl.constexpr, SHARED: tl.constexpr):
     """(expert, pair ids [BM]) of block i_b: from a Layout, or derived in a step (counting the
-    step's distinct experts into `reads` once)."""
+    step's distinct routed experts into `reads` once: the shared one, in every step, is not)."""
     if STEP:
         e, p, n = _step_block(expert, P, i_b, BP, BM)
         if COUNT:
             if (i_b == 0) & (i_n == 0):
-                tl.atomic_add(reads, n.to(tl.int64))
+                tl.atomic_add(reads, (n - SHARED).to(tl.int64))
     else:
         e = tl.load(expert + i_b)
         p = tl.load(pairs + i_b * BM + tl.arange(0, BM))
@@ -223,22 +245,28 @@ def _block(expert, pairs, reads, P, i_b, i_n, BM: tl.constexpr, STEP: tl.constex
 
 
 @triton.jit
-def _swiglu_kernel(x, w, ws, expert, pairs, reads, h, P, H, F, s_x, s_h, s_ws,
+def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, s_h, s_ws,
                    TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   STEP: tl.constexpr, BP: tl.constexpr, COUNT: tl.constexpr, FP8: tl.constexpr,
-                   PDL: tl.constexpr):
+                   STEP: tl.constexpr, BP: tl.constexpr, COUNT: tl.constexpr, SHARED: tl.constexpr,
+                   FP8: tl.constexpr, PDL: tl.constexpr):
     # One program per (block, BN of the F columns): the expert's gate and up tiles, multiplied
-    # with the block's rows of x, weights first ([BN, BK] @ [BK, BM]) as in matvec.py.
+    # with the block's rows of x, weights first ([BN, BK] @ [BK, BM]) as in matvec.py. With
+    # SHARED, expert E is the shared expert, whose weights (w2, ws2) are a tensor of their own.
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
-    e, p = _block(expert, pairs, reads, P, i_b, i_n, BM, STEP, BP, COUNT)
+    e, p = _block(expert, pairs, reads, P, i_b, i_n, BM, STEP, BP, COUNT, SHARED)
     if e < 0:
         return
+    w_e = w + e * 2 * F * H
+    s_e = ws + e * 2 * F // 128 * s_ws
+    if SHARED:
+        if e == E:
+            w_e = w2
+            s_e = ws2
     m_p = p >= 0
     rows = tl.where(m_p, p // TOPK, 0)
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < F
-    g_rows = e * 2 * F + o_n
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
     for k in range(0, H, BK):
@@ -246,11 +274,11 @@ def _swiglu_kernel(x, w, ws, expert, pairs, reads, h, P, H, F, s_x, s_h, s_ws,
         m_k = o_k < H
         b_x = tl.load(x + rows[None, :] * s_x + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
         m_w = m_n[:, None] & m_k[None, :]
-        b_g = tl.load(w + g_rows[:, None] * H + o_k[None, :], mask=m_w, other=0.)
-        b_u = tl.load(w + (g_rows + F)[:, None] * H + o_k[None, :], mask=m_w, other=0.)
+        b_g = tl.load(w_e + o_n[:, None] * H + o_k[None, :], mask=m_w, other=0.)
+        b_u = tl.load(w_e + (o_n + F)[:, None] * H + o_k[None, :], mask=m_w, other=0.)
         if FP8:
-            s_g = tl.load(ws + (e * 2 * F + i_n * BN) // 128 * s_ws + k // 128)
-            s_u = tl.load(ws + (e * 2 * F + F + i_n * BN) // 128 * s_ws + k // 128)
+            s_g = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
+            s_u = tl.load(s_e + (F + i_n * BN) // 128 * s_ws + k // 128)
             acc_g += s_g * tl.dot(b_g.to(b_x.dtype), b_x, input_precision="ieee")
             acc_u += s_u * tl.dot(b_u.to(b_x.dtype), b_x, input_precision="ieee")
         else:
@@ -261,27 +289,32 @@ def _swiglu_kernel(x, w, ws, expert, pairs, reads, h, P, H, F, s_x, s_h, s_ws,
 
 
 @triton.jit
-def _down_kernel(hin, w, ws, expert, pairs, y, P, H, F, s_h, s_y, s_ws,
+def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_ws,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
-                 FP8: tl.constexpr, PDL: tl.constexpr):
+                 SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     # One program per (block, BN of the H output columns), over the expert's F inputs.
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
-    e, p = _block(expert, pairs, y, P, i_b, i_n, BM, STEP, BP, False)
+    e, p = _block(expert, pairs, y, P, i_b, i_n, BM, STEP, BP, False, SHARED)
     if e < 0:
         return
+    w_e = w + e * H * F
+    s_e = ws + e * H // 128 * s_ws
+    if SHARED:
+        if e == E:
+            w_e = w2
+            s_e = ws2
     m_p = p >= 0
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < H
-    w_rows = e * H + o_n
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for k in range(0, F, BK):
         o_k = k + tl.arange(0, BK)
         m_k = o_k < F
         b_h = tl.load(hin + p[None, :] * s_h + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
-        b_w = tl.load(w + w_rows[:, None] * F + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
+        b_w = tl.load(w_e + o_n[:, None] * F + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
         if FP8:
-            s = tl.load(ws + (e * H + i_n * BN) // 128 * s_ws + k // 128)
+            s = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
             acc += s * tl.dot(b_w.to(b_h.dtype), b_h, input_precision="ieee")
         else:
             acc = tl.dot(b_w, b_h, acc, input_precision="ieee")
@@ -332,9 +365,23 @@ def _layout_args(layout, top_k: int) -> tuple:
     return layout.expert, layout.pairs, 0, layout.pairs.shape[1], layout.expert.shape[0], False, 16
 
 
+def _shared_args(w, shared, rows: int, K: int) -> tuple:
+    """(values, scales) of the shared expert's weight, or the experts' own again (never read)."""
+    if shared is None:
+        return (values_of(w), w.scale if isinstance(w, BlockFP8) else values_of(w))
+    assert isinstance(shared, BlockFP8) == isinstance(w, BlockFP8), "the shared expert must share the experts' format"
+    v = values_of(shared)
+    assert v.shape == (rows, K) and v.is_contiguous(), f"the shared expert's weight must be [{rows}, {K}]"
+    if isinstance(shared, BlockFP8):
+        assert shared.scale.stride(0) == w.scale.stride(0)
+        return v, shared.scale
+    return v, v
+
+
 def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
-                         reads: torch.Tensor | None = None) -> torch.Tensor:
-    """`reads` (a step's layout only): the step's distinct experts are added to it."""
+                         reads: torch.Tensor | None = None, shared=None) -> torch.Tensor:
+    """`reads` (a step's layout only): the step's distinct routed experts are added to it.
+    `shared`: the shared expert's gate|up [2F, H], taken as expert `n_experts` (route(shared=True))."""
     T, H = x.shape
     wv = values_of(w_gate_up)
     Fi = wv.shape[0] // (2 * n_experts)
@@ -345,14 +392,15 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     BN, BK, warps = _tiles("swiglu", step, fp8, x.element_size())
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
     ws = w_gate_up.scale if fp8 else wv
+    w2, ws2 = _shared_args(w_gate_up, shared, 2 * Fi, H)
     _swiglu_kernel[(blocks, triton.cdiv(Fi, BN))](
-        x, wv, ws, expert, pairs, reads if reads is not None else h, h, P, H, Fi, x.stride(0), h.stride(0),
-        ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, COUNT=step and reads is not None,
-        FP8=fp8, num_warps=warps, **pdl(x))
+        x, wv, ws, w2, ws2, expert, pairs, reads if reads is not None else h, h, P, n_experts, H, Fi,
+        x.stride(0), h.stride(0), ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp,
+        COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, **pdl(x))
     return h
 
 
-def expert_down_triton(h, w_down, layout, n_experts: int) -> torch.Tensor:
+def expert_down_triton(h, w_down, layout, n_experts: int, shared=None) -> torch.Tensor:
     P_, Fi = h.shape
     wv = values_of(w_down)
     H = wv.shape[0] // n_experts
@@ -363,9 +411,10 @@ def expert_down_triton(h, w_down, layout, n_experts: int) -> torch.Tensor:
     BN, BK, warps = _tiles("down", step, fp8, h.element_size())
     y = torch.empty(P_, H, dtype=torch.float32, device=h.device)
     ws = w_down.scale if fp8 else wv
+    w2, ws2 = _shared_args(w_down, shared, H, Fi)
     _down_kernel[(blocks, triton.cdiv(H, BN))](
-        h, wv, ws, expert, pairs, y, P, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
-        BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, FP8=fp8, num_warps=warps, **pdl(h))
+        h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
+        BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps, **pdl(h))
     return y
 
 
@@ -387,36 +436,38 @@ def combine_triton(y, weights, shared=None, gate=None, dtype=torch.bfloat16) -> 
 PREFILL_ROWS = 64       # the pairs a block takes in a prefill
 
 
-def route(logits: torch.Tensor, top_k: int, n_experts: int, step: bool):
+def route(logits: torch.Tensor, top_k: int, n_experts: int, step: bool, shared: bool = False):
     """(ids, weights, gate, layout). A step on the GPU routes its rows in one kernel and leaves the
-    layout to the expert kernels (StepLayout); a prefill groups its pairs into blocks of PREFILL_ROWS."""
+    layout to the expert kernels (StepLayout); a prefill groups its pairs into blocks of PREFILL_ROWS.
+    `shared`: the shared expert as every row's last choice, expert E (route_ref)."""
     if step and use_triton(logits):
-        return route_step(logits, top_k, n_experts)
-    ids, weights, gate = route_ref(logits, top_k, n_experts)
-    return ids, weights, gate, layout_ref(ids, n_experts, STEP_ROWS if step else PREFILL_ROWS)
+        return route_step(logits, top_k, n_experts, shared)
+    ids, weights, gate = route_ref(logits, top_k, n_experts, shared)
+    return ids, weights, gate, layout_ref(ids, n_experts + shared, STEP_ROWS if step else PREFILL_ROWS)
 
 
-def count_reads(layout, reads: torch.Tensor):
-    """Add a step's distinct experts to `reads` (the CPU's; the GPU's swiglu kernel counts its own)."""
-    reads += (layout.expert >= 0).sum().to(reads.dtype)
+def count_reads(layout, reads: torch.Tensor, n_experts: int):
+    """Add a step's distinct routed experts to `reads` (the CPU's; the GPU's swiglu kernel counts its own)."""
+    reads += ((layout.expert >= 0) & (layout.expert < n_experts)).sum().to(reads.dtype)
 
 
 def expert_swiglu(x, w_gate_up, layout, top_k: int, n_experts: int, rowwise: bool,
-                  reads: torch.Tensor | None = None) -> torch.Tensor:
-    """`reads`: in a step, the distinct experts read are added to it."""
+                  reads: torch.Tensor | None = None, shared=None) -> torch.Tensor:
+    """`reads`: in a step, the distinct routed experts read are added to it. `shared`: the shared
+    expert's gate|up, as expert n_experts."""
     if use_triton(x, values_of(w_gate_up)):
-        return expert_swiglu_triton(x, w_gate_up, layout, top_k, n_experts, reads)
-    layout = layout.expand(n_experts) if isinstance(layout, StepLayout) else layout
+        return expert_swiglu_triton(x, w_gate_up, layout, top_k, n_experts, reads, shared)
+    layout = layout.expand(n_experts + (shared is not None)) if isinstance(layout, StepLayout) else layout
     if reads is not None and rowwise:
-        count_reads(layout, reads)
-    return expert_swiglu_ref(x, w_gate_up, layout, top_k, n_experts, rowwise)
+        count_reads(layout, reads, n_experts)
+    return expert_swiglu_ref(x, w_gate_up, layout, top_k, n_experts, rowwise, shared)
 
 
-def expert_down(h, w_down, layout, n_experts: int, rowwise: bool) -> torch.Tensor:
+def expert_down(h, w_down, layout, n_experts: int, rowwise: bool, shared=None) -> torch.Tensor:
     if use_triton(h, values_of(w_down)):
-        return expert_down_triton(h, w_down, layout, n_experts)
-    layout = layout.expand(n_experts) if isinstance(layout, StepLayout) else layout
-    return expert_down_ref(h, w_down, layout, n_experts, rowwise)
+        return expert_down_triton(h, w_down, layout, n_experts, shared)
+    layout = layout.expand(n_experts + (shared is not None)) if isinstance(layout, StepLayout) else layout
+    return expert_down_ref(h, w_down, layout, n_experts, rowwise, shared)
 
 
 def combine(y, weights, shared=None, gate=None, dtype=torch.float32) -> torch.Tensor:

@@ -23,7 +23,9 @@ LENGTHS = [1, 5, 64, 65, 130]
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     return {STACKED: write_tiny_checkpoint(root / "stacked", moe=True, experts=STACKED, seed=1),
-            PER_EXPERT: write_tiny_checkpoint(root / "per_expert", moe=True, experts=PER_EXPERT, seed=2)}
+            PER_EXPERT: write_tiny_checkpoint(root / "per_expert", moe=True, experts=PER_EXPERT, seed=2),
+            # a shared expert wider than the routed ones: its own products, not expert E
+            "wide shared": write_tiny_checkpoint(root / "wide", moe=True, seed=3, shared_expert_intermediate_size=56)}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +73,17 @@ def test_logits_equal_transformers(ckpts, layout):
     assert max_error(ckpts[layout]) < 1e-4
 
 
+def test_a_wide_shared_expert_runs_apart_and_equals_transformers(ckpts, monkeypatch):
+    engine = Engine.load(ckpts["wide shared"], max_context=512, prefill_chunk=48)
+    mlp = engine.model.layers[0].mlp
+    assert not mlp._shared_as_expert(mlp.experts_gate_up)
+    assert Engine.load(ckpts[STACKED], max_context=64).model.layers[0].mlp._shared_as_expert(mlp.experts_gate_up)
+    assert max_error(ckpts["wide shared"], engine) < 1e-4
+    from mtpchat.engine import model
+    monkeypatch.setattr(model, "SHARED_AS_EXPERT", False)       # the same model, the shared expert apart
+    assert max_error(ckpts[STACKED]) < 1e-4
+
+
 def test_logits_equal_transformers_on_its_own_save(saved_by_transformers):
     engine = Engine.load(saved_by_transformers, max_context=512, prefill_chunk=48)
     assert engine.config.is_moe and engine.head is None
@@ -81,18 +94,20 @@ def test_logits_equal_transformers_on_its_own_save(saved_by_transformers):
 def test_a_wrong_router_fails_the_comparison(ckpts, monkeypatch, mistake):
     right = moe.route_ref
 
-    def wrong(logits, top_k, n_experts):
-        ids, weights, gate = right(logits, top_k, n_experts)
+    def wrong(logits, top_k, n_experts, shared=False):
+        ids, weights, gate = right(logits, top_k, n_experts, shared)
         probs = torch.softmax(logits[:, :n_experts].float(), -1)
+        gates = weights[:, top_k:] if shared else gate        # the shared expert's gate, either form
         if mistake == "no renormalisation":
-            weights = torch.gather(probs, 1, ids.long())
+            weights[:, :top_k] = torch.gather(probs, 1, ids[:, :top_k].long())
         elif mistake == "shared gate not squashed":
-            gate = logits[:, n_experts].float()
+            gates.copy_(logits[:, n_experts:n_experts + 1].float().view_as(gates))
         else:
-            gate = torch.ones_like(gate)
+            gates.fill_(1.0)
         return ids, weights, gate
     monkeypatch.setattr(moe, "route_ref", wrong)
-    assert max_error(ckpts[STACKED]) > 1e-3
+    for name in (STACKED, "wide shared"):
+        assert max_error(ckpts[name]) > 1e-3, name
 
 
 @pytest.mark.parametrize("layout", [STACKED, PER_EXPERT])

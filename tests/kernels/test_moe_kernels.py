@@ -173,3 +173,39 @@ def test_35b_shapes_against_reference(fp8_):
     h_ref = moe.expert_swiglu_ref(x.cpu().float(), cpu(wgu), lay_cpu, k, E)
     check(h.cpu().float(), h_ref, 1e-2, "swiglu")
     check(y.cpu(), moe.expert_down_ref(h.cpu().float(), cpu(wd), lay_cpu, E), 1e-2, "down")
+
+
+@pytest.mark.parametrize("fp8_", [False, True])
+@pytest.mark.parametrize("step", [True, False])
+def test_the_shared_expert_as_expert_e(device, fp8_, step):
+    """The shared expert taken by the expert kernels as every row's last choice (expert E, its own
+    weight tensors): routing, products and the count of routed experts as the references give."""
+    T, E, k, F, H = 4, 7, 3, 128, 256
+    wgu, wd = experts(E + 1, F, H, device, torch.float32, fp8_, seed=21)
+    if fp8_:    # the last expert's rows and scales as a tensor of their own
+        split = lambda q, rows: (fp8.BlockFP8(q.w[:-rows].contiguous(), q.scale[:-rows // 128].contiguous()),
+                                 fp8.BlockFP8(q.w[-rows:].contiguous(), q.scale[-rows // 128:].contiguous()))
+    else:
+        split = lambda t, rows: (t[:-rows].contiguous(), t[-rows:].contiguous())
+    (gu, sgu), (d, sd) = split(wgu, 2 * F), split(wd, H)
+    logits = randn(T, E + 1, seed=22, scale=2.0).to(device)
+    x = randn(T, H, device=device, seed=23)
+    ids_r, w_r, g_r = moe.route_ref(logits.cpu(), k, E, shared=True)
+    assert g_r is None and (ids_r[:, k] == E).all() and torch.equal(w_r[:, k], torch.sigmoid(logits[:, E].cpu()))
+    if step:
+        ids, w, _, lay = moe.route_step(logits, k, E, shared=True)
+        assert torch.equal(ids.cpu(), ids_r) and lay.blocks == min(E + 1, T * (k + 1))
+        check(w.cpu(), w_r, 1e-6, "weights")
+    else:
+        lay = moe.layout_ref(ids_r, E + 1, 2)
+        lay = moe.Layout(lay.expert.to(device), lay.pairs.to(device))
+    reads = torch.zeros(1, dtype=torch.int64, device=device)
+    h = moe.expert_swiglu_triton(x, gu, lay, k + 1, E, reads=reads if step else None, shared=sgu)
+    ref_lay = moe.layout_ref(ids_r, E + 1, 16)
+    cpu = (lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())) if fp8_ else (lambda t: t.cpu())
+    h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(gu), ref_lay, k + 1, E, shared=cpu(sgu))
+    check(h.cpu(), h_ref, TOL[torch.float32], "swiglu")
+    y = moe.expert_down_triton(h_ref.to(device), d, lay, E, shared=sd)
+    check(y.cpu(), moe.expert_down_ref(h_ref, cpu(d), ref_lay, E, shared=cpu(sd)), TOL[torch.float32], "down")
+    if step:
+        assert reads.item() == len(set(ids_r[:, :k].flatten().tolist()))     # routed experts only
