@@ -339,18 +339,18 @@ def _combine_kernel(y, weights, shared, gate, out, T, H, s_y, s_s, s_o,
 STEP_PAIRS = 64         # the most (row, choice) pairs a step routes: 8 rows of 8 choices
 
 
-def _tiles(product: str, step: bool, fp8: bool, itemsize: int = 2) -> tuple[int, int, int]:
-    """(BN, BK, warps) of an expert product: a function of the product, the phase, the weight
+def _tiles(product: str, step: bool, fp8: bool, itemsize: int = 2) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages) of an expert product: a function of the product, the phase, the weight
     format and the activations' width, never of the number of rows (tests/kernels/bench_moe.py
     measured the step's at the 35B-A3B's shapes on an H100). FP8 tiles lie inside one 128 x 128
     block of scales; float32 tiles are smaller, to fit in shared memory."""
     if fp8:
-        return 64, 128, 4
+        return 64, 128, 4, 3
     if itemsize > 2:
-        return 32, 64, 4
+        return 32, 64, 4, 3
     if step:
-        return (64, 256, 4) if product == "swiglu" else (64, 128, 4)
-    return 64, 64, 4
+        return (64, 256, 4, 3) if product == "swiglu" else (64, 128, 4, 3)
+    return 64, 64, 4, 3
 
 
 def _fp8_ok(w, rows_per_expert: int) -> bool:
@@ -389,14 +389,15 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     assert wv.shape == (n_experts * 2 * Fi, H) and wv.is_contiguous() and x.stride(1) == 1
     assert _fp8_ok(w_gate_up, Fi), "FP8 experts need 128-row aligned gate and up parts"
     expert, pairs, P, bm, blocks, step, bp = _layout_args(layout, top_k)
-    BN, BK, warps = _tiles("swiglu", step, fp8, x.element_size())
+    BN, BK, warps, stages = _tiles("swiglu", step, fp8, x.element_size())
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
     ws = w_gate_up.scale if fp8 else wv
     w2, ws2 = _shared_args(w_gate_up, shared, 2 * Fi, H)
     _swiglu_kernel[(blocks, triton.cdiv(Fi, BN))](
         x, wv, ws, w2, ws2, expert, pairs, reads if reads is not None else h, h, P, n_experts, H, Fi,
         x.stride(0), h.stride(0), ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp,
-        COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, **pdl(x))
+        COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, num_stages=stages,
+        **pdl(x))
     return h
 
 
@@ -408,13 +409,14 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None) -> torch.
     assert wv.shape == (n_experts * H, Fi) and wv.is_contiguous() and h.stride(1) == 1
     assert _fp8_ok(w_down, H), "FP8 experts need 128-row aligned down parts"
     expert, pairs, P, bm, blocks, step, bp = _layout_args(layout, 0)
-    BN, BK, warps = _tiles("down", step, fp8, h.element_size())
+    BN, BK, warps, stages = _tiles("down", step, fp8, h.element_size())
     y = torch.empty(P_, H, dtype=torch.float32, device=h.device)
     ws = w_down.scale if fp8 else wv
     w2, ws2 = _shared_args(w_down, shared, H, Fi)
     _down_kernel[(blocks, triton.cdiv(H, BN))](
         h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
-        BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps, **pdl(h))
+        BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps,
+        num_stages=stages, **pdl(h))
     return y
 
 

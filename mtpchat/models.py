@@ -290,7 +290,7 @@ def _is_supported(snapshot: Path) -> bool:
     except (OSError, ValueError):
         return True  # unknown yet: the completeness check reports the missing config
     types = {raw.get("model_type"), (raw.get("text_config") or {}).get("model_type")}
-    return bool(types & {"qwen3_5", "qwen3_5_text"})
+    return bool(types & {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 
 
 def list_models(cache_dir: Path | None = None) -> list[str]:
@@ -298,12 +298,15 @@ def list_models(cache_dir: Path | None = None) -> list[str]:
     cache_dir = Path(cache_dir) if cache_dir else hubcache.hub_cache_dir()
     cached = {r.repo_id: r for r in hubcache.cached_repos(cache_dir)}
     lines = ["aliases:"]
+    name_w = max(len(a.name) for a in ALIASES.values()) + 2
+    repo_w = max(len(a.repo_id) for a in ALIASES.values()) + 2
     for alias in ALIASES.values():
         repo = cached.get(alias.repo_id)
         state = "" if repo is None else "  [cached]" if repo.check and repo.check.complete else "  [incomplete]"
-        lines.append(f"  {alias.name:<18}{alias.repo_id:<24}{'FP8' if alias.fp8 else 'bf16'}{state}".rstrip())
+        kind = f"MoE, {alias.moe[1]} of {alias.moe[0]} experts" if alias.moe else "dense"
+        lines.append(f"  {alias.name:<{name_w}}{alias.repo_id:<{repo_w}}{'FP8' if alias.fp8 else 'bf16':<6}{kind}{state}")
     demo = "present" if DEMO_DIR.is_dir() else "not built"
-    lines.append(f"  {'(default)':<18}the demo model in {DEMO_DIR} ({demo})")
+    lines.append(f"  {'(default)':<{name_w}}the demo model in {DEMO_DIR} ({demo})")
     lines.append(f"local cache ({cache_dir}):")
     if not cached:
         lines.append("  nothing yet")

@@ -316,10 +316,14 @@ def test_models_lists_aliases_and_cache(cache, tmp_path):
              "model.safetensors": _safetensors(tmp_path, ["model.layers.0.w"])}
     put_in_cache(cache, "meta/llama", other)
     text = "\n".join(models.list_models())
-    assert "Qwen3.5-0.8B      Qwen/Qwen3.5-0.8B       bf16  [cached]" in text
-    assert "Qwen3.5-9B        Qwen/Qwen3.5-9B         bf16  [incomplete]" in text
-    assert "Qwen3.5-27B       Qwen/Qwen3.5-27B        bf16\n" in text
-    assert "Qwen3.6-27B-FP8   Qwen/Qwen3.6-27B-FP8    FP8\n" in text
+    rows = {line.split()[0]: " ".join(line.split()[1:]) for line in text.splitlines()[1:] if line.startswith("  Qwen3")}
+    assert rows["Qwen3.5-0.8B"] == "Qwen/Qwen3.5-0.8B bf16 dense [cached]"
+    assert rows["Qwen3.5-9B"] == "Qwen/Qwen3.5-9B bf16 dense [incomplete]"
+    assert rows["Qwen3.5-27B"] == "Qwen/Qwen3.5-27B bf16 dense"
+    assert rows["Qwen3.6-27B-FP8"] == "Qwen/Qwen3.6-27B-FP8 FP8 dense"
+    assert rows["Qwen3.6-35B-A3B-FP8"] == "Qwen/Qwen3.6-35B-A3B-FP8 FP8 MoE, 8 of 256 experts"
+    starts = {line.index("Qwen/") for line in text.splitlines() if line.startswith("  Qwen3")}
+    assert len(starts) == 1                                   # one column, however long the names
     assert "incomplete: missing model-00001-of-00004.safetensors" in text
     assert "meta/llama" in text and "not a Qwen3.5 / Qwen3.6 model" in text
     assert f"local cache ({cache})" in text

@@ -31,7 +31,7 @@ def timed(fn, reps=200) -> float:
 def main():
     E, k, F, H = 256, 8, 512, 2048
     bw = 3.0e12
-    for weights in ("bf16", "fp8"):
+    for weights in ("fp8", "bf16"):
         gu = torch.randn(E * 2 * F, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
         down = torch.randn(E * H, F, device="cuda", dtype=torch.bfloat16) / F ** 0.5
         if weights == "fp8":
@@ -49,18 +49,18 @@ def main():
             t_route = timed(lambda: moe.route_step(logits, k, E))
             t_comb = timed(lambda: moe.combine_triton(y, w, shared, g, torch.bfloat16))
             print(f"{weights} T={T}: {n} experts; route {t_route:.1f} us, combine {t_comb:.1f} us")
-            for BN, BK, warps in itertools.product((16, 32, 64), (64, 128, 256), (4, 8)):
-                if weights == "fp8" and (BK > 128 or 128 % BN):
-                    continue
-                moe._tiles = lambda product, step, fp8_, itemsize=2, c=(BN, BK, warps): c
+            grid = itertools.product((32, 64, 128), (128,), (4, 8), (2, 3, 4, 6)) if weights == "fp8" else \
+                itertools.product((32, 64), (128, 256), (4,), (3, 4))
+            for BN, BK, warps, stages in grid:
+                moe._tiles = lambda product, step, fp8_, itemsize=2, c=(BN, BK, warps, stages): c
                 try:
                     t1 = timed(lambda: moe.expert_swiglu_triton(x, gu, lay, k, E))
                     t2 = timed(lambda: moe.expert_down_triton(h, down, lay, E))
                 except Exception as e:      # a tile that does not compile (shared memory)
-                    print(f"  BN {BN} BK {BK} warps {warps}: {type(e).__name__}")
+                    print(f"  BN {BN} BK {BK} warps {warps} stages {stages}: {type(e).__name__}")
                     continue
                 f1, f2 = n * per_expert[0] / bw * 1e6, n * per_expert[1] / bw * 1e6
-                print(f"  BN {BN:>3} BK {BK:>3} warps {warps}: swiglu {t1:6.1f} us ({t1 / f1:.2f} x floor)  "
+                print(f"  BN {BN:>3} BK {BK:>3} warps {warps} stages {stages}: swiglu {t1:6.1f} us ({t1 / f1:.2f} x floor)  "
                       f"down {t2:6.1f} us ({t2 / f2:.2f} x floor)")
 
 
