@@ -172,6 +172,7 @@ def test_products_the_checkpoint_keeps_in_bf16_stay_so(tmp_path):
     assert fp8_params(engine) and not any(p.dtype == torch.float8_e4m3fn for p in engine.head.parameters())
     ids = prompt(60, engine.config.vocab_size, seed=4)
     ref = Engine.load(twin)
-    assert rel_err(engine.logits(ids), ref.logits(ids)) < 1e-6
+    # the layers multiply block-scaled FP8 (a float32 rounding apart from the dequantized twin)
+    assert rel_err(engine.logits(ids), ref.logits(ids)) < 1e-4
     params = SamplingParams(max_tokens=24, stop_token_ids=())
     assert list(engine.generate(ids, params))[-1].token_ids == list(ref.generate(ids, params))[-1].token_ids
