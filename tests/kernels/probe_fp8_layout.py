@@ -1,0 +1,149 @@
+"""Where the few-row FP8 products lose their bandwidth: the weights' layout and the K loop's step.
+
+    cd tests/kernels && python3 probe_fp8_layout.py            # on the GPU
+    TRITON_INTERPRET=1 python3 probe_fp8_layout.py --check     # the forms' values, small, on the CPU
+
+Every FP8 form probe_fp8.py tried (widened dot, chained dots, fp16, integer widening, no dot) landed
+near 2.0 TB/s where bf16 reaches 2.85, and every one walked K 128 bytes a row at a time (one scale
+block) over a row-major [N, K] weight. This probe varies just that, on one 16384 x 5120 product:
+
+- the layout: row-major, or tiled (each program's [BN, BK] tile one contiguous run of bytes, the
+  tiles of a column block one after another along K), as a load could re-lay the weights once;
+- U: scale blocks a loop step (each its own tile load, dot and scale), so a step moves U x 8 KB;
+- what is done with the bytes: the production dot, or only a running xor (what the loads alone cost).
+
+Each form is timed for 1 and 4 rows (rows past T masked, as the engine's kernels do) in CUDA graphs of
+20 launches over three weight copies (more than L2), against the bf16 product and a plain copy.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from mtpchat.kernels import fp8
+from mtpchat.kernels._triton import tl, triton
+
+
+@triton.jit(do_not_specialize=["T"])
+def _probe(x, w, sw, y, T, K, s_sw, TILED: tl.constexpr, U: tl.constexpr, LOADS_ONLY: tl.constexpr,
+           BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr):
+    i_n = tl.program_id(0)
+    KT = K // BK
+    o_r, o_c, o_t = tl.arange(0, BN), tl.arange(0, BK), tl.arange(0, BT)
+    acc = tl.zeros([BN, BT], dtype=tl.float32)
+    bits = tl.zeros([BN, BK], dtype=tl.int32)
+    for k0 in range(0, K, U * BK):
+        for u in tl.static_range(U):
+            k = k0 + u * BK
+            if TILED:
+                p_w = w + ((i_n * KT + k // BK) * BN + o_r[:, None]) * BK + o_c[None, :]
+            else:
+                p_w = w + (i_n * BN + o_r[:, None]) * K + k + o_c[None, :]
+            b_w = tl.load(p_w)
+            if LOADS_ONLY:
+                bits ^= b_w.to(tl.uint8, bitcast=True).to(tl.int32)
+            else:
+                b_x = tl.trans(tl.load(x + o_t[:, None] * K + k + o_c[None, :], mask=(o_t < T)[:, None], other=0.))
+                b_s = tl.load(sw + (i_n * BN // 128) * s_sw + k // BK)
+                acc += b_s * tl.dot(b_w.to(b_x.dtype), b_x, input_precision="ieee")
+    if LOADS_ONLY:
+        acc += tl.sum(bits, axis=1).to(tl.float32)[:, None]
+    tl.store(y + o_t[None, :] * (tl.num_programs(0) * BN) + i_n * BN + o_r[:, None], acc, mask=(o_t < T)[None, :])
+
+
+def tiled(w: torch.Tensor, BN: int, BK: int) -> torch.Tensor:
+    N, K = w.shape
+    return w.view(N // BN, BN, K // BK, BK).permute(0, 2, 1, 3).contiguous().view(N, K)
+
+
+def launch(x, q: fp8.BlockFP8, w, y, T: int, TILED: bool, U: int, LOADS_ONLY: bool, stages: int, BN: int = 64):
+    N, K = q.shape
+    return _probe[(N // BN,)](x, w, q.scale, y, T, K, q.scale.stride(0), TILED=TILED, U=U, LOADS_ONLY=LOADS_ONLY,
+                              BN=BN, BK=fp8.BLOCK, BT=16, num_warps=4, num_stages=stages)
+
+
+def check(device: str, N: int = 256, K: int = 640):
+    """Every dot form's values against the dequantized float32 product (fresh random inputs)."""
+    g = torch.Generator().manual_seed(1)
+    q = fp8.quantize_ref(torch.randn(N, K, generator=g))
+    q = fp8.BlockFP8(q.w.to(device), q.scale.to(device))
+    x = torch.randn(16, K, generator=g).to(device)      # float32: the interpreter's bf16 dot is not bf16's
+    want = x.float() @ fp8.dequantize_ref(q).T
+    for TILED in (False, True):
+        for U in (1, 5):
+            for T in (1, 4):
+                y = torch.full((16, N), float("nan"), device=device)
+                launch(x, q, tiled(q.w, 64, 128) if TILED else q.w, y, T, TILED, U, False, 2)
+                err = ((y[:T] - want[:T]).norm() / want[:T].norm()).item()
+                assert err < 1e-5, (TILED, U, T, err)
+    print("check: every dot form equals the dequantized product")
+
+
+def graph_us(fn, launches: int = 20) -> float:
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(launches):
+            fn(i % 3)
+    times = []
+    for _ in range(7):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / launches)
+    return statistics.median(times)
+
+
+def main():
+    N, K = 16384, 5120
+    x = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(16, N, device="cuda")
+    qs = [fp8.quantize_ref(torch.randn(N, K, device="cuda")) for _ in range(3)]
+    tiles = [tiled(q.w, 64, 128) for q in qs]
+    bf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    big = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(big)
+    copy = graph_us(lambda i: dst.copy_(big), 5)
+    print(f"copy: {2 * big.numel() / copy / 1e6:.2f} TB/s (read + written)")
+    from mtpchat.kernels import matvec
+    for T in (1, 4):
+        t_bf = graph_us(lambda i: matvec.matvec(x[:T], bf[i]))
+        t_pr = graph_us(lambda i: matvec.matvec(x[:T], qs[i]))
+        print(f"T={T} bf16 matvec {t_bf:6.1f} us {N * K * 2 / t_bf / 1e6:.2f} TB/s | FP8 matvec (production) "
+              f"{t_pr:6.1f} us {N * K / t_pr / 1e6:.2f} TB/s")
+    rows = []
+    for LOADS_ONLY in (True, False):
+        for TILED in (False, True):
+            for U, stages in ((1, 8), (1, 4), (2, 4), (4, 3), (4, 2), (8, 2)):
+                for T in ((1,) if LOADS_ONLY else (1, 4)):
+                    def run(i, T=T, TILED=TILED, U=U, LOADS_ONLY=LOADS_ONLY, stages=stages):
+                        w = tiles[i] if TILED else qs[i].w
+                        return launch(x, qs[i], w, y, T, TILED, U, LOADS_ONLY, stages)
+                    try:
+                        us = graph_us(run)
+                    except Exception as e:       # noqa: BLE001 (a probe: a refused form is a finding)
+                        print(f"{'tiled' if TILED else 'rows'} U={U} s{stages}: {str(e).splitlines()[0][:120]}")
+                        continue
+                    tbs = N * K / us / 1e6
+                    rows.append((LOADS_ONLY, TILED, U, stages, T, us, tbs))
+                    print(f"{'loads' if LOADS_ONLY else 'dot  '} {'tiled' if TILED else 'rows '} U={U} s{stages} "
+                          f"T={T}: {us:6.1f} us {tbs:.2f} TB/s", flush=True)
+    best = max((r for r in rows if not r[0]), key=lambda r: r[-1])
+    print(f"best dot form: {'tiled' if best[1] else 'rows'} U={best[2]} s{best[3]} T={best[4]}: {best[-1]:.2f} TB/s")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true", help="the dot forms' values only (CPU under TRITON_INTERPRET=1)")
+    args = ap.parse_args()
+    if args.check:
+        check("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
+        check("cuda")
+        main()
