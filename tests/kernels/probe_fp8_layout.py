@@ -58,10 +58,11 @@ def tiled(w: torch.Tensor, BN: int, BK: int) -> torch.Tensor:
     return w.view(N // BN, BN, K // BK, BK).permute(0, 2, 1, 3).contiguous().view(N, K)
 
 
-def launch(x, q: fp8.BlockFP8, w, y, T: int, TILED: bool, U: int, LOADS_ONLY: bool, stages: int, BN: int = 64):
+def launch(x, q: fp8.BlockFP8, w, y, T: int, TILED: bool, U: int, LOADS_ONLY: bool, stages: int, BN: int = 64,
+           warps: int = 4):
     N, K = q.shape
     return _probe[(N // BN,)](x, w, q.scale, y, T, K, q.scale.stride(0), TILED=TILED, U=U, LOADS_ONLY=LOADS_ONLY,
-                              BN=BN, BK=fp8.BLOCK, BT=16, num_warps=4, num_stages=stages)
+                              BN=BN, BK=fp8.BLOCK, BT=16, num_warps=warps, num_stages=stages)
 
 
 def check(device: str, N: int = 256, K: int = 640):
@@ -99,7 +100,22 @@ def graph_us(fn, launches: int = 20) -> float:
     return statistics.median(times)
 
 
-def main():
+def sweep(x, y, qs, N: int, K: int):
+    """The production form (row-major, one scale block a step) under other tiles, warps and depths."""
+    for BN in (32, 64, 128):
+        for warps in (2, 4, 8):
+            for stages in (2, 3, 4, 6):
+                def run(i, BN=BN, warps=warps, stages=stages):
+                    return launch(x, qs[i], qs[i].w, y, 1, False, 1, False, stages, BN, warps)
+                try:
+                    us = graph_us(run)
+                except Exception as e:       # noqa: BLE001
+                    print(f"BN={BN} w{warps} s{stages}: {str(e).splitlines()[0][:100]}")
+                    continue
+                print(f"sweep BN={BN:3d} w{warps} s{stages}: {us:6.1f} us {N * K / us / 1e6:.2f} TB/s", flush=True)
+
+
+def main(only_sweep: bool = False):
     N, K = 16384, 5120
     x = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(16, N, device="cuda")
@@ -110,6 +126,8 @@ def main():
     dst = torch.empty_like(big)
     copy = graph_us(lambda i: dst.copy_(big), 5)
     print(f"copy: {2 * big.numel() / copy / 1e6:.2f} TB/s (read + written)")
+    if only_sweep:
+        return sweep(x, y, qs, N, K)
     from mtpchat.kernels import matvec
     for T in (1, 4):
         t_bf = graph_us(lambda i: matvec.matvec(x[:T], bf[i]))
@@ -140,10 +158,11 @@ def main():
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true", help="the dot forms' values only (CPU under TRITON_INTERPRET=1)")
+    ap.add_argument("--sweep", action="store_true", help="the production form under tiles, warps and depths")
     args = ap.parse_args()
     if args.check:
         check("cuda" if torch.cuda.is_available() else "cpu")
     else:
         print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
         check("cuda")
-        main()
+        main(args.sweep)
