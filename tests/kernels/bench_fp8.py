@@ -17,11 +17,10 @@ from mtpchat.kernels import fp8, matvec, matvec_parts
 SHAPES = [("GDN in_proj [qkv|z]", 16384, 5120, "plain"), ("attention q|gate|k|v", 14336, 5120, "plain"),
           ("MLP gate|up", 34816, 5120, "swiglu"), ("GDN out_proj", 5120, 6144, "parts"),
           ("MLP down", 5120, 17408, "parts")]
-TILES = {"plain": [(64, 128, 4, 8), (64, 128, 4, 12), (64, 128, 4, 16), (128, 128, 8, 8), (128, 128, 4, 8),
-                   (128, 128, 8, 10), (32, 128, 4, 16)],
-         "swiglu": [(64, 128, 4, 6), (64, 128, 4, 8), (64, 128, 4, 10), (128, 128, 8, 5), (32, 128, 4, 12),
-                    (64, 128, 8, 8)],
-         "parts": [8, 4, 12, 16]}
+TILES = {"plain": [(64, 128, 4, 8), (32, 128, 2, 4), (32, 128, 2, 3), (32, 128, 2, 6), (16, 128, 1, 4),
+                   (64, 128, 2, 4)],
+         "swiglu": [(64, 128, 4, 6), (32, 128, 2, 4), (32, 128, 2, 3), (16, 128, 1, 4), (64, 128, 2, 4)],
+         "parts": [(8, 4), (4, 2), (3, 2), (6, 2)]}                  # (stages, warps)
 
 
 def timed(fn) -> float:
@@ -31,7 +30,7 @@ def timed(fn) -> float:
 
 def main():
     x = torch.randn(3, 17408, device="cuda", dtype=torch.bfloat16)
-    kept_config, kept_stages = matvec._config, matvec_parts.FP8_STAGES
+    kept_config, kept_stages, kept_split = matvec._config, matvec_parts.FP8_STAGES, matvec_parts._split_config
     for name, N, K, kind in SHAPES:
         ws = [fp8.quantize_ref(torch.randn(N, K, device="cuda") / K ** 0.5) for _ in range(3)]
         bf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
@@ -39,19 +38,23 @@ def main():
         run = {"plain": lambda w: matvec.matvec(xk, w), "swiglu": lambda w: matvec.matvec_swiglu(xk, w),
                "parts": lambda w: matvec_parts.matvec_parts(xk, w)}[kind]
         fp8_bytes, bf_bytes = ws[0].nbytes(), bf[0].numel() * 2
-        run(ws[0]), run(bf[0])
+        want, _ = run(ws[0]).float(), run(bf[0])
         t_bf = timed(lambda i: run(bf[i % 3]))
 
         print(f"{name} [{N} x {K}] bf16: {t_bf * 1e3:.1f} us, {bf_bytes / t_bf / 1e9:.2f} TB/s")
         for tile in TILES[kind]:
             if kind == "parts":
-                matvec_parts.FP8_STAGES = tile
+                matvec_parts.FP8_STAGES = tile[0]
+                matvec_parts._split_config = (lambda warps: lambda N, K, itemsize:
+                                              kept_split(N, K, itemsize)[:3] + (warps,) + kept_split(N, K, itemsize)[4:])(tile[1])
             else:
                 matvec._config = (lambda t: lambda N, K, itemsize, swiglu=False, fp8=False:
                                   t if fp8 else kept_config(N, K, itemsize, swiglu, fp8))(tile)
+            err = ((run(ws[0]).float() - want).norm() / want.norm()).item()     # against the default tile
             t = timed(lambda i: run(ws[i % 3]))
-            print(f"  FP8 {tile}: {t * 1e3:.1f} us, {fp8_bytes / t / 1e9:.2f} TB/s, {t / t_bf:.3f} x bf16")
-            matvec._config, matvec_parts.FP8_STAGES = kept_config, kept_stages
+            print(f"  FP8 {tile}: {t * 1e3:.1f} us, {fp8_bytes / t / 1e9:.2f} TB/s, {t / t_bf:.3f} x bf16, "
+                  f"differs from the default tile by {err:.1e}")
+            matvec._config, matvec_parts.FP8_STAGES, matvec_parts._split_config = kept_config, kept_stages, kept_split
 
 
 if __name__ == "__main__":
