@@ -215,9 +215,12 @@ def _config(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = Fal
     bytes suits every plain product (smaller tiles, more warps, other depths: 0-23% slower); the
     SwiGLU product is fastest with 64 columns (128 rows of w) by 256 bytes of K, 5 deep (the
     decode step 1.5% faster than with 32 x 512 bytes). float32 plain tiles take half the K. FP8
-    weights: tiles of one scale block's 128 columns (128 bytes a row), 64 rows, deeper pipelines."""
+    weights: tiles of one scale block's 128 columns (128 bytes a row); plain products 64 rows, 4
+    warps, 8 deep; the SwiGLU product 32 columns (64 rows of w), 2 warps, 3 deep (alone 2.38 TB/s
+    against 1.79, the FP8 27B's decode step 0.953 x: tests/kernels/bench_fp8.py, ab_step.py
+    --plans fp8glu). Two warps made the plain products slower (1.46 TB/s against 1.99)."""
     if fp8:
-        return (64, BLOCK, 4, 6) if swiglu else (64, BLOCK, 4, 8)
+        return (32, BLOCK, 2, 3) if swiglu else (64, BLOCK, 4, 8)
     if swiglu:
         return (64, 128, 4, 5) if itemsize == 2 else (32, 128, 4, 4)
     return 64, 512 // itemsize, 4, 4
