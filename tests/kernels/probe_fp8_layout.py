@@ -18,9 +18,9 @@ Each form is timed for 1 and 4 rows (rows past T masked, as the engine's kernels
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from probe_fp8 import graph_time
 
 from mtpchat.kernels import fp8
 from mtpchat.kernels._triton import tl, triton
@@ -82,24 +82,6 @@ def check(device: str, N: int = 256, K: int = 640):
     print("check: every dot form equals the dequantized product")
 
 
-def graph_us(fn, launches: int = 20) -> float:
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(launches):
-            fn(i % 3)
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / launches)
-    return statistics.median(times)
-
-
 def sweep(x, y, qs, N: int, K: int):
     """The production form (row-major, one scale block a step) under other tiles, warps and depths."""
     for BN in (32, 64, 128):
@@ -108,7 +90,7 @@ def sweep(x, y, qs, N: int, K: int):
                 def run(i, BN=BN, warps=warps, stages=stages):
                     return launch(x, qs[i], qs[i].w, y, 1, False, 1, False, stages, BN, warps)
                 try:
-                    us = graph_us(run)
+                    us = graph_time(run, 3)
                 except Exception as e:       # noqa: BLE001
                     print(f"BN={BN} w{warps} s{stages}: {str(e).splitlines()[0][:100]}")
                     continue
@@ -124,14 +106,14 @@ def main(only_sweep: bool = False):
     bf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     big = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(big)
-    copy = graph_us(lambda i: dst.copy_(big), 5)
+    copy = graph_time(lambda i: dst.copy_(big), 1, 5)
     print(f"copy: {2 * big.numel() / copy / 1e6:.2f} TB/s (read + written)")
     if only_sweep:
         return sweep(x, y, qs, N, K)
     from mtpchat.kernels import matvec
     for T in (1, 4):
-        t_bf = graph_us(lambda i: matvec.matvec(x[:T], bf[i]))
-        t_pr = graph_us(lambda i: matvec.matvec(x[:T], qs[i]))
+        t_bf = graph_time(lambda i: matvec.matvec(x[:T], bf[i]), 3)
+        t_pr = graph_time(lambda i: matvec.matvec(x[:T], qs[i]), 3)
         print(f"T={T} bf16 matvec {t_bf:6.1f} us {N * K * 2 / t_bf / 1e6:.2f} TB/s | FP8 matvec (production) "
               f"{t_pr:6.1f} us {N * K / t_pr / 1e6:.2f} TB/s")
     rows = []
@@ -143,7 +125,7 @@ def main(only_sweep: bool = False):
                         w = tiles[i] if TILED else qs[i].w
                         return launch(x, qs[i], w, y, T, TILED, U, LOADS_ONLY, stages)
                     try:
-                        us = graph_us(run)
+                        us = graph_time(run, 3)
                     except Exception as e:       # noqa: BLE001 (a probe: a refused form is a finding)
                         print(f"{'tiled' if TILED else 'rows'} U={U} s{stages}: {str(e).splitlines()[0][:120]}")
                         continue
