@@ -1,11 +1,10 @@
-"""The sparse MLP of the Qwen3.5 / Qwen3.6 MoE models, in four pieces: routing, the block layout,
-the expert products, the combine. Float32 torch references, the Triton kernels beside them, and
-dispatchers that take the kernels for CUDA tensors.
+"""The sparse MLP of the Qwen3.5 / Qwen3.6 MoE models, in four pieces: routing, the block layout
+(kernels/moe_layout.py), the expert products, the combine. Float32 torch references, the Triton
+kernels beside them, and dispatchers that take the kernels for CUDA tensors.
 
     route    : softmax over the router's E logits (float32), the top k, renormalised to sum to 1;
                a logit past the E experts' is the shared expert's gate, returned as its sigmoid
-    layout   : the (row, choice) pairs p = row * k + j grouped by expert into blocks of BM pairs:
-               block b holds pairs of expert block_expert[b] (-1: an empty block, which exits at once)
+    layout   : the (row, choice) pairs p = row * k + j grouped by expert into blocks (moe_layout.py)
     swiglu   : h[p] = silu(x[row] @ W_gate[e]ᵀ) * (x[row] @ W_up[e]ᵀ), over each block's pairs
     down     : y[p] = h[p] @ W_down[e]ᵀ
     combine  : out[row] = Σ_j weight[row, j] * y[row * k + j] + gate[row] * shared[row]
@@ -13,30 +12,22 @@ dispatchers that take the kernels for CUDA tensors.
 A block reads its expert's weights once for all the pairs in it. In a step (a few rows: decode,
 verify, draft) every distinct expert the rows chose is one block, so its weights are read once
 per step however many rows chose it: the expert kernels derive that layout on the device from the
-routing itself (`_step_block`), launched for the worst case (min(E, T * k) blocks; empty ones exit
-at once) so the step can be a CUDA graph. Each pair's products are accumulated in the same order
-whatever shares its block, and the combine sums a row's k choices in order, so a row's result does
-not depend on the other rows (greedy MTP on == off). Experts are stored stacked: W_gate_up
-[E * 2F, H] (expert e's gate rows, then its up rows), W_down [E * H, F]; either may be a BlockFP8
-(kernels/fp8.py) whose 128-row blocks never straddle two experts.
+routing itself (moe_layout.py), launched for the worst case so the step can be a CUDA graph. Each
+pair's products are accumulated in the same order whatever shares its block, and the combine sums
+a row's k choices in order, so a row's result does not depend on the other rows (greedy MTP on ==
+off). Experts are stored stacked: W_gate_up [E * 2F, H] (expert e's gate rows, then its up rows),
+W_down [E * H, F]; either may be a BlockFP8 (kernels/fp8.py) whose 128-row blocks never straddle
+two experts.
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref, values_of
-
-STEP_ROWS = 16          # the pairs a step's block takes: one per row, for each distinct expert
-
-
-class Layout(NamedTuple):
-    """Which pairs each block of an expert product takes."""
-    expert: torch.Tensor    # [NB] int32: the block's expert, -1 for an empty block
-    pairs: torch.Tensor     # [NB, BM] int32: pair ids row * k + j, -1 for an empty place
+from mtpchat.kernels.moe_layout import (STEP_PAIRS, STEP_ROWS, Layout, StepLayout, _block, _layout_args,
+                                       count_reads, layout_ref)
 
 
 # --- float32 references ------------------------------------------------------------------------
@@ -54,29 +45,6 @@ def route_ref(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = F
         ids = torch.cat([ids, torch.full_like(ids[:, :1], n_experts)], 1)
         weights, gate = torch.cat([weights, gate[:, None]], 1), None
     return ids, weights, gate
-
-
-def layout_ref(ids: torch.Tensor, n_experts: int, bm: int, blocks: int | None = None) -> Layout:
-    """The pairs of ids [T, k] grouped by expert, ascending, each expert's pairs in order over
-    ceil(count / bm) blocks of bm; padded with empty blocks to `blocks` when given."""
-    T, k = ids.shape
-    flat = ids.flatten().long()
-    order = torch.sort(flat, stable=True).indices                     # pair ids, grouped by expert
-    counts = torch.zeros(n_experts, dtype=torch.long, device=ids.device).index_add_(
-        0, flat, torch.ones_like(flat))
-    per_expert = (counts + bm - 1) // bm                               # blocks each expert takes
-    first_block = torch.cumsum(per_expert, 0) - per_expert
-    first_pair = torch.cumsum(counts, 0) - counts
-    n = int(per_expert.sum())
-    blocks = n if blocks is None else blocks
-    assert n <= blocks, f"{n} blocks needed, {blocks} given"
-    expert = torch.full((blocks,), -1, dtype=torch.int32, device=ids.device)
-    expert[:n] = torch.repeat_interleave(torch.arange(n_experts, device=ids.device), per_expert).to(torch.int32)
-    e_sorted = flat[order]
-    rank = torch.arange(T * k, device=ids.device) - first_pair[e_sorted]   # place among its expert's pairs
-    pairs = torch.full((blocks, bm), -1, dtype=torch.int32, device=ids.device)
-    pairs[first_block[e_sorted] + rank // bm, rank % bm] = order.to(torch.int32)
-    return Layout(expert, pairs)
 
 
 def _weight_f32(w) -> torch.Tensor:
@@ -180,16 +148,6 @@ def _topk_kernel(logits, s_l, ids, weights, gate, E, K: tl.constexpr, KP: tl.con
             tl.store(gate + r, tl.sigmoid(tl.load(logits + r * s_l + E).to(tl.float32)))
 
 
-class StepLayout(NamedTuple):
-    """A step's layout, left for the expert kernels to derive from the routing itself (`_step_block`):
-    block b takes the b-th smallest distinct expert the rows chose, its pairs in order."""
-    ids: torch.Tensor       # [T, k] int32
-    blocks: int             # min(E, T * k): as many as the step could need
-
-    def expand(self, n_experts: int) -> Layout:
-        return layout_ref(self.ids, n_experts, STEP_ROWS, self.blocks)
-
-
 def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = False):
     """route_ref on the GPU for a step's few rows, with the step's layout."""
     T, kk = logits.shape[0], top_k + shared
@@ -205,43 +163,6 @@ def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = 
                        K=top_k, KP=triton.next_power_of_2(top_k), BE=triton.next_power_of_2(n_experts),
                        HAS_GATE=has_gate, SHARED=shared, num_warps=1, **pdl(logits))
     return ids, weights, gate, StepLayout(ids, min(n_experts + shared, T * kk))
-
-
-@triton.jit
-def _step_block(ids, P, i_b, BP: tl.constexpr, BM: tl.constexpr):
-    """Block i_b of a step: the i_b-th smallest distinct expert among the P pairs of `ids` (-1: none),
-    the pairs that chose it in order (place c the c-th; -1 past them), and the number of distinct
-    experts. Integer bookkeeping over at most BP pairs, exact, so the products see the same
-    layout as layout_ref gives."""
-    o_q = tl.arange(0, BP)
-    m_q = o_q < P
-    e_q = tl.load(ids + o_q, mask=m_q, other=-1)
-    same = (e_q[:, None] == e_q[None, :]) & m_q[:, None] & m_q[None, :]
-    first = m_q & (tl.sum((same & (o_q[None, :] < o_q[:, None])).to(tl.int32), 1) == 0)
-    rank = tl.sum(((e_q[None, :] < e_q[:, None]) & first[None, :]).to(tl.int32), 1)
-    mine = m_q & (rank == i_b)
-    e = tl.max(tl.where(mine, e_q, -1), 0)
-    place = tl.cumsum(mine.to(tl.int32), 0) - 1
-    o_c = tl.arange(0, BM)
-    hit = mine[None, :] & (place[None, :] == o_c[:, None])
-    pairs = tl.sum(tl.where(hit, o_q[None, :] + 1, 0), 1) - 1
-    return e, pairs, tl.sum(first.to(tl.int32), 0)
-
-
-@triton.jit
-def _block(expert, pairs, reads, P, i_b, i_n, BM: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
-           COUNT: tl.constexpr, SHARED: tl.constexpr):
-    """(expert, pair ids [BM]) of block i_b: from a Layout, or derived in a step (counting the
-    step's distinct routed experts into `reads` once: the shared one, in every step, is not)."""
-    if STEP:
-        e, p, n = _step_block(expert, P, i_b, BP, BM)
-        if COUNT:
-            if (i_b == 0) & (i_n == 0):
-                tl.atomic_add(reads, (n - SHARED).to(tl.int64))
-    else:
-        e = tl.load(expert + i_b)
-        p = tl.load(pairs + i_b * BM + tl.arange(0, BM))
-    return e.to(tl.int64), p
 
 
 @triton.jit
@@ -336,9 +257,6 @@ def _combine_kernel(y, weights, shared, gate, out, T, H, s_y, s_s, s_o,
     tl.store(out + r * s_o + o_h, acc.to(out.dtype.element_ty), mask=m_h)
 
 
-STEP_PAIRS = 64         # the most (row, choice) pairs a step routes: 8 rows of 8 choices
-
-
 def _tiles(product: str, step: bool, fp8: bool, itemsize: int = 2) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages) of an expert product: a function of the product, the phase, the weight
     format and the activations' width, never of the number of rows (tests/kernels/bench_moe.py
@@ -355,14 +273,6 @@ def _tiles(product: str, step: bool, fp8: bool, itemsize: int = 2) -> tuple[int,
 
 def _fp8_ok(w, rows_per_expert: int) -> bool:
     return not isinstance(w, BlockFP8) or rows_per_expert % BLOCK == 0
-
-
-def _layout_args(layout, top_k: int) -> tuple:
-    """(expert or ids, pairs, P, BM, blocks, STEP, BP) for a kernel launch."""
-    if isinstance(layout, StepLayout):
-        P = layout.ids.numel()
-        return layout.ids, layout.ids, P, STEP_ROWS, layout.blocks, True, STEP_PAIRS
-    return layout.expert, layout.pairs, 0, layout.pairs.shape[1], layout.expert.shape[0], False, 16
 
 
 def _shared_args(w, shared, rows: int, K: int) -> tuple:
@@ -446,11 +356,6 @@ def route(logits: torch.Tensor, top_k: int, n_experts: int, step: bool, shared: 
         return route_step(logits, top_k, n_experts, shared)
     ids, weights, gate = route_ref(logits, top_k, n_experts, shared)
     return ids, weights, gate, layout_ref(ids, n_experts + shared, STEP_ROWS if step else PREFILL_ROWS)
-
-
-def count_reads(layout, reads: torch.Tensor, n_experts: int):
-    """Add a step's distinct routed experts to `reads` (the CPU's; the GPU's swiglu kernel counts its own)."""
-    reads += ((layout.expert >= 0) & (layout.expert < n_experts)).sum().to(reads.dtype)
 
 
 def expert_swiglu(x, w_gate_up, layout, top_k: int, n_experts: int, rowwise: bool,

@@ -1,14 +1,14 @@
-"""The MoE kernels (kernels/moe.py) against their float32 references: the step's routing and layout,
-the expert SwiGLU and down products over bf16/float32 and FP8 experts (step and prefill layouts),
-the combine; a row's result the same whatever rows share its experts; and the 35B-A3B's shapes
-(GPU)."""
+"""The MoE kernels (kernels/moe.py, kernels/moe_layout.py) against their float32 references: the
+step's routing and layout, the expert SwiGLU and down products over bf16/float32 and FP8 experts
+(step and prefill layouts), the combine; a row's result the same whatever rows share its experts;
+and the 35B-A3B's shapes (GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from kernel_checks import TOL, check, randn
 
-from mtpchat.kernels import fp8, moe
+from mtpchat.kernels import fp8, moe, moe_layout
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 
@@ -40,7 +40,7 @@ def test_route_step_equals_reference(device, T, E, k, gate):
         check(g.cpu(), g_r, 1e-6, "shared gate")
     else:
         assert g is None and g_r is None
-    assert isinstance(lay, moe.StepLayout) and lay.blocks == min(E, T * k)
+    assert isinstance(lay, moe_layout.StepLayout) and lay.blocks == min(E, T * k)
 
 
 @pytest.mark.parametrize("T,E,k", [(1, 12, 3), (5, 12, 3), (4, 40, 8), (2, 5, 4)])
@@ -54,9 +54,9 @@ def test_step_kernels_lay_out_and_count_as_the_reference(device, T, E, k):
     wgu, wd = experts(E, F, H, device, torch.float32, False, seed=E)
     x = randn(T, H, device=device, seed=k)
     reads = torch.zeros(1, dtype=torch.int64, device=device)
-    step = moe.StepLayout(ids.to(device), min(E, T * k))
+    step = moe_layout.StepLayout(ids.to(device), min(E, T * k))
     h = moe.expert_swiglu_triton(x, wgu, step, k, E, reads=reads)
-    want = moe.layout_ref(ids, E, moe.STEP_ROWS, min(E, T * k))
+    want = moe_layout.layout_ref(ids, E, moe_layout.STEP_ROWS, min(E, T * k))
     check(h.cpu(), moe.expert_swiglu_ref(x.cpu(), wgu.cpu(), want, k, E), TOL[torch.float32], "swiglu")
     check(moe.expert_down_triton(h, wd, step, E).cpu(),
           moe.expert_down_ref(h.cpu(), wd.cpu(), want, E), TOL[torch.float32], "down")
@@ -65,7 +65,7 @@ def test_step_kernels_lay_out_and_count_as_the_reference(device, T, E, k):
 
 def test_layout_groups_every_pair_once():
     ids = torch.tensor([[3, 1, 4], [1, 5, 9], [2, 6, 5], [3, 5, 8]], dtype=torch.int32)
-    lay = moe.layout_ref(ids, 10, bm=2)
+    lay = moe_layout.layout_ref(ids, 10, bm=2)
     flat = ids.flatten()
     pairs = [p for row in lay.pairs.tolist() for p in row if p >= 0]
     assert sorted(pairs) == list(range(12))                                   # every pair, once
@@ -73,7 +73,7 @@ def test_layout_groups_every_pair_once():
         assert e >= 0 and all(flat[p] == e for p in row if p >= 0)           # each block one expert
     assert lay.expert.tolist() == sorted(lay.expert.tolist())
     assert lay.expert.tolist().count(5) == 2                                  # 3 pairs in blocks of 2
-    padded = moe.layout_ref(ids, 10, bm=16, blocks=12)
+    padded = moe_layout.layout_ref(ids, 10, bm=16, blocks=12)
     assert padded.expert.tolist()[8:] == [-1] * 4 and (padded.pairs[8:] == -1).all()
 
 
@@ -89,8 +89,8 @@ def test_expert_products(device, dtype, T, E, k, F, H, step):
     wgu, wd = experts(E, F, H, device, dtype, False, seed=T + E)
     x = randn(T, H, dtype=dtype, device=device, seed=3)
     ids = routed(T, E, k, device, seed=T)
-    lay_cpu = moe.layout_ref(ids, E, moe.STEP_ROWS if step else 2, min(E, T * k) if step else None)
-    lay = moe.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
+    lay_cpu = moe_layout.layout_ref(ids, E, moe_layout.STEP_ROWS if step else 2, min(E, T * k) if step else None)
+    lay = moe_layout.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
     h = moe.expert_swiglu(x, wgu, lay, k, E, rowwise=step)
     h_ref = moe.expert_swiglu_ref(x.cpu().float(), wgu.cpu().float(), lay_cpu, k, E)
     check(h.cpu().float(), h_ref, TOL[dtype], "swiglu")
@@ -106,8 +106,8 @@ def test_fp8_expert_products(device, T):
     wgu, wd = experts(E, F, H, device, None, True, seed=T)
     x = randn(T, H, device=device, seed=T)
     ids = routed(T, E, k, device, seed=7 * T)
-    lay_cpu = moe.layout_ref(ids, E, moe.STEP_ROWS, min(E, T * k))
-    lay = moe.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
+    lay_cpu = moe_layout.layout_ref(ids, E, moe_layout.STEP_ROWS, min(E, T * k))
+    lay = moe_layout.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
     cpu = lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())
     h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(wgu), lay_cpu, k, E)
     check(moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True).cpu(), h_ref, TOL[torch.float32], "fp8 swiglu")
@@ -168,7 +168,7 @@ def test_35b_shapes_against_reference(fp8_):
     ids, w, g, lay = moe.route_step(logits, k, E)
     h = moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True)
     y = moe.expert_down(h, wd, lay, E, rowwise=True)
-    lay_cpu = moe.layout_ref(ids.cpu(), E, moe.STEP_ROWS)
+    lay_cpu = moe_layout.layout_ref(ids.cpu(), E, moe_layout.STEP_ROWS)
     cpu = (lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())) if fp8_ else (lambda t: t.cpu().float())
     h_ref = moe.expert_swiglu_ref(x.cpu().float(), cpu(wgu), lay_cpu, k, E)
     check(h.cpu().float(), h_ref, 1e-2, "swiglu")
@@ -197,11 +197,11 @@ def test_the_shared_expert_as_expert_e(device, fp8_, step):
         assert torch.equal(ids.cpu(), ids_r) and lay.blocks == min(E + 1, T * (k + 1))
         check(w.cpu(), w_r, 1e-6, "weights")
     else:
-        lay = moe.layout_ref(ids_r, E + 1, 2)
-        lay = moe.Layout(lay.expert.to(device), lay.pairs.to(device))
+        lay = moe_layout.layout_ref(ids_r, E + 1, 2)
+        lay = moe_layout.Layout(lay.expert.to(device), lay.pairs.to(device))
     reads = torch.zeros(1, dtype=torch.int64, device=device)
     h = moe.expert_swiglu_triton(x, gu, lay, k + 1, E, reads=reads if step else None, shared=sgu)
-    ref_lay = moe.layout_ref(ids_r, E + 1, 16)
+    ref_lay = moe_layout.layout_ref(ids_r, E + 1, 16)
     cpu = (lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())) if fp8_ else (lambda t: t.cpu())
     h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(gu), ref_lay, k + 1, E, shared=cpu(sgu))
     check(h.cpu(), h_ref, TOL[torch.float32], "swiglu")

@@ -1,0 +1,114 @@
+"""The block layout of the MoE expert products (kernels/moe.py): which (row, choice) pairs each
+block of a product takes, so that a block reads its expert's weights once for all of them.
+
+    layout   : the (row, choice) pairs p = row * k + j grouped by expert into blocks of BM pairs:
+               block b holds pairs of expert block_expert[b] (-1: an empty block, which exits at once)
+    step     : in a step (a few rows: decode, verify, draft) block b takes the b-th smallest distinct
+               expert the rows chose, all its pairs: the expert kernels derive it on the device from
+               the routing itself (`_step_block`, exact integer bookkeeping, so the same layout as
+               layout_ref gives), launched for the worst case (min(E, T * k) blocks) so the step can
+               be a CUDA graph; they count the step's distinct routed experts as they go (`_block`;
+               `count_reads` on the CPU)
+
+layout_ref is the float32 path's (and a prefill's) layout; `StepLayout.expand` gives a step's as
+layout_ref does.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from mtpchat.kernels._triton import tl, triton
+
+STEP_ROWS = 16          # the pairs a step's block takes: one per row, for each distinct expert
+STEP_PAIRS = 64         # the most (row, choice) pairs a step routes: 8 rows of 8 choices
+
+
+class Layout(NamedTuple):
+    """Which pairs each block of an expert product takes."""
+    expert: torch.Tensor    # [NB] int32: the block's expert, -1 for an empty block
+    pairs: torch.Tensor     # [NB, BM] int32: pair ids row * k + j, -1 for an empty place
+
+
+def layout_ref(ids: torch.Tensor, n_experts: int, bm: int, blocks: int | None = None) -> Layout:
+    """The pairs of ids [T, k] grouped by expert, ascending, each expert's pairs in order over
+    ceil(count / bm) blocks of bm; padded with empty blocks to `blocks` when given."""
+    T, k = ids.shape
+    flat = ids.flatten().long()
+    order = torch.sort(flat, stable=True).indices                     # pair ids, grouped by expert
+    counts = torch.zeros(n_experts, dtype=torch.long, device=ids.device).index_add_(
+        0, flat, torch.ones_like(flat))
+    per_expert = (counts + bm - 1) // bm                               # blocks each expert takes
+    first_block = torch.cumsum(per_expert, 0) - per_expert
+    first_pair = torch.cumsum(counts, 0) - counts
+    n = int(per_expert.sum())
+    blocks = n if blocks is None else blocks
+    assert n <= blocks, f"{n} blocks needed, {blocks} given"
+    expert = torch.full((blocks,), -1, dtype=torch.int32, device=ids.device)
+    expert[:n] = torch.repeat_interleave(torch.arange(n_experts, device=ids.device), per_expert).to(torch.int32)
+    e_sorted = flat[order]
+    rank = torch.arange(T * k, device=ids.device) - first_pair[e_sorted]   # place among its expert's pairs
+    pairs = torch.full((blocks, bm), -1, dtype=torch.int32, device=ids.device)
+    pairs[first_block[e_sorted] + rank // bm, rank % bm] = order.to(torch.int32)
+    return Layout(expert, pairs)
+
+
+class StepLayout(NamedTuple):
+    """A step's layout, left for the expert kernels to derive from the routing itself (`_step_block`):
+    block b takes the b-th smallest distinct expert the rows chose, its pairs in order."""
+    ids: torch.Tensor       # [T, k] int32
+    blocks: int             # min(E, T * k): as many as the step could need
+
+    def expand(self, n_experts: int) -> Layout:
+        return layout_ref(self.ids, n_experts, STEP_ROWS, self.blocks)
+
+
+@triton.jit
+def _step_block(ids, P, i_b, BP: tl.constexpr, BM: tl.constexpr):
+    """Block i_b of a step: the i_b-th smallest distinct expert among the P pairs of `ids` (-1: none),
+    the pairs that chose it in order (place c the c-th; -1 past them), and the number of distinct
+    experts. Integer bookkeeping over at most BP pairs, exact, so the products see the same
+    layout as layout_ref gives."""
+    o_q = tl.arange(0, BP)
+    m_q = o_q < P
+    e_q = tl.load(ids + o_q, mask=m_q, other=-1)
+    same = (e_q[:, None] == e_q[None, :]) & m_q[:, None] & m_q[None, :]
+    first = m_q & (tl.sum((same & (o_q[None, :] < o_q[:, None])).to(tl.int32), 1) == 0)
+    rank = tl.sum(((e_q[None, :] < e_q[:, None]) & first[None, :]).to(tl.int32), 1)
+    mine = m_q & (rank == i_b)
+    e = tl.max(tl.where(mine, e_q, -1), 0)
+    place = tl.cumsum(mine.to(tl.int32), 0) - 1
+    o_c = tl.arange(0, BM)
+    hit = mine[None, :] & (place[None, :] == o_c[:, None])
+    pairs = tl.sum(tl.where(hit, o_q[None, :] + 1, 0), 1) - 1
+    return e, pairs, tl.sum(first.to(tl.int32), 0)
+
+
+@triton.jit
+def _block(expert, pairs, reads, P, i_b, i_n, BM: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
+           COUNT: tl.constexpr, SHARED: tl.constexpr):
+    """(expert, pair ids [BM]) of block i_b: from a Layout, or derived in a step (counting the
+    step's distinct routed experts into `reads` once: the shared one, in every step, is not)."""
+    if STEP:
+        e, p, n = _step_block(expert, P, i_b, BP, BM)
+        if COUNT:
+            if (i_b == 0) & (i_n == 0):
+                tl.atomic_add(reads, (n - SHARED).to(tl.int64))
+    else:
+        e = tl.load(expert + i_b)
+        p = tl.load(pairs + i_b * BM + tl.arange(0, BM))
+    return e.to(tl.int64), p
+
+
+def _layout_args(layout, top_k: int) -> tuple:
+    """(expert or ids, pairs, P, BM, blocks, STEP, BP) for a kernel launch."""
+    if isinstance(layout, StepLayout):
+        P = layout.ids.numel()
+        return layout.ids, layout.ids, P, STEP_ROWS, layout.blocks, True, STEP_PAIRS
+    return layout.expert, layout.pairs, 0, layout.pairs.shape[1], layout.expert.shape[0], False, 16
+
+
+def count_reads(layout, reads: torch.Tensor, n_experts: int):
+    """Add a step's distinct routed experts to `reads` (the CPU's; the GPU's swiglu kernel counts its own)."""
+    reads += ((layout.expert >= 0) & (layout.expert < n_experts)).sum().to(reads.dtype)
