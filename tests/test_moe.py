@@ -1,16 +1,18 @@
 """The Qwen3.5/3.6 MoE models (float32, CPU) against transformers' Qwen3_5MoeForCausalLM: checkpoints
-with their experts stacked, per expert, and as transformers' save_pretrained writes them; a wrong
-renormalisation or shared-expert gate fails the comparison; greedy MTP on == off; FP8 experts; the
+with their experts stacked, per expert, and as transformers' save_pretrained writes them, re-saved in
+the other layout; a wrong renormalisation or shared-expert gate fails the comparison; greedy MTP on == off; FP8 experts; the
 memory plan; the experts-read telemetry."""
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from mtpchat.engine import Engine, SamplingParams, memory
 from mtpchat.engine.config import ConfigError, ModelConfig
 from mtpchat.engine.tiny import write_dequantized_twin, write_tiny_checkpoint
-from mtpchat.engine.weights import PER_EXPERT, STACKED, expert_layout
+from mtpchat.engine.weights import PER_EXPERT, STACKED, expert_layout, text_prefix
 from mtpchat.kernels import moe
 from mtpchat.kernels.fp8 import quantize_ref
 
@@ -84,8 +86,41 @@ def test_a_wide_shared_expert_runs_apart_and_equals_transformers(ckpts, monkeypa
     assert max_error(ckpts[STACKED]) < 1e-4
 
 
-def test_logits_equal_transformers_on_its_own_save(saved_by_transformers):
-    engine = Engine.load(saved_by_transformers, max_context=512, prefill_chunk=48)
+def resave(src: Path, out: Path, experts: str) -> Path:
+    """The checkpoint at `src` with its experts re-saved STACKED (`experts.gate_up_proj` [E, 2F, H],
+    `experts.down_proj` [E, H, F]) or PER_EXPERT (`experts.{e}.gate_proj.weight` ...): the same weights."""
+    w = {}
+    for f in src.glob("*.safetensors"):
+        w |= load_file(f)
+    for name in [n for n in w if n.endswith(".mlp.experts.gate_up_proj")]:          # stacked -> per expert
+        base = name.removesuffix("gate_up_proj")
+        gate_up, down = w.pop(name), w.pop(base + "down_proj")
+        for e in range(gate_up.shape[0]):
+            g, u = gate_up[e].chunk(2)
+            w |= {f"{base}{e}.gate_proj.weight": g, f"{base}{e}.up_proj.weight": u, f"{base}{e}.down_proj.weight": down[e]}
+    if experts == STACKED:
+        for name in [n for n in w if n.endswith(".mlp.experts.0.gate_proj.weight")]:
+            base = name.removesuffix("0.gate_proj.weight")
+            E = sum(n.startswith(base) and n.endswith(".gate_proj.weight") for n in w)
+            part = lambda e, p: w.pop(f"{base}{e}.{p}_proj.weight")
+            w[base + "gate_up_proj"] = torch.stack([torch.cat([part(e, "gate"), part(e, "up")]) for e in range(E)])
+            w[base + "down_proj"] = torch.stack([part(e, "down") for e in range(E)])
+    out.mkdir()
+    save_file({n: t.contiguous() for n, t in w.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out)
+    return out
+
+
+@pytest.mark.parametrize("experts", [STACKED, PER_EXPERT])
+def test_logits_equal_transformers_on_its_own_save(saved_by_transformers, tmp_path, experts):
+    """transformers' save as it writes it (per expert in 5.x), and re-saved in the other layout, both
+    against the model transformers loads from its own save."""
+    own = expert_layout(saved_by_transformers, text_prefix(saved_by_transformers))
+    folder = saved_by_transformers if own == experts else resave(saved_by_transformers, tmp_path / experts, experts)
+    assert expert_layout(folder, text_prefix(folder)) == experts
+    engine = Engine.load(folder, max_context=512, prefill_chunk=48)
     assert engine.config.is_moe and engine.head is None
     assert max_error(saved_by_transformers, engine) < 1e-4
 
