@@ -242,8 +242,8 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
     tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
 
 
-@triton.jit(do_not_specialize=["T"])
-def _combine_kernel(y, weights, shared, gate, out, T, H, s_y, s_s, s_o,
+@triton.jit
+def _combine_kernel(y, weights, shared, gate, out, H, s_y, s_s, s_o,
                     TOPK: tl.constexpr, BH: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     r, i_h = tl.program_id(0), tl.program_id(1)
@@ -298,7 +298,7 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     fp8 = isinstance(w_gate_up, BlockFP8)
     assert wv.shape == (n_experts * 2 * Fi, H) and wv.is_contiguous() and x.stride(1) == 1
     assert _fp8_ok(w_gate_up, Fi), "FP8 experts need 128-row aligned gate and up parts"
-    expert, pairs, P, bm, blocks, step, bp = _layout_args(layout, top_k)
+    expert, pairs, P, bm, blocks, step, bp = _layout_args(layout)
     BN, BK, warps, stages = _tiles("swiglu", step, fp8, x.element_size())
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
     ws = w_gate_up.scale if fp8 else wv
@@ -318,7 +318,7 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None) -> torch.
     fp8 = isinstance(w_down, BlockFP8)
     assert wv.shape == (n_experts * H, Fi) and wv.is_contiguous() and h.stride(1) == 1
     assert _fp8_ok(w_down, H), "FP8 experts need 128-row aligned down parts"
-    expert, pairs, P, bm, blocks, step, bp = _layout_args(layout, 0)
+    expert, pairs, P, bm, blocks, step, bp = _layout_args(layout)
     BN, BK, warps, stages = _tiles("down", step, fp8, h.element_size())
     y = torch.empty(P_, H, dtype=torch.float32, device=h.device)
     ws = w_down.scale if fp8 else wv
@@ -337,7 +337,7 @@ def combine_triton(y, weights, shared=None, gate=None, dtype=torch.bfloat16) -> 
     out = torch.empty(T, H, dtype=dtype, device=y.device)
     BH = 512
     _combine_kernel[(T, triton.cdiv(H, BH))](
-        y, weights, shared if shared is not None else y, gate if gate is not None else weights, out, T, H,
+        y, weights, shared if shared is not None else y, gate if gate is not None else weights, out, H,
         y.stride(0), shared.stride(0) if shared is not None else 0, out.stride(0),
         TOPK=k, BH=BH, HAS_SHARED=shared is not None, num_warps=4, **pdl(y))
     return out

@@ -101,7 +101,7 @@ def _block(expert, pairs, reads, P, i_b, i_n, BM: tl.constexpr, STEP: tl.constex
     return e.to(tl.int64), p
 
 
-def _layout_args(layout, top_k: int) -> tuple:
+def _layout_args(layout) -> tuple:
     """(expert or ids, pairs, P, BM, blocks, STEP, BP) for a kernel launch."""
     if isinstance(layout, StepLayout):
         P = layout.ids.numel()
