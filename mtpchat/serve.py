@@ -3,12 +3,16 @@
 One engine holds one decode state, so the server runs one generation at a time: a request that
 arrives while one runs waits its turn, and once `max_waiting` wait, the next gets 429 with a body
 that says so. The engine runs on a thread of its own; its text goes to the event loop through a
-queue, so a client that goes away mid-stream only sets a flag, which the thread passes to
-`engine.cancel()` at the next step, and the gate opens when that thread has ended, not before.
+queue, so a client that goes away (mid-stream, or before a whole answer is ready) only sets a
+flag, which the thread passes to `engine.cancel()` at the next step, and the gate opens when that
+thread has ended, not before.
 
 Routes: POST /v1/chat/completions (streamed as server-sent events, or one JSON object),
 GET /v1/models, GET /metrics (Prometheus text, with vLLM's names for the speculative decoding
 counters so the same dashboards and `mtpchat --server` read it), GET /health.
+
+serve_request.py checks what a request asks; serve_metrics.py is what the server reports of its
+speculative decoding (per request, and on /metrics).
 
 Starlette rather than FastAPI: four routes whose bodies are checked by hand in a few lines, and
 FastAPI's request models would add pydantic for nothing here. Nothing of this module's
@@ -25,94 +29,11 @@ from dataclasses import dataclass, field
 from mtpchat.app.prompt import build_prompt
 from mtpchat.app.think import ThinkSplitter, prompt_opens_think
 from mtpchat.errors import UserError
+from mtpchat.serve_metrics import FINISH, Counters, spec_metrics, usage
+from mtpchat.serve_request import BadRequest, Request, parse_request
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_MAX_WAITING = 8
-
-
-class BadRequest(ValueError):
-    """A request the API refuses with 400; the message names the field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class Request:
-    """One chat completion request, checked and turned into what the engine takes."""
-    messages: list[dict]
-    params: object                 # engine SamplingParams
-    stops: list[str]
-    think: bool
-    stream: bool
-    include_usage: bool
-
-
-def _number(body: dict, name: str, kind, lo=None, hi=None, default=None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise BadRequest(f"'{name}' must be a{'n integer' if kind is int else ' number'}, got {value!r}", name)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise BadRequest(f"'{name}' must be between {lo} and {hi}, got {value!r}", name)
-    return kind(value)
-
-
-def _text(content, where: str) -> str:
-    """A message's content: a string, or a list of text parts (other kinds of part are refused)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise BadRequest(f"{where}.content must be a string or a list of text parts", where)
-
-
-def parse_request(body, engine, think_default: bool) -> Request:
-    """The request's fields, checked; unset sampling fields take the checkpoint's defaults."""
-    from mtpchat.engine.sampling import SamplingParams
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise BadRequest("'messages' must be a non-empty list of {role, content}", "messages")
-    messages = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise BadRequest(f"messages[{i}] needs a role of system, user, assistant or tool", "messages")
-        msg = {"role": m["role"], "content": _text(m.get("content") or "", f"messages[{i}]")}
-        thinking = m.get("reasoning_content", m.get("reasoning"))
-        if isinstance(thinking, str) and thinking:
-            msg["reasoning_content"] = thinking
-        messages.append(msg)
-    if _number(body, "n", int, 1, 1, 1) != 1:
-        raise BadRequest("only n = 1 is served", "n")
-    gen = engine.generation_config
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise BadRequest("'stop' must be a string or a list of strings", "stop")
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and not (isinstance(stop_ids, list) and all(isinstance(t, int) for t in stop_ids)):
-        raise BadRequest("'stop_token_ids' must be a list of token ids", "stop_token_ids")
-    eos = () if body.get("ignore_eos") else tuple(engine.stop_ids)
-    max_tokens = _number(body, "max_completion_tokens", int, 1, default=None) or \
-        _number(body, "max_tokens", int, 1, default=None) or engine.max_context
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    options = body.get("stream_options") or {}
-    params = SamplingParams(
-        temperature=_number(body, "temperature", float, 0.0, 2.0, gen.temperature if gen.temperature is not None else 0.0),
-        top_p=_number(body, "top_p", float, 0.0, 1.0, gen.top_p if gen.top_p is not None else 1.0) or 1.0,
-        top_k=max(_number(body, "top_k", int, -1, default=gen.top_k if gen.top_k is not None else 0), 0),
-        min_p=_number(body, "min_p", float, 0.0, 0.999, 0.0),
-        presence_penalty=_number(body, "presence_penalty", float, -2.0, 2.0, 0.0),
-        max_tokens=max_tokens, seed=_number(body, "seed", int, default=None),
-        stop_token_ids=eos + tuple(stop_ids or ()))
-    return Request(messages, params, stop, bool(kwargs.get("enable_thinking", think_default)),
-                   bool(body.get("stream", False)), bool(isinstance(options, dict) and options.get("include_usage")))
 
 
 class StopStrings:
@@ -185,56 +106,6 @@ def produce(engine, req: Request, put, cancelled) -> Outcome:
         out.answer.append(answer)
         put(think, answer)
     return out
-
-
-FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "abort"}
-
-
-def spec_metrics(stats) -> dict:
-    """The request's own speculative decoding counts, named as vLLM names its counters."""
-    return {"speculative_decoding": {
-        "num_drafts": stats.verify_steps, "num_draft_tokens": stats.drafted,
-        "num_accepted_tokens": stats.accepted, "num_accepted_tokens_per_pos": list(stats.accepted_at_least)}}
-
-
-def usage(stats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
-            "total_tokens": stats.prompt_tokens + stats.new_tokens}
-
-
-class Counters:
-    """/metrics: Prometheus counters under vLLM's names, in a registry of this server's own."""
-
-    def __init__(self, model: str):
-        from prometheus_client import CollectorRegistry, Counter, Gauge
-        self.registry = r = CollectorRegistry()
-        self.model = model
-        c = lambda name, doc, *labels: Counter(name, doc, ["model_name", *labels], registry=r)
-        self.drafts = c("vllm:spec_decode_num_drafts", "Speculative steps (one per verify forward).")
-        self.draft_tokens = c("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.")
-        self.accepted = c("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.per_pos = c("vllm:spec_decode_num_accepted_tokens_per_pos",
-                         "Steps that accepted the draft at this position.", "position")
-        self.prompt = c("vllm:prompt_tokens", "Prompt tokens processed.")
-        self.generated = c("vllm:generation_tokens", "Tokens generated.")
-        self.requests = c("vllm:request_success", "Finished requests, by how they finished.", "finished_reason")
-        self.running = Gauge("vllm:num_requests_running", "Requests generating.", ["model_name"], registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting their turn.", ["model_name"], registry=r)
-
-    def count(self, stats, reason: str) -> None:
-        m = self.model
-        self.drafts.labels(m).inc(stats.verify_steps)
-        self.draft_tokens.labels(m).inc(stats.drafted)
-        self.accepted.labels(m).inc(stats.accepted)
-        for i, n in enumerate(stats.accepted_at_least):
-            self.per_pos.labels(m, str(i)).inc(n)
-        self.prompt.labels(m).inc(stats.prompt_tokens)
-        self.generated.labels(m).inc(stats.new_tokens)
-        self.requests.labels(m, FINISH.get(reason, reason)).inc()
-
-    def text(self) -> bytes:
-        from prometheus_client import generate_latest
-        return generate_latest(self.registry)
 
 
 class Gate:
@@ -336,19 +207,30 @@ def build_app(engine, *, model: str, api_key: str | None = None, think: bool = T
                 loop.call_soon_threadsafe(gate().lock.release)
         threading.Thread(target=work, name="mtpchat-generate", daemon=True).start()
         rid, stamp = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        if not req.stream:
-            return await whole(queue, gone, rid, stamp)
-        first = await queue.get()      # a prompt too long is a 400, not a broken stream
+        watch = asyncio.create_task(until_gone(request, gone))
+        try:
+            if not req.stream:
+                return await whole(queue, rid, stamp)
+            first = await queue.get()      # a prompt too long is a 400, not a broken stream
+        except BaseException:
+            gone.set()                     # this handler was cancelled (the server stopping): so is the work
+            raise
+        finally:
+            watch.cancel()                 # a stream listens for the client leaving by itself
         if first[0] == "bad":
             return error_body(400, str(first[1]), "invalid_request_error", first[1].param)
         return StreamingResponse(events(first, queue, gone, req, rid, stamp), media_type="text/event-stream")
 
-    async def whole(queue, gone, rid, stamp):
-        try:
-            while (item := await queue.get())[0] == "text":
-                pass
-        finally:
-            gone.set()
+    async def until_gone(request, gone):
+        """Until a stream begins, nothing else hears the client leave, and the one generation would
+        run on for no one (a whole answer, or a long prefill)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    async def whole(queue, rid, stamp):
+        while (item := await queue.get())[0] == "text":
+            pass
         if item[0] == "bad":
             return error_body(400, str(item[1]), "invalid_request_error", item[1].param)
         out = item[1]
@@ -387,11 +269,14 @@ def build_app(engine, *, model: str, api_key: str | None = None, think: bool = T
                 item = item or await queue.get()
             out = item[1]
             if out.error:   # the stream has begun: the error goes in it, and it ends without [DONE]
-                yield f"data: {json.dumps({'error': {'message': f'the engine failed: {out.error}', 'type': 'server_error', 'code': 500}})}\n\n"
+                failed = {"message": f"the engine failed: {out.error}", "type": "server_error", "code": 500}
+                yield f"data: {json.dumps({'error': failed})}\n\n"
                 return
-            yield chunk({}, FINISH[out.reason], metrics=spec_metrics(out.stats))
+            # the figures ride the usage chunk, as vLLM sends them, or the last one where none is asked for
+            spec = {"metrics": spec_metrics(out.stats)}
+            yield chunk({}, FINISH[out.reason], **({} if req.include_usage else spec))
             if req.include_usage:
-                yield chunk(None, usage=usage(out.stats))
+                yield chunk(None, usage=usage(out.stats), **spec)
             yield "data: [DONE]\n\n"
         finally:
             gone.set()     # the client left (or the reply ended): the thread cancels at its next step

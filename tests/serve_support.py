@@ -1,10 +1,12 @@
-"""`mtpchat serve` as a real process on a free localhost port, and the in-process engine to compare.
+"""`mtpchat serve` as a real process on a free localhost port, the in-process engine to compare, and
+fake servers that fail a client in each way a real one can (or replay a recorded vLLM / SGLang one).
 
 The model is the demo checkpoint in assets/demo: small enough for the CPU, and trained, so its MTP
 head's drafts are accepted often (a random checkpoint's almost never are, which would make equal
 acceptance figures an equality of zeros)."""
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo"
@@ -81,3 +84,83 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+DATA = Path(__file__).resolve().parent / "data"
+CUT_REPLY = "Hello there"
+
+
+class FakeHandler(BaseHTTPRequestHandler):
+    """A server that is not quite right, or replays a recorded one, as `mode` says:
+    "cut" streams two pieces and closes without finishing; "html" is a web page, not an API;
+    "missing" answers 404 everywhere; "key" refuses every request with 401; "busy" lists its model
+    but answers a chat with 429, as `mtpchat serve` past its queue bound; "plain" finishes a reply
+    but reports no speculative figures and has no /metrics; "vllm" replays vLLM's recorded stream;
+    "sglang" finishes a reply without figures, with SGLang's recorded /metrics page."""
+    mode = "cut"
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code: int, body: bytes, kind="application/json"):
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _refuse(self) -> bool:
+        if self.mode == "key":
+            self._send(401, json.dumps({"error": {"message": "Unauthorized", "code": 401}}).encode())
+        elif self.mode == "missing":
+            self._send(404, b'{"detail":"Not Found"}')
+        elif self.mode == "html":
+            self._send(200, b"<html>a web page</html>", "text/html")
+        return self.mode in ("key", "missing", "html")
+
+    def do_GET(self):
+        if self._refuse():
+            return
+        if self.path == "/v1/models":
+            return self._send(200, json.dumps({"data": [{"id": "m", "max_model_len": 4096}]}).encode())
+        if self.path == "/metrics" and self.mode == "sglang":
+            return self._send(200, (DATA / "sglang-0.5-metrics.txt").read_bytes(), "text/plain")
+        self._send(404, b"{}")
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self._refuse():
+            return
+        if self.mode == "busy":
+            return self._send(429, json.dumps({"error": {"message": "the server is busy", "code": 429}}).encode())
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        if self.mode == "vllm":
+            text = (DATA / "vllm-0.32-chat-stream.txt").read_text()
+            self.wfile.write("".join(f"{x}\n" for x in text.splitlines() if not x.startswith("#")).encode())
+        else:
+            pieces = [{"delta": {"content": t}, "finish_reason": None} for t in ("Hello", " there")]
+            if self.mode != "cut":
+                pieces.append({"delta": {}, "finish_reason": "stop"})
+            for choice in pieces:
+                self.wfile.write(f"data: {json.dumps({'choices': [{'index': 0, **choice}]})}\n\n".encode())
+                self.wfile.flush()
+            if self.mode != "cut":
+                used = {"prompt_tokens": 9, "completion_tokens": 90, "total_tokens": 99}
+                self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': used})}\n\ndata: [DONE]\n\n".encode())
+        self.close_connection = True    # "cut": no finish_reason, no [DONE]
+
+
+class FakeServer:
+    """A FakeHandler on a free localhost port, on a thread of its own."""
+
+    def __init__(self, mode: str = "cut"):
+        handler = type("Handler", (FakeHandler,), {"mode": mode})
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()

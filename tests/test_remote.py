@@ -1,14 +1,13 @@
-"""The client side: /metrics parsers on recorded vLLM and SGLang pages, per-request figures, and every
-way a server can fail a user (each one line, the partial reply kept)."""
+"""The client side: /metrics parsers on recorded vLLM and SGLang pages, per-request figures in the
+shapes vLLM and SGLang send them (a recorded vLLM stream replayed whole), and every way a server
+can fail a user (each one line, the partial reply kept)."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from serve_support import free_port
+from serve_support import CUT_REPLY, FakeServer, free_port
 
 from mtpchat import cli
 from mtpchat.remote import metrics
@@ -39,79 +38,90 @@ def test_sglang_gauges_are_an_estimate_from_the_server_average():
     assert metrics.between(None, snap, 90) is None
 
 
-def test_per_request_figures_from_vllm_and_sglang_responses():
-    vllm = {"choices": [], "metrics": {"speculative_decoding": {
-        "num_drafts": 12, "num_draft_tokens": 36, "num_accepted_tokens": 20, "num_accepted_tokens_per_pos": [10, 7, 3]}}}
-    spec = metrics.from_response(vllm)
-    assert (spec.verify_steps, spec.drafted, spec.accepted, spec.at_least) == (12, 36, 20, [10, 7, 3])
-    sglang = {"meta_info": {"completion_tokens": 50, "spec_verify_ct": 20}}
-    spec = metrics.from_response(sglang)
-    assert (spec.verify_steps, spec.accepted, spec.mean_length) == (20, 30, 2.5)
+def test_per_request_figures_in_vllm_s_documented_shape():
+    stream = (DATA / "vllm-0.32-chat-stream.txt").read_text().splitlines()
+    last = json.loads([x for x in stream if x.startswith("data: {")][-1][6:])
+    spec = metrics.from_response(last)
+    # histogram [39, 1, 0, 3] (steps that accepted exactly 0..3): at least 1, 2, 3 = 4, 3, 3
+    assert (spec.verify_steps, spec.drafted, spec.accepted, spec.at_least) == (43, 129, 10, [4, 3, 3])
+    assert spec.mean_length == pytest.approx(last["metrics"]["speculative_decoding"]["mean_acceptance_length"])
     assert metrics.from_response({"choices": [], "usage": {}}) is None
+    assert metrics.from_response({"metrics": {"speculative_decoding": None}}) is None        # n > 1
+    assert metrics.from_response({"metrics": {"speculative_decoding": {"num_spec_steps": "x"}}}) is None
 
 
-class Fake(BaseHTTPRequestHandler):
-    """A server that is not quite right, as `mode` says."""
-    mode = "ok"
-
-    def log_message(self, *args):
-        pass
-
-    def _send(self, code: int, body: bytes, kind="application/json"):
-        self.send_response(code)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        if self.mode == "html":
-            return self._send(200, b"<html>a web page</html>", "text/html")
-        if self.path == "/v1/models":
-            return self._send(200, json.dumps({"data": [{"id": "m"}]}).encode())
-        self._send(404, b"{}")
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for text in ("Hello", " there"):
-            chunk = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            self.wfile.flush()
-        self.close_connection = True    # cut: no finish_reason, no [DONE]
+@pytest.mark.parametrize("naming", ["earlier", "later"])
+def test_per_request_figures_from_sglang_meta_info(naming):
+    sample = json.loads((DATA / "sglang-meta-info.json").read_text())[naming]
+    spec = metrics.from_response(sample)
+    assert (spec.verify_steps, spec.drafted, spec.accepted, spec.at_least) == (20, 60, 33, [16, 12, 5])
+    assert spec.exact and "SGLang" in spec.source
+    # a version that sends only the verify count: the accepted drafts follow from the reply's length
+    spec = metrics.from_response({"meta_info": {"completion_tokens": 50, "spec_verify_ct": 20}})
+    assert (spec.verify_steps, spec.accepted, spec.mean_length) == (20, 30, 2.5)
 
 
 @pytest.fixture
 def fake():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Fake)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield httpd
-    Fake.mode = "ok"
-    httpd.shutdown()
+    servers = []
+
+    def start(mode: str) -> str:
+        servers.append(FakeServer(mode))
+        return servers[-1].url
+    yield start
+    for server in servers:
+        server.close()
 
 
-def url_of(httpd) -> str:
-    return f"http://127.0.0.1:{httpd.server_address[1]}"
+def chat(engine) -> tuple[list[tuple[str, str]], object]:
+    pieces, stats = [], None
+    for kind, *rest in engine.chat([{"role": "user", "content": "hi"}], True, cli_params()):
+        if kind == "end":
+            stats = rest[1]
+        else:
+            pieces.append((kind, rest[0]))
+    return pieces, stats
+
+
+def test_a_recorded_vllm_stream_gives_thinking_answer_usage_and_figures(fake):
+    engine = RemoteEngine.connect(fake("vllm"))
+    pieces, stats = chat(engine)
+    assert pieces == [("thinking", "The user says hello."), ("thinking", " Answer briefly."),
+                      ("answer", "Hello"), ("answer", " there!")]
+    assert (stats.prompt_tokens, stats.new_tokens) == (12, 54)
+    assert (stats.verify_steps, stats.drafted, stats.accepted, stats.accepted_at_least) == (43, 129, 10, [4, 3, 3])
+    assert engine.spec_source == "per request"
+
+
+def test_sglang_metrics_around_a_reply_are_an_estimate_and_none_is_none(fake):
+    engine = RemoteEngine.connect(fake("sglang"))
+    _, stats = chat(engine)      # 90 tokens at the page's mean length 3.0 (ranks averaged)
+    assert (stats.verify_steps, stats.accepted) == (30, 60) and stats.mean_acceptance_length == pytest.approx(3.0)
+    assert engine.spec_source == "SGLang /metrics (server average)"
+    engine = RemoteEngine.connect(fake("plain"))
+    _, stats = chat(engine)
+    assert stats.new_tokens == 90 and stats.verify_steps == 0 and engine.spec_source == ""
 
 
 def test_unreachable_server_and_a_non_openai_endpoint_say_what_to_do(fake):
     with pytest.raises(RemoteError, match=r"cannot reach the server .* is it running"):
         RemoteEngine.connect(f"http://127.0.0.1:{free_port()}")
-    Fake.mode = "html"
-    with pytest.raises(RemoteError, match="OpenAI-compatible"):
-        RemoteEngine.connect(url_of(fake))
+    with pytest.raises(RemoteError, match="did not answer with an OpenAI model list"):
+        RemoteEngine.connect(fake("html"))
+    with pytest.raises(RemoteError, match="does not exist .*base URL of an OpenAI-compatible server"):
+        RemoteEngine.connect(fake("missing"))
+    with pytest.raises(RemoteError, match="refused the API key .*--api-key"):
+        RemoteEngine.connect(fake("key"), "wrong")
 
 
 def test_a_stream_cut_mid_reply_keeps_what_came(fake):
-    engine = RemoteEngine.connect(url_of(fake) + "/v1")
+    engine = RemoteEngine.connect(fake("cut") + "/v1")
     assert engine.name == "m" and engine.server.metrics_text() is None
     got = []
     with pytest.raises(StreamCut, match="before the reply was complete"):
         for kind, *rest in engine.chat([{"role": "user", "content": "hi"}], True, cli_params()):
             got.append(rest[0])
-    assert got == ["Hello", " there"]
+    assert "".join(got) == CUT_REPLY
 
 
 def cli_params():
@@ -120,13 +130,35 @@ def cli_params():
                            max_tokens=16, seed=None)
 
 
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main(["run", *argv, "--prompt", "hi"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def test_run_server_on_a_cut_stream_prints_the_partial_reply_and_one_line(fake, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
-    code = cli.main(["run", "--server", url_of(fake), "--prompt", "hi"])
-    out, err = capsys.readouterr()
-    assert code == 1 and out == "Hello there\n"
+    code, out, err = run_cli(capsys, "--server", fake("cut"))
+    assert code == 1 and out == CUT_REPLY + "\n"
     assert err.count("\n") == 1 and "before the reply was complete" in err
     assert "Traceback" not in err and "above" in err
-    code = cli.main(["run", "--server", f"http://127.0.0.1:{free_port()}", "--prompt", "hi"])
-    out, err = capsys.readouterr()
-    assert code == 1 and "cannot reach" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("mode, said", [(None, "cannot reach the server"), ("key", "refused the API key"),
+                                        ("html", "OpenAI model list"), ("missing", "does not exist"),
+                                        ("busy", "busy (HTTP 429")])
+def test_run_server_that_cannot_be_used_is_one_line_and_exit_1(fake, capsys, tmp_path, monkeypatch, mode, said):
+    monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
+    url = fake(mode) if mode else f"http://127.0.0.1:{free_port()}"
+    code, out, err = run_cli(capsys, "--server", url, "--api-key", "wrong")
+    assert code == 1 and out == "" and said in err
+    assert err.count("\n") == 1 and err.startswith("mtpchat: error: ") and "Traceback" not in err
+
+
+def test_run_server_says_n_a_where_the_server_reports_no_figures(fake, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
+    code, out, err = run_cli(capsys, "--server", fake("plain"))
+    assert code == 0 and out == "Hello there\n"
+    assert "90 tokens" in err and "speculative decoding: N/A" in err and "mean acceptance" not in err
+    code, out, err = run_cli(capsys, "--server", fake("vllm"))
+    assert code == 0 and out == "Hello there!\n" and "mean acceptance length 1.23" in err

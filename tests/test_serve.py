@@ -28,9 +28,16 @@ def reference():
 
 
 def spec_of(stats: dict) -> dict:
-    return {"num_drafts": stats["verify_steps"], "num_draft_tokens": stats["drafted"],
-            "num_accepted_tokens": stats["accepted"],
-            "num_accepted_tokens_per_pos": [round(p * stats["verify_steps"]) for p in stats["per_position_acceptance"]]}
+    """The in-process figures in vLLM's per-request shape: the histogram counts the steps that accepted
+    exactly j drafts, from the per-position rates (steps that accepted at least i+1)."""
+    steps = stats["verify_steps"]
+    at = [round(p * steps) for p in stats["per_position_acceptance"]]
+    hist = [steps - at[0]] + [a - b for a, b in zip(at, at[1:] + [0])]
+    assert sum(hist) == steps and sum(j * n for j, n in enumerate(hist)) == stats["accepted"]
+    return {"num_spec_steps": steps, "num_draft_tokens": stats["drafted"], "num_accepted_draft_tokens": stats["accepted"],
+            "acceptance_histogram": hist, "num_spec_tokens": len(at),
+            "mean_acceptance_length": pytest.approx(stats["mean_acceptance_length"], abs=1e-4),
+            "draft_acceptance_rate": pytest.approx(stats["draft_acceptance_rate"], abs=1e-4)}
 
 
 def test_openai_client_streams_what_the_engine_gives_in_process(server, reference):
@@ -90,9 +97,13 @@ def test_metrics_around_a_request_give_its_counts(server, reference):
     assert r.status_code == 200
     spec = metrics.between(before, after, stats["new_tokens"])
     assert spec.exact and spec.source == "vLLM /metrics"
-    assert {"num_drafts": spec.verify_steps, "num_draft_tokens": spec.drafted, "num_accepted_tokens": spec.accepted,
-            "num_accepted_tokens_per_pos": spec.at_least} == spec_of(stats) == r.json()["metrics"]["speculative_decoding"]
-    assert httpx.get(server + "/health").status_code == 200
+    expected = spec_of(stats)
+    assert (spec.verify_steps, spec.drafted, spec.accepted) == \
+        (expected["num_spec_steps"], expected["num_draft_tokens"], expected["num_accepted_draft_tokens"])
+    assert spec.at_least == [round(p * spec.verify_steps) for p in stats["per_position_acceptance"]]
+    assert r.json()["metrics"]["speculative_decoding"] == expected
+    health = httpx.get(server + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
 
 
 def _finished(url: str, reason: str) -> float:
@@ -188,12 +199,60 @@ def test_stop_strings_cut_the_reply_where_they_start(server, reference):
     assert choice["finish_reason"] == "stop" and r.json()["usage"]["completion_tokens"] < MAX_TOKENS
 
 
+def test_stop_strings_cut_a_stream_too(server, reference):
+    thinking, _, _ = reference
+    stop = thinking[5:9]
+    think, content, finish = [], [], None
+    with httpx.stream("POST", server + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": PROMPT}], "temperature": 0, "max_tokens": MAX_TOKENS,
+            "stop": stop, "stream": True}) as r:
+        for line in r.iter_lines():
+            for choice in json.loads(line[6:])["choices"] if line.startswith("data: {") else []:
+                think.append(choice["delta"].get("reasoning") or "")
+                content.append(choice["delta"].get("content") or "")
+                finish = choice["finish_reason"] or finish
+    assert "".join(think) == thinking[:thinking.index(stop)] and not "".join(content) and finish == "stop"
+
+
+def test_stop_strings_match_across_pieces_and_give_back_what_held_no_stop():
+    from mtpchat.serve import StopStrings
+    stops = StopStrings(["</end>", "xyz"])
+    assert stops.push("ab") + stops.push("c</e") + stops.push("nd>tail") + stops.flush() == "abc"
+    assert stops.hit and stops.push("more") == ""
+    stops = StopStrings(["</end>"])
+    assert stops.push("hello </en") + stops.push("d-less") + stops.flush() == "hello </end-less"
+    assert not stops.hit
+
+
+def test_per_request_figures_round_trip_through_vllm_s_histogram():
+    from mtpchat.engine.events import Stats
+    from mtpchat.serve_metrics import spec_metrics
+    # 10 steps of up to 3 drafts (adaptive k): 6 accepted the first, 2 the first two, none all three
+    stats = Stats(verify_steps=10, drafted=26, accepted=8, accepted_at_least=[6, 2], k_histogram={2: 4, 3: 6})
+    sent = spec_metrics(stats)["speculative_decoding"]
+    assert sent["acceptance_histogram"] == [4, 4, 2, 0] and sent["num_spec_tokens"] == 3
+    assert sent["mean_acceptance_length"] == 1.8 and sent["draft_acceptance_rate"] == pytest.approx(8 / 26)
+    got = metrics.from_response({"metrics": spec_metrics(stats)})
+    assert (got.verify_steps, got.drafted, got.accepted, got.at_least) == (10, 26, 8, [6, 2, 0])
+    assert spec_metrics(Stats())["speculative_decoding"]["acceptance_histogram"] == [0]     # MTP off
+
+
+def test_a_client_leaving_before_a_whole_answer_cancels_it_too(server):
+    aborted, generated = _finished(server, "abort"), _generated(server)
+    with pytest.raises(httpx.ReadTimeout):     # not streamed: the client gives up waiting
+        httpx.post(server + "/v1/chat/completions", json=dict(LONG, stream=False), timeout=httpx.Timeout(60, read=2))
+    _wait(lambda: _finished(server, "abort") == aborted + 1, "the generation to be cancelled")
+    assert _generated(server) - generated < LONG["max_tokens"] // 2
+
+
 def test_another_host_needs_a_key_and_a_keyed_server_refuses_others(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     monkeypatch.delenv("MTPCHAT_API_KEY", raising=False)
     code = cli.main(["serve", "--host", "0.0.0.0", "--model", "/nonexistent"])
     err = capsys.readouterr().err
-    assert code == 2 and "--api-key" in err and "Traceback" not in err
+    assert code == 2 and "--api-key" in err and "Traceback" not in err and err.count("\n") == 1
+    cli.main(["serve", "--host", "0.0.0.0", "--api-key", "k", "--model", "/nonexistent"])
+    assert "--api-key" not in capsys.readouterr().err      # with a key, the bind is allowed: the model is what fails
     proc = ServeProcess(tmp_path, "--api-key", "s3cret")
     try:
         assert httpx.get(proc.url + "/v1/models").status_code == 401

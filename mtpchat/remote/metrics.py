@@ -1,14 +1,15 @@
 """A server's speculative decoding figures, in the engine's own terms (engine/events.py).
 
 Three sources, best first:
-- per request, in the response: vLLM's `metrics.speculative_decoding` (vLLM 0.32+, with
+- per request, in the response: vLLM's `metrics.speculative_decoding` (`num_spec_steps`,
+  `num_draft_tokens`, `num_accepted_draft_tokens`, `acceptance_histogram`: vLLM 0.32 with
   `--per-request-spec-decode-metrics summary`; also what `mtpchat serve` sends), SGLang's `meta_info`
-  (`spec_verify_ct` next to `completion_tokens`);
+  (`spec_verify_ct` with the accepted and proposed draft counts, or with `completion_tokens`);
 - the server's Prometheus /metrics read before and after the request: vLLM's counters
   `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens` and
   `..._num_accepted_tokens_per_pos{position}` (vLLM 0.9+, the V1 engine) give this request's exact
   counts when it ran alone; SGLang's gauges `sglang:spec_accept_length` / `sglang:spec_accept_rate`
-  are the server's recent average, not this request's, and are shown as such;
+  are the server's recent average, not this request's: an estimate, and `source` says so;
 - none: the panels say N/A.
 """
 from __future__ import annotations
@@ -19,6 +20,11 @@ VLLM = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tok
         "vllm:spec_decode_num_accepted_tokens": "accepted"}
 VLLM_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 SGLANG = {"sglang:spec_accept_length": "accept_length", "sglang:spec_accept_rate": "accept_rate"}
+# SGLang's meta_info counts (accepted drafts, proposed drafts) under the names its releases have used,
+# newest first; the histogram is `spec_correct_drafts_histogram`, earlier `spec_accept_histogram`
+SGLANG_COUNTS = (("spec_num_correct_drafts", "spec_num_proposed_drafts"),
+                 ("spec_accepted_drafts", "spec_proposed_drafts"),
+                 ("spec_accept_token_num", "spec_draft_token_num"))
 
 
 @dataclass
@@ -98,17 +104,35 @@ def from_average(length: float | None, rate: float | None, new_tokens: int, sour
     return Spec(steps, drafted, accepted, [], source=source, exact=False)
 
 
+def at_least(histogram) -> list[int]:
+    """[i] = steps that accepted at least i+1 drafts, from [j] = steps that accepted exactly j."""
+    hist = [int(x) for x in histogram or []]
+    return [sum(hist[i + 1:]) for i in range(len(hist) - 1)]
+
+
 def from_response(event: dict) -> Spec | None:
     """Per-request counts carried by a response or a stream event, where the server sends them."""
+    try:
+        return _per_request(event)
+    except (TypeError, ValueError):
+        return None    # figures in a shape we do not know: none, rather than a failed reply
+
+
+def _per_request(event: dict) -> Spec | None:
     metrics = event.get("metrics")
     spec = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
-    if isinstance(spec, dict) and "num_drafts" in spec:
-        per = spec.get("num_accepted_tokens_per_pos") or []
-        return Spec(int(spec["num_drafts"]), int(spec.get("num_draft_tokens", 0)),
-                    int(spec.get("num_accepted_tokens", 0)), [int(x) for x in per], source="per request")
+    if isinstance(spec, dict) and "num_spec_steps" in spec:
+        return Spec(int(spec["num_spec_steps"]), int(spec.get("num_draft_tokens") or 0),
+                    int(spec.get("num_accepted_draft_tokens") or 0), at_least(spec.get("acceptance_histogram")),
+                    source="per request")
     meta = event.get("meta_info")
     if isinstance(meta, dict) and meta.get("spec_verify_ct"):
-        steps, tokens = int(meta["spec_verify_ct"]), int(meta.get("completion_tokens", 0))
+        steps, source = int(meta["spec_verify_ct"]), "per request (SGLang meta_info)"
+        for accepted, drafted in SGLANG_COUNTS:
+            if meta.get(accepted) is not None:
+                hist = meta.get("spec_correct_drafts_histogram", meta.get("spec_accept_histogram"))
+                return Spec(steps, int(meta.get(drafted) or 0), int(meta[accepted]), at_least(hist), source=source)
+        tokens = int(meta.get("completion_tokens", 0))
         if tokens:   # each verify step emits its accepted drafts and one token of its own
-            return Spec(steps, 0, max(tokens - steps, 0), [], source="per request (SGLang meta_info)")
+            return Spec(steps, 0, max(tokens - steps, 0), [], source=source)
     return None

@@ -1,13 +1,15 @@
 """The app as a client of `mtpchat serve` running as a real process: the reply and the acceptance
-figures are the in-process engine's, and the switches a server cannot take are shown dimmed."""
+figures are the in-process engine's, and the switches a server cannot take are shown dimmed. And
+against fake servers: each way a server cannot be used is one line, a cut stream keeps its part."""
 from __future__ import annotations
 
 import pytest
 from apphelpers import idle, ready, run, send
-from serve_support import MAX_TOKENS, PROMPT, ServeProcess, in_process
+from serve_support import CUT_REPLY, MAX_TOKENS, PROMPT, FakeServer, ServeProcess, free_port, in_process
 
 from mtpchat import cli
 from mtpchat.app.main import build_app
+from mtpchat.app.gauges import NA
 from mtpchat.app.panel import acceptance
 
 
@@ -50,17 +52,65 @@ def test_the_app_chats_through_a_server_as_with_the_engine_in_process(server, tm
     run(go())
 
 
-def test_a_server_that_is_not_there_is_one_line_in_the_app(tmp_path, monkeypatch):
-    from serve_support import free_port
+def app_on(url: str, tmp_path, monkeypatch, *flags: str):
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
-    argv = ["--server", f"http://127.0.0.1:{free_port()}", "--data-dir", str(tmp_path / "data")]
+    argv = ["--server", url, "--data-dir", str(tmp_path / "data"), *flags]
     args = cli.build_parser(argv).parse_args(argv)
     args.options = cli.options_from(args)
-    app = build_app(args)
+    return build_app(args)
+
+
+@pytest.fixture
+def fake():
+    servers = []
+
+    def start(mode: str) -> str:
+        servers.append(FakeServer(mode))
+        return servers[-1].url
+    yield start
+    for server in servers:
+        server.close()
+
+
+@pytest.mark.parametrize("mode, said", [(None, "cannot reach the server"), ("key", "refused the API key"),
+                                        ("html", "OpenAI model list"), ("missing", "does not exist")])
+def test_a_server_that_cannot_be_used_is_one_line_in_the_app(fake, tmp_path, monkeypatch, mode, said):
+    url = fake(mode) if mode else f"http://127.0.0.1:{free_port()}"
+    app = app_on(url, tmp_path, monkeypatch, "--api-key", "wrong")
 
     async def go():
         async with app.run_test(size=(140, 40)) as pilot:
             await ready(pilot)
-            assert app.engine is None and "cannot reach the server" in app.load_error
-            assert "\n" not in app.load_error
+            assert app.engine is None and said in app.load_error
+            assert "\n" not in app.load_error and "Traceback" not in app.load_error
+            await send(pilot, "hello")       # what is sent says the same one line, not a traceback
+            assert app.notices[-1] == ("error", app.load_error)
+    run(go())
+
+
+def test_a_stream_cut_mid_reply_keeps_the_part_that_came_marked(fake, tmp_path, monkeypatch):
+    app = app_on(fake("cut"), tmp_path, monkeypatch)
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await ready(pilot)
+            await send(pilot, "hello")
+            reply = app._views()[-1]
+            assert reply.content == CUT_REPLY and "stream broke" in reply.footer
+            severity, text = app.notices[-1]
+            assert severity == "error" and "before the reply was complete" in text and "kept" in text
+            assert "\n" not in text
+    run(go())
+
+
+def test_a_server_that_reports_no_figures_shows_n_a(fake, tmp_path, monkeypatch):
+    app = app_on(fake("plain"), tmp_path, monkeypatch)
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await ready(pilot)
+            await send(pilot, "hello")
+            reply = app._views()[-1]
+            assert reply.content == "Hello there" and "acceptance N/A" in reply.footer
+            assert str(acceptance(app.telemetry, app.live())[1]).split() == ["mean", "length", NA, "session", NA]
     run(go())
