@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref, values_of
-from mtpchat.kernels.moe_layout import (STEP_PAIRS, STEP_ROWS, Layout, StepLayout, _block, _layout_args,
+from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
                                        count_reads, layout_ref)
 
 
@@ -151,7 +151,7 @@ def _topk_kernel(logits, s_l, ids, weights, gate, E, K: tl.constexpr, KP: tl.con
 def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = False):
     """route_ref on the GPU for a step's few rows, with the step's layout."""
     T, kk = logits.shape[0], top_k + shared
-    assert T * kk <= STEP_PAIRS, f"a step routes at most {STEP_PAIRS} pairs, got {T} x {kk}"
+    assert T <= STEP_ROWS, f"a step routes at most {STEP_ROWS} rows, got {T}"
     assert logits.stride(1) == 1
     assert not shared or logits.shape[1] > n_experts, "a shared expert needs its gate's logit"
     dev = logits.device

@@ -22,7 +22,8 @@ import torch
 from mtpchat.kernels._triton import tl, triton
 
 STEP_ROWS = 16          # the pairs a step's block takes: one per row, for each distinct expert
-STEP_PAIRS = 64         # the most (row, choice) pairs a step routes: 8 rows of 8 choices
+STEP_PAIRS = 64         # the pairs a step's bookkeeping holds at least (8 rows of 8 choices); more
+                        # (9 rows of 9 with 8 drafts and the shared expert) take the next power of 2
 
 
 class Layout(NamedTuple):
@@ -105,7 +106,7 @@ def _layout_args(layout) -> tuple:
     """(expert or ids, pairs, P, BM, blocks, STEP, BP) for a kernel launch."""
     if isinstance(layout, StepLayout):
         P = layout.ids.numel()
-        return layout.ids, layout.ids, P, STEP_ROWS, layout.blocks, True, STEP_PAIRS
+        return layout.ids, layout.ids, P, STEP_ROWS, layout.blocks, True, max(STEP_PAIRS, triton.next_power_of_2(P))
     return layout.expert, layout.pairs, 0, layout.pairs.shape[1], layout.expert.shape[0], False, 16
 
 

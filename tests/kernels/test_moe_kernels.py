@@ -27,7 +27,8 @@ def experts(E: int, F: int, H: int, device, dtype, fp8_: bool, seed: int):
     return gu.to(device, dtype), down.to(device, dtype)
 
 
-@pytest.mark.parametrize("T,E,k", [(1, 12, 3), (5, 12, 3), (4, 256, 8), (3, 7, 7)])
+# (9, 256, 8): a verify of 8 drafts routes 72 pairs, past the 64 the step's bookkeeping holds at least
+@pytest.mark.parametrize("T,E,k", [(1, 12, 3), (5, 12, 3), (4, 256, 8), (3, 7, 7), (9, 256, 8)])
 @pytest.mark.parametrize("gate", [True, False])
 def test_route_step_equals_reference(device, T, E, k, gate):
     logits = randn(T, E + gate, seed=T * E + k, scale=2.0).to(device)
@@ -43,7 +44,7 @@ def test_route_step_equals_reference(device, T, E, k, gate):
     assert isinstance(lay, moe_layout.StepLayout) and lay.blocks == min(E, T * k)
 
 
-@pytest.mark.parametrize("T,E,k", [(1, 12, 3), (5, 12, 3), (4, 40, 8), (2, 5, 4)])
+@pytest.mark.parametrize("T,E,k", [(1, 12, 3), (5, 12, 3), (4, 40, 8), (2, 5, 4), (9, 40, 9)])
 def test_step_kernels_lay_out_and_count_as_the_reference(device, T, E, k):
     """The swiglu kernel derives each block's expert and pairs from the routing: its output equals
     the reference over layout_ref's blocks, pairs in no block stay as they were, and the distinct
