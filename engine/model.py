@@ -174,10 +174,10 @@ class SparseMoE(nn.Module):
         if self._shared_as_expert(gate_up):
             # the shared expert as every row's last choice, expert E: two launches fewer a layer
             sgu, sd = weight(self.shared, "gate_up"), weight(self.shared, "down")
-            ids, weights, _, layout = moe.route(logits, k, E, ctx.step, shared=True)
+            _, weights, _, layout = moe.route(logits, k, E, ctx.step, shared=True)
             h = moe.expert_swiglu(x, gate_up, layout, k + 1, E, ctx.step, reads, shared=sgu)
             return moe.combine(moe.expert_down(h, down, layout, E, ctx.step, shared=sd), weights, dtype=x.dtype)
-        ids, weights, gate, layout = moe.route(logits, k, E, ctx.step)
+        _, weights, gate, layout = moe.route(logits, k, E, ctx.step)
         h = moe.expert_swiglu(x, gate_up, layout, k, E, ctx.step, reads)
         y = moe.expert_down(h, down, layout, E, ctx.step)
         shared = self.shared(x, ctx, whole=True) if self.shared is not None else None
