@@ -159,8 +159,8 @@ def text_prefix(folder: str | Path) -> str:
 
 def expert_layout(folder: str | Path, prefix: str = TEXT_PREFIX) -> str:
     """How the checkpoint stores an MoE's experts: STACKED (`mlp.experts.gate_up_proj` [E, 2F, H],
-    the bf16 releases) or PER_EXPERT (`mlp.experts.{e}.gate_proj` and so on, the FP8 releases and
-    transformers' save_pretrained as of 5.x, which unfuses them as it writes)."""
+    the bf16 releases) or PER_EXPERT (`mlp.experts.{e}.gate_proj` and so on, the FP8 releases, and
+    what transformers 5.24's save_pretrained writes)."""
     names = _weight_map(Path(folder))
     return STACKED if any(n.startswith(prefix) and n.endswith(".mlp.experts.gate_up_proj") for n in names) else PER_EXPERT
 
