@@ -144,6 +144,15 @@ def test_run_server_on_a_cut_stream_prints_the_partial_reply_and_one_line(fake, 
     assert "Traceback" not in err and "above" in err
 
 
+def test_run_server_json_on_a_cut_stream_keeps_the_partial_reply_in_the_object(fake, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
+    code, out, err = run_cli(capsys, "--server", fake("cut"), "--json")
+    result = json.loads(out)
+    assert code == 1 and result["text"] == CUT_REPLY and result["finish_reason"] == "error"
+    assert "before the reply was complete" in result["error"] and result["stats"] is None
+    assert err.count("\n") == 1 and err.startswith("mtpchat: error: ") and "Traceback" not in err
+
+
 @pytest.mark.parametrize("mode, said", [(None, "cannot reach the server"), ("key", "refused the API key"),
                                         ("html", "OpenAI model list"), ("missing", "does not exist"),
                                         ("busy", "busy (HTTP 429")])

@@ -2,7 +2,8 @@
 
 The answer streams to stdout (the thinking is not printed; `--json` carries it as "reasoning"), the
 one-line summary goes to stderr, and `--json` prints one object with the keys of the local `run`
-where the server gives them (no token ids: a server sends text).
+where the server gives them (no token ids: a server sends text). A stream cut mid-reply keeps what
+came: above the error's line, or with `--json` in the object, finish_reason "error" and the line.
 """
 from __future__ import annotations
 
@@ -42,11 +43,16 @@ def run_remote(args, options, prompt: str, api_key: str | None) -> int:
                     out.write(rest[0])
                     out.flush()
     except UserError as exc:
+        line = str(exc).splitlines()[0]
+        if args.json and answer:     # what came, kept and marked; the error's line goes to stderr as well
+            print(json.dumps({"text": "".join(answer), "reasoning": "".join(thinking), "finish_reason": "error",
+                              "error": line, "stats": None, "model": engine.name, "server": engine.server.url},
+                             ensure_ascii=False))
         if out is not None and answer:
             out.write("\n")
             out.flush()
         kept = f" (the {len(''.join(answer))} characters that came are above)" if answer and out is not None else ""
-        raise UserError(f"{str(exc).splitlines()[0]}{kept}") from None
+        raise UserError(f"{line}{kept}") from None
     finally:
         engine.server.close()
     result = {"text": "".join(answer), "reasoning": "".join(thinking), "prompt_tokens": stats.prompt_tokens,
