@@ -10,6 +10,7 @@ import pytest
 from serve_support import CUT_REPLY, FakeServer, free_port
 
 from mtpchat import cli
+from mtpchat.app.app import reply_footer
 from mtpchat.remote import metrics
 from mtpchat.remote.client import RemoteError, StreamCut
 from mtpchat.remote.engine import RemoteEngine
@@ -90,14 +91,16 @@ def test_a_recorded_vllm_stream_gives_thinking_answer_usage_and_figures(fake):
                       ("answer", "Hello"), ("answer", " there!")]
     assert (stats.prompt_tokens, stats.new_tokens) == (12, 54)
     assert (stats.verify_steps, stats.drafted, stats.accepted, stats.accepted_at_least) == (43, 129, 10, [4, 3, 3])
-    assert engine.spec_source == "per request"
+    assert engine.spec_source == "per request" and not engine.spec_estimate
+    assert "mean acceptance 1.23 ·" in reply_footer(stats, "stop", True, 0, engine.spec_estimate)
 
 
 def test_sglang_metrics_around_a_reply_are_an_estimate_and_none_is_none(fake):
     engine = RemoteEngine.connect(fake("sglang"))
     _, stats = chat(engine)      # 90 tokens at the page's mean length 3.0 (ranks averaged)
     assert (stats.verify_steps, stats.accepted) == (30, 60) and stats.mean_acceptance_length == pytest.approx(3.0)
-    assert engine.spec_source == "SGLang /metrics (server average)"
+    assert engine.spec_source == "SGLang /metrics (server average)" and engine.spec_estimate
+    assert "mean acceptance 3.00 (server average)" in reply_footer(stats, "stop", True, 0, engine.spec_estimate)
     engine = RemoteEngine.connect(fake("plain"))
     _, stats = chat(engine)
     assert stats.new_tokens == 90 and stats.verify_steps == 0 and engine.spec_source == ""

@@ -46,13 +46,15 @@ class GenerationEnded(Message):
     """The generation thread has returned: the engine is free."""
 
 
-def reply_footer(stats, reason: str, mtp: bool, k: int) -> str:
+def reply_footer(stats, reason: str, mtp: bool, k: int, estimate: bool = False) -> str:
+    """The line under a reply; `estimate`: its acceptance is a server's recent average (SGLang's
+    /metrics), not this reply's own."""
     parts = []
     if stats is not None:
         parts.append(f"{stats.tokens_per_s:.1f} tok/s" if stats.tokens_per_s else "— tok/s")
         parts.append(f"{stats.new_tokens} tokens")
         if stats.verify_steps:
-            parts.append(f"mean acceptance {stats.mean_acceptance_length:.2f}")
+            parts.append(f"mean acceptance {stats.mean_acceptance_length:.2f}" + (" (server average)" if estimate else ""))
         parts.append(f"TTFT {stats.ttft_ms:.0f} ms")
     if stats is not None and not stats.verify_steps and mtp and not k:
         parts.append("acceptance N/A")   # a server that reports no speculative figures
@@ -331,7 +333,8 @@ class ChatApp(ChatActions, App):
             return
         self.telemetry.finished(m.stats)
         live = self.live()
-        footer = reply_footer(m.stats, m.reason, live.mtp, live.draft_tokens)
+        footer = reply_footer(m.stats, m.reason, live.mtp, live.draft_tokens,
+                              estimate=getattr(self.engine, "spec_estimate", False))
         stats = dict(m.stats.as_dict()) if m.stats is not None else {}
         stats.update(reason=m.reason, mtp=live.mtp, draft_tokens=live.draft_tokens, footer=footer)
         view = self._reply_view

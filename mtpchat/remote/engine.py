@@ -96,6 +96,7 @@ class RemoteEngine:
         self.fixed = f"MTP and draft tokens are {FIXED}"
         self.notices = [f"connected to {server.url} ({model}): MTP, draft tokens and the race are {FIXED}"]
         self.spec_source = ""
+        self.spec_estimate = False     # the last reply's figures are the server's average, not its own
         self._cancel = threading.Event()
 
     @classmethod
@@ -172,6 +173,7 @@ class RemoteEngine:
             stats.accepted_at_least = list(spec.at_least)
             stats.steps = spec.verify_steps
         self.spec_source = spec.source if spec is not None else ""
+        self.spec_estimate = spec is not None and not spec.exact
         yield "end", reason, stats
 
     def generate(self, prompt_ids, params=None, snapshot_at=()):
