@@ -51,6 +51,22 @@ def test_no_flags_on_a_model_with_a_short_context(capsys, short):
     assert json.loads(out)["finish_reason"] in ("stop", "length")
 
 
+@pytest.mark.parametrize("kind", ["moe stacked", "moe per expert, fp8", "odd vocab"])
+def test_no_flags_on_other_checkpoints(capsys, tmp_path, kind):
+    # the defaults (draft vocabulary, adaptive k, snapshots, context) on an MoE in either layout, an
+    # FP8 release (dequantized on the CPU), and a vocabulary of no round size
+    shapes = {"moe stacked": dict(moe=True), "moe per expert, fp8": dict(moe=True, experts="per-expert", fp8=True),
+              "odd vocab": dict(vocab_size=331, tokenizer_vocab=300)}
+    folder = write_tiny_checkpoint(tmp_path / "m", **shapes[kind], **(dict(
+        hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        moe_intermediate_size=128, shared_expert_intermediate_size=128) if "fp8" in kind else {}))
+    code, out, err = run(capsys, "run", "--model", folder, "--prompt", "hi", "--max-tokens", "12", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["finish_reason"] in ("stop", "length") and result["mtp"] and result["stats"]["new_tokens"] > 0
+
+
 def test_the_plan_of_a_short_model_uses_its_context(capsys, short):
     code, out, _ = run(capsys, "run", "--model", short, "--dry-run")
     assert code == 0 and "context 4,096 tokens" in out
