@@ -33,9 +33,9 @@ from mtpchat.engine.events import PhaseTimes
 from mtpchat.engine.model import Ctx, SparseMoE, linear
 from mtpchat.engine.runner import elapsed_ms
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
-from mtpchat.engine.snapshots import Snapshots, begins
+from mtpchat.engine.snapshots import Snapshots
 from mtpchat.engine.spec import accept_sampled, seen_rows
-from mtpchat.kernels import gdn
+from mtpchat.engine.turns import Turns
 from mtpchat.kernels.accept import AcceptBuffers, accept_greedy, argmax_partials_buffers, commit_ref
 
 # The MTP head's rows kept while MTP is off (hidden_size x 2 bytes each: 5 MiB for the 27B), run
@@ -64,7 +64,10 @@ class Launched:
     why: str = ""              # why the step has k drafts (engine/policy.py), for the telemetry
 
 
-class Decoder:
+class Decoder(Turns):
+    """One sequence's decode loop; where a turn starts and the state snapshots it resumes from are
+    engine/turns.py."""
+
     def __init__(self, model, head, state, prefill_chunk: int, snapshots: int = 0):
         self.model, self.head, self.state, self.prefill_chunk = model, head, state, prefill_chunk
         self.snapshots = Snapshots(model.c, snapshots, state.fold.device, model.embed.dtype)
@@ -156,78 +159,6 @@ class Decoder:
         self.pos.fill_(self.state.length)
         return torch.cat(kept) if keep_all else kept[-1]
 
-    def begin(self, prompt: list[int], snapshot_at: tuple[int, ...] = ()) -> int:
-        """Start a turn from the longest usable start: the state itself when the prompt extends the
-        tokens fed so far, else the longest snapshot that begins the prompt (engine/snapshots.py),
-        else nothing. Prefill the rest, keeping a snapshot at each position of `snapshot_at` on the
-        way. Returns how many prompt tokens were reused."""
-        L = len(self.tokens)
-        if not (0 < L < len(prompt) and prompt[:L] == self.tokens):
-            snap = self.snapshots.best(prompt, self.tokens)
-            if snap is None:
-                self.reset()
-            else:
-                self._restore(snap)
-            L = self.state.length
-        # what the prefill overwrites voids every snapshot that does not begin this prompt
-        self.snapshots.keep_only(lambda t: begins(t, self.tokens) and begins(t, prompt))
-        if self.pending:
-            self.pend_tokens[self.pending - 1] = prompt[L]         # the token that follows, as fed now
-        self.generated = 0
-        self.seen.zero_()
-        start = L
-        cuts = {c for c in snapshot_at if L < c < len(prompt)} if self.snapshots.count else set()
-        for cut in sorted(cuts) + [len(prompt)]:
-            h = self.prefill(prompt[start:cut])
-            self.pend_hidden[:1] = h                               # the last row waits for its next token
-            if cut < len(prompt):
-                self._pending_one()
-                self.snapshot()
-                if self.pending:
-                    self.pend_tokens[0] = prompt[cut]
-            start = cut
-        self.last_logits = self.model.logits(h)
-        return L
-
-    # --- snapshots of the state at a position (engine/snapshots.py) ----------------------------
-    def _pending_one(self):
-        """After a prefill: its last row is the head's one pending row."""
-        self.pending = 1 if self.head is not None else 0
-        self.pend_n.fill_(self.pending)
-
-    def snapshot(self):
-        """Keep the state at the tokens fed so far: per GDN layer the committed conv inputs and the
-        recurrent state with the last step's tokens folded in, and the last row's hidden. The head
-        first runs over its pending rows but the last, so its KV is complete below that row."""
-        if not self.snapshots.count or not self.tokens:
-            return
-        self._flush_pending(keep_last=True)
-        snap = self.snapshots.slot_for(tuple(self.tokens))
-        i, st = snap.slot, self.state
-        cols = st.conv_off + self.conv_cols                       # the committed columns, no host sync
-        mixers = [layer.mixer for layer in self.model.layers if layer.kind != "full_attention"]
-        for j, ((conv_buf, ssm, pend), m) in enumerate(zip(st.gdn_layers, mixers)):
-            self.snapshots.conv[i, j].copy_(conv_buf.index_select(1, cols))
-            self.snapshots.ssm[i, j].copy_(ssm)
-            gdn.fold_pending(self.snapshots.ssm[i, j], pend, st.fold, st.parity, m.A_log, m.dt_bias)
-        if self.pending:
-            self.snapshots.hidden[i].copy_(self.pend_hidden[self.pending - 1])
-
-    def _restore(self, snap):
-        """Make the state what it was when `snap` was taken (its KV rows are still in the caches)."""
-        i, st = snap.slot, self.state
-        self.snapshots.touch(snap)
-        for j, (conv_buf, ssm, _) in enumerate(st.gdn_layers):
-            conv_buf[:, :st.kernel - 1].copy_(self.snapshots.conv[i, j])
-            ssm.copy_(self.snapshots.ssm[i, j])
-        for t in (st.conv_off, st.fold, st.parity):
-            t.zero_()
-        st.length = len(snap.tokens)
-        self.tokens = list(snap.tokens)
-        self.pos.fill_(st.length)
-        self.pend_hidden[:1] = self.snapshots.hidden[i]
-        self._pending_one()
-
     def first_token(self, params: SamplingParams, generator) -> int:
         tok = self._sample(self.last_logits, params, generator, self.drafts[:0])
         self.next_tok.copy_(tok)
@@ -279,7 +210,8 @@ class Decoder:
 
     def draft_context(self, tokens: list[int]):
         """Give the tokens outside the subset a context row, oldest replaced first: a few small
-        copies between steps, only when such a token shows up (no sync, nothing in the graphs)."""
+        copies between steps, only when such a token shows up, queued behind the steps in flight
+        (no host sync: the ids come from pinned memory; nothing in the graphs)."""
         if self.draft_head is None or not self.draft_context_rows:
             return
         V = self.is_stop.numel()
@@ -295,8 +227,7 @@ class Decoder:
             self.draft_slots[i], self.draft_ring[t] = t, i
             slots.append(self.draft_static + i)
         w, ids = self.draft_head
-        toks = torch.tensor(fresh, device=self.device)
-        rows = torch.tensor(slots, device=self.device)
+        toks, rows = _to_device([fresh, slots], self.device)
         w.index_copy_(0, rows, self.model.head.detach().index_select(0, toks))
         ids.index_copy_(0, rows, toks)
 
@@ -429,3 +360,12 @@ def _eager(key, fn) -> float:
     t = _clock()
     fn()
     return (_clock() - t) * 1e3
+
+
+def _to_device(values: list[list[int]], device) -> torch.Tensor:
+    """Host ints on the device without a host sync: a copy from pageable memory waits for every
+    step in flight. The caching host allocator keeps the pinned block until its copy is done."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
