@@ -34,16 +34,19 @@ from pathlib import Path
 DEFAULT_DRAFT_VOCAB = 32768      # rows of the trimmed head (of Qwen3.5/3.6's 248,320)
 
 
-def draft_vocab_size(vocab_size: int, asked: int | None) -> int:
-    """Rows of the trimmed head; 0 means the full head (asked 0 or None, or not below the vocab)."""
-    if not asked or asked <= 0 or asked >= vocab_size:
-        return 0
-    return int(asked)
-
-
 def context_rows(size: int) -> int:
     """Rows kept for tokens of the context outside the subset (module docstring)."""
     return max(16, size // 16) if size else 0
+
+
+def draft_vocab_size(vocab_size: int, asked: int | None) -> int:
+    """Rows of the trimmed head's subset; 0 means the full head: asked 0 or None, or a subset that
+    with its context rows would have as many rows as the vocabulary or more (the default on a
+    small vocabulary, the demo model's 4,096 say), where trimming saves nothing."""
+    if not asked or asked <= 0:
+        return 0
+    size = int(asked)
+    return size if size + context_rows(size) < vocab_size else 0
 
 
 def draft_vocab_bytes(vocab_size: int, hidden_size: int, asked: int | None, nbytes: int) -> int:

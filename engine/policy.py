@@ -18,8 +18,10 @@ acceptance itself once MTP is off) are only seen by probing: every `probe_every`
 runs with one more draft; each probe that does not change the choice doubles the wait, up to
 MAX_PROBE_EVERY steps.
 
-The choice is made on the host from the steps it has read, so with two steps in flight it uses
-acceptance one step behind; it costs a few dozen float operations per step and no device sync.
+The choice is made on the host, which picks the graphs of the k it launches anyway (a choice made
+on the device would have to be read back before the launch: a sync per step). It uses the accepted
+counts and phase times of the steps already read (with two steps in flight, one step behind), a few
+dozen float operations per step: no device sync, no device memory.
 """
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 under drafts that are always wrong, the maximum under drafts that are always right, back on when
 acceptance recovers; and in the engine, greedy output equal to MTP off while it switches k."""
 import pytest
+import torch
 
+from mtpchat.engine import SamplingParams
 from mtpchat.engine.events import PhaseTimes
 from mtpchat.engine.policy import MAX_PROBE_EVERY, AdaptiveK
 from mtp_support import (ALL_RIGHT, MID_PROFILE, NEW_TOKENS, generate, load, profile_drafter, random_ids, steps_of,
@@ -94,6 +96,43 @@ def test_engine_adaptive_k_is_exact_and_follows_acceptance(gqa3, refs, profile, 
             assert late.count(4) > 0.8 * len(late)
         else:
             assert len(set(s.drafted for s in steps)) >= 2
+
+
+class RecoveringDrafter:
+    """Drafts of the reply's tokens that are always wrong before token `switch` and always right
+    from it (on the device, as ProfileDrafter: the position is the decoder's count of emitted tokens)."""
+    on_device = True
+
+    def __init__(self, reference, switch, vocab):
+        self.ref, self.switch, self.vocab = torch.tensor(list(reference) + [0]), switch, vocab
+
+    def __call__(self, position, drafts):
+        at = torch.as_tensor(position).view(-1)[:1] + torch.arange(drafts.shape[0])
+        true = self.ref[at.clamp(max=len(self.ref) - 1)]
+        return torch.where(at >= self.switch, true, (true + 1) % self.vocab)
+
+
+def test_engine_turns_mtp_off_then_back_on_when_acceptance_recovers(gqa3):
+    off = load(gqa3, mtp=False)
+    params = SamplingParams(max_tokens=256, stop_token_ids=())
+    ids = random_ids(20, 5, off.config.vocab_size)
+    ref = list(generate(off, ids, params)[-1].token_ids)
+    e = load(gqa3, draft_tokens=4, adaptive=True)
+    e.policy = AdaptiveK(4, costs=GPU_LIKE)
+    e.drafter = RecoveringDrafter(ref, 64, e.config.vocab_size)
+    events = generate(e, ids, params)
+    assert list(events[-1].token_ids) == ref
+    steps, at = steps_of(events)[1:], 1           # at: the reply's token each step starts at
+    starts = []
+    for s in steps:
+        starts.append(at)
+        at += len(s.token_ids)
+    wrong = [s.drafted for s, a in zip(steps, starts) if 32 <= a < 64]
+    assert wrong and set(wrong) <= {0, 1} and wrong.count(0) >= len(wrong) - 1     # off, one probe at most
+    probes = [a for s, a in zip(steps, starts) if a >= 64 and s.why.startswith("probing draft 1")]
+    assert probes                                   # off: only a probe can see acceptance come back ...
+    late = [s.drafted for s, a in zip(steps, starts) if a > probes[0]][:-1]
+    assert len(late) > 10 and set(late) == {4}      # ... and the policy is back at the maximum after it
 
 
 def test_engine_fixed_k_when_adaptive_is_off(gqa3, refs):
