@@ -55,7 +55,8 @@ class Engine:
         products in block-scaled FP8, quantizing a bf16 checkpoint as it loads; "bf16" stores them in
         the model dtype, dequantizing an FP8 checkpoint. `adaptive`: each step's k chosen by
         engine/policy.py, draft_tokens its maximum. `draft_vocab`: rows of the trimmed head the drafts
-        are chosen from (engine/draft_vocab.py); 0 or None, or a vocabulary no larger: the full head."""
+        are chosen from (engine/draft_vocab.py); 0 or None, or a vocabulary no larger than those rows and their
+        context rows: the full head."""
         # build -> load -> allocate state -> (warm up and capture: the CUDA runner)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
