@@ -17,6 +17,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
+
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo"
 PROMPT = "def parse_args(argv):"
 MAX_TOKENS = 40
@@ -164,3 +166,16 @@ class FakeServer:
     def close(self):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+@pytest.fixture
+def fake():
+    """start(mode) -> the URL of a FakeServer in that mode; every one started is closed after the test."""
+    servers = []
+
+    def start(mode: str) -> str:
+        servers.append(FakeServer(mode))
+        return servers[-1].url
+    yield start
+    for server in servers:
+        server.close()

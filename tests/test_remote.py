@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from serve_support import CUT_REPLY, FakeServer, free_port
+from serve_support import CUT_REPLY, fake, free_port  # noqa: F401  (fake: a fixture)
 
 from mtpchat import cli
 from mtpchat.app.app import reply_footer
@@ -60,18 +60,6 @@ def test_per_request_figures_from_sglang_meta_info(naming):
     # a version that sends only the verify count: the accepted drafts follow from the reply's length
     spec = metrics.from_response({"meta_info": {"completion_tokens": 50, "spec_verify_ct": 20}})
     assert (spec.verify_steps, spec.accepted, spec.mean_length) == (20, 30, 2.5)
-
-
-@pytest.fixture
-def fake():
-    servers = []
-
-    def start(mode: str) -> str:
-        servers.append(FakeServer(mode))
-        return servers[-1].url
-    yield start
-    for server in servers:
-        server.close()
 
 
 def chat(engine) -> tuple[list[tuple[str, str]], object]:

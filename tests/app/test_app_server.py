@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 from apphelpers import idle, ready, run, send
-from serve_support import CUT_REPLY, MAX_TOKENS, PROMPT, FakeServer, ServeProcess, free_port, in_process
+from serve_support import (CUT_REPLY, MAX_TOKENS, PROMPT, ServeProcess, fake, free_port,  # noqa: F401  (fake: a fixture)
+                           in_process)
 
 from mtpchat import cli
 from mtpchat.app.main import build_app
@@ -58,18 +59,6 @@ def app_on(url: str, tmp_path, monkeypatch, *flags: str):
     args = cli.build_parser(argv).parse_args(argv)
     args.options = cli.options_from(args)
     return build_app(args)
-
-
-@pytest.fixture
-def fake():
-    servers = []
-
-    def start(mode: str) -> str:
-        servers.append(FakeServer(mode))
-        return servers[-1].url
-    yield start
-    for server in servers:
-        server.close()
 
 
 @pytest.mark.parametrize("mode, said", [(None, "cannot reach the server"), ("key", "refused the API key"),
