@@ -1,6 +1,6 @@
 """Where the few-row FP8 products lose their bandwidth: the weights' layout and the K loop's step.
 
-    cd tests/kernels && python3 probe_fp8_layout.py            # on the GPU
+    cd tests/kernels && python3 probe_fp8_layout.py            # on the GPU (--sweep: tiles; --bits: widening)
     TRITON_INTERPRET=1 python3 probe_fp8_layout.py --check     # the forms' values, small, on the CPU
 
 Every FP8 form probe_fp8.py tried (widened dot, chained dots, fp16, integer widening, no dot) landed
@@ -26,9 +26,35 @@ from mtpchat.kernels import fp8
 from mtpchat.kernels._triton import tl, triton
 
 
+@triton.jit
+def _bf16_of_e4m3(b_w):
+    """FP8 e4m3 bytes to bf16 by moving bits, four at a time: each byte's sign to bit 15 and its
+    exponent and mantissa to bits 4..10 gives the bf16 of value / 2^120 (subnormals included),
+    which one exact bf16 multiply by 2^120 corrects (the NaN bytes 0x7F/0xFF become 480). What
+    Triton emits for .to(tl.bfloat16) instead, per pair: one e4m3x2 -> f16x2 conversion, two scalar
+    f16 -> bf16 conversions and a byte permute, on the conversion units."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 a0, a1, b0, b1, k, z;
+        mov.b32 k, 0x7B807B80;
+        mov.b32 z, 0x80008000;
+        prmt.b32 a0, $2, 0, 0x1404;
+        prmt.b32 a1, $2, 0, 0x3424;
+        and.b32 b0, a0, 0x7FFF7FFF;
+        and.b32 b1, a1, 0x7FFF7FFF;
+        shr.b32 b0, b0, 4;
+        shr.b32 b1, b1, 4;
+        lop3.b32 b0, b0, 0x80008000, a0, 0xF8;
+        lop3.b32 b1, b1, 0x80008000, a1, 0xF8;
+        fma.rn.bf16x2 $0, b0, k, z;
+        fma.rn.bf16x2 $1, b1, k, z;
+        }""",
+        "=r,=r,r", [b_w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _probe(x, w, sw, y, T, K, s_sw, TILED: tl.constexpr, U: tl.constexpr, LOADS_ONLY: tl.constexpr,
-           BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr):
+           BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr = False):
     i_n = tl.program_id(0)
     KT = K // BK
     o_r, o_c, o_t = tl.arange(0, BN), tl.arange(0, BK), tl.arange(0, BT)
@@ -47,7 +73,8 @@ def _probe(x, w, sw, y, T, K, s_sw, TILED: tl.constexpr, U: tl.constexpr, LOADS_
             else:
                 b_x = tl.trans(tl.load(x + o_t[:, None] * K + k + o_c[None, :], mask=(o_t < T)[:, None], other=0.))
                 b_s = tl.load(sw + (i_n * BN // 128) * s_sw + k // BK)
-                acc += b_s * tl.dot(b_w.to(b_x.dtype), b_x, input_precision="ieee")
+                b_v = _bf16_of_e4m3(b_w) if BITS else b_w.to(b_x.dtype)
+                acc += b_s * tl.dot(b_v, b_x, input_precision="ieee")
     if LOADS_ONLY:
         acc += tl.sum(bits, axis=1).to(tl.float32)[:, None]
     tl.store(y + o_t[None, :] * (tl.num_programs(0) * BN) + i_n * BN + o_r[:, None], acc, mask=(o_t < T)[None, :])
@@ -59,10 +86,10 @@ def tiled(w: torch.Tensor, BN: int, BK: int) -> torch.Tensor:
 
 
 def launch(x, q: fp8.BlockFP8, w, y, T: int, TILED: bool, U: int, LOADS_ONLY: bool, stages: int, BN: int = 64,
-           warps: int = 4):
+           warps: int = 4, bits: bool = False):
     N, K = q.shape
     return _probe[(N // BN,)](x, w, q.scale, y, T, K, q.scale.stride(0), TILED=TILED, U=U, LOADS_ONLY=LOADS_ONLY,
-                              BN=BN, BK=fp8.BLOCK, BT=16, num_warps=warps, num_stages=stages)
+                              BN=BN, BK=fp8.BLOCK, BT=16, BITS=bits, num_warps=warps, num_stages=stages)
 
 
 def check(device: str, N: int = 256, K: int = 640):
@@ -97,7 +124,28 @@ def sweep(x, y, qs, N: int, K: int):
                 print(f"sweep BN={BN:3d} w{warps} s{stages}: {us:6.1f} us {N * K / us / 1e6:.2f} TB/s", flush=True)
 
 
-def main(only_sweep: bool = False):
+def bits_forms(x, y, qs, N: int, K: int):
+    """The weights widened by moving bits (_bf16_of_e4m3) against Triton's conversion: the same
+    outputs bit for bit (the same bf16 values reach the same dot), then both timed under tiles."""
+    for T in (1, 4):
+        y2 = torch.full_like(y, float("nan"))
+        launch(x, qs[0], qs[0].w, y, T, False, 1, False, 4)
+        launch(x, qs[0], qs[0].w, y2, T, False, 1, False, 4, bits=True)
+        want = x[:T].float() @ fp8.dequantize_ref(qs[0]).T
+        err = ((y2[:T] - want).norm() / want.norm()).item()
+        print(f"bits T={T}: equal to the converted form {torch.equal(y[:T], y2[:T])}, error against the "
+              f"dequantized product {err:.1e}", flush=True)
+        assert torch.equal(y[:T], y2[:T]) and err < 1e-2
+    for BN, warps, stages in ((64, 4, 8), (64, 4, 4), (64, 4, 3), (32, 2, 4), (32, 2, 3), (128, 8, 4), (128, 4, 4)):
+        for bits in (False, True):
+            def run(i, BN=BN, warps=warps, stages=stages, bits=bits):
+                return launch(x, qs[i], qs[i].w, y, 1, False, 1, False, stages, BN, warps, bits)
+            us = graph_time(run, 3)
+            print(f"{'bits' if bits else 'cvt '} BN={BN:3d} w{warps} s{stages}: {us:6.1f} us "
+                  f"{N * K / us / 1e6:.2f} TB/s", flush=True)
+
+
+def main(only_sweep: bool = False, bits: bool = False):
     N, K = 16384, 5120
     x = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(16, N, device="cuda")
@@ -110,6 +158,8 @@ def main(only_sweep: bool = False):
     print(f"copy: {2 * big.numel() / copy / 1e6:.2f} TB/s (read + written)")
     if only_sweep:
         return sweep(x, y, qs, N, K)
+    if bits:
+        return bits_forms(x, y, qs, N, K)
     from mtpchat.kernels import matvec
     for T in (1, 4):
         t_bf = graph_time(lambda i: matvec.matvec(x[:T], bf[i]), 3)
@@ -141,10 +191,11 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true", help="the dot forms' values only (CPU under TRITON_INTERPRET=1)")
     ap.add_argument("--sweep", action="store_true", help="the production form under tiles, warps and depths")
+    ap.add_argument("--bits", action="store_true", help="the weights widened by moving bits, against Triton's conversion")
     args = ap.parse_args()
     if args.check:
         check("cuda" if torch.cuda.is_available() else "cpu")
     else:
         print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
         check("cuda")
-        main(args.sweep)
+        main(args.sweep, args.bits)
