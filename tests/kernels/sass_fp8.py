@@ -1,0 +1,77 @@
+"""The few-row FP8 products compiled for an H100 (sm_90) on a machine without a GPU: registers, shared
+memory and the instruction mix of each, to read before spending GPU time.
+
+    cd tests/kernels && python3 sass_fp8.py
+
+Use the Triton the GPU machine has (3.6 there: `pip install --target DIR triton==3.6.0` and put DIR
+first on PYTHONPATH): with the pointers and the 16-divisible sizes marked as a launch marks them,
+this gives the registers and shared memory the GPU's own compilation reports (for the plain FP8
+product, 64 x 128 tiles, 4 warps, 8 deep: 96 registers, 90,112 bytes).
+
+What it showed (Triton 3.6): `.to(tl.bfloat16)` of e4m3 weights becomes, per pair, one e4m3x2 ->
+f16x2 conversion, two scalar f16 -> bf16 conversions and a byte permute: 1.5 conversions an
+element, on the units that convert (F2FP, F2F), where bf16 weights need none; probe_fp8_layout.py
+--bits times the form that moves bits instead.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import probe_fp8_layout
+from mtpchat.kernels import matvec
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+OPS = ["HGMMA", "HMMA", "LDGSTS", "LDS", "LDSM", "F2FP", "F2F", "PRMT", "LOP3", "SHF", "HMUL2", "IMAD", "BAR"]
+
+
+def compile_sm90(fn, params: list[tuple[str, str]], consts: dict, aligned: set, warps: int, stages: int):
+    """The kernel compiled for sm_90: params (name, type) in order, constexprs, the names a launch
+    would mark 16-divisible (pointers and sizes)."""
+    sig = dict(params) | {k: "constexpr" for k in consts}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, _) in enumerate(params) if n in aligned}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def report(name: str, kernel) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    regs = re.search(r"REG:(\d+)", res).group(1)
+    stack = re.search(r"STACK:(\d+)", res).group(1)
+    ops = collections.Counter(m.group(1).split(".")[0] for m in
+                              re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
+    mix = " ".join(f"{op} {ops[op]}" for op in OPS if ops[op])
+    return f"{name:<44} regs {regs:>3} stack {stack:>4} smem {kernel.metadata.shared:>6}  {mix}"
+
+
+def main():
+    print(f"triton {triton.__version__}")
+    params = [("x", "*bf16"), ("w", "*fp8e4nv"), ("sw", "*fp32"), ("y", "*bf16"), ("ws", "*fp32"), ("count", "*i32"),
+              ("ss", "*fp32")] + [(n, "i32") for n in "T N K NB F KS S s_x s_w s_sw s_y s_ss".split()] + [("eps", "fp32")]
+    aligned = {"x", "w", "sw", "y", "ws", "count", "ss", "N", "K", "s_x", "s_w", "s_y"}
+    for BN, warps, stages, swiglu in ((64, 4, 8, False), (32, 2, 4, False), (64, 4, 6, True), (32, 2, 3, True)):
+        consts = dict(BT=16, BN=BN, BK=128, NBP=0, SWIGLU=swiglu, SPLIT=False, FP8=True, PDL=True)
+        k = compile_sm90(matvec._matvec_kernel, params, consts, aligned, warps, stages)
+        print(report(f"matvec{' swiglu' if swiglu else ''} {BN}x128 w{warps} s{stages}", k))
+    params = [("x", "*bf16"), ("w", "*fp8e4nv"), ("sw", "*fp32"), ("y", "*fp32"), ("T", "i32"), ("K", "i32"),
+              ("s_sw", "i32")]
+    for BN, warps, stages in ((64, 4, 8), (32, 2, 4)):
+        for bits in (False, True):
+            consts = dict(TILED=False, U=1, LOADS_ONLY=False, BN=BN, BK=128, BT=16, BITS=bits)
+            k = compile_sm90(probe_fp8_layout._probe, params, consts, {"x", "w", "sw", "y", "K"}, warps, stages)
+            print(report(f"probe {'bits' if bits else 'cvt'} {BN}x128 w{warps} s{stages}", k))
+
+
+if __name__ == "__main__":
+    main()
