@@ -63,7 +63,8 @@ def test_no_flags_on_a_short_model_and_a_message_sent_while_it_loads(tmp_path, m
     import threading
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     monkeypatch.setenv("MTPCHAT_DATA_DIR", str(tmp_path / "data"))
-    (tmp_path / "settings.toml").write_text("max_tokens = 24\n")      # a short reply; no context setting
+    # a short greedy reply (the same every run); no context setting
+    (tmp_path / "settings.toml").write_text("max_tokens = 24\ntemperature = 0\n")
     short = write_tiny_checkpoint(tmp_path / "short", max_position_embeddings=4096)
     argv = ["--model", str(short)]
     args = cli.build_parser(argv).parse_args(argv)
@@ -87,7 +88,10 @@ def test_no_flags_on_a_short_model_and_a_message_sent_while_it_loads(tmp_path, m
             release.set()
             await ready(pilot)
             assert app.engine.max_context == 4096 and not app.load_error
-            await until(pilot, lambda: len(app._views()) == 2, what="the queued message to go out")
+            # the reply's own footer, written when it has ended (two views and not busy can also be
+            # the moment before its generation starts)
+            await until(pilot, lambda: len(app._views()) == 2 and "tok/s" in app._views()[-1].footer,
+                        what="the queued message's reply to end")
             await idle(pilot)
             user, reply = app._views()
             assert user.content == "sent while loading" and (reply.content or reply.thinking)
