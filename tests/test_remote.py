@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from serve_support import CUT_REPLY, fake, free_port  # noqa: F401  (fake: a fixture)
+from serve_support import fake  # noqa: F401  (a fixture)
+from serve_support import CUT_REPLY, free_port
 
 from mtpchat import cli
 from mtpchat.app.app import reply_footer

@@ -54,7 +54,8 @@ def reply_footer(stats, reason: str, mtp: bool, k: int, estimate: bool = False) 
         parts.append(f"{stats.tokens_per_s:.1f} tok/s" if stats.tokens_per_s else "— tok/s")
         parts.append(f"{stats.new_tokens} tokens")
         if stats.verify_steps:
-            parts.append(f"mean acceptance {stats.mean_acceptance_length:.2f}" + (" (server average)" if estimate else ""))
+            average = " (server average)" if estimate else ""
+            parts.append(f"mean acceptance {stats.mean_acceptance_length:.2f}{average}")
         parts.append(f"TTFT {stats.ttft_ms:.0f} ms")
     if stats is not None and not stats.verify_steps and mtp and not k:
         parts.append("acceptance N/A")   # a server that reports no speculative figures

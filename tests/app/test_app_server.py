@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 from apphelpers import idle, ready, run, send
-from serve_support import (CUT_REPLY, MAX_TOKENS, PROMPT, ServeProcess, fake, free_port,  # noqa: F401  (fake: a fixture)
-                           in_process)
+from serve_support import fake  # noqa: F401  (a fixture)
+from serve_support import CUT_REPLY, MAX_TOKENS, PROMPT, ServeProcess, free_port, in_process
 
 from mtpchat import cli
 from mtpchat.app.main import build_app

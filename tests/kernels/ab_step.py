@@ -284,8 +284,8 @@ def main():
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
-    engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=a.max_context or a.context + 256, cuda_graphs=False,
-                    weights=a.weights)
+    engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=a.max_context or a.context + 256,
+                    cuda_graphs=False, weights=a.weights)
     d = engine.decoder
     for _ in engine.generate(random_prompt(engine, a.context, 1), SamplingParams(max_tokens=2, stop_token_ids=())):
         pass

@@ -28,6 +28,14 @@ def timed(fn) -> float:
     return graph_time(fn, 3) / 1e3
 
 
+def split_warps(split_config, warps: int):
+    """matvec_parts._split_config with its warps replaced."""
+    def config(N, K, itemsize):
+        S, BN, BK, _, stages = split_config(N, K, itemsize)
+        return S, BN, BK, warps, stages
+    return config
+
+
 def main():
     x = torch.randn(3, 17408, device="cuda", dtype=torch.bfloat16)
     kept_config, kept_stages, kept_split = matvec._config, matvec_parts.FP8_STAGES, matvec_parts._split_config
@@ -45,8 +53,7 @@ def main():
         for tile in TILES[kind]:
             if kind == "parts":
                 matvec_parts.FP8_STAGES = tile[0]
-                matvec_parts._split_config = (lambda warps: lambda N, K, itemsize:
-                                              kept_split(N, K, itemsize)[:3] + (warps,) + kept_split(N, K, itemsize)[4:])(tile[1])
+                matvec_parts._split_config = split_warps(kept_split, tile[1])
             else:
                 matvec._config = (lambda t: lambda N, K, itemsize, swiglu=False, fp8=False:
                                   t if fp8 else kept_config(N, K, itemsize, swiglu, fp8))(tile)

@@ -191,7 +191,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true", help="the dot forms' values only (CPU under TRITON_INTERPRET=1)")
     ap.add_argument("--sweep", action="store_true", help="the production form under tiles, warps and depths")
-    ap.add_argument("--bits", action="store_true", help="the weights widened by moving bits, against Triton's conversion")
+    ap.add_argument("--bits", action="store_true",
+                    help="the weights widened by moving bits, against Triton's conversion")
     args = ap.parse_args()
     if args.check:
         check("cuda" if torch.cuda.is_available() else "cpu")

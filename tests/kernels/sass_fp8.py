@@ -57,8 +57,9 @@ def report(name: str, kernel) -> str:
 
 def main():
     print(f"triton {triton.__version__}")
+    sizes = "T N K NB F KS S s_x s_w s_sw s_y s_ss".split()
     params = [("x", "*bf16"), ("w", "*fp8e4nv"), ("sw", "*fp32"), ("y", "*bf16"), ("ws", "*fp32"), ("count", "*i32"),
-              ("ss", "*fp32")] + [(n, "i32") for n in "T N K NB F KS S s_x s_w s_sw s_y s_ss".split()] + [("eps", "fp32")]
+              ("ss", "*fp32")] + [(n, "i32") for n in sizes] + [("eps", "fp32")]
     aligned = {"x", "w", "sw", "y", "ws", "count", "ss", "N", "K", "s_x", "s_w", "s_y"}
     for BN, warps, stages, swiglu in ((64, 4, 8, False), (32, 2, 4, False), (64, 4, 6, True), (32, 2, 3, True)):
         consts = dict(BT=16, BN=BN, BK=128, NBP=0, SWIGLU=swiglu, SPLIT=False, FP8=True, PDL=True)
