@@ -66,6 +66,12 @@ class ChatActions:
                                     lambda a=c.action: self.run_action(a))
 
     # --- sending ---
+    def _claim(self) -> None:
+        """Mark a reply as under way from its first step, before the views it awaits are mounted."""
+        if not self.busy:     # a stop pressed from here on reaches _start_generation
+            self.busy = True
+            self._stop.clear()
+
     async def on_composer_submitted(self, event: Composer.Submitted) -> None:
         if self.engine is None and self.load_error is None and event.text.strip():
             self._queued = event.text       # sent by on_engine_ready; the text stays in the box till then
@@ -77,6 +83,7 @@ class ChatActions:
         if self.busy:
             self.notice("a reply is still streaming: press Esc to stop it", "warning")
             return
+        self._claim()
         self.query_one(Composer).clear()
         text = event.text.strip()
         mid = self._save("user", text)
@@ -84,6 +91,7 @@ class ChatActions:
         await self._start_reply()
 
     async def _start_reply(self) -> None:
+        self._claim()
         messages = self._prompt_messages()
         view = await self._chat().add(MessageView("assistant", tint=self.tint, thinking_live=self.think))
         view.set_footer("generating…")

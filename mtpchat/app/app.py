@@ -239,8 +239,7 @@ class ChatApp(ChatActions, App):
 
     # --- generation ---
     def _begin(self, runs: list[tuple[str, list[dict], bool | None]]) -> None:
-        self.busy = True
-        self._stop.clear()
+        self._claim()
         self._redraw_timer.pause()
         self.query_one(Composer).cursor_blink = False   # each blink is a repaint: none while decoding
         # the engine starts once the screen has laid out the new reply, not while it decodes

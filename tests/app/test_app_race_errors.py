@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from apphelpers import idle, make_app, ready, run, send, until
 
+from mtpchat.app.chat import Composer
 from mtpchat.app.errors import NO_MTP, describe_error
 from mtpchat.app.fake import DEFAULT_ANSWER, FakeEngine
 from mtpchat.app.race import RaceScreen
@@ -174,4 +175,36 @@ def test_a_message_sent_while_loading_goes_out_once_the_model_is_ready(data_dir)
             user, reply = app._views()
             assert user.role == "user" and user.content == "hello while loading"
             assert reply.role == "assistant" and reply.content
+    run(go())
+
+
+def test_a_reply_is_busy_from_its_first_view_and_a_stop_in_that_window_holds(data_dir):
+    # the views of a sent message mount over several awaits; busy must be set before the first,
+    # or a poller (and the stop key) sees "two views, not busy" before the generation has begun
+    engine = FakeEngine(step_delay=0.02, answer="word " * 200)
+    app = make_app(data_dir, engine)
+    busy_at_mount = []
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await ready(pilot)
+            chat = app._chat()
+            add = chat.add
+
+            async def spy(view):
+                busy_at_mount.append(app.busy)
+                if view.role == "assistant":
+                    app.action_stop()    # pressed while the reply's view mounts
+                return await add(view)
+            chat.add = spy
+            composer = app.query_one(Composer)
+            composer.focus()
+            composer.text = "hello"
+            await pilot.press("enter")
+            await until(pilot, lambda: len(busy_at_mount) == 2 and not app.busy, what="the stopped reply to end")
+            await pilot.pause()
+            assert busy_at_mount == [True, True]
+            assert not engine.step_log, "the stop pressed before the generation began was lost"
+            user, = app._views()
+            assert user.content == "hello"
     run(go())
