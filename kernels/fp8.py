@@ -1,14 +1,18 @@
 """Block-scaled FP8 weights, the format of Qwen's official FP8 checkpoints: w [N, K] in float8_e4m3fn
 and scale [ceil(N / 128), ceil(K / 128)] float32, one per 128 x 128 block, the dequantized weight
 being w * scale blockwise (the checkpoints call it `weight_scale_inv`). The float32 references to
-quantize and dequantize sit here; the products over such weights are in matvec.py (a few rows,
-the scales applied in registers) and fp8_gemm.py (prefill).
+quantize and dequantize sit here, and `widen`, which the few-row products over such weights
+(matvec.py, matvec_parts.py, moe.py: the scales applied in registers) use to bring a tile of them
+to the activations' dtype; fp8_gemm.py takes prefill.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
+
+from mtpchat.kernels._triton import tl, triton
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -74,3 +78,91 @@ def quantize_ref(w: torch.Tensor) -> BlockFP8:
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (b / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return BlockFP8(q.view(scale.shape[0] * BLOCK, -1)[:N, :K].contiguous(), scale.contiguous())
+
+
+# --- widening a tile of e4m3 weights to bf16 in a kernel ---------------------------------------------
+# Triton's .to(tl.bfloat16) of e4m3 compiles (sm_90, Triton 3.6) to one e4m3x2 -> f16x2 conversion,
+# two scalar f16 -> bf16 conversions and a byte permute per pair of weights: 1.5 conversions a
+# weight on the conversion units, more than they keep up with at 3 TB/s of FP8. The bit form takes
+# integer and bf16x2 instructions only, about 3 a weight (tests/kernels/sass_fp8.py counts them).
+
+WIDEN_BITS = False     # the bit form for bf16 activations on CUDA; off until measured on a GPU
+                       # (tests/kernels/ab_step.py --plans bits; bitwise equal: tests/kernels/test_fp8_widen.py)
+
+
+def bf16_of_e4m3_ref(w: torch.Tensor) -> torch.Tensor:
+    """The bit form's arithmetic in torch (what `widen` computes with BITS): each byte's sign to bit
+    15 and its exponent and mantissa to bits 4..10 of a bf16, which then holds the value / 2^120
+    (e4m3's exponent bias is 7, bf16's 127; subnormals included), times 2^120, exact in bf16. Equal
+    to the conversion for every byte but the two NaNs (0x7F, 0xFF), which become +-480."""
+    b = w.view(torch.uint8).to(torch.int32)
+    bits = ((b & 0x7F) << 4) | ((b & 0x80) << 8)
+    return (bits.to(torch.int16).view(torch.bfloat16) * 2.0 ** 120).to(torch.bfloat16)
+
+
+def widen_args(x: torch.Tensor, warps: int, BN: int) -> dict:
+    """How a product kernel with tiles of BN weight rows on `warps` warps widens its FP8 tiles:
+    {"BITS": 0}, Triton's conversion (float32 activations, the CPU, the interpreter, which runs no
+    inline assembly, or WIDEN_BITS off), or the bit form over groups of 2 or 4 weights. Two where
+    the dot takes Hopper's wgmma (4 warps, 64 rows or more), whose register operand gives each
+    thread pairs of weights along K (groups of 4 would be regrouped by byte permutes first: 2.25
+    more instructions a weight); four under mma.sync."""
+    if not (WIDEN_BITS and x.is_cuda and x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") != "1"):
+        return {"BITS": 0}
+    wgmma = torch.cuda.get_device_capability(x.device)[0] == 9 and warps % 4 == 0 and BN >= 64
+    return {"BITS": 2 if wgmma else 4}
+
+
+if tl is not None:
+    @triton.jit
+    def _bf16_of_e4m3_x2(b_w):
+        # two bytes a 16-bit register, widened to bytes 1 and 3 of a 32-bit one (the high halves of
+        # two 16-bit lanes); and/shift/lop3 make sign | (exponent, mantissa) << 4; one bf16x2
+        # multiply by 2^120 (an fma adding -0, so that a zero keeps its sign)
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 a, b, k, z;
+            mov.b32 k, 0x7B807B80;
+            mov.b32 z, 0x80008000;
+            cvt.u32.u16 a, $1;
+            prmt.b32 a, a, 0, 0x1404;
+            and.b32 b, a, 0x7FFF7FFF;
+            shr.b32 b, b, 4;
+            lop3.b32 b, b, 0x80008000, a, 0xF8;
+            fma.rn.bf16x2 $0, b, k, z;
+            }""",
+            "=r,h", [b_w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+    @triton.jit
+    def _bf16_of_e4m3_x4(b_w):
+        # as _x2, four bytes a 32-bit register: bytes 0, 1 and 2, 3 to two results
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 a0, a1, b0, b1, k, z;
+            mov.b32 k, 0x7B807B80;
+            mov.b32 z, 0x80008000;
+            prmt.b32 a0, $2, 0, 0x1404;
+            prmt.b32 a1, $2, 0, 0x3424;
+            and.b32 b0, a0, 0x7FFF7FFF;
+            and.b32 b1, a1, 0x7FFF7FFF;
+            shr.b32 b0, b0, 4;
+            shr.b32 b1, b1, 4;
+            lop3.b32 b0, b0, 0x80008000, a0, 0xF8;
+            lop3.b32 b1, b1, 0x80008000, a1, 0xF8;
+            fma.rn.bf16x2 $0, b0, k, z;
+            fma.rn.bf16x2 $1, b1, k, z;
+            }""",
+            "=r,=r,r", [b_w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+    @triton.jit
+    def widen(b_w, b_x, BITS: tl.constexpr):
+        """A tile of e4m3 weights in b_x's dtype: by moving bits, 2 or 4 weights a group (BITS; bf16
+        b_x only), or by Triton's conversion (BITS 0)."""
+        if BITS == 2:
+            return _bf16_of_e4m3_x2(b_w)
+        elif BITS == 4:
+            return _bf16_of_e4m3_x4(b_w)
+        else:
+            return b_w.to(b_x.dtype)
+else:
+    widen = None

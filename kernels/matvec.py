@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref, values_of
+from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref, values_of, widen, widen_args
 
 MAX_ROWS = 16
 
@@ -99,13 +99,14 @@ def _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP: tl.constexpr, 
 
 
 @triton.jit
-def _dot_tile(p_w, m_w, b_x, b_acc, sw, i_b, s_sw, k, FP8: tl.constexpr, BLOCK: tl.constexpr):
+def _dot_tile(p_w, m_w, b_x, b_acc, sw, i_b, s_sw, k, FP8: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
     """b_acc + w tile [BN, BK] @ b_x [BK, BT]. FP8: the tile lies in one block of the weight's
-    scales (row block i_b, column block k // BLOCK): widened to x's dtype, multiplied, then scaled."""
+    scales (row block i_b, column block k // BLOCK): widened to x's dtype (fp8.widen), multiplied,
+    then scaled."""
     b_w = tl.load(p_w, mask=m_w, other=0.)
     if FP8:
         b_s = tl.load(sw + i_b * s_sw + k // BLOCK)
-        b_acc += b_s * tl.dot(b_w.to(b_x.dtype), b_x, input_precision="ieee")
+        b_acc += b_s * tl.dot(widen(b_w, b_x, BITS), b_x, input_precision="ieee")
     else:
         # "ieee" keeps float32 inputs exact (no tf32); bf16 inputs take the tensor cores regardless
         b_acc = tl.dot(b_w, b_x, b_acc, input_precision="ieee")
@@ -115,7 +116,8 @@ def _dot_tile(p_w, m_w, b_x, b_acc, sw, i_b, s_sw, k, FP8: tl.constexpr, BLOCK: 
 @triton.jit(do_not_specialize=["T"])
 def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
-                   SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+                   SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+                   BITS: tl.constexpr = 0):
     # Program i_n takes column block i_n, all of K (with SWIGLU, the gate rows n and the up rows
     # N + n of w together). With SPLIT only the first F programs do; program F + j takes part
     # i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
@@ -147,9 +149,9 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
         p_w = w + o_n[:, None] * s_w + o_k[None, :]
         b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.))
         # FP8: a column block's rows share one row of scales (BN divides the 128-row blocks)
-        b_g = _dot_tile(p_w, m_w, b_x, b_g, sw, i_n * BN // 128, s_sw, k, FP8, 128)
+        b_g = _dot_tile(p_w, m_w, b_x, b_g, sw, i_n * BN // 128, s_sw, k, FP8, 128, BITS)
         if SWIGLU:
-            b_u = _dot_tile(p_w + N * s_w, m_w, b_x, b_u, sw, (N + i_n * BN) // 128, s_sw, k, FP8, 128)
+            b_u = _dot_tile(p_w + N * s_w, m_w, b_x, b_u, sw, (N + i_n * BN) // 128, s_sw, k, FP8, 128, BITS)
     if not SPLIT:
         _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
     elif pid < F:
@@ -301,7 +303,7 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
     _matvec_kernel[(F + (blocks - F) * S,)](
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
-        num_stages=stages, **scale, **fp8, **pdl(x))
+        num_stages=stages, **scale, **fp8, **pdl(x), **(widen_args(x, warps, BN) if fp8["FP8"] else {}))
     return y
 
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 import torch
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref, values_of
+from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref, values_of, widen_args
 from mtpchat.kernels.matvec import MAX_ROWS, Normed, _dot_tile, arrival_counts, check_product
 
 
 @triton.jit(do_not_specialize=["T"])
 def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x, s_w, s_yp, s_y, s_r, s_xn,
                          s_h, s_ss, s_sw, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr,
-                         NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+                         NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0):
     # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
     pdl_start(PDL)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
@@ -36,7 +36,7 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
         b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
         # FP8: BK divides the 128-column scale blocks and BN the 128-row ones (matvec._dot_tile)
         b_y = _dot_tile(w + o_n[:, None] * s_w + o_k[None, :], m_n[:, None] & m_k[None, :], tl.trans(b_x), b_y,
-                        sw, i_n * BN // 128, s_sw, k, FP8, 128)
+                        sw, i_n * BN // 128, s_sw, k, FP8, 128, BITS)
     o_y = o_t[None, :] * s_y + o_n[:, None]
     tl.store(y + i_s * s_yp + o_y, b_y, mask=m_y)
     if NORM:
@@ -125,7 +125,8 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
     _matvec_parts_kernel[(blocks, len(ranges))](
         x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0),
         y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=MAX_ROWS, BN=BN, BK=BK,
-        S=len(ranges), NORM=norm is not None, num_warps=warps, num_stages=stages, **fp8, **pdl(x))
+        S=len(ranges), NORM=norm is not None, num_warps=warps, num_stages=stages, **fp8, **pdl(x),
+        **(widen_args(x, warps, BN) if fp8["FP8"] else {}))
     return y if norm is None else (Normed(xn, ss, eps), h)
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref, values_of
+from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref, values_of, widen, widen_args
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
                                        count_reads, layout_ref)
 
@@ -169,7 +169,7 @@ def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = 
 def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, s_h, s_ws,
                    TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    STEP: tl.constexpr, BP: tl.constexpr, COUNT: tl.constexpr, SHARED: tl.constexpr,
-                   FP8: tl.constexpr, PDL: tl.constexpr):
+                   FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0):
     # One program per (block, BN of the F columns): the expert's gate and up tiles, multiplied
     # with the block's rows of x, weights first ([BN, BK] @ [BK, BM]) as in matvec.py. With
     # SHARED, expert E is the shared expert, whose weights (w2, ws2) are a tensor of their own.
@@ -200,8 +200,8 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
         if FP8:
             s_g = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
             s_u = tl.load(s_e + (F + i_n * BN) // 128 * s_ws + k // 128)
-            acc_g += s_g * tl.dot(b_g.to(b_x.dtype), b_x, input_precision="ieee")
-            acc_u += s_u * tl.dot(b_u.to(b_x.dtype), b_x, input_precision="ieee")
+            acc_g += s_g * tl.dot(widen(b_g, b_x, BITS), b_x, input_precision="ieee")
+            acc_u += s_u * tl.dot(widen(b_u, b_x, BITS), b_x, input_precision="ieee")
         else:
             acc_g = tl.dot(b_g, b_x, acc_g, input_precision="ieee")
             acc_u = tl.dot(b_u, b_x, acc_u, input_precision="ieee")
@@ -212,7 +212,7 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
 @triton.jit
 def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_ws,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
-                 SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+                 SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0):
     # One program per (block, BN of the H output columns), over the expert's F inputs.
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
@@ -236,7 +236,7 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
         b_w = tl.load(w_e + o_n[:, None] * F + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
         if FP8:
             s = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
-            acc += s * tl.dot(b_w.to(b_h.dtype), b_h, input_precision="ieee")
+            acc += s * tl.dot(widen(b_w, b_h, BITS), b_h, input_precision="ieee")
         else:
             acc = tl.dot(b_w, b_h, acc, input_precision="ieee")
     tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
@@ -307,7 +307,7 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
         x, wv, ws, w2, ws2, expert, pairs, reads if reads is not None else h, h, P, n_experts, H, Fi,
         x.stride(0), h.stride(0), ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp,
         COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, num_stages=stages,
-        **pdl(x))
+        **pdl(x), **(widen_args(x, warps, BN) if fp8 else {}))
     return h
 
 
@@ -326,7 +326,7 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None) -> torch.
     _down_kernel[(blocks, triton.cdiv(H, BN))](
         h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
         BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps,
-        num_stages=stages, **pdl(h))
+        num_stages=stages, **pdl(h), **(widen_args(h, warps, BN) if fp8 else {}))
     return y
 
 

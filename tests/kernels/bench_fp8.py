@@ -3,8 +3,10 @@
     cd tests/kernels && python3 bench_fp8.py
 
 Each product (3 rows, bf16 activations, FP8 weights with their scales) is timed with CUDA events
-over rotating weight copies (more bytes than L2 holds), under the default tile and a few others;
-the bf16 product of the same shape is timed beside it. Prints bytes read / time in TB/s.
+over rotating weight copies (more bytes than L2 holds), under the default tile and a few others,
+each widening its FP8 tiles by Triton's conversion and by moving bits (kernels/fp8.py widen, the
+two checked bit for bit); the bf16 product of the same shape is timed beside it. Prints bytes
+read / time in TB/s.
 """
 from __future__ import annotations
 
@@ -58,9 +60,16 @@ def main():
                 matvec._config = (lambda t: lambda N, K, itemsize, swiglu=False, fp8=False:
                                   t if fp8 else kept_config(N, K, itemsize, swiglu, fp8))(tile)
             err = ((run(ws[0]).float() - want).norm() / want.norm()).item()     # against the default tile
-            t = timed(lambda i: run(ws[i % 3]))
-            print(f"  FP8 {tile}: {t * 1e3:.1f} us, {fp8_bytes / t / 1e9:.2f} TB/s, {t / t_bf:.3f} x bf16, "
-                  f"differs from the default tile by {err:.1e}")
+            line = []
+            for bits in (False, True):
+                fp8.WIDEN_BITS = bits
+                out = run(ws[0])
+                t = timed(lambda i: run(ws[i % 3]))
+                line.append(f"{'bits' if bits else 'cvt'} {t * 1e3:6.1f} us {fp8_bytes / t / 1e9:.2f} TB/s "
+                            f"({t / t_bf:.3f} x bf16)")
+            fp8.WIDEN_BITS = False
+            same = torch.equal(out, run(ws[0]))
+            print(f"  FP8 {tile}: {';  '.join(line)};  bits == cvt: {same}; differs from the default tile by {err:.1e}")
             matvec._config, matvec_parts.FP8_STAGES, matvec_parts._split_config = kept_config, kept_stages, kept_split
 
 

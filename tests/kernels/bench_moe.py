@@ -1,15 +1,19 @@
 """Times the MoE step kernels at the 35B-A3B's shapes (H 2048, 256 experts of 512, 8 a token) for a
-decode row and a verify step, against the bytes of the experts they read, over a few tile choices.
+decode row and a verify step, against the bytes of the experts they read, over a few tile choices;
+FP8 experts widened by Triton's conversion and by moving bits (kernels/fp8.py widen) both.
 
-    python tests/kernels/bench_moe.py
+    python tests/kernels/bench_moe.py [--weights fp8]
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
 
 from mtpchat.kernels import fp8, moe
+
+TILES = moe._tiles
 
 
 def timed(fn, reps=200) -> float:
@@ -29,9 +33,12 @@ def timed(fn, reps=200) -> float:
 
 
 def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--weights", choices=("fp8", "bf16", "both"), default="both")
+    a = p.parse_args()
     E, k, F, H = 256, 8, 512, 2048
     bw = 3.0e12
-    for weights in ("fp8", "bf16"):
+    for weights in ("fp8", "bf16") if a.weights == "both" else (a.weights,):
         gu = torch.randn(E * 2 * F, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
         down = torch.randn(E * H, F, device="cuda", dtype=torch.bfloat16) / F ** 0.5
         if weights == "fp8":
@@ -49,19 +56,25 @@ def main():
             t_route = timed(lambda: moe.route_step(logits, k, E))
             t_comb = timed(lambda: moe.combine_triton(y, w, shared, g, torch.bfloat16))
             print(f"{weights} T={T}: {n} experts; route {t_route:.1f} us, combine {t_comb:.1f} us")
-            grid = itertools.product((32, 64, 128), (128,), (4, 8), (2, 3, 4, 6)) if weights == "fp8" else \
+            grid = itertools.product((32, 64, 128), (128,), (2, 4, 8), (2, 3, 4, 6)) if weights == "fp8" else \
                 itertools.product((32, 64), (128, 256), (4,), (3, 4))
             for BN, BK, warps, stages in grid:
                 moe._tiles = lambda product, step, fp8_, itemsize=2, c=(BN, BK, warps, stages): c
-                try:
-                    t1 = timed(lambda: moe.expert_swiglu_triton(x, gu, lay, k, E))
-                    t2 = timed(lambda: moe.expert_down_triton(h, down, lay, E))
-                except Exception as e:      # a tile that does not compile (shared memory)
-                    print(f"  BN {BN} BK {BK} warps {warps} stages {stages}: {type(e).__name__}")
-                    continue
                 f1, f2 = n * per_expert[0] / bw * 1e6, n * per_expert[1] / bw * 1e6
-                print(f"  BN {BN:>3} BK {BK:>3} warps {warps} stages {stages}: swiglu {t1:6.1f} us ({t1 / f1:.2f} x floor)  "
-                      f"down {t2:6.1f} us ({t2 / f2:.2f} x floor)")
+                line = []
+                for bits in (False, True) if weights == "fp8" else (False,):
+                    fp8.WIDEN_BITS = bits
+                    try:
+                        t1 = timed(lambda: moe.expert_swiglu_triton(x, gu, lay, k, E))
+                        t2 = timed(lambda: moe.expert_down_triton(h, down, lay, E))
+                    except Exception as e:      # a tile that does not compile (shared memory)
+                        line.append(type(e).__name__)
+                        continue
+                    line.append(f"{'bits ' if bits else ''}swiglu {t1:6.1f} us ({t1 / f1:.2f} x floor)  "
+                                f"down {t2:6.1f} us ({t2 / f2:.2f} x floor)")
+                fp8.WIDEN_BITS = False
+                print(f"  BN {BN:>3} BK {BK:>3} warps {warps} stages {stages}: " + ";  ".join(line))
+            moe._tiles = TILES
 
 
 if __name__ == "__main__":

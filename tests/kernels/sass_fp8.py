@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import probe_fp8_layout
-from mtpchat.kernels import matvec
+from mtpchat.kernels import matvec, matvec_parts, moe
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 OPS = ["HGMMA", "HMMA", "LDGSTS", "LDS", "LDSM", "F2FP", "F2F", "PRMT", "LOP3", "SHF", "HMUL2", "IMAD", "BAR"]
@@ -55,16 +55,62 @@ def report(name: str, kernel) -> str:
     return f"{name:<44} regs {regs:>3} stack {stack:>4} smem {kernel.metadata.shared:>6}  {mix}"
 
 
+def ints(names: str) -> list[tuple[str, str]]:
+    return [(n, "i32") for n in names.split()]
+
+
+def widening(bits: bool, warps: int, BN: int) -> int:
+    """The BITS constexpr fp8.widen_args gives on an H100."""
+    return (2 if warps % 4 == 0 and BN >= 64 else 4) if bits else 0
+
+
+def production(bits: bool) -> list[tuple[str, object, list, dict, set, int, int]]:
+    """(name, kernel, params, constexprs, aligned, warps, stages) of each few-row FP8 product at the
+    tiles it runs with (kernels/matvec.py _config, matvec_parts.py, moe.py _tiles), widening by
+    conversion or by bits. Aligned: the arguments a launch at the 27B's and the 35B-A3B's shapes
+    finds 16-divisible (without them Triton does not pipeline the split products' loads)."""
+    out = []
+    params = [("x", "*bf16"), ("w", "*fp8e4nv"), ("sw", "*fp32"), ("y", "*bf16"), ("ws", "*fp32"),
+              ("count", "*i32"), ("ss", "*fp32")] + ints("T N K NB F KS S s_x s_w s_sw s_y s_ss") + [("eps", "fp32")]
+    aligned = {"x", "w", "sw", "y", "ws", "count", "ss", "N", "K", "s_x", "s_w", "s_y"}
+    for swiglu in (False, True):
+        BN, BK, warps, stages = matvec._config(16384, 5120, 2, swiglu=swiglu, fp8=True)
+        consts = dict(BT=16, BN=BN, BK=BK, NBP=0, SWIGLU=swiglu, SPLIT=False, FP8=True, PDL=True,
+                      BITS=widening(bits, warps, BN))
+        out.append((f"matvec{' swiglu' if swiglu else ''} {BN}x{BK} w{warps} s{stages}", matvec._matvec_kernel,
+                    params, consts, aligned, warps, stages))
+    params = [("x", "*bf16"), ("w", "*fp8e4nv"), ("sw", "*fp32"), ("y", "*fp32"), ("count", "*i32"), ("r", "*bf16"),
+              ("nw", "*bf16"), ("xn", "*bf16"), ("h", "*bf16"), ("ss", "*fp32")] + \
+        ints("T N K KS s_x s_w s_yp s_y s_r s_xn s_h s_ss s_sw")
+    _, BN, BK, warps, _ = matvec_parts._split_config(5120, 17408, 2)
+    consts = dict(BT=16, BN=BN, BK=BK, S=3, NORM=True, FP8=True, PDL=True, BITS=widening(bits, warps, BN))
+    out.append((f"parts+norm {BN}x{BK} w{warps} s{matvec_parts.FP8_STAGES}", matvec_parts._matvec_parts_kernel,
+                params, consts, {n for n, _ in params} - {"T", "s_sw"}, warps, matvec_parts.FP8_STAGES))
+    BN, BK, warps, stages = moe._tiles("swiglu", True, True)
+    params = [("x", "*bf16"), ("w", "*fp8e4nv"), ("ws", "*fp32"), ("w2", "*fp8e4nv"), ("ws2", "*fp32"),
+              ("expert", "*i32"), ("pairs", "*i32"), ("reads", "*i64"), ("h", "*bf16")] + \
+        ints("P E H F s_x s_h s_ws")
+    consts = dict(TOPK=9, BM=16, BN=BN, BK=BK, STEP=True, BP=64, COUNT=True, SHARED=True, FP8=True, PDL=True,
+                  BITS=widening(bits, warps, BN))
+    out.append((f"moe swiglu step {BN}x{BK} w{warps} s{stages}", moe._swiglu_kernel, params, consts,
+                {n for n, _ in params} - {"P"}, warps, stages))
+    BN, BK, warps, stages = moe._tiles("down", True, True)
+    params = [("hin", "*bf16"), ("w", "*fp8e4nv"), ("ws", "*fp32"), ("w2", "*fp8e4nv"), ("ws2", "*fp32"),
+              ("expert", "*i32"), ("pairs", "*i32"), ("y", "*fp32")] + ints("P E H F s_h s_y s_ws")
+    consts = dict(BM=16, BN=BN, BK=BK, STEP=True, BP=64, SHARED=True, FP8=True, PDL=True,
+                  BITS=widening(bits, warps, BN))
+    out.append((f"moe down step {BN}x{BK} w{warps} s{stages}", moe._down_kernel, params, consts,
+                {n for n, _ in params} - {"P", "s_ws"}, warps, stages))
+    return out
+
+
 def main():
     print(f"triton {triton.__version__}")
-    sizes = "T N K NB F KS S s_x s_w s_sw s_y s_ss".split()
-    params = [("x", "*bf16"), ("w", "*fp8e4nv"), ("sw", "*fp32"), ("y", "*bf16"), ("ws", "*fp32"), ("count", "*i32"),
-              ("ss", "*fp32")] + [(n, "i32") for n in sizes] + [("eps", "fp32")]
-    aligned = {"x", "w", "sw", "y", "ws", "count", "ss", "N", "K", "s_x", "s_w", "s_y"}
-    for BN, warps, stages, swiglu in ((64, 4, 8, False), (32, 2, 4, False), (64, 4, 6, True), (32, 2, 3, True)):
-        consts = dict(BT=16, BN=BN, BK=128, NBP=0, SWIGLU=swiglu, SPLIT=False, FP8=True, PDL=True)
-        k = compile_sm90(matvec._matvec_kernel, params, consts, aligned, warps, stages)
-        print(report(f"matvec{' swiglu' if swiglu else ''} {BN}x128 w{warps} s{stages}", k))
+    for bits in (False, True):
+        for name, fn, params, consts, aligned, warps, stages in production(bits):
+            kernel = compile_sm90(fn, params, consts, aligned, warps, stages)
+            form = f"bits x{consts['BITS']}" if bits else "cvt"
+            print(report(f"{name} {form}", kernel))
     params = [("x", "*bf16"), ("w", "*fp8e4nv"), ("sw", "*fp32"), ("y", "*fp32"), ("T", "i32"), ("K", "i32"),
               ("s_sw", "i32")]
     for BN, warps, stages in ((64, 4, 8), (32, 2, 4)):
