@@ -268,6 +268,12 @@ def _programs(device: torch.device) -> int:
 
 
 TAIL_PARTS = 3
+# A product of a few column blocks only (an MoE router: 257 rows, 5 blocks) streams its weight
+# through as many SMs, each over all of K. On: each of its blocks is split over K too, into up to
+# SMALL_PARTS parts (the router's 8 tiles: one a program, 40 programs). Off until measured on a
+# GPU (tests/kernels/ab_step.py --plans tail --model qwen3.5-35b-a3b).
+SMALL_SPLIT = False
+SMALL_PARTS = 8
 
 
 def _tail_config(blocks: int, KI: int, P: int) -> tuple[int, int] | None:
@@ -278,8 +284,17 @@ def _tail_config(blocks: int, KI: int, P: int) -> tuple[int, int] | None:
     SMs; tests/kernels/ab_step.py --plans tail): the decode step 1.2% faster in 3 parts, 1.1% in
     2, 0.6-0.8% in 4 or 5, 0.3-0.4% in 6 and 8, no faster in 14 (one part of three tiles an SM);
     splitting the large last waves of the GDN in_proj and q|gate|k|v too (126 of 258, 92 of 224
-    blocks) took most of the gain back."""
-    if P < 4 or blocks <= P:
+    blocks) took most of the gain back. With SMALL_SPLIT, a product of at most P / 4 blocks in all
+    is its own last wave: every block in min(SMALL_PARTS, KI, P / blocks) parts."""
+    if P < 4:
+        return None
+    if blocks <= P // 4 and SMALL_SPLIT:
+        S = min(SMALL_PARTS, KI, P // blocks)
+        if S < 2:
+            return None
+        KS = triton.cdiv(KI, S)
+        return triton.cdiv(KI, KS), KS
+    if blocks <= P:
         return None
     r = blocks % P
     S = min(TAIL_PARTS, KI // 2)

@@ -38,6 +38,7 @@ from mtpchat.kernels import fp8 as fp8_format
 CONFIGS = Path(bench.__file__).parent / "configs"
 PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT = _triton._pdl_device, matvec._config, matvec_parts._split_config
 DEFAULT_TAIL = matvec._tail_config, matvec.TAIL_PARTS
+DEFAULT_SMALL = matvec.SMALL_SPLIT, matvec.SMALL_PARTS
 
 
 def pdl_plans() -> dict:
@@ -221,10 +222,12 @@ def tail_plans() -> dict:
     """The products whose last wave of column blocks is small (the MLP gate|up: 8 of 272 blocks on
     132 SMs) as one program a block ("whole") or with that wave split over K into 3 parts a block
     (kernels/matvec.py: TAIL_SPLIT, TAIL_PARTS, "split 3"), or into 2-14 parts (14 fill the SMs);
-    and with the large last waves (GDN in_proj 126 of 258 blocks, q|gate|k|v 92 of 224) split too."""
+    with the large last waves (GDN in_proj 126 of 258 blocks, q|gate|k|v 92 of 224) split too; and
+    the products of a few blocks (an MoE router's 5) split in every block (SMALL_SPLIT, "small N":
+    up to N parts; only the MoE models have such products)."""
     default = DEFAULT_TAIL[0]
 
-    def tail(on, parts=3, wide=None):
+    def tail(on, parts=3, wide=None, small=0):
         def config(blocks, KI, P):
             if wide and blocks > P and blocks % P > P // 4:
                 KS = matvec.triton.cdiv(KI, wide)
@@ -233,9 +236,11 @@ def tail_plans() -> dict:
 
         def setup():
             matvec.TAIL_SPLIT, matvec.TAIL_PARTS, matvec._tail_config = on, parts, config
+            matvec.SMALL_SPLIT, matvec.SMALL_PARTS = small > 0, small or DEFAULT_SMALL[1]
         return setup
     return {"whole": tail(False), **{f"split {n}": tail(True, n) for n in (3, 2, 4, 5, 6, 8, 14)},
-            "split 3 wide 2": tail(True, 3, 2), "split 3 wide 3": tail(True, 3, 3)}
+            "split 3 wide 2": tail(True, 3, 2), "split 3 wide 3": tail(True, 3, 3),
+            **{f"split 3 small {n}": tail(True, 3, small=n) for n in (8, 4, 2)}}
 
 
 def products_ms(model, reps: int = 20) -> float:
@@ -346,6 +351,7 @@ def main():
         _triton._pdl_device, matvec._config, matvec_parts._split_config = PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT
         matvec.TAIL_SPLIT, (matvec._tail_config, matvec.TAIL_PARTS) = True, DEFAULT_TAIL
         fp8_format.WIDEN_BITS = False
+        matvec.SMALL_SPLIT, matvec.SMALL_PARTS = DEFAULT_SMALL
 
     products = {}
     if a.products:                 # the products alone: under each plan where the plans choose them

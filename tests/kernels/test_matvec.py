@@ -122,6 +122,59 @@ def test_matvec_tail_split(device, monkeypatch, dtype, P, blocks, T):
     check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype], "unsplit")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 3])
+def test_matvec_small_split(device, monkeypatch, dtype, T):
+    # a product of one column block on 6 "SMs" with SMALL_SPLIT: every block split over K (as an
+    # MoE router would be on 132), plain, Normed, float32 logits and SwiGLU against the references,
+    # each row its 1-row call, the counts back at 0
+    monkeypatch.setattr(matvec, "_programs", lambda device: 6)
+    monkeypatch.setattr(matvec, "SMALL_SPLIT", True)
+    g = torch.Generator().manual_seed(7 + T)
+    size = torch.tensor([], dtype=dtype).element_size()
+    K = 1300
+    BN, BK = matvec._config(60, K, size)[:2]
+    KI = matvec.triton.cdiv(K, BK)
+    S, KS = matvec._tail_config(1, KI, 6)
+    assert S == min(matvec.SMALL_PARTS, KI, 6) and (S - 1) * KS < KI <= S * KS
+    x, w = randn(T, K, dtype=dtype, device=device, gen=g), randn(BN - 3, K, dtype=dtype, device=device, gen=g, scale=0.1)
+    n = normed(T, K, dtype, device, g)
+    w2 = randn(2 * 21, K, dtype=dtype, device=device, gen=g, scale=0.1)
+    logits = torch.full((T, BN - 3), float("nan"), device=device)
+    for what, out, ref in [("plain", lambda: matvec.matvec_triton(x, w), matvec.matvec_ref(x, w)),
+                           ("Normed", lambda: matvec.matvec_triton(n, w), matvec.matvec_ref(n, w)),
+                           ("float32 out", lambda: matvec.matvec_triton(x, w, out=logits), matvec.matvec_ref(x, w).float()),
+                           ("swiglu", lambda: matvec.matvec_swiglu_triton(x, w2), matvec.matvec_swiglu_ref(x, w2))]:
+        check(out(), ref, TOL[dtype], what)
+        assert int(matvec._counts[x.device].abs().sum()) == 0, what
+    ones = torch.cat([matvec.matvec_triton(x[i:i + 1], w) for i in range(T)])
+    assert torch.equal(matvec.matvec_triton(x, w), ones)
+    monkeypatch.setattr(matvec, "SMALL_SPLIT", False)
+    assert matvec._tail_config(1, KI, 6) is None
+
+
+@pytest.mark.gpu
+def test_small_split_on_the_35b_router():
+    # the 35B-A3B's router (256 experts and the shared gate, hidden 2048) split in every block on
+    # the GPU's SMs: against the reference, the same bits call after call, rows invariant in T
+    g = torch.Generator().manual_seed(5)
+    bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
+    x, w = randn(5, 2048, **bf16), randn(257, 2048, scale=0.02, **bf16)
+    n = normed(5, 2048, torch.bfloat16, "cuda", g)
+    whole = matvec.matvec(n, w)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(matvec, "SMALL_SPLIT", True)
+        assert matvec._tail_config(5, 8, matvec._programs(x.device)) == (8, 1)
+        first = matvec.matvec(n, w)
+        check(first, matvec.matvec_ref(n, w), 1e-2)
+        check(first, whole, 1e-2)
+        for _ in range(20):
+            assert torch.equal(matvec.matvec(n, w), first)
+            assert int(matvec._counts[x.device].abs().sum()) == 0
+        assert torch.equal(matvec.matvec(matvec.Normed(n.x[:1], n.ss[:1], n.eps), w), first[:1])
+        check(matvec.matvec(x, w), matvec.matvec_ref(x, w), 1e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("P", [60, 114])
 def test_matvec_tail_split_races(monkeypatch, P):
