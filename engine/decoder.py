@@ -36,12 +36,17 @@ from mtpchat.engine.sampling import SamplingParams, process_logits, sample
 from mtpchat.engine.snapshots import Snapshots
 from mtpchat.engine.spec import accept_sampled, seen_rows
 from mtpchat.engine.turns import Turns
-from mtpchat.kernels.accept import AcceptBuffers, accept_greedy, argmax_partials_buffers, commit_ref
+from mtpchat.kernels.accept import AcceptBuffers, accept_greedy, argmax_partials_buffers, commit_ref, pick_argmax
 
 # The MTP head's rows kept while MTP is off (hidden_size x 2 bytes each: 5 MiB for the 27B), run
 # through it when MTP comes back on or when they fill up. A flush waits for the steps in flight and
 # runs the head eagerly: at 64 rows it cost a 27B decode some 2.5 ms every 63 tokens, 40 us a token.
 PENDING_ROWS = 512
+
+# On: the draft's argmax and its map to token ids as two PDL kernels (kernels/accept.py pick_argmax)
+# in place of torch's argmax and index_select, each a launch the chain waits for. Off until
+# measured on a GPU (tests/kernels/ab_step.py --plans draft).
+DRAFT_PICK = False
 
 
 @dataclass
@@ -250,6 +255,10 @@ class Decoder(Turns):
         """The head's greedy token, written into `into`: the argmax of the logits in the model's
         dtype (widening them to float32 first would pick the same token, one kernel later), over
         the trimmed draft vocabulary when there is one (engine/draft_vocab.py)."""
+        if DRAFT_PICK and hidden.is_cuda:
+            w, ids = self.draft_head if self.draft_head is not None else (self.model.head, None)
+            pick_argmax(linear(hidden, w, rowwise=True), ids, into, self.partials)
+            return
         if self.draft_head is None:
             torch.argmax(linear(hidden, self.model.head, rowwise=True), dim=-1, out=into)
             return

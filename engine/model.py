@@ -86,8 +86,9 @@ def out_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool):
     return linear(x, w, rowwise)
 
 
-def add_norm(x, residual: torch.Tensor, norm_: "RMSNorm", whole: bool = False, out: torch.Tensor | None = None):
-    """(norm_(x + residual), x + residual) after a block whose output x is a tensor or a Product.
+def add_norm(x, residual: torch.Tensor | None, norm_: "RMSNorm", whole: bool = False, out: torch.Tensor | None = None):
+    """(norm_(x + residual), x + residual) after a block whose output x is a tensor or a Product
+    (a Product may come with no residual: the MTP head's fc, the first thing its layer reads).
     A Product runs split over K (its 5120 columns in 80 blocks would leave SMs idle): each column
     block's last program adds the parts and the residual, and the normalised rows come as a Normed
     for the next product to finish (kernels/matvec_parts.py); with `whole` (the final norm, whose
@@ -97,6 +98,10 @@ def add_norm(x, residual: torch.Tensor, norm_: "RMSNorm", whole: bool = False, o
         if SPLIT_NORM and not whole:
             assert out is None, "add_norm: the split norm gives a Normed, never whole rows into `out`"
             return matvec_parts_triton(x.x, x.w, norm=(residual, norm_.weight, norm_.eps))
+        if residual is None:          # nothing to add (the MTP head's fc): the product, then the norm
+            assert out is None, "add_norm: no `out` without a residual"
+            x = linear(x.x, x.w, True)
+            return norm.rmsnorm(x, norm_.weight, norm_.eps), x
         x = matvec_parts(x.x, x.w)
     return norm.add_rmsnorm(x, residual, norm_.weight, norm_.eps, out=out)
 
@@ -281,7 +286,9 @@ class DecoderLayer(nn.Module):
         block's (output, residual stream) unsummed (residual None for the first block) and returns
         its own. The block's value is output + residual (in a step on the GPU the output comes as a
         Product still to run, and the normalised rows as a Normed: see add_norm)."""
-        if residual is None:
+        if isinstance(x, Product) and residual is None:     # the MTP head's fc, still to run
+            normed, h = add_norm(x, None, self.input_norm)
+        elif residual is None:
             normed, h = self.input_norm(x), x
         else:
             normed, h = add_norm(x, residual, self.input_norm)

@@ -115,6 +115,22 @@ def _argmax_partials_kernel(x, val, idx, V, s_x, s_p, BV: tl.constexpr, PDL: tl.
 
 
 @triton.jit
+def _pick_kernel(val, idx, s_p, P, ids, into, HAS_IDS: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr):
+    # row i_r's argmax from its chunks (the largest max, the smallest index among equal ones: the
+    # first index overall, torch.argmax's rule), through the id map when there is one
+    pdl_start(PDL)
+    i_r = tl.program_id(0)
+    o_p = tl.arange(0, BP)
+    m_p = o_p < P
+    b_v = tl.load(val + i_r * s_p + o_p, mask=m_p, other=float("-inf"))
+    b_i = tl.load(idx + i_r * s_p + o_p, mask=m_p, other=0)
+    b_arg = tl.min(tl.where(m_p & (b_v == tl.max(b_v, 0)), b_i, 2 ** 30), 0)
+    if HAS_IDS:
+        b_arg = tl.load(ids + b_arg)
+    tl.store(into + i_r, b_arg.to(tl.int64))
+
+
+@triton.jit
 def _accept_greedy_kernel(val, idx, s_p, P, drafts, is_stop, room, pos, gen, next_tok, fold, parity, conv_off,
                           seen, v_hidden, pend_hidden, pend_tokens, pend_n, result, H, N_PEND, s_v, s_ph,
                           K: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, BH: tl.constexpr,
@@ -239,3 +255,34 @@ def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor, b: AcceptBuffers, 
         accept_greedy_triton(logits, drafts, b, partials)
     else:
         accept_greedy_ref(logits, drafts, b)
+
+
+def pick_argmax_ref(logits: torch.Tensor, ids: torch.Tensor | None, into: torch.Tensor):
+    """into [R] = ids[argmax of each row of logits [R, V]] (ids None: the argmax itself)."""
+    top = logits.argmax(-1)
+    into.copy_(top if ids is None else ids.index_select(0, top))
+
+
+def pick_argmax(logits: torch.Tensor, ids: torch.Tensor | None, into: torch.Tensor, partials=None):
+    """The head's greedy draft: torch's argmax and index_select as two kernels (the partial argmax
+    above, then one program a row that reduces its chunks and maps the index through `ids`), which
+    start behind the product before them (PDL). `partials`: argmax_partials_buffers for at least R
+    rows of V logits, so a captured step allocates nothing."""
+    if use_triton(logits):
+        pick_argmax_triton(logits, ids, into, partials)
+    else:
+        pick_argmax_ref(logits, ids, into)
+
+
+def pick_argmax_triton(logits: torch.Tensor, ids: torch.Tensor | None, into: torch.Tensor, partials=None):
+    R, V = logits.shape
+    val, idx = partials if partials is not None else argmax_partials_buffers(R, V, logits.device)
+    P = triton.cdiv(V, BV)
+    assert logits.stride(1) == 1 and val.shape[0] >= R and val.shape[1] >= P and val.is_contiguous() \
+        and idx.is_contiguous(), f"partials {tuple(val.shape)} too small for [{R}, {P}], or not contiguous"
+    assert into.shape == (R,) and into.dtype == torch.long and (ids is None or ids.dtype == torch.long), \
+        "into must be [R] long, ids a long map"
+    _argmax_partials_kernel[(R, P)](logits, val, idx, V, logits.stride(0), val.stride(0), BV=BV,
+                                    num_warps=4, **pdl(logits))
+    _pick_kernel[(R,)](val, idx, val.stride(0), P, ids if ids is not None else into, into,
+                       HAS_IDS=ids is not None, BP=triton.next_power_of_2(P), num_warps=1, **pdl(logits))

@@ -21,7 +21,8 @@ from mtpchat.kernels.matvec import MAX_ROWS, Normed, _dot_tile, arrival_counts, 
 @triton.jit(do_not_specialize=["T"])
 def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x, s_w, s_yp, s_y, s_r, s_xn,
                          s_h, s_ss, s_sw, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr,
-                         NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0):
+                         NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
+                         RESIDUAL: tl.constexpr = True):
     # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
     pdl_start(PDL)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
@@ -51,9 +52,10 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
             for i_p in tl.static_range(1, S):
                 b_v += tl.load(y + i_p * s_yp + o_y, mask=m_y, other=0., cache_modifier=".cg")
             dtype = h.dtype.element_ty
-            b_v = b_v.to(dtype).to(tl.float32)
-            b_r = tl.load(r + o_t[None, :] * s_r + o_n[:, None], mask=m_y, other=0.).to(tl.float32)
-            b_h = (b_v + b_r).to(dtype)
+            b_h = b_v.to(dtype)
+            if RESIDUAL:
+                b_r = tl.load(r + o_t[None, :] * s_r + o_n[:, None], mask=m_y, other=0.).to(tl.float32)
+                b_h = (b_h.to(tl.float32) + b_r).to(dtype)
             tl.store(h + o_t[None, :] * s_h + o_n[:, None], b_h, mask=m_y)
             b_h = b_h.to(tl.float32)
             b_nw = 1. + tl.load(nw + o_n, mask=m_n, other=0.).to(tl.float32)
@@ -102,7 +104,8 @@ def parts_sum_ref(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = None):
     """The parts [S, T, N]; with norm = (residual [T, N], weight [N], eps), the residual add and
     the norm's two pieces instead: returns (Normed(h * (1 + weight), sums of h², eps), h) for
-    h = x @ wᵀ + residual, finished block by block by each column block's last program."""
+    h = x @ wᵀ + residual, finished block by block by each column block's last program. A residual
+    of None adds nothing (h = x @ wᵀ: the MTP head's fc, which its layer's input norm reads)."""
     N, K = w.shape
     w, sw, fp8 = check_product(x, w, K)
     T = x.shape[0]
@@ -117,15 +120,18 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         eps = 0.
     else:
         r, nw, eps = norm
-        assert r.shape == (T, N) and r.stride(1) == 1 and r.dtype == x.dtype, f"residual must be [{T}, {N}] like x"
+        if r is not None:
+            assert r.shape == (T, N) and r.stride(1) == 1 and r.dtype == x.dtype, f"residual must be [{T}, {N}] like x"
         assert nw.shape == (N,) and nw.is_contiguous(), f"the norm's weight must be [{N}] contiguous"
-        xn, h = torch.empty_like(r), torch.empty_like(r)
+        xn, h = (torch.empty(T, N, dtype=x.dtype, device=x.device) for _ in range(2))
+        r = h if r is None else r                 # never read without a residual (RESIDUAL False)
         ss = torch.empty(T, blocks, dtype=torch.float32, device=x.device)
         count = arrival_counts(x.device, blocks)
     _matvec_parts_kernel[(blocks, len(ranges))](
         x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0),
         y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=MAX_ROWS, BN=BN, BK=BK,
-        S=len(ranges), NORM=norm is not None, num_warps=warps, num_stages=stages, **fp8, **pdl(x),
+        S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None, num_warps=warps,
+        num_stages=stages, **fp8, **pdl(x),
         **(widen_args(x, warps, BN) if fp8["FP8"] else {}))
     return y if norm is None else (Normed(xn, ss, eps), h)
 

@@ -50,3 +50,35 @@ def test_trimmed_draft_is_the_argmax_of_its_rows(ckpt):
         logits = (h.float() @ w.float().T)[0].to(torch.bfloat16)
         top = logits.max()
         assert logits[(ids == into).nonzero()[0, 0]] == top       # a row reaching the max (bf16 ties allowed)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_staged_draft_kernels_keep_mtp_on_equal_to_off(tmp_path, monkeypatch, moe):
+    """The MTP head's fc split over K and finished by its layer's input norm (mtp.FC_SPLIT), and the
+    draft's argmax as two kernels (decoder.DRAFT_PICK): taken (counted), and greedy MTP on equals
+    off with the real head, k = 1..4, trimmed and full draft heads, dense and MoE."""
+    from mtpchat.engine import decoder, model, mtp
+    from test_gpu_moe import SHAPE as MOE_SHAPE
+    monkeypatch.setattr(mtp, "FC_SPLIT", True)
+    monkeypatch.setattr(decoder, "DRAFT_PICK", True)
+    used = {"fc": 0, "pick": 0}
+    split, pick = model.matvec_parts_triton, decoder.pick_argmax
+
+    def split_spy(x, w, norm=None):
+        used["fc"] += norm is not None and norm[0] is None
+        return split(x, w, norm)
+
+    def pick_spy(*a):
+        used["pick"] += 1
+        return pick(*a)
+    monkeypatch.setattr(model, "matvec_parts_triton", split_spy)
+    monkeypatch.setattr(decoder, "pick_argmax", pick_spy)
+    ckpt = write_tiny_checkpoint(tmp_path / "m", moe=moe, **(MOE_SHAPE if moe else SHAPE))
+    for draft_vocab in (0, 160):
+        engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, draft_vocab=draft_vocab)
+        assert (engine.decoder.draft_head is not None) == bool(draft_vocab)
+        for i, ids in enumerate(prompts(engine, 4)):
+            ref = tokens(engine, ids, n=128)
+            for k in (1, 2, 3, 4):
+                assert tokens(engine, ids, n=128, mtp=True, k=k) == ref, (draft_vocab, i, k)
+    assert used["fc"] > 0 and used["pick"] > 0, used

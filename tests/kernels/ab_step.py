@@ -12,6 +12,7 @@ shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans tail            # a product's small last wave split over K, or whole
     python3 ab_step.py --plans fp8glu --weights fp8   # the FP8 SwiGLU product's tiles
     python3 ab_step.py --plans bits --weights fp8     # FP8 tiles widened by moving bits, or converted
+    python3 ab_step.py --plans draft           # the MTP head's fc split, the draft's argmax as two kernels
 
 A plan is a name and a function that sets the launch choice it stands for before its phases are
 compiled and captured (and undoes nothing: the next plan sets its own). Steps of a live
@@ -27,13 +28,15 @@ from pathlib import Path
 
 import torch
 
-from mtpchat.engine import bench
+from mtpchat.engine import bench, decoder, mtp
 from mtpchat.engine.bench import random_prompt
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.engine import Engine
 from mtpchat.engine.sampling import SamplingParams
 from mtpchat.kernels import _triton, matvec, matvec_parts
 from mtpchat.kernels import fp8 as fp8_format
+
+from ab_plans import bits_plans, draft_plans, fp8_glu_plans
 
 CONFIGS = Path(bench.__file__).parent / "configs"
 PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT = _triton._pdl_device, matvec._config, matvec_parts._split_config
@@ -76,34 +79,6 @@ def tile_plans() -> dict:
         for cfg in cfgs:
             plans[f"{name}:{cfg[0]}x{cfg[1]}w{cfg[2]}s{cfg[3]}"] = group(name, cfg)
     return plans
-
-
-def fp8_glu_plans() -> dict:
-    """The FP8 MLP gate|up (SwiGLU) under two-warp tiles (bench_fp8.py: 32 x 128, 2 warps, 3-4 deep
-    reached 2.30-2.38 TB/s alone against 1.79 for the default 64 x 128, 4 warps, 6 deep)."""
-    def glu(cfg):
-        def tiles(N, K, itemsize, swiglu=False, fp8=False):
-            return cfg if fp8 and swiglu and cfg else DEFAULT_TILES(N, K, itemsize, swiglu, fp8)
-        return lambda: setattr(matvec, "_config", tiles)
-    return {"base": glu(None), "glu:32x128w2s3": glu((32, 128, 2, 3)), "glu:32x128w2s4": glu((32, 128, 2, 4))}
-
-
-def bits_plans() -> dict:
-    """FP8 weight tiles widened to bf16 by moving bits (kernels/fp8.py widen) against Triton's
-    conversion: under the default tiles, and under tiles the conversion made slower (plain products
-    on 2 warps, which take mma.sync and groups of 4; the SwiGLU product's earlier 64 x 128 on 4).
-    With --room 0 the logits of every plan must be the conversion's, bit for bit."""
-    def use(bits: bool, plain=None, glu=None):
-        def tiles(N, K, itemsize, swiglu=False, fp8=False):
-            cfg = (glu if swiglu else plain) if fp8 else None
-            return cfg or DEFAULT_TILES(N, K, itemsize, swiglu, fp8)
-
-        def setup():
-            fp8_format.WIDEN_BITS = bits
-            matvec._config = tiles
-        return setup
-    return {"cvt": use(False), "bits": use(True), "bits plain:32x128w2s4": use(True, plain=(32, 128, 2, 4)),
-            "bits glu:64x128w4s6": use(True, glu=(64, 128, 4, 6))}
 
 
 def resident_plans() -> dict:
@@ -292,7 +267,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3.6-27b")
     p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "knockout", "attention", "split", "small", "resident",
-                                                           "tail", "fp8glu", "bits"))
+                                                           "tail", "fp8glu", "bits", "draft"))
     p.add_argument("--weights", default="bf16", choices=("bf16", "fp8"))
     p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
     p.add_argument("--context", type=int, default=1024)
@@ -306,7 +281,8 @@ def main():
     a = p.parse_args()
     plans = {"pdl": pdl_plans, "tiles": tile_plans, "knockout": knockout_plans, "attention": attention_plans,
              "split": split_plans, "small": small_plans, "resident": resident_plans,
-             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans}[a.plans]()
+             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans,
+             "draft": draft_plans}[a.plans]()
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
@@ -352,6 +328,7 @@ def main():
         matvec.TAIL_SPLIT, (matvec._tail_config, matvec.TAIL_PARTS) = True, DEFAULT_TAIL
         fp8_format.WIDEN_BITS = False
         matvec.SMALL_SPLIT, matvec.SMALL_PARTS = DEFAULT_SMALL
+        mtp.FC_SPLIT, decoder.DRAFT_PICK = False, False
 
     products = {}
     if a.products:                 # the products alone: under each plan where the plans choose them

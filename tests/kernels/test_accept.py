@@ -197,3 +197,42 @@ def test_nan_logits_pick_the_first_nan(device):
     b.is_stop[[0, 5000, 100]] = False
     ref = run_both(logits, drafts, b)
     assert ref.result[:5].tolist() == [3, 2, 0, 5000, 100]
+
+
+@pytest.mark.parametrize("V,R", [(300, 1), (4097, 3), (9000, 2), (34816 + 5, 1)])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_pick_argmax(device, V, R, mapped):
+    # the draft's argmax and its map to token ids, against torch's: bf16-like ties planted in
+    # different chunks (the first wins), a row of -inf, odd sizes
+    g = torch.Generator().manual_seed(V + R)
+    logits = randn(R, V, gen=g).to(device)
+    top = logits.max() + 1
+    logits[0, V - 7], logits[0, 11] = top, top            # a tie across chunks: index 11 wins
+    if R > 1:
+        logits[1] = float("-inf")
+    ids = torch.randperm(248320, generator=g)[:V].to(device) if mapped else None
+    into = torch.full((R,), -1, dtype=torch.long, device=device)
+    accept.pick_argmax_triton(logits, ids, into, accept.argmax_partials_buffers(R + 1, V, device))
+    want = torch.empty_like(into)
+    accept.pick_argmax_ref(logits, ids, want)
+    assert torch.equal(into, want)
+    assert int(want[0]) == (int(ids[11]) if mapped else 11)
+
+
+@pytest.mark.gpu
+def test_pick_argmax_bf16_in_a_graph():
+    # bf16 logits of the 27B's trimmed head (32,768 + 2,048 rows), many ties, captured and replayed
+    g = torch.Generator(device="cuda").manual_seed(3)
+    logits = (torch.randn(1, 34816, device="cuda", generator=g) * 3).round().to(torch.bfloat16)
+    ids = torch.randperm(248320, device="cuda", generator=g)[:34816]
+    into, want = torch.empty(1, dtype=torch.long, device="cuda"), torch.empty(1, dtype=torch.long, device="cuda")
+    parts = accept.argmax_partials_buffers(5, 248320, "cuda")
+    accept.pick_argmax(logits, ids, into, parts)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        accept.pick_argmax(logits, ids, into, parts)
+    for _ in range(3):
+        logits.copy_((torch.randn(1, 34816, device="cuda", generator=g) * 3).round().to(torch.bfloat16))
+        graph.replay()
+        accept.pick_argmax_ref(logits, ids, want)
+        assert torch.equal(into, want)

@@ -83,6 +83,26 @@ def test_matvec_parts_norm(device, monkeypatch, dtype, T, split):
     check(matvec.matvec_triton(n, w2), matvec.matvec_ref(y_ref, w2), 2 * TOL[dtype], "the next product")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [False, True])
+def test_matvec_parts_norm_without_residual(device, monkeypatch, dtype, split):
+    # the MTP head's fc finished by its layer's input norm: h = x @ wᵀ, the product rounded once
+    # (the plain product's value to the bit), and the norm's two pieces of it
+    monkeypatch.setattr(matvec_parts, "_split_config", lambda N, K, itemsize: (3 if split else 1, 16, 32, 4, 2))
+    g = torch.Generator().manual_seed(40 + split)
+    x, w = randn(3, 300, dtype=dtype, device=device, gen=g), randn(70, 300, dtype=dtype, device=device, gen=g, scale=0.1)
+    nw = randn(70, dtype=dtype, device=device, gen=g, scale=0.3)
+    n, h = matvec_parts.matvec_parts_triton(x, w, norm=(None, nw, 1e-6))
+    assert int(matvec._counts[x.device].abs().sum()) == 0
+    assert torch.equal(h, matvec_parts.parts_sum_ref(matvec_parts.matvec_parts_triton(x, w), dtype))
+    check(h, matvec.matvec_ref(x, w), TOL[dtype], "the product")
+    check(n.x, (h.float() * (1 + nw.float())).to(dtype), TOL[dtype], "h * (1 + w)")
+    check(n.ss, torch.nn.functional.pad(h.float() ** 2, (0, 10)).view(3, 5, 16).sum(-1), TOL[torch.float32], "ss")
+    w2 = randn(40, 70, dtype=dtype, device=device, gen=g, scale=0.1)
+    want = matvec.matvec_ref(norm.rmsnorm_ref(h, nw, 1e-6), w2)
+    check(matvec.matvec_triton(n, w2), want, 2 * TOL[dtype], "the next product")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("K", [6144, 17408])
 def test_matvec_parts_norm_27b_rows(K):
