@@ -19,7 +19,7 @@ except ImportError:
                                    next_power_of_2=lambda n: 1 << max(0, n - 1).bit_length())
     tl = None
 
-__all__ = ["triton", "tl", "pdl", "pdl_start"]
+__all__ = ["triton", "tl", "pdl", "pdl_start", "interpreting"]
 
 
 def use_triton(*tensors) -> bool:
@@ -36,9 +36,15 @@ def use_triton(*tensors) -> bool:
 # step kernel starts with `pdl_start`, so a kernel that passes its wait knows that all before it
 # have ended, and the launch latency of each kernel hides behind the one before.
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels under its interpreter (TRITON_INTERPRET set to any of the values
+    Triton reads as true), where PDL and inline assembly do not exist."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 @functools.cache
 def _pdl_device(index: int) -> bool:
-    return (tl is not None and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return (tl is not None and not interpreting()
             and torch.cuda.get_device_capability(index) >= (9, 0))
 
 

@@ -7,12 +7,11 @@ to the activations' dtype; fp8_gemm.py takes prefill.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
-from mtpchat.kernels._triton import tl, triton
+from mtpchat.kernels._triton import interpreting, tl, triton
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -96,8 +95,15 @@ def bf16_of_e4m3_ref(w: torch.Tensor) -> torch.Tensor:
     (e4m3's exponent bias is 7, bf16's 127; subnormals included), times 2^120, exact in bf16. Equal
     to the conversion for every byte but the two NaNs (0x7F, 0xFF), which become +-480."""
     b = w.view(torch.uint8).to(torch.int32)
-    bits = ((b & 0x7F) << 4) | ((b & 0x80) << 8)
+    bits = ((b & 0x7F) << 4) | ((b & 0x80) << 8)                      # 0 .. 0x87F0
+    bits = bits - ((bits & 0x8000) << 1)                               # as a signed 16-bit value
     return (bits.to(torch.int16).view(torch.bfloat16) * 2.0 ** 120).to(torch.bfloat16)
+
+
+def widen_group(capability: tuple[int, int], warps: int, BN: int) -> int:
+    """The bit form's group (2 or 4 weights) for a tile of BN weight rows on `warps` warps on a GPU
+    of this compute capability (widen_args)."""
+    return 2 if capability[0] == 9 and warps % 4 == 0 and BN >= 64 else 4
 
 
 def widen_args(x: torch.Tensor, warps: int, BN: int) -> dict:
@@ -107,10 +113,9 @@ def widen_args(x: torch.Tensor, warps: int, BN: int) -> dict:
     the dot takes Hopper's wgmma (4 warps, 64 rows or more), whose register operand gives each
     thread pairs of weights along K (groups of 4 would be regrouped by byte permutes first: 2.25
     more instructions a weight); four under mma.sync."""
-    if not (WIDEN_BITS and x.is_cuda and x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") != "1"):
+    if not (WIDEN_BITS and x.is_cuda and x.dtype == torch.bfloat16 and not interpreting()):
         return {"BITS": 0}
-    wgmma = torch.cuda.get_device_capability(x.device)[0] == 9 and warps % 4 == 0 and BN >= 64
-    return {"BITS": 2 if wgmma else 4}
+    return {"BITS": widen_group(torch.cuda.get_device_capability(x.device), warps, BN)}
 
 
 if tl is not None:
@@ -159,8 +164,10 @@ if tl is not None:
         """A tile of e4m3 weights in b_x's dtype: by moving bits, 2 or 4 weights a group (BITS; bf16
         b_x only), or by Triton's conversion (BITS 0)."""
         if BITS == 2:
+            tl.static_assert(b_x.dtype == tl.bfloat16, "the bit form widens to bf16 only")
             return _bf16_of_e4m3_x2(b_w)
         elif BITS == 4:
+            tl.static_assert(b_x.dtype == tl.bfloat16, "the bit form widens to bf16 only")
             return _bf16_of_e4m3_x4(b_w)
         else:
             return b_w.to(b_x.dtype)

@@ -21,11 +21,10 @@ the tests hold the kernel to.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
-from mtpchat.kernels._triton import tl, triton, use_triton
+from mtpchat.kernels._triton import interpreting, tl, triton, use_triton
 from mtpchat.kernels.fp8 import BLOCK, FP8, FP8_MAX, BlockFP8, dequantize_ref, scale_shape
 
 
@@ -87,11 +86,6 @@ def _quantize_rows_kernel(x, xq, xs, M, K, s_x, s_q, s_sm, s_sk, BR: tl.constexp
     tl.store(xs + o_r * s_sm + i_g * s_sk, b_s, mask=m_r)
 
 
-def _interpreted() -> bool:
-    # Triton's interpreter runs the kernels on CPU tensors when TRITON_INTERPRET=1 (tests/conftest.py)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows_ref in one pass over x. xs comes as the transpose of a [KB, M] tensor (its
     shape [M, KB], strides (1, M)): the product reads a step's BM token scales as one contiguous
@@ -107,7 +101,7 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     BR = 32
     _quantize_rows_kernel[(triton.cdiv(M, BR), KB)](
         x, xq, xs, M, K, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1), BR=BR, G=BLOCK,
-        INTERPRET=_interpreted(), num_warps=4)
+        INTERPRET=interpreting(), num_warps=4)
     return xq, xs
 
 

@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import probe_fp8_layout
-from mtpchat.kernels import matvec, matvec_parts, moe
+from mtpchat.kernels import fp8, matvec, matvec_parts, moe
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 OPS = ["HGMMA", "HMMA", "LDGSTS", "LDS", "LDSM", "F2FP", "F2F", "PRMT", "LOP3", "SHF", "HMUL2", "IMAD", "BAR"]
@@ -61,7 +61,7 @@ def ints(names: str) -> list[tuple[str, str]]:
 
 def widening(bits: bool, warps: int, BN: int) -> int:
     """The BITS constexpr fp8.widen_args gives on an H100."""
-    return (2 if warps % 4 == 0 and BN >= 64 else 4) if bits else 0
+    return fp8.widen_group((9, 0), warps, BN) if bits else 0
 
 
 def production(bits: bool) -> list[tuple[str, object, list, dict, set, int, int]]:
