@@ -37,9 +37,12 @@ def use_triton(*tensors) -> bool:
 # have ended, and the launch latency of each kernel hides behind the one before.
 
 def interpreting() -> bool:
-    """Whether Triton runs kernels under its interpreter (TRITON_INTERPRET set to any of the values
-    Triton reads as true), where PDL and inline assembly do not exist."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    """Whether Triton runs kernels under its interpreter, where PDL and inline assembly do not exist:
+    TRITON_INTERPRET as Triton itself reads it (its knobs), or as it reads booleans where it has none."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
 
 @functools.cache

@@ -278,10 +278,14 @@ def pick_argmax_triton(logits: torch.Tensor, ids: torch.Tensor | None, into: tor
     R, V = logits.shape
     val, idx = partials if partials is not None else argmax_partials_buffers(R, V, logits.device)
     P = triton.cdiv(V, BV)
-    assert logits.stride(1) == 1 and val.shape[0] >= R and val.shape[1] >= P and val.is_contiguous() \
-        and idx.is_contiguous(), f"partials {tuple(val.shape)} too small for [{R}, {P}], or not contiguous"
-    assert into.shape == (R,) and into.dtype == torch.long and (ids is None or ids.dtype == torch.long), \
-        "into must be [R] long, ids a long map"
+    assert logits.stride(1) == 1, "the logits rows must be contiguous"
+    assert val.dtype == torch.float32 and idx.dtype == torch.int32 and val.shape == idx.shape, \
+        "partials must be a float32 and an int32 buffer of one shape"
+    assert val.shape[0] >= R and val.shape[1] >= P and val.is_contiguous() and idx.is_contiguous(), \
+        f"partials {tuple(val.shape)} too small for [{R}, {P}], or not contiguous"
+    assert into.shape == (R,) and into.dtype == torch.long and into.is_contiguous(), "into must be [R] long"
+    assert ids is None or (ids.dtype == torch.long and ids.dim() == 1 and ids.shape[0] >= V), \
+        f"ids must map the {V} rows to token ids (long)"
     _argmax_partials_kernel[(R, P)](logits, val, idx, V, logits.stride(0), val.stride(0), BV=BV,
                                     num_warps=4, **pdl(logits))
     _pick_kernel[(R,)](val, idx, val.stride(0), P, ids if ids is not None else into, into,

@@ -21,7 +21,6 @@ the tests hold the kernel to.
 """
 from __future__ import annotations
 
-
 import torch
 
 from mtpchat.kernels._triton import interpreting, tl, triton, use_triton

@@ -268,10 +268,11 @@ def _programs(device: torch.device) -> int:
 
 
 TAIL_PARTS = 3
-# A product of a few column blocks only (an MoE router: 257 rows, 5 blocks) streams its weight
-# through as many SMs, each over all of K. On: each of its blocks is split over K too, into up to
+# A product of a few column blocks only streams its weight through as many SMs, each over all of
+# K: on 132 SMs, the MoE routers (257 rows: 5 blocks), the FP8 models' GDN a|b product (1-2
+# blocks) and the 35B-A3B's MTP fc (32). On: each of its blocks is split over K too, into up to
 # SMALL_PARTS parts (the router's 8 tiles: one a program, 40 programs). Off until measured on a
-# GPU (tests/kernels/ab_step.py --plans tail --model qwen3.5-35b-a3b).
+# GPU (tests/kernels/ab_step.py --plans tail, the 35B-A3B and the FP8 27B).
 SMALL_SPLIT = False
 SMALL_PARTS = 8
 
@@ -288,7 +289,7 @@ def _tail_config(blocks: int, KI: int, P: int) -> tuple[int, int] | None:
     is its own last wave: every block in min(SMALL_PARTS, KI, P / blocks) parts."""
     if P < 4:
         return None
-    if blocks <= P // 4 and SMALL_SPLIT:
+    if 0 < blocks <= P // 4 and SMALL_SPLIT:
         S = min(SMALL_PARTS, KI, P // blocks)
         if S < 2:
             return None

@@ -39,7 +39,10 @@ def test_trimmed_head_and_adaptive_k_equal_mtp_off_bf16(ckpt):
     assert len(ks) >= 3                     # the policy really changed k along the way
 
 
-def test_trimmed_draft_is_the_argmax_of_its_rows(ckpt):
+@pytest.mark.parametrize("pick", [False, True])
+def test_trimmed_draft_is_the_argmax_of_its_rows(ckpt, monkeypatch, pick):
+    from mtpchat.engine import decoder
+    monkeypatch.setattr(decoder, "DRAFT_PICK", pick)      # torch's argmax, or the two kernels
     engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256, draft_vocab=160)
     w, ids = engine.decoder.draft_head
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -82,3 +85,15 @@ def test_staged_draft_kernels_keep_mtp_on_equal_to_off(tmp_path, monkeypatch, mo
             for k in (1, 2, 3, 4):
                 assert tokens(engine, ids, n=128, mtp=True, k=k) == ref, (draft_vocab, i, k)
     assert used["fc"] > 0 and used["pick"] > 0, used
+    # the draft itself: the same token under both argmax forms, trimmed head and full
+    for draft_vocab in (0, 160):
+        d = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256, draft_vocab=draft_vocab).decoder
+        g = torch.Generator(device="cuda").manual_seed(draft_vocab)
+        for _ in range(200):
+            h = torch.randn(1, d.model.c.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+            picked, want = (torch.empty(1, dtype=torch.long, device="cuda") for _ in range(2))
+            d._greedy(h, picked)
+            monkeypatch.setattr(decoder, "DRAFT_PICK", False)
+            d._greedy(h, want)
+            monkeypatch.setattr(decoder, "DRAFT_PICK", True)
+            assert torch.equal(picked, want), draft_vocab

@@ -19,7 +19,8 @@ import torch
 CUDA = torch.cuda.is_available()
 _LATE = None
 if not CUDA:
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    on = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")   # as Triton reads it
+    if "triton" in sys.modules and not on:
         _LATE = ("Triton was imported before tests/kernels/conftest.py could set TRITON_INTERPRET=1: "
                  "set it in the environment (or in tests/conftest.py) to run the kernel tests on a CPU")
     os.environ["TRITON_INTERPRET"] = "1"

@@ -11,12 +11,16 @@ from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine import mtp
 from mtpchat.engine.model import Product
 from mtpchat.engine.tiny import write_tiny_checkpoint
+from mtpchat.kernels import matvec_parts
 
 MOE = dict(num_experts=12, num_experts_per_tok=3, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 
 
 @pytest.mark.parametrize("moe", [False, True])
-def test_split_fc_head_equals_the_unsplit_one(tmp_path, monkeypatch, moe):
+@pytest.mark.parametrize("parts", [1, 3])
+def test_split_fc_head_equals_the_unsplit_one(tmp_path, monkeypatch, moe, parts):
+    # parts 3: the tiny fc's K in ranges of 32 (its own shape would take one range)
+    monkeypatch.setattr(matvec_parts, "_split_config", lambda N, K, itemsize: (parts, 16, 32, 4, 2))
     ckpt = write_tiny_checkpoint(tmp_path / "m", moe=moe, **(MOE if moe else {}))
     engine = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=256)
     d = engine.decoder
