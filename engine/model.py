@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.kernels import attention, conv, fp8_gemm, gdn, gdn_chunk, moe, norm
+from mtpchat.kernels import attention, conv, fp8_gemm, gdn, gdn_chunk, moe, moe_router, norm
 from mtpchat.kernels._triton import use_triton
 from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref, values_of
 from mtpchat.kernels.matvec import Normed, matvec, matvec_swiglu, silu_mul
@@ -76,6 +76,9 @@ class Product(NamedTuple):
 
 SPLIT_NORM = True      # off: add_norm gives whole normalised rows (tests/kernels/ab_step.py --plans split)
 SHARED_AS_EXPERT = True   # off: an MoE's shared expert runs as its own two products
+# On: a step's router product and routing in one kernel on the GPU (kernels/moe_router.py), in place
+# of a 5-program product and the routing kernel. Off until measured (tests/kernels/ab_step.py --plans router).
+ROUTER_FUSED = False
 
 
 def out_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool):
@@ -174,15 +177,18 @@ class SparseMoE(nn.Module):
     def forward(self, x, ctx: Ctx):
         E, k = self.c.num_experts, self.c.num_experts_per_tok
         gate_up, down = weight(self, "experts_gate_up"), weight(self, "experts_down")
-        logits = linear(x, self.router, ctx.step)
+        fused = ROUTER_FUSED and ctx.step and use_triton(x, self.router)
+        logits = None if fused else linear(x, self.router, ctx.step)
+        route = lambda shared: (moe_router.route_fused(x, self.router, k, E, shared) if fused
+                                else moe.route(logits, k, E, ctx.step, shared=shared))
         reads = self.reads if ctx.step else None
         if self._shared_as_expert(gate_up):
             # the shared expert as every row's last choice, expert E: two launches fewer a layer
             sgu, sd = weight(self.shared, "gate_up"), weight(self.shared, "down")
-            _, weights, _, layout = moe.route(logits, k, E, ctx.step, shared=True)
+            _, weights, _, layout = route(True)
             h = moe.expert_swiglu(x, gate_up, layout, k + 1, E, ctx.step, reads, shared=sgu)
             return moe.combine(moe.expert_down(h, down, layout, E, ctx.step, shared=sd), weights, dtype=x.dtype)
-        _, weights, gate, layout = moe.route(logits, k, E, ctx.step)
+        _, weights, gate, layout = route(False)
         h = moe.expert_swiglu(x, gate_up, layout, k, E, ctx.step, reads)
         y = moe.expert_down(h, down, layout, E, ctx.step)
         shared = self.shared(x, ctx, whole=True) if self.shared is not None else None

@@ -1,9 +1,10 @@
-"""Launch plans of ab_step.py for the FP8 products and the draft step (the staged changes among
-them: kernels/fp8.py WIDEN_BITS, engine/mtp.py FC_SPLIT, engine/decoder.py DRAFT_PICK). A plan is a
-name and a function that sets the choice it stands for; ab_step.py's `defaults` undoes them."""
+"""Launch plans of ab_step.py for the FP8 products, the draft step and the MoE router (the staged
+changes among them: kernels/fp8.py WIDEN_BITS, engine/mtp.py FC_SPLIT, engine/decoder.py DRAFT_PICK,
+kernels/matvec.py SMALL_SPLIT, engine/model.py ROUTER_FUSED). A plan is a name and a function that
+sets the choice it stands for; ab_step.py's `defaults` undoes them."""
 from __future__ import annotations
 
-from mtpchat.engine import decoder, mtp
+from mtpchat.engine import decoder, model, mtp
 from mtpchat.kernels import fp8 as fp8_format
 from mtpchat.kernels import matvec
 
@@ -48,3 +49,15 @@ def draft_plans() -> dict:
         return setup
     return {"base": use(False, False), "fc split": use(True, False), "pick": use(False, True),
             "fc split + pick": use(True, True)}
+
+
+def router_plans() -> dict:
+    """An MoE model's router: the 5-program product and the routing kernel ("base"), the product
+    split in every block (SMALL_SPLIT; it reaches every product of few blocks), or product and
+    routing in one kernel (ROUTER_FUSED). Run with --model qwen3.5-35b-a3b."""
+    def use(small: bool, fused: bool):
+        def setup():
+            matvec.SMALL_SPLIT, model.ROUTER_FUSED = small, fused
+        return setup
+    return {"base": use(False, False), "small split": use(True, False), "fused router": use(False, True),
+            "both": use(True, True)}

@@ -1,0 +1,85 @@
+"""The router product and its routing in one kernel (kernels/moe_router.py) against its float32
+reference (the same split sums, then moe.route_ref) and against the two kernels it replaces."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import check, randn
+
+from mtpchat.kernels import matvec, moe, moe_layout, moe_router
+
+
+@pytest.mark.parametrize("T", [1, 3, 9])
+@pytest.mark.parametrize("E,k,gate,shared", [(12, 3, True, False), (12, 3, False, False), (37, 8, True, True),
+                                             (200, 8, True, True)])
+def test_route_fused_equals_its_reference(device, monkeypatch, T, E, k, gate, shared):
+    monkeypatch.setattr(moe_router, "_programs", lambda device: 6)     # 6 "SMs" on the CPU too
+    g = torch.Generator().manual_seed(T * E + k)
+    H = 300
+    x = randn(T, H, gen=g).to(device)
+    w = randn(E + gate, H, gen=g, scale=0.3).to(device)
+    for _ in range(2):                                                # the count is back at 0
+        ids, weights, gates, lay = moe_router.route_fused(x, w, k, E, shared)
+        assert int(matvec._counts[x.device].abs().sum()) == 0
+    ids_r, w_r, g_r = moe_router.route_fused_ref(x.cpu(), w.cpu(), k, E, shared, P=6)
+    assert torch.equal(ids.cpu(), ids_r)
+    check(weights.cpu(), w_r, 1e-6, "weights")
+    if gate and not shared:
+        check(gates.cpu(), g_r, 1e-6, "gate")
+    else:
+        assert gates is None and g_r is None
+    assert isinstance(lay, moe_layout.StepLayout) and lay.blocks == min(E + shared, T * (k + shared))
+    # the two kernels it replaces route the same (the logits differ by the order of their sums only)
+    ids2, w2, _, _ = moe.route_step(matvec.matvec(x, w), k, E, shared) if device == "cuda" else \
+        (*moe.route_ref(matvec.matvec_ref(x, w), k, E, shared), None)
+    assert torch.equal(ids.cpu(), ids2.cpu())
+    check(weights.cpu(), w2.cpu(), 1e-5, "weights against the unfused routing")
+
+
+def test_the_split(monkeypatch):
+    # the 35B-A3B's router on an H100: 257 rows in 5 blocks, 2,048 columns in 8 tiles, one a part
+    assert moe_router._split(257, 2048, 2, 132) == (64, 256, 8, 1)
+    assert moe_router._split(257, 2048, 2, 20) == (64, 256, 4, 2)      # fewer SMs, fewer parts
+    assert moe_router._split(13, 300, 4, 6) == (64, 128, 3, 1)
+
+
+@pytest.mark.gpu
+def test_35b_router_rows_alone_and_together():
+    g = torch.Generator().manual_seed(0)
+    x = randn(9, 2048, gen=g).to("cuda", torch.bfloat16)
+    w = randn(257, 2048, gen=g, scale=0.02).to("cuda", torch.bfloat16)
+    ids, weights, _, _ = moe_router.route_fused(x, w, 8, 256, shared=True)
+    ids_r, w_r, _ = moe_router.route_fused_ref(x.cpu(), w.cpu(), 8, 256, True,
+                                               P=torch.cuda.get_device_properties(0).multi_processor_count)
+    assert (ids.cpu() == ids_r).float().mean() > 0.99                # bf16 rounding may swap near ties
+    for i in range(9):
+        alone = moe_router.route_fused(x[i:i + 1], w, 8, 256, shared=True)
+        assert torch.equal(alone[0][0], ids[i]) and torch.equal(alone[1][0], weights[i]), i
+    for _ in range(10):
+        assert torch.equal(moe_router.route_fused(x, w, 8, 256, shared=True)[1], weights)
+
+
+@pytest.mark.parametrize("shared_as_expert", [True, False])
+def test_the_moe_block_with_the_fused_router(tmp_path, monkeypatch, shared_as_expert):
+    # engine/model.py ROUTER_FUSED: a step's MoE block routed by the fused kernel (here through the
+    # interpreter on the CPU) gives the block's output of the unfused routing
+    from mtpchat.engine import Engine, model
+    from mtpchat.engine.model import Ctx
+    from mtpchat.engine.tiny import write_tiny_checkpoint
+    monkeypatch.setattr(moe_router, "_programs", lambda device: 6)
+    monkeypatch.setattr(model, "SHARED_AS_EXPERT", shared_as_expert)
+    shape = dict(num_experts=12, num_experts_per_tok=3, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    engine = Engine.load(write_tiny_checkpoint(tmp_path / "m", moe=True, **shape), device="cpu",
+                         dtype=torch.float32, max_context=64)
+    block = engine.model.layers[0].mlp
+    x = randn(5, engine.config.hidden_size, seed=3)
+    ctx = Ctx(torch.arange(5), 0, True, None, None, None)
+    want = block(x, ctx)
+    calls = []
+    fused = moe_router.route_fused
+    monkeypatch.setattr(model, "ROUTER_FUSED", True)
+    monkeypatch.setattr(model, "use_triton", lambda *t: True)           # as on a GPU, for the router
+    monkeypatch.setattr(moe_router, "route_fused", lambda *a: calls.append(a[3]) or fused(*a))
+    got = block(x, ctx)
+    assert calls == [12]
+    check(got, want, 1e-5, "the block's output")
