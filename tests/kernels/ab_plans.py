@@ -61,3 +61,19 @@ def router_plans() -> dict:
         return setup
     return {"base": use(False, False), "small split": use(True, False), "fused router": use(False, True),
             "both": use(True, True)}
+
+
+def staged_plans() -> dict:
+    """Every staged switch alone against none, and all together: one run a model and weight format
+    decides them (the bit form matters with --weights fp8 only, the router and the fused routing on
+    the MoE models only). Each plan sets every switch, so their order does not matter."""
+    switches = ("bits", "small split", "fc split", "pick", "fused router")
+
+    def use(on: set):
+        def setup():
+            fp8_format.WIDEN_BITS = "bits" in on
+            matvec.SMALL_SPLIT = "small split" in on
+            mtp.FC_SPLIT, decoder.DRAFT_PICK = "fc split" in on, "pick" in on
+            model.ROUTER_FUSED = "fused router" in on
+        return setup
+    return {"none": use(set()), **{name: use({name}) for name in switches}, "all": use(set(switches))}

@@ -14,6 +14,7 @@ shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans bits --weights fp8     # FP8 tiles widened by moving bits, or converted
     python3 ab_step.py --plans draft           # the MTP head's fc split, the draft's argmax as two kernels
     python3 ab_step.py --plans router --model qwen3.5-35b-a3b   # the MoE router split, or fused with routing
+    python3 ab_step.py --plans staged [--weights fp8] [--model ...] # every switch still off by default
 
 A plan is a name and a function that sets the launch choice it stands for before its phases are
 compiled and captured (and undoes nothing: the next plan sets its own). Steps of a live
@@ -37,7 +38,7 @@ from mtpchat.engine.sampling import SamplingParams
 from mtpchat.kernels import _triton, matvec, matvec_parts
 from mtpchat.kernels import fp8 as fp8_format
 
-from ab_plans import bits_plans, draft_plans, fp8_glu_plans, router_plans
+from ab_plans import bits_plans, draft_plans, fp8_glu_plans, router_plans, staged_plans
 
 CONFIGS = Path(bench.__file__).parent / "configs"
 PDL_ON, DEFAULT_TILES, DEFAULT_SPLIT = _triton._pdl_device, matvec._config, matvec_parts._split_config
@@ -268,7 +269,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3.6-27b")
     p.add_argument("--plans", default="tiles", choices=("pdl", "tiles", "knockout", "attention", "split", "small", "resident",
-                                                           "tail", "fp8glu", "bits", "draft", "router"))
+                                                           "tail", "fp8glu", "bits", "draft", "router", "staged"))
     p.add_argument("--weights", default="bf16", choices=("bf16", "fp8"))
     p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
     p.add_argument("--context", type=int, default=1024)
@@ -283,7 +284,7 @@ def main():
     plans = {"pdl": pdl_plans, "tiles": tile_plans, "knockout": knockout_plans, "attention": attention_plans,
              "split": split_plans, "small": small_plans, "resident": resident_plans,
              "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans,
-             "draft": draft_plans, "router": router_plans}[a.plans]()
+             "draft": draft_plans, "router": router_plans, "staged": staged_plans}[a.plans]()
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
