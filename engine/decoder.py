@@ -139,11 +139,11 @@ class Decoder(Turns):
         self.pending = 0                     # host mirror of pend_n
         self.generated = 0                   # tokens emitted in this generation
 
-    def _ctx(self, start, T: int, step: bool) -> Ctx:
+    def _ctx(self, start, T: int, step: bool, rows: torch.Tensor | None = None) -> Ctx:
         # a device start ([1]) stands for the T consecutive positions from it (kernels/rope.py)
         positions = torch.arange(start, start + T, device=self.device) if isinstance(start, int) else start
         return Ctx(positions, start, step, self.state.conv_off, self.state.fold, self.state.parity,
-                   self.room if step else None)
+                   self.room if step else None, rows)
 
     # --- prefill (eager: its shapes vary) ------------------------------------------------------
     def prefill(self, ids: list[int], keep_all: bool = False) -> torch.Tensor:
@@ -241,8 +241,9 @@ class Decoder(Turns):
         """Catch the head up over k_max+1 pending rows, then draft k tokens greedily into `drafts`."""
         R, L = self.R, self.pos
         start = L - self.pend_n
+        # rows past pend_n are stale: an MoE head routes them as the last live one, reading no more experts
         out = self.head(self.model.embed, self.pend_tokens[:R], self.pend_hidden[:R], self.state.mtp,
-                        self._ctx(start, R, step=True))
+                        self._ctx(start, R, step=True, rows=self.pend_n))
         out = out.index_select(0, self.pend_n - 1)                        # the row at position L-1
         self._greedy(out, self.drafts[:1])
         chain = L + self.steps[:k - 1]                                    # the chained drafts' positions

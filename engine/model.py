@@ -41,6 +41,8 @@ class Ctx:
     fold: torch.Tensor        # [1] long: the last step's accepted tokens, to fold into the GDN states
     parity: torch.Tensor      # [1] long: which half of the GDN pend buffers holds them
     live: torch.Tensor | None = None   # [1] long, steps: 0 once the generation has ended (write no state)
+    rows: torch.Tensor | None = None   # [1] long: the rows that count (the MTP head's catch-up); the
+                                       # rest are stale, and an MoE routes them as the last that counts
 
 
 def weight(m: nn.Module, name: str):
@@ -179,8 +181,8 @@ class SparseMoE(nn.Module):
         gate_up, down = weight(self, "experts_gate_up"), weight(self, "experts_down")
         fused = ROUTER_FUSED and ctx.step and use_triton(x, self.router)
         logits = None if fused else linear(x, self.router, ctx.step)
-        route = lambda shared: (moe_router.route_fused(x, self.router, k, E, shared) if fused
-                                else moe.route(logits, k, E, ctx.step, shared=shared))
+        route = lambda shared: (moe_router.route_fused(x, self.router, k, E, shared, rows=ctx.rows) if fused
+                                else moe.route(logits, k, E, ctx.step, shared=shared, rows=ctx.rows))
         reads = self.reads if ctx.step else None
         if self._shared_as_expert(gate_up):
             # the shared expert as every row's last choice, expert E: two launches fewer a layer

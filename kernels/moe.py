@@ -116,14 +116,18 @@ def combine_ref(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | N
 # --- Triton kernels ----------------------------------------------------------------------------
 
 @triton.jit
-def _topk_kernel(logits, s_l, ids, weights, gate, E, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                 HAS_GATE: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
+def _topk_kernel(logits, s_l, ids, weights, gate, rows, E, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
+                 HAS_GATE: tl.constexpr, SHARED: tl.constexpr, HAS_ROWS: tl.constexpr, PDL: tl.constexpr):
     # One program a row: softmax, the top k by repeated argmax (the first of equal values, in
-    # descending order as torch.topk gives them), renormalised.
+    # descending order as torch.topk gives them), renormalised. HAS_ROWS: a row past `rows` routes
+    # as the last row before it (stale_rows).
     pdl_start(PDL)
     r = tl.program_id(0)
+    r_src = r
+    if HAS_ROWS:
+        r_src = tl.minimum(r, tl.maximum(tl.load(rows) - 1, 0)).to(tl.int32)
     o_e = tl.arange(0, BE)
-    b_l = tl.load(logits + r * s_l + o_e, mask=o_e < E, other=float("-inf")).to(tl.float32)
+    b_l = tl.load(logits + r_src * s_l + o_e, mask=o_e < E, other=float("-inf")).to(tl.float32)
     b_p = tl.exp(b_l - tl.max(b_l, 0))
     b_p = b_p / tl.sum(b_p, 0)
     o_k = tl.arange(0, KP)
@@ -136,7 +140,7 @@ def _topk_kernel(logits, s_l, ids, weights, gate, E, K: tl.constexpr, KP: tl.con
         b_ids = tl.where(o_k == j, idx, b_ids)
         b_top = tl.where(o_k == j, best, b_top)
     if SHARED:      # choice K: the shared expert (E), weighted by its gate
-        g = tl.sigmoid(tl.load(logits + r * s_l + E).to(tl.float32))
+        g = tl.sigmoid(tl.load(logits + r_src * s_l + E).to(tl.float32))
         tl.store(ids + r * (K + 1) + o_k, b_ids, mask=o_k < K)
         tl.store(weights + r * (K + 1) + o_k, b_top / tl.sum(b_top, 0), mask=o_k < K)
         tl.store(ids + r * (K + 1) + K, E)
@@ -145,11 +149,21 @@ def _topk_kernel(logits, s_l, ids, weights, gate, E, K: tl.constexpr, KP: tl.con
         tl.store(ids + r * K + o_k, b_ids, mask=o_k < K)
         tl.store(weights + r * K + o_k, b_top / tl.sum(b_top, 0), mask=o_k < K)
         if HAS_GATE:
-            tl.store(gate + r, tl.sigmoid(tl.load(logits + r * s_l + E).to(tl.float32)))
+            tl.store(gate + r, tl.sigmoid(tl.load(logits + r_src * s_l + E).to(tl.float32)))
 
 
-def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = False):
-    """route_ref on the GPU for a step's few rows, with the step's layout."""
+def stale_rows(logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The logits each row routes by: a row past `rows` (a [1] count on the logits' device: the MTP
+    head's stale catch-up rows, whose output is never read) takes the last row's, so reads no more."""
+    if rows is None:
+        return logits
+    src = torch.minimum(torch.arange(logits.shape[0], device=logits.device), (rows - 1).clamp(min=0))
+    return logits.index_select(0, src)
+
+
+def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = False,
+               rows: torch.Tensor | None = None):
+    """route_ref on the GPU for a step's few rows, with the step's layout (`rows`: stale_rows)."""
     T, kk = logits.shape[0], top_k + shared
     assert T <= STEP_ROWS, f"a step routes at most {STEP_ROWS} rows, got {T}"
     assert logits.stride(1) == 1
@@ -159,9 +173,10 @@ def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = 
     weights = torch.empty(T, kk, dtype=torch.float32, device=dev)
     has_gate = logits.shape[1] > n_experts and not shared
     gate = torch.empty(T, dtype=torch.float32, device=dev) if has_gate else None
-    _topk_kernel[(T,)](logits, logits.stride(0), ids, weights, gate if has_gate else weights, n_experts,
-                       K=top_k, KP=triton.next_power_of_2(top_k), BE=triton.next_power_of_2(n_experts),
-                       HAS_GATE=has_gate, SHARED=shared, num_warps=1, **pdl(logits))
+    _topk_kernel[(T,)](logits, logits.stride(0), ids, weights, gate if has_gate else weights,
+                       rows if rows is not None else ids, n_experts, K=top_k, KP=triton.next_power_of_2(top_k),
+                       BE=triton.next_power_of_2(n_experts), HAS_GATE=has_gate, SHARED=shared,
+                       HAS_ROWS=rows is not None, num_warps=1, **pdl(logits))
     return ids, weights, gate, StepLayout(ids, min(n_experts + shared, T * kk))
 
 
@@ -348,13 +363,15 @@ def combine_triton(y, weights, shared=None, gate=None, dtype=torch.bfloat16) -> 
 PREFILL_ROWS = 64       # the pairs a block takes in a prefill
 
 
-def route(logits: torch.Tensor, top_k: int, n_experts: int, step: bool, shared: bool = False):
+def route(logits: torch.Tensor, top_k: int, n_experts: int, step: bool, shared: bool = False,
+          rows: torch.Tensor | None = None):
     """(ids, weights, gate, layout). A step on the GPU routes its rows in one kernel and leaves the
     layout to the expert kernels (StepLayout); a prefill groups its pairs into blocks of PREFILL_ROWS.
-    `shared`: the shared expert as every row's last choice, expert E (route_ref)."""
+    `shared`: the shared expert as every row's last choice, expert E (route_ref). `rows`: the rows
+    that count, the rest routed as the last of them (stale_rows)."""
     if step and use_triton(logits):
-        return route_step(logits, top_k, n_experts, shared)
-    ids, weights, gate = route_ref(logits, top_k, n_experts, shared)
+        return route_step(logits, top_k, n_experts, shared, rows)
+    ids, weights, gate = route_ref(stale_rows(logits, rows), top_k, n_experts, shared)
     return ids, weights, gate, layout_ref(ids, n_experts + shared, STEP_ROWS if step else PREFILL_ROWS)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton
 from mtpchat.kernels.matvec import MAX_ROWS, _programs, arrival_counts
-from mtpchat.kernels.moe import route_ref
+from mtpchat.kernels.moe import route_ref, stale_rows
 from mtpchat.kernels.moe_layout import STEP_ROWS, StepLayout
 
 
@@ -35,23 +35,24 @@ def _split(E1: int, K: int, itemsize: int, P: int) -> tuple[int, int, int, int]:
 
 
 def route_fused_ref(x: torch.Tensor, w: torch.Tensor, top_k: int, n_experts: int, shared: bool = False,
-                    P: int = 132):
+                    P: int = 132, rows: torch.Tensor | None = None):
     """What the kernel computes, in float32: the logits as the sum of the parts over its K ranges
-    (in order), rounded to x's dtype, then routed (moe.route_ref)."""
+    (in order), rounded to x's dtype, then routed (moe.route_ref; `rows`: moe.stale_rows)."""
     K = x.shape[1]
     _, BK, S, KS = _split(w.shape[0], K, x.element_size(), P)
     total = None
     for k0 in range(0, K, KS * BK):
         part = x[:, k0:k0 + KS * BK].float() @ w[:, k0:k0 + KS * BK].float().T
         total = part if total is None else total + part
-    return route_ref(total.to(x.dtype), top_k, n_experts, shared)
+    return route_ref(stale_rows(total.to(x.dtype), rows), top_k, n_experts, shared)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _router_kernel(x, w, parts, count, ids, weights, gate, T, E, E1, K, KS, s_x, s_w,
+def _router_kernel(x, w, parts, count, ids, weights, gate, rows, T, E, E1, K, KS, s_x, s_w,
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr,
                    TOPK: tl.constexpr,
-                   KP: tl.constexpr, HAS_GATE: tl.constexpr, SHARED: tl.constexpr, PDL: tl.constexpr):
+                   KP: tl.constexpr, HAS_GATE: tl.constexpr, SHARED: tl.constexpr, HAS_ROWS: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl_start(PDL)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_n, o_t = i_n * BN + tl.arange(0, BN), tl.arange(0, BT)
@@ -70,14 +71,17 @@ def _router_kernel(x, w, parts, count, ids, weights, gate, T, E, E1, K, KS, s_x,
     if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) * tl.num_programs(1) - 1:
         o_e = tl.arange(0, BE)                                   # the E experts' logits (BE >= E)
         m_l = m_t[:, None] & (o_e < E)[None, :]
-        p_l = parts + o_t[:, None] * BP + o_e[None, :]
+        o_src = o_t                 # HAS_ROWS: a row past `rows` routes as the last before it (moe.stale_rows)
+        if HAS_ROWS:
+            o_src = tl.minimum(o_t, tl.maximum(tl.load(rows) - 1, 0).to(tl.int32))
+        p_l = parts + o_src[:, None] * BP + o_e[None, :]
         b_l = tl.load(p_l, mask=m_l, other=0., cache_modifier=".cg")
         for i_p in range(1, tl.num_programs(1)):
             b_l += tl.load(p_l + i_p * BT * BP, mask=m_l, other=0., cache_modifier=".cg")
         b_g = tl.zeros([BT], dtype=tl.float32)                   # logit E, where there is one
         if HAS_GATE or SHARED:
             for i_p in range(0, tl.num_programs(1)):
-                b_g += tl.load(parts + (i_p * BT + o_t) * BP + E, mask=m_t, other=0., cache_modifier=".cg")
+                b_g += tl.load(parts + (i_p * BT + o_src) * BP + E, mask=m_t, other=0., cache_modifier=".cg")
         dtype = x.dtype.element_ty
         # the logits matvec would give; the rows past T stay finite (0), never read
         b_l = tl.where((o_e < E)[None, :], b_l.to(dtype).to(tl.float32), float("-inf"))
@@ -106,9 +110,10 @@ def _router_kernel(x, w, parts, count, ids, weights, gate, T, E, E1, K, KS, s_x,
         tl.atomic_xchg(count, 0)
 
 
-def route_fused(x: torch.Tensor, w: torch.Tensor, top_k: int, n_experts: int, shared: bool = False):
-    """moe.route_step(matvec(x, w), ...) in one kernel for a step's rows x [T, H] (a tensor, CUDA)
-    and the router w [E (+1), H]: (ids, weights, gate, StepLayout)."""
+def route_fused(x: torch.Tensor, w: torch.Tensor, top_k: int, n_experts: int, shared: bool = False,
+                rows: torch.Tensor | None = None):
+    """moe.route_step(matvec(x, w), ..., rows) in one kernel for a step's rows x [T, H] (a tensor,
+    CUDA) and the router w [E (+1), H]: (ids, weights, gate, StepLayout)."""
     T, K = x.shape
     E1 = w.shape[0]
     assert T <= min(STEP_ROWS, MAX_ROWS), f"a step routes at most {STEP_ROWS} rows, got {T}"
@@ -125,7 +130,8 @@ def route_fused(x: torch.Tensor, w: torch.Tensor, top_k: int, n_experts: int, sh
     parts = torch.empty(S, BT, BP, dtype=torch.float32, device=dev)
     count = arrival_counts(dev, 1)
     _router_kernel[(triton.cdiv(E1, BN), S)](
-        x, w, parts, count, ids, weights, gate if has_gate else weights, T, n_experts, E1, K, KS * BK,
+        x, w, parts, count, ids, weights, gate if has_gate else weights, rows if rows is not None else ids,
+        T, n_experts, E1, K, KS * BK,
         x.stride(0), w.stride(0), BT=BT, BN=BN, BK=BK, BP=BP, BE=BE, TOPK=top_k, KP=triton.next_power_of_2(top_k),
-        HAS_GATE=has_gate, SHARED=shared, num_warps=8, num_stages=3, **pdl(x))
+        HAS_GATE=has_gate, SHARED=shared, HAS_ROWS=rows is not None, num_warps=8, num_stages=3, **pdl(x))
     return ids, weights, gate, StepLayout(ids, min(n_experts + shared, T * kk))

@@ -79,7 +79,7 @@ def test_fused_router_keeps_mtp_on_equal_to_off(ckpts, monkeypatch, layout):
     monkeypatch.setattr(model, "ROUTER_FUSED", True)
     calls = []
     fused = moe_router.route_fused
-    monkeypatch.setattr(moe_router, "route_fused", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(moe_router, "route_fused", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
     engine = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024)
     on_equals_off(engine)
     assert calls

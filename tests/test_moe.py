@@ -177,6 +177,36 @@ def test_experts_read_per_step(ckpts):
     assert done.stats.as_dict()["experts_per_layer"] == per
 
 
+def test_the_heads_stale_rows_read_no_experts(ckpts, monkeypatch):
+    # a drafter that is always wrong leaves one live row of the head's 5-row catch-up: the other 4
+    # route as it does, so a step's head reads the experts of 1 + 3 chained rows, not of up to
+    # 5 + 3; greedy output as MTP off either way
+    from mtpchat.engine.spec import ProfileDrafter
+    from mtpchat.kernels import moe
+    engine = Engine.load(ckpts[STACKED], max_context=300)
+    c = engine.config
+    ids = prompt(12, c.vocab_size, seed=5)
+    engine.mtp = False
+    greedy = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=())
+    ref = list(list(engine.generate(ids, greedy))[-1].token_ids)
+    drafts = {}
+    for name in ("stale rows routed apart", "as the last live row"):
+        if name == "stale rows routed apart":
+            monkeypatch.setattr(moe, "stale_rows", lambda logits, rows: logits)
+        else:
+            monkeypatch.undo()
+        engine.reset()
+        engine.mtp, engine.draft_tokens = True, 4
+        engine.drafter = ProfileDrafter(ref, (0.0,) * 4, seed=1, vocab=c.vocab_size)
+        done = list(engine.generate(ids, greedy))[-1]
+        engine.drafter = None
+        assert list(done.token_ids) == ref, name
+        drafts[name] = done.stats.experts_per_layer["draft"]
+    # routed experts only (the shared one is read every step); a layer of 12 experts saturates
+    assert drafts["as the last live row"] <= 4 * c.num_experts_per_tok, drafts
+    assert drafts["as the last live row"] < drafts["stale rows routed apart"], drafts
+
+
 def test_fp8_experts_equal_transformers_on_the_dequantized_weights(tmp_path):
     aligned = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
                    linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,

@@ -79,7 +79,40 @@ def test_the_moe_block_with_the_fused_router(tmp_path, monkeypatch, shared_as_ex
     fused = moe_router.route_fused
     monkeypatch.setattr(model, "ROUTER_FUSED", True)
     monkeypatch.setattr(model, "use_triton", lambda *t: True)           # as on a GPU, for the router
-    monkeypatch.setattr(moe_router, "route_fused", lambda *a: calls.append(a[3]) or fused(*a))
+    monkeypatch.setattr(moe_router, "route_fused", lambda *a, **kw: calls.append(a[3]) or fused(*a, **kw))
     got = block(x, ctx)
     assert calls == [12]
     check(got, want, 1e-5, "the block's output")
+
+
+@pytest.mark.parametrize("live", [0, 1, 3, 5])
+@pytest.mark.parametrize("fused", [False, True])
+def test_stale_rows_route_as_the_last_live_one(device, monkeypatch, live, fused):
+    # the MTP head's catch-up: rows past `rows` take the last live row's experts and weights (so the
+    # step reads no expert for them), the live rows route as without `rows`; no host sync needed
+    monkeypatch.setattr(moe_router, "_programs", lambda device: 6)
+    g = torch.Generator().manual_seed(live)
+    T, E, k = 5, 37, 4
+    x = randn(T, 300, gen=g).to(device)
+    w = randn(E + 1, 300, gen=g, scale=0.3).to(device)
+    rows = torch.tensor([live], device=device)
+    if fused:
+        route = lambda r: moe_router.route_fused(x, w, k, E, shared=True, rows=r)
+    else:
+        logits = matvec.matvec(x, w)
+        route = lambda r: moe.route(logits, k, E, step=True, shared=True, rows=r)
+    ids, weights, _, _ = route(rows)
+    ids0, weights0, _, _ = route(None)
+    last = max(live, 1) - 1
+    assert torch.equal(ids[:live], ids0[:live]) and torch.equal(weights[:live], weights0[:live])
+    for r in range(live, T):
+        assert torch.equal(ids[r], ids0[last]) and torch.equal(weights[r], weights0[last]), r
+    assert len(set(ids[:, :k].flatten().tolist())) == len(set(ids0[:max(live, 1), :k].flatten().tolist()))
+    if fused:
+        ids_r, w_r, _ = moe_router.route_fused_ref(x.cpu(), w.cpu(), k, E, True, P=6, rows=rows.cpu())
+        assert torch.equal(ids.cpu(), ids_r)
+        check(weights.cpu(), w_r, 1e-6, "weights")
+    else:                                        # the routing kernel itself (the interpreter on the CPU)
+        ids_k, weights_k, _, _ = moe.route_step(logits, k, E, shared=True, rows=rows)
+        assert torch.equal(ids_k.cpu(), ids.cpu())
+        check(weights_k.cpu(), weights.cpu(), 1e-6, "the kernel's weights")
