@@ -294,11 +294,9 @@ class DecoderLayer(nn.Module):
         block's (output, residual stream) unsummed (residual None for the first block) and returns
         its own. The block's value is output + residual (in a step on the GPU the output comes as a
         Product still to run, and the normalised rows as a Normed: see add_norm)."""
-        if isinstance(x, Product) and residual is None:     # the MTP head's fc, still to run
-            normed, h = add_norm(x, None, self.input_norm)
-        elif residual is None:
+        if residual is None and not isinstance(x, Product):
             normed, h = self.input_norm(x), x
-        else:
+        else:          # (a Product without a residual: the MTP head's fc, still to run)
             normed, h = add_norm(x, residual, self.input_norm)
         # the MoE's router and experts read whole rows, never a Normed
         normed, h = add_norm(self.mixer(normed, cache, ctx), h, self.post_norm, whole=self.kind_moe)
