@@ -118,9 +118,9 @@ def combine_ref(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | N
 @triton.jit
 def _topk_kernel(logits, s_l, ids, weights, gate, rows, E, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
                  HAS_GATE: tl.constexpr, SHARED: tl.constexpr, HAS_ROWS: tl.constexpr, PDL: tl.constexpr):
-    # One program a row: softmax, the top k by repeated argmax (the first of equal values, in
-    # descending order as torch.topk gives them), renormalised. HAS_ROWS: a row past `rows` routes
-    # as the last row before it (stale_rows).
+    # One program a row: softmax, the top k by repeated argmax in descending order (of equal values
+    # the smaller expert first; torch.topk's order is unspecified), renormalised. HAS_ROWS: a row
+    # past `rows` routes as the last row before it (stale_rows).
     pdl_start(PDL)
     r = tl.program_id(0)
     r_src = r

@@ -5,14 +5,13 @@
 The product runs split: program (i_n, i_s) takes column block i_n (BN of the E (+1) router rows) over
 the i_s-th range of K, for every row, and stores its float32 sums. The last program to finish (an
 acq_rel count over all of them) adds each logit's parts in range order, rounds the logits to x's
-dtype (the value `matvec` would hand the routing) and routes every row as moe.route_ref does:
-softmax over the E experts, the top k (the first of equal values first), renormalised; the shared
+dtype (the value `matvec` would hand the routing) and routes every row as moe.route_step does:
+softmax over the E experts, the top k (of equal values the smaller expert first, where torch.topk's
+order is unspecified: route_first_ref), renormalised; the shared
 expert as choice k+1 weighted by the sigmoid of logit E, or that sigmoid as `gate`. The split is a
 function of the shapes and the GPU's SM count alone, and each row's sums run in the same order
 whatever the other rows hold: a row routes the same alone or among others (greedy MTP on == off).
-`route_fused_ref` is the float32 reference, the order of the sums included. Eight warps: the routing
-of [16 rows, 256 experts] in the last program spills registers on four (sm_90, Triton 3.6: 255
-registers and 176 bytes of stack; 243 and none on eight).
+`route_fused_ref` is the float32 reference, the order of the sums included.
 """
 from __future__ import annotations
 
@@ -44,7 +43,18 @@ def route_fused_ref(x: torch.Tensor, w: torch.Tensor, top_k: int, n_experts: int
     for k0 in range(0, K, KS * BK):
         part = x[:, k0:k0 + KS * BK].float() @ w[:, k0:k0 + KS * BK].float().T
         total = part if total is None else total + part
-    return route_ref(stale_rows(total.to(x.dtype), rows), top_k, n_experts, shared)
+    return route_first_ref(stale_rows(total.to(x.dtype), rows), top_k, n_experts, shared)
+
+
+def route_first_ref(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = False):
+    """moe.route_ref with the kernels' order among equal probabilities, the smaller expert first
+    (torch.topk's is unspecified; bf16 logits tie often enough to matter)."""
+    ids, weights, gate = route_ref(logits, top_k, n_experts, shared)
+    probs = torch.softmax(logits[:, :n_experts].float(), dim=-1)
+    top, first = torch.sort(probs, dim=-1, descending=True, stable=True)
+    ids[:, :top_k] = first[:, :top_k].to(ids.dtype)
+    weights[:, :top_k] = top[:, :top_k] / top[:, :top_k].sum(dim=-1, keepdim=True)
+    return ids, weights, gate
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -133,5 +143,5 @@ def route_fused(x: torch.Tensor, w: torch.Tensor, top_k: int, n_experts: int, sh
         x, w, parts, count, ids, weights, gate if has_gate else weights, rows if rows is not None else ids,
         T, n_experts, E1, K, KS * BK,
         x.stride(0), w.stride(0), BT=BT, BN=BN, BK=BK, BP=BP, BE=BE, TOPK=top_k, KP=triton.next_power_of_2(top_k),
-        HAS_GATE=has_gate, SHARED=shared, HAS_ROWS=rows is not None, num_warps=8, num_stages=3, **pdl(x))
+        HAS_GATE=has_gate, SHARED=shared, HAS_ROWS=rows is not None, num_warps=4, num_stages=2, **pdl(x))
     return ids, weights, gate, StepLayout(ids, min(n_experts + shared, T * kk))

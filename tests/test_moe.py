@@ -180,7 +180,7 @@ def test_experts_read_per_step(ckpts):
 def test_the_heads_stale_rows_read_no_experts(ckpts, monkeypatch):
     # a drafter that is always wrong leaves one live row of the head's 5-row catch-up: the other 4
     # route as it does, so a step's head reads the experts of 1 + 3 chained rows, not of up to
-    # 5 + 3; greedy output as MTP off either way
+    # 5 + 3 (the tiny MoE: 6 experts, top 3); greedy output as MTP off either way
     from mtpchat.engine.spec import ProfileDrafter
     from mtpchat.kernels import moe
     engine = Engine.load(ckpts[STACKED], max_context=300)
@@ -202,9 +202,41 @@ def test_the_heads_stale_rows_read_no_experts(ckpts, monkeypatch):
         engine.drafter = None
         assert list(done.token_ids) == ref, name
         drafts[name] = done.stats.experts_per_layer["draft"]
-    # routed experts only (the shared one is read every step); a layer of 12 experts saturates
+    # routed experts only (the shared one is read every step): 1 live + 3 chained rows of top-k each
     assert drafts["as the last live row"] <= 4 * c.num_experts_per_tok, drafts
     assert drafts["as the last live row"] < drafts["stale rows routed apart"], drafts
+
+
+def test_the_heads_drafts_are_the_same_with_its_stale_rows_routed_as_the_last_live_one(ckpts, monkeypatch):
+    # what the head drafts (handed to a drafter that records it) does not change when its stale
+    # catch-up rows route as the last live row, under acceptance that leaves 1 to 5 rows live
+    from mtpchat.engine.spec import ProfileDrafter
+    from mtpchat.kernels import moe
+
+    class Recorder(ProfileDrafter):
+        def __call__(self, position, drafts):
+            self.heads.append(drafts.clone())
+            return super().__call__(position, drafts)
+    engine = Engine.load(ckpts[STACKED], max_context=300)
+    c = engine.config
+    ids = prompt(12, c.vocab_size, seed=6)
+    engine.mtp = False
+    greedy = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=())
+    ref = list(list(engine.generate(ids, greedy))[-1].token_ids)
+    heads = {}
+    for apart in (True, False):
+        if apart:
+            monkeypatch.setattr(moe, "stale_rows", lambda logits, rows: logits)
+        else:
+            monkeypatch.undo()
+        engine.reset()
+        engine.mtp, engine.draft_tokens = True, 4
+        engine.drafter = Recorder(ref, (0.9, 0.75, 0.6, 0.45), seed=1, vocab=c.vocab_size)
+        engine.drafter.heads = []
+        done = list(engine.generate(ids, greedy))[-1]
+        assert list(done.token_ids) == ref
+        heads[apart], engine.drafter = torch.cat(engine.drafter.heads), None
+    assert heads[True].numel() > 20 and torch.equal(heads[True], heads[False])
 
 
 def test_fp8_experts_equal_transformers_on_the_dequantized_weights(tmp_path):
