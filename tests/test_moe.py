@@ -177,66 +177,53 @@ def test_experts_read_per_step(ckpts):
     assert done.stats.as_dict()["experts_per_layer"] == per
 
 
-def test_the_heads_stale_rows_read_no_experts(ckpts, monkeypatch):
-    # a drafter that is always wrong leaves one live row of the head's 5-row catch-up: the other 4
-    # route as it does, so a step's head reads the experts of 1 + 3 chained rows, not of up to
-    # 5 + 3 (the tiny MoE: 6 experts, top 3); greedy output as MTP off either way
-    from mtpchat.engine.spec import ProfileDrafter
-    from mtpchat.kernels import moe
-    engine = Engine.load(ckpts[STACKED], max_context=300)
-    c = engine.config
-    ids = prompt(12, c.vocab_size, seed=5)
-    engine.mtp = False
-    greedy = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=())
-    ref = list(list(engine.generate(ids, greedy))[-1].token_ids)
-    drafts = {}
-    for name in ("stale rows routed apart", "as the last live row"):
-        if name == "stale rows routed apart":
-            monkeypatch.setattr(moe, "stale_rows", lambda logits, rows: logits)
-        else:
-            monkeypatch.undo()
-        engine.reset()
-        engine.mtp, engine.draft_tokens = True, 4
-        engine.drafter = ProfileDrafter(ref, (0.0,) * 4, seed=1, vocab=c.vocab_size)
-        done = list(engine.generate(ids, greedy))[-1]
-        engine.drafter = None
-        assert list(done.token_ids) == ref, name
-        drafts[name] = done.stats.experts_per_layer["draft"]
-    # routed experts only (the shared one is read every step): 1 live + 3 chained rows of top-k each
-    assert drafts["as the last live row"] <= 4 * c.num_experts_per_tok, drafts
-    assert drafts["as the last live row"] < drafts["stale rows routed apart"], drafts
-
-
-def test_the_heads_drafts_are_the_same_with_its_stale_rows_routed_as_the_last_live_one(ckpts, monkeypatch):
-    # what the head drafts (handed to a drafter that records it) does not change when its stale
-    # catch-up rows route as the last live row, under acceptance that leaves 1 to 5 rows live
+def stale_rows_apart_and_routed_as_the_last(ckpt, monkeypatch, profile, tokens: int, seed: int) -> dict:
+    """Greedy generations with MTP on (4 drafts) whose drafts come from a ProfileDrafter of `profile`
+    that records what the head drafted: {apart: (stats, the head's drafts)}, the head's stale rows
+    routed apart (stale_rows undone) or as the last live row; each output checked against MTP off."""
     from mtpchat.engine.spec import ProfileDrafter
     from mtpchat.kernels import moe
 
     class Recorder(ProfileDrafter):
         def __call__(self, position, drafts):
-            self.heads.append(drafts.clone())
+            heads.append(drafts.clone())
             return super().__call__(position, drafts)
-    engine = Engine.load(ckpts[STACKED], max_context=300)
-    c = engine.config
-    ids = prompt(12, c.vocab_size, seed=6)
+    engine = Engine.load(ckpt, max_context=300)
+    ids = prompt(12, engine.config.vocab_size, seed=seed)
     engine.mtp = False
-    greedy = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=())
+    greedy = SamplingParams(temperature=0, max_tokens=tokens, stop_token_ids=())
     ref = list(list(engine.generate(ids, greedy))[-1].token_ids)
-    heads = {}
+    out = {}
     for apart in (True, False):
         if apart:
             monkeypatch.setattr(moe, "stale_rows", lambda logits, rows: logits)
         else:
             monkeypatch.undo()
+        heads = []
         engine.reset()
         engine.mtp, engine.draft_tokens = True, 4
-        engine.drafter = Recorder(ref, (0.9, 0.75, 0.6, 0.45), seed=1, vocab=c.vocab_size)
-        engine.drafter.heads = []
+        engine.drafter = Recorder(ref, profile, seed=1, vocab=engine.config.vocab_size)
         done = list(engine.generate(ids, greedy))[-1]
-        assert list(done.token_ids) == ref
-        heads[apart], engine.drafter = torch.cat(engine.drafter.heads), None
-    assert heads[True].numel() > 20 and torch.equal(heads[True], heads[False])
+        engine.drafter = None
+        assert list(done.token_ids) == ref, apart
+        out[apart] = done.stats, torch.cat(heads)
+    return out
+
+
+def test_the_heads_stale_rows_read_no_experts(ckpts, monkeypatch):
+    # a drafter that is always wrong leaves one live row of the head's 5-row catch-up: the other 4
+    # route as it does, so a step's head reads the experts of 1 + 3 chained rows, not of up to
+    # 5 + 3 (the tiny MoE: 6 experts, top 3); routed experts only (the shared one is read every step)
+    runs = stale_rows_apart_and_routed_as_the_last(ckpts[STACKED], monkeypatch, (0.0,) * 4, 24, seed=5)
+    apart, last = (runs[a][0].experts_per_layer["draft"] for a in (True, False))
+    k = Engine.load(ckpts[STACKED], max_context=64).config.num_experts_per_tok
+    assert last <= 4 * k and last < apart, (last, apart)
+
+
+def test_the_heads_drafts_are_the_same_with_its_stale_rows_routed_as_the_last_live_one(ckpts, monkeypatch):
+    # what the head drafts does not change, under acceptance that leaves 1 to 5 rows live
+    runs = stale_rows_apart_and_routed_as_the_last(ckpts[STACKED], monkeypatch, (0.9, 0.75, 0.6, 0.45), 40, seed=6)
+    assert runs[True][1].numel() > 20 and torch.equal(runs[True][1], runs[False][1])
 
 
 def test_fp8_experts_equal_transformers_on_the_dequantized_weights(tmp_path):

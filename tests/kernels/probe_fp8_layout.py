@@ -26,32 +26,6 @@ from mtpchat.kernels import fp8
 from mtpchat.kernels._triton import tl, triton
 
 
-@triton.jit
-def _bf16_of_e4m3(b_w):
-    """FP8 e4m3 bytes to bf16 by moving bits, four at a time: each byte's sign to bit 15 and its
-    exponent and mantissa to bits 4..10 gives the bf16 of value / 2^120 (subnormals included),
-    which one exact bf16 multiply by 2^120 corrects (the NaN bytes 0x7F/0xFF become 480). What
-    Triton emits for .to(tl.bfloat16) instead, per pair: one e4m3x2 -> f16x2 conversion, two scalar
-    f16 -> bf16 conversions and a byte permute, on the conversion units."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 a0, a1, b0, b1, k, z;
-        mov.b32 k, 0x7B807B80;
-        mov.b32 z, 0x80008000;
-        prmt.b32 a0, $2, 0, 0x1404;
-        prmt.b32 a1, $2, 0, 0x3424;
-        and.b32 b0, a0, 0x7FFF7FFF;
-        and.b32 b1, a1, 0x7FFF7FFF;
-        shr.b32 b0, b0, 4;
-        shr.b32 b1, b1, 4;
-        lop3.b32 b0, b0, 0x80008000, a0, 0xF8;
-        lop3.b32 b1, b1, 0x80008000, a1, 0xF8;
-        fma.rn.bf16x2 $0, b0, k, z;
-        fma.rn.bf16x2 $1, b1, k, z;
-        }""",
-        "=r,=r,r", [b_w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-
 @triton.jit(do_not_specialize=["T"])
 def _probe(x, w, sw, y, T, K, s_sw, TILED: tl.constexpr, U: tl.constexpr, LOADS_ONLY: tl.constexpr,
            BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr = False):
@@ -73,7 +47,7 @@ def _probe(x, w, sw, y, T, K, s_sw, TILED: tl.constexpr, U: tl.constexpr, LOADS_
             else:
                 b_x = tl.trans(tl.load(x + o_t[:, None] * K + k + o_c[None, :], mask=(o_t < T)[:, None], other=0.))
                 b_s = tl.load(sw + (i_n * BN // 128) * s_sw + k // BK)
-                b_v = _bf16_of_e4m3(b_w) if BITS else b_w.to(b_x.dtype)
+                b_v = fp8.widen(b_w, b_x, 4 if BITS else 0)         # BITS: the bit form, groups of 4
                 acc += b_s * tl.dot(b_v, b_x, input_precision="ieee")
     if LOADS_ONLY:
         acc += tl.sum(bits, axis=1).to(tl.float32)[:, None]
@@ -125,7 +99,7 @@ def sweep(x, y, qs, N: int, K: int):
 
 
 def bits_forms(x, y, qs, N: int, K: int):
-    """The weights widened by moving bits (_bf16_of_e4m3) against Triton's conversion: the same
+    """The weights widened by moving bits (fp8.widen, groups of 4) against Triton's conversion: the same
     outputs bit for bit (the same bf16 values reach the same dot), then both timed under tiles."""
     for T in (1, 4):
         y2 = torch.full_like(y, float("nan"))
