@@ -39,41 +39,40 @@ def bits_plans() -> dict:
             "bits glu:64x128w4s6": use(True, glu=(64, 128, 4, 6))}
 
 
+STAGED = ("bits", "small split", "fc split", "pick", "fused router")
+
+
+def switched(on: set):
+    """A plan's setup: each staged switch on if its name is in `on`, off otherwise (so the order of
+    the plans does not matter)."""
+    def setup():
+        fp8_format.WIDEN_BITS = "bits" in on
+        matvec.SMALL_SPLIT = "small split" in on
+        mtp.FC_SPLIT, decoder.DRAFT_PICK = "fc split" in on, "pick" in on
+        model.ROUTER_FUSED = "fused router" in on
+    return setup
+
+
+def alone_and_together(names: tuple) -> dict:
+    return {"none": switched(set()), **{name: switched({name}) for name in names}, "all": switched(set(names))}
+
+
 def draft_plans() -> dict:
     """The draft step's staged changes, alone and together: the MTP head's fc split over K and
     finished by its layer's input norm (engine/mtp.py FC_SPLIT) and the draft's argmax and id map
     as two PDL kernels (engine/decoder.py DRAFT_PICK). Read the "draft 3" phase."""
-    def use(fc: bool, pick: bool):
-        def setup():
-            mtp.FC_SPLIT, decoder.DRAFT_PICK = fc, pick
-        return setup
-    return {"base": use(False, False), "fc split": use(True, False), "pick": use(False, True),
-            "fc split + pick": use(True, True)}
+    return alone_and_together(("fc split", "pick"))
 
 
 def router_plans() -> dict:
-    """An MoE model's router: the 5-program product and the routing kernel ("base"), the product
+    """An MoE model's router: the 5-program product and the routing kernel ("none"), the product
     split in every block (SMALL_SPLIT; it reaches every product of few blocks), or product and
     routing in one kernel (ROUTER_FUSED). Run with --model qwen3.5-35b-a3b."""
-    def use(small: bool, fused: bool):
-        def setup():
-            matvec.SMALL_SPLIT, model.ROUTER_FUSED = small, fused
-        return setup
-    return {"base": use(False, False), "small split": use(True, False), "fused router": use(False, True),
-            "both": use(True, True)}
+    return alone_and_together(("small split", "fused router"))
 
 
 def staged_plans() -> dict:
     """Every staged switch alone against none, and all together: one run a model and weight format
     decides them (the bit form matters with --weights fp8 only, the router and the fused routing on
-    the MoE models only). Each plan sets every switch, so their order does not matter."""
-    switches = ("bits", "small split", "fc split", "pick", "fused router")
-
-    def use(on: set):
-        def setup():
-            fp8_format.WIDEN_BITS = "bits" in on
-            matvec.SMALL_SPLIT = "small split" in on
-            mtp.FC_SPLIT, decoder.DRAFT_PICK = "fc split" in on, "pick" in on
-            model.ROUTER_FUSED = "fused router" in on
-        return setup
-    return {"none": use(set()), **{name: use({name}) for name in switches}, "all": use(set(switches))}
+    the MoE models only)."""
+    return alone_and_together(STAGED)
