@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from mtpchat.engine.dispatch import linear
 from mtpchat.engine.events import Finished, Prefilled, Step
 from mtpchat.engine.sampling import SamplingParams
 from mtpchat.engine.spec import ProfileDrafter
@@ -68,9 +69,9 @@ def draft_bytes(engine) -> int:
     trimmed draft head's rows where there is one)."""
     if engine.head is None:
         return 0
-    draft = engine.decoder.draft_head
+    draft = engine.decoder.draft_rows
     return (sum(_size(p) for p in engine.head.parameters()) - _unread_experts(engine.head, engine.config)
-            + _size(draft[0] if draft else engine.model.head))
+            + _size(draft.w if draft is not None else engine.model.head))
 
 
 def generate(engine, prompt: list[int], tokens: int, mtp: bool, k: int = 3, drafter=None,
@@ -104,19 +105,18 @@ def draft_products(engine, repeats: int = 200) -> dict:
     """The draft step's lm_head product alone, ms: the full head and the trimmed one (CUDA only)."""
     if engine.device.type != "cuda" or engine.head is None:
         return {}
-    from mtpchat.engine.model import linear
     h = torch.randn(1, engine.config.hidden_size, device=engine.device, dtype=engine.dtype)
     heads = {"full": engine.model.head}
-    if engine.decoder.draft_head is not None:
-        heads[f"trimmed {engine.draft_vocab}"] = engine.decoder.draft_head[0]
+    if engine.decoder.draft_rows is not None:
+        heads[f"trimmed {engine.draft_vocab}"] = engine.decoder.draft_rows.w
     out = {}
     for name, w in heads.items():
         for _ in range(3):
-            linear(h, w, rowwise=True)
+            linear(h, w, True, engine.plan.products)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(repeats):
-            linear(h, w, rowwise=True)
+            linear(h, w, True, engine.plan.products)
         end.record()
         end.synchronize()
         out[name] = start.elapsed_time(end) / repeats

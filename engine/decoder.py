@@ -20,7 +20,13 @@ roll back the state on the device. Positions follow qwen35-model.md §6:
   one small copy per step into pinned memory.
 
 Each phase (draft k, verify k, accept k) is a pure function of these preallocated buffers, so
-engine/runner.py can capture it as a CUDA graph; eagerly, the same code runs on any device.
+engine/runner.py can capture it as a CUDA graph; eagerly, the same code runs on any device. Every
+forward runs in the forms of the engine's kernel plan (engine/plan.py), fixed for the decoder's life.
+
+A chat turn starts from the longest usable start (`begin`): the state itself when the prompt extends
+the tokens fed so far, else the longest snapshot of the state that begins the prompt
+(engine/snapshots.py), else nothing. The decoder's parts: the state (engine/state.py), the
+snapshots, and the trimmed draft head's rows (engine/draft_vocab.py: DraftRows).
 """
 from __future__ import annotations
 
@@ -29,24 +35,16 @@ from dataclasses import dataclass
 
 import torch
 
+from mtpchat.engine.dispatch import Ctx, linear
+from mtpchat.engine.draft_vocab import DraftRows
 from mtpchat.engine.events import PhaseTimes
-from mtpchat.engine.model import Ctx, SparseMoE, linear
+from mtpchat.engine.model import SparseMoE
+from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.runner import elapsed_ms
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
-from mtpchat.engine.snapshots import Snapshots
+from mtpchat.engine.snapshots import Snapshots, begins
 from mtpchat.engine.spec import accept_sampled, seen_rows
-from mtpchat.engine.turns import Turns
 from mtpchat.kernels.accept import AcceptBuffers, accept_greedy, argmax_partials_buffers, commit_ref, pick_argmax
-
-# The MTP head's rows kept while MTP is off (hidden_size x 2 bytes each: 5 MiB for the 27B), run
-# through it when MTP comes back on or when they fill up. A flush waits for the steps in flight and
-# runs the head eagerly: at 64 rows it cost a 27B decode some 2.5 ms every 63 tokens, 40 us a token.
-PENDING_ROWS = 512
-
-# On: the draft's argmax and its map to token ids as two PDL kernels (kernels/accept.py pick_argmax)
-# in place of torch's argmax and index_select, each a launch the chain waits for. Off until
-# measured on a GPU (tests/kernels/ab_step.py --plans draft).
-DRAFT_PICK = False
 
 
 @dataclass
@@ -69,12 +67,12 @@ class Launched:
     why: str = ""              # why the step has k drafts (engine/policy.py), for the telemetry
 
 
-class Decoder(Turns):
-    """One sequence's decode loop; where a turn starts and the state snapshots it resumes from are
-    engine/turns.py."""
+class Decoder:
+    """One sequence's decode loop."""
 
-    def __init__(self, model, head, state, prefill_chunk: int, snapshots: int = 0):
+    def __init__(self, model, head, state, plan: KernelPlan, prefill_chunk: int, snapshots: int = 0):
         self.model, self.head, self.state, self.prefill_chunk = model, head, state, prefill_chunk
+        self.plan = plan
         self.snapshots = Snapshots(model.c, snapshots, state.fold.device, model.embed.dtype)
         c, dev, R = model.c, state.fold.device, state.k_max + 1
         self.device, self.R = dev, R
@@ -87,7 +85,7 @@ class Decoder(Turns):
         self.conv_cols = torch.arange(c.linear_conv_kernel_dim - 1, device=dev)
         self.room, self.gen = long(1), long(1)   # tokens the generation may still emit / has emitted
         self.is_stop = torch.zeros(c.vocab_size, dtype=torch.bool, device=dev)
-        rows = max(PENDING_ROWS, R) + R          # a step writes k+1 rows after at most that many pending
+        rows = max(plan.pending_rows, R) + R     # a step writes k+1 rows after at most that many pending
         self.pend_hidden = torch.zeros(rows, c.hidden_size, device=dev, dtype=model.embed.dtype)
         self.pend_tokens = long(rows)
         self.v_hidden = torch.zeros(R, c.hidden_size, device=dev, dtype=model.embed.dtype)
@@ -113,7 +111,7 @@ class Decoder(Turns):
                     if isinstance(m, SparseMoE):
                         m.reads = self.expert_reads[i:i + 1]
             self.host_reads = [torch.zeros(2, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(4)]
-        self.draft_head = None               # (w [Vd + C, H], ids [Vd + C]): the trimmed draft vocabulary, or None
+        self.draft_rows: DraftRows | None = None   # the trimmed draft vocabulary's head, or None
         self.draft_row = long(1)             # the trimmed head's argmax, before its map to a token id
         self.drafter = None                  # optional ProfileDrafter (engine/spec.py)
         self.runner = None                   # engine/runner.py sets itself here on CUDA
@@ -142,8 +140,68 @@ class Decoder(Turns):
     def _ctx(self, start, T: int, step: bool, rows: torch.Tensor | None = None) -> Ctx:
         # a device start ([1]) stands for the T consecutive positions from it (kernels/rope.py)
         positions = torch.arange(start, start + T, device=self.device) if isinstance(start, int) else start
-        return Ctx(positions, start, step, self.state.conv_off, self.state.fold, self.state.parity,
-                   self.room if step else None, rows)
+        return Ctx(positions, start, step, self.state.conv_off, self.state.fold, self.state.parity, self.plan,
+                   live=self.room if step else None, rows=rows)
+
+    def logits(self, hidden: torch.Tensor, rowwise: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.logits(hidden, self.plan.products, rowwise, out)
+
+    # --- a chat turn ---------------------------------------------------------------------------
+    def begin(self, prompt: list[int], snapshot_at: tuple[int, ...] = ()) -> int:
+        """Start a turn from the longest usable start (module docstring) and prefill the rest,
+        keeping a snapshot at each position of `snapshot_at` on the way. Returns how many prompt
+        tokens were reused. A snapshot needs no copy of the attention KV: the caches still hold
+        those rows below its length as long as nothing wrote other tokens there, which holds for
+        the snapshots kept here: those that begin both the tokens fed and the new prompt."""
+        L = len(self.tokens)
+        if not (0 < L < len(prompt) and prompt[:L] == self.tokens):
+            snap = self.snapshots.best(prompt, self.tokens)
+            if snap is None:
+                self.reset()
+            else:
+                self._restore(snap)
+            L = self.state.length
+        # what the prefill overwrites voids every snapshot that does not begin this prompt
+        self.snapshots.keep_only(lambda t: begins(t, self.tokens) and begins(t, prompt))
+        if self.pending:
+            self.pend_tokens[self.pending - 1] = prompt[L]         # the token that follows, as fed now
+        self.generated = 0
+        self.seen.zero_()
+        start = L
+        cuts = {c for c in snapshot_at if L < c < len(prompt)} if self.snapshots.count else set()
+        for cut in sorted(cuts) + [len(prompt)]:
+            h = self.prefill(prompt[start:cut])
+            self.pend_hidden[:1] = h                               # the last row waits for its next token
+            if cut < len(prompt):
+                self._pending_one()
+                self.snapshot()
+                if self.pending:
+                    self.pend_tokens[0] = prompt[cut]
+            start = cut
+        self.last_logits = self.logits(h)
+        return L
+
+    def _pending_one(self):
+        """After a prefill: its last row is the head's one pending row."""
+        self.pending = 1 if self.head is not None else 0
+        self.pend_n.fill_(self.pending)
+
+    def snapshot(self):
+        """Keep the state at the tokens fed so far (engine/snapshots.py), the head's pending rows
+        but the last run first, so that its KV is complete below that row."""
+        if not self.snapshots.count or not self.tokens:
+            return
+        self._flush_pending(keep_last=True)
+        mixers = [layer.mixer for layer in self.model.layers if layer.kind != "full_attention"]
+        hidden = self.pend_hidden[self.pending - 1] if self.pending else None
+        self.snapshots.save(tuple(self.tokens), self.state, mixers, self.conv_cols, hidden)
+
+    def _restore(self, snap):
+        """Make the state what it was when `snap` was taken (its KV rows are still in the caches)."""
+        self.snapshots.restore(snap, self.state, self.pend_hidden[:1])
+        self.tokens = list(snap.tokens)
+        self.pos.fill_(self.state.length)
+        self._pending_one()
 
     # --- prefill (eager: its shapes vary) ------------------------------------------------------
     def prefill(self, ids: list[int], keep_all: bool = False) -> torch.Tensor:
@@ -205,36 +263,13 @@ class Decoder(Turns):
 
     # --- the trimmed draft vocabulary (engine/draft_vocab.py) ----------------------------------
     def trim_draft_head(self, ids: list[int], context: int):
-        """Draft from the lm_head rows of `ids` (ascending) and `context` rows for tokens of the
-        prompt and the reply outside them, in their own contiguous copy. The context rows start
-        as copies of the first row (a tie of equal tokens cannot change a draft)."""
-        self.draft_set, self.draft_ring, self.draft_slots, self.draft_next = set(ids), {}, [None] * context, 0
-        rows = torch.tensor(ids + [ids[0]] * context, device=self.device)
-        self.draft_head = (self.model.head.detach().index_select(0, rows).contiguous(), rows)
-        self.draft_static, self.draft_context_rows = len(ids), context
+        """Draft from the lm_head rows of `ids` (ascending) and `context` rows for the tokens of the
+        prompt and the reply outside them."""
+        self.draft_rows = DraftRows(self.model.head, ids, context)
 
     def draft_context(self, tokens: list[int]):
-        """Give the tokens outside the subset a context row, oldest replaced first: a few small
-        copies between steps, only when such a token shows up, queued behind the steps in flight
-        (no host sync: the ids come from pinned memory; nothing in the graphs)."""
-        if self.draft_head is None or not self.draft_context_rows:
-            return
-        V = self.is_stop.numel()
-        fresh = list(dict.fromkeys(t for t in tokens[-self.draft_context_rows:]
-                                   if t not in self.draft_set and t not in self.draft_ring and 0 <= t < V))
-        if not fresh:
-            return
-        slots = []
-        for t in fresh:                      # fewer than the context rows: no slot is written twice
-            i = self.draft_next
-            self.draft_next = (i + 1) % self.draft_context_rows
-            self.draft_ring.pop(self.draft_slots[i], None)
-            self.draft_slots[i], self.draft_ring[t] = t, i
-            slots.append(self.draft_static + i)
-        w, ids = self.draft_head
-        toks, rows = _to_device([fresh, slots], self.device)
-        w.index_copy_(0, rows, self.model.head.detach().index_select(0, toks))
-        ids.index_copy_(0, rows, toks)
+        if self.draft_rows is not None:
+            self.draft_rows.take(tokens)
 
     # --- the three phases of a step: pure functions of the buffers above -----------------------
     def draft(self, k: int):
@@ -255,23 +290,24 @@ class Decoder(Turns):
     def _greedy(self, hidden: torch.Tensor, into: torch.Tensor):
         """The head's greedy token, written into `into`: the argmax of the logits in the model's
         dtype (widening them to float32 first would pick the same token, one kernel later), over
-        the trimmed draft vocabulary when there is one (engine/draft_vocab.py)."""
-        if DRAFT_PICK and hidden.is_cuda:
-            w, ids = self.draft_head if self.draft_head is not None else (self.model.head, None)
-            pick_argmax(linear(hidden, w, rowwise=True), ids, into, self.partials)
-            return
-        if self.draft_head is None:
-            torch.argmax(linear(hidden, self.model.head, rowwise=True), dim=-1, out=into)
-            return
-        w, ids = self.draft_head
-        torch.argmax(linear(hidden, w, rowwise=True), dim=-1, out=self.draft_row)   # a row of w
-        torch.index_select(ids, 0, self.draft_row, out=into)
+        the trimmed draft vocabulary when there is one (engine/draft_vocab.py). With the plan's
+        draft_pick, on the GPU, the argmax and the map to a token id run as two PDL kernels rather
+        than torch's argmax and index_select (kernels/accept.py pick_argmax)."""
+        w, ids = (self.draft_rows.w, self.draft_rows.ids) if self.draft_rows is not None else (self.model.head, None)
+        scores = linear(hidden, w, True, self.plan.products)
+        if self.plan.draft_pick and hidden.is_cuda:
+            pick_argmax(scores, ids, into, self.partials)
+        elif ids is None:
+            torch.argmax(scores, dim=-1, out=into)
+        else:
+            torch.argmax(scores, dim=-1, out=self.draft_row)      # a row of w
+            torch.index_select(ids, 0, self.draft_row, out=into)
 
     def verify(self, k: int):
         """The target over [x_L, d_1..d_k] at positions L..L+k."""
         h = self.model(self.fed[:k + 1], self.state.layers, self._ctx(self.pos, k + 1, step=True),
                        out=self.v_hidden[:k + 1])
-        self.model.logits(h, out=self.v_logits[:k + 1])
+        self.logits(h, out=self.v_logits[:k + 1])
 
     def accept(self, k: int, params: SamplingParams, generator):
         """Accept on the device; emit n of the a+1 accepted tokens (up to the first stop id, within
@@ -303,7 +339,7 @@ class Decoder(Turns):
         pending = self.pending
         for kf in in_flight:
             pending = (pending if kf == 0 else 0) + kf + 1
-        return (k > 0 and pending > self.R) or pending >= PENDING_ROWS
+        return (k > 0 and pending > self.R) or pending >= self.plan.pending_rows
 
     def launch(self, k: int, params: SamplingParams, generator) -> Launched:
         """Queue one target forward: plain decode (k = 0) or a speculative step with k drafts. Needs
@@ -370,12 +406,3 @@ def _eager(key, fn) -> float:
     t = _clock()
     fn()
     return (_clock() - t) * 1e3
-
-
-def _to_device(values: list[list[int]], device) -> torch.Tensor:
-    """Host ints on the device without a host sync: a copy from pageable memory waits for every
-    step in flight. The caching host allocator keeps the pinned block until its copy is done."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)

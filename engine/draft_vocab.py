@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 DEFAULT_DRAFT_VOCAB = 32768      # rows of the trimmed head (of Qwen3.5/3.6's 248,320)
 
 
@@ -84,3 +86,50 @@ def draft_token_ids(tokenizer, vocab_size: int, size: int, texts: list[str] | No
     """The `size` ids of the trimmed head, ascending (so ties in the argmax go to the smaller id, as
     in the full head's)."""
     return sorted(ranked_tokens(tokenizer, vocab_size, texts)[:size])
+
+
+class DraftRows:
+    """The trimmed head on the device: the lm_head rows of the subset `ids` (ascending) and
+    `context` rows for tokens of the prompt and the reply outside it, in their own contiguous copy
+    `w` [Vd + C, H], beside `ids` [Vd + C], the token of each row. The context rows start as copies
+    of the first row (a tie of equal tokens cannot change a draft)."""
+
+    def __init__(self, head: torch.Tensor, ids: list[int], context: int):
+        self.head, self.static, self.context = head, len(ids), context
+        self.subset, self.ring, self.slots, self.next = set(ids), {}, [None] * context, 0
+        rows = torch.tensor(ids + [ids[0]] * context, device=head.device)
+        self.w, self.ids = head.detach().index_select(0, rows).contiguous(), rows
+
+    def nbytes(self) -> int:
+        return self.w.numel() * self.w.element_size() + self.ids.numel() * self.ids.element_size()
+
+    def take(self, tokens: list[int]):
+        """Give the tokens outside the subset a context row, oldest replaced first: a few small
+        copies between steps, only when such a token shows up, queued behind the steps in flight
+        (no host sync: the ids come from pinned memory; nothing in the graphs)."""
+        if not self.context:
+            return
+        V = self.head.shape[0]
+        fresh = list(dict.fromkeys(t for t in tokens[-self.context:]
+                                   if t not in self.subset and t not in self.ring and 0 <= t < V))
+        if not fresh:
+            return
+        slots = []
+        for t in fresh:                      # fewer than the context rows: no slot is written twice
+            i = self.next
+            self.next = (i + 1) % self.context
+            self.ring.pop(self.slots[i], None)
+            self.slots[i], self.ring[t] = t, i
+            slots.append(self.static + i)
+        toks, rows = _to_device([fresh, slots], self.w.device)
+        self.w.index_copy_(0, rows, self.head.detach().index_select(0, toks))
+        self.ids.index_copy_(0, rows, toks)
+
+
+def _to_device(values: list[list[int]], device) -> torch.Tensor:
+    """Host ints on the device without a host sync: a copy from pageable memory waits for every
+    step in flight. The caching host allocator keeps the pinned block until its copy is done."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

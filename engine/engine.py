@@ -30,6 +30,7 @@ from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
 from mtpchat.engine.memory import DEFAULT_SNAPSHOTS, PREFILL_CHUNK
 from mtpchat.engine.model import Model
 from mtpchat.engine.mtp import MTPHead
+from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.policy import AdaptiveK
 from mtpchat.engine.runner import Runner
 from mtpchat.engine.sampling import SamplingParams, make_generator
@@ -48,7 +49,7 @@ class Engine:
                  max_context: int | None = None, draft_tokens: int = 3, mtp: bool = True,
                  cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int | None = None, seed: int = 0,
                  snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None, adaptive: bool = False,
-                 draft_vocab: int | None = DEFAULT_DRAFT_VOCAB):
+                 draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, plan: KernelPlan | None = None):
         """`model` is a checkpoint folder, or a ModelConfig for random weights of its shapes (benchmarks;
         no tokenizer then). `max_context` None: DEFAULT_CONTEXT, or what the model supports if less.
         `weights`: None keeps the checkpoint's format (FP8 for an FP8 release); "fp8" stores the big
@@ -56,7 +57,8 @@ class Engine:
         the model dtype, dequantizing an FP8 checkpoint. `adaptive`: each step's k chosen by
         engine/policy.py, draft_tokens its maximum. `draft_vocab`: rows of the trimmed head the drafts
         are chosen from (engine/draft_vocab.py); 0 or None, or a vocabulary no larger than those rows and their
-        context rows: the full head."""
+        context rows: the full head. `plan`: the kernels' forms (engine/plan.py); None: the measured
+        ones for this device, model and weight format (KernelPlan.choose)."""
         # build -> load -> allocate state -> (warm up and capture: the CUDA runner)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -97,6 +99,7 @@ class Engine:
             cap = ".".join(map(str, torch.cuda.get_device_capability(self.device)))
             raise UnsupportedFormat(f"FP8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
                                     f"this one has {cap}: load without weights='fp8'")
+        self.plan = plan or KernelPlan.choose(self.device, self.config, self.fp8)
         self.model = Model(self.config, fp8=self.fp8)
         self.head = MTPHead(self.config) if self.mtp_available else None
         prefix = text_prefix(folder) if folder is not None else TEXT_PREFIX
@@ -113,7 +116,7 @@ class Engine:
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
         prefill_chunk = prefill_chunk or (PREFILL_CHUNK if self.device.type == "cuda" else 512)
-        self.decoder = Decoder(self.model, self.head, self.state, prefill_chunk, snapshots)
+        self.decoder = Decoder(self.model, self.head, self.state, self.plan, prefill_chunk, snapshots)
         self.draft_vocab = draft_vocab_size(self.config.vocab_size, draft_vocab) if self.head is not None else 0
         if self.draft_vocab:
             ids = draft_token_ids(self.tokenizer, self.config.vocab_size, self.draft_vocab)
@@ -173,7 +176,7 @@ class Engine:
 
     def memory(self) -> dict[str, int]:
         size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters()) if m is not None else 0
-        draft = sum(t.numel() * t.element_size() for t in self.decoder.draft_head or ())   # its own copy
+        draft = self.decoder.draft_rows.nbytes() if self.decoder.draft_rows is not None else 0   # its own copy
         return {"weights": size(self.model) + size(self.head) + draft, **self.state.nbytes(),
                 "graph_pool": self.runner.pool_bytes if self.runner else 0, "workspace": self.decoder.nbytes(),
                 "snapshots": self.decoder.snapshots.nbytes()}
@@ -194,8 +197,8 @@ class Engine:
     def logits(self, ids: list[int]) -> torch.Tensor:
         """A full forward from an empty state, separate from the conversation: [T, vocab] float32."""
         scratch = DecodeState(self.config, len(ids), self.k_max, self.device, self.dtype, mtp=False)
-        hidden = Decoder(self.model, None, scratch, self.decoder.prefill_chunk).prefill(ids, keep_all=True)
-        return self.model.logits(hidden, rowwise=False)
+        decoder = Decoder(self.model, None, scratch, self.plan, self.decoder.prefill_chunk)
+        return decoder.logits(decoder.prefill(ids, keep_all=True), rowwise=False)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
                  snapshot_at: tuple[int, ...] = ()) -> Iterator:

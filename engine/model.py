@@ -1,7 +1,9 @@
 """The Qwen3.5 / Qwen3.6 hybrid decoder: Gated DeltaNet and gated full-attention layers, each with a
 SwiGLU MLP, then a final RMSNorm and the lm_head. Facts and formulas: qwen35-model.md.
 
-Every forward works on one sequence of T new tokens over preallocated state (engine/state.py):
+Every forward works on one sequence of T new tokens over preallocated state (engine/state.py), and
+asks its context (engine/dispatch.py: Ctx) for every product, which runs in the form the engine's
+kernel plan chose (engine/plan.py):
 - prefill (`ctx.step` False): GDN in chunked form, attention through SDPA;
 - decode / verify (`ctx.step` True, T = 1..k_max+1): the GDN recurrence (the last step's accepted
   tokens folded into the state first: one state written a step, whatever T), attention row by row,
@@ -11,104 +13,21 @@ Projections are stored fused (weights.py fills them): GDN [qkv | z | b | a], att
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.kernels import attention, conv, fp8_gemm, gdn, gdn_chunk, moe, moe_router, norm
-from mtpchat.kernels._triton import use_triton
-from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref, values_of
-from mtpchat.kernels.matvec import Normed, matvec, matvec_swiglu, silu_mul
-from mtpchat.kernels.matvec_parts import matvec_parts, matvec_parts_triton
+from mtpchat.engine.dispatch import Ctx, Product, linear, weight
+from mtpchat.kernels import attention, conv, gdn, gdn_chunk, moe, norm
+from mtpchat.kernels.fp8 import BlockFP8
+from mtpchat.kernels.matvec import matvec, matvec_swiglu, silu_mul
+from mtpchat.kernels.plan import ProductPlan
 from mtpchat.kernels.rope import qkv_norm_rope
 
 
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-@dataclass
-class Ctx:
-    """What a forward needs besides the tokens and the per-layer caches."""
-    positions: torch.Tensor   # [T] long: the tokens' positions, or [1]: the first of T consecutive ones
-    start: int | torch.Tensor # positions[0]: tokens already in the KV cache (a [1] tensor in steps)
-    step: bool                # decode/verify (the recurrence, one state written a step) rather than prefill
-    conv_off: torch.Tensor    # [1] long: committed conv window offset
-    fold: torch.Tensor        # [1] long: the last step's accepted tokens, to fold into the GDN states
-    parity: torch.Tensor      # [1] long: which half of the GDN pend buffers holds them
-    live: torch.Tensor | None = None   # [1] long, steps: 0 once the generation has ended (write no state)
-    rows: torch.Tensor | None = None   # [1] long: the rows that count (the MTP head's catch-up); the
-                                       # rest are stale, and an MoE routes them as the last that counts
-
-
-def weight(m: nn.Module, name: str):
-    """A product's weight: the parameter, or with its block scales (`<name>_scale`, an FP8 model:
-    engine/weights.py) a BlockFP8."""
-    scale = getattr(m, name + "_scale", None)
-    return getattr(m, name) if scale is None else BlockFP8(getattr(m, name), scale)
-
-
-def linear(x: torch.Tensor, w, rowwise: bool) -> torch.Tensor:
-    """x [T, K] @ w[N, K]ᵀ, w a tensor or a BlockFP8. With `rowwise` (decode, verify, draft) each
-    row's result is that of a 1-row call: the batch-invariant matvec kernel on the GPU (which also
-    takes a Normed x, see add_norm, and FP8 weights, scaled in registers), one product per row on
-    the CPU. A prefill over FP8 weights on the GPU runs on the FP8 tensor cores (fp8_gemm.py); on
-    the CPU it is the product of the dequantized weight."""
-    if isinstance(x, Normed) or (rowwise and x.is_cuda):
-        return matvec(x, w)
-    if isinstance(w, BlockFP8):
-        if not rowwise and use_triton(x, w.w):
-            return fp8_gemm.gemm(x, w)
-        w = dequantize_ref(w, x.dtype)
-    if not rowwise:
-        return F.linear(x, w)
-    return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)
-
-
-class Product(NamedTuple):
-    """A block's last product (o_proj, out_proj, MLP down) not yet run: in a step on the GPU the
-    residual add and the norm after the block run it (add_norm)."""
-    x: torch.Tensor
-    w: torch.Tensor
-
-
-SPLIT_NORM = True      # off: add_norm gives whole normalised rows (tests/kernels/ab_step.py --plans split)
-SHARED_AS_EXPERT = True   # off: an MoE's shared expert runs as its own two products
-# On: a step's router product and routing in one kernel on the GPU (kernels/moe_router.py), in place
-# of a 5-program product and the routing kernel. Off until measured (tests/kernels/ab_step.py --plans router).
-ROUTER_FUSED = False
-
-
-def out_linear(x: torch.Tensor, w: torch.Tensor, rowwise: bool):
-    """A block's last product, which only the residual add and the norm after it read: left for
-    add_norm in a step on the GPU, `linear` otherwise."""
-    if rowwise and use_triton(x, values_of(w)):
-        return Product(x, w)
-    return linear(x, w, rowwise)
-
-
-def add_norm(x, residual: torch.Tensor | None, norm_: "RMSNorm", whole: bool = False, out: torch.Tensor | None = None):
-    """(norm_(x + residual), x + residual) after a block whose output x is a tensor or a Product
-    (a Product may come with no residual: the MTP head's fc, the first thing its layer reads).
-    A Product runs split over K (its 5120 columns in 80 blocks would leave SMs idle): each column
-    block's last program adds the parts and the residual, and the normalised rows come as a Normed
-    for the next product to finish (kernels/matvec_parts.py); with `whole` (the final norm, whose
-    rows the lm_head and the MTP head both read) or SPLIT_NORM off, as whole rows from the norm
-    kernel, which adds the parts. `out` (whole rows only) receives the normalised rows."""
-    if isinstance(x, Product):
-        if SPLIT_NORM and not whole:
-            assert out is None, "add_norm: the split norm gives a Normed, never whole rows into `out`"
-            return matvec_parts_triton(x.x, x.w, norm=(residual, norm_.weight, norm_.eps))
-        if residual is None:          # nothing to add (the MTP head's fc): the product, then the norm
-            assert out is None, "add_norm: no `out` without a residual"
-            x = linear(x.x, x.w, True)
-            return norm.rmsnorm(x, norm_.weight, norm_.eps), x
-        x = matvec_parts(x.x, x.w)
-    return norm.add_rmsnorm(x, residual, norm_.weight, norm_.eps, out=out)
 
 
 def prefill_attention(q, keys, values, first: bool, scale: float) -> torch.Tensor:
@@ -153,10 +72,10 @@ class MLP(nn.Module):
     def forward(self, x, ctx: Ctx, whole: bool = False):
         """The MLP's output, or in a step on the GPU a Product for add_norm to finish (`whole`: a tensor)."""
         if ctx.step and x.is_cuda:
-            h = matvec_swiglu(x, weight(self, "gate_up"))     # the product and the gating in one kernel
+            h = matvec_swiglu(x, weight(self, "gate_up"), ctx.products)   # the product and the gating in one kernel
         else:
-            h = silu_mul(linear(x, weight(self, "gate_up"), ctx.step))
-        return (linear if whole else out_linear)(h, weight(self, "down"), ctx.step)
+            h = silu_mul(ctx.linear(x, weight(self, "gate_up")))
+        return (ctx.linear if whole else ctx.out_linear)(h, weight(self, "down"))
 
 
 class SparseMoE(nn.Module):
@@ -179,28 +98,26 @@ class SparseMoE(nn.Module):
     def forward(self, x, ctx: Ctx):
         E, k = self.c.num_experts, self.c.num_experts_per_tok
         gate_up, down = weight(self, "experts_gate_up"), weight(self, "experts_down")
-        fused = ROUTER_FUSED and ctx.step and use_triton(x, self.router)
-        logits = None if fused else linear(x, self.router, ctx.step)
-        route = lambda shared: (moe_router.route_fused(x, self.router, k, E, shared, rows=ctx.rows) if fused
-                                else moe.route(logits, k, E, ctx.step, shared=shared, rows=ctx.rows))
+        logits = ctx.linear(x, self.router)
         reads = self.reads if ctx.step else None
-        if self._shared_as_expert(gate_up):
+        if self._shared_as_expert(gate_up, ctx):
             # the shared expert as every row's last choice, expert E: two launches fewer a layer
             sgu, sd = weight(self.shared, "gate_up"), weight(self.shared, "down")
-            _, weights, _, layout = route(True)
-            h = moe.expert_swiglu(x, gate_up, layout, k + 1, E, ctx.step, reads, shared=sgu)
-            return moe.combine(moe.expert_down(h, down, layout, E, ctx.step, shared=sd), weights, dtype=x.dtype)
-        _, weights, gate, layout = route(False)
-        h = moe.expert_swiglu(x, gate_up, layout, k, E, ctx.step, reads)
-        y = moe.expert_down(h, down, layout, E, ctx.step)
+            _, weights, _, layout = moe.route(logits, k, E, ctx.step, shared=True, rows=ctx.rows)
+            h = moe.expert_swiglu(x, gate_up, layout, k + 1, E, ctx.step, reads, shared=sgu, plan=ctx.products)
+            y = moe.expert_down(h, down, layout, E, ctx.step, shared=sd, plan=ctx.products)
+            return moe.combine(y, weights, dtype=x.dtype)
+        _, weights, gate, layout = moe.route(logits, k, E, ctx.step, rows=ctx.rows)
+        h = moe.expert_swiglu(x, gate_up, layout, k, E, ctx.step, reads, plan=ctx.products)
+        y = moe.expert_down(h, down, layout, E, ctx.step, plan=ctx.products)
         shared = self.shared(x, ctx, whole=True) if self.shared is not None else None
         return moe.combine(y, weights, shared, gate, x.dtype)
 
-    def _shared_as_expert(self, gate_up) -> bool:
-        """Whether the expert kernels take the shared expert too: as wide as a routed one and
-        stored alike (both FP8 or neither)."""
+    def _shared_as_expert(self, gate_up, ctx: Ctx) -> bool:
+        """Whether the expert kernels take the shared expert too: the plan's choice (made where the
+        shapes allow), and stored as the routed experts are (both FP8 or neither)."""
         s = self.shared
-        return (s is not None and SHARED_AS_EXPERT and s.down.shape[1] == self.c.moe_intermediate_size
+        return (s is not None and ctx.plan.shared_as_expert
                 and isinstance(weight(s, "gate_up"), BlockFP8) == isinstance(gate_up, BlockFP8))
 
 
@@ -222,7 +139,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, x, cache: tuple[torch.Tensor, torch.Tensor], ctx: Ctx):
         c, T = self.c, x.shape[0]
-        qg, k, v = linear(x, weight(self, "qkv"), ctx.step).split([2 * c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
+        qg, k, v = ctx.linear(x, weight(self, "qkv")).split([2 * c.q_dim, c.kv_dim, c.kv_dim], dim=-1)
         qg = qg.view(T, c.num_attention_heads, 2 * c.head_dim)           # per head: [query | gate]
         q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:]
         k_cache, v_cache = cache
@@ -238,7 +155,7 @@ class GatedAttention(nn.Module):
             q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))
             o = prefill_attention(q4, keys, values, ctx.start == 0, scale)[0].transpose(0, 1)
             o = o * torch.sigmoid(gate)
-        return out_linear(o.reshape(T, c.q_dim), weight(self, "o_proj"), ctx.step)
+        return ctx.out_linear(o.reshape(T, c.q_dim), weight(self, "o_proj"))
 
 
 class GatedDeltaNet(nn.Module):
@@ -259,10 +176,10 @@ class GatedDeltaNet(nn.Module):
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         conv_buf, state, pend = cache
         if self.in_proj_ba is None:
-            mixed, z, b, a = linear(x, self.in_proj, ctx.step).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+            mixed, z, b, a = ctx.linear(x, self.in_proj).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
         else:
-            mixed, z = linear(x, weight(self, "in_proj"), ctx.step).split([c.conv_dim, c.value_dim], dim=-1)
-            b, a = linear(x, self.in_proj_ba, ctx.step).split([hv, hv], dim=-1)
+            mixed, z = ctx.linear(x, weight(self, "in_proj")).split([c.conv_dim, c.value_dim], dim=-1)
+            b, a = ctx.linear(x, self.in_proj_ba).split([hv, hv], dim=-1)
         mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live)   # pre-conv in, silu out
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
@@ -277,7 +194,7 @@ class GatedDeltaNet(nn.Module):
             o, end_state = gdn_chunk.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state.clone())
             state.copy_(end_state)
         o = norm.gated_rmsnorm(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
-        return out_linear(o.reshape(T, c.value_dim), weight(self, "out_proj"), ctx.step)
+        return ctx.out_linear(o.reshape(T, c.value_dim), weight(self, "out_proj"))
 
 
 class DecoderLayer(nn.Module):
@@ -297,9 +214,9 @@ class DecoderLayer(nn.Module):
         if residual is None and not isinstance(x, Product):
             normed, h = self.input_norm(x), x
         else:          # (a Product without a residual: the MTP head's fc, still to run)
-            normed, h = add_norm(x, residual, self.input_norm)
+            normed, h = ctx.add_norm(x, residual, self.input_norm)
         # the MoE's router and experts read whole rows, never a Normed
-        normed, h = add_norm(self.mixer(normed, cache, ctx), h, self.post_norm, whole=self.kind_moe)
+        normed, h = ctx.add_norm(self.mixer(normed, cache, ctx), h, self.post_norm, whole=self.kind_moe)
         return self.mlp(normed, ctx), h
 
 
@@ -325,12 +242,13 @@ class Model(nn.Module):
         x, residual = F.embedding(ids, self.embed), None                  # [T, H]
         for layer, cache in zip(self.layers, caches):
             x, residual = layer(x, residual, cache, ctx)
-        return add_norm(x, residual, self.norm, whole=True, out=out)[0]
+        return ctx.add_norm(x, residual, self.norm, whole=True, out=out)[0]
 
-    def logits(self, hidden: torch.Tensor, rowwise: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, products: ProductPlan, rowwise: bool = True,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, vocab] float32, written into `out` when given (a step's buffer: on CUDA the product
         writes it, with no cast and no copy after it)."""
         if out is not None and rowwise and hidden.is_cuda:
-            return matvec(hidden, self.head, out=out)
-        y = linear(hidden, self.head, rowwise).float()
+            return matvec(hidden, self.head, out=out, plan=products)
+        y = linear(hidden, self.head, rowwise, products).float()
         return y if out is None else out.copy_(y)

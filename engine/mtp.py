@@ -15,13 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.model import Ctx, DecoderLayer, RMSNorm, add_norm, empty, linear, out_linear
-
-# On: in a step on the GPU the fc's 5120 rows (80 column blocks of 64, on 132 SMs) run split over K
-# and finished by the layer's input norm (kernels/matvec_parts.py, as the blocks' last products
-# are), in place of one program a block and a norm kernel. Off until measured on a GPU
-# (tests/kernels/ab_step.py --plans draft).
-FC_SPLIT = False
+from mtpchat.engine.dispatch import Ctx
+from mtpchat.engine.model import DecoderLayer, RMSNorm, empty
 
 
 class MTPHead(nn.Module):
@@ -37,6 +32,9 @@ class MTPHead(nn.Module):
         """ids [T] (tokens x_{p+1}), hidden [T, H] (h_p) at ctx.positions p -> out [T, H]."""
         e = self.pre_fc_norm_embedding(F.embedding(ids, embed))
         h = self.pre_fc_norm_hidden(hidden)
-        u = (out_linear if FC_SPLIT else linear)(torch.cat([e, h], dim=-1), self.fc, ctx.step)
+        # the plan's fc_split: in a step on the GPU the fc's rows (5120 for the 27B: 80 column blocks
+        # on 132 SMs) run split over K and finished by the layer's input norm, as the blocks' last
+        # products are, rather than one program a block and a norm kernel
+        u = (ctx.out_linear if ctx.plan.fc_split else ctx.linear)(torch.cat([e, h], dim=-1), self.fc)
         out, residual = self.layer(u, None, cache, ctx)
-        return add_norm(out, residual, self.norm, whole=True)[0]
+        return ctx.add_norm(out, residual, self.norm, whole=True)[0]

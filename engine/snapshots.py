@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpchat.engine.config import ModelConfig
+from mtpchat.kernels import gdn
 
 
 @dataclass
@@ -79,3 +80,30 @@ class Snapshots:
             self.held.append(snap)
         self.touch(snap)
         return snap
+
+    # --- the copies, between generations, eagerly ----------------------------------------------
+    def save(self, tokens: tuple[int, ...], state, mixers, conv_cols: torch.Tensor, hidden: torch.Tensor | None):
+        """Keep the state (engine/state.py) at `tokens`: per GDN layer (`mixers`, in order) the
+        committed conv inputs (`conv_cols` from the committed offset, no host sync) and the
+        recurrent state with the last step's tokens folded in, and the last row's `hidden`."""
+        i = self.slot_for(tokens).slot
+        cols = state.conv_off + conv_cols
+        for j, ((conv_buf, ssm, pend), m) in enumerate(zip(state.gdn_layers, mixers)):
+            self.conv[i, j].copy_(conv_buf.index_select(1, cols))
+            self.ssm[i, j].copy_(ssm)
+            gdn.fold_pending(self.ssm[i, j], pend, state.fold, state.parity, m.A_log, m.dt_bias)
+        if hidden is not None:
+            self.hidden[i].copy_(hidden)
+
+    def restore(self, snap: Snapshot, state, hidden: torch.Tensor):
+        """Put `snap` back into the state, nothing left to fold, and its last row's hidden into
+        `hidden` [1, H]."""
+        i = snap.slot
+        self.touch(snap)
+        for j, (conv_buf, ssm, _) in enumerate(state.gdn_layers):
+            conv_buf[:, :state.kernel - 1].copy_(self.conv[i, j])
+            ssm.copy_(self.ssm[i, j])
+        for t in (state.conv_off, state.fold, state.parity):
+            t.zero_()
+        state.length = len(snap.tokens)
+        hidden.copy_(self.hidden[i:i + 1])

@@ -85,8 +85,8 @@ def quantize_ref(w: torch.Tensor) -> BlockFP8:
 # weight on the conversion units, more than they keep up with at 3 TB/s of FP8. The bit form takes
 # integer and bf16x2 instructions only, about 3 a weight (tests/kernels/sass_fp8.py counts them).
 
-WIDEN_BITS = False     # the bit form for bf16 activations on CUDA; off until measured on a GPU
-                       # (tests/kernels/ab_step.py --plans bits; bitwise equal: tests/kernels/test_fp8_widen.py)
+# The bit form is the plan's default (kernels/plan.py widen_bits): the FP8 27B's decode step 0.846 x,
+# the 35B-A3B's 0.848 x, outputs bit-equal to the conversion's (tests/kernels/test_fp8_widen.py).
 
 
 def bf16_of_e4m3_ref(w: torch.Tensor) -> torch.Tensor:
@@ -106,16 +106,17 @@ def widen_group(capability: tuple[int, int], warps: int, BN: int) -> int:
     return 2 if capability[0] == 9 and warps % 4 == 0 and BN >= 64 else 4
 
 
-def widen_args(x: torch.Tensor, warps: int, BN: int) -> dict:
+def widen_args(x: torch.Tensor, warps: int, BN: int, bits: bool, group: int = 0) -> dict:
     """How a product kernel with tiles of BN weight rows on `warps` warps widens its FP8 tiles:
     {"BITS": 0}, Triton's conversion (float32 activations, the CPU, the interpreter, which runs no
-    inline assembly, or WIDEN_BITS off), or the bit form over groups of 2 or 4 weights. Two where
+    inline assembly, or `bits` off: the plan's widen_bits), or the bit form over groups of `group`
+    weights (the plan's widen_group), or where that is 0 of 2 or 4 as the tile suits. Two where
     the dot takes Hopper's wgmma (4 warps, 64 rows or more), whose register operand gives each
     thread pairs of weights along K (groups of 4 would be regrouped by byte permutes first: 2.25
     more instructions a weight); four under mma.sync."""
-    if not (WIDEN_BITS and x.is_cuda and x.dtype == torch.bfloat16 and not interpreting()):
+    if not (bits and x.is_cuda and x.dtype == torch.bfloat16 and not interpreting()):
         return {"BITS": 0}
-    return {"BITS": widen_group(torch.cuda.get_device_capability(x.device), warps, BN)}
+    return {"BITS": group or widen_group(torch.cuda.get_device_capability(x.device), warps, BN)}
 
 
 if tl is not None:

@@ -13,9 +13,10 @@ hold, so row i of a T-row call is bit-for-bit the 1-row call of row i.
 
 A product whose column blocks end in a small partial wave on the GPU's SMs (the 27B's MLP gate|up:
 272 blocks on 132 SMs, one program an SM, leaves 8 blocks streaming alone at the end) has that
-last wave split over K: each of its blocks is taken by TAIL_PARTS programs (3), each over a run
-of whole K tiles, which leave float32 parts, and the last of them to finish adds them in order
-and writes the block. The split is a function of the shapes and the number of SMs, never of T.
+last wave split over K: each of its blocks is taken by the plan's tail_parts programs (3), each
+over a run of whole K tiles, which leave float32 parts, and the last of them to finish adds them
+in order and writes the block. The split is a function of the shapes, the number of SMs and the
+plan (kernels/plan.py), never of T.
 
 Products with fewer column blocks than SMs are split over K in matvec_parts.py, whose norm-finishing
 form hands the next product its input as a `Normed` (below).
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref, values_of, widen, widen_args
+from mtpchat.kernels.plan import ProductPlan, default_products
 
 MAX_ROWS = 16
 
@@ -210,8 +212,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul_triton(gate_up) if use_triton(gate_up) else silu_mul_ref(gate_up)
 
 
-def _config(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False) -> tuple[int, int, int, int]:
-    """(BN, BK, warps, stages): never a function of T. BN counts output columns, so a SwiGLU
+def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False,
+          plan: ProductPlan | None = None) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages): the plan's tile rule where it gives one, else the measured tile;
+    never a function of T. BN counts output columns, so a SwiGLU
     program reads 2 x BN rows of w. Chosen on an H100 by whole decode steps of the 27B under other
     tiles (tests/kernels/ab_step.py --plans tiles, the ratios in docs/PERFORMANCE.md): 64 x 512
     bytes suits every plain product (smaller tiles, more warps, other depths: 0-23% slower); the
@@ -221,6 +225,9 @@ def _config(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = Fal
     warps, 8 deep; the SwiGLU product 32 columns (64 rows of w), 2 warps, 3 deep (alone 2.38 TB/s
     against 1.79, the FP8 27B's decode step 0.953 x: tests/kernels/bench_fp8.py, ab_step.py
     --plans fp8glu). Two warps made the plain products slower (1.46 TB/s against 1.99)."""
+    chosen = plan.tiles(N, K, itemsize, swiglu, fp8) if plan is not None and plan.tiles is not None else None
+    if chosen is not None:
+        return chosen
     if fp8:
         return (32, BLOCK, 2, 3) if swiglu else (64, BLOCK, 4, 8)
     if swiglu:
@@ -255,42 +262,24 @@ def _scale_args(x, K: int) -> tuple[torch.Tensor, dict]:
                      NBP=triton.next_power_of_2(x.ss.shape[1]))
 
 
-TAIL_SPLIT = True      # off: one program a column block throughout (tests/kernels/ab_step.py --plans tail)
-CPU_PROGRAMS = 6       # the "SMs" under Triton's interpreter
-
-
-def _programs(device: torch.device) -> int:
-    """Programs resident at once for the wide products' tiles: one per SM (they take most of an
-    SM's shared memory)."""
-    if device.type != "cuda":
-        return CPU_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-TAIL_PARTS = 3
-# A product of a few column blocks only streams its weight through as many SMs, each over all of
-# K: on 132 SMs, the MoE routers (257 rows: 5 blocks), the FP8 models' GDN a|b product (1-2
-# blocks) and the 35B-A3B's MTP fc (32). On: each of its blocks is split over K too, into up to
-# SMALL_PARTS parts (the router's 8 tiles: one a program, 40 programs). Off until measured on a
-# GPU (tests/kernels/ab_step.py --plans tail, the 35B-A3B and the FP8 27B).
-SMALL_SPLIT = False
-SMALL_PARTS = 8
-
-
-def _tail_config(blocks: int, KI: int, P: int) -> tuple[int, int] | None:
+def tail_split(blocks: int, KI: int, plan: ProductPlan) -> tuple[int, int] | None:
     """(parts, K tiles a part) for the last, partial wave of a product of `blocks` column blocks of
-    KI K tiles on P resident programs, or None to leave it whole: a last wave of at most P / 4
-    blocks is split into TAIL_PARTS parts a block (two tiles a part at least). A function of the
-    shapes and P alone, never of T. The 27B's MLP gate|up on an H100 (8 of 272 blocks left on 132
+    KI K tiles on the plan's P resident programs, or None to leave it whole: a last wave of at most
+    P / 4 blocks is split into tail_parts parts a block (two tiles a part at least). A function of
+    the shapes and the plan alone, never of T. The 27B's MLP gate|up on an H100 (8 of 272 blocks left on 132
     SMs; tests/kernels/ab_step.py --plans tail): the decode step 1.2% faster in 3 parts, 1.1% in
     2, 0.6-0.8% in 4 or 5, 0.3-0.4% in 6 and 8, no faster in 14 (one part of three tiles an SM);
     splitting the large last waves of the GDN in_proj and q|gate|k|v too (126 of 258, 92 of 224
-    blocks) took most of the gain back. With SMALL_SPLIT, a product of at most P / 4 blocks in all
-    is its own last wave: every block in min(SMALL_PARTS, KI, P / blocks) parts."""
-    if P < 4:
+    blocks) took most of the gain back. With small_split, a product of at most P / 4 blocks in all
+    (a few column blocks only stream their weight through as many SMs: on 132 SMs the MoE routers'
+    5, the FP8 models' GDN a|b product's 1-2, the 35B-A3B's MTP fc's 32) is its own last wave:
+    every block in min(small_parts, KI, P / blocks) parts (the router's 8 tiles: 40 programs). The
+    35B-A3B's decode step measured 0.957 x (FP8) with it, the FP8 27B's 0.984 x."""
+    P = plan.programs
+    if P < 4 or not plan.tail_split:
         return None
-    if 0 < blocks <= P // 4 and SMALL_SPLIT:
-        S = min(SMALL_PARTS, KI, P // blocks)
+    if 0 < blocks <= P // 4 and plan.small_split:
+        S = min(plan.small_parts, KI, P // blocks)
         if S < 2:
             return None
         KS = triton.cdiv(KI, S)
@@ -298,18 +287,18 @@ def _tail_config(blocks: int, KI: int, P: int) -> tuple[int, int] | None:
     if blocks <= P:
         return None
     r = blocks % P
-    S = min(TAIL_PARTS, KI // 2)
+    S = min(plan.tail_parts, KI // 2)
     if r == 0 or r > P // 4 or S < 2:
         return None
     KS = triton.cdiv(KI, S)
     return triton.cdiv(KI, KS), KS
 
 
-def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: bool):
+def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: bool, plan: ProductPlan):
     """One program a column block (_matvec_kernel), a small last wave split over K where
-    _tail_config says so."""
-    blocks, KI, P = triton.cdiv(N, BN), triton.cdiv(K, BK), _programs(x.device)
-    tail = _tail_config(blocks, KI, P) if TAIL_SPLIT else None
+    tail_split says so."""
+    blocks, KI, P = triton.cdiv(N, BN), triton.cdiv(K, BK), plan.programs
+    tail = tail_split(blocks, KI, plan)
     S, KS = tail or (1, KI)
     F = blocks - blocks % P if tail else blocks
     ws, count = y, y                                  # compiled out without a split (SPLIT False)
@@ -319,17 +308,19 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
     _matvec_kernel[(F + (blocks - F) * S,)](
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
-        num_stages=stages, **scale, **fp8, **pdl(x), **(widen_args(x, warps, BN) if fp8["FP8"] else {}))
+        num_stages=stages, **scale, **fp8, **pdl(x),
+        **(widen_args(x, warps, BN, plan.widen_bits, plan.widen_group) if fp8["FP8"] else {}))
     return y
 
 
-def matvec_triton(x, w, out: torch.Tensor | None = None) -> torch.Tensor:
+def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | None = None) -> torch.Tensor:
     N, K = w.shape
     x, scale = _scale_args(x, K)
     w, sw, fp8 = check_product(x, w, K)
     y = _out(x, N, out)
-    BN, BK, warps, stages = _config(N, K, x.element_size(), fp8=fp8["FP8"])
-    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, swiglu=False)
+    plan = plan or default_products(x.device)
+    BN, BK, warps, stages = tiles(N, K, x.element_size(), fp8=fp8["FP8"], plan=plan)
+    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, False, plan)
 
 
 _counts: dict = {}
@@ -352,7 +343,7 @@ def arrival_counts(device: torch.device, blocks: int) -> torch.Tensor:
     return count
 
 
-def matvec_swiglu_triton(x, w) -> torch.Tensor:
+def matvec_swiglu_triton(x, w, plan: ProductPlan | None = None) -> torch.Tensor:
     N2, K = w.shape
     x, scale = _scale_args(x, K)
     w, sw, fp8 = check_product(x, w, K)
@@ -360,8 +351,9 @@ def matvec_swiglu_triton(x, w) -> torch.Tensor:
     N = N2 // 2
     assert not fp8["FP8"] or N % BLOCK == 0, "FP8 gate rows must fill whole blocks, so the up rows start one"
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
-    BN, BK, warps, stages = _config(N, K, x.element_size(), swiglu=True, fp8=fp8["FP8"])
-    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, swiglu=True)
+    plan = plan or default_products(x.device)
+    BN, BK, warps, stages = tiles(N, K, x.element_size(), swiglu=True, fp8=fp8["FP8"], plan=plan)
+    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, True, plan)
 
 
 def _out(x: torch.Tensor, N: int, out: torch.Tensor | None) -> torch.Tensor:
@@ -371,19 +363,22 @@ def _out(x: torch.Tensor, N: int, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def matvec(x, w, out: torch.Tensor | None = None) -> torch.Tensor:
+def matvec(x, w, out: torch.Tensor | None = None, plan: ProductPlan | None = None) -> torch.Tensor:
     """x [T, K] (or a Normed) @ w [N, K]ᵀ (w a tensor or a BlockFP8): the Triton kernel for CUDA
-    tensors, the float32 reference otherwise. With `out` (e.g. float32 logits) the product, rounded
-    to x's dtype, is written there."""
+    tensors, in the plan's form (None: the measured defaults for the device), the float32
+    reference otherwise. With `out` (e.g. float32 logits) the product, rounded to x's dtype, is
+    written there."""
     if not use_triton(_rows_of(x), values_of(w)):
         return matvec_ref(x, w) if out is None else out.copy_(matvec_ref(x, w))
-    return matvec_triton(x, w, out)
+    return matvec_triton(x, w, out, plan)
 
 
-def matvec_swiglu(x, w) -> torch.Tensor:
+def matvec_swiglu(x, w, plan: ProductPlan | None = None) -> torch.Tensor:
     """silu(x @ w_gateᵀ) * (x @ w_upᵀ) for w = [w_gate | w_up] (x a tensor or a Normed, w a tensor
     or a BlockFP8): one kernel on CUDA, the reference otherwise."""
-    return matvec_swiglu_triton(x, w) if use_triton(_rows_of(x), values_of(w)) else matvec_swiglu_ref(x, w)
+    if use_triton(_rows_of(x), values_of(w)):
+        return matvec_swiglu_triton(x, w, plan)
+    return matvec_swiglu_ref(x, w)
 
 
 def _rows_of(x) -> torch.Tensor:

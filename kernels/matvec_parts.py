@@ -7,7 +7,8 @@ With `norm` the product finishes that norm block by block instead: the last of e
 programs adds its parts and the residual and writes the block's share of the normalised rows as a
 `Normed` (h * (1 + w) and the block's sums of h²), and the next product, given the Normed, scales
 each output row by the row's 1 / rms after its dot. The split is a function of the shapes alone,
-so it keeps the row invariance. The float32 references sit beside the kernel.
+so it keeps the row invariance; its tiles and number of parts come from the ProductPlan
+(kernels/plan.py). The float32 references sit beside the kernel.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref, values_of, widen_args
 from mtpchat.kernels.matvec import MAX_ROWS, Normed, _dot_tile, arrival_counts, check_product
+from mtpchat.kernels.plan import ProductPlan, default_products
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -64,31 +66,31 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
             tl.atomic_xchg(count + i_n, 0)
 
 
-SPLIT_PROGRAMS = 240
-FP8_STAGES = 8
-
-
-def _split_config(N: int, K: int, itemsize: int) -> tuple[int, int, int, int, int]:
-    """(S, BN, BK, warps, stages) of a split product: S ranges of K (no more than K / (8 BK),
-    rounded up), for some SPLIT_PROGRAMS programs in all (the 27B's 5120-row products: 80 column
-    blocks x 3). Tiles of 16 KB of w, 4 deep (80 KB of shared memory with x's), so that two
-    programs fit on an SM and all 240 are resident at once on an H100; never a function of T."""
+def split_config(N: int, K: int, itemsize: int, plan: ProductPlan) -> tuple[int, int, int, int, int]:
+    """(S, BN, BK, warps, stages) of a split product: the plan's split rule where it gives one, else
+    S ranges of K (no more than K / (8 BK), rounded up), for some plan.split_programs programs in
+    all (240: the 27B's 5120-row products, 80 column blocks x 3). Tiles of 16 KB of w, 4 deep (80 KB
+    of shared memory with x's), so that two programs fit on an SM and all 240 are resident at once
+    on an H100; never a function of T."""
+    chosen = plan.split_tiles(N, K, itemsize) if plan.split_tiles is not None else None
+    if chosen is not None:
+        return chosen
     BN, BK = 64, 256 // itemsize
-    S = max(1, min(triton.cdiv(K, 8 * BK), round(SPLIT_PROGRAMS / triton.cdiv(N, BN))))
+    S = max(1, min(triton.cdiv(K, 8 * BK), round(plan.split_programs / triton.cdiv(N, BN))))
     return S, BN, BK, 4, 4
 
 
-def split_ranges(N: int, K: int, itemsize: int) -> list[tuple[int, int]]:
+def split_ranges(N: int, K: int, itemsize: int, plan: ProductPlan) -> list[tuple[int, int]]:
     """The K ranges [k0, k1) of a split product's parts, in the order they are added."""
-    S, _, BK, _, _ = _split_config(N, K, itemsize)
+    S, _, BK, _, _ = split_config(N, K, itemsize, plan)
     KS = triton.cdiv(triton.cdiv(K, S), BK) * BK
     return [(k0, min(K, k0 + KS)) for k0 in range(0, K, KS)]
 
 
-def matvec_parts_ref(x: torch.Tensor, w) -> torch.Tensor:
+def matvec_parts_ref(x: torch.Tensor, w, plan: ProductPlan | None = None) -> torch.Tensor:
     """[S, T, N] float32: the products of x and w (a BlockFP8 dequantized) over each K range of
-    split_ranges."""
-    ranges = split_ranges(w.shape[0], w.shape[1], x.element_size())
+    split_ranges (under the plan; None: the measured defaults for x's device)."""
+    ranges = split_ranges(w.shape[0], w.shape[1], x.element_size(), plan or default_products(x.device))
     w = dequantize_ref(w) if isinstance(w, BlockFP8) else w
     return torch.stack([x[:, k0:k1].float() @ w[:, k0:k1].float().T for k0, k1 in ranges])
 
@@ -101,7 +103,8 @@ def parts_sum_ref(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return total.to(dtype)
 
 
-def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = None):
+def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = None,
+                        plan: ProductPlan | None = None):
     """The parts [S, T, N]; with norm = (residual [T, N], weight [N], eps), the residual add and
     the norm's two pieces instead: returns (Normed(h * (1 + weight), sums of h², eps), h) for
     h = x @ wᵀ + residual, finished block by block by each column block's last program. A residual
@@ -109,10 +112,11 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
     N, K = w.shape
     w, sw, fp8 = check_product(x, w, K)
     T = x.shape[0]
-    ranges = split_ranges(N, K, x.element_size())
-    _, BN, BK, warps, stages = _split_config(N, K, x.element_size())
-    if fp8["FP8"]:
-        stages = FP8_STAGES       # FP8 tiles hold half the bytes: twice as deep keeps as much in flight
+    plan = plan or default_products(x.device)
+    ranges = split_ranges(N, K, x.element_size(), plan)
+    _, BN, BK, warps, stages = split_config(N, K, x.element_size(), plan)
+    if fp8["FP8"] and plan.split_tiles is None:
+        stages = plan.split_fp8_stages
     blocks = triton.cdiv(N, BN)
     y = torch.empty(len(ranges), T, N, dtype=torch.float32, device=x.device)
     if norm is None:
@@ -132,12 +136,14 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=MAX_ROWS, BN=BN, BK=BK,
         S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None, num_warps=warps,
         num_stages=stages, **fp8, **pdl(x),
-        **(widen_args(x, warps, BN) if fp8["FP8"] else {}))
+        **(widen_args(x, warps, BN, plan.widen_bits, plan.widen_group) if fp8["FP8"] else {}))
     return y if norm is None else (Normed(xn, ss, eps), h)
 
 
-def matvec_parts(x: torch.Tensor, w) -> torch.Tensor:
+def matvec_parts(x: torch.Tensor, w, plan: ProductPlan | None = None) -> torch.Tensor:
     """x [T, K] @ w [N, K]ᵀ (w a tensor or a BlockFP8) as its float32 parts [S, T, N] over the K
     ranges of split_ranges (S may be 1): the Triton kernel for CUDA tensors, the float32 reference
     otherwise. parts_sum_ref, or the norm that reads them, makes the product."""
-    return matvec_parts_triton(x, w) if use_triton(x, values_of(w)) else matvec_parts_ref(x, w)
+    if use_triton(x, values_of(w)):
+        return matvec_parts_triton(x, w, plan=plan)
+    return matvec_parts_ref(x, w, plan)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref, values_of, widen, widen_args
+from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
                                        count_reads, layout_ref)
 
@@ -303,8 +304,13 @@ def _shared_args(w, shared, rows: int, K: int) -> tuple:
     return v, v
 
 
+def _widen(x, warps: int, BN: int, plan: ProductPlan | None) -> dict:
+    plan = plan or default_products(x.device)
+    return widen_args(x, warps, BN, plan.widen_bits, plan.widen_group)
+
+
 def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
-                         reads: torch.Tensor | None = None, shared=None) -> torch.Tensor:
+                         reads: torch.Tensor | None = None, shared=None, plan: ProductPlan | None = None) -> torch.Tensor:
     """`reads` (a step's layout only): the step's distinct routed experts are added to it.
     `shared`: the shared expert's gate|up [2F, H], taken as expert `n_experts` (route(shared=True))."""
     T, H = x.shape
@@ -322,11 +328,11 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
         x, wv, ws, w2, ws2, expert, pairs, reads if reads is not None else h, h, P, n_experts, H, Fi,
         x.stride(0), h.stride(0), ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp,
         COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, num_stages=stages,
-        **pdl(x), **(widen_args(x, warps, BN) if fp8 else {}))
+        **pdl(x), **(_widen(x, warps, BN, plan) if fp8 else {}))
     return h
 
 
-def expert_down_triton(h, w_down, layout, n_experts: int, shared=None) -> torch.Tensor:
+def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: ProductPlan | None = None) -> torch.Tensor:
     P_, Fi = h.shape
     wv = values_of(w_down)
     H = wv.shape[0] // n_experts
@@ -341,7 +347,8 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None) -> torch.
     _down_kernel[(blocks, triton.cdiv(H, BN))](
         h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
         BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps,
-        num_stages=stages, **pdl(h), **(widen_args(h, warps, BN) if fp8 else {}))
+        num_stages=stages, **pdl(h),
+        **(_widen(h, warps, BN, plan) if fp8 else {}))
     return y
 
 
@@ -376,20 +383,21 @@ def route(logits: torch.Tensor, top_k: int, n_experts: int, step: bool, shared: 
 
 
 def expert_swiglu(x, w_gate_up, layout, top_k: int, n_experts: int, rowwise: bool,
-                  reads: torch.Tensor | None = None, shared=None) -> torch.Tensor:
+                  reads: torch.Tensor | None = None, shared=None, plan: ProductPlan | None = None) -> torch.Tensor:
     """`reads`: in a step, the distinct routed experts read are added to it. `shared`: the shared
-    expert's gate|up, as expert n_experts."""
+    expert's gate|up, as expert n_experts. `plan`: how FP8 tiles widen (kernels/plan.py)."""
     if use_triton(x, values_of(w_gate_up)):
-        return expert_swiglu_triton(x, w_gate_up, layout, top_k, n_experts, reads, shared)
+        return expert_swiglu_triton(x, w_gate_up, layout, top_k, n_experts, reads, shared, plan)
     layout = layout.expand(n_experts + (shared is not None)) if isinstance(layout, StepLayout) else layout
     if reads is not None and rowwise:
         count_reads(layout, reads, n_experts)
     return expert_swiglu_ref(x, w_gate_up, layout, top_k, n_experts, rowwise, shared)
 
 
-def expert_down(h, w_down, layout, n_experts: int, rowwise: bool, shared=None) -> torch.Tensor:
+def expert_down(h, w_down, layout, n_experts: int, rowwise: bool, shared=None,
+                plan: ProductPlan | None = None) -> torch.Tensor:
     if use_triton(h, values_of(w_down)):
-        return expert_down_triton(h, w_down, layout, n_experts, shared)
+        return expert_down_triton(h, w_down, layout, n_experts, shared, plan)
     layout = layout.expand(n_experts + (shared is not None)) if isinstance(layout, StepLayout) else layout
     return expert_down_ref(h, w_down, layout, n_experts, rowwise, shared)
 

@@ -49,9 +49,9 @@ def test_any_vocabulary_loads_and_stays_exact_with_no_flag(odd, asked, rows):
     kw = {} if asked == "default" else {"draft_vocab": asked}
     e = load(odd, draft_tokens=3, adaptive=True, **kw)
     assert e.config.vocab_size == 523 and e.draft_vocab == rows
-    assert (e.decoder.draft_head is None) == (rows == 0)
+    assert (e.decoder.draft_rows is None) == (rows == 0)
     if rows:
-        w, ids = e.decoder.draft_head
+        w, ids = e.decoder.draft_rows.w, e.decoder.draft_rows.ids
         assert w.shape == (rows + context_rows(rows), e.config.hidden_size)
         assert ids[:rows].tolist() == draft_token_ids(e.tokenizer, 523, rows)
     ids = random_ids(9, 77, 523)
@@ -89,7 +89,7 @@ def trimmed(gqa3):
 
 def test_draft_is_the_argmax_over_the_subset(trimmed):
     e, dec = trimmed, trimmed.decoder
-    w, ids = dec.draft_head
+    w, ids = dec.draft_rows.w, dec.draft_rows.ids
     assert w.shape == (96 + 16, e.config.hidden_size) and w.is_contiguous() and ids.shape == (96 + 16,)
     assert torch.equal(w, e.model.head[ids])
     g = torch.Generator().manual_seed(0)
@@ -108,7 +108,7 @@ def test_plan_counts_the_trimmed_head(gqa3, trimmed):
     plan = memory.plan_memory(trimmed.config, 512, 4, "float32", cuda_graphs=False, draft_vocab=96)
     assert plan.weights == trimmed.memory()["weights"]
     full = load(gqa3, draft_tokens=4, draft_vocab=0)
-    assert full.decoder.draft_head is None
+    assert full.decoder.draft_rows is None
     assert trimmed.memory()["weights"] - full.memory()["weights"] == (96 + 16) * (trimmed.config.hidden_size * 4 + 8)
 
 
@@ -136,14 +136,14 @@ def test_greedy_exact_with_trimmed_head_and_adaptive_k(gqa3, trimmed):
     finally:
         trimmed.drafter, trimmed.adaptive = None, False
     assert {0, 4} <= ks and len(ks) >= 3 and real_drafts > 0
-    assert trimmed.decoder.draft_ring                               # tokens outside the subset got rows
+    assert trimmed.decoder.draft_rows.ring                               # tokens outside the subset got rows
 
 
 def test_sampling_stays_lossless_with_drafts_from_the_subset(gqa3):
     e = load(gqa3, draft_tokens=2, draft_vocab=160)
     prompt = random_ids(6, 42, e.config.vocab_size)
     joint, table = exact_first_tokens(e, prompt)
-    subset = set(e.decoder.draft_head[1].tolist())
+    subset = set(e.decoder.draft_rows.ids.tolist())
     # the tree's likeliest tokens where the subset has them, else the trimmed head's own draft
     tree = {prefix: t for prefix, t in table.items() if t in subset}
     assert 0 < len(tree) < len(table)
@@ -173,8 +173,8 @@ def test_demo_trimmed_head_keeps_its_acceptance():
 def test_context_rows_take_the_tokens_the_subset_lacks(gqa3):
     e = load(gqa3, draft_tokens=3, draft_vocab=64)
     dec = e.decoder
-    w, ids = dec.draft_head
-    outside = [t for t in range(e.config.vocab_size) if t not in dec.draft_set][:40]
+    w, ids = dec.draft_rows.w, dec.draft_rows.ids
+    outside = [t for t in range(e.config.vocab_size) if t not in dec.draft_rows.subset][:40]
     dec.draft_context(outside[:10] + [int(ids[0])] + outside[:3])       # repeats and subset tokens skipped
     assert ids[64:74].tolist() == outside[:10] and (ids[74:] == ids[0]).all()
     dec.draft_context(outside[10:30])                                    # 30 > 16 rows: the oldest go
@@ -192,7 +192,7 @@ def test_context_rows_are_written_without_a_host_sync(gqa3):
     """Between two steps in flight: a copy from pageable memory would wait for the one running."""
     e = Engine.load(gqa3, device="cuda", dtype=torch.bfloat16, max_context=256, draft_vocab=64, cuda_graphs=False)
     dec = e.decoder
-    outside = [t for t in range(e.config.vocab_size) if t not in dec.draft_set][:20]
+    outside = [t for t in range(e.config.vocab_size) if t not in dec.draft_rows.subset][:20]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -200,5 +200,5 @@ def test_context_rows_are_written_without_a_host_sync(gqa3):
         dec.draft_context(outside[5:20])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    w, ids = dec.draft_head
+    w, ids = dec.draft_rows.w, dec.draft_rows.ids
     assert set(ids[64:].tolist()) == set(outside[4:20]) and torch.equal(w, e.model.head[ids])

@@ -22,7 +22,7 @@ def ckpt(tmp_path_factory):
 
 def test_trimmed_head_and_adaptive_k_equal_mtp_off_bf16(ckpt):
     engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, draft_vocab=160, adaptive=True)
-    assert engine.decoder.draft_head[0].shape[0] == 160 + 16          # the subset and its context rows
+    assert engine.decoder.draft_rows.w.shape[0] == 160 + 16          # the subset and its context rows
     ks = set()
     for i, ids in enumerate(prompts(engine, 8)):
         ref = tokens(engine, ids, n=256)
@@ -40,11 +40,10 @@ def test_trimmed_head_and_adaptive_k_equal_mtp_off_bf16(ckpt):
 
 
 @pytest.mark.parametrize("pick", [False, True])
-def test_trimmed_draft_is_the_argmax_of_its_rows(ckpt, monkeypatch, pick):
-    from mtpchat.engine import decoder
-    monkeypatch.setattr(decoder, "DRAFT_PICK", pick)      # torch's argmax, or the two kernels
+def test_trimmed_draft_is_the_argmax_of_its_rows(ckpt, pick):
     engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256, draft_vocab=160)
-    w, ids = engine.decoder.draft_head
+    engine.decoder.plan = engine.plan.replace(draft_pick=pick)      # torch's argmax, or the two kernels
+    w, ids = engine.decoder.draft_rows.w, engine.decoder.draft_rows.ids
     g = torch.Generator(device="cuda").manual_seed(0)
     for _ in range(16):
         h = torch.randn(1, engine.config.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
@@ -56,30 +55,30 @@ def test_trimmed_draft_is_the_argmax_of_its_rows(ckpt, monkeypatch, pick):
 
 
 @pytest.mark.parametrize("moe", [False, True])
-def test_staged_draft_kernels_keep_mtp_on_equal_to_off(tmp_path, monkeypatch, moe):
-    """The MTP head's fc split over K and finished by its layer's input norm (mtp.FC_SPLIT), and the
-    draft's argmax as two kernels (decoder.DRAFT_PICK): taken (counted), and greedy MTP on equals
-    off with the real head, k = 1..4, trimmed and full draft heads, dense and MoE."""
-    from mtpchat.engine import decoder, model, mtp
+def test_draft_kernels_keep_mtp_on_equal_to_off(tmp_path, monkeypatch, moe):
+    """The plan's defaults for the draft step: the MTP head's fc split over K and finished by its
+    layer's input norm (fc_split), and the draft's argmax as two kernels (draft_pick): taken
+    (counted), and greedy MTP on equals off with the real head, k = 1..4, trimmed and full draft
+    heads, dense and MoE."""
+    from mtpchat.engine import decoder, dispatch
     from test_gpu_moe import SHAPE as MOE_SHAPE
-    monkeypatch.setattr(mtp, "FC_SPLIT", True)
-    monkeypatch.setattr(decoder, "DRAFT_PICK", True)
     used = {"fc": 0, "pick": 0}
-    split, pick = model.matvec_parts_triton, decoder.pick_argmax
+    split, pick = dispatch.matvec_parts_triton, decoder.pick_argmax
 
-    def split_spy(x, w, norm=None):
+    def split_spy(x, w, norm=None, plan=None):
         used["fc"] += norm is not None and norm[0] is None
-        return split(x, w, norm)
+        return split(x, w, norm, plan)
 
     def pick_spy(*a):
         used["pick"] += 1
         return pick(*a)
-    monkeypatch.setattr(model, "matvec_parts_triton", split_spy)
+    monkeypatch.setattr(dispatch, "matvec_parts_triton", split_spy)
     monkeypatch.setattr(decoder, "pick_argmax", pick_spy)
     ckpt = write_tiny_checkpoint(tmp_path / "m", moe=moe, **(MOE_SHAPE if moe else SHAPE))
     for draft_vocab in (0, 160):
         engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, draft_vocab=draft_vocab)
-        assert (engine.decoder.draft_head is not None) == bool(draft_vocab)
+        assert engine.plan.fc_split and engine.plan.draft_pick
+        assert (engine.decoder.draft_rows is not None) == bool(draft_vocab)
         for i, ids in enumerate(prompts(engine, 4)):
             ref = tokens(engine, ids, n=128)
             for k in (1, 2, 3, 4):
@@ -88,12 +87,13 @@ def test_staged_draft_kernels_keep_mtp_on_equal_to_off(tmp_path, monkeypatch, mo
     # the draft itself: the same token under both argmax forms, trimmed head and full
     for draft_vocab in (0, 160):
         d = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256, draft_vocab=draft_vocab).decoder
+        kernels, torch_argmax = d.plan, d.plan.replace(draft_pick=False)
         g = torch.Generator(device="cuda").manual_seed(draft_vocab)
         for _ in range(200):
             h = torch.randn(1, d.model.c.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
             picked, want = (torch.empty(1, dtype=torch.long, device="cuda") for _ in range(2))
+            d.plan = kernels
             d._greedy(h, picked)
-            monkeypatch.setattr(decoder, "DRAFT_PICK", False)
+            d.plan = torch_argmax
             d._greedy(h, want)
-            monkeypatch.setattr(decoder, "DRAFT_PICK", True)
             assert torch.equal(picked, want), draft_vocab

@@ -68,18 +68,3 @@ def test_35b_a3b_shapes_mtp_on_equals_off(weights):
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-
-
-@pytest.mark.parametrize("layout", [STACKED, PER_EXPERT])
-def test_fused_router_keeps_mtp_on_equal_to_off(ckpts, monkeypatch, layout):
-    """engine/model.py ROUTER_FUSED: a step's router product and routing in one kernel, taken, and
-    greedy MTP on equal to off (bf16 and FP8 experts, CUDA graphs on)."""
-    from mtpchat.engine import model
-    from mtpchat.kernels import moe_router
-    monkeypatch.setattr(model, "ROUTER_FUSED", True)
-    calls = []
-    fused = moe_router.route_fused
-    monkeypatch.setattr(moe_router, "route_fused", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
-    engine = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024)
-    on_equals_off(engine)
-    assert calls

@@ -75,15 +75,15 @@ def test_logits_equal_transformers(ckpts, layout):
     assert max_error(ckpts[layout]) < 1e-4
 
 
-def test_a_wide_shared_expert_runs_apart_and_equals_transformers(ckpts, monkeypatch):
+def test_a_wide_shared_expert_runs_apart_and_equals_transformers(ckpts):
     engine = Engine.load(ckpts["wide shared"], max_context=512, prefill_chunk=48)
-    mlp = engine.model.layers[0].mlp
-    assert not mlp._shared_as_expert(mlp.experts_gate_up)
-    assert Engine.load(ckpts[STACKED], max_context=64).model.layers[0].mlp._shared_as_expert(mlp.experts_gate_up)
+    assert not engine.plan.shared_as_expert                     # the plan sees it is wider than a routed one
     assert max_error(ckpts["wide shared"], engine) < 1e-4
-    from mtpchat.engine import model
-    monkeypatch.setattr(model, "SHARED_AS_EXPERT", False)       # the same model, the shared expert apart
-    assert max_error(ckpts[STACKED]) < 1e-4
+    stacked = Engine.load(ckpts[STACKED], max_context=512, prefill_chunk=48)
+    assert stacked.plan.shared_as_expert
+    apart = Engine.load(ckpts[STACKED], max_context=512, prefill_chunk=48,
+                        plan=stacked.plan.replace(shared_as_expert=False))   # the same model, the shared expert apart
+    assert max_error(ckpts[STACKED], apart) < 1e-4
 
 
 def resave(src: Path, out: Path, experts: str) -> Path:

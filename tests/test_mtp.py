@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from mtpchat.engine import SamplingParams
+from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.events import Prefilled, Step
+from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.spec import ProfileDrafter
 from mtpchat.engine.tiny import write_tiny_checkpoint
 from mtp_support import N_PROMPTS, NEW_TOKENS, ALL_RIGHT, GREEDY, WindowDrafter, assert_same_state, generate, load, profile_drafter, random_ids, sequential_state, snapshot, steps_of, window_sizes
@@ -89,9 +91,8 @@ def test_greedy_exact_while_switching_mtp_and_k_mid_generation(gqa3, greedy_refs
 def test_greedy_exact_across_full_pending_rows(gqa3, greedy_refs, monkeypatch):
     # MTP off long enough to fill the head's pending rows (made small here) twice, then on: the
     # flushes catch the head up, and the output is still MTP off's
-    from mtpchat.engine import decoder
-    monkeypatch.setattr(decoder, "PENDING_ROWS", 8)
-    e = load(gqa3, draft_tokens=3)
+    plan = KernelPlan.choose("cpu", ModelConfig.load(gqa3), fp8=False).replace(pending_rows=8)
+    e = load(gqa3, draft_tokens=3, plan=plan)
     ids, ref = greedy_refs[0][1], greedy_refs[1][1]
     flushes = []
     flush = e.decoder._flush_pending

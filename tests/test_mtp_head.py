@@ -119,7 +119,7 @@ def test_head_matches_the_formula_through_a_generation(request, ckpt):
     checked, chained = set(), 0
     chain = None      # (reference output of the previous row, K/V up to it) for the next chained draft
     for ids, hidden, pos, fed, got in calls:
-        logits = e.model.logits(got, rowwise=False)
+        logits = e.decoder.logits(got, rowwise=False)
         if len(ids) == 1 and int(pos[0]) >= fed:         # a chained draft: the head's own output as hidden
             ref_out, ref_logits, kv = head(ids, chain[0], pos, chain[1])
             assert rel_err(logits, ref_logits) < 1e-4

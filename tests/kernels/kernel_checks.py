@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mtpchat.kernels import matvec
+from mtpchat.kernels.plan import ProductPlan
 
 INTERPRETED = not torch.cuda.is_available()
 
@@ -36,3 +37,11 @@ def normed(T, K, dtype, device, gen, blocks=7):
     x = randn(T, K, dtype=dtype, device=device, gen=gen)
     ss = (randn(T, blocks, device=device, gen=gen) ** 2 + 0.5) * (K / blocks)
     return matvec.Normed(x, ss, 1e-6)
+
+
+def split_plan(parts: int, programs: int = 6) -> ProductPlan:
+    """Split products (matvec_parts) in `parts` parts of 32-wide K tiles, 16 columns a block: small
+    enough for the interpreter, where the measured rule would not split these small shapes."""
+    def small_split_tiles(N, K, itemsize):
+        return parts, 16, 32, 4, 2
+    return ProductPlan(programs=programs, split_tiles=small_split_tiles)

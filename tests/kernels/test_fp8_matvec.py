@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import TOL, check, normed, randn
+from kernel_checks import TOL, check, normed, randn, split_plan
 
 from mtpchat.kernels import fp8, matvec, matvec_parts
+from mtpchat.kernels.plan import default_products
 
 # numpy's matmul treats Triton's bf16 as integers in the interpreter: bf16 activations on the GPU only
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -41,7 +42,7 @@ def test_fp8_matvec(device, dtype, T, N, K):
     w = weights(N, K, device, seed=T + N)
     x = randn(T, K, dtype=dtype, device=device, seed=K)
     if N == 448 and x.device.type == "cpu":
-        assert matvec._tail_config(7, 5, matvec._programs(x.device)) == (2, 3)
+        assert matvec.tail_split(7, 5, default_products(x.device)) == (2, 3)
     check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype])
 
 
@@ -61,22 +62,17 @@ def test_fp8_matvec_takes_a_normed_input(device):
     check(matvec.matvec_triton(n, w), matvec.matvec_ref(n, w), TOL[torch.float32])
 
 
-@pytest.fixture
-def three_parts(monkeypatch):
-    """Split products in 3 parts of 32-wide K tiles (the rule would not split these small shapes)."""
-    monkeypatch.setattr(matvec_parts, "_split_config", lambda N, K, itemsize: (3, 16, 32, 4, 2))
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,K", [(70, 300), (130, 257)])
-def test_fp8_matvec_parts(device, three_parts, dtype, N, K):
+def test_fp8_matvec_parts(device, dtype, N, K):
+    plan = split_plan(3)
     w = weights(N, K, device, seed=N)
     x = randn(4, K, dtype=dtype, device=device, seed=K)
-    parts = matvec_parts.matvec_parts_triton(x, w)
-    check(parts, matvec_parts.matvec_parts_ref(x, w), TOL[torch.float32], "parts")
+    parts = matvec_parts.matvec_parts_triton(x, w, plan=plan)
+    check(parts, matvec_parts.matvec_parts_ref(x, w, plan), TOL[torch.float32], "parts")
     # and with the norm finished block by block: the residual stream and the next product's input
     r, nw = randn(4, N, dtype=dtype, device=device, seed=1), randn(N, dtype=dtype, device=device, seed=2, scale=0.1)
-    (xn, h) = matvec_parts.matvec_parts_triton(x, w, norm=(r, nw, 1e-6))
+    (xn, h) = matvec_parts.matvec_parts_triton(x, w, norm=(r, nw, 1e-6), plan=plan)
     want_h = (matvec.matvec_ref(x, w).float() + r.float()).to(dtype)
     check(h, want_h, TOL[dtype], "h")
     check(xn.x, (h.float() * (1 + nw.float())).to(dtype), TOL[dtype], "x")

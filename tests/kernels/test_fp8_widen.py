@@ -5,11 +5,14 @@ norm, the expert SwiGLU and down of a step and of a prefill) bit for bit the sam
 on weights holding every finite e4m3 byte (subnormals and both zeros included)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_checks import normed, randn
 
 from mtpchat.kernels import fp8, matvec, matvec_parts, moe
+from mtpchat.kernels.plan import default_products
 
 FINITE = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
 
@@ -22,20 +25,19 @@ def test_the_bit_formula_equals_the_conversion_on_every_finite_byte():
     assert fp8.bf16_of_e4m3_ref(nan).tolist() == [480.0, -480.0]          # never in a quantized weight
 
 
-def test_the_bit_form_is_only_taken_for_bf16_activations_on_a_gpu(monkeypatch):
-    monkeypatch.setattr(fp8, "WIDEN_BITS", True)
+def test_the_bit_form_is_only_taken_for_bf16_activations_on_a_gpu():
     assert fp8.widen_group((9, 0), 4, 64) == 2 and fp8.widen_group((9, 0), 2, 32) == 4
     assert fp8.widen_group((8, 9), 4, 64) == 4              # no wgmma before Hopper
     for dtype in (torch.float32, torch.bfloat16):
-        assert fp8.widen_args(torch.ones(2, dtype=dtype), 4, 64) == {"BITS": 0}    # CPU: the interpreter
+        assert fp8.widen_args(torch.ones(2, dtype=dtype), 4, 64, True) == {"BITS": 0}    # CPU: the interpreter
     if torch.cuda.is_available():
         x = torch.ones(2, device="cuda", dtype=torch.bfloat16)
-        assert fp8.widen_args(x.float(), 4, 64) == {"BITS": 0}                 # float32 activations
+        assert fp8.widen_args(x.float(), 4, 64, True) == {"BITS": 0}                 # float32 activations
         hopper = torch.cuda.get_device_capability()[0] == 9
-        assert fp8.widen_args(x, 4, 64) == {"BITS": 2 if hopper else 4}        # wgmma: pairs
-        assert fp8.widen_args(x, 2, 32) == {"BITS": 4}                         # mma.sync: fours
-        monkeypatch.setattr(fp8, "WIDEN_BITS", False)
-        assert fp8.widen_args(x, 4, 64) == {"BITS": 0}
+        assert fp8.widen_args(x, 4, 64, True) == {"BITS": 2 if hopper else 4}        # wgmma: pairs
+        assert fp8.widen_args(x, 2, 32, True) == {"BITS": 4}                         # mma.sync: fours
+        assert fp8.widen_args(x, 4, 64, True, group=4) == {"BITS": 4}                # the plan's group
+        assert fp8.widen_args(x, 4, 64, False) == {"BITS": 0}
 
 
 def raw_weights(N: int, K: int, seed: int) -> fp8.BlockFP8:
@@ -50,15 +52,11 @@ def raw_weights(N: int, K: int, seed: int) -> fp8.BlockFP8:
     return fp8.BlockFP8(w.view(fp8.FP8), scale)
 
 
-def every_form(monkeypatch, fn) -> list:
-    """fn() under the conversion, then under the bit form in groups of 2 and of 4 (whichever tiles
-    the kernels take): [converted, bits x2, bits x4]."""
-    out = []
-    for bits in (0, 2, 4):
-        for module in (matvec, matvec_parts, moe):
-            monkeypatch.setattr(module, "widen_args", lambda *_, b=bits: {"BITS": b})
-        out.append(fn())
-    return out
+def every_form(fn) -> list:
+    """fn(plan) under the conversion, then under the bit form in groups of 2 and of 4 (whichever
+    tiles the kernels take): [converted, bits x2, bits x4]."""
+    plan = default_products("cuda")
+    return [fn(dataclasses.replace(plan, widen_bits=bits > 0, widen_group=bits)) for bits in (0, 2, 4)]
 
 
 def tensors(out) -> list[torch.Tensor]:
@@ -103,31 +101,31 @@ def test_the_inline_assembly_on_every_byte_and_lane():
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K,swiglu", [(300, 257, False), (16384, 5120, False), (2 * 17408, 5120, True),
                                         (2 * 128, 300, True)])
-def test_products_equal_under_both_forms(monkeypatch, N, K, swiglu):
+def test_products_equal_under_both_forms(N, K, swiglu):
     # (2 * 17408, 5120) SwiGLU: the 27B's MLP gate|up, its last wave split over K on an H100
     w = raw_weights(N, K, seed=N + K)
     x = randn(matvec.MAX_ROWS, K, dtype=torch.bfloat16, device="cuda", seed=K) / K ** 0.5
     product = matvec.matvec_swiglu if swiglu else matvec.matvec
     for T in (1, 5, matvec.MAX_ROWS):
-        same(every_form(monkeypatch, lambda: product(x[:T], w)), f"{N}x{K} swiglu={swiglu} T={T}")
+        same(every_form(lambda plan: product(x[:T], w, plan=plan)), f"{N}x{K} swiglu={swiglu} T={T}")
     xn = normed(matvec.MAX_ROWS, K, torch.bfloat16, "cuda", torch.Generator().manual_seed(3))
-    same(every_form(monkeypatch, lambda: product(xn, w)), "a Normed input")
+    same(every_form(lambda plan: product(xn, w, plan=plan)), "a Normed input")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(5120, 6144), (5120, 17408), (320, 1000)])
-def test_split_parts_equal_under_both_forms(monkeypatch, N, K):
+def test_split_parts_equal_under_both_forms(N, K):
     w = raw_weights(N, K, seed=N)
     x = randn(4, K, dtype=torch.bfloat16, device="cuda", seed=K) / K ** 0.5
-    same(every_form(monkeypatch, lambda: matvec_parts.matvec_parts(x, w)), "parts")
+    same(every_form(lambda plan: matvec_parts.matvec_parts(x, w, plan=plan)), "parts")
     r = randn(4, N, dtype=torch.bfloat16, device="cuda", seed=1)
     nw = randn(N, dtype=torch.bfloat16, device="cuda", seed=2)
-    same(every_form(monkeypatch, lambda: matvec_parts.matvec_parts_triton(x, w, (r, nw, 1e-6))), "parts + norm")
+    same(every_form(lambda plan: matvec_parts.matvec_parts_triton(x, w, (r, nw, 1e-6), plan=plan)), "parts + norm")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,step", [(1, True), (4, True), (9, True), (70, False)])
-def test_expert_products_equal_under_both_forms(monkeypatch, T, step):
+def test_expert_products_equal_under_both_forms(T, step):
     E, k, F, H = 256, 8, 512, 2048                       # the 35B-A3B's experts, the shared one as expert E
     gu, down = raw_weights((E + 1) * 2 * F, H, seed=1), raw_weights((E + 1) * H, F, seed=2)
     cut = lambda q, rows: (fp8.BlockFP8(q.w[:-rows], q.scale[:-rows // 128]),
@@ -137,7 +135,7 @@ def test_expert_products_equal_under_both_forms(monkeypatch, T, step):
     logits = randn(T, E + 1, seed=7, scale=3.0).cuda()
     ids, weights, gate, lay = moe.route(logits, k, E, step=step, shared=True)
 
-    def experts():
-        h = moe.expert_swiglu_triton(x, gu, lay, k + 1, E, shared=sgu)
-        return h, moe.expert_down_triton(h, down, lay, E, shared=sdown)
-    same(every_form(monkeypatch, experts), f"T={T} step={step}")
+    def experts(plan):
+        h = moe.expert_swiglu_triton(x, gu, lay, k + 1, E, shared=sgu, plan=plan)
+        return h, moe.expert_down_triton(h, down, lay, E, shared=sdown, plan=plan)
+    same(every_form(experts), f"T={T} step={step}")

@@ -7,6 +7,7 @@ import torch
 from kernel_checks import TOL, check, normed, randn
 
 from mtpchat.kernels import matvec
+from mtpchat.kernels.plan import ProductPlan, default_products
 
 # numpy's matmul treats Triton's bf16 as integers in the interpreter: bf16 runs on the GPU only
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -93,64 +94,66 @@ def test_matvec_swiglu_27b_shapes_and_rows():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("P,blocks", [(4, 5), (6, 7), (8, 10)])
 @pytest.mark.parametrize("T", [1, 4])
-def test_matvec_tail_split(device, monkeypatch, dtype, P, blocks, T):
+def test_matvec_tail_split(device, dtype, P, blocks, T):
     # a last wave of one or two column blocks on P "SMs", split over K: each part leaves float32
     # sums and the last to arrive adds them; plain, SwiGLU and Normed inputs against the references
-    monkeypatch.setattr(matvec, "_programs", lambda device: P)
+    plan = ProductPlan(programs=P)
     g = torch.Generator().manual_seed(100 * P + T)
     size = torch.tensor([], dtype=dtype).element_size()
     K = 1100
-    BN, BK = matvec._config(1000, K, size)[:2]
+    BN, BK = matvec.tiles(1000, K, size)[:2]
     N = blocks * BN - 5
-    S, KS = matvec._tail_config(blocks, matvec.triton.cdiv(K, BK), P)
+    S, KS = matvec.tail_split(blocks, matvec.triton.cdiv(K, BK), plan)
     assert S >= 2 and (S - 1) * KS < matvec.triton.cdiv(K, BK) <= S * KS
     x, w = randn(T, K, dtype=dtype, device=device, gen=g), randn(N, K, dtype=dtype, device=device, gen=g, scale=0.1)
     for _ in range(2):                               # the second call finds the counts at 0 again
-        check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype])
+        check(matvec.matvec_triton(x, w, plan=plan), matvec.matvec_ref(x, w), TOL[dtype])
         assert int(matvec._counts[x.device].abs().sum()) == 0
     n = normed(T, K, dtype, device, g)
-    BN2 = matvec._config(1000, K, size, swiglu=True)[0]
+    BN2 = matvec.tiles(1000, K, size, swiglu=True)[0]
     w2 = randn(2 * (blocks * BN2 - 3), K, dtype=dtype, device=device, gen=g, scale=0.1)
     logits = torch.full((T, N), float("nan"), device=device)
-    for what, out, ref in [("Normed", lambda: matvec.matvec_triton(n, w), matvec.matvec_ref(n, w)),
-                           ("float32 out", lambda: matvec.matvec_triton(x, w, out=logits), matvec.matvec_ref(x, w).float()),
-                           ("swiglu", lambda: matvec.matvec_swiglu_triton(x, w2), matvec.matvec_swiglu_ref(x, w2)),
-                           ("swiglu, Normed", lambda: matvec.matvec_swiglu_triton(n, w2), matvec.matvec_swiglu_ref(n, w2))]:
+    for what, out, ref in [("Normed", lambda: matvec.matvec_triton(n, w, plan=plan), matvec.matvec_ref(n, w)),
+                           ("float32 out", lambda: matvec.matvec_triton(x, w, out=logits, plan=plan),
+                            matvec.matvec_ref(x, w).float()),
+                           ("swiglu", lambda: matvec.matvec_swiglu_triton(x, w2, plan), matvec.matvec_swiglu_ref(x, w2)),
+                           ("swiglu, Normed", lambda: matvec.matvec_swiglu_triton(n, w2, plan),
+                            matvec.matvec_swiglu_ref(n, w2))]:
         check(out(), ref, TOL[dtype], what)
         assert int(matvec._counts[x.device].abs().sum()) == 0, what
-    monkeypatch.setattr(matvec, "TAIL_SPLIT", False)
-    check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype], "unsplit")
+    whole = ProductPlan(programs=P, tail_split=False)
+    assert matvec.tail_split(blocks, matvec.triton.cdiv(K, BK), whole) is None
+    check(matvec.matvec_triton(x, w, plan=whole), matvec.matvec_ref(x, w), TOL[dtype], "unsplit")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 3])
-def test_matvec_small_split(device, monkeypatch, dtype, T):
-    # a product of one column block on 6 "SMs" with SMALL_SPLIT: every block split over K (as an
-    # MoE router would be on 132), plain, Normed, float32 logits and SwiGLU against the references,
-    # each row its 1-row call, the counts back at 0
-    monkeypatch.setattr(matvec, "_programs", lambda device: 6)
-    monkeypatch.setattr(matvec, "SMALL_SPLIT", True)
+def test_matvec_small_split(device, dtype, T):
+    # a product of one column block on 6 "SMs" with the plan's small_split (the default): every
+    # block split over K (as an MoE router would be on 132), plain, Normed, float32 logits and
+    # SwiGLU against the references, each row its 1-row call, the counts back at 0
+    plan = ProductPlan(programs=6)
     g = torch.Generator().manual_seed(7 + T)
     size = torch.tensor([], dtype=dtype).element_size()
     K = 1300
-    BN, BK = matvec._config(60, K, size)[:2]
+    BN, BK = matvec.tiles(60, K, size)[:2]
     KI = matvec.triton.cdiv(K, BK)
-    S, KS = matvec._tail_config(1, KI, 6)
-    assert S == min(matvec.SMALL_PARTS, KI, 6) and (S - 1) * KS < KI <= S * KS
+    S, KS = matvec.tail_split(1, KI, plan)
+    assert S == min(plan.small_parts, KI, 6) and (S - 1) * KS < KI <= S * KS
     x, w = randn(T, K, dtype=dtype, device=device, gen=g), randn(BN - 3, K, dtype=dtype, device=device, gen=g, scale=0.1)
     n = normed(T, K, dtype, device, g)
     w2 = randn(2 * 21, K, dtype=dtype, device=device, gen=g, scale=0.1)
     logits = torch.full((T, BN - 3), float("nan"), device=device)
-    for what, out, ref in [("plain", lambda: matvec.matvec_triton(x, w), matvec.matvec_ref(x, w)),
-                           ("Normed", lambda: matvec.matvec_triton(n, w), matvec.matvec_ref(n, w)),
-                           ("float32 out", lambda: matvec.matvec_triton(x, w, out=logits), matvec.matvec_ref(x, w).float()),
-                           ("swiglu", lambda: matvec.matvec_swiglu_triton(x, w2), matvec.matvec_swiglu_ref(x, w2))]:
+    for what, out, ref in [("plain", lambda: matvec.matvec_triton(x, w, plan=plan), matvec.matvec_ref(x, w)),
+                           ("Normed", lambda: matvec.matvec_triton(n, w, plan=plan), matvec.matvec_ref(n, w)),
+                           ("float32 out", lambda: matvec.matvec_triton(x, w, out=logits, plan=plan),
+                            matvec.matvec_ref(x, w).float()),
+                           ("swiglu", lambda: matvec.matvec_swiglu_triton(x, w2, plan), matvec.matvec_swiglu_ref(x, w2))]:
         check(out(), ref, TOL[dtype], what)
         assert int(matvec._counts[x.device].abs().sum()) == 0, what
-    ones = torch.cat([matvec.matvec_triton(x[i:i + 1], w) for i in range(T)])
-    assert torch.equal(matvec.matvec_triton(x, w), ones)
-    monkeypatch.setattr(matvec, "SMALL_SPLIT", False)
-    assert matvec._tail_config(1, KI, 6) is None
+    ones = torch.cat([matvec.matvec_triton(x[i:i + 1], w, plan=plan) for i in range(T)])
+    assert torch.equal(matvec.matvec_triton(x, w, plan=plan), ones)
+    assert matvec.tail_split(1, KI, ProductPlan(programs=6, small_split=False)) is None
 
 
 @pytest.mark.gpu
@@ -161,27 +164,26 @@ def test_small_split_on_the_35b_router():
     bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
     x, w = randn(5, 2048, **bf16), randn(257, 2048, scale=0.02, **bf16)
     n = normed(5, 2048, torch.bfloat16, "cuda", g)
-    whole = matvec.matvec(n, w)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(matvec, "SMALL_SPLIT", True)
-        assert matvec._tail_config(5, 8, matvec._programs(x.device)) == (8, 1)
-        first = matvec.matvec(n, w)
-        check(first, matvec.matvec_ref(n, w), 1e-2)
-        check(first, whole, 1e-2)
-        for _ in range(20):
-            assert torch.equal(matvec.matvec(n, w), first)
-            assert int(matvec._counts[x.device].abs().sum()) == 0
-        assert torch.equal(matvec.matvec(matvec.Normed(n.x[:1], n.ss[:1], n.eps), w), first[:1])
-        check(matvec.matvec(x, w), matvec.matvec_ref(x, w), 1e-2)
+    plan = default_products("cuda")
+    whole = matvec.matvec(n, w, plan=ProductPlan(programs=plan.programs, small_split=False))
+    assert matvec.tail_split(5, 8, plan) == (8, 1)
+    first = matvec.matvec(n, w, plan=plan)
+    check(first, matvec.matvec_ref(n, w), 1e-2)
+    check(first, whole, 1e-2)
+    for _ in range(20):
+        assert torch.equal(matvec.matvec(n, w, plan=plan), first)
+        assert int(matvec._counts[x.device].abs().sum()) == 0
+    assert torch.equal(matvec.matvec(matvec.Normed(n.x[:1], n.ss[:1], n.eps), w, plan=plan), first[:1])
+    check(matvec.matvec(x, w, plan=plan), matvec.matvec_ref(x, w), 1e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("P", [60, 114])
-def test_matvec_tail_split_races(monkeypatch, P):
+def test_matvec_tail_split_races(P):
     # the last wave's parts finishing in any order on the GPU: many split blocks (P 60: 15 of 135
     # left; P 114: the lm_head's 3880 blocks leave 4), each call the same bits, rows invariant in
     # T, counts back at 0 after every call; plain, float32 logits, Normed and SwiGLU
-    monkeypatch.setattr(matvec, "_programs", lambda device: P)
+    plan = ProductPlan(programs=P)
     g = torch.Generator().manual_seed(P)
     bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
     N = 135 * 64 - 5 if P == 60 else 248320
@@ -189,12 +191,13 @@ def test_matvec_tail_split_races(monkeypatch, P):
     w2 = randn(2 * (135 * 64 - 7), 5120, scale=0.02, **bf16)
     n = normed(5, 5120, torch.bfloat16, "cuda", g)
     logits = torch.empty(5, N, device="cuda")
-    calls = {"plain": (lambda x: matvec.matvec(x, w), matvec.matvec_ref(x, w)),
-             "logits": (lambda x: matvec.matvec(x, w, out=logits[:x.shape[0]]).clone(), matvec.matvec_ref(x, w).float()),
-             "Normed": (lambda x: matvec.matvec(n if x.shape[0] == 5 else matvec.Normed(n.x[:1], n.ss[:1], n.eps), w),
-                        matvec.matvec_ref(n, w))}
+    calls = {"plain": (lambda x: matvec.matvec(x, w, plan=plan), matvec.matvec_ref(x, w)),
+             "logits": (lambda x: matvec.matvec(x, w, out=logits[:x.shape[0]], plan=plan).clone(),
+                        matvec.matvec_ref(x, w).float()),
+             "Normed": (lambda x: matvec.matvec(n if x.shape[0] == 5 else matvec.Normed(n.x[:1], n.ss[:1], n.eps), w,
+                                                plan=plan), matvec.matvec_ref(n, w))}
     if P == 60:
-        calls["swiglu"] = (lambda x: matvec.matvec_swiglu(x, w2), matvec.matvec_swiglu_ref(x, w2))
+        calls["swiglu"] = (lambda x: matvec.matvec_swiglu(x, w2, plan), matvec.matvec_swiglu_ref(x, w2))
     for what, (call, ref) in calls.items():
         first = call(x)
         check(first, ref, 1e-2, what)
@@ -211,8 +214,8 @@ def test_tail_config_27b():
     shapes = {"in": (16480, False), "qkv": (14336, False), "glu": (17408, True), "lm": (248320, False), "down": (5120, False)}
     got = {}
     for name, (N, swiglu) in shapes.items():
-        BN, BK = matvec._config(N, 5120, 2, swiglu)[:2]
-        got[name] = matvec._tail_config(matvec.triton.cdiv(N, BN), matvec.triton.cdiv(5120, BK), 132)
+        BN, BK = matvec.tiles(N, 5120, 2, swiglu)[:2]
+        got[name] = matvec.tail_split(matvec.triton.cdiv(N, BN), matvec.triton.cdiv(5120, BK), ProductPlan(programs=132))
     assert got == {"in": None, "qkv": None, "glu": (3, 14), "lm": None, "down": None}
 
 

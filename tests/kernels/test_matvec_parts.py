@@ -5,42 +5,40 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import TOL, check, normed, randn
+from kernel_checks import TOL, check, normed, randn, split_plan
 
 from mtpchat.kernels import matvec, matvec_parts, norm
+from mtpchat.kernels.plan import ProductPlan
 
 # numpy's matmul treats Triton's bf16 as integers in the interpreter: bf16 runs on the GPU only
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 
 
-@pytest.fixture
-def three_parts(monkeypatch):
-    """Split products in 3 parts of 32-wide K tiles (the rule would not split these small shapes)."""
-    monkeypatch.setattr(matvec_parts, "_split_config", lambda N, K, itemsize: (3, 16, 32, 4, 2))
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("N,K", [(70, 300), (33, 200)])
-def test_matvec_parts(device, three_parts, dtype, T, N, K):
+def test_matvec_parts(device, dtype, T, N, K):
+    plan = split_plan(3)
     g = torch.Generator().manual_seed(T * N + K + 1)
     x, w = randn(T, K, dtype=dtype, device=device, gen=g), randn(N, K, dtype=dtype, device=device, gen=g)
-    ranges = matvec_parts.split_ranges(N, K, x.element_size())
+    ranges = matvec_parts.split_ranges(N, K, x.element_size(), plan)
     assert ranges[0][0] == 0 and ranges[-1][1] == K and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     assert len(ranges) == 3 and all((k1 - k0) % 32 == 0 for k0, k1 in ranges[:-1])
-    parts = matvec_parts.matvec_parts_triton(x, w)
+    parts = matvec_parts.matvec_parts_triton(x, w, plan=plan)
     assert parts.shape == (3, T, N) and parts.dtype == torch.float32
-    check(parts, matvec_parts.matvec_parts_ref(x, w), TOL[torch.float32], "parts")
+    check(parts, matvec_parts.matvec_parts_ref(x, w, plan), TOL[torch.float32], "parts")
     check(matvec_parts.parts_sum_ref(parts, dtype), matvec.matvec_ref(x, w), TOL[dtype], "their sum")
 
 
 def test_split_config_27b():
     # the 27B's 5120-row products: 80 column blocks of 64, each K in 3 ranges of whole 128-wide tiles
+    plan = ProductPlan(programs=132)
     for K in (6144, 17408):
-        S, BN, BK, _, _ = matvec_parts._split_config(5120, K, 2)
+        S, BN, BK, _, _ = matvec_parts.split_config(5120, K, 2, plan)
         assert (S, BN, BK) == (3, 64, 128)
-        assert [k1 - k0 for k0, k1 in matvec_parts.split_ranges(5120, K, 2)][:-1] == [matvec_parts.triton.cdiv(K, 3 * BK) * BK] * 2
-    assert matvec_parts._split_config(64, 256, 2)[0] == 1     # too short a K to split
+        assert [k1 - k0 for k0, k1 in matvec_parts.split_ranges(5120, K, 2, plan)][:-1] == \
+            [matvec_parts.triton.cdiv(K, 3 * BK) * BK] * 2
+    assert matvec_parts.split_config(64, 256, 2, plan)[0] == 1     # too short a K to split
 
 
 @pytest.mark.gpu
@@ -59,20 +57,20 @@ def test_matvec_parts_27b_shapes_and_rows(N, K):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("split", [False, True])
-def test_matvec_parts_norm(device, monkeypatch, dtype, T, split):
+def test_matvec_parts_norm(device, dtype, T, split):
     # a block's last product, the residual add and the norm's two pieces: each column block's last
     # program adds the parts and the residual, writes h, x = h * (1 + w) and the block's sums of h²
-    monkeypatch.setattr(matvec_parts, "_split_config", lambda N, K, itemsize: (3 if split else 1, 16, 32, 4, 2))
+    plan = split_plan(3 if split else 1)
     g = torch.Generator().manual_seed(T + 10 * split)
     x, w = randn(T, 300, dtype=dtype, device=device, gen=g), randn(70, 300, dtype=dtype, device=device, gen=g, scale=0.1)
     r = randn(T, 70, dtype=dtype, device=device, gen=g)
     nw = randn(70, dtype=dtype, device=device, gen=g, scale=0.3)
     for _ in range(2):                               # the second call finds the counts at 0 again
-        n, h = matvec_parts.matvec_parts_triton(x, w, norm=(r, nw, 1e-6))
+        n, h = matvec_parts.matvec_parts_triton(x, w, norm=(r, nw, 1e-6), plan=plan)
         assert int(matvec._counts[x.device].abs().sum()) == 0
-    y_ref, h_ref = norm.add_rmsnorm_ref(matvec_parts.matvec_parts_ref(x, w), r, nw, 1e-6)
+    y_ref, h_ref = norm.add_rmsnorm_ref(matvec_parts.matvec_parts_ref(x, w, plan), r, nw, 1e-6)
     check(h, h_ref, TOL[dtype], "residual sum")
-    assert torch.equal(h, norm.add_rmsnorm_triton(matvec_parts.matvec_parts_triton(x, w), r, nw, 1e-6)[1])
+    assert torch.equal(h, norm.add_rmsnorm_triton(matvec_parts.matvec_parts_triton(x, w, plan=plan), r, nw, 1e-6)[1])
     hf = h.float()
     check(n.x, (hf * (1 + nw.float())).to(dtype), TOL[dtype], "h * (1 + w)")
     assert n.ss.shape == (T, 5) and n.eps == 1e-6
@@ -85,16 +83,16 @@ def test_matvec_parts_norm(device, monkeypatch, dtype, T, split):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [False, True])
-def test_matvec_parts_norm_without_residual(device, monkeypatch, dtype, split):
+def test_matvec_parts_norm_without_residual(device, dtype, split):
     # the MTP head's fc finished by its layer's input norm: h = x @ wᵀ, the product rounded once
     # (the plain product's value to the bit), and the norm's two pieces of it
-    monkeypatch.setattr(matvec_parts, "_split_config", lambda N, K, itemsize: (3 if split else 1, 16, 32, 4, 2))
+    plan = split_plan(3 if split else 1)
     g = torch.Generator().manual_seed(40 + split)
     x, w = randn(3, 300, dtype=dtype, device=device, gen=g), randn(70, 300, dtype=dtype, device=device, gen=g, scale=0.1)
     nw = randn(70, dtype=dtype, device=device, gen=g, scale=0.3)
-    n, h = matvec_parts.matvec_parts_triton(x, w, norm=(None, nw, 1e-6))
+    n, h = matvec_parts.matvec_parts_triton(x, w, norm=(None, nw, 1e-6), plan=plan)
     assert int(matvec._counts[x.device].abs().sum()) == 0
-    assert torch.equal(h, matvec_parts.parts_sum_ref(matvec_parts.matvec_parts_triton(x, w), dtype))
+    assert torch.equal(h, matvec_parts.parts_sum_ref(matvec_parts.matvec_parts_triton(x, w, plan=plan), dtype))
     check(h, matvec.matvec_ref(x, w), TOL[dtype], "the product")
     check(n.x, (h.float() * (1 + nw.float())).to(dtype), TOL[dtype], "h * (1 + w)")
     check(n.ss, torch.nn.functional.pad(h.float() ** 2, (0, 10)).view(3, 5, 16).sum(-1), TOL[torch.float32], "ss")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_checks import TOL, check, randn
 
-from mtpchat.kernels import fp8, moe, moe_layout
+from mtpchat.kernels import fp8, matvec, moe, moe_layout
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 
@@ -210,3 +210,40 @@ def test_the_shared_expert_as_expert_e(device, fp8_, step):
     check(y.cpu(), moe.expert_down_ref(h_ref, cpu(d), ref_lay, E, shared=cpu(sd)), TOL[torch.float32], "down")
     if step:
         assert reads.item() == len(set(ids_r[:, :k].flatten().tolist()))     # routed experts only
+
+
+@pytest.mark.parametrize("live", [0, 1, 3, 5])
+def test_stale_rows_route_as_the_last_live_one(device, live):
+    # the MTP head's catch-up: rows past `rows` take the last live row's experts and weights (so the
+    # step reads no expert for them), the live rows route as without `rows`; no host sync needed
+    g = torch.Generator().manual_seed(live)
+    T, E, k = 5, 37, 4
+    x = randn(T, 300, gen=g).to(device)
+    w = randn(E + 1, 300, gen=g, scale=0.3).to(device)
+    rows = torch.tensor([live], device=device)
+    logits = matvec.matvec(x, w)
+    route = lambda r: moe.route(logits, k, E, step=True, shared=True, rows=r)
+    ids, weights, _, _ = route(rows)
+    ids0, weights0, _, _ = route(None)
+    last = max(live, 1) - 1
+    assert torch.equal(ids[:live], ids0[:live]) and torch.equal(weights[:live], weights0[:live])
+    for r in range(live, T):
+        assert torch.equal(ids[r], ids0[last]) and torch.equal(weights[r], weights0[last]), r
+    assert len(set(ids[:, :k].flatten().tolist())) == len(set(ids0[:max(live, 1), :k].flatten().tolist()))
+    ids_k, weights_k, _, _ = moe.route_step(logits, k, E, shared=True, rows=rows)   # the kernel itself
+    assert torch.equal(ids_k.cpu(), ids.cpu())
+    check(weights_k.cpu(), weights.cpu(), 1e-6, "the kernel's weights")
+
+
+@pytest.mark.gpu
+def test_ties_take_the_smaller_expert_first():
+    # five router rows alike give five equal logits: the routing kernel orders them by expert
+    g = torch.Generator().manual_seed(1)
+    w = randn(257, 2048, gen=g, scale=0.01)
+    w[[1, 2, 4, 8, 16]] = randn(2048, gen=g, scale=0.05).abs()        # far above the rest, for x > 0
+    x = randn(3, 2048, gen=g).abs().to("cuda", torch.bfloat16)
+    w = w.to("cuda", torch.bfloat16)
+    logits = matvec.matvec(x, w)
+    assert (logits[:, [1, 2, 4, 8, 16]] == logits[:, 1:2]).all()
+    ids = moe.route_step(logits, 8, 256)[0]
+    assert (ids[:, :5] == torch.tensor([1, 2, 4, 8, 16], device="cuda", dtype=ids.dtype)).all(), ids

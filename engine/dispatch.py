@@ -1,0 +1,115 @@
+"""Between the architecture (engine/model.py, engine/mtp.py) and the kernels: the forward context
+and the few calls through which every product and norm of a layer runs.
+
+- `Ctx`: what a forward needs besides the tokens and the caches, the kernel plan (engine/plan.py)
+  included; the model's code asks it for products (`ctx.linear`) and never picks a kernel itself.
+- `linear`: a product, row by row in decode/verify/draft (each row's result that of a 1-row call:
+  greedy MTP on == MTP off), batched in prefill; a weight is a tensor or a BlockFP8.
+- `Product`, `out_linear`, `add_norm`: a block's last product left for the residual add and the norm
+  after it, which in a step on the GPU run it split over K and hand the next product its input as
+  a `Normed` (kernels/matvec.py) rather than whole rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtpchat.engine.plan import KernelPlan
+from mtpchat.kernels import fp8_gemm, norm
+from mtpchat.kernels._triton import use_triton
+from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref, values_of
+from mtpchat.kernels.matvec import Normed, matvec
+from mtpchat.kernels.matvec_parts import matvec_parts, matvec_parts_triton
+from mtpchat.kernels.plan import ProductPlan
+
+__all__ = ["Ctx", "Normed", "Product", "add_norm", "linear", "weight"]
+
+
+@dataclass
+class Ctx:
+    """What a forward needs besides the tokens and the per-layer caches."""
+    positions: torch.Tensor   # [T] long: the tokens' positions, or [1]: the first of T consecutive ones
+    start: int | torch.Tensor # positions[0]: tokens already in the KV cache (a [1] tensor in steps)
+    step: bool                # decode/verify (the recurrence, one state written a step) rather than prefill
+    conv_off: torch.Tensor    # [1] long: committed conv window offset
+    fold: torch.Tensor        # [1] long: the last step's accepted tokens, to fold into the GDN states
+    parity: torch.Tensor      # [1] long: which half of the GDN pend buffers holds them
+    plan: KernelPlan          # the forms the products, the routing and the draft take
+    live: torch.Tensor | None = None   # [1] long, steps: 0 once the generation has ended (write no state)
+    rows: torch.Tensor | None = None   # [1] long: the rows that count (the MTP head's catch-up); the
+                                       # rest are stale, and an MoE routes them as the last that counts
+
+    @property
+    def products(self) -> ProductPlan:
+        return self.plan.products
+
+    def linear(self, x, w) -> torch.Tensor:
+        return linear(x, w, self.step, self.plan.products)
+
+    def out_linear(self, x: torch.Tensor, w):
+        """A block's last product, which only the residual add and the norm after it read: left
+        for add_norm in a step on the GPU, `linear` otherwise."""
+        if self.step and use_triton(x, values_of(w)):
+            return Product(x, w)
+        return self.linear(x, w)
+
+    def add_norm(self, x, residual: torch.Tensor | None, norm_: nn.Module, whole: bool = False,
+                 out: torch.Tensor | None = None):
+        return add_norm(x, residual, norm_, self.plan, whole, out)
+
+
+def weight(m: nn.Module, name: str):
+    """A product's weight: the parameter, or with its block scales (`<name>_scale`, an FP8 model:
+    engine/weights.py) a BlockFP8."""
+    scale = getattr(m, name + "_scale", None)
+    return getattr(m, name) if scale is None else BlockFP8(getattr(m, name), scale)
+
+
+def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
+    """x [T, K] @ w[N, K]ᵀ, w a tensor or a BlockFP8. With `rowwise` (decode, verify, draft) each
+    row's result is that of a 1-row call: the batch-invariant matvec kernel on the GPU, in the
+    plan's form (it also takes a Normed x, see add_norm, and FP8 weights, scaled in registers), one
+    product per row on the CPU. A prefill over FP8 weights on the GPU runs on the FP8 tensor cores
+    (fp8_gemm.py); on the CPU it is the product of the dequantized weight."""
+    if isinstance(x, Normed) or (rowwise and x.is_cuda):
+        return matvec(x, w, plan=products)
+    if isinstance(w, BlockFP8):
+        if not rowwise and use_triton(x, w.w):
+            return fp8_gemm.gemm(x, w)
+        w = dequantize_ref(w, x.dtype)
+    if not rowwise:
+        return F.linear(x, w)
+    return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)
+
+
+class Product(NamedTuple):
+    """A block's last product (o_proj, out_proj, MLP down) not yet run: in a step on the GPU the
+    residual add and the norm after the block run it (add_norm)."""
+    x: torch.Tensor
+    w: torch.Tensor
+
+
+def add_norm(x, residual: torch.Tensor | None, norm_: nn.Module, plan: KernelPlan, whole: bool = False,
+             out: torch.Tensor | None = None):
+    """(norm_(x + residual), x + residual) after a block whose output x is a tensor or a Product
+    (a Product may come with no residual: the MTP head's fc, the first thing its layer reads).
+    With the plan's split_norm a Product runs split over K (its 5120 columns in 80 blocks would
+    leave SMs idle): each column block's last program adds the parts and the residual, and the
+    normalised rows come as a Normed for the next product to finish (kernels/matvec_parts.py);
+    with `whole` (the final norm, whose rows the lm_head and the MTP head both read) or split_norm
+    off, as whole rows from the norm kernel, which adds the parts. `out` (whole rows only) receives
+    the normalised rows. `norm_` is an RMSNorm (its weight and eps)."""
+    if isinstance(x, Product):
+        if plan.split_norm and not whole:
+            assert out is None, "add_norm: the split norm gives a Normed, never whole rows into `out`"
+            return matvec_parts_triton(x.x, x.w, norm=(residual, norm_.weight, norm_.eps), plan=plan.products)
+        if residual is None:          # nothing to add (the MTP head's fc): the product, then the norm
+            assert out is None, "add_norm: no `out` without a residual"
+            x = linear(x.x, x.w, True, plan.products)
+            return norm.rmsnorm(x, norm_.weight, norm_.eps), x
+        x = matvec_parts(x.x, x.w, plan=plan.products)
+    return norm.add_rmsnorm(x, residual, norm_.weight, norm_.eps, out=out)

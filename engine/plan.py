@@ -1,0 +1,67 @@
+"""The kernel plan: which form each product, routing and draft step of one engine takes, decided
+once at load from the device, the weight format and the model, stored on the engine, carried by
+every forward's context (engine/dispatch.py: Ctx) and passed to the kernels as an argument.
+
+A benchmark compares forms by building one plan per form (tests/bench/ab_step.py); a test that
+wants another form builds an engine or a context with that plan. Nothing chooses a kernel through
+a module-level switch, so two engines in one process may differ, and a captured CUDA graph can
+never be stale against a flag flipped after it.
+
+The defaults are the forms measured fastest on an H100 in whole decode steps (docs/PERFORMANCE.md,
+"The kernel plan's defaults"): every product's form in `products` (kernels/plan.py), and here:
+- split_norm: a block's last product (o_proj, out_proj, MLP down) split over K, each column block
+  finished by the norm after it, the normalised rows handed on as a Normed;
+- shared_as_expert: an MoE's shared expert run by the expert kernels as expert E (two launches
+  fewer a layer), where it is as wide as a routed expert and stored alike;
+- fc_split: the MTP head's fc split over K and finished by its layer's input norm (the draft step
+  0.97-0.99 x);
+- draft_pick: the draft's argmax and its map to a token id as two PDL kernels (draft 0.93-0.97 x).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from mtpchat.engine.config import ModelConfig
+from mtpchat.kernels.fp8 import fp8_runs_on
+from mtpchat.kernels.plan import ProductPlan, default_products
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    products: ProductPlan
+    split_norm: bool = True
+    shared_as_expert: bool = True
+    fc_split: bool = True
+    draft_pick: bool = True
+    # The MTP head's rows kept while MTP is off (hidden_size x 2 bytes each: 5 MiB for the 27B), run
+    # through it when MTP comes back on or when they fill up. A flush waits for the steps in flight
+    # and runs the head eagerly: at 64 rows it cost a 27B decode some 2.5 ms every 63 tokens.
+    pending_rows: int = 512
+
+    @classmethod
+    def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool) -> "KernelPlan":
+        """The measured forms for this device, model and weight format. FP8 tiles are widened by
+        moving bits where the GPU runs FP8 at all; the products split by the device's SMs; the
+        shared expert among the routed ones where the shapes allow. The other forms won or tied on
+        every model measured (27B and 35B-A3B, bf16 and FP8)."""
+        device = torch.device(device)
+        products = default_products(device)
+        bits = fp8 and device.type == "cuda" and fp8_runs_on(device)
+        # the expert kernels take the shared expert only as wide as a routed one
+        alike = config.shared_expert_intermediate_size == config.moe_intermediate_size
+        return cls(products=dataclasses.replace(products, widen_bits=bits), shared_as_expert=config.is_moe and alike)
+
+    def replace(self, **changes) -> "KernelPlan":
+        """This plan with some choices changed; products' fields may be given by name too."""
+        mine = {f.name for f in dataclasses.fields(self)}
+        products = {k: changes.pop(k) for k in list(changes) if k not in mine}
+        plan = dataclasses.replace(self, **changes)
+        return dataclasses.replace(plan, products=dataclasses.replace(plan.products, **products)) if products else plan
+
+    def describe(self) -> dict:
+        """The plan as plain values, for `mtpchat run --dry-run` and `mtpchat bench --json`."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "products"}
+        return {**out, "products": self.products.describe()}

@@ -1,0 +1,63 @@
+"""How the few-row products run: the choices a product kernel takes as an argument. The engine
+decides one ProductPlan at load (engine/plan.py) and hands it to every product it launches; a
+benchmark or a test that wants another form builds another plan. Nothing here is read from a
+module-level switch, so two engines in one process can differ, and a CUDA graph captured under a
+plan keeps it.
+
+The defaults are the forms measured fastest on an H100 (docs/PERFORMANCE.md). None of them is a
+function of the number of rows, so a row's result never depends on how many rows a call holds.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+CPU_PROGRAMS = 6       # the "SMs" under Triton's interpreter, where products split as on a small GPU
+
+# (N, K, itemsize, swiglu, fp8) -> (BN, BK, warps, stages), or None for the default tile (matvec.tiles)
+TileRule = Callable[[int, int, int, bool, bool], "tuple[int, int, int, int] | None"]
+# (N, K, itemsize) -> (S, BN, BK, warps, stages), or None for the default split (matvec_parts.split_config)
+SplitRule = Callable[[int, int, int], "tuple[int, int, int, int, int] | None"]
+
+
+@dataclass(frozen=True)
+class ProductPlan:
+    programs: int                   # programs resident at once for the wide products' tiles: one an SM
+    tail_split: bool = True         # a small last wave of column blocks split over K (matvec.tail_split) ...
+    tail_parts: int = 3             # ... into this many parts a block
+    small_split: bool = True        # a product of at most programs / 4 column blocks split over K in every block ...
+    small_parts: int = 8            # ... into at most this many parts
+    widen_bits: bool = True         # FP8 tiles widened to bf16 by moving bits, not by Triton's conversion (fp8.widen) ...
+    widen_group: int = 0            # ... in groups of this many weights (2 or 4); 0: as the tile suits (fp8.widen_group)
+    split_programs: int = 240       # programs of a split product (matvec_parts) in all
+    split_fp8_stages: int = 8       # its pipeline depth over FP8 tiles (half the bytes of bf16's: twice as deep)
+    tiles: TileRule | None = None   # tiles other than the measured ones (benchmarks; small tiles for the interpreter)
+    split_tiles: SplitRule | None = None
+
+    def describe(self) -> dict:
+        """The plan as plain values (a rule by its name), for `--dry-run` and benchmark reports."""
+        out = dict(self.__dict__)
+        for key in ("tiles", "split_tiles"):
+            out[key] = getattr(out[key], "__name__", repr(out[key])) if out[key] is not None else "measured"
+        return out
+
+
+def programs_on(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_products(device: torch.device | str) -> ProductPlan:
+    """The measured forms for products on `device` (the engine's plan starts from these)."""
+    device = torch.device(device)
+    return _default(device.type, device.index if device.index is not None or device.type != "cuda"
+                    else torch.cuda.current_device())
+
+
+@functools.cache
+def _default(kind: str, index: int | None) -> ProductPlan:
+    return ProductPlan(programs=programs_on(torch.device(kind, index)))
