@@ -135,12 +135,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _remote(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", parents=[common], help="answer one prompt without the app",
-                         description="Answer one prompt and exit: the text streams to stdout.")
+                         description="Answer one prompt and exit: the answer streams to stdout, the "
+                                     "thinking to stderr.")
     _remote(run)
     run.add_argument("--prompt", metavar="TEXT",
                      help="the user message ('-' or left out with a pipe: read stdin)")
     run.add_argument("--json", action="store_true",
-                     help="print one JSON object: text, token_ids, prompt_tokens, finish_reason, stats")
+                     help="print one JSON object: text (the answer), reasoning (the thinking), token_ids, "
+                          "prompt_tokens, finish_reason, stats")
+    run.add_argument("--show-thinking", action="store_true",
+                     help="print the model's thinking on stdout, between <think> and </think> before the "
+                          "answer (by default it goes to stderr)")
     sub.add_parser("models", help="list the aliases and what is downloaded")
     serve = sub.add_parser("serve", parents=[common], help="serve the model over an OpenAI-compatible HTTP API",
                            description="Serve the model over an OpenAI-compatible API (/v1/chat/completions, "
