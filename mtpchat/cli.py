@@ -1,9 +1,9 @@
 """The `mtpchat` command: the chat app (no subcommand), `run`, `models`, `bench` and `serve`; the
 parser is in args.py.
 
-`mtpchat --help` must answer at once, so this module imports nothing heavy: torch, the engine
-and the app (an optional part of a build, with textual) are imported inside the commands that need
-them. Every error a user can meet ends as
+`mtpchat --help` must answer at once, so this module imports nothing heavy: the engine's modules
+(even its torch-free ones: the chat layer and the server stand on them), torch and the app (an
+optional part of a build, with textual) are imported inside the commands that need them. Every error a user can meet ends as
 one or two lines on stderr and a non-zero exit status, never a traceback.
 """
 from __future__ import annotations
@@ -13,16 +13,17 @@ import json
 import os
 import sys
 
-from mtpchat import loader, serve
+from typing import TYPE_CHECKING
+
+from mtpchat import loader
 from mtpchat.args import build_parser, has_module as _has_module, options_from
-from mtpchat.chat.engine import ChatEngine, LocalEngine
-from mtpchat.chat.reply import Piece, Reply, summary
-from mtpchat.engine import memory
-from mtpchat.engine.events import Step
 from mtpchat.errors import NotAvailable, UserError, as_user_error
 from mtpchat.malloc import cpu_allocator
 from mtpchat.models import list_models
-from mtpchat.remote.run import run_remote
+
+if TYPE_CHECKING:
+    from mtpchat.chat.engine import ChatEngine
+    from mtpchat.chat.reply import Piece
 
 
 def _err(line: str) -> None:
@@ -116,6 +117,7 @@ def _load_engine(options):
 
 
 def dry_run(options) -> int:
+    from mtpchat.engine import memory
     prep = loader.prepare(options, dry_run=True)
     for note in prep.notices:
         _err(note)
@@ -149,12 +151,15 @@ def cmd_run(args) -> int:
     options = options_from(args)
     if getattr(args, "server", None):
         _needs("httpx", "prometheus_client")
+        from mtpchat.remote.run import run_remote
         return run_remote(args, options, _read_prompt(args), _api_key(args))
     if "snapshots" not in vars(args):
         options.snapshots = 0          # one answer: no later turn resumes from a snapshot
     if getattr(args, "dry_run", False):
         return dry_run(options)
     prompt = _read_prompt(args)
+    from mtpchat.chat.engine import LocalEngine
+    from mtpchat.chat.reply import summary
     prep, engine = _load_engine(options)
     messages = ([{"role": "system", "content": options.system}] if options.system else []) \
         + [{"role": "user", "content": prompt}]
@@ -216,6 +221,8 @@ class Shown:
 def generate(engine: ChatEngine, prompt_ids: list[int], params, show: Shown | None = None) -> dict:
     """Run one generation; `show` gets the text as it is decoded and is closed at the end; return the
     JSON-able result: `text` is the answer, `reasoning` the thinking."""
+    from mtpchat.chat.reply import Reply
+    from mtpchat.engine.events import Step
     reply = Reply(engine, prompt_ids, params)
 
     def emit(pieces: list[Piece]) -> None:
@@ -237,6 +244,8 @@ def cmd_serve(args) -> int:
     if getattr(args, "dry_run", False):
         return dry_run(options)
     _needs("starlette", "uvicorn", "prometheus_client")
+    from mtpchat import serve
+    from mtpchat.chat.engine import LocalEngine
     key = _api_key(args)
     serve.check_bind(args.host, key)
     if not 0 <= args.port <= 65535 or args.max_waiting < 0:
