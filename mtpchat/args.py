@@ -8,8 +8,9 @@ import argparse
 import importlib
 import importlib.util
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
-from mtpchat.settings import CHECKS, MAX_DRAFT_TOKENS
+from mtpchat.settings import CHECKS, MAX_DRAFT_TOKENS, load_settings, merge
 
 S = argparse.SUPPRESS  # options left out stay out of the namespace, so the settings file can fill them
 
@@ -46,7 +47,6 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=S, help="print the version and exit")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from importlib.metadata import PackageNotFoundError, version
         try:
             v = version("mtpchat")
         except PackageNotFoundError:
@@ -176,6 +176,5 @@ def has_module(name: str) -> bool:
 
 
 def options_from(args: argparse.Namespace):
-    from mtpchat.settings import load_settings, merge
     flags = {k: v for k, v in vars(args).items() if k in CHECKS}
     return merge(flags, load_settings())

@@ -20,7 +20,9 @@ dependencies is imported before `build_app` runs, so `mtpchat --help` stays inst
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import threading
 import time
 import uuid
@@ -76,7 +78,6 @@ class Gate:
     """One generation at a time; at most `max_waiting` requests wait for it."""
 
     def __init__(self, max_waiting: int):
-        import asyncio
         self.lock = asyncio.Lock()
         self.max_waiting = max_waiting
         self.waiting = 0
@@ -100,7 +101,6 @@ def error_body(status: int, message: str, kind: str, param: str | None = None):
 def build_app(engine, *, model: str, api_key: str | None = None, think: bool = True,
               max_waiting: int = DEFAULT_MAX_WAITING):
     """The ASGI app serving `engine` under the name `model`."""
-    import asyncio
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -259,7 +259,6 @@ def check_bind(host: str, api_key: str | None) -> None:
 def serve(engine, *, model: str, host: str, port: int, api_key: str | None, think: bool,
           max_waiting: int, announce) -> None:
     """Bind first (port 0 picks a free one), say where, then serve until interrupted."""
-    import socket
     import uvicorn
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
