@@ -51,6 +51,7 @@ ACCEPT_PATTERN = (3, 3, 2, 3, 3, 3, 1, 3, 2, 3, 1, 0, 2, 1, 0, 1, 2, 0, 1, 3, 2,
 
 class FakeTokenizer:
     """Word-piece ids assigned on first sight; the specials have fixed ids 0..4."""
+    chat_template: str | None = None     # none to read: no preserve_thinking to offer
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -58,7 +59,6 @@ class FakeTokenizer:
         self._ids: dict[str, int] = {p: i for i, p in enumerate(SPECIALS)}
         self.eos_token_ids = [EOS, 0]
         self.think_start_id, self.think_end_id = 3, 4
-        self.chat_template = None
 
     def _id(self, piece: str) -> int:
         with self._lock:
