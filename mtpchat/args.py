@@ -8,8 +8,9 @@ import argparse
 import importlib
 import importlib.util
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
-from mtpchat.settings import CHECKS, MAX_DRAFT_TOKENS
+from mtpchat.settings import CHECKS, MAX_DRAFT_TOKENS, load_settings, merge
 
 S = argparse.SUPPRESS  # options left out stay out of the namespace, so the settings file can fill them
 
@@ -46,7 +47,6 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=S, help="print the version and exit")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from importlib.metadata import PackageNotFoundError, version
         try:
             v = version("mtpchat")
         except PackageNotFoundError:
@@ -135,12 +135,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _remote(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", parents=[common], help="answer one prompt without the app",
-                         description="Answer one prompt and exit: the text streams to stdout.")
+                         description="Answer one prompt and exit: the answer streams to stdout, the "
+                                     "thinking to stderr.")
     _remote(run)
     run.add_argument("--prompt", metavar="TEXT",
                      help="the user message ('-' or left out with a pipe: read stdin)")
     run.add_argument("--json", action="store_true",
-                     help="print one JSON object: text, token_ids, prompt_tokens, finish_reason, stats")
+                     help="print one JSON object: text (the answer), reasoning (the thinking), token_ids, "
+                          "prompt_tokens, finish_reason, stats")
+    run.add_argument("--show-thinking", action="store_true",
+                     help="print the model's thinking on stdout, between <think> and </think> before the "
+                          "answer (by default it goes to stderr)")
     sub.add_parser("models", help="list the aliases and what is downloaded")
     serve = sub.add_parser("serve", parents=[common], help="serve the model over an OpenAI-compatible HTTP API",
                            description="Serve the model over an OpenAI-compatible API (/v1/chat/completions, "
@@ -171,6 +176,5 @@ def has_module(name: str) -> bool:
 
 
 def options_from(args: argparse.Namespace):
-    from mtpchat.settings import load_settings, merge
     flags = {k: v for k, v in vars(args).items() if k in CHECKS}
     return merge(flags, load_settings())

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+from mtpchat.engine.config import ModelConfig
+from mtpchat.malloc import cpu_allocator
 
 RANDOM = ("qwen3.6-27b", "qwen3.5-9b", "qwen3.5-4b", "qwen3.5-0.8b", "qwen3.5-35b-a3b")
 
@@ -28,13 +32,8 @@ def add_arguments(p):
 
 
 def main(args) -> int:
-    import torch
-    from pathlib import Path
-
-    from mtpchat.cli import cpu_allocator
-    from mtpchat.engine import Engine
-    from mtpchat.engine import bench
-    from mtpchat.engine.config import ModelConfig
+    import torch                       # with the engine: only once bench runs
+    from mtpchat.engine import Engine, bench
 
     opts = getattr(args, "options", None)
     device = getattr(opts, "device", None)

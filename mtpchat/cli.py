@@ -1,8 +1,9 @@
 """The `mtpchat` command: the chat app (no subcommand), `run`, `models`, `bench` and `serve`; the
 parser is in args.py.
 
-`mtpchat --help` must answer at once, so this module imports nothing heavy: torch, the engine
-and the app are imported inside the commands that need them. Every error a user can meet ends as
+`mtpchat --help` must answer at once, so this module imports nothing heavy: the engine's modules
+(even its torch-free ones: the chat layer and the server stand on them), torch and the app (an
+optional part of a build, with textual) are imported inside the commands that need them. Every error a user can meet ends as
 one or two lines on stderr and a non-zero exit status, never a traceback.
 """
 from __future__ import annotations
@@ -12,8 +13,17 @@ import json
 import os
 import sys
 
+from typing import TYPE_CHECKING
+
+from mtpchat import loader
 from mtpchat.args import build_parser, has_module as _has_module, options_from
 from mtpchat.errors import NotAvailable, UserError, as_user_error
+from mtpchat.malloc import cpu_allocator
+from mtpchat.models import list_models
+
+if TYPE_CHECKING:
+    from mtpchat.chat.engine import ChatEngine
+    from mtpchat.chat.reply import Piece
 
 
 def _err(line: str) -> None:
@@ -72,7 +82,6 @@ def cmd_app(args) -> int:
     if not _has_module("textual"):
         raise NotAvailable("the chat app needs textual (pip install 'textual>=8,<9'); "
                            "`mtpchat run --prompt TEXT` works without it")
-    from mtpchat import loader
     prep = loader.prepare(options)
     for note in prep.notices:
         _err(note)
@@ -83,7 +92,6 @@ def cmd_app(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from mtpchat.models import list_models
     print("\n".join(list_models()))
     return 0
 
@@ -95,20 +103,9 @@ def cmd_bench(args) -> int:
     return importlib.import_module("mtpchat.bench").main(args) or 0
 
 
-def cpu_allocator(device: str) -> bool:
-    """Before an engine loads on the CPU: glibc's malloc thresholds fixed, so the temporaries each
-    decode step frees and allocates again stay in the process (mtpchat/malloc.py says why). Whether
-    they were set; a GPU run leaves the allocator as it is."""
-    if not str(device).startswith("cpu"):
-        return False
-    from mtpchat import malloc
-    return malloc.keep_step_memory()
-
-
 def _load_engine(options):
     """(prepared, engine) for `run` and `serve`: the plan's notices said, the engine loaded, and a
     line where the MTP head it was asked for is unusable."""
-    from mtpchat import loader
     prep = loader.prepare(options)
     for note in prep.notices:
         _err(note)
@@ -120,7 +117,6 @@ def _load_engine(options):
 
 
 def dry_run(options) -> int:
-    from mtpchat import loader
     from mtpchat.engine import memory
     prep = loader.prepare(options, dry_run=True)
     for note in prep.notices:
@@ -162,7 +158,8 @@ def cmd_run(args) -> int:
     if getattr(args, "dry_run", False):
         return dry_run(options)
     prompt = _read_prompt(args)
-    from mtpchat import loader
+    from mtpchat.chat.engine import LocalEngine
+    from mtpchat.chat.reply import summary
     prep, engine = _load_engine(options)
     messages = ([{"role": "system", "content": options.system}] if options.system else []) \
         + [{"role": "user", "content": prompt}]
@@ -171,7 +168,8 @@ def cmd_run(args) -> int:
         raise UserError(f"the prompt is {len(prompt_ids):,} tokens but --max-context is {prep.max_context:,}; "
                         "raise --max-context or shorten the prompt")
     params = loader.sampling_params(options, prep.path)
-    result = generate(engine, prompt_ids, params, stream_to=None if args.json else sys.stdout)
+    shown = None if args.json else Shown(sys.stdout, sys.stdout if args.show_thinking else sys.stderr)
+    result = generate(LocalEngine(engine), prompt_ids, params, shown)
     if args.json:
         result.update(model=prep.name, device=prep.device, dtype=prep.dtype,
                       mtp=bool(engine.mtp), draft_tokens=engine.draft_tokens, adaptive_k=bool(engine.adaptive),
@@ -182,43 +180,63 @@ def cmd_run(args) -> int:
     return 0
 
 
-def generate(engine, prompt_ids: list[int], params, stream_to=None) -> dict:
-    """Run one generation; stream the text to `stream_to` if given; return the JSON-able result."""
-    from mtpchat.engine.events import Finished, Step
-    stream, stop = engine.tokenizer.stream(), set(engine.stop_ids)
-    pieces: list[str] = []
-    finished = None
+class Shown:
+    """Where `run` writes a reply as it comes: the answer to `answer`, the thinking to `thinking`.
+    Where both are one stream, the thinking goes between <think> and </think> before the answer, so
+    the two stay apart; the thinking on a stream of its own is set off from what follows by a line."""
 
-    def emit(piece: str):
-        if piece:
-            pieces.append(piece)
-            if stream_to is not None:
-                stream_to.write(piece)
-                stream_to.flush()
-    for event in engine.generate(prompt_ids, params):
-        if isinstance(event, Step):  # the stop token ends the turn; it is not part of the text
-            emit(stream.push([t for t in event.token_ids if t not in stop]))
-        elif isinstance(event, Finished):
-            finished = event
-    emit(stream.flush())
-    if stream_to is not None:
-        stream_to.write("\n")
-        stream_to.flush()
-    stats = finished.stats.as_dict()
-    return {"text": "".join(pieces), "token_ids": list(finished.token_ids),
-            "prompt_tokens": len(prompt_ids), "finish_reason": finished.reason, "stats": stats}
+    def __init__(self, answer, thinking):
+        self.answer, self.thinking = answer, thinking
+        self.inline = answer is thinking
+        self.thought = self.answered = False
+
+    def __call__(self, piece: Piece) -> None:
+        if piece.thinking:
+            self._write(self.thinking, ("<think>\n" if self.inline and not self.thought else "") + piece.thinking)
+            self.thought = True
+        if piece.answer:
+            self._write(self.answer, self._close() if not self.answered else "")
+            self._write(self.answer, piece.answer)
+            self.answered = True
+
+    def close(self) -> None:
+        self._write(self.answer, (self._close() if not self.answered else "") + "\n")
+
+    def _close(self) -> str:
+        """What ends the thinking before the answer starts."""
+        if not self.thought:
+            return ""
+        if self.inline:
+            return "\n</think>\n\n"
+        self._write(self.thinking, "\n")
+        return ""
+
+    @staticmethod
+    def _write(stream, text: str) -> None:
+        if text:
+            stream.write(text)
+            stream.flush()
 
 
-def summary(result: dict) -> str:
-    s = result["stats"]
-    line = (f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tok/s, "
-            f"time to first token {s['ttft_ms']:.0f} ms")
-    if s["drafted"]:
-        line += (f", mean acceptance length {s['mean_acceptance_length']:.2f}, "
-                 f"draft acceptance {100 * s['draft_acceptance_rate']:.0f}%")
-    if result["finish_reason"] != "stop":
-        line += f", stopped: {result['finish_reason']}"
-    return line + "]"
+def generate(engine: ChatEngine, prompt_ids: list[int], params, show: Shown | None = None) -> dict:
+    """Run one generation; `show` gets the text as it is decoded and is closed at the end; return the
+    JSON-able result: `text` is the answer, `reasoning` the thinking."""
+    from mtpchat.chat.reply import Reply
+    from mtpchat.engine.events import Step
+    reply = Reply(engine, prompt_ids, params)
+
+    def emit(pieces: list[Piece]) -> None:
+        for piece in pieces if show is not None else ():
+            show(piece)
+    for event in reply:
+        if isinstance(event, Step):
+            emit(reply.take())
+    emit(reply.finish())
+    if show is not None:
+        show.close()
+    thinking, answer = reply.text()
+    return {"text": answer, "reasoning": thinking, "token_ids": list(reply.finished.token_ids),
+            "prompt_tokens": len(prompt_ids), "finish_reason": reply.reason, "stats": reply.stats.as_dict()}
 
 
 def cmd_serve(args) -> int:
@@ -227,12 +245,13 @@ def cmd_serve(args) -> int:
         return dry_run(options)
     _needs("starlette", "uvicorn", "prometheus_client")
     from mtpchat import serve
+    from mtpchat.chat.engine import LocalEngine
     key = _api_key(args)
     serve.check_bind(args.host, key)
     if not 0 <= args.port <= 65535 or args.max_waiting < 0:
         raise UserError("--port must be 0..65535 and --max-waiting 0 or more", exit_code=2)
     prep, engine = _load_engine(options)
-    serve.serve(engine, model=prep.name, host=args.host, port=args.port, api_key=key, think=options.think,
+    serve.serve(LocalEngine(engine), model=prep.name, host=args.host, port=args.port, api_key=key, think=options.think,
                 max_waiting=args.max_waiting, announce=_err)
     return 0
 

@@ -15,6 +15,7 @@ GPU run allocates little on the host per step, and the kept memory would buy not
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -44,10 +45,18 @@ def keep_step_memory(platform: str | None = None, confstr=None, libc=None) -> bo
     if not is_glibc(platform, confstr):
         return False
     if libc is None:
-        import ctypes
         try:
             libc = ctypes.CDLL("libc.so.6")
         except OSError:
             return False
     # mallopt returns 1 on success; a refusal leaves glibc's own behaviour, which is merely slower
     return all([libc.mallopt(param, value) == 1 for param, value in settings()])
+
+
+def cpu_allocator(device: str) -> bool:
+    """Before an engine loads on the CPU: glibc's malloc thresholds fixed, so the temporaries each
+    decode step frees and allocates again stay in the process. Whether they were set; a GPU run
+    leaves the allocator as it is."""
+    if not str(device).startswith("cpu"):
+        return False
+    return keep_step_memory()

@@ -20,46 +20,24 @@ dependencies is imported before `build_app` runs, so `mtpchat --help` stays inst
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from mtpchat.app.prompt import build_prompt
-from mtpchat.app.think import ThinkSplitter, prompt_opens_think
+from mtpchat.chat.engine import ChatEngine
+from mtpchat.chat.prompt import build_prompt
+from mtpchat.chat.reply import Piece, Reply
+from mtpchat.engine.events import Step
 from mtpchat.errors import UserError
 from mtpchat.serve_metrics import FINISH, Counters, spec_metrics, usage
 from mtpchat.serve_request import BadRequest, Request, parse_request
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_MAX_WAITING = 8
-
-
-class StopStrings:
-    """Cuts the text at the first stop string; holds back a tail that could still start one."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.keep = max((len(s) for s in self.stops), default=1) - 1
-        self.held = ""
-        self.hit = False
-
-    def push(self, text: str) -> str:
-        if self.hit:
-            return ""
-        text = self.held + text
-        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if cuts:
-            self.hit, self.held = True, ""
-            return text[:min(cuts)]
-        out = text[:max(len(text) - self.keep, 0)]
-        self.held = text[len(out):]
-        return out
-
-    def flush(self) -> str:
-        out, self.held = ("" if self.hit else self.held), ""
-        return out
 
 
 @dataclass
@@ -72,39 +50,27 @@ class Outcome:
     answer: list[str] = field(default_factory=list)
 
 
-def produce(engine, req: Request, put, cancelled) -> Outcome:
+def produce(engine: ChatEngine, req: Request, put, cancelled) -> Outcome:
     """Run one generation on the calling thread: text goes out through `put(thinking, answer)` as it
     is decoded; the finished outcome is returned. `cancelled()` is checked at every step."""
     ids, keep_at = build_prompt(engine.tokenizer, req.messages, req.think)
     if len(ids) + 1 >= engine.max_context:
         raise BadRequest(f"the prompt is {len(ids):,} tokens; this server's context is {engine.max_context:,}",
                          "messages")
-    stream, stop_ids = engine.tokenizer.stream(), set(req.params.stop_token_ids or ())
-    split, stops = ThinkSplitter(inside=prompt_opens_think(engine.tokenizer, ids)), StopStrings(req.stops)
+    reply = Reply(engine, ids, req.params, stops=req.stops, cancelled=cancelled, snapshot_at=keep_at)
     out = Outcome()
 
-    def emit(text: str) -> None:
-        think, answer = split.push(text) if text else ("", "")
+    def emit(pieces: list[Piece]) -> None:
+        think, answer = "".join(p.thinking for p in pieces), "".join(p.answer for p in pieces)
         if think or answer:
             out.thinking.append(think)
             out.answer.append(answer)
             put(think, answer)
-    asked = False
-    for ev in engine.generate(ids, req.params, snapshot_at=keep_at):
-        kind = type(ev).__name__
-        if kind == "Step":
-            emit(stops.push(stream.push([t for t in ev.token_ids if t not in stop_ids])))
-            if not asked and (stops.hit or cancelled()):
-                engine.cancel()
-                asked = True
-        elif kind == "Finished":
-            out.reason, out.stats = ("stop" if stops.hit else ev.reason), ev.stats
-    emit(stops.push(stream.flush()) + stops.flush())
-    think, answer = split.flush()
-    if think or answer:
-        out.thinking.append(think)
-        out.answer.append(answer)
-        put(think, answer)
+    for ev in reply:
+        if isinstance(ev, Step):
+            emit(reply.take())
+    emit(reply.finish())
+    out.reason, out.stats = reply.reason, reply.stats
     return out
 
 
@@ -112,7 +78,6 @@ class Gate:
     """One generation at a time; at most `max_waiting` requests wait for it."""
 
     def __init__(self, max_waiting: int):
-        import asyncio
         self.lock = asyncio.Lock()
         self.max_waiting = max_waiting
         self.waiting = 0
@@ -136,7 +101,6 @@ def error_body(status: int, message: str, kind: str, param: str | None = None):
 def build_app(engine, *, model: str, api_key: str | None = None, think: bool = True,
               max_waiting: int = DEFAULT_MAX_WAITING):
     """The ASGI app serving `engine` under the name `model`."""
-    import asyncio
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -295,7 +259,6 @@ def check_bind(host: str, api_key: str | None) -> None:
 def serve(engine, *, model: str, host: str, port: int, api_key: str | None, think: bool,
           max_waiting: int, announce) -> None:
     """Bind first (port 0 picks a free one), say where, then serve until interrupted."""
-    import socket
     import uvicorn
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -70,15 +70,12 @@ def in_process(think: bool = True, prompt: str = PROMPT, max_tokens: int = MAX_T
     """The same request on the in-process engine: (thinking, answer, stats dict), greedy."""
     import torch
     from mtpchat import cli
-    from mtpchat.app.think import ThinkSplitter, prompt_opens_think
+    from mtpchat.chat.engine import LocalEngine
     from mtpchat.engine import Engine, SamplingParams
     engine = Engine.load(DEMO, device="cpu", dtype=torch.float32, max_context=CONTEXT)
     ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], enable_thinking=think)
-    result = cli.generate(engine, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    split = ThinkSplitter(inside=prompt_opens_think(engine.tokenizer, ids))
-    think_text, answer = split.push(result["text"])
-    tail = split.flush()
-    return think_text + tail[0], answer + tail[1], result["stats"]
+    result = cli.generate(LocalEngine(engine), ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return result["reasoning"], result["text"], result["stats"]
 
 
 def free_port() -> int:

@@ -95,8 +95,10 @@ def test_run_json(capsys, tiny):
     engine = Engine.load(tiny, device="cpu")
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}])
     assert result["prompt_tokens"] == len(prompt)
-    shown = [t for t in result["token_ids"] if t not in engine.stop_ids]
-    assert result["text"] == engine.tokenizer.decode(shown)
+    shown = engine.tokenizer.decode([t for t in result["token_ids"] if t not in engine.stop_ids])
+    # the prompt opens <think>: what comes before </think> is the reasoning, the rest the answer
+    thinking, closed, answer = shown.partition("</think>")
+    assert (result["reasoning"], result["text"]) == (thinking, answer.lstrip("\n") if closed else "")
 
 
 def test_greedy_output_is_the_same_with_and_without_mtp(capsys, tiny):
@@ -115,6 +117,50 @@ def test_run_streams_text_to_stdout(capsys, tiny):
                          "--max-tokens", "8")
     assert code == 0 and out == result["text"] + "\n"
     assert f"[{len(result['token_ids'])} tokens" in err and "tok/s" in err
+
+
+DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo"
+DEMO_RUN = ("run", "--model", str(DEMO), "--device", "cpu", "--prompt", "What is MTP?", "--temperature", "0",
+            "--max-tokens", "120")
+
+
+def run_demo(*argv) -> tuple[str, str]:
+    """`mtpchat run` on the demo model in a process of its own: (stdout, stderr)."""
+    proc = subprocess.run([sys.executable, "-m", "mtpchat", *DEMO_RUN, *argv], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    return proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def demo_json():
+    out, _ = run_demo("--json")
+    result = json.loads(out)
+    # the demo model thinks, then answers, within the token budget: both parts are there to check
+    assert result["reasoning"].strip() and result["text"].strip()
+    return result
+
+
+def test_run_json_has_the_answer_as_text_and_the_thinking_as_reasoning(demo_json):
+    from mtpchat.engine.tokenizer import Tokenizer
+    tok = Tokenizer.load(DEMO)
+    shown = tok.decode([t for t in demo_json["token_ids"] if t not in tok.eos_token_ids])
+    thinking, closed, answer = shown.partition("</think>")
+    assert closed and demo_json["reasoning"] == thinking and demo_json["text"] == answer.lstrip("\n")
+    assert "<think>" not in demo_json["text"] and "</think>" not in demo_json["text"] + demo_json["reasoning"]
+
+
+def test_run_prints_only_the_answer_and_the_thinking_on_stderr(demo_json):
+    out, err = run_demo()
+    assert out == demo_json["text"] + "\n"
+    assert err.startswith(demo_json["reasoning"]) and "</think>" not in err
+    assert f"[{demo_json['stats']['new_tokens']} tokens" in err.splitlines()[-1]
+
+
+def test_run_show_thinking_prints_it_before_the_answer(demo_json):
+    out, err = run_demo("--show-thinking")
+    assert out == f"<think>\n{demo_json['reasoning']}\n</think>\n\n{demo_json['text']}\n"
+    assert demo_json["reasoning"] not in err and err.startswith("[")
 
 
 def test_system_prompt_and_no_think_change_the_prompt(capsys, tiny):

@@ -215,7 +215,7 @@ def test_stop_strings_cut_a_stream_too(server, reference):
 
 
 def test_stop_strings_match_across_pieces_and_give_back_what_held_no_stop():
-    from mtpchat.serve import StopStrings
+    from mtpchat.chat.stops import StopStrings
     stops = StopStrings(["</end>", "xyz"])
     assert stops.push("ab") + stops.push("c</e") + stops.push("nd>tail") + stops.flush() == "abc"
     assert stops.hit and stops.push("more") == ""

@@ -9,7 +9,7 @@ from mtpchat.app.chat import ChatLog, Composer, MessageView, code_blocks
 from mtpchat.app.commands import CHAT_ONLY, COMMANDS
 from mtpchat.app.errors import NO_MTP
 from mtpchat.app.export import chat_markdown, export_path
-from mtpchat.app.prompt import offers_preserve_thinking
+from mtpchat.chat.prompt import offers_preserve_thinking
 from mtpchat.app.race import LANES, RaceScreen
 from mtpchat.app.screens import CodePickScreen, SamplingScreen, SessionsScreen, SystemPromptScreen
 from mtpchat.app.store import decode_spans
@@ -54,7 +54,7 @@ class ChatActions:
     def check_action(self, action: str, parameters) -> bool | None:
         if action in CHAT_ONLY and self.screen is not self.screen_stack[0]:
             return False
-        if action in FIXED_ON_SERVER and getattr(self.engine, "fixed", ""):
+        if action in FIXED_ON_SERVER and self.engine is not None and self.engine.fixed:
             return None    # shown, dimmed: a server was launched with its own speculative config
         return True
 
@@ -110,7 +110,7 @@ class ChatActions:
     def action_toggle_mtp(self) -> None:
         if not self._engine_ready():
             return
-        if not getattr(self.engine, "mtp_available", True):
+        if not self.engine.mtp_available:
             self.notice(NO_MTP, "warning")
             return
         self.engine.mtp = not self.engine.mtp
@@ -120,7 +120,7 @@ class ChatActions:
     def _set_k(self, delta: int) -> None:
         if not self._engine_ready():
             return
-        k_max = int(getattr(self.engine, "k_max", 1))
+        k_max = self.engine.k_max
         k = min(max(self.engine.draft_tokens + delta, 1), k_max)
         if k == self.engine.draft_tokens:
             self.notice(f"draft tokens stay at {k} (1..{k_max})", "warning")
@@ -256,7 +256,7 @@ class ChatActions:
     def action_race(self) -> None:
         if not self._engine_ready():
             return
-        if not getattr(self.engine, "mtp_available", True):
+        if not self.engine.mtp_available:
             self.notice(NO_MTP + "; nothing to race", "warning")
             return
         if self.busy:

@@ -29,14 +29,14 @@ from mtpchat.app.gpu import NvmlProbe, ProcessProbe, Sampler
 from mtpchat.app.messages import (EngineFailed, EngineReady, GpuSampled, ReplyDelta, ReplyDone, ReplyFailed,
                                   ReplyPrefilled)
 from mtpchat.app.pacer import PANE_INTERVAL, Pacer
-from mtpchat.app.prompt import build_prompt
 from mtpchat.app.panel import HeaderBar, Live, StatusBar, TelemetryPane
 from mtpchat.app.race import RaceScreen
 from mtpchat.app.runner import drive
 from mtpchat.app.settings import Sampling
 from mtpchat.app.store import Store, encode_spans
 from mtpchat.app.telemetry import Telemetry
-from mtpchat.app.think import prompt_opens_think
+from mtpchat.chat.prompt import build_prompt
+from mtpchat.chat.think import prompt_opens_think
 
 NARROW_BELOW = 100   # columns; below this the telemetry pane folds into the status bar
 
@@ -166,13 +166,12 @@ class ChatApp(ChatActions, App):
 
     def on_engine_ready(self, m: EngineReady) -> None:
         self.engine = m.engine
-        self.device = str(getattr(self.engine, "device", self.device))
-        self.dtype = str(getattr(self.engine, "dtype", self.dtype)).replace("torch.", "")
+        self.device, self.dtype = self.engine.device, self.engine.dtype
         self.query_one("#loading").remove()   # its spinner would repaint 16 times a second
         self.refresh_bindings()               # a server's fixed switches show dimmed in the footer
-        for text in getattr(self.engine, "notices", None) or []:
+        for text in self.engine.notices:
             self.notice(text, "warning")
-        if not getattr(self.engine, "mtp_available", True) and not getattr(self.engine, "notices", None):
+        if not self.engine.mtp_available and not self.engine.notices:
             self.notice(NO_MTP, "warning")
         try:
             self.telemetry.memory = dict(self.engine.memory())
@@ -210,12 +209,12 @@ class ChatApp(ChatActions, App):
         e = self.engine
         return Live(model=self.model_name, device=self.device, dtype=self.dtype,
                     mtp=bool(e.mtp) if e else self.initial_mtp,
-                    mtp_available=getattr(e, "mtp_available", True) if e else True,
+                    mtp_available=e.mtp_available if e else True,
                     draft_tokens=int(e.draft_tokens) if e else self.initial_k,
-                    k_max=int(getattr(e, "k_max", 0)) if e else 0,
+                    k_max=e.k_max if e else 0,
                     thinking=self.think, busy=self.busy, loaded=e is not None,
-                    weights="FP8" if getattr(e, "fp8", False) else "", fixed=getattr(e, "fixed", "") if e else "",
-                    moe_layers=int(getattr(e, "moe_layers", 0) or 0) if e else 0)
+                    weights="FP8" if e and e.fp8 else "", fixed=e.fixed if e else "",
+                    moe_layers=e.moe_layers if e else 0)
 
     def redraw(self, force: bool = False) -> None:
         if self.busy and not force:
@@ -334,7 +333,7 @@ class ChatApp(ChatActions, App):
         self.telemetry.finished(m.stats)
         live = self.live()
         footer = reply_footer(m.stats, m.reason, live.mtp, live.draft_tokens,
-                              estimate=getattr(self.engine, "spec_estimate", False))
+                              estimate=self.engine.spec_estimate)
         stats = dict(m.stats.as_dict()) if m.stats is not None else {}
         stats.update(reason=m.reason, mtp=live.mtp, draft_tokens=live.draft_tokens, footer=footer)
         view = self._reply_view
@@ -358,7 +357,7 @@ class ChatApp(ChatActions, App):
         if view is None:
             return
         if m.answer or m.thinking:
-            footer = "the server's stream broke here" if getattr(self.engine, "fixed", "") else "the engine failed here"
+            footer = "the server's stream broke here" if self.engine.fixed else "the engine failed here"
             mid = self._save("assistant", m.answer, m.thinking, encode_spans(m.spans), {"reason": "error", "footer": footer})
             view.message_id = mid
             await view.finish(m.answer, m.thinking, m.spans, footer)

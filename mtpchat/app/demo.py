@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from mtpchat.app.fake import FakeEngine, FakeGpu, FakeTimes
+from mtpchat.app.chat import Composer
+from mtpchat.app.fake import DEFAULT_ANSWER, FakeEngine, FakeGpu, FakeTimes
+from mtpchat.app.main import build_app, dev_args
 
 MODEL = "Qwen3.6-27B-MTP (simulated)"
 CHAT = [
@@ -28,7 +31,6 @@ TIMES = FakeTimes(prefill_per_token=0.25, first_sample=28.0, draft_per_token=1.6
 
 
 def build(data_dir: str | Path):
-    from mtpchat.app.main import build_app, dev_args
     engine = FakeEngine(name=MODEL, device="cuda", times=TIMES)
     args = dev_args(["--data-dir", str(data_dir), "--device", "cuda", "--dtype", "bfloat16"])
     app = build_app(args, load_engine=lambda: engine, probe=FakeGpu, now=lambda: NOW, gpu_interval=0.05)
@@ -38,8 +40,6 @@ def build(data_dir: str | Path):
 
 async def play(pilot) -> None:
     """Play the chat, then wait for the energy reading and the final redraw."""
-    from mtpchat.app.chat import Composer
-    from mtpchat.app.fake import DEFAULT_ANSWER
     app = pilot.app
     await _until(pilot, lambda: app.engine is not None)
     composer = app.query_one(Composer)
@@ -65,7 +65,6 @@ async def _until(pilot, cond, timeout: float = 20.0) -> None:
 
 
 def render(path: str | Path, size=(150, 46)) -> Path:
-    import tempfile
     path = Path(path)
     with tempfile.TemporaryDirectory() as tmp:
         app = build(tmp)

@@ -4,6 +4,8 @@ Load errors are worded by mtpchat.errors (shared with the CLI); the rest here.
 """
 from __future__ import annotations
 
+from mtpchat.errors import UserError, as_user_error   # the CLI's wording, so both say the same
+
 
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
@@ -12,11 +14,9 @@ def first_line(exc: BaseException) -> str:
 
 def describe_error(exc: BaseException, during: str = "load", device: str | None = None) -> str:
     if during == "load":
-        from mtpchat.errors import as_user_error   # the CLI's wording, so both say the same
         user = as_user_error(exc)
         if user is not None:
             return "; ".join(line.strip() for line in str(user).splitlines() if line.strip())
-    from mtpchat.errors import UserError
     if isinstance(exc, UserError):   # already one line that says what to do (a server's failures)
         return first_line(exc) + ("; the reply so far is kept" if during == "reply" else "")
     name = type(exc).__name__

@@ -1,6 +1,6 @@
 """A stand-in engine for tests, screenshots and `--fake` development runs.
 
-It speaks the Engine API (generate yields Prefilled, Step..., Finished; live `mtp` and
+It is a `ChatEngine` (mtpchat/chat/engine.py): it speaks the Engine API (generate yields Prefilled, Step..., Finished; live `mtp` and
 `draft_tokens`; thread-safe `cancel()`; `memory()`), with a deterministic acceptance pattern and
 simulated phase times, so every number the app shows is reproducible. Nothing here reads a clock:
 `elapsed_ms` is simulated time. `step_delay` (real seconds per step) and `gate` (an Event each step
@@ -12,6 +12,10 @@ import re
 import threading
 import time
 from dataclasses import dataclass
+
+from mtpchat.app.gpu import GpuSample
+from mtpchat.chat.think import prompt_opens_think
+from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 EOS = 2                                   # <|im_end|>
@@ -47,6 +51,7 @@ ACCEPT_PATTERN = (3, 3, 2, 3, 3, 3, 1, 3, 2, 3, 1, 0, 2, 1, 0, 1, 2, 0, 1, 3, 2,
 
 class FakeTokenizer:
     """Word-piece ids assigned on first sight; the specials have fixed ids 0..4."""
+    chat_template: str | None = None     # none to read: no preserve_thinking to offer
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -134,6 +139,8 @@ class FakeEngine:
         self.gate.set()
         self.stop_ids = (EOS, 0)
         self.notices: list[str] = []
+        self.fixed, self.spec_estimate = "", False
+        self.fp8, self.moe_layers = False, 0
         self.step_log: list[tuple[bool, int]] = []   # (mtp, draft count) of every step, in order
         self.tokens_emitted = 0
         self.resets = 0
@@ -153,12 +160,9 @@ class FakeEngine:
                 "gdn_state": int(0.86 * gib), "graph_pool": int(0.4 * gib), "workspace": int(0.3 * gib)}
 
     def generate(self, prompt_ids, params, snapshot_at=()):
-        from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
-
         self._cancel.clear()
         t = self.times
         tok = self.tokenizer
-        from mtpchat.app.think import prompt_opens_think
         inside_think = prompt_opens_think(tok, prompt_ids)
         text = (self.thinking + "\n</think>\n\n" if inside_think else "") + self.answer
         script = tok.encode(text) + [EOS]
@@ -236,7 +240,6 @@ class FakeGpu:
     joules_per_token: float = 9.7
 
     def sample(self):
-        from mtpchat.app.gpu import GpuSample
         tokens = self.engine.tokens_emitted if self.engine else 0
         return GpuSample(name=self.name, used=self.used, total=self.total, power_w=self.power_w,
                          energy_j=1000.0 + self.joules_per_token * tokens, tokens=tokens)

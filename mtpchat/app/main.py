@@ -5,10 +5,20 @@ is shown as a notice and the saved chats stay browsable.
 """
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from mtpchat import loader
+from mtpchat.app.fake import FakeEngine, FakeGpu
+from mtpchat.app.settings import Sampling, initial_sampling, load_keymap
+from mtpchat.app.store import Store, data_dir
+from mtpchat.chat.engine import LocalEngine
+from mtpchat.remote.client import base_url
+from mtpchat.remote.engine import RemoteEngine
 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "fp32": "float32", "float32": "float32"}
@@ -36,8 +46,6 @@ def launch_from(args) -> Launch:
     """The CLI hands over `args.options` (settings merged with flags) and `args.prepared` (the model
     resolved, the device picked, the memory plan checked); without them (tests, `python -m
     mtpchat.app`) plain attributes of `args` are read."""
-    from mtpchat.app.settings import Sampling, initial_sampling
-
     opts = getattr(args, "options", None) or args
     prep = getattr(args, "prepared", None)
     get = lambda name, default=None: getattr(opts, name, default)
@@ -45,14 +53,12 @@ def launch_from(args) -> Launch:
     if getattr(args, "server", None):
         return remote_launch(args, opts)
     if prep is not None:
-        from mtpchat import loader
         return Launch(prep.name, prep.device, prep.dtype, prep.mtp, prep.draft_tokens, get("system") or "",
                       bool(get("think", True)), get("data_dir"), initial_sampling(opts, prep.path),
-                      lambda: loader.load_engine(prep), list(prep.notices),
+                      lambda: LocalEngine(loader.load_engine(prep)), list(prep.notices),
                       preserve_thinking=bool(get("preserve_thinking", False)))
     device = str(get("device", "cpu"))
     if fake:
-        from mtpchat.app.fake import FakeEngine
         load = lambda: FakeEngine(name="fake-model", device=device, mtp=bool(get("mtp", True)),
                                   draft_tokens=int(get("draft_tokens", 3)), step_delay=0.01)
     else:
@@ -65,14 +71,10 @@ def launch_from(args) -> Launch:
 
 def remote_launch(args, opts) -> Launch:
     """The app as a client of an OpenAI-compatible server (mtpchat/remote)."""
-    import os
-    from mtpchat.app.settings import initial_sampling
-    from mtpchat.remote.client import base_url
     url = base_url(args.server)
     key = getattr(args, "api_key", None) or os.environ.get("MTPCHAT_API_KEY") or None
 
     def load():
-        from mtpchat.remote.engine import RemoteEngine
         return RemoteEngine.connect(url, key, getattr(args, "served_model", None))
     get = lambda name, default=None: getattr(opts, name, default)
     return Launch(url, "server", "", True, 0, get("system") or "", bool(get("think", True)), get("data_dir"),
@@ -85,23 +87,20 @@ def engine_loader(args):
         import torch
         from mtpchat.engine import Engine
         name = _DTYPES.get(str(args.dtype or "auto").lower())
-        return Engine.load(args.model, device=args.device, dtype=getattr(torch, name) if name else None,
+        return LocalEngine(Engine.load(args.model, device=args.device, dtype=getattr(torch, name) if name else None,
                            max_context=args.max_context, draft_tokens=args.draft_tokens, mtp=args.mtp,
-                           cuda_graphs=args.cuda_graphs, adaptive=bool(getattr(args, "adaptive_k", True)))
+                           cuda_graphs=args.cuda_graphs, adaptive=bool(getattr(args, "adaptive_k", True))))
     return load
 
 
 def build_app(args, *, load_engine=None, probe=None, now=time.time, gpu_interval: float = 1.0):
     from mtpchat.app.app import ChatApp
-    from mtpchat.app.settings import load_keymap
-    from mtpchat.app.store import Store, data_dir
 
     launch = launch_from(args)
     folder = data_dir(launch.data_dir)
     store = Store(folder, now=now)
     keymap, keymap_error = load_keymap(folder / "keymap.toml")
     if probe is None and launch.fake and launch.device.startswith("cuda"):
-        from mtpchat.app.fake import FakeGpu
         probe = FakeGpu
     app = ChatApp(load_engine or launch.load, model=launch.model, store=store, sampling=launch.sampling,
                   device=launch.device, dtype=launch.dtype, system=launch.system, think=launch.think,
@@ -127,7 +126,6 @@ def run_app(args) -> int:
 
 def dev_args(argv=None):
     """`python -m mtpchat.app --fake`: the app on the fake engine, for working on the UI."""
-    import argparse
     p = argparse.ArgumentParser(prog="python -m mtpchat.app")
     p.add_argument("--fake", action="store_true", default=True)
     p.add_argument("--model", default="fake-model")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -70,7 +71,6 @@ def load_keymap(path: Path) -> tuple[dict[str, str], str | None]:
     """keymap.toml (`binding_id = "keys"` lines) -> (keymap, error line or None)."""
     if not path.exists():
         return {}, None
-    import tomllib
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import platformdirs
+
 ENV_DATA_DIR = "MTPCHAT_DATA_DIR"
 
 _SCHEMA = """
@@ -45,7 +47,6 @@ def data_dir(override: str | os.PathLike | None = None) -> Path:
         return Path(override).expanduser()
     if os.environ.get(ENV_DATA_DIR):
         return Path(os.environ[ENV_DATA_DIR]).expanduser()
-    import platformdirs
     return Path(platformdirs.user_data_dir("mtpchat", appauthor=False))
 
 

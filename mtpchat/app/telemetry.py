@@ -37,8 +37,8 @@ class StepRecord(NamedTuple):
     def of(cls, step) -> "StepRecord":
         t = step.times
         return cls(len(step.token_ids), step.drafted, step.accepted, step.mtp,
-                   t.draft, t.verify, t.accept, t.host, step.elapsed_ms, getattr(step, "why", ""),
-                   getattr(step, "experts_read", 0))
+                   t.draft, t.verify, t.accept, t.host, step.elapsed_ms, step.why,
+                   step.experts_read)
 
 
 @dataclass

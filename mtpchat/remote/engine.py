@@ -1,4 +1,4 @@
-"""A server behind the Engine API, so the app and `mtpchat run` use it as they use the local engine.
+"""A server behind the Engine API (a `ChatEngine`, mtpchat/chat/engine.py), so the app and `mtpchat run` use it as they use the local engine.
 
 A server takes messages, not token ids, and streams text, not ids. So the tokenizer here keeps what
 the app hands it: "applying the chat template" files the messages under a one-id prompt, and each
@@ -17,6 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 
+from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
 from mtpchat.remote import metrics
 from mtpchat.remote.client import RemoteError, Server
 
@@ -84,7 +85,7 @@ FIXED = "set when the server was launched (its speculative config); it cannot ch
 
 
 class RemoteEngine:
-    device, dtype, k_max, fp8 = "server", "", 0, False
+    device, dtype, k_max, fp8, moe_layers = "server", "", 0, False, 0
     mtp_available = True
     stop_ids: tuple = ()
 
@@ -134,7 +135,6 @@ class RemoteEngine:
 
     def chat(self, messages: list[dict], think: bool, params):
         """The reply as ("thinking" | "answer", text) pairs, then ("end", finish reason, Stats)."""
-        from mtpchat.engine.events import Stats
         self._cancel.clear()
         before = metrics.parse(page) if (page := self.server.metrics_text()) else None
         t0 = time.perf_counter()
@@ -178,7 +178,6 @@ class RemoteEngine:
 
     def generate(self, prompt_ids, params=None, snapshot_at=()):
         """Prefilled at the first text, a Step per streamed piece, Finished with the server's figures."""
-        from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Step
         messages, think = self.tokenizer.prompt(prompt_ids)
         t0, inside, started = time.perf_counter(), False, False
         for kind, *rest in self.chat(messages, think, params):

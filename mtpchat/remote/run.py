@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 
+from mtpchat.chat.reply import summary
 from mtpchat.errors import UserError
+from mtpchat.remote.engine import RemoteEngine
 
 
 def sampling_of(options):
     """The sampling flags as set; an unset one is left out of the request, so the server uses the
     model's defaults (its generation_config.json), as the local `run` does."""
-    from types import SimpleNamespace
     names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "max_tokens", "seed")
     return SimpleNamespace(**{n: getattr(options, n, None) for n in names})
 
 
 def run_remote(args, options, prompt: str, api_key: str | None) -> int:
-    from mtpchat.cli import summary
-    from mtpchat.remote.engine import RemoteEngine
     engine = RemoteEngine.connect(args.server, api_key, getattr(args, "served_model", None))
     messages = ([{"role": "system", "content": options.system}] if options.system else []) \
         + [{"role": "user", "content": prompt}]

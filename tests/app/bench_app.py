@@ -161,6 +161,7 @@ def bench(a) -> dict:
     from mtpchat.app.chat import Composer
     from mtpchat.app.settings import Sampling
     from mtpchat.app.store import Store
+    from mtpchat.chat.engine import LocalEngine
     from mtpchat.cli import generate
     from mtpchat.engine import SamplingParams
     from mtpchat.engine.spec import ProfileDrafter
@@ -201,7 +202,7 @@ def bench(a) -> dict:
             self.ended.set()
 
     store = Store(tempfile.mkdtemp())
-    app = BenchApp(lambda: engine, model="bench", store=store, device=a.device, think=think,
+    app = BenchApp(lambda: LocalEngine(engine), model="bench", store=store, device=a.device, think=think,
                    sampling=Sampling(temperature=0.0, max_tokens=a.tokens), draft_tokens=a.k)
 
     async def wait(cond):

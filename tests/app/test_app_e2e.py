@@ -8,7 +8,8 @@ from mtpchat import cli, loader
 from mtpchat.app.chat import Composer
 from mtpchat.app.main import build_app
 from mtpchat.app.store import Store
-from mtpchat.app.think import ThinkSplitter, prompt_opens_think
+from mtpchat.chat.engine import LocalEngine
+from mtpchat.chat.think import ThinkSplitter, prompt_opens_think
 from mtpchat.engine.tiny import write_tiny_checkpoint
 
 
@@ -40,10 +41,12 @@ def test_real_engine_replies_through_the_app_as_it_does_headless(cli_args, tmp_p
             engine.reset()
             ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
             result = cli.generate(engine, ids, loader.sampling_params(cli_args.options, cli_args.prepared.path))
+            shown = [t for t in result["token_ids"] if t not in engine.stop_ids]
             split = ThinkSplitter(inside=prompt_opens_think(engine.tokenizer, ids))
-            think, answer = split.push(result["text"])
+            think, answer = split.push(engine.tokenizer.decode(shown))
             tail = split.flush()
             assert (reply.thinking, reply.content) == (think + tail[0], answer + tail[1])
+            assert (result["reasoning"], result["text"]) == (reply.thinking, reply.content)
             assert f"{result['stats']['new_tokens']} tokens" in reply.footer and "tok/s" in reply.footer
             # MTP off through the app reaches the real engine
             await pilot.press("ctrl+t")
@@ -76,7 +79,7 @@ def test_no_flags_on_a_short_model_and_a_message_sent_while_it_loads(tmp_path, m
 
     def load():
         assert release.wait(20), "the test never let the model load"
-        return loader.load_engine(args.prepared)
+        return LocalEngine(loader.load_engine(args.prepared))
     app = build_app(args, load_engine=load)
 
     async def go():

@@ -14,7 +14,7 @@ from mtpchat.app.runner import drive
 from mtpchat.app.settings import PRESETS, Sampling, initial_sampling, load_keymap
 from mtpchat.app.store import Store, data_dir, decode_spans, encode_spans
 from mtpchat.app.telemetry import StepRecord, Telemetry
-from mtpchat.app.think import ThinkSplitter, prompt_opens_think
+from mtpchat.chat.think import ThinkSplitter, prompt_opens_think
 
 
 # --- thinking ---
