@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from mtpchat.app.prompt import build_prompt, offers_preserve_thinking
+from mtpchat.chat.prompt import build_prompt, offers_preserve_thinking
 from mtpchat.engine import Engine, SamplingParams, memory
 
 # In the form of Qwen3.6's own template (ChatML; the last real user query found from the end, past
