@@ -1,0 +1,294 @@
+"""A/B of whole step phases under kernel plans (engine/plan.py): the decode step (verify 0), verify 3
+and a 3-token draft, captured once per plan and replayed in interleaved rounds on random weights of
+an official shape, so the ratios come from one process on one device.
+
+    python3 ab_step.py --plans defaults [--weights fp8] [--model ...]   # each default form off alone, all off
+    python3 ab_step.py --plans tiles           # matvec tile rules for groups of the 27B's products
+    python3 ab_step.py --plans resident        # wide products' tiles small enough to be resident at once
+    python3 ab_step.py --plans split           # the blocks' last products: parts added by the norm, or split norm
+    python3 ab_step.py --plans tail            # a product's small last wave split over K into 2-14 parts, or whole
+    python3 ab_step.py --plans fp8glu --weights fp8   # the FP8 SwiGLU product's tiles
+    python3 ab_step.py --plans bits --weights fp8     # FP8 tiles widened by moving bits, or converted
+    python3 ab_step.py --plans draft           # the MTP head's fc split, the draft's argmax as two kernels
+
+A plan is a name and a KernelPlan: the engine's own plan with some choices changed. One engine is
+loaded; for each plan the decoder takes that plan (its forward contexts carry it) and its phases are
+compiled and captured under it. Steps of a live generation write the GDN state they start from, so
+logits are compared on ended steps only (`--room 0`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from mtpchat.engine import bench
+from mtpchat.engine.bench import random_prompt
+from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.engine import Engine
+from mtpchat.engine.plan import KernelPlan
+from mtpchat.engine.sampling import SamplingParams
+from mtpchat.kernels import matvec, matvec_parts
+
+CONFIGS = Path(bench.__file__).parent / "configs"
+
+
+def tile_rule(rule, name: str):
+    """A ProductPlan tile rule from rule(N, K, swiglu) -> (BN, BK, warps, stages) or None (bf16 only)."""
+    def tiles(N, K, itemsize, swiglu=False, fp8=False):
+        return rule(N, K, swiglu) if itemsize == 2 and not fp8 else None
+    tiles.__name__ = name
+    return tiles
+
+
+def tile_plans(base: KernelPlan) -> dict:
+    """Tiles for one group of the 27B's products at a time: the two 5120 x 6144 (GDN out_proj,
+    attention o_proj), the MLP down (5120 x 17408), the wide inputs (GDN in_proj 16480 rows,
+    attention q|gate|k|v 14336), the MLP gate|up (SwiGLU, 17408 columns) and the lm_head."""
+    groups = {"out": lambda N, K, g: N == 5120 and K == 6144, "down": lambda N, K, g: N == 5120 and K == 17408,
+              "in": lambda N, K, g: N in (16480, 14336) and not g, "glu": lambda N, K, g: g,
+              "lm": lambda N, K, g: N > 100_000, "plain": lambda N, K, g: not g and N < 100_000}
+    plans = {"base": base}
+    for name, cfgs in {"out": [(64, 256, 8, 4), (64, 128, 4, 8), (64, 256, 2, 4)],
+                       "down": [(64, 256, 8, 4), (64, 128, 4, 8), (64, 256, 2, 4)],
+                       "in": [(128, 128, 4, 4), (128, 128, 8, 4), (64, 256, 8, 4)],
+                       "glu": [(16, 256, 4, 6), (32, 256, 8, 6), (32, 128, 4, 8), (64, 128, 4, 6), (64, 128, 4, 4),
+                               (128, 64, 4, 6), (64, 64, 4, 8), (32, 128, 4, 6), (128, 128, 4, 3)],
+                       "lm": [(128, 128, 4, 4)],
+                       "plain": [(64, 256, 4, 3), (64, 256, 4, 5), (64, 128, 4, 6), (64, 128, 4, 5)]}.items():
+        for cfg in cfgs:
+            label = f"{name}:{cfg[0]}x{cfg[1]}w{cfg[2]}s{cfg[3]}"
+            rule = tile_rule(lambda N, K, g, name=name, cfg=cfg: cfg if groups[name](N, K, g) else None, label)
+            plans[label] = base.replace(tiles=rule)
+    return plans
+
+
+def resident_plans(base: KernelPlan) -> dict:
+    """Tiles of the wide products (GDN in_proj 258 blocks of 64 rows, attention q|gate|k|v 224, the
+    MLP gate|up 272 SwiGLU blocks) whose shared memory lets every program be resident at once on
+    132 SMs (the default tiles take 160-180 KB, one program an SM, two waves and a bit)."""
+    wide = lambda N, K, g: N in (16480, 14336) and not g
+    rules = {"in:64x128w4s4": lambda N, K, g: (64, 128, 4, 4) if wide(N, K, g) else None,
+             "in:64x64w4s6": lambda N, K, g: (64, 64, 4, 6) if wide(N, K, g) else None,
+             "glu:64x64w4s4": lambda N, K, g: (64, 64, 4, 4) if g else None,
+             "glu:32x64w4s4": lambda N, K, g: (32, 64, 4, 4) if g else None}
+    return {"base": base, **{name: base.replace(tiles=tile_rule(rule, name)) for name, rule in rules.items()}}
+
+
+def split_plans(base: KernelPlan) -> dict:
+    """The blocks' last products (o_proj, out_proj, MLP down) split over K into float32 parts that the
+    norm kernel adds ("parts"), or with each column block's last program adding its parts and the
+    residual and the next product taking the norm's scale ("split norm", the default), and that
+    under other splits and tiles ("S3x64x128w4s4": 3 parts, 64 columns by 128 bf16 of K, 4 warps,
+    4 deep)."""
+    def split(cfg, name):
+        def rule(N, K, itemsize):
+            return cfg if itemsize == 2 else None
+        rule.__name__ = name
+        return rule
+    plans = {"split norm": base, "parts": base.replace(split_norm=False)}
+    for cfg in [(2, 64, 128, 4, 4), (4, 64, 128, 4, 4), (1, 64, 256, 4, 4), (2, 64, 256, 4, 4)]:
+        name = "S{}x{}x{}w{}s{}".format(*cfg)
+        plans[name] = base.replace(split_tiles=split(cfg, name))
+    return plans
+
+
+def tail_plans(base: KernelPlan) -> dict:
+    """The products whose last wave of column blocks is small (the MLP gate|up: 8 of 272 blocks on
+    132 SMs) as one program a block ("whole") or with that wave split over K into 2-14 parts a
+    block (14 fill the SMs); the products of a few blocks (an MoE router's 5) split in every block
+    into up to N parts ("small N"), or not ("no small")."""
+    return {"split 3": base, "whole": base.replace(tail_split=False),
+            **{f"split {n}": base.replace(tail_parts=n) for n in (2, 4, 5, 6, 8, 14)},
+            "no small": base.replace(small_split=False), **{f"small {n}": base.replace(small_parts=n) for n in (4, 2)}}
+
+
+def fp8_glu_plans(base: KernelPlan) -> dict:
+    """The FP8 MLP gate|up (SwiGLU) under other tiles than its measured 32 x 128, 2 warps, 3 deep."""
+    def glu(cfg, name):
+        def tiles(N, K, itemsize, swiglu=False, fp8=False):
+            return cfg if fp8 and swiglu else None
+        tiles.__name__ = name
+        return tiles
+    return {"base": base, **{name: base.replace(tiles=glu(cfg, name)) for name, cfg in
+                             {"glu:32x128w2s4": (32, 128, 2, 4), "glu:64x128w4s6": (64, 128, 4, 6)}.items()}}
+
+
+def bits_plans(base: KernelPlan) -> dict:
+    """FP8 weight tiles widened to bf16 by moving bits (kernels/fp8.py widen; the default) against
+    Triton's conversion, and in groups of 4 where the tile would take 2. With --room 0 the logits
+    of every plan must be the conversion's, bit for bit."""
+    return {"cvt": base.replace(widen_bits=False), "bits": base.replace(widen_bits=True),
+            "bits x4": base.replace(widen_bits=True, widen_group=4)}
+
+
+def draft_plans(base: KernelPlan) -> dict:
+    """The draft step's forms, each off alone and both off: the MTP head's fc split over K and
+    finished by its layer's input norm (fc_split) and the draft's argmax and id map as two PDL
+    kernels (draft_pick). Read the "draft 3" phase."""
+    return {"default": base, "-fc split": base.replace(fc_split=False), "-pick": base.replace(draft_pick=False),
+            "-both": base.replace(fc_split=False, draft_pick=False)}
+
+
+DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split=False),
+                 "fc split": dict(fc_split=False), "pick": dict(draft_pick=False)}
+
+
+def default_plans(base: KernelPlan) -> dict:
+    """The plan's defaults that were measured in (DEFAULT_FORMS), each off alone against all on, and
+    all off: the ratios say what each still buys on this model and weight format (the bit form
+    matters with --weights fp8 only, the small split on the MoE models and FP8 only)."""
+    off = {k: v for forms in DEFAULT_FORMS.values() for k, v in forms.items()}
+    return {"defaults": base, **{f"-{name}": base.replace(**forms) for name, forms in DEFAULT_FORMS.items()},
+            "none": base.replace(**off)}
+
+
+FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
+            "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans}
+
+
+def products_ms(model, plan: KernelPlan, reps: int = 20) -> float:
+    """One decode step's products alone, in the step's order (each waits for the one before, as in
+    the step), on the model's own weights, under the plan: what the step's other kernels add is the
+    difference."""
+    p = plan.products
+    plain = lambda x, w: matvec.matvec(x, w, plan=p)
+    glu = lambda x, w: matvec.matvec_swiglu(x, w, p)
+    parts = lambda x, w: matvec_parts.matvec_parts(x, w, p)
+    calls = []
+    for layer in model.layers:
+        m = layer.mixer
+        ws = [m.in_proj, m.out_proj] if layer.kind != "full_attention" else [m.qkv, m.o_proj]
+        calls += [(ws[0], plain), (ws[1], parts), (layer.mlp.gate_up, glu), (layer.mlp.down, parts)]
+    calls.append((model.head, plain))
+    xs = {}
+    for w, _ in calls:
+        xs.setdefault(w.shape[1], torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device))
+    run = lambda: [fn(xs[w.shape[1]], w) for w, fn in calls]
+    run()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def kernel_resources():
+    """Warps, stages, shared memory and registers of each compiled matvec kernel."""
+    out = []
+    for fn in (matvec._matvec_kernel, matvec_parts._matvec_parts_kernel):
+        for cache in getattr(fn, "device_caches", {}).values():
+            for kernel in cache[0].values():
+                md = kernel.metadata
+                out.append(f"{fn.__name__} warps={md.num_warps} stages={md.num_stages} smem={md.shared} "
+                           f"regs={getattr(kernel, 'n_regs', '?')}")
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3.6-27b")
+    p.add_argument("--plans", default="defaults", choices=tuple(FAMILIES))
+    p.add_argument("--weights", default="bf16", choices=("bf16", "fp8"))
+    p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--max-context", type=int, help="the cache size (default: the context + 256)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--room", type=int, default=1 << 20,
+                   help="tokens the generation may still emit: 0 replays ended steps, which write no GDN state")
+    p.add_argument("--products", action="store_true", help="also time the decode step's products alone")
+    p.add_argument("--json")
+    a = p.parse_args()
+    config = ModelConfig.load(CONFIGS / f"{a.model}.json")
+    engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=a.max_context or a.context + 256,
+                    cuda_graphs=False, weights=a.weights)
+    plans = FAMILIES[a.plans](engine.plan)
+    if a.only:
+        plans = {name: plans[name] for name in a.only.split(",")}
+    d = engine.decoder
+    for _ in engine.generate(random_prompt(engine, a.context, 1), SamplingParams(max_tokens=2, stop_token_ids=())):
+        pass
+    d.room.fill_(a.room)
+    kept = (d.pos, d.state.fold, d.state.parity, d.state.conv_off, d.pend_n, d.room)
+    save = [t.clone() for t in kept]
+
+    def restore():
+        for t, s in zip(kept, save):
+            t.copy_(s)
+
+    phases = {"verify 0": lambda: d.verify(0), "verify 3": lambda: d.verify(3), "draft 3": lambda: d.draft(3)}
+    graphs, logits = {}, {}
+    pool = torch.cuda.graph_pool_handle()
+    for name, plan in list(plans.items()):
+        d.plan = plan                              # the decoder's contexts carry it from here on
+        try:
+            for phase, fn in phases.items():
+                restore()
+                fn()                               # compiles this plan's kernels
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    restore()
+                    fn()
+                graphs[name, phase] = g
+        except Exception as e:                     # a tile that does not fit, and the like
+            print(f"{name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            del plans[name]
+            graphs = {key: g for key, g in graphs.items() if key[0] != name}
+            continue
+        restore()
+        graphs[name, "verify 0"].replay()
+        logits[name] = d.v_logits[:1].clone()
+    d.plan = engine.plan
+    first = next(iter(plans))
+    products = {}
+    if a.products:
+        for name, plan in plans.items():
+            products[name] = products_ms(engine.model, plan)
+    same = {name: bool(torch.equal(logits[name], logits[first])) for name in plans} if a.room == 0 else {}
+    times = {key: [] for key in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(a.rounds):
+        for key, g in graphs.items():
+            g.replay()
+            start.record()
+            for _ in range(a.replays):
+                g.replay()
+            end.record()
+            end.synchronize()
+            times[key].append(start.elapsed_time(end) / a.replays)
+    out = {"plans": a.plans, "base_plan": engine.plan.describe(), "same_logits": same, "ms": {}, "spread": {},
+           "resources": kernel_resources()}
+    base = {phase: statistics.median(times[first, phase]) for phase in phases}
+    for name in plans:
+        row = {phase: statistics.median(times[name, phase]) for phase in phases}
+        out["ms"][name] = row
+        out["spread"][name] = {phase: [min(times[name, phase]), max(times[name, phase])] for phase in phases}
+        rel = "  ".join(f"{ph} {ms:7.3f} ms ({ms / base[ph]:.4f})" for ph, ms in row.items())
+        print(f"{name:>18}: {rel}  same logits: {same.get(name)}", flush=True)
+    for line in out["resources"]:
+        print(line)
+    if products:
+        out["products_ms"] = products
+        for name, ms in products.items():
+            print(f"the decode step's products alone, {name}: {ms:.3f} ms")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
