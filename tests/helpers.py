@@ -4,7 +4,8 @@ GPU-like cost table for the draft policy, and the CLI's isolated environment.
 
 Test modules import from here (and from mtp_support, serve_support, kernels/kernel_checks,
 app/apphelpers), never from one another (tests/test_layers_tests.py checks it). tests/ is on
-sys.path for every test: pytest puts a rootdir-less conftest's folder there (tests/conftest.py)."""
+sys.path for every test, tests/kernels' and tests/app's too: pytest's default import mode puts the
+folder of tests/conftest.py (a folder without __init__.py) there."""
 import math
 
 import pytest
