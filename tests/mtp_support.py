@@ -1,5 +1,6 @@
-"""Helpers shared by the MTP tests: loading, generating, drafters with a chosen acceptance, and
-snapshots of the decode state."""
+"""Helpers shared by the MTP tests: loading, generating, drafters with a chosen acceptance,
+snapshots of the decode state, and the statistics that tell a lossless sampling rule (the target's
+exact distribution of a generation's first tokens, chi-square goodness of fit)."""
 import torch
 
 from mtpchat.engine import Engine, SamplingParams
@@ -14,10 +15,6 @@ ALL_RIGHT = (1.0, 1.0, 1.0, 1.0)         # every draft is the true token: window
 
 def load(path, **kw) -> Engine:
     return Engine.load(path, prefill_chunk=48, max_context=512, **kw)
-
-
-def random_ids(n, seed, vocab):
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def generate(e, ids, params=GREEDY, after_step=None) -> list:
@@ -92,3 +89,87 @@ def sequential_state(path, prompt, emitted, stop=()):
     done = generate(e, prompt, SamplingParams(max_tokens=len(emitted), stop_token_ids=tuple(stop)))[-1]
     assert list(done.token_ids) == list(emitted)
     return snapshot(e)
+
+
+# --- lossless sampling -----------------------------------------------------------------------------
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of counts [V] to probs [V]. A count where the probability is 0 rejects;
+    cells expecting fewer than 5 are pooled so the chi-square approximation holds."""
+    n = counts.sum()
+    if n == 0:
+        return 1.0
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    expected = n * probs
+    big = expected >= 5
+    small = (probs > 0) & ~big
+    obs = torch.cat([counts[big], counts[small].sum().view(1)])
+    exp = torch.cat([expected[big], expected[small].sum().view(1)])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = torch.tensor(float(keep.sum() - 1))
+    return torch.special.gammaincc(df / 2, stat / 2).item() if df > 0 else 1.0
+
+
+def oracle_probs(logits, seen, params):
+    """The target's sampling distribution, written out for the parameters used here (float64)."""
+    x = (logits.double() - params.presence_penalty * seen.double()) / params.temperature
+    kth = x.topk(params.top_k, dim=-1).values[..., -1:]
+    return x.masked_fill(x < kth, float("-inf")).softmax(-1)
+
+
+E2E_PARAMS = SamplingParams(temperature=6.0, top_k=3, presence_penalty=6.0, max_tokens=4, stop_token_ids=())
+
+
+class TreeDrafter:
+    """Drafts the target's most likely token after the tokens generated so far (looked up in a
+    precomputed tree), so drafts are accepted often and rejected often. `follow` is the
+    generation's after-step hook: it tells the drafter what was emitted."""
+
+    def __init__(self, table):
+        self.table, self.emitted = table, ()
+
+    def follow(self, steps):
+        self.emitted = tuple(t for s in steps for t in s.token_ids)
+
+    def __call__(self, position, drafts):
+        assert position == len(self.emitted)
+        prefix, out = self.emitted, []
+        for i in range(drafts.shape[0]):
+            out.append(self.table.get(prefix, int(drafts[i])))    # past the tree: the head's own draft
+            prefix += (out[-1],)
+        return torch.tensor(out)
+
+
+def exact_first_tokens(e, prompt):
+    """The target's exact joint distribution of the first three generated tokens, and the tree of
+    most likely next tokens after each prefix of up to two tokens."""
+    def dist(prefix):
+        seen = torch.zeros(e.config.vocab_size, dtype=torch.bool)
+        seen[list(prefix)] = True
+        return oracle_probs(e.logits(prompt + list(prefix))[-1], seen, E2E_PARAMS)
+    joint, table = {}, {}
+    p1 = dist(())
+    for t1 in p1.nonzero()[:, 0].tolist():
+        p2 = dist((t1,))
+        table[(t1,)] = int(p2.argmax())
+        for t2 in p2.nonzero()[:, 0].tolist():
+            p3 = dist((t1, t2))
+            table[(t1, t2)] = int(p3.argmax())
+            for t3 in p3.nonzero()[:, 0].tolist():
+                joint[(t1, t2, t3)] = (p1[t1] * p2[t2] * p3[t3]).item()
+    return joint, table
+
+
+def first_tokens_pvalue(e, prompt, joint, trials, seed0):
+    """Chi-square p-value of the first three tokens of `trials` seeded generations against the
+    exact joint, and the set of accept counts the speculative steps saw."""
+    cells, accepted = list(joint), set()
+    counts = torch.zeros(len(cells) + 1, dtype=torch.float64)     # last cell: anything outside the support
+    for t in range(trials):
+        params = SamplingParams(**{**E2E_PARAMS.__dict__, "seed": seed0 + t})
+        events = generate(e, prompt, params, after_step=e.drafter.follow)
+        toks = tuple(events[-1].token_ids[:3])
+        counts[cells.index(toks) if toks in joint else -1] += 1
+        accepted |= {s.accepted for s in steps_of(events) if s.mtp}
+    return chi2_pvalue(counts, torch.tensor([joint[c] for c in cells] + [0.0], dtype=torch.float64)), accepted

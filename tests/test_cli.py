@@ -19,18 +19,11 @@ import torch
 from mtpchat import cli, loader
 from mtpchat.engine import memory
 from mtpchat.engine.tiny import write_tiny_checkpoint
+from helpers import isolated  # noqa: F401  (autouse: a settings file and a hub cache of the test's own)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "engine" / "configs"
 GiB = 2 ** 30
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
-
-
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    for var in ("HF_HUB_OFFLINE", "MTPCHAT_DATA_DIR"):
-        monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine import Engine
 from mtpchat.engine import demo_corpus as corpus
 from mtpchat.engine import demo_forward as fwd
 from mtpchat.engine import train_demo as td
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.events import Finished
 from mtpchat.engine.tiny import text_config
 from mtpchat.engine.tokenizer import default_corpus, train_tokenizer
+from helpers import assert_mtp_on_equals_off, greedy_tokens, rel_err
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo"
 
@@ -28,14 +28,6 @@ DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo"
 @pytest.fixture(scope="module")
 def engine():
     return Engine.load(DEMO, device="cpu", dtype=torch.float32, max_context=1024)
-
-
-def generate(engine, ids, mtp, k=3, tokens=64):
-    engine.mtp, engine.draft_tokens = mtp, k
-    engine.reset()
-    for event in engine.generate(ids, SamplingParams(max_tokens=tokens, stop_token_ids=())):
-        if isinstance(event, Finished):
-            return list(event.token_ids), event.stats
 
 
 def test_checkpoint_layout():
@@ -69,7 +61,7 @@ def test_transformers_reads_the_same_model(engine):
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
     got = engine.logits(ids)
-    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-4
+    assert rel_err(got, expected) < 1e-4
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -77,22 +69,18 @@ def test_greedy_mtp_on_equals_off(engine, k):
     tok = engine.tokenizer
     prompts = [tok.encode("def "), tok.encode(corpus.heldout(2)[1]),
                tok.apply_chat_template([{"role": "user", "content": "Return the sum of a list of numbers."}])]
-    accepted = 0
-    for ids in prompts:
-        off, _ = generate(engine, ids, mtp=False, tokens=48)
-        on, stats = generate(engine, ids, mtp=True, k=k, tokens=48)
-        assert on == off
-        accepted += stats.accepted
+    runs = assert_mtp_on_equals_off(engine, prompts, 48, ks=(k,))
+    accepted = sum(done.stats.accepted for done in runs)
     assert accepted > 0.3 * 3 * 48 / (k + 1)      # the drafts are the head's own, and they land
 
 
 def test_text_reflects_the_training_data(engine):
     tok = engine.tokenizer
-    code = tok.decode(generate(engine, tok.encode("def "), mtp=True)[0])
+    code = tok.decode(greedy_tokens(engine, tok.encode("def "), 64, mtp=True))
     assert "(" in code and ":" in code and "self" in code and "\n    " in code
     # a chat turn as `mtpchat run --prompt` builds it: the model thinks one line, then writes a function
     ids = tok.apply_chat_template([{"role": "user", "content": "Return the number of lines in a text file."}])
-    answer = tok.decode(generate(engine, ids, mtp=True, tokens=96)[0])
+    answer = tok.decode(greedy_tokens(engine, ids, 96, mtp=True))
     thought, _, code = answer.partition("</think>")
     assert "module" in thought and "def " in code and "return" in code
 

@@ -15,9 +15,9 @@ from mtpchat.engine.draft_vocab import (DEFAULT_DRAFT_VOCAB, context_rows, draft
                                         draft_vocab_size, ranked_tokens)
 from mtpchat.engine.policy import AdaptiveK
 from mtpchat.engine.tiny import write_tiny_checkpoint
-from mtp_support import ALL_RIGHT, MID_PROFILE, generate, load, profile_drafter, random_ids
-from test_mtp_sampling import TreeDrafter, exact_first_tokens, first_tokens_pvalue
-from test_policy import GPU_LIKE
+from helpers import GPU_LIKE, random_ids
+from mtp_support import (ALL_RIGHT, MID_PROFILE, TreeDrafter, exact_first_tokens, first_tokens_pvalue, generate, load,
+                         profile_drafter)
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo"
 

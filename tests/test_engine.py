@@ -5,6 +5,7 @@ import torch
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.events import Finished, Prefilled, Step
 from mtpchat.engine.tiny import write_tiny_checkpoint
+from helpers import random_ids, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,18 +24,10 @@ def ckpt(request, tmp_path_factory):
     return engine, reference
 
 
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def prompt(n, seed, vocab):
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.mark.parametrize("n", [1, 7, 47, 48, 49, 64, 65, 97, 130])
 def test_prefill_logits_match_transformers(ckpt, n):
     engine, ref = ckpt
-    ids = prompt(n, n, engine.config.vocab_size)
+    ids = random_ids(n, n, engine.config.vocab_size)
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
     assert rel_err(engine.logits(ids), expected) < 1e-4
@@ -49,7 +42,7 @@ def test_tied_head_is_the_embedding(ckpt):
 
 def test_decode_through_state_matches_full_forward(ckpt):
     engine, _ = ckpt
-    ids = prompt(90, 3, engine.config.vocab_size)
+    ids = random_ids(90, 3, engine.config.vocab_size)
     full = engine.logits(ids)
     engine.mtp = False
     dec = engine.decoder
@@ -71,7 +64,7 @@ def test_greedy_generation_matches_transformers_generate(ckpt):
     engine, ref = ckpt
     engine.mtp = False
     for seed in range(3):
-        ids = prompt(11 + 17 * seed, 100 + seed, engine.config.vocab_size)
+        ids = random_ids(11 + 17 * seed, 100 + seed, engine.config.vocab_size)
         with torch.no_grad():
             expected = ref.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
                                     eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
@@ -84,7 +77,7 @@ def test_events_and_stats(ckpt):
     engine, _ = ckpt
     engine.reset()
     engine.mtp = False
-    events = list(engine.generate(prompt(9, 5, engine.config.vocab_size), SamplingParams(max_tokens=12, stop_token_ids=())))
+    events = list(engine.generate(random_ids(9, 5, engine.config.vocab_size), SamplingParams(max_tokens=12, stop_token_ids=())))
     assert isinstance(events[0], Prefilled) and events[0].prompt_tokens == 9
     steps = [e for e in events if isinstance(e, Step)]
     done = events[-1]
@@ -97,7 +90,7 @@ def test_events_and_stats(ckpt):
 def test_stop_token_ends_generation(ckpt):
     engine, _ = ckpt
     engine.mtp = False
-    ids = prompt(9, 5, engine.config.vocab_size)
+    ids = random_ids(9, 5, engine.config.vocab_size)
     engine.reset()
     free = list(engine.generate(ids, SamplingParams(max_tokens=20, stop_token_ids=())))[-1].token_ids
     stop_at = free[6]
@@ -109,7 +102,7 @@ def test_stop_token_ends_generation(ckpt):
 def test_sampling_is_reproducible_for_a_seed(ckpt):
     engine, _ = ckpt
     engine.mtp = False
-    ids = prompt(9, 6, engine.config.vocab_size)
+    ids = random_ids(9, 6, engine.config.vocab_size)
     params = SamplingParams(temperature=4.0, top_k=50, top_p=0.95, min_p=0.01, seed=7, max_tokens=24, stop_token_ids=())
     runs = []
     for seed in (7, 7, 8):
@@ -121,11 +114,11 @@ def test_sampling_is_reproducible_for_a_seed(ckpt):
 def test_chat_turns_reuse_the_state(ckpt):
     engine, _ = ckpt
     engine.mtp = False
-    ids = prompt(30, 8, engine.config.vocab_size)
+    ids = random_ids(30, 8, engine.config.vocab_size)
     p = SamplingParams(max_tokens=10, stop_token_ids=())
     engine.reset()
     first = list(engine.generate(ids, p))[-1].token_ids
-    follow = ids + list(first) + prompt(5, 9, engine.config.vocab_size)
+    follow = ids + list(first) + random_ids(5, 9, engine.config.vocab_size)
     events = list(engine.generate(follow, p))
     assert events[0].cached_tokens == len(ids) + len(first) - 1   # the last emitted token was never fed
     engine.reset()

@@ -12,6 +12,7 @@ from mtpchat.engine import Engine, SamplingParams, memory
 from mtpchat.engine.tiny import FP8_TENSORS, write_dequantized_twin, write_tiny_checkpoint
 from mtpchat.engine.weights import WeightsError
 from mtpchat.kernels.fp8 import quantize_ref
+from helpers import assert_mtp_on_equals_off, random_ids, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,14 +26,6 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
     fp8 = write_tiny_checkpoint(root / "fp8", fp8=True, **ALIGNED)
     return fp8, write_dequantized_twin(fp8, root / "bf16")
-
-
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def prompt(n, vocab, seed=0):
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def fp8_params(engine) -> list[str]:
@@ -56,7 +49,7 @@ def test_fp8_logits_equal_transformers_on_the_dequantized_weights(pair, n):
     engine = Engine.load(fp8, max_context=512, prefill_chunk=48, weights="fp8")
     assert engine.fp8 and len(fp8_params(engine)) == 4 * 4     # per layer: two mixer products, gate|up, down
     ref = transformers.Qwen3_5ForCausalLM.from_pretrained(twin, dtype=torch.float32).eval()
-    ids = prompt(n, engine.config.vocab_size, seed=n)
+    ids = random_ids(n, n, engine.config.vocab_size)
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     assert rel_err(engine.logits(ids), want) < 1e-4
@@ -95,7 +88,7 @@ def test_on_the_cpu_an_fp8_checkpoint_is_dequantized_as_it_loads(pair):
     engine = Engine.load(fp8)
     assert not engine.fp8 and not fp8_params(engine)
     assert any("dequantized to float32 as they load" in n for n in engine.notices)
-    ids = prompt(40, engine.config.vocab_size, seed=3)
+    ids = random_ids(40, 3, engine.config.vocab_size)
     assert rel_err(engine.logits(ids), Engine.load(twin).logits(ids)) < 1e-6
 
 
@@ -103,7 +96,7 @@ def test_weights_bf16_dequantizes_an_fp8_checkpoint(pair):
     fp8, twin = pair
     plain = Engine.load(fp8, weights="bf16")
     assert not plain.fp8 and not fp8_params(plain)
-    ids = prompt(40, plain.config.vocab_size, seed=1)
+    ids = random_ids(40, 1, plain.config.vocab_size)
     assert rel_err(plain.logits(ids), Engine.load(twin).logits(ids)) < 1e-6
 
 
@@ -114,7 +107,7 @@ def test_unaligned_products_stay_in_the_model_dtype(tmp_path):
     engine = Engine.load(fp8, weights="fp8")
     kept = dict(engine.model.named_parameters())
     assert kept["layers.3.mixer.qkv"].dtype == torch.float32 and "layers.3.mixer.qkv_scale" not in kept
-    ids = prompt(50, engine.config.vocab_size, seed=2)
+    ids = random_ids(50, 2, engine.config.vocab_size)
     assert rel_err(engine.logits(ids), Engine.load(twin).logits(ids)) < 1e-4
 
 
@@ -122,15 +115,8 @@ def test_unaligned_products_stay_in_the_model_dtype(tmp_path):
 def test_greedy_mtp_on_equals_off_in_fp8(pair, k):
     fp8, _ = pair
     engine = Engine.load(fp8, max_context=512, weights="fp8")
-    params = SamplingParams(max_tokens=40, stop_token_ids=())
-    for seed in range(2):
-        ids = prompt(17 + 30 * seed, engine.config.vocab_size, seed=seed)
-        engine.reset()
-        engine.mtp = False
-        off = list(engine.generate(ids, params))[-1].token_ids
-        engine.reset()
-        engine.mtp, engine.draft_tokens = True, k
-        assert list(engine.generate(ids, params))[-1].token_ids == off
+    prompts = [random_ids(17 + 30 * seed, seed, engine.config.vocab_size) for seed in range(2)]
+    assert_mtp_on_equals_off(engine, prompts, 40, ks=(k,))
 
 
 def test_a_scale_of_the_wrong_shape_is_named(pair, tmp_path):
@@ -170,7 +156,7 @@ def test_products_the_checkpoint_keeps_in_bf16_stay_so(tmp_path):
     (full / "model.safetensors.index.json").write_text(json.dumps(index))
     engine = Engine.load(full, weights="fp8")
     assert fp8_params(engine) and not any(p.dtype == torch.float8_e4m3fn for p in engine.head.parameters())
-    ids = prompt(60, engine.config.vocab_size, seed=4)
+    ids = random_ids(60, 4, engine.config.vocab_size)
     ref = Engine.load(twin)
     # the layers multiply block-scaled FP8 (a float32 rounding apart from the dequantized twin)
     assert rel_err(engine.logits(ids), ref.logits(ids)) < 1e-4

@@ -8,8 +8,7 @@ from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.policy import AdaptiveK
 from mtpchat.engine.spec import ProfileDrafter
 from mtpchat.engine.tiny import write_tiny_checkpoint
-from test_gpu_engine import SHAPE, prompts, tokens
-from test_policy import GPU_LIKE
+from helpers import GPU_LIKE, GPU_MOE_SHAPE, GPU_SHAPE as SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -24,8 +23,8 @@ def test_trimmed_head_and_adaptive_k_equal_mtp_off_bf16(ckpt):
     engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, draft_vocab=160, adaptive=True)
     assert engine.decoder.draft_rows.w.shape[0] == 160 + 16          # the subset and its context rows
     ks = set()
-    for i, ids in enumerate(prompts(engine, 8)):
-        ref = tokens(engine, ids, n=256)
+    for i, ids in enumerate(gpu_prompts(engine, 8)):
+        ref = greedy_tokens(engine, ids, n=256)
         for profile in ((0.9, 0.7, 0.5, 0.3), (0.0,) * 4, None):
             engine.policy = AdaptiveK(4, costs=GPU_LIKE) if profile != (0.0,) * 4 else AdaptiveK(4)
             drafter = ProfileDrafter(ref, profile, seed=i, vocab=engine.config.vocab_size) if profile else None
@@ -61,7 +60,6 @@ def test_draft_kernels_keep_mtp_on_equal_to_off(tmp_path, monkeypatch, moe):
     (counted), and greedy MTP on equals off with the real head, k = 1..4, trimmed and full draft
     heads, dense and MoE."""
     from mtpchat.engine import decoder, dispatch
-    from test_gpu_moe import SHAPE as MOE_SHAPE
     used = {"fc": 0, "pick": 0}
     split, pick = dispatch.matvec_parts_triton, decoder.pick_argmax
 
@@ -74,15 +72,12 @@ def test_draft_kernels_keep_mtp_on_equal_to_off(tmp_path, monkeypatch, moe):
         return pick(*a)
     monkeypatch.setattr(dispatch, "matvec_parts_triton", split_spy)
     monkeypatch.setattr(decoder, "pick_argmax", pick_spy)
-    ckpt = write_tiny_checkpoint(tmp_path / "m", moe=moe, **(MOE_SHAPE if moe else SHAPE))
+    ckpt = write_tiny_checkpoint(tmp_path / "m", moe=moe, **(GPU_MOE_SHAPE if moe else SHAPE))
     for draft_vocab in (0, 160):
         engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, draft_vocab=draft_vocab)
         assert engine.plan.fc_split and engine.plan.draft_pick
         assert (engine.decoder.draft_rows is not None) == bool(draft_vocab)
-        for i, ids in enumerate(prompts(engine, 4)):
-            ref = tokens(engine, ids, n=128)
-            for k in (1, 2, 3, 4):
-                assert tokens(engine, ids, n=128, mtp=True, k=k) == ref, (draft_vocab, i, k)
+        assert_mtp_on_equals_off(engine, gpu_prompts(engine, 4), 128, ks=(1, 2, 3, 4))
     assert used["fc"] > 0 and used["pick"] > 0, used
     # the draft itself: the same token under both argmax forms, trimmed head and full
     for draft_vocab in (0, 160):

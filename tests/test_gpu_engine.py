@@ -6,53 +6,32 @@ from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.model import prefill_attention
 from mtpchat.engine.spec import ProfileDrafter
 from mtpchat.engine.tiny import write_tiny_checkpoint
+from helpers import GPU_SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-# head_dim and GDN head dims are powers of two, as the kernels require (and the real models have)
-SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
-             num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=6,
-             linear_key_head_dim=32, linear_value_head_dim=32)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu"), **SHAPE)
-
-
-def tokens(engine, ids, n=96, mtp=False, k=3, drafter=None):
-    engine.reset()
-    engine.mtp, engine.draft_tokens, engine.drafter = mtp, k, drafter
-    out = list(engine.generate(ids, SamplingParams(max_tokens=n, stop_token_ids=())))[-1].token_ids
-    engine.drafter = None
-    return list(out)
-
-
-def prompts(engine, n):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, engine.config.vocab_size - 64, (int(5 + 23 * i),), generator=g).tolist() for i in range(n)]
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu"), **GPU_SHAPE)
 
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_greedy_mtp_on_equals_off_bf16(ckpt, graphs):
     engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs, max_context=1024)
-    for i, ids in enumerate(prompts(engine, 4)):
-        ref = tokens(engine, ids)
-        for k in (1, 2, 3, 4):
-            drafter = ProfileDrafter(ref, seed=10 * i + k, vocab=engine.config.vocab_size)
-            assert tokens(engine, ids, mtp=True, k=k, drafter=drafter) == ref, (i, k)
-        assert tokens(engine, ids, mtp=True, k=3) == ref      # the real head
+    assert_mtp_on_equals_off(engine, gpu_prompts(engine, 4), 96, profile_ks=(1, 2, 3, 4), ks=(3,))
 
 
 def test_graph_replay_equals_eager(ckpt):
     runs = []
     for graphs in (True, False):
         engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs, max_context=1024)
-        ids = prompts(engine, 2)[1]
-        ref = tokens(engine, ids)
-        runs.append((ref, tokens(engine, ids, mtp=True, k=2,
-                                 drafter=ProfileDrafter(ref, seed=1, vocab=engine.config.vocab_size))))
+        ids = gpu_prompts(engine, 2)[1]
+        ref = greedy_tokens(engine, ids, 96)
+        runs.append((ref, greedy_tokens(engine, ids, 96, mtp=True, k=2,
+                                        drafter=ProfileDrafter(ref, seed=1, vocab=engine.config.vocab_size))))
         del engine
     assert runs[0] == runs[1]
 
@@ -61,10 +40,10 @@ def test_gpu_logits_close_to_cpu_float32(ckpt):
     # chunks of 16: later chunks take the masked path (flash attention has no float32)
     gpu = Engine.load(ckpt, device="cuda", dtype=torch.float32, max_context=512, prefill_chunk=16)
     cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
-    ids = prompts(cpu, 3)[2]
+    ids = gpu_prompts(cpu, 3)[2]
     a, b = gpu.logits(ids).cpu(), cpu.logits(ids)
     # the chunked GDN kernel multiplies in tf32 (about 3e-3 relative per layer against float32)
-    assert ((a - b).abs().max() / b.abs().max()) < 3e-2
+    assert rel_err(a, b) < 3e-2
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
@@ -75,7 +54,7 @@ def test_prefill_attention_of_a_later_chunk(Hq, Hkv, T, n):
     q, k, v = (torch.randn(1, h, m, 256, generator=g) for h, m in ((Hq, T), (Hkv, n), (Hkv, n)))
     want = prefill_attention(q, k, v, n == T, 0.0625)                     # float32 on the CPU
     got = prefill_attention(*(t.to("cuda", torch.bfloat16) for t in (q, k, v)), n == T, 0.0625)
-    err = ((got.float().cpu() - want).norm() / want.norm()).item()
+    err = rel_err(got, want, ord=2)
     assert err < 1e-2, err
 
 
@@ -83,13 +62,13 @@ def test_chunked_prefill_matches_the_cpu(ckpt):
     # 97 prompt tokens in chunks of 32, where later chunks take flash attention's bottom-right causal
     # mask: as close to float32 on the CPU as one unchunked bf16 prefill is (a wrong mask is far off)
     cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
-    ids = prompts(cpu, 5)[4]
+    ids = gpu_prompts(cpu, 5)[4]
     want = cpu.logits(ids)
     errs = {}
     for chunk in (32, 4096):
         gpu = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512, prefill_chunk=chunk)
         got = gpu.logits(ids).float().cpu()
-        errs[chunk] = ((got - want).norm() / want.norm()).item()
+        errs[chunk] = rel_err(got, want, ord=2)
         del gpu
     assert errs[32] < 1.5 * errs[4096] + 1e-3, errs
 
@@ -100,8 +79,8 @@ def test_pipelined_steps_equal_one_at_a_time(ckpt, graphs):
     # and, after a stop id inside an accepted window, the same committed state to the bit
     engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs, max_context=1024)
     assert engine.pipeline == 2
-    ids = prompts(engine, 3)[2]
-    ref = tokens(engine, ids, n=60)
+    ids = gpu_prompts(engine, 3)[2]
+    ref = greedy_tokens(engine, ids, 60)
     states = []
     for depth in (2, 1):
         engine.pipeline = depth

@@ -11,52 +11,34 @@ import torch
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.tiny import write_tiny_checkpoint
+from helpers import GPU_SHAPE, assert_mtp_on_equals_off, greedy_tokens, random_ids, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
-             num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=6,
-             linear_key_head_dim=32, linear_value_head_dim=32)
 CONFIGS = Path(__file__).resolve().parents[1] / "engine" / "configs"
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float().cpu() - want.float()).abs().max() / want.float().abs().max()).item()
-
-
-def greedy(engine, ids, n, mtp=False, k=3):
-    engine.reset()
-    engine.mtp, engine.draft_tokens = mtp, k
-    return list(list(engine.generate(ids, SamplingParams(max_tokens=n, stop_token_ids=())))[-1].token_ids)
-
-
-def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, vocab - 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu32"), **SHAPE)
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu32"), **GPU_SHAPE)
 
 
 @pytest.mark.parametrize("n,chunk", [(1, None), (63, None), (130, None), (130, 48)])
 def test_float32_logits_equal_the_cpu(ckpt, n, chunk):
     gpu = Engine.load(ckpt, device="cuda", dtype=torch.float32, max_context=512, prefill_chunk=chunk)
     cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
-    ids = prompt(n, cpu.config.vocab_size, seed=n)
-    err = relative(gpu.logits(ids), cpu.logits(ids))
+    ids = random_ids(n, n, cpu.config.vocab_size - 64)
+    err = rel_err(gpu.logits(ids), cpu.logits(ids))
     assert err < 1e-4, err
 
 
 def test_float32_decode_equals_the_cpu(ckpt):
     gpu = Engine.load(ckpt, device="cuda", dtype=torch.float32, max_context=512)
     cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
-    ids = prompt(40, cpu.config.vocab_size, seed=7)
-    want = greedy(cpu, ids, 48)
-    assert greedy(gpu, ids, 48) == want
-    for k in (1, 3, 4):
-        assert greedy(gpu, ids, 48, mtp=True, k=k) == want, k
+    ids = random_ids(40, 7, cpu.config.vocab_size - 64)
+    assert greedy_tokens(gpu, ids, 48) == greedy_tokens(cpu, ids, 48)
+    assert_mtp_on_equals_off(gpu, [ids], 48, ks=(1, 3, 4))
 
 
 def test_float32_at_the_27b_layer_shapes():
@@ -72,12 +54,12 @@ def test_float32_at_the_27b_layer_shapes():
         ours = dict(theirs.named_parameters())
         for name, p in mine.named_parameters():
             p.data.copy_(ours[name].data.cpu())
-    ids = prompt(70, cfg.vocab_size, seed=3)
-    err = relative(gpu.logits(ids), cpu.logits(ids))
+    ids = random_ids(70, 3, cfg.vocab_size - 64)
+    err = rel_err(gpu.logits(ids), cpu.logits(ids))
     assert err < 1e-4, err
-    want = greedy(gpu, ids, 24)
-    assert greedy(gpu, ids, 24, mtp=True, k=4) == want
-    assert greedy(cpu, ids, 24) == want
+    want = greedy_tokens(gpu, ids, 24)
+    assert greedy_tokens(gpu, ids, 24, mtp=True, k=4) == want
+    assert greedy_tokens(cpu, ids, 24) == want
 
 
 @pytest.mark.parametrize("mtp", [False, True])
@@ -87,7 +69,7 @@ def test_a_turn_resumed_from_a_snapshot_equals_a_fresh_prefill(ckpt, mtp):
     engine = Engine.load(ckpt, device="cuda", dtype=torch.float32, max_context=512, mtp=mtp)
     fresh = Engine.load(ckpt, device="cuda", dtype=torch.float32, max_context=512, mtp=mtp, snapshots=0)
     vocab = engine.config.vocab_size
-    convo, gen, tail = prompt(150, vocab, 1), prompt(3, vocab, 2), prompt(40, vocab, 3)
+    convo, gen, tail = (random_ids(n, seed, vocab - 64) for n, seed in ((150, 1), (3, 2), (40, 3)))
     params = SamplingParams(max_tokens=32, stop_token_ids=())
     list(engine.generate(convo + gen, params, snapshot_at=(len(convo),)))
     for follow in (tail, tail[:25] + gen):

@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from mtpchat.engine import Engine, SamplingParams
-from mtpchat.engine.spec import ProfileDrafter
 from mtpchat.engine.tiny import write_tiny_checkpoint
-from test_gpu_engine import prompts, tokens
+from helpers import assert_mtp_on_equals_off, gpu_prompts, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -27,12 +26,7 @@ def ckpt(tmp_path_factory):
 def test_fp8_greedy_mtp_on_equals_off(ckpt, graphs):
     engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs, max_context=1024)
     assert engine.fp8 and engine.model.layers[0].mlp.gate_up.dtype == torch.float8_e4m3fn
-    for i, ids in enumerate(prompts(engine, 4)):
-        ref = tokens(engine, ids)
-        for k in (1, 2, 3, 4):
-            drafter = ProfileDrafter(ref, seed=10 * i + k, vocab=engine.config.vocab_size)
-            assert tokens(engine, ids, mtp=True, k=k, drafter=drafter) == ref, (i, k)
-        assert tokens(engine, ids, mtp=True, k=3) == ref      # the real head
+    assert_mtp_on_equals_off(engine, gpu_prompts(engine, 4), 96, profile_ks=(1, 2, 3, 4), ks=(3,))
 
 
 def test_fp8_prefill_on_the_gpu_is_close_to_the_cpu(ckpt):
@@ -40,9 +34,8 @@ def test_fp8_prefill_on_the_gpu_is_close_to_the_cpu(ckpt):
     # random 8-layer model amplifies: a loose bound
     gpu = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512, cuda_graphs=False)
     cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
-    ids = prompts(cpu, 6)[5]
-    want, got = cpu.logits(ids), gpu.logits(ids).float().cpu()
-    assert ((got - want).norm() / want.norm()).item() < 0.3
+    ids = gpu_prompts(cpu, 6)[5]
+    assert rel_err(gpu.logits(ids), cpu.logits(ids), ord=2) < 0.3
 
 
 def step_error(engine, cpu, ids) -> float:
@@ -61,7 +54,7 @@ def step_error(engine, cpu, ids) -> float:
             dec.last = tok
             dec.step(0, SamplingParams(), None)
             steps.append(dec.v_logits[0].float().cpu())
-    return ((torch.stack(steps)[:-1] - want[1:-1]).norm() / want[1:-1].norm()).item()
+    return rel_err(torch.stack(steps)[:-1], want[1:-1], ord=2)
 
 
 def test_fp8_steps_follow_the_cpu_as_bf16_does(ckpt, tmp_path, monkeypatch):
@@ -73,7 +66,7 @@ def test_fp8_steps_follow_the_cpu_as_bf16_does(ckpt, tmp_path, monkeypatch):
     from mtpchat.kernels.fp8 import dequantize_ref
     monkeypatch.setattr(fp8_gemm, "gemm", lambda x, q: (x.float() @ dequantize_ref(q).T).to(x.dtype))
     cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
-    ids = prompts(cpu, 3)[2][:40]
+    ids = gpu_prompts(cpu, 3)[2][:40]
     fp8 = step_error(Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512), cpu, ids)
     twin = write_dequantized_twin(ckpt, tmp_path / "bf16")
     bf16 = step_error(Engine.load(twin, device="cuda", dtype=torch.bfloat16, max_context=512), cpu, ids)

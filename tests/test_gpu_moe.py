@@ -6,18 +6,12 @@ import torch
 
 from mtpchat.engine import Engine
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.spec import ProfileDrafter
 from mtpchat.engine.tiny import write_tiny_checkpoint
 from mtpchat.engine.weights import PER_EXPERT, STACKED
-from test_gpu_engine import prompts, tokens
+from helpers import GPU_MOE_SHAPE as SHAPE, assert_mtp_on_equals_off, gpu_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-# FP8 experts need their parts on whole 128-row blocks
-SHAPE = dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
-             num_experts=24, num_experts_per_tok=4, moe_intermediate_size=128, shared_expert_intermediate_size=128)
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +22,7 @@ def ckpts(tmp_path_factory):
 
 
 def on_equals_off(engine, n_prompts=4, n=96):
-    for i, ids in enumerate(prompts(engine, n_prompts)):
-        ref = tokens(engine, ids, n=n)
-        for k in (1, 2, 3, 4):
-            drafter = ProfileDrafter(ref, seed=10 * i + k, vocab=engine.config.vocab_size)
-            assert tokens(engine, ids, n=n, mtp=True, k=k, drafter=drafter) == ref, (i, k)
-        assert tokens(engine, ids, n=n, mtp=True, k=3) == ref      # the real head
+    assert_mtp_on_equals_off(engine, gpu_prompts(engine, n_prompts), n, profile_ks=(1, 2, 3, 4), ks=(3,))
 
 
 @pytest.mark.parametrize("graphs", [True, False])
@@ -47,7 +36,7 @@ def test_greedy_mtp_on_equals_off(ckpts, layout, graphs):
 def test_gpu_logits_close_to_the_cpu(ckpts):
     gpu = Engine.load(ckpts[STACKED], device="cuda", dtype=torch.float32, max_context=512, cuda_graphs=False)
     cpu = Engine.load(ckpts[STACKED], device="cpu", dtype=torch.float32, max_context=512)
-    for ids in prompts(cpu, 6)[::2]:
+    for ids in gpu_prompts(cpu, 6)[::2]:
         want, got = cpu.logits(ids), gpu.logits(ids).cpu()
         assert ((got - want).norm() / want.norm()).item() < 1e-4
 

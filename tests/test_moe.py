@@ -15,6 +15,7 @@ from mtpchat.engine.tiny import write_dequantized_twin, write_tiny_checkpoint
 from mtpchat.engine.weights import PER_EXPERT, STACKED, expert_layout, text_prefix
 from mtpchat.kernels import moe
 from mtpchat.kernels.fp8 import quantize_ref
+from helpers import assert_mtp_on_equals_off, random_ids, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,20 +50,12 @@ def saved_by_transformers(ckpts, tmp_path_factory):
     return out
 
 
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-def prompt(n, vocab, seed=0):
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def max_error(folder, engine=None) -> float:
     engine = engine or Engine.load(folder, max_context=512, prefill_chunk=48)
     ref = transformers.Qwen3_5MoeForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     worst = 0.0
     for n in LENGTHS:
-        ids = prompt(n, engine.config.vocab_size, seed=n)
+        ids = random_ids(n, n, engine.config.vocab_size)
         with torch.no_grad():
             want = ref(torch.tensor([ids])).logits[0]
         worst = max(worst, rel_err(engine.logits(ids), want))
@@ -148,23 +141,15 @@ def test_a_wrong_router_fails_the_comparison(ckpts, monkeypatch, mistake):
 @pytest.mark.parametrize("layout", [STACKED, PER_EXPERT])
 def test_greedy_mtp_on_equals_off(ckpts, layout):
     engine = Engine.load(ckpts[layout], max_context=600)
-    params = SamplingParams(temperature=0, max_tokens=48, stop_token_ids=())
-    for p in range(2):
-        ids = prompt(20 + 31 * p, engine.config.vocab_size, seed=40 + p)
-        engine.mtp = False
-        ref = [e for e in engine.generate(ids, params)][-1].token_ids
-        engine.mtp = True
-        for k in (1, 2, 3, 4):
-            engine.draft_tokens = k
-            done = [e for e in engine.generate(ids, params)][-1]
-            assert done.token_ids == ref, f"prompt {p}, k={k}"
-            assert done.stats.verify_steps > 0
+    prompts = [random_ids(20 + 31 * p, 40 + p, engine.config.vocab_size) for p in range(2)]
+    runs = assert_mtp_on_equals_off(engine, prompts, 48, ks=(1, 2, 3, 4))
+    assert all(done.stats.verify_steps > 0 for done in runs)
 
 
 def test_experts_read_per_step(ckpts):
     engine = Engine.load(ckpts[STACKED], max_context=300)
     c = engine.config
-    ids = prompt(12, c.vocab_size, seed=3)
+    ids = random_ids(12, 3, c.vocab_size)
     engine.mtp = False
     off = [e for e in engine.generate(ids, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=()))]
     assert all(e.experts_read == c.num_hidden_layers * c.num_experts_per_tok for e in off[2:-1])   # one row: k each
@@ -189,7 +174,7 @@ def stale_rows_apart_and_routed_as_the_last(ckpt, monkeypatch, profile, tokens: 
             heads.append(drafts.clone())
             return super().__call__(position, drafts)
     engine = Engine.load(ckpt, max_context=300)
-    ids = prompt(12, engine.config.vocab_size, seed=seed)
+    ids = random_ids(12, seed, engine.config.vocab_size)
     engine.mtp = False
     greedy = SamplingParams(temperature=0, max_tokens=tokens, stop_token_ids=())
     ref = list(list(engine.generate(ids, greedy))[-1].token_ids)

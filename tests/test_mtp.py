@@ -17,7 +17,8 @@ from mtpchat.engine.events import Prefilled, Step
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.spec import ProfileDrafter
 from mtpchat.engine.tiny import write_tiny_checkpoint
-from mtp_support import N_PROMPTS, NEW_TOKENS, ALL_RIGHT, GREEDY, WindowDrafter, assert_same_state, generate, load, profile_drafter, random_ids, sequential_state, snapshot, steps_of, window_sizes
+from helpers import first_diff, random_ids
+from mtp_support import N_PROMPTS, NEW_TOKENS, ALL_RIGHT, GREEDY, WindowDrafter, assert_same_state, generate, load, profile_drafter, sequential_state, snapshot, steps_of, window_sizes
 
 
 # --- 1. greedy exactness ----------------------------------------------------------------------------
@@ -50,10 +51,6 @@ def test_greedy_mtp_on_equals_mtp_off(gqa3, greedy_refs, k, drafter):
         accepted_counts |= {s.accepted for s in spec}
     if drafter == "profile":
         assert accepted_counts == set(range(k + 1))        # every outcome of a window was exercised
-
-
-def first_diff(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @pytest.mark.parametrize("drafter", ["profile", "head"])

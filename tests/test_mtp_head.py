@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from mtpchat.engine import SamplingParams
-from mtp_support import generate, load, profile_drafter, random_ids
+from helpers import random_ids, rel_err
+from mtp_support import generate, load, profile_drafter
 
 
 # --- 4. the draft head against a from-scratch implementation of its formula ----------------------
@@ -80,10 +81,6 @@ def target_hiddens(e, ids):
     finally:
         hook.remove()
     return torch.cat(hidden)
-
-
-def rel_err(a, b):
-    return ((a.double() - b).abs().max() / b.abs().max()).item()
 
 
 @pytest.mark.parametrize("ckpt", ["gqa3", "tied"])

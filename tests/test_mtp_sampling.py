@@ -7,36 +7,12 @@ from mtpchat.engine import SamplingParams
 from mtpchat.engine import decoder as decoder_module
 from mtpchat.engine.sampling import process_logits, sample
 from mtpchat.engine.spec import accept_sampled, seen_rows
-from mtp_support import generate, load, random_ids, steps_of
+from helpers import random_ids
+from mtp_support import (E2E_PARAMS, TreeDrafter, chi2_pvalue, exact_first_tokens, first_tokens_pvalue, generate, load,
+                         oracle_probs)
 
 
 # --- 3. lossless sampling ---------------------------------------------------------------------------
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Goodness of fit of counts [V] to probs [V]. A count where the probability is 0 rejects;
-    cells expecting fewer than 5 are pooled so the chi-square approximation holds."""
-    n = counts.sum()
-    if n == 0:
-        return 1.0
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    expected = n * probs
-    big = expected >= 5
-    small = (probs > 0) & ~big
-    obs = torch.cat([counts[big], counts[small].sum().view(1)])
-    exp = torch.cat([expected[big], expected[small].sum().view(1)])
-    keep = exp > 0
-    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
-    df = torch.tensor(float(keep.sum() - 1))
-    return torch.special.gammaincc(df / 2, stat / 2).item() if df > 0 else 1.0
-
-
-def oracle_probs(logits, seen, params):
-    """The target's sampling distribution, written out for the parameters used here (float64)."""
-    x = (logits.double() - params.presence_penalty * seen.double()) / params.temperature
-    kth = x.topk(params.top_k, dim=-1).values[..., -1:]
-    return x.masked_fill(x < kth, float("-inf")).softmax(-1)
-
-
 def splice(match, drafts, fallback):
     a = int(match.long().cumprod(0).sum())
     return torch.tensor([a]), torch.cat([drafts[:a], fallback[a:a + 1], drafts.new_zeros(len(drafts) - a)])
@@ -95,63 +71,6 @@ def test_acceptance_rule_is_lossless_on_a_fixed_window():
                                     accept_ignoring_drafts_in_penalty])
 def test_window_test_rejects_broken_rules(broken):
     assert window_pvalue(broken) < 1e-6
-
-
-E2E_PARAMS = SamplingParams(temperature=6.0, top_k=3, presence_penalty=6.0, max_tokens=4, stop_token_ids=())
-
-
-class TreeDrafter:
-    """Drafts the target's most likely token after the tokens generated so far (looked up in a
-    precomputed tree), so drafts are accepted often and rejected often. `follow` is the
-    generation's after-step hook: it tells the drafter what was emitted."""
-
-    def __init__(self, table):
-        self.table, self.emitted = table, ()
-
-    def follow(self, steps):
-        self.emitted = tuple(t for s in steps for t in s.token_ids)
-
-    def __call__(self, position, drafts):
-        assert position == len(self.emitted)
-        prefix, out = self.emitted, []
-        for i in range(drafts.shape[0]):
-            out.append(self.table.get(prefix, int(drafts[i])))    # past the tree: the head's own draft
-            prefix += (out[-1],)
-        return torch.tensor(out)
-
-
-def exact_first_tokens(e, prompt):
-    """The target's exact joint distribution of the first three generated tokens, and the tree of
-    most likely next tokens after each prefix of up to two tokens."""
-    def dist(prefix):
-        seen = torch.zeros(e.config.vocab_size, dtype=torch.bool)
-        seen[list(prefix)] = True
-        return oracle_probs(e.logits(prompt + list(prefix))[-1], seen, E2E_PARAMS)
-    joint, table = {}, {}
-    p1 = dist(())
-    for t1 in p1.nonzero()[:, 0].tolist():
-        p2 = dist((t1,))
-        table[(t1,)] = int(p2.argmax())
-        for t2 in p2.nonzero()[:, 0].tolist():
-            p3 = dist((t1, t2))
-            table[(t1, t2)] = int(p3.argmax())
-            for t3 in p3.nonzero()[:, 0].tolist():
-                joint[(t1, t2, t3)] = (p1[t1] * p2[t2] * p3[t3]).item()
-    return joint, table
-
-
-def first_tokens_pvalue(e, prompt, joint, trials, seed0):
-    """Chi-square p-value of the first three tokens of `trials` seeded generations against the
-    exact joint, and the set of accept counts the speculative steps saw."""
-    cells, accepted = list(joint), set()
-    counts = torch.zeros(len(cells) + 1, dtype=torch.float64)     # last cell: anything outside the support
-    for t in range(trials):
-        params = SamplingParams(**{**E2E_PARAMS.__dict__, "seed": seed0 + t})
-        events = generate(e, prompt, params, after_step=e.drafter.follow)
-        toks = tuple(events[-1].token_ids[:3])
-        counts[cells.index(toks) if toks in joint else -1] += 1
-        accepted |= {s.accepted for s in steps_of(events) if s.mtp}
-    return chi2_pvalue(counts, torch.tensor([joint[c] for c in cells] + [0.0], dtype=torch.float64)), accepted
 
 
 @pytest.fixture(scope="module")

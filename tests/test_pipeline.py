@@ -7,8 +7,9 @@ import torch
 
 from mtpchat.engine import SamplingParams
 from mtpchat.engine.events import Finished, Step
+from helpers import random_ids
 from mtp_support import (ALL_RIGHT, GREEDY, NEW_TOKENS, assert_same_state, generate, load, profile_drafter,
-                         random_ids, sequential_state, snapshot, steps_of)
+                         sequential_state, snapshot, steps_of)
 
 
 def pipelined(path, **kw):

@@ -7,11 +7,8 @@ import torch
 from mtpchat.engine import SamplingParams
 from mtpchat.engine.events import PhaseTimes
 from mtpchat.engine.policy import MAX_PROBE_EVERY, AdaptiveK
-from mtp_support import (ALL_RIGHT, MID_PROFILE, NEW_TOKENS, generate, load, profile_drafter, random_ids, steps_of,
-                         window_sizes)
-
-# a 27B-like device: verify k costs 0.6 % more per token, a draft step 2.5 % of a decode step
-GPU_LIKE = [1.0 + 0.031 * k for k in range(5)]
+from helpers import GPU_LIKE, random_ids
+from mtp_support import ALL_RIGHT, MID_PROFILE, NEW_TOKENS, generate, load, profile_drafter, steps_of, window_sizes
 
 
 def run(policy, k_user, accept_of, steps):

@@ -1,10 +1,11 @@
-"""What the kernel tests share: one relative-error check, the tolerances, seeded random inputs
-(and Normed ones for the products)."""
+"""What the kernel tests share: one relative-error check (tests/helpers.py's rel_err over the
+Frobenius norms), the tolerances, seeded random inputs (and Normed ones for the products)."""
 from __future__ import annotations
 
 import torch
 
 from mtpchat.kernels import matvec
+from helpers import rel_err
 from mtpchat.kernels.plan import ProductPlan
 
 INTERPRETED = not torch.cuda.is_available()
@@ -14,15 +15,10 @@ INTERPRETED = not torch.cuda.is_available()
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2 if INTERPRETED else 1e-2}
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-
 def check(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "output"):
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
     assert torch.isfinite(out).all(), f"{what}: not finite"
-    err = rel_err(out, ref)
+    err = rel_err(out, ref, ord=2)
     assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
 
 

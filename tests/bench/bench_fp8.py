@@ -1,6 +1,6 @@
 """Tiles of the few-row FP8 products on the 27B's shapes: achieved bandwidth under each.
 
-    cd tests/kernels && python3 bench_fp8.py
+    cd tests/bench && python3 bench_fp8.py
 
 Each product (3 rows, bf16 activations, FP8 weights with their scales) is timed with CUDA events
 over rotating weight copies (more bytes than L2 holds), under the default tile and a few others,

@@ -2,7 +2,7 @@
 decode row and a verify step, against the bytes of the experts they read, over a few tile choices;
 FP8 experts widened by Triton's conversion and by moving bits (kernels/fp8.py widen) both.
 
-    python tests/kernels/bench_moe.py [--weights fp8]
+    python tests/bench/bench_moe.py [--weights fp8]
 """
 from __future__ import annotations
 

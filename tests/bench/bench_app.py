@@ -1,6 +1,6 @@
 """Tokens/s inside the app vs headless, on the same tiny checkpoint, runs interleaved.
 
-    python tests/app/bench_app.py [--tokens 2048] [--runs 15] [--k 3] [--threads 1] [--device cpu]
+    python tests/bench/bench_app.py [--tokens 2048] [--runs 15] [--k 3] [--threads 1] [--device cpu]
 
 Headless is the `mtpchat run` loop (engine.generate, detokenizing each step, on the main thread).
 The app run sends the same prompt through the Textual app, drawing to a pseudo-terminal with its

@@ -1,6 +1,6 @@
 """Kernel micro-benchmarks on a GPU at the Qwen3.6-27B shapes, against the bandwidth floor.
 
-    python tests/kernels/bench_kernels.py [--sweep] [--sweep-matvec] [--sweep-attention] [--only matvec,...]
+    python tests/bench/bench_kernels.py [--sweep] [--sweep-matvec] [--sweep-attention] [--only matvec,...]
                                           [--json out.json]
 
 Every kernel is timed the way a decode step runs it: once per layer over that layer's own buffers

@@ -1,6 +1,6 @@
 """Where the few-row FP8 products lose their bandwidth: the weights' layout and the K loop's step.
 
-    cd tests/kernels && python3 probe_fp8_layout.py            # on the GPU (--sweep: tiles; --bits: widening)
+    cd tests/bench && python3 probe_fp8_layout.py            # on the GPU (--sweep: tiles; --bits: widening)
     TRITON_INTERPRET=1 python3 probe_fp8_layout.py --check     # the forms' values, small, on the CPU
 
 Every FP8 form probe_fp8.py tried (widened dot, chained dots, fp16, integer widening, no dot) landed

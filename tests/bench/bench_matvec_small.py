@@ -2,7 +2,7 @@
 each product timed once per layer over that layer's own weight (nothing stays in L2), in a CUDA
 graph, against the bytes it reads at the copy bandwidth measured in the same run.
 
-    python tests/kernels/bench_matvec_small.py [--rows 1]
+    python tests/bench/bench_matvec_small.py [--rows 1]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Probes for the FP8 paths on the GPU, each against the bf16 path of the same shape, in one process:
 
-    cd tests/kernels && python3 probe_fp8.py
+    cd tests/bench && python3 probe_fp8.py
 
 1. Few-row products (decode): forms of the K loop over FP8 weights, as small kernels of their own,
    timed in CUDA graphs of 20 launches over rotating weights: the dot on the weights widened to

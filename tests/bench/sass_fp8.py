@@ -1,7 +1,7 @@
 """The few-row FP8 products compiled for an H100 (sm_90) on a machine without a GPU: registers, shared
 memory and the instruction mix of each, to read before spending GPU time.
 
-    cd tests/kernels && python3 sass_fp8.py
+    cd tests/bench && python3 sass_fp8.py
 
 Use the Triton the GPU machine has (3.6 there: `pip install --target DIR triton==3.6.0` and put DIR
 first on PYTHONPATH): with the pointers and the 16-divisible sizes marked as a launch marks them,
