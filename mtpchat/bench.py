@@ -65,7 +65,8 @@ def main(args) -> int:
             raise SystemExit("mtpchat bench: --prompts needs a checkpoint with a tokenizer, not random weights")
         lines = Path(args.prompts).read_text().splitlines()
         prompts = [engine.tokenizer.encode(json.loads(line)["prompt"]) for line in lines if line.strip()]
-    result = {"model": name, "cuda_graphs": graphs, "prefill_chunk": engine.decoder.prefill_chunk, **bench.run(
+    result = {"model": name, "cuda_graphs": graphs, "prefill_chunk": engine.decoder.prefill_chunk,
+              "kernel_plan": engine.plan.describe(), **bench.run(
         engine, context=context, tokens=args.tokens, exactness_prompts=args.exactness_prompts,
         exactness_tokens=args.exactness_tokens, prompts=prompts, ttft=tuple(n for n in (512, 8192) if n + 8 < max_context),
         policy_tokens=args.policy_tokens, policy_repeats=args.policy_repeats, profiles_only=args.profiles_only)}
@@ -94,7 +95,9 @@ def table(r: dict) -> str:
     row = lambda label, ms: f"{label:<44}{ms:>10.3f} ms {ms / floor:>8.3f} x floor"
     lines = [f"{r['model']} on {r['device']}, CUDA graphs {'on' if r['cuda_graphs'] else 'off'}",
              f"copy bandwidth {r['copy_bandwidth_tb_s']:.3f} TB/s; {r['step_bytes'] / 1e9:.2f} GB of weights per target step "
-             f"-> floor {floor:.3f} ms; capture {r['capture_s']:.1f} s", ""]
+             f"-> floor {floor:.3f} ms; capture {r['capture_s']:.1f} s",
+             "kernel plan: " + " ".join(f"{k}={v}" for k, v in r["kernel_plan"].items() if k != "products")
+             + " " + " ".join(f"{k}={v}" for k, v in r["kernel_plan"]["products"].items()), ""]
     for n, ms in r["ttft_ms"].items():
         lines.append(f"{'time to first token, ' + str(n) + ' tokens':<44}{ms:>10.1f} ms")
     if "second_turn" in r:

@@ -128,6 +128,7 @@ def dry_run(options) -> int:
           f"MTP {'on' if prep.mtp else 'off'}, "
           f"{prep.draft_tokens} draft tokens per step; CUDA graphs {'on' if prep.cuda_graphs else 'off'}")
     print("\n".join(memory.describe(prep.plan)))
+    print(kernel_plan_line(prep))
     if prep.free is None:
         print("free memory on the device: unknown")
         return 0
@@ -137,6 +138,18 @@ def dry_run(options) -> int:
         return 0
     print(loader.not_enough_memory_message(prep))
     return 1
+
+
+def kernel_plan_line(prep) -> str:
+    """The kernels' forms the engine would take (engine/plan.py): chosen here where the device is,
+    else said to be chosen on it (the products split by its SMs)."""
+    import torch
+    from mtpchat.engine.plan import KernelPlan
+    if prep.device.startswith("cuda") and not torch.cuda.is_available():
+        return "kernel plan: chosen on the GPU at load (its products split by its SMs)"
+    plan = KernelPlan.choose(prep.device, prep.config, prep.plan.weight_format == "fp8").describe()
+    products = plan.pop("products")
+    return "kernel plan: " + " ".join(f"{k}={v}" for k, v in {**plan, **products}.items())
 
 
 def _read_prompt(args) -> str:

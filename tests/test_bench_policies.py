@@ -33,4 +33,5 @@ def test_bench_profile_policy_table(capsys, gqa3):
     assert "ttft_ms" in r and not r["ttft_ms"] and not r["mtp_real"] and "exactness" not in r
     assert main(args) == 0
     table = capsys.readouterr().out
+    assert "kernel plan: split_norm=True" in table
     assert "ms per token, end to end" in table and "chat-thinking (2.51)" in table and "adaptive/best fixed" in table

@@ -201,6 +201,9 @@ def test_dry_run_reads_no_weights(capsys, tiny, monkeypatch):
     monkeypatch.setattr(loader, "load_engine", forbidden)
     code, out, _ = run(capsys, "run", "--model", tiny, "--dry-run", "--max-context", "4096")
     assert code == 0 and "memory plan: float32, context 4,096 tokens" in out and "fits" in out
+    # the kernels' forms the engine would take, as KernelPlan.choose makes them for the CPU
+    assert "kernel plan: split_norm=True" in out and "fc_split=True draft_pick=True" in out
+    assert "programs=6" in out and "widen_bits=False" in out
 
 
 @no_cuda
@@ -210,6 +213,7 @@ def test_dry_run_of_an_alias_needs_no_download(capsys, monkeypatch):
     assert code == 0
     assert "26,895,998,464 text + 424,699,392 MTP" in out and "weights             51.2 GiB" in out
     assert "planned from its known shape" in err and "no CUDA GPU here" in err
+    assert "kernel plan: chosen on the GPU at load" in out
 
 
 # ---- errors ------------------------------------------------------------------------------------------

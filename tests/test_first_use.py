@@ -226,3 +226,4 @@ def test_bench_on_a_model_with_a_short_context(capsys, short):
     assert code == 0, err
     result = json.loads(out)
     assert set(result["ttft_ms"]) == {"512"} and result["second_turn"]["second_reused"] == 512
+    assert result["kernel_plan"]["fc_split"] and result["kernel_plan"]["products"]["programs"] == 6
