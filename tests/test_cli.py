@@ -18,7 +18,7 @@ import torch
 
 from mtpchat import cli, loader
 from mtpchat.engine import memory
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 
 CONFIGS = Path(__file__).resolve().parents[1] / "engine" / "configs"
 GiB = 2 ** 30

@@ -14,13 +14,13 @@ import torch
 from safetensors import safe_open
 
 from mtpchat.engine import Engine, SamplingParams
-from mtpchat.engine import demo_corpus as corpus
-from mtpchat.engine import demo_forward as fwd
-from mtpchat.engine import train_demo as td
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.events import Finished
-from mtpchat.engine.tiny import text_config
-from mtpchat.engine.tokenizer import default_corpus, train_tokenizer
+from tools.bpe import default_corpus, train_tokenizer
+from tools.demo import corpus
+from tools.demo import forward as fwd
+from tools.demo import train_demo as td
+from tools.tiny import text_config
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo"
 

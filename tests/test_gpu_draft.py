@@ -7,7 +7,7 @@ import torch
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.policy import AdaptiveK
 from mtpchat.engine.spec import ProfileDrafter
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 from test_gpu_engine import SHAPE, prompts, tokens
 from test_policy import GPU_LIKE
 

@@ -5,7 +5,7 @@ import torch
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.model import prefill_attention
 from mtpchat.engine.spec import ProfileDrafter
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

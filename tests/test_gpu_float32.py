@@ -10,7 +10,7 @@ import torch
 
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -7,7 +7,7 @@ import torch
 from mtpchat.engine import Engine
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.spec import ProfileDrafter
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 from mtpchat.engine.weights import PER_EXPERT, STACKED
 from test_gpu_engine import prompts, tokens
 

@@ -14,7 +14,7 @@ import torch
 from mtpchat.engine import SamplingParams
 from mtpchat.engine.events import Prefilled, Step
 from mtpchat.engine.spec import ProfileDrafter
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 from mtp_support import N_PROMPTS, NEW_TOKENS, ALL_RIGHT, GREEDY, WindowDrafter, assert_same_state, generate, load, profile_drafter, random_ids, sequential_state, snapshot, steps_of, window_sizes
 
 

@@ -68,7 +68,7 @@ def test_the_moe_block_with_the_fused_router(tmp_path, monkeypatch, shared_as_ex
     # interpreter on the CPU) gives the block's output of the unfused routing
     from mtpchat.engine import Engine, model
     from mtpchat.engine.model import Ctx
-    from mtpchat.engine.tiny import write_tiny_checkpoint
+    from tools.tiny import write_tiny_checkpoint
     monkeypatch.setattr(moe_router, "_programs", lambda device: 6)
     monkeypatch.setattr(model, "SHARED_AS_EXPERT", shared_as_expert)
     shape = dict(num_experts=12, num_experts_per_tok=3, moe_intermediate_size=64, shared_expert_intermediate_size=64)

@@ -10,7 +10,7 @@ import torch
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine import mtp
 from mtpchat.engine.model import Product
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 from mtpchat.kernels import matvec_parts
 
 MOE = dict(num_experts=12, num_experts_per_tok=3, moe_intermediate_size=64, shared_expert_intermediate_size=64)

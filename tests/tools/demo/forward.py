@@ -1,7 +1,7 @@
 """The demo trainer's batched forward: the engine's own modules and parameters, with the batch
 folded into the GDN heads and conv channels so that one call of each float32 reference kernel serves
 the whole batch (the engine's forward takes one sequence). `engine_forward` is the same contract
-through the engine's Model / MTPHead and a DecodeState; engine/train_demo.py checks the two agree,
+through the engine's Model / MTPHead and a DecodeState; train_demo.py checks the two agree,
 outputs and gradients, before training.
 """
 from __future__ import annotations
