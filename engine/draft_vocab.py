@@ -16,8 +16,9 @@ languages, the chat template and Python with English comments. The sample ships 
 text to tokenize: draft_pieces.json holds each distinct pre-tokenizer piece of it (a word with its
 leading space, a digit, a punctuation run) and how often it occurs, written once by
 tests/tools/draft_rank.py. At load each piece is encoded with the model's own tokenizer and its
-tokens counted that many times, which is what encoding the whole sample gives, for any byte-level
-BPE; nothing is read from the package's sources, so editing one changes no draft. The rest of
+tokens counted that many times: what encoding the whole sample gives with any tokenizer that cuts
+its text at least where Qwen's pre-tokenizer does (byte-level BPE never merges across a cut).
+Nothing is read from the package's sources, so editing one changes no draft. The rest of
 the subset is filled in token-id order: byte-level BPE ids follow the order of the merges, which
 is roughly the order of frequency in the tokenizer's training text. Every added token (the chat
 template's <|im_end|>, <think>, </think>, ...) is always in, since a reply cannot end without them.

@@ -11,8 +11,9 @@ editing a source file changes nothing until this is run again.
 No tokenizer is involved, so one file serves every checkpoint. The text is cut where a Qwen-style
 pre-tokenizer cuts (tools/bpe.py SPLIT_PATTERN: before a word, between digits, around punctuation
 and whitespace runs), and each distinct piece is written with how often it occurs. A byte-level BPE
-never merges across those cuts, so encoding each piece with the model's tokenizer and counting its
-tokens that many times gives the counts of encoding the whole text.
+never merges across its pre-tokenizer's cuts, so with a tokenizer that cuts at least there (Qwen's,
+the demo's, the tests') encoding each piece and counting its tokens that many times gives the
+counts of encoding the whole text.
 """
 from __future__ import annotations
 
