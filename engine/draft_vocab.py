@@ -11,9 +11,14 @@ would simply never be proposed. Sampling stays exact too: drafts are a one-hot p
 rule of engine/spec.py accepts a proposal d with p(d) whatever chose it.
 
 Which tokens: none of the models ship token frequencies and nothing can be downloaded, so they are
-counted at load in text the package ships, tokenized with the model's own tokenizer: a sample of
-chat answers, code in several languages, Markdown, math and a few other languages
-(draft_text.txt), and the package's own Python sources (English comments and code). The rest of
+counted in a sample of text: chat answers, code in several languages, Markdown, math, a few other
+languages, the chat template and Python with English comments. The sample ships as data, not as
+text to tokenize: draft_pieces.json holds each distinct pre-tokenizer piece of it (a word with its
+leading space, a digit, a punctuation run) and how often it occurs, written once by
+tests/tools/draft_rank.py. At load each piece is encoded with the model's own tokenizer and its
+tokens counted that many times: what encoding the whole sample gives with any tokenizer that cuts
+its text at least where Qwen's pre-tokenizer does (byte-level BPE never merges across a cut).
+Nothing is read from the package's sources, so editing one changes no draft. The rest of
 the subset is filled in token-id order: byte-level BPE ids follow the order of the merges, which
 is roughly the order of frequency in the tokenizer's training text. Every added token (the chat
 template's <|im_end|>, <think>, </think>, ...) is always in, since a reply cannot end without them.
@@ -28,12 +33,15 @@ the difference between losing 5 % of the acceptance length and losing none.
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 DEFAULT_DRAFT_VOCAB = 32768      # rows of the trimmed head (of Qwen3.5/3.6's 248,320)
+PIECES = Path(__file__).with_name("draft_pieces.json")
 
 
 def context_rows(size: int) -> int:
@@ -58,34 +66,31 @@ def draft_vocab_bytes(vocab_size: int, hidden_size: int, asked: int | None, nbyt
     return (size + context_rows(size)) * (hidden_size * nbytes + 8)
 
 
-def shipped_texts() -> list[str]:
-    """The text the token counts come from (module docstring)."""
-    import mtpchat.kernels
-    here = Path(__file__).parent
-    files = [here / "draft_text.txt", here / "chat_template.jinja"]
-    for folder in (here, Path(mtpchat.kernels.__file__).parent):
-        files += sorted(folder.glob("*.py"))
-    return [f.read_text(encoding="utf-8") for f in files if f.is_file()]
+def shipped_pieces() -> dict[str, int]:
+    """The sample's pieces and how often each occurs (module docstring)."""
+    return json.loads(PIECES.read_text(encoding="utf-8"))["pieces"]
 
 
-def ranked_tokens(tokenizer, vocab_size: int, texts: list[str] | None = None) -> list[int]:
+def ranked_tokens(tokenizer, vocab_size: int, pieces: Mapping[str, int] | None = None) -> list[int]:
     """Every token id below vocab_size, most useful to draft first: the added tokens, then the
-    tokens counted in `texts` (most frequent first), then the rest by id."""
+    tokens counted in `pieces` (text -> occurrences; the shipped sample's by default), most frequent
+    first, then the rest by id."""
     first = sorted(i for i in tokenizer.added_token_ids if 0 <= i < vocab_size) if tokenizer is not None else []
     counts: Counter = Counter()
     if tokenizer is not None:
-        for text in shipped_texts() if texts is None else texts:
-            counts.update(tokenizer.encode(text))
+        for piece, n in (shipped_pieces() if pieces is None else pieces).items():
+            for t in tokenizer.encode(piece):
+                counts[t] += n
     seen = set(first)
     counted = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if t < vocab_size and t not in seen]
     seen.update(counted)
     return first + counted + [t for t in range(vocab_size) if t not in seen]
 
 
-def draft_token_ids(tokenizer, vocab_size: int, size: int, texts: list[str] | None = None) -> list[int]:
+def draft_token_ids(tokenizer, vocab_size: int, size: int, pieces: Mapping[str, int] | None = None) -> list[int]:
     """The `size` ids of the trimmed head, ascending (so ties in the argmax go to the smaller id, as
     in the full head's)."""
-    return sorted(ranked_tokens(tokenizer, vocab_size, texts)[:size])
+    return sorted(ranked_tokens(tokenizer, vocab_size, pieces)[:size])
 
 
 class DraftRows:

@@ -14,10 +14,15 @@ FP8_PARAMS are stored in FP8 (the parameter and its block scales as `<param>_sca
 model is, reading FP8 as it is and quantizing bf16 on the device as it is read; a model kept in
 bf16 dequantizes FP8 tensors instead. A fused product whose parts do not start on whole blocks of
 128 rows cannot share block scales: it is kept in the model dtype.
+
+Without a checkpoint, `fill_random` gives the same modules random weights of the same shapes
+(`mtpchat bench --random-weights`, Engine.load of a bare ModelConfig); `random_tensor` is its draw,
+shared with the tiny test checkpoints so both are one distribution.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -348,11 +353,25 @@ def _refuse_unused(folder: Path, weight_map: dict[str, str], wanted: dict, place
                                 "quantized or of another architecture")
 
 
+def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """A random value for checkpoint tensor `name`, on g's device, that keeps activations in a sane
+    range; norms and gates random, never zero."""
+    randn = lambda: torch.randn(shape, generator=g, device=g.device)
+    if name.endswith("A_log"):
+        return torch.empty(shape, device=g.device).uniform_(1.0, 16.0, generator=g).log()
+    if name.endswith(("dt_bias", "conv1d.weight")):
+        return randn() * 0.5
+    if len(shape) == 1:   # RMSNorm weights (zero-centred, and the GDN norm's plain one)
+        return randn() * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0)
+    if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+        return randn()
+    return randn() / math.sqrt(shape[-1])
+
+
 def fill_random(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]], device, dtype, seed: int,
                 fp8: bool = False):
     """Random weights of the checkpoint's shapes drawn on the device (benchmarks at real sizes);
     with `fp8` the FP8_PARAMS quantized, block scales and all, as an FP8 checkpoint holds them."""
-    from mtpchat.engine.tiny import random_tensor
     g = torch.Generator(device=device).manual_seed(seed)
     in_fp8 = _fp8_params(places, fp8)
     for key, module in modules.items():

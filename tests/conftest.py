@@ -8,7 +8,7 @@ if not torch.cuda.is_available():
     # Triton picks interpreted or compiled mode at import: set it before anything imports the kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,7 +18,7 @@ import torch
 
 from mtpchat import cli, loader
 from mtpchat.engine import memory
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 from helpers import isolated  # noqa: F401  (autouse: a settings file and a hub cache of the test's own)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "engine" / "configs"

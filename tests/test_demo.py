@@ -14,12 +14,12 @@ import torch
 from safetensors import safe_open
 
 from mtpchat.engine import Engine
-from mtpchat.engine import demo_corpus as corpus
-from mtpchat.engine import demo_forward as fwd
-from mtpchat.engine import train_demo as td
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.tiny import text_config
-from mtpchat.engine.tokenizer import default_corpus, train_tokenizer
+from tools.bpe import default_corpus, train_tokenizer
+from tools.demo import corpus
+from tools.demo import forward as fwd
+from tools.demo import train_demo as td
+from tools.tiny import text_config
 from helpers import assert_mtp_on_equals_off, greedy_tokens, rel_err
 
 DEMO = Path(__file__).resolve().parents[1] / "assets" / "demo"

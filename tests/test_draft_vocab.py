@@ -1,9 +1,13 @@
 """The trimmed draft vocabulary (engine/draft_vocab.py): its size on any vocabulary (the default
-on small and odd ones), which tokens, the head's argmax over them, its memory counted in the plan,
+on small and odd ones), which tokens (ranked by shipped data, never by the package's sources), the
+head's argmax over them, its memory counted in the plan,
 greedy output equal to MTP off (8 x 256 with adaptive k) and sampling still lossless when the drafts
 come from the subset; the context rows, written without a host sync on CUDA; on the demo model,
 the acceptance of the held-out prompts kept."""
+import builtins
+import io
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,10 +15,12 @@ import torch
 
 from mtpchat.engine import Engine, SamplingParams, memory
 from mtpchat.engine.bench import real_acceptance
-from mtpchat.engine.draft_vocab import (DEFAULT_DRAFT_VOCAB, context_rows, draft_token_ids, draft_vocab_bytes,
-                                        draft_vocab_size, ranked_tokens)
+from mtpchat.engine.draft_vocab import (DEFAULT_DRAFT_VOCAB, PIECES, context_rows, draft_token_ids,
+                                        draft_vocab_bytes, draft_vocab_size, ranked_tokens, shipped_pieces)
 from mtpchat.engine.policy import AdaptiveK
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from mtpchat.engine.tokenizer import Tokenizer
+from tools.draft_rank import count_pieces, sources
+from tools.tiny import write_tiny_checkpoint
 from helpers import GPU_LIKE, random_ids
 from mtp_support import (ALL_RIGHT, MID_PROFILE, TreeDrafter, exact_first_tokens, first_tokens_pvalue, generate, load,
                          profile_drafter)
@@ -69,7 +75,7 @@ def test_ranking_puts_added_tokens_then_counted_ones_first(gqa3):
     e = load(gqa3, mtp=False)
     tok, V = e.tokenizer, e.config.vocab_size
     text = "def f(x):\n    return x + 1\n" * 50 + "the end"
-    ranked = ranked_tokens(tok, V, [text])
+    ranked = ranked_tokens(tok, V, {text: 1})
     assert sorted(ranked) == list(range(V))                          # every id once
     added = [i for i in tok.added_token_ids if i < V]
     assert len(added) >= 4 and ranked[:len(added)] == sorted(added)
@@ -77,9 +83,42 @@ def test_ranking_puts_added_tokens_then_counted_ones_first(gqa3):
     assert set(ranked[len(added):len(added) + len(counted)]) == counted
     rest = ranked[len(added) + len(counted):]
     assert rest == sorted(rest)                                      # then by id
-    ids = draft_token_ids(tok, V, 64, [text])
+    ids = draft_token_ids(tok, V, 64, {text: 1})
     assert ids == sorted(ids) and len(set(ids)) == 64 and tok.im_end_id in ids and tok.think_end_id in ids
     assert draft_token_ids(None, 1000, 10) == list(range(10))        # random weights: the first ids
+
+
+def test_the_ranking_reads_its_data_and_no_source_file(gqa3, monkeypatch):
+    """Which drafts the engine makes cannot move when a source file is edited or added: the ranking
+    opens draft_pieces.json and nothing else, and gives what those counts give."""
+    tok = Tokenizer.load(gqa3)
+    V = tok.vocab_size
+    opened, real_open = [], io.open
+
+    def spy(file, *args, **kw):
+        opened.append(Path(file))
+        return real_open(file, *args, **kw)
+    monkeypatch.setattr(builtins, "open", spy)
+    monkeypatch.setattr(io, "open", spy)
+    ids = draft_token_ids(tok, V, 64)
+    monkeypatch.undo()
+    assert opened == [PIECES]
+    assert ids == draft_token_ids(tok, V, 64, json.loads(PIECES.read_text(encoding="utf-8"))["pieces"])
+    assert len(ids) == 64 and tok.im_end_id in ids
+
+
+@pytest.mark.parametrize("which", ["demo", "tiny"])
+def test_pieces_count_what_the_whole_text_counts(gqa3, which):
+    """Counted by pieces (draft_pieces.json's form) or by encoding the whole text, the tokens are the
+    same: the shipped counts stand for the sample with any byte-level BPE."""
+    tok = Tokenizer.load(DEMO if which == "demo" else gqa3)
+    texts = [f.read_text(encoding="utf-8") for f in sources()[:3]]
+    by_pieces = Counter()
+    for piece, n in count_pieces(texts).items():
+        for t in tok.encode(piece):
+            by_pieces[t] += n
+    assert by_pieces == Counter(t for text in texts for t in tok.encode(text))
+    assert sum(shipped_pieces().values()) > 50_000 and len(shipped_pieces()) > 2_000
 
 
 @pytest.fixture(scope="module")

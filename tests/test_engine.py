@@ -4,7 +4,7 @@ import torch
 
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.events import Finished, Prefilled, Step
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 from helpers import random_ids, rel_err
 
 transformers = pytest.importorskip("transformers")

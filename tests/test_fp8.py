@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mtpchat.engine import Engine, SamplingParams, memory
-from mtpchat.engine.tiny import FP8_TENSORS, write_dequantized_twin, write_tiny_checkpoint
+from tools.tiny import FP8_TENSORS, write_dequantized_twin, write_tiny_checkpoint
 from mtpchat.engine.weights import WeightsError
 from mtpchat.kernels.fp8 import quantize_ref
 from helpers import assert_mtp_on_equals_off, random_ids, rel_err

@@ -7,7 +7,7 @@ import torch
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.policy import AdaptiveK
 from mtpchat.engine.spec import ProfileDrafter
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 from helpers import GPU_LIKE, GPU_MOE_SHAPE, GPU_SHAPE as SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens
 
 pytestmark = [pytest.mark.gpu,

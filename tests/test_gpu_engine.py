@@ -5,7 +5,7 @@ import torch
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.model import prefill_attention
 from mtpchat.engine.spec import ProfileDrafter
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 from helpers import GPU_SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens, rel_err
 
 pytestmark = [pytest.mark.gpu,

@@ -10,7 +10,7 @@ import torch
 
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 from helpers import GPU_SHAPE, assert_mtp_on_equals_off, greedy_tokens, random_ids, rel_err
 
 pytestmark = [pytest.mark.gpu,

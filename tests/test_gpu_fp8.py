@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mtpchat.engine import Engine, SamplingParams
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 from helpers import assert_mtp_on_equals_off, gpu_prompts, rel_err
 
 pytestmark = [pytest.mark.gpu,
@@ -61,7 +61,7 @@ def test_fp8_steps_follow_the_cpu_as_bf16_does(ckpt, tmp_path, monkeypatch):
     # the steps (bf16 activations over FP8 weights, scaled in registers) against the CPU's exact
     # product of the dequantized weights, as close as the same model in bf16 on the GPU is; the
     # 1-token prefill takes the exact product too, so that only the steps are measured
-    from mtpchat.engine.tiny import write_dequantized_twin
+    from tools.tiny import write_dequantized_twin
     from mtpchat.kernels import fp8_gemm
     from mtpchat.kernels.fp8 import dequantize_ref
     monkeypatch.setattr(fp8_gemm, "gemm", lambda x, q: (x.float() @ dequantize_ref(q).T).to(x.dtype))

@@ -6,7 +6,7 @@ import torch
 
 from mtpchat.engine import Engine
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 from mtpchat.engine.weights import PER_EXPERT, STACKED
 from helpers import GPU_MOE_SHAPE as SHAPE, assert_mtp_on_equals_off, gpu_prompts
 

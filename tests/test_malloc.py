@@ -2,7 +2,7 @@
 import pytest
 
 from mtpchat import cli, loader, malloc
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 
 
 class FakeLibc:

@@ -127,7 +127,7 @@ def test_unknown_dtype():
 def test_plan_agrees_with_the_engine(tmp_path, tie, mtp):
     import torch
     from mtpchat.engine import Engine
-    from mtpchat.engine.tiny import write_tiny_checkpoint
+    from tools.tiny import write_tiny_checkpoint
     folder = write_tiny_checkpoint(tmp_path / "m", tie=tie, mtp=mtp)
     engine = Engine.load(folder, device="cpu", dtype=torch.float32, max_context=300, k_max=4)
     plan = memory.plan_memory(engine.config, 300, 4, "float32", mtp=True, cuda_graphs=False)

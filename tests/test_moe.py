@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from mtpchat.engine import Engine, SamplingParams, memory
 from mtpchat.engine.config import ConfigError, ModelConfig
-from mtpchat.engine.tiny import write_dequantized_twin, write_tiny_checkpoint
+from tools.tiny import write_dequantized_twin, write_tiny_checkpoint
 from mtpchat.engine.weights import PER_EXPERT, STACKED, expert_layout, text_prefix
 from mtpchat.kernels import moe
 from mtpchat.kernels.fp8 import quantize_ref

@@ -16,7 +16,7 @@ from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.events import Prefilled, Step
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.spec import ProfileDrafter
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 from helpers import first_diff, random_ids
 from mtp_support import N_PROMPTS, NEW_TOKENS, ALL_RIGHT, GREEDY, WindowDrafter, assert_same_state, generate, load, profile_drafter, sequential_state, snapshot, steps_of, window_sizes
 

@@ -3,9 +3,8 @@ import random
 
 import pytest
 
-from mtpchat.engine.tokenizer import (
-    QWEN_ADDED_TOKENS, Tokenizer, TokenizerError, default_corpus, train_tokenizer, write_tokenizer_files,
-)
+from mtpchat.engine.tokenizer import QWEN_ADDED_TOKENS, Tokenizer, TokenizerError
+from tools.bpe import default_corpus, train_tokenizer, write_tokenizer_files
 
 TEXTS = [
     "Hello, world! The answer is 42.",

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from mtpchat.engine import Engine
 from mtpchat.engine.config import ConfigError, ModelConfig
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 from mtpchat.engine.weights import WeightsError, mtp_places, text_places
 
 

@@ -10,7 +10,7 @@ from mtpchat.app.main import build_app
 from mtpchat.app.store import Store
 from mtpchat.chat.engine import LocalEngine
 from mtpchat.chat.think import ThinkSplitter, prompt_opens_think
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 
 
 @pytest.fixture

@@ -326,7 +326,8 @@ def main(argv=None) -> None:
     global log
     log = open(os.dup(2), "w")
 
-    from mtpchat.engine.tiny import write_tiny_checkpoint
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # tests/, for tools.tiny when run as a script
+    from tools.tiny import write_tiny_checkpoint
     a.ckpt = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny")
     runs = bench(a)
     what = f"random {a.random_weights}, bfloat16" if a.random_weights else "tiny checkpoint, float32"

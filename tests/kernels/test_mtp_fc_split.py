@@ -12,7 +12,7 @@ from kernel_checks import split_plan
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.dispatch import Ctx, Product
 from mtpchat.engine.plan import KernelPlan
-from mtpchat.engine.tiny import write_tiny_checkpoint
+from tools.tiny import write_tiny_checkpoint
 
 MOE = dict(num_experts=12, num_experts_per_tok=3, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 

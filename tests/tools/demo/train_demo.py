@@ -2,7 +2,7 @@
 (Gated DeltaNet and gated full-attention layers) with its MTP head, on the source text of Python's
 own standard library (PSF licence), with a byte-level BPE tokenizer trained on the same text.
 
-    python -m mtpchat.engine.train_demo --out assets/demo --device cuda --seed 0 --steps N
+    PYTHONPATH=tests python -m tools.demo.train_demo --out assets/demo --device cuda --seed 0 --steps N
 
 The corpus: every .py file under the standard library of the running Python, tests and data tables
 left out, in sorted order; a fixed few percent of the files (by a hash of their path) is held out
@@ -17,7 +17,7 @@ predicts x_{p+2}; a second pass feeds the head its own output in place of h, as 
 it for drafts 2..k. Its loss mixes cross-entropy on the true token with a KL term towards the
 target's own next-token distribution (what verification compares against).
 
-The forward used for training is `batched` (engine/demo_forward.py): the engine's modules and
+The forward used for training is `batched` (tests/tools/demo/forward.py): the engine's modules and
 parameters, with the batch folded into the GDN heads and conv channels so one call of each float32
 reference kernel serves the whole batch. `check_batched` verifies it against the engine's own Model / MTPHead
 forward (through a DecodeState), outputs and gradients, before training starts.
@@ -37,13 +37,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.demo_corpus import build_corpus, heldout, stdlib_root
-from mtpchat.engine.demo_forward import batched, engine_forward
 from mtpchat.engine.model import Model
 from mtpchat.engine.mtp import MTPHead
-from mtpchat.engine.tiny import random_tensor, text_config
-from mtpchat.engine.tokenizer import write_tokenizer_files
-from mtpchat.engine.weights import mtp_places, text_places
+from mtpchat.engine.weights import mtp_places, random_tensor, text_places
+from tools.bpe import write_tokenizer_files
+from tools.demo.corpus import build_corpus, heldout, stdlib_root
+from tools.demo.forward import batched, engine_forward
+from tools.tiny import text_config
 
 # 8 layers, full attention at 3 and 7; GDN with Hv/Hk = 2; tied head. About 8M parameters, 16 MB in
 # bf16 (one shard under 16 MiB).
@@ -66,9 +66,10 @@ def demo_config(tok, vocab: int) -> dict:
 
 
 def init_tensor(name: str, shape: tuple[int, ...], g: torch.Generator, layers: int) -> torch.Tensor:
-    """tiny.py's random init, adjusted for training: a small tied embedding (it is also the head),
-    residual-branch outputs scaled down with depth, and Mamba-style decay rates (dt in [1e-3, 0.1])
-    so the GDN state starts with a memory of tens of tokens rather than one."""
+    """The engine's random init (engine/weights.py random_tensor), adjusted for training: a small tied
+    embedding (it is also the head), residual-branch outputs scaled down with depth, and Mamba-style
+    decay rates (dt in [1e-3, 0.1]) so the GDN state starts with a memory of tens of tokens rather
+    than one."""
     t = random_tensor(name, shape, g)
     if name.endswith("embed_tokens.weight"):
         return t * 0.02
@@ -301,7 +302,7 @@ def report(folder: Path, model, head, held: torch.Tensor) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mtpchat.engine.train_demo", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="PYTHONPATH=tests python -m tools.demo.train_demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="assets/demo", help="checkpoint folder to write (default: assets/demo)")
     p.add_argument("--seed", type=int, default=0)
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {folder}: {size / 1e6:.1f} MB of bf16 weights", flush=True)
     log |= {"report": report(folder, model, head, held), "python": sys.version.split()[0],
             "torch": torch.__version__, "args": vars(args),
-            "command": f"python -m mtpchat.engine.train_demo --out {args.out} --seed {args.seed} "
+            "command": f"PYTHONPATH=tests python -m tools.demo.train_demo --out {args.out} --seed {args.seed} "
                        f"--steps {log['steps']} --batch {args.batch} --seq {args.seq} --lr {args.lr}"}
     print("result: " + json.dumps(log), flush=True)
     return 0

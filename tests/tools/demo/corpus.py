@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from mtpchat.engine.tokenizer import Tokenizer, train_tokenizer
+from mtpchat.engine.tokenizer import Tokenizer
+from tools.bpe import train_tokenizer
 
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data", "__pycache__",
              "lib-dynload", "ensurepip", "__phello__"}

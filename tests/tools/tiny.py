@@ -1,4 +1,4 @@
-"""Tiny random checkpoints in the exact official layout, for tests and demos (nothing is downloaded).
+"""Tiny random checkpoints in the exact official layout, for the tests (nothing is downloaded).
 
 The folder holds what a Qwen3.5 / Qwen3.6 repo holds: config.json (text settings under
 `text_config`, architecture Qwen3_5ForConditionalGeneration), generation_config.json, sharded
@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.tokenizer import default_corpus, train_tokenizer, write_tokenizer_files
-from mtpchat.engine.weights import STACKED, mtp_places, text_places
+from mtpchat.engine.weights import STACKED, mtp_places, random_tensor, text_places
+from tools.bpe import default_corpus, train_tokenizer, write_tokenizer_files
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=6,
@@ -50,20 +50,6 @@ def text_config(vocab_size: int, tie: bool, mtp: bool, special: dict[str, int], 
             "mtp_use_dedicated_embeddings": False, "tie_word_embeddings": tie,
             "bos_token_id": special["<|endoftext|>"], "eos_token_id": special["<|endoftext|>"]}
     return config | overrides     # an override of any key wins (max_position_embeddings, say)
-
-
-def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    """Weights that keep activations in a sane range; norms and gates random, never zero."""
-    randn = lambda: torch.randn(shape, generator=g, device=g.device)
-    if name.endswith("A_log"):
-        return torch.empty(shape, device=g.device).uniform_(1.0, 16.0, generator=g).log()
-    if name.endswith(("dt_bias", "conv1d.weight")):
-        return randn() * 0.5
-    if len(shape) == 1:   # RMSNorm weights (zero-centred, and the GDN norm's plain one)
-        return randn() * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0)
-    if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
-        return randn()
-    return randn() / math.sqrt(shape[-1])
 
 
 # the checkpoint tensors an official FP8 release stores in FP8 (qwen35-model.md; FP8 issue)

@@ -1,7 +1,7 @@
 """The demo trainer's batched forward: the engine's own modules and parameters, with the batch
 folded into the GDN heads and conv channels so that one call of each float32 reference kernel serves
 the whole batch (the engine's forward takes one sequence). `engine_forward` is the same contract
-through the engine's Model / MTPHead and a DecodeState; engine/train_demo.py checks the two agree,
+through the engine's Model / MTPHead and a DecodeState; train_demo.py checks the two agree,
 outputs and gradients, before training.
 """
 from __future__ import annotations
@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mtpchat.engine.model import Ctx, GatedAttention, GatedDeltaNet, Model
+from mtpchat.engine.dispatch import Ctx
+from mtpchat.engine.model import GatedAttention, GatedDeltaNet, Model
 from mtpchat.engine.mtp import MTPHead
+from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.state import DecodeState
 from mtpchat.kernels import conv, gdn_chunk, norm
 from mtpchat.kernels.rope import norm_rope_ref
@@ -90,7 +92,8 @@ def engine_forward(model: Model, head: MTPHead, ids: torch.Tensor):
     """`batched`'s contract for one sequence [T+2], through the engine's own forward and caches."""
     c, T = model.c, ids.shape[0] - 2
     state = DecodeState(c, T, 1, ids.device, torch.float32, mtp=True)
-    ctx = lambda n: Ctx(torch.arange(n, device=ids.device), 0, False, state.conv_off, state.fold, state.parity)
+    plan = KernelPlan.choose(ids.device, c, fp8=False)
+    ctx = lambda n: Ctx(torch.arange(n, device=ids.device), 0, False, state.conv_off, state.fold, state.parity, plan)
     h = model(ids[:T], state.layers, ctx(T))
     out1 = head(model.embed, ids[1:T + 1], h, state.mtp, ctx(T))
     # the chained pass, with a KV cache of its own; attention is relative, so positions from 0 do
