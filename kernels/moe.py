@@ -280,7 +280,8 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2,
     of the number of rows (tests/bench/bench_moe.py measured the step's at the 35B-A3B's shapes on
     an H100). FP8 tiles lie inside one 128 x 128 block of scales; float32 tiles are smaller, to fit
     in shared memory."""
-    chosen = plan.expert_tiles(product, step, fp8, itemsize) if plan is not None and plan.expert_tiles else None
+    rule = plan.expert_tiles if plan is not None else None
+    chosen = rule(product, step, fp8, itemsize) if rule is not None else None
     if chosen is not None:
         return chosen
     if fp8:

@@ -21,7 +21,8 @@ CPU_PROGRAMS = 6       # the "SMs" under Triton's interpreter, where products sp
 TileRule = Callable[[int, int, int, bool, bool], "tuple[int, int, int, int] | None"]
 # (N, K, itemsize) -> (S, BN, BK, warps, stages), or None for the default split (matvec_parts.split_config)
 SplitRule = Callable[[int, int, int], "tuple[int, int, int, int, int] | None"]
-# (product "swiglu" or "down", step, fp8, itemsize) -> (BN, BK, warps, stages), or None for the default (moe.tiles)
+# (product "swiglu" or "down", step, fp8, itemsize) -> (BN, BK, warps, stages), or None for the
+# default (moe.tiles)
 ExpertRule = Callable[[str, bool, bool, int], "tuple[int, int, int, int] | None"]
 
 

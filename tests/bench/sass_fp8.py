@@ -71,7 +71,8 @@ def production(bits: bool) -> list[tuple[str, object, list, dict, set, int, int]
     """(name, kernel, params, constexprs, aligned, warps, stages) of each few-row FP8 product at the
     tiles an H100's plan gives them (kernels/plan.py ProductPlan; kernels/matvec.py tiles,
     matvec_parts.py split_config, moe.py tiles), widening by conversion or by bits. Aligned: the
-    arguments a launch at the 27B's and the 35B-A3B's shapes finds 16-divisible (without them Triton does not pipeline the split products' loads)."""
+    arguments a launch at the 27B's and the 35B-A3B's shapes finds 16-divisible (without them
+    Triton does not pipeline the split products' loads)."""
     out = []
     params = [("x", "*bf16"), ("w", "*fp8e4nv"), ("sw", "*fp32"), ("y", "*bf16"), ("ws", "*fp32"),
               ("count", "*i32"), ("ss", "*fp32")] + ints("T N K NB F KS S s_x s_w s_sw s_y s_ss") + [("eps", "fp32")]
