@@ -139,17 +139,17 @@ def _config(L: int, itemsize: int = 2) -> tuple[int, int, int, int, int]:
     MAX_SPANS spans of the larger size: on an H100 with a 32K cache this took 15 us per layer at
     1K context and 74 at 32K; 32 spans, 37 and 54. The first 1,024 keys come in spans of 64, so a
     short context still has many programs. The 27B decode step with a 32K cache on an H100
-    (tests/kernels/ab_step.py --plans attention): at 1K context 0.9% faster than with the larger
-    spans alone, at 16K 0.7% slower; with the first 2,048 keys in small spans, the same at 1K and
-    0.9% slower at 16K; with spans of 64 or 128 keys throughout, 0.7-0.8% faster at 1K and 1.8-3.3%
-    slower at 16K."""
+    (tests/bench/ab_step.py, its since removed --plans attention): at 1K context 0.9% faster than
+    with the larger spans alone, at 16K 0.7% slower; with the first 2,048 keys in small spans, the
+    same at 1K and 0.9% slower at 16K; with spans of 64 or 128 keys throughout, 0.7-0.8% faster at
+    1K and 1.8-3.3% slower at 16K."""
     BN, stages = (64, 3) if itemsize <= 2 else (32, 1)
     return 16, max(2 * BN, triton.next_power_of_2(triton.cdiv(L, MAX_SPANS))), BN, 4, stages
 
 
 def _combine_config() -> tuple[int, int]:
     """(spans folded at a time, warps) of the combining kernel: 32 or 64 spans, 4 or 8 warps were
-    no faster in a 27B decode step (tests/kernels/ab_step.py --plans attention)."""
+    no faster in a 27B decode step (tests/bench/ab_step.py, its since removed --plans attention)."""
     return 16, 4
 
 

@@ -83,7 +83,7 @@ def quantize_ref(w: torch.Tensor) -> BlockFP8:
 # Triton's .to(tl.bfloat16) of e4m3 compiles (sm_90, Triton 3.6) to one e4m3x2 -> f16x2 conversion,
 # two scalar f16 -> bf16 conversions and a byte permute per pair of weights: 1.5 conversions a
 # weight on the conversion units, more than they keep up with at 3 TB/s of FP8. The bit form takes
-# integer and bf16x2 instructions only, about 3 a weight (tests/kernels/sass_fp8.py counts them).
+# integer and bf16x2 instructions only, about 3 a weight (tests/bench/sass_fp8.py counts them).
 
 # The bit form is the plan's default (kernels/plan.py widen_bits): the FP8 27B's decode step 0.846 x,
 # the 35B-A3B's 0.848 x, outputs bit-equal to the conversion's (tests/kernels/test_fp8_widen.py).

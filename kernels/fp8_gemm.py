@@ -182,7 +182,7 @@ def gemm_cublas(xq: torch.Tensor, xs: torch.Tensor, q: BlockFP8, out_dtype: torc
     later on Hopper: torch._scaled_mm with 1 x 128 scales of the rows, M-major as quantize_rows
     lays them out, and 128 x 128 scales of the weight, seen as [KB, NB]). On an H100 at the 27B's
     prefill shapes (2048 tokens) it took 0.61-0.62 of bf16 cuBLAS's time, the Triton kernel
-    1.5-1.7 (tests/kernels/probe_fp8.py)."""
+    1.5-1.7 (tests/bench/probe_fp8.py)."""
     return torch._scaled_mm(xq, q.w.T, scale_a=xs, scale_b=q.scale.T, out_dtype=out_dtype)
 
 
@@ -194,7 +194,7 @@ def _cublas_for(q: BlockFP8, dtype: torch.dtype, M: int) -> bool:
     """Whether cuBLAS's block-scaled product serves weights of q's shape for M rows: tried once
     for each power of two of rows against the Triton kernel. cuBLAS refuses some shapes with an
     error, and some it returns wrong without one (an H100, CUDA 13.0: 640 x 384 weights came back
-    46% off, every 27B shape right; tests/kernels/probe_fp8.py)."""
+    46% off, every 27B shape right; tests/bench/probe_fp8.py)."""
     N, K = q.w.shape
     rows = triton.next_power_of_2(M)
     key = (q.w.device, N, K, dtype, rows)

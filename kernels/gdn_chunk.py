@@ -181,7 +181,7 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, o, T, scale, s_q, s_k, s_o,
 
 # tf32 products, as fla's bf16 ones but with three more mantissa bits; "tf32x3" gives float32
 # accuracy at 2.6 times the time. On an H100, 27B shapes, 8192 tokens: 1.76 ms per layer
-# (prep 0.68, scan 0.57, output 0.51); tests/kernels/bench_kernels.py --sweep --only chunk.
+# (prep 0.68, scan 0.57, output 0.51); tests/bench/bench_kernels.py --sweep --only chunk.
 CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_bv=64, out_warps=4, dot="tf32")
 
 

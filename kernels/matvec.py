@@ -217,13 +217,13 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     """(BN, BK, warps, stages): the plan's tile rule where it gives one, else the measured tile;
     never a function of T. BN counts output columns, so a SwiGLU
     program reads 2 x BN rows of w. Chosen on an H100 by whole decode steps of the 27B under other
-    tiles (tests/kernels/ab_step.py --plans tiles, the ratios in docs/PERFORMANCE.md): 64 x 512
+    tiles (tests/bench/ab_step.py --plans tiles, the ratios in docs/PERFORMANCE.md): 64 x 512
     bytes suits every plain product (smaller tiles, more warps, other depths: 0-23% slower); the
     SwiGLU product is fastest with 64 columns (128 rows of w) by 256 bytes of K, 5 deep (the
     decode step 1.5% faster than with 32 x 512 bytes). float32 plain tiles take half the K. FP8
     weights: tiles of one scale block's 128 columns (128 bytes a row); plain products 64 rows, 4
     warps, 8 deep; the SwiGLU product 32 columns (64 rows of w), 2 warps, 3 deep (alone 2.38 TB/s
-    against 1.79, the FP8 27B's decode step 0.953 x: tests/kernels/bench_fp8.py, ab_step.py
+    against 1.79, the FP8 27B's decode step 0.953 x: tests/bench/bench_fp8.py, ab_step.py
     --plans fp8glu). Two warps made the plain products slower (1.46 TB/s against 1.99)."""
     chosen = plan.tiles(N, K, itemsize, swiglu, fp8) if plan is not None and plan.tiles is not None else None
     if chosen is not None:
@@ -267,7 +267,7 @@ def tail_split(blocks: int, KI: int, plan: ProductPlan) -> tuple[int, int] | Non
     KI K tiles on the plan's P resident programs, or None to leave it whole: a last wave of at most
     P / 4 blocks is split into tail_parts parts a block (two tiles a part at least). A function of
     the shapes and the plan alone, never of T. The 27B's MLP gate|up on an H100 (8 of 272 blocks left on 132
-    SMs; tests/kernels/ab_step.py --plans tail): the decode step 1.2% faster in 3 parts, 1.1% in
+    SMs; tests/bench/ab_step.py --plans tail): the decode step 1.2% faster in 3 parts, 1.1% in
     2, 0.6-0.8% in 4 or 5, 0.3-0.4% in 6 and 8, no faster in 14 (one part of three tiles an SM);
     splitting the large last waves of the GDN in_proj and q|gate|k|v too (126 of 258, 92 of 224
     blocks) took most of the gain back. With small_split, a product of at most P / 4 blocks in all

@@ -273,11 +273,17 @@ def _combine_kernel(y, weights, shared, gate, out, H, s_y, s_s, s_o,
     tl.store(out + r * s_o + o_h, acc.to(out.dtype.element_ty), mask=m_h)
 
 
-def _tiles(product: str, step: bool, fp8: bool, itemsize: int = 2) -> tuple[int, int, int, int]:
-    """(BN, BK, warps, stages) of an expert product: a function of the product, the phase, the weight
-    format and the activations' width, never of the number of rows (tests/kernels/bench_moe.py
-    measured the step's at the 35B-A3B's shapes on an H100). FP8 tiles lie inside one 128 x 128
-    block of scales; float32 tiles are smaller, to fit in shared memory."""
+def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2,
+          plan: ProductPlan | None = None) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages) of an expert product: the plan's expert_tiles rule where it gives one,
+    else a function of the product, the phase, the weight format and the activations' width, never
+    of the number of rows (tests/bench/bench_moe.py measured the step's at the 35B-A3B's shapes on
+    an H100). FP8 tiles lie inside one 128 x 128 block of scales; float32 tiles are smaller, to fit
+    in shared memory."""
+    rule = plan.expert_tiles if plan is not None else None
+    chosen = rule(product, step, fp8, itemsize) if rule is not None else None
+    if chosen is not None:
+        return chosen
     if fp8:
         return 64, 128, 4, 3
     if itemsize > 2:
@@ -304,8 +310,7 @@ def _shared_args(w, shared, rows: int, K: int) -> tuple:
     return v, v
 
 
-def _widen(x, warps: int, BN: int, plan: ProductPlan | None) -> dict:
-    plan = plan or default_products(x.device)
+def _widen(x, warps: int, BN: int, plan: ProductPlan) -> dict:
     return widen_args(x, warps, BN, plan.widen_bits, plan.widen_group)
 
 
@@ -320,7 +325,8 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     assert wv.shape == (n_experts * 2 * Fi, H) and wv.is_contiguous() and x.stride(1) == 1
     assert _fp8_ok(w_gate_up, Fi), "FP8 experts need 128-row aligned gate and up parts"
     expert, pairs, P, bm, blocks, step, bp = _layout_args(layout)
-    BN, BK, warps, stages = _tiles("swiglu", step, fp8, x.element_size())
+    plan = plan or default_products(x.device)
+    BN, BK, warps, stages = tiles("swiglu", step, fp8, x.element_size(), plan)
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
     ws = w_gate_up.scale if fp8 else wv
     w2, ws2 = _shared_args(w_gate_up, shared, 2 * Fi, H)
@@ -340,7 +346,8 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
     assert wv.shape == (n_experts * H, Fi) and wv.is_contiguous() and h.stride(1) == 1
     assert _fp8_ok(w_down, H), "FP8 experts need 128-row aligned down parts"
     expert, pairs, P, bm, blocks, step, bp = _layout_args(layout)
-    BN, BK, warps, stages = _tiles("down", step, fp8, h.element_size())
+    plan = plan or default_products(h.device)
+    BN, BK, warps, stages = tiles("down", step, fp8, h.element_size(), plan)
     y = torch.empty(P_, H, dtype=torch.float32, device=h.device)
     ws = w_down.scale if fp8 else wv
     w2, ws2 = _shared_args(w_down, shared, H, Fi)
@@ -385,7 +392,7 @@ def route(logits: torch.Tensor, top_k: int, n_experts: int, step: bool, shared: 
 def expert_swiglu(x, w_gate_up, layout, top_k: int, n_experts: int, rowwise: bool,
                   reads: torch.Tensor | None = None, shared=None, plan: ProductPlan | None = None) -> torch.Tensor:
     """`reads`: in a step, the distinct routed experts read are added to it. `shared`: the shared
-    expert's gate|up, as expert n_experts. `plan`: how FP8 tiles widen (kernels/plan.py)."""
+    expert's gate|up, as expert n_experts. `plan`: the tiles and how FP8 tiles widen (kernels/plan.py)."""
     if use_triton(x, values_of(w_gate_up)):
         return expert_swiglu_triton(x, w_gate_up, layout, top_k, n_experts, reads, shared, plan)
     layout = layout.expand(n_experts + (shared is not None)) if isinstance(layout, StepLayout) else layout

@@ -21,6 +21,9 @@ CPU_PROGRAMS = 6       # the "SMs" under Triton's interpreter, where products sp
 TileRule = Callable[[int, int, int, bool, bool], "tuple[int, int, int, int] | None"]
 # (N, K, itemsize) -> (S, BN, BK, warps, stages), or None for the default split (matvec_parts.split_config)
 SplitRule = Callable[[int, int, int], "tuple[int, int, int, int, int] | None"]
+# (product "swiglu" or "down", step, fp8, itemsize) -> (BN, BK, warps, stages), or None for the
+# default (moe.tiles)
+ExpertRule = Callable[[str, bool, bool, int], "tuple[int, int, int, int] | None"]
 
 
 @dataclass(frozen=True)
@@ -36,11 +39,12 @@ class ProductPlan:
     split_fp8_stages: int = 8       # its pipeline depth over FP8 tiles (half the bytes of bf16's: twice as deep)
     tiles: TileRule | None = None   # tiles other than the measured ones (benchmarks; small tiles for the interpreter)
     split_tiles: SplitRule | None = None
+    expert_tiles: ExpertRule | None = None  # the MoE expert products' tiles (tests/bench/bench_moe.py)
 
     def describe(self) -> dict:
         """The plan as plain values (a rule by its name), for `--dry-run` and benchmark reports."""
         out = dict(self.__dict__)
-        for key in ("tiles", "split_tiles"):
+        for key in ("tiles", "split_tiles", "expert_tiles"):
             out[key] = getattr(out[key], "__name__", repr(out[key])) if out[key] is not None else "measured"
         return out
 

@@ -6,15 +6,21 @@ Each product (3 rows, bf16 activations, FP8 weights with their scales) is timed 
 over rotating weight copies (more bytes than L2 holds), under the default tile and a few others,
 each widening its FP8 tiles by Triton's conversion and by moving bits (kernels/fp8.py widen, the
 two checked bit for bit); the bf16 product of the same shape is timed beside it. Prints bytes
-read / time in TB/s.
+read / time in TB/s. Each variant is a ProductPlan (kernels/plan.py) handed to the products: the
+device's measured plan with a tile rule for the FP8 products, or a split rule for the split ones,
+and widen_bits off or on.
 """
 from __future__ import annotations
+
+import argparse
+import dataclasses
 
 import torch
 
 from probe_fp8 import graph_time
 
 from mtpchat.kernels import fp8, matvec, matvec_parts
+from mtpchat.kernels.plan import ProductPlan, default_products
 
 SHAPES = [("GDN in_proj [qkv|z]", 16384, 5120, "plain"), ("attention q|gate|k|v", 14336, 5120, "plain"),
           ("MLP gate|up", 34816, 5120, "swiglu"), ("GDN out_proj", 5120, 6144, "parts"),
@@ -30,23 +36,37 @@ def timed(fn) -> float:
     return graph_time(fn, 3) / 1e3
 
 
-def split_warps(split_config, warps: int):
-    """matvec_parts._split_config with its warps replaced."""
-    def config(N, K, itemsize):
-        S, BN, BK, _, stages = split_config(N, K, itemsize)
+def fp8_tiles(tile):
+    """A ProductPlan tile rule: `tile` (BN, BK, warps, stages) for the FP8 products, the measured
+    tile for the others."""
+    def tiles(N, K, itemsize, swiglu=False, fp8=False):
+        return tile if fp8 else None
+    tiles.__name__ = "fp8:{}x{}w{}s{}".format(*tile)
+    return tiles
+
+
+def split_stages_warps(base: ProductPlan, stages: int, warps: int):
+    """A ProductPlan split rule: the base plan's split (matvec_parts.split_config) with its warps
+    and its pipeline depth replaced (the benchmark runs it on FP8 weights only: a split rule's
+    stages stand in for the plan's split_fp8_stages)."""
+    def split(N, K, itemsize):
+        S, BN, BK, _, _ = matvec_parts.split_config(N, K, itemsize, base)
         return S, BN, BK, warps, stages
-    return config
+    split.__name__ = f"split:w{warps}s{stages}"
+    return split
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     x = torch.randn(3, 17408, device="cuda", dtype=torch.bfloat16)
-    kept_config, kept_stages, kept_split = matvec._config, matvec_parts.FP8_STAGES, matvec_parts._split_config
+    base = dataclasses.replace(default_products("cuda"), widen_bits=False)
     for name, N, K, kind in SHAPES:
         ws = [fp8.quantize_ref(torch.randn(N, K, device="cuda") / K ** 0.5) for _ in range(3)]
         bf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
         xk = x[:, :K]
-        run = {"plain": lambda w: matvec.matvec(xk, w), "swiglu": lambda w: matvec.matvec_swiglu(xk, w),
-               "parts": lambda w: matvec_parts.matvec_parts(xk, w)}[kind]
+        run = {"plain": lambda w, plan=base: matvec.matvec(xk, w, plan=plan),
+               "swiglu": lambda w, plan=base: matvec.matvec_swiglu(xk, w, plan=plan),
+               "parts": lambda w, plan=base: matvec_parts.matvec_parts(xk, w, plan=plan)}[kind]
         fp8_bytes, bf_bytes = ws[0].nbytes(), bf[0].numel() * 2
         want, _ = run(ws[0]).float(), run(bf[0])
         t_bf = timed(lambda i: run(bf[i % 3]))
@@ -54,23 +74,19 @@ def main():
         print(f"{name} [{N} x {K}] bf16: {t_bf * 1e3:.1f} us, {bf_bytes / t_bf / 1e9:.2f} TB/s")
         for tile in TILES[kind]:
             if kind == "parts":
-                matvec_parts.FP8_STAGES = tile[0]
-                matvec_parts._split_config = split_warps(kept_split, tile[1])
+                plan = dataclasses.replace(base, split_tiles=split_stages_warps(base, *tile))
             else:
-                matvec._config = (lambda t: lambda N, K, itemsize, swiglu=False, fp8=False:
-                                  t if fp8 else kept_config(N, K, itemsize, swiglu, fp8))(tile)
-            err = ((run(ws[0]).float() - want).norm() / want.norm()).item()     # against the default tile
+                plan = dataclasses.replace(base, tiles=fp8_tiles(tile))
+            err = ((run(ws[0], plan).float() - want).norm() / want.norm()).item()     # against the default tile
             line = []
             for bits in (False, True):
-                fp8.WIDEN_BITS = bits
-                out = run(ws[0])
-                t = timed(lambda i: run(ws[i % 3]))
+                form = dataclasses.replace(plan, widen_bits=bits)
+                out = run(ws[0], form)
+                t = timed(lambda i: run(ws[i % 3], form))
                 line.append(f"{'bits' if bits else 'cvt'} {t * 1e3:6.1f} us {fp8_bytes / t / 1e9:.2f} TB/s "
                             f"({t / t_bf:.3f} x bf16)")
-            fp8.WIDEN_BITS = False
-            same = torch.equal(out, run(ws[0]))
+            same = torch.equal(out, run(ws[0], plan))
             print(f"  FP8 {tile}: {';  '.join(line)};  bits == cvt: {same}; differs from the default tile by {err:.1e}")
-            matvec._config, matvec_parts.FP8_STAGES, matvec_parts._split_config = kept_config, kept_stages, kept_split
 
 
 if __name__ == "__main__":

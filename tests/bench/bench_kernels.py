@@ -11,6 +11,7 @@ same run. The sweeps time the tile configurations the kernels' defaults were cho
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from mtpchat.kernels import attention, conv, gdn, gdn_chunk, matvec, norm
 from mtpchat.kernels._triton import triton
+from mtpchat.kernels.plan import ProductPlan, default_products
 
 H, I, VOCAB = 5120, 17408, 248320
 HK, HV, DK, DV, CONV = 16, 48, 128, 128, 10240
@@ -85,19 +87,17 @@ def row(name, ms, nbytes, bw, peer_ms=None, peer="peer"):
           f"{nbytes / ms / 1e9:6.2f} TB/s{extra}", flush=True)
 
 
-def with_tile(cfg, fn, *args, swiglu=False):
-    """fn(*args) with the matvec tile table giving `cfg` (BN, BK, warps, stages) to the plain or
-    the SwiGLU products."""
-    kept = matvec._config
-    matvec._config = lambda N, K, itemsize, glu=False, fp8=False: cfg if glu == swiglu else kept(N, K, itemsize, glu, fp8)
-    try:
-        return fn(*args)
-    finally:
-        matvec._config = kept
+def tile_plan(cfg, swiglu=False) -> ProductPlan:
+    """The device's measured ProductPlan with a tile rule giving `cfg` (BN, BK, warps, stages) to the
+    plain or the SwiGLU products."""
+    def tiles(N, K, itemsize, glu=False, fp8=False):
+        return cfg if glu == swiglu else None
+    tiles.__name__ = "{}:{}x{}w{}s{}".format("swiglu" if swiglu else "plain", *cfg)
+    return dataclasses.replace(default_products("cuda"), tiles=tiles)
 
 
-def matvec_launch(x, w, cfg):
-    return with_tile(cfg, matvec.matvec, x, w)
+def matvec_launch(x, w, plan):
+    return matvec.matvec(x, w, plan=plan)
 
 
 MATVEC_CONFIGS = [(bn, bk, wp, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for wp in (4, 8) for st in (3, 4)
@@ -121,8 +121,9 @@ def bench_matvec(bw, sweep, sweep_swiglu=False):
             x = torch.randn(1, K, dtype=torch.bfloat16, device="cuda")
             timed = []
             for cfg in MATVEC_CONFIGS:
+                plan = tile_plan(cfg)
                 try:
-                    timed.append((graph_ms(lambda: [matvec_launch(x, w, cfg) for w in use], reps=3) / len(use), cfg))
+                    timed.append((graph_ms(lambda: [matvec_launch(x, w, plan) for w in use], reps=3) / len(use), cfg))
                 except Exception as e:   # out of shared memory and the like
                     print(f"  {cfg}: {type(e).__name__}", flush=True)
             timed.sort()
@@ -141,8 +142,8 @@ def bench_matvec(bw, sweep, sweep_swiglu=False):
         ref = matvec.matvec_swiglu_ref(x, ups[0])
         for BN, BK, warps, stages in ((32, 256, 4, 4), (64, 256, 4, 2), (64, 256, 8, 2), (32, 256, 4, 6),
                                       (32, 512, 4, 3), (64, 128, 4, 4), (16, 512, 4, 4), (32, 128, 4, 6)):
-            def launch(w, cfg=(BN, BK, warps, stages)):
-                return with_tile(cfg, matvec.matvec_swiglu, x, w, swiglu=True)
+            def launch(w, plan=tile_plan((BN, BK, warps, stages), swiglu=True)):
+                return matvec.matvec_swiglu(x, w, plan=plan)
             try:
                 err = ((launch(ups[0]).float() - ref.float()).norm() / ref.float().norm()).item()
                 t = graph_ms(lambda: [launch(w) for w in ups], reps=3) / len(ups)
@@ -163,7 +164,8 @@ def bench_matvec(bw, sweep, sweep_swiglu=False):
         cublas = graph_ms(lambda: [F.linear(xs[w.shape[1]], w) for w in layers], reps=5)
         row(f"all decode matvecs ({total / 1e9:.1f} GB) T={T}", ours, total, bw, cublas, "cublas")
         if sweep and best:
-            tuned = graph_ms(lambda: [matvec_launch(xs[w.shape[1]], w, best[next(k for k, s in SHAPES.items()
+            plans = {k: tile_plan(cfg) for k, cfg in best.items()}
+            tuned = graph_ms(lambda: [matvec_launch(xs[w.shape[1]], w, plans[next(k for k, s in SHAPES.items()
                                                                               if s == tuple(w.shape))]) for w in layers], reps=5)
             row(f"all decode matvecs, per-shape best T={T}", tuned, total, bw)
     results["matvec_best"] = {k: list(v) for k, v in best.items()}

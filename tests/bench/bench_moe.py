@@ -1,19 +1,30 @@
 """Times the MoE step kernels at the 35B-A3B's shapes (H 2048, 256 experts of 512, 8 a token) for a
 decode row and a verify step, against the bytes of the experts they read, over a few tile choices;
-FP8 experts widened by Triton's conversion and by moving bits (kernels/fp8.py widen) both.
+FP8 experts widened by Triton's conversion and by moving bits (kernels/fp8.py widen) both. Each
+variant is a ProductPlan (kernels/plan.py) handed to the expert kernels: the device's measured plan
+with an expert_tiles rule and widen_bits off or on.
 
     python tests/bench/bench_moe.py [--weights fp8]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 
 import torch
 
 from mtpchat.kernels import fp8, moe
+from mtpchat.kernels.plan import ProductPlan, default_products
 
-TILES = moe._tiles
+
+def tile_plan(base: ProductPlan, cfg, bits: bool) -> ProductPlan:
+    """The base plan with every expert product on `cfg` (BN, BK, warps, stages) and its FP8 tiles
+    widened by moving bits or by Triton's conversion."""
+    def expert_tiles(product, step, fp8_, itemsize=2):
+        return cfg
+    expert_tiles.__name__ = "experts:{}x{}w{}s{}".format(*cfg)
+    return dataclasses.replace(base, expert_tiles=expert_tiles, widen_bits=bits)
 
 
 def timed(fn, reps=200) -> float:
@@ -38,6 +49,7 @@ def main():
     a = p.parse_args()
     E, k, F, H = 256, 8, 512, 2048
     bw = 3.0e12
+    base = default_products("cuda")
     for weights in ("fp8", "bf16") if a.weights == "both" else (a.weights,):
         gu = torch.randn(E * 2 * F, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
         down = torch.randn(E * H, F, device="cuda", dtype=torch.bfloat16) / F ** 0.5
@@ -50,8 +62,8 @@ def main():
             logits = torch.randn(T, E + 1, device="cuda", dtype=torch.bfloat16) * 3
             ids, w, g, lay = moe.route_step(logits, k, E)
             n = len(set(ids.flatten().tolist()))
-            h = moe.expert_swiglu_triton(x, gu, lay, k, E)
-            y = moe.expert_down_triton(h, down, lay, E)
+            h = moe.expert_swiglu_triton(x, gu, lay, k, E, plan=base)
+            y = moe.expert_down_triton(h, down, lay, E, plan=base)
             shared = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             t_route = timed(lambda: moe.route_step(logits, k, E))
             t_comb = timed(lambda: moe.combine_triton(y, w, shared, g, torch.bfloat16))
@@ -59,22 +71,19 @@ def main():
             grid = itertools.product((32, 64, 128), (128,), (2, 4, 8), (2, 3, 4, 6)) if weights == "fp8" else \
                 itertools.product((32, 64), (128, 256), (4,), (3, 4))
             for BN, BK, warps, stages in grid:
-                moe._tiles = lambda product, step, fp8_, itemsize=2, c=(BN, BK, warps, stages): c
                 f1, f2 = n * per_expert[0] / bw * 1e6, n * per_expert[1] / bw * 1e6
                 line = []
                 for bits in (False, True) if weights == "fp8" else (False,):
-                    fp8.WIDEN_BITS = bits
+                    plan = tile_plan(base, (BN, BK, warps, stages), bits)
                     try:
-                        t1 = timed(lambda: moe.expert_swiglu_triton(x, gu, lay, k, E))
-                        t2 = timed(lambda: moe.expert_down_triton(h, down, lay, E))
+                        t1 = timed(lambda: moe.expert_swiglu_triton(x, gu, lay, k, E, plan=plan))
+                        t2 = timed(lambda: moe.expert_down_triton(h, down, lay, E, plan=plan))
                     except Exception as e:      # a tile that does not compile (shared memory)
                         line.append(type(e).__name__)
                         continue
                     line.append(f"{'bits ' if bits else ''}swiglu {t1:6.1f} us ({t1 / f1:.2f} x floor)  "
                                 f"down {t2:6.1f} us ({t2 / f2:.2f} x floor)")
-                fp8.WIDEN_BITS = False
                 print(f"  BN {BN:>3} BK {BK:>3} warps {warps} stages {stages}: " + ";  ".join(line))
-            moe._tiles = TILES
 
 
 if __name__ == "__main__":

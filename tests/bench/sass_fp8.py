@@ -15,6 +15,7 @@ element, on the units that convert (F2FP, F2F), where bf16 weights need none; pr
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import re
@@ -27,7 +28,9 @@ from triton.compiler import ASTSource
 
 import probe_fp8_layout
 from mtpchat.kernels import fp8, matvec, matvec_parts, moe
+from mtpchat.kernels.plan import ProductPlan
 
+H100 = ProductPlan(programs=132)     # the plan an H100 (132 SMs) gets: kernels/plan.py default_products
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 OPS = ["HGMMA", "HMMA", "LDGSTS", "LDS", "LDSM", "F2FP", "F2F", "PRMT", "LOP3", "SHF", "HMUL2", "IMAD", "BAR"]
 
@@ -60,21 +63,22 @@ def ints(names: str) -> list[tuple[str, str]]:
 
 
 def widening(bits: bool, warps: int, BN: int) -> int:
-    """The BITS constexpr fp8.widen_args gives on an H100."""
-    return fp8.widen_group((9, 0), warps, BN) if bits else 0
+    """The BITS constexpr fp8.widen_args gives on an H100 under H100's widen_group (0: as the tile suits)."""
+    return (H100.widen_group or fp8.widen_group((9, 0), warps, BN)) if bits else 0
 
 
 def production(bits: bool) -> list[tuple[str, object, list, dict, set, int, int]]:
     """(name, kernel, params, constexprs, aligned, warps, stages) of each few-row FP8 product at the
-    tiles it runs with (kernels/matvec.py _config, matvec_parts.py, moe.py _tiles), widening by
-    conversion or by bits. Aligned: the arguments a launch at the 27B's and the 35B-A3B's shapes
-    finds 16-divisible (without them Triton does not pipeline the split products' loads)."""
+    tiles an H100's plan gives them (kernels/plan.py ProductPlan; kernels/matvec.py tiles,
+    matvec_parts.py split_config, moe.py tiles), widening by conversion or by bits. Aligned: the
+    arguments a launch at the 27B's and the 35B-A3B's shapes finds 16-divisible (without them
+    Triton does not pipeline the split products' loads)."""
     out = []
     params = [("x", "*bf16"), ("w", "*fp8e4nv"), ("sw", "*fp32"), ("y", "*bf16"), ("ws", "*fp32"),
               ("count", "*i32"), ("ss", "*fp32")] + ints("T N K NB F KS S s_x s_w s_sw s_y s_ss") + [("eps", "fp32")]
     aligned = {"x", "w", "sw", "y", "ws", "count", "ss", "N", "K", "s_x", "s_w", "s_y"}
     for swiglu in (False, True):
-        BN, BK, warps, stages = matvec._config(16384, 5120, 2, swiglu=swiglu, fp8=True)
+        BN, BK, warps, stages = matvec.tiles(16384, 5120, 2, swiglu=swiglu, fp8=True, plan=H100)
         consts = dict(BT=16, BN=BN, BK=BK, NBP=0, SWIGLU=swiglu, SPLIT=False, FP8=True, PDL=True,
                       BITS=widening(bits, warps, BN))
         out.append((f"matvec{' swiglu' if swiglu else ''} {BN}x{BK} w{warps} s{stages}", matvec._matvec_kernel,
@@ -82,11 +86,13 @@ def production(bits: bool) -> list[tuple[str, object, list, dict, set, int, int]
     params = [("x", "*bf16"), ("w", "*fp8e4nv"), ("sw", "*fp32"), ("y", "*fp32"), ("count", "*i32"), ("r", "*bf16"),
               ("nw", "*bf16"), ("xn", "*bf16"), ("h", "*bf16"), ("ss", "*fp32")] + \
         ints("T N K KS s_x s_w s_yp s_y s_r s_xn s_h s_ss s_sw")
-    _, BN, BK, warps, _ = matvec_parts._split_config(5120, 17408, 2)
-    consts = dict(BT=16, BN=BN, BK=BK, S=3, NORM=True, FP8=True, PDL=True, BITS=widening(bits, warps, BN))
-    out.append((f"parts+norm {BN}x{BK} w{warps} s{matvec_parts.FP8_STAGES}", matvec_parts._matvec_parts_kernel,
-                params, consts, {n for n, _ in params} - {"T", "s_sw"}, warps, matvec_parts.FP8_STAGES))
-    BN, BK, warps, stages = moe._tiles("swiglu", True, True)
+    _, BN, BK, warps, _ = matvec_parts.split_config(5120, 17408, 2, H100)
+    stages = H100.split_fp8_stages
+    consts = dict(BT=16, BN=BN, BK=BK, S=3, NORM=True, FP8=True, PDL=True, BITS=widening(bits, warps, BN),
+                  RESIDUAL=True)
+    out.append((f"parts+norm {BN}x{BK} w{warps} s{stages}", matvec_parts._matvec_parts_kernel,
+                params, consts, {n for n, _ in params} - {"T", "s_sw"}, warps, stages))
+    BN, BK, warps, stages = moe.tiles("swiglu", True, True, plan=H100)
     params = [("x", "*bf16"), ("w", "*fp8e4nv"), ("ws", "*fp32"), ("w2", "*fp8e4nv"), ("ws2", "*fp32"),
               ("expert", "*i32"), ("pairs", "*i32"), ("reads", "*i64"), ("h", "*bf16")] + \
         ints("P E H F s_x s_h s_ws")
@@ -94,7 +100,7 @@ def production(bits: bool) -> list[tuple[str, object, list, dict, set, int, int]
                   BITS=widening(bits, warps, BN))
     out.append((f"moe swiglu step {BN}x{BK} w{warps} s{stages}", moe._swiglu_kernel, params, consts,
                 {n for n, _ in params} - {"P"}, warps, stages))
-    BN, BK, warps, stages = moe._tiles("down", True, True)
+    BN, BK, warps, stages = moe.tiles("down", True, True, plan=H100)
     params = [("hin", "*bf16"), ("w", "*fp8e4nv"), ("ws", "*fp32"), ("w2", "*fp8e4nv"), ("ws2", "*fp32"),
               ("expert", "*i32"), ("pairs", "*i32"), ("y", "*fp32")] + ints("P E H F s_h s_y s_ws")
     consts = dict(BM=16, BN=BN, BK=BK, STEP=True, BP=64, SHARED=True, FP8=True, PDL=True,
@@ -105,6 +111,7 @@ def production(bits: bool) -> list[tuple[str, object, list, dict, set, int, int]
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"triton {triton.__version__}")
     for bits in (False, True):
         for name, fn, params, consts, aligned, warps, stages in production(bits):
