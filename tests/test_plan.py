@@ -1,0 +1,81 @@
+"""The kernel plan (engine/plan.py): chosen at load from the device, the weight format and the
+model; owned by each engine (two in one process may differ); carried by every forward context."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.dispatch import Ctx
+from mtpchat.engine.plan import KernelPlan
+from mtpchat.kernels.plan import CPU_PROGRAMS, ProductPlan
+from tools.tiny import write_tiny_checkpoint
+
+MOE = dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40, shared_expert_intermediate_size=40)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_choose_follows_the_weight_format(gqa3, fp8):
+    plan = KernelPlan.choose("cpu", ModelConfig.load(gqa3), fp8)
+    assert plan.products.programs == CPU_PROGRAMS
+    assert plan.products.small_split == fp8              # measured to pay with FP8 weights only
+    assert not plan.products.widen_bits                  # no FP8 product runs on the CPU
+    assert plan.split_norm and plan.fc_split and plan.draft_pick and plan.pending_rows == 512
+    assert not plan.shared_as_expert                     # a dense model
+
+
+def test_the_shared_expert_joins_the_routed_ones_only_as_wide(tmp_path):
+    alike = ModelConfig.load(write_tiny_checkpoint(tmp_path / "a", moe=True, **MOE))
+    wide = ModelConfig.load(write_tiny_checkpoint(tmp_path / "b", moe=True, **{**MOE, "shared_expert_intermediate_size": 80}))
+    assert KernelPlan.choose("cpu", alike, False).shared_as_expert
+    assert not KernelPlan.choose("cpu", wide, False).shared_as_expert
+
+
+def test_replace_and_describe(gqa3):
+    plan = KernelPlan.choose("cpu", ModelConfig.load(gqa3), False)
+    other = plan.replace(fc_split=False, tail_parts=5)           # a products field by name too
+    assert not other.fc_split and other.products.tail_parts == 5 and plan.fc_split and plan.products.tail_parts == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.fc_split = False
+    with pytest.raises(TypeError):
+        plan.replace(no_such_choice=1)
+
+    def my_tiles(N, K, itemsize, swiglu, fp8):
+        return None
+    d = plan.replace(tiles=my_tiles).describe()
+    assert d["products"]["tiles"] == "my_tiles" and d["products"]["split_tiles"] == "measured"
+    assert d["fc_split"] is True and d["products"]["programs"] == CPU_PROGRAMS
+
+
+def test_two_engines_in_one_process_keep_their_own_plans(gqa3, monkeypatch):
+    config = ModelConfig.load(gqa3)
+    small = KernelPlan.choose("cpu", config, False).replace(pending_rows=8, split_norm=False)
+    a = Engine.load(gqa3, max_context=256, plan=small)
+    b = Engine.load(gqa3, max_context=256)
+    assert a.plan is small and a.decoder.plan is small and b.plan == KernelPlan.choose("cpu", config, False)
+    seen = []
+    ctx_init = Ctx.__init__
+
+    def record(self, *args, **kw):
+        ctx_init(self, *args, **kw)
+        seen.append(self.plan)
+    monkeypatch.setattr(Ctx, "__init__", record)           # every forward's context carries its engine's plan
+    ids = list(range(5, 40))
+    params = SamplingParams(max_tokens=24, stop_token_ids=())
+    out_a = list(a.generate(ids, params))[-1].token_ids
+    assert seen and all(p is small for p in seen)
+    seen.clear()
+    out_b = list(b.generate(ids, params))[-1].token_ids
+    assert seen and all(p is b.plan for p in seen)
+    assert out_a == out_b                                  # on the CPU the references run either way
+
+
+def test_products_default_for_a_device():
+    from mtpchat.kernels.plan import default_products
+    assert default_products("cpu") == ProductPlan(programs=CPU_PROGRAMS)
+    if torch.cuda.is_available():
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert default_products("cuda").programs == sms
