@@ -103,7 +103,8 @@ def tail_plans(base: KernelPlan) -> dict:
     into up to N parts ("small N"), or not ("no small")."""
     return {"split 3": base, "whole": base.replace(tail_split=False),
             **{f"split {n}": base.replace(tail_parts=n) for n in (2, 4, 5, 6, 8, 14)},
-            "no small": base.replace(small_split=False), **{f"small {n}": base.replace(small_parts=n) for n in (4, 2)}}
+            "no small": base.replace(small_split=False),
+            **{f"small {n}": base.replace(small_split=True, small_parts=n) for n in (8, 4, 2)}}
 
 
 def fp8_glu_plans(base: KernelPlan) -> dict:
