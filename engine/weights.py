@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from mtpchat.engine.config import ModelConfig, UnsupportedFormat
@@ -185,7 +186,6 @@ def _weight_map(folder: Path) -> dict[str, str]:
 
 
 def _open(path: Path):
-    from safetensors import safe_open
     if not path.exists():
         raise WeightsError(f"shard {path.name} is missing from {path.parent}; the download is incomplete")
     try:
