@@ -55,6 +55,9 @@ class Tokenizer:
         self._plain = tokenizers.Tokenizer.from_str(json.dumps(spec))
         self.config = config or {}
         self.chat_template = chat_template if chat_template is not None else BUNDLED_TEMPLATE.read_text()
+        # Qwen3.5/3.6's templates take an answer's leading <think>…</think> as its reasoning; Qwen3.8's
+        # read reasoning_content only, and inline tags stay the text they are
+        self._inline_think = bool(re.search(r"""split\(\s*['"]</think>""", self.chat_template))
         self._compiled = None
         self._added = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
         # Longest first: Python's alternation is leftmost-first, this makes it leftmost-longest like tokenizers.
@@ -161,7 +164,7 @@ class Tokenizer:
         then cut where tokenizers would cut it (at added tokens) and the placeholders are put back:
         the plain pieces are encoded exactly as transformers encodes them, minus the injection.
         """
-        messages = [_split_reasoning(dict(m)) for m in messages]
+        messages = [_split_reasoning(dict(m), self._inline_think) for m in messages]
         placeholders = self._placeholders(messages, tools, kw)
         for m in messages:
             for field in _TEXT_FIELDS:
@@ -261,8 +264,9 @@ def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     return env
 
 
-def _split_reasoning(m: dict) -> dict:
-    """Move an assistant answer's leading <think>…</think> into reasoning_content, as Qwen's template does.
+def _split_reasoning(m: dict, inline: bool = True) -> dict:
+    """Move an assistant answer's leading <think>…</think> into reasoning_content, as Qwen3.5/3.6's
+    template does (`inline`: the template splits content at </think>).
 
     Done before rendering because the template can no longer see the tags once message text is defused.
     """
@@ -270,7 +274,7 @@ def _split_reasoning(m: dict) -> dict:
         if not isinstance(m.get("reasoning_content"), str) and isinstance(m.get(alias), str):
             m["reasoning_content"] = m[alias]
     content = m.get("content")
-    if (m.get("role") == "assistant" and isinstance(content, str) and "</think>" in content
+    if (inline and m.get("role") == "assistant" and isinstance(content, str) and "</think>" in content
             and not isinstance(m.get("reasoning_content"), str)):
         head, _, _ = content.partition("</think>")
         m["reasoning_content"] = head.rstrip("\n").split("<think>")[-1].lstrip("\n")

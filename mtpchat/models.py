@@ -54,6 +54,9 @@ class Alias:
 
 # dense models largest first, then the MoE ones (`smaller_aliases` orders them by size)
 ALIASES: dict[str, Alias] = {a.name.lower(): a for a in [
+    # Qwen3.8 keeps the Qwen3.5 architecture and the 27B's shapes; its chat template takes reasoning_effort
+    Alias("Qwen3.8-27B", "Qwen/Qwen3.8-27B", 5120, 64, 17408, 24, 4, 48, False),
+    Alias("Qwen3.8-27B-FP8", "Qwen/Qwen3.8-27B-FP8", 5120, 64, 17408, 24, 4, 48, False, fp8=True),
     Alias("Qwen3.6-27B-MTP", "Qwen/Qwen3.6-27B", 5120, 64, 17408, 24, 4, 48, False),
     Alias("Qwen3.6-27B", "Qwen/Qwen3.6-27B", 5120, 64, 17408, 24, 4, 48, False),
     Alias("Qwen3.6-27B-FP8", "Qwen/Qwen3.6-27B-FP8", 5120, 64, 17408, 24, 4, 48, False, fp8=True),
