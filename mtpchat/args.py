@@ -106,7 +106,10 @@ def _common() -> argparse.ArgumentParser:
                    help="let the model think before answering (default: on)")
     c.add_argument("--preserve-thinking", default=S, action=argparse.BooleanOptionalAction,
                    help="keep earlier replies' thinking in the prompt, where the chat template offers it "
-                        "(default: off, as the models were trained)")
+                        "(default: the template's own: off for Qwen3.5/3.6, on for Qwen3.8)")
+    c.add_argument("--reasoning-effort", default=S, type=_type("reasoning_effort"), metavar="LEVEL",
+                   help="how hard the model thinks, where its chat template takes it (Qwen3.8: xhigh, "
+                        "medium, low; default: the template's, xhigh); --no-think turns thinking off")
     c.add_argument("--snapshots", default=S, type=_type("snapshots"), metavar="N",
                    help="decode-state snapshots kept on the device, so a chat turn prefills only what is new "
                         "(default: 4; 0: none)")

@@ -109,6 +109,7 @@ def _load_engine(options):
     prep = loader.prepare(options)
     for note in prep.notices:
         _err(note)
+    check_switches(prep.path, options)
     cpu_allocator(prep.device)
     engine = loader.load_engine(prep)
     if prep.mtp and not engine.mtp_available:
@@ -176,7 +177,7 @@ def cmd_run(args) -> int:
     prep, engine = _load_engine(options)
     messages = ([{"role": "system", "content": options.system}] if options.system else []) \
         + [{"role": "user", "content": prompt}]
-    prompt_ids = engine.tokenizer.apply_chat_template(messages, enable_thinking=options.think)
+    prompt_ids = run_prompt(engine.tokenizer, messages, options)
     if len(prompt_ids) >= prep.max_context:
         raise UserError(f"the prompt is {len(prompt_ids):,} tokens but --max-context is {prep.max_context:,}; "
                         "raise --max-context or shorten the prompt")
@@ -265,8 +266,36 @@ def cmd_serve(args) -> int:
         raise UserError("--port must be 0..65535 and --max-waiting 0 or more", exit_code=2)
     prep, engine = _load_engine(options)
     serve.serve(LocalEngine(engine), model=prep.name, host=args.host, port=args.port, api_key=key, think=options.think,
-                max_waiting=args.max_waiting, announce=_err)
+                max_waiting=args.max_waiting, announce=_err, switches=server_switches(options))
     return 0
+
+
+def check_switches(folder, options, tokenizer=None) -> None:
+    """Refuse a --reasoning-effort the checkpoint's chat template does not take, in one line (before
+    any weight loads, where the folder is known)."""
+    if options.reasoning_effort is None or (folder is None and tokenizer is None):
+        return
+    from mtpchat.chat.prompt import SwitchError, check_effort
+    if tokenizer is None:
+        from mtpchat.engine.tokenizer import Tokenizer
+        tokenizer = Tokenizer.load(folder)
+    try:
+        check_effort(tokenizer, options.reasoning_effort, "--reasoning-effort")
+    except SwitchError as e:
+        raise UserError(str(e), exit_code=2) from None
+
+
+def run_prompt(tokenizer, messages: list[dict], options) -> list[int]:
+    """`run`'s prompt, through the chat layer with the template's switches from the options."""
+    from mtpchat.chat.prompt import build_prompt
+    check_switches(None, options, tokenizer)
+    return build_prompt(tokenizer, messages, options.think, options.preserve_thinking, options.reasoning_effort)[0]
+
+
+def server_switches(options):
+    """The template's switches `serve` uses where a request sets none."""
+    from mtpchat.chat.prompt import Switches
+    return Switches(options.think, options.preserve_thinking, options.reasoning_effort)
 
 
 COMMANDS = {None: cmd_app, "run": cmd_run, "models": cmd_models, "bench": cmd_bench, "serve": cmd_serve}

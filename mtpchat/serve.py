@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from mtpchat.chat.engine import ChatEngine
-from mtpchat.chat.prompt import build_prompt
+from mtpchat.chat.prompt import Switches, build_prompt
 from mtpchat.chat.reply import Piece, Reply
 from mtpchat.engine.events import Step
 from mtpchat.errors import UserError
@@ -53,7 +53,8 @@ class Outcome:
 def produce(engine: ChatEngine, req: Request, put, cancelled) -> Outcome:
     """Run one generation on the calling thread: text goes out through `put(thinking, answer)` as it
     is decoded; the finished outcome is returned. `cancelled()` is checked at every step."""
-    ids, keep_at = build_prompt(engine.tokenizer, req.messages, req.think)
+    ids, keep_at = build_prompt(engine.tokenizer, req.messages, req.think, req.switches.keep_thinking,
+                                req.switches.effort)
     if len(ids) + 1 >= engine.max_context:
         raise BadRequest(f"the prompt is {len(ids):,} tokens; this server's context is {engine.max_context:,}",
                          "messages")
@@ -99,8 +100,10 @@ def error_body(status: int, message: str, kind: str, param: str | None = None):
 
 
 def build_app(engine, *, model: str, api_key: str | None = None, think: bool = True,
-              max_waiting: int = DEFAULT_MAX_WAITING):
-    """The ASGI app serving `engine` under the name `model`."""
+              max_waiting: int = DEFAULT_MAX_WAITING, switches: Switches | None = None):
+    """The ASGI app serving `engine` under the name `model`; `switches`: the chat template's defaults
+    (thinking, preserve_thinking, reasoning_effort) that a request's own override."""
+    defaults = switches or Switches(think=think)
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -142,7 +145,7 @@ def build_app(engine, *, model: str, api_key: str | None = None, think: bool = T
         except ValueError:
             return error_body(400, "the body is not valid JSON", "invalid_request_error")
         try:
-            req = parse_request(body, engine, think)
+            req = parse_request(body, engine, think, defaults)
         except (BadRequest, ValueError) as exc:
             return error_body(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
         if not await gate().enter():
@@ -257,7 +260,7 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 
 def serve(engine, *, model: str, host: str, port: int, api_key: str | None, think: bool,
-          max_waiting: int, announce) -> None:
+          max_waiting: int, announce, switches: Switches | None = None) -> None:
     """Bind first (port 0 picks a free one), say where, then serve until interrupted."""
     import uvicorn
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -269,7 +272,7 @@ def serve(engine, *, model: str, host: str, port: int, api_key: str | None, thin
         raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): pick another --port") from None
     sock.listen(64)
     bound = sock.getsockname()[1]
-    app = build_app(engine, model=model, api_key=api_key, think=think, max_waiting=max_waiting)
+    app = build_app(engine, model=model, api_key=api_key, think=think, max_waiting=max_waiting, switches=switches)
     shown = f"[{host}]" if ":" in host else host
     announce(f"mtpchat serve: {model} at http://{shown}:{bound}/v1 (one generation at a time; Ctrl-C stops)")
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)

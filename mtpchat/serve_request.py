@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mtpchat.chat.prompt import Switches, request_switches
+
 
 class BadRequest(ValueError):
     """A request the API refuses with 400; the message names the field."""
@@ -26,6 +28,7 @@ class Request:
     think: bool
     stream: bool
     include_usage: bool
+    switches: Switches = Switches()    # the chat template's: thinking, preserve_thinking, reasoning_effort
 
 
 def _number(body: dict, name: str, kind, lo=None, hi=None, default=None):
@@ -48,7 +51,7 @@ def _text(content, where: str) -> str:
     raise BadRequest(f"{where}.content must be a string or a list of text parts", where)
 
 
-def parse_request(body, engine, think_default: bool) -> Request:
+def parse_request(body, engine, think_default: bool, defaults: Switches | None = None) -> Request:
     """The request's fields, checked; unset sampling fields take the checkpoint's defaults."""
     from mtpchat.engine.sampling import SamplingParams
     if not isinstance(body, dict):
@@ -78,9 +81,8 @@ def parse_request(body, engine, think_default: bool) -> Request:
     eos = () if body.get("ignore_eos") else tuple(engine.stop_ids)
     max_tokens = _number(body, "max_completion_tokens", int, 1, default=None) or \
         _number(body, "max_tokens", int, 1, default=None) or engine.max_context
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    # reasoning_effort and chat_template_kwargs over the server's defaults; a bad one is a SwitchError (400)
+    switches = request_switches(engine.tokenizer, defaults or Switches(think=think_default), body)
     options = body.get("stream_options") or {}
     params = SamplingParams(
         temperature=_number(body, "temperature", float, 0.0, 2.0, gen.temperature if gen.temperature is not None else 0.0),
@@ -90,5 +92,6 @@ def parse_request(body, engine, think_default: bool) -> Request:
         presence_penalty=_number(body, "presence_penalty", float, -2.0, 2.0, 0.0),
         max_tokens=max_tokens, seed=_number(body, "seed", int, default=None),
         stop_token_ids=eos + tuple(stop_ids or ()))
-    return Request(messages, params, stop, bool(kwargs.get("enable_thinking", think_default)),
-                   bool(body.get("stream", False)), bool(isinstance(options, dict) and options.get("include_usage")))
+    return Request(messages, params, stop, switches.think,
+                   bool(body.get("stream", False)), bool(isinstance(options, dict) and options.get("include_usage")),
+                   switches)

@@ -53,7 +53,8 @@ class Options:
     seed: int | None = None
     system: str | None = None
     think: bool = True
-    preserve_thinking: bool = False   # keep earlier replies' thinking in the prompt, where the template can
+    preserve_thinking: bool | None = None   # earlier replies' thinking in the prompt; None: the template's default
+    reasoning_effort: str | None = None     # where the template takes it (Qwen3.8: xhigh, medium, low); None: its default
     snapshots: int = 4                # decode-state snapshots kept for chat turns (0: none)
     offline: bool = False
     data_dir: str | None = None
@@ -115,6 +116,13 @@ def _str(v):
     return v
 
 
+def _effort(v):
+    # which levels a model takes, its chat template says once loaded (mtpchat/chat/prompt.py)
+    if not isinstance(v, str) or not v.strip().isalpha():
+        raise ValueError(f"must be a level such as low, medium or xhigh, got {v!r}")
+    return v.strip().lower()
+
+
 CHECKS = {
     "model": _str, "device": _choice(DEVICES), "dtype": _choice(DTYPES), "weights": _choice(WEIGHTS),
     "max_context": _int(16), "draft_tokens": _int(1, MAX_DRAFT_TOKENS),
@@ -122,6 +130,7 @@ CHECKS = {
     "temperature": _float(0.0), "top_p": _float(0.0, 1.0, lo_open=True), "top_k": _int(0),
     "min_p": _float(0.0, 1.0, hi_open=True), "presence_penalty": _float(-2.0, 2.0),
     "max_tokens": _int(1), "seed": _int(0), "system": _str, "think": _bool, "preserve_thinking": _bool,
+    "reasoning_effort": _effort,
     "snapshots": _int(0, 64), "offline": _bool,
     "data_dir": _str,
 }

@@ -9,7 +9,8 @@ from mtpchat.app.chat import ChatLog, Composer, MessageView, code_blocks
 from mtpchat.app.commands import CHAT_ONLY, COMMANDS
 from mtpchat.app.errors import NO_MTP
 from mtpchat.app.export import chat_markdown, export_path
-from mtpchat.chat.prompt import offers_preserve_thinking
+from mtpchat.chat.prompt import (effort_label, keeps_thinking_by_default, next_effort, offers_preserve_thinking,
+                                  reasoning_efforts)
 from mtpchat.app.race import LANES, RaceScreen
 from mtpchat.app.screens import CodePickScreen, SamplingScreen, SessionsScreen, SystemPromptScreen
 from mtpchat.app.store import decode_spans
@@ -140,14 +141,30 @@ class ChatActions:
         self.notice("thinking on for the next reply" if self.think else "thinking off for the next reply")
         self.redraw(force=True)
 
+    def action_cycle_effort(self) -> None:
+        if not self._engine_ready():
+            return
+        tok = self.engine.tokenizer
+        if not reasoning_efforts(tok):
+            self.notice("this model's chat template has no reasoning_effort: thinking is on or off (f5)", "warning")
+            return
+        self.think, self.effort = next_effort(tok, self.think, self.effort)
+        level = effort_label(tok, self.think, self.effort)
+        self.notice(f"reasoning effort {level} for the next reply" if self.think else "thinking off for the next reply")
+        self.redraw(force=True)
+
     def action_toggle_keep_thinking(self) -> None:
         if self.engine is not None and not offers_preserve_thinking(self.engine.tokenizer):
             self.notice("this model's chat template has no preserve_thinking: earlier replies' thinking is "
                         "always left out of the prompt", "warning")
             return
-        self.keep_thinking = not self.keep_thinking
-        self.notice("earlier replies' thinking stays in the prompt (preserve_thinking)" if self.keep_thinking
-                    else "earlier replies' thinking is left out of the prompt, as the model was trained")
+        trained = self.engine is not None and keeps_thinking_by_default(self.engine.tokenizer)
+        keep = self.keep_thinking if self.keep_thinking is not None else trained
+        self.keep_thinking = not keep
+        self.notice("earlier replies' thinking stays in the prompt (preserve_thinking)"
+                    + (", as the model was trained" if trained else "") if self.keep_thinking
+                    else "earlier replies' thinking is left out of the prompt"
+                    + ("" if trained else ", as the model was trained"))
 
     def action_toggle_tint(self) -> None:
         self.tint = not self.tint

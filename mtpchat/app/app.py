@@ -35,7 +35,7 @@ from mtpchat.app.runner import drive
 from mtpchat.app.settings import Sampling
 from mtpchat.app.store import Store, encode_spans
 from mtpchat.app.telemetry import Telemetry
-from mtpchat.chat.prompt import build_prompt
+from mtpchat.chat.prompt import SwitchError, build_prompt, check_effort, effort_label
 from mtpchat.chat.think import prompt_opens_think
 
 NARROW_BELOW = 100   # columns; below this the telemetry pane folds into the status bar
@@ -74,7 +74,8 @@ class ChatApp(ChatActions, App):
 
     def __init__(self, load_engine: Callable[[], object], *, model: str, store: Store, sampling: Sampling,
                  device: str = "cpu", dtype: str = "", system: str = "", think: bool = True, mtp: bool = True,
-                 draft_tokens: int = 3, preserve_thinking: bool = False, probe: Callable | None = None,
+                 draft_tokens: int = 3, preserve_thinking: bool | None = None, reasoning_effort: str | None = None,
+                 probe: Callable | None = None,
                  gpu_interval: float = 1.0,
                  refresh_hz: float = 4.0, keymap: dict | None = None, export_dir: Path | None = None,
                  now: Callable[[], float] = time.time, ui_budget: float = 0.02):
@@ -84,6 +85,7 @@ class ChatApp(ChatActions, App):
         self.store, self.sampling, self.system, self.think = store, sampling, system, think
         self.default_system = system
         self.keep_thinking = preserve_thinking   # earlier replies' thinking stays in the prompt (template permitting)
+        self.effort = reasoning_effort           # the template's reasoning_effort; None: its default
         self.initial_mtp, self.initial_k = mtp, draft_tokens
         self.make_probe, self.gpu_interval, self.refresh_hz = probe, gpu_interval, refresh_hz
         self.user_keymap = keymap or {}
@@ -171,6 +173,7 @@ class ChatApp(ChatActions, App):
         self.refresh_bindings()               # a server's fixed switches show dimmed in the footer
         for text in self.engine.notices:
             self.notice(text, "warning")
+        self._check_effort()
         if not self.engine.mtp_available and not self.engine.notices:
             self.notice(NO_MTP, "warning")
         try:
@@ -193,6 +196,14 @@ class ChatApp(ChatActions, App):
             text, self._queued = self._queued, None
             self.query_one(Composer).post_message(Composer.Submitted(text))
 
+    def _check_effort(self) -> None:
+        """A reasoning effort this model's template does not take: said once, and its default used."""
+        try:
+            check_effort(self.engine.tokenizer, self.effort, "--reasoning-effort")
+        except SwitchError as exc:
+            self.notice(f"{exc}; using the template's default", "warning")
+            self.effort = None
+
     def on_engine_failed(self, m: EngineFailed) -> None:
         self.load_error = m.text
         self.query_one("#loading").remove()
@@ -213,6 +224,7 @@ class ChatApp(ChatActions, App):
                     draft_tokens=int(e.draft_tokens) if e else self.initial_k,
                     k_max=e.k_max if e else 0,
                     thinking=self.think, busy=self.busy, loaded=e is not None,
+                    effort=effort_label(e.tokenizer, self.think, self.effort) if e else "",
                     weights="FP8" if e and e.fp8 else "", fixed=e.fixed if e else "",
                     moe_layers=e.moe_layers if e else 0)
 
@@ -271,7 +283,7 @@ class ChatApp(ChatActions, App):
                 if mtp is not None:
                     engine.mtp = mtp
                     engine.reset()   # each lane starts from the same empty state
-                ids, keep_at = build_prompt(engine.tokenizer, messages, think, self.keep_thinking)
+                ids, keep_at = build_prompt(engine.tokenizer, messages, think, self.keep_thinking, self.effort)
                 think_open = prompt_opens_think(engine.tokenizer, ids)
                 drive(engine, ids, params, target=target, think_open=think_open, post=self.post_message,
                       cancelled=cancelled, count_tokens=self._count,

@@ -32,6 +32,9 @@ COMMANDS = (
             "Draft one token fewer per step"),
     Command("toggle_think", "f5,ctrl+g", "toggle_think", "Think", "Toggle thinking",
             "Ask the model to think before answering, or not (next reply)"),
+    Command("cycle_effort", "alt+e", "cycle_effort", "Effort", "Reasoning effort",
+            "Cycle the reasoning effort of the next reply: off, low, medium, xhigh (where the model's chat "
+            "template takes reasoning_effort, as Qwen3.8's does)", footer=False),
     Command("toggle_keep_thinking", "alt+k", "toggle_keep_thinking", "Keep think", "Keep thinking in history",
             "Keep earlier replies' thinking in the prompt (the template's preserve_thinking), or leave it out as "
             "the model was trained", footer=False),
@@ -62,5 +65,5 @@ BINDINGS = [Binding(c.keys, c.action, c.short, show=c.footer, id=c.id, tooltip=c
             for c in COMMANDS]
 
 # actions that only make sense on the chat screen (not inside a dialog or the race)
-CHAT_ONLY = {"toggle_think", "toggle_keep_thinking", "regenerate", "edit_last", "new_chat", "sessions", "race", "system_prompt",
+CHAT_ONLY = {"toggle_think", "cycle_effort", "toggle_keep_thinking", "regenerate", "edit_last", "new_chat", "sessions", "race", "system_prompt",
              "sampling", "copy_message", "copy_code", "export", "toggle_tint"}

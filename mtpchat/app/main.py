@@ -39,7 +39,8 @@ class Launch:
     load: object
     notices: list = field(default_factory=list)
     fake: bool = False
-    preserve_thinking: bool = False
+    preserve_thinking: bool | None = None   # None: the chat template's default
+    reasoning_effort: str | None = None     # None: the chat template's default
 
 
 def launch_from(args) -> Launch:
@@ -56,7 +57,7 @@ def launch_from(args) -> Launch:
         return Launch(prep.name, prep.device, prep.dtype, prep.mtp, prep.draft_tokens, get("system") or "",
                       bool(get("think", True)), get("data_dir"), initial_sampling(opts, prep.path),
                       lambda: LocalEngine(loader.load_engine(prep)), list(prep.notices),
-                      preserve_thinking=bool(get("preserve_thinking", False)))
+                      preserve_thinking=get("preserve_thinking"), reasoning_effort=get("reasoning_effort"))
     device = str(get("device", "cpu"))
     if fake:
         load = lambda: FakeEngine(name="fake-model", device=device, mtp=bool(get("mtp", True)),
@@ -66,7 +67,7 @@ def launch_from(args) -> Launch:
     return Launch("fake-model" if fake else Path(str(get("model"))).name, device, str(get("dtype") or ""),
                   bool(get("mtp", True)), int(get("draft_tokens", 3)), get("system") or "", bool(get("think", True)),
                   get("data_dir"), initial_sampling(opts, None) if not fake else Sampling(), load, fake=fake,
-                  preserve_thinking=bool(get("preserve_thinking", False)))
+                  preserve_thinking=get("preserve_thinking"), reasoning_effort=get("reasoning_effort"))
 
 
 def remote_launch(args, opts) -> Launch:
@@ -105,6 +106,7 @@ def build_app(args, *, load_engine=None, probe=None, now=time.time, gpu_interval
     app = ChatApp(load_engine or launch.load, model=launch.model, store=store, sampling=launch.sampling,
                   device=launch.device, dtype=launch.dtype, system=launch.system, think=launch.think,
                   mtp=launch.mtp, draft_tokens=launch.draft_tokens, preserve_thinking=launch.preserve_thinking,
+                  reasoning_effort=launch.reasoning_effort,
                   probe=probe, gpu_interval=gpu_interval,
                   keymap=keymap, now=now)
     app.startup_notices += [("information", n) for n in launch.notices]
@@ -142,7 +144,8 @@ def dev_args(argv=None):
     p.add_argument("--seed", type=int)
     p.add_argument("--system", default="")
     p.add_argument("--no-think", dest="think", action="store_false")
-    p.add_argument("--preserve-thinking", action="store_true")
+    p.add_argument("--preserve-thinking", action="store_true", default=None)
+    p.add_argument("--reasoning-effort")
     p.add_argument("--offline", action="store_true")
     p.add_argument("--data-dir")
     return p.parse_args(argv)

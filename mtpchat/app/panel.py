@@ -42,6 +42,7 @@ class Live:
     weights: str = ""          # "FP8" when the big products' weights are FP8, else "" (the model dtype)
     moe_layers: int = 0        # an MoE model's layers: the speed panel shows the experts a step reads
     fixed: str = ""            # why MTP and the draft count cannot change here (a server's), else ""
+    effort: str = ""           # off or the reasoning effort, where the chat template takes one; else ""
 
     @property
     def mtp_label(self) -> str:
@@ -154,7 +155,7 @@ def status_line(t: Telemetry, live: Live) -> str:
 def header_line(live: Live, title: str) -> str:
     if not live.loaded:
         return f"[b]mtpchat[/]  {escape(live.model)}  [$text-muted]loading…[/]"
-    think = "thinking on" if live.thinking else "thinking off"
+    think = f"thinking {live.effort}" if live.effort else "thinking on" if live.thinking else "thinking off"
     where = f"{live.device} {live.dtype}".strip() + (f" · {live.weights} weights" if live.weights else "")
     return (f"[b]mtpchat[/]  [b $accent]{escape(live.model)}[/]  [$text-muted]{escape(where)}[/]  │  "
             f"[b]{live.mtp_label}[/]  │  {think}  │  [$text-muted]{escape(title)}[/]")
