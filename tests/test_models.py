@@ -331,7 +331,8 @@ def test_models_lists_aliases_and_cache(cache, tmp_path):
 
 def test_smaller_aliases_are_ordered_and_unique():
     names = [a.name for a in models.smaller_aliases(10 ** 12)]
-    assert names == ["Qwen3.5-122B-A10B", "Qwen3.6-35B-A3B", "Qwen3.5-35B-A3B", "Qwen3.6-27B-MTP", "Qwen3.5-27B",
+    assert names == ["Qwen3.5-122B-A10B", "Qwen3.6-35B-A3B", "Qwen3.5-35B-A3B", "Qwen3.8-27B", "Qwen3.6-27B-MTP",
+                     "Qwen3.5-27B",
                      "Qwen3.5-9B", "Qwen3.5-4B", "Qwen3.5-2B", "Qwen3.5-0.8B"]
     assert [a.name for a in models.smaller_aliases(4_000_000_000)] == ["Qwen3.5-2B", "Qwen3.5-0.8B"]
 
