@@ -411,3 +411,25 @@ def window_tests(windows, exact: ExactRows, seed: int = 0) -> dict[str, float]:
         counts = torch.bincount((torch.tensor(u, dtype=torch.float64) * 10).long().clamp(0, 9), minlength=10).double()
         out[group] = chi2_pvalue(counts, torch.full((10,), 0.1, dtype=torch.float64))
     return out
+
+
+def two_sample_pvalue(a: list, b: list) -> float:
+    """Chi-square test that two samples of hashable outcomes come from one distribution: a 2 x C
+    contingency table whose cells are the outcomes seen at least 10 times in both samples together,
+    the rest pooled into one cell."""
+    both = {}
+    for x in a + b:
+        both[x] = both.get(x, 0) + 1
+    common = [x for x, n in both.items() if n >= 10]
+    index = {x: i for i, x in enumerate(common)}
+    table = torch.zeros(2, len(common) + 1, dtype=torch.float64)
+    for row, sample_ in enumerate((a, b)):
+        for x in sample_:
+            table[row, index.get(x, len(common))] += 1
+    table = table[:, table.sum(0) > 0]
+    if table.shape[1] < 2:
+        return 1.0
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    df = torch.tensor(float(table.shape[1] - 1), dtype=torch.float64)
+    return torch.special.gammaincc(df / 2, stat / 2).item()
