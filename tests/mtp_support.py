@@ -284,33 +284,6 @@ BROKEN_RULES = (accept_always, residual_keeps_the_draft, unnormalized_residual_i
                 drafts_not_penalised)
 
 
-def pooled_chi2(groups) -> float:
-    """One goodness-of-fit p-value over independent groups of (counts [V], probs [V]): the sum of
-    their chi-square statistics on the sum of their degrees of freedom (chi2_pvalue's pooling of
-    cells expecting fewer than 5). A count where the probability is 0 rejects."""
-    stat, df = 0.0, 0
-    for counts, probs in groups:
-        n = counts.sum()
-        if n == 0:
-            continue
-        if counts[probs == 0].sum() > 0:
-            return 0.0
-        expected = n * probs
-        big = expected >= 5
-        small = (probs > 0) & ~big
-        obs = torch.cat([counts[big], counts[small].sum().view(1)])
-        exp = torch.cat([expected[big], expected[small].sum().view(1)])
-        keep = exp > 0
-        if keep.sum() < 2:
-            continue
-        stat += ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum().item()
-        df += int(keep.sum()) - 1
-    if df == 0:
-        return 1.0
-    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                   torch.tensor(stat / 2, dtype=torch.float64)).item()
-
-
 def detectable_shift(n: float, p: float, alpha: float, z_power: float = 1.2816) -> float:
     """The smallest change of a cell of probability p that n draws detect at level alpha with
     power 0.9 (z_power), by the normal approximation of that cell's count: the power analysis the
