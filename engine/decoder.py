@@ -114,6 +114,9 @@ class Decoder:
         self.draft_rows: DraftRows | None = None   # the trimmed draft vocabulary's head, or None
         self.draft_row = long(1)             # the trimmed head's argmax, before its map to a token id
         self.drafter = None                  # optional ProfileDrafter (engine/spec.py)
+        # the sampled acceptance rule (engine/spec.py): (logits, drafts, params, seen rows, generator)
+        # -> (a, tokens); a value so that a test can hand the step a deliberately broken one
+        self.accept_rule = accept_sampled
         self.runner = None                   # engine/runner.py sets itself here on CUDA
         self.reset()
 
@@ -321,7 +324,7 @@ class Decoder:
             a = torch.zeros(1, dtype=torch.long, device=self.device)
             out = self._sample(logits, params, generator, drafts)
         else:
-            a, out = accept_sampled(logits, drafts, params, seen_rows(self.seen > 0, drafts), generator)
+            a, out = self.accept_rule(logits, drafts, params, seen_rows(self.seen > 0, drafts), generator)
         commit_ref(a, out, self.accept_bufs)    # sampling runs eagerly in torch: so does its commit
 
     def _sample(self, logits, params, generator, drafts) -> torch.Tensor:

@@ -5,7 +5,8 @@ import torch
 
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.events import Step
-from mtpchat.engine.spec import ProfileDrafter
+from mtpchat.engine.sampling import process_logits, sample
+from mtpchat.engine.spec import ProfileDrafter, accept_sampled
 
 N_PROMPTS, NEW_TOKENS = 20, 100
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=())
@@ -173,3 +174,235 @@ def first_tokens_pvalue(e, prompt, joint, trials, seed0):
         counts[cells.index(toks) if toks in joint else -1] += 1
         accepted |= {s.accepted for s in steps_of(events) if s.mtp}
     return chi2_pvalue(counts, torch.tensor([joint[c] for c in cells] + [0.0], dtype=torch.float64)), accepted
+
+
+# --- every sampling option: the float64 reference, broken acceptance rules, conditional tests -------
+def reference_probs(logits: torch.Tensor, seen: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[T, V] logits, [T, V] bool tokens generated before each row -> [T, V] float64: the target's
+    sampling distribution written out from SamplingParams' documented pipeline, apart from
+    engine/sampling.py: presence penalty, temperature, top-k (ties at the k-th logit kept), top-p
+    (the most likely tokens until their mass reaches top_p), min-p (a floor at min_p times the
+    likeliest token's probability), renormalized after each filter."""
+    x = logits.double().cpu() - params.presence_penalty * seen.double().cpu()
+    x = x / params.temperature
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if params.top_k:
+        kth = x.sort(-1, descending=True).values[:, params.top_k - 1:params.top_k]
+        keep &= x >= kth
+    p = torch.where(keep, (x - x.max(-1, keepdim=True).values).exp(), 0.0)
+    p = p / p.sum(-1, keepdim=True)
+    if params.top_p < 1:
+        for row in range(p.shape[0]):
+            values, order = p[row].sort(descending=True)
+            mass = 0.0
+            for j, v in enumerate(values.tolist()):
+                if mass >= params.top_p:
+                    keep[row, order[j:]] = False
+                    break
+                mass += v
+        p = torch.where(keep, p, 0.0)
+        p = p / p.sum(-1, keepdim=True)
+    if params.min_p:
+        p = torch.where(p >= params.min_p * p.max(-1, keepdim=True).values, p, 0.0)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def _emit(accept: torch.Tensor, drafts: torch.Tensor, fallback: torch.Tensor):
+    """The drafts before the first rejection, then fallback[a] (the test's own splice)."""
+    k = drafts.shape[0]
+    a = accept.long().cumprod(0).sum().view(1)
+    idx = torch.arange(k + 1, device=drafts.device)
+    return a, torch.where(idx < a, torch.cat([drafts, drafts[-1:]]), fallback.gather(0, a.expand(k + 1)))
+
+
+def _draft_probs(probs, drafts):
+    return probs[:-1].gather(1, drafts[:, None])[:, 0]
+
+
+def _without_drafts(probs, drafts):
+    residual = probs.clone()
+    residual[:-1].scatter_(1, drafts[:, None], 0.0)
+    return residual / residual.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def accept_always(logits, drafts, params, seen, generator):
+    """Broken: every draft kept, the bonus from p_k."""
+    probs = process_logits(logits, params, seen)
+    return _emit(torch.ones_like(drafts, dtype=torch.bool), drafts, sample(probs, generator))
+
+
+def residual_keeps_the_draft(logits, drafts, params, seen, generator):
+    """Broken: at a rejection, a draw from p_i itself (the rejected draft can come back)."""
+    probs = process_logits(logits, params, seen)
+    u = torch.rand(drafts.shape[0], device=probs.device, generator=generator)
+    return _emit(u < _draft_probs(probs, drafts), drafts, sample(probs, generator))
+
+
+def unnormalized_residual_inverse_cdf(logits, drafts, params, seen, generator):
+    """Broken: the residual p_i without d_{i+1} left unnormalized and drawn by inverse CDF, so the
+    draws past its mass fall on the last token id."""
+    probs = process_logits(logits, params, seen)
+    u = torch.rand(drafts.shape[0], device=probs.device, generator=generator)
+    residual = probs.clone()
+    residual[:-1].scatter_(1, drafts[:, None], 0.0)
+    v = torch.rand(residual.shape[0], 1, device=probs.device, generator=generator)
+    fallback = torch.searchsorted(residual.cumsum(-1), v)[:, 0].clamp(max=residual.shape[1] - 1)
+    return _emit(u < _draft_probs(probs, drafts), drafts, fallback)
+
+
+def bonus_from_the_previous_row(logits, drafts, params, seen, generator):
+    """Broken: the bonus token after k accepted drafts drawn from p_{k-1} instead of p_k."""
+    probs = process_logits(logits, params, seen)
+    u = torch.rand(drafts.shape[0], device=probs.device, generator=generator)
+    residual = _without_drafts(probs, drafts)
+    residual[-1] = probs[-2]
+    return _emit(u < _draft_probs(probs, drafts), drafts, sample(residual, generator))
+
+
+def filters_after_the_acceptance_test(logits, drafts, params, seen, generator):
+    """Broken: drafts accepted by the distribution before top-k/top-p/min-p; the residual and the
+    bonus drawn from the filtered one."""
+    plain = SamplingParams(temperature=params.temperature, presence_penalty=params.presence_penalty)
+    unfiltered, probs = process_logits(logits, plain, seen), process_logits(logits, params, seen)
+    u = torch.rand(drafts.shape[0], device=probs.device, generator=generator)
+    return _emit(u < _draft_probs(unfiltered, drafts), drafts, sample(_without_drafts(probs, drafts), generator))
+
+
+def temperature_twice(logits, drafts, params, seen, generator):
+    """Broken: the logits divided by the temperature before the pipeline divides them again."""
+    return accept_sampled(logits / params.temperature, drafts, params, seen, generator)
+
+
+def drafts_not_penalised(logits, drafts, params, seen, generator):
+    """Broken: every row penalises only the tokens generated before the window, not the drafts."""
+    return accept_sampled(logits, drafts, params, seen[:1].expand_as(seen), generator)
+
+
+BROKEN_RULES = (accept_always, residual_keeps_the_draft, unnormalized_residual_inverse_cdf,
+                bonus_from_the_previous_row, filters_after_the_acceptance_test, temperature_twice,
+                drafts_not_penalised)
+
+
+def detectable_shift(n: float, p: float, alpha: float, z_power: float = 1.2816) -> float:
+    """The smallest change of a cell of probability p that n draws detect at level alpha with
+    power 0.9 (z_power), by the normal approximation of that cell's count: the power analysis the
+    docstrings state."""
+    z = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1 - alpha / 2, dtype=torch.float64)).item()
+    return (z + z_power) * (p * (1 - p) / n) ** 0.5
+
+
+class Recording:
+    """An acceptance rule that records the drafts of every speculative step, then applies `rule`."""
+
+    def __init__(self, rule):
+        self.rule, self.drafts = rule, []
+
+    def __call__(self, logits, drafts, params, seen, generator):
+        self.drafts.append(tuple(drafts.tolist()))
+        return self.rule(logits, drafts, params, seen, generator)
+
+
+def first_windows(e, prompt, params, runs: int, seed0: int, rule=accept_sampled) -> list[tuple]:
+    """`runs` seeded generations with `rule` accepting, each read up to its first speculative step
+    (the engine's k drafts, the token limit leaving room for all of them and the bonus): per run
+    (tokens, drafts, accepted), tokens = the first token then the step's a+1. The state is kept at
+    the prompt's last token, so a run prefills one token."""
+    recording, out = Recording(rule), []
+    e.decoder.accept_rule = recording
+    try:
+        for r in range(runs):
+            p = SamplingParams(**{**params.__dict__, "seed": seed0 + r, "max_tokens": e.draft_tokens + 2,
+                                  "stop_token_ids": ()})
+            events = e.generate(prompt, p, snapshot_at=(len(prompt) - 1,))
+            tokens = []
+            for ev in events:
+                if isinstance(ev, Step):
+                    tokens += ev.token_ids
+                    if ev.mtp:
+                        assert ev.drafted == e.draft_tokens
+                        out.append((tuple(tokens), recording.drafts[-1], ev.accepted))
+                        break
+            events.close()
+    finally:
+        e.decoder.accept_rule = accept_sampled
+    return out
+
+
+class ExactRows:
+    """The target's exact sampling distribution after the prompt and each prefix of generated
+    tokens (reference_probs of the model's own scores, from a separate full forward), cached."""
+
+    def __init__(self, e, prompt, params):
+        self.e, self.prompt, self.params, self.rows = e, list(prompt), params, {}
+
+    def __call__(self, prefix: tuple) -> torch.Tensor:
+        if prefix not in self.rows:
+            logits = self.e.logits(self.prompt + list(prefix))[len(self.prompt) - 1:]     # [len(prefix)+1, V]
+            seen = torch.zeros(logits.shape, dtype=torch.bool)
+            for i, t in enumerate(prefix):
+                seen[i + 1:, t] = True                 # the presence penalty counts generated tokens
+            probs = reference_probs(logits, seen, self.params)
+            for i in range(len(prefix) + 1):
+                self.rows.setdefault(prefix[:i], probs[i])
+        return self.rows[prefix]
+
+
+def window_tests(windows, exact: ExactRows, seed: int = 0) -> dict[str, float]:
+    """p-values of the tokens of `windows` (first_windows) against `exact`, each token given the
+    tokens before it:
+    - `support`: 0 when a token of probability 0 was emitted, else 1;
+    - `draft`: how often a speculative token equals its draft, against the sum of the drafts'
+      probabilities (a z-test: most broken rules move mass onto or off the draft);
+    - `first`, `window`, `bonus`: a randomized probability integral transform of the first
+      (plain) tokens, of the step's tokens that had a draft, and of its bonus tokens (the token
+      after k accepted drafts), each uniform under the exact rule (a chi-square over 10 bins).
+    Each token's group is fixed before it is drawn, so within a group the transforms are i.i.d.
+    uniform and the draft indicators martingale differences."""
+    gen = torch.Generator().manual_seed(seed)
+    pit = {"first": [], "window": [], "bonus": []}
+    hits = expected = variance = 0.0
+    for tokens, drafts, a in windows:
+        k = len(drafts)
+        for j, t in enumerate(tokens):
+            probs = exact(tokens[:j])
+            if probs[t] == 0:
+                return {"support": 0.0}
+            group = "first" if j == 0 else "bonus" if j == k + 1 else "window"
+            if group == "window":
+                p = probs[drafts[j - 1]].item()
+                hits, expected, variance = hits + (t == drafts[j - 1]), expected + p, variance + p * (1 - p)
+            ranked = probs.argsort(descending=True, stable=True)
+            sorted_p = probs[ranked]
+            at = int((ranked == t).nonzero()[0, 0])
+            below = sorted_p[:at].sum().item()
+            pit[group].append(below + torch.rand(1, generator=gen, dtype=torch.float64).item() * probs[t].item())
+    out = {"support": 1.0}
+    z = (hits - expected) / max(variance, 1e-12) ** 0.5
+    out["draft"] = torch.special.erfc(torch.tensor(abs(z) / 2 ** 0.5, dtype=torch.float64)).item()
+    for group, u in pit.items():
+        counts = torch.bincount((torch.tensor(u, dtype=torch.float64) * 10).long().clamp(0, 9), minlength=10).double()
+        out[group] = chi2_pvalue(counts, torch.full((10,), 0.1, dtype=torch.float64))
+    return out
+
+
+def two_sample_pvalue(a: list, b: list) -> float:
+    """Chi-square test that two samples of hashable outcomes come from one distribution: a 2 x C
+    contingency table whose cells are the outcomes seen at least 10 times in both samples together,
+    the rest pooled into one cell."""
+    both = {}
+    for x in a + b:
+        both[x] = both.get(x, 0) + 1
+    common = [x for x, n in both.items() if n >= 10]
+    index = {x: i for i, x in enumerate(common)}
+    table = torch.zeros(2, len(common) + 1, dtype=torch.float64)
+    for row, sample_ in enumerate((a, b)):
+        for x in sample_:
+            table[row, index.get(x, len(common))] += 1
+    table = table[:, table.sum(0) > 0]
+    if table.shape[1] < 2:
+        return 1.0
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    df = torch.tensor(float(table.shape[1] - 1), dtype=torch.float64)
+    return torch.special.gammaincc(df / 2, stat / 2).item()
