@@ -305,7 +305,7 @@ def build_app(engine, *, model: str, defaults: Defaults, api_key: str | None = N
     async def run(request, req: Request, gone_task, arrived: float):
         """Start the generation thread; the gate opens when it ends, whatever the client does."""
         loop, queue, gone = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
-        gone_task.add_done_callback(lambda _: gone.set())
+        gone_task.add_done_callback(lambda task: task.cancelled() or gone.set())
         put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)
         counters.running.labels(model).set(1)
         began = time.monotonic()

@@ -107,9 +107,11 @@ class ToolCallStream:
             if not self.inside:
                 i = text.find(OPEN)
                 if i < 0:
-                    keep = _partial_suffix(text, OPEN)
-                    self._text(out, text[:len(text) - keep])
-                    self.held = text[len(text) - keep:]
+                    # held: what may start the tag, and the newlines that would go before a call
+                    cut = len(text) - _partial_suffix(text, OPEN)
+                    cut = len(text[:cut].rstrip("\n"))
+                    self._text(out, text[:cut])
+                    self.held = text[cut:]
                     return out
                 self._text(out, text[:i].rstrip("\n") if i else "")
                 self.inside, text = True, text[i:]
