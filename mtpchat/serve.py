@@ -49,7 +49,7 @@ from mtpchat.serve_request import BadRequest, Defaults, Request, parse_request, 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_MAX_WAITING = 256
-HEADER_TIMEOUT = 30.0      # seconds a client has to send a request's headers
+HEADER_TIMEOUT = 10.0      # seconds a client has to send a request's headers (loopback clients need milliseconds)
 BODY_TIMEOUT = 30.0        # seconds a client may pause while sending a body
 log = logging.getLogger("mtpchat.serve")
 

@@ -184,7 +184,8 @@ def test_bad_requests_get_a_400_that_names_the_field(server):
                        ({"messages": [{"role": "user", "content": "a"}], "temperature": "hot"}, "temperature")):
         r = httpx.post(server + "/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 400 and word in r.json()["error"]["message"]
-    r = httpx.post(server + "/v1/chat/completions", content=b"{not json", timeout=30)
+    r = httpx.post(server + "/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == 400
 
 
