@@ -376,3 +376,15 @@ def test_metrics_have_vllm_s_histograms_and_the_log_a_line_per_request(server):
     line = server.log[-1]
     assert "chat 200" in line and "in=" in line and "out=5" in line and "ttft=" in line and "ms/token" in line
     assert "acceptance=" in line
+
+
+def test_the_agent_loop_benchmark_resumes_each_turn_from_the_last(server):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))
+    import bench_agent_loop
+    rows = bench_agent_loop.run(server.url, turns=3, start=200, end=1200, max_tokens=4)
+    assert [r["turn"] for r in rows] == [1, 2, 3] and rows[-1]["prompt_tokens"] > 1000
+    for before, now in zip(rows, rows[1:]):
+        # the history up to the last turn is resumed, not prefilled again
+        assert now["cached_tokens"] >= before["prompt_tokens"] - 16, rows
