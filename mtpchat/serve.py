@@ -87,10 +87,14 @@ def prompt_of(engine: ChatEngine, req: Request) -> tuple[list[int], tuple]:
     return ids, keep
 
 
-def produce(engine: ChatEngine, req: Request, put, cancelled, arrived: float, began: float) -> Outcome:
+def produce(engine: ChatEngine, req: Request, put, cancelled, arrived: float | None = None,
+            began: float | None = None) -> Outcome:
     """Run one generation on the calling thread: ("text", thinking, answer) and ("call", ToolCall)
     go out through `put` as they are decoded; the finished outcome is returned. `cancelled()` is
-    checked at every step."""
+    checked at every step. `arrived` and `began` (monotonic seconds: the request came, its turn
+    came) are what its timing counts from."""
+    began = time.monotonic() if began is None else began
+    arrived = began if arrived is None else arrived
     ids, keep_at = prompt_of(engine, req)
     reply = Reply(engine, ids, req.params, stops=req.stops, cancelled=cancelled, snapshot_at=keep_at,
                   think_open=False if req.kind == "completion" else None)
