@@ -59,6 +59,7 @@ class Tokenizer:
         # read reasoning_content only, and inline tags stay the text they are
         self._inline_think = bool(re.search(r"""split\(\s*['"]</think>""", self.chat_template))
         self._compiled = None
+        self._longest: int | None = None
         self._added = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
         # Longest first: Python's alternation is leftmost-first, this makes it leftmost-longest like tokenizers.
         alternatives = sorted(self._added, key=len, reverse=True)
@@ -108,6 +109,14 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def longest_token(self) -> int:
+        """Characters of the longest vocabulary entry (bytes, for a byte-level BPE): a text of n
+        bytes is at least n / longest_token tokens, a bound known before encoding it."""
+        if self._longest is None:
+            self._longest = max((len(t) for t in self._tok.get_vocab(with_added_tokens=False)), default=1)
+        return self._longest
 
     @property
     def added_token_ids(self) -> list[int]:

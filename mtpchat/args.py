@@ -158,8 +158,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
     serve.add_argument("--api-key", metavar="KEY", default=None,
                        help="require this key as a Bearer token (default: $MTPCHAT_API_KEY, else none)")
-    serve.add_argument("--max-waiting", type=int, default=8, metavar="N",
-                       help="requests that may wait for the one generating; more get HTTP 429 (default: 8)")
+    serve.add_argument("--max-waiting", type=int, default=256, metavar="N",
+                       help="requests that may wait, first in first out, for the one generating; more get "
+                            "HTTP 429 with Retry-After (default: 256)")
+    serve.add_argument("--served-model-name", metavar="NAME", default=None,
+                       help="the model's name in the API (default: the alias, or the folder's name)")
     bench = sub.add_parser("bench", parents=[common], help="MTP off vs on: speed and acceptance")
     # bench's own flags come from its module, imported only when bench may be the command
     if "bench" in (argv or []) and has_module("mtpchat.bench"):

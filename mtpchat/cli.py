@@ -9,9 +9,11 @@ one or two lines on stderr and a non-zero exit status, never a traceback.
 from __future__ import annotations
 
 import importlib
+import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
 from typing import TYPE_CHECKING
 
@@ -260,14 +262,31 @@ def cmd_serve(args) -> int:
     _needs("starlette", "uvicorn", "prometheus_client")
     from mtpchat import serve
     from mtpchat.chat.engine import LocalEngine
+    from mtpchat.serve_request import Defaults
     key = _api_key(args)
     serve.check_bind(args.host, key)
     if not 0 <= args.port <= 65535 or args.max_waiting < 0:
         raise UserError("--port must be 0..65535 and --max-waiting 0 or more", exit_code=2)
-    prep, engine = _load_engine(options)
-    serve.serve(LocalEngine(engine), model=prep.name, host=args.host, port=args.port, api_key=key, think=options.think,
-                max_waiting=args.max_waiting, announce=_err, switches=server_switches(options))
-    return 0
+    sock = serve.bind(args.host, args.port)      # a taken port fails now, not after the model loads
+    try:
+        prep, engine = _load_engine(options)
+        names = served_names(args.served_model_name, prep.name)
+        params = loader.sampling_params(options, prep.path)
+        # unset --max-tokens: as long as the context allows, as vLLM serves
+        limit = options.max_tokens if "max_tokens" in vars(args) else prep.max_context
+        params = dataclasses.replace(params, max_tokens=limit, stop_token_ids=tuple(engine.stop_ids))
+        defaults = Defaults(params, server_switches(options), system=options.system or None, names=names)
+        return serve.serve(LocalEngine(engine), sock, model=names[0], defaults=defaults, host=args.host,
+                           api_key=key, max_waiting=args.max_waiting, announce=_err)
+    finally:
+        sock.close()
+
+
+def served_names(asked: str | None, name: str) -> tuple[str, ...]:
+    """The served model name (--served-model-name, else the alias or the folder's name, never a
+    path), then the other names a request's `model` may give."""
+    short = Path(name).name if Path(name).is_absolute() or Path(name).is_dir() else name
+    return tuple(dict.fromkeys(n for n in (asked, short) if n))
 
 
 def check_switches(folder, options, tokenizer=None) -> None:

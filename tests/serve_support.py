@@ -26,13 +26,14 @@ CONTEXT = 4096
 
 
 class ServeProcess:
-    """`python -m mtpchat serve ... --port 0`; the URL is read from the line it prints once bound."""
+    """`python -m mtpchat serve ... --port 0`; the URL is read from the line it prints once bound.
+    `argv` replaces the command (a fake engine's server, `fake_serve_argv`)."""
 
-    def __init__(self, tmp: Path, *extra: str, timeout: float = 120.0):
+    def __init__(self, tmp: Path, *extra: str, timeout: float = 120.0, argv: list[str] | None = None):
         env = dict(os.environ, MTPCHAT_SETTINGS=str(tmp / "settings.toml"), PYTHONUNBUFFERED="1")
         env.pop("MTPCHAT_API_KEY", None)
-        argv = [sys.executable, "-m", "mtpchat", "serve", "--model", str(DEMO), "--device", "cpu",
-                "--max-context", str(CONTEXT), "--port", "0", "--no-adaptive-k", *extra]  # a fixed k: figures to compare
+        argv = argv or [sys.executable, "-m", "mtpchat", "serve", "--model", str(DEMO), "--device", "cpu",
+                        "--max-context", str(CONTEXT), "--port", "0", "--no-adaptive-k", *extra]  # a fixed k
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: queue.Queue = queue.Queue()
         self.log: list[str] = []
@@ -64,6 +65,35 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def fake_serve_argv(answer: str, step_delay: float = 0.0) -> list[str]:
+    """The server of `mtpchat serve` around the fake engine (mtpchat/app/fake.py), which answers
+    every request with `answer`: a reply the demo model would never write (tool calls)."""
+    here = str(Path(__file__).resolve().parent)
+    code = f"import sys; sys.path.insert(0, {here!r}); import serve_support; serve_support.fake_serve()"
+    return [sys.executable, "-c", code, json.dumps({"answer": answer, "step_delay": step_delay})]
+
+
+def fake_serve() -> None:
+    from mtpchat import serve
+    from mtpchat.app.fake import FakeEngine, FakeTokenizer
+    from mtpchat.chat.prompt import Switches
+    from mtpchat.engine.sampling import SamplingParams
+    from mtpchat.serve_request import Defaults
+
+    class Tokenizer(FakeTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt=True, enable_thinking=True, **kw):
+            return super().apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                               add_generation_prompt, enable_thinking)
+    options = json.loads(sys.argv[1])
+    engine = FakeEngine(name="fake", answer=options["answer"], thinking="", step_delay=options["step_delay"])
+    engine.tokenizer = Tokenizer()
+    defaults = Defaults(SamplingParams(max_tokens=512, stop_token_ids=engine.stop_ids), Switches(think=False),
+                        names=("fake",))
+    sock = serve.bind("127.0.0.1", 0)
+    sys.exit(serve.serve(engine, sock, model="fake", defaults=defaults, host="127.0.0.1", api_key=None,
+                         max_waiting=4, announce=lambda line: print(line, file=sys.stderr)))
 
 
 def in_process(think: bool = True, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS):

@@ -115,8 +115,8 @@ def test_app_server_and_run_give_the_same_reply():
     assert isinstance(done, ReplyDone)
 
     pieces = []
-    out = serve.produce(make(), Request(MESSAGES, PARAMS, [], True, True, False),
-                        lambda t, a: pieces.append((t, a)), lambda: False)
+    out = serve.produce(make(), Request("chat", PARAMS, messages=MESSAGES, think=True, stream=True),
+                        lambda item: pieces.append(item[1:]), lambda: False)
 
     engine = make()
     answer, thinking = io.StringIO(), io.StringIO()

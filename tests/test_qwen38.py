@@ -176,10 +176,12 @@ class Recorder:
 def test_serve_renders_each_request_s_switches_and_refuses_bad_ones(q38, tok):
     from starlette.testclient import TestClient
     from mtpchat.serve import build_app
+    from mtpchat.serve_request import Defaults
     engine = Recorder(Engine.load(q38, device="cpu", dtype=torch.float32, max_context=512))
-    app = build_app(engine, model="q38", switches=Switches(think=True, effort="medium"))
+    params = SamplingParams(max_tokens=512, stop_token_ids=tuple(engine.stop_ids))
+    app = build_app(engine, model="q38", defaults=Defaults(params, Switches(think=True, effort="medium")))
     user = [{"role": "user", "content": "Hi"}]
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:     # a keyless server answers loopback names
         def ask(**extra):
             r = client.post("/v1/chat/completions", json={"messages": user, "max_tokens": 2, **extra})
             return r.status_code, r.json()

@@ -49,7 +49,7 @@ def test_openai_client_streams_what_the_engine_gives_in_process(server, referenc
     assert len(listed) == 1 and listed[0].id.endswith("demo") and listed[0].model_extra["max_model_len"] == CONTEXT
     got_think, got_answer, spec, used = [], [], None, None
     for chunk in client.chat.completions.create(
-            model="any", messages=[{"role": "user", "content": PROMPT}], stream=True, temperature=0,
+            model="demo", messages=[{"role": "user", "content": PROMPT}], stream=True, temperature=0,
             max_tokens=MAX_TOKENS, stream_options={"include_usage": True}):
         extra = chunk.model_extra or {}
         spec = (extra.get("metrics") or {}).get("speculative_decoding") or spec
@@ -61,7 +61,7 @@ def test_openai_client_streams_what_the_engine_gives_in_process(server, referenc
     assert used.completion_tokens == stats["new_tokens"] and used.prompt_tokens == stats["prompt_tokens"]
     assert spec == spec_of(stats)
     # not streamed: the same reply in one object
-    whole = client.chat.completions.create(model="any", messages=[{"role": "user", "content": PROMPT}],
+    whole = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": PROMPT}],
                                            temperature=0, max_tokens=MAX_TOKENS)
     assert whole.choices[0].message.content == answer
     assert whole.model_extra["metrics"]["speculative_decoding"] == spec_of(stats)
@@ -172,6 +172,7 @@ def test_one_generation_at_a_time_then_429_past_the_queue_bound(server):
         "messages": [{"role": "user", "content": "z = 3"}], "max_tokens": 4})
     assert third.status_code == 429
     assert "busy" in third.json()["error"]["message"] and third.json()["error"]["code"] == 429
+    assert third.headers["Retry-After"] == "1"
     release.set()
     first.join(30)
     second.join(60)
@@ -183,7 +184,8 @@ def test_bad_requests_get_a_400_that_names_the_field(server):
                        ({"messages": [{"role": "user", "content": "a"}], "temperature": "hot"}, "temperature")):
         r = httpx.post(server + "/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 400 and word in r.json()["error"]["message"]
-    r = httpx.post(server + "/v1/chat/completions", content=b"{not json", timeout=30)
+    r = httpx.post(server + "/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == 400
 
 

@@ -123,14 +123,22 @@ def template_kwargs(tokenizer, switches: Switches) -> dict:
 
 
 def build_prompt(tokenizer, messages: list[dict], think: bool, keep_thinking: bool | None = None,
-                 effort: str | None = None) -> tuple[list[int], tuple]:
+                 effort: str | None = None, tools: list[dict] | None = None,
+                 prefix: str = "") -> tuple[list[int], tuple]:
     """The prompt ids for the next reply, and the positions worth a snapshot of the decode state
     (engine/snapshots.py): where the rendered conversation ends, before the generation prompt. The
     next turn's prompt goes on from there even when the template drops this reply's thinking.
-    keep_thinking and effort: None leaves the template's default."""
+
+    keep_thinking and effort: None leaves the template's default. `tools` (OpenAI function
+    definitions) are rendered by the template; `prefix` is text the reply starts with, written for
+    the model (chat/tools.py forced_prefix)."""
     extra = template_kwargs(tokenizer, Switches(think, keep_thinking, effort))
+    if tools:
+        extra["tools"] = tools
     ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=think, **extra))
     history = list(tokenizer.apply_chat_template(messages, add_generation_prompt=False, enable_thinking=think, **extra))
+    if prefix:
+        ids += tokenizer.encode(prefix)
     return ids, ((len(history),) if 0 < len(history) < len(ids) and ids[:len(history)] == history else ())
 
 
@@ -183,3 +191,12 @@ def request_switches(tokenizer, defaults: Switches, body: dict) -> Switches:
         check_effort(tokenizer, value, param if param == "reasoning_effort" else f"{param}.reasoning_effort", param)
         out = replace(out, effort=value)
     return out
+
+
+def fewest_tokens(tokenizer, texts) -> int:
+    """A lower bound on the tokens of these texts, known without encoding them: a text of n bytes
+    is at least n / (the longest token's bytes) tokens. 0 where the tokenizer does not say."""
+    longest = getattr(tokenizer, "longest_token", None)
+    if not isinstance(longest, int) or longest < 1:
+        return 0
+    return sum(len(t.encode("utf-8", "replace")) for t in texts) // longest
