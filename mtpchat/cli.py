@@ -110,7 +110,12 @@ def _load_engine(options):
     for note in prep.notices:
         _err(note)
     cpu_allocator(prep.device)
-    engine = loader.load_engine(prep)
+    from mtpchat.progress import LoadBar
+    bar = LoadBar()
+    try:
+        engine = loader.load_engine(prep, progress=bar)
+    finally:
+        bar.close()
     if prep.mtp and not engine.mtp_available:
         _err(f"{prep.name}: " + "; ".join(engine.notices or ["the MTP head is unusable: running with MTP off"]))
     return prep, engine
