@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtpchat.engine.units import fmt_bytes
+
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "special_tokens_map.json")
@@ -64,12 +66,8 @@ def safetensors_problem(path: Path) -> tuple[str | None, list[str]]:
         return "has a malformed header", []
     expected = 8 + n + end
     if size < expected:
-        return f"truncated ({_gb(size)} of {_gb(expected)})", list(tensors)
+        return f"truncated ({fmt_bytes(size)} of {fmt_bytes(expected)})", list(tensors)
     return None, list(tensors)
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n} bytes"
 
 
 @dataclass

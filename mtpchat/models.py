@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtpchat import hubcache
+from mtpchat.engine.units import fmt_bytes
 from mtpchat.errors import DiskFull, IncompleteModel, ModelNotFound, UserError
 
 def _demo_dir() -> Path:
@@ -277,8 +278,8 @@ def _check_disk(repo_id: str, revision: str, files: list[str], cache_dir: Path) 
         where = where.parent
     free = shutil.disk_usage(where).free
     if need > free:
-        raise DiskFull(f"{repo_id} needs {need / 1e9:.1f} GB for {len(files)} file(s) but only "
-                       f"{free / 1e9:.1f} GB is free on {where}; free some space or set HF_HUB_CACHE "
+        raise DiskFull(f"{repo_id} needs {fmt_bytes(need)} for {len(files)} file(s) but only "
+                       f"{fmt_bytes(free)} is free on {where}; free some space or set HF_HUB_CACHE "
                        "to another disk")
 
 
@@ -319,5 +320,5 @@ def list_models(cache_dir: Path | None = None) -> list[str]:
             state = "ready" + ("" if repo.check.has_mtp else ", no MTP weights")
         else:
             state = "incomplete: " + repo.check.describe(3)
-        lines.append(f"  {repo.repo_id:<32}{repo.size / 1e9:8.2f} GB  {state}")
+        lines.append(f"  {repo.repo_id:<32}{fmt_bytes(repo.size):>10}  {state}")
     return lines
