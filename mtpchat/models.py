@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtpchat import hubcache
-from mtpchat.engine.units import fmt_bytes
 from mtpchat.errors import DiskFull, IncompleteModel, ModelNotFound, UserError
 
 def _demo_dir() -> Path:
@@ -272,6 +271,7 @@ def _check_disk(repo_id: str, revision: str, files: list[str], cache_dir: Path) 
     sizes = _remote_sizes(repo_id, revision, files)
     if not sizes:
         return
+    from mtpchat.engine.units import fmt_bytes
     need = sum(sizes.values())
     where = Path(cache_dir)
     while not where.exists() and where != where.parent:
@@ -297,6 +297,7 @@ def _is_supported(snapshot: Path) -> bool:
 def list_models(cache_dir: Path | None = None) -> list[str]:
     """Lines for `mtpchat models`: the aliases, then what the local cache holds."""
     cache_dir = Path(cache_dir) if cache_dir else hubcache.hub_cache_dir()
+    from mtpchat.engine.units import fmt_bytes
     cached = {r.repo_id: r for r in hubcache.cached_repos(cache_dir)}
     lines = ["aliases:"]
     name_w = max(len(a.name) for a in ALIASES.values()) + 2
