@@ -274,4 +274,36 @@ def cmd_serve(args) -> int:
     return 0
 
 
-COMMANDS = {None: cmd_app, "run": cmd_run, "models": cmd_models, "bench": cmd_bench, "serve": cmd_serve}
+def cmd_pull(args) -> int:
+    from mtpchat.models import pull
+    _err(pull(args.model, offline=args.offline, revision=args.revision))
+    return 0
+
+
+def cmd_rm(args) -> int:
+    from mtpchat import hubcache
+    from mtpchat.models import removal
+    what, repo = removal(args.model)
+    print(what)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UserError("not removed: stdin is not a terminal to ask on; pass --yes to remove it", exit_code=2)
+        if input("remove it? [y/N] ").strip().lower() not in ("y", "yes"):
+            _err("not removed")
+            return 1
+    from mtpchat.engine.units import fmt_bytes
+    freed = hubcache.delete_repo(hubcache.hub_cache_dir(), repo)
+    print(f"removed {repo.repo_id}; freed {fmt_bytes(freed)}")
+    return 0
+
+
+def cmd_completion(args) -> int:
+    from mtpchat.completion import script
+    from mtpchat.models import ALIASES
+    # bench's own flags included; the aliases offered for --model
+    print(script(args.shell, build_parser(["bench"]), models=[a.name for a in ALIASES.values()]), end="")
+    return 0
+
+
+COMMANDS = {None: cmd_app, "run": cmd_run, "models": cmd_models, "bench": cmd_bench, "serve": cmd_serve,
+            "pull": cmd_pull, "rm": cmd_rm, "completion": cmd_completion}

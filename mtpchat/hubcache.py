@@ -218,11 +218,15 @@ def delete_repo(cache_dir: Path, repo: CachedRepo) -> int:
     import shutil
     info = _scan(Path(cache_dir))
     freed = repo.partial
-    if info is not None and repo.revisions:
+    # delete_revisions picks revisions by commit hash across all repos: only where the hashes are this repo's alone
+    elsewhere = {r.commit_hash for other in (info.repos if info else ()) if Path(other.repo_path) != repo.path
+                 for r in other.revisions}
+    if info is not None and repo.revisions and not elsewhere & set(repo.revisions):
         strategy = info.delete_revisions(*repo.revisions)
         freed += strategy.expected_freed_size
         strategy.execute()
-    if repo.path is not None and repo.path.exists():    # no revision: only unfinished downloads
-        freed += 0 if repo.revisions else repo.size
+    elif repo.path is not None:
+        freed += repo.size
+    if repo.path is not None and repo.path.exists():    # no revision (only unfinished downloads), or shared hashes
         shutil.rmtree(repo.path)
     return freed
