@@ -59,18 +59,22 @@ def _api_key(args) -> str | None:
     return getattr(args, "api_key", None) or os.environ.get("MTPCHAT_API_KEY") or None
 
 
-def _needs(*modules: str) -> None:
+# what each extra of the package brings (pyproject.toml), by the modules its commands import
+EXTRAS = {"app": "the app", "serve": "`mtpchat serve`", "remote": "`mtpchat run --server`"}
+
+
+def _needs(extra: str, *modules: str) -> None:
+    """Stop with the pip command that installs `extra` where one of `modules` is missing."""
     missing = [m for m in modules if not _has_module(m)]
     if missing:
-        names = {"prometheus_client": "prometheus_client"}
-        raise NotAvailable(f"this needs {', '.join(names.get(m, m) for m in missing)}: "
-                           f"pip install {' '.join(missing)}")
+        raise NotAvailable(f"{EXTRAS[extra]} needs the [{extra}] extra: pip install 'mtpchat[{extra}]' "
+                           f"({', '.join(missing)} not installed)")
 
 
 def cmd_app(args) -> int:
     options = options_from(args)
     if getattr(args, "server", None):
-        _needs("httpx", "prometheus_client", "textual")
+        _needs("app", "textual", "markdown_it", "rich", "httpx", "prometheus_client")
         from mtpchat.app.main import run_app
         args.options = options
         return run_app(args) or 0
@@ -79,9 +83,7 @@ def cmd_app(args) -> int:
     if not _has_module("mtpchat.app.main"):
         raise NotAvailable("the chat app is not part of this build yet; "
                            "`mtpchat run --prompt TEXT` answers without it")
-    if not _has_module("textual"):
-        raise NotAvailable("the chat app needs textual (pip install 'textual>=8,<9'); "
-                           "`mtpchat run --prompt TEXT` works without it")
+    _needs("app", "textual", "markdown_it", "rich")
     prep = loader.prepare(options)
     for note in prep.notices:
         _err(note)
@@ -168,7 +170,7 @@ def _read_prompt(args) -> str:
 def cmd_run(args) -> int:
     options = options_from(args)
     if getattr(args, "server", None):
-        _needs("httpx", "prometheus_client")
+        _needs("remote", "httpx", "prometheus_client")
         from mtpchat.remote.run import run_remote
         return run_remote(args, options, _read_prompt(args), _api_key(args))
     if "snapshots" not in vars(args):
@@ -261,7 +263,7 @@ def cmd_serve(args) -> int:
     options = options_from(args)
     if getattr(args, "dry_run", False):
         return dry_run(options)
-    _needs("starlette", "uvicorn", "prometheus_client")
+    _needs("serve", "starlette", "uvicorn", "prometheus_client")
     from mtpchat import serve
     from mtpchat.chat.engine import LocalEngine
     key = _api_key(args)
