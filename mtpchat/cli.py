@@ -71,8 +71,15 @@ def _needs(extra: str, *modules: str) -> None:
                            f"({', '.join(missing)} not installed)")
 
 
+def _server_from_settings(args, options) -> None:
+    """`server` and `api_key` of settings.toml, where the flags left them out (the app and `run`)."""
+    args.server = getattr(args, "server", None) or options.server
+    args.api_key = getattr(args, "api_key", None) or os.environ.get("MTPCHAT_API_KEY") or options.api_key
+
+
 def cmd_app(args) -> int:
     options = options_from(args)
+    _server_from_settings(args, options)
     if getattr(args, "server", None):
         _needs("app", "textual", "markdown_it", "rich", "httpx", "prometheus_client")
         from mtpchat.app.main import run_app
@@ -169,6 +176,7 @@ def _read_prompt(args) -> str:
 
 def cmd_run(args) -> int:
     options = options_from(args)
+    _server_from_settings(args, options)
     if getattr(args, "server", None):
         _needs("remote", "httpx", "prometheus_client")
         from mtpchat.remote.run import run_remote
