@@ -203,7 +203,14 @@ class GenerationConfig:
     @classmethod
     def load(cls, folder: str | Path, model_config: dict | None = None) -> "GenerationConfig":
         file = Path(folder) / "generation_config.json"
-        raw = json.loads(file.read_text()) if file.exists() else {}
+        try:
+            raw = json.loads(file.read_text()) if file.exists() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{file} is not valid JSON ({e}); the download may be incomplete: download it "
+                              "again, or delete it (it is optional: the sampling defaults then come from the flags)"
+                              ) from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{file} holds a JSON {type(raw).__name__}, not an object of generation settings")
         eos = raw.get("eos_token_id")
         if eos is None and model_config is not None:
             eos = model_config.get("text_config", model_config).get("eos_token_id")

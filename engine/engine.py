@@ -49,7 +49,8 @@ class Engine:
                  max_context: int | None = None, draft_tokens: int = 3, mtp: bool = True,
                  cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int | None = None, seed: int = 0,
                  snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None, adaptive: bool = False,
-                 draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, plan: KernelPlan | None = None):
+                 draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, plan: KernelPlan | None = None,
+                 progress=None):
         """`model` is a checkpoint folder, or a ModelConfig for random weights of its shapes (benchmarks;
         no tokenizer then). `max_context` None: DEFAULT_CONTEXT, or what the model supports if less.
         `weights`: None keeps the checkpoint's format (FP8 for an FP8 release); "fp8" stores the big
@@ -58,7 +59,8 @@ class Engine:
         engine/policy.py, draft_tokens its maximum. `draft_vocab`: rows of the trimmed head the drafts
         are chosen from (engine/draft_vocab.py); 0 or None, or a vocabulary no larger than those rows and their
         context rows: the full head. `plan`: the kernels' forms (engine/plan.py); None: the measured
-        ones for this device, model and weight format (KernelPlan.choose)."""
+        ones for this device, model and weight format (KernelPlan.choose). `progress`: called with an
+        events.LoadProgress as the weights load (and quantize) and as CUDA graphs are captured."""
         # build -> load -> allocate state -> (warm up and capture: the CUDA runner)
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -109,10 +111,10 @@ class Engine:
         if self.head is not None:
             modules["mtp"], places["mtp"] = self.head, mtp_places(self.config, experts(MTP_PREFIX))
         if folder is None:
-            fill_random(modules, places, self.device, self.dtype, seed, fp8=self.fp8)
+            fill_random(modules, places, self.device, self.dtype, seed, fp8=self.fp8, progress=progress)
         else:
             load_into(modules, places, folder, self.device, self.dtype, fp8=self.fp8,
-                      quantized=self.config.quantization == "fp8")
+                      quantized=self.config.quantization == "fp8", progress=progress)
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
         prefill_chunk = prefill_chunk or (PREFILL_CHUNK if self.device.type == "cuda" else 512)
@@ -125,7 +127,7 @@ class Engine:
         if self.device.type == "cuda":
             self.runner = self.decoder.runner = Runner(self.decoder, cuda_graphs)
             with torch.inference_mode():
-                self.runner.capture(k_max, self.head is not None, SamplingParams())
+                self.runner.capture(k_max, self.head is not None, SamplingParams(), progress)
         if self.device.type == "cpu" and sum(p.numel() for p in self.model.parameters()) < 100_000_000:
             # small models are a few thousand tiny ops per token: threads cost more than they give
             torch.set_num_threads(1)

@@ -12,6 +12,25 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class LoadProgress:
+    """How far one stage of `Engine.load` is, passed to its `progress` callback after each piece.
+    stage: "weights" (read and copied; with `quantizing` a bf16 checkpoint is quantized to FP8 as it
+    is read) or "capture" (CUDA graphs). `done` / `total` count bytes of weights read, or steps of
+    the capture (each phase warmed up, then captured); `tensors` / `tensors_total` count checkpoint
+    tensors (weights only)."""
+    stage: str
+    done: int
+    total: int
+    tensors: int = 0
+    tensors_total: int = 0
+    quantizing: bool = False
+
+    @property
+    def unit(self) -> str:
+        return "B" if self.stage == "weights" else "steps"
+
+
+@dataclass(frozen=True)
 class PhaseTimes:
     """Milliseconds spent in each phase of one step (0.0 where the phase did not run)."""
     draft: float = 0.0

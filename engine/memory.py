@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocab_bytes
+from mtpchat.engine.units import fmt_bytes  # noqa: F401  (memory.fmt_bytes: the CLI's name for it)
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 PREFILL_CHUNK = 2048         # tokens per prefill chunk on a GPU (the engine's default; the estimate's)
@@ -304,15 +305,6 @@ def max_context_that_fits(cfg: ModelConfig, free: int, k_max: int = 4, dtype="bf
         else:
             hi = mid - 1
     return best
-
-
-def fmt_bytes(n: int) -> str:
-    """Binary units with one decimal: '50.1 GiB', '64.0 KiB', '146.8 MiB'."""
-    units = ("B", "KiB", "MiB", "GiB", "TiB")
-    size, i = float(n), 0
-    while abs(size) >= 1024 and i < len(units) - 1:
-        size, i = size / 1024, i + 1
-    return f"{n} B" if i == 0 else f"{size:.1f} {units[i]}"
 
 
 def describe(plan: MemoryPlan) -> list[str]:

@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from mtpchat.engine.events import LoadProgress
+
 
 class Runner:
     def __init__(self, decoder, graphs: bool):
@@ -32,9 +34,10 @@ class Runner:
         end.record()
         return start, end
 
-    def capture(self, k_max: int, has_head: bool, sampling_params):
+    def capture(self, k_max: int, has_head: bool, sampling_params, progress=None):
         """Warm up and capture draft / verify / greedy accept for k = 0..k_max. The warm-up runs
-        change the state, so the decoder is reset afterwards."""
+        change the state, so the decoder is reset afterwards. `progress` gets a LoadProgress after
+        each phase warmed up and each graph captured (two counts per graph)."""
         if not self.graphs_on:
             return
         t0, reserved = time.perf_counter(), torch.cuda.memory_reserved()
@@ -50,17 +53,21 @@ class Runner:
             phases.append((("accept", k), lambda k=k: d.accept(k, sampling_params, None)))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        total = 2 * len(phases)
+        report = (lambda done: progress(LoadProgress("capture", done, total))) if progress else (lambda done: None)
         with torch.cuda.stream(side):
-            for _, fn in phases:                     # warm-up: compile kernels, settle allocations
+            for i, (_, fn) in enumerate(phases):     # warm-up: compile kernels, settle allocations
                 fn()
                 d.pos.fill_(1)
                 d.pend_n.fill_(1)
+                report(i + 1)
         torch.cuda.current_stream().wait_stream(side)
-        for key, fn in phases:                      # capture records the kernels without running them
+        for i, (key, fn) in enumerate(phases):      # capture records the kernels without running them
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 fn()
             self.graphs[key] = graph
+            report(len(phases) + i + 1)
         # the first launch of a graph also uploads it to the device (about 0.4 ms a token over a
         # 128-token reply on a 27B model): done here, once
         for graph in self.graphs.values():

@@ -31,6 +31,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mtpchat.engine.config import ModelConfig, UnsupportedFormat
+from mtpchat.engine.events import LoadProgress
 from mtpchat.kernels.fp8 import BLOCK, FP8, BlockFP8, dequantize_ref, quantize_ref, scale_shape
 
 TEXT_PREFIX = "model.language_model."
@@ -43,6 +44,7 @@ class WeightsError(ValueError):
 
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")     # safetensors' names of the dtypes a weight may have on disk
+DTYPE_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}
 SCALE_SUFFIX = "_scale_inv"               # an FP8 tensor's block scales: `<name>_scale_inv`
 # the products kept in FP8 in an FP8 model (our parameter names, by suffix)
 FP8_PARAMS = ("mixer.in_proj", "mixer.out_proj", "mixer.qkv", "mixer.o_proj", "mlp.gate_up", "mlp.down",
@@ -204,11 +206,12 @@ FLOAT32_PARAMS = ("A_log", "dt_bias")
 
 
 def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]], folder: str | Path,
-              device, dtype, fp8: bool = False, quantized: bool = False):
+              device, dtype, fp8: bool = False, quantized: bool = False, progress=None):
     """Fill each module's parameters from the checkpoint. `places[key]` maps checkpoint names to
     parameters of `modules[key]`. Every parameter is allocated on `device` first; each tensor is
     then read, checked and copied into its rows. `fp8`: store the FP8_PARAMS in FP8; `quantized`:
-    the checkpoint says it is FP8 (its block scales are read, not refused)."""
+    the checkpoint says it is FP8 (its block scales are read, not refused). `progress`, if given,
+    is called with a LoadProgress after each tensor (bytes as stored in the checkpoint)."""
     folder = Path(folder)
     weight_map = _weight_map(folder)
     wanted = {name: (key, place) for key, table in places.items() for name, place in table.items()}
@@ -221,8 +224,11 @@ def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]]
     by_shard: dict[str, list[str]] = {}
     for name in wanted:
         by_shard.setdefault(weight_map[name], []).append(name)
-    stored_fp8 = _check_stored(folder, by_shard, weight_map, quantized)
+    sizes: dict[str, int] = {}
+    stored_fp8 = _check_stored(folder, by_shard, weight_map, quantized, sizes)
     in_fp8 = _fp8_params(places, fp8, stored_fp8 if quantized else None)
+    quantizing = any((key, place.param) in in_fp8 and name not in stored_fp8 for name, (key, place) in wanted.items())
+    total, done, count = sum(sizes.values()), 0, 0
     params: dict[tuple[str, str], torch.Tensor | BlockFP8] = {}
     for key, module in modules.items():
         for name, p in module.named_parameters():
@@ -242,6 +248,9 @@ def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]]
                 key, place = wanted[name]
                 t = _read(f, shard, name, place, folder, weight_map)
                 _put(params[key, place.param], place.offset, t, device)
+                done, count = done + sizes.get(name, 0), count + 1
+                if progress is not None:
+                    progress(LoadProgress("weights", done, total, count, len(wanted), quantizing))
     for (key, name), tensor in params.items():
         if isinstance(tensor, BlockFP8):
             _assign(modules[key], name, tensor.w)
@@ -276,15 +285,19 @@ def _fp8_params(places: dict[str, dict[str, Place]], fp8: bool,
 
 
 def _check_stored(folder: Path, by_shard: dict[str, list[str]], weight_map: dict[str, str],
-                  quantized: bool) -> set[str]:
+                  quantized: bool, sizes: dict[str, int] | None = None) -> set[str]:
     """Before anything is allocated, from the shards' headers: every tensor a float type, or FP8
-    with its block scales in a checkpoint whose config says FP8. Returns the FP8 ones."""
+    with its block scales in a checkpoint whose config says FP8. Returns the FP8 ones; fills
+    `sizes` with each tensor's bytes as stored."""
     fp8: set[str] = set()
+    sizes = {} if sizes is None else sizes
     for shard, names in sorted(by_shard.items()):
         with _open(folder / shard) as f:
             present = set(f.keys())
             for name in (n for n in names if n in present):
-                stored = f.get_slice(name).get_dtype()
+                info = f.get_slice(name)
+                stored = info.get_dtype()
+                sizes[name] = math.prod(info.get_shape()) * DTYPE_SIZE.get(stored, 0)
                 if stored in FLOAT_DTYPES:
                     continue
                 if stored != "F8_E4M3":
@@ -369,11 +382,15 @@ def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torc
 
 
 def fill_random(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]], device, dtype, seed: int,
-                fp8: bool = False):
+                fp8: bool = False, progress=None):
     """Random weights of the checkpoint's shapes drawn on the device (benchmarks at real sizes);
-    with `fp8` the FP8_PARAMS quantized, block scales and all, as an FP8 checkpoint holds them."""
+    with `fp8` the FP8_PARAMS quantized, block scales and all, as an FP8 checkpoint holds them.
+    `progress` as in load_into, counting parameters and their bytes in `dtype`."""
     g = torch.Generator(device=device).manual_seed(seed)
     in_fp8 = _fp8_params(places, fp8)
+    width = torch.empty((), dtype=dtype).element_size()
+    params = [(key, name, p.numel()) for key, module in modules.items() for name, p in module.named_parameters()]
+    total, done, count = sum(n for *_, n in params) * width, 0, 0
     for key, module in modules.items():
         names = {place.param: name for name, place in places[key].items()}   # a representative name
         for pname, p in list(module.named_parameters()):
@@ -386,6 +403,9 @@ def fill_random(modules: dict[str, nn.Module], places: dict[str, dict[str, Place
                 _assign(module, pname + "_scale", q.scale)
             else:
                 _assign(module, pname, t.to(dt))
+            done, count = done + p.numel() * width, count + 1
+            if progress is not None:
+                progress(LoadProgress("weights", done, total, count, len(params), bool(in_fp8)))
 
 
 def _assign(module: nn.Module, name: str, tensor: torch.Tensor):

@@ -21,11 +21,15 @@ examples:
   mtpchat run --prompt "Hello" --json       one answer, as JSON, for scripts
   mtpchat run --model Qwen3.5-9B --dry-run  the memory plan, without loading anything
   mtpchat models                            the aliases and what is downloaded
+  mtpchat pull Qwen3.5-9B                   download a model; `mtpchat rm` deletes one
+  mtpchat pull Qwen3.5-9B                   download a model (only what mtpchat reads)
+  mtpchat rm Qwen3.5-9B                     delete it from the cache, saying what it frees
   mtpchat --server http://gpu-box:8000      the app on a vLLM / SGLang / mtpchat serve server
   mtpchat serve --port 8000                 this engine behind an OpenAI-compatible API
 
 defaults come from settings.toml in the user config directory (MTPCHAT_SETTINGS to move it);
-flags win. See docs/CLI.md."""
+flags win. Each command's --help lists its flags, with examples (mtpchat run --help);
+`mtpchat completion bash|zsh|fish` prints a completion script for the shell."""
 
 
 def _type(key: str):
@@ -169,6 +173,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         add = getattr(importlib.import_module("mtpchat.bench"), "add_arguments", None)
         if add is not None:
             add(bench)
+    _cache_commands(sub)
+    _examples(sub)
     return parser
 
 
@@ -184,3 +190,64 @@ def has_module(name: str) -> bool:
 def options_from(args: argparse.Namespace):
     flags = {k: v for k, v in vars(args).items() if k in CHECKS}
     return merge(flags, load_settings())
+
+
+# ---- the commands that manage the cache and the shell, and each command's examples -----------------
+
+EXAMPLES = {
+    "run": """\
+  mtpchat run --prompt "Explain GDN"                   the answer on stdout, the thinking on stderr
+  echo "Hello" | mtpchat run --model Qwen3.5-9B        the prompt from a pipe
+  mtpchat run --prompt "Hi" --json --no-think          one JSON object, for scripts
+  mtpchat run --model Qwen3.6-27B --dry-run            the memory plan, without loading anything
+  mtpchat run --server http://gpu-box:8000 --prompt "Hi"   through an OpenAI-compatible server""",
+    "models": """\
+  mtpchat models                                       the aliases, then what the cache holds""",
+    "pull": """\
+  mtpchat pull Qwen3.6-27B-MTP                         download what mtpchat reads of it
+  mtpchat pull Qwen/Qwen3.5-9B --revision main         a repo id, at a branch, tag or commit
+  mtpchat pull Qwen3.5-9B --offline                    only check that the cache has all of it""",
+    "rm": """\
+  mtpchat rm Qwen3.5-9B                                say what it frees, then ask
+  mtpchat rm Qwen/Qwen3.5-9B --yes                     without asking (scripts)""",
+    "serve": """\
+  mtpchat serve                                        on 127.0.0.1:8000, the demo model
+  mtpchat serve --model Qwen3.6-27B-MTP --port 8080
+  mtpchat serve --host 0.0.0.0 --api-key SECRET        reachable from other machines: a key is required""",
+    "bench": """\
+  mtpchat bench --random-weights qwen3.6-27b           MTP off vs on against the bandwidth floor
+  mtpchat bench --model Qwen3.5-9B --json              on a real checkpoint, as JSON""",
+    "completion": """\
+  mtpchat completion bash > ~/.local/share/bash-completion/completions/mtpchat
+  source <(mtpchat completion zsh)                     in ~/.zshrc
+  mtpchat completion fish > ~/.config/fish/completions/mtpchat.fish""",
+}
+
+
+def _cache_commands(sub) -> None:
+    """`pull`, `rm` and `completion`: managing the model cache, and the shell's completion."""
+    pull = sub.add_parser("pull", help="download a model into the Hugging Face cache (resumes an interrupted one)",
+                          description="Download what mtpchat reads of a model (config, tokenizer, the shards with "
+                                      "text or MTP weights) into the Hugging Face cache, with progress. An "
+                                      "interrupted download resumes where it stopped.")
+    pull.add_argument("model", metavar="MODEL", help="an alias (see `mtpchat models`) or an org/name repo id")
+    pull.add_argument("--revision", default="main", metavar="REV", help="branch, tag or commit (default: main)")
+    pull.add_argument("--offline", action="store_true",
+                      help="no network: only say whether the cache has all of it (also HF_HUB_OFFLINE=1)")
+    rm = sub.add_parser("rm", help="delete a model from the Hugging Face cache",
+                        description="Delete every revision of a model from the Hugging Face cache, unfinished "
+                                    "downloads included, after saying what it frees and asking.")
+    rm.add_argument("model", metavar="MODEL", help="an alias or an org/name repo id")
+    rm.add_argument("-y", "--yes", action="store_true", help="do not ask (needed where stdin is not a terminal)")
+    comp = sub.add_parser("completion", help="print a shell completion script (bash, zsh, fish)",
+                          description="Print a completion script for bash, zsh or fish, generated from this "
+                                      "command line's own flags.")
+    comp.add_argument("shell", choices=("bash", "zsh", "fish"))
+
+
+def _examples(sub) -> None:
+    """Each command's --help ends with its examples."""
+    for name, parser in sub.choices.items():
+        if name in EXAMPLES:
+            parser.epilog = "examples:\n" + EXAMPLES[name]
+            parser.formatter_class = argparse.RawDescriptionHelpFormatter

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.units import fmt_bytes
 from mtpchat.malloc import cpu_allocator
 
 RANDOM = ("qwen3.6-27b", "qwen3.5-9b", "qwen3.5-4b", "qwen3.5-0.8b", "qwen3.5-35b-a3b")
@@ -94,7 +95,7 @@ def table(r: dict) -> str:
     floor = r["floor_ms"]
     row = lambda label, ms: f"{label:<44}{ms:>10.3f} ms {ms / floor:>8.3f} x floor"
     lines = [f"{r['model']} on {r['device']}, CUDA graphs {'on' if r['cuda_graphs'] else 'off'}",
-             f"copy bandwidth {r['copy_bandwidth_tb_s']:.3f} TB/s; {r['step_bytes'] / 1e9:.2f} GB of weights per target step "
+             f"copy bandwidth {r['copy_bandwidth_tb_s']:.3f} TB/s; {fmt_bytes(r['step_bytes'])} of weights per target step "
              f"-> floor {floor:.3f} ms; capture {r['capture_s']:.1f} s",
              "kernel plan: " + " ".join(f"{k}={v}" for k, v in r["kernel_plan"].items() if k != "products")
              + " " + " ".join(f"{k}={v}" for k, v in r["kernel_plan"]["products"].items()), ""]
@@ -133,7 +134,7 @@ def table(r: dict) -> str:
                      f"{e['mismatches']} mismatches")
     if "peak_beyond_weights" in r:
         lines.append(f"peak GPU memory beyond the weights at {r['max_context']:,} tokens of context: "
-                     f"{r['peak_beyond_weights'] / 2**30:.2f} GiB")
+                     f"{fmt_bytes(r['peak_beyond_weights'])}")
     mem = r["memory"]
-    lines.append("memory: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in mem.items()))
+    lines.append("memory: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem.items()))
     return "\n".join(lines)

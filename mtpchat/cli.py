@@ -61,18 +61,29 @@ def _api_key(args) -> str | None:
     return getattr(args, "api_key", None) or os.environ.get("MTPCHAT_API_KEY") or None
 
 
-def _needs(*modules: str) -> None:
+# what each extra of the package brings (pyproject.toml), by the modules its commands import
+EXTRAS = {"app": "the app", "serve": "`mtpchat serve`", "remote": "`mtpchat run --server`"}
+
+
+def _needs(extra: str, *modules: str) -> None:
+    """Stop with the pip command that installs `extra` where one of `modules` is missing."""
     missing = [m for m in modules if not _has_module(m)]
     if missing:
-        names = {"prometheus_client": "prometheus_client"}
-        raise NotAvailable(f"this needs {', '.join(names.get(m, m) for m in missing)}: "
-                           f"pip install {' '.join(missing)}")
+        raise NotAvailable(f"{EXTRAS[extra]} needs the [{extra}] extra: pip install 'mtpchat[{extra}]' "
+                           f"({', '.join(missing)} not installed)")
+
+
+def _server_from_settings(args, options) -> None:
+    """`server` and `api_key` of settings.toml, where the flags left them out (the app and `run`)."""
+    args.server = getattr(args, "server", None) or options.server
+    args.api_key = getattr(args, "api_key", None) or os.environ.get("MTPCHAT_API_KEY") or options.api_key
 
 
 def cmd_app(args) -> int:
     options = options_from(args)
+    _server_from_settings(args, options)
     if getattr(args, "server", None):
-        _needs("httpx", "prometheus_client", "textual")
+        _needs("app", "textual", "markdown_it", "rich", "httpx", "prometheus_client")
         from mtpchat.app.main import run_app
         args.options = options
         return run_app(args) or 0
@@ -81,9 +92,7 @@ def cmd_app(args) -> int:
     if not _has_module("mtpchat.app.main"):
         raise NotAvailable("the chat app is not part of this build yet; "
                            "`mtpchat run --prompt TEXT` answers without it")
-    if not _has_module("textual"):
-        raise NotAvailable("the chat app needs textual (pip install 'textual>=8,<9'); "
-                           "`mtpchat run --prompt TEXT` works without it")
+    _needs("app", "textual", "markdown_it", "rich")
     prep = loader.prepare(options)
     for note in prep.notices:
         _err(note)
@@ -113,7 +122,12 @@ def _load_engine(options):
         _err(note)
     check_switches(prep.path, options)
     cpu_allocator(prep.device)
-    engine = loader.load_engine(prep)
+    from mtpchat.progress import LoadBar
+    bar = LoadBar()
+    try:
+        engine = loader.load_engine(prep, progress=bar)
+    finally:
+        bar.close()
     if prep.mtp and not engine.mtp_available:
         _err(f"{prep.name}: " + "; ".join(engine.notices or ["the MTP head is unusable: running with MTP off"]))
     return prep, engine
@@ -165,8 +179,9 @@ def _read_prompt(args) -> str:
 
 def cmd_run(args) -> int:
     options = options_from(args)
+    _server_from_settings(args, options)
     if getattr(args, "server", None):
-        _needs("httpx", "prometheus_client")
+        _needs("remote", "httpx", "prometheus_client")
         from mtpchat.remote.run import run_remote
         return run_remote(args, options, _read_prompt(args), _api_key(args))
     if "snapshots" not in vars(args):
@@ -259,7 +274,7 @@ def cmd_serve(args) -> int:
     options = options_from(args)
     if getattr(args, "dry_run", False):
         return dry_run(options)
-    _needs("starlette", "uvicorn", "prometheus_client")
+    _needs("serve", "starlette", "uvicorn", "prometheus_client")
     from mtpchat import serve
     from mtpchat.chat.engine import LocalEngine
     from mtpchat.serve_request import Defaults
@@ -317,4 +332,36 @@ def server_switches(options):
     return Switches(options.think, options.preserve_thinking, options.reasoning_effort)
 
 
-COMMANDS = {None: cmd_app, "run": cmd_run, "models": cmd_models, "bench": cmd_bench, "serve": cmd_serve}
+def cmd_pull(args) -> int:
+    from mtpchat.models import pull
+    _err(pull(args.model, offline=args.offline, revision=args.revision))
+    return 0
+
+
+def cmd_rm(args) -> int:
+    from mtpchat import hubcache
+    from mtpchat.models import removal
+    what, repo = removal(args.model)
+    print(what)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UserError("not removed: stdin is not a terminal to ask on; pass --yes to remove it", exit_code=2)
+        if input("remove it? [y/N] ").strip().lower() not in ("y", "yes"):
+            _err("not removed")
+            return 1
+    from mtpchat.engine.units import fmt_bytes
+    freed = hubcache.delete_repo(hubcache.hub_cache_dir(), repo)
+    print(f"removed {repo.repo_id}; freed {fmt_bytes(freed)}")
+    return 0
+
+
+def cmd_completion(args) -> int:
+    from mtpchat.completion import script
+    from mtpchat.models import ALIASES
+    # bench's own flags included; the aliases offered for --model
+    print(script(args.shell, build_parser(["bench"]), models=[a.name for a in ALIASES.values()]), end="")
+    return 0
+
+
+COMMANDS = {None: cmd_app, "run": cmd_run, "models": cmd_models, "bench": cmd_bench, "serve": cmd_serve,
+            "pull": cmd_pull, "rm": cmd_rm, "completion": cmd_completion}

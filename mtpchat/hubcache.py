@@ -5,7 +5,10 @@ head, so a shard is needed only when the index's weight_map puts a text or `mtp.
 Shards that hold only `model.visual.*` are never downloaded.
 
 A shard counts as present when its safetensors header parses and the file is as long as the header
-says; that catches interrupted copies without hashing gigabytes. Nothing here touches the network.
+says; that catches interrupted copies without hashing gigabytes; that check is ours, the rest of
+the cache is huggingface_hub's business: it finds a revision's snapshot
+(`try_to_load_from_cache`), lists the cached repos and their sizes
+(`scan_cache_dir`) and deletes them (`delete_revisions`). Nothing here touches the network.
 
 The cache layout (huggingface_hub's):  <cache>/models--ORG--NAME/refs/main   (a commit hash)
                                        <cache>/models--ORG--NAME/snapshots/<commit>/<file> -> ../../blobs/<hash>
@@ -64,12 +67,9 @@ def safetensors_problem(path: Path) -> tuple[str | None, list[str]]:
         return "has a malformed header", []
     expected = 8 + n + end
     if size < expected:
-        return f"truncated ({_gb(size)} of {_gb(expected)})", list(tensors)
+        from mtpchat.engine.units import fmt_bytes
+        return f"truncated ({fmt_bytes(size)} of {fmt_bytes(expected)})", list(tensors)
     return None, list(tensors)
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n} bytes"
 
 
 @dataclass
@@ -150,20 +150,27 @@ def repo_folder(cache_dir: Path, repo_id: str) -> Path:
 
 
 def cached_snapshot(cache_dir: Path, repo_id: str, revision: str = "main") -> Path | None:
-    """The snapshot folder the cache holds for `revision` (a branch, tag or commit), or None."""
+    """The snapshot folder the cache holds for `revision` (a branch, tag or commit), or None. Found
+    by huggingface_hub through the snapshot's config.json; a snapshot without one (an interrupted
+    download) is found here from the ref, so that the completeness check can name what is missing;
+    "main" in a copied cache with no refs is its newest snapshot."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=str(cache_dir), revision=revision)
+    except ImportError:      # resolve() says what is missing when it comes to download
+        found = None
+    except ValueError:       # not a valid repo id or revision
+        return None
+    if isinstance(found, str):
+        return Path(found).parent
     repo = repo_folder(cache_dir, repo_id)
     ref = repo / "refs" / revision
-    if ref.is_file():
-        snap = repo / "snapshots" / ref.read_text().strip()
-        return snap if snap.is_dir() else None
-    snap = repo / "snapshots" / revision
+    snap = repo / "snapshots" / (ref.read_text().strip() if ref.is_file() else revision)
     if snap.is_dir():
         return snap
-    if revision != "main":
+    if revision != "main" or ref.is_file():
         return None
-    # no ref recorded (a copied cache): take the most recent snapshot
-    snaps = sorted((p for p in (repo / "snapshots").glob("*") if p.is_dir()),
-                   key=lambda p: p.stat().st_mtime)
+    snaps = sorted((p for p in (repo / "snapshots").glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime)
     return snaps[-1] if snaps else None
 
 
@@ -176,17 +183,50 @@ def partial_downloads(cache_dir: Path, repo_id: str) -> list[Path]:
 class CachedRepo:
     repo_id: str
     snapshot: Path | None
-    size: int              # bytes of finished blobs
+    size: int              # bytes of finished blobs (what deleting the repo frees, with `partial`)
     check: FolderCheck | None
+    partial: int = 0       # bytes of unfinished downloads
+    revisions: tuple[str, ...] = ()   # the commits it holds
+    path: Path | None = None          # its folder in the cache
+
+
+def _scan(cache_dir: Path):
+    from huggingface_hub import CacheNotFound, scan_cache_dir
+    try:
+        return scan_cache_dir(cache_dir)
+    except CacheNotFound:
+        return None
 
 
 def cached_repos(cache_dir: Path) -> list[CachedRepo]:
-    """Every model repo in the cache, with whether its snapshot has what mtpchat needs."""
+    """Every model repo in the cache (huggingface_hub's scan), with whether its snapshot has what
+    mtpchat needs."""
+    info = _scan(Path(cache_dir))
     out = []
-    for repo in sorted(Path(cache_dir).glob("models--*")):
-        repo_id = repo.name.removeprefix("models--").replace("--", "/", 1)
-        snap = cached_snapshot(cache_dir, repo_id)
-        size = sum(b.stat().st_size for b in (repo / "blobs").glob("*")
-                   if b.is_file() and not b.name.endswith(".incomplete"))
-        out.append(CachedRepo(repo_id, snap, size, check_folder(snap) if snap else None))
+    for repo in sorted((r for r in info.repos if r.repo_type == "model"), key=lambda r: r.repo_id) if info else ():
+        snap = cached_snapshot(cache_dir, repo.repo_id)
+        partial = sum(b.stat().st_size for b in partial_downloads(cache_dir, repo.repo_id))
+        out.append(CachedRepo(repo.repo_id, snap, repo.size_on_disk, check_folder(snap) if snap else None, partial,
+                              tuple(sorted(r.commit_hash for r in repo.revisions)), Path(repo.repo_path)))
     return out
+
+
+def delete_repo(cache_dir: Path, repo: CachedRepo) -> int:
+    """Delete every revision of `repo` from the cache (huggingface_hub's delete_revisions, which
+    removes the repo's folder, unfinished downloads with it, once no revision is left); the bytes
+    freed."""
+    import shutil
+    info = _scan(Path(cache_dir))
+    freed = repo.partial
+    # delete_revisions picks revisions by commit hash across all repos: only where the hashes are this repo's alone
+    elsewhere = {r.commit_hash for other in (info.repos if info else ()) if Path(other.repo_path) != repo.path
+                 for r in other.revisions}
+    if info is not None and repo.revisions and not elsewhere & set(repo.revisions):
+        strategy = info.delete_revisions(*repo.revisions)
+        freed += strategy.expected_freed_size
+        strategy.execute()
+    elif repo.path is not None:
+        freed += repo.size
+    if repo.path is not None and repo.path.exists():    # no revision (only unfinished downloads), or shared hashes
+        shutil.rmtree(repo.path)
+    return freed

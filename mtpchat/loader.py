@@ -211,8 +211,9 @@ def what_would_fit(prep: Prepared) -> str:
     return "what fits: " + ", or ".join(options)
 
 
-def load_engine(prep: Prepared):
-    """Load the weights onto the device; run after `prepare` said the plan fits."""
+def load_engine(prep: Prepared, progress=None):
+    """Load the weights onto the device; run after `prepare` said the plan fits. `progress`: see
+    Engine (mtpchat/progress.py draws it on the terminal)."""
     import torch
     from mtpchat.engine import Engine
     if prep.path is None:
@@ -220,7 +221,8 @@ def load_engine(prep: Prepared):
     return Engine.load(prep.path, device=prep.device, dtype=getattr(torch, prep.dtype),
                        max_context=prep.max_context, draft_tokens=prep.draft_tokens, k_max=prep.k_max,
                        mtp=prep.mtp, cuda_graphs=prep.cuda_graphs, snapshots=prep.snapshots,
-                       weights=prep.weights, draft_vocab=prep.draft_vocab, adaptive=prep.adaptive_k)
+                       weights=prep.weights, draft_vocab=prep.draft_vocab, adaptive=prep.adaptive_k,
+                       progress=progress)
 
 
 def sampling_params(options: Options, folder: Path | None):

@@ -274,14 +274,15 @@ def _check_disk(repo_id: str, revision: str, files: list[str], cache_dir: Path) 
     sizes = _remote_sizes(repo_id, revision, files)
     if not sizes:
         return
+    from mtpchat.engine.units import fmt_bytes
     need = sum(sizes.values())
     where = Path(cache_dir)
     while not where.exists() and where != where.parent:
         where = where.parent
     free = shutil.disk_usage(where).free
     if need > free:
-        raise DiskFull(f"{repo_id} needs {need / 1e9:.1f} GB for {len(files)} file(s) but only "
-                       f"{free / 1e9:.1f} GB is free on {where}; free some space or set HF_HUB_CACHE "
+        raise DiskFull(f"{repo_id} needs {fmt_bytes(need)} for {len(files)} file(s) but only "
+                       f"{fmt_bytes(free)} is free on {where}; free some space or set HF_HUB_CACHE "
                        "to another disk")
 
 
@@ -299,6 +300,7 @@ def _is_supported(snapshot: Path) -> bool:
 def list_models(cache_dir: Path | None = None) -> list[str]:
     """Lines for `mtpchat models`: the aliases, then what the local cache holds."""
     cache_dir = Path(cache_dir) if cache_dir else hubcache.hub_cache_dir()
+    from mtpchat.engine.units import fmt_bytes
     cached = {r.repo_id: r for r in hubcache.cached_repos(cache_dir)}
     lines = ["aliases:"]
     name_w = max(len(a.name) for a in ALIASES.values()) + 2
@@ -322,5 +324,44 @@ def list_models(cache_dir: Path | None = None) -> list[str]:
             state = "ready" + ("" if repo.check.has_mtp else ", no MTP weights")
         else:
             state = "incomplete: " + repo.check.describe(3)
-        lines.append(f"  {repo.repo_id:<32}{repo.size / 1e9:8.2f} GB  {state}")
+        lines.append(f"  {repo.repo_id:<32}{fmt_bytes(repo.size):>10}  {state}")
     return lines
+
+
+# ---- managing the cache: `mtpchat pull` and `mtpchat rm` ------------------------------------------
+
+def cache_target(spec: str) -> tuple[str, str]:
+    """(what to show, repo id) of an alias or repo id; a folder is not the cache's to manage."""
+    kind, target, alias = classify(spec)
+    if kind == "folder":
+        raise UserError(f"{spec} is a local folder, not a model in the Hugging Face cache; "
+                        "pull and rm take an alias or an org/name repo id", exit_code=2)
+    return (alias.name if alias else target), target
+
+
+def pull(spec: str, *, offline: bool = False, revision: str = "main", cache_dir: Path | None = None,
+         notify=None) -> str:
+    """Download what mtpchat reads of `spec` into the cache (resuming an interrupted download: the
+    library picks up its unfinished blobs); offline, only say whether the cache has it all. The
+    line to print at the end."""
+    from mtpchat.engine.units import fmt_bytes
+    name, repo_id = cache_target(spec)
+    got = resolve(spec, offline=offline, cache_dir=cache_dir, revision=revision, notify=notify)
+    size = sum((got.path / f).stat().st_size for f in {*got.shards, *hubcache.CONFIG_FILES, *hubcache.TOKENIZER_FILES}
+               if (got.path / f).is_file())
+    mtp = "" if got.has_mtp else "; it has no MTP weights (runs with MTP off)"
+    return f"{name}: ready, {fmt_bytes(size)} in {got.path}{mtp}"
+
+
+def removal(spec: str, cache_dir: Path | None = None) -> tuple[str, hubcache.CachedRepo]:
+    """(what deleting `spec` from the cache frees, said in a line; the cached repo)."""
+    from mtpchat.engine.units import fmt_bytes
+    name, repo_id = cache_target(spec)
+    cache_dir = Path(cache_dir) if cache_dir else hubcache.hub_cache_dir()
+    repo = next((r for r in hubcache.cached_repos(cache_dir) if r.repo_id == repo_id), None)
+    if repo is None:
+        raise ModelNotFound(f"{name} ({repo_id}) is not in the local cache ({cache_dir}); nothing to remove")
+    revisions = f"{len(repo.revisions)} revision(s)" if repo.revisions else "no finished revision"
+    partial = f" and {fmt_bytes(repo.partial)} of unfinished downloads" if repo.partial else ""
+    return (f"{name}: {repo_id}, {revisions}, {fmt_bytes(repo.size)}{partial} in {repo.path}; "
+            f"removing it frees {fmt_bytes(repo.size + repo.partial)}"), repo

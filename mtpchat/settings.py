@@ -58,6 +58,8 @@ class Options:
     snapshots: int = 4                # decode-state snapshots kept for chat turns (0: none)
     offline: bool = False
     data_dir: str | None = None
+    server: str | None = None         # the app and `run` talk to this OpenAI-compatible server (--server)
+    api_key: str | None = None        # its key (--api-key; else MTPCHAT_API_KEY)
 
 
 # ---- value checks, shared by the flags and the file ---------------------------------------------
@@ -132,7 +134,7 @@ CHECKS = {
     "max_tokens": _int(1), "seed": _int(0), "system": _str, "think": _bool, "preserve_thinking": _bool,
     "reasoning_effort": _effort,
     "snapshots": _int(0, 64), "offline": _bool,
-    "data_dir": _str,
+    "data_dir": _str, "server": _str, "api_key": _str,
 }
 assert set(CHECKS) == {f.name for f in dataclasses.fields(Options)}
 
@@ -181,7 +183,8 @@ def load_settings(path: Path | None = None) -> dict:
 
 def merge(flags: dict, file_values: dict) -> Options:
     """Options from the defaults, overridden by the file, overridden by the flags given."""
-    merged = {**file_values, **{k: v for k, v in flags.items() if k in CHECKS}}
+    # (--server and --api-key are None when not given: the file's value stands)
+    merged = {**file_values, **{k: v for k, v in flags.items() if k in CHECKS and v is not None}}
     options = Options(**merged)
     if "data_dir" not in flags and os.environ.get("MTPCHAT_DATA_DIR"):
         options.data_dir = os.environ["MTPCHAT_DATA_DIR"]  # the environment beats the file

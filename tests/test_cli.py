@@ -338,7 +338,7 @@ def test_dry_run_that_does_not_fit(capsys, big, monkeypatch):
 
 
 def test_ctrl_c_exits_cleanly(capsys, tiny, monkeypatch):
-    def interrupted(prep):
+    def interrupted(prep, progress=None):
         raise KeyboardInterrupt
     monkeypatch.setattr(loader, "load_engine", interrupted)
     code, _, err = run(capsys, "run", "--model", tiny, "--prompt", "x")

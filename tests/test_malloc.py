@@ -61,7 +61,7 @@ def test_run_sets_them_before_the_engine_loads(tmp_path, monkeypatch, capsys):
     order = []
     monkeypatch.setattr(malloc, "keep_step_memory", lambda: order.append("malloc") or True)
     load = loader.load_engine
-    monkeypatch.setattr(loader, "load_engine", lambda prep: order.append("load") or load(prep))
+    monkeypatch.setattr(loader, "load_engine", lambda prep, progress=None: order.append("load") or load(prep, progress))
     code = cli.main(["run", "--model", str(ckpt), "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
                      "--json"])
     assert code == 0 and order == ["malloc", "load"]

@@ -300,7 +300,7 @@ def test_download_errors(cache, monkeypatch, exc, cls, message):
 
 def test_disk_space_is_checked_before_the_shards(cache, fake_hub, monkeypatch):
     monkeypatch.setattr(models, "_remote_sizes", lambda repo, rev, files: {f: 10 ** 15 for f in files})
-    with pytest.raises(DiskFull, match=r"needs 3000000.0 GB for 3 file\(s\) but only .* GB is free"):
+    with pytest.raises(DiskFull, match=r"needs 2728\.5 TiB for 3 file\(s\) but only [\d.]+ [KMGT]?i?B is free"):
         models.resolve(REPO, notify=lambda line: None)
     assert len(fake_hub) == 1  # the small files only; no shard was requested
 

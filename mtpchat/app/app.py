@@ -18,7 +18,7 @@ from textual.app import App
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.message import Message
-from textual.widgets import Footer, LoadingIndicator, Static
+from textual.widgets import Footer, ProgressBar, Static
 from textual.worker import get_current_worker
 
 from mtpchat.app.actions import ChatActions
@@ -26,7 +26,8 @@ from mtpchat.app.chat import ChatLog, Composer, MessageView
 from mtpchat.app.commands import BINDINGS
 from mtpchat.app.errors import NO_MTP, describe_error
 from mtpchat.app.gpu import NvmlProbe, ProcessProbe, Sampler
-from mtpchat.app.messages import (EngineFailed, EngineReady, GpuSampled, ReplyDelta, ReplyDone, ReplyFailed,
+from mtpchat.app.messages import (EngineFailed, EngineReady, GpuSampled, LoadProgressed, ReplyDelta, ReplyDone,
+                                  ReplyFailed,
                                   ReplyPrefilled)
 from mtpchat.app.pacer import PANE_INTERVAL, Pacer
 from mtpchat.app.panel import HeaderBar, Live, StatusBar, TelemetryPane
@@ -37,6 +38,7 @@ from mtpchat.app.store import Store, encode_spans
 from mtpchat.app.telemetry import Telemetry
 from mtpchat.chat.prompt import SwitchError, build_prompt, check_effort, effort_label
 from mtpchat.chat.think import prompt_opens_think
+from mtpchat.progress import describe, stage_label
 
 NARROW_BELOW = 100   # columns; below this the telemetry pane folds into the status bar
 
@@ -72,7 +74,7 @@ class ChatApp(ChatActions, App):
     BINDINGS = BINDINGS
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (NARROW_BELOW, "-wide")]
 
-    def __init__(self, load_engine: Callable[[], object], *, model: str, store: Store, sampling: Sampling,
+    def __init__(self, load_engine: Callable[[Callable], object], *, model: str, store: Store, sampling: Sampling,
                  device: str = "cpu", dtype: str = "", system: str = "", think: bool = True, mtp: bool = True,
                  draft_tokens: int = 3, preserve_thinking: bool | None = None, reasoning_effort: str | None = None,
                  probe: Callable | None = None,
@@ -104,6 +106,7 @@ class ChatApp(ChatActions, App):
         self._stop = threading.Event()
         self._pending: Callable | None = None
         self._queued: str | None = None         # a message submitted before the engine was ready
+        self._load_shown = None                 # the last LoadProgress passed on to the bar
         self._reply_view: MessageView | None = None
         self._sampler: Sampler | None = None
         self._drawn = None
@@ -119,7 +122,7 @@ class ChatApp(ChatActions, App):
             with Vertical(id="chat-column"):
                 yield ChatLog(id="chat")
                 with Horizontal(id="loading"):
-                    yield LoadingIndicator()
+                    yield ProgressBar(total=None, show_eta=True, id="loading-bar")
                     yield Static(f"loading {self.model_name} on {self.device}…", id="loading-text")
                 # in a box of its own: a widget whose container overlaps a repaint is redrawn with it,
                 # and the text area is dear to redraw (a streaming paint next to it would redraw it too)
@@ -162,14 +165,30 @@ class ChatApp(ChatActions, App):
     @work(thread=True, exclusive=True, group="load", exit_on_error=False)
     def _load(self) -> None:
         try:
-            self.post_message(EngineReady(self.load_engine()))
+            self.post_message(EngineReady(self.load_engine(self._load_progressed)))
         except Exception as exc:
             self.post_message(EngineFailed(describe_error(exc, "load", self.device)))
+
+    def _load_progressed(self, p) -> None:
+        """Engine.load's progress callback, on the loading thread: passed on at most every half
+        percent (an MoE checkpoint has tens of thousands of tensors), and always at a stage's end."""
+        step = max(1, p.total // 200)
+        last = self._load_shown
+        if last is None or last.stage != p.stage or p.done >= p.total or p.done - last.done >= step:
+            self._load_shown = p
+            self.post_message(LoadProgressed(p))
+
+    def on_load_progressed(self, m: LoadProgressed) -> None:
+        if not self.query("#loading"):
+            return
+        p = m.progress
+        self.query_one("#loading-bar", ProgressBar).update(total=max(p.total, 1), progress=p.done)
+        self.query_one("#loading-text", Static).update(f"{stage_label(p)}: {describe(p, 0)}")
 
     def on_engine_ready(self, m: EngineReady) -> None:
         self.engine = m.engine
         self.device, self.dtype = self.engine.device, self.engine.dtype
-        self.query_one("#loading").remove()   # its spinner would repaint 16 times a second
+        self.query_one("#loading").remove()   # its bar would go on repainting
         self.refresh_bindings()               # a server's fixed switches show dimmed in the footer
         for text in self.engine.notices:
             self.notice(text, "warning")

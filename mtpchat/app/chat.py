@@ -8,7 +8,6 @@ it follows the reply until the user scrolls up, and follows again once they scro
 """
 from __future__ import annotations
 
-import re
 import threading
 
 from markdown_it import MarkdownIt
@@ -20,9 +19,6 @@ from textual.message import Message
 from textual.widgets import Collapsible, Markdown, Static, TextArea
 
 from mtpchat.app.tail import LiveTail
-
-_FENCE = re.compile(r"^(```|~~~)[^\n]*\n(.*?)^\1[ \t]*$", re.M | re.S)
-
 
 _parsers = threading.local()
 
@@ -37,8 +33,10 @@ def markdown_parser() -> MarkdownIt:
 
 
 def code_blocks(markdown: str) -> list[str]:
-    """The bodies of the fenced code blocks, in order."""
-    return [m.group(2) for m in _FENCE.finditer(markdown)]
+    """The bodies of the fenced code blocks, in order, as the Markdown parser finds them: fences of
+    any length, indented in lists or quotes, and the open fence of a reply that was stopped (its
+    body runs to the end)."""
+    return [t.content for t in markdown_parser().parse(markdown) if t.type == "fence"]
 
 
 def tinted(spans) -> Content:

@@ -33,7 +33,7 @@ TIMES = FakeTimes(prefill_per_token=0.25, first_sample=28.0, draft_per_token=1.6
 def build(data_dir: str | Path):
     engine = FakeEngine(name=MODEL, device="cuda", times=TIMES)
     args = dev_args(["--data-dir", str(data_dir), "--device", "cuda", "--dtype", "bfloat16"])
-    app = build_app(args, load_engine=lambda: engine, probe=FakeGpu, now=lambda: NOW, gpu_interval=0.05)
+    app = build_app(args, load_engine=lambda progress=None: engine, probe=FakeGpu, now=lambda: NOW, gpu_interval=0.05)
     app.model_name = MODEL
     return app
 

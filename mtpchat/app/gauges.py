@@ -1,6 +1,8 @@
 """Text gauges for the telemetry pane: bars with eighth blocks, sparklines, byte sizes."""
 from __future__ import annotations
 
+from mtpchat.engine.units import fmt_bytes
+
 _EIGHTHS = " ▏▎▍▌▋▊▉"
 _SPARK = "▁▂▃▄▅▆▇█"
 NA = "N/A"
@@ -30,12 +32,7 @@ def sparkline(values, width: int, lo: float | None = None, hi: float | None = No
 
 
 def size(n: int | None) -> str:
-    if n is None:
-        return NA
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
+    return NA if n is None else fmt_bytes(n)
 
 
 def num(x: float | None, spec: str = ".1f", unit: str = "") -> str:

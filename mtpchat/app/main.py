@@ -56,11 +56,11 @@ def launch_from(args) -> Launch:
     if prep is not None:
         return Launch(prep.name, prep.device, prep.dtype, prep.mtp, prep.draft_tokens, get("system") or "",
                       bool(get("think", True)), get("data_dir"), initial_sampling(opts, prep.path),
-                      lambda: LocalEngine(loader.load_engine(prep)), list(prep.notices),
+                      lambda progress=None: LocalEngine(loader.load_engine(prep, progress)), list(prep.notices),
                       preserve_thinking=get("preserve_thinking"), reasoning_effort=get("reasoning_effort"))
     device = str(get("device", "cpu"))
     if fake:
-        load = lambda: FakeEngine(name="fake-model", device=device, mtp=bool(get("mtp", True)),
+        load = lambda progress=None: FakeEngine(name="fake-model", device=device, mtp=bool(get("mtp", True)),
                                   draft_tokens=int(get("draft_tokens", 3)), step_delay=0.01)
     else:
         load = engine_loader(args)
@@ -75,7 +75,7 @@ def remote_launch(args, opts) -> Launch:
     url = base_url(args.server)
     key = getattr(args, "api_key", None) or os.environ.get("MTPCHAT_API_KEY") or None
 
-    def load():
+    def load(progress=None):
         return RemoteEngine.connect(url, key, getattr(args, "served_model", None))
     get = lambda name, default=None: getattr(opts, name, default)
     return Launch(url, "server", "", True, 0, get("system") or "", bool(get("think", True)), get("data_dir"),
@@ -84,13 +84,14 @@ def remote_launch(args, opts) -> Launch:
 
 def engine_loader(args):
     """Load the engine straight from `args` (no CLI preparation): a local folder."""
-    def load():
+    def load(progress=None):
         import torch
         from mtpchat.engine import Engine
         name = _DTYPES.get(str(args.dtype or "auto").lower())
         return LocalEngine(Engine.load(args.model, device=args.device, dtype=getattr(torch, name) if name else None,
                            max_context=args.max_context, draft_tokens=args.draft_tokens, mtp=args.mtp,
-                           cuda_graphs=args.cuda_graphs, adaptive=bool(getattr(args, "adaptive_k", True))))
+                           cuda_graphs=args.cuda_graphs, adaptive=bool(getattr(args, "adaptive_k", True)),
+                           progress=progress))
     return load
 
 

@@ -21,6 +21,11 @@ class EngineReady(Message):
 
 
 @dataclass
+class LoadProgressed(Message):
+    progress: object      # an engine.events.LoadProgress
+
+
+@dataclass
 class EngineFailed(Message):
     text: str
 

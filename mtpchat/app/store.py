@@ -15,6 +15,8 @@ from pathlib import Path
 
 import platformdirs
 
+from mtpchat.errors import UserError
+
 ENV_DATA_DIR = "MTPCHAT_DATA_DIR"
 
 _SCHEMA = """
@@ -39,6 +41,11 @@ CREATE TABLE IF NOT EXISTS messages (
 CREATE INDEX IF NOT EXISTS messages_by_session ON messages(session_id, id);
 CREATE TABLE IF NOT EXISTS prefs (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+# The schema's version, kept in the database (PRAGMA user_version). A change of schema raises it and
+# adds the step from the one before to MIGRATIONS, applied in order when an older file is opened.
+# 0 is a file from before the version was kept: the same tables as version 1.
+SCHEMA_VERSION = 1
+MIGRATIONS: dict[int, str] = {}      # version -> the SQL that takes a file of version - 1 to it
 
 
 def data_dir(override: str | os.PathLike | None = None) -> Path:
@@ -82,7 +89,20 @@ class Store:
         self.db = sqlite3.connect(self.path, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA foreign_keys=ON")
+        self._migrate()
+
+    def _migrate(self) -> None:
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            self.db.close()
+            raise UserError(f"{self.path} was written by a newer mtpchat (chat schema {version}; this one reads up "
+                            f"to {SCHEMA_VERSION}); upgrade mtpchat, or pass --data-dir to use another folder. "
+                            "The file is left as it is")
         self.db.executescript(_SCHEMA)
+        for step in range(max(version, 1) + 1, SCHEMA_VERSION + 1):
+            self.db.executescript(f"BEGIN; {MIGRATIONS[step]}; COMMIT;")
+        if version != SCHEMA_VERSION:
+            self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def close(self) -> None:
         self.db.close()

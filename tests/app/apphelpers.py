@@ -14,7 +14,7 @@ FIXED_NOW = 1_767_225_600.0   # 2026-01-01 00:00 UTC: pins every timestamp the a
 def make_app(data_dir, engine: FakeEngine | None = None, *, device: str = "cpu", load=None, flags=(), gpu=False):
     engine = engine if engine is not None else FakeEngine(device=device)
     args = dev_args(["--data-dir", str(data_dir), "--device", device, *flags])
-    return build_app(args, load_engine=load or (lambda: engine), now=lambda: FIXED_NOW,
+    return build_app(args, load_engine=(lambda progress: load()) if load else (lambda progress: engine), now=lambda: FIXED_NOW,
                      probe=FakeGpu if gpu else None, gpu_interval=0.05)
 
 

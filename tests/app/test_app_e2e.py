@@ -77,9 +77,9 @@ def test_no_flags_on_a_short_model_and_a_message_sent_while_it_loads(tmp_path, m
     assert any("context: 4,096 tokens, the most" in n for n in args.prepared.notices)
     release = threading.Event()
 
-    def load():
+    def load(progress):
         assert release.wait(20), "the test never let the model load"
-        return LocalEngine(loader.load_engine(args.prepared))
+        return LocalEngine(loader.load_engine(args.prepared, progress))
     app = build_app(args, load_engine=load)
 
     async def go():
