@@ -140,3 +140,37 @@ def test_engine_fixed_k_when_adaptive_is_off(gqa3, refs):
     assert [(s.drafted, s.mtp) for s in steps[1:]] == window_sizes(steps, 3, NEW_TOKENS)
     assert events[-1].stats.k_histogram[3] > 0
     assert all(s.why == "" for s in steps_of(events))
+
+
+# ---- the step times measured at load ----------------------------------------------------------------
+
+DEMO = __import__("pathlib").Path(__file__).resolve().parents[1] / "assets" / "demo"
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from mtpchat.engine import Engine
+    return Engine(DEMO, device="cpu", max_context=512, adaptive=True, k_max=4)
+
+
+def test_the_step_time_of_every_k_is_measured_at_load_on_the_cpu(demo):
+    times = demo.policy.step_ms
+    assert sorted(times) == [0, 1, 2, 3, 4] and all(ms > 0 for ms in times.values())
+    # the CPU's verify of k+1 rows costs more than a decode step: not the GPU's near-flat cost
+    assert times[4] > times[0]
+    assert demo.decoder.length == 0 and demo.decoder.tokens == []        # the decode state is empty again
+
+
+def test_the_first_choice_weighs_drafts_by_their_measured_cost(demo):
+    """At the acceptance of creative writing, the first step already takes the k that the measured
+    times make fastest (MTP off where drafts cost more than they give), not the prior's GPU-like one."""
+    p = demo.policy
+    p.forget()
+    p.hits, p.trials = [0.50, 0.44, 0.36, 0.37], [1.0] * 4                 # the creative profile
+    P = p.at_least()
+    rate = lambda k: (1 + sum(P[:k])) / p.step_ms[k]
+    assert p.choose(4)[0] == max(range(5), key=lambda k: (rate(k), -k))
+    # where each draft costs a whole decode step, none pays at this acceptance
+    p.step_ms.update({k: 10.0 + 10.0 * k for k in range(5)})
+    assert p.choose(4)[0] == 0
+    p.forget()
