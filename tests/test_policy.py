@@ -30,8 +30,8 @@ def test_choice_maximises_expected_tokens_per_time():
     k, why = p.best(4)
     assert k == max(range(5), key=rates.__getitem__) == 2
     # draft 3 would need (1 + P1 + P2) (T3 / T2 - 1) = 2.62 x 0.16 = 42 %; it gets P3 = 36 %
-    assert why == "draft 3 needs 42%, gets 36%"
-    assert p.best(1)[0] == 1 and p.best(1)[1] == "1 draft pays"
+    assert why == "2 of 4 drafts: draft 3 would need 42% acceptance to pay, and gets 36%"
+    assert p.best(1)[0] == 1 and p.best(1)[1] == "the draft pays off"
 
 
 def test_always_wrong_turns_mtp_off_and_probes_ever_more_rarely():
@@ -44,7 +44,7 @@ def test_always_wrong_turns_mtp_off_and_probes_ever_more_rarely():
     probes = [i for i, k in enumerate(tail) if k]
     assert tail.count(0) > 0.95 * len(tail) and set(tail) <= {0, 1}
     assert len(probes) >= 3 and probes[-1] - probes[-2] == MAX_PROBE_EVERY + 1   # backed off to the limit
-    assert p.why.startswith("off: draft 1 needs")
+    assert p.why.startswith("MTP off: a draft would need")
 
 
 def test_always_right_rises_to_the_maximum_and_recovers_after_off():
@@ -52,7 +52,7 @@ def test_always_right_rises_to_the_maximum_and_recovers_after_off():
     run(p, 4, lambda s: 0, 100)
     assert p.choose(4)[0] == 0
     ks = run(p, 4, lambda s: 4, 400)                     # acceptance recovers: the probes see it
-    assert ks[-50:] == [4] * 50 and p.why == "all 4 drafts pay"
+    assert ks[-50:] == [4] * 50 and p.why == "all 4 drafts pay off"
     assert ks.index(4) < 200
     assert run(p, 2, lambda s: 4, 5) == [2] * 5          # the user's k stays the maximum
 
@@ -126,7 +126,7 @@ def test_engine_turns_mtp_off_then_back_on_when_acceptance_recovers(gqa3):
         at += len(s.token_ids)
     wrong = [s.drafted for s, a in zip(steps, starts) if 32 <= a < 64]
     assert wrong and set(wrong) <= {0, 1} and wrong.count(0) >= len(wrong) - 1     # off, one probe at most
-    probes = [a for s, a in zip(steps, starts) if a >= 64 and s.why.startswith("probing draft 1")]
+    probes = [a for s, a in zip(steps, starts) if a >= 64 and s.why.startswith("probing: one step with draft 1")]
     assert probes                                   # off: only a probe can see acceptance come back ...
     late = [s.drafted for s, a in zip(steps, starts) if a > probes[0]][:-1]
     assert len(late) > 10 and set(late) == {4}      # ... and the policy is back at the maximum after it

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from textual.app import SystemCommand
+from textual.markup import escape
 
 from mtpchat.app.chat import ChatLog, Composer, MessageView, code_blocks
 from mtpchat.app.commands import CHAT_ONLY, COMMANDS
@@ -13,6 +14,7 @@ from mtpchat.chat.prompt import offers_preserve_thinking
 from mtpchat.app.race import LANES, RaceScreen
 from mtpchat.app.screens import CodePickScreen, SamplingScreen, SessionsScreen, SystemPromptScreen
 from mtpchat.app.store import decode_spans
+from mtpchat.settings import MAX_DRAFT_TOKENS
 
 
 FIXED_ON_SERVER = {"toggle_mtp", "draft_up", "draft_down", "race"}
@@ -62,8 +64,9 @@ class ChatActions:
         yield from super().get_system_commands(screen)
         for c in COMMANDS:
             if c.id != "theme":
-                yield SystemCommand(c.title, f"{c.help}  [{c.keys.split(',')[0]}]",
-                                    lambda a=c.action: self.run_action(a))
+                # the keys escaped: "[f4]" alone would read as a markup tag and vanish
+                keys = escape(f"[{' / '.join(c.keys.split(','))}]")
+                yield SystemCommand(c.title, f"{escape(c.help)}  {keys}", lambda a=c.action: self.run_action(a))
 
     # --- sending ---
     def _claim(self) -> None:
@@ -123,7 +126,10 @@ class ChatActions:
         k_max = self.engine.k_max
         k = min(max(self.engine.draft_tokens + delta, 1), k_max)
         if k == self.engine.draft_tokens:
-            self.notice(f"draft tokens stay at {k} (1..{k_max})", "warning")
+            why = (f"the most the model was loaded for (its decode state and graphs hold {k_max} drafts a step; "
+                   f"start with --draft-tokens N, up to {MAX_DRAFT_TOKENS}, for more)" if delta > 0 else
+                   "the fewest a drafting step carries (MTP off, ctrl+t, drafts none)")
+            self.notice(f"draft tokens stay at {k}: {why}", "warning")
             return
         self.engine.draft_tokens = k
         self.notice(f"{k} draft tokens per step" + ("" if self.engine.mtp else " (MTP is off)"))
@@ -233,6 +239,8 @@ class ChatActions:
             self.engine.reset()
         self._chat().anchor()
         self.redraw(force=True)
+        if rows and rows[-1].role == "user":     # the app stopped (a crash, a kill) before the reply came
+            self.notice("the last message has no reply: ctrl+r answers it, ctrl+l takes it back to edit", "warning")
 
     # --- settings ---
     def action_system_prompt(self) -> None:

@@ -126,7 +126,7 @@ class ChatApp(ChatActions, App):
             yield TelemetryPane(id="telemetry")
         yield StatusBar(id="status")
         with Vertical(id="footer-box"):   # a box of its own, as the composer's
-            yield Footer()
+            yield Footer(compact=True)
 
     def on_mount(self) -> None:
         if self.user_keymap:

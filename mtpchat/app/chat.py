@@ -176,7 +176,7 @@ class Composer(TextArea):
     """Enter sends; ctrl+j (which every terminal passes through) or shift+enter adds a newline."""
 
     BINDINGS = [
-        Binding("enter", "submit", "Send", id="send", priority=True),
+        Binding("enter", "submit", "Send", id="send", show=False, priority=True),
         Binding("ctrl+j,shift+enter", "newline", "Newline", id="newline", show=False, priority=True),
     ]
 
