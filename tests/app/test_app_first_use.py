@@ -1,0 +1,70 @@
+"""What a new user meets in the app: the footer at 80 columns, the key hints in the palette, f4 at
+its limit, and a chat reopened on a message the app never answered."""
+from __future__ import annotations
+
+from textual.content import Content
+from textual.widgets import Footer
+
+from mtpchat.app.fake import FakeEngine
+from mtpchat.app.store import Store
+from apphelpers import make_app, ready, run, until
+
+
+def test_every_footer_key_fits_at_80_columns(data_dir):
+    app = make_app(data_dir)
+
+    async def go():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await ready(pilot)
+            await pilot.pause()
+            keys = {k.key_display: k.region for k in app.query_one(Footer).query("FooterKey")}
+            palette = keys.pop("^p")
+            for name in ("^o", "f8", "^t", "f4", "f3"):
+                r = keys[name]
+                assert r.right <= palette.x, f"{name} at {r} is under the palette's hint at {palette}"
+    run(go())
+
+
+def test_the_palette_names_every_key(data_dir):
+    app = make_app(data_dir)
+
+    async def go():
+        async with app.run_test(size=(120, 30)) as pilot:
+            await ready(pilot)
+            shown = {c.title: Content.from_markup(c.help).plain for c in app.get_system_commands(app.screen)}
+            assert shown["More draft tokens"].endswith("[f4 / alt+up]")
+            assert shown["Fewer draft tokens"].endswith("[f3 / alt+down]")
+            assert shown["Toggle thinking"].endswith("[f5 / ctrl+g]")
+            assert shown["Race MTP off vs on"].endswith("[f8]")
+            assert shown["Regenerate"].endswith("[ctrl+r]")
+    run(go())
+
+
+def test_f4_at_the_engines_limit_says_why(data_dir):
+    engine = FakeEngine(draft_tokens=4, k_max=4)
+    app = make_app(data_dir, engine)
+
+    async def go():
+        async with app.run_test(size=(120, 30)) as pilot:
+            await ready(pilot)
+            await pilot.press("f4")
+            await until(pilot, lambda: app.notices, what="a notice")
+            text = app.notices[-1][1]
+            assert engine.draft_tokens == 4
+            assert "stay at 4" in text and "loaded for" in text and "--draft-tokens" in text
+    run(go())
+
+
+def test_a_chat_reopened_on_an_unanswered_message_says_how_to_answer_it(data_dir):
+    store = Store(data_dir)
+    sid = store.create_session("cut short")
+    store.add_message(sid, "user", "a question the app never answered")
+    app = make_app(data_dir)
+
+    async def go():
+        async with app.run_test(size=(120, 30)) as pilot:
+            await ready(pilot)
+            await app.open_session(sid)
+            await pilot.pause()
+            assert any("no reply" in text and "ctrl+r" in text for _, text in app.notices)
+    run(go())
