@@ -64,7 +64,7 @@ def safetensors_problem(path: Path) -> tuple[str | None, list[str]]:
         return "has a malformed header", []
     expected = 8 + n + end
     if size < expected:
-        return f"truncated ({_gb(size)} of {_gb(expected)})", list(tensors)
+        return f"truncated: {expected - size:,} bytes short of {expected:,}", list(tensors)
     return None, list(tensors)
 
 

@@ -132,3 +132,33 @@ def test_no_numpy_warning_without_numpy(tmp_path):
                            "--device", "cpu"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "NumPy" not in done.stderr and "Warning" not in done.stderr
+
+
+# ---- a damaged checkpoint ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tools.tiny import write_tiny_checkpoint
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny")
+
+
+@pytest.fixture
+def copy(tiny, tmp_path):
+    import shutil
+    return Path(shutil.copytree(tiny, tmp_path / "copy"))
+
+
+def test_a_shard_a_few_bytes_short_says_how_many(capsys, copy):
+    shard = sorted(copy.glob("*.safetensors"))[0]
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 10)
+    code, _, err = run(capsys, "run", "--model", copy, "--prompt", "hi")
+    assert code == 1 and f"{shard.name} (truncated: 10 bytes short of {size:,})" in err
+
+
+@pytest.mark.parametrize("text, says", [("{}", "it is empty"), ('{"architectures": []}', "it has no model_type")])
+def test_an_empty_config_says_so(capsys, copy, text, says):
+    (copy / "config.json").write_text(text)
+    code, _, err = run(capsys, "run", "--model", copy, "--prompt", "hi")
+    assert code == 1 and says in err and "config.json" in err and "None" not in err
