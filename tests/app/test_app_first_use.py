@@ -68,3 +68,30 @@ def test_a_chat_reopened_on_an_unanswered_message_says_how_to_answer_it(data_dir
             await pilot.pause()
             assert any("no reply" in text and "ctrl+r" in text for _, text in app.notices)
     run(go())
+
+
+CODE = 'def clear(self, data):\n    """Check if the data is empty."""\n    if not data:\n        return None\n    return data\n'
+
+
+def test_a_reply_that_is_code_without_fences_keeps_its_lines(data_dir):
+    from textual.widgets import Markdown
+    from textual.widgets._markdown import MarkdownFence
+    from apphelpers import send
+    engine = FakeEngine(answer=CODE, thinking="")
+    app = make_app(data_dir, engine)
+
+    async def go():
+        async with app.run_test(size=(120, 40)) as pilot:
+            await ready(pilot)
+            await send(pilot, "write a method")
+            view = app._views()[-1]
+            fences = view.query_one("#answer", Markdown).query(MarkdownFence)
+            assert len(fences) == 1 and fences.first().code.strip("\n") == CODE.strip("\n")
+    run(go())
+
+
+def test_markdown_replies_stay_markdown():
+    from mtpchat.app.chat import as_markdown
+    for text in ("Hello **there**.\n\nA second paragraph.", "Steps:\n- one\n    - two\n    - three",
+                 "Here:\n```python\ndef f():\n    pass\n```\n"):
+        assert as_markdown(text) == text
