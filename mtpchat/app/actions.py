@@ -1,6 +1,7 @@
 """What each key (and command palette entry) does. Mixed into ChatApp."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from textual.app import SystemCommand
@@ -277,7 +278,10 @@ class ChatActions:
             return
         messages = self._prompt_messages(views[:users[-1] + 1])
         self.push_screen(RaceScreen(self.engine.draft_tokens))
-        self._begin([(LANES[0], messages, False), (LANES[1], messages, True)])
+        # greedy on both sides: MTP leaves greedy output unchanged, so both write the same reply and
+        # the speedup is the same work done faster (sampled, they would write different replies)
+        self._begin([(LANES[0], messages, False), (LANES[1], messages, True)],
+                    sampling=replace(self.sampling, temperature=0.0))
 
     # --- copy and export ---
     def _picked(self) -> MessageView | None:

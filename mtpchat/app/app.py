@@ -237,12 +237,12 @@ class ChatApp(ChatActions, App):
         self._drawn = key
 
     # --- generation ---
-    def _begin(self, runs: list[tuple[str, list[dict], bool | None]]) -> None:
+    def _begin(self, runs: list[tuple[str, list[dict], bool | None]], sampling: Sampling | None = None) -> None:
         self._claim()
         self._redraw_timer.pause()
         self.query_one(Composer).cursor_blink = False   # each blink is a repaint: none while decoding
         # the engine starts once the screen has laid out the new reply, not while it decodes
-        self.call_after_refresh(self._start_generation, runs, self.think, self.sampling)
+        self.call_after_refresh(self._start_generation, runs, self.think, sampling or self.sampling)
 
     def _start_generation(self, runs, think: bool, sampling: Sampling) -> None:
         if self._stop.is_set():   # stopped before it started

@@ -95,3 +95,29 @@ def test_markdown_replies_stay_markdown():
     for text in ("Hello **there**.\n\nA second paragraph.", "Steps:\n- one\n    - two\n    - three",
                  "Here:\n```python\ndef f():\n    pass\n```\n"):
         assert as_markdown(text) == text
+
+
+def test_the_race_runs_both_sides_greedy_whatever_the_chat_samples(data_dir):
+    from dataclasses import replace
+    from mtpchat.app.race import RaceScreen
+    from apphelpers import send
+    engine = FakeEngine(draft_tokens=3)
+    seen = []
+    plain = engine.generate
+    engine.generate = lambda ids, params, **kw: seen.append(params) or plain(ids, params, **kw)
+    app = make_app(data_dir, engine)
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await ready(pilot)
+            app.sampling = replace(app.sampling, temperature=0.7, seed=None)
+            await send(pilot, "race me")
+            assert seen[-1].temperature == 0.7                   # the chat samples as set
+            await pilot.press("f8")
+            await until(pilot, lambda: isinstance(app.screen, RaceScreen) and app.screen.done and not app.busy,
+                        what="the race to finish")
+            off, on = seen[-2:]
+            assert off.greedy and on.greedy                       # the same reply, so the same work
+            assert "greedy" in str(app.screen.query_one("#race-title").render())
+            assert app.sampling.temperature == 0.7               # the chat's own setting is kept
+    run(go())
