@@ -57,9 +57,16 @@ class ChatActions:
     def check_action(self, action: str, parameters) -> bool | None:
         if action in CHAT_ONLY and self.screen is not self.screen_stack[0]:
             return False
-        if action in FIXED_ON_SERVER and self.engine is not None and self.engine.fixed:
-            return None    # shown, dimmed: a server was launched with its own speculative config
         return True
+
+    def _fixed_here(self) -> bool:
+        """On a server, MTP, the draft count and the race were set at its launch: a key for them
+        says so, rather than doing nothing."""
+        if self.engine is not None and self.engine.fixed:
+            self.notice(f"{self.engine.fixed}; the race needs MTP switched per request, so it runs only "
+                        "on a local model", "warning")
+            return True
+        return False
 
     def get_system_commands(self, screen):
         yield from super().get_system_commands(screen)
@@ -112,7 +119,7 @@ class ChatActions:
                 self.engine.cancel()
 
     def action_toggle_mtp(self) -> None:
-        if not self._engine_ready():
+        if not self._engine_ready() or self._fixed_here():
             return
         if not self.engine.mtp_available:
             self.notice(NO_MTP, "warning")
@@ -122,7 +129,7 @@ class ChatActions:
         self.redraw(force=True)
 
     def _set_k(self, delta: int) -> None:
-        if not self._engine_ready():
+        if not self._engine_ready() or self._fixed_here():
             return
         k_max = self.engine.k_max
         k = min(max(self.engine.draft_tokens + delta, 1), k_max)
@@ -263,7 +270,7 @@ class ChatActions:
 
     # --- race ---
     def action_race(self) -> None:
-        if not self._engine_ready():
+        if not self._engine_ready() or self._fixed_here():
             return
         if not self.engine.mtp_available:
             self.notice(NO_MTP + "; nothing to race", "warning")

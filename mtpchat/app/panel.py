@@ -92,7 +92,8 @@ def speed(t: Telemetry, live: Live) -> list[Content]:
     spark = sparkline(tps, W - 14, lo=min(tps) * 0.8 if tps else None)
     lines.append(row("tok/s ", (f"{num(t.tokens_per_s, '.1f'):>6}", "b"), " ", (spark, "$accent")))
     lines.append(row("TTFT  ", (f"{num(t.ttft_ms, '.0f', ' ms'):>9}", "b")))
-    if t.prefill_ms is not None:        # a line of its own: at W cells it is never cut
+    if t.prefill_ms is not None and t.prompt_tokens:   # a line of its own: at W cells it is never cut
+        # (a server says its prompt's size only at the end of the reply: until then, no line)
         fed = t.prompt_tokens - t.cached_tokens
         lines.append(row(("prompt", "$text-muted"), f" {fed:,} tok prefilled"
                          + (f", {t.cached_tokens:,} reused" if t.cached_tokens else "")))

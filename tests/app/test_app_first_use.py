@@ -8,6 +8,7 @@ from textual.widgets import Footer
 from mtpchat.app.fake import FakeEngine
 from mtpchat.app.store import Store
 from apphelpers import make_app, ready, run, until
+from serve_support import fake  # noqa: F401  (a fixture)
 
 
 def test_every_footer_key_fits_at_80_columns(data_dir):
@@ -120,4 +121,32 @@ def test_the_race_runs_both_sides_greedy_whatever_the_chat_samples(data_dir):
             assert off.greedy and on.greedy                       # the same reply, so the same work
             assert "greedy" in str(app.screen.query_one("#race-title").render())
             assert app.sampling.temperature == 0.7               # the chat's own setting is kept
+    run(go())
+
+
+def test_a_servers_reply_counts_its_tokens_and_prompt_and_its_fixed_keys_say_why(fake, tmp_path, monkeypatch):
+    from mtpchat import cli
+    from mtpchat.app import panel
+    from mtpchat.app.main import build_app
+    from apphelpers import send
+    monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
+    argv = ["--server", fake("plain"), "--data-dir", str(tmp_path / "data")]
+    args = cli.build_parser(argv).parse_args(argv)
+    args.options = cli.options_from(args)
+    app = build_app(args)
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await ready(pilot)
+            await send(pilot, "hello")
+            # two pieces streamed; the usage says 90 tokens for a 9-token prompt: the pane says what the footer says
+            assert "90 tokens" in app._views()[-1].footer
+            lines = [c.plain for c in panel.speed(app.telemetry, app.live())]
+            assert lines[0].endswith("90 tok") and "prompt 9 tok prefilled" in lines
+            assert not any("0 tok prefilled" in line for line in lines)
+            for key in ("ctrl+t", "f4", "f3", "f8"):
+                before = len(app.notices)
+                await pilot.press(key)
+                await pilot.pause()
+                assert len(app.notices) == before + 1 and "launched" in app.notices[-1][1], key
     run(go())
