@@ -155,7 +155,8 @@ def status_line(t: Telemetry, live: Live) -> str:
 
 def header_line(live: Live, title: str) -> str:
     if not live.loaded:
-        return f"[b]mtpchat[/]  {escape(live.model)}  [$text-muted]loading…[/]"
+        state = "connecting to the server…" if live.device == "server" else "loading…"
+        return f"[b]mtpchat[/]  {escape(live.model)}  [$text-muted]{state}[/]"
     think = "thinking on" if live.thinking else "thinking off"
     where = f"{live.device} {live.dtype}".strip() + (f" · {live.weights} weights" if live.weights else "")
     return (f"[b]mtpchat[/]  [b $accent]{escape(live.model)}[/]  [$text-muted]{escape(where)}[/]  │  "

@@ -150,3 +150,40 @@ def test_a_servers_reply_counts_its_tokens_and_prompt_and_its_fixed_keys_say_why
                 await pilot.pause()
                 assert len(app.notices) == before + 1 and "launched" in app.notices[-1][1], key
     run(go())
+
+
+def test_a_server_not_up_yet_is_waited_for_and_the_chat_goes_on_when_it_answers(fake, tmp_path, monkeypatch):
+    """Started before its server: a clear state (not 'loading' forever, no k=0, no CPU memory),
+    tries again, and a message sent meanwhile goes out once the server answers."""
+    from mtpchat import cli
+    from mtpchat.app import panel
+    from mtpchat.app.main import build_app
+    from mtpchat.remote.engine import RemoteEngine
+    from serve_support import free_port
+    monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
+    down = f"http://127.0.0.1:{free_port()}"
+    argv = ["--server", down, "--data-dir", str(tmp_path / "data")]
+    args = cli.build_parser(argv).parse_args(argv)
+    args.options = cli.options_from(args)
+    up = {"url": None}                         # the server comes up when the test says so
+    app = build_app(args, load_engine=lambda: RemoteEngine.connect(up["url"] or down))
+    app.retry_first_s = app.retry_most_s = 0.05
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await until(pilot, lambda: app.waiting, what="the app to wait for the server")
+            assert app.engine is None and app.load_error is None
+            assert "cannot reach the server" in app.waiting and "trying again" in app.notices[-1][1]
+            live = app.live()
+            assert "k=0" not in live.mtp_label and panel.memory(app.telemetry, live)[0].plain.split()[-1] == "server"
+            assert "connecting" in panel.header_line(live, "")
+            from mtpchat.app.chat import Composer
+            composer = app.query_one(Composer)
+            composer.focus()
+            composer.text = "hello"
+            await pilot.press("enter")                   # queued, not lost
+            up["url"] = fake("plain")
+            await until(pilot, lambda: app.engine is not None, what="the server to answer")
+            await until(pilot, lambda: len(app._views()) == 2 and not app.busy, what="the queued message's reply")
+            assert app._views()[-1].content == "Hello there" and not app.waiting
+    run(go())
