@@ -25,10 +25,11 @@ PROFILES = {"code": (0.92, 0.78, 0.62, 0.48),             # 3.32
             "creative": (0.50, 0.22, 0.08, 0.03)}         # 1.80
 
 
-def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written."""
+def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float | None:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written; None on the CPU
+    (no floor is drawn there: its caches make a copy's speed say little about a step's)."""
     if torch.device(device).type != "cuda":
-        return float("nan")
+        return None
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -233,10 +234,11 @@ def run(engine, context: int = 1024, tokens: int = 128, ks=(1, 2, 3, 4), ttft=(5
         # from here on: what serving needs, not loading or the bandwidth measurement's 2 GiB
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    floor_ms = step_bytes(engine) / bw * 1e3
+    floor = (lambda nbytes: nbytes / bw * 1e3) if bw else (lambda nbytes: None)
     out = {"device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
-           "copy_bandwidth_tb_s": bw / 1e12, "step_bytes": step_bytes(engine), "draft_bytes": draft_bytes(engine),
-           "floor_ms": floor_ms, "draft_floor_ms": draft_bytes(engine) / bw * 1e3, "draft_vocab": engine.draft_vocab,
+           "copy_bandwidth_tb_s": bw / 1e12 if bw else None, "step_bytes": step_bytes(engine),
+           "draft_bytes": draft_bytes(engine), "floor_ms": floor(step_bytes(engine)),
+           "draft_floor_ms": floor(draft_bytes(engine)), "draft_vocab": engine.draft_vocab,
            "memory": engine.memory(), "capture_s": engine.runner.capture_s if engine.runner else 0.0}
     out["ttft_ms"] = {n: time_to_first_token(engine, n) for n in ttft if n < engine.max_context and not profiles_only}
     history = max((n for n in ttft if n + 100 < engine.max_context), default=0)

@@ -141,6 +141,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
         model_type = raw.get("model_type")
+        if model_type is None and not raw.get("text_config"):
+            keys = "it is empty" if not raw else "it has no model_type"
+            raise ConfigError(f"{source}: {keys}, so it does not say what model this is; the download may be "
+                              "incomplete (fetch the checkpoint's config.json again)")
         text = raw.get("text_config", raw)
         text_type = text.get("model_type", model_type)
         if model_type not in SUPPORTED_MODEL_TYPES and text_type not in SUPPORTED_MODEL_TYPES:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import json
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -134,6 +135,33 @@ class Engine:
         self._cancel = threading.Event()
         # steps in flight at once: two on CUDA (the host reads one while the device runs the next)
         self.pipeline = 2 if self.device.type == "cuda" else 1
+        self.time_steps()
+
+    def time_steps(self, steps: int = 4) -> dict[int, float]:
+        """Warm-up: the time of a step with each number of drafts, 0..k_max, measured here, so that
+        the adaptive policy weighs drafts by what they cost on this device from its first step (a
+        verify of k+1 rows costs about one decode step on a GPU, several on a CPU). The median of
+        `steps` greedy steps each, after one untimed; the decode state is empty again after."""
+        need = (self.k_max + 1) * (steps + 1) + 16
+        if self.head is None or need >= self.max_context:
+            return {}
+        prompt = torch.randint(0, self.config.vocab_size, (8,), generator=torch.Generator().manual_seed(0)).tolist()
+        params, dec = SamplingParams(max_tokens=need, stop_token_ids=()), self.decoder
+        with torch.inference_mode():
+            for k in range(self.k_max + 1):
+                dec.reset()
+                dec.begin(prompt)
+                dec.draft_context(prompt)
+                dec.first_token(params, None)
+                dec.limit(need, set())
+                ms = []
+                for i in range(steps + 1):
+                    result = dec.step(k, params, None)
+                    dec.draft_context(result.tokens)
+                    ms.append(result.times.draft + result.times.verify + result.times.accept)
+                self.policy.step_ms[k] = statistics.median(ms[1:])
+        dec.reset()
+        return dict(self.policy.step_ms)
 
     @classmethod
     def load(cls, model: str | Path | ModelConfig, **options) -> "Engine":

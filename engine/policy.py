@@ -6,7 +6,8 @@ chance that a step accepts at least i drafts, and a step with k drafts emits on 
     E_k = 1 + P_1 + ... + P_k  tokens  in  T_k = draft + verify + accept time of a k-draft step.
 The policy picks the k in 0..k_user with the largest E_k / T_k (ties: the smaller k). One more
 draft pays when P_{k+1} > E_k (T_{k+1} / T_k - 1): that threshold and the P_{k+1} seen are what
-`why` reports.
+`why` reports, as a sentence the app shows (a threshold past 100% is said as a draft that costs
+more than it can gain).
 
 c_i is a running rate per position (a step that drafted k and accepted a tested positions
 1..min(a+1, k)), an exponential average so that it follows the reply (thinking, code, prose) and
@@ -88,12 +89,13 @@ class AdaptiveK:
         rate = lambda k: (1.0 + sum(P[:k])) / self.time(k)
         k = max(range(k_user + 1), key=lambda j: (rate(j), -j))
         if k == k_user:
-            return k, f"all {k} drafts pay" if k > 1 else "1 draft pays"
+            return k, f"all {k} drafts pay off" if k > 1 else "the draft pays off"
         # what draft k+1 would need to reach the rate of k drafts, and what it gets
         need = (1.0 + sum(P[:k])) * (self.time(k + 1) / self.time(k) - 1.0)
-        got = P[k]
-        head = "off: draft 1" if k == 0 else f"draft {k + 1}"
-        return k, f"{head} needs {_pct(need)}, gets {_pct(got)}"
+        head = "MTP off: a draft" if k == 0 else f"{k} of {k_user} drafts: draft {k + 1}"
+        if need >= 1.0:
+            return k, f"{head} costs more than it can gain"
+        return k, f"{head} would need {_pct(need)} acceptance to pay, and gets {_pct(P[k])}"
 
     # --- the host's side of a step -------------------------------------------------------------
     def choose(self, k_user: int) -> tuple[int, str]:
@@ -102,7 +104,7 @@ class AdaptiveK:
         k, why = self.best(k_user)
         if self.since_probe >= self.probe_every:
             if k < k_user:
-                return k + 1, f"probing draft {k + 1} ({why})"
+                return k + 1, f"probing: one step with draft {k + 1}, to see whether it pays now"
             if k and self.costs is None and 0 not in self.step_ms:
                 return 0, "timing a step without drafts"     # T_0 anchors the times of every k
         return k, why
@@ -133,4 +135,4 @@ class AdaptiveK:
 
 
 def _pct(x: float) -> str:
-    return f"{max(0.0, min(x, 9.99)) * 100:.0f}%"
+    return f"{max(0.0, min(x, 1.0)) * 100:.0f}%"

@@ -10,7 +10,7 @@ import importlib.util
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from mtpchat.settings import CHECKS, MAX_DRAFT_TOKENS, load_settings, merge
+from mtpchat.settings import CHECKS, MAX_DRAFT_TOKENS, load_settings, merge, settings_path
 
 S = argparse.SUPPRESS  # options left out stay out of the namespace, so the settings file can fill them
 
@@ -44,6 +44,13 @@ def _type(key: str):
     return convert
 
 
+class Parser(argparse.ArgumentParser):
+    """A usage error is one line and a pointer to --help, not the whole usage block before it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n  see `{self.prog} --help`\n")
+
+
 class _Version(argparse.Action):
     """--version, looked up only when asked for (importlib.metadata is not free)."""
 
@@ -61,7 +68,7 @@ class _Version(argparse.Action):
 
 def _common() -> argparse.ArgumentParser:
     """The flags shared by the app, `run` and `bench`."""
-    p = argparse.ArgumentParser(add_help=False)
+    p = Parser(add_help=False)
     m = p.add_argument_group("model")
     m.add_argument("--model", default=S, type=_type("model"), metavar="NAME",
                    help="alias (see `mtpchat models`), local folder, or Hugging Face org/name "
@@ -134,7 +141,7 @@ def _remote(p: argparse.ArgumentParser) -> None:
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     common = _common()
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="mtpchat", parents=[common], epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Terminal chat for Qwen3.5 / Qwen3.6 models, decoding with their MTP head.")
@@ -189,7 +196,21 @@ def has_module(name: str) -> bool:
 
 def options_from(args: argparse.Namespace):
     flags = {k: v for k, v in vars(args).items() if k in CHECKS}
-    return merge(flags, load_settings())
+    file_values = load_settings()
+    if "model" in file_values and "model" not in flags:
+        _check_model_setting(file_values["model"])
+    return merge(flags, file_values)
+
+
+def _check_model_setting(spec: str) -> None:
+    """A model named in the settings file that cannot be one (a missing folder, an unknown alias)
+    is said with the file's name, so the user knows where to fix it."""
+    from mtpchat.errors import ModelNotFound, SettingsError
+    from mtpchat.models import classify
+    try:
+        classify(spec)
+    except ModelNotFound as e:
+        raise SettingsError(f"{settings_path()}: model: {e}") from None
 
 
 # ---- the commands that manage the cache and the shell, and each command's examples -----------------
@@ -215,6 +236,8 @@ EXAMPLES = {
   mtpchat serve --model Qwen3.6-27B-MTP --port 8080
   mtpchat serve --host 0.0.0.0 --api-key SECRET        reachable from other machines: a key is required""",
     "bench": """\
+  mtpchat bench                                        MTP off vs on, on the demo model
+  mtpchat bench --dry-run                              the memory plan, without loading anything
   mtpchat bench --random-weights qwen3.6-27b           MTP off vs on against the bandwidth floor
   mtpchat bench --model Qwen3.5-9B --json              on a real checkpoint, as JSON""",
     "completion": """\

@@ -1,7 +1,9 @@
 """`mtpchat bench`: MTP off vs on in one process, as a table or JSON (the figures: engine/bench.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 from mtpchat.engine.config import ModelConfig
@@ -32,6 +34,32 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _max_context(args, config, asked: int | None) -> int:
+    """Room for the 8K time to first token and a chat turn after it, where the model has it."""
+    return min(max(args.context + max(args.tokens, args.policy_tokens) * 2 + 64, 8192 + 128, asked or 0),
+               config.max_position_embeddings)
+
+
+def _configs() -> Path:
+    """The official shapes' config.json files, shipped with the engine."""
+    from mtpchat import engine
+    return Path(engine.__file__).parent / "configs"
+
+
+def dry_run_options(args):
+    """The options whose memory plan `bench --dry-run` prints: random weights are planned from their
+    alias's shape, and the context is the one the bench allocates."""
+    from mtpchat.models import lookup_alias, resolve
+    opts = dataclasses.replace(args.options)
+    if args.random_weights:
+        opts.model = lookup_alias(args.random_weights).name
+        config = ModelConfig.load(_configs() / f"{args.random_weights}.json")
+    else:
+        config = ModelConfig.load(resolve(opts.model, offline=opts.offline).path)
+    opts.max_context = _max_context(args, config, opts.max_context)
+    return opts
+
+
 def main(args) -> int:
     import torch                       # with the engine: only once bench runs
     from mtpchat.engine import Engine, bench
@@ -41,18 +69,16 @@ def main(args) -> int:
     if device in (None, "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     cpu_allocator(device)
-    graphs = getattr(opts, "cuda_graphs", True)
+    graphs = getattr(opts, "cuda_graphs", True) and device.startswith("cuda")   # none on the CPU
     context = args.context
     if args.random_weights:
-        config = ModelConfig.load(Path(bench.__file__).parent / "configs" / f"{args.random_weights}.json")
+        config = ModelConfig.load(_configs() / f"{args.random_weights}.json")
         model, name = config, f"random {args.random_weights}"
-    else:
-        model = getattr(opts, "path", None) or args.model
-        name, config = str(model), ModelConfig.load(model)
-    # room for the 8K time to first token and a chat turn after it, where the model has it
-    max_context = min(max(context + max(args.tokens, args.policy_tokens) * 2 + 64, 8192 + 128,
-                          getattr(opts, "max_context", 0) or 0),
-                      config.max_position_embeddings)
+    else:                              # a model as the other commands take it: the demo one by default
+        from mtpchat.models import resolve
+        resolved = resolve(getattr(opts, "model", None), offline=getattr(opts, "offline", False))
+        model, name, config = resolved.path, resolved.name, ModelConfig.load(resolved.path)
+    max_context = _max_context(args, config, getattr(opts, "max_context", None))
     weights = getattr(opts, "weights", "auto")
     draft_vocab = getattr(opts, "draft_vocab", None)
     engine = Engine(model, device=device, max_context=max_context, cuda_graphs=graphs, prefill_chunk=args.prefill_chunk,
@@ -71,8 +97,19 @@ def main(args) -> int:
         engine, context=context, tokens=args.tokens, exactness_prompts=args.exactness_prompts,
         exactness_tokens=args.exactness_tokens, prompts=prompts, ttft=tuple(n for n in (512, 8192) if n + 8 < max_context),
         policy_tokens=args.policy_tokens, policy_repeats=args.policy_repeats, profiles_only=args.profiles_only)}
-    print(json.dumps(result, indent=1, default=str) if args.json else table(result))
+    print(json.dumps(_finite(result), indent=1, default=str) if args.json else table(result))
     return 0
+
+
+def _finite(x):
+    """JSON has no NaN or infinity: a figure that could not be measured is null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def policy_table(policies: dict) -> list[str]:
@@ -93,10 +130,12 @@ def policy_table(policies: dict) -> list[str]:
 
 def table(r: dict) -> str:
     floor = r["floor_ms"]
-    row = lambda label, ms: f"{label:<44}{ms:>10.3f} ms {ms / floor:>8.3f} x floor"
-    lines = [f"{r['model']} on {r['device']}, CUDA graphs {'on' if r['cuda_graphs'] else 'off'}",
-             f"copy bandwidth {r['copy_bandwidth_tb_s']:.3f} TB/s; {fmt_bytes(r['step_bytes'])} of weights per target step "
-             f"-> floor {floor:.3f} ms; capture {r['capture_s']:.1f} s",
+    row = lambda label, ms: f"{label:<44}{ms:>10.3f} ms" + (f" {ms / floor:>8.3f} x floor" if floor else "")
+    weights = f"{fmt_bytes(r['step_bytes'])} of weights per target step"
+    lines = [f"{r['model']} on {r['device']}" + (f", CUDA graphs {'on' if r['cuda_graphs'] else 'off'}"
+                                                 if r["device"] != "cpu" else ""),
+             f"copy bandwidth {r['copy_bandwidth_tb_s']:.3f} TB/s; {weights} -> floor {floor:.3f} ms; "
+             f"capture {r['capture_s']:.1f} s" if floor else f"{weights} (no bandwidth floor on the CPU)",
              "kernel plan: " + " ".join(f"{k}={v}" for k, v in r["kernel_plan"].items() if k != "products")
              + " " + " ".join(f"{k}={v}" for k, v in r["kernel_plan"]["products"].items()), ""]
     for n, ms in r["ttft_ms"].items():

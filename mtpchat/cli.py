@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -33,6 +34,8 @@ def _err(line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch warns at import when numpy is missing; mtpchat never hands it numpy arrays
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = build_parser(argv).parse_args(argv)
@@ -111,6 +114,9 @@ def cmd_bench(args) -> int:
     if not _has_module("mtpchat.bench"):
         raise NotAvailable("`mtpchat bench` is not available yet in this build")
     args.options = options_from(args)
+    if getattr(args, "dry_run", False):
+        plan = getattr(importlib.import_module("mtpchat.bench"), "dry_run_options", None)
+        return dry_run(plan(args) if plan else args.options)
     return importlib.import_module("mtpchat.bench").main(args) or 0
 
 
@@ -171,10 +177,15 @@ def kernel_plan_line(prep) -> str:
 
 def _read_prompt(args) -> str:
     if args.prompt is not None and args.prompt != "-":
-        return args.prompt
-    if args.prompt == "-" or not sys.stdin.isatty():
-        return sys.stdin.read()
-    raise UserError("give the prompt with --prompt TEXT (or pipe it on stdin)", exit_code=2)
+        prompt, where = args.prompt, "--prompt"
+    elif args.prompt == "-" or not sys.stdin.isatty():
+        prompt, where = sys.stdin.read(), "stdin"
+    else:
+        raise UserError("give the prompt with --prompt TEXT (or pipe it on stdin)", exit_code=2)
+    if not prompt.strip():
+        raise UserError(f"the prompt is empty ({where}); give it with --prompt TEXT or pipe it on stdin",
+                        exit_code=2)
+    return prompt
 
 
 def cmd_run(args) -> int:

@@ -68,7 +68,7 @@ def safetensors_problem(path: Path) -> tuple[str | None, list[str]]:
     expected = 8 + n + end
     if size < expected:
         from mtpchat.engine.units import fmt_bytes
-        return f"truncated ({fmt_bytes(size)} of {fmt_bytes(expected)})", list(tensors)
+        return f"truncated: {fmt_bytes(expected - size)} short of {fmt_bytes(expected)}", list(tensors)
     return None, list(tensors)
 
 

@@ -152,8 +152,14 @@ def _user_dir(kind: str) -> Path:
 
 
 def settings_path() -> Path:
+    """The settings file: MTPCHAT_SETTINGS, else the user config directory's. MTPCHAT_SETTINGS in a
+    folder that does not exist is a mistake, said at once; a file not written yet is no settings."""
     if os.environ.get("MTPCHAT_SETTINGS"):
-        return Path(os.environ["MTPCHAT_SETTINGS"]).expanduser()
+        path = Path(os.environ["MTPCHAT_SETTINGS"]).expanduser()
+        if not path.parent.is_dir():
+            raise SettingsError(f"MTPCHAT_SETTINGS is {path}, but the folder {path.parent} does not exist; "
+                                "point it at a settings file, or unset it")
+        return path
     return _user_dir("config") / "settings.toml"
 
 

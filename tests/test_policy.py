@@ -30,8 +30,8 @@ def test_choice_maximises_expected_tokens_per_time():
     k, why = p.best(4)
     assert k == max(range(5), key=rates.__getitem__) == 2
     # draft 3 would need (1 + P1 + P2) (T3 / T2 - 1) = 2.62 x 0.16 = 42 %; it gets P3 = 36 %
-    assert why == "draft 3 needs 42%, gets 36%"
-    assert p.best(1)[0] == 1 and p.best(1)[1] == "1 draft pays"
+    assert why == "2 of 4 drafts: draft 3 would need 42% acceptance to pay, and gets 36%"
+    assert p.best(1)[0] == 1 and p.best(1)[1] == "the draft pays off"
 
 
 def test_always_wrong_turns_mtp_off_and_probes_ever_more_rarely():
@@ -44,7 +44,7 @@ def test_always_wrong_turns_mtp_off_and_probes_ever_more_rarely():
     probes = [i for i, k in enumerate(tail) if k]
     assert tail.count(0) > 0.95 * len(tail) and set(tail) <= {0, 1}
     assert len(probes) >= 3 and probes[-1] - probes[-2] == MAX_PROBE_EVERY + 1   # backed off to the limit
-    assert p.why.startswith("off: draft 1 needs")
+    assert p.why.startswith("MTP off: a draft would need")
 
 
 def test_always_right_rises_to_the_maximum_and_recovers_after_off():
@@ -52,7 +52,7 @@ def test_always_right_rises_to_the_maximum_and_recovers_after_off():
     run(p, 4, lambda s: 0, 100)
     assert p.choose(4)[0] == 0
     ks = run(p, 4, lambda s: 4, 400)                     # acceptance recovers: the probes see it
-    assert ks[-50:] == [4] * 50 and p.why == "all 4 drafts pay"
+    assert ks[-50:] == [4] * 50 and p.why == "all 4 drafts pay off"
     assert ks.index(4) < 200
     assert run(p, 2, lambda s: 4, 5) == [2] * 5          # the user's k stays the maximum
 
@@ -126,7 +126,7 @@ def test_engine_turns_mtp_off_then_back_on_when_acceptance_recovers(gqa3):
         at += len(s.token_ids)
     wrong = [s.drafted for s, a in zip(steps, starts) if 32 <= a < 64]
     assert wrong and set(wrong) <= {0, 1} and wrong.count(0) >= len(wrong) - 1     # off, one probe at most
-    probes = [a for s, a in zip(steps, starts) if a >= 64 and s.why.startswith("probing draft 1")]
+    probes = [a for s, a in zip(steps, starts) if a >= 64 and s.why.startswith("probing: one step with draft 1")]
     assert probes                                   # off: only a probe can see acceptance come back ...
     late = [s.drafted for s, a in zip(steps, starts) if a > probes[0]][:-1]
     assert len(late) > 10 and set(late) == {4}      # ... and the policy is back at the maximum after it
@@ -140,3 +140,37 @@ def test_engine_fixed_k_when_adaptive_is_off(gqa3, refs):
     assert [(s.drafted, s.mtp) for s in steps[1:]] == window_sizes(steps, 3, NEW_TOKENS)
     assert events[-1].stats.k_histogram[3] > 0
     assert all(s.why == "" for s in steps_of(events))
+
+
+# ---- the step times measured at load ----------------------------------------------------------------
+
+DEMO = __import__("pathlib").Path(__file__).resolve().parents[1] / "assets" / "demo"
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from mtpchat.engine import Engine
+    return Engine(DEMO, device="cpu", max_context=512, adaptive=True, k_max=4)
+
+
+def test_the_step_time_of_every_k_is_measured_at_load_on_the_cpu(demo):
+    times = demo.policy.step_ms
+    assert sorted(times) == [0, 1, 2, 3, 4] and all(ms > 0 for ms in times.values())
+    # the CPU's verify of k+1 rows costs more than a decode step: not the GPU's near-flat cost
+    assert times[4] > times[0]
+    assert demo.decoder.length == 0 and demo.decoder.tokens == []        # the decode state is empty again
+
+
+def test_the_first_choice_weighs_drafts_by_their_measured_cost(demo):
+    """At the acceptance of creative writing, the first step already takes the k that the measured
+    times make fastest (MTP off where drafts cost more than they give), not the prior's GPU-like one."""
+    p = demo.policy
+    p.forget()
+    p.hits, p.trials = [0.50, 0.44, 0.36, 0.37], [1.0] * 4                 # the creative profile
+    P = p.at_least()
+    rate = lambda k: (1 + sum(P[:k])) / p.step_ms[k]
+    assert p.choose(4)[0] == max(range(5), key=lambda k: (rate(k), -k))
+    # where each draft costs a whole decode step, none pays at this acceptance
+    p.step_ms.update({k: 10.0 + 10.0 * k for k in range(5)})
+    assert p.choose(4)[0] == 0
+    p.forget()

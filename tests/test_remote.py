@@ -163,3 +163,37 @@ def test_run_server_says_n_a_where_the_server_reports_no_figures(fake, capsys, t
     assert "90 tokens" in err and "speculative decoding: N/A" in err and "mean acceptance" not in err
     code, out, err = run_cli(capsys, "--server", fake("vllm"))
     assert code == 0 and out == "Hello there!\n" and "mean acceptance length 1.23" in err
+
+
+class LaggingServer:
+    """vLLM whose /metrics counters move only some reads after the reply has ended."""
+    url = "http://lagging"
+
+    def __init__(self, stale_reads: int):
+        page = lambda name: (DATA / f"vllm-0.10-metrics-{name}.txt").read_text()
+        self.pages = [page("before")] * (1 + stale_reads) + [page("after")]
+
+    def metrics_text(self):
+        return self.pages.pop(0) if len(self.pages) > 1 else self.pages[0]
+
+    def stream_chat(self, body):
+        class Stream:
+            def __iter__(self):
+                for text in ("Hello", " there", " again"):
+                    yield {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+                yield {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 40}}
+
+            def close(self):
+                pass
+        return Stream()
+
+
+@pytest.mark.parametrize("stale_reads", [0, 2])
+def test_counters_that_trail_the_stream_are_read_again(stale_reads):
+    from mtpchat.engine.sampling import SamplingParams
+    engine = RemoteEngine(LaggingServer(stale_reads), "m")
+    *_, (kind, reason, stats) = engine.chat([{"role": "user", "content": "hi"}], True, SamplingParams())
+    before = metrics.parse((DATA / "vllm-0.10-metrics-before.txt").read_text())
+    after = metrics.parse((DATA / "vllm-0.10-metrics-after.txt").read_text())
+    want = metrics.between(before, after, 40)
+    assert kind == "end" and stats.verify_steps == want.verify_steps > 0 and stats.accepted == want.accepted

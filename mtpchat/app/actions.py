@@ -1,9 +1,11 @@
 """What each key (and command palette entry) does. Mixed into ChatApp."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from textual.app import SystemCommand
+from textual.markup import escape
 
 from mtpchat.app.chat import ChatLog, Composer, MessageView, code_blocks
 from mtpchat.app.commands import CHAT_ONLY, COMMANDS
@@ -14,6 +16,7 @@ from mtpchat.chat.prompt import (effort_label, keeps_thinking_by_default, next_e
 from mtpchat.app.race import LANES, RaceScreen
 from mtpchat.app.screens import CodePickScreen, SamplingScreen, SessionsScreen, SystemPromptScreen
 from mtpchat.app.store import decode_spans
+from mtpchat.settings import MAX_DRAFT_TOKENS
 
 
 FIXED_ON_SERVER = {"toggle_mtp", "draft_up", "draft_down", "race"}
@@ -55,16 +58,24 @@ class ChatActions:
     def check_action(self, action: str, parameters) -> bool | None:
         if action in CHAT_ONLY and self.screen is not self.screen_stack[0]:
             return False
-        if action in FIXED_ON_SERVER and self.engine is not None and self.engine.fixed:
-            return None    # shown, dimmed: a server was launched with its own speculative config
         return True
+
+    def _fixed_here(self) -> bool:
+        """On a server, MTP, the draft count and the race were set at its launch: a key for them
+        says so, rather than doing nothing."""
+        if self.engine is not None and self.engine.fixed:
+            self.notice(f"{self.engine.fixed}; the race needs MTP switched per request, so it runs only "
+                        "on a local model", "warning")
+            return True
+        return False
 
     def get_system_commands(self, screen):
         yield from super().get_system_commands(screen)
         for c in COMMANDS:
             if c.id != "theme":
-                yield SystemCommand(c.title, f"{c.help}  [{c.keys.split(',')[0]}]",
-                                    lambda a=c.action: self.run_action(a))
+                # the keys escaped: "[f4]" alone would read as a markup tag and vanish
+                keys = escape(f"[{' / '.join(c.keys.split(','))}]")
+                yield SystemCommand(c.title, f"{escape(c.help)}  {keys}", lambda a=c.action: self.run_action(a))
 
     # --- sending ---
     def _claim(self) -> None:
@@ -109,7 +120,7 @@ class ChatActions:
                 self.engine.cancel()
 
     def action_toggle_mtp(self) -> None:
-        if not self._engine_ready():
+        if not self._engine_ready() or self._fixed_here():
             return
         if not self.engine.mtp_available:
             self.notice(NO_MTP, "warning")
@@ -119,12 +130,15 @@ class ChatActions:
         self.redraw(force=True)
 
     def _set_k(self, delta: int) -> None:
-        if not self._engine_ready():
+        if not self._engine_ready() or self._fixed_here():
             return
         k_max = self.engine.k_max
         k = min(max(self.engine.draft_tokens + delta, 1), k_max)
         if k == self.engine.draft_tokens:
-            self.notice(f"draft tokens stay at {k} (1..{k_max})", "warning")
+            why = (f"the most the model was loaded for (its decode state and graphs hold {k_max} drafts a step; "
+                   f"start with --draft-tokens N, up to {MAX_DRAFT_TOKENS}, for more)" if delta > 0 else
+                   "the fewest a drafting step carries (MTP off, ctrl+t, drafts none)")
+            self.notice(f"draft tokens stay at {k}: {why}", "warning")
             return
         self.engine.draft_tokens = k
         self.notice(f"{k} draft tokens per step" + ("" if self.engine.mtp else " (MTP is off)"))
@@ -250,6 +264,8 @@ class ChatActions:
             self.engine.reset()
         self._chat().anchor()
         self.redraw(force=True)
+        if rows and rows[-1].role == "user":     # the app stopped (a crash, a kill) before the reply came
+            self.notice("the last message has no reply: ctrl+r answers it, ctrl+l takes it back to edit", "warning")
 
     # --- settings ---
     def action_system_prompt(self) -> None:
@@ -271,7 +287,7 @@ class ChatActions:
 
     # --- race ---
     def action_race(self) -> None:
-        if not self._engine_ready():
+        if not self._engine_ready() or self._fixed_here():
             return
         if not self.engine.mtp_available:
             self.notice(NO_MTP + "; nothing to race", "warning")
@@ -286,7 +302,10 @@ class ChatActions:
             return
         messages = self._prompt_messages(views[:users[-1] + 1])
         self.push_screen(RaceScreen(self.engine.draft_tokens))
-        self._begin([(LANES[0], messages, False), (LANES[1], messages, True)])
+        # greedy on both sides: MTP leaves greedy output unchanged, so both write the same reply and
+        # the speedup is the same work done faster (sampled, they would write different replies)
+        self._begin([(LANES[0], messages, False), (LANES[1], messages, True)],
+                    sampling=replace(self.sampling, temperature=0.0))
 
     # --- copy and export ---
     def _picked(self) -> MessageView | None:

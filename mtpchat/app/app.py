@@ -26,9 +26,8 @@ from mtpchat.app.chat import ChatLog, Composer, MessageView
 from mtpchat.app.commands import BINDINGS
 from mtpchat.app.errors import NO_MTP, describe_error
 from mtpchat.app.gpu import NvmlProbe, ProcessProbe, Sampler
-from mtpchat.app.messages import (EngineFailed, EngineReady, GpuSampled, LoadProgressed, ReplyDelta, ReplyDone,
-                                  ReplyFailed,
-                                  ReplyPrefilled)
+from mtpchat.app.messages import (EngineFailed, EngineReady, EngineWaiting, GpuSampled, LoadProgressed, ReplyDelta,
+                                  ReplyDone, ReplyFailed, ReplyPrefilled)
 from mtpchat.app.pacer import PANE_INTERVAL, Pacer
 from mtpchat.app.panel import HeaderBar, Live, StatusBar, TelemetryPane
 from mtpchat.app.race import RaceScreen
@@ -95,6 +94,7 @@ class ChatApp(ChatActions, App):
         self.now = now
         self.engine = None
         self.load_error: str | None = None
+        self.waiting = ""        # a server not reachable yet, being tried again: what it said
         self.session_id: int | None = None
         self.session_title = "new chat"
         self.telemetry = Telemetry()
@@ -131,7 +131,7 @@ class ChatApp(ChatActions, App):
             yield TelemetryPane(id="telemetry")
         yield StatusBar(id="status")
         with Vertical(id="footer-box"):   # a box of its own, as the composer's
-            yield Footer()
+            yield Footer(compact=True)
 
     def on_mount(self) -> None:
         if self.user_keymap:
@@ -162,12 +162,30 @@ class ChatApp(ChatActions, App):
         self.notify(text, severity=severity, timeout=8 if severity == "error" else 4)
 
     # --- loading ---
+    retry_first_s, retry_most_s = 2.0, 15.0   # a server not up yet: tried again after these, doubling
+
     @work(thread=True, exclusive=True, group="load", exit_on_error=False)
     def _load(self) -> None:
-        try:
-            self.post_message(EngineReady(self.load_engine(self._load_progressed)))
-        except Exception as exc:
-            self.post_message(EngineFailed(describe_error(exc, "load", self.device)))
+        wait = self.retry_first_s
+        while True:
+            try:
+                self.post_message(EngineReady(self.load_engine(self._load_progressed)))
+                return
+            except Exception as exc:
+                if not getattr(exc, "retry", False):
+                    self.post_message(EngineFailed(describe_error(exc, "load", self.device)))
+                    return
+                self.post_message(EngineWaiting(describe_error(exc, "load", self.device), wait))
+            if self._stop.wait(wait):       # the app is closing
+                return
+            wait = min(2 * wait, self.retry_most_s)
+
+    def on_engine_waiting(self, m: EngineWaiting) -> None:
+        text = f"{m.text} (trying again every few seconds; a message sent now goes out once it answers)"
+        if not self.waiting:                  # said once; the line under the chat keeps the state
+            self.notice(text, "warning")
+        self.waiting = text
+        self.query_one("#loading-text", Static).update(f"waiting for the server: trying again in {m.retry_s:.0f} s")
 
     def _load_progressed(self, p) -> None:
         """Engine.load's progress callback, on the loading thread: passed on at most every half
@@ -186,6 +204,9 @@ class ChatApp(ChatActions, App):
         self.query_one("#loading-text", Static).update(f"{stage_label(p)}: {describe(p, 0)}")
 
     def on_engine_ready(self, m: EngineReady) -> None:
+        if self.waiting:
+            self.notice("the server answers now: connected")
+        self.waiting = ""
         self.engine = m.engine
         self.device, self.dtype = self.engine.device, self.engine.dtype
         self.query_one("#loading").remove()   # its bar would go on repainting
@@ -244,7 +265,8 @@ class ChatApp(ChatActions, App):
                     k_max=e.k_max if e else 0,
                     thinking=self.think, busy=self.busy, loaded=e is not None,
                     effort=effort_label(e.tokenizer, self.think, self.effort) if e else "",
-                    weights="FP8" if e and e.fp8 else "", fixed=e.fixed if e else "",
+                    weights="FP8" if e and e.fp8 else "",
+                    fixed=e.fixed if e else ("the server's" if self.device == "server" else ""),
                     moe_layers=e.moe_layers if e else 0)
 
     def redraw(self, force: bool = False) -> None:
@@ -268,12 +290,12 @@ class ChatApp(ChatActions, App):
         self._drawn = key
 
     # --- generation ---
-    def _begin(self, runs: list[tuple[str, list[dict], bool | None]]) -> None:
+    def _begin(self, runs: list[tuple[str, list[dict], bool | None]], sampling: Sampling | None = None) -> None:
         self._claim()
         self._redraw_timer.pause()
         self.query_one(Composer).cursor_blink = False   # each blink is a repaint: none while decoding
         # the engine starts once the screen has laid out the new reply, not while it decodes
-        self.call_after_refresh(self._start_generation, runs, self.think, self.sampling)
+        self.call_after_refresh(self._start_generation, runs, self.think, sampling or self.sampling)
 
     def _start_generation(self, runs, think: bool, sampling: Sampling) -> None:
         if self._stop.is_set():   # stopped before it started

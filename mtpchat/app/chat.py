@@ -8,6 +8,7 @@ it follows the reply until the user scrolls up, and follows again once they scro
 """
 from __future__ import annotations
 
+import re
 import threading
 
 from markdown_it import MarkdownIt
@@ -30,6 +31,32 @@ def markdown_parser() -> MarkdownIt:
     if parser is None:
         parser = _parsers.parser = MarkdownIt("gfm-like")
     return parser
+
+
+# how code begins where a reply is code with no fences around it (the demo model's replies are)
+_CODE_START = re.compile(r"(def |class |import |from \S+ import |@\w|#!|#include|if __name__|async def |"
+                         r"function |const |let |var |public |package |fn |func )")
+_LIST_ITEM = re.compile(r"^\s*([-*+]|\d+[.)])\s", re.M)
+
+
+def bare_code(text: str) -> bool:
+    """Whether a reply is code without fences: it starts as code does, or most of its lines past the
+    first are indented (and it is no nested list). Markdown would join its lines into a paragraph."""
+    if "```" in text or "~~~" in text:
+        return False
+    lines = [line for line in text.strip("\n").splitlines() if line.strip()]
+    if not lines:
+        return False
+    if _CODE_START.match(lines[0].lstrip()):
+        return True
+    indented = sum(line.startswith(("    ", "\t")) for line in lines[1:])
+    return len(lines) >= 3 and indented * 2 >= len(lines) - 1 and not _LIST_ITEM.search(text)
+
+
+def as_markdown(text: str) -> str:
+    """What the answer's Markdown widget renders: code without fences is fenced, so its line breaks
+    and indentation stay as written."""
+    return f"```\n{text.strip(chr(10))}\n```" if bare_code(text) else text
 
 
 def code_blocks(markdown: str) -> list[str]:
@@ -76,7 +103,7 @@ class MessageView(Vertical, can_focus=True):
             live = LiveTail("thinking…", id="think-live")
             live.display = self._thinking_live
             yield live
-        yield Markdown(self.content, id="answer", parser_factory=markdown_parser)
+        yield Markdown(as_markdown(self.content), id="answer", parser_factory=markdown_parser)
         yield Static(tinted(self.spans) if self.spans else "", id="tinted")
         yield Static(self.footer, id="footer", markup=False)
 
@@ -123,6 +150,8 @@ class MessageView(Vertical, can_focus=True):
                 self.query_one("#tinted", Static).update(tinted(self.spans))
                 self._apply_tint()
             else:
+                if self.content == answer and _CODE_START.match(answer.lstrip()):
+                    answer = "```\n" + answer      # streams as code; finish() renders it whole
                 await self._stream("answer").write(answer)
 
     async def _fold_thinking(self) -> None:
@@ -140,7 +169,7 @@ class MessageView(Vertical, can_focus=True):
             await stream.stop()
         self._streams.clear()
         self.content, self.thinking, self.spans = content, thinking, list(spans)
-        await self.query_one("#answer", Markdown).update(content)
+        await self.query_one("#answer", Markdown).update(as_markdown(content))
         if self.role == "assistant":
             if thinking:
                 await self._fold_thinking()
@@ -174,7 +203,7 @@ class Composer(TextArea):
     """Enter sends; ctrl+j (which every terminal passes through) or shift+enter adds a newline."""
 
     BINDINGS = [
-        Binding("enter", "submit", "Send", id="send", priority=True),
+        Binding("enter", "submit", "Send", id="send", show=False, priority=True),
         Binding("ctrl+j,shift+enter", "newline", "Newline", id="newline", show=False, priority=True),
     ]
 

@@ -61,7 +61,10 @@ COMMANDS = (
     Command("theme", "f12", "change_theme", "Theme", "Theme", "Pick a colour theme", footer=False),
 )
 
-BINDINGS = [Binding(c.keys, c.action, c.short, show=c.footer, id=c.id, tooltip=c.help, priority=c.priority)
+# f4 and f3 share one place in the footer ("f4 f3 k±"), so that at 80 columns every key shown fits
+DRAFTS = Binding.Group("k±", compact=True)
+BINDINGS = [Binding(c.keys, c.action, c.short, show=c.footer, id=c.id, tooltip=c.help, priority=c.priority,
+                    group=DRAFTS if c.id in ("draft_up", "draft_down") else None)
             for c in COMMANDS]
 
 # actions that only make sense on the chat screen (not inside a dialog or the race)

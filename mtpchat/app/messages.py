@@ -31,6 +31,13 @@ class EngineFailed(Message):
 
 
 @dataclass
+class EngineWaiting(Message):
+    """The server is not reachable yet: the load is tried again in `retry_s` seconds."""
+    text: str
+    retry_s: float
+
+
+@dataclass
 class ReplyPrefilled(Message):
     target: str
     prompt_tokens: int

@@ -8,6 +8,7 @@ changed.
 """
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from typing import Union
 
@@ -79,8 +80,8 @@ def acceptance(t: Telemetry, live: Live) -> list[Content]:
         p = per[i] if i < len(per) else None
         lines.append(row((f"pos {i + 1}", "$text-muted"), " ", (bar(p or 0.0, W - 11), "$success"), f" {pct(p):>4}"))
     if live.mtp and t.chosen_why:       # adaptive k: the k the last step carried, of at most draft_tokens, and why
-        lines.append(row(("k ", "$text-muted"), (f"{t.chosen_k}/{live.draft_tokens}", "b"), " ",
-                         (t.chosen_why[:W - 6], "$text-muted")))
+        lines.append(row("drafts  ", (f"{t.chosen_k} of {live.draft_tokens}", "b"), " this step"))
+        lines += [row((part, "$text-muted")) for part in textwrap.wrap(t.chosen_why, W)]
     hist = sparkline(t.acc_history, W - 8, lo=1.0, hi=float(max(live.k_max, live.draft_tokens, 1) + 1))
     lines.append(row(("history", "$text-muted"), " ", (hist, "$accent")))
     return lines
@@ -91,11 +92,12 @@ def speed(t: Telemetry, live: Live) -> list[Content]:
     tps = list(t.tps_history)[-(W - 14):]
     spark = sparkline(tps, W - 14, lo=min(tps) * 0.8 if tps else None)
     lines.append(row("tok/s ", (f"{num(t.tokens_per_s, '.1f'):>6}", "b"), " ", (spark, "$accent")))
-    prompt = ""
-    if t.prefill_ms is not None:
+    lines.append(row("TTFT  ", (f"{num(t.ttft_ms, '.0f', ' ms'):>9}", "b")))
+    if t.prefill_ms is not None and t.prompt_tokens:   # a line of its own: at W cells it is never cut
+        # (a server says its prompt's size only at the end of the reply: until then, no line)
         fed = t.prompt_tokens - t.cached_tokens
-        prompt = f"prefill {fed} tok" + (f", {t.cached_tokens} reused" if t.cached_tokens else "")
-    lines.append(row("TTFT  ", (f"{num(t.ttft_ms, '.0f', ' ms'):>9}", "b"), "  ", (prompt, "$text-muted")))
+        lines.append(row(("prompt", "$text-muted"), f" {fed:,} tok prefilled"
+                         + (f", {t.cached_tokens:,} reused" if t.cached_tokens else "")))
     phases = t.phase_ms()
     top = max(phases.values()) if phases else 1.0
     for name in ("draft", "verify", "accept", "host"):
@@ -154,7 +156,8 @@ def status_line(t: Telemetry, live: Live) -> str:
 
 def header_line(live: Live, title: str) -> str:
     if not live.loaded:
-        return f"[b]mtpchat[/]  {escape(live.model)}  [$text-muted]loading…[/]"
+        state = "connecting to the server…" if live.device == "server" else "loading…"
+        return f"[b]mtpchat[/]  {escape(live.model)}  [$text-muted]{state}[/]"
     think = f"thinking {live.effort}" if live.effort else "thinking on" if live.thinking else "thinking off"
     where = f"{live.device} {live.dtype}".strip() + (f" · {live.weights} weights" if live.weights else "")
     return (f"[b]mtpchat[/]  [b $accent]{escape(live.model)}[/]  [$text-muted]{escape(where)}[/]  │  "

@@ -63,7 +63,8 @@ class RaceScreen(Screen):
         self.done = False
 
     def compose(self):
-        yield Static("[b]Race[/]  the last prompt, MTP off then on", id="race-title")
+        yield Static("[b]Race[/]  the last prompt, MTP off then on, greedy: the same reply on both sides",
+                     id="race-title")
         with Horizontal(id="lanes"):
             yield RaceLane("MTP off", LANES[0])
             yield RaceLane(f"MTP on · k={self.k}", LANES[1])

@@ -102,7 +102,7 @@ _LABELS = {"temperature": "temperature", "top_p": "top p", "top_k": "top k", "mi
 class SamplingScreen(Dialog):
     """Edit sampling settings, or start from one of Qwen's presets. Dismisses with a Sampling."""
 
-    BINDINGS = [Binding("ctrl+s", "save", "Save", id="sampling.save", priority=True)]
+    # enter in any field applies (ctrl+s is the chat's export: one key, one meaning)
 
     def __init__(self, sampling: Sampling):
         super().__init__()
@@ -110,7 +110,8 @@ class SamplingScreen(Dialog):
 
     def compose(self):
         with Vertical(classes="dialog"):
-            yield Label("Sampling  [dim](presets from the Qwen model card · ctrl+s saves)[/]", classes="dialog-title")
+            yield Label("Sampling  [dim](presets from the Qwen model card · enter applies · esc cancels)[/]",
+                        classes="dialog-title")
             with Horizontal(classes="presets"):
                 for i, name in enumerate(PRESETS):
                     yield Button(name, id=f"preset-{i}", compact=True)
@@ -153,6 +154,10 @@ class SamplingScreen(Dialog):
             self.query_one("#sampling-error", Static).update(f"[$error]{err}[/]")
             return
         self.dismiss(s)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.action_save()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         bid = event.button.id or ""

@@ -160,6 +160,11 @@ class Telemetry:
                 self.reply.add(stats.verify_steps, stats.drafted, stats.accepted, stats.accepted_at_least)
             self.ttft_ms = stats.ttft_ms
             self.tokens_per_s = stats.tokens_per_s or self.tokens_per_s
+            # the engine's count wins over the steps seen: a server streams pieces, not tokens,
+            # and says how many tokens (and prompt tokens) there were only in its final usage
+            self.tokens = stats.new_tokens or self.tokens
+            if stats.prompt_tokens and not self.prompt_tokens:
+                self.prompt_tokens = stats.prompt_tokens
             self.session.add(stats.verify_steps, stats.drafted, stats.accepted, stats.accepted_at_least)
             self._folded = True
         self.version += 1

@@ -56,7 +56,9 @@ class Server:
     def _unreachable(self, exc) -> RemoteError:
         import httpx
         what = "timed out" if isinstance(exc, httpx.TimeoutException) else (str(exc) or type(exc).__name__)
-        return RemoteError(f"cannot reach the server at {self.url} ({what}): is it running, and is --server right?")
+        err = RemoteError(f"cannot reach the server at {self.url} ({what}): is it running, and is --server right?")
+        err.retry = True       # it may be starting: the app tries again (`run` says it once and exits)
+        return err
 
     def _refused(self, response, path: str) -> RemoteError:
         code, detail = response.status_code, _detail(response)

@@ -81,6 +81,8 @@ class PieceStream:
         return ""
 
 
+METRICS_LAG_S = (0.0, 0.1, 0.2, 0.4)    # the waits before each read of /metrics after a reply
+
 FIXED = "set when the server was launched (its speculative config); it cannot change them per request"
 
 
@@ -165,9 +167,15 @@ class RemoteEngine:
         stats.ttft_ms = stats.prefill_ms = ((first or time.perf_counter()) - t0) * 1e3
         stats.decode_ms = ((last or first or t0) - (first or t0)) * 1e3
         spec = per_request
-        if spec is None and reason != "cancelled":
-            after = metrics.parse(page) if before is not None and (page := self.server.metrics_text()) else None
-            spec = metrics.between(before, after, stats.new_tokens)
+        if spec is None and reason != "cancelled" and before is not None:
+            # a server's counters can trail its stream (vLLM's are logged after the step that ends
+            # the reply): a reply of several tokens with no drafts counted is read again, briefly
+            for wait in METRICS_LAG_S:
+                time.sleep(wait)
+                after = metrics.parse(page) if (page := self.server.metrics_text()) else None
+                spec = metrics.between(before, after, stats.new_tokens)
+                if spec is None or spec.verify_steps or stats.new_tokens < 2:
+                    break
         if spec is not None:
             stats.verify_steps, stats.drafted, stats.accepted = spec.verify_steps, spec.drafted, spec.accepted
             stats.accepted_at_least = list(spec.at_least)

@@ -273,19 +273,32 @@ def test_the_header_and_the_memory_panel_name_fp8_weights():
 
 
 def test_the_acceptance_panel_shows_the_chosen_k_and_why():
+    from mtpchat.app import panel
     from mtpchat.app.panel import Live, acceptance
     from mtpchat.engine.events import PhaseTimes, Step
     live = Live(model="m", device="cuda", loaded=True, mtp=True, draft_tokens=4, k_max=4)
     t = Telemetry()
     t.add_steps([StepRecord.of(Step((1, 2, 3), (True, True, False), 4, 2, True, PhaseTimes(verify=1.0), 5.0))])
-    assert not any(c.plain.startswith("k ") for c in acceptance(t, live))      # a fixed k: no line
-    why = "draft 3 needs 42%, gets 36%"
+    assert not any(c.plain.startswith("drafts") for c in acceptance(t, live))      # a fixed k: no line
+    why = "2 of 4 drafts: draft 3 would need 42% acceptance to pay, and gets 36%"
     t.add_steps([StepRecord.of(Step((4, 5), (True, False), 2, 1, True, PhaseTimes(verify=1.0), 9.0, why))])
     lines = [c.plain for c in acceptance(t, live)]
-    assert f"k 2/4 {why}" in lines
-    off = "off: draft 1 needs 7%, gets 2%"
+    # the reason in whole words over as many lines as it takes, none past the pane's width
+    at = lines.index("drafts  2 of 4 this step")
+    assert " ".join(lines[at + 1:at + 3]) == why and all(len(line) <= panel.W for line in lines)
+    off = "MTP off: a draft costs more than it can gain"
     t.add_steps([StepRecord.of(Step((6,), (False,), 0, 0, False, PhaseTimes(verify=1.0), 12.0, off))])
-    assert f"k 0/4 {off}" in [c.plain for c in acceptance(t, live)]
+    lines = [c.plain for c in acceptance(t, live)]
+    at = lines.index("drafts  0 of 4 this step")
+    assert " ".join(lines[at + 1:at + 3]) == off
+
+
+def test_the_prompt_line_is_never_cut():
+    from mtpchat.app import panel
+    t = Telemetry()
+    t.prefilled(17_093, 812.0, 17_000)
+    lines = [c.plain for c in panel.speed(t, panel.Live())]
+    assert "prompt 93 tok prefilled, 17,000 reused" in lines and all(len(line) <= panel.W for line in lines)
 
 
 def test_speed_panel_shows_the_experts_an_moe_step_reads():

@@ -21,7 +21,10 @@ default` leaves them). `--diag` adds, per run, the CPU time of each thread, page
 switches and garbage-collector pauses.
 `--think off` sends the reply through the answer's streaming Markdown instead of the thinking tail.
 `--device cuda --random-weights qwen3.6-27b` runs the same comparison on a GPU with random weights of
-the real 27B shapes (the tiny checkpoint's tokenizer renders the ids as text).
+the real 27B shapes (the tiny checkpoint's tokenizer renders the ids as text); `--random-weights
+PATH/config.json` takes any shape (a tiny one tries the whole bench in seconds on the CPU). Progress
+goes to stderr as it happens (the load, each warm-up, each round); what the app shows as a notice is
+said there too, and a reply that does not end within --run-limit seconds stops the bench with why.
 """
 from __future__ import annotations
 
@@ -147,7 +150,9 @@ def load(a):
     from mtpchat.engine import bench
     from mtpchat.engine.config import ModelConfig
     from mtpchat.engine.tokenizer import Tokenizer
-    config = ModelConfig.load(Path(bench.__file__).parent / "configs" / f"{a.random_weights}.json")
+    named = Path(a.random_weights)
+    config = ModelConfig.load(named if named.suffix == ".json" else
+                              Path(bench.__file__).parent / "configs" / f"{a.random_weights}.json")
     engine = Engine(config, device=a.device, max_context=a.tokens + 256, draft_tokens=a.k, cuda_graphs=True)
     tok = Tokenizer.load(a.ckpt)
     engine.tokenizer = WrappedIds(tok, tok.vocab_size)
@@ -166,12 +171,14 @@ def bench(a) -> dict:
     from mtpchat.engine import SamplingParams
     from mtpchat.engine.spec import ProfileDrafter
 
+    say(f"loading the engine ({a.random_weights or 'the tiny checkpoint'} on {a.device})")
     engine = load(a)
+    say("loaded; the reference reply, headless")
     generate_any = engine.generate
     diag = None
 
-    def generate_all(ids, params):
-        events = generate_any(ids, dataclasses.replace(params, stop_token_ids=()))
+    def generate_all(ids, params, **kw):
+        events = generate_any(ids, dataclasses.replace(params, stop_token_ids=()), **kw)
         return diag.watch(events) if diag else events
     engine.generate = generate_all
     think = a.think == "on"
@@ -201,29 +208,41 @@ def bench(a) -> dict:
         def on_generation_ended(self, m) -> None:   # ChatApp's own handler runs as well
             self.ended.set()
 
+        def notice(self, text: str, severity: str = "information") -> None:
+            super().notice(text, severity)        # what the app shows is on the pseudo-terminal: said here too
+            say(f"the app says ({severity}): {text}")
+
     store = Store(tempfile.mkdtemp())
     app = BenchApp(lambda: LocalEngine(engine), model="bench", store=store, device=a.device, think=think,
                    sampling=Sampling(temperature=0.0, max_tokens=a.tokens), draft_tokens=a.k)
 
-    async def wait(cond):
+    async def wait(cond, what: str, limit: float = 600.0):
         # plain sleeps, only between runs: the test pilot's pause() repaints the screen on every
         # call, and polling during a run would be charged to the app
+        t = time.perf_counter()
         while not cond():
+            if app.load_error:
+                raise SystemExit(f"the app did not load the engine: {app.load_error}")
+            if time.perf_counter() - t > limit:
+                raise SystemExit(f"gave up after {limit:.0f} s waiting for {what}; the app's notices: {app.notices}")
             await asyncio.sleep(0.05)
 
     async def in_app(mtp: bool):
         app.action_new_chat()
-        await wait(lambda: app.session_id is None and not app._views())
+        await wait(lambda: app.session_id is None and not app._views(), "a new chat")
         arm(mtp)
         app.redraw(force=True)             # as the MTP key does: the pane shows the new setting
         await asyncio.sleep(0.1)
         app.ended = asyncio.Event()
         paints = app.pacer.paints
         app.query_one(Composer).post_message(Composer.Submitted(PROMPT))
-        await app.ended.wait()
-        await wait(lambda: not app.busy)
-        (msg,) = [m for m in store.messages(app.session_id) if m.role == "assistant"]
-        assert msg.stats["new_tokens"] == a.tokens, msg.stats
+        await wait(app.ended.is_set, "the app's reply", limit=a.run_limit)
+        await wait(lambda: not app.busy, "the app to be idle")
+        replies = [m for m in store.messages(app.session_id) if m.role == "assistant"]
+        if len(replies) != 1 or (replies[0].stats or {}).get("new_tokens") != a.tokens:
+            raise SystemExit(f"the app's reply is not {a.tokens} tokens: {[m.stats for m in replies]}; "
+                             f"its notices: {app.notices}")
+        msg = replies[0]
         # text paints per second of decoding (the last, with the whole reply, comes after it)
         hz = (app.pacer.paints - paints - 1) / (msg.stats["decode_ms"] / 1e3)
         return [msg.stats["tokens_per_s"], msg.stats["mean_acceptance_length"], diag.report() if diag else {}, hz]
@@ -231,9 +250,13 @@ def bench(a) -> dict:
     runs = {(m, mtp): [] for m in MODES for mtp in (0, 1)}
 
     async def session():
-        await wait(lambda: app.engine is not None)
+        await wait(lambda: app.engine is not None, "the app to take the engine")
         for mtp in (False, True):          # untimed warm-ups
-            headless(mtp), await in_app(mtp)
+            say(f"warm-up, MTP {'on' if mtp else 'off'}: headless")
+            headless(mtp)
+            say(f"warm-up, MTP {'on' if mtp else 'off'}: in the app")
+            await in_app(mtp)
+        say(f"warm; {a.runs} rounds of {a.tokens} tokens")
         for r in range(a.runs):
             for mtp in (0, 1):
                 got = {}
@@ -296,6 +319,14 @@ def on_pty(columns: int, rows: int):
             os.environ.pop(k) if v is None else os.environ.update({k: v})
 
 
+def say(line: str) -> None:
+    """Progress, with the seconds since the start, where the app's terminal does not take it."""
+    print(f"[{time.perf_counter() - STARTED:6.1f} s] {line}", file=log, flush=True)
+
+
+STARTED = time.perf_counter()
+
+
 def spread(xs, f: str = ".3f") -> str:
     return f"{statistics.median(xs):{f}} ({min(xs):{f}}-{max(xs):{f}})"
 
@@ -316,7 +347,10 @@ def main(argv=None) -> None:
                    help="the slowest the streaming text may paint (default: the app's, pacer.LIVE_INTERVAL)")
     p.add_argument("--diag", action="store_true", help="per run: CPU time per thread and GC pauses")
     p.add_argument("--random-weights", metavar="NAME",
-                   help="random weights of an official shape (engine/configs/NAME.json) instead of the tiny model")
+                   help="random weights of an official shape (engine/configs/NAME.json, or a config.json's path) "
+                        "instead of the tiny model")
+    p.add_argument("--run-limit", type=float, default=600.0, metavar="S",
+                   help="seconds one reply in the app may take before the bench gives up and says why")
     a = p.parse_args(argv)
     if a.malloc == "pinned":
         pin_malloc()
@@ -330,7 +364,8 @@ def main(argv=None) -> None:
     from tools.tiny import write_tiny_checkpoint
     a.ckpt = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny")
     runs = bench(a)
-    what = f"random {a.random_weights}, bfloat16" if a.random_weights else "tiny checkpoint, float32"
+    dtype = "float32" if a.device == "cpu" or not a.random_weights else "bfloat16"
+    what = f"random {a.random_weights}, {dtype}" if a.random_weights else "tiny checkpoint, float32"
     from mtpchat.app import pacer
     print(f"{what} on {a.device}, {a.tokens} tokens per run, {a.runs} rounds, thinking {a.think}, "
           f"malloc {a.malloc}, terminal {a.terminal}, text >= {1 / pacer.LIVE_INTERVAL:g} Hz; "
