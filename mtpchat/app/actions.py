@@ -7,7 +7,7 @@ from pathlib import Path
 from textual.app import SystemCommand
 from textual.markup import escape
 
-from mtpchat.app.chat import ChatLog, Composer, MessageView, code_blocks
+from mtpchat.app.chat import ChatLog, Composer, MessageView, copyable_blocks
 from mtpchat.app.commands import CHAT_ONLY, COMMANDS
 from mtpchat.app.errors import NO_MTP
 from mtpchat.app.export import chat_markdown, export_path
@@ -325,7 +325,7 @@ class ChatActions:
 
     def action_copy_code(self) -> None:
         view = self._picked()
-        blocks = code_blocks(view.content) if view else []
+        blocks = copyable_blocks(view.content) if view else []
         if not blocks:
             self.notice("no code block in that message", "warning")
             return

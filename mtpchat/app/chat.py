@@ -66,6 +66,12 @@ def code_blocks(markdown: str) -> list[str]:
     return [t.content for t in markdown_parser().parse(markdown) if t.type == "fence"]
 
 
+def copyable_blocks(text: str) -> list[str]:
+    """The code blocks copy-code offers for a message: those the screen shows, so a reply that is code
+    without fences is one block."""
+    return code_blocks(as_markdown(text))
+
+
 def tinted(spans) -> Content:
     """Answer text coloured by provenance: accepted drafts vs the target's own tokens."""
     return Content.assemble(*((text, "$success" if draft else "") for text, draft in spans))

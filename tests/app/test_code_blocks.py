@@ -1,5 +1,5 @@
 """Copy code (f10) finds code blocks with the Markdown parser: the cases a regex over fences missed."""
-from mtpchat.app.chat import code_blocks
+from mtpchat.app.chat import code_blocks, copyable_blocks
 
 
 def test_plain_fences_in_order():
@@ -24,3 +24,12 @@ def test_the_open_fence_of_a_stopped_reply():
 
 def test_no_block_and_inline_code():
     assert code_blocks("just `inline` code and text") == []
+
+
+def test_a_reply_of_bare_code_is_one_block_to_copy():
+    # the demo model's replies are code without fences; the screen shows them as one code block
+    text = "def clear(self, data):\n    \"\"\"Check if it is set.\"\"\"\n    return data\n"
+    assert code_blocks(text) == []
+    assert copyable_blocks(text) == [text]
+    fenced = "Here:\n```python\nx = 1\n```\n"
+    assert copyable_blocks(fenced) == code_blocks(fenced) == ["x = 1\n"]
