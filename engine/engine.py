@@ -150,14 +150,12 @@ class Engine:
         with torch.inference_mode():
             for k in range(self.k_max + 1):
                 dec.reset()
-                dec.begin(prompt)
-                dec.draft_context(prompt)
+                dec.begin(prompt)             # (no draft_context: the warm-up's tokens take no context rows)
                 dec.first_token(params, None)
                 dec.limit(need, set())
                 ms = []
                 for i in range(steps + 1):
                     result = dec.step(k, params, None)
-                    dec.draft_context(result.tokens)
                     ms.append(result.times.draft + result.times.verify + result.times.accept)
                 self.policy.step_ms[k] = statistics.median(ms[1:])
         dec.reset()

@@ -6,11 +6,14 @@ Test modules import from here (and from mtp_support, serve_support, kernels/kern
 app/apphelpers), never from one another (tests/test_layers_tests.py checks it). tests/ is on
 sys.path for every test, tests/kernels' and tests/app's too: pytest's default import mode puts the
 folder of tests/conftest.py (a folder without __init__.py) there."""
+import hashlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from mtpchat import hubcache
 from mtpchat.engine import SamplingParams
 from mtpchat.engine.spec import ProfileDrafter
 
@@ -98,3 +101,22 @@ def isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     for var in ("HF_HUB_OFFLINE", "MTPCHAT_DATA_DIR"):
         monkeypatch.delenv(var, raising=False)
+
+
+def put_in_cache(cache: Path, repo_id: str, files: dict[str, bytes], commit: str) -> Path:
+    """Store files in a Hugging Face cache the way huggingface_hub does: blobs by hash, snapshot
+    symlinks, refs/main; returns the snapshot folder."""
+    repo = hubcache.repo_folder(cache, repo_id)
+    snap = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snap.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    for name, data in files.items():
+        digest = hashlib.sha256(data).hexdigest()
+        (repo / "blobs" / digest).write_bytes(data)
+        link = snap / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(Path("../../blobs") / digest)
+    return snap

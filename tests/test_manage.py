@@ -1,7 +1,6 @@
 """`mtpchat pull`, `mtpchat rm` and `mtpchat completion`, and each command's examples in --help.
 The hub cache is a folder of the test's own laid out as huggingface_hub lays it out; downloads go
 to a fake snapshot_download at the library's boundary (no network)."""
-import hashlib
 import json
 import shutil
 import subprocess
@@ -13,6 +12,7 @@ import pytest
 from mtpchat import cli, hubcache
 from mtpchat.engine.units import fmt_bytes
 from tools.tiny import write_tiny_checkpoint
+from helpers import put_in_cache
 from helpers import isolated  # noqa: F401  (autouse: a settings file and a hub cache of the test's own)
 
 REPO = "Qwen/Qwen3.5-0.8B"          # the repo of the alias Qwen3.5-0.8B
@@ -29,19 +29,7 @@ def remote(tmp_path_factory) -> dict[str, bytes]:
 
 
 def store(cache: Path, repo_id: str, files: dict[str, bytes], commit: str = COMMIT) -> Path:
-    """Files put in the cache as huggingface_hub does: blobs by hash, snapshot links, refs/main."""
-    repo = hubcache.repo_folder(cache, repo_id)
-    snap = repo / "snapshots" / commit
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    snap.mkdir(parents=True, exist_ok=True)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)
-    for name, data in files.items():
-        digest = hashlib.sha256(data).hexdigest()
-        (repo / "blobs" / digest).write_bytes(data)
-        if not (snap / name).is_symlink():
-            (snap / name).symlink_to(Path("../../blobs") / digest)
-    return snap
+    return put_in_cache(cache, repo_id, files, commit)
 
 
 @pytest.fixture

@@ -1,6 +1,5 @@
 """Model resolution against a fake Hugging Face cache laid out as the real one; no network."""
 import errno
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from huggingface_hub import errors as hub_errors
 from safetensors.torch import save_file
 
 from mtpchat import hubcache, models
+from helpers import put_in_cache as cache_files
 from mtpchat.errors import DiskFull, IncompleteModel, ModelNotFound, UserError
 
 REPO = "Qwen/Qwen3.5-0.8B"  # the repo of an alias
@@ -50,21 +50,7 @@ def remote_files(tmp: Path, mtp: bool = True) -> dict[str, bytes]:
 
 
 def put_in_cache(cache: Path, repo_id: str, files: dict[str, bytes], commit: str = COMMIT) -> Path:
-    """Store files the way huggingface_hub does: blobs by hash, snapshot symlinks, refs/main."""
-    repo = hubcache.repo_folder(cache, repo_id)
-    snap = repo / "snapshots" / commit
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    snap.mkdir(parents=True, exist_ok=True)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)
-    for name, data in files.items():
-        digest = hashlib.sha256(data).hexdigest()
-        (repo / "blobs" / digest).write_bytes(data)
-        link = snap / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(Path("../../blobs") / digest)
-    return snap
+    return cache_files(cache, repo_id, files, commit)
 
 
 @pytest.fixture
