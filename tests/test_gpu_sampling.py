@@ -9,7 +9,9 @@ Power (mtp_support.detectable_shift, two samples): 4,000 runs a side, alpha 1e-3
 detect a shift of 0.057 in a cell of p 0.5 and 0.045 in one of p 0.2 (the difference of two
 proportions; the common cells of these positions hold 0.2 to 0.7 of the mass).
 
-Recorded p-values (device, date, command): not yet run.
+Recorded p-values (device, date, command): not yet run to the end. A first run on one H100
+(2026-11-25, `python3 -m pytest -q -s tests/test_gpu_sampling.py`) had not finished after 170 s:
+its 12,000 generations need more than 2 minutes there; time it before choosing RUNS.
 """
 import json
 from pathlib import Path
