@@ -27,14 +27,14 @@ import torch
 from mtpchat.engine.config import GenerationConfig, ModelConfig, UnsupportedFormat
 from mtpchat.engine.decoder import Decoder
 from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, context_rows, draft_token_ids, draft_vocab_size
-from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
+from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step, TokenLogprob
 from mtpchat.engine.memory import DEFAULT_SNAPSHOTS, PREFILL_CHUNK
 from mtpchat.engine.model import Model
 from mtpchat.engine.mtp import MTPHead
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.policy import AdaptiveK
 from mtpchat.engine.runner import Runner
-from mtpchat.engine.sampling import SamplingParams, make_generator
+from mtpchat.engine.sampling import SamplingParams, make_generator, token_logprobs
 from mtpchat.engine.state import DecodeState
 from mtpchat.engine.tokenizer import Tokenizer
 from mtpchat.engine.weights import (MTP_PREFIX, STACKED, TEXT_PREFIX, expert_layout, fill_random, has_mtp_weights,
@@ -257,14 +257,16 @@ class Engine:
 
         out = [first]
         stats.new_tokens = 1
-        yield Step((first,), (False,), 0, 0, False, PhaseTimes(), stats.prefill_ms)
+        yield Step((first,), (False,), 0, 0, False, PhaseTimes(), stats.prefill_ms,
+                   logprobs=self._logprobs(dec.last_logits, [first], params))
         t_first = time.perf_counter()
         dec.limit(min(params.max_tokens - 1, self.max_context - 1 - dec.length), stop)
         # Steps commit on the device and stop there by themselves (engine/decoder.py), so the next one
         # is launched before the last one is read: the device never waits for the host. A drafter
         # that reads the host's position (tests) needs each step read before the next.
         on_device = self.decoder.drafter is None or getattr(self.decoder.drafter, "on_device", False)
-        depth = self.pipeline if on_device else 1
+        # logprobs read a step's logits (decoder.v_logits) before the next step overwrites them
+        depth = self.pipeline if on_device and params.logprobs is None else 1
         flight: collections.deque = collections.deque()
         reason = self._finish_reason(out[-1], stats.new_tokens, params, stop)
         try:
@@ -314,13 +316,24 @@ class Engine:
                 reason = reason or self._finish_reason(out[-1], stats.new_tokens, params, stop)
                 yield Step(tuple(result.tokens), tuple(result.from_draft), k, result.accepted, bool(k),
                            result.times, (time.perf_counter() - t0) * 1e3, why=launched.why,
-                           experts_read=result.experts_read[0], draft_experts_read=result.experts_read[1])
+                           experts_read=result.experts_read[0], draft_experts_read=result.experts_read[1],
+                           logprobs=self._logprobs(dec.v_logits[:len(result.tokens)], result.tokens, params))
         finally:
             while flight:                       # abandoned mid-way: keep the host's mirror exact
                 dec.finish(flight.popleft())
         stats.decode_ms = (time.perf_counter() - t_first) * 1e3
         dec.snapshot()                          # the end of the reply, for a turn that goes on from it
         yield Finished(reason, stats, tuple(out))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams):
+        """Where asked for: each emitted token's logprob under the target's raw distribution, from
+        the logits that chose it (the emitted tokens of a step are its verify rows 0..n-1: row i
+        predicts the token after the i-th token fed). A host sync per step."""
+        if params.logprobs is None:
+            return None
+        return tuple(TokenLogprob(t, lp, tuple(top))
+                     for t, (lp, top) in zip(tokens, token_logprobs(logits, tokens, params.logprobs)))
 
     def _finish_reason(self, last: int, produced: int, params: SamplingParams, stop: set[int]) -> str | None:
         if last in stop:

@@ -51,6 +51,16 @@ class Prefilled:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target's raw distribution (the log-softmax of
+    its logits, before the presence penalty, temperature and truncation), and the `top` most likely
+    tokens there, most likely first: ((token id, logprob), ...)."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Step:
     """One target forward: the tokens it emitted, and where each came from."""
     token_ids: tuple[int, ...]
@@ -63,6 +73,7 @@ class Step:
     why: str = ""                 # why this step has `drafted` drafts (adaptive k; engine/policy.py)
     experts_read: int = 0         # an MoE model: distinct experts read, summed over the target's layers
     draft_experts_read: int = 0   # the same for the MTP head's layer over the step's drafts
+    logprobs: tuple[TokenLogprob, ...] | None = None   # per token, where SamplingParams.logprobs asks for them
 
 
 @dataclass

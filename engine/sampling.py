@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_LOGPROBS = 20   # the most alternatives a token's logprobs list
+
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -23,6 +26,7 @@ class SamplingParams:
     max_tokens: int = 256
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None  # None = the checkpoint's EOS ids
+    logprobs: int | None = None     # None = off; N = each token's logprob and the N most likely (0..20)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -35,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -80,3 +86,16 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     g = torch.Generator(device=device)
     g.manual_seed(params.seed if params.seed is not None else torch.seed())
     return g
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """[n, V] logits and the n tokens chosen from them -> per row (the token's logprob, the `top`
+    most likely (id, logprob)): the raw distribution, log_softmax of the logits. One host sync."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    if top:
+        values, ids = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
+        best = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        best = [[] for _ in tokens]
+    return list(zip(chosen, best))

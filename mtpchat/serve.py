@@ -36,7 +36,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mtpchat.chat.engine import ChatEngine
 from mtpchat.chat.prompt import build_prompt, fewest_tokens
@@ -65,6 +65,7 @@ class Outcome:
     calls: list[ToolCall] = field(default_factory=list)
     reasoning_tokens: int = 0
     timing: Timing = field(default_factory=Timing)
+    logprobs: list[dict] | None = None   # per token, where the request asked for them
 
 
 def prompt_of(engine: ChatEngine, req: Request) -> tuple[list[int], tuple]:
@@ -90,25 +91,28 @@ def prompt_of(engine: ChatEngine, req: Request) -> tuple[list[int], tuple]:
 
 def produce(engine: ChatEngine, req: Request, put, cancelled, arrived: float | None = None,
             began: float | None = None) -> Outcome:
-    """Run one generation on the calling thread: ("text", thinking, answer) and ("call", ToolCall)
-    go out through `put` as they are decoded; the finished outcome is returned. `cancelled()` is
+    """Run one generation on the calling thread: ("text", thinking, answer, logprob entries) and
+    ("call", ToolCall) go out through `put` as they are decoded; the finished outcome is returned. `cancelled()` is
     checked at every step. `arrived` and `began` (monotonic seconds: the request came, its turn
     came) are what its timing counts from."""
     began = time.monotonic() if began is None else began
     arrived = began if arrived is None else arrived
     ids, keep_at = prompt_of(engine, req)
-    reply = Reply(engine, ids, req.params, stops=req.stops, cancelled=cancelled, snapshot_at=keep_at,
+    params = req.params if req.top_logprobs is None else replace(req.params, logprobs=req.top_logprobs)
+    reply = Reply(engine, ids, params, stops=req.stops, cancelled=cancelled, snapshot_at=keep_at,
                   think_open=False if req.kind == "completion" else None)
     tools = ToolCallStream(req.types, req.prefix) if req.tools else None
-    out, t = Outcome(), Timing(queue=began - arrived)
+    out, t = Outcome(logprobs=[] if req.top_logprobs is not None else None), Timing(queue=began - arrived)
     last = None
 
     def send(think: str, parts: list) -> None:
         text = "".join(p for p in parts if isinstance(p, str))
-        if think or text:
+        entries = reply.take_logprobs() if out.logprobs is not None else []
+        if think or text or entries:
             out.thinking.append(think)
             out.answer.append(text)
-            put(("text", think, text))
+            out.logprobs is not None and out.logprobs.extend(entries)
+            put(("text", think, text, entries))
         for call in (p for p in parts if isinstance(p, ToolCall)):
             out.calls.append(call)
             put(("call", call))
@@ -133,6 +137,25 @@ def produce(engine: ChatEngine, req: Request, put, cancelled, arrived: float | N
     out.reason, out.stats, out.timing = reply.reason, reply.stats, t
     out.reasoning_tokens = reasoning_tokens(engine, ids, reply)
     return out
+
+
+def chat_logprobs(entries: list[dict] | None) -> dict | None:
+    """A chat choice's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
+    return None if entries is None else {"content": entries}
+
+
+def completion_logprobs(entries: list[dict] | None, offset: int) -> dict | None:
+    """A completion choice's legacy `logprobs`: parallel lists, the alternatives as {token: logprob},
+    `text_offset` each token's place in the generated text (from `offset`, where a stream has got to)."""
+    if entries is None:
+        return None
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
 
 
 def reasoning_tokens(engine: ChatEngine, prompt_ids: list[int], reply: Reply) -> int:
@@ -290,8 +313,6 @@ def build_app(engine, *, model: str, defaults: Defaults, api_key: str | None = N
             return no
         try:
             req = parse_request(read_json(await read_body(request)), kind, defaults, engine.tokenizer)
-            if req.top_logprobs is not None:
-                raise BadRequest("'logprobs' are not served yet; leave the field out", "logprobs")
         except BadRequest as exc:
             return bad(exc)
         if gate().stopping.is_set():
@@ -397,7 +418,8 @@ def build_app(engine, *, model: str, defaults: Defaults, api_key: str | None = N
         extra = {"usage": usage(out.stats, out.reasoning_tokens), "metrics": spec_metrics(out.stats)}
         if req.kind == "completion":
             return JSONResponse({"id": rid, "object": "text_completion", "created": stamp, "model": model,
-                                 "choices": [{"index": 0, "text": answer, "logprobs": None,
+                                 "choices": [{"index": 0, "text": answer,
+                                              "logprobs": completion_logprobs(out.logprobs, 0),
                                               "finish_reason": FINISH[out.reason]}], **extra})
         message = {"role": "assistant", "content": answer or (None if out.calls else "")}
         if thinking:
@@ -405,19 +427,27 @@ def build_app(engine, *, model: str, defaults: Defaults, api_key: str | None = N
         if out.calls:
             message["tool_calls"] = [c.openai(call_id()) for c in out.calls]
         return JSONResponse({"id": rid, "object": "chat.completion", "created": stamp, "model": model,
-                             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(out)}],
+                             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(out),
+                                          "logprobs": chat_logprobs(out.logprobs)}],
                              **extra})
 
     async def events(item, queue, gone, req: Request, rid: str, stamp: int):
         chat_kind = req.kind == "chat"
 
-        def chunk(delta: dict | None, finish=None, **extra) -> str:
+        offset = 0
+
+        def chunk(delta: dict | None, finish=None, entries=None, **extra) -> str:
+            nonlocal offset
             if delta is None:
                 choices = []
             elif chat_kind:
                 choices = [{"index": 0, "delta": delta, "finish_reason": finish}]
+                if entries is not None:
+                    choices[0]["logprobs"] = chat_logprobs(entries)
             else:
-                choices = [{"index": 0, "text": delta.get("content", ""), "logprobs": None, "finish_reason": finish}]
+                lp = completion_logprobs(entries, offset)
+                offset += sum(len(e["token"]) for e in entries or ())
+                choices = [{"index": 0, "text": delta.get("content", ""), "logprobs": lp, "finish_reason": finish}]
             body = {"id": rid, "object": "chat.completion.chunk" if chat_kind else "text_completion",
                     "created": stamp, "model": model, "choices": choices, **extra}
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -431,7 +461,7 @@ def build_app(engine, *, model: str, defaults: Defaults, api_key: str | None = N
                     calls += 1
                     item = await queue.get()
                     continue
-                _, think, answer = item
+                _, think, answer, entries = item
                 item = None
                 while item is None and not queue.empty():
                     # what piled up while the engine held the interpreter goes out as one event
@@ -439,12 +469,12 @@ def build_app(engine, *, model: str, defaults: Defaults, api_key: str | None = N
                     if nxt[0] != "text" or (nxt[1] and answer):
                         item = nxt
                     else:
-                        think, answer = think + nxt[1], answer + nxt[2]
+                        think, answer, entries = think + nxt[1], answer + nxt[2], entries + nxt[3]
                 delta = {"reasoning": think, "reasoning_content": think} if think else {}
                 if answer:
                     delta["content"] = answer
-                if delta:
-                    yield chunk(delta)
+                if delta or entries:
+                    yield chunk(delta, entries=entries if req.top_logprobs is not None else None)
                 item = item or await queue.get()
             if item[0] == "bad":
                 note(req, 400, None)

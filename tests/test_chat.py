@@ -116,7 +116,7 @@ def test_app_server_and_run_give_the_same_reply():
 
     pieces = []
     out = serve.produce(make(), Request("chat", PARAMS, messages=MESSAGES, think=True, stream=True),
-                        lambda item: pieces.append(item[1:]), lambda: False)
+                        lambda item: pieces.append(item[1:3]), lambda: False)
 
     engine = make()
     answer, thinking = io.StringIO(), io.StringIO()

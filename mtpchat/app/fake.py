@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from mtpchat.app.gpu import GpuSample
 from mtpchat.chat.think import prompt_opens_think
-from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step
+from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step, TokenLogprob
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 EOS = 2                                   # <|im_end|>
@@ -47,6 +47,17 @@ Output is identical to plain decoding; only the speed changes.
 # drafts accepted per speculative step, cycled (clipped to the live draft count): easy stretches
 # (boilerplate, code) and hard ones, so the history sparkline has a shape
 ACCEPT_PATTERN = (3, 3, 2, 3, 3, 3, 1, 3, 2, 3, 1, 0, 2, 1, 0, 1, 2, 0, 1, 3, 2, 3, 3, 3, 2, 0, 3, 3, 1, 3)
+
+
+def fake_logprobs(ids, params) -> tuple[TokenLogprob, ...] | None:
+    """Made-up logprobs where the params ask for them: each token likely, then the specials after it."""
+    top = getattr(params, "logprobs", None)
+    if top is None:
+        return None
+    made = lambda t, i: -0.05 * (1 + (t + i) % 7)
+    return tuple(TokenLogprob(t, made(t, 0), tuple((t, made(t, 0)) if j == 0 else (j - 1, made(t, 0) - j)
+                                                   for j in range(top)))
+                 for t in ids)
 
 
 class FakeTokenizer:
@@ -216,7 +227,7 @@ class FakeEngine:
                 self.step_log.append((spec, k))
                 self._steps.notify_all()
             yield Step(token_ids=ids, from_draft=(True,) * a + (False,) * (n - a), drafted=k, accepted=a,
-                       mtp=spec, times=times, elapsed_ms=clock)
+                       mtp=spec, times=times, elapsed_ms=clock, logprobs=fake_logprobs(ids, params))
             if len(emitted) >= params.max_tokens and emitted[-1] != EOS:
                 reason = "length"
                 break

@@ -53,6 +53,7 @@ class Reply:
         self.spans: list[Span] = []    # the answer, runs of the same provenance merged
         self.finished: Finished | None = None
         self._asked = False
+        self.logprobs: list[dict] = []  # the entries of the steps taken, not yet handed on (take_logprobs)
 
     def __iter__(self) -> Iterator[Event]:
         for ev in self.engine.generate(self.prompt_ids, self.params, snapshot_at=self.snapshot_at):
@@ -91,6 +92,8 @@ class Reply:
                 part = [t for t in part if t not in self.ends]
                 if part:
                     pieces += self._text(self.stops.push(self.stream.push(part)), from_draft)
+            if ev.logprobs is not None and not self.stops.hit:
+                self.logprobs += [self._entry(lp) for lp in ev.logprobs if lp.token_id not in self.ends]
         self.pending.clear()
         return pieces
 
@@ -99,6 +102,25 @@ class Reply:
         pieces = self.take()
         pieces += self._text(self.stops.push(self.stream.flush()) + self.stops.flush(), False)
         return pieces + self._keep(Piece(*self.split.flush()))
+
+    def take_logprobs(self) -> list[dict]:
+        """The logprob entries of the tokens taken since the last call (the params asked for them),
+        in OpenAI's chat form: {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}.
+        The ids that end the turn have none, as they have no text."""
+        got, self.logprobs = self.logprobs, []
+        return got
+
+    def _piece(self, token_id: int) -> tuple[str, list[int]]:
+        text = self.engine.tokenizer.decode([token_id])
+        return text, list(text.encode("utf-8"))
+
+    def _entry(self, lp) -> dict:
+        text, raw = self._piece(lp.token_id)
+        top = []
+        for tid, value in lp.top:
+            t, b = self._piece(tid)
+            top.append({"token": t, "logprob": value, "bytes": b})
+        return {"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top}
 
     def text(self) -> tuple[str, str]:
         """(thinking, answer) so far."""
