@@ -15,7 +15,6 @@ import torch
 MAX_LOGPROBS = 20   # the most alternatives a token's logprobs list
 
 
-
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0        # 0 = greedy
