@@ -1,5 +1,7 @@
 """Shared by the tests: one CPU thread (tiny models are all per-op overhead), tiny random checkpoints."""
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,3 +31,15 @@ def gqa3(tmp_path_factory):
 def tied(tmp_path_factory):   # Hv/Hk = 2, tied head, two full-attention layers
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tied"), tie=True, linear_num_value_heads=4,
                                  num_hidden_layers=8, seed=1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny checkpoint for the command-line tests (a module's own)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny")
+
+
+@pytest.fixture
+def copy(tiny, tmp_path):
+    """A throwaway copy of the tiny checkpoint, to damage."""
+    return Path(shutil.copytree(tiny, tmp_path / "copy"))

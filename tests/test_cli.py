@@ -27,19 +27,8 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machi
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
-
-
-@pytest.fixture(scope="module")
 def tiny_no_mtp(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-no-mtp", mtp=False)
-
-
-@pytest.fixture
-def copy(tiny, tmp_path):
-    """A throwaway copy of the tiny checkpoint, to damage."""
-    return Path(shutil.copytree(tiny, tmp_path / "copy"))
 
 
 @pytest.fixture

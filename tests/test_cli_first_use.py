@@ -136,18 +136,6 @@ def test_no_numpy_warning_without_numpy(tmp_path):
 
 # ---- a damaged checkpoint ----------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tools.tiny import write_tiny_checkpoint
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny")
-
-
-@pytest.fixture
-def copy(tiny, tmp_path):
-    import shutil
-    return Path(shutil.copytree(tiny, tmp_path / "copy"))
-
-
 def test_a_shard_a_few_bytes_short_says_how_many(capsys, copy):
     from mtpchat.engine.units import fmt_bytes
     shard = sorted(copy.glob("*.safetensors"))[0]

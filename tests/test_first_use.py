@@ -25,16 +25,6 @@ def short(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("short") / "short", max_position_embeddings=4096)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny")
-
-
-@pytest.fixture
-def copy(tiny, tmp_path):
-    return Path(shutil.copytree(tiny, tmp_path / "copy"))
-
-
 def run(capsys, *argv):
     code = cli.main([str(a) for a in argv])
     out, err = capsys.readouterr()
