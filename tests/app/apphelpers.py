@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from mtpchat import cli
 from mtpchat.app.chat import Composer
 from mtpchat.app.fake import FakeEngine, FakeGpu
 from mtpchat.app.main import build_app, dev_args
@@ -56,3 +57,10 @@ async def steps_reached(pilot, engine: FakeEngine, n: int) -> None:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def parsed(argv: list[str]):
+    """The app's arguments as the command line makes them, its options resolved (settings, flags)."""
+    args = cli.build_parser(argv).parse_args(argv)
+    args.options = cli.options_from(args)
+    return args

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from apphelpers import idle, ready, run, send, until
+from apphelpers import idle, parsed, ready, run, send, until
 
 from mtpchat import cli, loader
 from mtpchat.app.chat import Composer
@@ -20,8 +20,7 @@ def cli_args(tmp_path, monkeypatch):
     tiny = write_tiny_checkpoint(tmp_path / "tiny")
     argv = ["--model", str(tiny), "--device", "cpu", "--data-dir", str(tmp_path / "data"),
             "--temperature", "0", "--max-tokens", "40", "--max-context", "512"]
-    args = cli.build_parser(argv).parse_args(argv)
-    args.options = cli.options_from(args)
+    args = parsed(argv)
     args.prepared = loader.prepare(args.options)
     return args
 
@@ -70,8 +69,7 @@ def test_no_flags_on_a_short_model_and_a_message_sent_while_it_loads(tmp_path, m
     (tmp_path / "settings.toml").write_text("max_tokens = 24\ntemperature = 0\n")
     short = write_tiny_checkpoint(tmp_path / "short", max_position_embeddings=4096)
     argv = ["--model", str(short)]
-    args = cli.build_parser(argv).parse_args(argv)
-    args.options = cli.options_from(args)
+    args = parsed(argv)
     args.prepared = loader.prepare(args.options)
     assert args.prepared.max_context == 4096
     assert any("context: 4,096 tokens, the most" in n for n in args.prepared.notices)

@@ -7,7 +7,7 @@ from textual.widgets import Footer
 
 from mtpchat.app.fake import FakeEngine
 from mtpchat.app.store import Store
-from apphelpers import make_app, ready, run, until
+from apphelpers import make_app, parsed, ready, run, until
 from serve_support import fake  # noqa: F401  (a fixture)
 
 
@@ -125,14 +125,12 @@ def test_the_race_runs_both_sides_greedy_whatever_the_chat_samples(data_dir):
 
 
 def test_a_servers_reply_counts_its_tokens_and_prompt_and_its_fixed_keys_say_why(fake, tmp_path, monkeypatch):
-    from mtpchat import cli
     from mtpchat.app import panel
     from mtpchat.app.main import build_app
     from apphelpers import send
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     argv = ["--server", fake("plain"), "--data-dir", str(tmp_path / "data")]
-    args = cli.build_parser(argv).parse_args(argv)
-    args.options = cli.options_from(args)
+    args = parsed(argv)
     app = build_app(args)
 
     async def go():
@@ -155,7 +153,6 @@ def test_a_servers_reply_counts_its_tokens_and_prompt_and_its_fixed_keys_say_why
 def test_a_server_not_up_yet_is_waited_for_and_the_chat_goes_on_when_it_answers(fake, tmp_path, monkeypatch):
     """Started before its server: a clear state (not 'loading' forever, no k=0, no CPU memory),
     tries again, and a message sent meanwhile goes out once the server answers."""
-    from mtpchat import cli
     from mtpchat.app import panel
     from mtpchat.app.main import build_app
     from mtpchat.remote.engine import RemoteEngine
@@ -163,8 +160,7 @@ def test_a_server_not_up_yet_is_waited_for_and_the_chat_goes_on_when_it_answers(
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     down = f"http://127.0.0.1:{free_port()}"
     argv = ["--server", down, "--data-dir", str(tmp_path / "data")]
-    args = cli.build_parser(argv).parse_args(argv)
-    args.options = cli.options_from(args)
+    args = parsed(argv)
     up = {"url": None}                         # the server comes up when the test says so
     app = build_app(args, load_engine=lambda progress=None: RemoteEngine.connect(up["url"] or down))
     app.retry_first_s = app.retry_most_s = 0.05

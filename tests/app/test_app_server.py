@@ -4,11 +4,10 @@ against fake servers: each way a server cannot be used is one line, a cut stream
 from __future__ import annotations
 
 import pytest
-from apphelpers import idle, ready, run, send
+from apphelpers import idle, parsed, ready, run, send
 from serve_support import fake  # noqa: F401  (a fixture)
 from serve_support import CUT_REPLY, MAX_TOKENS, PROMPT, ServeProcess, free_port, in_process
 
-from mtpchat import cli
 from mtpchat.app.main import build_app
 from mtpchat.app.gauges import NA
 from mtpchat.app.panel import acceptance
@@ -27,8 +26,7 @@ def test_the_app_chats_through_a_server_as_with_the_engine_in_process(server, tm
     assert stats["accepted"] > 0
     argv = ["--server", server.url, "--data-dir", str(tmp_path / "data"), "--temperature", "0",
             "--max-tokens", str(MAX_TOKENS)]
-    args = cli.build_parser(argv).parse_args(argv)
-    args.options = cli.options_from(args)
+    args = parsed(argv)
     app = build_app(args)
 
     async def go():
@@ -54,8 +52,7 @@ def test_the_app_chats_through_a_server_as_with_the_engine_in_process(server, tm
 def app_on(url: str, tmp_path, monkeypatch, *flags: str):
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     argv = ["--server", url, "--data-dir", str(tmp_path / "data"), *flags]
-    args = cli.build_parser(argv).parse_args(argv)
-    args.options = cli.options_from(args)
+    args = parsed(argv)
     return build_app(args)
 
 
