@@ -1,0 +1,131 @@
+"""Group-scaled 4-bit weights (W4A16): the one form the engine keeps every 4-bit checkpoint in, and
+the float32 references to pack, unpack, quantize and dequantize it. The product kernels over such
+weights read it as it is described here.
+
+A GroupInt4 holds a weight of N rows (output features) and K columns (input features):
+- `w` int32 [N, K / 8]: row n's weights k .. k + 7 in word k // 8, weight k in bits 4 (k % 8) ..
+  4 (k % 8) + 3, unsigned 0 .. 15. GPTQ's `qweight` [K / 8, N] is this transposed; the
+  compressed-tensors `weight_packed` [N, K / 8] is this as it is.
+- `scale` [N, K / G] float16 or float32 (as the checkpoint holds it; never rounded to bf16, which
+  would move weights by up to 1e-3), one per row and group of G consecutive columns.
+- `zero` uint8 [N, K / G] (0 .. 15), or None for a symmetric weight, whose zero is 8.
+- `perm` int32 [K], or None: weight column k multiplies input column perm[k]. GPTQ with desc_act
+  quantizes the columns in another order and says which group each column fell in (`g_idx`, not
+  monotonic); sorting the columns by group (`group_order`) makes every group G consecutive
+  columns again, and the product then reads x through perm.
+
+The dequantized weight is (q - zero) * scale; as a dense [N, K] matrix in x's column order, column
+perm[k] holds weight column k. A stack of MoE experts is one GroupInt4 of E * N rows, with `perm`
+[E, K] where each expert has its own.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+GROUP = 128           # the group of --weights int4 and of the official GPTQ releases
+PACK = 8              # 4-bit weights in one int32 word
+SYMMETRIC_ZERO = 8    # the zero of a symmetric weight (GPTQ v1 stores it as 7: zero - 1)
+
+
+class GroupInt4(NamedTuple):
+    """A product's weight in 4 bits with its group scales (the module docstring); `shape` and
+    `device` are the dequantized weight's."""
+    w: torch.Tensor                      # [N, K / 8] int32
+    scale: torch.Tensor                  # [N, K / G] float16 or float32
+    zero: torch.Tensor | None = None     # [N, K / G] uint8, or None: symmetric (8)
+    perm: torch.Tensor | None = None     # [K] (or [E, K] for stacked experts) int32, or None
+
+    shape = property(lambda self: torch.Size((self.w.shape[0], self.w.shape[1] * PACK)))
+    device = property(lambda self: self.w.device)
+    is_cuda = property(lambda self: self.w.is_cuda)
+    group = property(lambda self: self.w.shape[1] * PACK // self.scale.shape[1])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self if t is not None)
+
+
+def pack_ref(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] integers 0 .. 15 -> [N, K / 8] int32, weight k in bits 4 (k % 8) of word k // 8."""
+    N, K = q.shape
+    assert K % PACK == 0, f"4-bit weights pack 8 to a word: K = {K} is not a multiple of 8"
+    assert int(q.min()) >= 0 and int(q.max()) <= 15, "4-bit values must lie in 0 .. 15"
+    nibbles = q.to(torch.int64).view(N, K // PACK, PACK) << (4 * torch.arange(PACK, device=q.device))
+    words = nibbles.sum(-1)                                          # 0 .. 2^32 - 1
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def unpack_ref(w: torch.Tensor) -> torch.Tensor:
+    """[N, K / 8] int32 -> [N, K] int32, the values 0 .. 15 (pack_ref's inverse)."""
+    N, W = w.shape
+    shifts = 4 * torch.arange(PACK, device=w.device, dtype=torch.int32)
+    return ((w[:, :, None] >> shifts) & 0xF).view(N, W * PACK)
+
+
+def dequantize_ref(q: GroupInt4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dense weight [N, K] in x's column order, computed in float32 and cast to dtype."""
+    N, K = q.shape
+    G = q.group
+    zero = SYMMETRIC_ZERO if q.zero is None else q.zero.float().repeat_interleave(G, dim=1)
+    w = (unpack_ref(q.w).float() - zero) * q.scale.float().repeat_interleave(G, dim=1)
+    if q.perm is not None:
+        perm = q.perm.long()
+        if perm.dim() == 1:
+            out = torch.empty_like(w)
+            out[:, perm] = w
+        else:                                   # stacked experts, each with its own order
+            E = perm.shape[0]
+            out = torch.empty_like(w).view(E, N // E, K)
+            out.scatter_(2, perm[:, None, :].expand(E, N // E, K), w.view(E, N // E, K))
+            out = out.view(N, K)
+        w = out
+    return w.to(dtype)
+
+
+def quantize_ref(w: torch.Tensor, group: int = GROUP, symmetric: bool = True,
+                 scale_dtype: torch.dtype = torch.float16) -> GroupInt4:
+    """Round-to-nearest 4-bit quantization of w [N, K] in groups of `group` columns.
+
+    Symmetric: each group's scale is its value of largest magnitude m divided by -8, so m falls on
+    the level -8 and all 16 levels -8 .. 7 are used (llama.cpp's Q4_0 rule), and the zero is 8; a
+    group of zeros gets scale 1, a scale too small for scale_dtype its smallest normal value. Asymmetric: scale (max - min) / 15 and zero round(-min / scale). The scale is
+    rounded to `scale_dtype` before the weights are divided by it, so dequantizing gives exactly
+    the values the rounding chose. `--weights int4` on load is this function on the device."""
+    N, K = w.shape
+    assert K % group == 0 and group % PACK == 0, f"K = {K} must be a multiple of the group {group} (itself of 8)"
+    g = w.float().view(N, K // group, group)
+    if symmetric:
+        idx = g.abs().argmax(-1, keepdim=True)
+        m = g.gather(-1, idx).squeeze(-1)
+        scale = _representable(torch.where(m != 0, m / -8.0, torch.ones_like(m)), scale_dtype)
+        zero = torch.full_like(scale, SYMMETRIC_ZERO, dtype=torch.float32)
+    else:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = _representable(torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi)), scale_dtype)
+        zero = torch.round(-lo / scale.float()).clamp(0, 15)
+    q = torch.round(g / scale.float()[..., None] + zero[..., None]).clamp(0, 15).view(N, K)
+    return GroupInt4(pack_ref(q), scale.contiguous(), None if symmetric else zero.to(torch.uint8).contiguous())
+
+
+def _representable(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    tiny = torch.finfo(dtype).tiny
+    return torch.where(scale.abs() < tiny, torch.where(scale < 0, -tiny, tiny), scale).to(dtype)
+
+
+def group_order(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
+    """GPTQ's g_idx [K] (the group of each input column) -> perm [K] int32: the columns sorted by
+    group (stably), or None where they already are in order (desc_act false). Raises ValueError
+    where a group does not hold exactly `group` columns, which no GPTQ quantizer writes."""
+    K = g_idx.numel()
+    g = g_idx.to(torch.int64)
+    if K % group or torch.bincount(g, minlength=K // group).ne(group).any() or int(g.max()) >= K // group:
+        raise ValueError(f"g_idx does not put exactly {group} of the {K} columns in each group")
+    if torch.equal(g, torch.arange(K, device=g.device) // group):
+        return None
+    return torch.sort(g, stable=True).indices.to(torch.int32)
+
+
+def permute_columns(q: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """Unpacked weights [N, K] in x's column order -> in perm's order (column k = column perm[k])."""
+    return q[:, perm.long()]
