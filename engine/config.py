@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,24 @@ def _fp8_format(quant: dict, source: str) -> None:
 
 
 @dataclass(frozen=True)
+class Int4Format:
+    """How a model's products are kept in 4 bits (kernels/int4.py): a 4-bit checkpoint's
+    quantization_config (GPTQ, compressed-tensors pack-quantized W4A16), or quantization on load
+    ("rtn": `--weights int4`). `skip` are regular expressions over the checkpoint's module names
+    (e.g. "model.language_model.layers.3.self_attn.q_proj", "mtp.layers.0.mlp.experts.7.up_proj"),
+    each tried with re.match: a module one of them matches stays unquantized."""
+    method: str                      # "gptq", "compressed-tensors" or "rtn"
+    group: int = 128                 # columns a scale (and zero) covers
+    symmetric: bool = True           # False: a stored zero per group
+    desc_act: bool = False           # GPTQ's columns quantized out of order (a g_idx per product)
+    skip: tuple[str, ...] = ()
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the checkpoint's linear module `module` is (or, on load, becomes) 4-bit."""
+        return not any(re.match(pattern, module) for pattern in self.skip)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -65,7 +84,9 @@ class ModelConfig:
     attn_output_gate: bool = True
     attention_bias: bool = False
     dtype: str = "bfloat16"
-    quantization: str | None = None   # "fp8": block-scaled FP8 linear weights in the checkpoint
+    quantization: str | None = None   # "fp8": block-scaled FP8 linear weights in the checkpoint;
+                                      # "int4": group-scaled 4-bit ones (described by int4)
+    int4: Int4Format | None = None    # a 4-bit checkpoint's format
     intermediate_size: int = 0        # the dense MLP's (a dense model needs it)
     # the MoE models (qwen3_5_moe): every MLP a sparse block of routed experts plus a shared one
     num_experts: int = 0
