@@ -97,3 +97,32 @@ def test_pipelined_steps_equal_one_at_a_time(ckpt, graphs):
                       s.gdn_committed(engine.model))
         states[-1] = [t.clone() for t in states[-1]]
     assert all(torch.equal(a, b) for a, b in zip(*states))
+
+
+def test_logprobs_on_the_gpu_mtp_on_equal_off(ckpt):
+    # the logprobs come from the logits the step already holds (bf16 rows of a verify are those of
+    # single decode steps), so with MTP on they are those of MTP off, graphs replayed or not
+    from mtpchat.engine.events import Step
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024)
+    ids = gpu_prompts(engine, 1)[0]
+
+    def steps(mtp, drafter=None):
+        engine.reset()
+        engine.mtp, engine.draft_tokens, engine.drafter = mtp, 3, drafter
+        try:
+            params = SamplingParams(max_tokens=48, stop_token_ids=(), logprobs=5)
+            return [ev for ev in engine.generate(ids, params) if isinstance(ev, Step)]
+        finally:
+            engine.drafter = None
+    off = [lp for s in steps(False) for lp in s.logprobs]
+    reply = [g.token_id for g in off]
+    on_steps = steps(True, ProfileDrafter(reply, seed=1, vocab=engine.config.vocab_size))
+    on = [lp for s in on_steps for lp in s.logprobs]
+    assert any(s.accepted > 0 for s in on_steps) and [g.token_id for g in on] == reply
+    for a, b in zip(on, off):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and a.logprob <= 0
+        assert [i for i, _ in a.top] == [i for i, _ in b.top] and a.top[0][0] == a.token_id
+    ref = torch.log_softmax(engine.logits(ids + reply).float(), -1)[len(ids) - 1:-1].cpu()
+    want = ref.gather(1, torch.tensor(reply)[:, None]).squeeze(1)
+    # the prefill's batched bf16 products and the steps' few-row ones round differently
+    assert (torch.tensor([g.logprob for g in off]) - want).abs().max() < 0.1
