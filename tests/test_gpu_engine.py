@@ -101,7 +101,9 @@ def test_pipelined_steps_equal_one_at_a_time(ckpt, graphs):
 
 def test_logprobs_on_the_gpu_mtp_on_equal_off(ckpt):
     # the logprobs come from the logits the step already holds (bf16 rows of a verify are those of
-    # single decode steps), so with MTP on they are those of MTP off, graphs replayed or not
+    # single decode steps), so with MTP on they are those of MTP off; their value against a full
+    # forward is tested in float32 on the CPU (tests/test_logprobs.py): in bf16 the prefill's
+    # batched products round otherwise, by up to 0.85 in a logprob on this random model
     from mtpchat.engine.events import Step
     engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024)
     ids = gpu_prompts(engine, 1)[0]
@@ -122,7 +124,3 @@ def test_logprobs_on_the_gpu_mtp_on_equal_off(ckpt):
     for a, b in zip(on, off):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and a.logprob <= 0
         assert [i for i, _ in a.top] == [i for i, _ in b.top] and a.top[0][0] == a.token_id
-    ref = torch.log_softmax(engine.logits(ids + reply).float(), -1)[len(ids) - 1:-1].cpu()
-    want = ref.gather(1, torch.tensor(reply)[:, None]).squeeze(1)
-    # the prefill's batched bf16 products and the steps' few-row ones round differently
-    assert (torch.tensor([g.logprob for g in off]) - want).abs().max() < 0.1
