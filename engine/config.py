@@ -304,6 +304,10 @@ class ModelConfig:
     def load(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
+        gguf = sorted(path.glob("*.gguf")) if path.is_dir() else [path] if path.suffix == ".gguf" else []
+        if gguf and not file.exists() or file.suffix == ".gguf":
+            _refuse(str(path), f"a GGUF checkpoint ({gguf[0].name})", "GGUF files are not read; only safetensors "
+                    "checkpoints with their config.json are")
         if not file.exists():
             raise ConfigError(f"no config.json in {path}; a checkpoint folder holds config.json, "
                               "the safetensors shards and the tokenizer files")
