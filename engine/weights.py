@@ -15,6 +15,16 @@ model is, reading FP8 as it is and quantizing bf16 on the device as it is read; 
 bf16 dequantizes FP8 tensors instead. A fused product whose parts do not start on whole blocks of
 128 rows cannot share block scales: it is kept in the model dtype.
 
+4 bits (kernels/int4.py: GroupInt4): the products of INT4_PARAMS (the same ones) are stored as
+`<param>` (packed int32), `<param>_scale` and, where present, `<param>_zero` and `<param>_perm`,
+read from a GPTQ or compressed-tensors checkpoint (int4_checkpoint.py: each module's tensors in
+place of its `.weight`) or quantized on the device as they are read (`--weights int4`: bf16, and
+FP8 through float32, by kernels/int4.quantize_ref). Groups run along K, so the parts of a fused
+product quantize on their own; but parts a desc_act checkpoint stores in different column orders,
+or a part it keeps in bf16, keep the product in the model dtype (its 4-bit parts dequantized), as
+does a 4-bit module outside INT4_PARAMS (the GDN's b|a, say) and a product whose K is not a whole
+number of groups.
+
 Without a checkpoint, `fill_random` gives the same modules random weights of the same shapes
 (`mtpchat bench --random-weights`, Engine.load of a bare ModelConfig); `random_tensor` is its draw,
 shared with the tiny test checkpoints so both are one distribution.
