@@ -26,7 +26,9 @@ class UnsupportedFormat(ConfigError):
     tensors it has no place for): refused before anything is loaded, never read as garbage."""
 
 
-SUPPORTED_QUANTIZATION = ("fp8",)   # quant_method values the loader implements
+# quant_method values the loader implements: FP8 (block-scaled) and two 4-bit layouts (Int4Format)
+SUPPORTED_QUANTIZATION = ("fp8", "gptq", "compressed-tensors")
+INT4_ADVICE = "use the GPTQ Int4, FP8 or unquantized (bf16) release of this model, or --weights int4 on a bf16 one"
 
 
 def _fp8_format(quant: dict, source: str) -> None:
@@ -53,10 +55,114 @@ class Int4Format:
     symmetric: bool = True           # False: a stored zero per group
     desc_act: bool = False           # GPTQ's columns quantized out of order (a g_idx per product)
     skip: tuple[str, ...] = ()
+    v1_zeros: bool = False           # GPTQ's v1 checkpoint_format: the stored zeros are zero - 1
 
     def quantizes(self, module: str) -> bool:
         """Whether the checkpoint's linear module `module` is (or, on load, becomes) 4-bit."""
         return not any(re.match(pattern, module) for pattern in self.skip)
+
+
+# The modules a quantization on load (`--weights int4`, method "rtn") leaves in the model dtype:
+# the embeddings and the head (not products of the layers), the GDN's b|a rows and the MoE router
+# with the shared expert's gate (a few rows each, read whole by the recurrence and the routing),
+# the MTP head's fc, the vision tower. Every other linear module of the decoder layers and of the
+# MTP layer becomes 4-bit.
+RTN_SKIP = (r".*embed_tokens$", r"lm_head$", r".*\.linear_attn\.in_proj_[ab]$", r".*\.mlp\.gate$",
+            r".*\.mlp\.shared_expert_gate$", r"mtp\.fc$", r"model\.visual\.")
+
+
+def rtn_format(group: int = 128) -> "Int4Format":
+    """`--weights int4`: symmetric round-to-nearest in groups of `group` (kernels/int4.quantize_ref)."""
+    return Int4Format("rtn", group, True, False, RTN_SKIP)
+
+
+def _refuse(source: str, what: str, why: str = "", do: str = INT4_ADVICE):
+    """UnsupportedFormat in one line: what the config holds, why it cannot be read, what to do."""
+    raise UnsupportedFormat(f"{source}: {what} is not supported{f' ({why})' if why else ''}; {do}")
+
+
+def _gptq_format(quant: dict, source: str) -> "Int4Format":
+    """GPTQ (GPTQModel / AutoGPTQ): 4 bits in groups, v1 or v2 zeros, `dynamic` rules whose "-:"
+    keys leave the modules they match unquantized (the official releases: attention, the shared
+    expert, the MTP layer, the vision tower). Rules that change a module's bits or group are refused."""
+    bits, group = quant.get("bits", 4), quant.get("group_size", 128)
+    if bits != 4:
+        _refuse(source, f"GPTQ bits {bits}", "only 4-bit GPTQ is read")
+    if not isinstance(group, int) or group <= 0 or group % 8:
+        _refuse(source, f"GPTQ group_size {group}", "only groups of a multiple of 8 columns; per-channel (-1) is not read")
+    fmt = quant.get("checkpoint_format", quant.get("format", "gptq"))
+    if fmt not in ("gptq", "gptq_v2"):
+        _refuse(source, f"GPTQ checkpoint_format {fmt!r}", "only 'gptq' and 'gptq_v2' are read")
+    if quant.get("lm_head", False):
+        _refuse(source, "a GPTQ-quantized lm_head (lm_head: true)", "the head is read in bf16 only")
+    sym, desc_act = bool(quant.get("sym", True)), bool(quant.get("desc_act", False))
+    skip = []
+    for key, override in (quant.get("dynamic") or {}).items():
+        if key.startswith("-:"):
+            skip.append(key[2:])
+            continue
+        changed = {k: v for k, v in (override or {}).items()
+                   if k in ("bits", "group_size", "sym", "desc_act")
+                   and v != {"bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act}[k]}
+        if changed:
+            _refuse(source, f"GPTQ dynamic rule {key!r} changing {changed}",
+                    "one bits, group_size, sym and desc_act hold for every module")
+    return Int4Format("gptq", group, sym, desc_act, tuple(skip), v1_zeros=fmt == "gptq")
+
+
+def _compressed_format(quant: dict, source: str) -> "Int4Format":
+    """compressed-tensors `pack-quantized` W4A16: int weights of 4 bits in groups, symmetric or
+    with packed zero points, no activation quantization; `ignore` holds module names and "re:"
+    regular expressions."""
+    groups = quant.get("config_groups") or {}
+    if not groups:
+        _refuse(source, "a compressed-tensors config without config_groups")
+    schemes = []
+    for name, scheme in groups.items():
+        fmt = scheme.get("format") or quant.get("format")
+        if fmt != "pack-quantized":
+            _refuse(source, f"compressed-tensors format {fmt!r} (config group {name!r})",
+                    "only 'pack-quantized' int4 weights are read, not NVFP4 or FP8 ones")
+        w = scheme.get("weights") or {}
+        if scheme.get("input_activations") or scheme.get("output_activations"):
+            _refuse(source, f"compressed-tensors activation quantization (config group {name!r})",
+                    "only W4A16, the weights alone in 4 bits, is read")
+        if w.get("num_bits") != 4 or w.get("type", "int") != "int":
+            _refuse(source, f"compressed-tensors weights of {w.get('num_bits')} bits of type {w.get('type')!r} "
+                    f"(config group {name!r})", "only 4-bit int weights are read")
+        if w.get("strategy") != "group" or not isinstance(w.get("group_size"), int) or w["group_size"] % 8:
+            _refuse(source, f"compressed-tensors strategy {w.get('strategy')!r} with group_size {w.get('group_size')} "
+                    f"(config group {name!r})", "only 'group' of a multiple of 8 columns is read")
+        if w.get("dynamic", False) or w.get("actorder") not in (None, "static", "group"):
+            _refuse(source, f"compressed-tensors weights with dynamic {w.get('dynamic')} / actorder "
+                    f"{w.get('actorder')!r} (config group {name!r})")
+        schemes.append((w["group_size"], bool(w.get("symmetric", True)), w.get("actorder") == "group"))
+    if len(set(schemes)) > 1:
+        _refuse(source, f"compressed-tensors config groups of different schemes {sorted(set(schemes))}",
+                "one group size and symmetry hold for every module")
+    status = quant.get("quantization_status", "compressed")
+    if status != "compressed":
+        _refuse(source, f"a compressed-tensors checkpoint in status {status!r}", "its weights are not packed")
+    skip = tuple(n[3:] if n.startswith("re:") else re.escape(n) + "$" for n in quant.get("ignore") or ())
+    group, sym, desc_act = schemes[0]
+    return Int4Format("compressed-tensors", group, sym, desc_act, skip)
+
+
+def _quantization(quant, source: str) -> tuple[str, "Int4Format | None"]:
+    """config.json's quantization_config -> ("fp8" | "int4", the 4-bit format or None), or refused."""
+    method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
+    algo = str(quant.get("quant_algo", "")) if isinstance(quant, dict) else ""
+    if method == "modelopt" or "fp4" in algo.lower():
+        _refuse(source, f"NVIDIA ModelOpt quantization {algo or 'modelopt'}", "NVFP4 and ModelOpt checkpoints are not read")
+    if method == "gguf":
+        _refuse(source, "GGUF quantization", "GGUF files are not read")
+    if method not in SUPPORTED_QUANTIZATION:
+        _refuse(source, f"quantization_config quant_method {method!r}", "",
+                f"the supported ones are {', '.join(SUPPORTED_QUANTIZATION)}: {INT4_ADVICE}")
+    if method == "fp8":
+        _fp8_format(quant, source)
+        return "fp8", None
+    return "int4", (_gptq_format if method == "gptq" else _compressed_format)(quant, source)
 
 
 @dataclass(frozen=True)
@@ -174,16 +280,8 @@ class ModelConfig:
                               f"mtpchat runs Qwen3.5 / Qwen3.6 hybrid models (model_type "
                               f"{' or '.join(SUPPORTED_MODEL_TYPES)})")
         quant = raw.get("quantization_config") or text.get("quantization_config")
-        if quant is not None:
-            method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
-            if method not in SUPPORTED_QUANTIZATION:
-                have = ", ".join(SUPPORTED_QUANTIZATION) or "none yet"
-                raise UnsupportedFormat(
-                    f"{source}: quantization_config quant_method {method!r} is not supported (supported "
-                    f"quantization: {have}); use the unquantized (bf16) or the FP8 release of this model")
-            _fp8_format(quant, source)
         flat = dict(text)
-        flat["quantization"] = "fp8" if quant is not None else None
+        flat["quantization"], flat["int4"] = _quantization(quant, source) if quant is not None else (None, None)
         rope = flat.pop("rope_parameters", None) or flat.pop("rope_scaling", None) or {}
         if rope.get("rope_type", "default") not in ("default", None):
             raise ConfigError(f"{source}: rope_type {rope['rope_type']!r} is not supported; only 'default' is")
@@ -206,6 +304,10 @@ class ModelConfig:
     def load(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
+        gguf = sorted(path.glob("*.gguf")) if path.is_dir() else [path] if path.suffix == ".gguf" else []
+        if gguf and not file.exists() or file.suffix == ".gguf":
+            _refuse(str(path), f"a GGUF checkpoint ({gguf[0].name})", "GGUF files are not read; only safetensors "
+                    "checkpoints with their config.json are")
         if not file.exists():
             raise ConfigError(f"no config.json in {path}; a checkpoint folder holds config.json, "
                               "the safetensors shards and the tokenizer files")

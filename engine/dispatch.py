@@ -4,7 +4,8 @@ and the few calls through which every product and norm of a layer runs.
 - `Ctx`: what a forward needs besides the tokens and the caches, the kernel plan (engine/plan.py)
   included; the model's code asks it for products (`ctx.linear`) and never picks a kernel itself.
 - `linear`: a product, row by row in decode/verify/draft (each row's result that of a 1-row call:
-  greedy MTP on == MTP off), batched in prefill; a weight is a tensor or a BlockFP8.
+  greedy MTP on == MTP off), batched in prefill; a weight is a tensor, a BlockFP8 or a GroupInt4
+  (kernels/int4.py), put together from its stored parts by `weight`.
 - `Product`, `out_linear`, `add_norm`: a block's last product left for the residual add and the norm
   after it, which in a step on the GPU run it split over K and hand the next product its input as
   a `Normed` (kernels/matvec.py) rather than whole rows.
@@ -21,12 +22,14 @@ from torch import nn
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.kernels import fp8_gemm, norm
 from mtpchat.kernels._triton import use_triton
-from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref, values_of
+from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref
+from mtpchat.kernels.int4 import GroupInt4
+from mtpchat.kernels.int4 import dequantize_ref as int4_dequantize
 from mtpchat.kernels.matvec import Normed, matvec
 from mtpchat.kernels.matvec_parts import matvec_parts, matvec_parts_triton
 from mtpchat.kernels.plan import ProductPlan
 
-__all__ = ["Ctx", "Normed", "Product", "add_norm", "linear", "weight"]
+__all__ = ["Ctx", "Normed", "Product", "add_norm", "expert_weight", "linear", "weight"]
 
 
 @dataclass
@@ -63,24 +66,48 @@ class Ctx:
 
 
 def weight(m: nn.Module, name: str):
-    """A product's weight: the parameter, or with its block scales (`<name>_scale`, an FP8 model:
-    engine/weights.py) a BlockFP8."""
-    scale = getattr(m, name + "_scale", None)
-    return getattr(m, name) if scale is None else BlockFP8(getattr(m, name), scale)
+    """A product's weight as engine/weights.py stores it: the parameter; with its block scales
+    (`<name>_scale`) an FP8 one, a BlockFP8; packed in int32 with its group scales (and
+    `<name>_zero`, `<name>_perm` where it has them) a 4-bit one, a GroupInt4."""
+    w, scale = getattr(m, name), getattr(m, name + "_scale", None)
+    if scale is None:
+        return w
+    if w.dtype == torch.int32:
+        return GroupInt4(w, scale, getattr(m, name + "_zero", None), getattr(m, name + "_perm", None))
+    return BlockFP8(w, scale)
+
+
+def values_of(w) -> torch.Tensor:
+    """A product's weight tensor itself (for device and dispatch checks): w, or a BlockFP8's FP8
+    values, or a GroupInt4's packed words."""
+    return w.w if isinstance(w, (BlockFP8, GroupInt4)) else w
+
+
+def expert_weight(m: nn.Module, name: str, x: torch.Tensor):
+    """An MoE's stacked experts (or its shared expert) for kernels/moe.py: as stored, but a 4-bit one
+    dequantized to float32 where the float32 references run (the CPU), which read tensors and
+    BlockFP8 alone."""
+    w = weight(m, name)
+    return int4_dequantize(w) if isinstance(w, GroupInt4) and not x.is_cuda else w
 
 
 def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
-    """x [T, K] @ w[N, K]ᵀ, w a tensor or a BlockFP8. With `rowwise` (decode, verify, draft) each
-    row's result is that of a 1-row call: the batch-invariant matvec kernel on the GPU, in the
-    plan's form (it also takes a Normed x, see add_norm, and FP8 weights, scaled in registers), one
-    product per row on the CPU. A prefill over FP8 weights on the GPU runs on the FP8 tensor cores
-    (fp8_gemm.py); on the CPU it is the product of the dequantized weight."""
+    """x [T, K] @ w[N, K]ᵀ, w a tensor, a BlockFP8 or a GroupInt4. With `rowwise` (decode, verify,
+    draft) each row's result is that of a 1-row call: the batch-invariant matvec kernel on the GPU,
+    in the plan's form (it also takes a Normed x, see add_norm, and FP8 or 4-bit weights, scaled in
+    registers), one product per row on the CPU. A prefill over FP8 weights on the GPU runs on the
+    FP8 tensor cores (fp8_gemm.py); on the CPU, and over 4-bit weights for now, it is the product of
+    the dequantized weight."""
     if isinstance(x, Normed) or (rowwise and x.is_cuda):
         return matvec(x, w, plan=products)
     if isinstance(w, BlockFP8):
         if not rowwise and use_triton(x, w.w):
             return fp8_gemm.gemm(x, w)
         w = dequantize_ref(w, x.dtype)
+    elif isinstance(w, GroupInt4):
+        # the one spot for a prefill GEMM over 4-bit weights on the GPU (`not rowwise and
+        # use_triton(x, w.w)`); until there is one, the GPU too multiplies the dequantized weight
+        w = int4_dequantize(w, x.dtype)
     if not rowwise:
         return F.linear(x, w)
     return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from mtpchat.engine.config import GenerationConfig, ModelConfig, UnsupportedFormat
+from mtpchat.engine.config import GenerationConfig, Int4Format, ModelConfig, UnsupportedFormat, rtn_format
 from mtpchat.engine.decoder import Decoder
 from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, context_rows, draft_token_ids, draft_vocab_size
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step, TokenLogprob
@@ -54,9 +54,11 @@ class Engine:
                  progress=None):
         """`model` is a checkpoint folder, or a ModelConfig for random weights of its shapes (benchmarks;
         no tokenizer then). `max_context` None: DEFAULT_CONTEXT, or what the model supports if less.
-        `weights`: None keeps the checkpoint's format (FP8 for an FP8 release); "fp8" stores the big
-        products in block-scaled FP8, quantizing a bf16 checkpoint as it loads; "bf16" stores them in
-        the model dtype, dequantizing an FP8 checkpoint. `adaptive`: each step's k chosen by
+        `weights`: None keeps the checkpoint's format (FP8 for an FP8 release, 4 bits for a GPTQ or
+        compressed-tensors one); "fp8" stores the big products in block-scaled FP8, quantizing a bf16
+        checkpoint as it loads; "int4" stores them in group-scaled 4 bits (kernels/int4.py), as a
+        4-bit checkpoint holds them or quantizing a bf16 or FP8 one as it loads (config.rtn_format);
+        "bf16" stores them in the model dtype, dequantizing an FP8 or 4-bit checkpoint. `adaptive`: each step's k chosen by
         engine/policy.py, draft_tokens its maximum. `draft_vocab`: rows of the trimmed head the drafts
         are chosen from (engine/draft_vocab.py); 0 or None, or a vocabulary no larger than those rows and their
         context rows: the full head. `plan`: the kernels' forms (engine/plan.py); None: the measured
@@ -89,9 +91,17 @@ class Engine:
         self._draft_tokens, self._mtp = draft_tokens, mtp and self.mtp_available
         self.policy, self.adaptive = AdaptiveK(k_max), adaptive
 
-        if weights not in (None, "fp8", "bf16"):
-            raise ValueError(f"weights must be 'fp8' or 'bf16' (or None: the checkpoint's), got {weights!r}")
-        self.fp8 = weights == "fp8" or (weights is None and self.config.quantization == "fp8")
+        if weights not in (None, "fp8", "int4", "bf16"):
+            raise ValueError(f"weights must be 'fp8', 'int4' or 'bf16' (or None: the checkpoint's), got {weights!r}")
+        stored = self.config.quantization
+        if stored == "int4" and weights == "fp8":
+            raise UnsupportedFormat("this checkpoint is in 4 bits: it loads in 4 bits (weights 'int4' or the "
+                                    "checkpoint's own) or dequantized (weights 'bf16'), not in FP8")
+        # the 4-bit form the products are kept in: the checkpoint's, or quantized as they load
+        self.int4: Int4Format | None = None
+        if weights == "int4" or (weights is None and stored == "int4"):
+            self.int4 = self.config.int4 if stored == "int4" else rtn_format()
+        self.fp8 = weights == "fp8" or (weights is None and stored == "fp8")
         if self.fp8 and weights is None and (self.device.type == "cpu" or not fp8_runs_on(self.device)):
             # nothing on the CPU or an Ampere GPU multiplies FP8: dequantized once, not at every product
             where = "the CPU" if self.device.type == "cpu" else "this GPU (FP8 needs compute capability 8.9+)"
@@ -102,20 +112,22 @@ class Engine:
             cap = ".".join(map(str, torch.cuda.get_device_capability(self.device)))
             raise UnsupportedFormat(f"FP8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
                                     f"this one has {cap}: load without weights='fp8'")
-        self.plan = plan or KernelPlan.choose(self.device, self.config, self.fp8)
-        self.model = Model(self.config, fp8=self.fp8)
+        self.plan = plan or KernelPlan.choose(self.device, self.config, self.fp8, int4=self.int4 is not None)
+        # an FP8 or 4-bit model keeps the GDN's bf16 [b | a] apart from its quantized [qkv | z]
+        split_ba = self.fp8 or self.int4 is not None
+        self.model = Model(self.config, split_ba=split_ba)
         self.head = MTPHead(self.config) if self.mtp_available else None
         prefix = text_prefix(folder) if folder is not None else TEXT_PREFIX
         experts = lambda prefix: expert_layout(folder, prefix) if folder is not None and self.config.is_moe else STACKED
         modules = {"model": self.model}
-        places = {"model": text_places(self.config, split_ba=self.fp8, experts=experts(prefix), prefix=prefix)}
+        places = {"model": text_places(self.config, split_ba=split_ba, experts=experts(prefix), prefix=prefix)}
         if self.head is not None:
             modules["mtp"], places["mtp"] = self.head, mtp_places(self.config, experts(MTP_PREFIX))
         if folder is None:
-            fill_random(modules, places, self.device, self.dtype, seed, fp8=self.fp8, progress=progress)
+            fill_random(modules, places, self.device, self.dtype, seed, fp8=self.fp8, int4=self.int4, progress=progress)
         else:
-            load_into(modules, places, folder, self.device, self.dtype, fp8=self.fp8,
-                      quantized=self.config.quantization == "fp8", progress=progress)
+            load_into(modules, places, folder, self.device, self.dtype, fp8=self.fp8, quantized=stored == "fp8",
+                      int4=self.int4, stored_int4=self.config.int4, progress=progress)
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
         prefill_chunk = prefill_chunk or (PREFILL_CHUNK if self.device.type == "cuda" else 512)
@@ -208,6 +220,16 @@ class Engine:
         return {"weights": size(self.model) + size(self.head) + draft, **self.state.nbytes(),
                 "graph_pool": self.runner.pool_bytes if self.runner else 0, "workspace": self.decoder.nbytes(),
                 "snapshots": self.decoder.snapshots.nbytes()}
+
+    @property
+    def weight_format(self) -> str:
+        """How the big products are stored: "fp8", "int4", or the model dtype ("bf16", "float32", ...)."""
+        if self.int4 is not None:
+            return "int4"
+        if self.fp8:
+            return "fp8"
+        name = str(self.dtype).removeprefix("torch.")
+        return {"bfloat16": "bf16", "float16": "fp16"}.get(name, name)
 
     @property
     def moe_layers(self) -> int:

@@ -19,9 +19,10 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.dispatch import Ctx, Product, linear, weight
+from mtpchat.engine.dispatch import Ctx, Product, expert_weight, linear, weight
 from mtpchat.kernels import attention, conv, gdn, gdn_chunk, moe, norm
 from mtpchat.kernels.fp8 import BlockFP8
+from mtpchat.kernels.int4 import GroupInt4
 from mtpchat.kernels.matvec import matvec, matvec_swiglu, silu_mul
 from mtpchat.kernels.plan import ProductPlan
 from mtpchat.kernels.rope import qkv_norm_rope
@@ -97,12 +98,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x, ctx: Ctx):
         E, k = self.c.num_experts, self.c.num_experts_per_tok
-        gate_up, down = weight(self, "experts_gate_up"), weight(self, "experts_down")
+        gate_up, down = expert_weight(self, "experts_gate_up", x), expert_weight(self, "experts_down", x)
         logits = ctx.linear(x, self.router)
         reads = self.reads if ctx.step else None
-        if self._shared_as_expert(gate_up, ctx):
+        if self._shared_as_expert(gate_up, x, ctx):
             # the shared expert as every row's last choice, expert E: two launches fewer a layer
-            sgu, sd = weight(self.shared, "gate_up"), weight(self.shared, "down")
+            sgu, sd = expert_weight(self.shared, "gate_up", x), expert_weight(self.shared, "down", x)
             _, weights, _, layout = moe.route(logits, k, E, ctx.step, shared=True, rows=ctx.rows)
             h = moe.expert_swiglu(x, gate_up, layout, k + 1, E, ctx.step, reads, shared=sgu, plan=ctx.products)
             y = moe.expert_down(h, down, layout, E, ctx.step, shared=sd, plan=ctx.products)
@@ -113,12 +114,19 @@ class SparseMoE(nn.Module):
         shared = self.shared(x, ctx, whole=True) if self.shared is not None else None
         return moe.combine(y, weights, shared, gate, x.dtype)
 
-    def _shared_as_expert(self, gate_up, ctx: Ctx) -> bool:
+    def _shared_as_expert(self, gate_up, x, ctx: Ctx) -> bool:
         """Whether the expert kernels take the shared expert too: the plan's choice (made where the
-        shapes allow), and stored as the routed experts are (both FP8 or neither)."""
+        shapes allow), and stored as the routed experts are (both FP8, both 4-bit in one form, or
+        neither: the 4-bit releases keep the shared expert in bf16)."""
         s = self.shared
-        return (s is not None and ctx.plan.shared_as_expert
-                and isinstance(weight(s, "gate_up"), BlockFP8) == isinstance(gate_up, BlockFP8))
+        return s is not None and ctx.plan.shared_as_expert and _form(expert_weight(s, "gate_up", x)) == _form(gate_up)
+
+
+def _form(w) -> tuple:
+    """How a product's weight is stored, as far as a kernel that takes two at once cares."""
+    if isinstance(w, GroupInt4):
+        return ("int4", w.group, w.zero is None, w.perm is None)
+    return ("fp8",) if isinstance(w, BlockFP8) else ("tensor",)
 
 
 class GatedAttention(nn.Module):
@@ -163,7 +171,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.c = c
         hv = c.linear_num_value_heads
-        # qkv | z | b | a; an FP8 model keeps the bf16 [b | a] apart (engine/weights.py)
+        # qkv | z | b | a; an FP8 or 4-bit model keeps the bf16 [b | a] apart (engine/weights.py)
         self.in_proj = empty(c.conv_dim + c.value_dim + (0 if split_ba else 2 * hv), c.hidden_size)
         self.in_proj_ba = empty(2 * hv, c.hidden_size) if split_ba else None
         self.conv_weight = empty(c.conv_dim, c.linear_conv_kernel_dim)
@@ -224,11 +232,11 @@ class Model(nn.Module):
     """The target model. `forward` returns the post-final-norm hidden states (what lm_head and the
     MTP head read); `logits` applies the head."""
 
-    def __init__(self, c: ModelConfig, fp8: bool = False):
+    def __init__(self, c: ModelConfig, split_ba: bool = False):
         super().__init__()
         self.c = c
         self.embed = empty(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, kind, split_ba=fp8) for kind in c.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(c, kind, split_ba) for kind in c.layer_types)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if not c.tie_word_embeddings:
             self.lm_head = empty(c.vocab_size, c.hidden_size)

@@ -15,6 +15,16 @@ model is, reading FP8 as it is and quantizing bf16 on the device as it is read; 
 bf16 dequantizes FP8 tensors instead. A fused product whose parts do not start on whole blocks of
 128 rows cannot share block scales: it is kept in the model dtype.
 
+4 bits (kernels/int4.py: GroupInt4): the products of INT4_PARAMS (the same ones) are stored as
+`<param>` (packed int32), `<param>_scale` and, where present, `<param>_zero` and `<param>_perm`,
+read from a GPTQ or compressed-tensors checkpoint (int4_checkpoint.py: each module's tensors in
+place of its `.weight`) or quantized on the device as they are read (`--weights int4`: bf16, and
+FP8 through float32, by kernels/int4.quantize_ref). Groups run along K, so the parts of a fused
+product quantize on their own; but parts a desc_act checkpoint stores in different column orders,
+or a part it keeps in bf16, keep the product in the model dtype (its 4-bit parts dequantized), as
+does a 4-bit module outside INT4_PARAMS (the GDN's b|a, say) and a product whose K is not a whole
+number of groups.
+
 Without a checkpoint, `fill_random` gives the same modules random weights of the same shapes
 (`mtpchat bench --random-weights`, Engine.load of a bare ModelConfig); `random_tensor` is its draw,
 shared with the tiny test checkpoints so both are one distribution.
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +41,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from mtpchat.engine.config import ModelConfig, UnsupportedFormat
+from mtpchat.engine import int4_checkpoint
+from mtpchat.engine.config import Int4Format, ModelConfig, UnsupportedFormat
 from mtpchat.engine.events import LoadProgress
 from mtpchat.kernels.fp8 import BLOCK, FP8, BlockFP8, dequantize_ref, quantize_ref, scale_shape
+from mtpchat.kernels.int4 import PACK, GroupInt4
+from mtpchat.kernels.int4 import dequantize_ref as int4_dequantize, quantize_ref as int4_quantize
 
 TEXT_PREFIX = "model.language_model."
 MTP_PREFIX = "mtp."
@@ -44,10 +58,10 @@ class WeightsError(ValueError):
 
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")     # safetensors' names of the dtypes a weight may have on disk
-DTYPE_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}
+DTYPE_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I32": 4, "I64": 8}
 SCALE_SUFFIX = "_scale_inv"               # an FP8 tensor's block scales: `<name>_scale_inv`
-# the products kept in FP8 in an FP8 model (our parameter names, by suffix)
-FP8_PARAMS = ("mixer.in_proj", "mixer.out_proj", "mixer.qkv", "mixer.o_proj", "mlp.gate_up", "mlp.down",
+# the products kept in FP8 in an FP8 model, and in 4 bits in a 4-bit one (our parameter names, by suffix)
+FP8_PARAMS = INT4_PARAMS = ("mixer.in_proj", "mixer.out_proj", "mixer.qkv", "mixer.o_proj", "mlp.gate_up", "mlp.down",
               "shared.gate_up", "shared.down", "mlp.experts_gate_up", "mlp.experts_down")
 
 
@@ -206,35 +220,51 @@ FLOAT32_PARAMS = ("A_log", "dt_bias")
 
 
 def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]], folder: str | Path,
-              device, dtype, fp8: bool = False, quantized: bool = False, progress=None):
+              device, dtype, fp8: bool = False, quantized: bool = False, int4: Int4Format | None = None,
+              stored_int4: Int4Format | None = None, progress=None):
     """Fill each module's parameters from the checkpoint. `places[key]` maps checkpoint names to
     parameters of `modules[key]`. Every parameter is allocated on `device` first; each tensor is
     then read, checked and copied into its rows. `fp8`: store the FP8_PARAMS in FP8; `quantized`:
-    the checkpoint says it is FP8 (its block scales are read, not refused). `progress`, if given,
-    is called with a LoadProgress after each tensor (bytes as stored in the checkpoint)."""
+    the checkpoint says it is FP8 (its block scales are read, not refused). `int4`: store the
+    INT4_PARAMS in 4 bits (_int4_params), as a 4-bit checkpoint holds them or quantized as they are
+    read (method "rtn"); `stored_int4`: the checkpoint's own 4-bit format, whose modules are read
+    (int4_checkpoint.py) and, in a parameter kept in the model dtype, dequantized. `progress`, if
+    given, is called with a LoadProgress after each tensor (bytes as stored in the checkpoint)."""
     folder = Path(folder)
     weight_map = _weight_map(folder)
     wanted = {name: (key, place) for key, table in places.items() for name, place in table.items()}
-    missing = sorted(set(wanted) - set(weight_map))
+    four = _int4_modules(weight_map, wanted, stored_int4)
+    missing = sorted(set(wanted) - set(weight_map) - set(four))
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise WeightsError(f"{folder}: tensor {', '.join(missing[:3])}{more} not found in the checkpoint; "
                            "it is incomplete or of another architecture")
-    _refuse_unused(folder, weight_map, wanted, places, quantized)
+    if stored_int4 is not None and not four:
+        raise UnsupportedFormat(f"{folder}: config.json says the weights are in 4 bits ({stored_int4.method}) but no "
+                                "module is stored so; the config does not belong to these weights")
+    _refuse_unused(folder, weight_map, wanted, places, quantized, four, stored_int4)
     by_shard: dict[str, list[str]] = {}
     for name in wanted:
-        by_shard.setdefault(weight_map[name], []).append(name)
+        stored_as = int4_checkpoint.marker(stored_int4, four[name]) if name in four else name
+        by_shard.setdefault(weight_map[stored_as], []).append(name)
     sizes: dict[str, int] = {}
+    half: set[str] = set()
     stored_fp8 = _check_stored(folder, by_shard, weight_map, quantized, sizes)
+    if four:
+        _check_int4(folder, weight_map, four, stored_int4, sizes, half)
     in_fp8 = _fp8_params(places, fp8, stored_fp8 if quantized else None)
-    quantizing = any((key, place.param) in in_fp8 and name not in stored_fp8 for name, (key, place) in wanted.items())
+    in_int4 = _int4_params(places, int4, four, _column_orders(folder, weight_map, four, stored_int4), half)
+    quantizing = any(((key, place.param) in in_fp8 and name not in stored_fp8)
+                     or ((key, place.param) in in_int4 and name not in four) for name, (key, place) in wanted.items())
     total, done, count = sum(sizes.values()), 0, 0
-    params: dict[tuple[str, str], torch.Tensor | BlockFP8] = {}
+    params: dict[tuple[str, str], torch.Tensor | BlockFP8 | GroupInt4] = {}
     for key, module in modules.items():
         for name, p in module.named_parameters():
             if (key, name) in in_fp8:
                 params[key, name] = BlockFP8(torch.empty(p.shape, device=device, dtype=FP8),
                                              torch.empty(scale_shape(*p.shape), device=device, dtype=torch.float32))
+            elif (key, name) in in_int4:
+                params[key, name] = _empty_int4(p.shape, int4.group, *in_int4[key, name], device)
             else:
                 dt = torch.float32 if name.endswith(FLOAT32_PARAMS) else dtype
                 params[key, name] = torch.empty(p.shape, device=device, dtype=dt)
@@ -242,21 +272,170 @@ def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]]
         with _open(folder / shard) as f:
             present = set(f.keys())
             for name in names:
-                if name not in present:
+                key, place = wanted[name]
+                if name in four:
+                    t = _read_int4(f, shard, four[name], place, folder, weight_map, stored_int4)
+                elif name not in present:
                     raise WeightsError(f"{shard}: tensor {name} is listed in the index but not in the shard; "
                                        "the shard is corrupt or from another download")
-                key, place = wanted[name]
-                t = _read(f, shard, name, place, folder, weight_map)
-                _put(params[key, place.param], place.offset, t, device)
+                else:
+                    t = _read(f, shard, name, place, folder, weight_map)
+                _put(params[key, place.param], place.offset, t, device, name)
                 done, count = done + sizes.get(name, 0), count + 1
                 if progress is not None:
                     progress(LoadProgress("weights", done, total, count, len(wanted), quantizing))
     for (key, name), tensor in params.items():
-        if isinstance(tensor, BlockFP8):
-            _assign(modules[key], name, tensor.w)
-            _assign(modules[key], name + "_scale", tensor.scale)
-        else:
-            _assign(modules[key], name, tensor)
+        _assign_product(modules[key], name, tensor)
+
+
+def _module(name: str) -> str:
+    """A checkpoint tensor's module: `...q_proj.weight` -> `...q_proj` (stacked experts: the name)."""
+    return name.removesuffix(".weight")
+
+
+def _int4_modules(weight_map: dict[str, str], wanted: dict, fmt: Int4Format | None) -> dict[str, str]:
+    """The wanted tensors (`<module>.weight`) that a 4-bit checkpoint stores in 4 bits -> their module."""
+    if fmt is None:
+        return {}
+    return {name: _module(name) for name in wanted if name not in weight_map and name.endswith(".weight")
+            and int4_checkpoint.marker(fmt, _module(name)) in weight_map}
+
+
+def _int4_params(places: dict[str, dict[str, Place]], fmt: Int4Format | None, four: dict[str, str],
+                 orders: dict[str, torch.Tensor | None] | None = None, half: set[str] = frozenset()) -> dict:
+    """The (module key, parameter) pairs stored in 4 bits, each with (scale dtype, zeros or not, the
+    columns' order or None): the INT4_PARAMS of a 4-bit model whose columns are whole groups. From a
+    4-bit checkpoint (`four`: its 4-bit tensors), those whose every part is 4-bit, all in one column
+    order (`orders`, from their g_idx; an MoE's stacked experts one order an expert): a product
+    with a part kept in bf16, or parts of different orders, stays in the model dtype (its 4-bit
+    parts dequantized). Scales stay float16 where the checkpoint's all are. On load (method "rtn"),
+    those whose parts' modules fmt.quantizes, with float16 scales (kernels/int4.quantize_ref)."""
+    if fmt is None:
+        return {}
+    orders = orders or {}
+    parts: dict[tuple[str, str], list[tuple[str, Place]]] = {}
+    for key, table in places.items():
+        for name, place in table.items():
+            parts.setdefault((key, place.param), []).append((name, place))
+    out = {}
+    for (key, param), named in parts.items():
+        if not param.endswith(INT4_PARAMS) or named[0][1].shape[-1] % fmt.group:
+            continue
+        if fmt.method == "rtn":
+            if all(fmt.quantizes(_module(n)) for n, _ in named):
+                out[key, param] = (torch.float16, False, None)
+            continue
+        if not all(n in four for n, _ in named):
+            continue
+        alike, perm = _shared_order(named, orders)
+        if alike:
+            scale = torch.float16 if all(n in half for n, _ in named) else torch.float32
+            out[key, param] = (scale, not fmt.symmetric, perm)
+    return out
+
+
+def _shared_order(named: list[tuple[str, Place]], orders: dict) -> tuple[bool, torch.Tensor | None]:
+    """Whether a product's 4-bit parts can share one column order, and that order: [K], or [E, K]
+    for stacked experts (`experts.{e}.` in the names: an expert's gate and up share one), or None
+    where every part's columns are in order."""
+    perms = [orders.get(n) for n, _ in named]
+    if all(p is None for p in perms):
+        return True, None
+    K = named[0][1].shape[-1]
+    experts = [re.search(r"\.experts\.(\d+)\.", n) for n, _ in named]
+    if all(experts):
+        each: dict[int, torch.Tensor] = {}
+        for m, p in zip(experts, perms):
+            p = torch.arange(K, dtype=torch.int32) if p is None else p
+            e = int(m[1])
+            if e in each and not torch.equal(each[e], p):
+                return False, None
+            each[e] = p
+        return True, torch.stack([each[e] for e in range(len(each))])
+    same = all(p is not None and torch.equal(p, perms[0]) for p in perms)
+    return (True, perms[0]) if same else (False, None)
+
+
+def _column_orders(folder: Path, weight_map: dict[str, str], four: dict[str, str],
+                   fmt: Int4Format | None) -> dict[str, torch.Tensor | None]:
+    """Before anything is allocated, where the checkpoint's columns may be out of order (desc_act):
+    each 4-bit tensor's column order from its g_idx (small: K integers a module)."""
+    if fmt is None or not fmt.desc_act:
+        return {}
+    by_shard: dict[str, list[tuple[str, str]]] = {}
+    for name, module in four.items():
+        g = int4_checkpoint.g_idx_name(fmt, module)
+        if g in weight_map:
+            by_shard.setdefault(weight_map[g], []).append((name, g))
+    orders = {}
+    for shard, items in sorted(by_shard.items()):
+        with _open(folder / shard) as f:
+            for name, g in items:
+                try:
+                    orders[name] = int4_checkpoint.column_order(f.get_tensor(g), fmt.group, g)
+                except int4_checkpoint.Int4TensorError as e:
+                    raise WeightsError(f"{shard}: {e}") from None
+    return orders
+
+
+def _check_int4(folder: Path, weight_map: dict[str, str], four: dict[str, str], fmt: Int4Format,
+                sizes: dict[str, int], half: set[str]):
+    """From the shards' headers, before anything is allocated: every 4-bit module has the tensors
+    its format needs, each of an integer or float type as it should. Adds their bytes to `sizes`
+    and the names whose scales are float16 to `half`."""
+    where: dict[str, list[tuple[str, str, str]]] = {}
+    for name, module in four.items():
+        for t in int4_checkpoint.TENSORS[fmt.method]:
+            tensor = f"{module}.{t}"
+            if tensor in weight_map:
+                where.setdefault(weight_map[tensor], []).append((name, tensor, t))
+            elif t in int4_checkpoint.required(fmt):
+                raise WeightsError(f"{folder}: the 4-bit module {module} has no {tensor} (a {fmt.method} module holds "
+                                   f"{', '.join(int4_checkpoint.required(fmt))}); the checkpoint is incomplete or "
+                                   "damaged: download it again")
+    for shard, items in sorted(where.items()):
+        with _open(folder / shard) as f:
+            present = set(f.keys())
+            for name, tensor, t in items:
+                if tensor not in present:
+                    raise WeightsError(f"{shard}: tensor {tensor} is listed in the index but not in the shard; "
+                                       "the shard is corrupt or from another download")
+                info = f.get_slice(tensor)
+                stored, want = info.get_dtype(), int4_checkpoint.expected_dtype(t)
+                if stored not in want:
+                    raise WeightsError(f"{shard}: tensor {tensor} is stored as {stored}, expected "
+                                       f"{' or '.join(want)}; the checkpoint is damaged")
+                sizes[name] = sizes.get(name, 0) + math.prod(info.get_shape()) * DTYPE_SIZE.get(stored, 0)
+                if t in ("scales", "weight_scale") and stored == "F16":
+                    half.add(name)
+
+
+def _read_int4(f, shard: str, module: str, place: Place, folder: Path, weight_map: dict[str, str],
+               fmt: Int4Format) -> GroupInt4:
+    """A 4-bit module's tensors (from any shard) as a GroupInt4, its columns in group order."""
+    def get(t: str) -> torch.Tensor | None:
+        tensor = f"{module}.{t}"
+        if tensor not in weight_map:
+            return None
+        if weight_map[tensor] == shard:
+            return f.get_tensor(tensor)
+        with _open(folder / weight_map[tensor]) as g:
+            return g.get_tensor(tensor)
+    if len(place.shape) != 2:
+        raise WeightsError(f"{shard}: module {module} is stored in 4 bits, but its place holds a {len(place.shape)}-D "
+                           "weight; this layout of 4-bit weights is not read")
+    try:
+        return int4_checkpoint.read_module(fmt, module, get, place.shape)
+    except int4_checkpoint.Int4TensorError as e:
+        raise WeightsError(f"{shard}: {e}") from None
+
+
+def _empty_int4(shape, group: int, scale_dtype, zeros: bool, perm, device) -> GroupInt4:
+    N, K = shape
+    return GroupInt4(torch.empty(N, K // PACK, device=device, dtype=torch.int32),
+                     torch.empty(N, K // group, device=device, dtype=scale_dtype),
+                     torch.empty(N, K // group, device=device, dtype=torch.uint8) if zeros else None,
+                     None if perm is None else perm.to(device))
 
 
 def _fp8_params(places: dict[str, dict[str, Place]], fp8: bool,
@@ -334,30 +513,50 @@ def _read(f, shard: str, name: str, place: Place, folder: Path, weight_map: dict
     return f.get_tensor(name)
 
 
-def _put(dest, offset: int, t, device):
-    """Copy one checkpoint tensor into rows offset.. of its parameter: FP8 as it is, bf16 quantized
-    on the device into an FP8 parameter, FP8 dequantized into a model-dtype one."""
+def _put(dest, offset: int, t, device, name: str = ""):
+    """Copy one checkpoint tensor into rows offset.. of its parameter: FP8 or 4 bits as they are,
+    bf16 (and FP8, through float32) quantized on the device into an FP8 or 4-bit parameter, FP8 and
+    4 bits dequantized into a model-dtype one."""
+    if isinstance(dest, GroupInt4):
+        if isinstance(t, GroupInt4):
+            if t.perm is not None and dest.perm is None:
+                raise WeightsError(f"tensor {name}: its g_idx puts the columns out of order, though config.json "
+                                   "says desc_act false; the config does not belong to these weights")
+            q = t
+        else:
+            w = dequantize_ref(BlockFP8(t.w.to(device), t.scale.to(device))) if isinstance(t, BlockFP8) else t.to(device)
+            q = int4_quantize(w.reshape(-1, w.shape[-1]), dest.group, True, dest.scale.dtype)
+        rows = q.w.shape[0]
+        for part, value in zip(dest[:3], q[:3]):
+            if part is not None:
+                part[offset:offset + rows].copy_(value)
+        return
     if isinstance(dest, BlockFP8):
         q = t if isinstance(t, BlockFP8) else quantize_ref(t.to(device).reshape(-1, t.shape[-1]))
         b = offset // BLOCK
         dest.w[offset:offset + q.w.shape[0]].copy_(q.w)
         dest.scale[b:b + q.scale.shape[0]].copy_(q.scale)
         return
-    if isinstance(t, BlockFP8):
+    if isinstance(t, GroupInt4):
+        t = int4_dequantize(GroupInt4(*(None if x is None else x.to(device) for x in t)), dest.dtype)
+    elif isinstance(t, BlockFP8):
         t = dequantize_ref(BlockFP8(t.w.to(device), t.scale.to(device)), dest.dtype)
     t = t.reshape(-1, *dest.shape[1:]) if dest.dim() > 1 else t
     dest[offset:offset + t.shape[0]].copy_(t)
 
 
-def _refuse_unused(folder: Path, weight_map: dict[str, str], wanted: dict, places: dict, quantized: bool):
+def _refuse_unused(folder: Path, weight_map: dict[str, str], wanted: dict, places: dict, quantized: bool,
+                   four: dict[str, str] | None = None, stored_int4: Int4Format | None = None):
     """Every tensor of the checkpoint must have a place, or be one we know to leave: the vision
     tower, the draft head when it is not loaded, a tied checkpoint's copy of the embedding as
-    `lm_head.weight`. Anything else (block scales of a quantized checkpoint, layers of another
-    architecture) means the checkpoint is not what config.json says: refused, never dropped."""
+    `lm_head.weight` (in 4 bits: its tensors). Anything else (block scales of a quantized
+    checkpoint, layers of another architecture) means the checkpoint is not what config.json says:
+    refused, never dropped."""
     known = [*SKIP_PREFIXES, *(() if "mtp" in places else (MTP_PREFIX,))]
     if "lm_head.weight" not in wanted:
-        known.append("lm_head.weight")
-    unused = sorted(n for n in weight_map if n not in wanted and not n.startswith(tuple(known))
+        known.append("lm_head.")
+    used = {t for module in (four or {}).values() for t in int4_checkpoint.tensor_names(stored_int4, module)}
+    unused = sorted(n for n in weight_map if n not in wanted and n not in used and not n.startswith(tuple(known))
                     and not (quantized and n.removesuffix(SCALE_SUFFIX) in wanted))
     if unused:
         more = f" (and {len(unused) - 3} more)" if len(unused) > 3 else ""
@@ -382,12 +581,14 @@ def random_tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torc
 
 
 def fill_random(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]], device, dtype, seed: int,
-                fp8: bool = False, progress=None):
+                fp8: bool = False, int4: Int4Format | None = None, progress=None):
     """Random weights of the checkpoint's shapes drawn on the device (benchmarks at real sizes);
-    with `fp8` the FP8_PARAMS quantized, block scales and all, as an FP8 checkpoint holds them.
+    with `fp8` the FP8_PARAMS quantized, block scales and all, as an FP8 checkpoint holds them;
+    with `int4` (method "rtn") the INT4_PARAMS in 4 bits, as `--weights int4` quantizes a checkpoint.
     `progress` as in load_into, counting parameters and their bytes in `dtype`."""
     g = torch.Generator(device=device).manual_seed(seed)
     in_fp8 = _fp8_params(places, fp8)
+    in_int4 = _int4_params(places, int4, {})
     width = torch.empty((), dtype=dtype).element_size()
     params = [(key, name, p.numel()) for key, module in modules.items() for name, p in module.named_parameters()]
     total, done, count = sum(n for *_, n in params) * width, 0, 0
@@ -398,14 +599,26 @@ def fill_random(modules: dict[str, nn.Module], places: dict[str, dict[str, Place
             shape = tuple(p.shape) if p.dim() != 2 or "conv" not in pname else (p.shape[0], 1, p.shape[1])
             t = random_tensor(names[pname], shape, g).reshape(p.shape)
             if (key, pname) in in_fp8:
-                q = quantize_ref(t)
-                _assign(module, pname, q.w)
-                _assign(module, pname + "_scale", q.scale)
+                _assign_product(module, pname, quantize_ref(t))
+            elif (key, pname) in in_int4:
+                _assign_product(module, pname, int4_quantize(t, int4.group, True))
             else:
                 _assign(module, pname, t.to(dt))
             done, count = done + p.numel() * width, count + 1
             if progress is not None:
-                progress(LoadProgress("weights", done, total, count, len(params), bool(in_fp8)))
+                progress(LoadProgress("weights", done, total, count, len(params), bool(in_fp8 or in_int4)))
+
+
+def _assign_product(module: nn.Module, name: str, tensor: torch.Tensor | BlockFP8 | GroupInt4):
+    """A parameter as the model keeps it: a tensor, an FP8 one as `<name>` and `<name>_scale`, a
+    4-bit one as `<name>` (the packed int32 weights), `<name>_scale` and, where it has them,
+    `<name>_zero` and `<name>_perm` (engine/dispatch.py: weight() puts them together again)."""
+    if isinstance(tensor, (BlockFP8, GroupInt4)):
+        for suffix, part in zip(("", "_scale", "_zero", "_perm"), tensor):
+            if part is not None:
+                _assign(module, name + suffix, part)
+    else:
+        _assign(module, name, tensor)
 
 
 def _assign(module: nn.Module, name: str, tensor: torch.Tensor):

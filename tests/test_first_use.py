@@ -105,7 +105,7 @@ def _edit_config(folder: Path, **top):
 
 @pytest.mark.parametrize("quant", [
     {"quant_method": "awq", "bits": 4, "group_size": 128},
-    {"quant_method": "gptq", "bits": 4},
+    {"quant_method": "bitsandbytes", "load_in_4bit": True},
 ])
 def test_a_quantization_config_is_refused_by_name(capsys, copy, quant):
     _edit_config(copy, quantization_config=quant)
@@ -113,7 +113,7 @@ def test_a_quantization_config_is_refused_by_name(capsys, copy, quant):
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and f"quant_method '{quant['quant_method']}' is not supported" in lines[0]
-    assert "use the unquantized (bf16) or the FP8 release" in lines[0]
+    assert "use the GPTQ Int4, FP8 or unquantized (bf16) release" in lines[0]
 
 
 @pytest.mark.parametrize("change, message", [

@@ -1,0 +1,257 @@
+"""4-bit checkpoints (GPTQ, compressed-tensors pack-quantized) and --weights int4 on load (float32,
+CPU): a 4-bit model is the model of its dequantized weights, which transformers reads as the
+oracle (the MTP head: our float32 engine on those weights); quantizing on load stores exactly what
+an offline quantization stores; greedy MTP on equals MTP off; what cannot be read is refused in
+one line."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine.config import ModelConfig, UnsupportedFormat, rtn_format
+from mtpchat.engine.weights import WeightsError
+from mtpchat.kernels.int4 import quantize_ref
+from tools.int4 import ALIGNED, write_compressed_checkpoint, write_gptq_checkpoint, write_rtn_checkpoint
+from tools.tiny import write_tiny_checkpoint
+from helpers import assert_mtp_on_equals_off, random_ids, rel_err
+from mtp_support import generate, load, profile_drafter
+
+transformers = pytest.importorskip("transformers")
+
+LENGTHS = (1, 63, 130, 257)
+KINDS = {   # name -> (writer, options)
+    "gptq": (write_gptq_checkpoint, {}),                                     # the official releases' layout
+    "gptq-desc-act": (write_gptq_checkpoint, dict(desc_act=True, dynamic={"-:.*visual.*": {}})),
+    "gptq-v2-asym": (write_gptq_checkpoint, dict(symmetric=False, v2=True, dynamic={})),
+    "ct-sym": (write_compressed_checkpoint, {}),
+    "ct-asym-actorder": (write_compressed_checkpoint, dict(symmetric=False, desc_act=True)),
+    "gptq-moe": (write_gptq_checkpoint, dict(moe=True, desc_act=True, dynamic={"-:.*visual.*": {}})),
+    "ct-moe": (write_compressed_checkpoint, dict(moe=True, symmetric=False)),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            writer, options = KINDS[kind]
+            made[kind] = writer(tmp_path_factory.mktemp(kind), **options)
+        return made[kind]
+    return get
+
+
+def int4_params(engine, module=None) -> list[str]:
+    return [n for n, p in (module or engine.model).named_parameters() if p.dtype == torch.int32]
+
+
+def oracle(twin: Path):
+    config = json.loads((twin / "config.json").read_text())
+    cls = transformers.Qwen3_5MoeForCausalLM if "Moe" in config["architectures"][0] else transformers.Qwen3_5ForCausalLM
+    return cls.from_pretrained(twin, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_4bit_logits_equal_transformers_on_the_dequantized_weights(ckpts, kind):
+    quantized, twin = ckpts(kind)
+    engine = Engine.load(quantized, max_context=512, prefill_chunk=48)
+    assert engine.weight_format == "int4" and engine.int4.method == KINDS[kind][0].__name__.split("_")[1].replace(
+        "compressed", "compressed-tensors")
+    stored = int4_params(engine)
+    assert any(n.endswith("mlp.experts_gate_up" if "moe" in kind else "mlp.gate_up") for n in stored)
+    if kind == "gptq":       # the official releases: the MLPs in 4 bits, attention (GDN and full) in bf16
+        assert all(".mlp." in n for n in stored)
+    if "desc-act" in kind or kind == "gptq-moe":
+        assert any(n.endswith("_perm") for n, _ in engine.model.named_parameters())
+    ref = oracle(twin)
+    for n in LENGTHS:
+        ids = random_ids(n, n, engine.config.vocab_size)
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0]
+        assert rel_err(engine.logits(ids), want) < 1e-4, n
+
+
+def test_parts_of_different_column_orders_keep_their_product_in_the_model_dtype(tmp_path):
+    # desc_act with each module its own order: gate and up (q|k|v, the GDN's qkv|z) cannot share one
+    quantized, twin = write_gptq_checkpoint(tmp_path, desc_act=True, mixed_orders=True, dynamic={})
+    engine = Engine.load(quantized, max_context=512)
+    params = dict(engine.model.named_parameters())
+    assert params["layers.0.mlp.gate_up"].dtype == torch.float32 and "layers.0.mlp.gate_up_perm" not in params
+    assert params["layers.0.mlp.down"].dtype == torch.int32 and "layers.0.mlp.down_perm" in params
+    ids = random_ids(70, 3, engine.config.vocab_size)
+    with torch.no_grad():
+        want = oracle(twin)(torch.tensor([ids])).logits[0]
+    assert rel_err(engine.logits(ids), want) < 1e-4
+
+
+def head_rows(engine, prompt, ref_tokens) -> list[torch.Tensor]:
+    """The MTP head's rows that count in every call during a greedy generation with drafts of a
+    chosen acceptance (the same calls on any engine that generates the same tokens): all of a
+    chained draft, the rows of positions already fed of the others (the rest are scratch)."""
+    rows = []
+
+    def keep(m, args, out):
+        ids, ctx = args[1], args[4]
+        pos = ctx.positions + torch.arange(len(ids)) if ctx.positions.numel() == 1 else ctx.positions
+        fed = engine.state.length
+        rows.append(out.clone() if len(ids) == 1 and int(pos[0]) >= fed else out[pos < fed].clone())
+    engine.drafter = profile_drafter(ref_tokens, 3, engine)
+    hook = engine.head.register_forward_hook(keep)
+    try:
+        out = generate(engine, prompt, SamplingParams(max_tokens=40, stop_token_ids=()))[-1].token_ids
+    finally:
+        hook.remove()
+        engine.drafter = None
+    assert list(out) == ref_tokens
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["ct-sym", "ct-moe"])
+def test_the_4bit_mtp_head_equals_the_float32_one_on_the_dequantized_weights(ckpts, kind):
+    quantized, twin = ckpts(kind)
+    mine, plain = load(quantized, draft_tokens=3), load(twin, draft_tokens=3)
+    assert int4_params(mine, mine.head)        # the MTP layer's products in 4 bits
+    prompt = random_ids(60, 5, mine.config.vocab_size)
+    ref = list(generate(plain, prompt, SamplingParams(max_tokens=40, stop_token_ids=()))[-1].token_ids)
+    got, want = head_rows(mine, prompt, ref), head_rows(plain, prompt, ref)
+    assert len(got) == len(want) > 10
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["ct-asym-actorder", "gptq-moe"])
+def test_greedy_mtp_on_equals_off_in_4bits(ckpts, kind):
+    engine = Engine.load(ckpts(kind)[0], max_context=512)
+    prompts = [random_ids(17 + 30 * seed, seed, engine.config.vocab_size) for seed in range(2)]
+    assert_mtp_on_equals_off(engine, prompts, 30, ks=(1, 3))
+
+
+def stored_tensors(engine) -> dict[str, torch.Tensor]:
+    return {f"{key}.{n}": p for key, m in (("model", engine.model), ("mtp", engine.head))
+            for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("source", ["float", "fp8"])
+def test_weights_int4_on_load_equals_quantizing_offline(tmp_path, source):
+    ckpt = write_tiny_checkpoint(tmp_path / source, fp8=source == "fp8", **ALIGNED)
+    offline = write_rtn_checkpoint(ckpt, tmp_path / "offline")
+    on_load, from_disk = Engine.load(ckpt, weights="int4"), Engine.load(offline)
+    assert on_load.int4 == rtn_format() and on_load.weight_format == from_disk.weight_format == "int4"
+    mine, theirs = stored_tensors(on_load), stored_tensors(from_disk)
+    assert mine.keys() == theirs.keys()
+    assert len(int4_params(on_load)) == 4 * 4 and len(int4_params(on_load, on_load.head)) == 4
+    for name in mine:
+        assert mine[name].dtype == theirs[name].dtype and torch.equal(mine[name], theirs[name]), name
+    kept = dict(on_load.model.named_parameters())
+    assert kept["layers.0.mixer.in_proj_ba"].dtype == kept["embed"].dtype == kept["lm_head"].dtype == torch.float32
+    assert kept["layers.0.mixer.in_proj_scale"].dtype == torch.float16
+
+
+def test_quantizing_a_fused_product_part_by_part_equals_quantizing_the_whole():
+    # groups run along K, so the rows of each part (q|k|v, gate|up) quantize on their own as in the whole
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(rows, 384, generator=g) for rows in (256, 64, 64, 8)]
+    whole = quantize_ref(torch.cat(parts))
+    each = [quantize_ref(p) for p in parts]
+    assert torch.equal(whole.w, torch.cat([q.w for q in each]))
+    assert torch.equal(whole.scale, torch.cat([q.scale for q in each]))
+
+
+def test_random_weights_in_4bits():
+    c = ModelConfig.from_dict(json.loads(json.dumps(  # the tiny aligned shapes, as a bare config
+        {"model_type": "qwen3_5_text", "vocab_size": 256, "num_hidden_layers": 4, "mtp_num_hidden_layers": 1,
+         **ALIGNED, "layer_types": ["linear_attention"] * 3 + ["full_attention"]})))
+    engine = Engine(c, weights="int4", max_context=256)
+    assert engine.weight_format == "int4" and len(int4_params(engine)) == 4 * 4
+    assert Engine(c, max_context=256).weight_format == "float32"
+    logits = engine.logits(random_ids(20, 0, 256))
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_weights_bf16_dequantizes_a_4bit_checkpoint(ckpts):
+    quantized, twin = ckpts("ct-sym")
+    plain = Engine.load(quantized, weights="bf16")
+    assert plain.int4 is None and not int4_params(plain) and plain.weight_format == "float32"
+    ids = random_ids(40, 1, plain.config.vocab_size)
+    assert rel_err(plain.logits(ids), Engine.load(twin).logits(ids)) < 1e-6
+    with pytest.raises(UnsupportedFormat, match="this checkpoint is in 4 bits"):
+        Engine.load(quantized, weights="fp8")
+
+
+# --- what cannot be read ----------------------------------------------------------------------------
+def with_config(src: Path, dst: Path, **quant) -> Path:
+    folder = Path(shutil.copytree(src, dst))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = config["quantization_config"] | quant
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"bits": 8}, "GPTQ bits 8 is not supported (only 4-bit GPTQ is read)"),
+    ({"group_size": -1}, "GPTQ group_size -1 is not supported"),
+    ({"checkpoint_format": "marlin"}, "GPTQ checkpoint_format 'marlin' is not supported"),
+    ({"dynamic": {"+:.*down_proj.*": {"bits": 8}}}, "GPTQ dynamic rule '+:.*down_proj.*' changing {'bits': 8}"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "NVIDIA ModelOpt quantization NVFP4 is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+      "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16}}}},
+     "compressed-tensors format 'nvfp4-pack-quantized' (config group 'group_0') is not supported"),
+    ({"quant_method": "gguf"}, "GGUF quantization is not supported"),
+])
+def test_unsupported_4bit_forms_are_refused_in_one_line(ckpts, tmp_path, change, message):
+    folder = with_config(ckpts("gptq")[0], tmp_path / "bad", **change)
+    with pytest.raises(UnsupportedFormat) as e:
+        Engine.load(folder)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_gguf_folder_is_refused(tmp_path):
+    (tmp_path / "Qwen3.5-27B-Q4_K_M.gguf").write_bytes(b"GGUF")
+    with pytest.raises(UnsupportedFormat, match="a GGUF checkpoint .Qwen3.5-27B-Q4_K_M.gguf. is not supported"):
+        Engine.load(tmp_path)
+
+
+def damage(src: Path, dst: Path, name: str, value) -> Path:
+    """A copy of checkpoint src with tensor `name` replaced by value (None: removed)."""
+    folder = Path(shutil.copytree(src, dst))
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"][name]
+    held = load_file(str(folder / shard))
+    if value is None:
+        del held[name], index["weight_map"][name]
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        held[name] = value
+    save_file(held, str(folder / shard), metadata={"format": "pt"})
+    return folder
+
+
+DOWN = "model.language_model.layers.0.mlp.down_proj"
+
+
+@pytest.mark.parametrize("kind, tensor, value, message", [
+    ("gptq", "qweight", torch.zeros(3, 3, dtype=torch.int32),
+     rf"{DOWN}.qweight has shape \[3, 3\], expected \[48, 256\]"),
+    ("gptq", "qzeros", None, rf"the 4-bit module {DOWN} has no {DOWN}.qzeros"),
+    ("gptq", "scales", torch.ones(3, 256, dtype=torch.int32), rf"{DOWN}.scales is stored as I32, expected F16 or BF16"),
+    ("gptq", "g_idx", torch.zeros(384, dtype=torch.int32), rf"{DOWN}.g_idx: g_idx does not put exactly 128"),
+    ("ct-asym-actorder", "weight_zero_point", None, rf"the 4-bit module {DOWN} has no {DOWN}.weight_zero_point"),
+    ("ct-sym", "weight_shape", torch.tensor([256, 385]), rf"{DOWN}.weight_shape says \[256, 385\], expected \[256, 384\]"),
+])
+def test_damaged_4bit_tensors_are_named(ckpts, tmp_path, kind, tensor, value, message):
+    folder = damage(ckpts(kind)[0], tmp_path / "bad", f"{DOWN}.{tensor}", value)
+    with pytest.raises(WeightsError, match=message):
+        Engine.load(folder)
+
+
+def test_a_4bit_config_over_float_weights_is_refused(ckpts, tmp_path):
+    quantized, twin = ckpts("gptq")
+    folder = Path(shutil.copytree(twin, tmp_path / "mislabelled"))
+    shutil.copy(quantized / "config.json", folder / "config.json")
+    with pytest.raises(UnsupportedFormat, match="no module is stored so; the config does not belong"):
+        Engine.load(folder)
