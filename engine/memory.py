@@ -230,6 +230,16 @@ def step_read_bytes(cfg: ModelConfig, dtype="bfloat16", weights: str | None = No
     return layers + (embedding_params(cfg) + cfg.hidden_size) * nbytes
 
 
+def head_read_bytes(cfg: ModelConfig, dtype="bfloat16", weights: str | None = None) -> int:
+    """The weight bytes one MTP draft step reads of the head, its lm_head rows aside: the fc, the
+    norms and the head's layer(s) (of their routed experts the k one token chooses)."""
+    nbytes, fp8, int4 = dtype_bytes(dtype), _is_fp8(cfg, weights), int4_format(cfg, weights)
+    k, h = (cfg.num_experts_per_tok if cfg.is_moe else None), cfg.hidden_size
+    return (2 * h * h + 3 * h) * nbytes + sum(
+        _layer_weight_bytes(cfg, "full_attention", nbytes, fp8, f"{MTP_LAYERS}.{j}", int4, experts=k)
+        for j in range(cfg.mtp_num_hidden_layers))
+
+
 def _is_fp8(cfg: ModelConfig, weights: str | None) -> bool:
     return weights == "fp8" or (weights is None and cfg.quantization == "fp8")
 

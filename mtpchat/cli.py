@@ -22,7 +22,7 @@ from mtpchat import loader
 from mtpchat.args import build_parser, has_module as _has_module, options_from
 from mtpchat.errors import NotAvailable, UserError, as_user_error
 from mtpchat.malloc import cpu_allocator
-from mtpchat.models import list_models
+from mtpchat.models import WEIGHT_LABELS, list_models
 
 if TYPE_CHECKING:
     from mtpchat.chat.engine import ChatEngine
@@ -147,7 +147,8 @@ def dry_run(options) -> int:
     cfg = prep.config
     print(f"model: {prep.name}" + (f" ({prep.path})" if prep.path else ""))
     print(f"parameters: {memory.text_params(cfg):,} text + {memory.mtp_params(cfg):,} MTP")
-    print(f"device: {prep.device}, {prep.dtype}{', FP8 weights' if prep.plan.weight_format == 'fp8' else ''}; "
+    label = WEIGHT_LABELS.get(prep.plan.weight_format)
+    print(f"device: {prep.device}, {prep.dtype}{f', {label} weights' if label else ''}; "
           f"MTP {'on' if prep.mtp else 'off'}, "
           f"{prep.draft_tokens} draft tokens per step; CUDA graphs {'on' if prep.cuda_graphs else 'off'}")
     print("\n".join(memory.describe(prep.plan)))
