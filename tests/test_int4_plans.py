@@ -168,3 +168,11 @@ def test_the_bytes_a_step_reads_agree_with_the_engine(tmp_path, moe):
                                  weight_format="int4")
     assert bench.step_bytes(int4) == memory.step_read_bytes(engine.config, engine.dtype, "int4") < bench.step_bytes(engine)
     assert bench.draft_bytes(int4) - rows == memory.head_read_bytes(engine.config, engine.dtype, "int4")
+
+
+@pytest.mark.parametrize("quantizing, label", [(True, ", quantizing to FP8"), ("fp8", ", quantizing to FP8"),
+                                               ("int4", ", quantizing to int4"), (False, ""), ("", "")])
+def test_the_load_bar_names_what_the_weights_are_quantized_to(quantizing, label):
+    from mtpchat.engine.events import LoadProgress
+    from mtpchat.progress import stage_label
+    assert stage_label(LoadProgress("weights", 1, 2, 1, 2, quantizing)) == "loading weights" + label
