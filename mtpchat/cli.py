@@ -212,9 +212,10 @@ def cmd_run(args) -> int:
                         "raise --max-context or shorten the prompt")
     params = loader.sampling_params(options, prep.path)
     shown = None if args.json else Shown(sys.stdout, sys.stdout if args.show_thinking else sys.stderr)
-    result = generate(LocalEngine(engine), prompt_ids, params, shown)
+    local = LocalEngine(engine)
+    result = generate(local, prompt_ids, params, shown)
     if args.json:
-        result.update(model=prep.name, device=prep.device, dtype=prep.dtype,
+        result.update(model=prep.name, device=prep.device, dtype=prep.dtype, weights=local.weight_format,
                       mtp=bool(engine.mtp), draft_tokens=engine.draft_tokens, adaptive_k=bool(engine.adaptive),
                       draft_vocab=engine.draft_vocab)
         print(json.dumps(result, ensure_ascii=False))

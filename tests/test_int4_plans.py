@@ -176,3 +176,9 @@ def test_the_load_bar_names_what_the_weights_are_quantized_to(quantizing, label)
     from mtpchat.engine.events import LoadProgress
     from mtpchat.progress import stage_label
     assert stage_label(LoadProgress("weights", 1, 2, 1, 2, quantizing)) == "loading weights" + label
+
+
+def test_run_json_says_how_the_weights_are_held(capsys, tiny):
+    assert cli.main(["run", "--model", str(tiny), "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
+                     "--no-think", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weights"] == "float32"
