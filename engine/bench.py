@@ -1,8 +1,8 @@
 """Measurements for `mtpchat bench`: MTP off vs on, phase times, against the bandwidth floor.
 
 The floor of a decode step is the bytes of weights it must read (every target weight but the
-embedding rows it does not touch, plus the lm_head) over the device-to-device copy bandwidth
-measured in the same run. Every time is reported with its ratio to that floor.
+embedding rows it does not touch, plus the lm_head; in 4 bits, the memory plan's count of them)
+over the device-to-device copy bandwidth measured in the same run. Every time is reported with its ratio to that floor.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from mtpchat.engine import memory
 from mtpchat.engine.dispatch import linear
 from mtpchat.engine.events import Finished, Prefilled, Step
 from mtpchat.engine.sampling import SamplingParams
@@ -58,7 +59,10 @@ def _unread_experts(module, config) -> int:
 
 def step_bytes(engine) -> int:
     """Weight bytes one decode step reads: all layers, the final norm and the lm_head; of an MoE
-    layer's routed experts only the k one token chooses."""
+    layer's routed experts only the k one token chooses. 4-bit weights (packed words, scales,
+    zeros, column orders) are counted as the memory plan stores them."""
+    if getattr(engine, "weight_format", None) == "int4":
+        return memory.step_read_bytes(engine.config, engine.dtype, "int4")
     total = sum(_size(p) for p in engine.model.parameters()) - _unread_experts(engine.model, engine.config)
     if not engine.config.tie_word_embeddings:
         total -= _size(engine.model.embed)          # only the looked-up rows are read
@@ -67,12 +71,15 @@ def step_bytes(engine) -> int:
 
 def draft_bytes(engine) -> int:
     """Weight bytes one MTP draft step reads: the head's layer and fc, and the lm_head again (the
-    trimmed draft head's rows where there is one)."""
+    trimmed draft head's rows where there is one); in 4 bits the head as the memory plan counts it."""
     if engine.head is None:
         return 0
     draft = engine.decoder.draft_rows
+    rows = _size(draft.w if draft is not None else engine.model.head)
+    if getattr(engine, "weight_format", None) == "int4":
+        return memory.head_read_bytes(engine.config, engine.dtype, "int4") + rows
     return (sum(_size(p) for p in engine.head.parameters()) - _unread_experts(engine.head, engine.config)
-            + _size(draft.w if draft is not None else engine.model.head))
+            + rows)
 
 
 def generate(engine, prompt: list[int], tokens: int, mtp: bool, k: int = 3, drafter=None,

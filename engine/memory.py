@@ -8,7 +8,10 @@ What each part counts (27B numbers in bf16, see qwen35-model.md §9):
   weights    text params (embedding, layers, final norm, lm_head unless tied) + the MTP head
              (fc, one decoder layer, three norms); 26,895,998,464 + 424,699,392 params; with the
              head, the trimmed draft vocabulary's own copy of its lm_head rows and their token ids
-             (engine/draft_vocab.py): 32,768 x (5,120 x 2 + 8) bytes
+             (engine/draft_vocab.py): 32,768 x (5,120 x 2 + 8) bytes. In FP8 (`weights="fp8"`, an
+             FP8 release) or 4 bits (`weights="int4"`, a GPTQ / compressed-tensors release: the
+             products its format quantizes, by the checkpoint's module names) the layers' products
+             take their stored form's bytes; the embedding, lm_head, router and MTP fc stay as they are
   kv         K and V of the main full-attention layers for max_context tokens (plus the k_max+1
              rows a verify step may write past the end): 64 KiB/token
   mtp_kv     the same for the MTP layer(s): 4 KiB/token
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.config import Int4Format, ModelConfig
 from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocab_bytes
 from mtpchat.engine.units import fmt_bytes  # noqa: F401  (memory.fmt_bytes: the CLI's name for it)
 
@@ -113,11 +116,24 @@ def mtp_params(cfg: ModelConfig) -> int:
 
 
 FP8_BLOCK = 128             # rows and columns of one FP8 scale (kernels/fp8.py)
+# `--weights int4`: every product of the layers quantized on load to 4 bits, a float16 scale per
+# row and 128 columns, symmetric (kernels/int4.py)
+INT4_ON_LOAD = Int4Format("rtn", group=128, symmetric=True)
+TEXT_LAYERS = "model.language_model.layers"   # the official checkpoints' module names (Int4Format.skip)
+MTP_LAYERS = "mtp.layers"
 
 
 def _fp8_bytes(N: int, K: int) -> int:
     """An FP8 product: a byte a weight and a float32 scale per 128 x 128 block."""
     return N * K + -(-N // FP8_BLOCK) * -(-K // FP8_BLOCK) * 4
+
+
+def int4_bytes(N: int, K: int, fmt: Int4Format) -> int:
+    """A 4-bit product as the engine keeps it (kernels/int4.py GroupInt4): half a byte a weight, a
+    float16 scale per row and group, a byte zero per row and group unless symmetric, and the int32
+    column order of a desc_act GPTQ weight."""
+    groups = -(-K // fmt.group)
+    return N * K // 2 + N * groups * (2 if fmt.symmetric else 3) + (4 * K if fmt.desc_act else 0)
 
 
 def _fused(parts: list[int], K: int, nbytes: int, fp8: bool) -> int:
@@ -128,48 +144,104 @@ def _fused(parts: list[int], K: int, nbytes: int, fp8: bool) -> int:
     return sum(parts) * K * nbytes
 
 
-def _layer_weight_bytes(cfg: ModelConfig, kind: str, nbytes: int, fp8: bool) -> int:
-    """One decoder layer's weights as the engine stores them (FP8: the products of FP8_PARAMS)."""
+def _product(parts: list[tuple[str, int]], K: int, nbytes: int, fp8: bool, int4: Int4Format | None) -> int:
+    """One (fused) product of the layers: its parts as (checkpoint module name, rows) over K columns.
+    In 4 bits each part the format quantizes (the others stay in the model dtype), else _fused."""
+    if int4 is not None:
+        return sum(int4_bytes(rows, K, int4) if int4.quantizes(name) else rows * K * nbytes for name, rows in parts)
+    return _fused([rows for _, rows in parts], K, nbytes, fp8)
+
+
+def _layer_weight_bytes(cfg: ModelConfig, kind: str, nbytes: int, fp8: bool, prefix: str = f"{TEXT_LAYERS}.0",
+                        int4: Int4Format | None = None, experts: int | None = None) -> int:
+    """One decoder layer's weights as the engine stores them (FP8: the products of FP8_PARAMS; 4
+    bits: the products `int4` quantizes, named as in the checkpoint under `prefix`). `experts`:
+    count only that many of an MoE layer's routed experts (what one token reads), else all."""
     h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    product = lambda parts, K, fp8=fp8: _product(parts, K, nbytes, fp8, int4)
     norms = 2 * h * nbytes
+    mlp = f"{prefix}.mlp"
     if cfg.is_moe:
         # the router (bf16), then each routed expert (its gate and up parts on whole blocks for
         # FP8) and the shared expert; stacked, so per expert's blocks
         E, Fm, Fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-        experts = E * (_fused([Fm, Fm], h, nbytes, fp8 and Fm % FP8_BLOCK == 0)
-                       + _fused([h], Fm, nbytes, fp8 and h % FP8_BLOCK == 0))
-        shared = _fused([Fs] * 2, h, nbytes, fp8) + _fused([h], Fs, nbytes, fp8) if Fs else 0
-        mlp = (E + (1 if Fs else 0)) * h * nbytes + experts + shared
+        expert = lambda e: (product([(f"{mlp}.experts.{e}.gate_proj", Fm), (f"{mlp}.experts.{e}.up_proj", Fm)], h,
+                                    fp8 and Fm % FP8_BLOCK == 0)
+                            + product([(f"{mlp}.experts.{e}.down_proj", h)], Fm, fp8 and h % FP8_BLOCK == 0))
+        # every expert's own name only where a 4-bit format could skip some of them
+        routed = sum(map(expert, range(E))) if int4 is not None and int4.skip else E * expert(0)
+        routed = routed if experts is None else routed * experts // E
+        shared = (product([(f"{mlp}.shared_expert.gate_proj", Fs), (f"{mlp}.shared_expert.up_proj", Fs)], h)
+                  + product([(f"{mlp}.shared_expert.down_proj", h)], Fs)) if Fs else 0
+        mlp_bytes = (E + (1 if Fs else 0)) * h * nbytes + routed + shared
     else:
-        mlp = _fused([cfg.intermediate_size] * 2, h, nbytes, fp8) + _fused([h], cfg.intermediate_size, nbytes, fp8)
+        F = cfg.intermediate_size
+        mlp_bytes = product([(f"{mlp}.gate_proj", F), (f"{mlp}.up_proj", F)], h) + product([(f"{mlp}.down_proj", h)], F)
     if kind == "full_attention":
-        mixer = (_fused([2 * cfg.q_dim, cfg.kv_dim, cfg.kv_dim], h, nbytes, fp8)
-                 + _fused([h], cfg.q_dim, nbytes, fp8) + 2 * cfg.head_dim * nbytes)
+        p = f"{prefix}.self_attn"
+        mixer = (product([(f"{p}.q_proj", 2 * cfg.q_dim), (f"{p}.k_proj", cfg.kv_dim), (f"{p}.v_proj", cfg.kv_dim)], h)
+                 + product([(f"{p}.o_proj", h)], cfg.q_dim) + 2 * cfg.head_dim * nbytes)
     else:
-        # [qkv | z] (with [b | a] fused in unless FP8 keeps them apart), the conv, the gated norm,
-        # A_log and dt_bias in float32, out_proj
-        inputs = _fused([cfg.conv_dim, cfg.value_dim], h, nbytes, fp8) + 2 * hv * h * nbytes if fp8 else \
-            _fused([cfg.conv_dim, cfg.value_dim, hv, hv], h, nbytes, fp8)
+        # [qkv | z], [b | a] in the model dtype (fused with them where neither FP8 nor 4 bits keeps
+        # them apart: the same bytes), the conv, the gated norm, A_log and dt_bias in float32, out_proj
+        p = f"{prefix}.linear_attn"
+        inputs = product([(f"{p}.in_proj_qkv", cfg.conv_dim), (f"{p}.in_proj_z", cfg.value_dim)], h) + 2 * hv * h * nbytes
         mixer = (inputs + (cfg.conv_dim * cfg.linear_conv_kernel_dim + cfg.linear_value_head_dim) * nbytes
-                 + 2 * hv * 4 + _fused([h], cfg.value_dim, nbytes, fp8))
-    return mixer + mlp + norms
+                 + 2 * hv * 4 + product([(f"{p}.out_proj", h)], cfg.value_dim))
+    return mixer + mlp_bytes + norms
+
+
+def int4_format(cfg: ModelConfig, weights: str | None) -> Int4Format | None:
+    """The 4-bit format the engine keeps the products in for Engine's `weights`: a 4-bit
+    checkpoint's own (None or "int4"), INT4_ON_LOAD for "int4" on any other; else None."""
+    if cfg.quantization == "int4" and weights in (None, "int4"):
+        return cfg.int4 or INT4_ON_LOAD
+    return INT4_ON_LOAD if weights == "int4" else None
 
 
 def weight_bytes(cfg: ModelConfig, dtype="bfloat16", mtp: bool = True, fp8: bool = False,
-                 draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> int:
-    """What the engine allocates for the weights: the products of FP8_PARAMS in FP8 with `fp8`,
-    the rest (embedding, lm_head, norms, the GDN's conv, [b | a], A_log and dt_bias, the MTP fc) in
-    the model dtype, A_log and dt_bias in float32."""
+                 draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, int4: Int4Format | None = None) -> int:
+    """What the engine allocates for the weights: the products of FP8_PARAMS in FP8 with `fp8`, or
+    those `int4` quantizes in 4 bits, the rest (embedding, lm_head, norms, the GDN's conv, [b | a],
+    the router, the MTP fc) in the model dtype, A_log and dt_bias in float32."""
     nbytes = dtype_bytes(dtype)
     heads = 1 if cfg.tie_word_embeddings else 2
     total = heads * embedding_params(cfg) * nbytes + cfg.hidden_size * nbytes
-    total += sum(_layer_weight_bytes(cfg, kind, nbytes, fp8) for kind in cfg.layer_types)
+    total += sum(_layer_weight_bytes(cfg, kind, nbytes, fp8, f"{TEXT_LAYERS}.{i}", int4)
+                 for i, kind in enumerate(cfg.layer_types))
     if mtp and cfg.has_mtp:
         h = cfg.hidden_size
-        total += (2 * h * h + 3 * h) * nbytes + cfg.mtp_num_hidden_layers * _layer_weight_bytes(
-            cfg, "full_attention", nbytes, fp8)
+        total += (2 * h * h + 3 * h) * nbytes + sum(
+            _layer_weight_bytes(cfg, "full_attention", nbytes, fp8, f"{MTP_LAYERS}.{j}", int4)
+            for j in range(cfg.mtp_num_hidden_layers))
         total += draft_vocab_bytes(cfg.vocab_size, h, draft_vocab, nbytes)
     return total
+
+
+def step_read_bytes(cfg: ModelConfig, dtype="bfloat16", weights: str | None = None) -> int:
+    """The weight bytes one decode step of the target reads, as the memory plan stores them: every
+    layer (of an MoE layer's routed experts the k one token chooses), the final norm and the
+    lm_head; of the embedding only the looked-up row (nothing, next to the rest), unless it is the
+    tied lm_head. `weights`: as plan_memory's."""
+    nbytes, fp8, int4 = dtype_bytes(dtype), _is_fp8(cfg, weights), int4_format(cfg, weights)
+    k = cfg.num_experts_per_tok if cfg.is_moe else None
+    layers = sum(_layer_weight_bytes(cfg, kind, nbytes, fp8, f"{TEXT_LAYERS}.{i}", int4, experts=k)
+                 for i, kind in enumerate(cfg.layer_types))
+    return layers + (embedding_params(cfg) + cfg.hidden_size) * nbytes
+
+
+def head_read_bytes(cfg: ModelConfig, dtype="bfloat16", weights: str | None = None) -> int:
+    """The weight bytes one MTP draft step reads of the head, its lm_head rows aside: the fc, the
+    norms and the head's layer(s) (of their routed experts the k one token chooses)."""
+    nbytes, fp8, int4 = dtype_bytes(dtype), _is_fp8(cfg, weights), int4_format(cfg, weights)
+    k, h = (cfg.num_experts_per_tok if cfg.is_moe else None), cfg.hidden_size
+    return (2 * h * h + 3 * h) * nbytes + sum(
+        _layer_weight_bytes(cfg, "full_attention", nbytes, fp8, f"{MTP_LAYERS}.{j}", int4, experts=k)
+        for j in range(cfg.mtp_num_hidden_layers))
+
+
+def _is_fp8(cfg: ModelConfig, weights: str | None) -> bool:
+    return weights == "fp8" or (weights is None and cfg.quantization == "fp8")
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype="bfloat16") -> int:
@@ -236,7 +308,8 @@ class MemoryPlan:
     mtp: bool
     dtype: str
     bytes_per_token: int          # kv + mtp_kv for one more token of context
-    weight_format: str = "bf16"   # "fp8": the big products in block-scaled FP8; else the model dtype's name
+    weight_format: str = "bf16"   # "fp8": the big products in block-scaled FP8; "int4": (some of) them in
+                                  # 4 bits; else the model dtype's name
 
     @property
     def total(self) -> int:
@@ -267,10 +340,11 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloa
     """The plan for one sequence of up to max_context tokens, with room for up to k_max drafts per
     step. `mtp` says whether the MTP head is loaded (its weights, KV and the graphs of the
     speculative steps); the GDN step state is the same either way, as the engine allocates it.
-    `weights`: "fp8", "bf16", or None for the checkpoint's own format (Engine's `weights`);
+    `weights`: "fp8", "int4", "bf16", or None for the checkpoint's own format (Engine's `weights`;
+    "int4" keeps a 4-bit checkpoint's own format, and quantizes any other as INT4_ON_LOAD);
     `draft_vocab`: Engine's (the trimmed draft head's rows; 0 or None: the full head)."""
     mtp = mtp and cfg.has_mtp
-    fp8 = weights == "fp8" or (weights is None and cfg.quantization == "fp8")
+    fp8, int4 = _is_fp8(cfg, weights), int4_format(cfg, weights)
     act = _activation_bytes_per_token(cfg, dtype)
     drafts = range(1, k_max + 1) if mtp else range(0)
     # one captured graph per step shape: decode (1 token), then verify (k+1) and draft (k) per k
@@ -278,7 +352,7 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloa
     per_token = kv_bytes_per_token(cfg, dtype) + (mtp_kv_bytes_per_token(cfg, dtype) if mtp else 0)
     rows = max_context + k_max + 1   # a verify step may write k_max+1 rows past the last position
     return MemoryPlan(
-        weights=weight_bytes(cfg, dtype, mtp, fp8, draft_vocab),
+        weights=weight_bytes(cfg, dtype, mtp, fp8, draft_vocab, int4),
         kv=kv_bytes_per_token(cfg, dtype) * rows,
         mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * rows if mtp else 0,
         gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
@@ -286,7 +360,7 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloa
         workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes)),
         snapshots=snapshots * snapshot_bytes(cfg, dtype),
         max_context=max_context, k_max=k_max, mtp=mtp, dtype=str(dtype).removeprefix("torch."),
-        bytes_per_token=per_token, weight_format="fp8" if fp8 else str(dtype).removeprefix("torch."))
+        bytes_per_token=per_token, weight_format="fp8" if fp8 else "int4" if int4 else str(dtype).removeprefix("torch."))
 
 
 def max_context_that_fits(cfg: ModelConfig, free: int, k_max: int = 4, dtype="bfloat16",
@@ -309,7 +383,7 @@ def max_context_that_fits(cfg: ModelConfig, free: int, k_max: int = 4, dtype="bf
 
 def describe(plan: MemoryPlan) -> list[str]:
     """The plan as aligned lines for a terminal."""
-    weights = "weights" + (" (FP8)" if plan.weight_format == "fp8" else "")
+    weights = "weights" + {"fp8": " (FP8)", "int4": " (int4)"}.get(plan.weight_format, "")
     rows = [(weights, plan.weights), ("KV cache", plan.kv), ("MTP KV cache", plan.mtp_kv),
             ("GDN state", plan.gdn_state), ("graph pools", plan.graph_pool),
             ("workspace", plan.workspace), ("turn snapshots", plan.snapshots), ("headroom", plan.headroom),

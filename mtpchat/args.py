@@ -77,9 +77,10 @@ def _common() -> argparse.ArgumentParser:
                    help="auto = cuda when available, else cpu (default: auto)")
     m.add_argument("--dtype", default=S, type=_type("dtype"), metavar="{auto,bfloat16,float16,float32}",
                    help="auto = bfloat16 on cuda, float32 on cpu")
-    m.add_argument("--weights", default=S, type=_type("weights"), metavar="{auto,bf16,fp8}",
-                   help="auto = the checkpoint's own format (FP8 for an FP8 release); fp8 = quantize a bf16 "
-                        "checkpoint to FP8 as it loads (half the bytes a token); bf16 = dequantize an FP8 one")
+    m.add_argument("--weights", default=S, type=_type("weights"), metavar="{auto,bf16,fp8,int4}",
+                   help="auto = the checkpoint's own format (FP8 or 4 bits for such a release); fp8 = quantize a "
+                        "bf16 checkpoint to FP8 as it loads (half the bytes a token; Ada or Hopper); int4 = to 4 "
+                        "bits (about a quarter; any GPU mtpchat runs on, or the CPU); bf16 = dequantize")
     m.add_argument("--max-context", default=S, type=_type("max_context"), metavar="N",
                    help="tokens of context to allocate (default: 8192, or what the model "
                         "supports and the memory holds, if less)")

@@ -8,14 +8,18 @@ from pathlib import Path
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.units import fmt_bytes
+from mtpchat.models import WEIGHT_LABELS
 from mtpchat.malloc import cpu_allocator
 
 RANDOM = ("qwen3.6-27b", "qwen3.5-9b", "qwen3.5-4b", "qwen3.5-0.8b", "qwen3.5-35b-a3b")
+# the 4-bit releases: the shipped config of their shape, with their alias's quantization
+RANDOM_4BIT = {"qwen3.5-27b-gptq-int4": "qwen3.6-27b", "qwen3.5-35b-a3b-gptq-int4": "qwen3.5-35b-a3b"}
 
 
 def add_arguments(p):
-    p.add_argument("--random-weights", choices=RANDOM, metavar="NAME",
-                   help=f"random weights of an official shape, built on the device ({', '.join(RANDOM)})")
+    p.add_argument("--random-weights", choices=(*RANDOM, *RANDOM_4BIT), type=str.lower, metavar="NAME",
+                   help=f"random weights of an official shape, built on the device ({', '.join(RANDOM)}; "
+                        f"the 4-bit releases' form: {', '.join(RANDOM_4BIT)})")
     p.add_argument("--context", type=int, default=1024, help="prompt tokens before decoding (default 1024)")
     p.add_argument("--tokens", type=int, default=128, help="tokens generated per measurement (default 128)")
     p.add_argument("--exactness-prompts", type=int, default=1,
@@ -46,6 +50,17 @@ def _configs() -> Path:
     return Path(engine.__file__).parent / "configs"
 
 
+def random_config(name: str) -> ModelConfig:
+    """The config of `--random-weights NAME`: a shipped one, or a 4-bit release's (its shape's
+    shipped config with its alias's quantization: nothing is downloaded)."""
+    config = ModelConfig.load(_configs() / f"{RANDOM_4BIT.get(name, name)}.json")
+    if name in RANDOM_4BIT:
+        from mtpchat.models import alias_config, lookup_alias
+        quantized = alias_config(lookup_alias(name))
+        config = dataclasses.replace(config, quantization=quantized.quantization, int4=quantized.int4)
+    return config
+
+
 def dry_run_options(args):
     """The options whose memory plan `bench --dry-run` prints: random weights are planned from their
     alias's shape, and the context is the one the bench allocates."""
@@ -53,7 +68,7 @@ def dry_run_options(args):
     opts = dataclasses.replace(args.options)
     if args.random_weights:
         opts.model = lookup_alias(args.random_weights).name
-        config = ModelConfig.load(_configs() / f"{args.random_weights}.json")
+        config = random_config(args.random_weights)
     else:
         config = ModelConfig.load(resolve(opts.model, offline=opts.offline).path)
     opts.max_context = _max_context(args, config, opts.max_context)
@@ -62,6 +77,7 @@ def dry_run_options(args):
 
 def main(args) -> int:
     import torch                       # with the engine: only once bench runs
+    from mtpchat.chat.engine import weight_format
     from mtpchat.engine import Engine, bench
 
     opts = getattr(args, "options", None)
@@ -72,7 +88,7 @@ def main(args) -> int:
     graphs = getattr(opts, "cuda_graphs", True) and device.startswith("cuda")   # none on the CPU
     context = args.context
     if args.random_weights:
-        config = ModelConfig.load(_configs() / f"{args.random_weights}.json")
+        config = random_config(args.random_weights)
         model, name = config, f"random {args.random_weights}"
     else:                              # a model as the other commands take it: the demo one by default
         from mtpchat.models import resolve
@@ -84,15 +100,16 @@ def main(args) -> int:
     engine = Engine(model, device=device, max_context=max_context, cuda_graphs=graphs, prefill_chunk=args.prefill_chunk,
                     weights=None if weights in (None, "auto") else weights,
                     **({} if draft_vocab is None else {"draft_vocab": draft_vocab}))
-    if engine.fp8:
-        name += ", FP8 weights"
+    fmt = weight_format(engine)
+    if fmt in WEIGHT_LABELS:
+        name += f", {WEIGHT_LABELS[fmt]} weights"
     prompts = None
     if args.prompts:
         if engine.tokenizer is None:
             raise SystemExit("mtpchat bench: --prompts needs a checkpoint with a tokenizer, not random weights")
         lines = Path(args.prompts).read_text().splitlines()
         prompts = [engine.tokenizer.encode(json.loads(line)["prompt"]) for line in lines if line.strip()]
-    result = {"model": name, "cuda_graphs": graphs, "prefill_chunk": engine.decoder.prefill_chunk,
+    result = {"model": name, "weights": fmt, "cuda_graphs": graphs, "prefill_chunk": engine.decoder.prefill_chunk,
               "kernel_plan": engine.plan.describe(), **bench.run(
         engine, context=context, tokens=args.tokens, exactness_prompts=args.exactness_prompts,
         exactness_tokens=args.exactness_tokens, prompts=prompts, ttft=tuple(n for n in (512, 8192) if n + 8 < max_context),

@@ -22,7 +22,7 @@ from mtpchat import loader
 from mtpchat.args import build_parser, has_module as _has_module, options_from
 from mtpchat.errors import NotAvailable, UserError, as_user_error
 from mtpchat.malloc import cpu_allocator
-from mtpchat.models import list_models
+from mtpchat.models import WEIGHT_LABELS, list_models
 
 if TYPE_CHECKING:
     from mtpchat.chat.engine import ChatEngine
@@ -147,7 +147,8 @@ def dry_run(options) -> int:
     cfg = prep.config
     print(f"model: {prep.name}" + (f" ({prep.path})" if prep.path else ""))
     print(f"parameters: {memory.text_params(cfg):,} text + {memory.mtp_params(cfg):,} MTP")
-    print(f"device: {prep.device}, {prep.dtype}{', FP8 weights' if prep.plan.weight_format == 'fp8' else ''}; "
+    label = WEIGHT_LABELS.get(prep.plan.weight_format)
+    print(f"device: {prep.device}, {prep.dtype}{f', {label} weights' if label else ''}; "
           f"MTP {'on' if prep.mtp else 'off'}, "
           f"{prep.draft_tokens} draft tokens per step; CUDA graphs {'on' if prep.cuda_graphs else 'off'}")
     print("\n".join(memory.describe(prep.plan)))
@@ -211,9 +212,10 @@ def cmd_run(args) -> int:
                         "raise --max-context or shorten the prompt")
     params = loader.sampling_params(options, prep.path)
     shown = None if args.json else Shown(sys.stdout, sys.stdout if args.show_thinking else sys.stderr)
-    result = generate(LocalEngine(engine), prompt_ids, params, shown)
+    local = LocalEngine(engine)
+    result = generate(local, prompt_ids, params, shown)
     if args.json:
-        result.update(model=prep.name, device=prep.device, dtype=prep.dtype,
+        result.update(model=prep.name, device=prep.device, dtype=prep.dtype, weights=local.weight_format,
                       mtp=bool(engine.mtp), draft_tokens=engine.draft_tokens, adaptive_k=bool(engine.adaptive),
                       draft_vocab=engine.draft_vocab)
         print(json.dumps(result, ensure_ascii=False))

@@ -35,7 +35,7 @@ class Prepared:
     free: int | None          # free bytes on the device, when known
     notices: list[str] = field(default_factory=list)
     snapshots: int = 4        # decode-state snapshots for chat turns (engine/snapshots.py)
-    weights: str | None = None  # the weight format asked for: None (the checkpoint's), "fp8" or "bf16"
+    weights: str | None = None  # the weight format asked for: None (the checkpoint's), "fp8", "int4" or "bf16"
     draft_vocab: int = 32768    # rows of the trimmed draft head (0: the full head; engine/draft_vocab.py)
     adaptive_k: bool = True     # each step's k chosen by engine/policy.py, draft_tokens its maximum
 
@@ -148,11 +148,15 @@ def fp8_capable(device: str) -> bool:
 
 def weight_format(asked: str, config, device: str, name: str, notices: list[str]) -> str | None:
     """The engine's `weights` for the options: None keeps an FP8 checkpoint in FP8 where FP8 runs
-    (else it is dequantized as it loads, said in a notice); fp8 where it cannot run is an error."""
+    (else it is dequantized as it loads, said in a notice); fp8 where it cannot run is an error.
+    4 bits run wherever mtpchat does (a GPU of compute capability 8.0+; on the CPU the engine
+    dequantizes them), so a 4-bit checkpoint and `--weights int4` are taken as they are."""
     if asked == "fp8" and not fp8_capable(device):
-        where = "the CPU" if not device.startswith("cuda") else "this GPU (compute capability below 8.9)"
+        gpu = device.startswith("cuda")
+        where = "this GPU (compute capability below 8.9)" if gpu else "the CPU"
         raise UserError(f"--weights fp8: FP8 weights run on Ada or Hopper GPUs, not on {where}; "
-                        "leave --weights out to run the model in bf16", exit_code=2)
+                        "leave --weights out to run the model in bf16"
+                        + (", or take --weights int4 (4 bits, which run on this GPU)" if gpu else ""), exit_code=2)
     if asked == "auto" and config.quantization == "fp8" and not fp8_capable(device):
         notices.append(f"{name} stores FP8 weights, which this device cannot multiply: "
                        "dequantized as they load (twice the memory)")
@@ -183,7 +187,7 @@ def not_enough_memory_message(prep: Prepared) -> str:
     from mtpchat.engine import memory
     plan, free = prep.plan, prep.free
     where = "the GPU" if prep.device.startswith("cuda") else "memory"
-    fmt = " in FP8" if plan.weight_format == "fp8" else ""
+    fmt = f" in {models.WEIGHT_LABELS[plan.weight_format]}" if plan.weight_format in models.WEIGHT_LABELS else ""
     head = (f"{prep.name} does not fit: it needs {memory.fmt_bytes(plan.needed)} (weights{fmt} "
             f"{memory.fmt_bytes(plan.weights)}, KV {memory.fmt_bytes(plan.kv + plan.mtp_kv)} for "
             f"{plan.max_context:,} tokens) but {memory.fmt_bytes(free)} is free on {where}")
@@ -195,13 +199,7 @@ def what_would_fit(prep: Prepared) -> str:
     ctx = memory.max_context_that_fits(prep.config, prep.free, prep.k_max, prep.dtype,
                                        prep.plan.mtp, prep.cuda_graphs, prep.snapshots, prep.weights)
     options = [f"--max-context {ctx}"] if ctx else []
-    if prep.plan.weight_format != "fp8" and prep.dtype != "float32" and fp8_capable(prep.device):
-        # the same model in FP8: half the bytes of its products (an FP8 release, or quantized on load)
-        plan = memory.plan_memory(prep.config, prep.max_context, prep.k_max, prep.dtype, prep.plan.mtp,
-                                  prep.cuda_graphs, snapshots=prep.snapshots, weights="fp8")
-        if plan.fits(prep.free):
-            twin = models.fp8_alias(prep.name)
-            options.append(f"--model {twin.name}" if twin else "--weights fp8")
+    options += [fewer] if (fewer := fewer_bytes(prep)) else []
     smaller = [a.name for a in models.smaller_aliases(memory.text_params(prep.config))
                if memory.plan_memory(models.alias_config(a), prep.max_context, prep.k_max,
                                      prep.dtype, True, prep.cuda_graphs).fits(prep.free)]
@@ -209,6 +207,32 @@ def what_would_fit(prep: Prepared) -> str:
     if not options:
         return "nothing fits: free some memory (other processes on the GPU?) or use a larger GPU"
     return "what fits: " + ", or ".join(options)
+
+
+def fewer_bytes(prep: Prepared) -> str | None:
+    """The same model in fewer bytes a weight, where that fits at the planned context: the largest
+    such format first (FP8, then the official GPTQ-Int4 release, then every product in 4 bits), as a
+    release of its own where there is one, else as --weights (on a GPU: the CPU runs float32)."""
+    from mtpchat.engine import memory
+    if not prep.device.startswith("cuda") or prep.dtype == "float32":
+        return None
+    fits = lambda config, weights: memory.plan_memory(
+        config, prep.max_context, prep.k_max, prep.dtype, prep.plan.mtp, prep.cuda_graphs, snapshots=prep.snapshots,
+        weights=weights, draft_vocab=prep.draft_vocab).fits(prep.free)
+    held, stored = prep.plan.weight_format, prep.config.quantization
+    if held not in ("fp8", "int4") and stored != "int4" and fp8_capable(prep.device) and fits(prep.config, "fp8"):
+        # an FP8 release, or quantized on load: the same bytes
+        twin = models.release(prep.name, "fp8")
+        return f"--model {twin.name}" if twin else "--weights fp8"
+    if held == "int4" and stored != "int4":
+        return None               # every product is in 4 bits already
+    gptq = models.release(prep.name, "gptq-int4")
+    if held != "int4" and stored != "int4" and gptq and fits(models.alias_config(gptq), None):
+        return f"--model {gptq.name}"
+    if stored is None:            # a bf16 checkpoint: quantized on load
+        return "--weights int4" if fits(prep.config, "int4") else None
+    base = models.release(prep.name, "bf16")    # an FP8 or 4-bit release: every product in 4 bits from the bf16 one
+    return f"--model {base.name} --weights int4" if base and fits(models.alias_config(base), "int4") else None
 
 
 def load_engine(prep: Prepared, progress=None):

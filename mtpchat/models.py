@@ -33,6 +33,12 @@ def _demo_dir() -> Path:
 
 DEMO_DIR = _demo_dir()
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+WEIGHT_LABELS = {"fp8": "FP8", "int4": "int4"}   # an engine's (or memory plan's) weight_format, as shown
+FORMATS = {"bf16": ("", "bf16"), "fp8": ("-FP8", "FP8"), "gptq-int4": ("-GPTQ-Int4", "GPTQ-Int4")}  # repo suffix, label
+# the official GPTQ releases' quantization_config: group 128, symmetric, in order; attention (full and
+# GDN), the shared experts and the MTP layer left in bf16: the dense models' MLPs or the routed experts
+GPTQ_INT4 = dict(method="gptq", group=128, symmetric=True, desc_act=False,
+                 skip=(".*attn.*", ".*shared_expert.*", ".*mtp.*", ".*visual.*"))
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,8 @@ class Alias:
     num_key_value_heads: int
     linear_num_value_heads: int
     tie_word_embeddings: bool
-    fp8: bool = False           # an official FP8 release (block-scaled float8_e4m3fn weights)
+    format: str = "bf16"        # the release's weights: "bf16", "fp8" (block-scaled float8_e4m3fn) or
+                                # "gptq-int4" (GPTQ_INT4: 4 bits in groups of 128, some products)
     # the MoE models: (experts, chosen per token, expert width, shared expert width); () for dense
     moe: tuple[int, int, int, int] = ()
 
@@ -56,22 +63,26 @@ class Alias:
 ALIASES: dict[str, Alias] = {a.name.lower(): a for a in [
     # Qwen3.8 keeps the Qwen3.5 architecture and the 27B's shapes; its chat template takes reasoning_effort
     Alias("Qwen3.8-27B", "Qwen/Qwen3.8-27B", 5120, 64, 17408, 24, 4, 48, False),
-    Alias("Qwen3.8-27B-FP8", "Qwen/Qwen3.8-27B-FP8", 5120, 64, 17408, 24, 4, 48, False, fp8=True),
+    Alias("Qwen3.8-27B-FP8", "Qwen/Qwen3.8-27B-FP8", 5120, 64, 17408, 24, 4, 48, False, format="fp8"),
     Alias("Qwen3.6-27B-MTP", "Qwen/Qwen3.6-27B", 5120, 64, 17408, 24, 4, 48, False),
     Alias("Qwen3.6-27B", "Qwen/Qwen3.6-27B", 5120, 64, 17408, 24, 4, 48, False),
-    Alias("Qwen3.6-27B-FP8", "Qwen/Qwen3.6-27B-FP8", 5120, 64, 17408, 24, 4, 48, False, fp8=True),
+    Alias("Qwen3.6-27B-FP8", "Qwen/Qwen3.6-27B-FP8", 5120, 64, 17408, 24, 4, 48, False, format="fp8"),
     Alias("Qwen3.5-27B", "Qwen/Qwen3.5-27B", 5120, 64, 17408, 24, 4, 48, False),
-    Alias("Qwen3.5-27B-FP8", "Qwen/Qwen3.5-27B-FP8", 5120, 64, 17408, 24, 4, 48, False, fp8=True),
+    Alias("Qwen3.5-27B-FP8", "Qwen/Qwen3.5-27B-FP8", 5120, 64, 17408, 24, 4, 48, False, format="fp8"),
+    Alias("Qwen3.5-27B-GPTQ-Int4", "Qwen/Qwen3.5-27B-GPTQ-Int4", 5120, 64, 17408, 24, 4, 48, False,
+          format="gptq-int4"),
     # the 122B's shape as planned here; its own config.json decides once it is downloaded
     Alias("Qwen3.5-122B-A10B", "Qwen/Qwen3.5-122B-A10B", 3072, 48, 0, 32, 2, 64, False, moe=(256, 8, 1024, 1024)),
-    Alias("Qwen3.5-122B-A10B-FP8", "Qwen/Qwen3.5-122B-A10B-FP8", 3072, 48, 0, 32, 2, 64, False, fp8=True,
+    Alias("Qwen3.5-122B-A10B-FP8", "Qwen/Qwen3.5-122B-A10B-FP8", 3072, 48, 0, 32, 2, 64, False, format="fp8",
           moe=(256, 8, 1024, 1024)),
     Alias("Qwen3.6-35B-A3B", "Qwen/Qwen3.6-35B-A3B", 2048, 40, 0, 16, 2, 32, False, moe=(256, 8, 512, 512)),
-    Alias("Qwen3.6-35B-A3B-FP8", "Qwen/Qwen3.6-35B-A3B-FP8", 2048, 40, 0, 16, 2, 32, False, fp8=True,
+    Alias("Qwen3.6-35B-A3B-FP8", "Qwen/Qwen3.6-35B-A3B-FP8", 2048, 40, 0, 16, 2, 32, False, format="fp8",
           moe=(256, 8, 512, 512)),
     Alias("Qwen3.5-35B-A3B", "Qwen/Qwen3.5-35B-A3B", 2048, 40, 0, 16, 2, 32, False, moe=(256, 8, 512, 512)),
-    Alias("Qwen3.5-35B-A3B-FP8", "Qwen/Qwen3.5-35B-A3B-FP8", 2048, 40, 0, 16, 2, 32, False, fp8=True,
+    Alias("Qwen3.5-35B-A3B-FP8", "Qwen/Qwen3.5-35B-A3B-FP8", 2048, 40, 0, 16, 2, 32, False, format="fp8",
           moe=(256, 8, 512, 512)),
+    Alias("Qwen3.5-35B-A3B-GPTQ-Int4", "Qwen/Qwen3.5-35B-A3B-GPTQ-Int4", 2048, 40, 0, 16, 2, 32, False,
+          format="gptq-int4", moe=(256, 8, 512, 512)),
     Alias("Qwen3.5-9B", "Qwen/Qwen3.5-9B", 4096, 32, 12288, 16, 4, 32, False),
     Alias("Qwen3.5-4B", "Qwen/Qwen3.5-4B", 2560, 32, 9216, 16, 4, 32, True),
     Alias("Qwen3.5-2B", "Qwen/Qwen3.5-2B", 2048, 24, 6144, 8, 2, 16, True),
@@ -90,7 +101,8 @@ def suggest_alias(name: str) -> str | None:
 
 def alias_config(alias: Alias):
     """The ModelConfig of an alias's model, built from its shape (no download)."""
-    from mtpchat.engine.config import ModelConfig
+    from mtpchat.engine.config import Int4Format, ModelConfig
+    quantization = {"fp8": "fp8", "gptq-int4": "int4"}.get(alias.format)
     return ModelConfig(vocab_size=248320, hidden_size=alias.hidden_size,
                        intermediate_size=alias.intermediate_size,
                        num_hidden_layers=alias.num_hidden_layers,
@@ -99,17 +111,21 @@ def alias_config(alias: Alias):
                        linear_num_key_heads=16, linear_num_value_heads=alias.linear_num_value_heads,
                        linear_key_head_dim=128, linear_value_head_dim=128,
                        tie_word_embeddings=alias.tie_word_embeddings, mtp_num_hidden_layers=1,
-                       quantization="fp8" if alias.fp8 else None,
+                       quantization=quantization,
+                       int4=Int4Format(**GPTQ_INT4) if quantization == "int4" else None,
                        **dict(zip(("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                                    "shared_expert_intermediate_size"), alias.moe)))
 
 
-def fp8_alias(name: str) -> Alias | None:
-    """The FP8 release of the model an alias (or its repo id) names, if it has one."""
+def release(name: str, fmt: str) -> Alias | None:
+    """The alias of the same model as `name` (an alias or its repo id) in the release of format
+    `fmt` ("bf16", "fp8", "gptq-int4"), if there is one; the one named as its repo first."""
     alias = lookup_alias(name) or next((a for a in ALIASES.values() if a.repo_id == name), None)
-    if alias is None or alias.fp8:
+    if alias is None:
         return None
-    return next((a for a in ALIASES.values() if a.fp8 and a.repo_id == alias.repo_id + "-FP8"), None)
+    repo_id = alias.repo_id.removesuffix(FORMATS[alias.format][0]) + FORMATS[fmt][0]
+    same = [a for a in ALIASES.values() if a.format == fmt and a.repo_id == repo_id]
+    return min(same, key=lambda a: a.name != repo_id.partition("/")[2], default=None)
 
 
 def smaller_aliases(than_params: int) -> list[Alias]:
@@ -117,7 +133,7 @@ def smaller_aliases(than_params: int) -> list[Alias]:
     from mtpchat.engine.memory import text_params
     seen, out = set(), []
     for alias in sorted(ALIASES.values(), key=lambda a: -text_params(alias_config(a))):   # stable: list order on ties
-        if alias.repo_id not in seen and not alias.fp8 and text_params(alias_config(alias)) < than_params:
+        if alias.repo_id not in seen and alias.format == "bf16" and text_params(alias_config(alias)) < than_params:
             seen.add(alias.repo_id)
             out.append(alias)
     return out
@@ -305,11 +321,12 @@ def list_models(cache_dir: Path | None = None) -> list[str]:
     lines = ["aliases:"]
     name_w = max(len(a.name) for a in ALIASES.values()) + 2
     repo_w = max(len(a.repo_id) for a in ALIASES.values()) + 2
+    fmt_w = max(len(label) for _, label in FORMATS.values()) + 2
     for alias in ALIASES.values():
         repo = cached.get(alias.repo_id)
         state = "" if repo is None else "  [cached]" if repo.check and repo.check.complete else "  [incomplete]"
         kind = f"MoE, {alias.moe[1]} of {alias.moe[0]} experts" if alias.moe else "dense"
-        lines.append(f"  {alias.name:<{name_w}}{alias.repo_id:<{repo_w}}{'FP8' if alias.fp8 else 'bf16':<6}{kind}{state}")
+        lines.append(f"  {alias.name:<{name_w}}{alias.repo_id:<{repo_w}}{FORMATS[alias.format][1]:<{fmt_w}}{kind}{state}")
     demo = "present" if DEMO_DIR.is_dir() else "not built"
     lines.append(f"  {'(default)':<{name_w}}the demo model in {DEMO_DIR} ({demo})")
     lines.append(f"local cache ({cache_dir}):")

@@ -26,7 +26,7 @@ from mtpchat.errors import SettingsError
 APP = "mtpchat"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-WEIGHTS = ("auto", "bf16", "fp8")
+WEIGHTS = ("auto", "bf16", "fp8", "int4")
 MAX_DRAFT_TOKENS = 8
 DEFAULT_CONTEXT = 8192   # tokens of context when none is asked for (fewer where the model or memory has less)
 
@@ -36,7 +36,7 @@ class Options:
     model: str | None = None          # alias, folder or repo id; None = the demo model
     device: str = "auto"              # auto = cuda when available, else cpu
     dtype: str = "auto"               # auto = bfloat16 on cuda, float32 on cpu
-    weights: str = "auto"             # auto = the checkpoint's format; fp8 = quantized on load; bf16 = dequantized
+    weights: str = "auto"             # auto = the checkpoint's format; fp8, int4 = quantized on load; bf16 = dequantized
     max_context: int | None = None    # None: DEFAULT_CONTEXT, or less where the model or memory says so
     draft_tokens: int = 3             # with adaptive_k: the most drafts a step carries
     adaptive_k: bool = True           # each step's number of drafts chosen from acceptance and step times

@@ -349,7 +349,7 @@ def test_bad_flag_value(capsys):
 
 def test_models_command(capsys):
     code, out, _ = run(capsys, "models")
-    assert code == 0 and "Qwen3.6-27B-MTP        Qwen/Qwen3.6-27B" in out and "nothing yet" in out
+    assert code == 0 and "  Qwen3.6-27B-MTP  " in out and " Qwen/Qwen3.6-27B  " in out and "nothing yet" in out
 
 
 def test_bench_not_available(capsys, monkeypatch):

@@ -1,11 +1,12 @@
 """The memory plan: the numbers of qwen35-model.md §9, and agreement with what the engine allocates."""
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from mtpchat.engine import memory
-from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.config import Int4Format, ModelConfig
 from mtpchat.models import alias_config, lookup_alias
 
 CONFIGS = Path(__file__).resolve().parents[1] / "engine" / "configs"  # the official configs, as shipped
@@ -135,3 +136,80 @@ def test_plan_agrees_with_the_engine(tmp_path, tie, mtp):
     for part in ("weights", "kv", "mtp_kv", "gdn_state", "snapshots"):
         assert plan.as_dict()[part] == actual[part], part
     assert (actual["mtp_kv"] > 0) == mtp
+
+
+# ---- 4-bit weights --------------------------------------------------------------------------------
+
+GPTQ_SKIP = (".*attn.*", ".*shared_expert.*", ".*mtp.*", ".*visual.*")   # the official GPTQ releases'
+
+
+INT4 = Int4Format("gptq", 128)
+
+
+def gptq(cfg, **fmt):
+    return replace(cfg, quantization="int4", int4=Int4Format("gptq", **{"skip": GPTQ_SKIP, **fmt}))
+
+
+@pytest.mark.parametrize("symmetric, desc_act", [(True, False), (False, False), (True, True)])
+def test_a_4bit_product_counts_what_the_engine_keeps(symmetric, desc_act):
+    import torch
+    from mtpchat.kernels.int4 import quantize_ref
+    w = torch.randn(40, 384, generator=torch.Generator().manual_seed(0))
+    q = quantize_ref(w, 128, symmetric)
+    if desc_act:
+        q = q._replace(perm=torch.randperm(384).to(torch.int32))
+    assert memory.int4_bytes(40, 384, Int4Format("gptq", 128, symmetric, desc_act)) == q.nbytes()
+
+
+def test_27b_in_4_bits_on_load(c27):
+    plan = memory.plan_memory(c27, 32768, 4, "bfloat16", weights="int4")
+    assert plan.weight_format == "int4" and "weights (int4)" in memory.describe(plan)[1]
+    # every product of the 64 layers and the MTP layer at 4.125 bits a weight (a float16 scale per
+    # 128); embedding, lm_head, [b | a], the MTP fc and the trimmed draft head in bf16: 17.1 GiB
+    assert 16 * GiB < plan.weights < 17.5 * GiB
+    four_bit = (memory.text_params(c27) + memory.mtp_params(c27) - 2 * memory.embedding_params(c27)
+                - 48 * 2 * 48 * 5120 - 2 * 5120 * 5120)   # less the embedding and lm_head, [b | a], fc
+    assert plan.weights - memory.plan_memory(c27, 32768, 4, weights="bf16").weights == pytest.approx(
+        four_bit * (0.5 + 2 / 128 - 2), rel=1e-3)
+    # the target: MTP, 32K context and 4 turn snapshots on a 24 GB GPU (23 GiB of it free)
+    assert plan.mtp and plan.snapshots == 4 * memory.snapshot_bytes(c27) and plan.fits(23 * GiB)
+    assert not memory.plan_memory(c27, 32768, 4, weights="fp8").fits(23 * GiB)
+
+
+def test_35b_a3b_in_4_bits_with_16k_fits_24_gb():
+    c35 = ModelConfig.load(CONFIGS / "qwen3.5-35b-a3b.json")
+    plan = memory.plan_memory(c35, 16384, 4, "bfloat16", weights="int4")
+    assert plan.weight_format == "int4" and plan.fits(23 * GiB)
+    assert not memory.plan_memory(c35, 16384, 4, "bfloat16", weights="fp8").fits(23 * GiB)
+    # a step reads 8 of the 256 routed experts: the floor's bytes, well under the stored weights
+    read = memory.step_read_bytes(c35, "bfloat16", "int4")
+    assert read < memory.step_read_bytes(c35, "bfloat16", "fp8") < memory.step_read_bytes(c35, "bfloat16")
+    assert 2e9 < read < 2.6e9
+
+
+def test_a_gptq_checkpoint_counts_only_what_its_format_quantizes(c27):
+    # the official 27B GPTQ release: the 64 layers' MLPs in 4 bits, attention, GDN and MTP in bf16
+    official = memory.plan_memory(gptq(c27), 32768, 4, "bfloat16")
+    assert official.weight_format == "int4" and 28 * GB < official.weights < 30 * GB
+    mlps = 64 * 3 * 5120 * 17408
+    bf16 = memory.plan_memory(c27, 32768, 4, "bfloat16")
+    assert bf16.weights - official.weights == mlps * 2 - memory.int4_bytes(5120, 17408, INT4) * 3 * 64
+    # weights="int4" keeps the checkpoint's own format; "bf16" dequantizes it
+    assert memory.plan_memory(gptq(c27), 32768, 4, weights="int4").weights == official.weights
+    assert memory.plan_memory(gptq(c27), 32768, 4, weights="bf16").weights == bf16.weights
+    # zeros where not symmetric, the column order where desc_act: counted per product
+    assert memory.plan_memory(gptq(c27, symmetric=False), 32768, 4).weights - official.weights == mlps // 128
+    assert memory.plan_memory(gptq(c27, desc_act=True), 32768, 4).weights - official.weights == 64 * 4 * (
+        2 * 5120 + 17408)
+
+
+def test_a_4bit_moe_checkpoint_names_each_expert():
+    c35 = ModelConfig.load(CONFIGS / "qwen3.5-35b-a3b.json")
+    routed = memory.plan_memory(gptq(c35), 16384, 4).weights
+    # expert 7 of every layer left in bf16: its gate, up [512, 2048] and down [2048, 512] at 2 bytes
+    one_out = memory.plan_memory(gptq(c35, skip=GPTQ_SKIP + (r".*\.experts\.7\.",)), 16384, 4).weights
+    four_bit = 2 * memory.int4_bytes(512, 2048, INT4) + memory.int4_bytes(2048, 512, INT4)
+    assert one_out - routed == 40 * (3 * 512 * 2048 * 2 - four_bit)
+    # the release: every routed expert in 4 bits, the MTP layer's (".*mtp.*") and the shared ones in bf16
+    assert memory.plan_memory(c35, 16384, 4, weights="bf16").weights - routed == 40 * 256 * (
+        3 * 512 * 2048 * 2 - four_bit)

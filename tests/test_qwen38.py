@@ -49,10 +49,10 @@ def text(tok, ids):
 # ---- aliases ------------------------------------------------------------------------------------
 
 def test_the_aliases_name_qwen38_and_plan_its_memory(capsys, monkeypatch):
-    for name, repo, fp8 in (("Qwen3.8-27B", "Qwen/Qwen3.8-27B", False), ("Qwen3.8-27B-FP8", "Qwen/Qwen3.8-27B-FP8", True)):
+    for name, repo, fmt in (("Qwen3.8-27B", "Qwen/Qwen3.8-27B", "bf16"), ("Qwen3.8-27B-FP8", "Qwen/Qwen3.8-27B-FP8", "fp8")):
         assert models.classify(name.lower()) == ("repo", repo, models.lookup_alias(name))
-        assert models.lookup_alias(name).fp8 is fp8
-    assert models.fp8_alias("Qwen3.8-27B").name == "Qwen3.8-27B-FP8"
+        assert models.lookup_alias(name).format == fmt
+    assert models.release("Qwen3.8-27B", "fp8").name == "Qwen3.8-27B-FP8"
     assert models.alias_config(models.lookup_alias("Qwen3.8-27B")) == models.alias_config(
         models.lookup_alias("Qwen3.6-27B"))                 # the same architecture and shapes
     assert "Qwen3.8-27B-FP8" in "\n".join(models.list_models())

@@ -37,6 +37,7 @@ from mtpchat.app.store import Store, encode_spans
 from mtpchat.app.telemetry import Telemetry
 from mtpchat.chat.prompt import SwitchError, build_prompt, check_effort, effort_label
 from mtpchat.chat.think import prompt_opens_think
+from mtpchat.models import WEIGHT_LABELS
 from mtpchat.progress import describe, stage_label
 
 NARROW_BELOW = 100   # columns; below this the telemetry pane folds into the status bar
@@ -265,7 +266,7 @@ class ChatApp(ChatActions, App):
                     k_max=e.k_max if e else 0,
                     thinking=self.think, busy=self.busy, loaded=e is not None,
                     effort=effort_label(e.tokenizer, self.think, self.effort) if e else "",
-                    weights="FP8" if e and e.fp8 else "",
+                    weights=WEIGHT_LABELS.get(e.weight_format, "") if e else "",
                     fixed=e.fixed if e else ("the server's" if self.device == "server" else ""),
                     moe_layers=e.moe_layers if e else 0)
 

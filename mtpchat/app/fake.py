@@ -132,7 +132,7 @@ class FakeEngine:
                  draft_tokens: int = 3, k_max: int = 4, mtp_available: bool = True,
                  answer: str = DEFAULT_ANSWER, thinking: str = DEFAULT_THINKING,
                  step_delay: float = 0.0, fail_after: int | None = None,
-                 times: FakeTimes | None = None, max_context: int = 4096):
+                 times: FakeTimes | None = None, max_context: int = 4096, weight_format: str | None = None):
         self.name = name
         self.device = device
         self.dtype = "bfloat16" if device == "cuda" else "float32"
@@ -151,7 +151,8 @@ class FakeEngine:
         self.stop_ids = (EOS, 0)
         self.notices: list[str] = []
         self.fixed, self.spec_estimate = "", False
-        self.fp8, self.moe_layers = False, 0
+        self.weight_format = weight_format or ("bf16" if device == "cuda" else "float32")
+        self.moe_layers = 0
         self.step_log: list[tuple[bool, int]] = []   # (mtp, draft count) of every step, in order
         self.tokens_emitted = 0
         self.resets = 0

@@ -40,7 +40,7 @@ class Live:
     thinking: bool = True
     busy: bool = False
     loaded: bool = False
-    weights: str = ""          # "FP8" when the big products' weights are FP8, else "" (the model dtype)
+    weights: str = ""          # "FP8" or "int4" when the big products' weights are in it, else "" (the model dtype)
     moe_layers: int = 0        # an MoE model's layers: the speed panel shows the experts a step reads
     fixed: str = ""            # why MTP and the draft count cannot change here (a server's), else ""
     effort: str = ""           # off or the reasoning effort, where the chat template takes one; else ""
@@ -126,7 +126,7 @@ def memory(t: Telemetry, live: Live) -> list[Content]:
         lines.append(row("process  ", (size(g.rss if g else None), "b"), "  ", ("resident", "$text-muted")))
     m = t.memory
     if m:
-        items = [("FP8 wts" if live.weights == "FP8" else "weights", m.get("weights")), ("KV", m.get("kv")), ("MTP KV", m.get("mtp_kv")),
+        items = [(f"{live.weights} wts" if live.weights else "weights", m.get("weights")), ("KV", m.get("kv")), ("MTP KV", m.get("mtp_kv")),
                  ("GDN state", m.get("gdn_state")), ("graphs", m.get("graph_pool")), ("workspace", m.get("workspace"))]
         if m.get("snapshots"):   # the decode-state snapshots kept for chat turns (engine/snapshots.py)
             items.append(("turns", m.get("snapshots")))

@@ -87,7 +87,7 @@ FIXED = "set when the server was launched (its speculative config); it cannot ch
 
 
 class RemoteEngine:
-    device, dtype, k_max, fp8, moe_layers = "server", "", 0, False, 0
+    device, dtype, k_max, weight_format, moe_layers = "server", "", 0, "", 0
     mtp_available = True
     stop_ids: tuple = ()
 

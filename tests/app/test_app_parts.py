@@ -6,6 +6,7 @@ import sqlite3
 
 import pytest
 
+from apphelpers import make_app, ready, run
 from mtpchat.app.fake import DEFAULT_ANSWER, DEFAULT_THINKING, FakeEngine, FakeTokenizer
 from mtpchat.app.gauges import bar, sparkline
 from mtpchat.app.gpu import GpuSample, Sampler, energy_per_token
@@ -258,18 +259,38 @@ def test_the_key_list_documents_every_binding():
         assert c.id == "stop" or f"`{c.id}`" in doc, c.id
 
 
-def test_the_header_and_the_memory_panel_name_fp8_weights():
+@pytest.mark.parametrize("label", ["FP8", "int4"])
+def test_the_header_and_the_memory_panel_name_the_weight_format(label):
     from mtpchat.app.panel import Live, header_line, memory
     from mtpchat.app.telemetry import Telemetry
     t = Telemetry()
     t.memory = {"weights": 29 << 30, "kv": 2 << 30, "snapshots": 587 << 20}
-    fp8 = Live(model="Qwen3.6-27B-FP8", device="cuda", dtype="bfloat16", loaded=True, weights="FP8")
-    assert "cuda bfloat16 · FP8 weights" in header_line(fp8, "chat")
-    lines = [c.plain for c in memory(t, fp8)]
-    assert any("FP8 wts" in line and "29.0 GiB" in line for line in lines)
+    live = Live(model="Qwen3.6-27B", device="cuda", dtype="bfloat16", loaded=True, weights=label)
+    assert f"cuda bfloat16 · {label} weights" in header_line(live, "chat")
+    lines = [c.plain for c in memory(t, live)]
+    assert any(f"{label} wts" in line and "29.0 GiB" in line for line in lines)
     assert any("turns" in line and "587.0 MiB" in line for line in lines)
     plain = Live(model="m", device="cuda", dtype="bfloat16", loaded=True)
-    assert "FP8" not in header_line(plain, "chat") and not any("FP8" in c.plain for c in memory(t, plain))
+    assert label not in header_line(plain, "chat") and not any(label in c.plain for c in memory(t, plain))
+
+
+@pytest.mark.parametrize("fmt, shown", [("int4", "int4"), ("fp8", "FP8"), ("bf16", None)])
+def test_the_app_shows_the_engines_weight_format(data_dir, fmt, shown):
+    from mtpchat.app.panel import memory
+    engine = FakeEngine(device="cpu", weight_format=fmt)
+    app = make_app(data_dir, engine)
+
+    async def go():
+        async with app.run_test(size=(140, 40)) as pilot:
+            await ready(pilot)
+            await pilot.pause()
+            header = str(app.query_one("#header").render())
+            pane = "\n".join(c.plain for c in memory(app.telemetry, app.live()))
+            if shown:
+                assert f"cpu float32 · {shown} weights" in header and f"{shown} wts" in pane
+            else:
+                assert "weights" not in header and "wts" not in pane and "weights" in pane
+    run(go())
 
 
 def test_the_acceptance_panel_shows_the_chosen_k_and_why():
