@@ -61,7 +61,7 @@ def step_bytes(engine) -> int:
     """Weight bytes one decode step reads: all layers, the final norm and the lm_head; of an MoE
     layer's routed experts only the k one token chooses. 4-bit weights (packed words, scales,
     zeros, column orders) are counted as the memory plan stores them."""
-    if getattr(engine, "weight_format", None) == "int4":
+    if engine.weight_format == "int4":
         return memory.step_read_bytes(engine.config, engine.dtype, "int4")
     total = sum(_size(p) for p in engine.model.parameters()) - _unread_experts(engine.model, engine.config)
     if not engine.config.tie_word_embeddings:
@@ -76,7 +76,7 @@ def draft_bytes(engine) -> int:
         return 0
     draft = engine.decoder.draft_rows
     rows = _size(draft.w if draft is not None else engine.model.head)
-    if getattr(engine, "weight_format", None) == "int4":
+    if engine.weight_format == "int4":
         return memory.head_read_bytes(engine.config, engine.dtype, "int4") + rows
     return (sum(_size(p) for p in engine.head.parameters()) - _unread_experts(engine.head, engine.config)
             + rows)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class LoadProgress:
     """How far one stage of `Engine.load` is, passed to its `progress` callback after each piece.
-    stage: "weights" (read and copied; with `quantizing` a bf16 checkpoint is quantized to FP8 as it
-    is read) or "capture" (CUDA graphs). `done` / `total` count bytes of weights read, or steps of
+    stage: "weights" (read and copied; `quantizing` names the format, "fp8" or "int4", that the
+    weights are quantized to as they are read, "" where none is) or "capture" (CUDA graphs). `done` / `total` count bytes of weights read, or steps of
     the capture (each phase warmed up, then captured); `tensors` / `tensors_total` count checkpoint
     tensors (weights only)."""
     stage: str
@@ -23,7 +23,7 @@ class LoadProgress:
     total: int
     tensors: int = 0
     tensors_total: int = 0
-    quantizing: bool = False
+    quantizing: str = ""
 
     @property
     def unit(self) -> str:

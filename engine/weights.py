@@ -254,8 +254,9 @@ def load_into(modules: dict[str, nn.Module], places: dict[str, dict[str, Place]]
         _check_int4(folder, weight_map, four, stored_int4, sizes, half)
     in_fp8 = _fp8_params(places, fp8, stored_fp8 if quantized else None)
     in_int4 = _int4_params(places, int4, four, _column_orders(folder, weight_map, four, stored_int4), half)
-    quantizing = any(((key, place.param) in in_fp8 and name not in stored_fp8)
-                     or ((key, place.param) in in_int4 and name not in four) for name, (key, place) in wanted.items())
+    to_fp8 = any((key, place.param) in in_fp8 and name not in stored_fp8 for name, (key, place) in wanted.items())
+    to_int4 = any((key, place.param) in in_int4 and name not in four for name, (key, place) in wanted.items())
+    quantizing = "int4" if to_int4 else "fp8" if to_fp8 else ""
     total, done, count = sum(sizes.values()), 0, 0
     params: dict[tuple[str, str], torch.Tensor | BlockFP8 | GroupInt4] = {}
     for key, module in modules.items():
@@ -606,7 +607,8 @@ def fill_random(modules: dict[str, nn.Module], places: dict[str, dict[str, Place
                 _assign(module, pname, t.to(dt))
             done, count = done + p.numel() * width, count + 1
             if progress is not None:
-                progress(LoadProgress("weights", done, total, count, len(params), bool(in_fp8 or in_int4)))
+                progress(LoadProgress("weights", done, total, count, len(params),
+                                      "int4" if in_int4 else "fp8" if in_fp8 else ""))
 
 
 def _assign_product(module: nn.Module, name: str, tensor: torch.Tensor | BlockFP8 | GroupInt4):

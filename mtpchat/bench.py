@@ -77,7 +77,6 @@ def dry_run_options(args):
 
 def main(args) -> int:
     import torch                       # with the engine: only once bench runs
-    from mtpchat.chat.engine import weight_format
     from mtpchat.engine import Engine, bench
 
     opts = getattr(args, "options", None)
@@ -100,7 +99,7 @@ def main(args) -> int:
     engine = Engine(model, device=device, max_context=max_context, cuda_graphs=graphs, prefill_chunk=args.prefill_chunk,
                     weights=None if weights in (None, "auto") else weights,
                     **({} if draft_vocab is None else {"draft_vocab": draft_vocab}))
-    fmt = weight_format(engine)
+    fmt = engine.weight_format
     if fmt in WEIGHT_LABELS:
         name += f", {WEIGHT_LABELS[fmt]} weights"
     prompts = None

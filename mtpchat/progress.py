@@ -14,10 +14,10 @@ STAGES = {"weights": "loading weights", "capture": "capturing CUDA graphs"}
 
 
 def stage_label(p) -> str:
-    """The stage's name, and what its weights are quantized to as they load: `quantizing` names
-    the format ("fp8", "int4"), or is True for FP8."""
-    to = p.quantizing if isinstance(p.quantizing, str) else "fp8"
-    return STAGES.get(p.stage, p.stage) + (f", quantizing to {WEIGHT_LABELS.get(to, to)}" if p.quantizing else "")
+    """The stage's name, and what its weights are quantized to as they load (`quantizing` names
+    the format: "fp8", "int4")."""
+    to = p.quantizing
+    return STAGES.get(p.stage, p.stage) + (f", quantizing to {WEIGHT_LABELS.get(to, to)}" if to else "")
 
 
 def describe(p, elapsed: float) -> str:

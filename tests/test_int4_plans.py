@@ -170,8 +170,8 @@ def test_the_bytes_a_step_reads_agree_with_the_engine(tmp_path, moe):
     assert bench.draft_bytes(int4) - rows == memory.head_read_bytes(engine.config, engine.dtype, "int4")
 
 
-@pytest.mark.parametrize("quantizing, label", [(True, ", quantizing to FP8"), ("fp8", ", quantizing to FP8"),
-                                               ("int4", ", quantizing to int4"), (False, ""), ("", "")])
+@pytest.mark.parametrize("quantizing, label", [("fp8", ", quantizing to FP8"),
+                                               ("int4", ", quantizing to int4"), ("", "")])
 def test_the_load_bar_names_what_the_weights_are_quantized_to(quantizing, label):
     from mtpchat.engine.events import LoadProgress
     from mtpchat.progress import stage_label

@@ -59,7 +59,10 @@ def test_quantizing_on_load_is_reported_as_such(tmp_path):
     on_load, as_stored = [], []
     Engine.load(bf16, max_context=64, weights="fp8", progress=on_load.append)
     Engine.load(fp8, max_context=64, weights="fp8", progress=as_stored.append)
-    assert on_load and all(p.quantizing for p in on_load)          # bf16 quantized as it is read
+    to_int4 = []
+    Engine.load(fp8, max_context=64, weights="int4", progress=to_int4.append)
+    assert to_int4 and all(p.quantizing == "int4" for p in to_int4)  # FP8 to 4 bits as it is read
+    assert on_load and all(p.quantizing == "fp8" for p in on_load)  # bf16 quantized as it is read
     assert as_stored and not any(p.quantizing for p in as_stored)  # FP8 read as it is
     assert on_load[-1].done == on_load[-1].total == stored_bytes(bf16)[0]
 

@@ -69,14 +69,6 @@ class ChatEngine(Protocol):
         """Bytes held, by part (weights, kv, ...)."""
 
 
-def weight_format(engine: Engine) -> str:
-    """The Engine's weight_format ("bf16", "float32", "fp8", "int4"); an Engine without one says
-    only whether it holds FP8, else its dtype tells."""
-    if getattr(engine, "weight_format", None):
-        return engine.weight_format
-    return "fp8" if engine.fp8 else "float32" if str(engine.dtype) == "torch.float32" else "bf16"
-
-
 class LocalEngine:
     """The in-process `Engine` as a `ChatEngine`. `engine` is the Engine itself, for what only a
     local engine has (draft_vocab, adaptive k, logits)."""
@@ -90,7 +82,7 @@ class LocalEngine:
         self.dtype = str(engine.dtype).removeprefix("torch.")
         self.max_context, self.k_max = engine.max_context, engine.k_max
         self.mtp_available, self.moe_layers = engine.mtp_available, engine.moe_layers
-        self.weight_format = weight_format(engine)
+        self.weight_format = engine.weight_format
         self.stop_ids, self.notices = engine.stop_ids, engine.notices
         self.generation_config = engine.generation_config     # the server's sampling defaults
 

@@ -20,7 +20,7 @@ def test_the_bar_follows_the_weights_and_goes_when_ready(data_dir):
 
     def load(progress):
         for done in range(1, 41):       # 40 tensors of 3 MiB
-            progress(LoadProgress("weights", done * 3 * MiB, 120 * MiB, done, 80, quantizing=True))
+            progress(LoadProgress("weights", done * 3 * MiB, 120 * MiB, done, 80, quantizing="fp8"))
         assert go_on.wait(10), "the test never let the load finish"
         return engine
     args = dev_args(["--data-dir", str(data_dir), "--device", "cpu"])
