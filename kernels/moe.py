@@ -17,7 +17,7 @@ pair's products are accumulated in the same order whatever shares its block, and
 a row's k choices in order, so a row's result does not depend on the other rows (greedy MTP on ==
 off). Experts are stored stacked: W_gate_up [E * 2F, H] (expert e's gate rows, then its up rows),
 W_down [E * H, F]; either may be a BlockFP8 (kernels/fp8.py) whose 128-row blocks never straddle
-two experts.
+two experts, or a GroupInt4 (kernels/int4.py) with a perm [E, K] where each expert has its own.
 """
 from __future__ import annotations
 
