@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from mtpchat.kernels._triton import tl, triton
+
 GROUP = 128           # the group of --weights int4 and of the official GPTQ releases
 PACK = 8              # 4-bit weights in one int32 word
 SYMMETRIC_ZERO = 8    # the zero of a symmetric weight (GPTQ v1 stores it as 7: zero - 1)
@@ -129,3 +131,80 @@ def group_order(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
 def permute_columns(q: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """Unpacked weights [N, K] in x's column order -> in perm's order (column k = column perm[k])."""
     return q[:, perm.long()]
+
+
+# --- 4-bit tiles in a product kernel ----------------------------------------------------------------
+# A tile of words [BN, BG / 8] is loaded once and unpacked in registers: nibble k of a row moved to
+# the low bits of a 16-bit lane under 0x4300, which as a bf16 is 128 + q (exponent 2^7, q in the
+# low mantissa bits); less 128 + zero, also a bf16, it is q - zero in -15 .. 15, exact. The dot
+# takes the integers, its float32 result is scaled by the group's scale per row (as FP8 applies
+# its block scale), so the weights enter the tensor cores exact and every group's scale is applied
+# in float32. Triton's interpreter computes bf16 arithmetic on the raw 16 bits, so float32
+# activations (the CPU's tests) take the two bf16 values to float32 before the subtraction.
+
+def check_int4(w: GroupInt4, K: int) -> None:
+    """The layout the 4-bit product kernels read (the module docstring), for a weight of K columns."""
+    N = w.w.shape[0]
+    G = w.group
+    assert w.w.dtype == torch.int32 and w.w.shape == (N, K // PACK) and w.w.is_contiguous(), \
+        f"4-bit weights must be int32 [N, K / 8] = [{N}, {K // PACK}], contiguous"
+    assert K % G == 0 and G % 16 == 0, f"a group of {G} columns must divide K = {K} and be a multiple of 16"
+    assert w.scale.shape == (N, K // G) and w.scale.dtype in (torch.float16, torch.float32) and \
+        w.scale.is_contiguous(), f"4-bit scales must be float16 or float32 [{N}, {K // G}], contiguous"
+    assert w.zero is None or (w.zero.dtype == torch.uint8 and w.zero.shape == w.scale.shape
+                              and w.zero.is_contiguous()), "4-bit zeros must be uint8 like the scales"
+    assert w.perm is None or (w.perm.dtype == torch.int32 and w.perm.shape[-1] == K and w.perm.is_contiguous()), \
+        f"a 4-bit weight's perm must be int32 [..., {K}], contiguous"
+
+
+def sub_tile(BK: int, G: int) -> int:
+    """The columns of one dot in a tile of BK columns: a whole group, or the tile where it lies
+    inside one (BK and G powers of 2, or G a multiple of BK)."""
+    BG = min(BK, G)
+    assert G % BG == 0 and BK % BG == 0, f"tiles of {BK} columns do not fit groups of {G}"
+    return BG
+
+
+if tl is not None:
+    @triton.jit
+    def widen(b_q, b_z, b_x):
+        """Words [BN, W] -> the weights [BN, 8 W] as q - zero in b_x's dtype (b_z [BN] int32)."""
+        BN: tl.constexpr = b_q.shape[0]
+        W: tl.constexpr = b_q.shape[1]
+        b_n = (b_q[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF      # [BN, W, 8]
+        b_n = tl.reshape(b_n, [BN, W * 8])                                         # column 8 w + j
+        b_w = (b_n | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)                # 128 + q
+        b_o = (b_z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, None]        # 128 + zero
+        if b_x.dtype == tl.bfloat16:
+            return b_w - b_o
+        else:
+            return (b_w.to(tl.float32) - b_o.to(tl.float32)).to(b_x.dtype)
+
+    @triton.jit
+    def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
+                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr):
+        """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
+        whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
+        BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
+        perm (not None): column c of the weight reads x's column perm[c]."""
+        for i in tl.static_range(BK // BG):
+            kk = k + i * BG
+            o_k = kk + tl.arange(0, BG)
+            m_k = o_k < K
+            o_c = kk // 8 + tl.arange(0, BG // 8)
+            m_g = m_r & (tl.full(o_r.shape, kk, tl.int32) < K)   # K is whole groups: a sub-tile lies in K or past it
+            b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)
+            b_s = tl.load(sw + o_r * s_sw + kk // G, mask=m_g, other=0.).to(tl.float32)
+            if zw is None:
+                b_z = tl.full(o_r.shape, 8, tl.int32)          # SYMMETRIC_ZERO
+            else:
+                b_z = tl.load(zw + o_r * s_sw + kk // G, mask=m_g, other=0).to(tl.int32)
+            if perm is None:
+                o_x = o_k
+            else:
+                o_x = tl.load(perm + o_k, mask=m_k, other=0)
+            b_x = tl.load(p_x + o_x[:, None], mask=m_k[:, None] & m_x[None, :], other=0.)
+            b_acc += b_s[:, None] * tl.dot(widen(b_q, b_z, b_x), b_x, input_precision="ieee")
+        return b_acc
+else:
+    widen = dot_int4 = None

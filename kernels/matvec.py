@@ -18,6 +18,10 @@ over a run of whole K tiles, which leave float32 parts, and the last of them to 
 in order and writes the block. The split is a function of the shapes, the number of SMs and the
 plan (kernels/plan.py), never of T.
 
+The weight may be a tensor, a BlockFP8 (kernels/fp8.py: each tile widened, its dot scaled) or a
+GroupInt4 (kernels/int4.py: each tile's words unpacked in registers to exact bf16 integers, one
+dot a group, the group's scale on its float32 result; x read through the weight's perm).
+
 Products with fewer column blocks than SMs are split over K in matvec_parts.py, whose norm-finishing
 form hands the next product its input as a `Normed` (below).
 """
@@ -29,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref, values_of, widen, widen_args
+from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dense_ref, values_of, widen, widen_args
+from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, sub_tile
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 MAX_ROWS = 16
@@ -59,9 +64,8 @@ def rstd_ref(n: Normed) -> torch.Tensor:
 
 def matvec_ref(x, w) -> torch.Tensor:
     """x [T, K] @ w [N, K]ᵀ in float32, cast back to x's dtype; for a Normed x, each row scaled by
-    its 1 / rms before the cast; a BlockFP8 w is dequantized (kernels/fp8.py)."""
-    if isinstance(w, BlockFP8):
-        w = dequantize_ref(w)
+    its 1 / rms before the cast; a BlockFP8 or GroupInt4 w is dequantized (kernels/fp8.py, int4.py)."""
+    w = dense_ref(w)
     if isinstance(x, Normed):
         return ((x.x.float() @ w.float().T) * rstd_ref(x)[:, None]).to(x.x.dtype)
     return (x.float() @ w.float().T).to(x.dtype)
@@ -119,7 +123,7 @@ def _dot_tile(p_w, m_w, b_x, b_acc, sw, i_b, s_sw, k, FP8: tl.constexpr, BLOCK: 
 def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
                    SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
-                   BITS: tl.constexpr = 0):
+                   BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None):
     # Program i_n takes column block i_n, all of K (with SWIGLU, the gate rows n and the up rows
     # N + n of w together). With SPLIT only the first F programs do; program F + j takes part
     # i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
@@ -145,15 +149,22 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
     b_g = tl.zeros([BN, BT], dtype=tl.float32)
     b_u = tl.zeros([BN, BT], dtype=tl.float32)
     for k in range(k_lo, k_hi, BK):
-        o_k = k + tl.arange(0, BK)
-        m_k = o_k < K
-        m_w = m_n[:, None] & m_k[None, :]
-        p_w = w + o_n[:, None] * s_w + o_k[None, :]
-        b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.))
-        # FP8: a column block's rows share one row of scales (BN divides the 128-row blocks)
-        b_g = _dot_tile(p_w, m_w, b_x, b_g, sw, i_n * BN // 128, s_sw, k, FP8, 128, BITS)
-        if SWIGLU:
-            b_u = _dot_tile(p_w + N * s_w, m_w, b_x, b_u, sw, (N + i_n * BN) // 128, s_sw, k, FP8, 128, BITS)
+        if G > 0:
+            # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights
+            p_x = x + o_t[None, :] * s_x
+            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG)
+            if SWIGLU:
+                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG)
+        else:
+            o_k = k + tl.arange(0, BK)
+            m_k = o_k < K
+            m_w = m_n[:, None] & m_k[None, :]
+            p_w = w + o_n[:, None] * s_w + o_k[None, :]
+            b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.))
+            # FP8: a column block's rows share one row of scales (BN divides the 128-row blocks)
+            b_g = _dot_tile(p_w, m_w, b_x, b_g, sw, i_n * BN // 128, s_sw, k, FP8, 128, BITS)
+            if SWIGLU:
+                b_u = _dot_tile(p_w + N * s_w, m_w, b_x, b_u, sw, (N + i_n * BN) // 128, s_sw, k, FP8, 128, BITS)
     if not SPLIT:
         _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
     elif pid < F:
@@ -213,7 +224,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False,
-          plan: ProductPlan | None = None) -> tuple[int, int, int, int]:
+          plan: ProductPlan | None = None, group: int = 0) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages): the plan's tile rule where it gives one, else the measured tile;
     never a function of T. BN counts output columns, so a SwiGLU
     program reads 2 x BN rows of w. Chosen on an H100 by whole decode steps of the 27B under other
@@ -224,7 +235,15 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     weights: tiles of one scale block's 128 columns (128 bytes a row); plain products 64 rows, 4
     warps, 8 deep; the SwiGLU product 32 columns (64 rows of w), 2 warps, 3 deep (alone 2.38 TB/s
     against 1.79, the FP8 27B's decode step 0.953 x: tests/bench/bench_fp8.py, ab_step.py
-    --plans fp8glu). Two warps made the plain products slower (1.46 TB/s against 1.99)."""
+    --plans fp8glu). Two warps made the plain products slower (1.46 TB/s against 1.99).
+
+    4-bit weights in groups of `group` columns (kernels/int4.py): the plan's int4_tiles rule, else
+    tiles of 128 bytes a row (256 weights), as FP8's; a first choice, which
+    tests/bench/bench_int4.py compares with others on the GPU."""
+    if group:
+        chosen = plan.int4_tiles("swiglu" if swiglu else "plain", N, K, group) \
+            if plan is not None and plan.int4_tiles is not None else None
+        return chosen or ((32, 256, 4, 4) if swiglu else (64, 256, 4, 4))
     chosen = plan.tiles(N, K, itemsize, swiglu, fp8) if plan is not None and plan.tiles is not None else None
     if chosen is not None:
         return chosen
@@ -237,10 +256,16 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
 
 def check_product(x: torch.Tensor, w, K: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """x [T, K] and w [N, K] as every product kernel takes them (here and in matvec_parts.py);
-    returns (w's values, its scales or w again, FP8 launch arguments)."""
+    returns (w's values, its scales or w again, the format's launch arguments: FP8, and for 4-bit
+    weights the group G, the zeros and perm; kernels/int4.py)."""
     T = x.shape[0]
     assert 1 <= T <= MAX_ROWS, f"matvec takes 1..{MAX_ROWS} rows, got {T}"
     assert x.shape[1] == K == w.shape[1], f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
+    if isinstance(w, GroupInt4):
+        check_int4(w, K)
+        assert w.perm is None or w.perm.dim() == 1, "a product's perm is [K]"
+        assert x.stride(1) == 1, "x rows must be contiguous"
+        return w.w, w.scale, dict(s_sw=w.scale.stride(0), FP8=False, G=w.group, zw=w.zero, perm=w.perm)
     if isinstance(w, BlockFP8):
         assert w.scale.dtype == torch.float32 and w.scale.stride(1) == 1 and w.scale.shape == \
             (triton.cdiv(w.shape[0], BLOCK), triton.cdiv(K, BLOCK)), "FP8 scales must be float32 [N/128, K/128]"
@@ -308,9 +333,18 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
     _matvec_kernel[(F + (blocks - F) * S,)](
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
-        num_stages=stages, **scale, **fp8, **pdl(x),
-        **(widen_args(x, warps, BN, plan.widen_bits, plan.widen_group) if fp8["FP8"] else {}))
+        num_stages=stages, **scale, **fp8, **pdl(x), **_format_args(x, BN, BK, warps, fp8, plan))
     return y
+
+
+def _format_args(x, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPlan) -> dict:
+    """The launch arguments a weight format adds: how FP8 tiles widen (fp8.widen_args), a 4-bit
+    tile's dots (int4.sub_tile)."""
+    if fmt["FP8"]:
+        return widen_args(x, warps, BN, plan.widen_bits, plan.widen_group)
+    if fmt.get("G"):
+        return dict(BG=sub_tile(BK, fmt["G"]))
+    return {}
 
 
 def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | None = None) -> torch.Tensor:
@@ -319,7 +353,7 @@ def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | Non
     w, sw, fp8 = check_product(x, w, K)
     y = _out(x, N, out)
     plan = plan or default_products(x.device)
-    BN, BK, warps, stages = tiles(N, K, x.element_size(), fp8=fp8["FP8"], plan=plan)
+    BN, BK, warps, stages = tiles(N, K, x.element_size(), fp8=fp8["FP8"], plan=plan, group=fp8.get("G", 0))
     return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, False, plan)
 
 
@@ -352,7 +386,8 @@ def matvec_swiglu_triton(x, w, plan: ProductPlan | None = None) -> torch.Tensor:
     assert not fp8["FP8"] or N % BLOCK == 0, "FP8 gate rows must fill whole blocks, so the up rows start one"
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     plan = plan or default_products(x.device)
-    BN, BK, warps, stages = tiles(N, K, x.element_size(), swiglu=True, fp8=fp8["FP8"], plan=plan)
+    BN, BK, warps, stages = tiles(N, K, x.element_size(), swiglu=True, fp8=fp8["FP8"], plan=plan,
+                                  group=fp8.get("G", 0))
     return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, True, plan)
 
 
@@ -364,7 +399,7 @@ def _out(x: torch.Tensor, N: int, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def matvec(x, w, out: torch.Tensor | None = None, plan: ProductPlan | None = None) -> torch.Tensor:
-    """x [T, K] (or a Normed) @ w [N, K]ᵀ (w a tensor or a BlockFP8): the Triton kernel for CUDA
+    """x [T, K] (or a Normed) @ w [N, K]ᵀ (w a tensor, a BlockFP8 or a GroupInt4): the Triton kernel for CUDA
     tensors, in the plan's form (None: the measured defaults for the device), the float32
     reference otherwise. With `out` (e.g. float32 logits) the product, rounded to x's dtype, is
     written there."""
@@ -374,8 +409,8 @@ def matvec(x, w, out: torch.Tensor | None = None, plan: ProductPlan | None = Non
 
 
 def matvec_swiglu(x, w, plan: ProductPlan | None = None) -> torch.Tensor:
-    """silu(x @ w_gateᵀ) * (x @ w_upᵀ) for w = [w_gate | w_up] (x a tensor or a Normed, w a tensor
-    or a BlockFP8): one kernel on CUDA, the reference otherwise."""
+    """silu(x @ w_gateᵀ) * (x @ w_upᵀ) for w = [w_gate | w_up] (x a tensor or a Normed, w a tensor,
+    a BlockFP8 or a GroupInt4): one kernel on CUDA, the reference otherwise."""
     if use_triton(_rows_of(x), values_of(w)):
         return matvec_swiglu_triton(x, w, plan)
     return matvec_swiglu_ref(x, w)

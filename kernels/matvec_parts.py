@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref, values_of, widen_args
-from mtpchat.kernels.matvec import MAX_ROWS, Normed, _dot_tile, arrival_counts, check_product
+from mtpchat.kernels.fp8 import dense_ref, values_of
+from mtpchat.kernels.int4 import GroupInt4, dot_int4
+from mtpchat.kernels.matvec import MAX_ROWS, Normed, _dot_tile, _format_args, arrival_counts, check_product
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
@@ -24,7 +25,8 @@ from mtpchat.kernels.plan import ProductPlan, default_products
 def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x, s_w, s_yp, s_y, s_r, s_xn,
                          s_h, s_ss, s_sw, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr,
                          NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
-                         RESIDUAL: tl.constexpr = True):
+                         RESIDUAL: tl.constexpr = True, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None,
+                         perm=None):
     # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
     pdl_start(PDL)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
@@ -34,12 +36,15 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
     m_y = m_n[:, None] & m_t[None, :]
     b_y = tl.zeros([BN, BT], dtype=tl.float32)
     for k in range(i_s * KS, tl.minimum(i_s * KS + KS, K), BK):
-        o_k = k + tl.arange(0, BK)
-        m_k = o_k < K
-        b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-        # FP8: BK divides the 128-column scale blocks and BN the 128-row ones (matvec._dot_tile)
-        b_y = _dot_tile(w + o_n[:, None] * s_w + o_k[None, :], m_n[:, None] & m_k[None, :], tl.trans(b_x), b_y,
-                        sw, i_n * BN // 128, s_sw, k, FP8, 128, BITS)
+        if G > 0:       # 4-bit weights (kernels/int4.py)
+            b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + o_t[None, :] * s_x, m_t, k, K, BK, G, BG)
+        else:
+            o_k = k + tl.arange(0, BK)
+            m_k = o_k < K
+            b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+            # FP8: BK divides the 128-column scale blocks and BN the 128-row ones (matvec._dot_tile)
+            b_y = _dot_tile(w + o_n[:, None] * s_w + o_k[None, :], m_n[:, None] & m_k[None, :], tl.trans(b_x), b_y,
+                            sw, i_n * BN // 128, s_sw, k, FP8, 128, BITS)
     o_y = o_t[None, :] * s_y + o_n[:, None]
     tl.store(y + i_s * s_yp + o_y, b_y, mask=m_y)
     if NORM:
@@ -66,33 +71,49 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
             tl.atomic_xchg(count + i_n, 0)
 
 
-def split_config(N: int, K: int, itemsize: int, plan: ProductPlan) -> tuple[int, int, int, int, int]:
+def split_config(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 0) -> tuple[int, int, int, int, int]:
     """(S, BN, BK, warps, stages) of a split product: the plan's split rule where it gives one, else
     S ranges of K (no more than K / (8 BK), rounded up), for some plan.split_programs programs in
     all (240: the 27B's 5120-row products, 80 column blocks x 3). Tiles of 16 KB of w, 4 deep (80 KB
     of shared memory with x's), so that two programs fit on an SM and all 240 are resident at once
-    on an H100; never a function of T."""
-    chosen = plan.split_tiles(N, K, itemsize) if plan.split_tiles is not None else None
+    on an H100; never a function of T. 4-bit weights in groups of `group` columns (kernels/int4.py):
+    the plan's int4_tiles rule ("split"), else tiles of 128 bytes a row (256 weights), as FP8's, 4
+    deep (a first choice; tests/bench/bench_int4.py compares others)."""
+    if group:
+        chosen = plan.int4_tiles("split", N, K, group) if plan.int4_tiles is not None else None
+        BN, BK, warps, stages = 64, 256, 4, 4
+    else:
+        chosen = plan.split_tiles(N, K, itemsize) if plan.split_tiles is not None else None
+        BN, BK, warps, stages = 64, 256 // itemsize, 4, 4
     if chosen is not None:
         return chosen
-    BN, BK = 64, 256 // itemsize
     S = max(1, min(triton.cdiv(K, 8 * BK), round(plan.split_programs / triton.cdiv(N, BN))))
-    return S, BN, BK, 4, 4
+    return S, BN, BK, warps, stages
 
 
-def split_ranges(N: int, K: int, itemsize: int, plan: ProductPlan) -> list[tuple[int, int]]:
-    """The K ranges [k0, k1) of a split product's parts, in the order they are added."""
-    S, _, BK, _, _ = split_config(N, K, itemsize, plan)
+def split_ranges(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 0) -> list[tuple[int, int]]:
+    """The K ranges [k0, k1) of a split product's parts, in the order they are added (`group`:
+    4-bit weights, split_config)."""
+    S, _, BK, _, _ = split_config(N, K, itemsize, plan, group)
     KS = triton.cdiv(triton.cdiv(K, S), BK) * BK
     return [(k0, min(K, k0 + KS)) for k0 in range(0, K, KS)]
 
 
 def matvec_parts_ref(x: torch.Tensor, w, plan: ProductPlan | None = None) -> torch.Tensor:
-    """[S, T, N] float32: the products of x and w (a BlockFP8 dequantized) over each K range of
-    split_ranges (under the plan; None: the measured defaults for x's device)."""
-    ranges = split_ranges(w.shape[0], w.shape[1], x.element_size(), plan or default_products(x.device))
-    w = dequantize_ref(w) if isinstance(w, BlockFP8) else w
+    """[S, T, N] float32: the products of x and w (a BlockFP8 or GroupInt4 dequantized) over each
+    K range of split_ranges (under the plan; None: the measured defaults for x's device), ranges
+    of the weight's columns (a GroupInt4 with perm: in its sorted order)."""
+    ranges = split_ranges(w.shape[0], w.shape[1], x.element_size(), plan or default_products(x.device), _group(w))
+    if isinstance(w, GroupInt4) and w.perm is not None:
+        # a part is over weight columns k0 .. k1, in the sorted order: x's columns perm[k0:k1]
+        x, w = x[:, w.perm.long()], w._replace(perm=None)
+    w = dense_ref(w)
     return torch.stack([x[:, k0:k1].float() @ w[:, k0:k1].float().T for k0, k1 in ranges])
+
+
+def _group(w) -> int:
+    """The group of a 4-bit weight (kernels/int4.py), 0 for any other."""
+    return w.group if isinstance(w, GroupInt4) else 0
 
 
 def parts_sum_ref(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -113,8 +134,9 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
     w, sw, fp8 = check_product(x, w, K)
     T = x.shape[0]
     plan = plan or default_products(x.device)
-    ranges = split_ranges(N, K, x.element_size(), plan)
-    _, BN, BK, warps, stages = split_config(N, K, x.element_size(), plan)
+    G = fp8.get("G", 0)
+    ranges = split_ranges(N, K, x.element_size(), plan, G)
+    _, BN, BK, warps, stages = split_config(N, K, x.element_size(), plan, G)
     if fp8["FP8"] and plan.split_tiles is None:
         stages = plan.split_fp8_stages
     blocks = triton.cdiv(N, BN)
@@ -135,13 +157,12 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0),
         y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=MAX_ROWS, BN=BN, BK=BK,
         S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None, num_warps=warps,
-        num_stages=stages, **fp8, **pdl(x),
-        **(widen_args(x, warps, BN, plan.widen_bits, plan.widen_group) if fp8["FP8"] else {}))
+        num_stages=stages, **fp8, **pdl(x), **_format_args(x, BN, BK, warps, fp8, plan))
     return y if norm is None else (Normed(xn, ss, eps), h)
 
 
 def matvec_parts(x: torch.Tensor, w, plan: ProductPlan | None = None) -> torch.Tensor:
-    """x [T, K] @ w [N, K]ᵀ (w a tensor or a BlockFP8) as its float32 parts [S, T, N] over the K
+    """x [T, K] @ w [N, K]ᵀ (w a tensor, a BlockFP8 or a GroupInt4) as its float32 parts [S, T, N] over the K
     ranges of split_ranges (S may be 1): the Triton kernel for CUDA tensors, the float32 reference
     otherwise. parts_sum_ref, or the norm that reads them, makes the product."""
     if use_triton(x, values_of(w)):

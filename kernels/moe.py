@@ -17,7 +17,7 @@ pair's products are accumulated in the same order whatever shares its block, and
 a row's k choices in order, so a row's result does not depend on the other rows (greedy MTP on ==
 off). Experts are stored stacked: W_gate_up [E * 2F, H] (expert e's gate rows, then its up rows),
 W_down [E * H, F]; either may be a BlockFP8 (kernels/fp8.py) whose 128-row blocks never straddle
-two experts.
+two experts, or a GroupInt4 (kernels/int4.py) with a perm [E, K] where each expert has its own.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dequantize_ref, values_of, widen, widen_args
+from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dense_ref, values_of, widen, widen_args
+from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, sub_tile
 from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
                                        count_reads, layout_ref)
@@ -48,10 +49,6 @@ def route_ref(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = F
     return ids, weights, gate
 
 
-def _weight_f32(w) -> torch.Tensor:
-    return dequantize_ref(w, torch.float32) if isinstance(w, BlockFP8) else w.float()
-
-
 def _blocks_of(layout: Layout):
     """(expert, pair ids) of each non-empty block, on the host."""
     for e, pairs in zip(layout.expert.tolist(), layout.pairs.tolist()):
@@ -69,8 +66,8 @@ def _product(a: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
 
 def _with_shared(w, shared) -> torch.Tensor:
     """The stacked experts in float32, the shared expert's weight after them as expert E."""
-    W = _weight_f32(w)
-    return W if shared is None else torch.cat([W, _weight_f32(shared)])
+    W = dense_ref(w)
+    return W if shared is None else torch.cat([W, dense_ref(shared)])
 
 
 def expert_swiglu_ref(x: torch.Tensor, w_gate_up, layout: Layout, top_k: int, n_experts: int,
@@ -182,17 +179,60 @@ def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = 
 
 
 @triton.jit
+def _int4_expert(w, ws, zw, perm, w2, ws2, zw2, perm2, e, E, rows, K, s_w, s_ws, SHARED: tl.constexpr):
+    """Expert e's 4-bit weight (rows x K of a stack), as pointers to its words, scales, zeros and
+    perm (the last two None where the stack has none); expert E the shared one with SHARED."""
+    w_e, s_e, z_e, q_e = w + e * rows * s_w, ws + e * rows * s_ws, zw, perm
+    if zw is not None:
+        z_e = zw + e * rows * s_ws
+    if perm is not None:
+        q_e = perm + e * K
+    if SHARED:
+        if e == E:
+            w_e, s_e = w2, ws2
+            if zw is not None:
+                z_e = zw2
+            if perm is not None:
+                q_e = perm2
+    return w_e, s_e, z_e, q_e
+
+
+@triton.jit
+def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
+                 TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 SHARED: tl.constexpr, G: tl.constexpr, BG: tl.constexpr):
+    w_e, s_e, z_e, q_e = _int4_expert(w, ws, zw, perm, w2, ws2, zw2, perm2, e, E, 2 * F, H, s_w, s_ws, SHARED)
+    m_p = p >= 0
+    p_x = x + tl.where(m_p, p // TOPK, 0)[None, :] * s_x
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < F
+    acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+    for k in range(0, H, BK):
+        acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG)
+        acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG)
+    out = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
+
+
+@triton.jit
 def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, s_h, s_ws,
                    TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    STEP: tl.constexpr, BP: tl.constexpr, COUNT: tl.constexpr, SHARED: tl.constexpr,
-                   FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0):
+                   FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0, G: tl.constexpr = 0,
+                   BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None):
     # One program per (block, BN of the F columns): the expert's gate and up tiles, multiplied
     # with the block's rows of x, weights first ([BN, BK] @ [BK, BM]) as in matvec.py. With
     # SHARED, expert E is the shared expert, whose weights (w2, ws2) are a tensor of their own.
+    # G > 0: 4-bit experts (kernels/int4.py), rows of s_w words, zeros zw and perm [E, H] (or None).
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     e, p = _block(expert, pairs, reads, P, i_b, i_n, BM, STEP, BP, COUNT, SHARED)
     if e < 0:
+        return
+    if G > 0:
+        _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
+                     TOPK, BM, BN, BK, SHARED, G, BG)
         return
     w_e = w + e * 2 * F * H
     s_e = ws + e * 2 * F // 128 * s_ws
@@ -228,12 +268,24 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
 @triton.jit
 def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_ws,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
-                 SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0):
-    # One program per (block, BN of the H output columns), over the expert's F inputs.
+                 SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
+                 G: tl.constexpr = 0, BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None):
+    # One program per (block, BN of the H output columns), over the expert's F inputs (G > 0: 4-bit
+    # experts, as in _swiglu_kernel).
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     e, p = _block(expert, pairs, y, P, i_b, i_n, BM, STEP, BP, False, SHARED)
     if e < 0:
+        return
+    if G > 0:
+        w_e, s_e, z_e, q_e = _int4_expert(w, ws, zw, perm, w2, ws2, zw2, perm2, e, E, H, F, s_w, s_ws, SHARED)
+        m_p = p >= 0
+        o_n = i_n * BN + tl.arange(0, BN)
+        m_n = o_n < H
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        for k in range(0, F, BK):
+            acc = dot_int4(acc, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, hin + p[None, :] * s_h, m_p, k, F, BK, G, BG)
+        tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
         return
     w_e = w + e * H * F
     s_e = ws + e * H // 128 * s_ws
@@ -274,12 +326,18 @@ def _combine_kernel(y, weights, shared, gate, out, H, s_y, s_s, s_o,
 
 
 def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2,
-          plan: ProductPlan | None = None) -> tuple[int, int, int, int]:
+          plan: ProductPlan | None = None, int4: tuple[int, int, int] | None = None) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages) of an expert product: the plan's expert_tiles rule where it gives one,
     else a function of the product, the phase, the weight format and the activations' width, never
     of the number of rows (tests/bench/bench_moe.py measured the step's at the 35B-A3B's shapes on
     an H100). FP8 tiles lie inside one 128 x 128 block of scales; float32 tiles are smaller, to fit
-    in shared memory."""
+    in shared memory. 4-bit experts, int4 = (N, K, group) of one expert's product: the plan's
+    int4_tiles rule ("expert_swiglu", "expert_down"), else 64 rows by 256 weights (128 bytes) a
+    row, a first choice (tests/bench/bench_int4.py compares others)."""
+    if int4 is not None:
+        rule4 = plan.int4_tiles if plan is not None else None
+        chosen = rule4("expert_" + product, *int4) if rule4 is not None else None
+        return chosen or (64, 256, 4, 3)
     rule = plan.expert_tiles if plan is not None else None
     chosen = rule(product, step, fp8, itemsize) if rule is not None else None
     if chosen is not None:
@@ -300,14 +358,43 @@ def _fp8_ok(w, rows_per_expert: int) -> bool:
 def _shared_args(w, shared, rows: int, K: int) -> tuple:
     """(values, scales) of the shared expert's weight, or the experts' own again (never read)."""
     if shared is None:
-        return (values_of(w), w.scale if isinstance(w, BlockFP8) else values_of(w))
-    assert isinstance(shared, BlockFP8) == isinstance(w, BlockFP8), "the shared expert must share the experts' format"
+        return (values_of(w), w.scale if isinstance(w, (BlockFP8, GroupInt4)) else values_of(w))
+    assert isinstance(shared, BlockFP8) == isinstance(w, BlockFP8) and \
+        isinstance(shared, GroupInt4) == isinstance(w, GroupInt4), "the shared expert must share the experts' format"
     v = values_of(shared)
-    assert v.shape == (rows, K) and v.is_contiguous(), f"the shared expert's weight must be [{rows}, {K}]"
-    if isinstance(shared, BlockFP8):
-        assert shared.scale.stride(0) == w.scale.stride(0)
+    assert shared.shape == (rows, K) and v.is_contiguous(), f"the shared expert's weight must be [{rows}, {K}]"
+    if isinstance(shared, (BlockFP8, GroupInt4)):
+        assert shared.scale.stride(0) == w.scale.stride(0) and shared.scale.dtype == w.scale.dtype
         return v, shared.scale
     return v, v
+
+
+_identity: dict = {}
+
+
+def _int4_args(w, shared, n_experts: int, rows: int, K: int, BK: int) -> dict:
+    """The launch arguments of 4-bit experts (kernels/int4.py), the experts' stack w of
+    n_experts x rows and the shared expert (or None) alike in group and zeros; where only one of
+    them has a perm, the other reads x through the identity (made once per size and device)."""
+    if not isinstance(w, GroupInt4):
+        return {}
+    check_int4(w, K)
+    assert w.perm is None or w.perm.shape == (n_experts, K), f"stacked experts' perm must be [{n_experts}, {K}]"
+    perm, zw2, perm2 = w.perm, w.zero, None
+    if shared is not None:
+        check_int4(shared, K)
+        assert shared.group == w.group and (shared.zero is None) == (w.zero is None), \
+            "the shared expert must share the experts' group and zeros"
+        assert shared.perm is None or shared.perm.shape == (K,), f"the shared expert's perm must be [{K}]"
+        zw2, perm2 = shared.zero, shared.perm
+        if (perm is None) != (perm2 is None):
+            key = (w.device, n_experts, K)
+            if key not in _identity:
+                _identity[key] = torch.arange(K, dtype=torch.int32, device=w.device).repeat(n_experts, 1)
+            identity = _identity[key]
+            perm = identity if perm is None else perm
+            perm2 = identity[0] if perm2 is None else perm2
+    return dict(G=w.group, BG=sub_tile(BK, w.group), s_w=K // 8, zw=w.zero, perm=perm, zw2=zw2, perm2=perm2)
 
 
 def _widen(x, warps: int, BN: int, plan: ProductPlan) -> dict:
@@ -320,42 +407,45 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     `shared`: the shared expert's gate|up [2F, H], taken as expert `n_experts` (route(shared=True))."""
     T, H = x.shape
     wv = values_of(w_gate_up)
-    Fi = wv.shape[0] // (2 * n_experts)
+    Fi = w_gate_up.shape[0] // (2 * n_experts)
     fp8 = isinstance(w_gate_up, BlockFP8)
-    assert wv.shape == (n_experts * 2 * Fi, H) and wv.is_contiguous() and x.stride(1) == 1
+    assert w_gate_up.shape == (n_experts * 2 * Fi, H) and wv.is_contiguous() and x.stride(1) == 1
     assert _fp8_ok(w_gate_up, Fi), "FP8 experts need 128-row aligned gate and up parts"
     expert, pairs, P, bm, blocks, step, bp = _layout_args(layout)
     plan = plan or default_products(x.device)
-    BN, BK, warps, stages = tiles("swiglu", step, fp8, x.element_size(), plan)
+    int4 = (2 * Fi, H, w_gate_up.group) if isinstance(w_gate_up, GroupInt4) else None
+    BN, BK, warps, stages = tiles("swiglu", step, fp8, x.element_size(), plan, int4)
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
-    ws = w_gate_up.scale if fp8 else wv
     w2, ws2 = _shared_args(w_gate_up, shared, 2 * Fi, H)
+    ws = w_gate_up.scale if isinstance(w_gate_up, (BlockFP8, GroupInt4)) else wv
     _swiglu_kernel[(blocks, triton.cdiv(Fi, BN))](
         x, wv, ws, w2, ws2, expert, pairs, reads if reads is not None else h, h, P, n_experts, H, Fi,
         x.stride(0), h.stride(0), ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp,
         COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, num_stages=stages,
-        **pdl(x), **(_widen(x, warps, BN, plan) if fp8 else {}))
+        **pdl(x), **(_widen(x, warps, BN, plan) if fp8 else {}),
+        **_int4_args(w_gate_up, shared, n_experts, 2 * Fi, H, BK))
     return h
 
 
 def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: ProductPlan | None = None) -> torch.Tensor:
     P_, Fi = h.shape
     wv = values_of(w_down)
-    H = wv.shape[0] // n_experts
+    H = w_down.shape[0] // n_experts
     fp8 = isinstance(w_down, BlockFP8)
-    assert wv.shape == (n_experts * H, Fi) and wv.is_contiguous() and h.stride(1) == 1
+    assert w_down.shape == (n_experts * H, Fi) and wv.is_contiguous() and h.stride(1) == 1
     assert _fp8_ok(w_down, H), "FP8 experts need 128-row aligned down parts"
     expert, pairs, P, bm, blocks, step, bp = _layout_args(layout)
     plan = plan or default_products(h.device)
-    BN, BK, warps, stages = tiles("down", step, fp8, h.element_size(), plan)
+    int4 = (H, Fi, w_down.group) if isinstance(w_down, GroupInt4) else None
+    BN, BK, warps, stages = tiles("down", step, fp8, h.element_size(), plan, int4)
     y = torch.empty(P_, H, dtype=torch.float32, device=h.device)
-    ws = w_down.scale if fp8 else wv
+    ws = w_down.scale if isinstance(w_down, (BlockFP8, GroupInt4)) else wv
     w2, ws2 = _shared_args(w_down, shared, H, Fi)
     _down_kernel[(blocks, triton.cdiv(H, BN))](
         h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
         BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps,
-        num_stages=stages, **pdl(h),
-        **(_widen(h, warps, BN, plan) if fp8 else {}))
+        num_stages=stages, **pdl(h), **(_widen(h, warps, BN, plan) if fp8 else {}),
+        **_int4_args(w_down, shared, n_experts, H, Fi, BK))
     return y
 
 

@@ -24,6 +24,11 @@ SplitRule = Callable[[int, int, int], "tuple[int, int, int, int, int] | None"]
 # (product "swiglu" or "down", step, fp8, itemsize) -> (BN, BK, warps, stages), or None for the
 # default (moe.tiles)
 ExpertRule = Callable[[str, bool, bool, int], "tuple[int, int, int, int] | None"]
+# 4-bit weights (kernels/int4.py): (product, N, K, group) -> (BN, BK, warps, stages), or for
+# product "split" (S, BN, BK, warps, stages); None for the default. product: "plain" and "swiglu"
+# (matvec.tiles), "split" (matvec_parts.split_config), "expert_swiglu" and "expert_down" (moe.tiles),
+# with N and K the expert's; BK counts columns (weights), 2 a byte.
+Int4Rule = Callable[[str, int, int, int], "tuple[int, ...] | None"]
 
 
 @dataclass(frozen=True)
@@ -40,11 +45,12 @@ class ProductPlan:
     tiles: TileRule | None = None   # tiles other than the measured ones (benchmarks; small tiles for the interpreter)
     split_tiles: SplitRule | None = None
     expert_tiles: ExpertRule | None = None  # the MoE expert products' tiles (tests/bench/bench_moe.py)
+    int4_tiles: Int4Rule | None = None      # every product's tiles over 4-bit weights (tests/bench/bench_int4.py)
 
     def describe(self) -> dict:
         """The plan as plain values (a rule by its name), for `--dry-run` and benchmark reports."""
         out = dict(self.__dict__)
-        for key in ("tiles", "split_tiles", "expert_tiles"):
+        for key in ("tiles", "split_tiles", "expert_tiles", "int4_tiles"):
             out[key] = getattr(out[key], "__name__", repr(out[key])) if out[key] is not None else "measured"
         return out
 

@@ -41,3 +41,23 @@ def split_plan(parts: int, programs: int = 6) -> ProductPlan:
     def small_split_tiles(N, K, itemsize):
         return parts, 16, 32, 4, 2
     return ProductPlan(programs=programs, split_tiles=small_split_tiles)
+
+
+def int4_weight(N: int, K: int, device, seed: int, group: int = 128, symmetric: bool = True,
+                perm: bool = False, experts: int = 0, scale_dtype=torch.float16):
+    """A random GroupInt4 (kernels/int4.py) of N rows (a stack of `experts` of N / experts rows,
+    each with its own perm, where experts > 0): random 4-bit values, zeros, and scales whose size
+    varies over rows and groups by 10^3, so a group or row read with another's scale is far off."""
+    from mtpchat.kernels import int4
+    assert K % group == 0, f"K = {K} is not whole groups of {group}"
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K), generator=g)
+    scale = (torch.rand(N, K // group, generator=g) + 0.5) * torch.logspace(-2, 1, N)[torch.randperm(N, generator=g), None]
+    scale = scale * torch.where(torch.rand(N, K // group, generator=g) < 0.5, -1, 1) / K ** 0.5
+    zero = None if symmetric else torch.randint(0, 16, (N, K // group), generator=g).to(torch.uint8)
+    p = None
+    if perm:
+        rows = [torch.randperm(K, generator=g) for _ in range(max(experts, 1))]
+        p = (torch.stack(rows) if experts else rows[0]).to(torch.int32)
+    w = int4.GroupInt4(int4.pack_ref(q), scale.to(scale_dtype), zero, p)
+    return int4.GroupInt4(*(t.to(device) if t is not None else None for t in w))

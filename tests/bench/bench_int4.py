@@ -1,0 +1,198 @@
+"""The few-row products over 4-bit weights (kernels/int4.py) on the 27B's and the 35B-A3B's expert
+shapes, at T = 1 and 4 rows: time against the bf16 and FP8 products of the same shape, GB/s, and
+the fraction of the device's copy bandwidth the 4-bit bytes were read at; a few candidate tiles
+for each 4-bit product, so one run tells which tile rule (kernels/plan.py int4_tiles) to choose.
+
+    python tests/bench/bench_int4.py [--json results.json] [--quick]
+
+Each variant is a ProductPlan handed to the products (the device's measured plan, with an
+int4_tiles rule for the candidates). Times are CUDA graphs of 20 launches over rotating weight
+copies (more bytes than L2 holds), the median of 5 replays; "copy" is torch's device-to-device
+copy of 1 GiB, (read + written bytes) / time. Weights are random: groups of 128, symmetric, no
+perm for the candidates; the default tile also with zeros and a perm (GPTQ desc_act) and with
+groups of 32. Checks each 4-bit output against the float32 reference before timing it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import torch
+
+from mtpchat.kernels import fp8, int4, matvec, matvec_parts, moe
+from mtpchat.kernels.plan import ProductPlan, default_products
+
+# the 27B (hidden 5120, intermediate 17408; GDN in_proj: conv_dim 10240 + value_dim 6144 rows;
+# attention 24 q heads and their gates, 4 kv heads of 256)
+SHAPES = [("GDN in_proj [qkv|z]", 16384, 5120, "plain"), ("attention q|gate|k|v", 14336, 5120, "plain"),
+          ("MLP gate|up", 34816, 5120, "swiglu"), ("GDN out_proj, attention o_proj", 5120, 6144, "split"),
+          ("MLP down", 5120, 17408, "split")]
+E, TOPK, F_E, H_E = 256, 8, 512, 2048          # the 35B-A3B's experts
+CANDIDATES = {"plain": [(64, 256, 4, 4), (64, 512, 4, 3), (32, 256, 4, 6), (128, 256, 8, 3)],
+              "swiglu": [(32, 256, 4, 4), (64, 256, 4, 4), (32, 512, 4, 3), (16, 256, 2, 6)],
+              "split": [(64, 256, 4, 4), (64, 512, 4, 3), (32, 256, 4, 6)],
+              "expert": [(64, 256, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3)]}
+
+
+def graph_time(fn, copies: int, launches: int = 20) -> float:
+    """us a launch: the median of 5 replays of a graph of `launches` launches over rotating copies."""
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(launches):
+            fn(i % copies)
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / launches)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """bytes / s of a device-to-device copy, read and written bytes both counted."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = graph_time(lambda i: b.copy_(a), 1, 5)
+    return 2 * a.numel() / (t * 1e-6)
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, -(-160 * 2 ** 20 // nbytes))          # more than the 50 MB of an H100's L2
+
+
+def rule(kind: str, tile):
+    """A ProductPlan int4_tiles rule: `tile` for the `kind` products, the default for the others."""
+    def int4_tiles(product, N, K, group):
+        if kind == "split" and product == "split":
+            S = matvec_parts.split_config(N, K, 2, default_products("cuda"), group)[0]
+            return (S,) + tuple(tile)
+        if product == kind or (kind == "expert" and product.startswith("expert")):
+            return tuple(tile)
+        return None
+    int4_tiles.__name__ = "int4:{}x{}w{}s{}".format(*tile)
+    return int4_tiles
+
+
+def quantized(N: int, K: int, group: int = 128, symmetric: bool = True, perm: bool = False, experts: int = 0):
+    w = torch.randn(N, K, device="cuda") / K ** 0.5
+    q = int4.quantize_ref(w, group, symmetric)
+    if perm:
+        p = torch.stack([torch.randperm(K, device="cuda") for _ in range(max(experts, 1))]).to(torch.int32)
+        q = q._replace(perm=p if experts else p[0].contiguous())
+    return q
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: bool, out: list):
+    run = {"plain": lambda x, w, plan: matvec.matvec(x, w, plan=plan),
+           "swiglu": lambda x, w, plan: matvec.matvec_swiglu(x, w, plan=plan),
+           "split": lambda x, w, plan: matvec_parts.matvec_parts(x, w, plan=plan)}[kind]
+    ref = {"plain": matvec.matvec_ref, "swiglu": matvec.matvec_swiglu_ref,
+           "split": lambda x, w: matvec_parts.matvec_parts_ref(x, w)}[kind]
+    forms = {"g128": dict(), "g128 zeros+perm": dict(symmetric=False, perm=True), "g32": dict(group=32)}
+    q4 = {f: quantized(N, K, **kw) for f, kw in forms.items()}
+    n4 = q4["g128"].nbytes()
+    c4 = copies_for(n4)
+    ws4 = [q4["g128"]] + [quantized(N, K) for _ in range(c4 - 1)]
+    bf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(N * K * 2))]
+    f8 = [fp8.quantize_ref(torch.randn(N, K, device="cuda")) for _ in range(copies_for(N * K))]
+    for T in Ts:
+        x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+        t_bf = graph_time(lambda i: run(x, bf[i % len(bf)], base), len(bf))
+        t_f8 = graph_time(lambda i: run(x, f8[i % len(f8)], base), len(f8))
+        row = dict(product=name, N=N, K=K, kind=kind, T=T, bf16_us=t_bf, fp8_us=t_f8, int4_bytes=n4,
+                   int4={}, tiles={})
+        for form, q in q4.items():
+            err = rel(run(x, q, base), ref(x, q))
+            assert err < 2e-2, f"{name} {form}: relative error {err:.1e}"
+            ws = [q] + ws4[1:] if form == "g128" else [q]
+            t = graph_time(lambda i: run(x, ws[i % len(ws)], base), len(ws))
+            row["int4"][form] = dict(us=t, err=err, l2_resident=len(ws) == 1 and q.nbytes() < 40e6)
+        t4 = row["int4"]["g128"]["us"]
+        row.update(int4_us=t4, gbps=n4 / t4 / 1e3, of_copy_bw=(n4 / bw * 1e6) / t4)
+        if not quick:
+            for tile in CANDIDATES[kind]:
+                plan = dataclasses.replace(base, int4_tiles=rule(kind, tile))
+                try:
+                    run(x, ws4[0], plan)
+                    row["tiles"][str(tile)] = graph_time(lambda i: run(x, ws4[i % c4], plan), c4)
+                except Exception as e:          # a tile past the shared memory, registers: say so, go on
+                    row["tiles"][str(tile)] = f"failed: {type(e).__name__}"
+        out.append(row)
+        tiles = "  ".join(f"{k}: {v:.1f}" if isinstance(v, float) else f"{k}: {v}" for k, v in row["tiles"].items())
+        print(f"{name} [{N} x {K}] T={T}: bf16 {t_bf:.1f} us, fp8 {t_f8:.1f} us, int4 {t4:.1f} us "
+              f"({row['gbps']:.0f} GB/s, {row['of_copy_bw']:.2f} of copy bw; {t4 / t_bf:.2f} x bf16, "
+              f"{t4 / t_f8:.2f} x fp8); zeros+perm {row['int4']['g128 zeros+perm']['us']:.1f} us, "
+              f"g32 {row['int4']['g32']['us']:.1f} us (one copy each)", flush=True)
+        if tiles:
+            print(f"    int4 tiles (BN, BK, warps, stages) us: {tiles}", flush=True)
+
+
+def bench_experts(Ts, base: ProductPlan, bw: float, quick: bool, out: list):
+    gu4, d4 = quantized(E * 2 * F_E, H_E, experts=E), quantized(E * H_E, F_E, experts=E)
+    gu8, d8 = fp8.quantize_ref(torch.randn(E * 2 * F_E, H_E, device="cuda") / H_E ** 0.5), \
+        fp8.quantize_ref(torch.randn(E * H_E, F_E, device="cuda") / F_E ** 0.5)
+    gub = torch.randn(E * 2 * F_E, H_E, device="cuda", dtype=torch.bfloat16) / H_E ** 0.5
+    db = torch.randn(E * H_E, F_E, device="cuda", dtype=torch.bfloat16) / F_E ** 0.5
+    for T in Ts:
+        x = torch.randn(T, H_E, device="cuda", dtype=torch.bfloat16)
+        ids, w, g, lay = moe.route_step(torch.randn(T, E, device="cuda") * 3, TOPK, E)
+        n = len(set(ids.flatten().tolist()))
+        h = moe.expert_swiglu_triton(x, gub, lay, TOPK, E, plan=base)
+        for product, ws, fn in (("expert_swiglu", (gub, gu8, gu4), lambda w, plan: moe.expert_swiglu_triton(x, w, lay, TOPK, E, plan=plan)),
+                                ("expert_down", (db, d8, d4), lambda w, plan: moe.expert_down_triton(h, w, lay, E, plan=plan))):
+            t_bf, t_f8, t4 = (graph_time(lambda i: fn(w_, base), 1) for w_ in ws)
+            n4 = n * ws[2].nbytes() // E
+            row = dict(product=product, experts_read=n, T=T, bf16_us=t_bf, fp8_us=t_f8, int4_us=t4, int4_bytes=n4,
+                       gbps=n4 / t4 / 1e3, of_copy_bw=(n4 / bw * 1e6) / t4, tiles={},
+                       note="one copy of the experts: the step's few experts may sit in L2 across launches")
+            if not quick:
+                for tile in CANDIDATES["expert"]:
+                    plan = dataclasses.replace(base, int4_tiles=rule("expert", tile))
+                    try:
+                        row["tiles"][str(tile)] = graph_time(lambda i: fn(ws[2], plan), 1)
+                    except Exception as e:
+                        row["tiles"][str(tile)] = f"failed: {type(e).__name__}"
+            out.append(row)
+            tiles = "  ".join(f"{k}: {v:.1f}" if isinstance(v, float) else f"{k}: {v}" for k, v in row["tiles"].items())
+            print(f"35B-A3B {product} T={T} ({n} experts): bf16 {t_bf:.1f} us, fp8 {t_f8:.1f} us, int4 {t4:.1f} us "
+                  f"({row['gbps']:.0f} GB/s, {row['of_copy_bw']:.2f} of copy bw)", flush=True)
+            if tiles:
+                print(f"    int4 tiles (BN, BK, warps, stages) us: {tiles}", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", metavar="FILE", help="write the results there as JSON")
+    p.add_argument("--quick", action="store_true", help="the default tiles only")
+    a = p.parse_args()
+    start = time.time()
+    torch.manual_seed(0)
+    base = default_products("cuda")
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s (read + written); plan {base.describe()}")
+    out: list = []
+    with torch.inference_mode():
+        for name, N, K, kind in SHAPES:
+            bench_product(name, N, K, kind, (1, 4), base, bw, a.quick, out)
+        bench_experts((1, 4), base, bw, a.quick, out)
+    print(f"{time.time() - start:.0f} s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), copy_gbps=bw / 1e9, torch=torch.__version__,
+                           results=out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

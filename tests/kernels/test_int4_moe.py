@@ -1,0 +1,110 @@
+"""The MoE expert products over 4-bit experts (kernels/moe.py with kernels/int4.py) against their
+float32 references: stacked experts with and without a per-expert perm, symmetric and with zeros,
+the shared expert among the routed ones (its own GroupInt4), step and prefill layouts, and a row's
+result the same whatever rows share its experts; the 35B-A3B's shapes (GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import TOL, check, int4_weight, randn
+
+from mtpchat.kernels import int4, moe, moe_layout
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+def cpu(w: int4.GroupInt4) -> int4.GroupInt4:
+    return int4.GroupInt4(*(t.cpu() if t is not None else None for t in w))
+
+
+def experts(E, F, H, device, seed, group=32, symmetric=True, perm=False):
+    """Stacked 4-bit gate|up [E * 2F, H] and down [E * H, F]."""
+    return (int4_weight(E * 2 * F, H, device, seed, group, symmetric, perm, experts=E),
+            int4_weight(E * H, F, device, seed + 1, group, symmetric, perm, experts=E))
+
+
+def layouts(ids, E, step, device):
+    lay_cpu = moe_layout.layout_ref(ids, E, moe_layout.STEP_ROWS if step else 2, min(E, ids.numel()) if step else None)
+    return lay_cpu, moe_layout.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
+
+
+def routed(T, E, k, seed):
+    return torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(seed + r))[:k]
+                        for r in range(T)]).to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,step,group,symmetric,perm,F", [
+    (1, True, 32, True, False, 96), (3, True, 128, False, True, 128), (5, False, 32, False, True, 96),
+    (4, True, 64, True, True, 192)])
+def test_int4_expert_products(device, dtype, T, step, group, symmetric, perm, F):
+    E, k, H = 5, 2, 384                 # F 96: not a multiple of the 64-row tile; H 384: 1.5 K tiles
+    wgu, wd = experts(E, F, H, device, T, group, symmetric, perm)
+    x = randn(T, H, dtype=dtype, device=device, seed=T)
+    lay_cpu, lay = layouts(routed(T, E, k, 7 * T), E, step, device)
+    h_ref = moe.expert_swiglu_ref(x.cpu().float(), cpu(wgu), lay_cpu, k, E)
+    check(moe.expert_swiglu(x, wgu, lay, k, E, rowwise=step).cpu().float(), h_ref, TOL[dtype], "int4 swiglu")
+    y_ref = moe.expert_down_ref(h_ref.to(dtype).float(), cpu(wd), lay_cpu, E)
+    y = moe.expert_down(h_ref.to(device, dtype), wd, lay, E, rowwise=step)
+    check(y.cpu(), y_ref, TOL[dtype], "int4 down")
+
+
+@pytest.mark.parametrize("shared_perm,experts_perm", [(True, True), (False, True), (True, False)])
+def test_int4_shared_expert_as_expert_e(device, shared_perm, experts_perm):
+    """The shared expert, a GroupInt4 of its own, as every row's last choice; where only it or only
+    the routed experts have a perm, the other reads x in order."""
+    T, E, k, F, H = 3, 6, 2, 32, 128
+    wgu, wd = experts(E, F, H, device, 31, 32, False, experts_perm)
+    sgu = int4_weight(2 * F, H, device, 33, 32, False, shared_perm)
+    sd = int4_weight(H, F, device, 34, 32, False, shared_perm)
+    logits = randn(T, E + 1, seed=22, scale=2.0).to(device)
+    x = randn(T, H, device=device, seed=23)
+    ids, w, _, lay = moe.route_step(logits, k, E, shared=True)
+    ref_lay = moe_layout.layout_ref(ids.cpu(), E + 1, 16)
+    h = moe.expert_swiglu_triton(x, wgu, lay, k + 1, E, shared=sgu)
+    h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(wgu), ref_lay, k + 1, E, shared=cpu(sgu))
+    check(h.cpu(), h_ref, TOL[torch.float32], "swiglu")
+    y = moe.expert_down_triton(h_ref.to(device), wd, lay, E, shared=sd)
+    check(y.cpu(), moe.expert_down_ref(h_ref, cpu(wd), ref_lay, E, shared=cpu(sd)), TOL[torch.float32], "down")
+
+
+def int4_rows_equal(device, dtype, E, k, F, H, T=5, group=128):
+    wgu, wd = experts(E, F, H, device, 11, group, False, True)
+    router = (randn(E, H, seed=12) / H ** 0.5).to(device, dtype)
+    x = randn(T, H, dtype=dtype, device=device, seed=13)
+
+    def forward(rows):
+        logits = torch.cat([moe.F.linear(r[None], router) for r in rows])
+        ids, w, g, lay = moe.route_step(logits, k, E)
+        h = moe.expert_swiglu_triton(rows, wgu, lay, k, E)
+        y = moe.expert_down_triton(h, wd, lay, E)
+        return h.view(-1, k, F), y.view(-1, k, H)
+    together = forward(x)
+    for i in range(T):
+        for name, a, b in zip(("swiglu", "down"), forward(x[i:i + 1]), together):
+            assert torch.equal(a[0], b[i]), f"row {i}: {name} differs alone"
+
+
+def test_int4_a_row_does_not_depend_on_the_rows_beside_it(device):
+    int4_rows_equal(device, torch.float32, E=8, k=3, F=96, H=128, group=32)
+
+
+@pytest.mark.gpu
+def test_int4_rows_bitwise_on_the_35b_shapes():
+    int4_rows_equal("cuda", torch.bfloat16, E=256, k=8, F=512, H=2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("symmetric,perm", [(True, False), (False, True)])
+def test_int4_35b_shapes_against_reference(symmetric, perm):
+    E, k, F, H, T = 256, 8, 512, 2048, 4
+    wgu, wd = experts(E, F, H, "cuda", 5, 128, symmetric, perm)
+    x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=6)
+    logits = randn(T, E, seed=7, scale=3.0).cuda()
+    ids, w, g, lay = moe.route_step(logits, k, E)
+    h = moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True)
+    y = moe.expert_down(h, wd, lay, E, rowwise=True)
+    lay_cpu = moe_layout.layout_ref(ids.cpu(), E, moe_layout.STEP_ROWS)
+    h_ref = moe.expert_swiglu_ref(x.cpu().float(), cpu(wgu), lay_cpu, k, E)
+    check(h.cpu().float(), h_ref, 1e-2, "swiglu")
+    check(y.cpu(), moe.expert_down_ref(h.cpu().float(), cpu(wd), lay_cpu, E), 1e-2, "down")
