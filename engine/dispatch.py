@@ -20,16 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpchat.engine.plan import KernelPlan
-from mtpchat.kernels import fp8_gemm, norm
+from mtpchat.kernels import fp8_gemm, int4_gemm, norm
 from mtpchat.kernels._triton import use_triton
-from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref
+from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref, values_of
 from mtpchat.kernels.int4 import GroupInt4
 from mtpchat.kernels.int4 import dequantize_ref as int4_dequantize
 from mtpchat.kernels.matvec import Normed, matvec
 from mtpchat.kernels.matvec_parts import matvec_parts, matvec_parts_triton
 from mtpchat.kernels.plan import ProductPlan
 
-__all__ = ["Ctx", "Normed", "Product", "add_norm", "expert_weight", "linear", "weight"]
+__all__ = ["Ctx", "Normed", "Product", "add_norm", "linear", "weight"]
 
 
 @dataclass
@@ -77,27 +77,13 @@ def weight(m: nn.Module, name: str):
     return BlockFP8(w, scale)
 
 
-def values_of(w) -> torch.Tensor:
-    """A product's weight tensor itself (for device and dispatch checks): w, or a BlockFP8's FP8
-    values, or a GroupInt4's packed words."""
-    return w.w if isinstance(w, (BlockFP8, GroupInt4)) else w
-
-
-def expert_weight(m: nn.Module, name: str, x: torch.Tensor):
-    """An MoE's stacked experts (or its shared expert) for kernels/moe.py: as stored, but a 4-bit one
-    dequantized to float32 where the float32 references run (the CPU), which read tensors and
-    BlockFP8 alone."""
-    w = weight(m, name)
-    return int4_dequantize(w) if isinstance(w, GroupInt4) and not x.is_cuda else w
-
-
 def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
     """x [T, K] @ w[N, K]ᵀ, w a tensor, a BlockFP8 or a GroupInt4. With `rowwise` (decode, verify,
     draft) each row's result is that of a 1-row call: the batch-invariant matvec kernel on the GPU,
     in the plan's form (it also takes a Normed x, see add_norm, and FP8 or 4-bit weights, scaled in
     registers), one product per row on the CPU. A prefill over FP8 weights on the GPU runs on the
-    FP8 tensor cores (fp8_gemm.py); on the CPU, and over 4-bit weights for now, it is the product of
-    the dequantized weight."""
+    FP8 tensor cores (fp8_gemm.py), over 4-bit ones in int4_gemm.py (widened in registers); on the
+    CPU it is the product of the dequantized weight."""
     if isinstance(x, Normed) or (rowwise and x.is_cuda):
         return matvec(x, w, plan=products)
     if isinstance(w, BlockFP8):
@@ -105,8 +91,8 @@ def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
             return fp8_gemm.gemm(x, w)
         w = dequantize_ref(w, x.dtype)
     elif isinstance(w, GroupInt4):
-        # the one spot for a prefill GEMM over 4-bit weights on the GPU (`not rowwise and
-        # use_triton(x, w.w)`); until there is one, the GPU too multiplies the dequantized weight
+        if not rowwise and use_triton(x, w.w):
+            return int4_gemm.gemm(x, w)
         w = int4_dequantize(w, x.dtype)
     if not rowwise:
         return F.linear(x, w)

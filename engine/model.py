@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.dispatch import Ctx, Product, expert_weight, linear, weight
+from mtpchat.engine.dispatch import Ctx, Product, linear, weight
 from mtpchat.kernels import attention, conv, gdn, gdn_chunk, moe, norm
 from mtpchat.kernels.fp8 import BlockFP8
 from mtpchat.kernels.int4 import GroupInt4
@@ -98,12 +98,12 @@ class SparseMoE(nn.Module):
 
     def forward(self, x, ctx: Ctx):
         E, k = self.c.num_experts, self.c.num_experts_per_tok
-        gate_up, down = expert_weight(self, "experts_gate_up", x), expert_weight(self, "experts_down", x)
+        gate_up, down = weight(self, "experts_gate_up"), weight(self, "experts_down")
         logits = ctx.linear(x, self.router)
         reads = self.reads if ctx.step else None
         if self._shared_as_expert(gate_up, x, ctx):
             # the shared expert as every row's last choice, expert E: two launches fewer a layer
-            sgu, sd = expert_weight(self.shared, "gate_up", x), expert_weight(self.shared, "down", x)
+            sgu, sd = weight(self.shared, "gate_up"), weight(self.shared, "down")
             _, weights, _, layout = moe.route(logits, k, E, ctx.step, shared=True, rows=ctx.rows)
             h = moe.expert_swiglu(x, gate_up, layout, k + 1, E, ctx.step, reads, shared=sgu, plan=ctx.products)
             y = moe.expert_down(h, down, layout, E, ctx.step, shared=sd, plan=ctx.products)
@@ -119,7 +119,7 @@ class SparseMoE(nn.Module):
         shapes allow), and stored as the routed experts are (both FP8, both 4-bit in one form, or
         neither: the 4-bit releases keep the shared expert in bf16)."""
         s = self.shared
-        return s is not None and ctx.plan.shared_as_expert and _form(expert_weight(s, "gate_up", x)) == _form(gate_up)
+        return s is not None and ctx.plan.shared_as_expert and _form(weight(s, "gate_up")) == _form(gate_up)
 
 
 def _form(w) -> tuple:
