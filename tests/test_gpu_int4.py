@@ -1,0 +1,47 @@
+"""The engine on the GPU with 4-bit weights (bf16 activations): `--weights int4` and the checkpoint
+formats (GPTQ with desc_act, compressed-tensors with zero points, dense and MoE) through the 4-bit
+kernels, CUDA graphs, greedy MTP on equal to MTP off, and the GPU's logits near the CPU's exact
+product of the dequantized weights."""
+import pytest
+import torch
+
+from mtpchat.engine import Engine
+from tools.int4 import write_compressed_checkpoint, write_gptq_checkpoint
+from tools.tiny import write_tiny_checkpoint
+from helpers import GPU_SHAPE, assert_mtp_on_equals_off, gpu_prompts, rel_err
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu-int4"), **GPU_SHAPE)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_int4_on_load_greedy_mtp_on_equals_off(ckpt, graphs):
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs, max_context=1024,
+                         weights="int4")
+    assert engine.weight_format == "int4" and engine.model.layers[0].mlp.gate_up.dtype == torch.int32
+    assert_mtp_on_equals_off(engine, gpu_prompts(engine, 4), 96, profile_ks=(1, 2, 3, 4), ks=(3,))
+
+
+FORMATS = {
+    "gptq-desc-act": lambda root: write_gptq_checkpoint(root, desc_act=True, dynamic={}),
+    "gptq-moe-desc-act": lambda root: write_gptq_checkpoint(root, desc_act=True, moe=True, dynamic={}),
+    "ct-asym": lambda root: write_compressed_checkpoint(root, symmetric=False),
+    "ct-moe-asym-group-32": lambda root: write_compressed_checkpoint(root, symmetric=False, moe=True, group=32),
+}
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_int4_checkpoints_on_the_gpu(form, tmp_path):
+    folder, twin = FORMATS[form](tmp_path)
+    gpu = Engine.load(folder, device="cuda", dtype=torch.bfloat16, max_context=1024)
+    assert gpu.weight_format == "int4"
+    cpu = Engine.load(twin, device="cpu", dtype=torch.float32, max_context=1024)
+    ids = gpu_prompts(cpu, 3)[2]
+    # bf16 activations through 4-bit products (prefill) against float32 on the dequantized weights
+    assert rel_err(gpu.logits(ids).float().cpu(), cpu.logits(ids), ord=2) < 0.05
+    assert_mtp_on_equals_off(gpu, gpu_prompts(gpu, 2), 64, profile_ks=(2, 4), ks=(3,))
