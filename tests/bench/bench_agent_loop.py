@@ -38,7 +38,7 @@ import httpx
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file of the project.",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
 LINE = "    total = sum(value * weight for value, weight in zip(values, weights))  # line {i}\n"
-PER_LINE = 20            # tokens of a LINE with a Qwen3.5/3.6 tokenizer
+PER_LINE = 20            # tokens of a LINE, as the text is sized for a server of unknown tokenizer
 
 
 def file_text(tokens: int, per_line: float = PER_LINE) -> str:
