@@ -567,7 +567,6 @@ def probe_free(host: str, port: int) -> None:
 def serve(engine, sock: socket.socket, *, model: str, defaults: Defaults, host: str, api_key: str | None,
           max_waiting: int, announce) -> int:
     """Serve on the bound socket until a signal; the exit status (130 for SIGINT, 143 for SIGTERM)."""
-    import uvicorn
     app = build_app(engine, model=model, defaults=defaults, api_key=api_key, host=host, max_waiting=max_waiting)
     port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
@@ -577,15 +576,23 @@ def serve(engine, sock: socket.socket, *, model: str, defaults: Defaults, host: 
     log.setLevel(logging.INFO)
     log.propagate = False
     announce(f"mtpchat serve: {model} at http://{shown}:{port}/v1 (one generation at a time; Ctrl-C stops)")
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-                            http=timed_protocol(), lifespan="off")
-    server = Server(config, app.state.stop)
+    server = http_server(app)
     server.run(sockets=[sock])
     running = app.state.running()
     if running is not None:       # a generation on its thread: it ends at its next step
         running[0].set()
         running[1].join(30)
     return 128 + server.signal if server.signal else 0
+
+
+def http_server(app):
+    """uvicorn around `build_app`'s app as `serve` runs it: quiet, a deadline for each request's
+    headers, the app told first when it stops. `run(sockets=[sock])` serves until a signal (on the
+    main thread) or until `should_exit` is set (anywhere)."""
+    import uvicorn
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                            http=timed_protocol(), lifespan="off")
+    return Server(config, app.state.stop)
 
 
 def timed_protocol():
