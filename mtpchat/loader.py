@@ -13,7 +13,6 @@ from mtpchat import hubcache, models
 from mtpchat.errors import DeviceError, NotEnoughMemory, UserError
 from mtpchat.settings import DEFAULT_CONTEXT, Options
 
-K_MAX = 4                   # drafts a step allocated for at load: the draft count can rise live up to this
 CPU_MAX_PARAMS = 4.0e9      # above this the CPU path is too slow to be useful
 MIN_CAPABILITY = (8, 0)     # bfloat16 and the Triton kernels need Ampere or newer
 
@@ -123,7 +122,8 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
         mtp = False
     graphs = options.cuda_graphs and device.startswith("cuda")
     # MTP can be switched on live, so the head is loaded whenever the checkpoint has one
-    k_max = max(K_MAX, options.draft_tokens)
+    # the engine's own limit (memory.K_MAX), whatever k it starts with: the draft count can rise live up to it
+    k_max = memory.K_MAX
     free = None if elsewhere else free_memory(device)[0]
     snaps, weights = options.snapshots, weight_format(options.weights, config, device, name, notices,
                                                                 options.said("weights"))

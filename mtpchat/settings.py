@@ -28,7 +28,7 @@ APP = "mtpchat"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 WEIGHTS = ("auto", "bf16", "fp8", "int4")
-MAX_DRAFT_TOKENS = 8
+MAX_DRAFT_TOKENS = 8     # the engine's own limit, mtpchat.engine.memory.K_MAX (a test keeps them equal)
 DEFAULT_CONTEXT = 8192   # tokens of context when none is asked for (fewer where the model or memory has less)
 
 
