@@ -140,16 +140,22 @@ def policies(engine, prompt: list[int], tokens: int, profiles=None, ks=(1, 2, 3,
     out = {}
     for p, (name, profile) in enumerate((profiles or PROFILES).items()):
         row = {}
-        for policy in ("off", *ks, "adaptive"):
-            runs = []
-            for r in range(repeats):
+        names = ("off", *ks, "adaptive")
+        cells: dict = {policy: [] for policy in names}
+        # the policies take turns within a repeat (each repeat in another order), so that a device
+        # shared with other work slows them alike rather than whichever ran while it was busy
+        for r in range(repeats):
+            for policy in names[r % len(names):] + names[:r % len(names)]:
                 drafter = ProfileDrafter(ref, profile, seed=1000 * p + 10 * r + 1, vocab=vocab)
                 if policy == "off":
-                    runs.append(generate(engine, prompt, tokens, mtp=False))
+                    result = generate(engine, prompt, tokens, mtp=False)
                 elif policy == "adaptive":
-                    runs.append(generate(engine, prompt, tokens, mtp=True, k=max(ks), drafter=drafter, adaptive=True))
+                    result = generate(engine, prompt, tokens, mtp=True, k=max(ks), drafter=drafter, adaptive=True)
                 else:
-                    runs.append(generate(engine, prompt, tokens, mtp=True, k=policy, drafter=drafter))
+                    result = generate(engine, prompt, tokens, mtp=True, k=policy, drafter=drafter)
+                cells[policy].append(result)
+        for policy in names:
+            runs = cells[policy]
             hist: dict = {}
             for run in runs:
                 for k, n in run["stats"].k_histogram.items():

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtpchat.engine.memory import CAPTURED_K
 from mtpchat.engine.dispatch import Ctx, linear
 from mtpchat.engine.draft_vocab import DraftRows
 from mtpchat.engine.events import PhaseTimes
@@ -74,28 +75,30 @@ class Decoder:
         self.model, self.head, self.state, self.prefill_chunk = model, head, state, prefill_chunk
         self.plan = plan
         self.snapshots = Snapshots(model.c, snapshots, state.fold.device, model.embed.dtype)
-        c, dev, R = model.c, state.fold.device, state.k_max + 1
+        # the head's catch-up rows inside a step: the captured ks' (engine/memory.py CAPTURED_K)
+        # K1: the rows of the largest step (k_max drafts and the next token)
+        c, dev, R, K1 = model.c, state.fold.device, min(state.k_max, CAPTURED_K) + 1, state.k_max + 1
         self.device, self.R = dev, R
         long = lambda *n: torch.zeros(*n, dtype=torch.long, device=dev)
         self.pos, self.pend_n = long(1), long(1)
         # [x_L, d_1..d_k_max]: the next token and the drafts side by side, so a verify feeds a view
-        self.fed = long(R)
+        self.fed = long(K1)
         self.next_tok, self.drafts = self.fed[:1], self.fed[1:]
-        self.steps = torch.arange(R, device=dev)   # 0..R-1, for positions with no arange per step
+        self.steps = torch.arange(K1, device=dev)   # 0..K1-1, for positions with no arange per step
         self.conv_cols = torch.arange(c.linear_conv_kernel_dim - 1, device=dev)
         self.room, self.gen = long(1), long(1)   # tokens the generation may still emit / has emitted
         self.is_stop = torch.zeros(c.vocab_size, dtype=torch.bool, device=dev)
-        rows = max(plan.pending_rows, R) + R     # a step writes k+1 rows after at most that many pending
+        rows = max(plan.pending_rows, R) + K1     # a step writes k+1 rows after at most that many pending
         self.pend_hidden = torch.zeros(rows, c.hidden_size, device=dev, dtype=model.embed.dtype)
         self.pend_tokens = long(rows)
-        self.v_hidden = torch.zeros(R, c.hidden_size, device=dev, dtype=model.embed.dtype)
-        self.v_logits = torch.zeros(R, c.vocab_size, device=dev)
-        self.result = long(R + 2)            # [n, a, tokens...]: the one device-to-host copy
+        self.v_hidden = torch.zeros(K1, c.hidden_size, device=dev, dtype=model.embed.dtype)
+        self.v_logits = torch.zeros(K1, c.vocab_size, device=dev)
+        self.result = long(K1 + 2)            # [n, a, tokens...]: the one device-to-host copy
         # a few pinned copies of it, used in turn, so a step's result is never overwritten unread
-        self.host_results = [torch.zeros(R + 2, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(4)]
+        self.host_results = [torch.zeros(K1 + 2, dtype=torch.long, pin_memory=dev.type == "cuda") for _ in range(4)]
         self.launched = self.read = self.most_in_flight = 0   # steps launched / read; the most unread at once
         self.seen = torch.zeros(c.vocab_size, dtype=torch.int32, device=dev)   # presence-penalty counts
-        self.partials = argmax_partials_buffers(R, c.vocab_size, dev)        # the greedy accept's argmax chunks
+        self.partials = argmax_partials_buffers(K1, c.vocab_size, dev)        # the greedy accept's argmax chunks
         # what acceptance reads and commits, named once for kernels/accept.py
         self.accept_bufs = AcceptBuffers(self.is_stop, self.room, self.pos, self.gen, self.next_tok, state.fold,
                                          state.parity, state.conv_off, self.seen, self.v_hidden,
@@ -276,7 +279,7 @@ class Decoder:
 
     # --- the three phases of a step: pure functions of the buffers above -----------------------
     def draft(self, k: int):
-        """Catch the head up over k_max+1 pending rows, then draft k tokens greedily into `drafts`."""
+        """Catch the head up over R (CAPTURED_K+1) pending rows, then draft k tokens greedily into `drafts`."""
         R, L = self.R, self.pos
         start = L - self.pend_n
         # rows past pend_n are stale: an MoE head routes them as the last live one, reading no more experts

@@ -28,7 +28,7 @@ from mtpchat.engine.config import GenerationConfig, Int4Format, ModelConfig, Uns
 from mtpchat.engine.decoder import Decoder
 from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, context_rows, draft_token_ids, draft_vocab_size
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step, TokenLogprob
-from mtpchat.engine.memory import DEFAULT_SNAPSHOTS, PREFILL_CHUNK
+from mtpchat.engine.memory import CAPTURED_K, DEFAULT_SNAPSHOTS, PREFILL_CHUNK
 from mtpchat.engine.model import Model
 from mtpchat.engine.mtp import MTPHead
 from mtpchat.engine.plan import KernelPlan
@@ -140,7 +140,7 @@ class Engine:
         if self.device.type == "cuda":
             self.runner = self.decoder.runner = Runner(self.decoder, cuda_graphs)
             with torch.inference_mode():
-                self.runner.capture(k_max, self.head is not None, SamplingParams(), progress)
+                self.runner.capture(min(k_max, CAPTURED_K), self.head is not None, SamplingParams(), progress)
         if self.device.type == "cpu" and sum(p.numel() for p in self.model.parameters()) < 100_000_000:
             # small models are a few thousand tiny ops per token: threads cost more than they give
             torch.set_num_threads(1)
@@ -150,17 +150,19 @@ class Engine:
         self.time_steps()
 
     def time_steps(self, steps: int = 4) -> dict[int, float]:
-        """Warm-up: the time of a step with each number of drafts, 0..k_max, measured here, so that
+        """Warm-up: the time of a step with each number of drafts, 0..CAPTURED_K, measured here, so that
         the adaptive policy weighs drafts by what they cost on this device from its first step (a
         verify of k+1 rows costs about one decode step on a GPU, several on a CPU). The median of
-        `steps` greedy steps each, after one untimed; the decode state is empty again after."""
-        need = (self.k_max + 1) * (steps + 1) + 16
+        `steps` greedy steps each, after one untimed; the decode state is empty again after. (A
+        larger k, eager, is timed by the policy when it first runs.)"""
+        top = min(self.k_max, CAPTURED_K)
+        need = (top + 1) * (steps + 1) + 16
         if self.head is None or need >= self.max_context:
             return {}
         prompt = torch.randint(0, self.config.vocab_size, (8,), generator=torch.Generator().manual_seed(0)).tolist()
         params, dec = SamplingParams(max_tokens=need, stop_token_ids=()), self.decoder
         with torch.inference_mode():
-            for k in range(self.k_max + 1):
+            for k in range(top + 1):
                 dec.reset()
                 dec.begin(prompt)             # (no draft_context: the warm-up's tokens take no context rows)
                 dec.first_token(params, None)

@@ -333,6 +333,18 @@ class MemoryPlan:
         return {k: d[k] for k in ("weights", "kv", "mtp_kv", "gdn_state", "graph_pool", "workspace", "snapshots")}
 
 
+# Drafts a step can carry at most, whatever k a model starts with: the MTP head predicts one token
+# ahead, so chained drafts compound its misses (past 8, at the acceptance published for Qwen3.6's
+# head, a draft is kept under 10% of the time and costs more than it gains), and a verify of k+1
+# rows must stay within the few-row products' 16 rows (kernels/matvec.py MAX_ROWS). What it costs
+# is small: 4 more rows of KV, conv window and pending tokens than k = 4.
+K_MAX = 8
+# Steps of up to this many drafts are fast: captured as CUDA graphs at load, timed at load, and the
+# head catches up over CAPTURED_K+1 rows inside the step. Larger k run eagerly (no graph), the head
+# catching up first where more rows wait: load time, graph memory and the usual step stay as for k 4.
+CAPTURED_K = 4
+
+
 def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloat16",
                 mtp: bool = True, cuda_graphs: bool = True,
                 prefill_chunk: int = PREFILL_CHUNK, snapshots: int = DEFAULT_SNAPSHOTS,
@@ -346,7 +358,7 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloa
     mtp = mtp and cfg.has_mtp
     fp8, int4 = _is_fp8(cfg, weights), int4_format(cfg, weights)
     act = _activation_bytes_per_token(cfg, dtype)
-    drafts = range(1, k_max + 1) if mtp else range(0)
+    drafts = range(1, min(k_max, CAPTURED_K) + 1) if mtp else range(0)
     # one captured graph per step shape: decode (1 token), then verify (k+1) and draft (k) per k
     shapes = [1] + [k + 1 for k in drafts] + list(drafts)
     per_token = kv_bytes_per_token(cfg, dtype) + (mtp_kv_bytes_per_token(cfg, dtype) if mtp else 0)

@@ -4,7 +4,8 @@ from the acceptance seen so far and the measured step times; 0 turns MTP off.
 With c_i the chance that draft i is accepted given drafts 1..i-1 were, P_i = c_1 ... c_i is the
 chance that a step accepts at least i drafts, and a step with k drafts emits on average
     E_k = 1 + P_1 + ... + P_k  tokens  in  T_k = draft + verify + accept time of a k-draft step.
-The policy picks the k in 0..k_user with the largest E_k / T_k (ties: the smaller k). One more
+The policy picks the k in 0..k_user with the largest E_k / T_k (ties: the smaller k), and MTP off
+unless that k beats it by ON_MARGIN (see there). One more
 draft pays when P_{k+1} > E_k (T_{k+1} / T_k - 1): that threshold and the P_{k+1} seen are what
 `why` reports, as a sentence the app shows (a threshold past 100% is said as a draft that costs
 more than it can gain).
@@ -31,6 +32,11 @@ PRIOR_WEIGHT = 2.0              # ... worth this many observed steps
 DECAY = 1 / 16                  # weight of the newest observation in the running rates
 TIME_DECAY = 1 / 8              # ... and in the running step times
 PRIOR_SLOPE = 0.05              # one more draft costs this share of a step, until measured
+# Drafting must beat MTP off by this share of its rate to be chosen: the step times are measured
+# (on a CPU shared with other work they wander by more than the few percent drafting would gain
+# there), and drafting pays costs T_k leaves out (probes, the head's catch-up when it resumes), so a
+# gain within this margin is as likely a loss. On a GPU drafting gains 50% and more: untouched.
+ON_MARGIN = 0.05
 PROBE_EVERY = 16
 MAX_PROBE_EVERY = 128
 
@@ -88,10 +94,13 @@ class AdaptiveK:
         P = self.at_least()
         rate = lambda k: (1.0 + sum(P[:k])) / self.time(k)
         k = max(range(k_user + 1), key=lambda j: (rate(j), -j))
+        if k and rate(k) < (1.0 + ON_MARGIN) * rate(0):
+            k = 0
         if k == k_user:
             return k, f"all {k} drafts pay off" if k > 1 else "the draft pays off"
         # what draft k+1 would need to reach the rate of k drafts, and what it gets
-        need = (1.0 + sum(P[:k])) * (self.time(k + 1) / self.time(k) - 1.0)
+        need = ((1.0 + sum(P[:k])) * (self.time(k + 1) / self.time(k) - 1.0) if k else
+                (1.0 + ON_MARGIN) * self.time(1) / self.time(0) - 1.0)
         head = "MTP off: a draft" if k == 0 else f"{k} of {k_user} drafts: draft {k + 1}"
         if need >= 1.0:
             return k, f"{head} costs more than it can gain"

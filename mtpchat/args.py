@@ -198,20 +198,21 @@ def has_module(name: str) -> bool:
 def options_from(args: argparse.Namespace):
     flags = {k: v for k, v in vars(args).items() if k in CHECKS}
     file_values = load_settings()
-    if "model" in file_values and "model" not in flags:
-        _check_model_setting(file_values["model"])
-    return merge(flags, file_values)
+    options = merge(flags, file_values, settings_path())
+    if "model" in options.from_file:
+        _check_model_setting(options)
+    return options
 
 
-def _check_model_setting(spec: str) -> None:
+def _check_model_setting(options) -> None:
     """A model named in the settings file that cannot be one (a missing folder, an unknown alias)
-    is said with the file's name, so the user knows where to fix it."""
+    is said with the file's name and key, so the user knows where to fix it."""
     from mtpchat.errors import ModelNotFound, SettingsError
     from mtpchat.models import classify
     try:
-        classify(spec)
+        classify(options.model)
     except ModelNotFound as e:
-        raise SettingsError(f"{settings_path()}: model: {e}") from None
+        raise SettingsError(f"{options.said('model')}: {e}") from None
 
 
 # ---- the commands that manage the cache and the shell, and each command's examples -----------------

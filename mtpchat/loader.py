@@ -13,7 +13,6 @@ from mtpchat import hubcache, models
 from mtpchat.errors import DeviceError, NotEnoughMemory, UserError
 from mtpchat.settings import DEFAULT_CONTEXT, Options
 
-K_MAX = 4                   # drafts a step allocated for at load: the draft count can rise live up to this
 CPU_MAX_PARAMS = 4.0e9      # above this the CPU path is too slow to be useful
 MIN_CAPABILITY = (8, 0)     # bfloat16 and the Triton kernels need Ampere or newer
 
@@ -40,8 +39,10 @@ class Prepared:
     adaptive_k: bool = True     # each step's k chosen by engine/policy.py, draft_tokens its maximum
 
 
-def pick_device(requested: str) -> tuple[str, bool]:
-    """(device, whether it was chosen automatically); checks that CUDA is usable when asked."""
+def pick_device(requested: str, said: str | None = None) -> tuple[str, bool]:
+    """(device, whether it was chosen automatically); checks that CUDA is usable when asked. `said`:
+    how the user asked for it (the flag, or the settings file's key), for the errors."""
+    said = said or f"--device {requested}"
     import torch
     if requested == "auto":
         return ("cuda" if torch.cuda.is_available() else "cpu"), True
@@ -51,11 +52,11 @@ def pick_device(requested: str) -> tuple[str, bool]:
                    if torch.version.cuda is None else
                    f"no GPU is visible, or the NVIDIA driver is too old for CUDA {torch.version.cuda} "
                    "(check nvidia-smi)")
-            raise DeviceError(f"--device {requested}: CUDA is not available: {why}\n"
+            raise DeviceError(f"{said}: CUDA is not available: {why}\n"
                               "small models run on the CPU with --device cpu")
         index = int(requested.partition(":")[2] or 0)
         if index >= torch.cuda.device_count():
-            raise DeviceError(f"--device {requested}: only {torch.cuda.device_count()} GPU(s) are visible")
+            raise DeviceError(f"{said}: only {torch.cuda.device_count()} GPU(s) are visible")
         cap = torch.cuda.get_device_capability(index)
         if cap < MIN_CAPABILITY:
             raise DeviceError(f"{torch.cuda.get_device_name(index)} has compute capability {cap[0]}.{cap[1]}; "
@@ -99,9 +100,9 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
     params = memory.text_params(config)
     asked = options.max_context
     if asked is not None and asked > config.max_position_embeddings:
-        raise UserError(f"--max-context {asked} is longer than {name} supports "
+        raise UserError(f"{options.said('max_context')} is longer than {name} supports "
                         f"({config.max_position_embeddings:,} tokens)")
-    device, auto = pick_device(options.device)
+    device, auto = pick_device(options.device, options.said("device"))
     elsewhere = dry_run and auto and device == "cpu" and params > CPU_MAX_PARAMS
     if elsewhere:  # a plan for the GPU this model needs, made on a machine without one
         device = "cuda"
@@ -121,9 +122,11 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
         mtp = False
     graphs = options.cuda_graphs and device.startswith("cuda")
     # MTP can be switched on live, so the head is loaded whenever the checkpoint has one
-    k_max = max(K_MAX, options.draft_tokens)
+    # the engine's own limit (memory.K_MAX), whatever k it starts with: the draft count can rise live up to it
+    k_max = memory.K_MAX
     free = None if elsewhere else free_memory(device)[0]
-    snaps, weights = options.snapshots, weight_format(options.weights, config, device, name, notices)
+    snaps, weights = options.snapshots, weight_format(options.weights, config, device, name, notices,
+                                                                options.said("weights"))
     context = asked or default_context(config, name, free, k_max, dtype, has_mtp, graphs, snaps, notices, weights)
     plan = memory.plan_memory(config, context, k_max, dtype, mtp=has_mtp, cuda_graphs=graphs, snapshots=snaps,
                               weights=weights, draft_vocab=options.draft_vocab)
@@ -146,7 +149,7 @@ def fp8_capable(device: str) -> bool:
     return fp8_runs_on(device)
 
 
-def weight_format(asked: str, config, device: str, name: str, notices: list[str]) -> str | None:
+def weight_format(asked: str, config, device: str, name: str, notices: list[str], said: str = "--weights fp8") -> str | None:
     """The engine's `weights` for the options: None keeps an FP8 checkpoint in FP8 where FP8 runs
     (else it is dequantized as it loads, said in a notice); fp8 where it cannot run is an error.
     4 bits run wherever mtpchat does (a GPU of compute capability 8.0+; on the CPU the engine
@@ -154,7 +157,7 @@ def weight_format(asked: str, config, device: str, name: str, notices: list[str]
     if asked == "fp8" and not fp8_capable(device):
         gpu = device.startswith("cuda")
         where = "this GPU (compute capability below 8.9)" if gpu else "the CPU"
-        raise UserError(f"--weights fp8: FP8 weights run on Ada or Hopper GPUs, not on {where}; "
+        raise UserError(f"{said}: FP8 weights run on Ada or Hopper GPUs, not on {where}; "
                         "leave --weights out to run the model in bf16"
                         + (", or take --weights int4 (4 bits, which run on this GPU)" if gpu else ""), exit_code=2)
     if asked == "auto" and config.quantization == "fp8" and not fp8_capable(device):

@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import sys
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtpchat.errors import SettingsError
@@ -27,7 +28,7 @@ APP = "mtpchat"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 WEIGHTS = ("auto", "bf16", "fp8", "int4")
-MAX_DRAFT_TOKENS = 8
+MAX_DRAFT_TOKENS = 8     # the engine's own limit, mtpchat.engine.memory.K_MAX (a test keeps them equal)
 DEFAULT_CONTEXT = 8192   # tokens of context when none is asked for (fewer where the model or memory has less)
 
 
@@ -60,6 +61,15 @@ class Options:
     data_dir: str | None = None
     server: str | None = None         # the app and `run` talk to this OpenAI-compatible server (--server)
     api_key: str | None = None        # its key (--api-key; else MTPCHAT_API_KEY)
+    # where each value read from the settings file came from, so a later error names the file
+    from_file: dict[str, Path] = field(default_factory=dict, repr=False, compare=False)
+
+    def said(self, key: str) -> str:
+        """How the user gave `key`: `max_context = 99999 in /path/settings.toml`, else `--max-context 99999`."""
+        value = getattr(self, key)
+        if key in self.from_file:
+            return f"{key} = {value!r} in {self.from_file[key]}"
+        return f"--{key.replace('_', '-')} {value}"
 
 
 # ---- value checks, shared by the flags and the file ---------------------------------------------
@@ -136,7 +146,7 @@ CHECKS = {
     "snapshots": _int(0, 64), "offline": _bool,
     "data_dir": _str, "server": _str, "api_key": _str,
 }
-assert set(CHECKS) == {f.name for f in dataclasses.fields(Options)}
+assert set(CHECKS) == {f.name for f in dataclasses.fields(Options)} - {"from_file"}
 
 
 # ---- the file ----------------------------------------------------------------------------------
@@ -163,12 +173,19 @@ def settings_path() -> Path:
     return _user_dir("config") / "settings.toml"
 
 
-def load_settings(path: Path | None = None) -> dict:
-    """The validated values of the settings file; {} when there is none."""
+def load_settings(path: Path | None = None, warn=None) -> dict:
+    """The validated values of the settings file; {} when there is none. A file that MTPCHAT_SETTINGS
+    names and that does not exist is said in one line to `warn` (stderr when None); the default
+    file not written yet is normal and said nowhere."""
+    named = path is None and bool(os.environ.get("MTPCHAT_SETTINGS"))
     path = Path(path) if path else settings_path()
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        if named:
+            # (mtpchat writes no settings file itself: the user creates it)
+            line = f"mtpchat: MTPCHAT_SETTINGS is {path}, which does not exist: using the defaults"
+            (warn or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
         return {}
     except (OSError, UnicodeDecodeError) as e:
         raise SettingsError(f"cannot read the settings file {path}: {e}") from None
@@ -183,17 +200,20 @@ def load_settings(path: Path | None = None) -> dict:
         try:
             values[key] = CHECKS[key](value)
         except ValueError as e:
-            raise SettingsError(f"{path}: {key} {e}") from None
+            raise SettingsError(f"{key} = {value!r} in {path}: {e}") from None
     return values
 
 
-def merge(flags: dict, file_values: dict) -> Options:
-    """Options from the defaults, overridden by the file, overridden by the flags given."""
+def merge(flags: dict, file_values: dict, path: Path | None = None) -> Options:
+    """Options from the defaults, overridden by the file (at `path`), overridden by the flags given."""
     # (--server and --api-key are None when not given: the file's value stands)
-    merged = {**file_values, **{k: v for k, v in flags.items() if k in CHECKS and v is not None}}
-    options = Options(**merged)
+    given = {k: v for k, v in flags.items() if k in CHECKS and v is not None}
+    options = Options(**{**file_values, **given})
+    if path is not None:
+        options.from_file = {k: Path(path) for k in file_values if k not in given}
     if "data_dir" not in flags and os.environ.get("MTPCHAT_DATA_DIR"):
         options.data_dir = os.environ["MTPCHAT_DATA_DIR"]  # the environment beats the file
+        options.from_file.pop("data_dir", None)
     return options
 
 

@@ -96,7 +96,9 @@ def assert_mtp_on_equals_off(engine, prompts, n: int, ks=(1, 2, 3, 4), profile_k
 
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
-    """A settings file and a hub cache of the test's own, for every test of a module that imports it."""
+    """A settings file (empty: the defaults) and a hub cache of the test's own, for every test of a
+    module that imports it."""
+    (tmp_path / "settings.toml").touch()
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     for var in ("HF_HUB_OFFLINE", "MTPCHAT_DATA_DIR"):

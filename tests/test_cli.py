@@ -298,7 +298,7 @@ def test_cuda_too_old(capsys, tiny, monkeypatch):
 
 
 def _gpu_with(monkeypatch, free):
-    monkeypatch.setattr(loader, "pick_device", lambda requested: ("cuda", False))
+    monkeypatch.setattr(loader, "pick_device", lambda requested, said=None: ("cuda", False))
     monkeypatch.setattr(loader, "free_memory", lambda device: (free, 80 * GiB))
 
 
@@ -315,7 +315,7 @@ def test_not_enough_memory_suggests_a_shorter_context(capsys, big, monkeypatch):
     code, _, err = run(capsys, "run", "--model", big, "--max-context", "262144", "--prompt", "x")
     from mtpchat.engine.config import ModelConfig
     # `run` answers once: no turn snapshots in its plan
-    fits = memory.max_context_that_fits(ModelConfig.load(big), 56 * GiB, loader.K_MAX, "bfloat16", snapshots=0)
+    fits = memory.max_context_that_fits(ModelConfig.load(big), 56 * GiB, memory.K_MAX, "bfloat16", snapshots=0)
     assert code == 1 and 0 < fits < 262144
     assert f"what fits: --max-context {fits}, or --weights fp8, or --model Qwen3.5-9B" in err
 

@@ -111,6 +111,38 @@ def test_a_bad_model_in_the_settings_file_names_the_file(capsys, monkeypatch, tm
     assert code == 1 and str(path) not in err and "no such folder: /nonexistent2" in err
 
 
+def mtpchat_process(tmp_path, settings: Path, *argv):
+    """`python -m mtpchat ...` in a process of its own, with MTPCHAT_SETTINGS at `settings`."""
+    env = {"MTPCHAT_SETTINGS": str(settings), "HF_HUB_CACHE": str(tmp_path / "hub"), "PATH": "/usr/bin:/bin",
+           "HOME": str(tmp_path)}
+    return subprocess.run([sys.executable, "-m", "mtpchat", *argv], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+
+
+def test_a_settings_file_that_is_not_there_is_said_in_one_line(tmp_path):
+    missing = tmp_path / "s.toml"
+    done = mtpchat_process(tmp_path, missing, "run", "--prompt", "hi", "--device", "cpu", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "MTPCHAT_SETTINGS" in line]
+    assert said == [f"mtpchat: MTPCHAT_SETTINGS is {missing}, which does not exist: using the defaults"]
+
+
+def test_a_bad_value_in_the_settings_file_names_the_file_and_the_key(tmp_path):
+    path = tmp_path / "s.toml"
+    for text, said in [('model = "/nonexistent"\n', f"model = '/nonexistent' in {path}: no such folder: /nonexistent"),
+                       ("max_context = 99999999\n", f"max_context = 99999999 in {path} is longer than"),
+                       ('weights = "fp8"\n', f"weights = 'fp8' in {path}: FP8 weights run on"),
+                       ("top_p = 5\n", f"top_p = 5 in {path}: must be in (0.0, 1.0]")]:
+        path.write_text(text)
+        done = mtpchat_process(tmp_path, path, "run", "--prompt", "hi", "--device", "cpu")
+        assert done.returncode != 0 and "Traceback" not in done.stderr
+        assert done.stderr.startswith(f"mtpchat: error: {said}"), done.stderr
+    # the same value as a flag is the flag's
+    path.write_text("max_context = 8192\n")
+    done = mtpchat_process(tmp_path, path, "run", "--prompt", "hi", "--device", "cpu", "--max-context", "99999999")
+    assert done.stderr.startswith("mtpchat: error: --max-context 99999999 is longer than"), done.stderr
+
+
 # ---- without numpy -----------------------------------------------------------------------------------
 
 HIDE_NUMPY = """

@@ -17,7 +17,7 @@ GiB = 2 ** 30
 
 def dry_run(capsys, monkeypatch, free, *argv, command="run", capable=True):
     """`mtpchat run --dry-run` on a GPU with `free` bytes free (FP8 running there where `capable`)."""
-    monkeypatch.setattr(loader, "pick_device", lambda requested: ("cuda", False))
+    monkeypatch.setattr(loader, "pick_device", lambda requested, said=None: ("cuda", False))
     monkeypatch.setattr(loader, "free_memory", lambda device: (free, 80 * GiB))
     monkeypatch.setattr(loader, "fp8_capable", lambda device: capable)
     code = cli.main([command, *map(str, argv), "--dry-run"])
@@ -28,7 +28,7 @@ def dry_run(capsys, monkeypatch, free, *argv, command="run", capable=True):
 
 def needed(name, weights=None, context=8192):
     """What `run` plans for an alias (no turn snapshots: it answers once)."""
-    return memory.plan_memory(models.alias_config(models.lookup_alias(name)), context, loader.K_MAX,
+    return memory.plan_memory(models.alias_config(models.lookup_alias(name)), context, memory.K_MAX,
                               snapshots=0, weights=weights).needed
 
 
@@ -65,7 +65,7 @@ def test_a_gptq_alias_is_planned_in_4_bits(capsys, monkeypatch):
 def test_weights_int4_plans_every_product_in_4_bits(capsys, monkeypatch):
     code, out, _ = dry_run(capsys, monkeypatch, 23 * GiB, "--model", "Qwen3.6-27B", "--weights", "int4")
     assert code == 0 and "int4 weights" in out and "fits" in out
-    plan = memory.plan_memory(models.alias_config(models.lookup_alias("Qwen3.6-27B")), 8192, loader.K_MAX,
+    plan = memory.plan_memory(models.alias_config(models.lookup_alias("Qwen3.6-27B")), 8192, memory.K_MAX,
                               snapshots=0, weights="int4")
     assert f"weights (int4)    {memory.fmt_bytes(plan.weights):>10}" in out
 
@@ -99,7 +99,7 @@ def test_what_fits_on_a_gpu_without_fp8_is_4_bits(capsys, monkeypatch):
 def test_the_refusal_names_the_4bit_weights(capsys, monkeypatch):
     code, out, _ = dry_run(capsys, monkeypatch, 23 * GiB, "--model", "Qwen3.5-27B-GPTQ-Int4")
     weights = memory.plan_memory(models.alias_config(models.lookup_alias("Qwen3.5-27B-GPTQ-Int4")), 8192,
-                                 loader.K_MAX, snapshots=0).weights
+                                 memory.K_MAX, snapshots=0).weights
     assert code == 1 and f"(weights in int4 {memory.fmt_bytes(weights)}, KV" in out
 
 

@@ -17,7 +17,7 @@ from mtpchat.engine.events import Prefilled, Step
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.spec import ProfileDrafter
 from tools.tiny import write_tiny_checkpoint
-from helpers import first_diff, random_ids
+from helpers import assert_mtp_on_equals_off, first_diff, greedy_tokens, random_ids
 from mtp_support import N_PROMPTS, NEW_TOKENS, ALL_RIGHT, GREEDY, WindowDrafter, assert_same_state, generate, load, profile_drafter, sequential_state, snapshot, steps_of, window_sizes
 
 
@@ -241,3 +241,20 @@ def test_profile_drafter_follows_its_profile():
         right = out == torch.arange(100, 104) + t % 30
         hits += right.long().cumprod(0)                # right from the start up to draft i
     assert torch.allclose(hits / n, torch.tensor(profile), atol=0.03), hits / n
+
+
+def test_k_past_the_captured_ones_is_exact(gqa3):
+    """k beyond CAPTURED_K (the engine's limit is K_MAX): such steps run eagerly, the head catching
+    up over the rows a long acceptance left first; greedy output stays MTP off's."""
+    from mtpchat.engine.memory import CAPTURED_K, K_MAX
+    e = load(gqa3, k_max=K_MAX, draft_tokens=K_MAX)
+    assert e.decoder.R == CAPTURED_K + 1 and sorted(e.policy.step_ms) == list(range(CAPTURED_K + 1))
+    prompts = [random_ids(n, 70 + n, e.config.vocab_size) for n in (5, 33)]
+    assert_mtp_on_equals_off(e, prompts, 40, ks=(K_MAX, 6), profile_ks=(K_MAX, 7))
+    # drafts that are always right: every step keeps all 8, leaving 9 rows for the head to catch up on
+    ref = greedy_tokens(e, prompts[0], 40)
+    e.mtp, e.draft_tokens = True, K_MAX
+    e.drafter = ProfileDrafter(ref, (1.0,) * K_MAX, seed=0, vocab=e.config.vocab_size)
+    events = generate(e, prompts[0], SamplingParams(max_tokens=40, stop_token_ids=()))
+    e.drafter = None
+    assert list(events[-1].token_ids) == ref and events[-1].stats.k_histogram.get(K_MAX, 0) >= 3

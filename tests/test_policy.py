@@ -6,7 +6,8 @@ import torch
 
 from mtpchat.engine import SamplingParams
 from mtpchat.engine.events import PhaseTimes
-from mtpchat.engine.policy import MAX_PROBE_EVERY, AdaptiveK
+from mtpchat.engine.bench import PROFILES
+from mtpchat.engine.policy import MAX_PROBE_EVERY, ON_MARGIN, AdaptiveK
 from helpers import GPU_LIKE, random_ids
 from mtp_support import ALL_RIGHT, MID_PROFILE, NEW_TOKENS, generate, load, profile_drafter, steps_of, window_sizes
 
@@ -66,6 +67,72 @@ def test_measured_times_decide_where_no_costs_are_given():
         p.observe(k, k, PhaseTimes(draft=0.1 * k, verify=10.0 * (k + 1)), 3)
     assert p.choose(3)[0] == 0 and p.step_ms[0] == pytest.approx(10.0)
     assert p.time(2) == pytest.approx(p.step_ms[1] + (p.step_ms[1] - p.step_ms[0]))
+
+
+# a CPU's step times, relative to a decode step: a verify of k+1 rows costs about what k+1 decode
+# steps do less what they share, and a draft step a third of one (the demo model on 2 cores)
+CPU_LIKE = [1.0, 1.80, 2.17, 2.52, 2.94]
+HEAVY = [1.0 + 0.9 * k for k in range(5)]          # every row of a verify costs nearly a decode step
+
+
+def conditional(profile):
+    """The per-position rates c_i of a profile of P(at least i drafts accepted)."""
+    return [p / q for p, q in zip(profile, (1.0, *profile))]
+
+
+def simulate(costs, profile, steps=3000, seed=0):
+    """Drive a policy under draws from `profile` (conditional acceptance per position); returns the
+    time per token of its steps, probes included, and the ks it launched."""
+    import random
+    draw, c = random.Random(seed), conditional(profile)
+    p, time, tokens, ks = AdaptiveK(4, costs=costs), 0.0, 0, []
+    for _ in range(steps):
+        k, why = p.choose(4)
+        p.launched(k, why)
+        accepted = 0
+        while accepted < k and draw.random() < c[accepted]:
+            accepted += 1
+        p.observe(k, accepted, None, 4)
+        time, tokens = time + costs[k], tokens + accepted + 1
+        ks.append(k)
+    return time / tokens, ks
+
+
+@pytest.mark.parametrize("costs, profile", [(CPU_LIKE, "creative"), (HEAVY, "creative"), (HEAVY, "chat-thinking"),
+                                            (CPU_LIKE, (0.62, 0.35, 0.15, 0.06))])
+def test_where_drafts_cost_more_than_they_gain_the_policy_is_mtp_off(costs, profile):
+    """A CPU's costs at low to moderate acceptance: k = 0, and never slower than MTP off (whose time
+    per token is one decode step), the probes that look for a change included."""
+    P = PROFILES.get(profile, profile)
+    p = AdaptiveK(4, costs=costs)
+    p.hits, p.trials = conditional(P), [1.0] * 4
+    k, why = p.best(4)
+    assert k == 0 and why.startswith("MTP off: a draft")
+    per_token, ks = simulate(costs, P)
+    assert ks[-1000:].count(0) > 0.95 * 1000
+    assert per_token <= costs[0] * 1.02
+
+
+def test_a_gain_within_the_margin_is_not_taken():
+    """Drafting that would gain less than ON_MARGIN over MTP off (a rate within the noise of measured
+    step times) leaves MTP off; a clear gain turns it on."""
+    p = AdaptiveK(1, costs=[1.0, 1.5])
+    p.hits, p.trials = [0.52], [1.0]             # E_1 / T_1 = 1.52 / 1.5: 1.3 % better than off
+    k, why = p.best(1)
+    assert k == 0 and why == f"MTP off: a draft would need {(1 + ON_MARGIN) * 1.5 - 1:.0%} acceptance to pay, and gets 52%"
+    p.hits = [0.7]                               # 13 % better
+    assert p.best(1)[0] == 1
+
+
+@pytest.mark.parametrize("costs, profile", [(GPU_LIKE, "creative"), (GPU_LIKE, "chat-thinking"), (GPU_LIKE, "code"),
+                                            (CPU_LIKE, "code")])
+def test_where_drafting_pays_the_policy_drafts_and_is_faster_than_off(costs, profile):
+    P = PROFILES[profile]
+    p = AdaptiveK(4, costs=costs)
+    p.hits, p.trials = conditional(P), [1.0] * 4
+    assert p.best(4)[0] > 0
+    per_token, ks = simulate(costs, P)
+    assert ks[-1000:].count(0) < 250 and per_token < costs[0] / (1 + ON_MARGIN)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +236,8 @@ def test_the_first_choice_weighs_drafts_by_their_measured_cost(demo):
     p.hits, p.trials = [0.50, 0.44, 0.36, 0.37], [1.0] * 4                 # the creative profile
     P = p.at_least()
     rate = lambda k: (1 + sum(P[:k])) / p.step_ms[k]
-    assert p.choose(4)[0] == max(range(5), key=lambda k: (rate(k), -k))
+    best = max(range(5), key=lambda k: (rate(k), -k))
+    assert p.choose(4)[0] == (best if rate(best) >= (1 + ON_MARGIN) * rate(0) else 0)
     # where each draft costs a whole decode step, none pays at this acceptance
     p.step_ms.update({k: 10.0 + 10.0 * k for k in range(5)})
     assert p.choose(4)[0] == 0

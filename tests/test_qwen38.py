@@ -57,7 +57,7 @@ def test_the_aliases_name_qwen38_and_plan_its_memory(capsys, monkeypatch):
         models.lookup_alias("Qwen3.6-27B"))                 # the same architecture and shapes
     assert "Qwen3.8-27B-FP8" in "\n".join(models.list_models())
     assert models.suggest_alias("Qwen3.8-72B") == "Qwen3.8-27B"
-    monkeypatch.setattr(loader, "pick_device", lambda requested: ("cuda", False))
+    monkeypatch.setattr(loader, "pick_device", lambda requested, said=None: ("cuda", False))
     monkeypatch.setattr(loader, "free_memory", lambda device: (40 * 2 ** 30, 80 * 2 ** 30))
     code = cli.main(["run", "--model", "Qwen3.8-27B", "--dry-run"])
     out, err = capsys.readouterr()

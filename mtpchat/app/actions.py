@@ -16,7 +16,6 @@ from mtpchat.chat.prompt import (effort_label, keeps_thinking_by_default, next_e
 from mtpchat.app.race import LANES, RaceScreen
 from mtpchat.app.screens import CodePickScreen, SamplingScreen, SessionsScreen, SystemPromptScreen
 from mtpchat.app.store import decode_spans
-from mtpchat.settings import MAX_DRAFT_TOKENS
 
 
 FIXED_ON_SERVER = {"toggle_mtp", "draft_up", "draft_down", "race"}
@@ -135,8 +134,8 @@ class ChatActions:
         k_max = self.engine.k_max
         k = min(max(self.engine.draft_tokens + delta, 1), k_max)
         if k == self.engine.draft_tokens:
-            why = (f"the most the model was loaded for (its decode state and graphs hold {k_max} drafts a step; "
-                   f"start with --draft-tokens N, up to {MAX_DRAFT_TOKENS}, for more)" if delta > 0 else
+            why = (f"the most the engine takes ({k_max} drafts a step: the MTP head predicts one token ahead, "
+                   "so drafts chained further are rarely kept and cost more than they gain)" if delta > 0 else
                    "the fewest a drafting step carries (MTP off, ctrl+t, drafts none)")
             self.notice(f"draft tokens stay at {k}: {why}", "warning")
             return

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from mtpchat.app.gpu import GpuSample
+from mtpchat.settings import MAX_DRAFT_TOKENS
 from mtpchat.chat.think import prompt_opens_think
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step, TokenLogprob
 
@@ -129,7 +130,7 @@ class FakeTimes:
 
 class FakeEngine:
     def __init__(self, *, name: str = "fake-model", device: str = "cpu", mtp: bool = True,
-                 draft_tokens: int = 3, k_max: int = 4, mtp_available: bool = True,
+                 draft_tokens: int = 3, k_max: int = MAX_DRAFT_TOKENS, mtp_available: bool = True,
                  answer: str = DEFAULT_ANSWER, thinking: str = DEFAULT_THINKING,
                  step_delay: float = 0.0, fail_after: int | None = None,
                  times: FakeTimes | None = None, max_context: int = 4096, weight_format: str | None = None):

@@ -42,17 +42,23 @@ def test_the_palette_names_every_key(data_dir):
 
 
 def test_f4_at_the_engines_limit_says_why(data_dir):
-    engine = FakeEngine(draft_tokens=4, k_max=4)
+    """f4 rises to the engine's own limit (8, the same whatever k it started with) and says why it
+    stops there."""
+    from mtpchat.engine.memory import K_MAX
+    engine = FakeEngine(draft_tokens=3)
+    assert engine.k_max == K_MAX == 8
     app = make_app(data_dir, engine)
 
     async def go():
         async with app.run_test(size=(120, 30)) as pilot:
             await ready(pilot)
-            await pilot.press("f4")
-            await until(pilot, lambda: app.notices, what="a notice")
+            for _ in range(6):
+                await pilot.press("f4")
+            await until(pilot, lambda: app.notices and "stay at" in app.notices[-1][1], what="a notice")
             text = app.notices[-1][1]
-            assert engine.draft_tokens == 4
-            assert "stay at 4" in text and "loaded for" in text and "--draft-tokens" in text
+            assert engine.draft_tokens == 8
+            assert "stay at 8" in text and "the most the engine takes (8 drafts a step" in text
+            assert "rarely kept" in text and "--draft-tokens" not in text
     run(go())
 
 
