@@ -68,7 +68,8 @@ def test_a_context_the_user_asked_for_is_still_refused(capsys, short, tmp_path, 
     if where == "file":
         (tmp_path / "settings.toml").write_text("max_context = 8192\n")
     code, _, err = run(capsys, "run", "--model", short, "--prompt", "hi", *extra)
-    assert code == 1 and f"--max-context 8192 is longer than {short} supports (4,096 tokens)" in err
+    said = "--max-context 8192" if where == "flag" else f"max_context = 8192 in {tmp_path / 'settings.toml'}"
+    assert code == 1 and f"{said} is longer than {short} supports (4,096 tokens)" in err
 
 
 def test_the_default_context_shrinks_to_what_fits(capsys, tmp_path, monkeypatch):
