@@ -179,29 +179,26 @@ def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = 
 
 
 @triton.jit
-def _int4_expert(w, ws, zw, perm, w2, ws2, zw2, perm2, e, E, rows, K, s_w, s_ws, SHARED: tl.constexpr):
-    """Expert e's 4-bit weight (rows x K of a stack), as pointers to its words, scales, zeros and
-    perm (the last two None where the stack has none); expert E the shared one with SHARED."""
-    w_e, s_e, z_e, q_e = w + e * rows * s_w, ws + e * rows * s_ws, zw, perm
-    if zw is not None:
-        z_e = zw + e * rows * s_ws
-    if perm is not None:
-        q_e = perm + e * K
+def _expert_ptr(p, offset, p2, e, E, SHARED: tl.constexpr):
+    """p + offset: expert e's part of a stack; with SHARED, p2 (the shared expert's own) for e == E.
+    Called for each of a 4-bit expert's pointers that exists (the zeros and perm may be None: a
+    Triton function returns no None among tensors)."""
+    q = p + offset
     if SHARED:
         if e == E:
-            w_e, s_e = w2, ws2
-            if zw is not None:
-                z_e = zw2
-            if perm is not None:
-                q_e = perm2
-    return w_e, s_e, z_e, q_e
+            q = p2
+    return q
 
 
 @triton.jit
 def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
                  TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  SHARED: tl.constexpr, G: tl.constexpr, BG: tl.constexpr):
-    w_e, s_e, z_e, q_e = _int4_expert(w, ws, zw, perm, w2, ws2, zw2, perm2, e, E, 2 * F, H, s_w, s_ws, SHARED)
+    # expert e's words, scales, zeros and perm (None where the stack has none); E the shared one
+    w_e = _expert_ptr(w, e * 2 * F * s_w, w2, e, E, SHARED)
+    s_e = _expert_ptr(ws, e * 2 * F * s_ws, ws2, e, E, SHARED)
+    z_e = zw if zw is None else _expert_ptr(zw, e * 2 * F * s_ws, zw2, e, E, SHARED)
+    q_e = perm if perm is None else _expert_ptr(perm, e * H, perm2, e, E, SHARED)
     m_p = p >= 0
     p_x = x + tl.where(m_p, p // TOPK, 0)[None, :] * s_x
     o_n = i_n * BN + tl.arange(0, BN)
@@ -233,36 +230,36 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
     if G > 0:
         _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
                      TOPK, BM, BN, BK, SHARED, G, BG)
-        return
-    w_e = w + e * 2 * F * H
-    s_e = ws + e * 2 * F // 128 * s_ws
-    if SHARED:
-        if e == E:
-            w_e = w2
-            s_e = ws2
-    m_p = p >= 0
-    rows = tl.where(m_p, p // TOPK, 0)
-    o_n = i_n * BN + tl.arange(0, BN)
-    m_n = o_n < F
-    acc_g = tl.zeros([BN, BM], dtype=tl.float32)
-    acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    for k in range(0, H, BK):
-        o_k = k + tl.arange(0, BK)
-        m_k = o_k < H
-        b_x = tl.load(x + rows[None, :] * s_x + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
-        m_w = m_n[:, None] & m_k[None, :]
-        b_g = tl.load(w_e + o_n[:, None] * H + o_k[None, :], mask=m_w, other=0.)
-        b_u = tl.load(w_e + (o_n + F)[:, None] * H + o_k[None, :], mask=m_w, other=0.)
-        if FP8:
-            s_g = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
-            s_u = tl.load(s_e + (F + i_n * BN) // 128 * s_ws + k // 128)
-            acc_g += s_g * tl.dot(widen(b_g, b_x, BITS), b_x, input_precision="ieee")
-            acc_u += s_u * tl.dot(widen(b_u, b_x, BITS), b_x, input_precision="ieee")
-        else:
-            acc_g = tl.dot(b_g, b_x, acc_g, input_precision="ieee")
-            acc_u = tl.dot(b_u, b_x, acc_u, input_precision="ieee")
-    out = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
+    else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
+        w_e = w + e * 2 * F * H
+        s_e = ws + e * 2 * F // 128 * s_ws
+        if SHARED:
+            if e == E:
+                w_e = w2
+                s_e = ws2
+        m_p = p >= 0
+        rows = tl.where(m_p, p // TOPK, 0)
+        o_n = i_n * BN + tl.arange(0, BN)
+        m_n = o_n < F
+        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+        for k in range(0, H, BK):
+            o_k = k + tl.arange(0, BK)
+            m_k = o_k < H
+            b_x = tl.load(x + rows[None, :] * s_x + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
+            m_w = m_n[:, None] & m_k[None, :]
+            b_g = tl.load(w_e + o_n[:, None] * H + o_k[None, :], mask=m_w, other=0.)
+            b_u = tl.load(w_e + (o_n + F)[:, None] * H + o_k[None, :], mask=m_w, other=0.)
+            if FP8:
+                s_g = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
+                s_u = tl.load(s_e + (F + i_n * BN) // 128 * s_ws + k // 128)
+                acc_g += s_g * tl.dot(widen(b_g, b_x, BITS), b_x, input_precision="ieee")
+                acc_u += s_u * tl.dot(widen(b_u, b_x, BITS), b_x, input_precision="ieee")
+            else:
+                acc_g = tl.dot(b_g, b_x, acc_g, input_precision="ieee")
+                acc_u = tl.dot(b_u, b_x, acc_u, input_precision="ieee")
+        out = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
 
 
 @triton.jit
@@ -278,7 +275,10 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
     if e < 0:
         return
     if G > 0:
-        w_e, s_e, z_e, q_e = _int4_expert(w, ws, zw, perm, w2, ws2, zw2, perm2, e, E, H, F, s_w, s_ws, SHARED)
+        w_e = _expert_ptr(w, e * H * s_w, w2, e, E, SHARED)            # as in _swiglu_int4
+        s_e = _expert_ptr(ws, e * H * s_ws, ws2, e, E, SHARED)
+        z_e = zw if zw is None else _expert_ptr(zw, e * H * s_ws, zw2, e, E, SHARED)
+        q_e = perm if perm is None else _expert_ptr(perm, e * F, perm2, e, E, SHARED)
         m_p = p >= 0
         o_n = i_n * BN + tl.arange(0, BN)
         m_n = o_n < H
@@ -286,28 +286,28 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
         for k in range(0, F, BK):
             acc = dot_int4(acc, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, hin + p[None, :] * s_h, m_p, k, F, BK, G, BG)
         tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
-        return
-    w_e = w + e * H * F
-    s_e = ws + e * H // 128 * s_ws
-    if SHARED:
-        if e == E:
-            w_e = w2
-            s_e = ws2
-    m_p = p >= 0
-    o_n = i_n * BN + tl.arange(0, BN)
-    m_n = o_n < H
-    acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for k in range(0, F, BK):
-        o_k = k + tl.arange(0, BK)
-        m_k = o_k < F
-        b_h = tl.load(hin + p[None, :] * s_h + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
-        b_w = tl.load(w_e + o_n[:, None] * F + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
-        if FP8:
-            s = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
-            acc += s * tl.dot(widen(b_w, b_h, BITS), b_h, input_precision="ieee")
-        else:
-            acc = tl.dot(b_w, b_h, acc, input_precision="ieee")
-    tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
+    else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
+        w_e = w + e * H * F
+        s_e = ws + e * H // 128 * s_ws
+        if SHARED:
+            if e == E:
+                w_e = w2
+                s_e = ws2
+        m_p = p >= 0
+        o_n = i_n * BN + tl.arange(0, BN)
+        m_n = o_n < H
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        for k in range(0, F, BK):
+            o_k = k + tl.arange(0, BK)
+            m_k = o_k < F
+            b_h = tl.load(hin + p[None, :] * s_h + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
+            b_w = tl.load(w_e + o_n[:, None] * F + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
+            if FP8:
+                s = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
+                acc += s * tl.dot(widen(b_w, b_h, BITS), b_h, input_precision="ieee")
+            else:
+                acc = tl.dot(b_w, b_h, acc, input_precision="ieee")
+        tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
 
 
 @triton.jit
