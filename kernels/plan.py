@@ -46,6 +46,7 @@ class ProductPlan:
     split_tiles: SplitRule | None = None
     expert_tiles: ExpertRule | None = None  # the MoE expert products' tiles (tests/bench/bench_moe.py)
     int4_tiles: Int4Rule | None = None      # every product's tiles over 4-bit weights (tests/bench/bench_int4.py)
+    int4_form: str = "reshape"      # how 4-bit tiles unpack for the dots: "reshape" or "slices" (int4.form_args)
 
     def describe(self) -> dict:
         """The plan as plain values (a rule by its name), for `--dry-run` and benchmark reports."""
