@@ -92,7 +92,7 @@ def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
         w = dequantize_ref(w, x.dtype)
     elif isinstance(w, GroupInt4):
         if not rowwise and use_triton(x, w.w):
-            return int4_gemm.gemm(x, w)
+            return int4_gemm.gemm(x, w, plan=products)
         w = int4_dequantize(w, x.dtype)
     if not rowwise:
         return F.linear(x, w)

@@ -141,6 +141,10 @@ def permute_columns(q: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 # its block scale), so the weights enter the tensor cores exact and every group's scale is applied
 # in float32. Triton's interpreter computes bf16 arithmetic on the raw 16 bits, so float32
 # activations (the CPU's tests) take the two bf16 values to float32 before the subtraction.
+# The zero costs one bf16 subtraction a weight (for a symmetric weight 128 + 8 is a constant);
+# taking it out of the dot (128 + q against x, less (128 + zero) times the group's sum of x after
+# it) would save that but lose precision to the cancellation, so it stays. How the words become
+# the dots' operands is the plan's choice (form_args: "reshape" or "slices").
 
 def check_int4(w: GroupInt4, K: int) -> None:
     """The layout the 4-bit product kernels read (the module docstring), for a weight of K columns."""
@@ -165,6 +169,22 @@ def sub_tile(BK: int, G: int) -> int:
     return BG
 
 
+FORMS = ("reshape", "slices")   # how a tile's words are unpacked for the dots (ProductPlan.int4_form)
+
+
+def form_args(BK: int, G: int, form: str) -> dict:
+    """The launch arguments of a 4-bit tile of BK columns in groups of G: BG, the columns of one
+    group's dot (sub_tile), and SLICES, the unpack form. "reshape": the words [BN, BG / 8]
+    expanded to the weights [BN, BG] (a layout change through shared memory), one dot a group.
+    "slices": 8 dots a group, dot j over nibble j of every word ([BN, BG / 8]) against x's columns
+    8 i + j (x read with a stride of 8); a dot takes 16 columns at least, so groups (or tiles) of
+    fewer than 128 columns keep the reshape form. Both are exact integers times x summed in
+    float32 within a group, in another order: equal within rounding, not bit for bit."""
+    assert form in FORMS, f"a 4-bit unpack form is one of {FORMS}, not {form!r}"
+    BG = sub_tile(BK, G)
+    return dict(BG=BG, SLICES=form == "slices" and BG // PACK >= 16)
+
+
 if tl is not None:
     @triton.jit
     def widen(b_q, b_z, b_x):
@@ -181,16 +201,25 @@ if tl is not None:
             return (b_w.to(tl.float32) - b_o.to(tl.float32)).to(b_x.dtype)
 
     @triton.jit
+    def widen_nibble(b_q, j: tl.constexpr, b_z, b_x):
+        """Nibble j of each word [BN, W] -> the weights [BN, W] as q - zero in b_x's dtype."""
+        b_w = (((b_q >> (4 * j)) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)    # 128 + q
+        b_o = (b_z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, None]                # 128 + zero
+        if b_x.dtype == tl.bfloat16:
+            return b_w - b_o
+        else:
+            return (b_w.to(tl.float32) - b_o.to(tl.float32)).to(b_x.dtype)
+
+    @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
-                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr):
+                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr = False):
         """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
         whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
         BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
-        perm (not None): column c of the weight reads x's column perm[c]."""
+        perm (not None): column c of the weight reads x's column perm[c]. SLICES: the group's
+        dot as 8 dots over the words' nibbles (form_args)."""
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
-            o_k = kk + tl.arange(0, BG)
-            m_k = o_k < K
             o_c = kk // 8 + tl.arange(0, BG // 8)
             m_g = m_r & (tl.full(o_r.shape, kk, tl.int32) < K)   # K is whole groups: a sub-tile lies in K or past it
             b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)
@@ -199,12 +228,27 @@ if tl is not None:
                 b_z = tl.full(o_r.shape, 8, tl.int32)          # SYMMETRIC_ZERO
             else:
                 b_z = tl.load(zw + o_r * s_sw + kk // G, mask=m_g, other=0).to(tl.int32)
-            if perm is None:
-                o_x = o_k
+            if SLICES:
+                b_d = tl.zeros(b_acc.shape, dtype=tl.float32)
+                for j in tl.static_range(8):
+                    o_k = o_c * 8 + j                          # the weight columns of nibble j
+                    m_k = o_k < K
+                    if perm is None:
+                        o_x = o_k
+                    else:
+                        o_x = tl.load(perm + o_k, mask=m_k, other=0)
+                    b_x = tl.load(p_x + o_x[:, None], mask=m_k[:, None] & m_x[None, :], other=0.)
+                    b_d = tl.dot(widen_nibble(b_q, j, b_z, b_x), b_x, b_d, input_precision="ieee")
+                b_acc += b_s[:, None] * b_d
             else:
-                o_x = tl.load(perm + o_k, mask=m_k, other=0)
-            b_x = tl.load(p_x + o_x[:, None], mask=m_k[:, None] & m_x[None, :], other=0.)
-            b_acc += b_s[:, None] * tl.dot(widen(b_q, b_z, b_x), b_x, input_precision="ieee")
+                o_k = kk + tl.arange(0, BG)
+                m_k = o_k < K
+                if perm is None:
+                    o_x = o_k
+                else:
+                    o_x = tl.load(perm + o_k, mask=m_k, other=0)
+                b_x = tl.load(p_x + o_x[:, None], mask=m_k[:, None] & m_x[None, :], other=0.)
+                b_acc += b_s[:, None] * tl.dot(widen(b_q, b_z, b_x), b_x, input_precision="ieee")
         return b_acc
 else:
-    widen = dot_int4 = None
+    widen = widen_nibble = dot_int4 = None

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dense_ref, values_of, widen, widen_args
-from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, sub_tile
+from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 MAX_ROWS = 16
@@ -123,7 +123,8 @@ def _dot_tile(p_w, m_w, b_x, b_acc, sw, i_b, s_sw, k, FP8: tl.constexpr, BLOCK: 
 def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
                    SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
-                   BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None):
+                   BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None,
+                   SLICES: tl.constexpr = False):
     # Program i_n takes column block i_n, all of K (with SWIGLU, the gate rows n and the up rows
     # N + n of w together). With SPLIT only the first F programs do; program F + j takes part
     # i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
@@ -152,9 +153,9 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
         if G > 0:
             # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights
             p_x = x + o_t[None, :] * s_x
-            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG)
+            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, SLICES)
             if SWIGLU:
-                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG)
+                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, SLICES)
         else:
             o_k = k + tl.arange(0, BK)
             m_k = o_k < K
@@ -237,13 +238,19 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     against 1.79, the FP8 27B's decode step 0.953 x: tests/bench/bench_fp8.py, ab_step.py
     --plans fp8glu). Two warps made the plain products slower (1.46 TB/s against 1.99).
 
-    4-bit weights in groups of `group` columns (kernels/int4.py): the plan's int4_tiles rule, else
-    tiles of 128 bytes a row (256 weights), as FP8's; a first choice, which
-    tests/bench/bench_int4.py compares with others on the GPU."""
+    4-bit weights in groups of `group` columns (kernels/int4.py; BK counts weights, 2 a byte): the
+    plan's int4_tiles rule, else the measured tiles (tests/bench/bench_int4.py, H100, 2026-11-25,
+    reshape form, T = 1): plain products 64 x 512 weights (256 bytes), 4 warps, 3 deep; the GDN
+    in_proj [16384 x 5120] 58.9 us against 79.4 with 64 x 256, 4 deep (32 x 256, 6 deep: 83.1;
+    128 x 256, 8 warps: 103.8), q|gate|k|v [14336 x 5120] 57.8 against 78.3, out_proj
+    [5120 x 6144] 24.8 against 34.2, down [5120 x 17408] 64.9 against 90.2 (bf16: 57.6, 50.9,
+    23.3, 63.1). The SwiGLU product 64 columns (128 rows of w) x 256 weights, 4 warps, 4 deep: the
+    MLP gate|up [34816 x 5120] 142.6 us against 151.8 with 32 columns (32 x 512, 3 deep: 153.4;
+    16 x 256, 2 warps: 160.9; bf16 119.9)."""
     if group:
         chosen = plan.int4_tiles("swiglu" if swiglu else "plain", N, K, group) \
             if plan is not None and plan.int4_tiles is not None else None
-        return chosen or ((32, 256, 4, 4) if swiglu else (64, 256, 4, 4))
+        return chosen or ((64, 256, 4, 4) if swiglu else (64, 512, 4, 3))
     chosen = plan.tiles(N, K, itemsize, swiglu, fp8) if plan is not None and plan.tiles is not None else None
     if chosen is not None:
         return chosen
@@ -339,11 +346,11 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
 
 def _format_args(x, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPlan) -> dict:
     """The launch arguments a weight format adds: how FP8 tiles widen (fp8.widen_args), a 4-bit
-    tile's dots (int4.sub_tile)."""
+    tile's dots and unpack form (int4.form_args, the plan's int4_form)."""
     if fmt["FP8"]:
         return widen_args(x, warps, BN, plan.widen_bits, plan.widen_group)
     if fmt.get("G"):
-        return dict(BG=sub_tile(BK, fmt["G"]))
+        return form_args(BK, fmt["G"], plan.int4_form)
     return {}
 
 

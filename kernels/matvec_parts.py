@@ -26,7 +26,7 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
                          s_h, s_ss, s_sw, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr,
                          NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                          RESIDUAL: tl.constexpr = True, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None,
-                         perm=None):
+                         perm=None, SLICES: tl.constexpr = False):
     # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
     pdl_start(PDL)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
@@ -37,7 +37,8 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
     b_y = tl.zeros([BN, BT], dtype=tl.float32)
     for k in range(i_s * KS, tl.minimum(i_s * KS + KS, K), BK):
         if G > 0:       # 4-bit weights (kernels/int4.py)
-            b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + o_t[None, :] * s_x, m_t, k, K, BK, G, BG)
+            b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + o_t[None, :] * s_x, m_t, k, K, BK, G, BG,
+                           SLICES)
         else:
             o_k = k + tl.arange(0, BK)
             m_k = o_k < K
@@ -77,11 +78,11 @@ def split_config(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 
     all (240: the 27B's 5120-row products, 80 column blocks x 3). Tiles of 16 KB of w, 4 deep (80 KB
     of shared memory with x's), so that two programs fit on an SM and all 240 are resident at once
     on an H100; never a function of T. 4-bit weights in groups of `group` columns (kernels/int4.py):
-    the plan's int4_tiles rule ("split"), else tiles of 128 bytes a row (256 weights), as FP8's, 4
-    deep (a first choice; tests/bench/bench_int4.py compares others)."""
+    the plan's int4_tiles rule ("split"), else the plain product's measured tile (matvec.tiles):
+    64 rows x 512 weights (256 bytes), 4 warps, 3 deep."""
     if group:
         chosen = plan.int4_tiles("split", N, K, group) if plan.int4_tiles is not None else None
-        BN, BK, warps, stages = 64, 256, 4, 4
+        BN, BK, warps, stages = 64, 512, 4, 3
     else:
         chosen = plan.split_tiles(N, K, itemsize) if plan.split_tiles is not None else None
         BN, BK, warps, stages = 64, 256 // itemsize, 4, 4

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dense_ref, values_of, widen, widen_args
-from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, sub_tile
+from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args
 from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
                                        count_reads, layout_ref)
@@ -179,29 +179,26 @@ def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = 
 
 
 @triton.jit
-def _int4_expert(w, ws, zw, perm, w2, ws2, zw2, perm2, e, E, rows, K, s_w, s_ws, SHARED: tl.constexpr):
-    """Expert e's 4-bit weight (rows x K of a stack), as pointers to its words, scales, zeros and
-    perm (the last two None where the stack has none); expert E the shared one with SHARED."""
-    w_e, s_e, z_e, q_e = w + e * rows * s_w, ws + e * rows * s_ws, zw, perm
-    if zw is not None:
-        z_e = zw + e * rows * s_ws
-    if perm is not None:
-        q_e = perm + e * K
+def _expert_ptr(p, offset, p2, e, E, SHARED: tl.constexpr):
+    """p + offset: expert e's part of a stack; with SHARED, p2 (the shared expert's own) for e == E.
+    Called for each of a 4-bit expert's pointers that exists (the zeros and perm may be None: a
+    Triton function returns no None among tensors)."""
+    q = p + offset
     if SHARED:
         if e == E:
-            w_e, s_e = w2, ws2
-            if zw is not None:
-                z_e = zw2
-            if perm is not None:
-                q_e = perm2
-    return w_e, s_e, z_e, q_e
+            q = p2
+    return q
 
 
 @triton.jit
 def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
                  TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 SHARED: tl.constexpr, G: tl.constexpr, BG: tl.constexpr):
-    w_e, s_e, z_e, q_e = _int4_expert(w, ws, zw, perm, w2, ws2, zw2, perm2, e, E, 2 * F, H, s_w, s_ws, SHARED)
+                 SHARED: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr):
+    # expert e's words, scales, zeros and perm (None where the stack has none); E the shared one
+    w_e = _expert_ptr(w, e * 2 * F * s_w, w2, e, E, SHARED)
+    s_e = _expert_ptr(ws, e * 2 * F * s_ws, ws2, e, E, SHARED)
+    z_e = zw if zw is None else _expert_ptr(zw, e * 2 * F * s_ws, zw2, e, E, SHARED)
+    q_e = perm if perm is None else _expert_ptr(perm, e * H, perm2, e, E, SHARED)
     m_p = p >= 0
     p_x = x + tl.where(m_p, p // TOPK, 0)[None, :] * s_x
     o_n = i_n * BN + tl.arange(0, BN)
@@ -209,8 +206,8 @@ def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x,
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
     for k in range(0, H, BK):
-        acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG)
-        acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG)
+        acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, SLICES)
+        acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, SLICES)
     out = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
 
@@ -220,7 +217,8 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
                    TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    STEP: tl.constexpr, BP: tl.constexpr, COUNT: tl.constexpr, SHARED: tl.constexpr,
                    FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0, G: tl.constexpr = 0,
-                   BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None):
+                   BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
+                   SLICES: tl.constexpr = False):
     # One program per (block, BN of the F columns): the expert's gate and up tiles, multiplied
     # with the block's rows of x, weights first ([BN, BK] @ [BK, BM]) as in matvec.py. With
     # SHARED, expert E is the shared expert, whose weights (w2, ws2) are a tensor of their own.
@@ -232,44 +230,45 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
         return
     if G > 0:
         _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
-                     TOPK, BM, BN, BK, SHARED, G, BG)
-        return
-    w_e = w + e * 2 * F * H
-    s_e = ws + e * 2 * F // 128 * s_ws
-    if SHARED:
-        if e == E:
-            w_e = w2
-            s_e = ws2
-    m_p = p >= 0
-    rows = tl.where(m_p, p // TOPK, 0)
-    o_n = i_n * BN + tl.arange(0, BN)
-    m_n = o_n < F
-    acc_g = tl.zeros([BN, BM], dtype=tl.float32)
-    acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    for k in range(0, H, BK):
-        o_k = k + tl.arange(0, BK)
-        m_k = o_k < H
-        b_x = tl.load(x + rows[None, :] * s_x + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
-        m_w = m_n[:, None] & m_k[None, :]
-        b_g = tl.load(w_e + o_n[:, None] * H + o_k[None, :], mask=m_w, other=0.)
-        b_u = tl.load(w_e + (o_n + F)[:, None] * H + o_k[None, :], mask=m_w, other=0.)
-        if FP8:
-            s_g = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
-            s_u = tl.load(s_e + (F + i_n * BN) // 128 * s_ws + k // 128)
-            acc_g += s_g * tl.dot(widen(b_g, b_x, BITS), b_x, input_precision="ieee")
-            acc_u += s_u * tl.dot(widen(b_u, b_x, BITS), b_x, input_precision="ieee")
-        else:
-            acc_g = tl.dot(b_g, b_x, acc_g, input_precision="ieee")
-            acc_u = tl.dot(b_u, b_x, acc_u, input_precision="ieee")
-    out = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
+                     TOPK, BM, BN, BK, SHARED, G, BG, SLICES)
+    else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
+        w_e = w + e * 2 * F * H
+        s_e = ws + e * 2 * F // 128 * s_ws
+        if SHARED:
+            if e == E:
+                w_e = w2
+                s_e = ws2
+        m_p = p >= 0
+        rows = tl.where(m_p, p // TOPK, 0)
+        o_n = i_n * BN + tl.arange(0, BN)
+        m_n = o_n < F
+        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+        for k in range(0, H, BK):
+            o_k = k + tl.arange(0, BK)
+            m_k = o_k < H
+            b_x = tl.load(x + rows[None, :] * s_x + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
+            m_w = m_n[:, None] & m_k[None, :]
+            b_g = tl.load(w_e + o_n[:, None] * H + o_k[None, :], mask=m_w, other=0.)
+            b_u = tl.load(w_e + (o_n + F)[:, None] * H + o_k[None, :], mask=m_w, other=0.)
+            if FP8:
+                s_g = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
+                s_u = tl.load(s_e + (F + i_n * BN) // 128 * s_ws + k // 128)
+                acc_g += s_g * tl.dot(widen(b_g, b_x, BITS), b_x, input_precision="ieee")
+                acc_u += s_u * tl.dot(widen(b_u, b_x, BITS), b_x, input_precision="ieee")
+            else:
+                acc_g = tl.dot(b_g, b_x, acc_g, input_precision="ieee")
+                acc_u = tl.dot(b_u, b_x, acc_u, input_precision="ieee")
+        out = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
 
 
 @triton.jit
 def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_ws,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
                  SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
-                 G: tl.constexpr = 0, BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None):
+                 G: tl.constexpr = 0, BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
+                 SLICES: tl.constexpr = False):
     # One program per (block, BN of the H output columns), over the expert's F inputs (G > 0: 4-bit
     # experts, as in _swiglu_kernel).
     pdl_start(PDL)
@@ -278,36 +277,40 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
     if e < 0:
         return
     if G > 0:
-        w_e, s_e, z_e, q_e = _int4_expert(w, ws, zw, perm, w2, ws2, zw2, perm2, e, E, H, F, s_w, s_ws, SHARED)
+        w_e = _expert_ptr(w, e * H * s_w, w2, e, E, SHARED)            # as in _swiglu_int4
+        s_e = _expert_ptr(ws, e * H * s_ws, ws2, e, E, SHARED)
+        z_e = zw if zw is None else _expert_ptr(zw, e * H * s_ws, zw2, e, E, SHARED)
+        q_e = perm if perm is None else _expert_ptr(perm, e * F, perm2, e, E, SHARED)
         m_p = p >= 0
         o_n = i_n * BN + tl.arange(0, BN)
         m_n = o_n < H
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         for k in range(0, F, BK):
-            acc = dot_int4(acc, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, hin + p[None, :] * s_h, m_p, k, F, BK, G, BG)
+            acc = dot_int4(acc, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, hin + p[None, :] * s_h, m_p, k, F, BK, G, BG,
+                               SLICES)
         tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
-        return
-    w_e = w + e * H * F
-    s_e = ws + e * H // 128 * s_ws
-    if SHARED:
-        if e == E:
-            w_e = w2
-            s_e = ws2
-    m_p = p >= 0
-    o_n = i_n * BN + tl.arange(0, BN)
-    m_n = o_n < H
-    acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for k in range(0, F, BK):
-        o_k = k + tl.arange(0, BK)
-        m_k = o_k < F
-        b_h = tl.load(hin + p[None, :] * s_h + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
-        b_w = tl.load(w_e + o_n[:, None] * F + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
-        if FP8:
-            s = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
-            acc += s * tl.dot(widen(b_w, b_h, BITS), b_h, input_precision="ieee")
-        else:
-            acc = tl.dot(b_w, b_h, acc, input_precision="ieee")
-    tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
+    else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
+        w_e = w + e * H * F
+        s_e = ws + e * H // 128 * s_ws
+        if SHARED:
+            if e == E:
+                w_e = w2
+                s_e = ws2
+        m_p = p >= 0
+        o_n = i_n * BN + tl.arange(0, BN)
+        m_n = o_n < H
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        for k in range(0, F, BK):
+            o_k = k + tl.arange(0, BK)
+            m_k = o_k < F
+            b_h = tl.load(hin + p[None, :] * s_h + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
+            b_w = tl.load(w_e + o_n[:, None] * F + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
+            if FP8:
+                s = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
+                acc += s * tl.dot(widen(b_w, b_h, BITS), b_h, input_precision="ieee")
+            else:
+                acc = tl.dot(b_w, b_h, acc, input_precision="ieee")
+        tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
 
 
 @triton.jit
@@ -332,12 +335,13 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2,
     of the number of rows (tests/bench/bench_moe.py measured the step's at the 35B-A3B's shapes on
     an H100). FP8 tiles lie inside one 128 x 128 block of scales; float32 tiles are smaller, to fit
     in shared memory. 4-bit experts, int4 = (N, K, group) of one expert's product: the plan's
-    int4_tiles rule ("expert_swiglu", "expert_down"), else 64 rows by 256 weights (128 bytes) a
-    row, a first choice (tests/bench/bench_int4.py compares others)."""
+    int4_tiles rule ("expert_swiglu", "expert_down"), else 64 rows by 512 weights (256 bytes) a
+    row, 4 warps, 3 deep: the dense products' measured tile (matvec.tiles), not yet measured on
+    the experts (tests/bench/bench_int4.py compares others)."""
     if int4 is not None:
         rule4 = plan.int4_tiles if plan is not None else None
         chosen = rule4("expert_" + product, *int4) if rule4 is not None else None
-        return chosen or (64, 256, 4, 3)
+        return chosen or (64, 512, 4, 3)
     rule = plan.expert_tiles if plan is not None else None
     chosen = rule(product, step, fp8, itemsize) if rule is not None else None
     if chosen is not None:
@@ -372,7 +376,7 @@ def _shared_args(w, shared, rows: int, K: int) -> tuple:
 _identity: dict = {}
 
 
-def _int4_args(w, shared, n_experts: int, rows: int, K: int, BK: int) -> dict:
+def _int4_args(w, shared, n_experts: int, rows: int, K: int, BK: int, form: str) -> dict:
     """The launch arguments of 4-bit experts (kernels/int4.py), the experts' stack w of
     n_experts x rows and the shared expert (or None) alike in group and zeros; where only one of
     them has a perm, the other reads x through the identity (made once per size and device)."""
@@ -394,7 +398,7 @@ def _int4_args(w, shared, n_experts: int, rows: int, K: int, BK: int) -> dict:
             identity = _identity[key]
             perm = identity if perm is None else perm
             perm2 = identity[0] if perm2 is None else perm2
-    return dict(G=w.group, BG=sub_tile(BK, w.group), s_w=K // 8, zw=w.zero, perm=perm, zw2=zw2, perm2=perm2)
+    return dict(G=w.group, s_w=K // 8, zw=w.zero, perm=perm, zw2=zw2, perm2=perm2, **form_args(BK, w.group, form))
 
 
 def _widen(x, warps: int, BN: int, plan: ProductPlan) -> dict:
@@ -423,7 +427,7 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
         x.stride(0), h.stride(0), ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp,
         COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, num_stages=stages,
         **pdl(x), **(_widen(x, warps, BN, plan) if fp8 else {}),
-        **_int4_args(w_gate_up, shared, n_experts, 2 * Fi, H, BK))
+        **_int4_args(w_gate_up, shared, n_experts, 2 * Fi, H, BK, plan.int4_form))
     return h
 
 
@@ -445,7 +449,7 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
         h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
         BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps,
         num_stages=stages, **pdl(h), **(_widen(h, warps, BN, plan) if fp8 else {}),
-        **_int4_args(w_down, shared, n_experts, H, Fi, BK))
+        **_int4_args(w_down, shared, n_experts, H, Fi, BK, plan.int4_form))
     return y
 
 

@@ -1,7 +1,8 @@
 """The few-row products over 4-bit weights (kernels/int4.py) on the 27B's and the 35B-A3B's expert
 shapes, at T = 1 and 4 rows: time against the bf16 and FP8 products of the same shape, GB/s, and
 the fraction of the device's copy bandwidth the 4-bit bytes were read at; a few candidate tiles
-for each 4-bit product, so one run tells which tile rule (kernels/plan.py int4_tiles) to choose.
+for each 4-bit product in both unpack forms (ProductPlan.int4_form: "reshape", "slices";
+kernels/int4.py form_args), so one run tells which tile rule (int4_tiles) and form to choose.
 
     python tests/bench/bench_int4.py [--json results.json] [--quick]
 
@@ -10,7 +11,8 @@ int4_tiles rule for the candidates). Times are CUDA graphs of 20 launches over r
 copies (more bytes than L2 holds), the median of 5 replays; "copy" is torch's device-to-device
 copy of 1 GiB, (read + written bytes) / time. Weights are random: groups of 128, symmetric, no
 perm for the candidates; the default tile also with zeros and a perm (GPTQ desc_act) and with
-groups of 32. Checks each 4-bit output against the float32 reference before timing it.
+groups of 32. Candidates at T = 1 only (T = 4 measured within 2% of T = 1 on an H100). Checks
+each 4-bit output against the float32 reference before timing it. About 2 minutes on an H100.
 """
 from __future__ import annotations
 
@@ -31,10 +33,11 @@ SHAPES = [("GDN in_proj [qkv|z]", 16384, 5120, "plain"), ("attention q|gate|k|v"
           ("MLP gate|up", 34816, 5120, "swiglu"), ("GDN out_proj, attention o_proj", 5120, 6144, "split"),
           ("MLP down", 5120, 17408, "split")]
 E, TOPK, F_E, H_E = 256, 8, 512, 2048          # the 35B-A3B's experts
-CANDIDATES = {"plain": [(64, 256, 4, 4), (64, 512, 4, 3), (32, 256, 4, 6), (128, 256, 8, 3)],
-              "swiglu": [(32, 256, 4, 4), (64, 256, 4, 4), (32, 512, 4, 3), (16, 256, 2, 6)],
-              "split": [(64, 256, 4, 4), (64, 512, 4, 3), (32, 256, 4, 6)],
-              "expert": [(64, 256, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3)]}
+# (BN, BK, warps, stages), BK in weights (2 a byte); the first of each is the default tile
+CANDIDATES = {"plain": [(64, 512, 4, 3), (64, 256, 4, 4), (64, 1024, 4, 2), (32, 512, 4, 4), (128, 512, 8, 3)],
+              "swiglu": [(64, 256, 4, 4), (32, 256, 4, 4), (64, 512, 4, 3), (32, 512, 4, 4)],
+              "split": [(64, 512, 4, 3), (64, 256, 4, 4), (64, 1024, 4, 2), (32, 512, 4, 4)],
+              "expert": [(64, 512, 4, 3), (64, 256, 4, 3), (32, 512, 4, 4), (128, 256, 8, 3)]}
 
 
 def graph_time(fn, copies: int, launches: int = 20) -> float:
@@ -94,6 +97,35 @@ def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def candidates(kind: str, base: ProductPlan, quick: bool):
+    """(label, plan) of each candidate tile in each unpack form; the default tile alone with --quick."""
+    for tile in CANDIDATES[kind][:1] if quick else CANDIDATES[kind]:
+        for form in int4.FORMS:
+            yield f"{tile} {form}", dataclasses.replace(base, int4_tiles=rule(kind, tile), int4_form=form)
+
+
+def time_candidates(kind, call, check, copies: int, base: ProductPlan, quick: bool) -> dict:
+    """us of each candidate (check(plan) asserts its output first), or why it failed."""
+    got = {}
+    for label, plan in candidates(kind, base, quick):
+        try:
+            check(plan)
+            got[label] = graph_time(lambda i: call(i, plan), copies)
+        except AssertionError:
+            raise
+        except Exception as e:          # a tile past the shared memory, registers: say so, go on
+            got[label] = f"failed: {type(e).__name__}"
+    return got
+
+
+def show(tiles: dict) -> None:
+    for form in int4.FORMS:
+        line = "  ".join(f"{k.rsplit(' ', 1)[0]}: {v:.1f}" if isinstance(v, float) else f"{k.rsplit(' ', 1)[0]}: {v}"
+                         for k, v in tiles.items() if k.endswith(form))
+        if line:
+            print(f"    int4 {form} (BN, BK, warps, stages) us: {line}", flush=True)
+
+
 def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: bool, out: list):
     run = {"plain": lambda x, w, plan: matvec.matvec(x, w, plan=plan),
            "swiglu": lambda x, w, plan: matvec.matvec_swiglu(x, w, plan=plan),
@@ -121,22 +153,19 @@ def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: boo
             row["int4"][form] = dict(us=t, err=err, l2_resident=len(ws) == 1 and q.nbytes() < 40e6)
         t4 = row["int4"]["g128"]["us"]
         row.update(int4_us=t4, gbps=n4 / t4 / 1e3, of_copy_bw=(n4 / bw * 1e6) / t4)
-        if not quick:
-            for tile in CANDIDATES[kind]:
-                plan = dataclasses.replace(base, int4_tiles=rule(kind, tile))
-                try:
-                    run(x, ws4[0], plan)
-                    row["tiles"][str(tile)] = graph_time(lambda i: run(x, ws4[i % c4], plan), c4)
-                except Exception as e:          # a tile past the shared memory, registers: say so, go on
-                    row["tiles"][str(tile)] = f"failed: {type(e).__name__}"
+        if T == Ts[0]:
+            want = ref(x, ws4[0])
+
+            def check(plan):
+                err = rel(run(x, ws4[0], plan), want)
+                assert err < 2e-2, f"{name} {plan.int4_form} {plan.int4_tiles.__name__}: relative error {err:.1e}"
+            row["tiles"] = time_candidates(kind, lambda i, plan: run(x, ws4[i % c4], plan), check, c4, base, quick)
         out.append(row)
-        tiles = "  ".join(f"{k}: {v:.1f}" if isinstance(v, float) else f"{k}: {v}" for k, v in row["tiles"].items())
         print(f"{name} [{N} x {K}] T={T}: bf16 {t_bf:.1f} us, fp8 {t_f8:.1f} us, int4 {t4:.1f} us "
               f"({row['gbps']:.0f} GB/s, {row['of_copy_bw']:.2f} of copy bw; {t4 / t_bf:.2f} x bf16, "
               f"{t4 / t_f8:.2f} x fp8); zeros+perm {row['int4']['g128 zeros+perm']['us']:.1f} us, "
               f"g32 {row['int4']['g32']['us']:.1f} us (one copy each)", flush=True)
-        if tiles:
-            print(f"    int4 tiles (BN, BK, warps, stages) us: {tiles}", flush=True)
+        show(row["tiles"])
 
 
 def bench_experts(Ts, base: ProductPlan, bw: float, quick: bool, out: list):
@@ -150,6 +179,9 @@ def bench_experts(Ts, base: ProductPlan, bw: float, quick: bool, out: list):
         ids, w, g, lay = moe.route_step(torch.randn(T, E, device="cuda") * 3, TOPK, E)
         n = len(set(ids.flatten().tolist()))
         h = moe.expert_swiglu_triton(x, gub, lay, TOPK, E, plan=base)
+        full = lay.expand(E)
+        refs = {"expert_swiglu": lambda: moe.expert_swiglu_ref(x.float(), gu4, full, TOPK, E),
+                "expert_down": lambda: moe.expert_down_ref(h.float(), d4, full, E)}
         for product, ws, fn in (("expert_swiglu", (gub, gu8, gu4), lambda w, plan: moe.expert_swiglu_triton(x, w, lay, TOPK, E, plan=plan)),
                                 ("expert_down", (db, d8, d4), lambda w, plan: moe.expert_down_triton(h, w, lay, E, plan=plan))):
             t_bf, t_f8, t4 = (graph_time(lambda i: fn(w_, base), 1) for w_ in ws)
@@ -157,19 +189,18 @@ def bench_experts(Ts, base: ProductPlan, bw: float, quick: bool, out: list):
             row = dict(product=product, experts_read=n, T=T, bf16_us=t_bf, fp8_us=t_f8, int4_us=t4, int4_bytes=n4,
                        gbps=n4 / t4 / 1e3, of_copy_bw=(n4 / bw * 1e6) / t4, tiles={},
                        note="one copy of the experts: the step's few experts may sit in L2 across launches")
-            if not quick:
-                for tile in CANDIDATES["expert"]:
-                    plan = dataclasses.replace(base, int4_tiles=rule("expert", tile))
-                    try:
-                        row["tiles"][str(tile)] = graph_time(lambda i: fn(ws[2], plan), 1)
-                    except Exception as e:
-                        row["tiles"][str(tile)] = f"failed: {type(e).__name__}"
+            if T == Ts[0]:
+                want = refs[product]()                 # float32, the experts dequantized on the GPU
+
+                def check(plan, fn=fn, ws=ws, want=want):
+                    err = rel(fn(ws[2], plan), want)
+                    assert err < 2e-2, f"{product} {plan.int4_form} {plan.int4_tiles.__name__}: relative error {err:.1e}"
+                row["tiles"] = time_candidates("expert", lambda i, plan: fn(ws[2], plan), check, 1, base, quick)
+                del want
             out.append(row)
-            tiles = "  ".join(f"{k}: {v:.1f}" if isinstance(v, float) else f"{k}: {v}" for k, v in row["tiles"].items())
             print(f"35B-A3B {product} T={T} ({n} experts): bf16 {t_bf:.1f} us, fp8 {t_f8:.1f} us, int4 {t4:.1f} us "
                   f"({row['gbps']:.0f} GB/s, {row['of_copy_bw']:.2f} of copy bw)", flush=True)
-            if tiles:
-                print(f"    int4 tiles (BN, BK, warps, stages) us: {tiles}", flush=True)
+            show(row["tiles"])
 
 
 def main():

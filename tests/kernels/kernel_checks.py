@@ -59,5 +59,6 @@ def int4_weight(N: int, K: int, device, seed: int, group: int = 128, symmetric: 
     if perm:
         rows = [torch.randperm(K, generator=g) for _ in range(max(experts, 1))]
         p = (torch.stack(rows) if experts else rows[0]).to(torch.int32)
-    w = int4.GroupInt4(int4.pack_ref(q), scale.to(scale_dtype), zero, p)
+    packed = int4.pack_ref(q.to(device))        # on the device: a CPU takes many seconds at the 35B's size
+    w = int4.GroupInt4(packed, scale.to(scale_dtype), zero, p)
     return int4.GroupInt4(*(t.to(device) if t is not None else None for t in w))

@@ -8,6 +8,7 @@ import torch
 from kernel_checks import TOL, check, int4_weight, randn
 
 from mtpchat.kernels import int4_gemm
+from mtpchat.kernels.plan import ProductPlan
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 SMALL = (32, 32, 256, 4, 2)          # tiles small enough for the interpreter, still 2 x 2 programs and 2 K tiles
@@ -20,6 +21,14 @@ def test_int4_gemm(device, dtype, T, N, K, group, symmetric, perm):
     w = int4_weight(N, K, device, T, group, symmetric, perm)
     x = randn(T, K, dtype=dtype, device=device, seed=N)
     check(int4_gemm.gemm_triton(x, w, SMALL), int4_gemm.gemm_ref(x, w), TOL[dtype])
+
+
+def test_int4_gemm_slices_form(device):
+    # groups of 128, tiles of 128 columns: 8 dots of 16 words a group (int4.form_args)
+    w = int4_weight(45, 384, device, 3, 128, False, True)
+    x = randn(37, 384, device=device, seed=4)
+    plan = ProductPlan(programs=6, int4_form="slices")
+    check(int4_gemm.gemm_triton(x, w, (32, 32, 128, 4, 2), plan=plan), int4_gemm.gemm_ref(x, w), TOL[torch.float32])
 
 
 @pytest.mark.gpu

@@ -1,13 +1,9 @@
 """Few-row products over 4-bit weights (kernels/int4.py) against their float32 references: the
 plain and SwiGLU products (groups of 32, 64 and 128, symmetric and with zeros, with and without
 GPTQ's perm), a Normed input, the small last wave split over K, the split products with and
-without the norm finished; row i of a T-row call bit for bit the 1-row call; the kernel compiled
-for Ampere and Ada (no GPU needed); the 27B's shapes (GPU)."""
+without the norm finished; row i of a T-row call bit for bit the 1-row call; the 27B's shapes (GPU). The
+kernels compiled for Hopper, Ampere and Ada: test_int4_compile.py."""
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -35,11 +31,13 @@ def test_widened_values_are_exact():
     (1, 100, 256, 32, True, False), (3, 70, 384, 128, False, True), (5, 448, 512, 64, False, False),
     (16, 33, 256, 128, True, True), (3, 130, 640, 32, False, True)])
 def test_int4_matvec(device, dtype, T, N, K, group, symmetric, perm):
-    # 448 rows: 7 column blocks of 64 on 6 programs (the interpreter's "SMs"), the last split over K
+    # 448 rows: 7 column blocks of 64 on 6 programs (the interpreter's "SMs"); K 512 is one or two
+    # K tiles, too few to split the last block
     w = int4_weight(N, K, device, T + N, group, symmetric, perm, scale_dtype=torch.float32 if T == 3 else torch.float16)
     x = randn(T, K, dtype=dtype, device=device, seed=K)
     if N == 448 and x.device.type == "cpu":
-        assert matvec.tail_split(7, 2, default_products(x.device)) is None        # 2 K tiles: too few ...
+        BK = matvec.tiles(N, K, 4, plan=default_products(x.device), group=group)[1]
+        assert matvec.tail_split(7, K // BK, default_products(x.device)) is None
     check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype])
 
 
@@ -101,53 +99,55 @@ def rows_equal(run, x):
         assert torch.equal(run(x[:T]), ones[:T]), f"T={T}"
 
 
+def slices_plan() -> ProductPlan:
+    """The slices form (int4.form_args), split products in 3 parts of 128-column tiles."""
+    def tiles(product, N, K, group):
+        return (3, 16, 128, 4, 2) if product == "split" else None
+    return ProductPlan(programs=6, int4_tiles=tiles, int4_form="slices")
+
+
+def test_the_slices_form_takes_dots_of_16_words_or_more():
+    assert int4.form_args(512, 128, "slices") == dict(BG=128, SLICES=True)
+    assert int4.form_args(128, 256, "slices") == dict(BG=128, SLICES=True)
+    assert int4.form_args(256, 64, "slices") == dict(BG=64, SLICES=False)      # 8 words a group: reshape
+    assert int4.form_args(512, 128, "reshape") == dict(BG=128, SLICES=False)
+    with pytest.raises(AssertionError, match="form"):
+        int4.form_args(512, 128, "nibbles")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,N,K,symmetric,perm", [(1, 100, 384, True, False), (3, 70, 640, False, True)])
+def test_int4_slices_form(device, dtype, T, N, K, symmetric, perm):
+    # groups of 128 (a dot of 16 words a nibble); K 384 and 640 end inside the 512-column tile
+    plan = slices_plan()
+    w = int4_weight(N, K, device, N + 1, 128, symmetric, perm)
+    x = randn(T, K, dtype=dtype, device=device, seed=K + 1)
+    check(matvec.matvec_triton(x, w, plan=plan), matvec.matvec_ref(x, w), TOL[dtype], "plain")
+    check(matvec.matvec_swiglu_triton(x, w, plan=plan), matvec.matvec_swiglu_ref(x, w), TOL[dtype], "swiglu")
+    n = normed(T, K, dtype, device, torch.Generator().manual_seed(5))
+    check(matvec.matvec_triton(n, w, plan=plan), matvec.matvec_ref(n, w), TOL[dtype], "normed")
+    parts = matvec_parts.matvec_parts_triton(x, w, plan=plan)
+    assert parts.shape[0] > 1
+    check(parts, matvec_parts.matvec_parts_ref(x, w, plan), TOL[torch.float32], "parts")
+    r, nw = randn(T, N, dtype=dtype, device=device, seed=1), randn(N, dtype=dtype, device=device, seed=2, scale=0.1)
+    _, h = matvec_parts.matvec_parts_triton(x, w, norm=(r, nw, 1e-6), plan=plan)
+    check(h, (matvec.matvec_ref(x, w).float() + r.float()).to(dtype), TOL[dtype], "h")
+
+
+def test_int4_slices_rows_do_not_depend_on_T(device):
+    plan = slices_plan()
+    w = int4_weight(130, 384, device, 9, 128, False, True)
+    x = randn(5, 384, device=device, seed=10)
+    rows_equal(lambda x: matvec.matvec_triton(x, w, plan=plan), x)
+    rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, w, plan=plan).transpose(0, 1), x)
+
+
 def test_int4_rows_do_not_depend_on_T(device):
     w = int4_weight(130, 256, device, 7, 128, False, True)
     x = randn(5, 256, device=device, seed=8)
     rows_equal(lambda x: matvec.matvec_triton(x, w), x)
     rows_equal(lambda x: matvec.matvec_swiglu_triton(x, w), x)
     rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, w, plan=split_plan(2)).transpose(0, 1), x)
-
-
-# --- the kernel for Ampere and Ada, compiled without a GPU ------------------------------------------
-
-COMPILE = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from mtpchat.kernels import matvec
-
-types = dict(x="*bf16", w="*i32", sw="*fp16", y="*bf16", ws="*fp32", count="*i32", ss="*fp32", zw="*u8",
-             perm="*i32", eps="fp32")
-fn = matvec._matvec_kernel
-for cap in (80, 86, 89):
-    for plain in (False, True):
-        consts = dict(BT=16, BN=32, BK=256, NBP=8, SWIGLU=True, SPLIT=True, FP8=False, PDL=False, BITS=0,
-                      G=128, BG=128)
-        if plain:
-            consts.update(zw=None, perm=None)
-        sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
-        c = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts),
-                           target=GPUTarget("cuda", cap, 32), options=dict(num_warps=4, num_stages=4))
-        ptx = c.asm["ptx"]
-        assert f".target sm_{cap}" in ptx and "mma.sync" in ptx, cap
-        assert "wgmma" not in ptx and "setmaxnreg" not in ptx and "griddepcontrol" not in ptx, cap
-        assert len(c.asm["cubin"]) > 0
-        print(cap, plain, len(c.asm["cubin"]))
-"""
-
-
-def test_int4_matvec_compiles_for_ampere_and_ada():
-    """The 4-bit product (SwiGLU, split, Normed input; zeros and perm, or neither) through Triton's
-    whole pipeline to a cubin for sm_80, sm_86 and sm_89, on a machine without a GPU: no
-    instruction of Hopper's on the way (no wgmma, no PDL), the dots on mma.sync. In a process of
-    its own: this one may run Triton's interpreter, whose kernels do not compile."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert len(done.stdout.split("\n")) > 6
 
 
 # --- the 27B's shapes on the GPU --------------------------------------------------------------------

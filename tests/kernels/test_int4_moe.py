@@ -9,6 +9,7 @@ import torch
 from kernel_checks import TOL, check, int4_weight, randn
 
 from mtpchat.kernels import int4, moe, moe_layout
+from mtpchat.kernels.plan import ProductPlan
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 
@@ -68,7 +69,29 @@ def test_int4_shared_expert_as_expert_e(device, shared_perm, experts_perm):
     check(y.cpu(), moe.expert_down_ref(h_ref, cpu(wd), ref_lay, E, shared=cpu(sd)), TOL[torch.float32], "down")
 
 
-def int4_rows_equal(device, dtype, E, k, F, H, T=5, group=128):
+@pytest.mark.parametrize("step,shared", [(True, True), (False, False)])
+def test_int4_experts_in_the_slices_form(device, step, shared):
+    """Groups of 128: each group's dot as 8 over the words' nibbles (int4.form_args)."""
+    plan = ProductPlan(programs=6, int4_form="slices")
+    T, E, k, F, H = 3, 5, 2, 128, 384
+    wgu, wd = experts(E, F, H, device, 41, 128, False, True)
+    sgu, sd = (int4_weight(2 * F, H, device, 43, 128, False, False), int4_weight(H, F, device, 44, 128, False, False)) \
+        if shared else (None, None)
+    x = randn(T, H, device=device, seed=45)
+    ids = routed(T, E, k, 46)
+    if shared:
+        ids = torch.cat([ids, torch.full((T, 1), E, dtype=torch.int32)], 1)
+    lay_cpu = moe_layout.layout_ref(ids, E + shared, moe_layout.STEP_ROWS if step else 2)
+    lay = moe_layout.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
+    kk = k + shared
+    h = moe.expert_swiglu_triton(x, wgu, lay, kk, E, shared=sgu, plan=plan)
+    h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(wgu), lay_cpu, kk, E, shared=sgu and cpu(sgu))
+    check(h.cpu(), h_ref, TOL[torch.float32], "swiglu")
+    y = moe.expert_down_triton(h_ref.to(device), wd, lay, E, shared=sd, plan=plan)
+    check(y.cpu(), moe.expert_down_ref(h_ref, cpu(wd), lay_cpu, E, shared=sd and cpu(sd)), TOL[torch.float32], "down")
+
+
+def int4_rows_equal(device, dtype, E, k, F, H, T=5, group=128, plan=None):
     wgu, wd = experts(E, F, H, device, 11, group, False, True)
     router = (randn(E, H, seed=12) / H ** 0.5).to(device, dtype)
     x = randn(T, H, dtype=dtype, device=device, seed=13)
@@ -76,8 +99,8 @@ def int4_rows_equal(device, dtype, E, k, F, H, T=5, group=128):
     def forward(rows):
         logits = torch.cat([moe.F.linear(r[None], router) for r in rows])
         ids, w, g, lay = moe.route_step(logits, k, E)
-        h = moe.expert_swiglu_triton(rows, wgu, lay, k, E)
-        y = moe.expert_down_triton(h, wd, lay, E)
+        h = moe.expert_swiglu_triton(rows, wgu, lay, k, E, plan=plan)
+        y = moe.expert_down_triton(h, wd, lay, E, plan=plan)
         return h.view(-1, k, F), y.view(-1, k, H)
     together = forward(x)
     for i in range(T):
@@ -87,6 +110,8 @@ def int4_rows_equal(device, dtype, E, k, F, H, T=5, group=128):
 
 def test_int4_a_row_does_not_depend_on_the_rows_beside_it(device):
     int4_rows_equal(device, torch.float32, E=8, k=3, F=96, H=128, group=32)
+    int4_rows_equal(device, torch.float32, E=4, k=2, F=128, H=128, T=3, group=128,
+                    plan=ProductPlan(programs=6, int4_form="slices"))
 
 
 @pytest.mark.gpu
@@ -104,7 +129,8 @@ def test_int4_35b_shapes_against_reference(symmetric, perm):
     ids, w, g, lay = moe.route_step(logits, k, E)
     h = moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True)
     y = moe.expert_down(h, wd, lay, E, rowwise=True)
-    lay_cpu = moe_layout.layout_ref(ids.cpu(), E, moe_layout.STEP_ROWS)
-    h_ref = moe.expert_swiglu_ref(x.cpu().float(), cpu(wgu), lay_cpu, k, E)
-    check(h.cpu().float(), h_ref, 1e-2, "swiglu")
-    check(y.cpu(), moe.expert_down_ref(h.cpu().float(), cpu(wd), lay_cpu, E), 1e-2, "down")
+    # the references on the GPU too (float32, rowwise): dequantizing 256 experts on a CPU is slow
+    lay_ref = moe_layout.layout_ref(ids.cpu(), E, moe_layout.STEP_ROWS)
+    h_ref = moe.expert_swiglu_ref(x.float(), wgu, lay_ref, k, E)
+    check(h.float(), h_ref, 1e-2, "swiglu")
+    check(y, moe.expert_down_ref(h.float(), wd, lay_ref, E), 1e-2, "down")

@@ -1,0 +1,105 @@
+"""Every product kernel over 4-bit weights (kernels/int4.py) through Triton's whole pipeline to a
+cubin, on a machine without a GPU: for Hopper (sm_90, with PDL) and for Ampere and Ada (sm_80,
+sm_86, sm_89: no instruction of Hopper's on the way, the dots on mma.sync). The interpreter runs
+the other kernel tests here and never compiles: a kernel can pass them all and still not compile
+(a branch the interpreter takes in Python that Triton must type, a None among the values a
+function returns). The few-row products (plain, SwiGLU, split over K, a Normed input), the split
+parts with and without the norm, the MoE expert products (SwiGLU and down, a step's layout with
+the shared expert and a prefill's without) and prefill's product, each with zeros and perm and
+with neither, in both unpack forms (ProductPlan.int4_form)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+COMPILE = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from mtpchat.kernels import int4, int4_gemm, matvec, matvec_parts, moe
+from mtpchat.kernels.moe_layout import STEP_PAIRS, STEP_ROWS
+
+try:
+    from triton.backends.nvidia.compiler import get_ptxas
+    get_ptxas(80).path
+except Exception as e:                      # Triton's own lookup: TRITON_PTXAS_PATH, its bundled ptxas
+    print("NO PTXAS", repr(e))
+    sys.exit(0)
+
+POINTERS = dict(x="*bf16", w="*i32", sw="*fp16", ws="*fp16", w2="*i32", ws2="*fp16", y="*bf16", count="*i32",
+                ss="*fp32", zw="*u8", zw2="*u8", perm="*i32", perm2="*i32", expert="*i32", pairs="*i32",
+                reads="*i32", h="*bf16", hin="*bf16", r="*bf16", nw="*bf16", xn="*bf16", eps="fp32")
+
+
+def variants():
+    # (name, kernel, its constexprs, pointer types other than POINTERS'); G 128 and BK 256: two
+    # sub-tiles a tile (both forms take them); the "slices" form needs sub-tiles of 128 columns
+    i4 = dict(G=128, BG=128, FP8=False, BITS=0)
+    mv = matvec._matvec_kernel
+    yield "matvec swiglu split normed", mv, dict(BT=16, BN=32, BK=256, NBP=8, SWIGLU=True, SPLIT=True, **i4), {"ws": "*fp32"}
+    yield "matvec plain", mv, dict(BT=16, BN=64, BK=512, NBP=0, SWIGLU=False, SPLIT=False, **i4), {"ws": "*fp32"}
+    mp = matvec_parts._matvec_parts_kernel
+    for norm in (True, False):
+        yield f"parts norm={norm}", mp, dict(BT=16, BN=64, BK=256, S=3, NORM=norm, RESIDUAL=norm, **i4), {"y": "*fp32"}
+    for step, shared in ((True, True), (False, False)):      # a step with the shared expert, a prefill without
+        lay = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS) if step else dict(BM=64, STEP=False, BP=16)
+        yield f"expert swiglu step={step} shared={shared}", moe._swiglu_kernel, dict(
+            TOPK=8, BN=64, BK=256, COUNT=step, SHARED=shared, **lay, **i4), {}
+        yield f"expert down step={step} shared={shared}", moe._down_kernel, dict(
+            BN=64, BK=256, SHARED=shared, **lay, **i4), {"y": "*fp32"}
+    yield "gemm", int4_gemm._gemm_kernel, dict(BM=64, BN=128, BK=128, G=128, BG=128), {}
+
+
+# Each variant compiles once to a cubin, for one of the four targets in turn; a kernel's first
+# variant for all four (in the slices form for sm_90 and sm_80): some 50 compilations, about 90 s
+# on 2 cores the first time, seconds from Triton's cache after. Typing errors such as a None returned or a
+# branch compiled with the other format's tiles come before any target's code, so every variant
+# meets them; the targets' own instructions are checked on each kernel. The slices form differs
+# only in int4.dot_int4: each kernel's first variant, with zeros and perm and without.
+n, seen = 0, set()
+for name, fn, consts, types in variants():
+    for form in int4.FORMS:
+        for extra in ({}, dict(zw=None, perm=None, zw2=None, perm2=None)):
+            if form == "slices" and (fn, form, not extra) in seen:
+                continue
+            c_ = dict(consts, SLICES=form == "slices", **extra)
+            first = (fn, form) not in seen
+            seen |= {(fn, form), (fn, form, not extra)}
+            caps = ((90, 80, 86, 89) if form == "reshape" else (90, 80)) if first else ((90, 80, 86, 89)[n % 4],)
+            n += 1
+            for cap in caps:
+                c_["PDL"] = cap >= 90
+                c_ = {a: v for a, v in c_.items() if a in fn.arg_names}
+                sig = {a: "constexpr" if a in c_ else types.get(a, POINTERS.get(a, "i32")) for a in fn.arg_names}
+                what = f"{name} {form} zeros/perm={not extra} sm_{cap}"
+                try:
+                    k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=c_),
+                                       target=GPUTarget("cuda", cap, 32), options=dict(num_warps=4, num_stages=3))
+                except Exception as e:
+                    print("FAILED", what, "\n", str(e)[-1500:], file=sys.stderr)
+                    raise SystemExit(1)
+                ptx = k.asm["ptx"]
+                assert f".target sm_{cap}" in ptx and len(k.asm["cubin"]) > 0, what
+                if cap < 90:
+                    assert "mma.sync" in ptx, what
+                    assert "wgmma" not in ptx and "setmaxnreg" not in ptx and "griddepcontrol" not in ptx, what
+                print("ok", what)
+"""
+
+
+def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
+    """In a process of its own: this one may run Triton's interpreter, whose kernels never compile.
+    The child finds the package as this process does (its sys.path) and ptxas as Triton does
+    (TRITON_PTXAS_PATH, else the one Triton ships); only where there is none at all it skips."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    if done.stdout.startswith("NO PTXAS"):
+        pytest.skip(f"Triton finds no ptxas to compile with: {done.stdout.strip()}")
+    assert done.returncode == 0, (done.stdout[-2000:] + done.stderr[-4000:])
+    assert done.stdout.count("ok ") >= 45, done.stdout[-2000:]
