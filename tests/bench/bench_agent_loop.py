@@ -203,9 +203,8 @@ def device_name(device) -> str:
 def setup_lines(engine, label: str, argv: list[str], args) -> list[str]:
     """What the table was measured on, and how to measure it again."""
     import torch
-    from mtpchat.chat.engine import weight_format
     from mtpchat.models import WEIGHT_LABELS
-    fmt = weight_format(engine)
+    fmt = engine.weight_format
     versions = f"torch {torch.__version__}"
     if engine.device.type == "cuda":
         import triton
