@@ -187,13 +187,10 @@ def form_args(BK: int, G: int, form: str) -> dict:
 
 if tl is not None:
     @triton.jit
-    def widen(b_q, b_z, b_x):
-        """Words [BN, W] -> the weights [BN, 8 W] as q - zero in b_x's dtype (b_z [BN] int32)."""
-        BN: tl.constexpr = b_q.shape[0]
-        W: tl.constexpr = b_q.shape[1]
-        b_n = (b_q[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF      # [BN, W, 8]
-        b_n = tl.reshape(b_n, [BN, W * 8])                                         # column 8 w + j
-        b_w = (b_n | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)                # 128 + q
+    def _less_zero(b_n, b_z, b_x):
+        """4-bit values b_n [BN, W] (int32, 0 .. 15) -> q - zero in b_x's dtype, b_z [BN] int32: both
+        or'ed into 0x4300, whose bf16 is 128 + the value, so the difference is exact in bf16."""
+        b_w = (b_n | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)                 # 128 + q
         b_o = (b_z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, None]        # 128 + zero
         if b_x.dtype == tl.bfloat16:
             return b_w - b_o
@@ -201,14 +198,17 @@ if tl is not None:
             return (b_w.to(tl.float32) - b_o.to(tl.float32)).to(b_x.dtype)
 
     @triton.jit
+    def widen(b_q, b_z, b_x):
+        """Words [BN, W] -> the weights [BN, 8 W] as q - zero in b_x's dtype (b_z [BN] int32)."""
+        BN: tl.constexpr = b_q.shape[0]
+        W: tl.constexpr = b_q.shape[1]
+        b_n = (b_q[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF      # [BN, W, 8]
+        return _less_zero(tl.reshape(b_n, [BN, W * 8]), b_z, b_x)                  # column 8 w + j
+
+    @triton.jit
     def widen_nibble(b_q, j: tl.constexpr, b_z, b_x):
         """Nibble j of each word [BN, W] -> the weights [BN, W] as q - zero in b_x's dtype."""
-        b_w = (((b_q >> (4 * j)) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)    # 128 + q
-        b_o = (b_z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, None]                # 128 + zero
-        if b_x.dtype == tl.bfloat16:
-            return b_w - b_o
-        else:
-            return (b_w.to(tl.float32) - b_o.to(tl.float32)).to(b_x.dtype)
+        return _less_zero((b_q >> (4 * j)) & 0xF, b_z, b_x)
 
     @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,

@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import time
 
 import torch
 
+from graph_timing import graph_time
 from mtpchat.kernels import fp8, int4, matvec, matvec_parts, moe
 from mtpchat.kernels.plan import ProductPlan, default_products
 
@@ -38,25 +38,6 @@ CANDIDATES = {"plain": [(64, 512, 4, 3), (64, 256, 4, 4), (64, 1024, 4, 2), (32,
               "swiglu": [(64, 256, 4, 4), (32, 256, 4, 4), (64, 512, 4, 3), (32, 512, 4, 4)],
               "split": [(64, 512, 4, 3), (64, 256, 4, 4), (64, 1024, 4, 2), (32, 512, 4, 4)],
               "expert": [(64, 512, 4, 3), (64, 256, 4, 3), (32, 512, 4, 4), (128, 256, 8, 3)]}
-
-
-def graph_time(fn, copies: int, launches: int = 20) -> float:
-    """us a launch: the median of 5 replays of a graph of `launches` launches over rotating copies."""
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(launches):
-            fn(i % copies)
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / launches)
-    return statistics.median(times)
 
 
 def copy_bandwidth() -> float:

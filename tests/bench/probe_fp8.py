@@ -14,10 +14,10 @@
 from __future__ import annotations
 
 import re
-import statistics
 
 import torch
 
+from graph_timing import graph_time
 from mtpchat.kernels import fp8, fp8_gemm
 from mtpchat.kernels._triton import tl, triton
 
@@ -62,25 +62,6 @@ def _probe_kernel(x, w, sw, y, K, s_w, s_sw, FORM: tl.constexpr, BN: tl.constexp
         tl.store(y + o_n, acc1)
     else:
         tl.store(y + o_t[None, :] * 65536 + o_n[:, None], acc)
-
-
-def graph_time(fn, copies: int, launches: int = 20) -> float:
-    """us per launch, median of 5 graph replays of `launches` launches over rotating copies."""
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(launches):
-            fn(i % copies)
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / launches)
-    return statistics.median(times)
 
 
 def decode_forms():
