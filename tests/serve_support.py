@@ -30,6 +30,7 @@ class ServeProcess:
     `argv` replaces the command (a fake engine's server, `fake_serve_argv`)."""
 
     def __init__(self, tmp: Path, *extra: str, timeout: float = 120.0, argv: list[str] | None = None):
+        (tmp / "settings.toml").touch()
         env = dict(os.environ, MTPCHAT_SETTINGS=str(tmp / "settings.toml"), PYTHONUNBUFFERED="1")
         env.pop("MTPCHAT_API_KEY", None)
         argv = argv or [sys.executable, "-m", "mtpchat", "serve", "--model", str(DEMO), "--device", "cpu",

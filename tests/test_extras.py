@@ -49,6 +49,7 @@ from mtpchat import cli
 sys.exit(cli.main(["run", "--model", {str(ckpt)!r}, "--device", "cpu", "--prompt", "hi", "--max-tokens", "3",
                    "--json", "--no-think"]))
 """
+    (tmp_path / "settings.toml").touch()
     env = {"MTPCHAT_SETTINGS": str(tmp_path / "settings.toml"), "HF_HUB_CACHE": str(tmp_path / "hub"),
            "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env,

@@ -129,6 +129,7 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 
 
 def test_run_server_on_a_cut_stream_prints_the_partial_reply_and_one_line(fake, capsys, tmp_path, monkeypatch):
+    (tmp_path / "settings.toml").touch()
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     code, out, err = run_cli(capsys, "--server", fake("cut"))
     assert code == 1 and out == CUT_REPLY + "\n"
@@ -137,6 +138,7 @@ def test_run_server_on_a_cut_stream_prints_the_partial_reply_and_one_line(fake, 
 
 
 def test_run_server_json_on_a_cut_stream_keeps_the_partial_reply_in_the_object(fake, capsys, tmp_path, monkeypatch):
+    (tmp_path / "settings.toml").touch()
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     code, out, err = run_cli(capsys, "--server", fake("cut"), "--json")
     result = json.loads(out)
@@ -149,6 +151,7 @@ def test_run_server_json_on_a_cut_stream_keeps_the_partial_reply_in_the_object(f
                                         ("html", "OpenAI model list"), ("missing", "does not exist"),
                                         ("busy", "busy (HTTP 429")])
 def test_run_server_that_cannot_be_used_is_one_line_and_exit_1(fake, capsys, tmp_path, monkeypatch, mode, said):
+    (tmp_path / "settings.toml").touch()
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     url = fake(mode) if mode else f"http://127.0.0.1:{free_port()}"
     code, out, err = run_cli(capsys, "--server", url, "--api-key", "wrong")
@@ -157,6 +160,7 @@ def test_run_server_that_cannot_be_used_is_one_line_and_exit_1(fake, capsys, tmp
 
 
 def test_run_server_says_n_a_where_the_server_reports_no_figures(fake, capsys, tmp_path, monkeypatch):
+    (tmp_path / "settings.toml").touch()
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     code, out, err = run_cli(capsys, "--server", fake("plain"))
     assert code == 0 and out == "Hello there\n"

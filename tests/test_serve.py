@@ -68,6 +68,7 @@ def test_openai_client_streams_what_the_engine_gives_in_process(server, referenc
 
 
 def test_run_server_prints_the_in_process_answer_and_acceptance(server, reference, capsys, tmp_path, monkeypatch):
+    (tmp_path / "settings.toml").touch()
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     thinking, answer, stats = reference
     code = cli.main(["run", "--server", server, "--prompt", PROMPT, "--temperature", "0",
@@ -248,6 +249,7 @@ def test_a_client_leaving_before_a_whole_answer_cancels_it_too(server):
 
 
 def test_another_host_needs_a_key_and_a_keyed_server_refuses_others(tmp_path, capsys, monkeypatch):
+    (tmp_path / "settings.toml").touch()
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     monkeypatch.delenv("MTPCHAT_API_KEY", raising=False)
     code = cli.main(["serve", "--host", "0.0.0.0", "--model", "/nonexistent"])

@@ -21,6 +21,7 @@ def server(tmp_path_factory):
 
 
 def test_the_app_chats_through_a_server_as_with_the_engine_in_process(server, tmp_path, monkeypatch):
+    (tmp_path / "settings.toml").touch()
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     thinking, answer, stats = in_process()
     assert stats["accepted"] > 0
@@ -50,6 +51,7 @@ def test_the_app_chats_through_a_server_as_with_the_engine_in_process(server, tm
 
 
 def app_on(url: str, tmp_path, monkeypatch, *flags: str):
+    (tmp_path / "settings.toml").touch()
     monkeypatch.setenv("MTPCHAT_SETTINGS", str(tmp_path / "settings.toml"))
     argv = ["--server", url, "--data-dir", str(tmp_path / "data"), *flags]
     args = parsed(argv)
