@@ -88,3 +88,23 @@ def test_27b_fp8_at_128k_with_mtp_and_snapshots_fits_an_80gb_card(capsys):
     assert plan.fits(79 * GiB) and plan.needed < 40 * GiB
     # and the longest context the 27B FP8 takes on that card is longer still
     assert memory.max_context_that_fits(c27, 79 * GiB, memory.K_MAX, weights="fp8") >= 262144 - 1024
+
+
+def test_prefill_attention_on_the_cpu_copies_no_kv_per_query_head():
+    """A later prefill chunk on the CPU: causal over the cache rows below it and among its own, GQA
+    read in place (no [Hq, n, D] copies of K and V, 3 GiB each for the 27B at 131K in float32)."""
+    import torch
+    from torch.profiler import profile
+
+    from helpers import rel_err
+    from mtpchat.engine.model import prefill_attention
+    g = torch.Generator().manual_seed(3)
+    T, n, Hq, Hkv, D = 5, 37, 6, 2, 16
+    q, k, v = (torch.randn(1, h, m, D, generator=g) for h, m in ((Hq, T), (Hkv, n), (Hkv, n)))
+    with profile() as prof:
+        out = prefill_attention(q, k, v, first=False, scale=D ** -0.5)
+    assert not {"aten::repeat_interleave", "aten::repeat"} & {e.name for e in prof.events()}
+    kk, vv = k.repeat_interleave(Hq // Hkv, 1).double(), v.repeat_interleave(Hq // Hkv, 1).double()
+    s = (q.double() @ kk.transpose(-1, -2)) * D ** -0.5
+    s = s.masked_fill(torch.arange(n)[None, :] > torch.arange(n - T, n)[:, None], float("-inf"))
+    assert rel_err(out, s.softmax(-1) @ vv) < 1e-5
