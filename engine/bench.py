@@ -24,6 +24,9 @@ PROFILE = (0.95, 0.83, 0.70, 0.55)   # P(at least i+1 drafts accepted): the opti
 PROFILES = {"code": (0.92, 0.78, 0.62, 0.48),             # 3.32
             "chat-thinking": (0.78, 0.48, 0.25, 0.12),    # 2.51
             "creative": (0.50, 0.22, 0.08, 0.03)}         # 1.80
+# the long-context row's targets: decode per token at most this many times the short prompt's, and
+# the MTP speedup (MTP off / on per token) at least this share of the short prompt's
+LONG_DECODE_AT_MOST, LONG_SPEEDUP_AT_LEAST = 1.3, 0.9
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 20) -> float | None:
@@ -221,6 +224,31 @@ def random_prompt(engine, n: int, seed: int) -> list[int]:
     return torch.randint(0, min(engine.config.vocab_size, 200_000), (n,), generator=g).tolist()
 
 
+def long_context(engine, n: int, tokens: int, short: dict, k: int = 3) -> dict:
+    """Decode after an n-token prompt, MTP off and on at k under PROFILE (the short prompt's
+    drafter), beside `short` (run's figures for the short prompt): per token, their ratio, the MTP
+    speedup at both lengths (MTP off over MTP on at the expected length: independent of the draws)
+    and its ratio, and the time to first token of the long prompt (the better of the two runs)."""
+    prompt = random_prompt(engine, n, 2)
+    off = generate(engine, prompt, tokens, mtp=False)
+    on = generate(engine, prompt, tokens, mtp=True, k=k,
+                  drafter=ProfileDrafter(off["tokens"], PROFILE, seed=k, vocab=engine.config.vocab_size))
+    expected = 1 + sum(PROFILE[:k])
+    on_ms = on["ms_per_step"] / expected
+    short_off, short_on = short["decode_ms"], short["mtp_profile"][k]["ms_per_token_at_expected_length"]
+    speedup, short_speedup = off["ms_per_token"] / on_ms, short_off / short_on
+    out = {"prompt_tokens": n, "tokens": tokens, "k": k, "ttft_ms": min(off["prefill_ms"], on["prefill_ms"]),
+           "decode_ms": off["ms_per_token"], "decode_ms_short": short_off,
+           "decode_ratio": off["ms_per_token"] / short_off,
+           "mtp_ms_per_token": on["ms_per_token"], "mtp_ms_per_token_at_expected_length": on_ms,
+           "mtp_ms_per_token_short": short_on, "mean_acceptance_length": on["stats"].mean_acceptance_length,
+           "expected_length": expected, "mtp_speedup": speedup, "mtp_speedup_short": short_speedup,
+           "speedup_ratio": speedup / short_speedup, "identical_to_mtp_off": on["tokens"] == off["tokens"],
+           "targets": {"decode_ratio_at_most": LONG_DECODE_AT_MOST, "speedup_ratio_at_least": LONG_SPEEDUP_AT_LEAST}}
+    out["meets_targets"] = out["decode_ratio"] <= LONG_DECODE_AT_MOST and out["speedup_ratio"] >= LONG_SPEEDUP_AT_LEAST
+    return out
+
+
 def real_acceptance(engine, prompts: list[list[int]], tokens: int, ks=(1, 2, 3, 4)) -> dict:
     """The real MTP head over given prompts (greedy): mean acceptance length and ms/token per k,
     pooled over the prompts, and whether every output equals MTP off."""
@@ -239,9 +267,10 @@ def real_acceptance(engine, prompts: list[list[int]], tokens: int, ks=(1, 2, 3, 
 
 def run(engine, context: int = 1024, tokens: int = 128, ks=(1, 2, 3, 4), ttft=(512, 8192),
         exactness_prompts: int = 1, exactness_tokens: int = 128, prompts: list[list[int]] | None = None,
-        policy_tokens: int = 256, policy_repeats: int = 2, profiles_only: bool = False) -> dict:
+        policy_tokens: int = 256, policy_repeats: int = 2, profiles_only: bool = False, long: int = 0) -> dict:
     """The whole benchmark: one dict of figures (ms) and their ratios to the floor. `profiles_only`:
-    only decode, the draft step and the profile x policy table (no prefill, real head, exactness)."""
+    only decode, the draft step and the profile x policy table (no prefill, real head, exactness).
+    `long`: also decode after a prompt of that many tokens (long_context), against the short one."""
     bw = copy_bandwidth(engine.device)
     if engine.device.type == "cuda":
         # from here on: what serving needs, not loading or the bandwidth measurement's 2 GiB
@@ -285,6 +314,8 @@ def run(engine, context: int = 1024, tokens: int = 128, ks=(1, 2, 3, 4), ttft=(5
     # one draft step (the head's layer and the draft product) over one decode step, per k
     out["draft_step_ratio"] = {k: m["draft_ms_per_step"] / off["verify_ms"] for k, m in out["mtp_profile"].items()}
     out["draft_products_ms"] = draft_products(engine)
+    if long:
+        out["long_context"] = long_context(engine, long, tokens, out) | {"short_prompt_tokens": context}
     out["policies"] = policies(engine, prompt, policy_tokens, ks=ks, repeats=policy_repeats)
     if profiles_only:
         return out

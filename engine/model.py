@@ -42,8 +42,15 @@ def prefill_attention(q, keys, values, first: bool, scale: float) -> torch.Tenso
         # flash attention aligns its causal mask to the bottom right, as later chunks need (query t sees
         # keys up to n - T + t), and takes the kv heads as they are
         return torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, False, scale=scale)[0]
+    # a [T, n] mask (bool here, float32 inside SDPA: 1 GiB at T 2,048 and n 131,072; the CPU's chunks
+    # are 512 rows)
     n, T = keys.shape[2], q.shape[2]
     mask = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - T, n, device=q.device)[:, None]
+    if not q.is_cuda:
+        # the CPU's flash kernel takes the kv heads as they are: no copy of K and V per query head
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    # float32 on a GPU: K and V copied per query head, as before (not measured with enable_gqa there,
+    # where a kernel that takes no GQA would send SDPA to the math path and its [Hq, T, n] scores)
     group = q.shape[1] // keys.shape[1]
     return F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1),
                                           attn_mask=mask, scale=scale)

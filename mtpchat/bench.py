@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from pathlib import Path
 
 from mtpchat.engine.config import ModelConfig
@@ -14,6 +15,7 @@ from mtpchat.malloc import cpu_allocator
 RANDOM = ("qwen3.6-27b", "qwen3.5-9b", "qwen3.5-4b", "qwen3.5-0.8b", "qwen3.5-35b-a3b")
 # the 4-bit releases: the shipped config of their shape, with their alias's quantization
 RANDOM_4BIT = {"qwen3.5-27b-gptq-int4": "qwen3.6-27b", "qwen3.5-35b-a3b-gptq-int4": "qwen3.5-35b-a3b"}
+LONG_CONTEXT = 131072    # the long-context row's prompt on a GPU, where the model takes it
 
 
 def add_arguments(p):
@@ -30,6 +32,10 @@ def add_arguments(p):
                         "(raw text, no chat template) instead of a random prompt")
     p.add_argument("--prefill-chunk", type=int, metavar="N",
                    help="prompt tokens per prefill forward (default: the engine's, 2048 on a GPU)")
+    p.add_argument("--long-context", type=int, metavar="N",
+                   help=f"prompt tokens of the long-context row: decode and MTP k=3 after them against the "
+                        f"--context prompt, and their time to first token (default {LONG_CONTEXT:,} on a GPU "
+                        f"where the model and the memory take it, none on the CPU; 0: none)")
     p.add_argument("--policy-tokens", type=int, default=256,
                    help="tokens generated per run of the profile x policy table (default 256)")
     p.add_argument("--policy-repeats", type=int, default=2, help="runs averaged per cell of that table (default 2)")
@@ -38,10 +44,47 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _max_context(args, config, asked: int | None) -> int:
-    """Room for the 8K time to first token and a chat turn after it, where the model has it."""
-    return min(max(args.context + max(args.tokens, args.policy_tokens) * 2 + 64, 8192 + 128, asked or 0),
-               config.max_position_embeddings)
+def _max_context(args, config, asked: int | None, long: int = 0) -> int:
+    """Room for the 8K time to first token and a chat turn after it, where the model has it, and
+    for the long-context row's prompt and generation."""
+    return min(max(args.context + max(args.tokens, args.policy_tokens) * 2 + 64, 8192 + 128, asked or 0,
+                   _long_room(args, long)), config.max_position_embeddings)
+
+
+def _long_room(args, long: int) -> int:
+    """The context the long-context row needs: its prompt, the tokens it generates and a verify's overshoot."""
+    return long + 2 * args.tokens + 64 if long else 0
+
+
+def long_context(args, config, device: str, free: int | None = None, **plan) -> int:
+    """The long-context row's prompt length (0: none): --long-context, or LONG_CONTEXT on a GPU
+    where the model takes it and, `free` given, where the memory plan of its context fits (`plan`:
+    plan_memory's weights and draft_vocab). One asked for that does not fit is refused in one line;
+    the default is dropped with a line on stderr."""
+    from mtpchat.engine import memory
+    asked = getattr(args, "long_context", None)
+    n = LONG_CONTEXT if asked is None and device.startswith("cuda") else max(asked or 0, 0)
+    if not n:
+        return 0
+    said = f"--long-context {n:,}" if asked is not None else f"the long-context row ({n:,} tokens)"
+    limit, room = config.max_position_embeddings, _long_room(args, n)
+    why = None
+    if room > limit:
+        why = f"needs {room:,} tokens of context but the model supports {limit:,}"
+    elif free is not None:
+        cuda = device.startswith("cuda")
+        context = _max_context(args, config, getattr(getattr(args, "options", None), "max_context", None), n)
+        need = memory.plan_memory(config, context, dtype="bfloat16" if cuda else "float32", cuda_graphs=cuda,
+                                  **{k: v for k, v in plan.items() if v is not None}).needed
+        if need > free:
+            why = f"does not fit: {context:,} tokens of context need {fmt_bytes(need)} but {fmt_bytes(free)} is free"
+    if why is None:
+        return n
+    if asked is None:
+        if room <= limit:     # a model that supports less has no long row to miss
+            print(f"mtpchat bench: {said} left out: it {why} (--long-context N for a shorter one)", file=sys.stderr)
+        return 0
+    raise SystemExit(f"mtpchat bench: {said} {why}: take a shorter --long-context, or 0 for none")
 
 
 def _configs() -> Path:
@@ -71,7 +114,13 @@ def dry_run_options(args):
         config = random_config(args.random_weights)
     else:
         config = ModelConfig.load(resolve(opts.model, offline=opts.offline).path)
-    opts.max_context = _max_context(args, config, opts.max_context)
+    device = opts.device
+    if device in (None, "auto"):     # as loader.prepare plans it: a GPU where there is one or the model needs one
+        from mtpchat.engine import memory
+        from mtpchat.loader import CPU_MAX_PARAMS, pick_device
+        device = pick_device("auto")[0]
+        device = "cuda" if memory.text_params(config) > CPU_MAX_PARAMS else device
+    opts.max_context = _max_context(args, config, opts.max_context, long_context(args, config, device))
     return opts
 
 
@@ -93,9 +142,12 @@ def main(args) -> int:
         from mtpchat.models import resolve
         resolved = resolve(getattr(opts, "model", None), offline=getattr(opts, "offline", False))
         model, name, config = resolved.path, resolved.name, ModelConfig.load(resolved.path)
-    max_context = _max_context(args, config, getattr(opts, "max_context", None))
     weights = getattr(opts, "weights", "auto")
     draft_vocab = getattr(opts, "draft_vocab", None)
+    from mtpchat.loader import free_memory
+    long = long_context(args, config, device, free_memory(device)[0],
+                        weights=None if weights in (None, "auto") else weights, draft_vocab=draft_vocab)
+    max_context = _max_context(args, config, getattr(opts, "max_context", None), long)
     engine = Engine(model, device=device, max_context=max_context, cuda_graphs=graphs, prefill_chunk=args.prefill_chunk,
                     weights=None if weights in (None, "auto") else weights,
                     **({} if draft_vocab is None else {"draft_vocab": draft_vocab}))
@@ -112,7 +164,7 @@ def main(args) -> int:
               "kernel_plan": engine.plan.describe(), **bench.run(
         engine, context=context, tokens=args.tokens, exactness_prompts=args.exactness_prompts,
         exactness_tokens=args.exactness_tokens, prompts=prompts, ttft=tuple(n for n in (512, 8192) if n + 8 < max_context),
-        policy_tokens=args.policy_tokens, policy_repeats=args.policy_repeats, profiles_only=args.profiles_only)}
+        policy_tokens=args.policy_tokens, policy_repeats=args.policy_repeats, profiles_only=args.profiles_only, long=long)}
     print(json.dumps(_finite(result), indent=1, default=str) if args.json else table(result))
     return 0
 
@@ -142,6 +194,21 @@ def policy_table(policies: dict) -> list[str]:
                      f"adaptive/best fixed {a['vs_best_fixed']:.3f}, /off {a['vs_off']:.3f}, "
                      f"k {a['k_histogram']}{flag}")
     return lines + [""]
+
+
+def long_table(x: dict, row) -> list[str]:
+    """The long-context row beside the short prompt's figures, with the targets."""
+    n, short, t = f"{x['prompt_tokens']:,}", f"{x['short_prompt_tokens']:,}", x["targets"]
+    flag = "" if x["identical_to_mtp_off"] else "  OUTPUT DIFFERS"
+    return ["", f"long context: a {n}-token prompt, {x['tokens']} tokens generated, against the {short}-token one",
+            f"{'time to first token, ' + n + ' tokens':<44}{x['ttft_ms']:>10.1f} ms",
+            row(f"decode, MTP off (per token), {n}", x["decode_ms"])
+            + f"  {x['decode_ratio']:.3f} x the {short}'s (target <= {t['decode_ratio_at_most']})",
+            row(f"MTP on k={x['k']}, profile (len {x['mean_acceptance_length']:.2f})", x["mtp_ms_per_token"]) + flag,
+            row(f"  the same at the expected len {x['expected_length']:.2f}", x["mtp_ms_per_token_at_expected_length"]),
+            f"MTP speedup (off / on at the expected len): {x['mtp_speedup']:.3f} at {n}, "
+            f"{x['mtp_speedup_short']:.3f} at {short}: {x['speedup_ratio']:.3f} (target >= {t['speedup_ratio_at_least']})"
+            + ("" if x["meets_targets"] else "  BELOW TARGET")]
 
 
 def table(r: dict) -> str:
@@ -179,6 +246,8 @@ def table(r: dict) -> str:
         f"k={k} {x:.4f}" for k, x in r["draft_step_ratio"].items()))
     if r.get("draft_products_ms"):
         lines.append("draft product alone: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in r["draft_products_ms"].items()))
+    if "long_context" in r:
+        lines += long_table(r["long_context"], row)
     lines += policy_table(r["policies"])
     for k, m in r.get("mtp_real", {}).items():
         lines.append(row(f"MTP on k={k}, real head (len {m['mean_acceptance_length']:.2f})", m["ms_per_token"])
