@@ -8,6 +8,7 @@ kernels beside them, and dispatchers that take the kernels for CUDA tensors.
     swiglu   : h[p] = silu(x[row] @ W_gate[e]ᵀ) * (x[row] @ W_up[e]ᵀ), over each block's pairs
     down     : y[p] = h[p] @ W_down[e]ᵀ
     combine  : out[row] = Σ_j weight[row, j] * y[row * k + j] + gate[row] * shared[row]
+               (or folded into the residual add and the norm after it: kernels/norm.py)
 
 A block reads its expert's weights once for all the pairs in it. In a step (a few rows: decode,
 verify, draft) every distinct expert the rows chose is one block, so its weights are read once
@@ -473,7 +474,8 @@ def check_combine(y, weights, shared, gate):
     assert weights.dtype == torch.float32 and weights.is_contiguous(), "combine: weights must be float32 contiguous"
     assert (shared is None) == (gate is None), "combine: the shared expert's output comes with its gate"
     if shared is not None:
-        assert shared.shape == (T, H) and shared.stride(1) == 1, f"combine: shared {tuple(shared.shape)} must be [{T}, {H}]"
+        assert shared.shape == (T, H) and shared.stride(1) == 1, \
+            f"combine: shared {tuple(shared.shape)} must be [{T}, {H}]"
         assert gate.shape == (T,) and gate.dtype == torch.float32 and gate.is_contiguous(), \
             f"combine: gate {tuple(gate.shape)} must be float32 [{T}]"
 

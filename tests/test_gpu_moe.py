@@ -1,6 +1,7 @@
 """The MoE models on the GPU: CUDA graphs, greedy MTP on equal to MTP off (a tiny MoE in both
-checkpoint layouts and FP8, with the combine apart and folded into the norm; the 35B-A3B's shapes with random weights, 8 prompts x 256 tokens,
-k = 1..4), and the GPU's logits close to the CPU's float32 ones."""
+checkpoint layouts and FP8, with the combine apart and folded into the norm; the 35B-A3B's shapes
+with random weights, 8 prompts x 256 tokens, k = 1..4), and the GPU's logits close to the CPU's
+float32 ones."""
 import pytest
 import torch
 
