@@ -8,6 +8,7 @@ kernels beside them, and dispatchers that take the kernels for CUDA tensors.
     swiglu   : h[p] = silu(x[row] @ W_gate[e]ᵀ) * (x[row] @ W_up[e]ᵀ), over each block's pairs
     down     : y[p] = h[p] @ W_down[e]ᵀ
     combine  : out[row] = Σ_j weight[row, j] * y[row * k + j] + gate[row] * shared[row]
+               (or folded into the residual add and the norm after it: kernels/norm.py)
 
 A block reads its expert's weights once for all the pairs in it. In a step (a few rows: decode,
 verify, draft) every distinct expert the rows chose is one block, so its weights are read once
@@ -314,17 +315,27 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
 
 
 @triton.jit
+def combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s,
+                BH: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """Row r's combine over the columns o_h [BH], float32: its TOPK expert outputs times their
+    weights in order of choice, then the shared expert's output times its gate. The one sum of
+    both the combine kernel and the combine folded into the norm after it (kernels/norm.py)."""
+    acc = tl.zeros([BH], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(weights + r * TOPK + j) * tl.load(y + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.)
+    if HAS_SHARED:
+        acc += tl.load(gate + r) * tl.load(shared + r * s_s + o_h, mask=m_h, other=0.).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _combine_kernel(y, weights, shared, gate, out, H, s_y, s_s, s_o,
                     TOPK: tl.constexpr, BH: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     r, i_h = tl.program_id(0), tl.program_id(1)
     o_h = i_h * BH + tl.arange(0, BH)
     m_h = o_h < H
-    acc = tl.zeros([BH], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        acc += tl.load(weights + r * TOPK + j) * tl.load(y + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.)
-    if HAS_SHARED:
-        acc += tl.load(gate + r) * tl.load(shared + r * s_s + o_h, mask=m_h, other=0.).to(tl.float32)
+    acc = combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s, BH, TOPK, HAS_SHARED)
     tl.store(out + r * s_o + o_h, acc.to(out.dtype.element_ty), mask=m_h)
 
 
@@ -453,10 +464,26 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
     return y
 
 
-def combine_triton(y, weights, shared=None, gate=None, dtype=torch.bfloat16) -> torch.Tensor:
+def check_combine(y, weights, shared, gate):
+    """The combine's layout contract: y [T * k, H] float32 (rows contiguous), weights [T, k] and
+    gate [T] float32 contiguous, shared [T, H] (rows contiguous)."""
     T, k = weights.shape
     H = y.shape[1]
-    assert y.shape[0] == T * k and y.stride(1) == 1 and weights.is_contiguous()
+    assert y.shape[0] == T * k and y.dtype == torch.float32 and y.stride(1) == 1, \
+        f"combine: y {tuple(y.shape)} {y.dtype} must be float32 [{T} * {k}, H], rows contiguous"
+    assert weights.dtype == torch.float32 and weights.is_contiguous(), "combine: weights must be float32 contiguous"
+    assert (shared is None) == (gate is None), "combine: the shared expert's output comes with its gate"
+    if shared is not None:
+        assert shared.shape == (T, H) and shared.stride(1) == 1, \
+            f"combine: shared {tuple(shared.shape)} must be [{T}, {H}]"
+        assert gate.shape == (T,) and gate.dtype == torch.float32 and gate.is_contiguous(), \
+            f"combine: gate {tuple(gate.shape)} must be float32 [{T}]"
+
+
+def combine_triton(y, weights, shared=None, gate=None, dtype=torch.bfloat16) -> torch.Tensor:
+    check_combine(y, weights, shared, gate)
+    T, k = weights.shape
+    H = y.shape[1]
     out = torch.empty(T, H, dtype=dtype, device=y.device)
     BH = 512
     _combine_kernel[(T, triton.cdiv(H, BH))](

@@ -10,6 +10,7 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans fp8glu --weights fp8   # the FP8 SwiGLU product's tiles
     python3 ab_step.py --plans bits --weights fp8     # FP8 tiles widened by moving bits, or converted
     python3 ab_step.py --plans draft           # the MTP head's fc split, the draft's argmax as two kernels
+    python3 ab_step.py --plans combine --model qwen3.5-35b-a3b   # an MoE's combine folded into the norm, or apart
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed. One engine is
 loaded; for each plan the decoder takes that plan (its forward contexts carry it) and its phases are
@@ -134,6 +135,13 @@ def draft_plans(base: KernelPlan) -> dict:
             "-both": base.replace(fc_split=False, draft_pick=False)}
 
 
+def combine_plans(base: KernelPlan) -> dict:
+    """An MoE's combine as its own kernel after the experts' ("apart") or folded into the residual
+    add and the norm after it ("folded": one kernel fewer per MoE layer). With --room 0 the logits
+    must be the same bits."""
+    return {"apart": base.replace(fold_combine=False), "folded": base.replace(fold_combine=True)}
+
+
 DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split=False),
                  "fc split": dict(fc_split=False), "pick": dict(draft_pick=False)}
 
@@ -148,7 +156,8 @@ def default_plans(base: KernelPlan) -> dict:
 
 
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
-            "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans}
+            "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
+            "combine": combine_plans}
 
 
 def products_ms(model, plan: KernelPlan, reps: int = 20) -> float:
