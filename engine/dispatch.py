@@ -24,7 +24,8 @@ from torch import nn
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.kernels import fp8_gemm, int4_gemm, moe, norm
 from mtpchat.kernels._triton import use_triton
-from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref, values_of
+from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref
+from mtpchat.kernels.forms import values_of
 from mtpchat.kernels.int4 import GroupInt4
 from mtpchat.kernels.int4 import dequantize_ref as int4_dequantize
 from mtpchat.kernels.matvec import Normed, matvec

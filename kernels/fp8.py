@@ -11,7 +11,6 @@ from typing import NamedTuple
 
 import torch
 
-from mtpchat.kernels import int4
 from mtpchat.kernels._triton import interpreting, tl, triton
 
 BLOCK = 128
@@ -42,22 +41,6 @@ class BlockFP8(NamedTuple):
 
     def nbytes(self) -> int:
         return self.w.numel() * self.w.element_size() + self.scale.numel() * self.scale.element_size()
-
-
-def values_of(w) -> torch.Tensor:
-    """A product's weight tensor itself: w, a BlockFP8's FP8 values or a GroupInt4's packed words
-    (kernels/int4.py; for device and dispatch checks)."""
-    return w.w if isinstance(w, (BlockFP8, int4.GroupInt4)) else w
-
-
-def dense_ref(w, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A product's weight as a dense [N, K] tensor in dtype: a BlockFP8 or a GroupInt4 dequantized
-    (in float32, then cast), a tensor cast (the products' references)."""
-    if isinstance(w, BlockFP8):
-        return dequantize_ref(w, dtype)
-    if isinstance(w, int4.GroupInt4):
-        return int4.dequantize_ref(w, dtype)
-    return w.to(dtype)
 
 
 def scale_shape(N: int, K: int) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.fp8 import dense_ref, values_of
+from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.int4 import GroupInt4, dot_int4
 from mtpchat.kernels.matvec import MAX_ROWS, Normed, _dot_tile, _format_args, arrival_counts, check_product
 from mtpchat.kernels.plan import ProductPlan, default_products

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.fp8 import BLOCK, BlockFP8, dense_ref, values_of, widen, widen_args
+from mtpchat.kernels.forms import dense_ref, values_of
+from mtpchat.kernels.fp8 import BLOCK, BlockFP8, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args
 from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
