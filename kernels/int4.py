@@ -29,6 +29,7 @@ from mtpchat.kernels._triton import tl, triton
 GROUP = 128           # the group of --weights int4 and of the official GPTQ releases
 PACK = 8              # 4-bit weights in one int32 word
 SYMMETRIC_ZERO = 8    # the zero of a symmetric weight (GPTQ v1 stores it as 7: zero - 1)
+QUANTIZE_AT_ONCE = 1 << 24   # weights quantize_ref works on at once (its float32 work: about 400 MB)
 
 
 class GroupInt4(NamedTuple):
@@ -93,9 +94,15 @@ def quantize_ref(w: torch.Tensor, group: int = GROUP, symmetric: bool = True,
     the level -8 and all 16 levels -8 .. 7 are used (llama.cpp's Q4_0 rule), and the zero is 8; a
     group of zeros gets scale 1, a scale too small for scale_dtype its smallest normal value. Asymmetric: scale (max - min) / 15 and zero round(-min / scale). The scale is
     rounded to `scale_dtype` before the weights are divided by it, so dequantizing gives exactly
-    the values the rounding chose. `--weights int4` on load is this function on the device."""
+    the values the rounding chose. `--weights int4` on load is this function on the device, a few
+    rows at a time: its float32 work takes some 24 bytes a weight (13 GB for one layer's stack of
+    the 35B-A3B's experts whole), and rows quantize on their own."""
     N, K = w.shape
     assert K % group == 0 and group % PACK == 0, f"K = {K} must be a multiple of the group {group} (itself of 8)"
+    rows = max(1, QUANTIZE_AT_ONCE // K)
+    if N > rows:
+        parts = [quantize_ref(w[i:i + rows], group, symmetric, scale_dtype) for i in range(0, N, rows)]
+        return GroupInt4(*(None if ts[0] is None else torch.cat(ts) for ts in zip(*parts)))
     g = w.float().view(N, K // group, group)
     if symmetric:
         idx = g.abs().argmax(-1, keepdim=True)

@@ -114,6 +114,26 @@ def run_demo(*argv) -> tuple[str, str]:
     return proc.stdout, proc.stderr
 
 
+
+def test_run_in_4_bits_end_to_end():
+    proc = subprocess.run([sys.executable, "-m", "mtpchat", "run", "--model", str(DEMO), "--device", "cpu",
+                           "--weights", "int4", "--prompt", "def add(a, b):", "--max-tokens", "16"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "[16 tokens" in proc.stderr.splitlines()[-1]     # the demo model thinks past 16 tokens
+
+
+def test_run_and_bench_say_4_bits(capsys):
+    result, _ = run_json(capsys, "--model", str(DEMO), "--device", "cpu", "--weights", "int4", "--prompt",
+                         "def add(a, b):", "--max-tokens", "16", "--temperature", "0")
+    assert result["weights"] == "int4" and len(result["token_ids"]) == 16 and result["stats"]["accepted"] > 0
+    quick = ("bench", "--model", str(DEMO), "--device", "cpu", "--weights", "int4", "--tokens", "8", "--context",
+             "16", "--policy-tokens", "8", "--policy-repeats", "1", "--profiles-only")
+    code, out, err = run(capsys, *quick)
+    assert code == 0 and out.startswith(f"{DEMO}, int4 weights on cpu"), err
+    assert "OUTPUT DIFFERS" not in out and "decode, MTP off (per token)" in out
+
+
 @pytest.fixture(scope="module")
 def demo_json():
     out, _ = run_demo("--json")

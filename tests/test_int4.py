@@ -4,6 +4,7 @@ oracle (the MTP head: our float32 engine on those weights); quantizing on load s
 an offline quantization stores; greedy MTP on equals MTP off; what cannot be read is refused in
 one line."""
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.config import ModelConfig, UnsupportedFormat, rtn_format
 from mtpchat.engine.weights import WeightsError
+from mtpchat.kernels import int4
 from mtpchat.kernels.int4 import quantize_ref
 from tools.int4 import ALIGNED, write_compressed_checkpoint, write_gptq_checkpoint, write_rtn_checkpoint
 from tools.tiny import write_tiny_checkpoint
@@ -160,6 +162,33 @@ def test_quantizing_a_fused_product_part_by_part_equals_quantizing_the_whole():
     each = [quantize_ref(p) for p in parts]
     assert torch.equal(whole.w, torch.cat([q.w for q in each]))
     assert torch.equal(whole.scale, torch.cat([q.scale for q in each]))
+
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quantizing_a_few_rows_at_a_time_equals_the_whole(monkeypatch, symmetric):
+    w = torch.randn(203, 384, generator=torch.Generator().manual_seed(1))
+    whole = quantize_ref(w, 128, symmetric)
+    monkeypatch.setattr(int4, "QUANTIZE_AT_ONCE", 20 * 384)      # 11 slices, the last of 3 rows
+    sliced = quantize_ref(w, 128, symmetric)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced) if a is not None)
+    assert (whole.zero is None) == symmetric and (sliced.zero is None) == symmetric
+
+
+def test_quantizing_on_load_needs_little_memory_beyond_the_weight(monkeypatch):
+    # its float32 work is some 24 bytes a weight: one layer's stack of the 35B-A3B's experts whole
+    # (537M weights) would need 13 GB on the GPU beside the model; a few rows at a time, a few
+    status = Path("/proc/self/status")
+    if not status.exists() or not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux's peak resident size")
+    peak = lambda: int(re.search(r"VmHWM:\s+(\d+)", status.read_text())[1]) * 1024
+    resident = lambda: int(re.search(r"VmRSS:\s+(\d+)", status.read_text())[1]) * 1024
+    monkeypatch.setattr(int4, "QUANTIZE_AT_ONCE", 1 << 20)
+    w = torch.randn(8192, 2048, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    before = resident()
+    Path("/proc/self/clear_refs").write_text("5")                  # the peak starts from here
+    q = quantize_ref(w)
+    assert q.shape == w.shape and peak() - before < 10 * w.numel()     # 24 bytes a weight whole
 
 
 def test_random_weights_in_4bits():

@@ -1,0 +1,105 @@
+"""What `--weights int4` (symmetric round-to-nearest, groups of 128, quantized on load) costs the
+demo model (assets/demo) in quality, against the checkpoint as it is (bf16 weights), both run in
+float32 on the CPU:
+
+- held-out perplexity, teacher-forced: over the held-out files of the demo's training corpus (the
+  standard library's files that tests/tools/demo/corpus.py holds out; the first `--window` tokens
+  of each) and over assets/heldout_prompts.jsonl; and how often the two models' top-1 agrees;
+- the greedy reply (MTP off) to each held-out prompt: the int4 model's first token that differs
+  from bf16's;
+- the real MTP head's mean acceptance length, greedy, at k = 1, 2, 3, 4 over the held-out prompts
+  (engine/bench.py real_acceptance, what `mtpchat bench` reports as mtp_real), and whether every
+  MTP-on output equals MTP off (it must, in either format).
+
+    PYTHONPATH=tests python tests/bench/quality_int4.py [--tokens 64] [--window 1024] [--json out.json]
+
+PYTHONPATH=tests: the held-out files are the training script's (tools.demo.corpus). About two
+minutes on two CPU cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mtpchat.engine import Engine
+from mtpchat.engine.bench import generate, real_acceptance
+from tools.demo import corpus
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO, PROMPTS = ROOT / "assets" / "demo", ROOT / "assets" / "heldout_prompts.jsonl"
+
+
+def heldout_texts() -> list[str]:
+    root = corpus.stdlib_root()
+    return [corpus.read(root, rel) for rel in corpus.stdlib_files(root) if corpus.is_heldout(rel)]
+
+
+def perplexity(engines: dict[str, Engine], docs: list[list[int]]) -> dict:
+    """Teacher-forced: exp of the mean negative log-likelihood of every token after the first, pooled
+    over the documents; `top1_agreement`: the share of positions where each model's argmax equals
+    the first model's."""
+    nll = {name: 0.0 for name in engines}
+    agree = {name: 0 for name in engines}
+    n = 0
+    for ids in docs:
+        target = torch.tensor(ids[1:])
+        logits = {name: e.logits(ids)[:-1] for name, e in engines.items()}
+        first = next(iter(logits.values())).argmax(-1)
+        for name, lg in logits.items():
+            nll[name] += F.cross_entropy(lg, target, reduction="sum").item()
+            agree[name] += int((lg.argmax(-1) == first).sum())
+        n += len(target)
+    return {"tokens": n, "documents": len(docs),
+            **{name: {"perplexity": math.exp(nll[name] / n), "top1_agreement": agree[name] / n} for name in engines}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=64, help="tokens generated per held-out prompt (default 64)")
+    p.add_argument("--window", type=int, default=1024, help="tokens of each held-out file scored (default 1024)")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args(argv)
+
+    t0 = time.perf_counter()
+    engines = {w: Engine.load(DEMO, device="cpu", dtype=torch.float32, max_context=2048, weights=w)
+               for w in ("bf16", "int4")}
+    assert engines["bf16"].weight_format == "float32" and engines["int4"].weight_format == "int4"
+    tok = engines["bf16"].tokenizer
+    prompts = [tok.encode(json.loads(line)["prompt"]) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    files = [ids[:args.window] for ids in map(tok.encode, heldout_texts()) if len(ids) > 1]
+    out = {"heldout_files": perplexity(engines, files), "heldout_prompts": perplexity(engines, prompts)}
+
+    replies = {w: [generate(e, ids, args.tokens, mtp=False)["tokens"] for ids in prompts] for w, e in engines.items()}
+    same = [next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref))
+            for ref, got in zip(replies["bf16"], replies["int4"])]
+    out["greedy_first_difference"] = same
+    out["mtp_real"] = {w: {k: {"mean_acceptance_length": m["mean_acceptance_length"],
+                               "identical_to_mtp_off": m["identical_to_mtp_off"]}
+                           for k, m in real_acceptance(e, prompts, args.tokens).items()} for w, e in engines.items()}
+    out["seconds"] = time.perf_counter() - t0
+
+    for key in ("heldout_files", "heldout_prompts"):
+        r = out[key]
+        print(f"{key}: {r['documents']} texts, {r['tokens']:,} tokens scored")
+        for w in engines:
+            print(f"  {w:<5} perplexity {r[w]['perplexity']:.4f}  top-1 agreement with bf16 {r[w]['top1_agreement']:.4f}")
+    print(f"greedy reply ({args.tokens} tokens, MTP off), int4's first token unlike bf16's, per prompt: {same}")
+    for w, by_k in out["mtp_real"].items():
+        print(f"{w:<5} mean acceptance length: " + ", ".join(
+            f"k={k} {m['mean_acceptance_length']:.3f}" + ("" if m["identical_to_mtp_off"] else " (OUTPUT DIFFERS)")
+            for k, m in by_k.items()))
+    print(f"{out['seconds']:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    identical = all(m["identical_to_mtp_off"] for by_k in out["mtp_real"].values() for m in by_k.values())
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
