@@ -124,3 +124,10 @@ def test_logprobs_on_the_gpu_mtp_on_equal_off(ckpt):
     for a, b in zip(on, off):
         assert a.logprob == pytest.approx(b.logprob, abs=1e-5) and a.logprob <= 0
         assert [i for i, _ in a.top] == [i for i, _ in b.top] and a.top[0][0] == a.token_id
+
+
+def test_drafts_past_the_captured_ones_keep_mtp_on_equal_off(ckpt):
+    # k = 5..8 run eagerly beside the captured graphs of k <= 4 (engine/memory.py CAPTURED_K, K_MAX)
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024)
+    assert engine.cuda_graphs
+    assert_mtp_on_equals_off(engine, gpu_prompts(engine, 2), 96, profile_ks=(5, 8), ks=(6,))
