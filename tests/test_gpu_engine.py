@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine.memory import K_MAX
 from mtpchat.engine.model import prefill_attention
 from mtpchat.engine.spec import ProfileDrafter
 from tools.tiny import write_tiny_checkpoint
@@ -128,6 +129,6 @@ def test_logprobs_on_the_gpu_mtp_on_equal_off(ckpt):
 
 def test_drafts_past_the_captured_ones_keep_mtp_on_equal_off(ckpt):
     # k = 5..8 run eagerly beside the captured graphs of k <= 4 (engine/memory.py CAPTURED_K, K_MAX)
-    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024)
-    assert engine.cuda_graphs
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, k_max=K_MAX)
+    assert engine.cuda_graphs and K_MAX == 8
     assert_mtp_on_equals_off(engine, gpu_prompts(engine, 2), 96, profile_ks=(5, 8), ks=(6,))
