@@ -218,6 +218,17 @@ if tl is not None:
         return _less_zero((b_q >> (4 * j)) & 0xF, b_z, b_x)
 
     @triton.jit
+    def _x_tile(p_x, m_x, o_k, K, perm):
+        """x's tile [len(o_k), BT] for the weight columns o_k (< K), read through perm where there
+        is one; rows' pointers p_x [1, BT] (m_x [BT])."""
+        m_k = o_k < K
+        if perm is None:
+            o_x = o_k
+        else:
+            o_x = tl.load(perm + o_k, mask=m_k, other=0)
+        return tl.load(p_x + o_x[:, None], mask=m_k[:, None] & m_x[None, :], other=0.)
+
+    @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
                  BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr = False):
         """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
@@ -238,23 +249,11 @@ if tl is not None:
             if SLICES:
                 b_d = tl.zeros(b_acc.shape, dtype=tl.float32)
                 for j in tl.static_range(8):
-                    o_k = o_c * 8 + j                          # the weight columns of nibble j
-                    m_k = o_k < K
-                    if perm is None:
-                        o_x = o_k
-                    else:
-                        o_x = tl.load(perm + o_k, mask=m_k, other=0)
-                    b_x = tl.load(p_x + o_x[:, None], mask=m_k[:, None] & m_x[None, :], other=0.)
+                    b_x = _x_tile(p_x, m_x, o_c * 8 + j, K, perm)  # x at the weight columns of nibble j
                     b_d = tl.dot(widen_nibble(b_q, j, b_z, b_x), b_x, b_d, input_precision="ieee")
                 b_acc += b_s[:, None] * b_d
             else:
-                o_k = kk + tl.arange(0, BG)
-                m_k = o_k < K
-                if perm is None:
-                    o_x = o_k
-                else:
-                    o_x = tl.load(perm + o_k, mask=m_k, other=0)
-                b_x = tl.load(p_x + o_x[:, None], mask=m_k[:, None] & m_x[None, :], other=0.)
+                b_x = _x_tile(p_x, m_x, kk + tl.arange(0, BG), K, perm)
                 b_acc += b_s[:, None] * tl.dot(widen(b_q, b_z, b_x), b_x, input_precision="ieee")
         return b_acc
 else:
