@@ -242,3 +242,12 @@ def test_the_first_choice_weighs_drafts_by_their_measured_cost(demo):
     p.step_ms.update({k: 10.0 + 10.0 * k for k in range(5)})
     assert p.choose(4)[0] == 0
     p.forget()
+
+
+@pytest.mark.parametrize("costs, profile", [(CPU_LIKE, "creative"), (HEAVY, "creative"), (HEAVY, "chat-thinking")])
+def test_a_short_reply_from_the_prior_is_never_slower_than_off(costs, profile):
+    """From the prior (a fresh policy, as each `mtpchat bench` run starts), a reply of 200 steps at
+    low acceptance on a CPU's costs: the steps spent learning that the drafts do not pay (the prior
+    expects 0.8, 0.75, 0.7 of them) must not make it slower than MTP off."""
+    per_token, _ = simulate(costs, PROFILES[profile], steps=200)
+    assert per_token <= costs[0] * 1.02
