@@ -28,7 +28,7 @@ from mtpchat.engine.config import GenerationConfig, Int4Format, ModelConfig, Uns
 from mtpchat.engine.decoder import Decoder
 from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, context_rows, draft_token_ids, draft_vocab_size
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step, TokenLogprob
-from mtpchat.engine.memory import CAPTURED_K, DEFAULT_SNAPSHOTS, PREFILL_CHUNK
+from mtpchat.engine.memory import CAPTURED_K, DEFAULT_SNAPSHOTS, K_MAX, PREFILL_CHUNK
 from mtpchat.engine.model import Model
 from mtpchat.engine.mtp import MTPHead
 from mtpchat.engine.plan import KernelPlan
@@ -48,7 +48,7 @@ DEFAULT_CONTEXT = 4096      # tokens, when Engine.load is given no max_context
 class Engine:
     def __init__(self, model: str | Path | ModelConfig, device="cpu", dtype: torch.dtype | None = None,
                  max_context: int | None = None, draft_tokens: int = 3, mtp: bool = True,
-                 cuda_graphs: bool = True, k_max: int = 4, prefill_chunk: int | None = None, seed: int = 0,
+                 cuda_graphs: bool = True, k_max: int = K_MAX, prefill_chunk: int | None = None, seed: int = 0,
                  snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None, adaptive: bool = False,
                  draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, plan: KernelPlan | None = None,
                  progress=None):
@@ -58,7 +58,9 @@ class Engine:
         compressed-tensors one); "fp8" stores the big products in block-scaled FP8, quantizing a bf16
         checkpoint as it loads; "int4" stores them in group-scaled 4 bits (kernels/int4.py), as a
         4-bit checkpoint holds them or quantizing a bf16 or FP8 one as it loads (config.rtn_format);
-        "bf16" stores them in the model dtype, dequantizing an FP8 or 4-bit checkpoint. `adaptive`: each step's k chosen by
+        "bf16" stores them in the model dtype, dequantizing an FP8 or 4-bit checkpoint. `k_max`: the
+        most drafts a step may carry (memory.K_MAX, whatever draft_tokens starts at; steps of more than
+        CAPTURED_K run eagerly). `adaptive`: each step's k chosen by
         engine/policy.py, draft_tokens its maximum. `draft_vocab`: rows of the trimmed head the drafts
         are chosen from (engine/draft_vocab.py); 0 or None, or a vocabulary no larger than those rows and their
         context rows: the full head. `plan`: the kernels' forms (engine/plan.py); None: the measured

@@ -345,7 +345,7 @@ K_MAX = 8
 CAPTURED_K = 4
 
 
-def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloat16",
+def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="bfloat16",
                 mtp: bool = True, cuda_graphs: bool = True,
                 prefill_chunk: int = PREFILL_CHUNK, snapshots: int = DEFAULT_SNAPSHOTS,
                 weights: str | None = None, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> MemoryPlan:
@@ -375,7 +375,7 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = 4, dtype="bfloa
         bytes_per_token=per_token, weight_format="fp8" if fp8 else "int4" if int4 else str(dtype).removeprefix("torch."))
 
 
-def max_context_that_fits(cfg: ModelConfig, free: int, k_max: int = 4, dtype="bfloat16",
+def max_context_that_fits(cfg: ModelConfig, free: int, k_max: int = K_MAX, dtype="bfloat16",
                           mtp: bool = True, cuda_graphs: bool = True,
                           snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None,
                           draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> int | None:
