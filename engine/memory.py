@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from mtpchat.engine.config import Int4Format, ModelConfig
+from mtpchat.engine.config import Int4Format, ModelConfig, rtn_format
 from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocab_bytes
-from mtpchat.engine.units import fmt_bytes  # noqa: F401  (memory.fmt_bytes: the CLI's name for it)
+from mtpchat.engine.units import fmt_bytes
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 PREFILL_CHUNK = 2048         # tokens per prefill chunk on a GPU (the engine's default; the estimate's)
@@ -116,9 +116,6 @@ def mtp_params(cfg: ModelConfig) -> int:
 
 
 FP8_BLOCK = 128             # rows and columns of one FP8 scale (kernels/fp8.py)
-# `--weights int4`: every product of the layers quantized on load to 4 bits, a float16 scale per
-# row and 128 columns, symmetric (kernels/int4.py)
-INT4_ON_LOAD = Int4Format("rtn", group=128, symmetric=True)
 TEXT_LAYERS = "model.language_model.layers"   # the official checkpoints' module names (Int4Format.skip)
 MTP_LAYERS = "mtp.layers"
 
@@ -193,10 +190,10 @@ def _layer_weight_bytes(cfg: ModelConfig, kind: str, nbytes: int, fp8: bool, pre
 
 def int4_format(cfg: ModelConfig, weights: str | None) -> Int4Format | None:
     """The 4-bit format the engine keeps the products in for Engine's `weights`: a 4-bit
-    checkpoint's own (None or "int4"), INT4_ON_LOAD for "int4" on any other; else None."""
+    checkpoint's own (None or "int4"), config.rtn_format() for "int4" on any other; else None."""
     if cfg.quantization == "int4" and weights in (None, "int4"):
-        return cfg.int4 or INT4_ON_LOAD
-    return INT4_ON_LOAD if weights == "int4" else None
+        return cfg.int4 or rtn_format()
+    return rtn_format() if weights == "int4" else None
 
 
 def weight_bytes(cfg: ModelConfig, dtype="bfloat16", mtp: bool = True, fp8: bool = False,
@@ -353,7 +350,7 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
     step. `mtp` says whether the MTP head is loaded (its weights, KV and the graphs of the
     speculative steps); the GDN step state is the same either way, as the engine allocates it.
     `weights`: "fp8", "int4", "bf16", or None for the checkpoint's own format (Engine's `weights`;
-    "int4" keeps a 4-bit checkpoint's own format, and quantizes any other as INT4_ON_LOAD);
+    "int4" keeps a 4-bit checkpoint's own format, and quantizes any other as config.rtn_format());
     `draft_vocab`: Engine's (the trimmed draft head's rows; 0 or None: the full head)."""
     mtp = mtp and cfg.has_mtp
     fp8, int4 = _is_fp8(cfg, weights), int4_format(cfg, weights)

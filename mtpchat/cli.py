@@ -141,6 +141,7 @@ def _load_engine(options):
 
 def dry_run(options) -> int:
     from mtpchat.engine import memory
+    from mtpchat.engine.units import fmt_bytes
     prep = loader.prepare(options, dry_run=True)
     for note in prep.notices:
         _err(note)
@@ -156,7 +157,7 @@ def dry_run(options) -> int:
     if prep.free is None:
         print("free memory on the device: unknown")
         return 0
-    print(f"free memory on {prep.device}: {memory.fmt_bytes(prep.free)}")
+    print(f"free memory on {prep.device}: {fmt_bytes(prep.free)}")
     if prep.plan.fits(prep.free):
         print("fits")
         return 0

@@ -173,6 +173,7 @@ def default_context(config, name: str, free: int | None, k_max: int, dtype: str,
     or the free memory holds less (said in a notice). Where not even CONTEXT_STEP tokens fit, the
     default stays, and the plan's refusal says what would fit."""
     from mtpchat.engine import memory
+    from mtpchat.engine.units import fmt_bytes
     context = min(DEFAULT_CONTEXT, config.max_position_embeddings)
     if context < DEFAULT_CONTEXT:
         notices.append(f"context: {context:,} tokens, the most {name} supports")
@@ -180,20 +181,20 @@ def default_context(config, name: str, free: int | None, k_max: int, dtype: str,
                                                    snapshots=snapshots, weights=weights).fits(free):
         fits = memory.max_context_that_fits(config, free, k_max, dtype, mtp, graphs, snapshots, weights)
         if fits is not None and fits < context:
-            notices.append(f"context: {fits:,} tokens, what fits in the {memory.fmt_bytes(free)} free "
+            notices.append(f"context: {fits:,} tokens, what fits in the {fmt_bytes(free)} free "
                            f"(--max-context to choose)")
             context = fits
     return context
 
 
 def not_enough_memory_message(prep: Prepared) -> str:
-    from mtpchat.engine import memory
+    from mtpchat.engine.units import fmt_bytes
     plan, free = prep.plan, prep.free
     where = "the GPU" if prep.device.startswith("cuda") else "memory"
     fmt = f" in {models.WEIGHT_LABELS[plan.weight_format]}" if plan.weight_format in models.WEIGHT_LABELS else ""
-    head = (f"{prep.name} does not fit: it needs {memory.fmt_bytes(plan.needed)} (weights{fmt} "
-            f"{memory.fmt_bytes(plan.weights)}, KV {memory.fmt_bytes(plan.kv + plan.mtp_kv)} for "
-            f"{plan.max_context:,} tokens) but {memory.fmt_bytes(free)} is free on {where}")
+    head = (f"{prep.name} does not fit: it needs {fmt_bytes(plan.needed)} (weights{fmt} "
+            f"{fmt_bytes(plan.weights)}, KV {fmt_bytes(plan.kv + plan.mtp_kv)} for "
+            f"{plan.max_context:,} tokens) but {fmt_bytes(free)} is free on {where}")
     return head + "\n" + what_would_fit(prep)
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from mtpchat import cli, loader, models
 from mtpchat.engine import memory
+from mtpchat.engine.units import fmt_bytes
 from mtpchat.settings import CHECKS
 from helpers import isolated  # noqa: F401  (autouse: a settings file and a hub cache of the test's own)
 
@@ -67,7 +68,7 @@ def test_weights_int4_plans_every_product_in_4_bits(capsys, monkeypatch):
     assert code == 0 and "int4 weights" in out and "fits" in out
     plan = memory.plan_memory(models.alias_config(models.lookup_alias("Qwen3.6-27B")), 8192, memory.K_MAX,
                               snapshots=0, weights="int4")
-    assert f"weights (int4)    {memory.fmt_bytes(plan.weights):>10}" in out
+    assert f"weights (int4)    {fmt_bytes(plan.weights):>10}" in out
 
 
 @pytest.mark.parametrize("model, free, hint", [
@@ -100,7 +101,7 @@ def test_the_refusal_names_the_4bit_weights(capsys, monkeypatch):
     code, out, _ = dry_run(capsys, monkeypatch, 23 * GiB, "--model", "Qwen3.5-27B-GPTQ-Int4")
     weights = memory.plan_memory(models.alias_config(models.lookup_alias("Qwen3.5-27B-GPTQ-Int4")), 8192,
                                  memory.K_MAX, snapshots=0).weights
-    assert code == 1 and f"(weights in int4 {memory.fmt_bytes(weights)}, KV" in out
+    assert code == 1 and f"(weights in int4 {fmt_bytes(weights)}, KV" in out
 
 
 def test_weights_int4_runs_on_the_cpu(capsys, tiny):

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from mtpchat.engine import memory
+from mtpchat.engine.units import fmt_bytes
 from mtpchat.engine.config import Int4Format, ModelConfig
 from mtpchat.models import alias_config, lookup_alias
 
@@ -112,9 +113,9 @@ def test_max_context_that_fits_is_the_boundary(c27):
 
 
 def test_fmt_bytes_and_describe(c27):
-    assert memory.fmt_bytes(64 * KiB) == "64.0 KiB"
-    assert memory.fmt_bytes(memory.gdn_state_bytes(c27)) == "146.8 MiB"
-    assert memory.fmt_bytes(512) == "512 B"
+    assert fmt_bytes(64 * KiB) == "64.0 KiB"
+    assert fmt_bytes(memory.gdn_state_bytes(c27)) == "146.8 MiB"
+    assert fmt_bytes(512) == "512 B"
     text = "\n".join(memory.describe(memory.plan_memory(c27, 4096, 3)))
     assert "51.2 GiB" in text and "256.2 MiB" in text and "68.0 KiB per token" in text
 
