@@ -131,4 +131,6 @@ def test_drafts_past_the_captured_ones_keep_mtp_on_equal_off(ckpt):
     # k = 5..8 run eagerly beside the captured graphs of k <= 4 (engine/memory.py CAPTURED_K, K_MAX)
     engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, k_max=K_MAX)
     assert engine.cuda_graphs and K_MAX == 8
-    assert_mtp_on_equals_off(engine, gpu_prompts(engine, 2), 96, profile_ks=(5, 8), ks=(6,))
+    runs = assert_mtp_on_equals_off(engine, gpu_prompts(engine, 2), 96, profile_ks=(5, 8), ks=(6,))
+    # per prompt: profile drafts at k = 5 and 8, then the head's at 6; steps of that many drafts ran
+    assert [max(r.stats.k_histogram) for r in runs] == [5, 8, 6, 5, 8, 6]

@@ -68,8 +68,9 @@ def test_4bit_logits_equal_transformers_on_the_dequantized_weights(ckpts, kind):
     assert any(n.endswith("mlp.experts_gate_up" if "moe" in kind else "mlp.gate_up") for n in stored)
     if kind == "gptq":       # the official releases: the MLPs in 4 bits, attention (GDN and full) in bf16
         assert all(".mlp." in n for n in stored)
-    if "desc-act" in kind or kind == "gptq-moe":
-        assert any(n.endswith("_perm") for n, _ in engine.model.named_parameters())
+    # a column order is stored exactly where the checkpoint quantized out of order
+    desc_act = KINDS[kind][1].get("desc_act", False)
+    assert any(n.endswith("_perm") for n, _ in engine.model.named_parameters()) == desc_act
     ref = oracle(twin)
     for n in LENGTHS:
         ids = random_ids(n, n, engine.config.vocab_size)
@@ -284,3 +285,18 @@ def test_a_4bit_config_over_float_weights_is_refused(ckpts, tmp_path):
     shutil.copy(quantized / "config.json", folder / "config.json")
     with pytest.raises(UnsupportedFormat, match="no module is stored so; the config does not belong"):
         Engine.load(folder)
+
+
+def test_the_packing_is_gptqs_nibble_order():
+    # weight k of a word in bits 4 (k % 8): written out here, not through the packer under test
+    q = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8], [15, 0, 0, 0, 0, 0, 0, 9]])
+    words = int4.pack_ref(q)
+    assert words.dtype == torch.int32 and words[0, 0].item() == 0x87654321 - 2 ** 32     # nibble 7 = 8: sign bit
+    assert words[1, 0].item() == 0x9000000F - 2 ** 32
+    assert torch.equal(int4.unpack_ref(words), q.to(torch.int32))
+    # a symmetric group dequantizes as (q - 8) * scale, its column order put back by perm
+    g = int4.GroupInt4(words, torch.tensor([[0.5], [2.0]], dtype=torch.float16), None,
+                       torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.int32))
+    want = torch.tensor([[-3.5, -3.0, -2.5, -2.0, -1.5, -1.0, -0.5, 0.0],
+                         [14.0, -16.0, -16.0, -16.0, -16.0, -16.0, -16.0, 2.0]]).flip(1)
+    assert torch.equal(int4.dequantize_ref(g), want)
