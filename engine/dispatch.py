@@ -24,10 +24,9 @@ from torch import nn
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.kernels import fp8_gemm, int4_gemm, moe, norm
 from mtpchat.kernels._triton import use_triton
-from mtpchat.kernels.fp8 import BlockFP8, dequantize_ref
-from mtpchat.kernels.forms import values_of
+from mtpchat.kernels.forms import dense_ref, values_of
+from mtpchat.kernels.fp8 import BlockFP8
 from mtpchat.kernels.int4 import GroupInt4
-from mtpchat.kernels.int4 import dequantize_ref as int4_dequantize
 from mtpchat.kernels.matvec import Normed, matvec
 from mtpchat.kernels.matvec_parts import matvec_parts, matvec_parts_triton
 from mtpchat.kernels.plan import ProductPlan
@@ -98,14 +97,12 @@ def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
     CPU it is the product of the dequantized weight."""
     if isinstance(x, Normed) or (rowwise and x.is_cuda):
         return matvec(x, w, plan=products)
-    if isinstance(w, BlockFP8):
-        if not rowwise and use_triton(x, w.w):
+    if not rowwise and use_triton(x, values_of(w)):
+        if isinstance(w, BlockFP8):
             return fp8_gemm.gemm(x, w)
-        w = dequantize_ref(w, x.dtype)
-    elif isinstance(w, GroupInt4):
-        if not rowwise and use_triton(x, w.w):
+        if isinstance(w, GroupInt4):
             return int4_gemm.gemm(x, w, plan=products)
-        w = int4_dequantize(w, x.dtype)
+    w = dense_ref(w, x.dtype)
     if not rowwise:
         return F.linear(x, w)
     return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)

@@ -46,17 +46,17 @@ class KernelPlan:
     pending_rows: int = 512
 
     @classmethod
-    def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool, int4: bool = False) -> "KernelPlan":
-        """The measured forms for this device, model and weight format (`fp8`, `int4`: the big
-        products in block-scaled FP8 or in group-scaled 4 bits). FP8 tiles are widened by moving
-        bits where the GPU runs FP8 at all (a 4-bit model has no FP8 tiles); the products split by
+    def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool) -> "KernelPlan":
+        """The measured forms for this device, model and weight format (`fp8`: the big products in
+        block-scaled FP8; 4-bit products take the same plan, their tiles in products.int4_tiles).
+        FP8 tiles are widened by moving bits where the GPU runs FP8 at all; the products split by
         the device's SMs; the shared expert among the routed ones where the shapes allow (and, at
         run time, where it is stored as they are: SparseMoE). The other forms won or tied on
         every model measured (27B and 35B-A3B, bf16 and FP8; the small split on the 35B-A3B in bf16
         measured 0.986 x, 1.000 x and 1.006 x on three H100s: kept, a tie)."""
         device = torch.device(device)
         products = default_products(device)
-        bits = fp8 and not int4 and device.type == "cuda" and fp8_runs_on(device)
+        bits = fp8 and device.type == "cuda" and fp8_runs_on(device)
         # the expert kernels take the shared expert only as wide as a routed one
         alike = config.shared_expert_intermediate_size == config.moe_intermediate_size
         return cls(products=dataclasses.replace(products, widen_bits=bits), shared_as_expert=config.is_moe and alike)
