@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from mtpchat.kernels._triton import tl, triton
+from mtpchat.kernels._triton import interpreting, tl, triton
 
 GROUP = 128           # the group of --weights int4 and of the official GPTQ releases
 PACK = 8              # 4-bit weights in one int32 word
@@ -176,23 +176,62 @@ def sub_tile(BK: int, G: int) -> int:
     return BG
 
 
-FORMS = ("reshape", "slices")   # how a tile's words are unpacked for the dots (ProductPlan.int4_form)
+FORMS = ("reshape", "slices", "pairs")   # how a tile's words are unpacked for the dots (ProductPlan.int4_form)
+RESHAPED, SLICED, PAIRED = range(3)       # form_args' SLICES: the form a kernel compiles
 
 
 def form_args(BK: int, G: int, form: str) -> dict:
     """The launch arguments of a 4-bit tile of BK columns in groups of G: BG, the columns of one
-    group's dot (sub_tile), and SLICES, the unpack form. "reshape": the words [BN, BG / 8]
-    expanded to the weights [BN, BG] (a layout change through shared memory), one dot a group.
-    "slices": 8 dots a group, dot j over nibble j of every word ([BN, BG / 8]) against x's columns
-    8 i + j (x read with a stride of 8); a dot takes 16 columns at least, so groups (or tiles) of
-    fewer than 128 columns keep the reshape form. Both are exact integers times x summed in
-    float32 within a group, in another order: equal within rounding, not bit for bit."""
+    group's dot (sub_tile), and SLICES, the unpack form (RESHAPED, SLICED or PAIRED).
+    "reshape": the words [BN, BG / 8] expanded to the weights [BN, BG] (a layout change through
+    shared memory), one dot a group. "slices": 8 dots a group, dot j over nibble j of every word
+    ([BN, BG / 8]) against x's columns 8 i + j (x read with a stride of 8). "pairs": the slices'
+    dots, their nibbles made two at a time in one 32-bit register (`nibbles`: about 1.4
+    instructions a weight against some 5), where the kernel runs compiled; the interpreter takes
+    the slices, which give the same exact integers. A dot takes 16 columns at least, so groups
+    (or tiles) of fewer than 128 columns keep the reshape form. Every form's weights are exact
+    integers times x summed in float32 within a group; slices and pairs sum in the same order
+    (equal bit for bit), reshape in another (equal within rounding)."""
     assert form in FORMS, f"a 4-bit unpack form is one of {FORMS}, not {form!r}"
     BG = sub_tile(BK, G)
-    return dict(BG=BG, SLICES=form == "slices" and BG // PACK >= 16)
+    if form == "reshape" or BG // PACK < 16:
+        return dict(BG=BG, SLICES=RESHAPED)
+    return dict(BG=BG, SLICES=PAIRED if form == "pairs" and not interpreting() else SLICED)
+
+
+# The pairs form's unpacking, for bf16 (and fp16) x. One word holds nibbles 0 .. 7; masking the
+# word (shifted right by 4 p) with 0x000F000F keeps nibble p in the low half and nibble p + 4 in
+# the high one, and or-ing 0x4300 into each half makes the bf16 128 + q (fp16: 0x6400, 1024 + q),
+# one lop3 for both. One fma of the pair, times 1 plus -(128 + zero), gives q - zero exactly. The
+# halves become two 16-bit results by renaming registers. Ampere and Ada have every instruction
+# (fma.rn.bf16x2 from sm_80).
+_PAIRS_ASM = """{
+.reg .b32 s, t, one;
+mov.b32 one, ONE;
+lop3.b32 t, $8, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TYPE t, t, one, $9;
+mov.b32 {$0, $4}, t;
+shr.u32 s, $8, 4;
+lop3.b32 t, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TYPE t, t, one, $9;
+mov.b32 {$1, $5}, t;
+shr.u32 s, $8, 8;
+lop3.b32 t, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TYPE t, t, one, $9;
+mov.b32 {$2, $6}, t;
+shr.u32 s, $8, 12;
+lop3.b32 t, s, 0x000F000F, MAGIC, 0xEA;
+fma.rn.TYPE t, t, one, $9;
+mov.b32 {$3, $7}, t;
+}"""
+PAIRS_BF16 = _PAIRS_ASM.replace("ONE", "0x3F803F80").replace("MAGIC", "0x43004300").replace("TYPE", "bf16x2")
+PAIRS_FP16 = _PAIRS_ASM.replace("ONE", "0x3C003C00").replace("MAGIC", "0x64006400").replace("TYPE", "f16x2")
 
 
 if tl is not None:
+    _SLICED, _PAIRED = tl.constexpr(SLICED), tl.constexpr(PAIRED)     # as a kernel reads them
+    _PAIRS_BF16, _PAIRS_FP16 = tl.constexpr(PAIRS_BF16), tl.constexpr(PAIRS_FP16)
+
     @triton.jit
     def _less_zero(b_n, b_z, b_x):
         """4-bit values b_n [BN, W] (int32, 0 .. 15) -> q - zero in b_x's dtype, b_z [BN] int32: both
@@ -218,6 +257,26 @@ if tl is not None:
         return _less_zero((b_q >> (4 * j)) & 0xF, b_z, b_x)
 
     @triton.jit
+    def nibbles(b_q, b_z, b_x):
+        """Words [BN, W] -> their 8 nibbles as 8 tensors [BN, W] of q - zero in b_x's dtype (b_z
+        [BN] int32), two a register (_PAIRS_ASM); float32 x takes widen_nibble's."""
+        if b_x.dtype == tl.bfloat16:
+            b_m = (b_z | 0xC300)[:, None] + tl.zeros(b_q.shape, tl.int32)  # bf16 -(128 + zero)
+            return tl.inline_asm_elementwise(_PAIRS_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+                                             [b_q, b_m | (b_m << 16)], dtype=(tl.bfloat16,) * 8,
+                                             is_pure=True, pack=1)
+        elif b_x.dtype == tl.float16:
+            b_m = (b_z | 0xE400)[:, None] + tl.zeros(b_q.shape, tl.int32)  # fp16 -(1024 + zero)
+            return tl.inline_asm_elementwise(_PAIRS_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+                                             [b_q, b_m | (b_m << 16)], dtype=(tl.float16,) * 8,
+                                             is_pure=True, pack=1)
+        else:
+            return (widen_nibble(b_q, 0, b_z, b_x), widen_nibble(b_q, 1, b_z, b_x),
+                    widen_nibble(b_q, 2, b_z, b_x), widen_nibble(b_q, 3, b_z, b_x),
+                    widen_nibble(b_q, 4, b_z, b_x), widen_nibble(b_q, 5, b_z, b_x),
+                    widen_nibble(b_q, 6, b_z, b_x), widen_nibble(b_q, 7, b_z, b_x))
+
+    @triton.jit
     def _x_tile(p_x, m_x, o_k, K, perm):
         """x's tile [len(o_k), BT] for the weight columns o_k (< K), read through perm where there
         is one; rows' pointers p_x [1, BT] (m_x [BT])."""
@@ -230,12 +289,12 @@ if tl is not None:
 
     @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
-                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr = False):
+                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr = 0):
         """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
         whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
         BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
-        perm (not None): column c of the weight reads x's column perm[c]. SLICES: the group's
-        dot as 8 dots over the words' nibbles (form_args)."""
+        perm (not None): column c of the weight reads x's column perm[c]. SLICES: the unpack form
+        (form_args): one dot a group, or 8 over the words' nibbles, made one or two at a time."""
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
             o_c = kk // 8 + tl.arange(0, BG // 8)
@@ -246,9 +305,22 @@ if tl is not None:
                 b_z = tl.full(o_r.shape, 8, tl.int32)          # SYMMETRIC_ZERO
             else:
                 b_z = tl.load(zw + o_r * s_sw + kk // G, mask=m_g, other=0).to(tl.int32)
-            if SLICES:
-                b_d = tl.zeros(b_acc.shape, dtype=tl.float32)
-                for j in tl.static_range(8):
+            if SLICES == _PAIRED:
+                b_x = _x_tile(p_x, m_x, o_c * 8, K, perm)
+                n0, n1, n2, n3, n4, n5, n6, n7 = nibbles(b_q, b_z, b_x)
+                b_d = tl.dot(n0, b_x, input_precision="ieee")
+                b_d = tl.dot(n1, _x_tile(p_x, m_x, o_c * 8 + 1, K, perm), b_d, input_precision="ieee")
+                b_d = tl.dot(n2, _x_tile(p_x, m_x, o_c * 8 + 2, K, perm), b_d, input_precision="ieee")
+                b_d = tl.dot(n3, _x_tile(p_x, m_x, o_c * 8 + 3, K, perm), b_d, input_precision="ieee")
+                b_d = tl.dot(n4, _x_tile(p_x, m_x, o_c * 8 + 4, K, perm), b_d, input_precision="ieee")
+                b_d = tl.dot(n5, _x_tile(p_x, m_x, o_c * 8 + 5, K, perm), b_d, input_precision="ieee")
+                b_d = tl.dot(n6, _x_tile(p_x, m_x, o_c * 8 + 6, K, perm), b_d, input_precision="ieee")
+                b_d = tl.dot(n7, _x_tile(p_x, m_x, o_c * 8 + 7, K, perm), b_d, input_precision="ieee")
+                b_acc += b_s[:, None] * b_d
+            elif SLICES == _SLICED:
+                b_x = _x_tile(p_x, m_x, o_c * 8, K, perm)
+                b_d = tl.dot(widen_nibble(b_q, 0, b_z, b_x), b_x, input_precision="ieee")
+                for j in tl.static_range(1, 8):
                     b_x = _x_tile(p_x, m_x, o_c * 8 + j, K, perm)  # x at the weight columns of nibble j
                     b_d = tl.dot(widen_nibble(b_q, j, b_z, b_x), b_x, b_d, input_precision="ieee")
                 b_acc += b_s[:, None] * b_d

@@ -1,8 +1,10 @@
 """The few-row products over 4-bit weights (kernels/int4.py) on the 27B's and the 35B-A3B's expert
 shapes, at T = 1 and 4 rows: time against the bf16 and FP8 products of the same shape, GB/s, and
 the fraction of the device's copy bandwidth the 4-bit bytes were read at; a few candidate tiles
-for each 4-bit product in both unpack forms (ProductPlan.int4_form: "reshape", "slices";
-kernels/int4.py form_args), so one run tells which tile rule (int4_tiles) and form to choose.
+for each 4-bit product in each unpack form (ProductPlan.int4_form: "reshape", "slices", "pairs";
+kernels/int4.py form_args), so one run tells which tile rule (int4_tiles) and form to choose; and
+the words alone streamed by the default tile's programs (no unpacking, no dot): what the tile's
+reads allow, so a product's distance from the bandwidth splits into reading and computing.
 
     python tests/bench/bench_int4.py [--json results.json] [--quick]
 
@@ -23,9 +25,29 @@ import time
 
 import torch
 
+import triton
+import triton.language as tl
 from graph_timing import graph_time
 from mtpchat.kernels import fp8, int4, matvec, matvec_parts, moe
 from mtpchat.kernels.plan import ProductPlan, default_products
+
+
+@triton.jit
+def _stream_kernel(w, y, K8, s_w, BN: tl.constexpr, BW: tl.constexpr):
+    # program i reads rows i BN .. i BN + BN of the words, BW words a step, and xors them together
+    o_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    acc = tl.zeros([BN, BW], dtype=tl.int32)
+    for k in range(0, K8, BW):
+        acc ^= tl.load(w + o_n[:, None] * s_w + k + tl.arange(0, BW)[None, :])
+    tl.store(y + o_n, tl.xor_sum(acc, axis=1))
+
+
+def stream(q: int4.GroupInt4, y: torch.Tensor, tile) -> None:
+    """The words of q read as a product with `tile` (BN, BK, warps, stages) reads them (N a
+    multiple of BN, K of BK)."""
+    BN, BK, warps, stages = tile
+    N, K8 = q.w.shape
+    _stream_kernel[(N // BN,)](q.w, y, K8, q.w.stride(0), BN=BN, BW=BK // 8, num_warps=warps, num_stages=stages)
 
 # the 27B (hidden 5120, intermediate 17408; GDN in_proj: conv_dim 10240 + value_dim 6144 rows;
 # attention 24 q heads and their gates, 4 kv heads of 256)
@@ -134,6 +156,14 @@ def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: boo
             row["int4"][form] = dict(us=t, err=err, l2_resident=len(ws) == 1 and q.nbytes() < 40e6)
         t4 = row["int4"]["g128"]["us"]
         row.update(int4_us=t4, gbps=n4 / t4 / 1e3, of_copy_bw=(n4 / bw * 1e6) / t4)
+        if T == Ts[0] and kind != "split":
+            tile = matvec.tiles(N, K, 2, kind == "swiglu", plan=base, group=128)
+            tile = (2 * tile[0],) + tile[1:] if kind == "swiglu" else tile      # a SwiGLU block reads 2 BN rows
+            y = torch.empty(N, dtype=torch.int32, device="cuda")
+            t_s = graph_time(lambda i: stream(ws4[i % c4], y, tile), c4)
+            row["stream_us"] = t_s
+            print(f"    the words alone, streamed with tile {tile}: {t_s:.1f} us "
+                  f"({q4['g128'].w.numel() * 4 / t_s / 1e3:.0f} GB/s)", flush=True)
         if T == Ts[0]:
             want = ref(x, ws4[0])
 

@@ -5,6 +5,8 @@ without the norm finished; row i of a T-row call bit for bit the 1-row call; the
 kernels compiled for Hopper, Ampere and Ada: test_int4_compile.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_checks import TOL, check, int4_weight, normed, randn
@@ -99,27 +101,63 @@ def rows_equal(run, x):
         assert torch.equal(run(x[:T]), ones[:T]), f"T={T}"
 
 
-def slices_plan() -> ProductPlan:
-    """The slices form (int4.form_args), split products in 3 parts of 128-column tiles."""
+def slices_plan(form: str = "slices") -> ProductPlan:
+    """The slices form (or pairs, int4.form_args), split products in 3 parts of 128-column tiles."""
     def tiles(product, N, K, group):
         return (3, 16, 128, 4, 2) if product == "split" else None
-    return ProductPlan(programs=6, int4_tiles=tiles, int4_form="slices")
+    return ProductPlan(programs=6, int4_tiles=tiles, int4_form=form)
 
 
 def test_the_slices_form_takes_dots_of_16_words_or_more():
-    assert int4.form_args(512, 128, "slices") == dict(BG=128, SLICES=True)
-    assert int4.form_args(128, 256, "slices") == dict(BG=128, SLICES=True)
-    assert int4.form_args(256, 64, "slices") == dict(BG=64, SLICES=False)      # 8 words a group: reshape
-    assert int4.form_args(512, 128, "reshape") == dict(BG=128, SLICES=False)
+    assert int4.form_args(512, 128, "slices") == dict(BG=128, SLICES=int4.SLICED)
+    assert int4.form_args(128, 256, "slices") == dict(BG=128, SLICES=int4.SLICED)
+    assert int4.form_args(256, 64, "slices") == dict(BG=64, SLICES=int4.RESHAPED)   # 8 words a group: reshape
+    assert int4.form_args(256, 64, "pairs") == dict(BG=64, SLICES=int4.RESHAPED)
+    assert int4.form_args(512, 128, "reshape") == dict(BG=128, SLICES=int4.RESHAPED)
+    # pairs' inline assembly exists only compiled: the interpreter takes the slices' same integers
+    assert int4.form_args(512, 128, "pairs") == dict(
+        BG=128, SLICES=int4.SLICED if int4.interpreting() else int4.PAIRED)
     with pytest.raises(AssertionError, match="form"):
         int4.form_args(512, 128, "nibbles")
 
 
+def pairs_bits(word: int, zero: int, fp16: bool = False) -> list[int]:
+    """_PAIRS_ASM's arithmetic on one word in Python integers and torch halves: the 8 results'
+    16-bit patterns in nibble order."""
+    magic, one, neg = (0x64006400, 0x3C00, 0xE400) if fp16 else (0x43004300, 0x3F80, 0xC300)
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    half = lambda bits: torch.tensor([bits - (1 << 16) if bits >= 1 << 15 else bits], dtype=torch.int16).view(dtype)
+    out = [0] * 8
+    for p in range(4):
+        t = ((word >> 4 * p) & 0x000F000F) | magic
+        for j, bits in ((p, t & 0xFFFF), (p + 4, t >> 16)):
+            v = half(bits).float() * half(one).float() + half(neg | zero).float()   # exact: no rounding
+            out[j] = int(v.to(dtype).view(torch.int16).item()) & 0xFFFF
+    return out
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_the_pairs_arithmetic_gives_q_less_zero(fp16):
+    # the magic numbers and masks of int4._PAIRS_ASM, checked for every nibble and zero
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    g = torch.Generator().manual_seed(3)
+    for word in [0x76543210, 0xFEDCBA98] + torch.randint(0, 1 << 32, (30,), generator=g).tolist():
+        for zero in range(16):
+            got = torch.tensor([b - (1 << 16) if b >= 1 << 15 else b for b in pairs_bits(word, zero, fp16)],
+                               dtype=torch.int16).view(dtype).float()
+            want = torch.tensor([((word >> 4 * j) & 0xF) - zero for j in range(8)], dtype=torch.float32)
+            assert torch.equal(got, want), (hex(word), zero)
+    asm = int4.PAIRS_FP16 if fp16 else int4.PAIRS_BF16
+    assert asm.count("0x000F000F") == 4 and asm.count("fma.rn.") == 4 and ("f16x2" if fp16 else "bf16x2") in asm
+    assert ("0x64006400" if fp16 else "0x43004300") in asm and ("0x3C003C00" if fp16 else "0x3F803F80") in asm
+
+
+@pytest.mark.parametrize("form", ["slices", "pairs"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,N,K,symmetric,perm", [(1, 100, 384, True, False), (3, 70, 640, False, True)])
-def test_int4_slices_form(device, dtype, T, N, K, symmetric, perm):
+def test_int4_slices_form(device, dtype, T, N, K, symmetric, perm, form):
     # groups of 128 (a dot of 16 words a nibble); K 384 and 640 end inside the 512-column tile
-    plan = slices_plan()
+    plan = slices_plan(form)
     w = int4_weight(N, K, device, N + 1, 128, symmetric, perm)
     x = randn(T, K, dtype=dtype, device=device, seed=K + 1)
     check(matvec.matvec_triton(x, w, plan=plan), matvec.matvec_ref(x, w), TOL[dtype], "plain")
@@ -134,8 +172,9 @@ def test_int4_slices_form(device, dtype, T, N, K, symmetric, perm):
     check(h, (matvec.matvec_ref(x, w).float() + r.float()).to(dtype), TOL[dtype], "h")
 
 
-def test_int4_slices_rows_do_not_depend_on_T(device):
-    plan = slices_plan()
+@pytest.mark.parametrize("form", ["slices", "pairs"])
+def test_int4_slices_rows_do_not_depend_on_T(device, form):
+    plan = slices_plan(form)
     w = int4_weight(130, 384, device, 9, 128, False, True)
     x = randn(5, 384, device=device, seed=10)
     rows_equal(lambda x: matvec.matvec_triton(x, w, plan=plan), x)
@@ -182,3 +221,22 @@ def test_int4_swiglu_27b_rows(group, symmetric, perm):
     rows_equal(lambda x: matvec.matvec_swiglu(x, w), x)
     n = normed(4, 5120, torch.bfloat16, "cuda", torch.Generator().manual_seed(3))
     check(matvec.matvec_swiglu(n, w), matvec.matvec_swiglu_ref(n, w), 2e-2, "normed")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,K,group,symmetric,perm", [(16384, 5120, 128, True, False), (5120, 6144, 128, False, True),
+                                                      (300, 1152, 128, False, False)])
+def test_int4_pairs_equal_slices_bit_for_bit(dtype, N, K, group, symmetric, perm):
+    # the same integers summed in the same order: the inline assembly against Triton's own unpacking
+    w = int4_weight(N, K, "cuda", N + K, group, symmetric, perm)
+    x = randn(5, K, dtype=dtype, device="cuda", seed=K)
+    pairs = dataclasses.replace(default_products("cuda"), int4_form="pairs")
+    slices = dataclasses.replace(default_products("cuda"), int4_form="slices")
+    for run in (matvec.matvec_triton, matvec.matvec_swiglu_triton if N % 2 == 0 else None,
+                lambda x, w, plan: matvec_parts.matvec_parts_triton(x, w, plan=plan)):
+        if run is None:
+            continue
+        a, b = run(x, w, plan=pairs), run(x, w, plan=slices)
+        assert torch.equal(a, b), (a.float() - b.float()).abs().max()
+    check(matvec.matvec_triton(x, w, plan=pairs), matvec.matvec_ref(x, w), 1e-2)
