@@ -199,6 +199,35 @@ def form_args(BK: int, G: int, form: str) -> dict:
     return dict(BG=BG, SLICES=PAIRED if form == "pairs" and not interpreting() else SLICED)
 
 
+def measured(product: str, N: int, K: int) -> tuple[tuple[int, int, int, int], str]:
+    """The tile (BN, BK in weights, warps, stages) and unpack form of a 4-bit product where the
+    plan names none, by the product ("plain", "swiglu", "split", "expert_swiglu", "expert_down")
+    and the weight's [N, K]. Measured on an H100 (tests/bench/bench_int4.py, 2026-11-25, T = 1,
+    groups of 128, the best of each form in us; bf16 beside):
+    - plain, the 27B's GDN in_proj [16384 x 5120]: reshape 64 x 512, 4 warps, 3 deep 58.4; pairs
+      61.0 (32 x 1024: 67.9); slices 72.2 (bf16 57.5; the words alone, streamed by the tile's
+      programs: 20.9). q|gate|k|v [14336 x 5120] alike.
+    - swiglu, the MLP gate|up [34816 x 5120]: pairs 32 columns (64 rows of w) x 256, 2 warps, 4
+      deep 82.5, against reshape's best 127.3 (the earlier default, 64 x 256, 4 warps: 142.0; bf16 119.4).
+    - split over K: out_proj and o_proj [5120 x 6144] pairs 32 x 512, 4 warps, 3 deep 27.0 against
+      reshape's 34.5 (bf16 23.1); MLP down [5120 x 17408] reshape 64 x 512 66.9 against pairs'
+      best 69.1 (bf16 63.4): pairs where K is at most 8192.
+    - the 35B-A3B's experts at a step (8 of them): gate|up pairs 32 x 256, 4 warps, 4 deep 22.2
+      against 33.9 (bf16 13.5); down reshape 64 x 512 10.7, pairs 11.2 (bf16 7.5)."""
+    if product == "swiglu":
+        return (32, 256, 2, 4), "pairs"
+    if product == "split" and K <= 8192:
+        return (32, 512, 4, 3), "pairs"
+    if product == "expert_swiglu":
+        return (32, 256, 4, 4), "pairs"
+    return (64, 512, 4, 3), "reshape"
+
+
+def form_of(form: str | None, product: str, N: int, K: int) -> str:
+    """A plan's int4_form, or where it names none the product's measured one."""
+    return form if form is not None else measured(product, N, K)[1]
+
+
 # The pairs form's unpacking, for bf16 (and fp16) x. One word holds nibbles 0 .. 7; masking the
 # word (shifted right by 4 p) with 0x000F000F keeps nibble p in the low half and nibble p + 4 in
 # the high one, and or-ing 0x4300 into each half makes the bf16 128 + q (fp16: 0x6400, 1024 + q),

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, widen, widen_args
-from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args
+from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, measured
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 MAX_ROWS = 16
@@ -240,18 +240,11 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     --plans fp8glu). Two warps made the plain products slower (1.46 TB/s against 1.99).
 
     4-bit weights in groups of `group` columns (kernels/int4.py; BK counts weights, 2 a byte): the
-    plan's int4_tiles rule, else the measured tiles (tests/bench/bench_int4.py, H100, 2026-11-25,
-    reshape form, T = 1): plain products 64 x 512 weights (256 bytes), 4 warps, 3 deep; the GDN
-    in_proj [16384 x 5120] 58.9 us against 79.4 with 64 x 256, 4 deep (32 x 256, 6 deep: 83.1;
-    128 x 256, 8 warps: 103.8), q|gate|k|v [14336 x 5120] 57.8 against 78.3, out_proj
-    [5120 x 6144] 24.8 against 34.2, down [5120 x 17408] 64.9 against 90.2 (bf16: 57.6, 50.9,
-    23.3, 63.1). The SwiGLU product 64 columns (128 rows of w) x 256 weights, 4 warps, 4 deep: the
-    MLP gate|up [34816 x 5120] 142.6 us against 151.8 with 32 columns (32 x 512, 3 deep: 153.4;
-    16 x 256, 2 warps: 160.9; bf16 119.9)."""
+    plan's int4_tiles rule, else the measured tiles with their unpack forms (int4.measured)."""
     if group:
-        chosen = plan.int4_tiles("swiglu" if swiglu else "plain", N, K, group) \
-            if plan is not None and plan.int4_tiles is not None else None
-        return chosen or ((64, 256, 4, 4) if swiglu else (64, 512, 4, 3))
+        product = "swiglu" if swiglu else "plain"
+        chosen = plan.int4_tiles(product, N, K, group) if plan is not None and plan.int4_tiles is not None else None
+        return chosen or measured(product, N, K)[0]
     chosen = plan.tiles(N, K, itemsize, swiglu, fp8) if plan is not None and plan.tiles is not None else None
     if chosen is not None:
         return chosen
@@ -341,17 +334,19 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
     _matvec_kernel[(F + (blocks - F) * S,)](
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
-        num_stages=stages, **scale, **fp8, **pdl(x), **_format_args(x, BN, BK, warps, fp8, plan))
+        num_stages=stages, **scale, **fp8, **pdl(x),
+        **_format_args(x, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)))
     return y
 
 
-def _format_args(x, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPlan) -> dict:
+def _format_args(x, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPlan, product: tuple) -> dict:
     """The launch arguments a weight format adds: how FP8 tiles widen (fp8.widen_args), a 4-bit
-    tile's dots and unpack form (int4.form_args, the plan's int4_form)."""
+    tile's dots and unpack form (int4.form_args: the plan's int4_form, else the measured form of
+    `product`, (name, N, K) as int4.measured takes them)."""
     if fmt["FP8"]:
         return widen_args(x, warps, BN, plan.widen_bits, plan.widen_group)
     if fmt.get("G"):
-        return form_args(BK, fmt["G"], plan.int4_form)
+        return form_args(BK, fmt["G"], form_of(plan.int4_form, *product))
     return {}
 
 

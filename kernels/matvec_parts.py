@@ -16,6 +16,7 @@ import torch
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
+from mtpchat.kernels.int4 import measured as int4_measured
 from mtpchat.kernels.int4 import GroupInt4, dot_int4
 from mtpchat.kernels.matvec import MAX_ROWS, Normed, _dot_tile, _format_args, arrival_counts, check_product
 from mtpchat.kernels.plan import ProductPlan, default_products
@@ -78,11 +79,10 @@ def split_config(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 
     all (240: the 27B's 5120-row products, 80 column blocks x 3). Tiles of 16 KB of w, 4 deep (80 KB
     of shared memory with x's), so that two programs fit on an SM and all 240 are resident at once
     on an H100; never a function of T. 4-bit weights in groups of `group` columns (kernels/int4.py):
-    the plan's int4_tiles rule ("split"), else the plain product's measured tile (matvec.tiles):
-    64 rows x 512 weights (256 bytes), 4 warps, 3 deep."""
+    the plan's int4_tiles rule ("split"), else the measured tile (int4.measured)."""
     if group:
         chosen = plan.int4_tiles("split", N, K, group) if plan.int4_tiles is not None else None
-        BN, BK, warps, stages = 64, 512, 4, 3
+        BN, BK, warps, stages = int4_measured("split", N, K)[0]
     else:
         chosen = plan.split_tiles(N, K, itemsize) if plan.split_tiles is not None else None
         BN, BK, warps, stages = 64, 256 // itemsize, 4, 4
@@ -158,7 +158,7 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0),
         y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=MAX_ROWS, BN=BN, BK=BK,
         S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None, num_warps=warps,
-        num_stages=stages, **fp8, **pdl(x), **_format_args(x, BN, BK, warps, fp8, plan))
+        num_stages=stages, **fp8, **pdl(x), **_format_args(x, BN, BK, warps, fp8, plan, ("split", N, K)))
     return y if norm is None else (Normed(xn, ss, eps), h)
 
 

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, widen, widen_args
-from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args
+from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of
+from mtpchat.kernels.int4 import measured as int4_measured
 from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
                                        count_reads, layout_ref)
@@ -347,13 +348,11 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2,
     of the number of rows (tests/bench/bench_moe.py measured the step's at the 35B-A3B's shapes on
     an H100). FP8 tiles lie inside one 128 x 128 block of scales; float32 tiles are smaller, to fit
     in shared memory. 4-bit experts, int4 = (N, K, group) of one expert's product: the plan's
-    int4_tiles rule ("expert_swiglu", "expert_down"), else 64 rows by 512 weights (256 bytes) a
-    row, 4 warps, 3 deep: the dense products' measured tile (matvec.tiles), not yet measured on
-    the experts (tests/bench/bench_int4.py compares others)."""
+    int4_tiles rule ("expert_swiglu", "expert_down"), else the measured tile (int4.measured)."""
     if int4 is not None:
         rule4 = plan.int4_tiles if plan is not None else None
         chosen = rule4("expert_" + product, *int4) if rule4 is not None else None
-        return chosen or (64, 512, 4, 3)
+        return chosen or int4_measured("expert_" + product, *int4[:2])[0]
     rule = plan.expert_tiles if plan is not None else None
     chosen = rule(product, step, fp8, itemsize) if rule is not None else None
     if chosen is not None:
@@ -439,7 +438,8 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
         x.stride(0), h.stride(0), ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp,
         COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, num_stages=stages,
         **pdl(x), **(_widen(x, warps, BN, plan) if fp8 else {}),
-        **_int4_args(w_gate_up, shared, n_experts, 2 * Fi, H, BK, plan.int4_form))
+        **_int4_args(w_gate_up, shared, n_experts, 2 * Fi, H, BK,
+                     form_of(plan.int4_form, "expert_swiglu", 2 * Fi, H)))
     return h
 
 
@@ -461,7 +461,7 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
         h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
         BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps,
         num_stages=stages, **pdl(h), **(_widen(h, warps, BN, plan) if fp8 else {}),
-        **_int4_args(w_down, shared, n_experts, H, Fi, BK, plan.int4_form))
+        **_int4_args(w_down, shared, n_experts, H, Fi, BK, form_of(plan.int4_form, "expert_down", H, Fi)))
     return y
 
 

@@ -46,8 +46,8 @@ class ProductPlan:
     split_tiles: SplitRule | None = None
     expert_tiles: ExpertRule | None = None  # the MoE expert products' tiles (tests/bench/bench_moe.py)
     int4_tiles: Int4Rule | None = None      # every product's tiles over 4-bit weights (tests/bench/bench_int4.py)
-    int4_form: str = "reshape"      # how 4-bit tiles unpack for the dots (int4.form_args): "reshape" (the one
-                                    # measured, bench_int4.py) or "slices" (8 dots a group; not yet timed)
+    int4_form: str | None = None    # how every 4-bit tile unpacks for the dots (int4.form_args: "reshape",
+                                    # "slices", "pairs"); None: each product's measured form (int4.measured)
 
     def describe(self) -> dict:
         """The plan as plain values (a rule by its name), for `--dry-run` and benchmark reports."""

@@ -11,6 +11,7 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans bits --weights fp8     # FP8 tiles widened by moving bits, or converted
     python3 ab_step.py --plans draft           # the MTP head's fc split, the draft's argmax as two kernels
     python3 ab_step.py --plans combine --model qwen3.5-35b-a3b   # an MoE's combine folded into the norm, or apart
+    python3 ab_step.py --plans int4 --weights int4   # 4-bit tiles and unpack forms: measured, the earlier, all pairs
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed. One engine is
 loaded; for each plan the decoder takes that plan (its forward contexts carry it) and its phases are
@@ -142,6 +143,25 @@ def combine_plans(base: KernelPlan) -> dict:
     return {"apart": base.replace(fold_combine=False), "folded": base.replace(fold_combine=True)}
 
 
+def int4_plans(base: KernelPlan) -> dict:
+    """The 4-bit products' measured tiles and unpack forms (kernels/int4.py measured) against the
+    earlier defaults (every product in the reshape form: plain and split 64 x 512 weights, 4 warps,
+    3 deep; SwiGLU 64 x 256, 4 deep; experts 64 x 512) and against the pairs form everywhere on the
+    measured tiles. The earlier and measured logits may differ in the last bits (reshape and pairs
+    sum a group in other orders)."""
+    programs = base.products.split_programs
+
+    def earlier(product, N, K, group):
+        if product == "swiglu":
+            return 64, 256, 4, 4
+        if product == "split":
+            return max(1, min(-(-K // (8 * 512)), round(programs / -(-N // 64)))), 64, 512, 4, 3
+        return 64, 512, 4, 3
+    earlier.__name__ = "int4:earlier"
+    return {"measured": base, "earlier": base.replace(int4_form="reshape", int4_tiles=earlier),
+            "pairs": base.replace(int4_form="pairs")}
+
+
 DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split=False),
                  "fc split": dict(fc_split=False), "pick": dict(draft_pick=False)}
 
@@ -157,7 +177,7 @@ def default_plans(base: KernelPlan) -> dict:
 
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
-            "combine": combine_plans}
+            "combine": combine_plans, "int4": int4_plans}
 
 
 def products_ms(model, plan: KernelPlan, reps: int = 20) -> float:
@@ -211,7 +231,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3.6-27b")
     p.add_argument("--plans", default="defaults", choices=tuple(FAMILIES))
-    p.add_argument("--weights", default="bf16", choices=("bf16", "fp8"))
+    p.add_argument("--weights", default="bf16", choices=("bf16", "fp8", "int4"))
     p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--max-context", type=int, help="the cache size (default: the context + 256)")
