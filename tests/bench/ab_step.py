@@ -30,6 +30,7 @@ import torch
 from mtpchat.engine import bench
 from mtpchat.engine.bench import random_prompt
 from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.dispatch import weight
 from mtpchat.engine.engine import Engine
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.sampling import SamplingParams
@@ -180,6 +181,11 @@ FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident
             "combine": combine_plans, "int4": int4_plans}
 
 
+def _x_key(w) -> tuple:
+    """(K, dtype) of the rows a product of w takes: a tensor's dtype, bf16 for FP8 and 4-bit forms."""
+    return w.shape[1], w.dtype if isinstance(w, torch.Tensor) and w.dtype.is_floating_point else torch.bfloat16
+
+
 def products_ms(model, plan: KernelPlan, reps: int = 20) -> float:
     """One decode step's products alone, in the step's order (each waits for the one before, as in
     the step), on the model's own weights, under the plan: what the step's other kernels add is the
@@ -191,13 +197,15 @@ def products_ms(model, plan: KernelPlan, reps: int = 20) -> float:
     calls = []
     for layer in model.layers:
         m = layer.mixer
-        ws = [m.in_proj, m.out_proj] if layer.kind != "full_attention" else [m.qkv, m.o_proj]
-        calls += [(ws[0], plain), (ws[1], parts), (layer.mlp.gate_up, glu), (layer.mlp.down, parts)]
+        ws = [weight(m, "in_proj"), weight(m, "out_proj")] if layer.kind != "full_attention" else \
+            [weight(m, "qkv"), weight(m, "o_proj")]
+        calls += [(ws[0], plain), (ws[1], parts), (weight(layer.mlp, "gate_up"), glu),
+                  (weight(layer.mlp, "down"), parts)]
     calls.append((model.head, plain))
     xs = {}
     for w, _ in calls:
-        xs.setdefault(w.shape[1], torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device))
-    run = lambda: [fn(xs[w.shape[1]], w) for w, fn in calls]
+        xs.setdefault(_x_key(w), torch.randn(1, w.shape[1], dtype=_x_key(w)[1], device=w.device))
+    run = lambda: [fn(xs[_x_key(w)], w) for w, fn in calls]
     run()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):

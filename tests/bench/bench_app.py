@@ -213,7 +213,7 @@ def bench(a) -> dict:
             say(f"the app says ({severity}): {text}")
 
     store = Store(tempfile.mkdtemp())
-    app = BenchApp(lambda: LocalEngine(engine), model="bench", store=store, device=a.device, think=think,
+    app = BenchApp(lambda progress=None: LocalEngine(engine), model="bench", store=store, device=a.device, think=think,
                    sampling=Sampling(temperature=0.0, max_tokens=a.tokens), draft_tokens=a.k)
 
     async def wait(cond, what: str, limit: float = 600.0):
