@@ -1,16 +1,16 @@
 """Prefill's products over 4-bit weights (kernels/int4.py): y [T, N] = x [T, K] @ w [N, K]ᵀ for many
-rows, in one Triton kernel that dequantizes each weight tile in registers (int4.dot_int4, as the
-few-row products do) and never writes a dense copy of the weight.
+rows, in one of two forms (ProductPlan.int4_prefill):
 
-Why a kernel of its own and not a dequantize kernel with torch's matmul after it: the dense bf16
-copy of a 27B product (the MLP's gate|up, 34816 x 5120) is 356 MB written and read again each
-call, four times the 4-bit weight's bytes, and memory the 4-bit model was chosen to save. Here a
-program takes a tile of BM rows of x by BN rows of w; the weight tiles are unpacked to exact bf16
-integers, multiplied with x's rows one group at a time, and each group's float32 result is scaled
-in float32. The x tile is read through perm where the weight has one (GPTQ's desc_act).
-
-First correct, not yet tuned: the tile (BM, BN, BK, warps, stages) is one sensible choice; the
-weight rows are the dot's M ([BN, G] @ [G, BM]), as in the few-row kernels.
+- "dense": the weight dequantized by a Triton kernel into the model's dtype, a slab of rows at a
+  time (at most SLAB_BYTES of it), and torch's matmul over each slab. The unpacking is paid once a
+  weight and a call, whatever the number of rows; the price is the dense slab written and read
+  again (four times the 4-bit bytes) and its memory. x is read through the weight's perm first
+  (GPTQ's desc_act), so the slab stays in the weight's own column order. The products round the
+  dequantized weight to x's dtype, as the CPU's path (forms.dense_ref) does.
+- "fused": one kernel that unpacks each weight tile in registers (int4.dot_int4, as the few-row
+  products do) and never writes a dense copy: a program takes BM rows of x by BN rows of w, the
+  weight rows being the dot's M ([BN, G] @ [G, BM]), each group's float32 result scaled in float32.
+  Each weight tile is unpacked again for every BM rows of x.
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from mtpchat.kernels._triton import tl, triton, use_triton
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dequantize_ref, dot_int4, form_args
 from mtpchat.kernels.plan import ProductPlan
 
-TILE = (64, 128, 128, 8, 3)      # BM rows of x, BN rows of w, BK columns, warps, stages
+TILE = (64, 128, 128, 8, 3)      # the fused form's BM rows of x, BN rows of w, BK columns, warps, stages
+SLAB_BYTES = 128 << 20           # the dense form's largest slab of dequantized weight
+DEQUANTIZE_TILE = (16, 1024)     # rows, columns (weights) of a program of the dequantize kernel
 
 
 def gemm_ref(x: torch.Tensor, w: GroupInt4) -> torch.Tensor:
@@ -61,7 +63,75 @@ def gemm_triton(x: torch.Tensor, w: GroupInt4, tile: tuple[int, int, int, int, i
     return y
 
 
+@triton.jit
+def _dequantize_kernel(w, sw, out, N, K, s_w, s_sw, s_o, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       zw=None):
+    # program (i_n, i_k): rows i_n BN.., weights i_k BK.. (words i_k BK / 8..), each word's 8 weights
+    # stored along a third axis: weight column 8 c + j is nibble j of word c
+    i_n, i_k = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_c = i_k * (BK // 8) + tl.arange(0, BK // 8)
+    m = (o_n < N)[:, None] & (o_c < K // 8)[None, :]
+    b_q = tl.load(w + o_n[:, None] * s_w + o_c[None, :], mask=m, other=0)
+    o_g = o_c * 8 // G
+    b_s = tl.load(sw + o_n[:, None] * s_sw + o_g[None, :], mask=m, other=0.).to(tl.float32)
+    if zw is None:
+        b_z = tl.full(b_q.shape, 8, tl.float32)
+    else:
+        b_z = tl.load(zw + o_n[:, None] * s_sw + o_g[None, :], mask=m, other=0).to(tl.float32)
+    j = tl.arange(0, 8)
+    b_v = ((b_q[:, :, None] >> (4 * j)[None, None, :]) & 0xF).to(tl.float32)
+    b_w = (b_v - b_z[:, :, None]) * b_s[:, :, None]
+    p_o = out + o_n[:, None, None] * s_o + (o_c * 8)[None, :, None] + j[None, None, :]
+    tl.store(p_o, b_w.to(out.dtype.element_ty), mask=m[:, :, None])
+
+
+def dequantize_triton(w: GroupInt4, dtype: torch.dtype, rows: tuple[int, int] | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows n0 .. n1 (all without `rows`) of the dense weight in the weight's own column order (its
+    perm not applied): (q - zero) * scale in float32, rounded to dtype, as dequantize_ref computes
+    it. Written into `out` ([n1 - n0, K], rows contiguous) where given."""
+    N, K = w.shape
+    n0, n1 = rows or (0, N)
+    assert 0 <= n0 < n1 <= N
+    check_int4(w, K)
+    if out is None:
+        out = torch.empty(n1 - n0, K, dtype=dtype, device=w.device)
+    assert out.shape == (n1 - n0, K) and out.stride(1) == 1 and out.dtype == dtype
+    BN, BK = DEQUANTIZE_TILE
+    zero = w.zero[n0:n1] if w.zero is not None else None
+    _dequantize_kernel[(triton.cdiv(n1 - n0, BN), triton.cdiv(K, BK))](
+        w.w[n0:n1], w.scale[n0:n1], out, n1 - n0, K, w.w.stride(0), w.scale.stride(0), out.stride(0),
+        G=w.group, BN=BN, BK=BK, zw=zero, num_warps=4)
+    return out
+
+
+def dense_gemm(x: torch.Tensor, w: GroupInt4, slab_bytes: int = SLAB_BYTES) -> torch.Tensor:
+    """The dense form (module docstring): x read through the weight's perm, then per slab of rows
+    the dequantized weight and torch's matmul."""
+    T, K = x.shape
+    N = w.shape[0]
+    assert w.shape[1] == K and x.stride(1) == 1, f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
+    assert w.perm is None or w.perm.dim() == 1, "a product's perm is [K]"
+    if w.perm is not None:
+        x = x.index_select(1, w.perm.long())         # weight column k multiplies x's column perm[k]
+    rows = max(DEQUANTIZE_TILE[0], slab_bytes // (K * x.element_size()) // DEQUANTIZE_TILE[0] * DEQUANTIZE_TILE[0])
+    if rows >= N:
+        return x @ dequantize_triton(w, x.dtype).T
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    slab = torch.empty(rows, K, dtype=x.dtype, device=x.device)
+    for n0 in range(0, N, rows):
+        n1 = min(N, n0 + rows)
+        part = dequantize_triton(w, x.dtype, (n0, n1), slab[:n1 - n0])
+        y[:, n0:n1] = x @ part.T
+    return y
+
+
 def gemm(x: torch.Tensor, w: GroupInt4, plan: ProductPlan | None = None) -> torch.Tensor:
-    """x [T, K] @ w [N, K]ᵀ -> [T, N] in x's dtype, for any number of rows: the Triton kernel for
-    CUDA tensors, the float32 reference otherwise."""
-    return gemm_triton(x, w, plan=plan) if use_triton(x, w.w) else gemm_ref(x, w)
+    """x [T, K] @ w [N, K]ᵀ -> [T, N] in x's dtype, for any number of rows: on CUDA the plan's
+    int4_prefill form (the default plan's without one), the float32 reference otherwise."""
+    if not use_triton(x, w.w):
+        return gemm_ref(x, w)
+    if (plan or ProductPlan(programs=1)).int4_prefill == "dense":
+        return dense_gemm(x, w)
+    return gemm_triton(x, w, plan=plan)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 from graph_timing import graph_time
-from mtpchat.kernels import fp8, int4, matvec, matvec_parts, moe
+from mtpchat.kernels import fp8, int4, int4_gemm, matvec, matvec_parts, moe
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
@@ -219,10 +219,34 @@ def bench_experts(Ts, base: ProductPlan, bw: float, quick: bool, out: list):
             show(row["tiles"])
 
 
+def bench_prefill(T: int, out: list):
+    """Prefill's products at T rows: bf16's torch matmul against the 4-bit forms (ProductPlan
+    int4_prefill): "fused" (kernels/int4_gemm.py's kernel) and "dense" (dequantized slabs, then
+    torch's matmul)."""
+    for name, N, K, _ in SHAPES:
+        q = quantized(N, K)
+        x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+        wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        want = int4_gemm.gemm_ref(x, q)
+        row = dict(product=name, N=N, K=K, T=T, prefill=True)
+        for form, fn in (("bf16", lambda: x @ wb.T), ("fused", lambda: int4_gemm.gemm_triton(x, q)),
+                         ("dense", lambda: int4_gemm.dense_gemm(x, q))):
+            if form != "bf16":
+                err = rel(fn(), want)
+                assert err < 2e-2, f"prefill {name} {form}: relative error {err:.1e}"
+            row[form + "_us"] = graph_time(lambda i: fn(), 1, 5)
+        row["dequantize_us"] = graph_time(lambda i: int4_gemm.dequantize_triton(q, torch.bfloat16, (0, min(N, 12800))), 1, 5)
+        out.append(row)
+        print(f"prefill {name} [{N} x {K}] T={T}: bf16 {row['bf16_us']:.0f} us, 4-bit fused {row['fused_us']:.0f} us, "
+              f"dense {row['dense_us']:.0f} us (one slab's dequantizing {row['dequantize_us']:.0f} us)", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="FILE", help="write the results there as JSON")
     p.add_argument("--quick", action="store_true", help="the default tiles only")
+    p.add_argument("--prefill", type=int, default=2048, metavar="T", help="rows of the prefill products (0: none)")
+    p.add_argument("--prefill-only", action="store_true", help="only prefill's products")
     a = p.parse_args()
     start = time.time()
     torch.manual_seed(0)
@@ -231,9 +255,12 @@ def main():
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s (read + written); plan {base.describe()}")
     out: list = []
     with torch.inference_mode():
-        for name, N, K, kind in SHAPES:
-            bench_product(name, N, K, kind, (1, 4), base, bw, a.quick, out)
-        bench_experts((1, 4), base, bw, a.quick, out)
+        if a.prefill:
+            bench_prefill(a.prefill, out)
+        if not a.prefill_only:
+            for name, N, K, kind in SHAPES:
+                bench_product(name, N, K, kind, (1, 4), base, bw, a.quick, out)
+            bench_experts((1, 4), base, bw, a.quick, out)
     print(f"{time.time() - start:.0f} s")
     if a.json:
         with open(a.json, "w") as f:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_checks import TOL, check, int4_weight, randn
 
-from mtpchat.kernels import int4_gemm
+from mtpchat.kernels import int4, int4_gemm
 from mtpchat.kernels.plan import ProductPlan
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -36,4 +36,32 @@ def test_int4_gemm_slices_form(device):
 def test_int4_gemm_27b_shapes(N, K):
     w = int4_weight(N, K, "cuda", 1, 128, False, True)
     x = randn(300, K, dtype=torch.bfloat16, device="cuda", seed=2)
-    check(int4_gemm.gemm(x, w), int4_gemm.gemm_ref(x, w), 1e-2)
+    check(int4_gemm.gemm_triton(x, w), int4_gemm.gemm_ref(x, w), 1e-2)
+    check(int4_gemm.dense_gemm(x, w), int4_gemm.gemm_ref(x, w), 1e-2)
+    assert torch.equal(int4_gemm.dequantize_triton(w, torch.bfloat16, (5, 300)),
+                       int4.dequantize_ref(w._replace(perm=None), torch.bfloat16)[5:300])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K,group,symmetric,perm", [(50, 384, 32, True, False), (45, 1152, 128, False, True),
+                                                      (33, 256, 64, False, False)])
+def test_int4_dequantize_equals_its_reference_bit_for_bit(device, dtype, N, K, group, symmetric, perm):
+    # the weight's own column order (perm not applied); rows 7 .. 40 alone as a slab writes them
+    w = int4_weight(N, K, device, N + K, group, symmetric, perm)
+    want = int4.dequantize_ref(w._replace(perm=None), dtype)
+    assert torch.equal(int4_gemm.dequantize_triton(w, dtype), want)
+    out = torch.full((33, K), 7., dtype=dtype, device=device)
+    int4_gemm.dequantize_triton(w, dtype, (7, min(40, N)), out[:min(40, N) - 7])
+    assert torch.equal(out[:min(40, N) - 7], want[7:min(40, N)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,N,K,group,symmetric,perm", [(37, 50, 384, 32, True, False), (70, 45, 512, 128, False, True)])
+def test_int4_dense_prefill(device, dtype, T, N, K, group, symmetric, perm):
+    # slabs of 16 rows (the dequantize tile's): 4 and 3 of them, the last partial
+    w = int4_weight(N, K, device, T + 1, group, symmetric, perm)
+    x = randn(T, K, dtype=dtype, device=device, seed=N + 1)
+    want = (x.float() @ int4.dequantize_ref(w, dtype).float().T).to(dtype)    # the weight rounded to x's dtype
+    check(int4_gemm.dense_gemm(x, w, slab_bytes=16 * K * x.element_size()), want, TOL[dtype])
+    check(int4_gemm.dense_gemm(x, w), want, TOL[dtype])
+    check(int4_gemm.gemm(x, w, ProductPlan(programs=6, int4_prefill="dense")), int4_gemm.gemm_ref(x, w), TOL[dtype])
