@@ -19,7 +19,8 @@ What each part counts (27B numbers in bf16, see qwen35-model.md §9):
              recurrent state, and the tokens of the last step as the recurrence used them (two
              halves of k_max+1 tokens x Hv x (dk + dv + 2) floats); 146.8 MiB for the state alone
   graph_pool activations of the captured decode / verify / draft steps (an estimate)
-  workspace  prefill activations for one chunk and the float32 logits of a verify step (an estimate)
+  workspace  prefill activations for one chunk and the float32 logits of a verify step (an estimate);
+             with 4-bit weights also prefill's slab of dequantized weight
   snapshots  the decode-state snapshots kept for chat turns (engine/snapshots.py): each the GDN state
              as the model defines it plus one hidden row; 4 x 146.8 MiB for the 27B
 """
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass
 from mtpchat.engine.config import Int4Format, ModelConfig, rtn_format
 from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocab_bytes
 from mtpchat.engine.units import fmt_bytes
+from mtpchat.kernels.int4_gemm import SLAB_BYTES
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 PREFILL_CHUNK = 2048         # tokens per prefill chunk on a GPU (the engine's default; the estimate's)
@@ -366,7 +368,8 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
         mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * rows if mtp else 0,
         gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
         graph_pool=sum(rows * act + _logits_bytes(cfg, rows) for rows in shapes) if cuda_graphs else 0,
-        workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes)),
+        workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes))
+        + (SLAB_BYTES if int4 else 0),         # prefill's dequantized slab (kernels/int4_gemm.py)
         snapshots=snapshots * snapshot_bytes(cfg, dtype),
         max_context=max_context, k_max=k_max, mtp=mtp, dtype=str(dtype).removeprefix("torch."),
         bytes_per_token=per_token, weight_format="fp8" if fp8 else "int4" if int4 else str(dtype).removeprefix("torch."))
