@@ -177,13 +177,25 @@ def bench(a) -> dict:
     generate_any = engine.generate
     diag = None
 
+    prompts, replies = [], []      # every prompt the engine was given, and its reply's ids
+
     def generate_all(ids, params, **kw):
+        # headless prefills as the app's turn does, cut where the app keeps its snapshot: a prefill
+        # cut elsewhere rounds otherwise in bf16 and may lead greedy decoding to another reply
+        kw.setdefault("snapshot_at", keep_at)
+        prompts.append(list(ids))
+        replies.append([])
         events = generate_any(ids, dataclasses.replace(params, stop_token_ids=()), **kw)
-        return diag.watch(events) if diag else events
+        return recorded(diag.watch(events) if diag else events, replies[-1])
+
+    def recorded(events, into: list):
+        for event in events:
+            into.extend(getattr(event, "token_ids", ()))
+            yield event
     engine.generate = generate_all
     think = a.think == "on"
-    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                               enable_thinking=think)
+    from mtpchat.chat.prompt import build_prompt
+    ids, keep_at = build_prompt(engine.tokenizer, [{"role": "user", "content": PROMPT}], think)
     params = SamplingParams(temperature=0.0, max_tokens=a.tokens)
     engine.mtp = False
     reference = generate(engine, ids, params)["token_ids"]      # also the warm-up of the weights
@@ -238,6 +250,15 @@ def bench(a) -> dict:
         app.query_one(Composer).post_message(Composer.Submitted(PROMPT))
         await wait(app.ended.is_set, "the app's reply", limit=a.run_limit)
         await wait(lambda: not app.busy, "the app to be idle")
+        if prompts[-1] != list(ids):
+            # the profile drafter proposes the headless reply: another prompt makes its drafts wrong
+            at = next((i for i, (p, q) in enumerate(zip(prompts[-1], ids)) if p != q), min(len(prompts[-1]), len(ids)))
+            raise SystemExit(f"the app's prompt differs from headless at token {at} of {len(prompts[-1])} / "
+                             f"{len(ids)}: app {prompts[-1][at:at + 8]}, headless {list(ids)[at:at + 8]}")
+        if replies[-1] != reference:
+            at = next((i for i, (p, q) in enumerate(zip(replies[-1], reference)) if p != q), len(reference))
+            raise SystemExit(f"the app's greedy reply differs from headless at token {at}: the profile "
+                             "drafter's drafts (the headless reply's) would not measure the app")
         replies = [m for m in store.messages(app.session_id) if m.role == "assistant"]
         if len(replies) != 1 or (replies[0].stats or {}).get("new_tokens") != a.tokens:
             raise SystemExit(f"the app's reply is not {a.tokens} tokens: {[m.stats for m in replies]}; "
