@@ -176,8 +176,8 @@ def sub_tile(BK: int, G: int) -> int:
     return BG
 
 
-FORMS = ("reshape", "slices", "pairs")   # how a tile's words are unpacked for the dots (ProductPlan.int4_form)
-RESHAPED, SLICED, PAIRED = range(3)       # form_args' SLICES: the form a kernel compiles
+FORMS = ("reshape", "slices", "pairs", "fma")   # how a tile's words are unpacked (ProductPlan.int4_form)
+RESHAPED, SLICED, PAIRED, FMA = range(4)  # form_args' SLICES: the form a kernel compiles
 
 
 def form_args(BK: int, G: int, form: str) -> dict:
@@ -191,9 +191,15 @@ def form_args(BK: int, G: int, form: str) -> dict:
     the slices, which give the same exact integers. A dot takes 16 columns at least, so groups
     (or tiles) of fewer than 128 columns keep the reshape form. Every form's weights are exact
     integers times x summed in float32 within a group; slices and pairs sum in the same order
-    (equal bit for bit), reshape in another (equal within rounding)."""
+    (equal bit for bit), reshape in another (equal within rounding).
+    "fma": no tensor cores. Each nibble becomes a float32 by bits (`_fma_group`) and each row of x
+    is multiplied in turn on the CUDA cores, a chain of fmas over the nibbles: the work grows with
+    the rows instead of being a 16-row dot whatever T, so a kernel in this form is compiled for
+    rows_for(T) rows, and row r's arithmetic is the same in every such kernel. Any group size."""
     assert form in FORMS, f"a 4-bit unpack form is one of {FORMS}, not {form!r}"
     BG = sub_tile(BK, G)
+    if form == "fma":
+        return dict(BG=BG, SLICES=FMA)
     if form == "reshape" or BG // PACK < 16:
         return dict(BG=BG, SLICES=RESHAPED)
     return dict(BG=BG, SLICES=PAIRED if form == "pairs" and not interpreting() else SLICED)
@@ -221,6 +227,12 @@ def measured(product: str, N: int, K: int) -> tuple[tuple[int, int, int, int], s
     if product == "expert_swiglu":
         return (32, 256, 4, 4), "pairs"
     return (64, 512, 4, 3), "reshape"
+
+
+def rows_for(T: int, args: dict, rows: int) -> int:
+    """The rows a product kernel is compiled for (its BT): `rows` (every T alike, the dot's 16),
+    or in the fma form (form_args' SLICES) the power of 2 at or above T."""
+    return triton.next_power_of_2(T) if args.get("SLICES") == FMA else rows
 
 
 def form_of(form: str | None, product: str, N: int, K: int) -> str:
@@ -258,7 +270,7 @@ PAIRS_FP16 = _PAIRS_ASM.replace("ONE", "0x3C003C00").replace("MAGIC", "0x6400640
 
 
 if tl is not None:
-    _SLICED, _PAIRED = tl.constexpr(SLICED), tl.constexpr(PAIRED)     # as a kernel reads them
+    _SLICED, _PAIRED, _FMA = tl.constexpr(SLICED), tl.constexpr(PAIRED), tl.constexpr(FMA)   # as a kernel reads them
     _PAIRS_BF16, _PAIRS_FP16 = tl.constexpr(PAIRS_BF16), tl.constexpr(PAIRS_FP16)
 
     @triton.jit
@@ -317,13 +329,62 @@ if tl is not None:
         return tl.load(p_x + o_x[:, None], mask=m_k[:, None] & m_x[None, :], other=0.)
 
     @triton.jit
+    def _nibble_f32(b_q, j: tl.constexpr, b_o):
+        """Nibble j of each word [BN, W] as q - zero in float32: or'ed into the mantissa of 2^23
+        (0x4B000000 | q is 2^23 + q), less b_o [BN, 1] = 2^23 + zero; exact."""
+        return (((b_q >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - b_o
+
+    @triton.jit
+    def _x_row(x0, s_x, r: tl.constexpr, T, cols, K, perm):
+        """Row r of x (at x0 + r s_x; nothing read unless r < T) at the weight columns `cols` [W],
+        through perm where there is one, in float32."""
+        x_r = x0 + r * s_x
+        m_k = (cols < K) & (tl.full(cols.shape, r, tl.int32) < T)
+        if perm is None:
+            o_x = cols
+        else:
+            o_x = tl.load(perm + cols, mask=m_k, other=0)
+        return tl.load(x_r + o_x, mask=m_k, other=0.).to(tl.float32)
+
+    @triton.jit
+    def _fma_group(b_acc, b_q, b_o, b_s, x0, s_x, T, o_c, K, perm):
+        """b_acc [BN, BT] + one group's words b_q [BN, W] times x's rows on the CUDA cores (the fma
+        form, form_args), b_o [BN, 1] = 2^23 + zero, b_s [BN] the scales; x's row r at x0 + r s_x,
+        rows T and on read as 0. Row r's group sum is a chain of fmas over the 8 nibbles, summed
+        over the words, times the scale: the same work for row r whatever BT."""
+        BT: tl.constexpr = b_acc.shape[1]
+        o_t = tl.arange(0, BT)
+        v0 = _nibble_f32(b_q, 0, b_o)
+        v1 = _nibble_f32(b_q, 1, b_o)
+        v2 = _nibble_f32(b_q, 2, b_o)
+        v3 = _nibble_f32(b_q, 3, b_o)
+        v4 = _nibble_f32(b_q, 4, b_o)
+        v5 = _nibble_f32(b_q, 5, b_o)
+        v6 = _nibble_f32(b_q, 6, b_o)
+        v7 = _nibble_f32(b_q, 7, b_o)
+        c = o_c * 8
+        for r in tl.static_range(BT):
+            b_p = v0 * _x_row(x0, s_x, r, T, c, K, perm)[None, :]
+            b_p = tl.fma(v1, _x_row(x0, s_x, r, T, c + 1, K, perm)[None, :], b_p)
+            b_p = tl.fma(v2, _x_row(x0, s_x, r, T, c + 2, K, perm)[None, :], b_p)
+            b_p = tl.fma(v3, _x_row(x0, s_x, r, T, c + 3, K, perm)[None, :], b_p)
+            b_p = tl.fma(v4, _x_row(x0, s_x, r, T, c + 4, K, perm)[None, :], b_p)
+            b_p = tl.fma(v5, _x_row(x0, s_x, r, T, c + 5, K, perm)[None, :], b_p)
+            b_p = tl.fma(v6, _x_row(x0, s_x, r, T, c + 6, K, perm)[None, :], b_p)
+            b_p = tl.fma(v7, _x_row(x0, s_x, r, T, c + 7, K, perm)[None, :], b_p)
+            b_acc += tl.where(o_t[None, :] == r, (b_s * tl.sum(b_p, axis=1))[:, None], 0.)
+        return b_acc
+
+    @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
-                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr = 0):
+                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr = 0,
+                 x0=None, s_x=0, T=0):
         """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
         whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
         BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
         perm (not None): column c of the weight reads x's column perm[c]. SLICES: the unpack form
-        (form_args): one dot a group, or 8 over the words' nibbles, made one or two at a time."""
+        (form_args): one dot a group, or 8 over the words' nibbles, made one or two at a time; or
+        (fma) rows one at a time on the CUDA cores, x's row r at x0 + r s_x, T rows."""
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
             o_c = kk // 8 + tl.arange(0, BG // 8)
@@ -334,7 +395,10 @@ if tl is not None:
                 b_z = tl.full(o_r.shape, 8, tl.int32)          # SYMMETRIC_ZERO
             else:
                 b_z = tl.load(zw + o_r * s_sw + kk // G, mask=m_g, other=0).to(tl.int32)
-            if SLICES == _PAIRED:
+            if SLICES == _FMA:
+                b_o = (b_z.to(tl.float32) + 8388608.0)[:, None]
+                b_acc = _fma_group(b_acc, b_q, b_o, b_s, x0, s_x, T, o_c, K, perm)
+            elif SLICES == _PAIRED:
                 b_x = _x_tile(p_x, m_x, o_c * 8, K, perm)
                 n0, n1, n2, n3, n4, n5, n6, n7 = nibbles(b_q, b_z, b_x)
                 b_d = tl.dot(n0, b_x, input_precision="ieee")

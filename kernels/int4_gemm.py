@@ -53,7 +53,8 @@ def _gemm_kernel(x, w, sw, y, T, N, K, s_x, s_w, s_sw, s_y, BM: tl.constexpr, BN
 
 def gemm_triton(x: torch.Tensor, w: GroupInt4, tile: tuple[int, int, int, int, int] = TILE,
                 plan: ProductPlan | None = None) -> torch.Tensor:
-    """`plan`: its int4_form (int4.form_args); the reshape form where it names none."""
+    """`plan`: its int4_form (int4.form_args); the reshape form where it names none or the fma
+    form (one row at a time: many rows are the dots' work)."""
     T, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K and x.stride(1) == 1, f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
@@ -64,7 +65,7 @@ def gemm_triton(x: torch.Tensor, w: GroupInt4, tile: tuple[int, int, int, int, i
     _gemm_kernel[(triton.cdiv(T, BM), triton.cdiv(N, BN))](
         x, w.w, w.scale, y, T, N, K, x.stride(0), w.w.stride(0), w.scale.stride(0), y.stride(0),
         BM=BM, BN=BN, BK=BK, G=w.group, zw=w.zero, perm=w.perm,
-        **form_args(BK, w.group, plan.int4_form if plan is not None and plan.int4_form is not None else "reshape"),
+        **form_args(BK, w.group, plan.int4_form if plan is not None and plan.int4_form not in (None, "fma") else "reshape"),
         num_warps=warps, num_stages=stages)
     return y
 

@@ -409,6 +409,9 @@ def _int4_args(w, shared, n_experts: int, rows: int, K: int, BK: int, form: str)
             identity = _identity[key]
             perm = identity if perm is None else perm
             perm2 = identity[0] if perm2 is None else perm2
+    # the fma form multiplies rows one at a time: a block's many pairs would unroll into a kernel
+    # too long to compile; the experts take its nearest dot form
+    form = "pairs" if form == "fma" else form
     return dict(G=w.group, s_w=K // 8, zw=w.zero, perm=perm, zw2=zw2, perm2=perm2, **form_args(BK, w.group, form))
 
 
