@@ -195,7 +195,9 @@ def form_args(BK: int, G: int, form: str) -> dict:
     "fma": no tensor cores. Each nibble becomes a float32 by bits (`_fma_group`) and each row of x
     is multiplied in turn on the CUDA cores, a chain of fmas over the nibbles: the work grows with
     the rows instead of being a 16-row dot whatever T, so a kernel in this form is compiled for
-    rows_for(T) rows, and row r's arithmetic is the same in every such kernel. Any group size."""
+    rows_for(T) rows, and row r's arithmetic is the same in every such kernel. Any group size.
+    Measured slower than the dot forms but for the SwiGLU at one row (H200, docs/PERFORMANCE.md):
+    a candidate for benchmarks, no product's default."""
     assert form in FORMS, f"a 4-bit unpack form is one of {FORMS}, not {form!r}"
     BG = sub_tile(BK, G)
     if form == "fma":
