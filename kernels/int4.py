@@ -177,12 +177,12 @@ def sub_tile(BK: int, G: int) -> int:
 
 
 FORMS = ("reshape", "slices", "pairs", "fma")   # how a tile's words are unpacked (ProductPlan.int4_form)
-RESHAPED, SLICED, PAIRED, FMA = range(4)  # form_args' SLICES: the form a kernel compiles
+RESHAPED, SLICED, PAIRED, FMA = range(4)  # form_args' UNPACK: the form a kernel compiles
 
 
 def form_args(BK: int, G: int, form: str) -> dict:
     """The launch arguments of a 4-bit tile of BK columns in groups of G: BG, the columns of one
-    group's dot (sub_tile), and SLICES, the unpack form (RESHAPED, SLICED or PAIRED).
+    group's dot (sub_tile), and UNPACK, the unpack form (RESHAPED, SLICED, PAIRED or FMA).
     "reshape": the words [BN, BG / 8] expanded to the weights [BN, BG] (a layout change through
     shared memory), one dot a group. "slices": 8 dots a group, dot j over nibble j of every word
     ([BN, BG / 8]) against x's columns 8 i + j (x read with a stride of 8). "pairs": the slices'
@@ -201,10 +201,10 @@ def form_args(BK: int, G: int, form: str) -> dict:
     assert form in FORMS, f"a 4-bit unpack form is one of {FORMS}, not {form!r}"
     BG = sub_tile(BK, G)
     if form == "fma":
-        return dict(BG=BG, SLICES=FMA)
+        return dict(BG=BG, UNPACK=FMA)
     if form == "reshape" or BG // PACK < 16:
-        return dict(BG=BG, SLICES=RESHAPED)
-    return dict(BG=BG, SLICES=PAIRED if form == "pairs" and not interpreting() else SLICED)
+        return dict(BG=BG, UNPACK=RESHAPED)
+    return dict(BG=BG, UNPACK=PAIRED if form == "pairs" and not interpreting() else SLICED)
 
 
 def measured(product: str, N: int, K: int) -> tuple[tuple[int, int, int, int], str]:
@@ -233,8 +233,8 @@ def measured(product: str, N: int, K: int) -> tuple[tuple[int, int, int, int], s
 
 def rows_for(T: int, args: dict, rows: int) -> int:
     """The rows a product kernel is compiled for (its BT): `rows` (every T alike, the dot's 16),
-    or in the fma form (form_args' SLICES) the power of 2 at or above T."""
-    return triton.next_power_of_2(T) if args.get("SLICES") == FMA else rows
+    or in the fma form (form_args' UNPACK) the power of 2 at or above T."""
+    return triton.next_power_of_2(T) if args.get("UNPACK") == FMA else rows
 
 
 def form_of(form: str | None, product: str, N: int, K: int) -> str:
@@ -379,12 +379,12 @@ if tl is not None:
 
     @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
-                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr = 0,
+                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0,
                  x0=None, s_x=0, T=0):
         """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
         whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
         BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
-        perm (not None): column c of the weight reads x's column perm[c]. SLICES: the unpack form
+        perm (not None): column c of the weight reads x's column perm[c]. UNPACK: the unpack form
         (form_args): one dot a group, or 8 over the words' nibbles, made one or two at a time; or
         (fma) rows one at a time on the CUDA cores, x's row r at x0 + r s_x, T rows."""
         for i in tl.static_range(BK // BG):
@@ -397,10 +397,10 @@ if tl is not None:
                 b_z = tl.full(o_r.shape, 8, tl.int32)          # SYMMETRIC_ZERO
             else:
                 b_z = tl.load(zw + o_r * s_sw + kk // G, mask=m_g, other=0).to(tl.int32)
-            if SLICES == _FMA:
+            if UNPACK == _FMA:
                 b_o = (b_z.to(tl.float32) + 8388608.0)[:, None]
                 b_acc = _fma_group(b_acc, b_q, b_o, b_s, x0, s_x, T, o_c, K, perm)
-            elif SLICES == _PAIRED:
+            elif UNPACK == _PAIRED:
                 b_x = _x_tile(p_x, m_x, o_c * 8, K, perm)
                 n0, n1, n2, n3, n4, n5, n6, n7 = nibbles(b_q, b_z, b_x)
                 b_d = tl.dot(n0, b_x, input_precision="ieee")
@@ -412,7 +412,7 @@ if tl is not None:
                 b_d = tl.dot(n6, _x_tile(p_x, m_x, o_c * 8 + 6, K, perm), b_d, input_precision="ieee")
                 b_d = tl.dot(n7, _x_tile(p_x, m_x, o_c * 8 + 7, K, perm), b_d, input_precision="ieee")
                 b_acc += b_s[:, None] * b_d
-            elif SLICES == _SLICED:
+            elif UNPACK == _SLICED:
                 b_x = _x_tile(p_x, m_x, o_c * 8, K, perm)
                 b_d = tl.dot(widen_nibble(b_q, 0, b_z, b_x), b_x, input_precision="ieee")
                 for j in tl.static_range(1, 8):

@@ -38,7 +38,7 @@ def gemm_ref(x: torch.Tensor, w: GroupInt4) -> torch.Tensor:
 
 @triton.jit
 def _gemm_kernel(x, w, sw, y, T, N, K, s_x, s_w, s_sw, s_y, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, zw=None, perm=None, SLICES: tl.constexpr = False):
+                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, zw=None, perm=None, UNPACK: tl.constexpr = False):
     # program (i_m, i_n): rows i_m BM.. of x, weight rows i_n BN..; acc [BN, BM] is yᵀ's tile
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     o_m = i_m * BM + tl.arange(0, BM)
@@ -47,7 +47,7 @@ def _gemm_kernel(x, w, sw, y, T, N, K, s_x, s_w, s_sw, s_y, BM: tl.constexpr, BN
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for k in range(0, K, BK):
         acc = dot_int4(acc, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + o_m[None, :] * s_x, m_m, k, K, BK, G, BG,
-                       SLICES)
+                       UNPACK)
     tl.store(y + o_m[None, :] * s_y + o_n[:, None], acc.to(y.dtype.element_ty), mask=m_n[:, None] & m_m[None, :])
 
 

@@ -70,7 +70,7 @@ for name, fn, consts, types in variants():
         for extra in ({}, dict(zw=None, perm=None, zw2=None, perm2=None)):
             if form != "reshape" and (fn, form, not extra) in seen:
                 continue
-            c_ = dict(consts, SLICES=int4.FORMS.index(form), **extra)
+            c_ = dict(consts, UNPACK=int4.FORMS.index(form), **extra)
             if form == "fma":
                 c_["BT"] = 4
             first = (fn, form) not in seen

@@ -109,17 +109,17 @@ def slices_plan(form: str = "slices") -> ProductPlan:
 
 
 def test_the_slices_form_takes_dots_of_16_words_or_more():
-    assert int4.form_args(512, 128, "slices") == dict(BG=128, SLICES=int4.SLICED)
-    assert int4.form_args(128, 256, "slices") == dict(BG=128, SLICES=int4.SLICED)
-    assert int4.form_args(256, 64, "slices") == dict(BG=64, SLICES=int4.RESHAPED)   # 8 words a group: reshape
-    assert int4.form_args(256, 64, "pairs") == dict(BG=64, SLICES=int4.RESHAPED)
-    assert int4.form_args(512, 128, "reshape") == dict(BG=128, SLICES=int4.RESHAPED)
-    assert int4.form_args(256, 32, "fma") == dict(BG=32, SLICES=int4.FMA)          # any group
-    assert [int4.rows_for(T, dict(SLICES=int4.FMA), 16) for T in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
-    assert int4.rows_for(3, dict(SLICES=int4.PAIRED), 16) == 16
+    assert int4.form_args(512, 128, "slices") == dict(BG=128, UNPACK=int4.SLICED)
+    assert int4.form_args(128, 256, "slices") == dict(BG=128, UNPACK=int4.SLICED)
+    assert int4.form_args(256, 64, "slices") == dict(BG=64, UNPACK=int4.RESHAPED)   # 8 words a group: reshape
+    assert int4.form_args(256, 64, "pairs") == dict(BG=64, UNPACK=int4.RESHAPED)
+    assert int4.form_args(512, 128, "reshape") == dict(BG=128, UNPACK=int4.RESHAPED)
+    assert int4.form_args(256, 32, "fma") == dict(BG=32, UNPACK=int4.FMA)          # any group
+    assert [int4.rows_for(T, dict(UNPACK=int4.FMA), 16) for T in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
+    assert int4.rows_for(3, dict(UNPACK=int4.PAIRED), 16) == 16
     # pairs' inline assembly exists only compiled: the interpreter takes the slices' same integers
     assert int4.form_args(512, 128, "pairs") == dict(
-        BG=128, SLICES=int4.SLICED if int4.interpreting() else int4.PAIRED)
+        BG=128, UNPACK=int4.SLICED if int4.interpreting() else int4.PAIRED)
     with pytest.raises(AssertionError, match="form"):
         int4.form_args(512, 128, "nibbles")
 
