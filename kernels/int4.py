@@ -178,6 +178,7 @@ def sub_tile(BK: int, G: int) -> int:
 
 FORMS = ("reshape", "slices", "pairs", "fma")   # how a tile's words are unpacked (ProductPlan.int4_form)
 RESHAPED, SLICED, PAIRED, FMA = range(4)  # form_args' UNPACK: the form a kernel compiles
+FMA_COLUMNS = 32      # the fma form's step: 4 words a row, one 16-byte load, all in one thread
 
 
 def form_args(BK: int, G: int, form: str) -> dict:
@@ -201,7 +202,7 @@ def form_args(BK: int, G: int, form: str) -> dict:
     assert form in FORMS, f"a 4-bit unpack form is one of {FORMS}, not {form!r}"
     BG = sub_tile(BK, G)
     if form == "fma":
-        return dict(BG=BG, UNPACK=FMA)
+        return dict(BG=min(BG, FMA_COLUMNS), UNPACK=FMA)
     if form == "reshape" or BG // PACK < 16:
         return dict(BG=BG, UNPACK=RESHAPED)
     return dict(BG=BG, UNPACK=PAIRED if form == "pairs" and not interpreting() else SLICED)
@@ -337,24 +338,36 @@ if tl is not None:
         return (((b_q >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - b_o
 
     @triton.jit
-    def _x_row(x0, s_x, r: tl.constexpr, T, cols, K, perm):
-        """Row r of x (at x0 + r s_x; nothing read unless r < T) at the weight columns `cols` [W],
-        through perm where there is one, in float32."""
-        x_r = x0 + r * s_x
-        m_k = (cols < K) & (tl.full(cols.shape, r, tl.int32) < T)
+    def _x_words(x0, s_x, r: tl.constexpr, T, kk, K, perm, W: tl.constexpr):
+        """Row r of x (at x0 + r s_x; nothing read unless r < T and kk < K) at the weight columns
+        kk .. kk + 8 W, through perm where there is one, in float32: the 8 tensors [W] of the
+        columns 8 w + j, j = 0 .. 7. One contiguous read of 8 W values (the same for every
+        thread), split in registers."""
+        o_k = kk + tl.arange(0, 8 * W)
+        m_k = (o_k < K) & (tl.full(o_k.shape, r, tl.int32) < T)
         if perm is None:
-            o_x = cols
+            o_x = o_k
         else:
-            o_x = tl.load(perm + cols, mask=m_k, other=0)
-        return tl.load(x_r + o_x, mask=m_k, other=0.).to(tl.float32)
+            o_x = tl.load(perm + o_k, mask=m_k, other=0)
+        b_x = tl.load(x0 + r * s_x + o_x, mask=m_k, other=0.).to(tl.float32)
+        e, o = tl.split(tl.reshape(b_x, [W, 2, 2, 2]))          # column 8 w + 4 a + 2 b + c: c = 0, 1
+        e0, e1 = tl.split(e)                                    # b = 0, 1 (c = 0)
+        o0, o1 = tl.split(o)
+        x0_, x4 = tl.split(e0)                                  # a = 0, 1: j = 0, 4
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        return x0_, x1, x2, x3, x4, x5, x6, x7
 
     @triton.jit
-    def _fma_group(b_acc, b_q, b_o, b_s, x0, s_x, T, o_c, K, perm):
-        """b_acc [BN, BT] + one group's words b_q [BN, W] times x's rows on the CUDA cores (the fma
-        form, form_args), b_o [BN, 1] = 2^23 + zero, b_s [BN] the scales; x's row r at x0 + r s_x,
-        rows T and on read as 0. Row r's group sum is a chain of fmas over the 8 nibbles, summed
-        over the words, times the scale: the same work for row r whatever BT."""
+    def _fma_group(b_acc, b_q, b_o, b_s, x0, s_x, T, kk, K, perm):
+        """b_acc [BN, BT] + a sub-tile's words b_q [BN, W] (form_args: FMA_COLUMNS weights, each
+        row's words in one thread) times x's rows on the CUDA cores, b_o [BN, 1] = 2^23 + zero,
+        b_s [BN] the scales; x's row r at x0 + r s_x, rows T and on read as 0. Row r's sum is a
+        chain of fmas over the 8 nibbles, summed over the words, times the scale: the same work
+        for row r whatever BT."""
         BT: tl.constexpr = b_acc.shape[1]
+        W: tl.constexpr = b_q.shape[1]
         o_t = tl.arange(0, BT)
         v0 = _nibble_f32(b_q, 0, b_o)
         v1 = _nibble_f32(b_q, 1, b_o)
@@ -364,16 +377,16 @@ if tl is not None:
         v5 = _nibble_f32(b_q, 5, b_o)
         v6 = _nibble_f32(b_q, 6, b_o)
         v7 = _nibble_f32(b_q, 7, b_o)
-        c = o_c * 8
         for r in tl.static_range(BT):
-            b_p = v0 * _x_row(x0, s_x, r, T, c, K, perm)[None, :]
-            b_p = tl.fma(v1, _x_row(x0, s_x, r, T, c + 1, K, perm)[None, :], b_p)
-            b_p = tl.fma(v2, _x_row(x0, s_x, r, T, c + 2, K, perm)[None, :], b_p)
-            b_p = tl.fma(v3, _x_row(x0, s_x, r, T, c + 3, K, perm)[None, :], b_p)
-            b_p = tl.fma(v4, _x_row(x0, s_x, r, T, c + 4, K, perm)[None, :], b_p)
-            b_p = tl.fma(v5, _x_row(x0, s_x, r, T, c + 5, K, perm)[None, :], b_p)
-            b_p = tl.fma(v6, _x_row(x0, s_x, r, T, c + 6, K, perm)[None, :], b_p)
-            b_p = tl.fma(v7, _x_row(x0, s_x, r, T, c + 7, K, perm)[None, :], b_p)
+            y0, y1, y2, y3, y4, y5, y6, y7 = _x_words(x0, s_x, r, T, kk, K, perm, W)
+            b_p = v0 * y0[None, :]
+            b_p = tl.fma(v1, y1[None, :], b_p)
+            b_p = tl.fma(v2, y2[None, :], b_p)
+            b_p = tl.fma(v3, y3[None, :], b_p)
+            b_p = tl.fma(v4, y4[None, :], b_p)
+            b_p = tl.fma(v5, y5[None, :], b_p)
+            b_p = tl.fma(v6, y6[None, :], b_p)
+            b_p = tl.fma(v7, y7[None, :], b_p)
             b_acc += tl.where(o_t[None, :] == r, (b_s * tl.sum(b_p, axis=1))[:, None], 0.)
         return b_acc
 
@@ -390,8 +403,15 @@ if tl is not None:
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
             o_c = kk // 8 + tl.arange(0, BG // 8)
+            if UNPACK == _FMA:
+                # a row's BG / 8 words lie together at a multiple of them (k steps by BK, BK by BG):
+                # one vector load a row, in one thread
+                o_c = tl.max_contiguous(tl.multiple_of(o_c, BG // 8), BG // 8)
             m_g = m_r & (tl.full(o_r.shape, kk, tl.int32) < K)   # K is whole groups: a sub-tile lies in K or past it
-            b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)
+            if UNPACK == _FMA:      # a sub-tile lies wholly in K or past it: the row mask alone, one vector
+                b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None], other=0)
+            else:
+                b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)
             b_s = tl.load(sw + o_r * s_sw + kk // G, mask=m_g, other=0.).to(tl.float32)
             if zw is None:
                 b_z = tl.full(o_r.shape, 8, tl.int32)          # SYMMETRIC_ZERO
@@ -399,7 +419,7 @@ if tl is not None:
                 b_z = tl.load(zw + o_r * s_sw + kk // G, mask=m_g, other=0).to(tl.int32)
             if UNPACK == _FMA:
                 b_o = (b_z.to(tl.float32) + 8388608.0)[:, None]
-                b_acc = _fma_group(b_acc, b_q, b_o, b_s, x0, s_x, T, o_c, K, perm)
+                b_acc = _fma_group(b_acc, b_q, b_o, b_s, x0, s_x, T, kk, K, perm)
             elif UNPACK == _PAIRED:
                 b_x = _x_tile(p_x, m_x, o_c * 8, K, perm)
                 n0, n1, n2, n3, n4, n5, n6, n7 = nibbles(b_q, b_z, b_x)

@@ -103,12 +103,20 @@ def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+# the fma form's tiles: a thread takes whole rows' words, so BN rows / (32 x warps) rows a thread;
+# its loads are not pipelined through shared memory (1 stage)
+FMA_CANDIDATES = {"plain": [(256, 512, 4, 1), (128, 512, 4, 1), (512, 256, 4, 1), (256, 256, 8, 1)],
+                  "swiglu": [(128, 512, 4, 1), (64, 512, 4, 1), (256, 256, 4, 1)],
+                  "split": [(256, 512, 4, 1), (128, 512, 4, 1), (256, 256, 8, 1)]}
+
+
 def candidates(kind: str, base: ProductPlan, quick: bool, forms=int4.FORMS):
     """(label, plan) of each candidate tile in each unpack form; the default tile alone with --quick."""
-    for tile in CANDIDATES[kind][:1] if quick else CANDIDATES[kind]:
-        for form in forms:
-            if form == "fma" and kind == "expert":
-                continue                            # the experts take fma as pairs (kernels/moe.py)
+    for form in forms:
+        if form == "fma" and kind == "expert":
+            continue                                # the experts take fma as pairs (kernels/moe.py)
+        tiles = FMA_CANDIDATES[kind] if form == "fma" else CANDIDATES[kind]
+        for tile in tiles[:1] if quick else tiles:
             yield f"{tile} {form}", dataclasses.replace(base, int4_tiles=rule(kind, tile), int4_form=form)
 
 
