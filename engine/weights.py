@@ -44,9 +44,10 @@ from torch import nn
 from mtpchat.engine import int4_checkpoint
 from mtpchat.engine.config import Int4Format, ModelConfig, UnsupportedFormat
 from mtpchat.engine.events import LoadProgress
-from mtpchat.kernels.fp8 import BLOCK, FP8, BlockFP8, dequantize_ref, quantize_ref, scale_shape
+from mtpchat.kernels.forms import dense_ref
+from mtpchat.kernels.fp8 import BLOCK, FP8, BlockFP8, quantize_ref, scale_shape
 from mtpchat.kernels.int4 import PACK, GroupInt4
-from mtpchat.kernels.int4 import dequantize_ref as int4_dequantize, quantize_ref as int4_quantize
+from mtpchat.kernels.int4 import quantize_ref as int4_quantize
 
 TEXT_PREFIX = "model.language_model."
 MTP_PREFIX = "mtp."
@@ -514,6 +515,11 @@ def _read(f, shard: str, name: str, place: Place, folder: Path, weight_map: dict
     return f.get_tensor(name)
 
 
+def _on(t, device):
+    """A BlockFP8's or GroupInt4's tensors on `device`."""
+    return type(t)(*(None if x is None else x.to(device) for x in t))
+
+
 def _put(dest, offset: int, t, device, name: str = ""):
     """Copy one checkpoint tensor into rows offset.. of its parameter: FP8 or 4 bits as they are,
     bf16 (and FP8, through float32) quantized on the device into an FP8 or 4-bit parameter, FP8 and
@@ -525,7 +531,7 @@ def _put(dest, offset: int, t, device, name: str = ""):
                                    "says desc_act false; the config does not belong to these weights")
             q = t
         else:
-            w = dequantize_ref(BlockFP8(t.w.to(device), t.scale.to(device))) if isinstance(t, BlockFP8) else t.to(device)
+            w = dense_ref(_on(t, device)) if isinstance(t, BlockFP8) else t.to(device)
             q = int4_quantize(w.reshape(-1, w.shape[-1]), dest.group, True, dest.scale.dtype)
         rows = q.w.shape[0]
         for part, value in zip(dest[:3], q[:3]):
@@ -538,10 +544,8 @@ def _put(dest, offset: int, t, device, name: str = ""):
         dest.w[offset:offset + q.w.shape[0]].copy_(q.w)
         dest.scale[b:b + q.scale.shape[0]].copy_(q.scale)
         return
-    if isinstance(t, GroupInt4):
-        t = int4_dequantize(GroupInt4(*(None if x is None else x.to(device) for x in t)), dest.dtype)
-    elif isinstance(t, BlockFP8):
-        t = dequantize_ref(BlockFP8(t.w.to(device), t.scale.to(device)), dest.dtype)
+    if isinstance(t, (GroupInt4, BlockFP8)):
+        t = dense_ref(_on(t, device), dest.dtype)
     t = t.reshape(-1, *dest.shape[1:]) if dest.dim() > 1 else t
     dest[offset:offset + t.shape[0]].copy_(t)
 
