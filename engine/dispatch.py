@@ -93,8 +93,9 @@ def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
     draft) each row's result is that of a 1-row call: the batch-invariant matvec kernel on the GPU,
     in the plan's form (it also takes a Normed x, see add_norm, and FP8 or 4-bit weights, scaled in
     registers), one product per row on the CPU. A prefill over FP8 weights on the GPU runs on the
-    FP8 tensor cores (fp8_gemm.py), over 4-bit ones in int4_gemm.py (widened in registers); on the
-    CPU it is the product of the dequantized weight."""
+    FP8 tensor cores (fp8_gemm.py), over 4-bit ones in int4_gemm.py (the plan's int4_prefill: a
+    dequantized slab and torch's matmul, or the tiles widened in registers); on the CPU it is the
+    product of the dequantized weight."""
     if isinstance(x, Normed) or (rowwise and x.is_cuda):
         return matvec(x, w, plan=products)
     if not rowwise and use_triton(x, values_of(w)):

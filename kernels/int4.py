@@ -151,7 +151,8 @@ def permute_columns(q: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 # The zero costs one bf16 subtraction a weight (for a symmetric weight 128 + 8 is a constant);
 # taking it out of the dot (128 + q against x, less (128 + zero) times the group's sum of x after
 # it) would save that but lose precision to the cancellation, so it stays. How the words become
-# the dots' operands is the plan's choice (form_args: "reshape" or "slices").
+# the dots' operands is the plan's choice (form_args: "reshape", "slices", "pairs"), or there are
+# no dots at all ("fma").
 
 def check_int4(w: GroupInt4, K: int) -> None:
     """The layout the 4-bit product kernels read (the module docstring), for a weight of K columns."""
@@ -387,7 +388,8 @@ if tl is not None:
             b_p = tl.fma(v5, y5[None, :], b_p)
             b_p = tl.fma(v6, y6[None, :], b_p)
             b_p = tl.fma(v7, y7[None, :], b_p)
-            b_acc += tl.where(o_t[None, :] == r, (b_s * tl.sum(b_p, axis=1))[:, None], 0.)
+            # one fma, written out: left to the compiler, mul and add fuse or not as the tile and BT fall
+            b_acc = tl.where(o_t[None, :] == r, tl.fma(b_s[:, None], tl.sum(b_p, axis=1)[:, None], b_acc), b_acc)
         return b_acc
 
     @triton.jit

@@ -46,8 +46,8 @@ class ProductPlan:
     split_tiles: SplitRule | None = None
     expert_tiles: ExpertRule | None = None  # the MoE expert products' tiles (tests/bench/bench_moe.py)
     int4_tiles: Int4Rule | None = None      # every product's tiles over 4-bit weights (tests/bench/bench_int4.py)
-    int4_form: str | None = None    # how every 4-bit tile unpacks for the dots (int4.form_args: "reshape",
-                                    # "slices", "pairs"); None: each product's measured form (int4.measured)
+    int4_form: str | None = None    # how every 4-bit tile unpacks (int4.form_args: "reshape", "slices", "pairs",
+                                    # "fma"); None: each product's measured form (int4.measured)
     int4_prefill: str = "dense"     # prefill's 4-bit products (kernels/int4_gemm.py): "dense" (a dequantized
                                     # slab, then torch's matmul: 1.27-1.34 x bf16 at 2048 rows, H100) or "fused"
                                     # (unpacked in the dot's registers: 5.3 x; tests/bench/bench_int4.py)

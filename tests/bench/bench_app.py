@@ -189,8 +189,10 @@ def bench(a) -> dict:
         return recorded(diag.watch(events) if diag else events, replies[-1])
 
     def recorded(events, into: list):
+        from mtpchat.engine.events import Step
         for event in events:
-            into.extend(getattr(event, "token_ids", ()))
+            if isinstance(event, Step):
+                into.extend(event.token_ids)
             yield event
     engine.generate = generate_all
     think = a.think == "on"
@@ -257,13 +259,14 @@ def bench(a) -> dict:
                              f"{len(ids)}: app {prompts[-1][at:at + 8]}, headless {list(ids)[at:at + 8]}")
         if replies[-1] != reference:
             at = next((i for i, (p, q) in enumerate(zip(replies[-1], reference)) if p != q), len(reference))
-            raise SystemExit(f"the app's greedy reply differs from headless at token {at}: the profile "
-                             "drafter's drafts (the headless reply's) would not measure the app")
-        replies = [m for m in store.messages(app.session_id) if m.role == "assistant"]
-        if len(replies) != 1 or (replies[0].stats or {}).get("new_tokens") != a.tokens:
-            raise SystemExit(f"the app's reply is not {a.tokens} tokens: {[m.stats for m in replies]}; "
+            raise SystemExit(f"the app's greedy reply differs from headless at token {at} ({len(replies[-1])} "
+                             f"against {len(reference)} tokens): the profile drafter's drafts (the headless "
+                             "reply's) would not measure the app")
+        stored = [m for m in store.messages(app.session_id) if m.role == "assistant"]
+        if len(stored) != 1 or (stored[0].stats or {}).get("new_tokens") != a.tokens:
+            raise SystemExit(f"the app's reply is not {a.tokens} tokens: {[m.stats for m in stored]}; "
                              f"its notices: {app.notices}")
-        msg = replies[0]
+        msg = stored[0]
         # text paints per second of decoding (the last, with the whole reply, comes after it)
         hz = (app.pacer.paints - paints - 1) / (msg.stats["decode_ms"] / 1e3)
         return [msg.stats["tokens_per_s"], msg.stats["mean_acceptance_length"], diag.report() if diag else {}, hz]
