@@ -20,7 +20,7 @@ What each part counts (27B numbers in bf16, see qwen35-model.md §9):
              halves of k_max+1 tokens x Hv x (dk + dv + 2) floats); 146.8 MiB for the state alone
   graph_pool activations of the captured decode / verify / draft steps (an estimate)
   workspace  prefill activations for one chunk and the float32 logits of a verify step (an estimate);
-             with 4-bit weights also prefill's slab of dequantized weight
+             with 4-bit weights also what prefill's dense products take (a slab of dequantized weight)
   snapshots  the decode-state snapshots kept for chat turns (engine/snapshots.py): each the GDN state
              as the model defines it plus one hidden row; 4 x 146.8 MiB for the 27B
 """
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from mtpchat.engine.config import Int4Format, ModelConfig, rtn_format
 from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocab_bytes
 from mtpchat.engine.units import fmt_bytes
-from mtpchat.kernels.int4_gemm import SLAB_BYTES
+from mtpchat.kernels.int4_gemm import dense_workspace
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 PREFILL_CHUNK = 2048         # tokens per prefill chunk on a GPU (the engine's default; the estimate's)
@@ -344,6 +344,12 @@ K_MAX = 8
 CAPTURED_K = 4
 
 
+def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:
+    """What prefill's dense 4-bit products take beside their outputs (kernels/int4_gemm.py): the
+    products' columns run from the hidden size up to the MLP's."""
+    return dense_workspace(chunk, cfg.hidden_size, max(cfg.hidden_size, cfg.intermediate_size), itemsize)
+
+
 def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="bfloat16",
                 mtp: bool = True, cuda_graphs: bool = True,
                 prefill_chunk: int = PREFILL_CHUNK, snapshots: int = DEFAULT_SNAPSHOTS,
@@ -369,7 +375,7 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
         gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
         graph_pool=sum(rows * act + _logits_bytes(cfg, rows) for rows in shapes) if cuda_graphs else 0,
         workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes))
-        + (SLAB_BYTES if int4 else 0),         # prefill's dequantized slab (kernels/int4_gemm.py)
+        + (_int4_prefill_bytes(cfg, min(prefill_chunk, max_context), dtype_bytes(dtype)) if int4 else 0),
         snapshots=snapshots * snapshot_bytes(cfg, dtype),
         max_context=max_context, k_max=k_max, mtp=mtp, dtype=str(dtype).removeprefix("torch."),
         bytes_per_token=per_token, weight_format="fp8" if fp8 else "int4" if int4 else str(dtype).removeprefix("torch."))

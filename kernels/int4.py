@@ -244,6 +244,17 @@ def form_of(form: str | None, product: str, N: int, K: int) -> str:
     return form if form is not None else measured(product, N, K)[1]
 
 
+# the fma form's tiles (BN, BK, warps, stages) where the plan names no rule: a thread takes whole
+# rows' words (4 warps, 2 rows a thread; a SwiGLU block reads 2 BN rows), its loads unpipelined
+FMA_TILES = {"plain": (256, 512, 4, 1), "swiglu": (128, 512, 4, 1), "split": (256, 512, 4, 1)}
+
+
+def tile_of(form: str | None, product: str, N: int, K: int) -> tuple[int, int, int, int]:
+    """The tile of a dense 4-bit product where the plan's rule gives none: the fma form's own, else
+    the measured one."""
+    return FMA_TILES[product] if form == "fma" else measured(product, N, K)[0]
+
+
 # The pairs form's unpacking, for bf16 (and fp16) x. One word holds nibbles 0 .. 7; masking the
 # word (shifted right by 4 p) with 0x000F000F keeps nibble p in the low half and nibble p + 4 in
 # the high one, and or-ing 0x4300 into each half makes the bf16 128 + q (fp16: 0x6400, 1024 + q),

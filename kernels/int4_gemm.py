@@ -134,6 +134,12 @@ def dense_gemm(x: torch.Tensor, w: GroupInt4, slab_bytes: int = SLAB_BYTES) -> t
     return y
 
 
+def dense_workspace(T: int, k_min: int, k_max: int, itemsize: int, slab_bytes: int = SLAB_BYTES) -> int:
+    """The most memory dense_gemm takes beside its output, for T rows and products of k_min .. k_max
+    columns: the slab, one slab's product before it is copied into place, x read through a perm."""
+    return slab_bytes + T * (slab_bytes // k_min) + T * k_max * itemsize
+
+
 def gemm(x: torch.Tensor, w: GroupInt4, plan: ProductPlan | None = None) -> torch.Tensor:
     """x [T, K] @ w [N, K]ᵀ -> [T, N] in x's dtype, for any number of rows: on CUDA the plan's
     int4_prefill form (the default plan's without one), the float32 reference otherwise."""

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, widen, widen_args
-from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, measured, rows_for
+from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, rows_for, tile_of
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 MAX_ROWS = 16
@@ -241,11 +241,12 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     --plans fp8glu). Two warps made the plain products slower (1.46 TB/s against 1.99).
 
     4-bit weights in groups of `group` columns (kernels/int4.py; BK counts weights, 2 a byte): the
-    plan's int4_tiles rule, else the measured tiles with their unpack forms (int4.measured)."""
+    plan's int4_tiles rule, else the measured tiles with their unpack forms (int4.measured; the fma
+    form's own, int4.tile_of)."""
     if group:
         product = "swiglu" if swiglu else "plain"
         chosen = plan.int4_tiles(product, N, K, group) if plan is not None and plan.int4_tiles is not None else None
-        return chosen or measured(product, N, K)[0]
+        return chosen or tile_of(plan.int4_form if plan is not None else None, product, N, K)
     chosen = plan.tiles(N, K, itemsize, swiglu, fp8) if plan is not None and plan.tiles is not None else None
     if chosen is not None:
         return chosen

@@ -16,7 +16,7 @@ import torch
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
-from mtpchat.kernels.int4 import measured as int4_measured, rows_for
+from mtpchat.kernels.int4 import rows_for, tile_of
 from mtpchat.kernels.int4 import GroupInt4, dot_int4
 from mtpchat.kernels.matvec import MAX_ROWS, Normed, _dot_tile, _format_args, arrival_counts, check_product
 from mtpchat.kernels.plan import ProductPlan, default_products
@@ -79,10 +79,10 @@ def split_config(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 
     all (240: the 27B's 5120-row products, 80 column blocks x 3). Tiles of 16 KB of w, 4 deep (80 KB
     of shared memory with x's), so that two programs fit on an SM and all 240 are resident at once
     on an H100; never a function of T. 4-bit weights in groups of `group` columns (kernels/int4.py):
-    the plan's int4_tiles rule ("split"), else the measured tile (int4.measured)."""
+    the plan's int4_tiles rule ("split"), else the measured tile (int4.tile_of)."""
     if group:
         chosen = plan.int4_tiles("split", N, K, group) if plan.int4_tiles is not None else None
-        BN, BK, warps, stages = int4_measured("split", N, K)[0]
+        BN, BK, warps, stages = tile_of(plan.int4_form, "split", N, K)
     else:
         chosen = plan.split_tiles(N, K, itemsize) if plan.split_tiles is not None else None
         BN, BK, warps, stages = 64, 256 // itemsize, 4, 4

@@ -141,7 +141,10 @@ def pairs_bits(word: int, zero: int, fp16: bool = False) -> list[int]:
 
 @pytest.mark.parametrize("fp16", [False, True])
 def test_the_pairs_arithmetic_gives_q_less_zero(fp16):
-    # the magic numbers and masks of int4._PAIRS_ASM, checked for every nibble and zero
+    # the arithmetic int4._PAIRS_ASM is written to do, modelled here in Python and torch halves for
+    # every nibble and zero, and its constants present in the assembly; the assembly itself (shifts,
+    # lop3's table, which result takes which half) is checked where it runs, on the GPU:
+    # test_int4_pairs_equal_slices_bit_for_bit
     dtype = torch.float16 if fp16 else torch.bfloat16
     g = torch.Generator().manual_seed(3)
     for word in [0x76543210, 0xFEDCBA98] + torch.randint(0, 1 << 32, (30,), generator=g).tolist():
