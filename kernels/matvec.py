@@ -352,12 +352,23 @@ def _format_args(x, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPlan, 
     return {}
 
 
+def permuted_once(x: torch.Tensor, w, plan: ProductPlan):
+    """(x, w) as a product takes them: with the plan's permute_x, a 4-bit weight's perm applied to
+    x's columns here, once (a gather of T x K values: column c of x' is x's column perm[c]), and the
+    weight read without it, in place of the gather of x's tile in every program's every tile. The
+    same values meet in the same order: the same sums, bit for bit."""
+    if plan.permute_x and isinstance(w, GroupInt4) and w.perm is not None and w.perm.dim() == 1:
+        return x.index_select(1, w.perm), w._replace(perm=None)
+    return x, w
+
+
 def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | None = None) -> torch.Tensor:
     N, K = w.shape
     x, scale = _scale_args(x, K)
+    plan = plan or default_products(x.device)
+    x, w = permuted_once(x, w, plan)
     w, sw, fp8 = check_product(x, w, K)
     y = _out(x, N, out)
-    plan = plan or default_products(x.device)
     BN, BK, warps, stages = tiles(N, K, x.element_size(), fp8=fp8["FP8"], plan=plan, group=fp8.get("G", 0))
     return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, False, plan)
 
@@ -385,12 +396,13 @@ def arrival_counts(device: torch.device, blocks: int) -> torch.Tensor:
 def matvec_swiglu_triton(x, w, plan: ProductPlan | None = None) -> torch.Tensor:
     N2, K = w.shape
     x, scale = _scale_args(x, K)
+    plan = plan or default_products(x.device)
+    x, w = permuted_once(x, w, plan)
     w, sw, fp8 = check_product(x, w, K)
     assert N2 % 2 == 0, "w must stack the gate and up rows"
     N = N2 // 2
     assert not fp8["FP8"] or N % BLOCK == 0, "FP8 gate rows must fill whole blocks, so the up rows start one"
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
-    plan = plan or default_products(x.device)
     BN, BK, warps, stages = tiles(N, K, x.element_size(), swiglu=True, fp8=fp8["FP8"], plan=plan,
                                   group=fp8.get("G", 0))
     return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, True, plan)

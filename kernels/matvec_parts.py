@@ -18,7 +18,8 @@ from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.int4 import rows_for, tile_of
 from mtpchat.kernels.int4 import GroupInt4, dot_int4
-from mtpchat.kernels.matvec import MAX_ROWS, Normed, _dot_tile, _format_args, arrival_counts, check_product
+from mtpchat.kernels.matvec import (MAX_ROWS, Normed, _dot_tile, _format_args, arrival_counts, check_product,
+                                    permuted_once)
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
@@ -132,9 +133,10 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
     h = x @ wᵀ + residual, finished block by block by each column block's last program. A residual
     of None adds nothing (h = x @ wᵀ: the MTP head's fc, which its layer's input norm reads)."""
     N, K = w.shape
+    plan = plan or default_products(x.device)
+    x, w = permuted_once(x, w, plan)
     w, sw, fp8 = check_product(x, w, K)
     T = x.shape[0]
-    plan = plan or default_products(x.device)
     G = fp8.get("G", 0)
     ranges = split_ranges(N, K, x.element_size(), plan, G)
     _, BN, BK, warps, stages = split_config(N, K, x.element_size(), plan, G)

@@ -167,6 +167,9 @@ def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: boo
             ws = [q] + ws4[1:] if form == "g128" else [q]
             t = graph_time(lambda i: run(x, ws[i % len(ws)], base), len(ws))
             row["int4"][form] = dict(us=t, err=err, l2_resident=len(ws) == 1 and q.nbytes() < 40e6)
+            if q.perm is not None:          # the perm applied to x once per call (ProductPlan.permute_x)
+                once = dataclasses.replace(base, permute_x=True)
+                row["int4"][form + ", x permuted once"] = dict(us=graph_time(lambda i: run(x, q, once), 1))
         t4 = row["int4"]["g128"]["us"]
         row.update(int4_us=t4, gbps=n4 / t4 / 1e3, of_copy_bw=(n4 / bw * 1e6) / t4)
         if T == Ts[0] and kind != "split":
@@ -189,7 +192,8 @@ def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: boo
         out.append(row)
         print(f"{name} [{N} x {K}] T={T}: bf16 {t_bf:.1f} us, fp8 {t_f8:.1f} us, int4 {t4:.1f} us "
               f"({row['gbps']:.0f} GB/s, {row['of_copy_bw']:.2f} of copy bw; {t4 / t_bf:.2f} x bf16, "
-              f"{t4 / t_f8:.2f} x fp8); zeros+perm {row['int4']['g128 zeros+perm']['us']:.1f} us, "
+              f"{t4 / t_f8:.2f} x fp8); zeros+perm {row['int4']['g128 zeros+perm']['us']:.1f} us "
+              f"({row['int4']['g128 zeros+perm, x permuted once']['us']:.1f} with x permuted once), "
               f"g32 {row['int4']['g32']['us']:.1f} us (one copy each)", flush=True)
         show(row["tiles"])
 

@@ -276,3 +276,20 @@ def test_int4_fma_form_27b_shapes_rows(N, K, group):
     if N != 5120:
         check(run(x[:5]), ref(x[:5], w), 2e-2)
     rows_equal(run, x)
+
+
+@pytest.mark.parametrize("form", ["reshape", "fma"])
+def test_perm_applied_to_x_once_gives_the_same_bits(device, form):
+    # ProductPlan.permute_x: x gathered through the perm once, the weight read without it
+    w = int4_weight(70, 640, device, 11, 128, False, True)
+    x = randn(3, 640, device=device, seed=12)
+    tiles = lambda product, N, K, group: (3, 16, 128, 4, 2) if product == "split" else None
+    base = ProductPlan(programs=6, int4_tiles=tiles, int4_form=form)
+    once = dataclasses.replace(base, permute_x=True)
+    assert torch.equal(matvec.matvec_triton(x, w, plan=once), matvec.matvec_triton(x, w, plan=base))
+    assert torch.equal(matvec.matvec_swiglu_triton(x, w, plan=once), matvec.matvec_swiglu_triton(x, w, plan=base))
+    n = normed(3, 640, torch.float32, device, torch.Generator().manual_seed(6))
+    assert torch.equal(matvec.matvec_triton(n, w, plan=once), matvec.matvec_triton(n, w, plan=base))
+    assert torch.equal(matvec_parts.matvec_parts_triton(x, w, plan=once), matvec_parts.matvec_parts_triton(x, w, plan=base))
+    x2, w2 = matvec.permuted_once(x, w, once)
+    assert w2.perm is None and torch.equal(x2, x[:, w.perm.long()])
