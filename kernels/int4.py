@@ -188,7 +188,7 @@ def form_args(BK: int, G: int, form: str) -> dict:
     "reshape": the words [BN, BG / 8] expanded to the weights [BN, BG] (a layout change through
     shared memory), one dot a group. "slices": 8 dots a group, dot j over nibble j of every word
     ([BN, BG / 8]) against x's columns 8 i + j (x read with a stride of 8). "pairs": the slices'
-    dots, their nibbles made two at a time in one 32-bit register (`nibbles`: about 1.4
+    dots, their nibbles made two at a time in one 32-bit register (`nibbles` with ASM: about 1.4
     instructions a weight against some 5), where the kernel runs compiled; the interpreter takes
     the slices, which give the same exact integers. A dot takes 16 columns at least, so groups
     (or tiles) of fewer than 128 columns keep the reshape form. Every form's weights are exact
@@ -211,8 +211,8 @@ def form_args(BK: int, G: int, form: str) -> dict:
 
 def measured(product: str, N: int, K: int) -> tuple[tuple[int, int, int, int], str]:
     """The tile (BN, BK in weights, warps, stages) and unpack form of a 4-bit product where the
-    plan names none, by the product ("plain", "swiglu", "split", "expert_swiglu", "expert_down")
-    and the weight's [N, K]. Measured on an H100 (tests/bench/bench_int4.py, 2026-11-25, T = 1,
+    plan names none, by the product ("plain", "swiglu", "split", "expert_swiglu", "expert_down";
+    any other, e.g. prefill's "gemm": the reshape form) and the weight's [N, K]. Measured on an H100 (tests/bench/bench_int4.py, 2026-11-25, T = 1,
     groups of 128, the best of each form in us; bf16 beside):
     - plain, the 27B's GDN in_proj [16384 x 5120]: reshape 64 x 512, 4 warps, 3 deep 58.4; pairs
       61.0 (32 x 1024: 67.9); slices 72.2 (bf16 57.5; the words alone, streamed by the tile's
@@ -239,14 +239,19 @@ def rows_for(T: int, args: dict, rows: int) -> int:
     return triton.next_power_of_2(T) if args.get("UNPACK") == FMA else rows
 
 
-def form_of(form: str | None, product: str, N: int, K: int) -> str:
-    """A plan's int4_form, or where it names none the product's measured one."""
-    return form if form is not None else measured(product, N, K)[1]
-
-
 # the fma form's tiles (BN, BK, warps, stages) where the plan names no rule: a thread takes whole
 # rows' words (4 warps, 2 rows a thread; a SwiGLU block reads 2 BN rows), its loads unpipelined
 FMA_TILES = {"plain": (256, 512, 4, 1), "swiglu": (128, 512, 4, 1), "split": (256, 512, 4, 1)}
+
+
+def form_of(form: str | None, product: str, N: int, K: int) -> str:
+    """A plan's int4_form, or where it names none the product's measured one. The fma form is the
+    few-row dense products' alone (FMA_TILES): the experts (a block's many pairs, one at a time,
+    would unroll into a kernel too long to compile) and prefill ("gemm", many rows) take their
+    measured form for it."""
+    if form is None or (form == "fma" and product not in FMA_TILES):
+        return measured(product, N, K)[1]
+    return form
 
 
 def tile_of(form: str | None, product: str, N: int, K: int) -> tuple[int, int, int, int]:
@@ -261,27 +266,21 @@ def tile_of(form: str | None, product: str, N: int, K: int) -> tuple[int, int, i
 # one lop3 for both. One fma of the pair, times 1 plus -(128 + zero), gives q - zero exactly. The
 # halves become two 16-bit results by renaming registers. Ampere and Ada have every instruction
 # (fma.rn.bf16x2 from sm_80).
-_PAIRS_ASM = """{
-.reg .b32 s, t, one;
-mov.b32 one, ONE;
-lop3.b32 t, $8, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TYPE t, t, one, $9;
-mov.b32 {$0, $4}, t;
-shr.u32 s, $8, 4;
-lop3.b32 t, s, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TYPE t, t, one, $9;
-mov.b32 {$1, $5}, t;
-shr.u32 s, $8, 8;
-lop3.b32 t, s, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TYPE t, t, one, $9;
-mov.b32 {$2, $6}, t;
-shr.u32 s, $8, 12;
-lop3.b32 t, s, 0x000F000F, MAGIC, 0xEA;
-fma.rn.TYPE t, t, one, $9;
-mov.b32 {$3, $7}, t;
-}"""
-PAIRS_BF16 = _PAIRS_ASM.replace("ONE", "0x3F803F80").replace("MAGIC", "0x43004300").replace("TYPE", "bf16x2")
-PAIRS_FP16 = _PAIRS_ASM.replace("ONE", "0x3C003C00").replace("MAGIC", "0x64006400").replace("TYPE", "f16x2")
+def _pairs_asm(one: str, magic: str, fma: str) -> str:
+    """The pairs form's assembly: word $8 -> nibble p in $p and nibble p + 4 in $(p + 4), each less
+    the zero ($9, the pair -(magic + zero))."""
+    lines = [".reg .b32 s, t, one;", f"mov.b32 one, {one};"]
+    for p in range(4):
+        if p:
+            lines.append(f"shr.u32 s, $8, {4 * p};")
+        lines += [f"lop3.b32 t, {'s' if p else '$8'}, 0x000F000F, {magic}, 0xEA;",   # (word & mask) | magic
+                  f"fma.rn.{fma} t, t, one, $9;",
+                  f"mov.b32 {{${p}, ${p + 4}}}, t;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+PAIRS_BF16 = _pairs_asm("0x3F803F80", "0x43004300", "bf16x2")
+PAIRS_FP16 = _pairs_asm("0x3C003C00", "0x64006400", "f16x2")
 
 
 if tl is not None:
@@ -313,15 +312,16 @@ if tl is not None:
         return _less_zero((b_q >> (4 * j)) & 0xF, b_z, b_x)
 
     @triton.jit
-    def nibbles(b_q, b_z, b_x):
+    def nibbles(b_q, b_z, b_x, ASM: tl.constexpr):
         """Words [BN, W] -> their 8 nibbles as 8 tensors [BN, W] of q - zero in b_x's dtype (b_z
-        [BN] int32), two a register (_PAIRS_ASM); float32 x takes widen_nibble's."""
-        if b_x.dtype == tl.bfloat16:
+        [BN] int32): with ASM two a register (the pairs' assembly), where x is bf16 or fp16; else
+        one at a time (widen_nibble). The same integers either way."""
+        if ASM and b_x.dtype == tl.bfloat16:
             b_m = (b_z | 0xC300)[:, None] + tl.zeros(b_q.shape, tl.int32)  # bf16 -(128 + zero)
             return tl.inline_asm_elementwise(_PAIRS_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
                                              [b_q, b_m | (b_m << 16)], dtype=(tl.bfloat16,) * 8,
                                              is_pure=True, pack=1)
-        elif b_x.dtype == tl.float16:
+        elif ASM and b_x.dtype == tl.float16:
             b_m = (b_z | 0xE400)[:, None] + tl.zeros(b_q.shape, tl.int32)  # fp16 -(1024 + zero)
             return tl.inline_asm_elementwise(_PAIRS_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
                                              [b_q, b_m | (b_m << 16)], dtype=(tl.float16,) * 8,
@@ -416,12 +416,11 @@ if tl is not None:
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
             o_c = kk // 8 + tl.arange(0, BG // 8)
-            if UNPACK == _FMA:
-                # a row's BG / 8 words lie together at a multiple of them (k steps by BK, BK by BG):
-                # one vector load a row, in one thread
-                o_c = tl.max_contiguous(tl.multiple_of(o_c, BG // 8), BG // 8)
             m_g = m_r & (tl.full(o_r.shape, kk, tl.int32) < K)   # K is whole groups: a sub-tile lies in K or past it
-            if UNPACK == _FMA:      # a sub-tile lies wholly in K or past it: the row mask alone, one vector
+            if UNPACK == _FMA:
+                # a row's BG / 8 words lie together at a multiple of them (k steps by BK, BK by BG),
+                # wholly in K or past it: the row mask alone, one vector load a row, in one thread
+                o_c = tl.max_contiguous(tl.multiple_of(o_c, BG // 8), BG // 8)
                 b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None], other=0)
             else:
                 b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)
@@ -433,9 +432,9 @@ if tl is not None:
             if UNPACK == _FMA:
                 b_o = (b_z.to(tl.float32) + 8388608.0)[:, None]
                 b_acc = _fma_group(b_acc, b_q, b_o, b_s, x0, s_x, T, kk, K, perm)
-            elif UNPACK == _PAIRED:
+            elif UNPACK == _PAIRED or UNPACK == _SLICED:
                 b_x = _x_tile(p_x, m_x, o_c * 8, K, perm)
-                n0, n1, n2, n3, n4, n5, n6, n7 = nibbles(b_q, b_z, b_x)
+                n0, n1, n2, n3, n4, n5, n6, n7 = nibbles(b_q, b_z, b_x, UNPACK == _PAIRED)
                 b_d = tl.dot(n0, b_x, input_precision="ieee")
                 b_d = tl.dot(n1, _x_tile(p_x, m_x, o_c * 8 + 1, K, perm), b_d, input_precision="ieee")
                 b_d = tl.dot(n2, _x_tile(p_x, m_x, o_c * 8 + 2, K, perm), b_d, input_precision="ieee")
@@ -444,13 +443,6 @@ if tl is not None:
                 b_d = tl.dot(n5, _x_tile(p_x, m_x, o_c * 8 + 5, K, perm), b_d, input_precision="ieee")
                 b_d = tl.dot(n6, _x_tile(p_x, m_x, o_c * 8 + 6, K, perm), b_d, input_precision="ieee")
                 b_d = tl.dot(n7, _x_tile(p_x, m_x, o_c * 8 + 7, K, perm), b_d, input_precision="ieee")
-                b_acc += b_s[:, None] * b_d
-            elif UNPACK == _SLICED:
-                b_x = _x_tile(p_x, m_x, o_c * 8, K, perm)
-                b_d = tl.dot(widen_nibble(b_q, 0, b_z, b_x), b_x, input_precision="ieee")
-                for j in tl.static_range(1, 8):
-                    b_x = _x_tile(p_x, m_x, o_c * 8 + j, K, perm)  # x at the weight columns of nibble j
-                    b_d = tl.dot(widen_nibble(b_q, j, b_z, b_x), b_x, b_d, input_precision="ieee")
                 b_acc += b_s[:, None] * b_d
             else:
                 b_x = _x_tile(p_x, m_x, kk + tl.arange(0, BG), K, perm)

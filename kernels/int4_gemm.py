@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from mtpchat.kernels._triton import tl, triton, use_triton
-from mtpchat.kernels.int4 import GroupInt4, check_int4, dequantize_ref, dot_int4, form_args
+from mtpchat.kernels.int4 import GroupInt4, check_int4, dequantize_ref, dot_int4, form_args, form_of
 from mtpchat.kernels.plan import ProductPlan
 
 TILE = (64, 128, 128, 8, 3)      # the fused form's BM rows of x, BN rows of w, BK columns, warps, stages
@@ -54,7 +54,7 @@ def _gemm_kernel(x, w, sw, y, T, N, K, s_x, s_w, s_sw, s_y, BM: tl.constexpr, BN
 def gemm_triton(x: torch.Tensor, w: GroupInt4, tile: tuple[int, int, int, int, int] = TILE,
                 plan: ProductPlan | None = None) -> torch.Tensor:
     """`plan`: its int4_form (int4.form_args); the reshape form where it names none or the fma
-    form (one row at a time: many rows are the dots' work)."""
+    form (int4.form_of: many rows are the dots' work)."""
     T, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K and x.stride(1) == 1, f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
@@ -65,7 +65,7 @@ def gemm_triton(x: torch.Tensor, w: GroupInt4, tile: tuple[int, int, int, int, i
     _gemm_kernel[(triton.cdiv(T, BM), triton.cdiv(N, BN))](
         x, w.w, w.scale, y, T, N, K, x.stride(0), w.w.stride(0), w.scale.stride(0), y.stride(0),
         BM=BM, BN=BN, BK=BK, G=w.group, zw=w.zero, perm=w.perm,
-        **form_args(BK, w.group, plan.int4_form if plan is not None and plan.int4_form not in (None, "fma") else "reshape"),
+        **form_args(BK, w.group, form_of(plan.int4_form if plan is not None else None, "gemm", N, K)),
         num_warps=warps, num_stages=stages)
     return y
 
@@ -145,6 +145,6 @@ def gemm(x: torch.Tensor, w: GroupInt4, plan: ProductPlan | None = None) -> torc
     int4_prefill form (the default plan's without one), the float32 reference otherwise."""
     if not use_triton(x, w.w):
         return gemm_ref(x, w)
-    if (plan or ProductPlan(programs=1)).int4_prefill == "dense":
+    if (plan.int4_prefill if plan is not None else ProductPlan.int4_prefill) == "dense":
         return dense_gemm(x, w)
     return gemm_triton(x, w, plan=plan)

@@ -16,8 +16,7 @@ import torch
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
-from mtpchat.kernels.int4 import rows_for, tile_of
-from mtpchat.kernels.int4 import GroupInt4, dot_int4
+from mtpchat.kernels.int4 import GroupInt4, dot_int4, rows_for, tile_of
 from mtpchat.kernels.matvec import (MAX_ROWS, Normed, _dot_tile, _format_args, arrival_counts, check_product,
                                     permuted_once)
 from mtpchat.kernels.plan import ProductPlan, default_products

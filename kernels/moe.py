@@ -28,8 +28,7 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, widen, widen_args
-from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of
-from mtpchat.kernels.int4 import measured as int4_measured
+from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, measured
 from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
                                        count_reads, layout_ref)
@@ -352,7 +351,7 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2,
     if int4 is not None:
         rule4 = plan.int4_tiles if plan is not None else None
         chosen = rule4("expert_" + product, *int4) if rule4 is not None else None
-        return chosen or int4_measured("expert_" + product, *int4[:2])[0]
+        return chosen or measured("expert_" + product, *int4[:2])[0]
     rule = plan.expert_tiles if plan is not None else None
     chosen = rule(product, step, fp8, itemsize) if rule is not None else None
     if chosen is not None:
@@ -409,9 +408,6 @@ def _int4_args(w, shared, n_experts: int, rows: int, K: int, BK: int, form: str)
             identity = _identity[key]
             perm = identity if perm is None else perm
             perm2 = identity[0] if perm2 is None else perm2
-    # the fma form multiplies rows one at a time: a block's many pairs would unroll into a kernel
-    # too long to compile; the experts take its nearest dot form
-    form = "pairs" if form == "fma" else form
     return dict(G=w.group, s_w=K // 8, zw=w.zero, perm=perm, zw2=zw2, perm2=perm2, **form_args(BK, w.group, form))
 
 

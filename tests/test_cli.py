@@ -114,7 +114,6 @@ def run_demo(*argv) -> tuple[str, str]:
     return proc.stdout, proc.stderr
 
 
-
 def test_run_in_4_bits_end_to_end():
     proc = subprocess.run([sys.executable, "-m", "mtpchat", "run", "--model", str(DEMO), "--device", "cpu",
                            "--weights", "int4", "--prompt", "def add(a, b):", "--max-tokens", "16"],

@@ -48,7 +48,6 @@ def test_checkpoint_layout():
     assert "lm_head.weight" not in names and all(n.startswith(("model.language_model.", "mtp.")) for n in names)
 
 
-
 def test_stops_on_both_end_tokens(engine):
     tok = engine.tokenizer
     assert set(engine.stop_ids) == {tok.im_end_id, tok.endoftext_id}
@@ -91,7 +90,6 @@ def test_heldout_acceptance(engine):
     mean = td.acceptance(engine, [engine.tokenizer.encode(p) for p in prompts], k=3, tokens=64)
     print(f"held-out mean acceptance length, k = 3: {mean:.3f}")
     assert mean >= 2.0
-
 
 
 @pytest.fixture(scope="module")

@@ -165,7 +165,6 @@ def test_quantizing_a_fused_product_part_by_part_equals_quantizing_the_whole():
     assert torch.equal(whole.scale, torch.cat([q.scale for q in each]))
 
 
-
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_quantizing_a_few_rows_at_a_time_equals_the_whole(monkeypatch, symmetric):
     w = torch.randn(203, 384, generator=torch.Generator().manual_seed(1))

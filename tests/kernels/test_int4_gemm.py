@@ -38,6 +38,8 @@ def test_int4_gemm_27b_shapes(N, K):
     x = randn(300, K, dtype=torch.bfloat16, device="cuda", seed=2)
     check(int4_gemm.gemm_triton(x, w), int4_gemm.gemm_ref(x, w), 1e-2)
     check(int4_gemm.dense_gemm(x, w), int4_gemm.gemm_ref(x, w), 1e-2)
+    assert torch.equal(int4_gemm.gemm(x, w), int4_gemm.dense_gemm(x, w))        # the default plan's form
+    assert torch.equal(int4_gemm.gemm(x, w, ProductPlan(programs=132, int4_prefill="fused")), int4_gemm.gemm_triton(x, w))
     assert torch.equal(int4_gemm.dequantize_triton(w, torch.bfloat16, (5, 300)),
                        int4.dequantize_ref(w._replace(perm=None), torch.bfloat16)[5:300])
 
@@ -64,4 +66,3 @@ def test_int4_dense_prefill(device, dtype, T, N, K, group, symmetric, perm):
     want = (x.float() @ int4.dequantize_ref(w, dtype).float().T).to(dtype)    # the weight rounded to x's dtype
     check(int4_gemm.dense_gemm(x, w, slab_bytes=16 * K * x.element_size()), want, TOL[dtype])
     check(int4_gemm.dense_gemm(x, w), want, TOL[dtype])
-    check(int4_gemm.gemm(x, w, ProductPlan(programs=6, int4_prefill="dense")), int4_gemm.gemm_ref(x, w), TOL[dtype])
