@@ -168,7 +168,6 @@ def bench(a) -> dict:
     from mtpchat.app.store import Store
     from mtpchat.chat.engine import LocalEngine
     from mtpchat.cli import generate
-    from mtpchat.engine import SamplingParams
     from mtpchat.engine.spec import ProfileDrafter
 
     say(f"loading the engine ({a.random_weights or 'the tiny checkpoint'} on {a.device})")
@@ -177,15 +176,17 @@ def bench(a) -> dict:
     generate_any = engine.generate
     diag = None
 
-    prompts, replies = [], []      # every prompt the engine was given, and its reply's ids
+    prompts, replies, settings = [], [], []     # every prompt the engine was given, its reply's ids, its sampling
 
     def generate_all(ids, params, **kw):
         # headless prefills as the app's turn does, cut where the app keeps its snapshot: a prefill
         # cut elsewhere rounds otherwise in bf16 and may lead greedy decoding to another reply
         kw.setdefault("snapshot_at", keep_at)
+        params = dataclasses.replace(params, stop_token_ids=())
         prompts.append(list(ids))
         replies.append([])
-        events = generate_any(ids, dataclasses.replace(params, stop_token_ids=()), **kw)
+        settings.append(params)
+        events = generate_any(ids, params, **kw)
         return recorded(diag.watch(events) if diag else events, replies[-1])
 
     def recorded(events, into: list):
@@ -198,7 +199,10 @@ def bench(a) -> dict:
     think = a.think == "on"
     from mtpchat.chat.prompt import build_prompt
     ids, keep_at = build_prompt(engine.tokenizer, [{"role": "user", "content": PROMPT}], think)
-    params = SamplingParams(temperature=0.0, max_tokens=a.tokens)
+    # one setting for both: the app's own defaults would add its presence penalty, which headless
+    # (SamplingParams) leaves off, and the greedy replies would part at the first repeated token
+    sampling = Sampling(temperature=0.0, presence_penalty=0.0, max_tokens=a.tokens)
+    params = sampling.to_params()
     engine.mtp = False
     reference = generate(engine, ids, params)["token_ids"]      # also the warm-up of the weights
 
@@ -228,7 +232,7 @@ def bench(a) -> dict:
 
     store = Store(tempfile.mkdtemp())
     app = BenchApp(lambda progress=None: LocalEngine(engine), model="bench", store=store, device=a.device, think=think,
-                   sampling=Sampling(temperature=0.0, max_tokens=a.tokens), draft_tokens=a.k)
+                   sampling=sampling, draft_tokens=a.k)
 
     async def wait(cond, what: str, limit: float = 600.0):
         # plain sleeps, only between runs: the test pilot's pause() repaints the screen on every
@@ -257,6 +261,8 @@ def bench(a) -> dict:
             at = next((i for i, (p, q) in enumerate(zip(prompts[-1], ids)) if p != q), min(len(prompts[-1]), len(ids)))
             raise SystemExit(f"the app's prompt differs from headless at token {at} of {len(prompts[-1])} / "
                              f"{len(ids)}: app {prompts[-1][at:at + 8]}, headless {list(ids)[at:at + 8]}")
+        if settings[-1] != settings[0]:
+            raise SystemExit(f"the app samples otherwise than headless: {settings[-1]} against {settings[0]}")
         if replies[-1] != reference:
             at = next((i for i, (p, q) in enumerate(zip(replies[-1], reference)) if p != q), len(reference))
             raise SystemExit(f"the app's greedy reply differs from headless at token {at} ({len(replies[-1])} "
