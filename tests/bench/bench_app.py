@@ -176,16 +176,18 @@ def bench(a) -> dict:
     generate_any = engine.generate
     diag = None
 
-    prompts, replies, settings = [], [], []     # every prompt the engine was given, its reply's ids, its sampling
+    prompts, replies, settings = [], [], []     # every prompt the engine was given, its reply's ids, and
+                                                # its sampling and prefill cut as asked
 
     def generate_all(ids, params, **kw):
-        # headless prefills as the app's turn does, cut where the app keeps its snapshot: a prefill
-        # cut elsewhere rounds otherwise in bf16 and may lead greedy decoding to another reply
-        kw.setdefault("snapshot_at", keep_at)
+        # every run prefills as the app's turn does, cut where the app keeps its snapshot (Reply,
+        # under headless, asks for no cut): a prefill cut elsewhere rounds otherwise in bf16 and
+        # may lead greedy decoding to another reply
         params = dataclasses.replace(params, stop_token_ids=())
         prompts.append(list(ids))
         replies.append([])
-        settings.append(params)
+        settings.append((params, tuple(kw.get("snapshot_at", ()))))
+        kw["snapshot_at"] = keep_at
         events = generate_any(ids, params, **kw)
         return recorded(diag.watch(events) if diag else events, replies[-1])
 
@@ -261,8 +263,9 @@ def bench(a) -> dict:
             at = next((i for i, (p, q) in enumerate(zip(prompts[-1], ids)) if p != q), min(len(prompts[-1]), len(ids)))
             raise SystemExit(f"the app's prompt differs from headless at token {at} of {len(prompts[-1])} / "
                              f"{len(ids)}: app {prompts[-1][at:at + 8]}, headless {list(ids)[at:at + 8]}")
-        if settings[-1] != settings[0]:
-            raise SystemExit(f"the app samples otherwise than headless: {settings[-1]} against {settings[0]}")
+        if settings[-1] != (settings[0][0], tuple(keep_at)):
+            raise SystemExit(f"the app samples or cuts its prefill otherwise than the bench does: {settings[-1]} "
+                             f"against {settings[0][0]}, {keep_at}")
         if replies[-1] != reference:
             at = next((i for i, (p, q) in enumerate(zip(replies[-1], reference)) if p != q), len(reference))
             raise SystemExit(f"the app's greedy reply differs from headless at token {at} ({len(replies[-1])} "
