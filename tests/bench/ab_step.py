@@ -12,6 +12,7 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans draft           # the MTP head's fc split, the draft's argmax as two kernels
     python3 ab_step.py --plans combine --model qwen3.5-35b-a3b   # an MoE's combine folded into the norm, or apart
     python3 ab_step.py --plans int4 --weights int4   # 4-bit tiles and unpack forms: measured, the earlier, all pairs
+    python3 ab_step.py --plans fp8tiles --weights fp8 --tiles FILE   # bench_fp8.py --sweep's best FP8 tiles
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed. One engine is
 loaded; for each plan the decoder takes that plan (its forward contexts carry it) and its phases are
@@ -163,6 +164,35 @@ def int4_plans(base: KernelPlan) -> dict:
             "pairs": base.replace(int4_form="pairs")}
 
 
+def fp8_tile_plans(base: KernelPlan, found: dict) -> dict:
+    """The best FP8 tiles of `bench_fp8.py --sweep` (its JSON's "best": per product shape, a tile or
+    None for the default), for the plain products, the SwiGLU, the split ones, and all together."""
+    table = {kind: {(b["N"], b["K"]): tuple(b["tile"]) for b in found["best"].values()
+                    if b["kind"] == kind and b["tile"]} for kind in ("plain", "swiglu", "parts")}
+
+    def tiles_of(kinds, name):
+        def tiles(N, K, itemsize, swiglu=False, fp8=False):
+            kind = "swiglu" if swiglu else "plain"
+            return table[kind].get((N, K)) if fp8 and kind in kinds else None
+        tiles.__name__ = name
+        return tiles
+
+    def split(N, K, itemsize):        # the products of these shapes are FP8 under --weights fp8
+        return table["parts"].get((N, K))
+    split.__name__ = "fp8:split"
+    plans = {"base": base}
+    if table["plain"]:
+        plans["plain"] = base.replace(tiles=tiles_of(("plain",), "fp8:plain"))
+    if table["swiglu"]:
+        plans["glu"] = base.replace(tiles=tiles_of(("swiglu",), "fp8:glu"))
+    if table["parts"]:
+        plans["split"] = base.replace(split_tiles=split)
+    if len(plans) > 2:
+        plans["all"] = base.replace(tiles=tiles_of(("plain", "swiglu"), "fp8:all"),
+                                    split_tiles=split if table["parts"] else None)
+    return plans
+
+
 DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split=False),
                  "fc split": dict(fc_split=False), "pick": dict(draft_pick=False)}
 
@@ -238,7 +268,7 @@ def kernel_resources():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3.6-27b")
-    p.add_argument("--plans", default="defaults", choices=tuple(FAMILIES))
+    p.add_argument("--plans", default="defaults", choices=(*FAMILIES, "fp8tiles"))
     p.add_argument("--weights", default="bf16", choices=("bf16", "fp8", "int4"))
     p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
     p.add_argument("--context", type=int, default=1024)
@@ -248,12 +278,16 @@ def main():
     p.add_argument("--room", type=int, default=1 << 20,
                    help="tokens the generation may still emit: 0 replays ended steps, which write no GDN state")
     p.add_argument("--products", action="store_true", help="also time the decode step's products alone")
+    p.add_argument("--tiles", metavar="FILE", help="--plans fp8tiles: the JSON of bench_fp8.py --sweep")
     p.add_argument("--json")
     a = p.parse_args()
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
     engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=a.max_context or a.context + 256,
                     cuda_graphs=False, weights=a.weights)
-    plans = FAMILIES[a.plans](engine.plan)
+    if a.plans == "fp8tiles":
+        plans = fp8_tile_plans(engine.plan, json.loads(Path(a.tiles).read_text()))
+    else:
+        plans = FAMILIES[a.plans](engine.plan)
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
     d = engine.decoder

@@ -1,6 +1,7 @@
 """Tiles of the few-row FP8 products on the 27B's shapes: achieved bandwidth under each.
 
     cd tests/bench && python3 bench_fp8.py
+    cd tests/bench && python3 bench_fp8.py --sweep --json fp8_tiles.json   # the bit form under many tiles
 
 Each product (3 rows, bf16 activations, FP8 weights with their scales) is timed with CUDA events
 over rotating weight copies (more bytes than L2 holds), under the default tile and a few others,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import torch
 
@@ -56,8 +58,81 @@ def split_stages_warps(base: ProductPlan, stages: int, warps: int):
     return split
 
 
+# --sweep: the bit form (the default widening) under many tiles, 1 and 4 rows (a decode step and a
+# verify of 3 drafts). A tile spans one scale block of K (BK 128 or 64) and BN divides 128.
+SWEEP = {"plain": [(64, 128, 4, 8), (64, 128, 4, 6), (64, 128, 4, 10), (64, 128, 4, 12), (128, 128, 4, 4),
+                   (128, 128, 4, 6), (128, 128, 8, 4), (128, 128, 8, 6), (32, 128, 2, 6), (32, 128, 2, 8),
+                   (64, 128, 8, 8), (64, 64, 4, 12), (64, 64, 4, 16), (128, 64, 4, 8)],
+         "swiglu": [(32, 128, 2, 3), (32, 128, 2, 4), (32, 128, 2, 5), (32, 128, 4, 3), (32, 128, 4, 4),
+                    (64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 6), (16, 128, 1, 4), (32, 64, 2, 6),
+                    (64, 128, 8, 4)],
+         "parts": [(3, 64, 128, 4, 8), (3, 64, 128, 4, 4), (3, 64, 128, 4, 6), (2, 64, 128, 4, 8),
+                   (4, 64, 128, 4, 6), (4, 64, 128, 4, 8), (6, 64, 128, 4, 4), (6, 64, 128, 4, 8),
+                   (3, 64, 128, 8, 8), (2, 32, 128, 2, 8), (3, 32, 128, 2, 6), (1, 32, 128, 2, 8),
+                   (3, 128, 128, 8, 4), (6, 128, 128, 8, 4), (3, 128, 128, 4, 6), (3, 64, 64, 4, 12)]}
+
+
+def split_rule(cfg):
+    """A ProductPlan split rule: (S, BN, BK, warps, stages) for every split product."""
+    def split(N, K, itemsize):
+        return cfg
+    split.__name__ = "split:S{}x{}x{}w{}s{}".format(*cfg)
+    return split
+
+
+def sweep(json_path: str | None) -> None:
+    """Each product of SHAPES under each tile of SWEEP (bit form), 1 and 4 rows; prints the times
+    and the best tile of each product (the least time over both row counts), and writes them."""
+    base = default_products("cuda")
+    out = {"device": torch.cuda.get_device_name(), "plan": base.describe(), "us": {}, "best": {}}
+    for name, N, K, kind in SHAPES:
+        ws = [fp8.quantize_ref(torch.randn(N, K, device="cuda") / K ** 0.5) for _ in range(3)]
+        nbytes = ws[0].nbytes()
+        times = {}
+        for T in (1, 4):
+            xk = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+            run = {"plain": lambda w, plan: matvec.matvec(xk, w, plan=plan),
+                   "swiglu": lambda w, plan: matvec.matvec_swiglu(xk, w, plan=plan),
+                   "parts": lambda w, plan: matvec_parts.matvec_parts(xk, w, plan=plan)}[kind]
+            value = lambda y: (y.sum(0) if kind == "parts" else y).float()      # parts: S of them, S per tile
+            want = value(run(ws[0], base))
+            t_default = timed(lambda i: run(ws[i % 3], base))
+            times.setdefault("default", []).append(t_default)
+            for tile in SWEEP[kind]:
+                plan = dataclasses.replace(base, **({"split_tiles": split_rule(tile)} if kind == "parts"
+                                                     else {"tiles": fp8_tiles(tile)}))
+                try:
+                    err = ((value(run(ws[0], plan)) - want).norm() / want.norm()).item()
+                    t = timed(lambda i: run(ws[i % 3], plan))
+                except Exception as e:           # a tile that does not fit
+                    print(f"  {name} {tile}: {type(e).__name__} {str(e)[:120]}", flush=True)
+                    continue
+                if err > 1e-2:
+                    print(f"  {name} {tile}: wrong, {err:.1e} off the default tile", flush=True)
+                    continue
+                times.setdefault(tile, []).append(t)
+        times = {k: v for k, v in times.items() if len(v) == 2}
+        best = min(times, key=lambda k: sum(times[k]))
+        line = "  ".join(f"{k}: {v[0] * 1e3:.1f}/{v[1] * 1e3:.1f}" for k, v in sorted(times.items(), key=lambda kv: sum(kv[1])))
+        print(f"{name} [{N} x {K}] ({kind}) us at 1/4 rows, fastest first: {line}", flush=True)
+        d, b = times["default"], times[best]
+        print(f"  best {best}: {nbytes / b[0] / 1e9:.2f} TB/s at 1 row; {b[0] / d[0]:.3f} / {b[1] / d[1]:.3f} x "
+              "the default tile", flush=True)
+        out["us"][name] = {str(k): [t * 1e3 for t in v] for k, v in times.items()}
+        out["best"][name] = {"N": N, "K": K, "kind": kind, "tile": None if best == "default" else list(best),
+                             "ratio": [b[0] / d[0], b[1] / d[1]]}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def main():
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", action="store_true", help="the bit form under many tiles, 1 and 4 rows")
+    p.add_argument("--json", metavar="FILE", help="with --sweep: write the times and each product's best tile")
+    a = p.parse_args()
+    if a.sweep:
+        return sweep(a.json)
     x = torch.randn(3, 17408, device="cuda", dtype=torch.bfloat16)
     base = dataclasses.replace(default_products("cuda"), widen_bits=False)
     for name, N, K, kind in SHAPES:
