@@ -164,9 +164,26 @@ def int4_plans(base: KernelPlan) -> dict:
             "pairs": base.replace(int4_form="pairs")}
 
 
+def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan:
+    """The plan with every FP8 product of a kind on one tile: tiles {"plain": (BN, BK, warps,
+    stages), "swiglu": ..., "parts": (S, BN, BK, warps, stages)}, each optional."""
+    def tile(N, K, itemsize, swiglu=False, fp8=False):
+        got = tiles.get("swiglu" if swiglu else "plain")
+        return tuple(got) if fp8 and got else None
+    tile.__name__ = f"fp8:{name}"
+
+    def split(N, K, itemsize):        # every split product is FP8 under --weights fp8 (but the fc's)
+        return tuple(tiles["parts"])
+    split.__name__ = f"fp8:{name}"
+    return base.replace(tiles=tile, split_tiles=split if "parts" in tiles else None)
+
+
 def fp8_tile_plans(base: KernelPlan, found: dict) -> dict:
     """The best FP8 tiles of `bench_fp8.py --sweep` (its JSON's "best": per product shape, a tile or
-    None for the default), for the plain products, the SwiGLU, the split ones, and all together."""
+    None for the default), for the plain products, the SwiGLU, the split ones, and all together; or
+    named plans (its "plans": name -> tiles by kind, fp8_tiles_everywhere)."""
+    if "plans" in found:
+        return {"base": base, **{name: fp8_tiles_everywhere(base, name, tiles) for name, tiles in found["plans"].items()}}
     table = {kind: {(b["N"], b["K"]): tuple(b["tile"]) for b in found["best"].values()
                     if b["kind"] == kind and b["tile"]} for kind in ("plain", "swiglu", "parts")}
 
