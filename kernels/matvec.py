@@ -235,10 +235,12 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     bytes suits every plain product (smaller tiles, more warps, other depths: 0-23% slower); the
     SwiGLU product is fastest with 64 columns (128 rows of w) by 256 bytes of K, 5 deep (the
     decode step 1.5% faster than with 32 x 512 bytes). float32 plain tiles take half the K. FP8
-    weights: tiles of one scale block's 128 columns (128 bytes a row); plain products 32 rows, 2
-    warps, 8 deep (56 KB of shared memory: four programs an SM, so the 27B's 512 and 448 column
-    blocks are all resident at once; with the bit form 0.92 x the time of 64 rows, 4 warps, the
-    FP8 27B's decode step 0.994 x: bench_fp8.py --sweep, ab_step.py --plans fp8tiles); the SwiGLU
+    weights: tiles of one scale block's 128 columns (128 bytes a row); plain products over rows of
+    4096 or more (K) 32 rows, 2 warps, 8 deep (56 KB of shared memory: four programs an SM, so the
+    27B's 512 and 448 column blocks are all resident at once; with the bit form 0.92 x the time of
+    64 rows, 4 warps, the FP8 27B's decode step 0.994 x: bench_fp8.py --sweep, ab_step.py --plans
+    fp8tiles), over shorter rows 64 rows, 4 warps, 8 deep (the 35B-A3B's K = 2048: its decode step
+    0.980 x the 32-row tile's, though verify 3 1.007 x and draft 3 1.025 x); the SwiGLU
     product 32 columns (64 rows of w), 2 warps, 3 deep (alone 2.38 TB/s against 1.79, the FP8 27B's
     decode step 0.953 x: tests/bench/bench_fp8.py, ab_step.py --plans fp8glu).
 
@@ -253,7 +255,9 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     if chosen is not None:
         return chosen
     if fp8:
-        return (32, BLOCK, 2, 3) if swiglu else (32, BLOCK, 2, 8)
+        if swiglu:
+            return 32, BLOCK, 2, 3
+        return (32, BLOCK, 2, 8) if K >= 4096 else (64, BLOCK, 4, 8)
     if swiglu:
         return (64, 128, 4, 5) if itemsize == 2 else (32, 128, 4, 4)
     return 64, 512 // itemsize, 4, 4
