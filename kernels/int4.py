@@ -151,8 +151,7 @@ def permute_columns(q: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 # The zero costs one bf16 subtraction a weight (for a symmetric weight 128 + 8 is a constant);
 # taking it out of the dot (128 + q against x, less (128 + zero) times the group's sum of x after
 # it) would save that but lose precision to the cancellation, so it stays. How the words become
-# the dots' operands is the plan's choice (form_args: "reshape", "slices", "pairs"), or there are
-# no dots at all ("fma").
+# the dots' operands is the plan's choice (form_args: "reshape", "slices", "pairs").
 
 def check_int4(w: GroupInt4, K: int) -> None:
     """The layout the 4-bit product kernels read (the module docstring), for a weight of K columns."""
@@ -177,14 +176,13 @@ def sub_tile(BK: int, G: int) -> int:
     return BG
 
 
-FORMS = ("reshape", "slices", "pairs", "fma")   # how a tile's words are unpacked (ProductPlan.int4_form)
-RESHAPED, SLICED, PAIRED, FMA = range(4)  # form_args' UNPACK: the form a kernel compiles
-FMA_COLUMNS = 32      # the fma form's step: 4 words a row, one 16-byte load, all in one thread
+FORMS = ("reshape", "slices", "pairs")   # how a tile's words are unpacked for the dots (ProductPlan.int4_form)
+RESHAPED, SLICED, PAIRED = range(3)       # form_args' UNPACK: the form a kernel compiles
 
 
 def form_args(BK: int, G: int, form: str) -> dict:
     """The launch arguments of a 4-bit tile of BK columns in groups of G: BG, the columns of one
-    group's dot (sub_tile), and UNPACK, the unpack form (RESHAPED, SLICED, PAIRED or FMA).
+    group's dot (sub_tile), and UNPACK, the unpack form (RESHAPED, SLICED or PAIRED).
     "reshape": the words [BN, BG / 8] expanded to the weights [BN, BG] (a layout change through
     shared memory), one dot a group. "slices": 8 dots a group, dot j over nibble j of every word
     ([BN, BG / 8]) against x's columns 8 i + j (x read with a stride of 8). "pairs": the slices'
@@ -193,17 +191,9 @@ def form_args(BK: int, G: int, form: str) -> dict:
     the slices, which give the same exact integers. A dot takes 16 columns at least, so groups
     (or tiles) of fewer than 128 columns keep the reshape form. Every form's weights are exact
     integers times x summed in float32 within a group; slices and pairs sum in the same order
-    (equal bit for bit), reshape in another (equal within rounding).
-    "fma": no tensor cores. Each nibble becomes a float32 by bits (`_fma_group`) and each row of x
-    is multiplied in turn on the CUDA cores, a chain of fmas over the nibbles: the work grows with
-    the rows instead of being a 16-row dot whatever T, so a kernel in this form is compiled for
-    rows_for(T) rows, and row r's arithmetic is the same in every such kernel. Any group size.
-    Measured slower than the dot forms but for the SwiGLU at one row (H200, docs/PERFORMANCE.md):
-    a candidate for benchmarks, no product's default."""
+    (equal bit for bit), reshape in another (equal within rounding)."""
     assert form in FORMS, f"a 4-bit unpack form is one of {FORMS}, not {form!r}"
     BG = sub_tile(BK, G)
-    if form == "fma":
-        return dict(BG=min(BG, FMA_COLUMNS), UNPACK=FMA)
     if form == "reshape" or BG // PACK < 16:
         return dict(BG=BG, UNPACK=RESHAPED)
     return dict(BG=BG, UNPACK=PAIRED if form == "pairs" and not interpreting() else SLICED)
@@ -233,31 +223,9 @@ def measured(product: str, N: int, K: int) -> tuple[tuple[int, int, int, int], s
     return (64, 512, 4, 3), "reshape"
 
 
-def rows_for(T: int, args: dict, rows: int) -> int:
-    """The rows a product kernel is compiled for (its BT): `rows` (every T alike, the dot's 16),
-    or in the fma form (form_args' UNPACK) the power of 2 at or above T."""
-    return triton.next_power_of_2(T) if args.get("UNPACK") == FMA else rows
-
-
-# the fma form's tiles (BN, BK, warps, stages) where the plan names no rule: a thread takes whole
-# rows' words (4 warps, 2 rows a thread; a SwiGLU block reads 2 BN rows), its loads unpipelined
-FMA_TILES = {"plain": (256, 512, 4, 1), "swiglu": (128, 512, 4, 1), "split": (256, 512, 4, 1)}
-
-
 def form_of(form: str | None, product: str, N: int, K: int) -> str:
-    """A plan's int4_form, or where it names none the product's measured one. The fma form is the
-    few-row dense products' alone (FMA_TILES): the experts (a block's many pairs, one at a time,
-    would unroll into a kernel too long to compile) and prefill ("gemm", many rows) take their
-    measured form for it."""
-    if form is None or (form == "fma" and product not in FMA_TILES):
-        return measured(product, N, K)[1]
-    return form
-
-
-def tile_of(form: str | None, product: str, N: int, K: int) -> tuple[int, int, int, int]:
-    """The tile of a dense 4-bit product where the plan's rule gives none: the fma form's own, else
-    the measured one."""
-    return FMA_TILES[product] if form == "fma" else measured(product, N, K)[0]
+    """A plan's int4_form, or where it names none the product's measured one."""
+    return form if form is not None else measured(product, N, K)[1]
 
 
 # The pairs form's unpacking, for bf16 (and fp16) x. One word holds nibbles 0 .. 7; masking the
@@ -284,7 +252,7 @@ PAIRS_FP16 = _pairs_asm("0x3C003C00", "0x64006400", "f16x2")
 
 
 if tl is not None:
-    _SLICED, _PAIRED, _FMA = tl.constexpr(SLICED), tl.constexpr(PAIRED), tl.constexpr(FMA)   # as a kernel reads them
+    _SLICED, _PAIRED = tl.constexpr(SLICED), tl.constexpr(PAIRED)     # as a kernel reads them
     _PAIRS_BF16, _PAIRS_FP16 = tl.constexpr(PAIRS_BF16), tl.constexpr(PAIRS_FP16)
 
     @triton.jit
@@ -344,95 +312,24 @@ if tl is not None:
         return tl.load(p_x + o_x[:, None], mask=m_k[:, None] & m_x[None, :], other=0.)
 
     @triton.jit
-    def _nibble_f32(b_q, j: tl.constexpr, b_o):
-        """Nibble j of each word [BN, W] as q - zero in float32: or'ed into the mantissa of 2^23
-        (0x4B000000 | q is 2^23 + q), less b_o [BN, 1] = 2^23 + zero; exact."""
-        return (((b_q >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - b_o
-
-    @triton.jit
-    def _x_words(x0, s_x, r: tl.constexpr, T, kk, K, perm, W: tl.constexpr):
-        """Row r of x (at x0 + r s_x; nothing read unless r < T and kk < K) at the weight columns
-        kk .. kk + 8 W, through perm where there is one, in float32: the 8 tensors [W] of the
-        columns 8 w + j, j = 0 .. 7. One contiguous read of 8 W values (the same for every
-        thread), split in registers."""
-        o_k = kk + tl.arange(0, 8 * W)
-        m_k = (o_k < K) & (tl.full(o_k.shape, r, tl.int32) < T)
-        if perm is None:
-            o_x = o_k
-        else:
-            o_x = tl.load(perm + o_k, mask=m_k, other=0)
-        b_x = tl.load(x0 + r * s_x + o_x, mask=m_k, other=0.).to(tl.float32)
-        e, o = tl.split(tl.reshape(b_x, [W, 2, 2, 2]))          # column 8 w + 4 a + 2 b + c: c = 0, 1
-        e0, e1 = tl.split(e)                                    # b = 0, 1 (c = 0)
-        o0, o1 = tl.split(o)
-        x0_, x4 = tl.split(e0)                                  # a = 0, 1: j = 0, 4
-        x2, x6 = tl.split(e1)
-        x1, x5 = tl.split(o0)
-        x3, x7 = tl.split(o1)
-        return x0_, x1, x2, x3, x4, x5, x6, x7
-
-    @triton.jit
-    def _fma_group(b_acc, b_q, b_o, b_s, x0, s_x, T, kk, K, perm):
-        """b_acc [BN, BT] + a sub-tile's words b_q [BN, W] (form_args: FMA_COLUMNS weights, each
-        row's words in one thread) times x's rows on the CUDA cores, b_o [BN, 1] = 2^23 + zero,
-        b_s [BN] the scales; x's row r at x0 + r s_x, rows T and on read as 0. Row r's sum is a
-        chain of fmas over the 8 nibbles, summed over the words, times the scale: the same work
-        for row r whatever BT."""
-        BT: tl.constexpr = b_acc.shape[1]
-        W: tl.constexpr = b_q.shape[1]
-        o_t = tl.arange(0, BT)
-        v0 = _nibble_f32(b_q, 0, b_o)
-        v1 = _nibble_f32(b_q, 1, b_o)
-        v2 = _nibble_f32(b_q, 2, b_o)
-        v3 = _nibble_f32(b_q, 3, b_o)
-        v4 = _nibble_f32(b_q, 4, b_o)
-        v5 = _nibble_f32(b_q, 5, b_o)
-        v6 = _nibble_f32(b_q, 6, b_o)
-        v7 = _nibble_f32(b_q, 7, b_o)
-        for r in tl.static_range(BT):
-            y0, y1, y2, y3, y4, y5, y6, y7 = _x_words(x0, s_x, r, T, kk, K, perm, W)
-            b_p = v0 * y0[None, :]
-            b_p = tl.fma(v1, y1[None, :], b_p)
-            b_p = tl.fma(v2, y2[None, :], b_p)
-            b_p = tl.fma(v3, y3[None, :], b_p)
-            b_p = tl.fma(v4, y4[None, :], b_p)
-            b_p = tl.fma(v5, y5[None, :], b_p)
-            b_p = tl.fma(v6, y6[None, :], b_p)
-            b_p = tl.fma(v7, y7[None, :], b_p)
-            # one fma, written out: left to the compiler, mul and add fuse or not as the tile and BT fall
-            b_acc = tl.where(o_t[None, :] == r, tl.fma(b_s[:, None], tl.sum(b_p, axis=1)[:, None], b_acc), b_acc)
-        return b_acc
-
-    @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
-                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0,
-                 x0=None, s_x=0, T=0):
+                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0):
         """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
         whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
         BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
         perm (not None): column c of the weight reads x's column perm[c]. UNPACK: the unpack form
-        (form_args): one dot a group, or 8 over the words' nibbles, made one or two at a time; or
-        (fma) rows one at a time on the CUDA cores, x's row r at x0 + r s_x, T rows."""
+        (form_args): one dot a group, or 8 over the words' nibbles, made one or two at a time."""
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
             o_c = kk // 8 + tl.arange(0, BG // 8)
             m_g = m_r & (tl.full(o_r.shape, kk, tl.int32) < K)   # K is whole groups: a sub-tile lies in K or past it
-            if UNPACK == _FMA:
-                # a row's BG / 8 words lie together at a multiple of them (k steps by BK, BK by BG),
-                # wholly in K or past it: the row mask alone, one vector load a row, in one thread
-                o_c = tl.max_contiguous(tl.multiple_of(o_c, BG // 8), BG // 8)
-                b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None], other=0)
-            else:
-                b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)
+            b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)
             b_s = tl.load(sw + o_r * s_sw + kk // G, mask=m_g, other=0.).to(tl.float32)
             if zw is None:
                 b_z = tl.full(o_r.shape, 8, tl.int32)          # SYMMETRIC_ZERO
             else:
                 b_z = tl.load(zw + o_r * s_sw + kk // G, mask=m_g, other=0).to(tl.int32)
-            if UNPACK == _FMA:
-                b_o = (b_z.to(tl.float32) + 8388608.0)[:, None]
-                b_acc = _fma_group(b_acc, b_q, b_o, b_s, x0, s_x, T, kk, K, perm)
-            elif UNPACK == _PAIRED or UNPACK == _SLICED:
+            if UNPACK == _PAIRED or UNPACK == _SLICED:
                 b_x = _x_tile(p_x, m_x, o_c * 8, K, perm)
                 n0, n1, n2, n3, n4, n5, n6, n7 = nibbles(b_q, b_z, b_x, UNPACK == _PAIRED)
                 b_d = tl.dot(n0, b_x, input_precision="ieee")

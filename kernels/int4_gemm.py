@@ -53,8 +53,7 @@ def _gemm_kernel(x, w, sw, y, T, N, K, s_x, s_w, s_sw, s_y, BM: tl.constexpr, BN
 
 def gemm_triton(x: torch.Tensor, w: GroupInt4, tile: tuple[int, int, int, int, int] = TILE,
                 plan: ProductPlan | None = None) -> torch.Tensor:
-    """`plan`: its int4_form (int4.form_args); the reshape form where it names none or the fma
-    form (int4.form_of: many rows are the dots' work)."""
+    """`plan`: its int4_form (int4.form_args); the reshape form where it names none (int4.form_of)."""
     T, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K and x.stride(1) == 1, f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"

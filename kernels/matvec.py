@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, widen, widen_args
-from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, rows_for, tile_of
+from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, measured
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 MAX_ROWS = 16
@@ -154,10 +154,9 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
         if G > 0:
             # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights
             p_x = x + o_t[None, :] * s_x
-            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, x, s_x, T)
+            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
             if SWIGLU:
-                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK,
-                               x, s_x, T)
+                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
         else:
             o_k = k + tl.arange(0, BK)
             m_k = o_k < K
@@ -245,12 +244,11 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     decode step 0.953 x: tests/bench/bench_fp8.py, ab_step.py --plans fp8glu).
 
     4-bit weights in groups of `group` columns (kernels/int4.py; BK counts weights, 2 a byte): the
-    plan's int4_tiles rule, else the measured tiles with their unpack forms (int4.measured; the fma
-    form's own, int4.tile_of)."""
+    plan's int4_tiles rule, else the measured tiles with their unpack forms (int4.measured)."""
     if group:
         product = "swiglu" if swiglu else "plain"
         chosen = plan.int4_tiles(product, N, K, group) if plan is not None and plan.int4_tiles is not None else None
-        return chosen or tile_of(plan.int4_form if plan is not None else None, product, N, K)
+        return chosen or measured(product, N, K)[0]
     chosen = plan.tiles(N, K, itemsize, swiglu, fp8) if plan is not None and plan.tiles is not None else None
     if chosen is not None:
         return chosen
@@ -339,11 +337,11 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
     if tail:
         ws = torch.empty((blocks - F) * S, 2 if swiglu else 1, BN, MAX_ROWS, dtype=torch.float32, device=x.device)
         count = arrival_counts(x.device, blocks - F)
-    form = _format_args(x, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K))
     _matvec_kernel[(F + (blocks - F) * S,)](
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
-        s_y=y.stride(0), BT=rows_for(x.shape[0], form, MAX_ROWS), BN=BN, BK=BK, SWIGLU=swiglu,
-        SPLIT=tail is not None, num_warps=warps, num_stages=stages, **scale, **fp8, **pdl(x), **form)
+        s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
+        num_stages=stages, **scale, **fp8, **pdl(x),
+        **_format_args(x, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)))
     return y
 
 

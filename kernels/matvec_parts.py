@@ -16,7 +16,7 @@ import torch
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
-from mtpchat.kernels.int4 import GroupInt4, dot_int4, rows_for, tile_of
+from mtpchat.kernels.int4 import GroupInt4, dot_int4, measured
 from mtpchat.kernels.matvec import (MAX_ROWS, Normed, _dot_tile, _format_args, arrival_counts, check_product,
                                     permuted_once)
 from mtpchat.kernels.plan import ProductPlan, default_products
@@ -39,7 +39,7 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
     for k in range(i_s * KS, tl.minimum(i_s * KS + KS, K), BK):
         if G > 0:       # 4-bit weights (kernels/int4.py)
             b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + o_t[None, :] * s_x, m_t, k, K, BK, G, BG,
-                           UNPACK, x, s_x, T)
+                           UNPACK)
         else:
             o_k = k + tl.arange(0, BK)
             m_k = o_k < K
@@ -79,10 +79,10 @@ def split_config(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 
     all (240: the 27B's 5120-row products, 80 column blocks x 3). Tiles of 16 KB of w, 4 deep (80 KB
     of shared memory with x's), so that two programs fit on an SM and all 240 are resident at once
     on an H100; never a function of T. 4-bit weights in groups of `group` columns (kernels/int4.py):
-    the plan's int4_tiles rule ("split"), else the measured tile (int4.tile_of)."""
+    the plan's int4_tiles rule ("split"), else the measured tile (int4.measured)."""
     if group:
         chosen = plan.int4_tiles("split", N, K, group) if plan.int4_tiles is not None else None
-        BN, BK, warps, stages = tile_of(plan.int4_form, "split", N, K)
+        BN, BK, warps, stages = measured("split", N, K)[0]
     else:
         chosen = plan.split_tiles(N, K, itemsize) if plan.split_tiles is not None else None
         BN, BK, warps, stages = 64, 256 // itemsize, 4, 4
@@ -155,12 +155,11 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         r = h if r is None else r                 # never read without a residual (RESIDUAL False)
         ss = torch.empty(T, blocks, dtype=torch.float32, device=x.device)
         count = arrival_counts(x.device, blocks)
-    form = _format_args(x, BN, BK, warps, fp8, plan, ("split", N, K))
     _matvec_parts_kernel[(blocks, len(ranges))](
         x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0),
-        y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=rows_for(T, form, MAX_ROWS),
-        BN=BN, BK=BK, S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None,
-        num_warps=warps, num_stages=stages, **fp8, **pdl(x), **form)
+        y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=MAX_ROWS, BN=BN, BK=BK,
+        S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None, num_warps=warps,
+        num_stages=stages, **fp8, **pdl(x), **_format_args(x, BN, BK, warps, fp8, plan, ("split", N, K)))
     return y if norm is None else (Normed(xn, ss, eps), h)
 
 

@@ -46,8 +46,8 @@ class ProductPlan:
     split_tiles: SplitRule | None = None
     expert_tiles: ExpertRule | None = None  # the MoE expert products' tiles (tests/bench/bench_moe.py)
     int4_tiles: Int4Rule | None = None      # every product's tiles over 4-bit weights (tests/bench/bench_int4.py)
-    int4_form: str | None = None    # how every 4-bit tile unpacks (int4.form_args: "reshape", "slices", "pairs",
-                                    # "fma"); None: each product's measured form (int4.measured)
+    int4_form: str | None = None    # how every 4-bit tile unpacks for the dots (int4.form_args: "reshape",
+                                    # "slices", "pairs"); None: each product's measured form (int4.measured)
     permute_x: bool = False         # a 4-bit weight's perm (GPTQ desc_act) applied to x once per few-row product,
                                     # not in every tile (the same sums; not yet measured)
     int4_prefill: str = "dense"     # prefill's 4-bit products (kernels/int4_gemm.py): "dense" (a dequantized

@@ -1,8 +1,8 @@
 """The few-row products over 4-bit weights (kernels/int4.py) on the 27B's and the 35B-A3B's expert
 shapes, at T = 1 and 4 rows: time against the bf16 and FP8 products of the same shape, GB/s, and
 the fraction of the device's copy bandwidth the 4-bit bytes were read at; a few candidate tiles
-for each 4-bit product in each unpack form (ProductPlan.int4_form: "reshape", "slices", "pairs",
-"fma"; kernels/int4.py form_args; fma's candidates at every T, its work growing with the rows), so one run tells which tile rule (int4_tiles) and form to choose; and
+for each 4-bit product in each unpack form (ProductPlan.int4_form: "reshape", "slices", "pairs";
+kernels/int4.py form_args), so one run tells which tile rule (int4_tiles) and form to choose; and
 the words alone streamed by the default tile's programs (no unpacking, no dot): what the tile's
 reads allow, so a product's distance from the bandwidth splits into reading and computing.
 
@@ -103,27 +103,17 @@ def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-# the fma form's tiles: a thread takes whole rows' words, so BN rows / (32 x warps) rows a thread;
-# its loads are not pipelined through shared memory (1 stage)
-FMA_CANDIDATES = {"plain": [(256, 512, 4, 1), (128, 512, 4, 1), (512, 256, 4, 1), (256, 256, 8, 1)],
-                  "swiglu": [(128, 512, 4, 1), (64, 512, 4, 1), (256, 256, 4, 1)],
-                  "split": [(256, 512, 4, 1), (128, 512, 4, 1), (256, 256, 8, 1)]}
-
-
-def candidates(kind: str, base: ProductPlan, quick: bool, forms=int4.FORMS):
+def candidates(kind: str, base: ProductPlan, quick: bool):
     """(label, plan) of each candidate tile in each unpack form; the default tile alone with --quick."""
-    for form in forms:
-        if form == "fma" and kind == "expert":
-            continue                                # the experts take fma as pairs (kernels/moe.py)
-        tiles = FMA_CANDIDATES[kind] if form == "fma" else CANDIDATES[kind]
-        for tile in tiles[:1] if quick else tiles:
+    for tile in CANDIDATES[kind][:1] if quick else CANDIDATES[kind]:
+        for form in int4.FORMS:
             yield f"{tile} {form}", dataclasses.replace(base, int4_tiles=rule(kind, tile), int4_form=form)
 
 
-def time_candidates(kind, call, check, copies: int, base: ProductPlan, quick: bool, forms=int4.FORMS) -> dict:
+def time_candidates(kind, call, check, copies: int, base: ProductPlan, quick: bool) -> dict:
     """us of each candidate (check(plan) asserts its output first), or why it failed."""
     got = {}
-    for label, plan in candidates(kind, base, quick, forms):
+    for label, plan in candidates(kind, base, quick):
         try:
             check(plan)
             got[label] = graph_time(lambda i: call(i, plan), copies)
@@ -180,15 +170,15 @@ def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: boo
             row["stream_us"] = t_s
             print(f"    the words alone, streamed with tile {tile}: {t_s:.1f} us "
                   f"({q4['g128'].w.numel() * 4 / t_s / 1e3:.0f} GB/s)", flush=True)
-        want = ref(x, ws4[0])
+        if T == Ts[0]:
+            want = ref(x, ws4[0])
 
-        def check(plan):
-            # a split product's parts follow its tile (the K ranges round to BK): their sum
-            got = run(x, ws4[0], plan)
-            err = rel(got.sum(0), want.sum(0)) if kind == "split" else rel(got, want)
-            assert err < 2e-2, f"{name} {plan.int4_form} {plan.int4_tiles.__name__}: relative error {err:.1e}"
-        row["tiles"] = time_candidates(kind, lambda i, plan: run(x, ws4[i % c4], plan), check, c4, base, quick,
-                                       int4.FORMS if T == Ts[0] else ("fma",))
+            def check(plan):
+                # a split product's parts follow its tile (the K ranges round to BK): their sum
+                got = run(x, ws4[0], plan)
+                err = rel(got.sum(0), want.sum(0)) if kind == "split" else rel(got, want)
+                assert err < 2e-2, f"{name} {plan.int4_form} {plan.int4_tiles.__name__}: relative error {err:.1e}"
+            row["tiles"] = time_candidates(kind, lambda i, plan: run(x, ws4[i % c4], plan), check, c4, base, quick)
         out.append(row)
         print(f"{name} [{N} x {K}] T={T}: bf16 {t_bf:.1f} us, fp8 {t_f8:.1f} us, int4 {t4:.1f} us "
               f"({row['gbps']:.0f} GB/s, {row['of_copy_bw']:.2f} of copy bw; {t4 / t_bf:.2f} x bf16, "

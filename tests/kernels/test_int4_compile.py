@@ -63,16 +63,10 @@ def variants():
 n, seen = 0, set()
 for name, fn, consts, types in variants():
     for form in int4.FORMS:
-        # the fma form is the few-row products' alone (the experts and prefill take a dot form),
-        # compiled for a few rows (int4.rows_for)
-        if form == "fma" and fn not in (matvec._matvec_kernel, matvec_parts._matvec_parts_kernel):
-            continue
         for extra in ({}, dict(zw=None, perm=None, zw2=None, perm2=None)):
             if form != "reshape" and (fn, form, not extra) in seen:
                 continue
             c_ = dict(consts, UNPACK=int4.FORMS.index(form), **extra)
-            if form == "fma":
-                c_["BT"] = 4
             first = (fn, form) not in seen
             seen |= {(fn, form), (fn, form, not extra)}
             caps = ((90, 80) if form == "slices" else (90, 80, 86, 89)) if first else ((90, 80, 86, 89)[n % 4],)
@@ -90,9 +84,7 @@ for name, fn, consts, types in variants():
                     raise SystemExit(1)
                 ptx = k.asm["ptx"]
                 assert f".target sm_{cap}" in ptx and len(k.asm["cubin"]) > 0, what
-                if form == "fma":
-                    assert "mma" not in ptx, what                 # the CUDA cores alone
-                elif cap < 90:
+                if cap < 90:
                     assert "mma.sync" in ptx, what
                     assert "wgmma" not in ptx and "setmaxnreg" not in ptx and "griddepcontrol" not in ptx, what
                 print("ok", what)

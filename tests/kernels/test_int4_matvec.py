@@ -114,13 +114,6 @@ def test_the_slices_form_takes_dots_of_16_words_or_more():
     assert int4.form_args(256, 64, "slices") == dict(BG=64, UNPACK=int4.RESHAPED)   # 8 words a group: reshape
     assert int4.form_args(256, 64, "pairs") == dict(BG=64, UNPACK=int4.RESHAPED)
     assert int4.form_args(512, 128, "reshape") == dict(BG=128, UNPACK=int4.RESHAPED)
-    assert int4.form_args(256, 32, "fma") == dict(BG=32, UNPACK=int4.FMA)          # any group
-    assert [int4.rows_for(T, dict(UNPACK=int4.FMA), 16) for T in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
-    assert int4.rows_for(3, dict(UNPACK=int4.PAIRED), 16) == 16
-    # the fma form is the few-row dense products' alone; the experts and prefill take their measured form
-    assert [int4.form_of("fma", p, 2048, 5120) for p in ("plain", "swiglu", "split")] == ["fma"] * 3
-    assert int4.form_of("fma", "expert_swiglu", 1024, 2048) == "pairs"
-    assert int4.form_of("fma", "expert_down", 2048, 512) == int4.form_of("fma", "gemm", 5120, 5120) == "reshape"
     assert int4.form_of(None, "swiglu", 34816, 5120) == "pairs" and int4.form_of("slices", "gemm", 9, 9) == "slices"
     # pairs' inline assembly exists only compiled: the interpreter takes the slices' same integers
     assert int4.form_args(512, 128, "pairs") == dict(
@@ -163,7 +156,7 @@ def test_the_pairs_arithmetic_gives_q_less_zero(fp16):
     assert ("0x64006400" if fp16 else "0x43004300") in asm and ("0x3C003C00" if fp16 else "0x3F803F80") in asm
 
 
-@pytest.mark.parametrize("form", ["slices", "pairs", "fma"])
+@pytest.mark.parametrize("form", ["slices", "pairs"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,N,K,symmetric,perm", [(1, 100, 384, True, False), (3, 70, 640, False, True)])
 def test_int4_slices_form(device, dtype, T, N, K, symmetric, perm, form):
@@ -183,7 +176,7 @@ def test_int4_slices_form(device, dtype, T, N, K, symmetric, perm, form):
     check(h, (matvec.matvec_ref(x, w).float() + r.float()).to(dtype), TOL[dtype], "h")
 
 
-@pytest.mark.parametrize("form", ["slices", "pairs", "fma"])
+@pytest.mark.parametrize("form", ["slices", "pairs"])
 def test_int4_slices_rows_do_not_depend_on_T(device, form):
     plan = slices_plan(form)
     w = int4_weight(130, 384, device, 9, 128, False, True)
@@ -253,38 +246,7 @@ def test_int4_pairs_equal_slices_bit_for_bit(dtype, N, K, group, symmetric, perm
     check(matvec.matvec_triton(x, w, plan=pairs), matvec.matvec_ref(x, w), 1e-2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,N,K,group,symmetric,perm", [(5, 70, 256, 32, False, True), (2, 100, 384, 64, True, False)])
-def test_int4_fma_form_any_group(device, dtype, T, N, K, group, symmetric, perm):
-    # the CUDA-core form takes groups of any size; rows one at a time, each T's kernel its own
-    plan = slices_plan("fma")
-    w = int4_weight(N, K, device, N + T, group, symmetric, perm)
-    x = randn(T, K, dtype=dtype, device=device, seed=K + 3)
-    check(matvec.matvec_triton(x, w, plan=plan), matvec.matvec_ref(x, w), TOL[dtype], "plain")
-    check(matvec.matvec_swiglu_triton(x, w, plan=plan), matvec.matvec_swiglu_ref(x, w), TOL[dtype], "swiglu")
-    rows_equal(lambda x: matvec.matvec_swiglu_triton(x, w, plan=plan), x)
-    check(matvec_parts.matvec_parts_triton(x, w, plan=plan), matvec_parts.matvec_parts_ref(x, w, plan),
-          TOL[torch.float32], "parts")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("N,K,group", [(16384, 5120, 128), (5120, 6144, 32), (2 * 17408, 5120, 128)])
-def test_int4_fma_form_27b_shapes_rows(N, K, group):
-    # the CUDA-core form, compiled per power of 2 of rows: each row as the 1-row call's, bit for bit
-    plan = dataclasses.replace(default_products("cuda"), int4_form="fma")
-    w = int4_weight(N, K, "cuda", N + 1, group, False, group == 32)
-    x = randn(matvec.MAX_ROWS, K, dtype=torch.bfloat16, device="cuda", seed=K + 1)
-    run = (lambda x: matvec.matvec_swiglu(x, w, plan)) if N > 20000 else \
-        (lambda x: matvec.matvec(x, w, plan=plan)) if N > 5120 else \
-        (lambda x: matvec_parts.matvec_parts(x, w, plan).transpose(0, 1))
-    if N == 5120:
-        check(matvec_parts.matvec_parts(x[:5], w, plan), matvec_parts.matvec_parts_ref(x[:5], w, plan), 1e-5, "parts")
-    else:
-        check(run(x[:5]), (matvec.matvec_swiglu_ref if N > 20000 else matvec.matvec_ref)(x[:5], w), 2e-2)
-    rows_equal(run, x)
-
-
-@pytest.mark.parametrize("form", ["reshape", "fma"])
+@pytest.mark.parametrize("form", ["reshape", "slices"])
 def test_perm_applied_to_x_once_gives_the_same_bits(device, form):
     # ProductPlan.permute_x: x gathered through the perm once, the weight read without it
     w = int4_weight(70, 640, device, 11, 128, False, True)
