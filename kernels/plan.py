@@ -48,8 +48,9 @@ class ProductPlan:
     int4_tiles: Int4Rule | None = None      # every product's tiles over 4-bit weights (tests/bench/bench_int4.py)
     int4_form: str | None = None    # how every 4-bit tile unpacks for the dots (int4.form_args: "reshape",
                                     # "slices", "pairs"); None: each product's measured form (int4.measured)
-    permute_x: bool = False         # a 4-bit weight's perm (GPTQ desc_act) applied to x once per few-row product,
-                                    # not in every tile (the same sums; not yet measured)
+    permute_x: bool = True          # a 4-bit weight's perm (GPTQ desc_act) applied to x once per few-row product,
+                                    # not in every tile (the same sums; with its gather 0.57-0.92 x the time on
+                                    # the 27B's products at 1 and 4 rows, H100: tests/bench/bench_int4.py)
     int4_prefill: str = "dense"     # prefill's 4-bit products (kernels/int4_gemm.py): "dense" (a dequantized
                                     # slab, then torch's matmul: 1.27-1.34 x bf16 at 2048 rows, H100) or "fused"
                                     # (unpacked in the dot's registers: 5.3 x; tests/bench/bench_int4.py)
