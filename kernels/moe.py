@@ -347,10 +347,15 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2,
     of the number of rows (tests/bench/bench_moe.py measured the step's at the 35B-A3B's shapes on
     an H100). FP8 tiles lie inside one 128 x 128 block of scales; float32 tiles are smaller, to fit
     in shared memory. 4-bit experts, int4 = (N, K, group) of one expert's product: the plan's
-    int4_tiles rule ("expert_swiglu", "expert_down"), else the measured tile (int4.measured)."""
+    int4_tiles rule ("expert_swiglu", "expert_down"), else in a step the measured tile
+    (int4.measured) and in a prefill 64 x 128 weights (unmeasured; it fits shared memory)."""
     if int4 is not None:
         rule4 = plan.int4_tiles if plan is not None else None
         chosen = rule4("expert_" + product, *int4) if rule4 is not None else None
+        if chosen is None and not step:
+            # a prefill's blocks take PREFILL_ROWS pairs: x's tile is 64 rows, and the step's BK
+            # of 512 would need 3 x 64 KB of it in shared memory alone (more than an SM has)
+            return 64, 128, 4, 3
         return chosen or measured("expert_" + product, *int4[:2])[0]
     rule = plan.expert_tiles if plan is not None else None
     chosen = rule(product, step, fp8, itemsize) if rule is not None else None

@@ -5,9 +5,10 @@ the other kernel tests here and never compiles: a kernel can pass them all and s
 (a branch the interpreter takes in Python that Triton must type, a None among the values a
 function returns). The few-row products (plain, SwiGLU, split over K, a Normed input), the split
 parts with and without the norm, the MoE expert products (SwiGLU and down, a step's layout with
-the shared expert and a prefill's without) and prefill's product, each with zeros and perm and
-with neither, in each unpack form (ProductPlan.int4_form; the pairs form's inline assembly
-assembled for each target)."""
+the shared expert and a prefill's without, on the tiles the engine takes for them) and prefill's
+product, each with zeros and perm and with neither, in each unpack form (ProductPlan.int4_form;
+the pairs form's inline assembly assembled for each target), each within the target's shared
+memory."""
 from __future__ import annotations
 
 import os
@@ -36,7 +37,7 @@ POINTERS = dict(x="*bf16", w="*i32", sw="*fp16", ws="*fp16", w2="*i32", ws2="*fp
 
 
 def variants():
-    # (name, kernel, its constexprs, pointer types other than POINTERS'); G 128 and BK 256: two
+    # (name, kernel, its constexprs, pointer types other than POINTERS'[, (warps, stages)]); G 128 and BK 256: two
     # sub-tiles a tile (both forms take them); the "slices" form needs sub-tiles of 128 columns
     i4 = dict(G=128, BG=128, FP8=False, BITS=0)
     mv = matvec._matvec_kernel
@@ -46,11 +47,14 @@ def variants():
     for norm in (True, False):
         yield f"parts norm={norm}", mp, dict(BT=16, BN=64, BK=256, S=3, NORM=norm, RESIDUAL=norm, **i4), {"y": "*fp32"}
     for step, shared in ((True, True), (False, False)):      # a step with the shared expert, a prefill without
-        lay = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS) if step else dict(BM=64, STEP=False, BP=16)
+        # the tiles the engine takes for the 35B-A3B's experts (gate|up 1024 x 2048, down 2048 x 512)
+        lay = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS) if step else dict(BM=moe.PREFILL_ROWS, STEP=False, BP=16)
+        BN, BK, warps, stages = moe.tiles("swiglu", step, False, 2, None, (1024, 2048, 128))
         yield f"expert swiglu step={step} shared={shared}", moe._swiglu_kernel, dict(
-            TOPK=8, BN=64, BK=256, COUNT=step, SHARED=shared, **lay, **i4), {}
+            TOPK=8, BN=BN, BK=BK, COUNT=step, SHARED=shared, **lay, **i4), {}, (warps, stages)
+        BN, BK, warps, stages = moe.tiles("down", step, False, 2, None, (2048, 512, 128))
         yield f"expert down step={step} shared={shared}", moe._down_kernel, dict(
-            BN=64, BK=256, SHARED=shared, **lay, **i4), {"y": "*fp32"}
+            BN=BN, BK=BK, SHARED=shared, **lay, **i4), {"y": "*fp32"}, (warps, stages)
     yield "gemm", int4_gemm._gemm_kernel, dict(BM=64, BN=128, BK=128, G=128, BG=128), {}
 
 
@@ -60,8 +64,10 @@ def variants():
 # branch compiled with the other format's tiles come before any target's code, so every variant
 # meets them; the targets' own instructions are checked on each kernel. The slices and pairs forms
 # differ only in int4.dot_int4: each kernel's first variant, with zeros and perm and without.
+SHARED_MEMORY = {90: 232448, 80: 166912, 86: 101376, 89: 101376}    # bytes a block may take, per target
 n, seen = 0, set()
-for name, fn, consts, types in variants():
+for name, fn, consts, types, *launch in variants():
+    warps, stages = launch[0] if launch else (4, 3)
     for form in int4.FORMS:
         for extra in ({}, dict(zw=None, perm=None, zw2=None, perm2=None)):
             if form != "reshape" and (fn, form, not extra) in seen:
@@ -78,12 +84,15 @@ for name, fn, consts, types in variants():
                 what = f"{name} {form} zeros/perm={not extra} sm_{cap}"
                 try:
                     k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=c_),
-                                       target=GPUTarget("cuda", cap, 32), options=dict(num_warps=4, num_stages=3))
+                                       target=GPUTarget("cuda", cap, 32),
+                                       options=dict(num_warps=warps, num_stages=stages))
                 except Exception as e:
                     print("FAILED", what, "\n", str(e)[-1500:], file=sys.stderr)
                     raise SystemExit(1)
                 ptx = k.asm["ptx"]
                 assert f".target sm_{cap}" in ptx and len(k.asm["cubin"]) > 0, what
+                # what a launch would refuse (OutOfResources), which compiling alone lets through
+                assert k.metadata.shared <= SHARED_MEMORY[cap], f"{what}: {k.metadata.shared} bytes of shared memory"
                 if cap < 90:
                     assert "mma.sync" in ptx, what
                     assert "wgmma" not in ptx and "setmaxnreg" not in ptx and "griddepcontrol" not in ptx, what
