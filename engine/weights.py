@@ -601,18 +601,38 @@ def fill_random(modules: dict[str, nn.Module], places: dict[str, dict[str, Place
         names = {place.param: name for name, place in places[key].items()}   # a representative name
         for pname, p in list(module.named_parameters()):
             dt = torch.float32 if pname.endswith(FLOAT32_PARAMS) else dtype
-            shape = tuple(p.shape) if p.dim() != 2 or "conv" not in pname else (p.shape[0], 1, p.shape[1])
-            t = random_tensor(names[pname], shape, g).reshape(p.shape)
-            if (key, pname) in in_fp8:
-                _assign_product(module, pname, quantize_ref(t))
-            elif (key, pname) in in_int4:
-                _assign_product(module, pname, int4_quantize(t, int4.group, True))
+            if p.dim() == 2 and "conv" not in pname:
+                # a matrix drawn and stored a slab of rows at a time: drawn whole in float32 (the
+                # 35B-A3B's stack of one layer's experts: 4.3 GB with its scaling) it would add
+                # several GB to the peak of a load that must fit a 24 GB card in 4 bits
+                fmt = "fp8" if (key, pname) in in_fp8 else "int4" if (key, pname) in in_int4 else dt
+                _assign_product(module, pname, _random_matrix(names[pname], tuple(p.shape), g, fmt, int4))
             else:
-                _assign(module, pname, t.to(dt))
+                shape = tuple(p.shape) if p.dim() != 2 else (p.shape[0], 1, p.shape[1])
+                _assign(module, pname, random_tensor(names[pname], shape, g).reshape(p.shape).to(dt))
             done, count = done + p.numel() * width, count + 1
             if progress is not None:
                 progress(LoadProgress("weights", done, total, count, len(params),
                                       "int4" if in_int4 else "fp8" if in_fp8 else ""))
+
+
+RANDOM_ROWS_AT_ONCE = 1 << 24     # weights a slab of a random matrix holds (64 MB of float32)
+
+
+def _random_matrix(name: str, shape: tuple[int, int], g: torch.Generator, fmt, int4: Int4Format | None):
+    """A random matrix for checkpoint tensor `name` (random_tensor's values), drawn in slabs of whole
+    rows (FP8: of whole 128-row blocks) and stored as it goes: in `fmt`, a dtype, "fp8" (block
+    scaled) or "int4" (int4's group, symmetric)."""
+    N, K = shape
+    rows = max(BLOCK, RANDOM_ROWS_AT_ONCE // K // BLOCK * BLOCK)
+    if fmt not in ("fp8", "int4"):
+        out = torch.empty(shape, dtype=fmt, device=g.device)
+        for i in range(0, N, rows):
+            out[i:i + rows] = random_tensor(name, (min(rows, N - i), K), g)
+        return out
+    quantize = quantize_ref if fmt == "fp8" else lambda t: int4_quantize(t, int4.group, True)
+    parts = [quantize(random_tensor(name, (min(rows, N - i), K), g)) for i in range(0, N, rows)]
+    return type(parts[0])(*(None if ts[0] is None else torch.cat(ts) for ts in zip(*parts)))
 
 
 def _assign_product(module: nn.Module, name: str, tensor: torch.Tensor | BlockFP8 | GroupInt4):

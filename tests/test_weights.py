@@ -140,3 +140,27 @@ def test_place_tables_cover_the_27b_checkpoint():
     assert len(text) == 851 and len(mtp) == 15                       # qwen35-model.md §5
     count = lambda places: sum(torch.Size(p.shape).numel() for p in places.values())
     assert count(text) == 26_895_998_464 and count(mtp) == 424_699_392   # §9
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8", torch.bfloat16])
+def test_random_weights_drawn_in_slabs_equal_the_whole_drawn_alike(fmt, monkeypatch):
+    # --random-weights draws a big matrix a slab of rows at a time (so a 4-bit load's peak stays
+    # near its weights); stored in slabs, it must be what the same draws quantize to whole
+    from mtpchat.engine import weights
+    from mtpchat.engine.config import Int4Format
+    from mtpchat.kernels import fp8, int4
+    monkeypatch.setattr(weights, "RANDOM_ROWS_AT_ONCE", 128 * 256)        # slabs of 128 rows: 3 of 300
+    name, shape, fmt4 = "model.layers.0.mlp.down_proj.weight", (300, 256), Int4Format("rtn", group=64)
+    slabs = weights._random_matrix(name, shape, torch.Generator().manual_seed(5), fmt, fmt4)
+    dense = weights._random_matrix(name, shape, torch.Generator().manual_seed(5), torch.float32, fmt4)
+    assert dense.std() > 0.03 and not torch.equal(dense[:128], dense[128:256])
+    if fmt == "int4":
+        whole = int4.quantize_ref(dense, 64, True)
+        assert slabs.w.shape == (300, 32) and slabs.scale.shape == (300, 4) and slabs.zero is None
+        assert torch.equal(slabs.w, whole.w) and torch.equal(slabs.scale, whole.scale)
+    elif fmt == "fp8":
+        whole = fp8.quantize_ref(dense)
+        assert slabs.scale.shape == (3, 2)
+        assert torch.equal(slabs.w.view(torch.uint8), whole.w.view(torch.uint8)) and torch.equal(slabs.scale, whole.scale)
+    else:
+        assert slabs.dtype == torch.bfloat16 and torch.equal(slabs, dense.to(torch.bfloat16))
