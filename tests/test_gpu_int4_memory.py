@@ -5,6 +5,7 @@ under a memory cap of 23 GiB (a 24 GB card's 24 GiB, less the CUDA context and t
 load, a prefill of a few thousand tokens and a few MTP steps at k = 3 stay under the cap and within
 the memory plan that `mtpchat run` checks before loading (tests/test_memory.py checks that plan on
 the CPU)."""
+import gc
 from pathlib import Path
 
 import pytest
@@ -30,10 +31,15 @@ def capped():
     total = torch.cuda.get_device_properties(0).total_memory
     if total < CAP:
         pytest.skip(f"needs a GPU of {CAP / GiB:.0f} GiB or more")
+    # an engine of a test before (the 27B's: 17 GiB of weights, 3 GiB of caches) is a cycle of
+    # objects: only the collector frees it, and it must be gone before the cap counts
+    gc.collect()
     torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated() < GiB, f"{torch.cuda.memory_allocated() / GiB:.1f} GiB still allocated"
     torch.cuda.set_per_process_memory_fraction(CAP / total)
     torch.cuda.reset_peak_memory_stats()
     yield
+    gc.collect()
     torch.cuda.set_per_process_memory_fraction(1.0)
     torch.cuda.empty_cache()
 
