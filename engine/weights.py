@@ -608,6 +608,7 @@ def fill_random(modules: dict[str, nn.Module], places: dict[str, dict[str, Place
                 fmt = "fp8" if (key, pname) in in_fp8 else "int4" if (key, pname) in in_int4 else dt
                 _assign_product(module, pname, _random_matrix(names[pname], tuple(p.shape), g, fmt, int4))
             else:
+                assert (key, pname) not in in_fp8 and (key, pname) not in in_int4, f"{pname}: only matrices quantize"
                 shape = tuple(p.shape) if p.dim() != 2 else (p.shape[0], 1, p.shape[1])
                 _assign(module, pname, random_tensor(names[pname], shape, g).reshape(p.shape).to(dt))
             done, count = done + p.numel() * width, count + 1
@@ -619,7 +620,8 @@ def fill_random(modules: dict[str, nn.Module], places: dict[str, dict[str, Place
 RANDOM_ROWS_AT_ONCE = 1 << 24     # weights a slab of a random matrix holds (64 MB of float32)
 
 
-def _random_matrix(name: str, shape: tuple[int, int], g: torch.Generator, fmt, int4: Int4Format | None):
+def _random_matrix(name: str, shape: tuple[int, int], g: torch.Generator, fmt: torch.dtype | str,
+                   int4: Int4Format | None):
     """A random matrix for checkpoint tensor `name` (random_tensor's values), drawn in slabs of whole
     rows (FP8: of whole 128-row blocks) and stored as it goes: in `fmt`, a dtype, "fp8" (block
     scaled) or "int4" (int4's group, symmetric)."""

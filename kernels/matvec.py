@@ -20,7 +20,8 @@ plan (kernels/plan.py), never of T.
 
 The weight may be a tensor, a BlockFP8 (kernels/fp8.py: each tile widened, its dot scaled) or a
 GroupInt4 (kernels/int4.py: each tile's words unpacked in registers to exact bf16 integers, one
-dot a group, the group's scale on its float32 result; x read through the weight's perm).
+dot a group, the group's scale on its float32 result; a weight's perm applied to x once before the
+kernel (ProductPlan.permute_x, the default) or to x's tile in every program).
 
 Products with fewer column blocks than SMs are split over K in matvec_parts.py, whose norm-finishing
 form hands the next product its input as a `Normed` (below).

@@ -353,8 +353,9 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2,
         rule4 = plan.int4_tiles if plan is not None else None
         chosen = rule4("expert_" + product, *int4) if rule4 is not None else None
         if chosen is None and not step:
-            # a prefill's blocks take PREFILL_ROWS pairs: x's tile is 64 rows, and the step's BK
-            # of 512 would need 3 x 64 KB of it in shared memory alone (more than an SM has)
+            # a prefill's blocks take PREFILL_ROWS pairs: x's tile is 64 rows, and with the step's
+            # down tile (BK 512) x's pipelined loads alone take 3 x 64 KB of shared memory (233,472
+            # bytes in all under Triton 3.6 at groups of 32: more than an SM has)
             return 64, 128, 4, 3
         return chosen or measured("expert_" + product, *int4[:2])[0]
     rule = plan.expert_tiles if plan is not None else None

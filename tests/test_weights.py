@@ -7,8 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mtpchat.engine import Engine
-from mtpchat.engine.config import ConfigError, ModelConfig
+from mtpchat.engine import Engine, weights
+from mtpchat.engine.config import ConfigError, Int4Format, ModelConfig
+from mtpchat.kernels import fp8, int4
 from tools.tiny import write_tiny_checkpoint
 from mtpchat.engine.weights import WeightsError, mtp_places, text_places
 
@@ -146,9 +147,6 @@ def test_place_tables_cover_the_27b_checkpoint():
 def test_random_weights_drawn_in_slabs_equal_the_whole_drawn_alike(fmt, monkeypatch):
     # --random-weights draws a big matrix a slab of rows at a time (so a 4-bit load's peak stays
     # near its weights); stored in slabs, it must be what the same draws quantize to whole
-    from mtpchat.engine import weights
-    from mtpchat.engine.config import Int4Format
-    from mtpchat.kernels import fp8, int4
     monkeypatch.setattr(weights, "RANDOM_ROWS_AT_ONCE", 128 * 256)        # slabs of 128 rows: 3 of 300
     name, shape, fmt4 = "model.layers.0.mlp.down_proj.weight", (300, 256), Int4Format("rtn", group=64)
     slabs = weights._random_matrix(name, shape, torch.Generator().manual_seed(5), fmt, fmt4)

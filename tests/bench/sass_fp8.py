@@ -5,8 +5,8 @@ memory and the instruction mix of each, to read before spending GPU time.
 
 Use the Triton the GPU machine has (3.6 there: `pip install --target DIR triton==3.6.0` and put DIR
 first on PYTHONPATH): with the pointers and the 16-divisible sizes marked as a launch marks them,
-this gives the registers and shared memory the GPU's own compilation reports (for the plain FP8
-product, 64 x 128 tiles, 4 warps, 8 deep: 96 registers, 90,112 bytes).
+this gives the registers and shared memory the GPU's own compilation reports (on 2026-11-25, for
+the plain FP8 product's tile of then, 64 x 128, 4 warps, 8 deep: 96 registers, 90,112 bytes).
 
 What it showed (Triton 3.6): `.to(tl.bfloat16)` of e4m3 weights becomes, per pair, one e4m3x2 ->
 f16x2 conversion, two scalar f16 -> bf16 conversions and a byte permute: 1.5 conversions an

@@ -46,6 +46,17 @@ def test_fp8_matvec(device, dtype, T, N, K):
     check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[dtype])
 
 
+def test_fp8_matvec_on_the_long_rows_tile(device):
+    # rows of 4096 or more take 32-row tiles (matvec.tiles): 300 rows, a partial last scale block
+    # of rows, a plain and a Normed input, one row
+    assert matvec.tiles(300, 4096, 2, fp8=True)[0] == 32 and matvec.tiles(300, 2048, 2, fp8=True)[0] == 64
+    w = weights(300, 4096, device, seed=41)
+    x = randn(1, 4096, dtype=torch.float32, device=device, seed=42)
+    check(matvec.matvec_triton(x, w), matvec.matvec_ref(x, w), TOL[torch.float32])
+    n = normed(1, 4096, torch.float32, device, torch.Generator().manual_seed(43))
+    check(matvec.matvec_triton(n, w), matvec.matvec_ref(n, w), TOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("N,K", [(128, 300), (256, 640)])

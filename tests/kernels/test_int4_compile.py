@@ -58,32 +58,37 @@ def variants():
     yield "gemm", int4_gemm._gemm_kernel, dict(BM=64, BN=128, BK=128, G=128, BG=128), {}
 
 
-# Each variant compiles once to a cubin, for one of the four targets in turn; a kernel's first
-# variant for all four (in the slices form for sm_90 and sm_80): some 70 compilations, about 2 min
-# on 2 cores the first time, seconds from Triton's cache after. Typing errors such as a None returned or a
-# branch compiled with the other format's tiles come before any target's code, so every variant
-# meets them; the targets' own instructions are checked on each kernel. The slices and pairs forms
-# differ only in int4.dot_int4: each kernel's first variant, with zeros and perm and without.
+# Each variant compiles in each form for all four targets (the slices form for sm_90 and sm_80),
+# and once more without zeros and perm (reshape: for one target in turn): some 110 compilations,
+# about 3 min on 2 cores the first time, seconds from Triton's cache after. Typing errors such as
+# a None returned or a branch compiled with the other format's tiles come before any target's
+# code; the targets' own instructions and shared memory (each variant on its own tiles and
+# layout: a prefill's experts take more than a step's) are checked on each.
 SHARED_MEMORY = {90: 232448, 80: 166912, 86: 101376, 89: 101376}    # bytes a block may take, per target
 n, seen = 0, set()
 for name, fn, consts, types, *launch in variants():
     warps, stages = launch[0] if launch else (4, 3)
     for form in int4.FORMS:
         for extra in ({}, dict(zw=None, perm=None, zw2=None, perm2=None)):
-            if form != "reshape" and (fn, form, not extra) in seen:
+            if form != "reshape" and (name, form, not extra) in seen:
                 continue
             c_ = dict(consts, UNPACK=int4.FORMS.index(form), **extra)
-            first = (fn, form) not in seen
-            seen |= {(fn, form), (fn, form, not extra)}
+            first = (name, form) not in seen
+            seen |= {(name, form), (name, form, not extra)}
             caps = ((90, 80) if form == "slices" else (90, 80, 86, 89)) if first else ((90, 80, 86, 89)[n % 4],)
             n += 1
             for cap in caps:
                 c_["PDL"] = cap >= 90
                 c_ = {a: v for a, v in c_.items() if a in fn.arg_names}
                 sig = {a: "constexpr" if a in c_ else types.get(a, POINTERS.get(a, "i32")) for a in fn.arg_names}
+                # as a launch specialises them: pointers 16-byte aligned, the shapes and strides
+                # multiples of 16 (the rows' count T, the pairs' P and eps aside); with these hints
+                # Triton pipelines x's loads through shared memory, as on the GPU
+                attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                         if a not in c_ and a not in ("T", "P", "eps") and sig[a] != "fp32"}
                 what = f"{name} {form} zeros/perm={not extra} sm_{cap}"
                 try:
-                    k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=c_),
+                    k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=c_, attrs=attrs),
                                        target=GPUTarget("cuda", cap, 32),
                                        options=dict(num_warps=warps, num_stages=stages))
                 except Exception as e:
