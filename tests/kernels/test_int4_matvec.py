@@ -259,5 +259,8 @@ def test_perm_applied_to_x_once_gives_the_same_bits(device, form):
     n = normed(3, 640, torch.float32, device, torch.Generator().manual_seed(6))
     assert torch.equal(matvec.matvec_triton(n, w, plan=once), matvec.matvec_triton(n, w, plan=base))
     assert torch.equal(matvec_parts.matvec_parts_triton(x, w, plan=once), matvec_parts.matvec_parts_triton(x, w, plan=base))
+    norm = (randn(3, 70, device=device, seed=13), randn(70, device=device, seed=14), 1e-6)
+    (a, h_a), (b, h_b) = (matvec_parts.matvec_parts_triton(x, w, norm=norm, plan=p) for p in (once, base))
+    assert torch.equal(a.x, b.x) and torch.equal(a.ss, b.ss) and torch.equal(h_a, h_b)
     x2, w2 = matvec.permuted_once(x, w, once)
     assert w2.perm is None and torch.equal(x2, x[:, w.perm.long()])
