@@ -168,6 +168,7 @@ def bench(a) -> dict:
     from mtpchat.app.store import Store
     from mtpchat.chat.engine import LocalEngine
     from mtpchat.cli import generate
+    from mtpchat.engine.events import Step
     from mtpchat.engine.spec import ProfileDrafter
 
     say(f"loading the engine ({a.random_weights or 'the tiny checkpoint'} on {a.device})")
@@ -192,7 +193,6 @@ def bench(a) -> dict:
         return recorded(diag.watch(events) if diag else events, replies[-1])
 
     def recorded(events, into: list):
-        from mtpchat.engine.events import Step
         for event in events:
             if isinstance(event, Step):
                 into.extend(event.token_ids)

@@ -145,6 +145,8 @@ def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: boo
     ws4 = [q4["g128"]] + [quantized(N, K) for _ in range(c4 - 1)]
     bf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(N * K * 2))]
     f8 = [fp8.quantize_ref(torch.randn(N, K, device="cuda")) for _ in range(copies_for(N * K))]
+    # a perm read in every tile, or applied to x once per call (ProductPlan.permute_x)
+    tiled, once = (dataclasses.replace(base, permute_x=p) for p in (False, True))
     for T in Ts:
         x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
         t_bf = graph_time(lambda i: run(x, bf[i % len(bf)], base), len(bf))
@@ -155,12 +157,9 @@ def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: boo
             err = rel(run(x, q, base), ref(x, q))
             assert err < 2e-2, f"{name} {form}: relative error {err:.1e}"
             ws = [q] + ws4[1:] if form == "g128" else [q]
-            # a perm read in every tile here; applied to x once per call (ProductPlan.permute_x) below
-            tiled = dataclasses.replace(base, permute_x=False)
             t = graph_time(lambda i: run(x, ws[i % len(ws)], tiled), len(ws))
             row["int4"][form] = dict(us=t, err=err, l2_resident=len(ws) == 1 and q.nbytes() < 40e6)
             if q.perm is not None:
-                once = dataclasses.replace(base, permute_x=True)
                 row["int4"][form + ", x permuted once"] = dict(us=graph_time(lambda i: run(x, q, once), 1))
         t4 = row["int4"]["g128"]["us"]
         row.update(int4_us=t4, gbps=n4 / t4 / 1e3, of_copy_bw=(n4 / bw * 1e6) / t4)
