@@ -262,12 +262,13 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     return 64, 512 // itemsize, 4, 4
 
 
-def check_product(x: torch.Tensor, w, K: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """x [T, K] and w [N, K] as every product kernel takes them (here and in matvec_parts.py);
+def check_product(x: torch.Tensor, w, K: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """x [T, K] and w [N, K] as every product kernel takes them (here and in matvec_parts.py), T at
+    most `rows` (the plan's row tile);
     returns (w's values, its scales or w again, the format's launch arguments: FP8, and for 4-bit
     weights the group G, the zeros and perm; kernels/int4.py)."""
     T = x.shape[0]
-    assert 1 <= T <= MAX_ROWS, f"matvec takes 1..{MAX_ROWS} rows, got {T}"
+    assert 1 <= T <= rows <= MAX_ROWS, f"this plan's products take 1..{rows} rows, got {T}"
     assert x.shape[1] == K == w.shape[1], f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
     if isinstance(w, GroupInt4):
         check_int4(w, K)
@@ -336,11 +337,11 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
     F = blocks - blocks % P if tail else blocks
     ws, count = y, y                                  # compiled out without a split (SPLIT False)
     if tail:
-        ws = torch.empty((blocks - F) * S, 2 if swiglu else 1, BN, MAX_ROWS, dtype=torch.float32, device=x.device)
+        ws = torch.empty((blocks - F) * S, 2 if swiglu else 1, BN, plan.rows, dtype=torch.float32, device=x.device)
         count = arrival_counts(x.device, blocks - F)
     _matvec_kernel[(F + (blocks - F) * S,)](
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
-        s_y=y.stride(0), BT=MAX_ROWS, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
+        s_y=y.stride(0), BT=plan.rows, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
         num_stages=stages, **scale, **fp8, **pdl(x),
         **_format_args(x, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)))
     return y
@@ -372,7 +373,7 @@ def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | Non
     x, scale = _scale_args(x, K)
     plan = plan or default_products(x.device)
     x, w = permuted_once(x, w, plan)
-    w, sw, fp8 = check_product(x, w, K)
+    w, sw, fp8 = check_product(x, w, K, plan.rows)
     y = _out(x, N, out)
     BN, BK, warps, stages = tiles(N, K, x.element_size(), fp8=fp8["FP8"], plan=plan, group=fp8.get("G", 0))
     return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, False, plan)
@@ -403,7 +404,7 @@ def matvec_swiglu_triton(x, w, plan: ProductPlan | None = None) -> torch.Tensor:
     x, scale = _scale_args(x, K)
     plan = plan or default_products(x.device)
     x, w = permuted_once(x, w, plan)
-    w, sw, fp8 = check_product(x, w, K)
+    w, sw, fp8 = check_product(x, w, K, plan.rows)
     assert N2 % 2 == 0, "w must stack the gate and up rows"
     N = N2 // 2
     assert not fp8["FP8"] or N % BLOCK == 0, "FP8 gate rows must fill whole blocks, so the up rows start one"

@@ -17,7 +17,7 @@ import torch
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.int4 import GroupInt4, dot_int4, measured
-from mtpchat.kernels.matvec import (MAX_ROWS, Normed, _dot_tile, _format_args, arrival_counts, check_product,
+from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, arrival_counts, check_product,
                                     permuted_once)
 from mtpchat.kernels.plan import ProductPlan, default_products
 
@@ -134,7 +134,7 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
     N, K = w.shape
     plan = plan or default_products(x.device)
     x, w = permuted_once(x, w, plan)
-    w, sw, fp8 = check_product(x, w, K)
+    w, sw, fp8 = check_product(x, w, K, plan.rows)
     T = x.shape[0]
     G = fp8.get("G", 0)
     ranges = split_ranges(N, K, x.element_size(), plan, G)
@@ -157,7 +157,7 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         count = arrival_counts(x.device, blocks)
     _matvec_parts_kernel[(blocks, len(ranges))](
         x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0),
-        y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=MAX_ROWS, BN=BN, BK=BK,
+        y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=plan.rows, BN=BN, BK=BK,
         S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None, num_warps=warps,
         num_stages=stages, **fp8, **pdl(x), **_format_args(x, BN, BK, warps, fp8, plan, ("split", N, K)))
     return y if norm is None else (Normed(xn, ss, eps), h)

@@ -34,6 +34,9 @@ Int4Rule = Callable[[str, int, int, int], "tuple[int, ...] | None"]
 @dataclass(frozen=True)
 class ProductPlan:
     programs: int                   # programs resident at once for the wide products' tiles: one an SM
+    rows: int = 16                  # the rows' tile of a few-row product (BT): one compiled kernel takes 1..rows
+                                    # rows, padded to this many in its dots, so a row's result never depends on
+                                    # how many a call holds; 8 or 16 (kernels/matvec.py MAX_ROWS)
     tail_split: bool = True         # a small last wave of column blocks split over K (matvec.tail_split) ...
     tail_parts: int = 3             # ... into this many parts a block
     small_split: bool = True        # a product of at most programs / 4 column blocks split over K in every block ...

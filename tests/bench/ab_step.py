@@ -13,6 +13,7 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans combine --model qwen3.5-35b-a3b   # an MoE's combine folded into the norm, or apart
     python3 ab_step.py --plans int4 --weights int4   # 4-bit tiles and unpack forms: measured, the earlier, all pairs
     python3 ab_step.py --plans fp8tiles --weights fp8 --tiles FILE   # bench_fp8.py --sweep's best FP8 tiles
+    python3 ab_step.py --plans rows --weights fp8     # the few-row products' dots padded to 16 rows or to 8
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed. One engine is
 loaded; for each plan the decoder takes that plan (its forward contexts carry it) and its phases are
@@ -214,6 +215,12 @@ DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split
                  "fc split": dict(fc_split=False), "pick": dict(draft_pick=False)}
 
 
+def rows_plans(base: KernelPlan) -> dict:
+    """The few-row products' row tile (ProductPlan.rows): their dots padded to 16 rows, or to 8 (the
+    steps timed here take 1 to 5). With --room 0 the logits must be the same bits."""
+    return {"rows 16": base.replace(rows=16), "rows 8": base.replace(rows=8)}
+
+
 def default_plans(base: KernelPlan) -> dict:
     """The plan's defaults that were measured in (DEFAULT_FORMS), each off alone against all on, and
     all off: the ratios say what each still buys on this model and weight format (the bit form
@@ -225,7 +232,7 @@ def default_plans(base: KernelPlan) -> dict:
 
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
-            "combine": combine_plans, "int4": int4_plans}
+            "combine": combine_plans, "int4": int4_plans, "rows": rows_plans}
 
 
 def _x_key(w) -> tuple:
