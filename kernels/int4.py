@@ -202,22 +202,25 @@ def form_args(BK: int, G: int, form: str) -> dict:
 def measured(product: str, N: int, K: int) -> tuple[tuple[int, int, int, int], str]:
     """The tile (BN, BK in weights, warps, stages) and unpack form of a 4-bit product where the
     plan names none, by the product ("plain", "swiglu", "split", "expert_swiglu", "expert_down";
-    any other, e.g. prefill's "gemm": the reshape form) and the weight's [N, K]. Measured on an H100 (tests/bench/bench_int4.py, 2026-11-25, T = 1,
-    groups of 128, the best of each form in us; bf16 beside):
-    - plain, the 27B's GDN in_proj [16384 x 5120]: reshape 64 x 512, 4 warps, 3 deep 58.4; pairs
-      61.0 (32 x 1024: 67.9); slices 72.2 (bf16 57.5; the words alone, streamed by the tile's
-      programs: 20.9). q|gate|k|v [14336 x 5120] alike.
+    any other, e.g. prefill's "gemm": the reshape form) and the weight's [N, K]. Measured on an
+    H100 (tests/bench/bench_int4.py --rows 8, 2026-11-26, T = 1, groups of 128, the best tile of
+    each form in us; bf16 beside), the rows padded to 8 (ProductPlan.int4_rows), where the pairs
+    form, whose x tiles and sums the padding doubles, is the fastest everywhere:
+    - plain, the 27B's GDN in_proj [16384 x 5120]: pairs 64 x 1024, 4 warps, 2 deep 40.9 against
+      reshape's best 63.6 and slices' 59.4 (bf16 57.5; with rows of 16 the reshape form's 57.6 was
+      the best). q|gate|k|v [14336 x 5120] alike: 39.2.
     - swiglu, the MLP gate|up [34816 x 5120]: pairs 32 columns (64 rows of w) x 256, 2 warps, 4
-      deep 82.5, against reshape's best 127.3 (the earlier default, 64 x 256, 4 warps: 142.0; bf16 119.4).
-    - split over K: out_proj and o_proj [5120 x 6144] pairs 32 x 512, 4 warps, 3 deep 27.0 against
-      reshape's 34.5 (bf16 23.1); MLP down [5120 x 17408] reshape 64 x 512 66.9 against pairs'
-      best 69.1 (bf16 63.4): pairs where K is at most 8192.
-    - the 35B-A3B's experts at a step (8 of them): gate|up pairs 32 x 256, 4 warps, 4 deep 22.2
-      against 33.9 (bf16 13.5); down reshape 64 x 512 10.7, pairs 11.2 (bf16 7.5)."""
+      deep 64.1 against slices' 96.7, reshape's 112.9 (bf16 118.9; rows of 16: 81.6).
+    - split over K: out_proj and o_proj [5120 x 6144] pairs 64 x 1024, 4 warps, 2 deep, 2 parts
+      22.4 (bf16 26.2; rows of 16: 29.9), MLP down [5120 x 17408] the same tile, 3 parts, 47.7
+      (bf16 68.7; rows of 16: 69.7).
+    - the 35B-A3B's experts at a step (8 of them; kernels/moe.py, rows of their own): gate|up
+      pairs 32 x 256, 4 warps, 4 deep 22.2 against 33.9 (bf16 13.5); down reshape 64 x 512 10.7,
+      pairs 11.2 (bf16 7.5); measured 2026-11-25."""
+    if product in ("plain", "split"):
+        return (64, 1024, 4, 2), "pairs"
     if product == "swiglu":
         return (32, 256, 2, 4), "pairs"
-    if product == "split" and K <= 8192:
-        return (32, 512, 4, 3), "pairs"
     if product == "expert_swiglu":
         return (32, 256, 4, 4), "pairs"
     return (64, 512, 4, 3), "reshape"

@@ -328,20 +328,20 @@ def tail_split(blocks: int, KI: int, plan: ProductPlan) -> tuple[int, int] | Non
     return triton.cdiv(KI, KS), KS
 
 
-def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: bool, plan: ProductPlan):
-    """One program a column block (_matvec_kernel), a small last wave split over K where
-    tail_split says so."""
+def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: bool, plan: ProductPlan, BT: int):
+    """One program a column block (_matvec_kernel) over rows padded to BT, a small last wave split
+    over K where tail_split says so."""
     blocks, KI, P = triton.cdiv(N, BN), triton.cdiv(K, BK), plan.programs
     tail = tail_split(blocks, KI, plan)
     S, KS = tail or (1, KI)
     F = blocks - blocks % P if tail else blocks
     ws, count = y, y                                  # compiled out without a split (SPLIT False)
     if tail:
-        ws = torch.empty((blocks - F) * S, 2 if swiglu else 1, BN, plan.rows, dtype=torch.float32, device=x.device)
+        ws = torch.empty((blocks - F) * S, 2 if swiglu else 1, BN, BT, dtype=torch.float32, device=x.device)
         count = arrival_counts(x.device, blocks - F)
     _matvec_kernel[(F + (blocks - F) * S,)](
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
-        s_y=y.stride(0), BT=plan.rows, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
+        s_y=y.stride(0), BT=BT, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
         num_stages=stages, **scale, **fp8, **pdl(x),
         **_format_args(x, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)))
     return y
@@ -368,15 +368,32 @@ def permuted_once(x: torch.Tensor, w, plan: ProductPlan):
     return x, w
 
 
+def rows_slice(x, a: int, b: int):
+    """Rows a .. b of x, a tensor or a Normed."""
+    return Normed(x.x[a:b], x.ss[a:b], x.eps) if isinstance(x, Normed) else x[a:b]
+
+
+def pieces(T: int, BT: int) -> list[tuple[int, int]]:
+    """The row ranges a product of T rows runs in under a row tile of BT: one, unless T > BT. Each
+    row goes through the same compiled kernel whichever piece holds it, so its result is the same."""
+    return [(a, min(T, a + BT)) for a in range(0, T, BT)]
+
+
 def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | None = None) -> torch.Tensor:
     N, K = w.shape
-    x, scale = _scale_args(x, K)
     plan = plan or default_products(x.device)
+    BT = plan.rows_of(w)
+    if x.shape[0] > BT:
+        y = _out(_rows_of(x), N, out)
+        for a, b in pieces(x.shape[0], BT):
+            matvec_triton(rows_slice(x, a, b), w, y[a:b], plan)
+        return y
+    x, scale = _scale_args(x, K)
     x, w = permuted_once(x, w, plan)
-    w, sw, fp8 = check_product(x, w, K, plan.rows)
+    w, sw, fp8 = check_product(x, w, K, BT)
     y = _out(x, N, out)
     BN, BK, warps, stages = tiles(N, K, x.element_size(), fp8=fp8["FP8"], plan=plan, group=fp8.get("G", 0))
-    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, False, plan)
+    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, False, plan, BT)
 
 
 _counts: dict = {}
@@ -401,17 +418,20 @@ def arrival_counts(device: torch.device, blocks: int) -> torch.Tensor:
 
 def matvec_swiglu_triton(x, w, plan: ProductPlan | None = None) -> torch.Tensor:
     N2, K = w.shape
-    x, scale = _scale_args(x, K)
     plan = plan or default_products(x.device)
+    BT = plan.rows_of(w)
+    if x.shape[0] > BT:
+        return torch.cat([matvec_swiglu_triton(rows_slice(x, a, b), w, plan) for a, b in pieces(x.shape[0], BT)])
+    x, scale = _scale_args(x, K)
     x, w = permuted_once(x, w, plan)
-    w, sw, fp8 = check_product(x, w, K, plan.rows)
+    w, sw, fp8 = check_product(x, w, K, BT)
     assert N2 % 2 == 0, "w must stack the gate and up rows"
     N = N2 // 2
     assert not fp8["FP8"] or N % BLOCK == 0, "FP8 gate rows must fill whole blocks, so the up rows start one"
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     BN, BK, warps, stages = tiles(N, K, x.element_size(), swiglu=True, fp8=fp8["FP8"], plan=plan,
                                   group=fp8.get("G", 0))
-    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, True, plan)
+    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, True, plan, BT)
 
 
 def _out(x: torch.Tensor, N: int, out: torch.Tensor | None) -> torch.Tensor:

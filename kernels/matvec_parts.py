@@ -17,7 +17,7 @@ import torch
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.int4 import GroupInt4, dot_int4, measured
-from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, arrival_counts, check_product,
+from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, arrival_counts, check_product, pieces,
                                     permuted_once)
 from mtpchat.kernels.plan import ProductPlan, default_products
 
@@ -75,8 +75,8 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
 
 def split_config(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 0) -> tuple[int, int, int, int, int]:
     """(S, BN, BK, warps, stages) of a split product: the plan's split rule where it gives one, else
-    S ranges of K (no more than K / (8 BK), rounded up), for some plan.split_programs programs in
-    all (240: the 27B's 5120-row products, 80 column blocks x 3). Tiles of 16 KB of w, 4 deep (80 KB
+    S ranges of K (no more than K / (8 BK), rounded up; 4-bit: K / (3 BK)), for some
+    plan.split_programs programs in all (240: the 27B's 5120-row products, 80 column blocks x 3). Tiles of 16 KB of w, 4 deep (80 KB
     of shared memory with x's), so that two programs fit on an SM and all 240 are resident at once
     on an H100; never a function of T. 4-bit weights in groups of `group` columns (kernels/int4.py):
     the plan's int4_tiles rule ("split"), else the measured tile (int4.measured)."""
@@ -88,7 +88,8 @@ def split_config(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 
         BN, BK, warps, stages = 64, 256 // itemsize, 4, 4
     if chosen is not None:
         return chosen
-    S = max(1, min(triton.cdiv(K, 8 * BK), round(plan.split_programs / triton.cdiv(N, BN))))
+    # a part takes 8 K tiles at least (4-bit: 3 of their 1024 weights; the 27B's out_proj in 2 parts)
+    S = max(1, min(triton.cdiv(K, (3 if group else 8) * BK), round(plan.split_programs / triton.cdiv(N, BN))))
     return S, BN, BK, warps, stages
 
 
@@ -133,8 +134,16 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
     of None adds nothing (h = x @ wᵀ: the MTP head's fc, which its layer's input norm reads)."""
     N, K = w.shape
     plan = plan or default_products(x.device)
+    BT = plan.rows_of(w)
+    if x.shape[0] > BT:
+        done = [matvec_parts_triton(x[a:b], w, norm and (norm[0] if norm[0] is None else norm[0][a:b],) + norm[1:], plan)
+                for a, b in pieces(x.shape[0], BT)]
+        if norm is None:
+            return torch.cat(done, 1)
+        return (Normed(torch.cat([n.x for n, _ in done]), torch.cat([n.ss for n, _ in done]), norm[2]),
+                torch.cat([h for _, h in done]))
     x, w = permuted_once(x, w, plan)
-    w, sw, fp8 = check_product(x, w, K, plan.rows)
+    w, sw, fp8 = check_product(x, w, K, BT)
     T = x.shape[0]
     G = fp8.get("G", 0)
     ranges = split_ranges(N, K, x.element_size(), plan, G)
@@ -157,7 +166,7 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         count = arrival_counts(x.device, blocks)
     _matvec_parts_kernel[(blocks, len(ranges))](
         x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0),
-        y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=plan.rows, BN=BN, BK=BK,
+        y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=BT, BN=BN, BK=BK,
         S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None, num_warps=warps,
         num_stages=stages, **fp8, **pdl(x), **_format_args(x, BN, BK, warps, fp8, plan, ("split", N, K)))
     return y if norm is None else (Normed(xn, ss, eps), h)

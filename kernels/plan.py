@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from mtpchat.kernels.int4 import GroupInt4
+
 CPU_PROGRAMS = 6       # the "SMs" under Triton's interpreter, where products split as on a small GPU
 
 # (N, K, itemsize, swiglu, fp8) -> (BN, BK, warps, stages), or None for the default tile (matvec.tiles)
@@ -34,9 +36,14 @@ Int4Rule = Callable[[str, int, int, int], "tuple[int, ...] | None"]
 @dataclass(frozen=True)
 class ProductPlan:
     programs: int                   # programs resident at once for the wide products' tiles: one an SM
-    rows: int = 16                  # the rows' tile of a few-row product (BT): one compiled kernel takes 1..rows
-                                    # rows, padded to this many in its dots, so a row's result never depends on
-                                    # how many a call holds; 8 or 16 (kernels/matvec.py MAX_ROWS)
+    rows: int = 16                  # the row tile (BT) of a few-row product over bf16 or FP8 weights: its one
+                                    # compiled kernel takes 1..rows rows, padded to this many in its dots, so a
+                                    # row's result never depends on how many a call holds (more rows run in
+                                    # pieces); 8 or 16 (kernels/matvec.py MAX_ROWS). 8 made the FP8 products
+                                    # 1.07-1.23 x slower, bf16 ones 1.00-1.06 x (H100, tests/bench/bench_rows.py)
+    int4_rows: int = 8              # ... over 4-bit weights: 8, where the pairs form's dots, x's tiles and sums
+                                    # take half the work (gate|up 0.78 x the time of 16, out_proj 0.84 x, and
+                                    # the pairs form then the fastest everywhere: tests/bench/bench_int4.py --rows)
     tail_split: bool = True         # a small last wave of column blocks split over K (matvec.tail_split) ...
     tail_parts: int = 3             # ... into this many parts a block
     small_split: bool = True        # a product of at most programs / 4 column blocks split over K in every block ...
@@ -57,6 +64,10 @@ class ProductPlan:
     int4_prefill: str = "dense"     # prefill's 4-bit products (kernels/int4_gemm.py): "dense" (a dequantized
                                     # slab, then torch's matmul: 1.27-1.34 x bf16 at 2048 rows, H100) or "fused"
                                     # (unpacked in the dot's registers: 5.3 x; tests/bench/bench_int4.py)
+
+    def rows_of(self, w) -> int:
+        """The row tile of a product over w (rows, or int4_rows for a 4-bit weight)."""
+        return self.int4_rows if isinstance(w, GroupInt4) else self.rows
 
     def describe(self) -> dict:
         """The plan as plain values (a rule by its name), for `--dry-run` and benchmark reports."""

@@ -147,11 +147,11 @@ def combine_plans(base: KernelPlan) -> dict:
 
 
 def int4_plans(base: KernelPlan) -> dict:
-    """The 4-bit products' measured tiles and unpack forms (kernels/int4.py measured) against the
-    earlier defaults (every product in the reshape form: plain and split 64 x 512 weights, 4 warps,
-    3 deep; SwiGLU 64 x 256, 4 deep; experts 64 x 512) and against the pairs form everywhere on the
-    measured tiles. The earlier and measured logits may differ in the last bits (reshape and pairs
-    sum a group in other orders)."""
+    """The 4-bit products' measured tiles and unpack forms (kernels/int4.py measured), rows padded to
+    8 (ProductPlan.int4_rows), against: the same with rows of 16; the SwiGLU on 64-column tiles; and
+    the first defaults (rows of 16, every product in the reshape form: plain and split 64 x 512
+    weights, 4 warps, 3 deep; SwiGLU 64 x 256, 4 deep). Logits may differ in the last bits between
+    forms (reshape and pairs sum a group in other orders), never between the row tiles."""
     programs = base.products.split_programs
 
     def earlier(product, N, K, group):
@@ -161,8 +161,13 @@ def int4_plans(base: KernelPlan) -> dict:
             return max(1, min(-(-K // (8 * 512)), round(programs / -(-N // 64)))), 64, 512, 4, 3
         return 64, 512, 4, 3
     earlier.__name__ = "int4:earlier"
-    return {"measured": base, "earlier": base.replace(int4_form="reshape", int4_tiles=earlier),
-            "pairs": base.replace(int4_form="pairs")}
+
+    def swiglu64(product, N, K, group):
+        return (64, 256, 4, 4) if product == "swiglu" else None
+    swiglu64.__name__ = "int4:swiglu 64x256w4s4"
+    return {"measured": base, "rows 16": base.replace(int4_rows=16),
+            "earlier": base.replace(int4_form="reshape", int4_tiles=earlier, int4_rows=16),
+            "swiglu 64": base.replace(int4_tiles=swiglu64)}
 
 
 def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan:

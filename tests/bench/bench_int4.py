@@ -252,10 +252,14 @@ def main():
     p.add_argument("--quick", action="store_true", help="the default tiles only")
     p.add_argument("--prefill", type=int, default=2048, metavar="T", help="rows of the prefill products (0: none)")
     p.add_argument("--prefill-only", action="store_true", help="only prefill's products")
+    p.add_argument("--rows", type=int, default=0, help="the plan's row tile (ProductPlan.rows; 0: its default)")
+    p.add_argument("--no-experts", action="store_true", help="the 27B's products only")
     a = p.parse_args()
     start = time.time()
     torch.manual_seed(0)
     base = default_products("cuda")
+    if a.rows:
+        base = dataclasses.replace(base, rows=a.rows)
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s (read + written); plan {base.describe()}")
     out: list = []
@@ -265,7 +269,8 @@ def main():
         if not a.prefill_only:
             for name, N, K, kind in SHAPES:
                 bench_product(name, N, K, kind, (1, 4), base, bw, a.quick, out)
-            bench_experts((1, 4), base, bw, a.quick, out)
+            if not a.no_experts:
+                bench_experts((1, 4), base, bw, a.quick, out)
     print(f"{time.time() - start:.0f} s")
     if a.json:
         with open(a.json, "w") as f:
