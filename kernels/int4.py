@@ -209,8 +209,10 @@ def measured(product: str, N: int, K: int) -> tuple[tuple[int, int, int, int], s
     - plain, the 27B's GDN in_proj [16384 x 5120]: pairs 64 x 1024, 4 warps, 2 deep 40.9 against
       reshape's best 63.6 and slices' 59.4 (bf16 57.5; with rows of 16 the reshape form's 57.6 was
       the best). q|gate|k|v [14336 x 5120] alike: 39.2.
-    - swiglu, the MLP gate|up [34816 x 5120]: pairs 32 columns (64 rows of w) x 256, 2 warps, 4
-      deep 64.1 against slices' 96.7, reshape's 112.9 (bf16 118.9; rows of 16: 81.6).
+    - swiglu, the MLP gate|up [34816 x 5120]: pairs 64 columns (128 rows of w) x 256, 4 warps, 4
+      deep: alone 74.2 against 32 columns, 2 warps' 64.1, but in the 27B's whole decode step 0.980
+      x the time with it (verify 3 0.977, draft 3 0.994: ab_step.py --plans int4); slices' best
+      96.7, reshape's 112.9 (bf16 118.9; rows of 16: 81.6).
     - split over K: out_proj and o_proj [5120 x 6144] pairs 64 x 1024, 4 warps, 2 deep, 2 parts
       22.4 (bf16 26.2; rows of 16: 29.9), MLP down [5120 x 17408] the same tile, 3 parts, 47.7
       (bf16 68.7; rows of 16: 69.7).
@@ -220,7 +222,7 @@ def measured(product: str, N: int, K: int) -> tuple[tuple[int, int, int, int], s
     if product in ("plain", "split"):
         return (64, 1024, 4, 2), "pairs"
     if product == "swiglu":
-        return (32, 256, 2, 4), "pairs"
+        return (64, 256, 4, 4), "pairs"
     if product == "expert_swiglu":
         return (32, 256, 4, 4), "pairs"
     return (64, 512, 4, 3), "reshape"

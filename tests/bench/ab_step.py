@@ -148,7 +148,7 @@ def combine_plans(base: KernelPlan) -> dict:
 
 def int4_plans(base: KernelPlan) -> dict:
     """The 4-bit products' measured tiles and unpack forms (kernels/int4.py measured), rows padded to
-    8 (ProductPlan.int4_rows), against: the same with rows of 16; the SwiGLU on 64-column tiles; and
+    8 (ProductPlan.int4_rows), against: the same with rows of 16; the SwiGLU on 32-column tiles, 2 warps (alone the faster); and
     the first defaults (rows of 16, every product in the reshape form: plain and split 64 x 512
     weights, 4 warps, 3 deep; SwiGLU 64 x 256, 4 deep). Logits may differ in the last bits between
     forms (reshape and pairs sum a group in other orders), never between the row tiles."""
@@ -162,12 +162,12 @@ def int4_plans(base: KernelPlan) -> dict:
         return 64, 512, 4, 3
     earlier.__name__ = "int4:earlier"
 
-    def swiglu64(product, N, K, group):
-        return (64, 256, 4, 4) if product == "swiglu" else None
-    swiglu64.__name__ = "int4:swiglu 64x256w4s4"
+    def swiglu32(product, N, K, group):
+        return (32, 256, 2, 4) if product == "swiglu" else None
+    swiglu32.__name__ = "int4:swiglu 32x256w2s4"
     return {"measured": base, "rows 16": base.replace(int4_rows=16),
             "earlier": base.replace(int4_form="reshape", int4_tiles=earlier, int4_rows=16),
-            "swiglu 64": base.replace(int4_tiles=swiglu64)}
+            "swiglu 32": base.replace(int4_tiles=swiglu32)}
 
 
 def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan:
