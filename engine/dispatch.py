@@ -78,12 +78,12 @@ class Ctx:
 
 def weight(m: nn.Module, name: str):
     """A product's weight as engine/weights.py stores it: the parameter; with its block scales
-    (`<name>_scale`) an FP8 one, a BlockFP8; packed in int32 with its group scales (and
+    (`<name>_scale`) an FP8 one, a BlockFP8; packed in int32 (or int16, interleaved) with its group scales (and
     `<name>_zero`, `<name>_perm` where it has them) a 4-bit one, a GroupInt4."""
     w, scale = getattr(m, name), getattr(m, name + "_scale", None)
     if scale is None:
         return w
-    if w.dtype == torch.int32:
+    if w.dtype in (torch.int32, torch.int16):            # int16: interleaved (kernels/int4.py)
         return GroupInt4(w, scale, getattr(m, name + "_zero", None), getattr(m, name + "_perm", None))
     return BlockFP8(w, scale)
 

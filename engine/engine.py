@@ -29,7 +29,7 @@ from mtpchat.engine.decoder import Decoder
 from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, context_rows, draft_token_ids, draft_vocab_size
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step, TokenLogprob
 from mtpchat.engine.memory import CAPTURED_K, DEFAULT_SNAPSHOTS, K_MAX, PREFILL_CHUNK
-from mtpchat.engine.model import Model
+from mtpchat.engine.model import Model, SparseMoE
 from mtpchat.engine.mtp import MTPHead
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.policy import AdaptiveK
@@ -38,7 +38,7 @@ from mtpchat.engine.sampling import SamplingParams, make_generator, token_logpro
 from mtpchat.engine.state import DecodeState
 from mtpchat.engine.tokenizer import Tokenizer
 from mtpchat.engine.weights import (MTP_PREFIX, STACKED, TEXT_PREFIX, expert_layout, fill_random, has_mtp_weights,
-                                    load_into, mtp_places, text_places, text_prefix)
+                                    interleave_int4, load_into, mtp_places, text_places, text_prefix)
 from mtpchat.kernels.fp8 import fp8_runs_on
 
 
@@ -130,6 +130,9 @@ class Engine:
         else:
             load_into(modules, places, folder, self.device, self.dtype, fp8=self.fp8, quantized=stored == "fp8",
                       int4=self.int4, stored_int4=self.config.int4, progress=progress)
+        if self.plan.products.int4_interleave:
+            for module in modules.values():
+                interleave_int4(module, skip=lambda m: isinstance(m, SparseMoE))
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
         prefill_chunk = prefill_chunk or (PREFILL_CHUNK if self.device.type == "cuda" else 512)

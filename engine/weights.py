@@ -46,7 +46,7 @@ from mtpchat.engine.config import Int4Format, ModelConfig, UnsupportedFormat
 from mtpchat.engine.events import LoadProgress
 from mtpchat.kernels.forms import dense_ref
 from mtpchat.kernels.fp8 import BLOCK, FP8, BlockFP8, quantize_ref, scale_shape
-from mtpchat.kernels.int4 import PACK, GroupInt4
+from mtpchat.kernels.int4 import PACK, GroupInt4, interleave_ref
 from mtpchat.kernels.int4 import quantize_ref as int4_quantize
 
 TEXT_PREFIX = "model.language_model."
@@ -635,6 +635,31 @@ def _random_matrix(name: str, shape: tuple[int, int], g: torch.Generator, fmt: t
     quantize = quantize_ref if fmt == "fp8" else lambda t: int4_quantize(t, int4.group, True)
     parts = [quantize(random_tensor(name, (min(rows, N - i), K), g)) for i in range(0, N, rows)]
     return type(parts[0])(*(None if ts[0] is None else torch.cat(ts) for ts in zip(*parts)))
+
+
+def interleave_int4(root: nn.Module, skip) -> int:
+    """The 4-bit weights under `root` stored interleaved (kernels/int4.py interleave_ref), where their
+    layout allows (no perm, groups of a multiple of 64 columns) and no module on their path is one
+    that `skip` names (the MoE blocks, whose expert kernels read the natural layout only). Returns
+    how many weights changed. A weight is converted on its device in place of the old one."""
+    done = 0
+
+    def visit(module: nn.Module):
+        nonlocal done
+        if skip(module):
+            return
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.dtype != torch.int32 or not hasattr(module, name + "_scale") or hasattr(module, name + "_perm"):
+                continue
+            q = GroupInt4(p.data, getattr(module, name + "_scale"), getattr(module, name + "_zero", None))
+            if q.group % 64:
+                continue
+            _assign(module, name, interleave_ref(q).w)
+            done += 1
+        for child in module.children():
+            visit(child)
+    visit(root)
+    return done
 
 
 def _assign_product(module: nn.Module, name: str, tensor: torch.Tensor | BlockFP8 | GroupInt4):

@@ -6,6 +6,11 @@ A GroupInt4 holds a weight of N rows (output features) and K columns (input feat
 - `w` int32 [N, K / 8]: row n's weights k .. k + 7 in word k // 8, weight k in bits 4 (k % 8) ..
   4 (k % 8) + 3, unsigned 0 .. 15. GPTQ's `qweight` [K / 8, N] is this transposed; the
   compressed-tensors `weight_packed` [N, K / 8] is this as it is.
+  Or, **interleaved** (`interleave_ref`; int16 [N, K / 4], no perm, G a multiple of 64): in each
+  group of G columns, half-word c (0 .. G/4 - 1) holds column (G/4) q + c in its bits 4q .. 4q + 3
+  (q = 0 .. 3). Masking a 32-bit pair of half-words with 0x000F000F after a shift by 4q then
+  gives, in one register, two neighbouring columns of the group's quarter q: one dot a quarter,
+  over x's G/4 columns side by side (the interleaved form of the products, form_args).
 - `scale` [N, K / G] float16 or float32 (as the checkpoint holds it; never rounded to bf16, which
   would move weights by up to 1e-3), one per row and group of G consecutive columns.
 - `zero` uint8 [N, K / G] (0 .. 15), or None for a symmetric weight, whose zero is 8.
@@ -40,10 +45,11 @@ class GroupInt4(NamedTuple):
     zero: torch.Tensor | None = None     # [N, K / G] uint8, or None: symmetric (8)
     perm: torch.Tensor | None = None     # [K] (or [E, K] for stacked experts) int32, or None
 
-    shape = property(lambda self: torch.Size((self.w.shape[0], self.w.shape[1] * PACK)))
+    shape = property(lambda self: torch.Size((self.w.shape[0], self.w.shape[1] * (4 if self.interleaved else PACK))))
     device = property(lambda self: self.w.device)
     is_cuda = property(lambda self: self.w.is_cuda)
-    group = property(lambda self: self.w.shape[1] * PACK // self.scale.shape[1])
+    group = property(lambda self: self.shape[1] // self.scale.shape[1])
+    interleaved = property(lambda self: self.w.dtype == torch.int16)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self if t is not None)
@@ -66,12 +72,40 @@ def unpack_ref(w: torch.Tensor) -> torch.Tensor:
     return ((w[:, :, None] >> shifts) & 0xF).view(N, W * PACK)
 
 
+def interleaved_order(K: int, G: int, device=None) -> torch.Tensor:
+    """[K] long: the column an interleaved weight keeps at each place (the module docstring):
+    place 4 c + q of a group holds its column (G / 4) q + c."""
+    s = torch.arange(K, device=device)
+    return s // G * G + (s % G) % 4 * (G // 4) + (s % G) // 4
+
+
+def interleave_ref(q: GroupInt4) -> GroupInt4:
+    """A weight (its words int32, no perm) in the interleaved layout: the same values, the words
+    int16 [N, K / 4]. Groups must be a multiple of 64 columns (quarters of 16 or more: a dot's
+    least)."""
+    N, K = q.shape
+    assert not q.interleaved and q.perm is None, "interleave a weight of int32 words without a perm"
+    assert q.group % 64 == 0, f"groups of {q.group} columns do not interleave (a multiple of 64)"
+    v = unpack_ref(q.w)[:, interleaved_order(K, q.group, q.w.device)]
+    return q._replace(w=pack_ref(v).view(torch.int16))
+
+
+def values_ref(q: GroupInt4) -> torch.Tensor:
+    """[N, K] int32: the 4-bit values 0 .. 15 in the weight's column order, either layout."""
+    if not q.interleaved:
+        return unpack_ref(q.w)
+    N, K = q.shape
+    out = torch.empty(N, K, dtype=torch.int32, device=q.w.device)
+    out[:, interleaved_order(K, q.group, q.w.device)] = unpack_ref(q.w.view(torch.int32))
+    return out
+
+
 def dequantize_ref(q: GroupInt4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The dense weight [N, K] in x's column order, computed in float32 and cast to dtype."""
     N, K = q.shape
     G = q.group
     zero = SYMMETRIC_ZERO if q.zero is None else q.zero.float().repeat_interleave(G, dim=1)
-    w = (unpack_ref(q.w).float() - zero) * q.scale.float().repeat_interleave(G, dim=1)
+    w = (values_ref(q).float() - zero) * q.scale.float().repeat_interleave(G, dim=1)
     if q.perm is not None:
         perm = q.perm.long()
         if perm.dim() == 1:
@@ -153,12 +187,18 @@ def permute_columns(q: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 # it) would save that but lose precision to the cancellation, so it stays. How the words become
 # the dots' operands is the plan's choice (form_args: "reshape", "slices", "pairs").
 
-def check_int4(w: GroupInt4, K: int) -> None:
-    """The layout the 4-bit product kernels read (the module docstring), for a weight of K columns."""
+def check_int4(w: GroupInt4, K: int, interleaved: bool = False) -> None:
+    """The layout the 4-bit product kernels read (the module docstring), for a weight of K columns;
+    `interleaved`: the kernel reads that layout too."""
     N = w.w.shape[0]
     G = w.group
-    assert w.w.dtype == torch.int32 and w.w.shape == (N, K // PACK) and w.w.is_contiguous(), \
-        f"4-bit weights must be int32 [N, K / 8] = [{N}, {K // PACK}], contiguous"
+    if w.interleaved:
+        assert interleaved, "this kernel does not read interleaved 4-bit weights (int16 words)"
+        assert w.w.shape == (N, K // 4) and w.w.is_contiguous() and w.perm is None and G % 64 == 0, \
+            f"interleaved 4-bit weights must be int16 [N, K / 4] = [{N}, {K // 4}], contiguous, no perm, G % 64 == 0"
+    else:
+        assert w.w.dtype == torch.int32 and w.w.shape == (N, K // PACK) and w.w.is_contiguous(), \
+            f"4-bit weights must be int32 [N, K / 8] = [{N}, {K // PACK}], contiguous"
     assert K % G == 0 and G % 16 == 0, f"a group of {G} columns must divide K = {K} and be a multiple of 16"
     assert w.scale.shape == (N, K // G) and w.scale.dtype in (torch.float16, torch.float32) and \
         w.scale.is_contiguous(), f"4-bit scales must be float16 or float32 [{N}, {K // G}], contiguous"
@@ -177,7 +217,15 @@ def sub_tile(BK: int, G: int) -> int:
 
 
 FORMS = ("reshape", "slices", "pairs")   # how a tile's words are unpacked for the dots (ProductPlan.int4_form)
-RESHAPED, SLICED, PAIRED = range(3)       # form_args' UNPACK: the form a kernel compiles
+# form_args' UNPACK: the form a kernel compiles (the interleaved weights': interleaved_args)
+RESHAPED, SLICED, PAIRED, INTERLEAVED, INTERLEAVED_ASM = range(5)
+
+
+def interleaved_args(BK: int, G: int) -> dict:
+    """The launch arguments of a tile of BK columns over an interleaved weight (groups of G): one
+    group a dot's sub-tile, four dots a group (each over a quarter's G/4 neighbouring columns)."""
+    assert BK % G == 0 and G % 64 == 0, f"an interleaved weight's tiles take whole groups: BK {BK}, G {G}"
+    return dict(BG=G, UNPACK=INTERLEAVED if interpreting() else INTERLEAVED_ASM)
 
 
 def form_args(BK: int, G: int, form: str) -> dict:
@@ -256,9 +304,28 @@ PAIRS_BF16 = _pairs_asm("0x3F803F80", "0x43004300", "bf16x2")
 PAIRS_FP16 = _pairs_asm("0x3C003C00", "0x64006400", "f16x2")
 
 
+# The interleaved form's unpacking: the same arithmetic on a 32-bit pair of half-words (two
+# neighbouring columns of each quarter, the module docstring), each result a register of two
+# weights of one quarter's dot, as the dot takes them: no byte permutes.
+def _quarters_asm(one: str, magic: str, fma: str) -> str:
+    """Half-words $4 (two) -> quarter q's two weights in $q (q = 0 .. 3), each less the zero ($5)."""
+    lines = [".reg .b32 s, t, one;", f"mov.b32 one, {one};"]
+    for q in range(4):
+        if q:
+            lines.append(f"shr.u32 s, $4, {4 * q};")
+        lines += [f"lop3.b32 t, {'s' if q else '$4'}, 0x000F000F, {magic}, 0xEA;", f"fma.rn.{fma} ${q}, t, one, $5;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+QUARTERS_BF16 = _quarters_asm("0x3F803F80", "0x43004300", "bf16x2")
+QUARTERS_FP16 = _quarters_asm("0x3C003C00", "0x64006400", "f16x2")
+
+
 if tl is not None:
-    _SLICED, _PAIRED = tl.constexpr(SLICED), tl.constexpr(PAIRED)     # as a kernel reads them
+    _SLICED, _PAIRED = tl.constexpr(SLICED), tl.constexpr(PAIRED)
+    _INTERLEAVED, _INTERLEAVED_ASM = tl.constexpr(INTERLEAVED), tl.constexpr(INTERLEAVED_ASM)
     _PAIRS_BF16, _PAIRS_FP16 = tl.constexpr(PAIRS_BF16), tl.constexpr(PAIRS_FP16)
+    _QUARTERS_BF16, _QUARTERS_FP16 = tl.constexpr(QUARTERS_BF16), tl.constexpr(QUARTERS_FP16)
 
     @triton.jit
     def _less_zero(b_n, b_z, b_x):
@@ -306,6 +373,24 @@ if tl is not None:
                     widen_nibble(b_q, 6, b_z, b_x), widen_nibble(b_q, 7, b_z, b_x))
 
     @triton.jit
+    def quarters(b_h, b_z, b_x, ASM: tl.constexpr):
+        """Half-words [BN, W] (int16, interleaved) -> their 4 nibbles as 4 tensors [BN, W] of q -
+        zero in b_x's dtype (b_z [BN] int32): with ASM two a register, where x is bf16 or fp16,
+        else one at a time; the same integers either way."""
+        if ASM and b_x.dtype == tl.bfloat16:
+            b_m = ((b_z | 0xC300)[:, None] + tl.zeros(b_h.shape, tl.int32)).to(tl.int16)   # bf16 -(128 + zero)
+            return tl.inline_asm_elementwise(_QUARTERS_BF16, "=r,=r,=r,=r,r,r", [b_h, b_m],
+                                             dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
+        elif ASM and b_x.dtype == tl.float16:
+            b_m = ((b_z | 0xE400)[:, None] + tl.zeros(b_h.shape, tl.int32)).to(tl.int16)   # fp16 -(1024 + zero)
+            return tl.inline_asm_elementwise(_QUARTERS_FP16, "=r,=r,=r,=r,r,r", [b_h, b_m],
+                                             dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+        else:
+            b_q = b_h.to(tl.int32)
+            return (widen_nibble(b_q, 0, b_z, b_x), widen_nibble(b_q, 1, b_z, b_x),
+                    widen_nibble(b_q, 2, b_z, b_x), widen_nibble(b_q, 3, b_z, b_x))
+
+    @triton.jit
     def _x_tile(p_x, m_x, o_k, K, perm):
         """x's tile [len(o_k), BT] for the weight columns o_k (< K), read through perm where there
         is one; rows' pointers p_x [1, BT] (m_x [BT])."""
@@ -323,7 +408,8 @@ if tl is not None:
         whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
         BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
         perm (not None): column c of the weight reads x's column perm[c]. UNPACK: the unpack form
-        (form_args): one dot a group, or 8 over the words' nibbles, made one or two at a time."""
+        (form_args): one dot a group, or 8 over the words' nibbles, made one or two at a time; or,
+        over an interleaved weight (int16 half-words, no perm), 4 over its quarters."""
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
             o_c = kk // 8 + tl.arange(0, BG // 8)
@@ -334,7 +420,19 @@ if tl is not None:
                 b_z = tl.full(o_r.shape, 8, tl.int32)          # SYMMETRIC_ZERO
             else:
                 b_z = tl.load(zw + o_r * s_sw + kk // G, mask=m_g, other=0).to(tl.int32)
-            if UNPACK == _PAIRED or UNPACK == _SLICED:
+            if UNPACK == _INTERLEAVED or UNPACK == _INTERLEAVED_ASM:
+                Q: tl.constexpr = BG // 4
+                o_h = kk // 4 + tl.arange(0, Q)
+                b_h = tl.load(w + o_r[:, None] * s_w + o_h[None, :], mask=m_g[:, None], other=0)
+                o_k = kk + tl.arange(0, Q)
+                b_x = _x_tile(p_x, m_x, o_k, K, None)
+                n0, n1, n2, n3 = quarters(b_h, b_z, b_x, UNPACK == _INTERLEAVED_ASM)
+                b_d = tl.dot(n0, b_x, input_precision="ieee")
+                b_d = tl.dot(n1, _x_tile(p_x, m_x, o_k + Q, K, None), b_d, input_precision="ieee")
+                b_d = tl.dot(n2, _x_tile(p_x, m_x, o_k + 2 * Q, K, None), b_d, input_precision="ieee")
+                b_d = tl.dot(n3, _x_tile(p_x, m_x, o_k + 3 * Q, K, None), b_d, input_precision="ieee")
+                b_acc += b_s[:, None] * b_d
+            elif UNPACK == _PAIRED or UNPACK == _SLICED:
                 b_x = _x_tile(p_x, m_x, o_c * 8, K, perm)
                 n0, n1, n2, n3, n4, n5, n6, n7 = nibbles(b_q, b_z, b_x, UNPACK == _PAIRED)
                 b_d = tl.dot(n0, b_x, input_precision="ieee")

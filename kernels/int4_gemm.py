@@ -71,24 +71,35 @@ def gemm_triton(x: torch.Tensor, w: GroupInt4, tile: tuple[int, int, int, int, i
 
 @triton.jit
 def _dequantize_kernel(w, sw, out, N, K, s_w, s_sw, s_o, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       zw=None):
+                       zw=None, INTERLEAVED: tl.constexpr = False):
     # program (i_n, i_k): rows i_n BN.., weights i_k BK.. (words i_k BK / 8..), each word's 8 weights
-    # stored along a third axis: weight column 8 c + j is nibble j of word c
+    # stored along a third axis: weight column 8 c + j is nibble j of word c. Interleaved (int16
+    # half-words, kernels/int4.py): half-word c's 4 weights along the third axis, nibble j of
+    # half-word c (the group's c % (G/4)) being column (G/4) j + c % (G/4) of its group.
     i_n, i_k = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
-    o_c = i_k * (BK // 8) + tl.arange(0, BK // 8)
-    m = (o_n < N)[:, None] & (o_c < K // 8)[None, :]
-    b_q = tl.load(w + o_n[:, None] * s_w + o_c[None, :], mask=m, other=0)
-    o_g = o_c * 8 // G
+    if INTERLEAVED:
+        PER: tl.constexpr = 4
+    else:
+        PER: tl.constexpr = 8
+    o_c = i_k * (BK // PER) + tl.arange(0, BK // PER)
+    m = (o_n < N)[:, None] & (o_c < K // PER)[None, :]
+    b_q = tl.load(w + o_n[:, None] * s_w + o_c[None, :], mask=m, other=0).to(tl.int32)
+    o_g = o_c * PER // G
     b_s = tl.load(sw + o_n[:, None] * s_sw + o_g[None, :], mask=m, other=0.).to(tl.float32)
     if zw is None:
         b_z = tl.full(b_q.shape, 8, tl.float32)
     else:
         b_z = tl.load(zw + o_n[:, None] * s_sw + o_g[None, :], mask=m, other=0).to(tl.float32)
-    j = tl.arange(0, 8)
+    j = tl.arange(0, PER)
     b_v = ((b_q[:, :, None] >> (4 * j)[None, None, :]) & 0xF).to(tl.float32)
     b_w = (b_v - b_z[:, :, None]) * b_s[:, :, None]
-    p_o = out + o_n[:, None, None] * s_o + (o_c * 8)[None, :, None] + j[None, None, :]
+    if INTERLEAVED:
+        Q: tl.constexpr = G // 4
+        o_col = (o_g * G + o_c % Q)[:, None] + (Q * j)[None, :]
+    else:
+        o_col = (o_c * 8)[:, None] + j[None, :]
+    p_o = out + o_n[:, None, None] * s_o + o_col[None, :, :]
     tl.store(p_o, b_w.to(out.dtype.element_ty), mask=m[:, :, None])
 
 
@@ -100,7 +111,7 @@ def dequantize_triton(w: GroupInt4, dtype: torch.dtype, rows: tuple[int, int] | 
     N, K = w.shape
     n0, n1 = rows or (0, N)
     assert 0 <= n0 < n1 <= N
-    check_int4(w, K)
+    check_int4(w, K, interleaved=True)
     if out is None:
         out = torch.empty(n1 - n0, K, dtype=dtype, device=w.device)
     assert out.shape == (n1 - n0, K) and out.stride(1) == 1 and out.dtype == dtype
@@ -108,7 +119,7 @@ def dequantize_triton(w: GroupInt4, dtype: torch.dtype, rows: tuple[int, int] | 
     zero = w.zero[n0:n1] if w.zero is not None else None
     _dequantize_kernel[(triton.cdiv(n1 - n0, BN), triton.cdiv(K, BK))](
         w.w[n0:n1], w.scale[n0:n1], out, n1 - n0, K, w.w.stride(0), w.scale.stride(0), out.stride(0),
-        G=w.group, BN=BN, BK=BK, zw=zero, num_warps=4)
+        G=w.group, BN=BN, BK=BK, zw=zero, INTERLEAVED=w.interleaved, num_warps=4)
     return out
 
 

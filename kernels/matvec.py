@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, widen, widen_args
-from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, measured
+from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 MAX_ROWS = 16
@@ -271,7 +271,7 @@ def check_product(x: torch.Tensor, w, K: int, rows: int) -> tuple[torch.Tensor, 
     assert 1 <= T <= rows <= MAX_ROWS, f"this plan's products take 1..{rows} rows, got {T}"
     assert x.shape[1] == K == w.shape[1], f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
     if isinstance(w, GroupInt4):
-        check_int4(w, K)
+        check_int4(w, K, interleaved=True)
         assert w.perm is None or w.perm.dim() == 1, "a product's perm is [K]"
         assert x.stride(1) == 1, "x rows must be contiguous"
         return w.w, w.scale, dict(s_sw=w.scale.stride(0), FP8=False, G=w.group, zw=w.zero, perm=w.perm)
@@ -343,16 +343,19 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=BT, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
         num_stages=stages, **scale, **fp8, **pdl(x),
-        **_format_args(x, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)))
+        **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)))
     return y
 
 
-def _format_args(x, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPlan, product: tuple) -> dict:
-    """The launch arguments a weight format adds: how FP8 tiles widen (fp8.widen_args), a 4-bit
-    tile's dots and unpack form (int4.form_args: the plan's int4_form, else the measured form of
-    `product`, (name, N, K) as int4.measured takes them)."""
+def _format_args(x, w, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPlan, product: tuple) -> dict:
+    """The launch arguments a weight format adds (w: the weight's values as the kernel reads them):
+    how FP8 tiles widen (fp8.widen_args), a 4-bit tile's dots and unpack form (int4.form_args: the
+    plan's int4_form, else the measured form of `product`, (name, N, K) as int4.measured takes
+    them; int16 words, an interleaved weight: int4.interleaved_args)."""
     if fmt["FP8"]:
         return widen_args(x, warps, BN, plan.widen_bits, plan.widen_group)
+    if fmt.get("G") and w.dtype == torch.int16:
+        return interleaved_args(BK, fmt["G"])
     if fmt.get("G"):
         return form_args(BK, fmt["G"], form_of(plan.int4_form, *product))
     return {}

@@ -20,7 +20,7 @@ from mtpchat.kernels.int4 import quantize_ref
 from tools.int4 import ALIGNED, write_compressed_checkpoint, write_gptq_checkpoint, write_rtn_checkpoint
 from tools.tiny import write_tiny_checkpoint
 from helpers import assert_mtp_on_equals_off, random_ids, rel_err
-from mtp_support import generate, load, profile_drafter
+from mtp_support import generate, load, profile_drafter, steps_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,6 +132,31 @@ def test_greedy_mtp_on_equals_off_in_4bits(ckpts, kind):
     engine = Engine.load(ckpts(kind)[0], max_context=512)
     prompts = [random_ids(17 + 30 * seed, seed, engine.config.vocab_size) for seed in range(2)]
     assert_mtp_on_equals_off(engine, prompts, 30, ks=(1, 3))
+
+
+@pytest.mark.parametrize("kind", ["ct-sym", "gptq-moe", "ct-moe"])
+def test_interleaved_weights_make_the_same_model(ckpts, kind):
+    """Under the plan's int4_interleave the dense products' 4-bit weights are stored interleaved
+    (int16 words: kernels/int4.py), the MoE blocks' and desc_act weights as they were; the logits
+    and the MTP head's are the same bits."""
+    folder = ckpts(kind)[0]
+    plain = Engine.load(folder, max_context=256)
+    engine = Engine.load(folder, max_context=256, plan=plain.plan.replace(int4_interleave=True))
+    interleaved = [n for m in (engine.model, engine.head) for n, p in m.named_parameters() if p.dtype == torch.int16]
+    natural = [n for m in (engine.model, engine.head) for n, p in m.named_parameters() if p.dtype == torch.int32]
+    assert not any("experts" in n or "shared" in n for n in interleaved)
+    if kind == "ct-sym":
+        assert len(interleaved) > 8 and not natural
+    else:                       # the experts (and the shared one) stay natural, as do weights with a perm
+        words = [n for n in natural if not n.endswith("_perm")]
+        assert words and all("experts" in n or "shared" in n or n + "_perm" in natural for n in words)
+    ids = random_ids(40, 1, plain.config.vocab_size)
+    assert torch.equal(engine.logits(ids), plain.logits(ids))
+    # with MTP on (the head's drafts and their acceptance included), the same steps
+    ids = random_ids(23, 2, engine.config.vocab_size)
+    params = SamplingParams(max_tokens=12, stop_token_ids=())
+    got, want = (steps_of(generate(e, ids, params)) for e in (engine, plain))
+    assert [(s.token_ids, s.accepted) for s in got] == [(s.token_ids, s.accepted) for s in want]
 
 
 def stored_tensors(engine) -> dict[str, torch.Tensor]:

@@ -34,8 +34,10 @@ from mtpchat.engine.bench import random_prompt
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.dispatch import weight
 from mtpchat.engine.engine import Engine
+from mtpchat.engine.model import SparseMoE
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.sampling import SamplingParams
+from mtpchat.engine.weights import interleave_int4
 from mtpchat.kernels import matvec, matvec_parts
 
 CONFIGS = Path(bench.__file__).parent / "configs"
@@ -150,8 +152,10 @@ def int4_plans(base: KernelPlan) -> dict:
     """The 4-bit products' measured tiles and unpack forms (kernels/int4.py measured), rows padded to
     8 (ProductPlan.int4_rows), against: the same with rows of 16; the SwiGLU on 32-column tiles, 2 warps (alone the faster); and
     the first defaults (rows of 16, every product in the reshape form: plain and split 64 x 512
-    weights, 4 warps, 3 deep; SwiGLU 64 x 256, 4 deep). Logits may differ in the last bits between
-    forms (reshape and pairs sum a group in other orders), never between the row tiles."""
+    weights, 4 warps, 3 deep; SwiGLU 64 x 256, 4 deep); and the dense products' weights stored
+    interleaved (ProductPlan.int4_interleave; converted in place after the other plans are
+    captured). Logits may differ in the last bits between forms (the forms sum a group in other
+    orders)."""
     programs = base.products.split_programs
 
     def earlier(product, N, K, group):
@@ -167,7 +171,8 @@ def int4_plans(base: KernelPlan) -> dict:
     swiglu32.__name__ = "int4:swiglu 32x256w2s4"
     return {"measured": base, "rows 16": base.replace(int4_rows=16),
             "earlier": base.replace(int4_form="reshape", int4_tiles=earlier, int4_rows=16),
-            "swiglu 32": base.replace(int4_tiles=swiglu32)}
+            "swiglu 32": base.replace(int4_tiles=swiglu32),
+            "interleaved": base.replace(int4_interleave=True)}
 
 
 def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan:
@@ -333,7 +338,16 @@ def main():
     phases = {"verify 0": lambda: d.verify(0), "verify 3": lambda: d.verify(3), "draft 3": lambda: d.draft(3)}
     graphs, logits = {}, {}
     pool = torch.cuda.graph_pool_handle()
+    # plans that store the 4-bit weights interleaved come last: the weights are converted once, in
+    # place, the natural ones kept alive for the graphs captured before
+    plans = dict(sorted(plans.items(), key=lambda kv: kv[1].products.int4_interleave))
+    kept_weights = []
     for name, plan in list(plans.items()):
+        if plan.products.int4_interleave and not kept_weights:
+            for module in (engine.model, engine.head):
+                if module is not None:
+                    kept_weights += list(module.parameters())
+                    interleave_int4(module, skip=lambda m: isinstance(m, SparseMoE))
         d.plan = plan                              # the decoder's contexts carry it from here on
         try:
             for phase, fn in phases.items():

@@ -104,19 +104,24 @@ def rel(a, b) -> float:
 
 
 def candidates(kind: str, base: ProductPlan, quick: bool):
-    """(label, plan) of each candidate tile in each unpack form; the default tile alone with --quick."""
+    """(label, plan, interleaved) of each candidate tile in each unpack form, and over interleaved
+    weights (kernels/int4.py interleave_ref: one form of their own; tiles of whole groups); the
+    default tile alone with --quick."""
     for tile in CANDIDATES[kind][:1] if quick else CANDIDATES[kind]:
         for form in int4.FORMS:
-            yield f"{tile} {form}", dataclasses.replace(base, int4_tiles=rule(kind, tile), int4_form=form)
+            yield f"{tile} {form}", dataclasses.replace(base, int4_tiles=rule(kind, tile), int4_form=form), False
+        if tile[1] >= 128:
+            yield f"{tile} interleaved", dataclasses.replace(base, int4_tiles=rule(kind, tile)), True
 
 
 def time_candidates(kind, call, check, copies: int, base: ProductPlan, quick: bool) -> dict:
-    """us of each candidate (check(plan) asserts its output first), or why it failed."""
+    """us of each candidate (check(plan, interleaved) asserts its output first), or why it failed;
+    call(i, plan, interleaved)."""
     got = {}
-    for label, plan in candidates(kind, base, quick):
+    for label, plan, il in candidates(kind, base, quick):
         try:
-            check(plan)
-            got[label] = graph_time(lambda i: call(i, plan), copies)
+            check(plan, il)
+            got[label] = graph_time(lambda i: call(i, plan, il), copies)
         except AssertionError:
             raise
         except Exception as e:          # a tile past the shared memory, registers: say so, go on
@@ -125,7 +130,7 @@ def time_candidates(kind, call, check, copies: int, base: ProductPlan, quick: bo
 
 
 def show(tiles: dict) -> None:
-    for form in int4.FORMS:
+    for form in int4.FORMS + ("interleaved",):
         line = "  ".join(f"{k.rsplit(' ', 1)[0]}: {v:.1f}" if isinstance(v, float) else f"{k.rsplit(' ', 1)[0]}: {v}"
                          for k, v in tiles.items() if k.endswith(form))
         if line:
@@ -143,6 +148,7 @@ def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: boo
     n4 = q4["g128"].nbytes()
     c4 = copies_for(n4)
     ws4 = [q4["g128"]] + [quantized(N, K) for _ in range(c4 - 1)]
+    il4 = [int4.interleave_ref(q) for q in ws4]
     bf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(N * K * 2))]
     f8 = [fp8.quantize_ref(torch.randn(N, K, device="cuda")) for _ in range(copies_for(N * K))]
     # a perm read in every tile, or applied to x once per call (ProductPlan.permute_x)
@@ -174,12 +180,13 @@ def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: boo
         if T == Ts[0]:
             want = ref(x, ws4[0])
 
-            def check(plan):
+            def check(plan, il):
                 # a split product's parts follow its tile (the K ranges round to BK): their sum
-                got = run(x, ws4[0], plan)
+                got = run(x, (il4 if il else ws4)[0], plan)
                 err = rel(got.sum(0), want.sum(0)) if kind == "split" else rel(got, want)
                 assert err < 2e-2, f"{name} {plan.int4_form} {plan.int4_tiles.__name__}: relative error {err:.1e}"
-            row["tiles"] = time_candidates(kind, lambda i, plan: run(x, ws4[i % c4], plan), check, c4, base, quick)
+            row["tiles"] = time_candidates(kind, lambda i, plan, il: run(x, (il4 if il else ws4)[i % c4], plan), check,
+                                           c4, base, quick)
         out.append(row)
         print(f"{name} [{N} x {K}] T={T}: bf16 {t_bf:.1f} us, fp8 {t_f8:.1f} us, int4 {t4:.1f} us "
               f"({row['gbps']:.0f} GB/s, {row['of_copy_bw']:.2f} of copy bw; {t4 / t_bf:.2f} x bf16, "

@@ -58,6 +58,21 @@ def test_int4_dequantize_equals_its_reference_bit_for_bit(device, dtype, N, K, g
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K,group,symmetric", [(50, 1152, 128, True), (33, 384, 64, False)])
+def test_interleaved_weights_in_prefill(device, dtype, N, K, group, symmetric):
+    """An interleaved weight (int4.interleave_ref) dequantizes to the same bits as the weight it
+    came from, and prefill's dense product takes it; the fused form refuses it."""
+    w = int4_weight(N, K, device, N, group, symmetric)
+    il = int4.interleave_ref(w)
+    assert torch.equal(int4_gemm.dequantize_triton(il, dtype), int4.dequantize_ref(w, dtype))
+    x = randn(37, K, dtype=dtype, device=device, seed=3)
+    check(int4_gemm.dense_gemm(x, il, slab_bytes=16 * K * x.element_size()),
+          (x.float() @ int4.dequantize_ref(w, dtype).float().T).to(dtype), TOL[dtype])
+    with pytest.raises(AssertionError, match="interleaved"):
+        int4_gemm.gemm_triton(x, il)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,N,K,group,symmetric,perm", [(37, 50, 384, 32, True, False), (70, 45, 512, 128, False, True)])
 def test_int4_dense_prefill(device, dtype, T, N, K, group, symmetric, perm):
     # slabs of 16 rows (the dequantize tile's): 4 and 3 of them, the last partial

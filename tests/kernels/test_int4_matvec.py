@@ -215,6 +215,60 @@ def test_rows_past_the_row_tile_run_in_pieces(device):
         assert torch.equal(h[i:i + 1], h1) and torch.equal(xn.x[i:i + 1], xn1.x) and torch.equal(xn.ss[i:i + 1], xn1.ss)
 
 
+# --- interleaved weights (int4.interleave_ref): four dots a group over neighbouring columns ---------
+
+def interleaved_split(parts: int) -> ProductPlan:
+    """Split products in `parts` parts of 128-column K tiles (an interleaved tile takes whole groups)."""
+    def tiles(product, N, K, group):
+        return (parts, 16, 128, 4, 2) if product == "split" else None
+    return ProductPlan(programs=6, int4_tiles=tiles)
+
+
+def test_interleaving_moves_columns_within_groups_only():
+    w = int4_weight(6, 384, "cpu", 3, 64, False)
+    order = int4.interleaved_order(384, 64)
+    assert sorted(order.tolist()) == list(range(384)) and torch.equal(order // 64, torch.arange(384) // 64)
+    assert order[:6].tolist() == [0, 16, 32, 48, 1, 17]            # place 4 c + q holds column 16 q + c
+    il = int4.interleave_ref(w)
+    assert il.interleaved and il.w.dtype == torch.int16 and il.w.shape == (6, 96) and il.shape == w.shape
+    assert il.group == 64 and torch.equal(il.scale, w.scale) and torch.equal(il.zero, w.zero)
+    assert torch.equal(int4.values_ref(il), int4.unpack_ref(w.w))
+    assert torch.equal(int4.dequantize_ref(il), int4.dequantize_ref(w))
+    # half-word 1 of row 0 holds columns 1, 17, 33, 49 of the first group in its four nibbles
+    v = int4.unpack_ref(w.w)[0]
+    assert int(il.w[0, 1]) & 0xFFFF == sum(int(v[c]) << (4 * q) for q, c in enumerate((1, 17, 33, 49)))
+    with pytest.raises(AssertionError, match="interleave"):
+        int4.interleave_ref(int4_weight(6, 384, "cpu", 3, 32))
+    with pytest.raises(AssertionError, match="perm"):
+        int4.interleave_ref(int4_weight(6, 384, "cpu", 3, 128, True, True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,N,K,group,symmetric", [(1, 100, 384, 128, True), (5, 70, 640, 64, False),
+                                                   (11, 34, 256, 128, False)])
+def test_interleaved_products(device, dtype, T, N, K, group, symmetric):
+    """Every few-row product over an interleaved weight against the references of the weight it
+    came from (rows past the row tile in pieces), a Normed input, the split product with and without
+    its norm; each row the same bits as alone."""
+    w = int4_weight(N, K, device, N + T, group, symmetric)
+    il = int4.interleave_ref(w)
+    x = randn(T, K, dtype=dtype, device=device, seed=T)
+    check(matvec.matvec_triton(x, il), matvec.matvec_ref(x, w), TOL[dtype])
+    check(matvec.matvec_swiglu_triton(x, il), matvec.matvec_swiglu_ref(x, w), TOL[dtype], "swiglu")
+    n = normed(T, K, dtype, device, torch.Generator().manual_seed(T))
+    check(matvec.matvec_triton(n, il), matvec.matvec_ref(n, w), TOL[dtype], "normed")
+    plan = interleaved_split(2)
+    check(matvec_parts.matvec_parts_triton(x, il, plan=plan), matvec_parts.matvec_parts_ref(x, w, plan),
+          TOL[torch.float32], "parts")
+    sq = int4.interleave_ref(int4_weight(K, K, device, 5, group, symmetric))
+    r, nw = randn(T, K, dtype=dtype, device=device, seed=6), randn(K, dtype=dtype, device=device, seed=7, scale=0.1)
+    xn, h = matvec_parts.matvec_parts_triton(x, sq, norm=(r, nw, 1e-6), plan=plan)
+    check(h, (matvec.matvec_ref(x, sq).float() + r.float()).to(dtype), TOL[dtype], "h")
+    rows_equal(lambda x: matvec.matvec_triton(x, il), x)
+    rows_equal(lambda x: matvec.matvec_swiglu_triton(x, il), x)
+    rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=plan).transpose(0, 1), x)
+
+
 # --- the 27B's shapes on the GPU --------------------------------------------------------------------
 
 # GDN in_proj [qkv | z], attention q|gate|k|v, GDN out_proj and attention o_proj, MLP down
