@@ -410,6 +410,7 @@ if tl is not None:
         perm (not None): column c of the weight reads x's column perm[c]. UNPACK: the unpack form
         (form_args): one dot a group, or 8 over the words' nibbles, made one or two at a time; or,
         over an interleaved weight (int16 half-words, no perm), 4 over its quarters."""
+        Q: tl.constexpr = BG // 4                                # an interleaved group's quarter
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
             o_c = kk // 8 + tl.arange(0, BG // 8)
@@ -421,7 +422,6 @@ if tl is not None:
             else:
                 b_z = tl.load(zw + o_r * s_sw + kk // G, mask=m_g, other=0).to(tl.int32)
             if UNPACK == _INTERLEAVED or UNPACK == _INTERLEAVED_ASM:
-                Q: tl.constexpr = BG // 4
                 o_h = kk // 4 + tl.arange(0, Q)
                 b_h = tl.load(w + o_r[:, None] * s_w + o_h[None, :], mask=m_g[:, None], other=0)
                 o_k = kk + tl.arange(0, Q)

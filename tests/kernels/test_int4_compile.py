@@ -113,6 +113,34 @@ for name, fn, consts, types, *launch in variants():
                     assert "mma.sync" in ptx, what
                     assert "wgmma" not in ptx and "setmaxnreg" not in ptx and "griddepcontrol" not in ptx, what
                 print("ok", what)
+
+# interleaved weights (int16 half-words, their own form) in the few-row products and prefill's
+# dequantize kernel, on the engine's tiles, for every target
+il = dict(G=128, BG=128, FP8=False, BITS=0, UNPACK=int4.INTERLEAVED_ASM, zw=None, perm=None)
+BT = ProductPlan(programs=132).int4_rows
+(BN, BK, warps, stages), _ = int4.measured("plain", 16384, 5120)
+(SN, SK, swarps, sstages), _ = int4.measured("swiglu", 17408, 5120)
+(PN, PK, pwarps, pstages), _ = int4.measured("split", 5120, 17408)
+inter = [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGLU=False, SPLIT=True, **il), {"ws": "*fp32"}, (warps, stages)),
+         ("swiglu", matvec._matvec_kernel, dict(BT=BT, BN=SN, BK=SK, NBP=0, SWIGLU=True, SPLIT=False, **il), {"ws": "*fp32"}, (swarps, sstages)),
+         ("parts", matvec_parts._matvec_parts_kernel, dict(BT=BT, BN=PN, BK=PK, S=3, NORM=True, RESIDUAL=True, **il), {"y": "*fp32"}, (pwarps, pstages)),
+         ("dequantize", int4_gemm._dequantize_kernel, dict(G=128, BN=16, BK=1024, zw=None, INTERLEAVED=True), {"out": "*bf16"}, (4, 1))]
+for name, fn, consts, types, (warps, stages) in inter:
+    for cap in (90, 80, 86, 89):
+        c_ = {a: v for a, v in dict(consts, PDL=cap >= 90).items() if a in fn.arg_names}
+        sig = {a: "constexpr" if a in c_ else types.get(a, dict(POINTERS, w="*i16").get(a, "i32")) for a in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                 if a not in c_ and a not in ("T", "P", "eps") and sig[a] != "fp32"}
+        what = f"interleaved {name} sm_{cap}"
+        try:
+            k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=c_, attrs=attrs),
+                               target=GPUTarget("cuda", cap, 32), options=dict(num_warps=warps, num_stages=stages))
+        except Exception as e:
+            print("FAILED", what, "\n", str(e)[-1500:], file=sys.stderr)
+            raise SystemExit(1)
+        assert k.metadata.shared <= SHARED_MEMORY[cap], f"{what}: {k.metadata.shared} bytes of shared memory"
+        assert name == "dequantize" or "lop3.b32" in k.asm["ptx"], what
+        print("ok", what)
 """
 
 
@@ -129,4 +157,4 @@ def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
         pytest.skip(f"Triton finds no ptxas to compile with: {done.stdout.strip()}")
     assert done.returncode == 0, (done.stdout[-2000:] + done.stderr[-4000:])
     assert done.stdout.count("ok ") >= 80, done.stdout[-2000:]
-    assert "pairs" in done.stdout, done.stdout[-2000:]
+    assert "pairs" in done.stdout and done.stdout.count("ok interleaved") == 16, done.stdout[-2000:]
