@@ -72,35 +72,43 @@ def gemm_triton(x: torch.Tensor, w: GroupInt4, tile: tuple[int, int, int, int, i
 @triton.jit
 def _dequantize_kernel(w, sw, out, N, K, s_w, s_sw, s_o, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        zw=None, INTERLEAVED: tl.constexpr = False):
-    # program (i_n, i_k): rows i_n BN.., weights i_k BK.. (words i_k BK / 8..), each word's 8 weights
-    # stored along a third axis: weight column 8 c + j is nibble j of word c. Interleaved (int16
-    # half-words, kernels/int4.py): half-word c's 4 weights along the third axis, nibble j of
-    # half-word c (the group's c % (G/4)) being column (G/4) j + c % (G/4) of its group.
+    # program (i_n, i_k): rows i_n BN.., weights i_k BK... Natural words: each word's 8 weights
+    # stored along a third axis (weight column 8 c + j is nibble j of word c). Interleaved int16
+    # half-words (kernels/int4.py): each output column reads its half-word (the column's place in
+    # its group's quarter) and nibble (the quarter), so the stores run along the columns.
     i_n, i_k = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
     if INTERLEAVED:
-        PER: tl.constexpr = 4
-    else:
-        PER: tl.constexpr = 8
-    o_c = i_k * (BK // PER) + tl.arange(0, BK // PER)
-    m = (o_n < N)[:, None] & (o_c < K // PER)[None, :]
-    b_q = tl.load(w + o_n[:, None] * s_w + o_c[None, :], mask=m, other=0).to(tl.int32)
-    o_g = o_c * PER // G
-    b_s = tl.load(sw + o_n[:, None] * s_sw + o_g[None, :], mask=m, other=0.).to(tl.float32)
-    if zw is None:
-        b_z = tl.full(b_q.shape, 8, tl.float32)
-    else:
-        b_z = tl.load(zw + o_n[:, None] * s_sw + o_g[None, :], mask=m, other=0).to(tl.float32)
-    j = tl.arange(0, PER)
-    b_v = ((b_q[:, :, None] >> (4 * j)[None, None, :]) & 0xF).to(tl.float32)
-    b_w = (b_v - b_z[:, :, None]) * b_s[:, :, None]
-    if INTERLEAVED:
         Q: tl.constexpr = G // 4
-        o_col = (o_g * G + o_c % Q)[:, None] + (Q * j)[None, :]
+        o_k = i_k * BK + tl.arange(0, BK)
+        m = (o_n < N)[:, None] & (o_k < K)[None, :]
+        o_r = o_k % G
+        o_h = o_k // G * Q + o_r % Q
+        b_q = tl.load(w + o_n[:, None] * s_w + o_h[None, :], mask=m, other=0).to(tl.int32)
+        b_v = ((b_q >> (4 * (o_r // Q))[None, :]) & 0xF).to(tl.float32)
+        o_g = o_k // G
+        b_s = tl.load(sw + o_n[:, None] * s_sw + o_g[None, :], mask=m, other=0.).to(tl.float32)
+        if zw is None:
+            b_z = tl.full(b_v.shape, 8, tl.float32)
+        else:
+            b_z = tl.load(zw + o_n[:, None] * s_sw + o_g[None, :], mask=m, other=0).to(tl.float32)
+        b_w = (b_v - b_z) * b_s
+        tl.store(out + o_n[:, None] * s_o + o_k[None, :], b_w.to(out.dtype.element_ty), mask=m)
     else:
-        o_col = (o_c * 8)[:, None] + j[None, :]
-    p_o = out + o_n[:, None, None] * s_o + o_col[None, :, :]
-    tl.store(p_o, b_w.to(out.dtype.element_ty), mask=m[:, :, None])
+        o_c = i_k * (BK // 8) + tl.arange(0, BK // 8)
+        m = (o_n < N)[:, None] & (o_c < K // 8)[None, :]
+        b_q = tl.load(w + o_n[:, None] * s_w + o_c[None, :], mask=m, other=0)
+        o_g = o_c * 8 // G
+        b_s = tl.load(sw + o_n[:, None] * s_sw + o_g[None, :], mask=m, other=0.).to(tl.float32)
+        if zw is None:
+            b_z = tl.full(b_q.shape, 8, tl.float32)
+        else:
+            b_z = tl.load(zw + o_n[:, None] * s_sw + o_g[None, :], mask=m, other=0).to(tl.float32)
+        j = tl.arange(0, 8)
+        b_v = ((b_q[:, :, None] >> (4 * j)[None, None, :]) & 0xF).to(tl.float32)
+        b_w = (b_v - b_z[:, :, None]) * b_s[:, :, None]
+        p_o = out + o_n[:, None, None] * s_o + (o_c * 8)[:, None][None, :, :] + j[None, None, :]
+        tl.store(p_o, b_w.to(out.dtype.element_ty), mask=m[:, :, None])
 
 
 def dequantize_triton(w: GroupInt4, dtype: torch.dtype, rows: tuple[int, int] | None = None,

@@ -23,7 +23,7 @@ def ckpt(tmp_path_factory):
 def test_int4_on_load_greedy_mtp_on_equals_off(ckpt, graphs):
     engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs, max_context=1024,
                          weights="int4")
-    assert engine.weight_format == "int4" and engine.model.layers[0].mlp.gate_up.dtype == torch.int32
+    assert engine.weight_format == "int4" and engine.model.layers[0].mlp.gate_up.dtype == torch.int16   # interleaved
     assert_mtp_on_equals_off(engine, gpu_prompts(engine, 4), 96, profile_ks=(1, 2, 3, 4), ks=(3,))
 
 
