@@ -266,7 +266,10 @@ def measured(product: str, N: int, K: int) -> tuple[tuple[int, int, int, int], s
       (bf16 68.7; rows of 16: 69.7).
     - the 35B-A3B's experts at a step (8 of them; kernels/moe.py, rows of their own): gate|up
       pairs 32 x 256, 4 warps, 4 deep 22.2 against 33.9 (bf16 13.5); down reshape 64 x 512 10.7,
-      pairs 11.2 (bf16 7.5); measured 2026-11-25."""
+      pairs 11.2 (bf16 7.5); measured 2026-11-25.
+    Interleaved weights (interleave_ref, the engine's dense products by default) take these tiles
+    in their own form (interleaved_args): at 64 x 512, 4 warps, 3 deep in_proj 29.7, gate|up 63.7,
+    out_proj 20.1, down 41.0 us (H100, 2026-11-26); their own tiles are not swept yet."""
     if product in ("plain", "split"):
         return (64, 1024, 4, 2), "pairs"
     if product == "swiglu":
