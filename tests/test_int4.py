@@ -49,7 +49,8 @@ def ckpts(tmp_path_factory):
 
 
 def int4_params(engine, module=None) -> list[str]:
-    return [n for n, p in (module or engine.model).named_parameters() if p.dtype == torch.int32]
+    """The packed 4-bit weights (int32 words, or int16 interleaved) and perms of the model or `module`."""
+    return [n for n, p in (module or engine.model).named_parameters() if p.dtype in (torch.int32, torch.int16)]
 
 
 def oracle(twin: Path):
