@@ -378,7 +378,9 @@ def rows_slice(x, a: int, b: int):
 
 def pieces(T: int, BT: int) -> list[tuple[int, int]]:
     """The row ranges a product of T rows runs in under a row tile of BT: one, unless T > BT. Each
-    row goes through the same compiled kernel whichever piece holds it, so its result is the same."""
+    row goes through the same compiled kernel whichever piece holds it, so its result is the same.
+    A few-row product takes MAX_ROWS rows at most (more are prefill's, batched)."""
+    assert 1 <= T <= MAX_ROWS, f"matvec takes 1..{MAX_ROWS} rows, got {T}"
     return [(a, min(T, a + BT)) for a in range(0, T, BT)]
 
 
@@ -387,6 +389,7 @@ def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | Non
     plan = plan or default_products(x.device)
     BT = plan.rows_of(w)
     if x.shape[0] > BT:
+        pieces(x.shape[0], BT)                      # checks the rows before the output is made
         y = _out(_rows_of(x), N, out)
         for a, b in pieces(x.shape[0], BT):
             matvec_triton(rows_slice(x, a, b), w, y[a:b], plan)
