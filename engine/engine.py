@@ -45,6 +45,14 @@ from mtpchat.kernels.fp8 import fp8_runs_on
 DEFAULT_CONTEXT = 4096      # tokens, when Engine.load is given no max_context
 
 
+def interleave_dense_int4(*modules) -> None:
+    """The dense products' 4-bit weights under `modules` (None: skipped) stored interleaved
+    (ProductPlan.int4_interleave); an MoE block's stay natural, as its expert kernels read them."""
+    for module in modules:
+        if module is not None:
+            interleave_int4(module, skip=lambda m: isinstance(m, SparseMoE))
+
+
 class Engine:
     def __init__(self, model: str | Path | ModelConfig, device="cpu", dtype: torch.dtype | None = None,
                  max_context: int | None = None, draft_tokens: int = 3, mtp: bool = True,
@@ -131,8 +139,7 @@ class Engine:
             load_into(modules, places, folder, self.device, self.dtype, fp8=self.fp8, quantized=stored == "fp8",
                       int4=self.int4, stored_int4=self.config.int4, progress=progress)
         if self.plan.products.int4_interleave:
-            for module in modules.values():
-                interleave_int4(module, skip=lambda m: isinstance(m, SparseMoE))
+            interleave_dense_int4(*modules.values())
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
         prefill_chunk = prefill_chunk or (PREFILL_CHUNK if self.device.type == "cuda" else 512)

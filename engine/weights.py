@@ -637,15 +637,12 @@ def _random_matrix(name: str, shape: tuple[int, int], g: torch.Generator, fmt: t
     return type(parts[0])(*(None if ts[0] is None else torch.cat(ts) for ts in zip(*parts)))
 
 
-def interleave_int4(root: nn.Module, skip) -> int:
+def interleave_int4(root: nn.Module, skip) -> None:
     """The 4-bit weights under `root` stored interleaved (kernels/int4.py interleave_ref), where their
     layout allows (no perm, groups of a multiple of 64 columns) and no module on their path is one
-    that `skip` names (the MoE blocks, whose expert kernels read the natural layout only). Returns
-    how many weights changed. A weight is converted on its device in place of the old one."""
-    done = 0
-
+    that `skip` names (the MoE blocks, whose expert kernels read the natural layout only). A weight
+    is converted on its device in place of the old one."""
     def visit(module: nn.Module):
-        nonlocal done
         if skip(module):
             return
         for name, p in list(module.named_parameters(recurse=False)):
@@ -655,11 +652,9 @@ def interleave_int4(root: nn.Module, skip) -> int:
             if q.group % 64:
                 continue
             _assign(module, name, interleave_ref(q).w)
-            done += 1
         for child in module.children():
             visit(child)
     visit(root)
-    return done
 
 
 def _assign_product(module: nn.Module, name: str, tensor: torch.Tensor | BlockFP8 | GroupInt4):

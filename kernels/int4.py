@@ -40,7 +40,7 @@ QUANTIZE_AT_ONCE = 1 << 24   # weights quantize_ref works on at once (its float3
 class GroupInt4(NamedTuple):
     """A product's weight in 4 bits with its group scales (the module docstring); `shape` and
     `device` are the dequantized weight's."""
-    w: torch.Tensor                      # [N, K / 8] int32
+    w: torch.Tensor                      # [N, K / 8] int32, or [N, K / 4] int16: interleaved
     scale: torch.Tensor                  # [N, K / G] float16 or float32
     zero: torch.Tensor | None = None     # [N, K / G] uint8, or None: symmetric (8)
     perm: torch.Tensor | None = None     # [K] (or [E, K] for stacked experts) int32, or None
@@ -418,7 +418,6 @@ if tl is not None:
             kk = k + i * BG
             o_c = kk // 8 + tl.arange(0, BG // 8)
             m_g = m_r & (tl.full(o_r.shape, kk, tl.int32) < K)   # K is whole groups: a sub-tile lies in K or past it
-            b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)
             b_s = tl.load(sw + o_r * s_sw + kk // G, mask=m_g, other=0.).to(tl.float32)
             if zw is None:
                 b_z = tl.full(o_r.shape, 8, tl.int32)          # SYMMETRIC_ZERO
@@ -436,6 +435,7 @@ if tl is not None:
                 b_d = tl.dot(n3, _x_tile(p_x, m_x, o_k + 3 * Q, K, None), b_d, input_precision="ieee")
                 b_acc += b_s[:, None] * b_d
             elif UNPACK == _PAIRED or UNPACK == _SLICED:
+                b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)
                 b_x = _x_tile(p_x, m_x, o_c * 8, K, perm)
                 n0, n1, n2, n3, n4, n5, n6, n7 = nibbles(b_q, b_z, b_x, UNPACK == _PAIRED)
                 b_d = tl.dot(n0, b_x, input_precision="ieee")
@@ -448,6 +448,7 @@ if tl is not None:
                 b_d = tl.dot(n7, _x_tile(p_x, m_x, o_c * 8 + 7, K, perm), b_d, input_precision="ieee")
                 b_acc += b_s[:, None] * b_d
             else:
+                b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)
                 b_x = _x_tile(p_x, m_x, kk + tl.arange(0, BG), K, perm)
                 b_acc += b_s[:, None] * tl.dot(widen(b_q, b_z, b_x), b_x, input_precision="ieee")
         return b_acc

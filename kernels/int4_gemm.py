@@ -107,7 +107,7 @@ def _dequantize_kernel(w, sw, out, N, K, s_w, s_sw, s_o, G: tl.constexpr, BN: tl
         j = tl.arange(0, 8)
         b_v = ((b_q[:, :, None] >> (4 * j)[None, None, :]) & 0xF).to(tl.float32)
         b_w = (b_v - b_z[:, :, None]) * b_s[:, :, None]
-        p_o = out + o_n[:, None, None] * s_o + (o_c * 8)[:, None][None, :, :] + j[None, None, :]
+        p_o = out + o_n[:, None, None] * s_o + (o_c * 8)[None, :, None] + j[None, None, :]
         tl.store(p_o, b_w.to(out.dtype.element_ty), mask=m[:, :, None])
 
 

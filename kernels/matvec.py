@@ -264,9 +264,8 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
 
 def check_product(x: torch.Tensor, w, K: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """x [T, K] and w [N, K] as every product kernel takes them (here and in matvec_parts.py), T at
-    most `rows` (the plan's row tile);
-    returns (w's values, its scales or w again, the format's launch arguments: FP8, and for 4-bit
-    weights the group G, the zeros and perm; kernels/int4.py)."""
+    most `rows` (the plan's row tile); returns (w's values, its scales or w again, the format's
+    launch arguments: FP8, and for 4-bit weights the group G, the zeros and perm; kernels/int4.py)."""
     T = x.shape[0]
     assert 1 <= T <= rows <= MAX_ROWS, f"this plan's products take 1..{rows} rows, got {T}"
     assert x.shape[1] == K == w.shape[1], f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
@@ -389,9 +388,9 @@ def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | Non
     plan = plan or default_products(x.device)
     BT = plan.rows_of(w)
     if x.shape[0] > BT:
-        pieces(x.shape[0], BT)                      # checks the rows before the output is made
+        ranges = pieces(x.shape[0], BT)
         y = _out(_rows_of(x), N, out)
-        for a, b in pieces(x.shape[0], BT):
+        for a, b in ranges:
             matvec_triton(rows_slice(x, a, b), w, y[a:b], plan)
         return y
     x, scale = _scale_args(x, K)

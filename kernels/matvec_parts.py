@@ -76,9 +76,9 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
 def split_config(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 0) -> tuple[int, int, int, int, int]:
     """(S, BN, BK, warps, stages) of a split product: the plan's split rule where it gives one, else
     S ranges of K (no more than K / (8 BK), rounded up; 4-bit: K / (3 BK)), for some
-    plan.split_programs programs in all (240: the 27B's 5120-row products, 80 column blocks x 3). Tiles of 16 KB of w, 4 deep (80 KB
-    of shared memory with x's), so that two programs fit on an SM and all 240 are resident at once
-    on an H100; never a function of T. 4-bit weights in groups of `group` columns (kernels/int4.py):
+    plan.split_programs programs in all (240: the 27B's 5120-row products, 80 column blocks x 3).
+    Tiles of 16 KB of w, 4 deep (80 KB of shared memory with x's), so that two programs fit on an
+    SM and all 240 are resident at once on an H100; never a function of T. 4-bit weights in groups of `group` columns (kernels/int4.py):
     the plan's int4_tiles rule ("split"), else the measured tile (int4.measured)."""
     if group:
         chosen = plan.int4_tiles("split", N, K, group) if plan.int4_tiles is not None else None
@@ -136,11 +136,12 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
     plan = plan or default_products(x.device)
     BT = plan.rows_of(w)
     if x.shape[0] > BT:
-        done = [matvec_parts_triton(x[a:b], w, norm and (norm[0] if norm[0] is None else norm[0][a:b],) + norm[1:], plan)
-                for a, b in pieces(x.shape[0], BT)]
         if norm is None:
-            return torch.cat(done, 1)
-        return (Normed(torch.cat([n.x for n, _ in done]), torch.cat([n.ss for n, _ in done]), norm[2]),
+            return torch.cat([matvec_parts_triton(x[a:b], w, None, plan) for a, b in pieces(x.shape[0], BT)], 1)
+        r, nw, eps = norm
+        done = [matvec_parts_triton(x[a:b], w, (None if r is None else r[a:b], nw, eps), plan)
+                for a, b in pieces(x.shape[0], BT)]
+        return (Normed(torch.cat([n.x for n, _ in done]), torch.cat([n.ss for n, _ in done]), eps),
                 torch.cat([h for _, h in done]))
     x, w = permuted_once(x, w, plan)
     w, sw, fp8 = check_product(x, w, K, BT)

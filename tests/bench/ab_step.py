@@ -33,11 +33,9 @@ from mtpchat.engine import bench
 from mtpchat.engine.bench import random_prompt
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.dispatch import weight
-from mtpchat.engine.engine import Engine
-from mtpchat.engine.model import SparseMoE
+from mtpchat.engine.engine import Engine, interleave_dense_int4
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.sampling import SamplingParams
-from mtpchat.engine.weights import interleave_int4
 from mtpchat.kernels import matvec, matvec_parts
 
 CONFIGS = Path(bench.__file__).parent / "configs"
@@ -344,10 +342,8 @@ def main():
     kept_weights = []
     for name, plan in list(plans.items()):
         if plan.products.int4_interleave and not kept_weights:
-            for module in (engine.model, engine.head):
-                if module is not None:
-                    kept_weights += list(module.parameters())
-                    interleave_int4(module, skip=lambda m: isinstance(m, SparseMoE))
+            kept_weights = [p for m in (engine.model, engine.head) if m is not None for p in m.parameters()]
+            interleave_dense_int4(engine.model, engine.head)
         d.plan = plan                              # the decoder's contexts carry it from here on
         try:
             for phase, fn in phases.items():
