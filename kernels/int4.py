@@ -247,7 +247,7 @@ def form_args(BK: int, G: int, form: str) -> dict:
     return dict(BG=BG, UNPACK=PAIRED if form == "pairs" and not interpreting() else SLICED)
 
 
-def measured(product: str, N: int, K: int) -> tuple[tuple[int, int, int, int], str]:
+def measured(product: str, N: int, K: int, interleaved: bool = False) -> tuple[tuple[int, int, int, int], str]:
     """The tile (BN, BK in weights, warps, stages) and unpack form of a 4-bit product where the
     plan names none, by the product ("plain", "swiglu", "split", "expert_swiglu", "expert_down";
     any other, e.g. prefill's "gemm": the reshape form) and the weight's [N, K]. Measured on an
@@ -267,9 +267,18 @@ def measured(product: str, N: int, K: int) -> tuple[tuple[int, int, int, int], s
     - the 35B-A3B's experts at a step (8 of them; kernels/moe.py, rows of their own): gate|up
       pairs 32 x 256, 4 warps, 4 deep 22.2 against 33.9 (bf16 13.5); down reshape 64 x 512 10.7,
       pairs 11.2 (bf16 7.5); measured 2026-11-25.
-    Interleaved weights (interleave_ref, the engine's dense products by default) take these tiles
-    in their own form (interleaved_args): at 64 x 512, 4 warps, 3 deep in_proj 29.7, gate|up 63.7,
-    out_proj 20.1, down 41.0 us (H100, 2026-11-26); their own tiles are not swept yet."""
+    Interleaved weights (interleave_ref, the engine's dense products by default; their form is
+    interleaved_args, "interleaved" here) take tiles of their own, 32 rows on 2 warps, 512 weights
+    a step (bench_int4.py --interleaved-only, H100, 2026-11-26, T = 1, us, the pairs form's tiles
+    beside): in_proj 21.1 (64 x 1024, 4 warps, 2 deep: 30.2), q|gate|k|v 19.6 (27.8), 4 deep;
+    gate|up 45.6, 3 deep (64 x 256, 4 warps, 4 deep: 64.4); split out_proj 12.8 in 3 parts (17.5 in
+    2), down 28.7 in 3 (32.6), 4 deep (split_config: 3 parts where the 27B's 160 column blocks
+    make 480 programs). In the 27B's whole decode step these tiles take 0.869 x the time of the
+    pairs' tiles without the SwiGLU's (verify 3 0.877, draft 3 0.913: ab_step.py --plans int4tiles)."""
+    if interleaved and product in ("plain", "split"):
+        return (32, 512, 2, 4), "interleaved"
+    if interleaved and product == "swiglu":
+        return (32, 512, 2, 3), "interleaved"
     if product in ("plain", "split"):
         return (64, 1024, 4, 2), "pairs"
     if product == "swiglu":
@@ -405,14 +414,26 @@ if tl is not None:
         return tl.load(p_x + o_x[:, None], mask=m_k[:, None] & m_x[None, :], other=0.)
 
     @triton.jit
+    def _x_quarter(p_x, m_x, o_k, K, CLAMPED: tl.constexpr):
+        """x's tile [len(o_k), BT] of an interleaved weight's quarter (_x_tile, no perm); CLAMPED:
+        the rows' pointers and o_k all lie in x (dot_int4), so the loads take no mask."""
+        if CLAMPED:
+            return tl.load(p_x + o_k[:, None])
+        return _x_tile(p_x, m_x, o_k, K, None)
+
+    @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
-                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0):
+                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0,
+                 CLAMPED: tl.constexpr = False):
         """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
         whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
         BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
         perm (not None): column c of the weight reads x's column perm[c]. UNPACK: the unpack form
         (form_args): one dot a group, or 8 over the words' nibbles, made one or two at a time; or,
-        over an interleaved weight (int16 half-words, no perm), 4 over its quarters."""
+        over an interleaved weight (int16 half-words, no perm), 4 over its quarters. CLAMPED: all
+        of p_x's row pointers lie in x (the caller's rows past T repeat a row of x, and nobody
+        stores their sums), so an interleaved weight's x tiles load without masks, a sub-tile
+        past K reading x's last group (its weights masked to scale 0)."""
         Q: tl.constexpr = BG // 4                                # an interleaved group's quarter
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
@@ -426,13 +447,16 @@ if tl is not None:
             if UNPACK == _INTERLEAVED or UNPACK == _INTERLEAVED_ASM:
                 o_h = kk // 4 + tl.arange(0, Q)
                 b_h = tl.load(w + o_r[:, None] * s_w + o_h[None, :], mask=m_g[:, None], other=0)
-                o_k = kk + tl.arange(0, Q)
-                b_x = _x_tile(p_x, m_x, o_k, K, None)
+                if CLAMPED:
+                    o_k = tl.minimum(kk, K - BG) + tl.arange(0, Q)
+                else:
+                    o_k = kk + tl.arange(0, Q)
+                b_x = _x_quarter(p_x, m_x, o_k, K, CLAMPED)
                 n0, n1, n2, n3 = quarters(b_h, b_z, b_x, UNPACK == _INTERLEAVED_ASM)
                 b_d = tl.dot(n0, b_x, input_precision="ieee")
-                b_d = tl.dot(n1, _x_tile(p_x, m_x, o_k + Q, K, None), b_d, input_precision="ieee")
-                b_d = tl.dot(n2, _x_tile(p_x, m_x, o_k + 2 * Q, K, None), b_d, input_precision="ieee")
-                b_d = tl.dot(n3, _x_tile(p_x, m_x, o_k + 3 * Q, K, None), b_d, input_precision="ieee")
+                b_d = tl.dot(n1, _x_quarter(p_x, m_x, o_k + Q, K, CLAMPED), b_d, input_precision="ieee")
+                b_d = tl.dot(n2, _x_quarter(p_x, m_x, o_k + 2 * Q, K, CLAMPED), b_d, input_precision="ieee")
+                b_d = tl.dot(n3, _x_quarter(p_x, m_x, o_k + 3 * Q, K, CLAMPED), b_d, input_precision="ieee")
                 b_acc += b_s[:, None] * b_d
             elif UNPACK == _PAIRED or UNPACK == _SLICED:
                 b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)

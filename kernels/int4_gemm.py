@@ -74,26 +74,25 @@ def _dequantize_kernel(w, sw, out, N, K, s_w, s_sw, s_o, G: tl.constexpr, BN: tl
                        zw=None, INTERLEAVED: tl.constexpr = False):
     # program (i_n, i_k): rows i_n BN.., weights i_k BK... Natural words: each word's 8 weights
     # stored along a third axis (weight column 8 c + j is nibble j of word c). Interleaved int16
-    # half-words (kernels/int4.py): each output column reads its half-word (the column's place in
-    # its group's quarter) and nibble (the quarter), so the stores run along the columns.
+    # half-words (kernels/int4.py): the tile's half-words read as they lie, then
+    # each quarter's nibbles stored as a run of G / 4 columns.
     i_n, i_k = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
     if INTERLEAVED:
         Q: tl.constexpr = G // 4
-        o_k = i_k * BK + tl.arange(0, BK)
-        m = (o_n < N)[:, None] & (o_k < K)[None, :]
-        o_r = o_k % G
-        o_h = o_k // G * Q + o_r % Q
+        o_h = i_k * (BK // 4) + tl.arange(0, BK // 4)            # half-word h: group h // Q, place h % Q
+        m = (o_n < N)[:, None] & (o_h < K // 4)[None, :]
         b_q = tl.load(w + o_n[:, None] * s_w + o_h[None, :], mask=m, other=0).to(tl.int32)
-        b_v = ((b_q >> (4 * (o_r // Q))[None, :]) & 0xF).to(tl.float32)
-        o_g = o_k // G
+        o_g = o_h // Q
         b_s = tl.load(sw + o_n[:, None] * s_sw + o_g[None, :], mask=m, other=0.).to(tl.float32)
         if zw is None:
-            b_z = tl.full(b_v.shape, 8, tl.float32)
+            b_z = tl.full(b_s.shape, 8, tl.float32)
         else:
             b_z = tl.load(zw + o_n[:, None] * s_sw + o_g[None, :], mask=m, other=0).to(tl.float32)
-        b_w = (b_v - b_z) * b_s
-        tl.store(out + o_n[:, None] * s_o + o_k[None, :], b_w.to(out.dtype.element_ty), mask=m)
+        p_o = out + o_n[:, None] * s_o + (o_g * G + o_h % Q)[None, :]
+        for q in tl.static_range(4):
+            b_w = (((b_q >> (4 * q)) & 0xF).to(tl.float32) - b_z) * b_s
+            tl.store(p_o + q * Q, b_w.to(out.dtype.element_ty), mask=m)
     else:
         o_c = i_k * (BK // 8) + tl.arange(0, BK // 8)
         m = (o_n < N)[:, None] & (o_c < K // 8)[None, :]

@@ -154,10 +154,11 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
     for k in range(k_lo, k_hi, BK):
         if G > 0:
             # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights
-            p_x = x + o_t[None, :] * s_x
-            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
+            # rows past T read row T - 1 (CLAMPED: x's tiles need no row mask; their sums are never stored)
+            p_x = x + tl.minimum(o_t, T - 1)[None, :] * s_x
+            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, True)
             if SWIGLU:
-                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
+                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, True)
         else:
             o_k = k + tl.arange(0, BK)
             m_k = o_k < K
@@ -227,7 +228,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False,
-          plan: ProductPlan | None = None, group: int = 0) -> tuple[int, int, int, int]:
+          plan: ProductPlan | None = None, group: int = 0, interleaved: bool = False) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages): the plan's tile rule where it gives one, else the measured tile;
     never a function of T. BN counts output columns, so a SwiGLU
     program reads 2 x BN rows of w. Chosen on an H100 by whole decode steps of the 27B under other
@@ -244,12 +245,12 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     product 32 columns (64 rows of w), 2 warps, 3 deep (alone 2.38 TB/s against 1.79, the FP8 27B's
     decode step 0.953 x: tests/bench/bench_fp8.py, ab_step.py --plans fp8glu).
 
-    4-bit weights in groups of `group` columns (kernels/int4.py; BK counts weights, 2 a byte): the
-    plan's int4_tiles rule, else the measured tiles with their unpack forms (int4.measured)."""
+    4-bit weights in groups of `group` columns (kernels/int4.py; BK counts weights, 2 a byte), or
+    `interleaved` ones: the plan's int4_tiles rule, else the measured tiles (int4.measured)."""
     if group:
         product = "swiglu" if swiglu else "plain"
         chosen = plan.int4_tiles(product, N, K, group) if plan is not None and plan.int4_tiles is not None else None
-        return chosen or measured(product, N, K)[0]
+        return chosen or measured(product, N, K, interleaved)[0]
     chosen = plan.tiles(N, K, itemsize, swiglu, fp8) if plan is not None and plan.tiles is not None else None
     if chosen is not None:
         return chosen
@@ -397,7 +398,8 @@ def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | Non
     x, w = permuted_once(x, w, plan)
     w, sw, fp8 = check_product(x, w, K, BT)
     y = _out(x, N, out)
-    BN, BK, warps, stages = tiles(N, K, x.element_size(), fp8=fp8["FP8"], plan=plan, group=fp8.get("G", 0))
+    BN, BK, warps, stages = tiles(N, K, x.element_size(), fp8=fp8["FP8"], plan=plan, group=fp8.get("G", 0),
+                                  interleaved=w.dtype == torch.int16)
     return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, False, plan, BT)
 
 
@@ -435,7 +437,7 @@ def matvec_swiglu_triton(x, w, plan: ProductPlan | None = None) -> torch.Tensor:
     assert not fp8["FP8"] or N % BLOCK == 0, "FP8 gate rows must fill whole blocks, so the up rows start one"
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     BN, BK, warps, stages = tiles(N, K, x.element_size(), swiglu=True, fp8=fp8["FP8"], plan=plan,
-                                  group=fp8.get("G", 0))
+                                  group=fp8.get("G", 0), interleaved=w.dtype == torch.int16)
     return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, True, plan, BT)
 
 

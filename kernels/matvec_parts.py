@@ -38,8 +38,9 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
     b_y = tl.zeros([BN, BT], dtype=tl.float32)
     for k in range(i_s * KS, tl.minimum(i_s * KS + KS, K), BK):
         if G > 0:       # 4-bit weights (kernels/int4.py)
-            b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + o_t[None, :] * s_x, m_t, k, K, BK, G, BG,
-                           UNPACK)
+            # rows past T read row T - 1 (CLAMPED: x's tiles need no row mask; their sums are never stored)
+            b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + tl.minimum(o_t, T - 1)[None, :] * s_x, m_t,
+                           k, K, BK, G, BG, UNPACK, True)
         else:
             o_k = k + tl.arange(0, BK)
             m_k = o_k < K
@@ -73,30 +74,35 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
             tl.atomic_xchg(count + i_n, 0)
 
 
-def split_config(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 0) -> tuple[int, int, int, int, int]:
+def split_config(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 0,
+                 interleaved: bool = False) -> tuple[int, int, int, int, int]:
     """(S, BN, BK, warps, stages) of a split product: the plan's split rule where it gives one, else
     S ranges of K (no more than K / (8 BK), rounded up; 4-bit: K / (3 BK)), for some
     plan.split_programs programs in all (240: the 27B's 5120-row products, 80 column blocks x 3).
     Tiles of 16 KB of w, 4 deep (80 KB of shared memory with x's), so that two programs fit on an
-    SM and all 240 are resident at once on an H100; never a function of T. 4-bit weights in groups of `group` columns (kernels/int4.py):
-    the plan's int4_tiles rule ("split"), else the measured tile (int4.measured)."""
+    SM and all 240 are resident at once on an H100; never a function of T. 4-bit weights in groups
+    of `group` columns (kernels/int4.py), `interleaved` or not: the plan's int4_tiles rule
+    ("split"), else the measured tile (int4.measured); interleaved ones in parts for twice the
+    programs (their 32-row tiles: 480 on the 27B, 3 parts)."""
     if group:
         chosen = plan.int4_tiles("split", N, K, group) if plan.int4_tiles is not None else None
-        BN, BK, warps, stages = measured("split", N, K)[0]
+        BN, BK, warps, stages = measured("split", N, K, interleaved)[0]
     else:
         chosen = plan.split_tiles(N, K, itemsize) if plan.split_tiles is not None else None
         BN, BK, warps, stages = 64, 256 // itemsize, 4, 4
     if chosen is not None:
         return chosen
     # a part takes 8 K tiles at least (4-bit: 3 of their 1024 weights; the 27B's out_proj in 2 parts)
-    S = max(1, min(triton.cdiv(K, (3 if group else 8) * BK), round(plan.split_programs / triton.cdiv(N, BN))))
+    programs = plan.split_programs * (2 if interleaved else 1)
+    S = max(1, min(triton.cdiv(K, (3 if group else 8) * BK), round(programs / triton.cdiv(N, BN))))
     return S, BN, BK, warps, stages
 
 
-def split_ranges(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 0) -> list[tuple[int, int]]:
-    """The K ranges [k0, k1) of a split product's parts, in the order they are added (`group`:
-    4-bit weights, split_config)."""
-    S, _, BK, _, _ = split_config(N, K, itemsize, plan, group)
+def split_ranges(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 0,
+                 interleaved: bool = False) -> list[tuple[int, int]]:
+    """The K ranges [k0, k1) of a split product's parts, in the order they are added (`group`,
+    `interleaved`: 4-bit weights, split_config)."""
+    S, _, BK, _, _ = split_config(N, K, itemsize, plan, group, interleaved)
     KS = triton.cdiv(triton.cdiv(K, S), BK) * BK
     return [(k0, min(K, k0 + KS)) for k0 in range(0, K, KS)]
 
@@ -105,7 +111,8 @@ def matvec_parts_ref(x: torch.Tensor, w, plan: ProductPlan | None = None) -> tor
     """[S, T, N] float32: the products of x and w (a BlockFP8 or GroupInt4 dequantized) over each
     K range of split_ranges (under the plan; None: the measured defaults for x's device), ranges
     of the weight's columns (a GroupInt4 with perm: in its sorted order)."""
-    ranges = split_ranges(w.shape[0], w.shape[1], x.element_size(), plan or default_products(x.device), _group(w))
+    ranges = split_ranges(w.shape[0], w.shape[1], x.element_size(), plan or default_products(x.device), _group(w),
+                          isinstance(w, GroupInt4) and w.interleaved)
     if isinstance(w, GroupInt4) and w.perm is not None:
         # a part is over weight columns k0 .. k1, in the sorted order: x's columns perm[k0:k1]
         x, w = x[:, w.perm.long()], w._replace(perm=None)
@@ -147,8 +154,9 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
     w, sw, fp8 = check_product(x, w, K, BT)
     T = x.shape[0]
     G = fp8.get("G", 0)
-    ranges = split_ranges(N, K, x.element_size(), plan, G)
-    _, BN, BK, warps, stages = split_config(N, K, x.element_size(), plan, G)
+    il = w.dtype == torch.int16                   # interleaved 4-bit weights
+    ranges = split_ranges(N, K, x.element_size(), plan, G, il)
+    _, BN, BK, warps, stages = split_config(N, K, x.element_size(), plan, G, il)
     if fp8["FP8"] and plan.split_tiles is None:
         stages = plan.split_fp8_stages
     blocks = triton.cdiv(N, BN)

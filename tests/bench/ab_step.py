@@ -11,9 +11,10 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans bits --weights fp8     # FP8 tiles widened by moving bits, or converted
     python3 ab_step.py --plans draft           # the MTP head's fc split, the draft's argmax as two kernels
     python3 ab_step.py --plans combine --model qwen3.5-35b-a3b   # an MoE's combine folded into the norm, or apart
-    python3 ab_step.py --plans int4 --weights int4   # 4-bit tiles and unpack forms: measured, the earlier, all pairs
+    python3 ab_step.py --plans int4 --weights int4   # 4-bit tiles: measured, the pairs form's, rows of 16, natural layout
     python3 ab_step.py --plans fp8tiles --weights fp8 --tiles FILE   # bench_fp8.py --sweep's best FP8 tiles
     python3 ab_step.py --plans rows --weights fp8     # the few-row products' dots padded to 16 rows or to 8
+    python3 ab_step.py --plans int4tiles --weights int4 --tiles FILE   # bench_int4.py --interleaved-only's best
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed. One engine is
 loaded; for each plan the decoder takes that plan (its forward contexts carry it) and its phases are
@@ -22,6 +23,7 @@ logits are compared on ended steps only (`--room 0`).
 """
 from __future__ import annotations
 
+import ast
 import argparse
 import json
 import statistics
@@ -147,44 +149,52 @@ def combine_plans(base: KernelPlan) -> dict:
 
 
 def int4_plans(base: KernelPlan) -> dict:
-    """The 4-bit products' measured tiles and unpack forms (kernels/int4.py measured), rows padded to
-    8 (ProductPlan.int4_rows), against: the same with rows of 16; the SwiGLU on 32-column tiles, 2 warps (alone the faster); and
-    the first defaults (rows of 16, every product in the reshape form: plain and split 64 x 512
-    weights, 4 warps, 3 deep; SwiGLU 64 x 256, 4 deep); and the dense products' weights stored
-    interleaved (ProductPlan.int4_interleave; converted in place after the other plans are
-    captured). Logits may differ in the last bits between forms (the forms sum a group in other
-    orders)."""
+    """The 4-bit products' measured tiles (kernels/int4.py measured: over interleaved weights, the
+    engine's default, their own) against: the pairs form's tiles over the same weights (plain and
+    split 64 x 1024, 4 warps, 2 deep, split in parts for 240 programs; SwiGLU 64 x 256, 4 deep);
+    rows padded to 16 (ProductPlan.int4_rows); and the natural layout (int4_interleave off: the
+    pairs form and its tiles; captured first, the weights then converted in place). Logits may
+    differ in the last bits between plans (split products sum other parts)."""
     programs = base.products.split_programs
 
-    def earlier(product, N, K, group):
+    def pairs_tiles(product, N, K, group):
         if product == "swiglu":
             return 64, 256, 4, 4
         if product == "split":
-            return max(1, min(-(-K // (8 * 512)), round(programs / -(-N // 64)))), 64, 512, 4, 3
-        return 64, 512, 4, 3
-    earlier.__name__ = "int4:earlier"
-
-    def swiglu32(product, N, K, group):
-        return (32, 256, 2, 4) if product == "swiglu" else None
-    swiglu32.__name__ = "int4:swiglu 32x256w2s4"
-    return {"measured": base, "rows 16": base.replace(int4_rows=16),
-            "earlier": base.replace(int4_form="reshape", int4_tiles=earlier, int4_rows=16),
-            "swiglu 32": base.replace(int4_tiles=swiglu32),
-            "interleaved": base.replace(int4_interleave=True)}
+            return max(1, min(-(-K // (3 * 1024)), round(programs / -(-N // 64)))), 64, 1024, 4, 2
+        return 64, 1024, 4, 2
+    pairs_tiles.__name__ = "int4:pairs' tiles"
+    return {"measured": base, "pairs' tiles": base.replace(int4_tiles=pairs_tiles),
+            "rows 16": base.replace(int4_rows=16), "natural": base.replace(int4_interleave=False)}
 
 
-def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan:
-    """The plan with every FP8 product of a kind on one tile: tiles {"plain": (BN, BK, warps,
-    stages), "swiglu": ..., "parts": (S, BN, BK, warps, stages)}, each optional."""
-    def tile(N, K, itemsize, swiglu=False, fp8=False):
-        got = tiles.get("swiglu" if swiglu else "plain")
-        return tuple(got) if fp8 and got else None
-    tile.__name__ = f"fp8:{name}"
+def int4_tile_plans(base: KernelPlan, found: dict) -> dict:
+    """The fastest interleaved tiles of `bench_int4.py --interleaved-only` (its JSON: per product
+    shape at T = 1, the us of each "(tile) interleaved" candidate) for the plain products, the
+    SwiGLU, the split ones, and all together, against the measured tiles (int4.measured); weights
+    interleaved in every plan."""
+    table = {}
+    for row in found["results"]:
+        timed = {ast.literal_eval(label.rsplit(" ", 1)[0]): us for label, us in row.get("tiles", {}).items()
+                 if label.endswith(" interleaved") and isinstance(us, float)}
+        if timed:       # a SwiGLU product's tiles are chosen by its gate rows, half the weight's
+            N = row["N"] // 2 if row["kind"] == "swiglu" else row["N"]
+            table.setdefault(row["kind"], {})[N, row["K"]] = min(timed, key=timed.get)
 
-    def split(N, K, itemsize):        # every split product is FP8 under --weights fp8 (but the fc's)
-        return tuple(tiles["parts"])
-    split.__name__ = f"fp8:{name}"
-    return base.replace(tiles=tile, split_tiles=split if "parts" in tiles else None)
+    def rule(kinds, name):
+        def int4_tiles(product, N, K, group):
+            tile = table.get(product, {}).get((N, K)) if product in kinds else None
+            if tile is not None and product == "split" and len(tile) == 4:
+                return (matvec_parts.split_config(N, K, 2, base.products, group, True)[0],) + tile
+            return tile
+        int4_tiles.__name__ = name
+        return int4_tiles
+    plans = {"measured": base.replace(int4_interleave=True)}
+    for kind in table:
+        plans[kind] = base.replace(int4_interleave=True, int4_tiles=rule((kind,), f"int4:{kind}"))
+    if len(table) > 1:
+        plans["all"] = base.replace(int4_interleave=True, int4_tiles=rule(tuple(table), "int4:all"))
+    return plans
 
 
 def fp8_tile_plans(base: KernelPlan, found: dict) -> dict:
@@ -300,7 +310,7 @@ def kernel_resources():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3.6-27b")
-    p.add_argument("--plans", default="defaults", choices=(*FAMILIES, "fp8tiles"))
+    p.add_argument("--plans", default="defaults", choices=(*FAMILIES, "fp8tiles", "int4tiles"))
     p.add_argument("--weights", default="bf16", choices=("bf16", "fp8", "int4"))
     p.add_argument("--only", help="comma-separated plan names (the first is the base of the ratios)")
     p.add_argument("--context", type=int, default=1024)
@@ -310,16 +320,21 @@ def main():
     p.add_argument("--room", type=int, default=1 << 20,
                    help="tokens the generation may still emit: 0 replays ended steps, which write no GDN state")
     p.add_argument("--products", action="store_true", help="also time the decode step's products alone")
-    p.add_argument("--tiles", metavar="FILE", help="--plans fp8tiles: the JSON of bench_fp8.py --sweep")
+    p.add_argument("--tiles", metavar="FILE", help="--plans fp8tiles: the JSON of bench_fp8.py --sweep; "
+                   "--plans int4tiles: of bench_int4.py --interleaved-only")
     p.add_argument("--json")
     a = p.parse_args()
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
+    # the engine loads its 4-bit weights natural; plans that take them interleaved convert them below
+    default = KernelPlan.choose("cuda", config, fp8=a.weights == "fp8")
     engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=a.max_context or a.context + 256,
-                    cuda_graphs=False, weights=a.weights)
+                    cuda_graphs=False, weights=a.weights, plan=default.replace(int4_interleave=False))
     if a.plans == "fp8tiles":
-        plans = fp8_tile_plans(engine.plan, json.loads(Path(a.tiles).read_text()))
+        plans = fp8_tile_plans(default, json.loads(Path(a.tiles).read_text()))
+    elif a.plans == "int4tiles":
+        plans = int4_tile_plans(default, json.loads(Path(a.tiles).read_text()))
     else:
-        plans = FAMILIES[a.plans](engine.plan)
+        plans = FAMILIES[a.plans](default)
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
     d = engine.decoder
@@ -381,7 +396,7 @@ def main():
             end.record()
             end.synchronize()
             times[key].append(start.elapsed_time(end) / a.replays)
-    out = {"plans": a.plans, "base_plan": engine.plan.describe(), "same_logits": same, "ms": {}, "spread": {},
+    out = {"plans": a.plans, "base_plan": default.describe(), "same_logits": same, "ms": {}, "spread": {},
            "resources": kernel_resources()}
     base = {phase: statistics.median(times[first, phase]) for phase in phases}
     for name in plans:

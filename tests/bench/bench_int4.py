@@ -63,6 +63,17 @@ CANDIDATES = {"plain": [(64, 512, 4, 3), (64, 256, 4, 4), (64, 1024, 4, 2), (32,
               "split": [(64, 512, 4, 3), (64, 256, 4, 4), (64, 1024, 4, 2), (32, 512, 4, 4), (32, 1024, 4, 3),
                         (16, 512, 2, 4), (32, 512, 4, 3)],
               "expert": [(64, 512, 4, 3), (64, 256, 4, 3), (32, 512, 4, 4), (128, 256, 8, 3), (32, 256, 4, 4)]}
+# the interleaved form's own candidates (whole groups a tile: BK a multiple of 128); a split tile of
+# five is (S parts, BN, BK, warps, stages), of four takes the split rule's parts
+INTERLEAVED_CANDIDATES = {
+    "plain": [(64, 512, 4, 3), (64, 1024, 4, 2), (64, 256, 4, 4), (64, 512, 4, 4), (64, 256, 4, 6), (32, 512, 2, 4),
+              (32, 1024, 2, 3), (32, 256, 2, 6), (128, 512, 8, 3), (128, 256, 8, 4), (16, 1024, 1, 3), (64, 128, 4, 8)],
+    "swiglu": [(64, 256, 4, 4), (32, 256, 2, 4), (32, 512, 2, 3), (64, 512, 4, 3), (64, 128, 4, 6), (32, 128, 2, 6),
+               (128, 256, 8, 3), (32, 256, 2, 6), (16, 512, 1, 4)],
+    "split": [(64, 1024, 4, 2), (64, 512, 4, 3), (64, 256, 4, 4), (32, 512, 2, 4), (32, 1024, 2, 3),
+              (4, 64, 512, 4, 3), (6, 64, 256, 4, 4), (8, 64, 256, 4, 3), (3, 32, 512, 2, 4), (4, 32, 512, 2, 4),
+              (6, 32, 256, 2, 6), (2, 32, 1024, 2, 3), (4, 128, 256, 8, 4), (12, 64, 128, 4, 6)],
+    "expert": []}
 
 
 def copy_bandwidth() -> float:
@@ -81,12 +92,14 @@ def rule(kind: str, tile):
     """A ProductPlan int4_tiles rule: `tile` for the `kind` products, the default for the others."""
     def int4_tiles(product, N, K, group):
         if kind == "split" and product == "split":
+            if len(tile) == 5:
+                return tuple(tile)
             S = matvec_parts.split_config(N, K, 2, default_products("cuda"), group)[0]
             return (S,) + tuple(tile)
         if product == kind or (kind == "expert" and product.startswith("expert")):
             return tuple(tile)
         return None
-    int4_tiles.__name__ = "int4:{}x{}w{}s{}".format(*tile)
+    int4_tiles.__name__ = "int4:" + ("{}x{}x{}w{}s{}" if len(tile) == 5 else "{}x{}w{}s{}").format(*tile)
     return int4_tiles
 
 
@@ -103,22 +116,24 @@ def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def candidates(kind: str, base: ProductPlan, quick: bool):
+def candidates(kind: str, base: ProductPlan, quick: bool, interleaved_only: bool = False):
     """(label, plan, interleaved) of each candidate tile in each unpack form, and over interleaved
-    weights (kernels/int4.py interleave_ref: one form of their own; tiles of whole groups); the
-    default tile alone with --quick."""
-    for tile in CANDIDATES[kind][:1] if quick else CANDIDATES[kind]:
-        for form in int4.FORMS:
-            yield f"{tile} {form}", dataclasses.replace(base, int4_tiles=rule(kind, tile), int4_form=form), False
-        if tile[1] >= 128:
-            yield f"{tile} interleaved", dataclasses.replace(base, int4_tiles=rule(kind, tile)), True
+    weights (kernels/int4.py interleave_ref: one form of their own, its own candidates); the
+    default tile alone with --quick; the interleaved ones alone with --interleaved-only."""
+    if not interleaved_only:
+        for tile in CANDIDATES[kind][:1] if quick else CANDIDATES[kind]:
+            for form in int4.FORMS:
+                yield f"{tile} {form}", dataclasses.replace(base, int4_tiles=rule(kind, tile), int4_form=form), False
+    for tile in INTERLEAVED_CANDIDATES[kind][:1] if quick else INTERLEAVED_CANDIDATES[kind]:
+        yield f"{tile} interleaved", dataclasses.replace(base, int4_tiles=rule(kind, tile)), True
 
 
-def time_candidates(kind, call, check, copies: int, base: ProductPlan, quick: bool) -> dict:
+def time_candidates(kind, call, check, copies: int, base: ProductPlan, quick: bool,
+                    interleaved_only: bool = False) -> dict:
     """us of each candidate (check(plan, interleaved) asserts its output first), or why it failed;
     call(i, plan, interleaved)."""
     got = {}
-    for label, plan, il in candidates(kind, base, quick):
+    for label, plan, il in candidates(kind, base, quick, interleaved_only):
         try:
             check(plan, il)
             got[label] = graph_time(lambda i: call(i, plan, il), copies)
@@ -137,7 +152,8 @@ def show(tiles: dict) -> None:
             print(f"    int4 {form} (BN, BK, warps, stages) us: {line}", flush=True)
 
 
-def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: bool, out: list):
+def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: bool, out: list,
+                  interleaved_only: bool = False):
     run = {"plain": lambda x, w, plan: matvec.matvec(x, w, plan=plan),
            "swiglu": lambda x, w, plan: matvec.matvec_swiglu(x, w, plan=plan),
            "split": lambda x, w, plan: matvec_parts.matvec_parts(x, w, plan=plan)}[kind]
@@ -167,6 +183,7 @@ def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: boo
             row["int4"][form] = dict(us=t, err=err, l2_resident=len(ws) == 1 and q.nbytes() < 40e6)
             if q.perm is not None:
                 row["int4"][form + ", x permuted once"] = dict(us=graph_time(lambda i: run(x, q, once), 1))
+        row["int4"]["g128 interleaved"] = dict(us=graph_time(lambda i: run(x, il4[i % c4], base), c4))
         t4 = row["int4"]["g128"]["us"]
         row.update(int4_us=t4, gbps=n4 / t4 / 1e3, of_copy_bw=(n4 / bw * 1e6) / t4)
         if T == Ts[0] and kind != "split":
@@ -186,13 +203,14 @@ def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: boo
                 err = rel(got.sum(0), want.sum(0)) if kind == "split" else rel(got, want)
                 assert err < 2e-2, f"{name} {plan.int4_form} {plan.int4_tiles.__name__}: relative error {err:.1e}"
             row["tiles"] = time_candidates(kind, lambda i, plan, il: run(x, (il4 if il else ws4)[i % c4], plan), check,
-                                           c4, base, quick)
+                                           c4, base, quick, interleaved_only)
         out.append(row)
         print(f"{name} [{N} x {K}] T={T}: bf16 {t_bf:.1f} us, fp8 {t_f8:.1f} us, int4 {t4:.1f} us "
               f"({row['gbps']:.0f} GB/s, {row['of_copy_bw']:.2f} of copy bw; {t4 / t_bf:.2f} x bf16, "
               f"{t4 / t_f8:.2f} x fp8); zeros+perm {row['int4']['g128 zeros+perm']['us']:.1f} us "
               f"({row['int4']['g128 zeros+perm, x permuted once']['us']:.1f} with x permuted once), "
-              f"g32 {row['int4']['g32']['us']:.1f} us (one copy each)", flush=True)
+              f"g32 {row['int4']['g32']['us']:.1f} us (one copy each); interleaved "
+              f"{row['int4']['g128 interleaved']['us']:.1f} us", flush=True)
         show(row["tiles"])
 
 
@@ -241,16 +259,21 @@ def bench_prefill(T: int, out: list):
         wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
         want = int4_gemm.gemm_ref(x, q)
         row = dict(product=name, N=N, K=K, T=T, prefill=True)
+        il = int4.interleave_ref(q)
         for form, fn in (("bf16", lambda: x @ wb.T), ("fused", lambda: int4_gemm.gemm_triton(x, q)),
-                         ("dense", lambda: int4_gemm.dense_gemm(x, q))):
+                         ("dense", lambda: int4_gemm.dense_gemm(x, q)),
+                         ("dense interleaved", lambda: int4_gemm.dense_gemm(x, il))):
             if form != "bf16":
                 err = rel(fn(), want)
                 assert err < 2e-2, f"prefill {name} {form}: relative error {err:.1e}"
             row[form + "_us"] = graph_time(lambda i: fn(), 1, 5)
         row["dequantize_us"] = graph_time(lambda i: int4_gemm.dequantize_triton(q, torch.bfloat16, (0, min(N, 12800))), 1, 5)
+        row["dequantize_interleaved_us"] = graph_time(
+            lambda i: int4_gemm.dequantize_triton(il, torch.bfloat16, (0, min(N, 12800))), 1, 5)
         out.append(row)
         print(f"prefill {name} [{N} x {K}] T={T}: bf16 {row['bf16_us']:.0f} us, 4-bit fused {row['fused_us']:.0f} us, "
-              f"dense {row['dense_us']:.0f} us (one slab's dequantizing {row['dequantize_us']:.0f} us)", flush=True)
+              f"dense {row['dense_us']:.0f} us, interleaved {row['dense interleaved_us']:.0f} us (one slab's "
+              f"dequantizing {row['dequantize_us']:.0f} us, interleaved {row['dequantize_interleaved_us']:.0f})", flush=True)
 
 
 def main():
@@ -261,6 +284,7 @@ def main():
     p.add_argument("--prefill-only", action="store_true", help="only prefill's products")
     p.add_argument("--rows", type=int, default=0, help="the plan's row tile (ProductPlan.rows; 0: its default)")
     p.add_argument("--no-experts", action="store_true", help="the 27B's products only")
+    p.add_argument("--interleaved-only", action="store_true", help="only the interleaved form's candidate tiles")
     a = p.parse_args()
     start = time.time()
     torch.manual_seed(0)
@@ -275,7 +299,7 @@ def main():
             bench_prefill(a.prefill, out)
         if not a.prefill_only:
             for name, N, K, kind in SHAPES:
-                bench_product(name, N, K, kind, (1, 4), base, bw, a.quick, out)
+                bench_product(name, N, K, kind, (1, 4), base, bw, a.quick, out, a.interleaved_only)
             if not a.no_experts:
                 bench_experts((1, 4), base, bw, a.quick, out)
     print(f"{time.time() - start:.0f} s")

@@ -58,7 +58,7 @@ def test_int4_dequantize_equals_its_reference_bit_for_bit(device, dtype, N, K, g
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N,K,group,symmetric", [(50, 1152, 128, True), (33, 384, 64, False)])
+@pytest.mark.parametrize("N,K,group,symmetric", [(50, 1152, 128, True), (33, 384, 64, False), (21, 2560, 1280, False)])
 def test_interleaved_weights_in_prefill(device, dtype, N, K, group, symmetric):
     """An interleaved weight (int4.interleave_ref) dequantizes to the same bits as the weight it
     came from, and prefill's dense product takes it; the fused form refuses it."""
