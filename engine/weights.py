@@ -31,6 +31,7 @@ shared with the tiny test checkpoints so both are one distribution.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -589,11 +590,14 @@ def fill_random(modules: dict[str, nn.Module], places: dict[str, dict[str, Place
                 fp8: bool = False, int4: Int4Format | None = None, progress=None):
     """Random weights of the checkpoint's shapes drawn on the device (benchmarks at real sizes);
     with `fp8` the FP8_PARAMS quantized, block scales and all, as an FP8 checkpoint holds them;
-    with `int4` (method "rtn") the INT4_PARAMS in 4 bits, as `--weights int4` quantizes a checkpoint.
+    with `int4` the INT4_PARAMS its format quantizes in 4 bits: as `--weights int4` quantizes a
+    checkpoint (method "rtn"), or those a 4-bit release holds in 4 bits (its `skip` map: the 27B
+    GPTQ release's MLPs), symmetric with float16 scales as the official releases store them.
     `progress` as in load_into, counting parameters and their bytes in `dtype`."""
     g = torch.Generator(device=device).manual_seed(seed)
     in_fp8 = _fp8_params(places, fp8)
-    in_int4 = _int4_params(places, int4, {})
+    # a release's parts chosen as "rtn" chooses them: by the modules its format quantizes
+    in_int4 = _int4_params(places, int4 if int4 is None else dataclasses.replace(int4, method="rtn"), {})
     width = torch.empty((), dtype=dtype).element_size()
     params = [(key, name, p.numel()) for key, module in modules.items() for name, p in module.named_parameters()]
     total, done, count = sum(n for *_, n in params) * width, 0, 0

@@ -3,6 +3,7 @@ CPU): a 4-bit model is the model of its dequantized weights, which transformers 
 oracle (the MTP head: our float32 engine on those weights); quantizing on load stores exactly what
 an offline quantization stores; greedy MTP on equals MTP off; what cannot be read is refused in
 one line."""
+import dataclasses
 import json
 import re
 import shutil
@@ -224,6 +225,21 @@ def test_random_weights_in_4bits():
     engine = Engine(c, weights="int4", max_context=256)
     assert engine.weight_format == "int4" and len(int4_params(engine)) == 4 * 4
     assert Engine(c, max_context=256).weight_format == "float32"
+    logits = engine.logits(random_ids(20, 0, 256))
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_random_weights_of_a_4bit_release_hold_its_4bit_parts():
+    """`--random-weights qwen3.5-27b-gptq-int4`: the release's format with no checkpoint behind it
+    stores in 4 bits what the release holds in 4 bits (its MLPs; attention, GDN and MTP in the
+    model dtype), not every product in bf16."""
+    c = ModelConfig.from_dict(json.loads(json.dumps(
+        {"model_type": "qwen3_5_text", "vocab_size": 256, "num_hidden_layers": 4, "mtp_num_hidden_layers": 1,
+         **ALIGNED, "layer_types": ["linear_attention"] * 3 + ["full_attention"]})))
+    gptq = dataclasses.replace(rtn_format(), method="gptq", skip=(".*attn.*", ".*shared_expert.*", ".*mtp.*"))
+    engine = Engine(dataclasses.replace(c, quantization="int4", int4=gptq), max_context=256)
+    assert engine.weight_format == "int4"
+    assert sorted(int4_params(engine)) == sorted(f"layers.{i}.mlp.{p}" for i in range(4) for p in ("gate_up", "down"))
     logits = engine.logits(random_ids(20, 0, 256))
     assert torch.isfinite(logits).all() and logits.std() > 0
 
