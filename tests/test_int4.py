@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine import Engine, SamplingParams, memory
 from mtpchat.engine.config import ModelConfig, UnsupportedFormat, rtn_format
 from mtpchat.engine.weights import WeightsError
 from mtpchat.kernels import int4
@@ -240,6 +240,7 @@ def test_random_weights_of_a_4bit_release_hold_its_4bit_parts():
     engine = Engine(dataclasses.replace(c, quantization="int4", int4=gptq), max_context=256)
     assert engine.weight_format == "int4"
     assert sorted(int4_params(engine)) == sorted(f"layers.{i}.mlp.{p}" for i in range(4) for p in ("gate_up", "down"))
+    assert engine.memory()["weights"] == memory.weight_bytes(engine.config, "float32", int4=gptq, draft_vocab=None)
     logits = engine.logits(random_ids(20, 0, 256))
     assert torch.isfinite(logits).all() and logits.std() > 0
 
