@@ -271,14 +271,15 @@ def measured(product: str, N: int, K: int, interleaved: bool = False) -> tuple[t
     interleaved_args, "interleaved" here) take tiles of their own, 32 rows on 2 warps, 512 weights
     a step (bench_int4.py --interleaved-only, H100, 2026-11-26, T = 1, us, the pairs form's tiles
     beside): in_proj 21.1 (64 x 1024, 4 warps, 2 deep: 30.2), q|gate|k|v 19.6 (27.8), 4 deep;
-    gate|up 45.6, 3 deep (64 x 256, 4 warps, 4 deep: 64.4); split out_proj 12.8 in 3 parts (17.5 in
-    2), down 28.7 in 3 (32.6), 4 deep (split_config: 3 parts where the 27B's 160 column blocks
-    make 480 programs). In the 27B's whole decode step these tiles take 0.869 x the time of the
-    pairs' tiles without the SwiGLU's (verify 3 0.877, draft 3 0.913: ab_step.py --plans int4tiles)."""
+    gate|up 46.6, 2 deep (64 x 256, 4 warps, 4 deep: 64.4; 3 deep alone the same, but the whole
+    step 1.017 x slower); split out_proj 12.8 in 3 parts (17.5 in 2), down 28.7 in 3 (32.6), 4 deep
+    (split_config: 3 parts where the 27B's 160 column blocks make 480 programs). The 27B's whole
+    decode step with them: 0.782 x the time with the pairs' tiles (verify 3 0.800, draft 3 0.886:
+    ab_step.py --plans int4, then the SwiGLU's 2 deep 0.983 x: --plans int4tiles)."""
     if interleaved and product in ("plain", "split"):
         return (32, 512, 2, 4), "interleaved"
     if interleaved and product == "swiglu":
-        return (32, 512, 2, 3), "interleaved"
+        return (32, 512, 2, 2), "interleaved"
     if product in ("plain", "split"):
         return (64, 1024, 4, 2), "pairs"
     if product == "swiglu":
