@@ -197,6 +197,20 @@ def int4_tile_plans(base: KernelPlan, found: dict) -> dict:
     return plans
 
 
+def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan:
+    """The plan with every FP8 product of a kind on one tile: tiles {"plain": (BN, BK, warps,
+    stages), "swiglu": ..., "parts": (S, BN, BK, warps, stages)}, each optional."""
+    def tile(N, K, itemsize, swiglu=False, fp8=False):
+        got = tiles.get("swiglu" if swiglu else "plain")
+        return tuple(got) if fp8 and got else None
+    tile.__name__ = f"fp8:{name}"
+
+    def split(N, K, itemsize):        # every split product is FP8 under --weights fp8 (but the fc's)
+        return tuple(tiles["parts"])
+    split.__name__ = f"fp8:{name}"
+    return base.replace(tiles=tile, split_tiles=split if "parts" in tiles else None)
+
+
 def fp8_tile_plans(base: KernelPlan, found: dict) -> dict:
     """The best FP8 tiles of `bench_fp8.py --sweep` (its JSON's "best": per product shape, a tile or
     None for the default), for the plain products, the SwiGLU, the split ones, and all together; or
