@@ -45,12 +45,12 @@ from mtpchat.kernels.fp8 import fp8_runs_on
 DEFAULT_CONTEXT = 4096      # tokens, when Engine.load is given no max_context
 
 
-def interleave_dense_int4(*modules) -> None:
-    """The dense products' 4-bit weights under `modules` (None: skipped) stored interleaved
-    (ProductPlan.int4_interleave); an MoE block's stay natural, as its expert kernels read them."""
+def interleave_4bit(*modules) -> None:
+    """The 4-bit weights under `modules` (None: skipped) stored interleaved where their layout
+    allows (ProductPlan.int4_interleave); an MoE block's all or none."""
     for module in modules:
         if module is not None:
-            interleave_int4(module, skip=lambda m: isinstance(m, SparseMoE))
+            interleave_int4(module, together=lambda m: isinstance(m, SparseMoE))
 
 
 class Engine:
@@ -139,7 +139,7 @@ class Engine:
             load_into(modules, places, folder, self.device, self.dtype, fp8=self.fp8, quantized=stored == "fp8",
                       int4=self.int4, stored_int4=self.config.int4, progress=progress)
         if self.plan.products.int4_interleave:
-            interleave_dense_int4(*modules.values())
+            interleave_4bit(*modules.values())
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
         prefill_chunk = prefill_chunk or (PREFILL_CHUNK if self.device.type == "cuda" else 512)

@@ -641,21 +641,30 @@ def _random_matrix(name: str, shape: tuple[int, int], g: torch.Generator, fmt: t
     return type(parts[0])(*(None if ts[0] is None else torch.cat(ts) for ts in zip(*parts)))
 
 
-def interleave_int4(root: nn.Module, skip) -> None:
-    """The 4-bit weights under `root` stored interleaved (kernels/int4.py interleave_ref), where their
-    layout allows (no perm, groups of a multiple of 64 columns) and no module on their path is one
-    that `skip` names (the MoE blocks, whose expert kernels read the natural layout only). A weight
-    is converted on its device in place of the old one."""
-    def visit(module: nn.Module):
-        if skip(module):
-            return
+def interleave_int4(root: nn.Module, together) -> None:
+    """The 4-bit weights under `root` stored interleaved (kernels/int4.py interleave_ref) where their
+    layout allows (no perm, groups of a multiple of 64 columns). The 4-bit weights under a module
+    that `together` names (an MoE block, whose expert kernels take the shared expert with the
+    routed ones in one layout) convert all or none. A weight is converted on its device in place
+    of the old one."""
+    def fours(module: nn.Module):
+        # (name, the weight, or None where its layout does not interleave) of module's own 4-bit weights
         for name, p in list(module.named_parameters(recurse=False)):
-            if p.dtype != torch.int32 or not hasattr(module, name + "_scale") or hasattr(module, name + "_perm"):
+            if p.dtype != torch.int32 or not hasattr(module, name + "_scale"):
                 continue
             q = GroupInt4(p.data, getattr(module, name + "_scale"), getattr(module, name + "_zero", None))
-            if q.group % 64:
-                continue
-            _assign(module, name, interleave_ref(q).w)
+            yield name, None if hasattr(module, name + "_perm") or q.group % 64 else q
+
+    def visit(module: nn.Module):
+        if together(module):
+            found = [(m, name, q) for m in module.modules() for name, q in fours(m)]
+            if all(q is not None for _, _, q in found):
+                for m, name, q in found:
+                    _assign(m, name, interleave_ref(q).w)
+            return
+        for name, q in fours(module):
+            if q is not None:
+                _assign(module, name, interleave_ref(q).w)
         for child in module.children():
             visit(child)
     visit(root)

@@ -18,7 +18,8 @@ pair's products are accumulated in the same order whatever shares its block, and
 a row's k choices in order, so a row's result does not depend on the other rows (greedy MTP on ==
 off). Experts are stored stacked: W_gate_up [E * 2F, H] (expert e's gate rows, then its up rows),
 W_down [E * H, F]; either may be a BlockFP8 (kernels/fp8.py) whose 128-row blocks never straddle
-two experts, or a GroupInt4 (kernels/int4.py) with a perm [E, K] where each expert has its own.
+two experts, or a GroupInt4 (kernels/int4.py) with a perm [E, K] where each expert has its own,
+or interleaved (no perm; the shared expert then interleaved too).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, widen, widen_args
-from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, measured
+from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
 from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
                                        count_reads, layout_ref)
@@ -207,9 +208,9 @@ def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x,
     m_n = o_n < F
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    for k in range(0, H, BK):
-        acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
-        acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
+    for k in range(0, H, BK):      # p_x's rows all lie in x (CLAMPED: interleaved tiles load x unmasked)
+        acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK, True)
+        acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK, True)
     out = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
 
@@ -287,9 +288,9 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
         o_n = i_n * BN + tl.arange(0, BN)
         m_n = o_n < H
         acc = tl.zeros([BN, BM], dtype=tl.float32)
+        p_h = hin + tl.where(m_p, p, 0)[None, :] * s_h      # every row's pointer in hin (CLAMPED)
         for k in range(0, F, BK):
-            acc = dot_int4(acc, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, hin + p[None, :] * s_h, m_p, k, F, BK, G, BG,
-                               UNPACK)
+            acc = dot_int4(acc, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_h, m_p, k, F, BK, G, BG, UNPACK, True)
         tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
     else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
         w_e = w + e * H * F
@@ -340,15 +341,16 @@ def _combine_kernel(y, weights, shared, gate, out, H, s_y, s_s, s_o,
     tl.store(out + r * s_o + o_h, acc.to(out.dtype.element_ty), mask=m_h)
 
 
-def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2,
-          plan: ProductPlan | None = None, int4: tuple[int, int, int] | None = None) -> tuple[int, int, int, int]:
+def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductPlan | None = None,
+          int4: tuple[int, int, int] | None = None, interleaved: bool = False) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages) of an expert product: the plan's expert_tiles rule where it gives one,
     else a function of the product, the phase, the weight format and the activations' width, never
     of the number of rows (tests/bench/bench_moe.py measured the step's at the 35B-A3B's shapes on
     an H100). FP8 tiles lie inside one 128 x 128 block of scales; float32 tiles are smaller, to fit
     in shared memory. 4-bit experts, int4 = (N, K, group) of one expert's product: the plan's
     int4_tiles rule ("expert_swiglu", "expert_down"), else in a step the measured tile
-    (int4.measured) and in a prefill 64 x 128 weights (unmeasured; it fits shared memory)."""
+    (int4.measured; interleaved experts: their own) and in a prefill 64 x 128 weights
+    (unmeasured; it fits shared memory)."""
     if int4 is not None:
         rule4 = plan.int4_tiles if plan is not None else None
         chosen = rule4("expert_" + product, *int4) if rule4 is not None else None
@@ -357,7 +359,7 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2,
             # down tile (BK 512) x's pipelined loads alone take 3 x 64 KB of shared memory (233,472
             # bytes in all under Triton 3.6 at groups of 32: more than an SM has)
             return 64, 128, 4, 3
-        return chosen or measured("expert_" + product, *int4[:2])[0]
+        return chosen or measured("expert_" + product, *int4[:2], interleaved)[0]
     rule = plan.expert_tiles if plan is not None else None
     chosen = rule(product, step, fp8, itemsize) if rule is not None else None
     if chosen is not None:
@@ -398,13 +400,14 @@ def _int4_args(w, shared, n_experts: int, rows: int, K: int, BK: int, form: str)
     them has a perm, the other reads x through the identity (made once per size and device)."""
     if not isinstance(w, GroupInt4):
         return {}
-    check_int4(w, K)
+    check_int4(w, K, interleaved=True)
     assert w.perm is None or w.perm.shape == (n_experts, K), f"stacked experts' perm must be [{n_experts}, {K}]"
     perm, zw2, perm2 = w.perm, w.zero, None
     if shared is not None:
-        check_int4(shared, K)
+        check_int4(shared, K, interleaved=True)
         assert shared.group == w.group and (shared.zero is None) == (w.zero is None), \
             "the shared expert must share the experts' group and zeros"
+        assert shared.interleaved == w.interleaved, "the shared expert must share the experts' layout (interleaved or not)"
         assert shared.perm is None or shared.perm.shape == (K,), f"the shared expert's perm must be [{K}]"
         zw2, perm2 = shared.zero, shared.perm
         if (perm is None) != (perm2 is None):
@@ -414,6 +417,8 @@ def _int4_args(w, shared, n_experts: int, rows: int, K: int, BK: int, form: str)
             identity = _identity[key]
             perm = identity if perm is None else perm
             perm2 = identity[0] if perm2 is None else perm2
+    if w.interleaved:
+        return dict(G=w.group, s_w=K // 4, zw=w.zero, perm=None, zw2=zw2, perm2=None, **interleaved_args(BK, w.group))
     return dict(G=w.group, s_w=K // 8, zw=w.zero, perm=perm, zw2=zw2, perm2=perm2, **form_args(BK, w.group, form))
 
 
@@ -434,7 +439,8 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     expert, pairs, P, bm, blocks, step, bp = _layout_args(layout)
     plan = plan or default_products(x.device)
     int4 = (2 * Fi, H, w_gate_up.group) if isinstance(w_gate_up, GroupInt4) else None
-    BN, BK, warps, stages = tiles("swiglu", step, fp8, x.element_size(), plan, int4)
+    BN, BK, warps, stages = tiles("swiglu", step, fp8, x.element_size(), plan, int4,
+                                  int4 is not None and w_gate_up.interleaved)
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
     w2, ws2 = _shared_args(w_gate_up, shared, 2 * Fi, H)
     ws = w_gate_up.scale if isinstance(w_gate_up, (BlockFP8, GroupInt4)) else wv
@@ -458,7 +464,7 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
     expert, pairs, P, bm, blocks, step, bp = _layout_args(layout)
     plan = plan or default_products(h.device)
     int4 = (H, Fi, w_down.group) if isinstance(w_down, GroupInt4) else None
-    BN, BK, warps, stages = tiles("down", step, fp8, h.element_size(), plan, int4)
+    BN, BK, warps, stages = tiles("down", step, fp8, h.element_size(), plan, int4, int4 is not None and w_down.interleaved)
     y = torch.empty(P_, H, dtype=torch.float32, device=h.device)
     ws = w_down.scale if isinstance(w_down, (BlockFP8, GroupInt4)) else wv
     w2, ws2 = _shared_args(w_down, shared, H, Fi)

@@ -35,7 +35,7 @@ from mtpchat.engine import bench
 from mtpchat.engine.bench import random_prompt
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.dispatch import weight
-from mtpchat.engine.engine import Engine, interleave_dense_int4
+from mtpchat.engine.engine import Engine, interleave_4bit
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.sampling import SamplingParams
 from mtpchat.kernels import matvec, matvec_parts
@@ -372,7 +372,7 @@ def main():
     for name, plan in list(plans.items()):
         if plan.products.int4_interleave and not kept_weights:
             kept_weights = [p for m in (engine.model, engine.head) if m is not None for p in m.parameters()]
-            interleave_dense_int4(engine.model, engine.head)
+            interleave_4bit(engine.model, engine.head)
         d.plan = plan                              # the decoder's contexts carry it from here on
         try:
             for phase, fn in phases.items():

@@ -78,7 +78,8 @@ INTERLEAVED_CANDIDATES = {
               (6, 32, 256, 2, 6), (2, 32, 1024, 2, 3), (4, 128, 256, 8, 4), (12, 64, 128, 4, 6), (2, 32, 512, 2, 4),
               (3, 32, 512, 2, 3), (3, 32, 512, 2, 5), (3, 32, 256, 2, 6), (4, 32, 256, 2, 6), (5, 32, 512, 2, 4),
               (3, 16, 512, 1, 4), (6, 16, 512, 1, 4)],
-    "expert": []}
+    "expert": [(32, 512, 2, 2), (32, 256, 4, 4), (64, 512, 4, 3), (32, 512, 2, 4), (64, 256, 4, 4), (16, 512, 1, 2),
+               (32, 256, 2, 4), (32, 1024, 2, 2), (128, 512, 8, 2), (16, 256, 1, 4)]}
 
 
 def copy_bandwidth() -> float:
@@ -219,7 +220,7 @@ def bench_product(name, N, K, kind, Ts, base: ProductPlan, bw: float, quick: boo
         show(row["tiles"])
 
 
-def bench_experts(Ts, base: ProductPlan, bw: float, quick: bool, out: list):
+def bench_experts(Ts, base: ProductPlan, bw: float, quick: bool, out: list, interleaved_only: bool = False):
     gu4, d4 = quantized(E * 2 * F_E, H_E, experts=E), quantized(E * H_E, F_E, experts=E)
     gu8, d8 = fp8.quantize_ref(torch.randn(E * 2 * F_E, H_E, device="cuda") / H_E ** 0.5), \
         fp8.quantize_ref(torch.randn(E * H_E, F_E, device="cuda") / F_E ** 0.5)
@@ -236,21 +237,27 @@ def bench_experts(Ts, base: ProductPlan, bw: float, quick: bool, out: list):
         for product, ws, fn in (("expert_swiglu", (gub, gu8, gu4), lambda w, plan: moe.expert_swiglu_triton(x, w, lay, TOPK, E, plan=plan)),
                                 ("expert_down", (db, d8, d4), lambda w, plan: moe.expert_down_triton(h, w, lay, E, plan=plan))):
             t_bf, t_f8, t4 = (graph_time(lambda i: fn(w_, base), 1) for w_ in ws)
+            il = int4.interleave_ref(ws[2])
+            t_il = graph_time(lambda i: fn(il, base), 1)
             n4 = n * ws[2].nbytes() // E
-            row = dict(product=product, experts_read=n, T=T, bf16_us=t_bf, fp8_us=t_f8, int4_us=t4, int4_bytes=n4,
+            N, K = (2 * F_E, H_E) if product == "expert_swiglu" else (H_E, F_E)     # one expert's, as the rules take it
+            row = dict(product=product, kind=product, N=N, K=K, experts_read=n, T=T, bf16_us=t_bf, fp8_us=t_f8,
+                       int4_us=t4, int4_bytes=n4,
+                       int4_interleaved_us=t_il,
                        gbps=n4 / t4 / 1e3, of_copy_bw=(n4 / bw * 1e6) / t4, tiles={},
                        note="one copy of the experts: the step's few experts may sit in L2 across launches")
             if T == Ts[0]:
                 want = refs[product]()                 # float32, the experts dequantized on the GPU
 
-                def check(plan, fn=fn, ws=ws, want=want):
-                    err = rel(fn(ws[2], plan), want)
+                def check(plan, interleaved, fn=fn, ws=ws, il=il, want=want):
+                    err = rel(fn(il if interleaved else ws[2], plan), want)
                     assert err < 2e-2, f"{product} {plan.int4_form} {plan.int4_tiles.__name__}: relative error {err:.1e}"
-                row["tiles"] = time_candidates("expert", lambda i, plan: fn(ws[2], plan), check, 1, base, quick)
+                row["tiles"] = time_candidates("expert", lambda i, plan, interleaved: fn(il if interleaved else ws[2], plan),
+                                               check, 1, base, quick, interleaved_only)
                 del want
             out.append(row)
             print(f"35B-A3B {product} T={T} ({n} experts): bf16 {t_bf:.1f} us, fp8 {t_f8:.1f} us, int4 {t4:.1f} us "
-                  f"({row['gbps']:.0f} GB/s, {row['of_copy_bw']:.2f} of copy bw)", flush=True)
+                  f"({row['gbps']:.0f} GB/s, {row['of_copy_bw']:.2f} of copy bw), interleaved {t_il:.1f} us", flush=True)
             show(row["tiles"])
 
 
@@ -290,6 +297,7 @@ def main():
     p.add_argument("--rows", type=int, default=0, help="the plan's row tile (ProductPlan.rows; 0: its default)")
     p.add_argument("--no-experts", action="store_true", help="the 27B's products only")
     p.add_argument("--interleaved-only", action="store_true", help="only the interleaved form's candidate tiles")
+    p.add_argument("--experts-only", action="store_true", help="the 35B-A3B's experts only")
     a = p.parse_args()
     start = time.time()
     torch.manual_seed(0)
@@ -303,10 +311,10 @@ def main():
         if a.prefill:
             bench_prefill(a.prefill, out)
         if not a.prefill_only:
-            for name, N, K, kind in SHAPES:
+            for name, N, K, kind in SHAPES if not a.experts_only else ():
                 bench_product(name, N, K, kind, (1, 4), base, bw, a.quick, out, a.interleaved_only)
             if not a.no_experts:
-                bench_experts((1, 4), base, bw, a.quick, out)
+                bench_experts((1, 4), base, bw, a.quick, out, a.interleaved_only)
     print(f"{time.time() - start:.0f} s")
     if a.json:
         with open(a.json, "w") as f:

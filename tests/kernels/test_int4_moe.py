@@ -91,8 +91,38 @@ def test_int4_experts_in_the_slices_form(device, step, shared):
     check(y.cpu(), moe.expert_down_ref(h_ref, cpu(wd), lay_cpu, E, shared=sd and cpu(sd)), TOL[torch.float32], "down")
 
 
-def int4_rows_equal(device, dtype, E, k, F, H, T=5, group=128, plan=None):
-    wgu, wd = experts(E, F, H, device, 11, group, False, True)
+@pytest.mark.parametrize("step,shared,group", [(True, True, 128), (False, True, 64), (True, False, 64)])
+def test_int4_interleaved_experts(device, step, shared, group):
+    """Interleaved experts (int4.interleave_ref, no perm), the shared expert interleaved too, in a
+    step's layout and a prefill's: against the references of the natural weights they came from;
+    a shared expert of the other layout is refused."""
+    T, E, k, H = 3, 5, 2, 384
+    F = 3 * group                         # 1.5 or 3 tiles of 128 columns
+    wgu, wd = experts(E, F, H, device, 51, group, False, False)
+    sgu, sd = (int4_weight(2 * F, H, device, 53, group, False, False), int4_weight(H, F, device, 54, group, False, False)) \
+        if shared else (None, None)
+    il = lambda w: w and int4.interleave_ref(w)
+    x = randn(T, H, device=device, seed=55)
+    ids = routed(T, E, k, 56)
+    if shared:
+        ids = torch.cat([ids, torch.full((T, 1), E, dtype=torch.int32)], 1)
+    lay_cpu = moe_layout.layout_ref(ids, E + shared, moe_layout.STEP_ROWS if step else 2)
+    lay = moe_layout.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
+    kk = k + shared
+    h = moe.expert_swiglu_triton(x, il(wgu), lay, kk, E, shared=il(sgu))
+    h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(wgu), lay_cpu, kk, E, shared=sgu and cpu(sgu))
+    check(h.cpu(), h_ref, TOL[torch.float32], "swiglu")
+    y = moe.expert_down_triton(h_ref.to(device), il(wd), lay, E, shared=il(sd))
+    check(y.cpu(), moe.expert_down_ref(h_ref, cpu(wd), lay_cpu, E, shared=sd and cpu(sd)), TOL[torch.float32], "down")
+    if shared:
+        with pytest.raises(AssertionError, match="layout"):
+            moe.expert_swiglu_triton(x, il(wgu), lay, kk, E, shared=sgu)
+
+
+def int4_rows_equal(device, dtype, E, k, F, H, T=5, group=128, plan=None, interleaved=False):
+    wgu, wd = experts(E, F, H, device, 11, group, False, not interleaved)
+    if interleaved:
+        wgu, wd = int4.interleave_ref(wgu), int4.interleave_ref(wd)
     router = (randn(E, H, seed=12) / H ** 0.5).to(device, dtype)
     x = randn(T, H, dtype=dtype, device=device, seed=13)
 
@@ -112,11 +142,13 @@ def test_int4_a_row_does_not_depend_on_the_rows_beside_it(device):
     int4_rows_equal(device, torch.float32, E=8, k=3, F=96, H=128, group=32)
     int4_rows_equal(device, torch.float32, E=4, k=2, F=128, H=128, T=3, group=128,
                     plan=ProductPlan(programs=6, int4_form="slices"))
+    int4_rows_equal(device, torch.float32, E=4, k=2, F=128, H=256, T=3, group=64, interleaved=True)
 
 
 @pytest.mark.gpu
-def test_int4_rows_bitwise_on_the_35b_shapes():
-    int4_rows_equal("cuda", torch.bfloat16, E=256, k=8, F=512, H=2048)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_int4_rows_bitwise_on_the_35b_shapes(interleaved):
+    int4_rows_equal("cuda", torch.bfloat16, E=256, k=8, F=512, H=2048, interleaved=interleaved)
 
 
 @pytest.mark.gpu
