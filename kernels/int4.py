@@ -275,11 +275,20 @@ def measured(product: str, N: int, K: int, interleaved: bool = False) -> tuple[t
     step 1.017 x slower); split out_proj 12.8 in 3 parts (17.5 in 2), down 28.7 in 3 (32.6), 4 deep
     (split_config: 3 parts where the 27B's 160 column blocks make 480 programs). The 27B's whole
     decode step with them: 0.782 x the time with the pairs' tiles (verify 3 0.800, draft 3 0.886:
-    ab_step.py --plans int4, then the SwiGLU's 2 deep 0.983 x: --plans int4tiles)."""
+    ab_step.py --plans int4, then the SwiGLU's 2 deep 0.983 x: --plans int4tiles). The 35B-A3B's
+    interleaved experts at a step (8 of them, `--experts-only`): gate|up 64 x 256, 4 warps, 4 deep
+    14.0 us (32 x 512, 2 warps: 20.5; natural, pairs: 22.3; bf16 11.5), down 64 x 512, 4 warps, 3
+    deep 7.0 (natural 10.3; bf16 7.6); the 35B-A3B's int4 decode step with all its weights
+    interleaved 0.724 x the natural layout's, and the experts' gate|up tile then 0.979 x (verify 3
+    0.907: ab_step.py --model qwen3.5-35b-a3b --plans int4 / int4tiles)."""
     if interleaved and product in ("plain", "split"):
         return (32, 512, 2, 4), "interleaved"
     if interleaved and product == "swiglu":
         return (32, 512, 2, 2), "interleaved"
+    if interleaved and product == "expert_swiglu":
+        return (64, 256, 4, 4), "interleaved"
+    if interleaved and product == "expert_down":
+        return (64, 512, 4, 3), "interleaved"
     if product in ("plain", "split"):
         return (64, 1024, 4, 2), "pairs"
     if product == "swiglu":
