@@ -34,7 +34,7 @@ from mtpchat.kernels._triton import interpreting, tl, triton
 GROUP = 128           # the group of --weights int4 and of the official GPTQ releases
 PACK = 8              # 4-bit weights in one int32 word
 SYMMETRIC_ZERO = 8    # the zero of a symmetric weight (GPTQ v1 stores it as 7: zero - 1)
-QUANTIZE_AT_ONCE = 1 << 24   # weights quantize_ref works on at once (its float32 work: about 400 MB)
+QUANTIZE_AT_ONCE = 1 << 24   # weights quantize_ref and interleave_ref work on at once (float32 work: about 400 MB)
 
 
 class GroupInt4(NamedTuple):
@@ -86,8 +86,12 @@ def interleave_ref(q: GroupInt4) -> GroupInt4:
     N, K = q.shape
     assert not q.interleaved and q.perm is None, "interleave a weight of int32 words without a perm"
     assert q.group % 64 == 0, f"groups of {q.group} columns do not interleave (a multiple of 64)"
-    v = unpack_ref(q.w)[:, interleaved_order(K, q.group, q.w.device)]
-    return q._replace(w=pack_ref(v).view(torch.int16))
+    order = interleaved_order(K, q.group, q.w.device)
+    out = torch.empty(N, K // 4, dtype=torch.int16, device=q.w.device)
+    rows = max(1, QUANTIZE_AT_ONCE // K)       # a few rows at a time: unpacked, a weight takes 4 to 8 bytes
+    for i in range(0, N, rows):
+        out[i:i + rows] = pack_ref(unpack_ref(q.w[i:i + rows])[:, order]).view(torch.int16)
+    return q._replace(w=out)
 
 
 def values_ref(q: GroupInt4) -> torch.Tensor:

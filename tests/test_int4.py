@@ -206,6 +206,12 @@ def test_quantizing_a_few_rows_at_a_time_equals_the_whole(monkeypatch, symmetric
     sliced = quantize_ref(w, 128, symmetric)
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced) if a is not None)
     assert (whole.zero is None) == symmetric and (sliced.zero is None) == symmetric
+    # interleaving (8 bytes a weight at its peak, whole: 4 GB for a layer of the 35B-A3B's experts)
+    # goes a few rows at a time too, to the same words
+    monkeypatch.setattr(int4, "QUANTIZE_AT_ONCE", 1 << 30)
+    il = int4.interleave_ref(whole)
+    monkeypatch.setattr(int4, "QUANTIZE_AT_ONCE", 20 * 384)
+    assert torch.equal(int4.interleave_ref(whole).w, il.w) and torch.equal(int4.values_ref(il), int4.values_ref(whole))
 
 
 def test_quantizing_on_load_needs_little_memory_beyond_the_weight(monkeypatch):
