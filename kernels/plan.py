@@ -56,10 +56,11 @@ class ProductPlan:
     split_tiles: SplitRule | None = None
     expert_tiles: ExpertRule | None = None  # the MoE expert products' tiles (tests/bench/bench_moe.py)
     int4_tiles: Int4Rule | None = None      # every product's tiles over 4-bit weights (tests/bench/bench_int4.py)
-    int4_interleave: bool = True    # the engine stores its dense products' 4-bit weights interleaved (kernels/int4.py),
-                                    # read by four dots a group over neighbouring columns: no byte permutes, x's
-                                    # columns of a dot side by side (the 27B's int4 decode step 0.808 x the pairs
-                                    # form's, verify 3 0.759 x: tests/bench/ab_step.py --plans int4, H100)
+    int4_interleave: bool = True    # the engine stores its 4-bit weights interleaved where their layout allows
+                                    # (kernels/int4.py; engine/weights.py interleave_int4), read by four dots a group
+                                    # over neighbouring columns: no byte permutes, x's columns of a dot side by side
+                                    # (the int4 decode step 0.61 x the natural layout's on the 27B, 0.71 x on the
+                                    # 35B-A3B: tests/bench/ab_step.py --plans int4, H100)
     int4_form: str | None = None    # how every 4-bit tile unpacks for the dots (int4.form_args: "reshape",
                                     # "slices", "pairs"); None: each product's measured form (int4.measured)
     permute_x: bool = True          # a 4-bit weight's perm (GPTQ desc_act) applied to x once per few-row product,
