@@ -8,7 +8,7 @@ parts with and without the norm, the MoE expert products (SwiGLU and down, a ste
 the shared expert and a prefill's without, on the tiles the engine takes for them) and prefill's
 product, each with zeros and perm and with neither, in each unpack form (ProductPlan.int4_form;
 the pairs form's inline assembly assembled for each target), each within the target's shared
-memory."""
+memory; and over interleaved weights, the products and experts on their own tiles."""
 from __future__ import annotations
 
 import os
@@ -114,16 +114,22 @@ for name, fn, consts, types, *launch in variants():
                     assert "wgmma" not in ptx and "setmaxnreg" not in ptx and "griddepcontrol" not in ptx, what
                 print("ok", what)
 
-# interleaved weights (int16 half-words, their own form) in the few-row products and prefill's
-# dequantize kernel, on the engine's tiles, for every target
+# interleaved weights (int16 half-words, their own form) in the few-row products, the experts'
+# (a step with the shared expert) and prefill's dequantize kernel, on the engine's tiles, for every target
 il = dict(G=128, BG=128, FP8=False, BITS=0, UNPACK=int4.INTERLEAVED_ASM, zw=None, perm=None)
 BT = ProductPlan(programs=132).int4_rows
-(BN, BK, warps, stages), _ = int4.measured("plain", 16384, 5120)
-(SN, SK, swarps, sstages), _ = int4.measured("swiglu", 17408, 5120)
-(PN, PK, pwarps, pstages), _ = int4.measured("split", 5120, 17408)
+(BN, BK, warps, stages), _ = int4.measured("plain", 16384, 5120, True)
+(SN, SK, swarps, sstages), _ = int4.measured("swiglu", 17408, 5120, True)
+(PN, PK, pwarps, pstages), _ = int4.measured("split", 5120, 17408, True)
+step = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS, SHARED=True, zw2=None, perm2=None)
+(EN, EK, ewarps, estages) = moe.tiles("swiglu", True, False, 2, None, (1024, 2048, 128), True)
+(DN, DK, dwarps, dstages) = moe.tiles("down", True, False, 2, None, (2048, 512, 128), True)
+i16 = {"w2": "*i16"}
 inter = [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGLU=False, SPLIT=True, **il), {"ws": "*fp32"}, (warps, stages)),
          ("swiglu", matvec._matvec_kernel, dict(BT=BT, BN=SN, BK=SK, NBP=0, SWIGLU=True, SPLIT=False, **il), {"ws": "*fp32"}, (swarps, sstages)),
          ("parts", matvec_parts._matvec_parts_kernel, dict(BT=BT, BN=PN, BK=PK, S=3, NORM=True, RESIDUAL=True, **il), {"y": "*fp32"}, (pwarps, pstages)),
+         ("expert swiglu", moe._swiglu_kernel, dict(TOPK=8, BN=EN, BK=EK, COUNT=True, **step, **il), i16, (ewarps, estages)),
+         ("expert down", moe._down_kernel, dict(BN=DN, BK=DK, **step, **il), dict(i16, y="*fp32"), (dwarps, dstages)),
          ("dequantize", int4_gemm._dequantize_kernel, dict(G=128, BN=16, BK=1024, zw=None, INTERLEAVED=True), {"out": "*bf16"}, (4, 1))]
 for name, fn, consts, types, (warps, stages) in inter:
     for cap in (90, 80, 86, 89):
@@ -157,4 +163,4 @@ def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
         pytest.skip(f"Triton finds no ptxas to compile with: {done.stdout.strip()}")
     assert done.returncode == 0, (done.stdout[-2000:] + done.stderr[-4000:])
     assert done.stdout.count("ok ") >= 80, done.stdout[-2000:]
-    assert "pairs" in done.stdout and done.stdout.count("ok interleaved") == 16, done.stdout[-2000:]
+    assert "pairs" in done.stdout and done.stdout.count("ok interleaved") == 24, done.stdout[-2000:]
