@@ -271,10 +271,10 @@ def measured(product: str, N: int, K: int, interleaved: bool = False) -> tuple[t
     - the 35B-A3B's experts at a step (8 of them; kernels/moe.py, rows of their own): gate|up
       pairs 32 x 256, 4 warps, 4 deep 22.2 against 33.9 (bf16 13.5); down reshape 64 x 512 10.7,
       pairs 11.2 (bf16 7.5); measured 2026-11-25.
-    Interleaved weights (interleave_ref, the engine's dense products by default; their form is
-    interleaved_args, "interleaved" here) take tiles of their own, 32 rows on 2 warps, 512 weights
-    a step (bench_int4.py --interleaved-only, H100, 2026-11-26, T = 1, us, the pairs form's tiles
-    beside): in_proj 21.1 (64 x 1024, 4 warps, 2 deep: 30.2), q|gate|k|v 19.6 (27.8), 4 deep;
+    Interleaved weights (interleave_ref, the engine's by default, experts included; their form is
+    interleaved_args, "interleaved" here) take tiles of their own: the dense products 32 rows on
+    2 warps, 512 weights a step (bench_int4.py --interleaved-only, H100, 2026-11-26, T = 1, us,
+    the pairs form's tiles beside): in_proj 21.1 (64 x 1024, 4 warps, 2 deep: 30.2), q|gate|k|v 19.6 (27.8), 4 deep;
     gate|up 46.6, 2 deep (64 x 256, 4 warps, 4 deep: 64.4; 3 deep alone the same, but the whole
     step 1.017 x slower); split out_proj 12.8 in 3 parts (17.5 in 2), down 28.7 in 3 (32.6), 4 deep
     (split_config: 3 parts where the 27B's 160 column blocks make 480 programs). The 27B's whole
