@@ -133,7 +133,7 @@ class SparseMoE(nn.Module):
 def _form(w) -> tuple:
     """How a product's weight is stored, as far as a kernel that takes two at once cares."""
     if isinstance(w, GroupInt4):
-        return ("int4", w.group, w.zero is None, w.perm is None, w.scale.dtype)
+        return ("int4", w.group, w.zero is None, w.perm is None, w.interleaved, w.scale.dtype)
     return ("fp8",) if isinstance(w, BlockFP8) else ("tensor",)
 
 

@@ -47,7 +47,7 @@ from mtpchat.engine.config import Int4Format, ModelConfig, UnsupportedFormat
 from mtpchat.engine.events import LoadProgress
 from mtpchat.kernels.forms import dense_ref
 from mtpchat.kernels.fp8 import BLOCK, FP8, BlockFP8, quantize_ref, scale_shape
-from mtpchat.kernels.int4 import PACK, GroupInt4, interleave_ref
+from mtpchat.kernels.int4 import PACK, GroupInt4, interleavable, interleave_ref
 from mtpchat.kernels.int4 import quantize_ref as int4_quantize
 
 TEXT_PREFIX = "model.language_model."
@@ -643,17 +643,17 @@ def _random_matrix(name: str, shape: tuple[int, int], g: torch.Generator, fmt: t
 
 def interleave_int4(root: nn.Module, together) -> None:
     """The 4-bit weights under `root` stored interleaved (kernels/int4.py interleave_ref) where their
-    layout allows (no perm, groups of a multiple of 64 columns). The 4-bit weights under a module
-    that `together` names (an MoE block, whose expert kernels take the shared expert with the
-    routed ones in one layout) convert all or none. A weight is converted on its device in place
-    of the old one."""
+    layout allows (int4.interleavable: no perm, groups of 64 or 128 columns). The 4-bit weights
+    under a module that `together` names (an MoE block, whose expert kernels take the shared
+    expert with the routed ones in one layout) convert all or none. A weight is converted on its
+    device in place of the old one."""
     def fours(module: nn.Module):
         # (name, the weight, or None where its layout does not interleave) of module's own 4-bit weights
         for name, p in list(module.named_parameters(recurse=False)):
             if p.dtype != torch.int32 or not hasattr(module, name + "_scale"):
                 continue
             q = GroupInt4(p.data, getattr(module, name + "_scale"), getattr(module, name + "_zero", None))
-            yield name, None if hasattr(module, name + "_perm") or q.group % 64 else q
+            yield name, q if interleavable(q) and not hasattr(module, name + "_perm") else None
 
     def visit(module: nn.Module):
         if together(module):

@@ -35,6 +35,9 @@ GROUP = 128           # the group of --weights int4 and of the official GPTQ rel
 PACK = 8              # 4-bit weights in one int32 word
 SYMMETRIC_ZERO = 8    # the zero of a symmetric weight (GPTQ v1 stores it as 7: zero - 1)
 QUANTIZE_AT_ONCE = 1 << 24   # weights quantize_ref and interleave_ref work on at once (float32 work: about 400 MB)
+# the groups the engine interleaves (interleavable): a tile takes whole groups, and the experts'
+# prefill tiles are 128 columns wide; the quarter's dot a power of two
+INTERLEAVE_GROUPS = (64, 128)
 
 
 class GroupInt4(NamedTuple):
@@ -88,10 +91,17 @@ def interleave_ref(q: GroupInt4) -> GroupInt4:
     assert q.group % 64 == 0, f"groups of {q.group} columns do not interleave (a multiple of 64)"
     order = interleaved_order(K, q.group, q.w.device)
     out = torch.empty(N, K // 4, dtype=torch.int16, device=q.w.device)
-    rows = max(1, QUANTIZE_AT_ONCE // K)       # a few rows at a time: unpacked, a weight takes 4 to 8 bytes
+    rows = max(1, QUANTIZE_AT_ONCE // K)       # a few rows at a time: unpacked and repacked, some 20 bytes a weight
     for i in range(0, N, rows):
         out[i:i + rows] = pack_ref(unpack_ref(q.w[i:i + rows])[:, order]).view(torch.int16)
     return q._replace(w=out)
+
+
+def interleavable(q: GroupInt4) -> bool:
+    """Whether the engine stores this weight interleaved (ProductPlan.int4_interleave): natural
+    words, no perm, groups of INTERLEAVE_GROUPS (interleave_ref itself takes any multiple of 64,
+    but a product's tiles hold whole groups)."""
+    return not q.interleaved and q.perm is None and q.group in INTERLEAVE_GROUPS
 
 
 def values_ref(q: GroupInt4) -> torch.Tensor:
@@ -428,26 +438,17 @@ if tl is not None:
         return tl.load(p_x + o_x[:, None], mask=m_k[:, None] & m_x[None, :], other=0.)
 
     @triton.jit
-    def _x_quarter(p_x, m_x, o_k, K, CLAMPED: tl.constexpr):
-        """x's tile [len(o_k), BT] of an interleaved weight's quarter (_x_tile, no perm); CLAMPED:
-        the rows' pointers and o_k all lie in x (dot_int4), so the loads take no mask."""
-        if CLAMPED:
-            return tl.load(p_x + o_k[:, None])
-        return _x_tile(p_x, m_x, o_k, K, None)
-
-    @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
-                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0,
-                 CLAMPED: tl.constexpr = False):
+                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0):
         """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
         whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
         BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
         perm (not None): column c of the weight reads x's column perm[c]. UNPACK: the unpack form
         (form_args): one dot a group, or 8 over the words' nibbles, made one or two at a time; or,
-        over an interleaved weight (int16 half-words, no perm), 4 over its quarters. CLAMPED: all
-        of p_x's row pointers lie in x (the caller's rows past T repeat a row of x, and nobody
-        stores their sums), so an interleaved weight's x tiles load without masks, a sub-tile
-        past K reading x's last group (its weights masked to scale 0)."""
+        over an interleaved weight (int16 half-words, no perm), 4 over its quarters; x's tiles then
+        load without masks, so every one of p_x's row pointers must lie in x (the callers' rows
+        past T repeat a row of x, whose sums nobody stores), and a sub-tile past K reads x's last
+        group (its weights masked to scale 0)."""
         Q: tl.constexpr = BG // 4                                # an interleaved group's quarter
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
@@ -461,16 +462,13 @@ if tl is not None:
             if UNPACK == _INTERLEAVED or UNPACK == _INTERLEAVED_ASM:
                 o_h = kk // 4 + tl.arange(0, Q)
                 b_h = tl.load(w + o_r[:, None] * s_w + o_h[None, :], mask=m_g[:, None], other=0)
-                if CLAMPED:
-                    o_k = tl.minimum(kk, K - BG) + tl.arange(0, Q)
-                else:
-                    o_k = kk + tl.arange(0, Q)
-                b_x = _x_quarter(p_x, m_x, o_k, K, CLAMPED)
+                p_q = p_x + (tl.minimum(kk, K - BG) + tl.arange(0, Q))[:, None]      # x's, in x
+                b_x = tl.load(p_q)
                 n0, n1, n2, n3 = quarters(b_h, b_z, b_x, UNPACK == _INTERLEAVED_ASM)
                 b_d = tl.dot(n0, b_x, input_precision="ieee")
-                b_d = tl.dot(n1, _x_quarter(p_x, m_x, o_k + Q, K, CLAMPED), b_d, input_precision="ieee")
-                b_d = tl.dot(n2, _x_quarter(p_x, m_x, o_k + 2 * Q, K, CLAMPED), b_d, input_precision="ieee")
-                b_d = tl.dot(n3, _x_quarter(p_x, m_x, o_k + 3 * Q, K, CLAMPED), b_d, input_precision="ieee")
+                b_d = tl.dot(n1, tl.load(p_q + Q), b_d, input_precision="ieee")
+                b_d = tl.dot(n2, tl.load(p_q + 2 * Q), b_d, input_precision="ieee")
+                b_d = tl.dot(n3, tl.load(p_q + 3 * Q), b_d, input_precision="ieee")
                 b_acc += b_s[:, None] * b_d
             elif UNPACK == _PAIRED or UNPACK == _SLICED:
                 b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)

@@ -159,9 +159,10 @@ def dense_workspace(T: int, k_min: int, k_max: int, itemsize: int, slab_bytes: i
 
 def gemm(x: torch.Tensor, w: GroupInt4, plan: ProductPlan | None = None) -> torch.Tensor:
     """x [T, K] @ w [N, K]ᵀ -> [T, N] in x's dtype, for any number of rows: on CUDA the plan's
-    int4_prefill form (the default plan's without one), the float32 reference otherwise."""
+    int4_prefill form (the default plan's without one; an interleaved weight, which the fused
+    kernel does not read, always the dense form), the float32 reference otherwise."""
     if not use_triton(x, w.w):
         return gemm_ref(x, w)
-    if (plan.int4_prefill if plan is not None else ProductPlan.int4_prefill) == "dense":
+    if (plan.int4_prefill if plan is not None else ProductPlan.int4_prefill) == "dense" or w.interleaved:
         return dense_gemm(x, w)
     return gemm_triton(x, w, plan=plan)

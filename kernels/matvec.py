@@ -154,11 +154,11 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
     for k in range(k_lo, k_hi, BK):
         if G > 0:
             # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights
-            # rows past T read row T - 1 (CLAMPED: x's tiles need no row mask; their sums are never stored)
+            # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
             p_x = x + tl.minimum(o_t, T - 1)[None, :] * s_x
-            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, True)
+            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
             if SWIGLU:
-                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, True)
+                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
         else:
             o_k = k + tl.arange(0, BK)
             m_k = o_k < K

@@ -38,9 +38,9 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
     b_y = tl.zeros([BN, BT], dtype=tl.float32)
     for k in range(i_s * KS, tl.minimum(i_s * KS + KS, K), BK):
         if G > 0:       # 4-bit weights (kernels/int4.py)
-            # rows past T read row T - 1 (CLAMPED: x's tiles need no row mask; their sums are never stored)
+            # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
             b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + tl.minimum(o_t, T - 1)[None, :] * s_x, m_t,
-                           k, K, BK, G, BG, UNPACK, True)
+                           k, K, BK, G, BG, UNPACK)
         else:
             o_k = k + tl.arange(0, BK)
             m_k = o_k < K
@@ -92,7 +92,7 @@ def split_config(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 
         BN, BK, warps, stages = 64, 256 // itemsize, 4, 4
     if chosen is not None:
         return chosen
-    # a part takes 8 K tiles at least (4-bit: 3 of their 1024 weights; the 27B's out_proj in 2 parts)
+    # a part takes 8 K tiles at least (4-bit: 3; the 27B's interleaved out_proj in 3 parts of 512)
     programs = plan.split_programs * (2 if interleaved else 1)
     S = max(1, min(triton.cdiv(K, (3 if group else 8) * BK), round(programs / triton.cdiv(N, BN))))
     return S, BN, BK, warps, stages

@@ -167,6 +167,32 @@ def test_interleaved_weights_make_the_same_model(ckpts, kind):
     assert [(s.token_ids, s.accepted) for s in got] == [(s.token_ids, s.accepted) for s in want]
 
 
+def test_which_4bit_weights_interleave():
+    """Groups of 64 or 128 columns without a perm (int4.interleavable: the tiles hold whole groups,
+    the experts' prefill tiles 128 columns); an MoE-like block all or none."""
+    from torch import nn
+    from mtpchat.engine.weights import interleave_int4
+
+    def product(group, perm=False):
+        m = nn.Module()
+        q = quantize_ref(torch.randn(8, 512, generator=torch.Generator().manual_seed(group)), group)
+        m.w, m.w_scale = nn.Parameter(q.w, requires_grad=False), nn.Parameter(q.scale, requires_grad=False)
+        if perm:
+            m.w_perm = nn.Parameter(torch.arange(512, dtype=torch.int32), requires_grad=False)
+        return m
+    root = nn.Module()
+    root.a, root.b, root.c, root.d = product(64), product(128), product(256), product(128, perm=True)
+    root.block = nn.Module()
+    root.block.e, root.block.f = product(128), product(256)      # f does not interleave: neither does e
+    root.other = nn.Module()
+    root.other.g, root.other.h = product(128), product(64)
+    interleave_int4(root, together=lambda m: m is root.block or m is root.other)
+    dtypes = {n: p.dtype for n, p in root.named_parameters() if n.endswith(".w")}
+    assert dtypes == {"a.w": torch.int16, "b.w": torch.int16, "c.w": torch.int32, "d.w": torch.int32,
+                      "block.e.w": torch.int32, "block.f.w": torch.int32, "other.g.w": torch.int16,
+                      "other.h.w": torch.int16}
+
+
 def stored_tensors(engine) -> dict[str, torch.Tensor]:
     return {f"{key}.{n}": p for key, m in (("model", engine.model), ("mtp", engine.head))
             for n, p in m.named_parameters()}
@@ -206,8 +232,8 @@ def test_quantizing_a_few_rows_at_a_time_equals_the_whole(monkeypatch, symmetric
     sliced = quantize_ref(w, 128, symmetric)
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced) if a is not None)
     assert (whole.zero is None) == symmetric and (sliced.zero is None) == symmetric
-    # interleaving (8 bytes a weight at its peak, whole: 4 GB for a layer of the 35B-A3B's experts)
-    # goes a few rows at a time too, to the same words
+    # interleaving (some 20 bytes a weight at its peak: whole, 10 GB for a layer of the 35B-A3B's
+    # experts) goes a few rows at a time too, to the same words
     monkeypatch.setattr(int4, "QUANTIZE_AT_ONCE", 1 << 30)
     il = int4.interleave_ref(whole)
     monkeypatch.setattr(int4, "QUANTIZE_AT_ONCE", 20 * 384)

@@ -94,13 +94,14 @@ def copies_for(nbytes: int) -> int:
     return max(2, -(-160 * 2 ** 20 // nbytes))          # more than the 50 MB of an H100's L2
 
 
-def rule(kind: str, tile):
-    """A ProductPlan int4_tiles rule: `tile` for the `kind` products, the default for the others."""
+def rule(kind: str, tile, interleaved: bool = False):
+    """A ProductPlan int4_tiles rule: `tile` for the `kind` products, the default for the others; a
+    split tile of four takes the split rule's parts (for `interleaved` weights, theirs)."""
     def int4_tiles(product, N, K, group):
         if kind == "split" and product == "split":
             if len(tile) == 5:
                 return tuple(tile)
-            S = matvec_parts.split_config(N, K, 2, default_products("cuda"), group)[0]
+            S = matvec_parts.split_config(N, K, 2, default_products("cuda"), group, interleaved)[0]
             return (S,) + tuple(tile)
         if product == kind or (kind == "expert" and product.startswith("expert")):
             return tuple(tile)
@@ -131,7 +132,7 @@ def candidates(kind: str, base: ProductPlan, quick: bool, interleaved_only: bool
             for form in int4.FORMS:
                 yield f"{tile} {form}", dataclasses.replace(base, int4_tiles=rule(kind, tile), int4_form=form), False
     for tile in INTERLEAVED_CANDIDATES[kind][:1] if quick else INTERLEAVED_CANDIDATES[kind]:
-        yield f"{tile} interleaved", dataclasses.replace(base, int4_tiles=rule(kind, tile)), True
+        yield f"{tile} interleaved", dataclasses.replace(base, int4_tiles=rule(kind, tile, True)), True
 
 
 def time_candidates(kind, call, check, copies: int, base: ProductPlan, quick: bool,

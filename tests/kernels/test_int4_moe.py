@@ -93,9 +93,9 @@ def test_int4_experts_in_the_slices_form(device, step, shared):
 
 @pytest.mark.parametrize("step,shared,group", [(True, True, 128), (False, True, 64), (True, False, 64)])
 def test_int4_interleaved_experts(device, step, shared, group):
-    """Interleaved experts (int4.interleave_ref, no perm), the shared expert interleaved too, in a
-    step's layout and a prefill's: against the references of the natural weights they came from;
-    a shared expert of the other layout is refused."""
+    """Interleaved experts (int4.interleave_ref, no perm), the shared expert interleaved too, in
+    layouts of blocks of STEP_ROWS and of 2 pairs (the prefill's kernel): against the references of
+    the natural weights they came from; a shared expert of the other layout is refused."""
     T, E, k, H = 3, 5, 2, 384
     F = 3 * group                         # 1.5 or 3 tiles of 128 columns
     wgu, wd = experts(E, F, H, device, 51, group, False, False)
@@ -117,6 +117,26 @@ def test_int4_interleaved_experts(device, step, shared, group):
     if shared:
         with pytest.raises(AssertionError, match="layout"):
             moe.expert_swiglu_triton(x, il(wgu), lay, kk, E, shared=sgu)
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_int4_interleaved_experts_in_a_step(device, group):
+    """A step's own layout (route_step: its blocks found on the device, pairs past a block's end
+    at -1) over interleaved experts and shared expert, on the step's tiles, against the references."""
+    T, E, k, H = 3, 6, 2, 256
+    F = 3 * group
+    wgu, wd = experts(E, F, H, device, 61, group, False, False)
+    sgu, sd = int4_weight(2 * F, H, device, 63, group, False, False), int4_weight(H, F, device, 64, group, False, False)
+    logits = randn(T, E + 1, seed=62, scale=2.0).to(device)
+    x = randn(T, H, device=device, seed=65)
+    ids, w, _, lay = moe.route_step(logits, k, E, shared=True)
+    ref_lay = moe_layout.layout_ref(ids.cpu(), E + 1, 16)
+    il = int4.interleave_ref
+    h = moe.expert_swiglu_triton(x, il(wgu), lay, k + 1, E, shared=il(sgu))
+    h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(wgu), ref_lay, k + 1, E, shared=cpu(sgu))
+    check(h.cpu(), h_ref, TOL[torch.float32], "swiglu")
+    y = moe.expert_down_triton(h_ref.to(device), il(wd), lay, E, shared=il(sd))
+    check(y.cpu(), moe.expert_down_ref(h_ref, cpu(wd), ref_lay, E, shared=cpu(sd)), TOL[torch.float32], "down")
 
 
 def int4_rows_equal(device, dtype, E, k, F, H, T=5, group=128, plan=None, interleaved=False):
