@@ -34,6 +34,25 @@ def routed(T, E, k, seed):
                         for r in range(T)]).to(torch.int32)
 
 
+def blocks(ids, E, shared, step, device):
+    """(layout on the CPU, on the device) of routed ids, the shared expert E appended as every row's
+    last choice where `shared`, in blocks of a step's STEP_ROWS or of 2 pairs (a prefill's kernel)."""
+    if shared:
+        ids = torch.cat([ids, torch.full((ids.shape[0], 1), E, dtype=torch.int32)], 1)
+    lay_cpu = moe_layout.layout_ref(ids, E + shared, moe_layout.STEP_ROWS if step else 2)
+    return lay_cpu, moe_layout.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
+
+
+def products_match(x, wgu, wd, sgu, sd, lay_cpu, lay, kk, E, plan=None, form=lambda w: w):
+    """The experts' SwiGLU and down products (the shared expert's weights sgu, sd or None) over the
+    weights as `form` stores them, against the float32 references of the weights as given."""
+    h = moe.expert_swiglu_triton(x, form(wgu), lay, kk, E, shared=sgu and form(sgu), plan=plan)
+    h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(wgu), lay_cpu, kk, E, shared=sgu and cpu(sgu))
+    check(h.cpu(), h_ref, TOL[torch.float32], "swiglu")
+    y = moe.expert_down_triton(h_ref.to(x.device), form(wd), lay, E, shared=sd and form(sd), plan=plan)
+    check(y.cpu(), moe.expert_down_ref(h_ref, cpu(wd), lay_cpu, E, shared=sd and cpu(sd)), TOL[torch.float32], "down")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,step,group,symmetric,perm,F", [
     (1, True, 32, True, False, 96), (3, True, 128, False, True, 128), (5, False, 32, False, True, 96),
@@ -50,45 +69,36 @@ def test_int4_expert_products(device, dtype, T, step, group, symmetric, perm, F)
     check(y.cpu(), y_ref, TOL[dtype], "int4 down")
 
 
-@pytest.mark.parametrize("shared_perm,experts_perm", [(True, True), (False, True), (True, False)])
-def test_int4_shared_expert_as_expert_e(device, shared_perm, experts_perm):
-    """The shared expert, a GroupInt4 of its own, as every row's last choice; where only it or only
-    the routed experts have a perm, the other reads x in order."""
-    T, E, k, F, H = 3, 6, 2, 32, 128
-    wgu, wd = experts(E, F, H, device, 31, 32, False, experts_perm)
-    sgu = int4_weight(2 * F, H, device, 33, 32, False, shared_perm)
-    sd = int4_weight(H, F, device, 34, 32, False, shared_perm)
+@pytest.mark.parametrize("shared_perm,experts_perm,group,interleaved", [
+    (True, True, 32, False), (False, True, 32, False), (True, False, 32, False), (False, False, 64, True),
+    (False, False, 128, True)])
+def test_int4_shared_expert_as_expert_e(device, shared_perm, experts_perm, group, interleaved):
+    """The shared expert, a GroupInt4 of its own, as every row's last choice, in a step's own layout
+    (route_step: its blocks found on the device, pairs past a block's end at -1): where only it or
+    only the routed experts have a perm, the other reads x in order; or both interleaved
+    (int4.interleave_ref), on the step's tiles."""
+    T, E, k, H = 3, 6, 2, 128
+    F = 3 * group if interleaved else 32
+    wgu, wd = experts(E, F, H, device, 31, group, False, experts_perm)
+    sgu = int4_weight(2 * F, H, device, 33, group, False, shared_perm)
+    sd = int4_weight(H, F, device, 34, group, False, shared_perm)
     logits = randn(T, E + 1, seed=22, scale=2.0).to(device)
     x = randn(T, H, device=device, seed=23)
     ids, w, _, lay = moe.route_step(logits, k, E, shared=True)
     ref_lay = moe_layout.layout_ref(ids.cpu(), E + 1, 16)
-    h = moe.expert_swiglu_triton(x, wgu, lay, k + 1, E, shared=sgu)
-    h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(wgu), ref_lay, k + 1, E, shared=cpu(sgu))
-    check(h.cpu(), h_ref, TOL[torch.float32], "swiglu")
-    y = moe.expert_down_triton(h_ref.to(device), wd, lay, E, shared=sd)
-    check(y.cpu(), moe.expert_down_ref(h_ref, cpu(wd), ref_lay, E, shared=cpu(sd)), TOL[torch.float32], "down")
+    products_match(x, wgu, wd, sgu, sd, ref_lay, lay, k + 1, E, form=int4.interleave_ref if interleaved else lambda w: w)
 
 
 @pytest.mark.parametrize("step,shared", [(True, True), (False, False)])
 def test_int4_experts_in_the_slices_form(device, step, shared):
     """Groups of 128: each group's dot as 8 over the words' nibbles (int4.form_args)."""
-    plan = ProductPlan(programs=6, int4_form="slices")
     T, E, k, F, H = 3, 5, 2, 128, 384
     wgu, wd = experts(E, F, H, device, 41, 128, False, True)
     sgu, sd = (int4_weight(2 * F, H, device, 43, 128, False, False), int4_weight(H, F, device, 44, 128, False, False)) \
         if shared else (None, None)
     x = randn(T, H, device=device, seed=45)
-    ids = routed(T, E, k, 46)
-    if shared:
-        ids = torch.cat([ids, torch.full((T, 1), E, dtype=torch.int32)], 1)
-    lay_cpu = moe_layout.layout_ref(ids, E + shared, moe_layout.STEP_ROWS if step else 2)
-    lay = moe_layout.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
-    kk = k + shared
-    h = moe.expert_swiglu_triton(x, wgu, lay, kk, E, shared=sgu, plan=plan)
-    h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(wgu), lay_cpu, kk, E, shared=sgu and cpu(sgu))
-    check(h.cpu(), h_ref, TOL[torch.float32], "swiglu")
-    y = moe.expert_down_triton(h_ref.to(device), wd, lay, E, shared=sd, plan=plan)
-    check(y.cpu(), moe.expert_down_ref(h_ref, cpu(wd), lay_cpu, E, shared=sd and cpu(sd)), TOL[torch.float32], "down")
+    products_match(x, wgu, wd, sgu, sd, *blocks(routed(T, E, k, 46), E, shared, step, device), k + shared, E,
+                   plan=ProductPlan(programs=6, int4_form="slices"))
 
 
 @pytest.mark.parametrize("step,shared,group", [(True, True, 128), (False, True, 64), (True, False, 64)])
@@ -101,42 +111,12 @@ def test_int4_interleaved_experts(device, step, shared, group):
     wgu, wd = experts(E, F, H, device, 51, group, False, False)
     sgu, sd = (int4_weight(2 * F, H, device, 53, group, False, False), int4_weight(H, F, device, 54, group, False, False)) \
         if shared else (None, None)
-    il = lambda w: w and int4.interleave_ref(w)
     x = randn(T, H, device=device, seed=55)
-    ids = routed(T, E, k, 56)
-    if shared:
-        ids = torch.cat([ids, torch.full((T, 1), E, dtype=torch.int32)], 1)
-    lay_cpu = moe_layout.layout_ref(ids, E + shared, moe_layout.STEP_ROWS if step else 2)
-    lay = moe_layout.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
-    kk = k + shared
-    h = moe.expert_swiglu_triton(x, il(wgu), lay, kk, E, shared=il(sgu))
-    h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(wgu), lay_cpu, kk, E, shared=sgu and cpu(sgu))
-    check(h.cpu(), h_ref, TOL[torch.float32], "swiglu")
-    y = moe.expert_down_triton(h_ref.to(device), il(wd), lay, E, shared=il(sd))
-    check(y.cpu(), moe.expert_down_ref(h_ref, cpu(wd), lay_cpu, E, shared=sd and cpu(sd)), TOL[torch.float32], "down")
+    lay_cpu, lay = blocks(routed(T, E, k, 56), E, shared, step, device)
+    products_match(x, wgu, wd, sgu, sd, lay_cpu, lay, k + shared, E, form=int4.interleave_ref)
     if shared:
         with pytest.raises(AssertionError, match="layout"):
-            moe.expert_swiglu_triton(x, il(wgu), lay, kk, E, shared=sgu)
-
-
-@pytest.mark.parametrize("group", [64, 128])
-def test_int4_interleaved_experts_in_a_step(device, group):
-    """A step's own layout (route_step: its blocks found on the device, pairs past a block's end
-    at -1) over interleaved experts and shared expert, on the step's tiles, against the references."""
-    T, E, k, H = 3, 6, 2, 256
-    F = 3 * group
-    wgu, wd = experts(E, F, H, device, 61, group, False, False)
-    sgu, sd = int4_weight(2 * F, H, device, 63, group, False, False), int4_weight(H, F, device, 64, group, False, False)
-    logits = randn(T, E + 1, seed=62, scale=2.0).to(device)
-    x = randn(T, H, device=device, seed=65)
-    ids, w, _, lay = moe.route_step(logits, k, E, shared=True)
-    ref_lay = moe_layout.layout_ref(ids.cpu(), E + 1, 16)
-    il = int4.interleave_ref
-    h = moe.expert_swiglu_triton(x, il(wgu), lay, k + 1, E, shared=il(sgu))
-    h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(wgu), ref_lay, k + 1, E, shared=cpu(sgu))
-    check(h.cpu(), h_ref, TOL[torch.float32], "swiglu")
-    y = moe.expert_down_triton(h_ref.to(device), il(wd), lay, E, shared=il(sd))
-    check(y.cpu(), moe.expert_down_ref(h_ref, cpu(wd), ref_lay, E, shared=cpu(sd)), TOL[torch.float32], "down")
+            moe.expert_swiglu_triton(x, int4.interleave_ref(wgu), lay, k + shared, E, shared=sgu)
 
 
 def int4_rows_equal(device, dtype, E, k, F, H, T=5, group=128, plan=None, interleaved=False):
