@@ -14,6 +14,7 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans int4 --weights int4   # 4-bit tiles: measured, the pairs form's, rows of 16, natural layout
     python3 ab_step.py --plans fp8tiles --weights fp8 --tiles FILE   # bench_fp8.py --sweep's best FP8 tiles
     python3 ab_step.py --plans rows --weights fp8     # the few-row products' dots padded to 16 rows or to 8
+    python3 ab_step.py --plans masks --weights fp8    # whole tiles loaded without masks, or masked
     python3 ab_step.py --plans int4tiles --weights int4 --tiles FILE   # bench_int4.py --interleaved-only's best
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed. One engine is
@@ -247,6 +248,13 @@ DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split
                  "fc split": dict(fc_split=False), "pick": dict(draft_pick=False)}
 
 
+def masks_plans(base: KernelPlan) -> dict:
+    """Products over bf16 and FP8 weights in whole tiles loading them without masks, x's rows past T
+    reading row T - 1 (ProductPlan.unmasked), or masked. With --room 0 the logits must be the same
+    bits."""
+    return {"masked": base.replace(unmasked=False), "unmasked": base.replace(unmasked=True)}
+
+
 def rows_plans(base: KernelPlan) -> dict:
     """The few-row products' row tile (ProductPlan.rows): their dots padded to 16 rows, or to 8 (the
     steps timed here take 1 to 5). With --room 0 the logits must be the same bits."""
@@ -264,7 +272,7 @@ def default_plans(base: KernelPlan) -> dict:
 
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
-            "combine": combine_plans, "int4": int4_plans, "rows": rows_plans}
+            "combine": combine_plans, "int4": int4_plans, "rows": rows_plans, "masks": masks_plans}
 
 
 def _x_key(w) -> tuple:
