@@ -439,7 +439,8 @@ if tl is not None:
 
     @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
-                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0):
+                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0,
+                 MASK_X: tl.constexpr = False):
         """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
         whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
         BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
@@ -448,7 +449,8 @@ if tl is not None:
         over an interleaved weight (int16 half-words, no perm), 4 over its quarters; x's tiles then
         load without masks, so every one of p_x's row pointers must lie in x (the callers' rows
         past T repeat a row of x, whose sums nobody stores), and a sub-tile past K reads x's last
-        group (its weights masked to scale 0)."""
+        group (its weights masked to scale 0). MASK_X: an interleaved x tile's rows out of m_x
+        zero-filled by a mask instead."""
         Q: tl.constexpr = BG // 4                                # an interleaved group's quarter
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
@@ -463,12 +465,17 @@ if tl is not None:
                 o_h = kk // 4 + tl.arange(0, Q)
                 b_h = tl.load(w + o_r[:, None] * s_w + o_h[None, :], mask=m_g[:, None], other=0)
                 p_q = p_x + (tl.minimum(kk, K - BG) + tl.arange(0, Q))[:, None]      # x's, in x
-                b_x = tl.load(p_q)
-                n0, n1, n2, n3 = quarters(b_h, b_z, b_x, UNPACK == _INTERLEAVED_ASM)
-                b_d = tl.dot(n0, b_x, input_precision="ieee")
-                b_d = tl.dot(n1, tl.load(p_q + Q), b_d, input_precision="ieee")
-                b_d = tl.dot(n2, tl.load(p_q + 2 * Q), b_d, input_precision="ieee")
-                b_d = tl.dot(n3, tl.load(p_q + 3 * Q), b_d, input_precision="ieee")
+                if MASK_X:      # rows past T zero-filled, not read
+                    m_q = m_x[None, :]
+                    b_x0, b_x1 = tl.load(p_q, mask=m_q, other=0.), tl.load(p_q + Q, mask=m_q, other=0.)
+                    b_x2, b_x3 = tl.load(p_q + 2 * Q, mask=m_q, other=0.), tl.load(p_q + 3 * Q, mask=m_q, other=0.)
+                else:
+                    b_x0, b_x1, b_x2, b_x3 = tl.load(p_q), tl.load(p_q + Q), tl.load(p_q + 2 * Q), tl.load(p_q + 3 * Q)
+                n0, n1, n2, n3 = quarters(b_h, b_z, b_x0, UNPACK == _INTERLEAVED_ASM)
+                b_d = tl.dot(n0, b_x0, input_precision="ieee")
+                b_d = tl.dot(n1, b_x1, b_d, input_precision="ieee")
+                b_d = tl.dot(n2, b_x2, b_d, input_precision="ieee")
+                b_d = tl.dot(n3, b_x3, b_d, input_precision="ieee")
                 b_acc += b_s[:, None] * b_d
             elif UNPACK == _PAIRED or UNPACK == _SLICED:
                 b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)

@@ -129,7 +129,7 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
                    SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
                    BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None,
-                   UNPACK: tl.constexpr = False, WHOLE: tl.constexpr = False):
+                   UNPACK: tl.constexpr = False, WHOLE: tl.constexpr = False, MASK_X: tl.constexpr = False):
     # Program i_n takes column block i_n, all of K (with SWIGLU, the gate rows n and the up rows
     # N + n of w together). With SPLIT only the first F programs do; program F + j takes part
     # i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
@@ -159,17 +159,17 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
             # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights
             # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
             p_x = x + tl.minimum(o_t, T - 1)[None, :] * s_x
-            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
+            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, MASK_X)
             if SWIGLU:
-                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
+                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK,
+                               MASK_X)
         else:
             o_k = k + tl.arange(0, BK)
             p_w = w + o_n[:, None] * s_w + o_k[None, :]
             if WHOLE:
-                # N and K in whole tiles (unmasked: no predicates in the loop); rows past T read
-                # row T - 1, whose sums are never stored
+                # N and K in whole tiles: w's tile unmasked, x's masked by rows alone
                 m_w = None
-                b_x = tl.trans(tl.load(x + tl.minimum(o_t, T - 1)[:, None] * s_x + o_k[None, :]))
+                b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None], other=0.))
             else:
                 m_k = o_k < K
                 m_w = m_n[:, None] & m_k[None, :]
@@ -358,8 +358,9 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
 
 
 def whole(N: int, K: int, BN: int, BK: int, fmt: dict, plan: ProductPlan) -> bool:
-    """Whether a product over bf16 or FP8 weights loads its tiles without masks (the plan's
-    unmasked, where N and K come in whole tiles; 4-bit tiles have their own rule, int4.dot_int4)."""
+    """Whether a product over bf16 or FP8 weights loads w's tiles without masks and x's masked by
+    rows alone (the plan's unmasked, where N and K come in whole tiles; 4-bit tiles have their own
+    rule, int4.dot_int4)."""
     return plan.unmasked and not fmt.get("G") and N % BN == 0 and K % BK == 0
 
 
@@ -371,7 +372,7 @@ def _format_args(x, w, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPla
     if fmt["FP8"]:
         return widen_args(x, warps, BN, plan.widen_bits, plan.widen_group)
     if fmt.get("G") and w.dtype == torch.int16:
-        return interleaved_args(BK, fmt["G"])
+        return dict(interleaved_args(BK, fmt["G"]), MASK_X=plan.int4_mask_rows)
     if fmt.get("G"):
         return form_args(BK, fmt["G"], form_of(plan.int4_form, *product))
     return {}

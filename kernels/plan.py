@@ -50,8 +50,13 @@ class ProductPlan:
     small_parts: int = 8            # ... into at most this many parts
     widen_bits: bool = True         # FP8 tiles widened to bf16 by moving bits, not by Triton's conversion (fp8.widen) ...
     widen_group: int = 0            # ... in groups of this many weights (2 or 4); 0: as the tile suits (fp8.widen_group)
-    unmasked: bool = True           # a product over bf16 or FP8 weights in whole tiles of N and K loads them without
-                                    # masks, x's rows past T reading row T - 1 (matvec.whole; the same sums)
+    unmasked: bool = True           # a product over bf16 or FP8 weights in whole tiles of N and K loads w's tiles
+                                    # without masks, x's masked by rows alone (matvec.whole; the same sums; the
+                                    # FP8 27B's decode step 0.974 x, H200: tests/bench/ab_step.py --plans masks;
+                                    # x's rows past T read again rather than masked: 1.236 x, H100)
+    int4_mask_rows: bool = False    # interleaved 4-bit products' x tiles zero-fill rows past T by a mask, rather
+                                    # than read row T - 1 again (int4.dot_int4's MASK_X; the same sums; the int4
+                                    # 27B's decode step 1.027 x slower, H200: ab_step.py --plans xrows)
     split_programs: int = 240       # programs of a split product (matvec_parts) in all
     split_fp8_stages: int = 8       # its pipeline depth over FP8 tiles (half the bytes of bf16's: twice as deep)
     tiles: TileRule | None = None   # tiles other than the measured ones (benchmarks; small tiles for the interpreter)

@@ -269,6 +269,22 @@ def test_interleaved_products(device, dtype, T, N, K, group, symmetric):
     rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=plan).transpose(0, 1), x)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_interleaved_x_rows_masked_or_read(device, T):
+    """An interleaved product's x tiles with rows past T zero-filled by a mask (the plan's
+    int4_mask_rows) or read again from row T - 1: the same bits, plain, SwiGLU and split."""
+    w = int4.interleave_ref(int4_weight(96, 512, device, 9, 128, False))
+    x = randn(T, 512, dtype=DTYPES[-1], device=device, seed=T)
+    read = interleaved_split(2)
+    masked = dataclasses.replace(read, int4_mask_rows=True)
+    for name, run in {"plain": lambda p: matvec.matvec_triton(x, w, plan=p),
+                      "swiglu": lambda p: matvec.matvec_swiglu_triton(x, w, p),
+                      "parts": lambda p: matvec_parts.matvec_parts_triton(x, w, plan=p)}.items():
+        out = run(masked)
+        assert torch.equal(out, run(read)), name
+    check(matvec.matvec_triton(x, w, plan=masked), matvec.matvec_ref(x, w), TOL[x.dtype])
+
+
 # --- the 27B's shapes on the GPU --------------------------------------------------------------------
 
 # GDN in_proj [qkv | z], attention q|gate|k|v, GDN out_proj and attention o_proj, MLP down

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_checks import TOL, check, normed, randn
 
-from mtpchat.kernels import matvec
+from mtpchat.kernels import fp8, matvec, matvec_parts
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 # numpy's matmul treats Triton's bf16 as integers in the interpreter: bf16 runs on the GPU only
@@ -62,9 +62,8 @@ def test_matvec_row_limit(device):
 @pytest.mark.parametrize("T", [1, 3])
 def test_whole_tiles_load_unmasked(device, dtype, fmt, T):
     # N and K in whole tiles: the plain, SwiGLU (its last wave split over K) and split products
-    # (finishing a norm) load their tiles without masks, rows past T reading row T - 1; the same
-    # bits as the masked loads (ProductPlan.unmasked False), and the references' values
-    from mtpchat.kernels import fp8, matvec_parts
+    # (finishing a norm) load w's tiles without masks and x's masked by rows alone; the same bits
+    # as the masked loads (ProductPlan.unmasked False), and the references' values
     g = torch.Generator().manual_seed(11 * T)
     N, K = 640, 1024
     w, w2, wd = (randn(n, k, device=device, gen=g, scale=0.1) for n, k in ((N, K), (2 * N, K), (256, 2048)))
@@ -74,16 +73,17 @@ def test_whole_tiles_load_unmasked(device, dtype, fmt, T):
         w, w2, wd = (t.to(dtype) for t in (w, w2, wd))
     x, xd = randn(T, K, dtype=dtype, device=device, gen=g), randn(T, 2048, dtype=dtype, device=device, gen=g)
     r, nw = randn(T, 256, dtype=dtype, device=device, gen=g), randn(256, dtype=dtype, device=device, gen=g)
-    # 19 "SMs": the SwiGLU's 20 column blocks of 32 leave a last wave of one, split in 3 parts
-    plans = [ProductPlan(programs=19, unmasked=u, split_tiles=lambda N, K, itemsize: (2, 64, 128, 4, 2))
-             for u in (True, False)]
     size = x.element_size()
     fmt_args = dict(FP8=fmt == "fp8")
-    for n, k, swiglu in ((N, K, False), (N, K, True)):
-        BN, BK = matvec.tiles(n, k, size, swiglu=swiglu, fp8=fmt == "fp8", plan=plans[0])[:2]
-        assert matvec.whole(n, k, BN, BK, fmt_args, plans[0]) and not matvec.whole(n, k, BN, BK, fmt_args, plans[1])
-    assert matvec.tiles(N, K, size, swiglu=True, fp8=fmt == "fp8")[:2] == (32, 128)
-    assert matvec.tail_split(20, 8, plans[0]) == (3, 3)
+    BN, BK = matvec.tiles(N, K, size, swiglu=True, fp8=fmt == "fp8")[:2]
+    # one "SM" fewer than the SwiGLU's column blocks: its last wave of one block split over K in 3
+    P = N // BN - 1
+    plans = [ProductPlan(programs=P, unmasked=u, split_tiles=lambda N, K, itemsize: (2, 64, 128, 4, 2))
+             for u in (True, False)]
+    assert matvec.tail_split(N // BN, K // BK, plans[0]) == (3, 3)
+    for swiglu in (False, True):
+        BN, BK = matvec.tiles(N, K, size, swiglu=swiglu, fp8=fmt == "fp8", plan=plans[0])[:2]
+        assert matvec.whole(N, K, BN, BK, fmt_args, plans[0]) and not matvec.whole(N, K, BN, BK, fmt_args, plans[1])
     products = {
         "plain": (lambda p: matvec.matvec_triton(x, w, plan=p), matvec.matvec_ref(x, w)),
         "swiglu": (lambda p: matvec.matvec_swiglu_triton(x, w2, p), matvec.matvec_swiglu_ref(x, w2)),
