@@ -28,7 +28,7 @@ from mtpchat.engine.config import GenerationConfig, Int4Format, ModelConfig, Uns
 from mtpchat.engine.decoder import Decoder
 from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, context_rows, draft_token_ids, draft_vocab_size
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step, TokenLogprob
-from mtpchat.engine.memory import CAPTURED_K, DEFAULT_SNAPSHOTS, K_MAX, PREFILL_CHUNK
+from mtpchat.engine.memory import CAPTURED_K, DEFAULT_SNAPSHOTS, K_MAX, prefill_chunk_that_fits
 from mtpchat.engine.model import Model, SparseMoE
 from mtpchat.engine.mtp import MTPHead
 from mtpchat.engine.plan import KernelPlan
@@ -53,6 +53,19 @@ def interleave_4bit(*modules) -> None:
             interleave_int4(module, together=lambda m: isinstance(m, SparseMoE))
 
 
+def free_memory(device: torch.device) -> int:
+    """Bytes an engine could take on `device` as it starts: the device's free memory and what this
+    process's allocator holds unused, within the process's memory fraction where one is set (0 for
+    the CPU, where nothing is chosen by it)."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device) \
+        if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
+    return min(free + torch.cuda.memory_reserved(device) - allocated, int(fraction * total) - allocated)
+
+
 class Engine:
     def __init__(self, model: str | Path | ModelConfig, device="cpu", dtype: torch.dtype | None = None,
                  max_context: int | None = None, draft_tokens: int = 3, mtp: bool = True,
@@ -73,9 +86,12 @@ class Engine:
         are chosen from (engine/draft_vocab.py); 0 or None, or a vocabulary no larger than those rows and their
         context rows: the full head. `plan`: the kernels' forms (engine/plan.py); None: the measured
         ones for this device, model and weight format (KernelPlan.choose). `progress`: called with an
-        events.LoadProgress as the weights load (and quantize) and as CUDA graphs are captured."""
+        events.LoadProgress as the weights load (and quantize) and as CUDA graphs are captured.
+        `prefill_chunk`: tokens a prefill forward takes at most; None: on a GPU what the memory free
+        as the engine starts allows (memory.prefill_chunk_that_fits), 512 on the CPU."""
         # build -> load -> allocate state -> (warm up and capture: the CUDA runner)
         self.device = torch.device(device)
+        free = free_memory(self.device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.notices: list[str] = []
         if isinstance(model, ModelConfig):
@@ -142,7 +158,11 @@ class Engine:
             interleave_4bit(*modules.values())
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
-        prefill_chunk = prefill_chunk or (PREFILL_CHUNK if self.device.type == "cuda" else 512)
+        if not prefill_chunk and self.device.type == "cuda":
+            prefill_chunk = prefill_chunk_that_fits(
+                self.config, free, max_context, k_max, self.dtype, self.head is not None, cuda_graphs, snapshots,
+                weights, draft_vocab)
+        prefill_chunk = prefill_chunk or 512
         self.decoder = Decoder(self.model, self.head, self.state, self.plan, prefill_chunk, snapshots)
         self.draft_vocab = draft_vocab_size(self.config.vocab_size, draft_vocab) if self.head is not None else 0
         if self.draft_vocab:

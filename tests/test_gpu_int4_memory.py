@@ -14,6 +14,7 @@ import torch
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine import memory
 from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.engine import free_memory
 from mtpchat.engine.events import Finished
 from helpers import random_ids
 
@@ -47,6 +48,7 @@ def capped():
 @pytest.mark.parametrize("name, context", [("qwen3.6-27b", 32768), ("qwen3.5-35b-a3b", 16384)])
 def test_int4_fits_24_gb(capped, name, context):
     config = ModelConfig.load(CONFIGS / f"{name}.json")
+    free = free_memory(torch.device("cuda"))
     engine = Engine.load(config, device="cuda", weights="int4", max_context=context, snapshots=4, mtp=True,
                          draft_tokens=3)
     assert engine.weight_format == "int4" and engine.mtp_available
@@ -57,8 +59,13 @@ def test_int4_fits_24_gb(capped, name, context):
     assert done.stats.new_tokens == 12 and done.stats.verify_steps > 0     # the k = 3 steps ran
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    plan = memory.plan_memory(config, context, engine.k_max, "bfloat16", snapshots=4, weights="int4")
-    print(f"{name}, {context:,} tokens: peak {peak / GiB:.2f} GiB allocated, "
+    # the prefill chunk the engine chose within the cap (memory.prefill_chunk_that_fits)
+    chunk = engine.decoder.prefill_chunk
+    plan = memory.plan_memory(config, context, engine.k_max, "bfloat16", snapshots=4, weights="int4",
+                              prefill_chunk=chunk)
+    print(f"{name}, {context:,} tokens, prefill chunk {chunk:,}: peak {peak / GiB:.2f} GiB allocated, "
           f"{torch.cuda.max_memory_reserved() / GiB:.2f} GiB reserved; planned {plan.needed / GiB:.2f} GiB")
     assert torch.cuda.max_memory_reserved() <= CAP and peak <= plan.needed
+    assert chunk == memory.prefill_chunk_that_fits(config, free, context, engine.k_max, snapshots=4, weights="int4")
+    assert free <= CAP
     del engine

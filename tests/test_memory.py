@@ -214,3 +214,21 @@ def test_a_4bit_moe_checkpoint_names_each_expert():
     # the release: every routed expert in 4 bits, the MTP layer's (".*mtp.*") and the shared ones in bf16
     assert memory.plan_memory(c35, 16384, 4, weights="bf16").weights - routed == 40 * 256 * (
         3 * 512 * 2048 * 2 - four_bit)
+
+
+def test_a_4bit_prefill_takes_the_largest_chunk_that_fits(c27):
+    """4-bit products dequantize every weight once a prefill chunk: the largest chunk whose plan
+    fits, down to the one the CLI checks before loading; other formats keep PREFILL_CHUNK."""
+    plan = lambda chunk, weights="int4", context=32768: memory.plan_memory(c27, context, prefill_chunk=chunk,
+                                                                          weights=weights)
+    chunk = lambda free, weights="int4", context=32768: memory.prefill_chunk_that_fits(c27, free, context,
+                                                                                      weights=weights)
+    assert plan(8192).needed > plan(4096).needed > plan(2048).needed
+    assert chunk(80 * GB) == 8192 and chunk(plan(8192).needed) == 8192
+    assert chunk(plan(8192).needed - 1) == 4096 and chunk(plan(4096).needed - 1) == 2048
+    assert chunk(plan(2048).needed) == 2048                   # a card the plan only just fits keeps it
+    assert chunk(1 * GB) == memory.PREFILL_CHUNK            # nothing fits: what the CLI would have refused
+    assert chunk(80 * GB, context=4096) == 4096 and chunk(80 * GB, context=3000) == 4096
+    assert chunk(80 * GB, context=2048) == 2048
+    for weights in ("fp8", "bf16", None):
+        assert chunk(200 * GB, weights) == memory.PREFILL_CHUNK
