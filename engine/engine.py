@@ -59,11 +59,12 @@ def free_memory(device: torch.device) -> int:
     the CPU, where nothing is chosen by it)."""
     if device.type != "cuda":
         return 0
-    free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    fraction = torch.cuda.get_per_process_memory_fraction(device) \
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    allocated = torch.cuda.memory_allocated(index)
+    fraction = torch.cuda.get_per_process_memory_fraction(index) \
         if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
-    return min(free + torch.cuda.memory_reserved(device) - allocated, int(fraction * total) - allocated)
+    return min(free + torch.cuda.memory_reserved(index) - allocated, int(fraction * total) - allocated)
 
 
 class Engine:
