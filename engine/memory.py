@@ -35,11 +35,13 @@ from mtpchat.kernels.int4_gemm import dense_workspace
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 PREFILL_CHUNK = 2048         # tokens per prefill chunk on a GPU (the engine's default; the estimate's)
-# the chunks a prefill over 4-bit products may take where memory allows, largest first: each chunk
-# dequantizes every 4-bit weight once (kernels/int4_gemm.py), so fewer chunks pay (the 27B int4, an
-# 8,192-token prompt, H100: 992 / 922 / 881 ms in chunks of 2,048 / 4,096 / 8,192); bf16 and FP8
-# products gain nothing from larger chunks (FP8 27B: 602 ms in 2,048, 609 in 4,096) and keep PREFILL_CHUNK
-INT4_PREFILL_CHUNKS = (8192, 4096, PREFILL_CHUNK)
+# the chunks a prefill may take where memory allows, largest first, where fewer chunks pay: over
+# 4-bit products, each chunk dequantizes every weight once (kernels/int4_gemm.py), and in an MoE
+# each chunk reads every expert for the few rows routed to it. An 8,192-token prompt on an H100
+# (tests/bench/probe_prefill_chunk.py) in chunks of 2,048 / 4,096 / 8,192: the 27B int4 992 / 922 /
+# 881 ms, the 35B-A3B FP8 342 / 292 / 253 and bf16 372 / 295 / 256; a dense model's bf16 and FP8
+# products gain nothing (the 27B FP8 599 / 592 / 591, bf16 806 / 810 / 793) and keep PREFILL_CHUNK
+LARGE_PREFILL_CHUNKS = (8192, 4096, PREFILL_CHUNK)
 CONTEXT_STEP = 1024          # suggested context lengths are rounded down to this
 HEADROOM_FIXED = 256 << 20   # allocator slack and fragmentation: a fixed part ...
 HEADROOM_SHARE = 0.02        # ... plus a share of the plan
@@ -281,16 +283,30 @@ def snapshot_bytes(cfg: ModelConfig, dtype="bfloat16") -> int:
     return gdn_state_bytes(cfg, dtype) + cfg.hidden_size * dtype_bytes(dtype)
 
 
+GDN_CHUNK = 64              # tokens of the GDN's chunked prefill form (kernels/gdn_chunk.py)
+
+
 def _activation_bytes_per_token(cfg: ModelConfig, dtype) -> int:
-    # The widest point of a layer for one token: the residual and its normed copy, plus the
-    # largest mixer or MLP intermediate (GDN: qkv before and after the conv, z, output; attention:
-    # q with gate, k, v, output; MLP: gate, up and their product), plus float32 norm temporaries.
-    widest = max(3 * cfg.intermediate_size,
-                 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.num_experts_per_tok * cfg.hidden_size
-                 + cfg.num_experts + 3 * cfg.shared_expert_intermediate_size,
-                 2 * cfg.conv_dim + 2 * cfg.value_dim,
-                 3 * cfg.q_dim + 2 * cfg.kv_dim)
-    return (2 * cfg.hidden_size + widest) * dtype_bytes(dtype) + 2 * cfg.hidden_size * 4
+    # The widest point of a layer for one token of a prefill chunk: the residual and its normed
+    # copy, the float32 norm temporaries, and the largest of
+    # - the GDN mixer: qkv before and after the conv, z, its output, and the chunked form's float32
+    #   work per chunk of GDN_CHUNK tokens and value head (the chunk's decays and their products
+    #   [C, C], w [C, dk], u and v [C, dv], gates [C], the state [dk, dv]);
+    # - attention: q with gate, k, v, output;
+    # - the MLP: gate, up and their product;
+    # - an MoE: per chosen expert (and the shared one) its gate | up and SwiGLU rows and its float32
+    #   output row, the router's float32 logits.
+    b = dtype_bytes(dtype)
+    hv, dk, dv, C = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, GDN_CHUNK
+    gdn = (2 * cfg.conv_dim + 2 * cfg.value_dim) * b + hv * (C + dk + 2 * dv + 1 + dk * dv // C) * 4
+    attention = (3 * cfg.q_dim + 2 * cfg.kv_dim) * b
+    mlp = 3 * cfg.intermediate_size * b
+    moe = 0
+    if cfg.is_moe:
+        rows = cfg.num_experts_per_tok + (1 if cfg.shared_expert_intermediate_size else 0)
+        F = max(cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
+        moe = rows * (3 * F * b + cfg.hidden_size * 4) + cfg.num_experts * 4
+    return 2 * cfg.hidden_size * (b + 4) + max(gdn, attention, mlp, moe)
 
 
 def _logits_bytes(cfg: ModelConfig, rows: int) -> int:
@@ -390,12 +406,12 @@ def prefill_chunk_that_fits(cfg: ModelConfig, free: int, max_context: int, k_max
                             mtp: bool = True, cuda_graphs: bool = True, snapshots: int = DEFAULT_SNAPSHOTS,
                             weights: str | None = None, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> int:
     """The prefill chunk of an engine that finds `free` bytes on its device before it loads:
-    PREFILL_CHUNK, or where the products are in 4 bits the largest of INT4_PREFILL_CHUNKS whose plan
-    fits in `free` (PREFILL_CHUNK where none does: the plan the CLI checked before loading). A
-    chunk no shorter than max_context: the first such, since no prompt fills more."""
-    if int4_format(cfg, weights) is None:
+    PREFILL_CHUNK, or for an MoE model or 4-bit products the largest of LARGE_PREFILL_CHUNKS whose
+    plan fits in `free` (PREFILL_CHUNK where none does: the plan the CLI checked before loading).
+    A chunk no shorter than max_context: the first such, since no prompt fills more."""
+    if int4_format(cfg, weights) is None and not cfg.is_moe:
         return PREFILL_CHUNK
-    for chunk in INT4_PREFILL_CHUNKS:
+    for chunk in LARGE_PREFILL_CHUNKS:
         if chunk // 2 >= max_context and chunk > PREFILL_CHUNK:
             continue                                  # a smaller chunk still holds every prompt
         if plan_memory(cfg, max_context, k_max, dtype, mtp, cuda_graphs, chunk, snapshots, weights,

@@ -218,7 +218,8 @@ def test_a_4bit_moe_checkpoint_names_each_expert():
 
 def test_a_4bit_prefill_takes_the_largest_chunk_that_fits(c27):
     """4-bit products dequantize every weight once a prefill chunk: the largest chunk whose plan
-    fits, down to the one the CLI checks before loading; other formats keep PREFILL_CHUNK."""
+    fits, down to the one the CLI checks before loading; a dense model's other formats keep
+    PREFILL_CHUNK, an MoE model's take the largest too (every chunk reads all its experts)."""
     plan = lambda chunk, weights="int4", context=32768: memory.plan_memory(c27, context, prefill_chunk=chunk,
                                                                           weights=weights)
     chunk = lambda free, weights="int4", context=32768: memory.prefill_chunk_that_fits(c27, free, context,
@@ -232,3 +233,21 @@ def test_a_4bit_prefill_takes_the_largest_chunk_that_fits(c27):
     assert chunk(80 * GB, context=2048) == 2048
     for weights in ("fp8", "bf16", None):
         assert chunk(200 * GB, weights) == memory.PREFILL_CHUNK
+    moe = ModelConfig.load(CONFIGS / "qwen3.5-35b-a3b.json")
+    for weights in ("fp8", "bf16", "int4"):
+        big = memory.plan_memory(moe, 32768, prefill_chunk=8192, weights=weights).needed
+        assert memory.prefill_chunk_that_fits(moe, big, 32768, weights=weights) == 8192
+        assert memory.prefill_chunk_that_fits(moe, big - 1, 32768, weights=weights) == 4096
+
+
+@pytest.mark.parametrize("name, chunk, weights, measured", [
+    ("qwen3.6-27b", 2048, "bf16", 0.53), ("qwen3.6-27b", 8192, "bf16", 1.85), ("qwen3.6-27b", 8192, "int4", 1.85),
+    ("qwen3.5-35b-a3b", 2048, "fp8", 0.33), ("qwen3.5-35b-a3b", 8192, "fp8", 1.22),
+    ("qwen3.5-35b-a3b", 8192, "bf16", 1.19)])
+def test_the_prefill_workspace_covers_what_was_measured(name, chunk, weights, measured):
+    """The plan's prefill workspace against the peak an H100 measured beyond an engine at rest
+    (tests/bench/probe_prefill_chunk.py, an 8,192-token prompt, no CUDA graphs), within the
+    headroom's fixed part."""
+    config = ModelConfig.load(CONFIGS / f"{name}.json")
+    plan = memory.plan_memory(config, 8448, prefill_chunk=chunk, weights=weights, cuda_graphs=False)
+    assert plan.workspace + memory.HEADROOM_FIXED >= measured * GiB
