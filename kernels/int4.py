@@ -196,10 +196,12 @@ def permute_columns(q: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 # its block scale), so the weights enter the tensor cores exact and every group's scale is applied
 # in float32. Triton's interpreter computes bf16 arithmetic on the raw 16 bits, so float32
 # activations (the CPU's tests) take the two bf16 values to float32 before the subtraction.
-# The zero costs one bf16 subtraction a weight (for a symmetric weight 128 + 8 is a constant);
-# taking it out of the dot (128 + q against x, less (128 + zero) times the group's sum of x after
-# it) would save that but lose precision to the cancellation, so it stays. How the words become
-# the dots' operands is the plan's choice (form_args: "reshape", "slices", "pairs").
+# The zero costs one bf16 subtraction a weight pair (for a symmetric weight 128 + 8 is a constant).
+# Over interleaved weights the plan may take it out of the dot (ProductPlan.int4_fold_zero): 128 +
+# q against x, less (128 + zero) times the group's sum of x (a dot of ones with x's tiles) after
+# it, in float32; the cancellation costs a few float32 roundings of a sum some 30 times the
+# result, far below the bf16 output's. How the words become the dots' operands is the plan's
+# choice (form_args: "reshape", "slices", "pairs").
 
 def check_int4(w: GroupInt4, K: int, interleaved: bool = False) -> None:
     """The layout the 4-bit product kernels read (the module docstring), for a weight of K columns;
@@ -357,11 +359,31 @@ QUARTERS_BF16 = _quarters_asm("0x3F803F80", "0x43004300", "bf16x2")
 QUARTERS_FP16 = _quarters_asm("0x3C003C00", "0x64006400", "f16x2")
 
 
+# With the zero folded out of the weights (ProductPlan.int4_fold_zero), a quarter's weights enter
+# the dot as magic + q (bf16 128 + q, fp16 1024 + q, exact): one lop3 a register, no fma; the dot
+# of a tile of ones with x's tile gives the group's sum of x, and (magic + zero) times it is taken
+# from the group's float32 sum before its scale.
+def _raw_quarters_asm(magic: str) -> str:
+    """Half-words $4 (two) -> quarter q's two weights in $q as magic + q (q = 0 .. 3)."""
+    lines = [".reg .b32 s;"]
+    for q in range(4):
+        if q:
+            lines.append(f"shr.u32 s, $4, {4 * q};")
+        lines.append(f"lop3.b32 ${q}, {'s' if q else '$4'}, 0x000F000F, {magic}, 0xEA;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+RAW_QUARTERS_BF16 = _raw_quarters_asm("0x43004300")
+RAW_QUARTERS_FP16 = _raw_quarters_asm("0x64006400")
+MAGIC = {torch.bfloat16: 128, torch.float16: 1024, torch.float32: 128}   # the offset of a folded weight
+
+
 if tl is not None:
     _SLICED, _PAIRED = tl.constexpr(SLICED), tl.constexpr(PAIRED)
     _INTERLEAVED, _INTERLEAVED_ASM = tl.constexpr(INTERLEAVED), tl.constexpr(INTERLEAVED_ASM)
     _PAIRS_BF16, _PAIRS_FP16 = tl.constexpr(PAIRS_BF16), tl.constexpr(PAIRS_FP16)
     _QUARTERS_BF16, _QUARTERS_FP16 = tl.constexpr(QUARTERS_BF16), tl.constexpr(QUARTERS_FP16)
+    _RAW_BF16, _RAW_FP16 = tl.constexpr(RAW_QUARTERS_BF16), tl.constexpr(RAW_QUARTERS_FP16)
 
     @triton.jit
     def _less_zero(b_n, b_z, b_x):
@@ -427,6 +449,40 @@ if tl is not None:
                     widen_nibble(b_q, 2, b_z, b_x), widen_nibble(b_q, 3, b_z, b_x))
 
     @triton.jit
+    def raw_quarters(b_h, b_x, ASM: tl.constexpr):
+        """Half-words [BN, W] (int16, interleaved) -> their 4 nibbles as 4 tensors [BN, W] of
+        magic + q in b_x's dtype (bf16 128 + q, fp16 1024 + q, float32 128 + q; `magic`): with ASM
+        two a register (bf16, fp16), else one at a time; the same values either way."""
+        if ASM and b_x.dtype == tl.bfloat16:
+            return tl.inline_asm_elementwise(_RAW_BF16, "=r,=r,=r,=r,r", [b_h], dtype=(tl.bfloat16,) * 4,
+                                             is_pure=True, pack=2)
+        elif ASM and b_x.dtype == tl.float16:
+            return tl.inline_asm_elementwise(_RAW_FP16, "=r,=r,=r,=r,r", [b_h], dtype=(tl.float16,) * 4,
+                                             is_pure=True, pack=2)
+        else:
+            b_q = b_h.to(tl.int32)
+            return (_raw_nibble(b_q, 0, b_x), _raw_nibble(b_q, 1, b_x), _raw_nibble(b_q, 2, b_x),
+                    _raw_nibble(b_q, 3, b_x))
+
+    @triton.jit
+    def _raw_nibble(b_q, j: tl.constexpr, b_x):
+        b_n = (b_q >> (4 * j)) & 0xF
+        if b_x.dtype == tl.float16:
+            return (b_n | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        elif b_x.dtype == tl.bfloat16:
+            return (b_n | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            return (b_n + 128).to(b_x.dtype)
+
+    @triton.jit
+    def magic(b_x):
+        """The offset of a folded weight for x's dtype (raw_quarters; MAGIC)."""
+        if b_x.dtype == tl.float16:
+            return 1024
+        else:
+            return 128
+
+    @triton.jit
     def _x_tile(p_x, m_x, o_k, K, perm):
         """x's tile [len(o_k), BT] for the weight columns o_k (< K), read through perm where there
         is one; rows' pointers p_x [1, BT] (m_x [BT])."""
@@ -440,7 +496,7 @@ if tl is not None:
     @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
                  BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0,
-                 MASK_X: tl.constexpr = False):
+                 MASK_X: tl.constexpr = False, FOLD: tl.constexpr = False):
         """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
         whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
         BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
@@ -450,7 +506,9 @@ if tl is not None:
         load without masks, so every one of p_x's row pointers must lie in x (the callers' rows
         past T repeat a row of x, whose sums nobody stores), and a sub-tile past K reads x's last
         group (its weights masked to scale 0). MASK_X: an interleaved x tile's rows out of m_x
-        zero-filled by a mask instead."""
+        zero-filled by a mask instead. FOLD (interleaved): the weights enter the dots as magic + q,
+        and (magic + zero) times the group's sum of x (a dot of ones with x's tiles) is taken from
+        the group's float32 sum before its scale."""
         Q: tl.constexpr = BG // 4                                # an interleaved group's quarter
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
@@ -471,11 +529,21 @@ if tl is not None:
                     b_x2, b_x3 = tl.load(p_q + 2 * Q, mask=m_q, other=0.), tl.load(p_q + 3 * Q, mask=m_q, other=0.)
                 else:
                     b_x0, b_x1, b_x2, b_x3 = tl.load(p_q), tl.load(p_q + Q), tl.load(p_q + 2 * Q), tl.load(p_q + 3 * Q)
-                n0, n1, n2, n3 = quarters(b_h, b_z, b_x0, UNPACK == _INTERLEAVED_ASM)
+                if FOLD:
+                    n0, n1, n2, n3 = raw_quarters(b_h, b_x0, UNPACK == _INTERLEAVED_ASM)
+                else:
+                    n0, n1, n2, n3 = quarters(b_h, b_z, b_x0, UNPACK == _INTERLEAVED_ASM)
                 b_d = tl.dot(n0, b_x0, input_precision="ieee")
                 b_d = tl.dot(n1, b_x1, b_d, input_precision="ieee")
                 b_d = tl.dot(n2, b_x2, b_d, input_precision="ieee")
                 b_d = tl.dot(n3, b_x3, b_d, input_precision="ieee")
+                if FOLD:
+                    ones = tl.full(n0.shape, 1.0, n0.dtype)
+                    b_o = tl.dot(ones, b_x0, input_precision="ieee")
+                    b_o = tl.dot(ones, b_x1, b_o, input_precision="ieee")
+                    b_o = tl.dot(ones, b_x2, b_o, input_precision="ieee")
+                    b_o = tl.dot(ones, b_x3, b_o, input_precision="ieee")
+                    b_d -= (b_z + magic(b_x0)).to(tl.float32)[:, None] * b_o
                 b_acc += b_s[:, None] * b_d
             elif UNPACK == _PAIRED or UNPACK == _SLICED:
                 b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)

@@ -129,7 +129,8 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
                    SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
                    BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None,
-                   UNPACK: tl.constexpr = False, WHOLE: tl.constexpr = False, MASK_X: tl.constexpr = False):
+                   UNPACK: tl.constexpr = False, WHOLE: tl.constexpr = False, MASK_X: tl.constexpr = False,
+                   FOLD: tl.constexpr = False):
     # Program i_n takes column block i_n, all of K (with SWIGLU, the gate rows n and the up rows
     # N + n of w together). With SPLIT only the first F programs do; program F + j takes part
     # i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
@@ -159,10 +160,10 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
             # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights
             # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
             p_x = x + tl.minimum(o_t, T - 1)[None, :] * s_x
-            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, MASK_X)
+            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, MASK_X, FOLD)
             if SWIGLU:
                 b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK,
-                               MASK_X)
+                               MASK_X, FOLD)
         else:
             o_k = k + tl.arange(0, BK)
             p_w = w + o_n[:, None] * s_w + o_k[None, :]
@@ -372,7 +373,7 @@ def _format_args(x, w, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPla
     if fmt["FP8"]:
         return widen_args(x, warps, BN, plan.widen_bits, plan.widen_group)
     if fmt.get("G") and w.dtype == torch.int16:
-        return dict(interleaved_args(BK, fmt["G"]), MASK_X=plan.int4_mask_rows)
+        return dict(interleaved_args(BK, fmt["G"]), MASK_X=plan.int4_mask_rows, FOLD=plan.int4_fold_zero)
     if fmt.get("G"):
         return form_args(BK, fmt["G"], form_of(plan.int4_form, *product))
     return {}

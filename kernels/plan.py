@@ -68,6 +68,10 @@ class ProductPlan:
                                     # over neighbouring columns: no byte permutes, x's columns of a dot side by side
                                     # (the int4 decode step 0.61 x the natural layout's on the 27B, 0.71 x on the
                                     # 35B-A3B: tests/bench/ab_step.py --plans int4, H100)
+    int4_fold_zero: bool = False    # interleaved 4-bit products (and experts) take the zero out of the weights: they enter
+                                    # the dots as 128 + q (no subtraction a weight) and (128 + zero) times a dot of
+                                    # ones with x's tile comes off each group's sum (int4.dot_int4's FOLD; sums
+                                    # equal within float32 rounding, not bit for bit)
     int4_form: str | None = None    # how every 4-bit tile unpacks for the dots (int4.form_args: "reshape",
                                     # "slices", "pairs"); None: each product's measured form (int4.measured)
     permute_x: bool = True          # a 4-bit weight's perm (GPTQ desc_act) applied to x once per few-row product,
