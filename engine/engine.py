@@ -160,9 +160,11 @@ class Engine:
 
         self.state = DecodeState(self.config, max_context, k_max, self.device, self.dtype, self.head is not None)
         if not prefill_chunk and self.device.type == "cuda":
+            # the format the products are kept in (an FP8 checkpoint dequantized counts as bf16)
+            stored = "fp8" if self.fp8 else "int4" if self.int4 is not None else "bf16"
             prefill_chunk = prefill_chunk_that_fits(
                 self.config, free, max_context, k_max, self.dtype, self.head is not None, cuda_graphs, snapshots,
-                weights, draft_vocab)
+                stored, draft_vocab)
         prefill_chunk = prefill_chunk or 512
         self.decoder = Decoder(self.model, self.head, self.state, self.plan, prefill_chunk, snapshots)
         self.draft_vocab = draft_vocab_size(self.config.vocab_size, draft_vocab) if self.head is not None else 0

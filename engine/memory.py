@@ -367,8 +367,10 @@ CAPTURED_K = 4
 
 def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:
     """What prefill's dense 4-bit products take beside their outputs (kernels/int4_gemm.py): the
-    products' columns run from the hidden size up to the MLP's."""
-    return dense_workspace(chunk, cfg.hidden_size, max(cfg.hidden_size, cfg.intermediate_size), itemsize)
+    products' columns run from the hidden size up to the widest input (the MLP's, the GDN's values,
+    the attention's heads)."""
+    return dense_workspace(chunk, cfg.hidden_size,
+                           max(cfg.hidden_size, cfg.intermediate_size, cfg.value_dim, cfg.q_dim), itemsize)
 
 
 def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="bfloat16",

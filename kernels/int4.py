@@ -199,8 +199,9 @@ def permute_columns(q: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 # The zero costs one bf16 subtraction a weight pair (for a symmetric weight 128 + 8 is a constant).
 # Over interleaved weights the plan may take it out of the dot (ProductPlan.int4_fold_zero): 128 +
 # q against x, less (128 + zero) times the group's sum of x (a dot of ones with x's tiles) after
-# it, in float32; the cancellation costs a few float32 roundings of a sum some 30 times the
-# result, far below the bf16 output's. How the words become the dots' operands is the plan's
+# it, in float32; with bf16 x the cancellation costs a few float32 roundings of a sum some 30
+# times the result, far below the bf16 output's (fp16 x: 1024 + q, some 8 times more, still a
+# small share of an fp16 rounding). How the words become the dots' operands is the plan's
 # choice (form_args: "reshape", "slices", "pairs").
 
 def check_int4(w: GroupInt4, K: int, interleaved: bool = False) -> None:
@@ -375,7 +376,6 @@ def _raw_quarters_asm(magic: str) -> str:
 
 RAW_QUARTERS_BF16 = _raw_quarters_asm("0x43004300")
 RAW_QUARTERS_FP16 = _raw_quarters_asm("0x64006400")
-MAGIC = {torch.bfloat16: 128, torch.float16: 1024, torch.float32: 128}   # the offset of a folded weight
 
 
 if tl is not None:
@@ -476,7 +476,7 @@ if tl is not None:
 
     @triton.jit
     def magic(b_x):
-        """The offset of a folded weight for x's dtype (raw_quarters; MAGIC)."""
+        """The offset of a folded weight for x's dtype (raw_quarters)."""
         if b_x.dtype == tl.float16:
             return 1024
         else:
@@ -496,7 +496,7 @@ if tl is not None:
     @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
                  BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0,
-                 MASK_X: tl.constexpr = False, FOLD: tl.constexpr = False):
+                 FOLD: tl.constexpr = False):
         """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
         whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
         BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
@@ -505,8 +505,7 @@ if tl is not None:
         over an interleaved weight (int16 half-words, no perm), 4 over its quarters; x's tiles then
         load without masks, so every one of p_x's row pointers must lie in x (the callers' rows
         past T repeat a row of x, whose sums nobody stores), and a sub-tile past K reads x's last
-        group (its weights masked to scale 0). MASK_X: an interleaved x tile's rows out of m_x
-        zero-filled by a mask instead. FOLD (interleaved): the weights enter the dots as magic + q,
+        group (its weights masked to scale 0). FOLD (interleaved): the weights enter the dots as magic + q,
         and (magic + zero) times the group's sum of x (a dot of ones with x's tiles) is taken from
         the group's float32 sum before its scale."""
         Q: tl.constexpr = BG // 4                                # an interleaved group's quarter
@@ -523,12 +522,7 @@ if tl is not None:
                 o_h = kk // 4 + tl.arange(0, Q)
                 b_h = tl.load(w + o_r[:, None] * s_w + o_h[None, :], mask=m_g[:, None], other=0)
                 p_q = p_x + (tl.minimum(kk, K - BG) + tl.arange(0, Q))[:, None]      # x's, in x
-                if MASK_X:      # rows past T zero-filled, not read
-                    m_q = m_x[None, :]
-                    b_x0, b_x1 = tl.load(p_q, mask=m_q, other=0.), tl.load(p_q + Q, mask=m_q, other=0.)
-                    b_x2, b_x3 = tl.load(p_q + 2 * Q, mask=m_q, other=0.), tl.load(p_q + 3 * Q, mask=m_q, other=0.)
-                else:
-                    b_x0, b_x1, b_x2, b_x3 = tl.load(p_q), tl.load(p_q + Q), tl.load(p_q + 2 * Q), tl.load(p_q + 3 * Q)
+                b_x0, b_x1, b_x2, b_x3 = tl.load(p_q), tl.load(p_q + Q), tl.load(p_q + 2 * Q), tl.load(p_q + 3 * Q)
                 if FOLD:
                     n0, n1, n2, n3 = raw_quarters(b_h, b_x0, UNPACK == _INTERLEAVED_ASM)
                 else:
@@ -538,11 +532,11 @@ if tl is not None:
                 b_d = tl.dot(n2, b_x2, b_d, input_precision="ieee")
                 b_d = tl.dot(n3, b_x3, b_d, input_precision="ieee")
                 if FOLD:
-                    ones = tl.full(n0.shape, 1.0, n0.dtype)
-                    b_o = tl.dot(ones, b_x0, input_precision="ieee")
-                    b_o = tl.dot(ones, b_x1, b_o, input_precision="ieee")
-                    b_o = tl.dot(ones, b_x2, b_o, input_precision="ieee")
-                    b_o = tl.dot(ones, b_x3, b_o, input_precision="ieee")
+                    b_ones = tl.full(n0.shape, 1.0, n0.dtype)
+                    b_o = tl.dot(b_ones, b_x0, input_precision="ieee")
+                    b_o = tl.dot(b_ones, b_x1, b_o, input_precision="ieee")
+                    b_o = tl.dot(b_ones, b_x2, b_o, input_precision="ieee")
+                    b_o = tl.dot(b_ones, b_x3, b_o, input_precision="ieee")
                     b_d -= (b_z + magic(b_x0)).to(tl.float32)[:, None] * b_o
                 b_acc += b_s[:, None] * b_d
             elif UNPACK == _PAIRED or UNPACK == _SLICED:

@@ -108,9 +108,9 @@ def _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP: tl.constexpr, 
 
 @triton.jit
 def _dot_tile(p_w, m_w, b_x, b_acc, sw, i_b, s_sw, k, FP8: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """b_acc + w tile [BN, BK] @ b_x [BK, BT] (m_w None: the tile loads without a mask). FP8: the tile lies in one block of the weight's
-    scales (row block i_b, column block k // BLOCK): widened to x's dtype (fp8.widen), multiplied,
-    then scaled."""
+    """b_acc + w tile [BN, BK] @ b_x [BK, BT] (m_w None: the tile loads without a mask). FP8: the
+    tile lies in one block of the weight's scales (row block i_b, column block k // BLOCK): widened
+    to x's dtype (fp8.widen), multiplied, then scaled."""
     if m_w is None:
         b_w = tl.load(p_w)
     else:
@@ -129,8 +129,7 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
                    SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
                    BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None,
-                   UNPACK: tl.constexpr = False, WHOLE: tl.constexpr = False, MASK_X: tl.constexpr = False,
-                   FOLD: tl.constexpr = False):
+                   UNPACK: tl.constexpr = False, WHOLE: tl.constexpr = False, FOLD: tl.constexpr = False):
     # Program i_n takes column block i_n, all of K (with SWIGLU, the gate rows n and the up rows
     # N + n of w together). With SPLIT only the first F programs do; program F + j takes part
     # i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
@@ -160,10 +159,10 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
             # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights
             # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
             p_x = x + tl.minimum(o_t, T - 1)[None, :] * s_x
-            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, MASK_X, FOLD)
+            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, FOLD)
             if SWIGLU:
                 b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK,
-                               MASK_X, FOLD)
+                               FOLD)
         else:
             o_k = k + tl.arange(0, BK)
             p_w = w + o_n[:, None] * s_w + o_k[None, :]
@@ -373,7 +372,7 @@ def _format_args(x, w, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPla
     if fmt["FP8"]:
         return widen_args(x, warps, BN, plan.widen_bits, plan.widen_group)
     if fmt.get("G") and w.dtype == torch.int16:
-        return dict(interleaved_args(BK, fmt["G"]), MASK_X=plan.int4_mask_rows, FOLD=plan.int4_fold_zero)
+        return dict(interleaved_args(BK, fmt["G"]), FOLD=plan.int4_fold_zero)
     if fmt.get("G"):
         return form_args(BK, fmt["G"], form_of(plan.int4_form, *product))
     return {}

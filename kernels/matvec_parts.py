@@ -28,7 +28,7 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
                          NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                          RESIDUAL: tl.constexpr = True, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None,
                          perm=None, UNPACK: tl.constexpr = False, WHOLE: tl.constexpr = False,
-                         MASK_X: tl.constexpr = False, FOLD: tl.constexpr = False):
+                         FOLD: tl.constexpr = False):
     # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
     pdl_start(PDL)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
@@ -41,7 +41,7 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
         if G > 0:       # 4-bit weights (kernels/int4.py)
             # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
             b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + tl.minimum(o_t, T - 1)[None, :] * s_x, m_t,
-                           k, K, BK, G, BG, UNPACK, MASK_X, FOLD)
+                           k, K, BK, G, BG, UNPACK, FOLD)
         else:
             o_k = k + tl.arange(0, BK)
             if WHOLE:       # w's tile unmasked, x's masked by rows alone (matvec._matvec_kernel)
@@ -183,7 +183,8 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0),
         y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=BT, BN=BN, BK=BK,
         S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None, num_warps=warps,
-        num_stages=stages, WHOLE=whole(N, K, BN, BK, fp8, plan), **fp8, **pdl(x), **_format_args(x, w, BN, BK, warps, fp8, plan, ("split", N, K)))
+        num_stages=stages, WHOLE=whole(N, K, BN, BK, fp8, plan), **fp8, **pdl(x),
+        **_format_args(x, w, BN, BK, warps, fp8, plan, ("split", N, K)))
     return y if norm is None else (Normed(xn, ss, eps), h)
 
 

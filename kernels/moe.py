@@ -210,9 +210,8 @@ def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x,
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
     for k in range(0, H, BK):      # p_x's rows all lie in x (dot_int4)
-        acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK, False, FOLD)
-        acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK, False,
-                         FOLD)
+        acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK, FOLD)
+        acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK, FOLD)
     out = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
 
@@ -292,7 +291,7 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         p_h = hin + tl.where(m_p, p, 0)[None, :] * s_h      # every row's pointer in hin (dot_int4)
         for k in range(0, F, BK):
-            acc = dot_int4(acc, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_h, m_p, k, F, BK, G, BG, UNPACK, False, FOLD)
+            acc = dot_int4(acc, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_h, m_p, k, F, BK, G, BG, UNPACK, FOLD)
         tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
     else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
         w_e = w + e * H * F

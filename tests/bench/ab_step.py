@@ -15,7 +15,6 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans fp8tiles --weights fp8 --tiles FILE   # bench_fp8.py --sweep's best FP8 tiles
     python3 ab_step.py --plans rows --weights fp8     # the few-row products' dots padded to 16 rows or to 8
     python3 ab_step.py --plans masks --weights fp8    # whole tiles loaded without masks, or masked
-    python3 ab_step.py --plans xrows --weights int4   # 4-bit x tiles' rows past T read again, or masked
     python3 ab_step.py --plans fold --weights int4    # 4-bit zeros subtracted per weight, or folded out of the dot
     python3 ab_step.py --plans int4tiles --weights int4 --tiles FILE   # bench_int4.py --interleaved-only's best
 
@@ -251,16 +250,10 @@ DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split
 
 
 def masks_plans(base: KernelPlan) -> dict:
-    """Products over bf16 and FP8 weights in whole tiles loading them without masks, x's rows past T
-    reading row T - 1 (ProductPlan.unmasked), or masked. With --room 0 the logits must be the same
-    bits."""
+    """Products over bf16 and FP8 weights in whole tiles loading w's tiles without masks and x's
+    masked by rows alone (ProductPlan.unmasked), or every tile masked. With --room 0 the logits
+    must be the same bits."""
     return {"masked": base.replace(unmasked=False), "unmasked": base.replace(unmasked=True)}
-
-
-def x_rows_plans(base: KernelPlan) -> dict:
-    """Interleaved 4-bit products' x tiles: rows past T read row T - 1 again (the default) or
-    zero-filled by a mask (ProductPlan.int4_mask_rows). With --room 0 the logits must be the same bits."""
-    return {"read": base.replace(int4_mask_rows=False), "masked": base.replace(int4_mask_rows=True)}
 
 
 def fold_plans(base: KernelPlan) -> dict:
@@ -289,7 +282,7 @@ def default_plans(base: KernelPlan) -> dict:
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "combine": combine_plans, "int4": int4_plans, "rows": rows_plans, "masks": masks_plans,
-            "xrows": x_rows_plans, "fold": fold_plans}
+            "fold": fold_plans}
 
 
 def _x_key(w) -> tuple:

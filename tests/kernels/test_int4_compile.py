@@ -40,7 +40,7 @@ POINTERS = dict(x="*bf16", w="*i32", sw="*fp16", ws="*fp16", w2="*i32", ws2="*fp
 def variants():
     # (name, kernel, its constexprs, pointer types other than POINTERS'[, (warps, stages)]); G 128 and BK 256: two
     # sub-tiles a tile (both forms take them); the "slices" form needs sub-tiles of 128 columns
-    i4 = dict(G=128, BG=128, FP8=False, BITS=0, MASK_X=False, WHOLE=False, FOLD=False)
+    i4 = dict(G=128, BG=128, FP8=False, BITS=0, WHOLE=False, FOLD=False)
     mv = matvec._matvec_kernel
     BT = ProductPlan(programs=132).int4_rows
     # the few-row products on the tiles the engine takes (int4.measured), and on others
@@ -116,8 +116,7 @@ for name, fn, consts, types, *launch in variants():
 
 # interleaved weights (int16 half-words, their own form) in the few-row products, the experts'
 # (a step with the shared expert) and prefill's dequantize kernel, on the engine's tiles, for every target
-il = dict(G=128, BG=128, FP8=False, BITS=0, UNPACK=int4.INTERLEAVED_ASM, zw=None, perm=None, MASK_X=False, WHOLE=False,
-          FOLD=False)
+il = dict(G=128, BG=128, FP8=False, BITS=0, UNPACK=int4.INTERLEAVED_ASM, zw=None, perm=None, WHOLE=False, FOLD=False)
 BT = ProductPlan(programs=132).int4_rows
 (BN, BK, warps, stages), _ = int4.measured("plain", 16384, 5120, True)
 (SN, SK, swarps, sstages), _ = int4.measured("swiglu", 17408, 5120, True)
