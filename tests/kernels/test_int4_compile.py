@@ -136,7 +136,8 @@ inter = [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGL
          ("expert down, zero folded", moe._down_kernel, dict(BN=DN, BK=DK, **step, **dict(il, FOLD=True)), dict(i16, y="*fp32"), (dwarps, dstages)),
          ("dequantize", int4_gemm._dequantize_kernel, dict(G=128, BN=16, BK=1024, zw=None, INTERLEAVED=True), {"out": "*bf16"}, (4, 1))]
 for name, fn, consts, types, (warps, stages) in inter:
-    for cap in (90, 80, 86, 89):
+    # the fold's variants add no instruction of their own (lop3, shr, the dots): Hopper's and Ampere's
+    for cap in (90, 80) if "folded" in name else (90, 80, 86, 89):
         c_ = {a: v for a, v in dict(consts, PDL=cap >= 90).items() if a in fn.arg_names}
         sig = {a: "constexpr" if a in c_ else types.get(a, dict(POINTERS, w="*i16").get(a, "i32")) for a in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
@@ -167,4 +168,4 @@ def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
         pytest.skip(f"Triton finds no ptxas to compile with: {done.stdout.strip()}")
     assert done.returncode == 0, (done.stdout[-2000:] + done.stderr[-4000:])
     assert done.stdout.count("ok ") >= 80, done.stdout[-2000:]
-    assert "pairs" in done.stdout and done.stdout.count("ok interleaved") == 40, done.stdout[-2000:]
+    assert "pairs" in done.stdout and done.stdout.count("ok interleaved") == 32, done.stdout[-2000:]
