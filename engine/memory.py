@@ -41,7 +41,7 @@ PREFILL_CHUNK = 2048         # tokens per prefill chunk on a GPU (the engine's d
 # (tests/bench/probe_prefill_chunk.py) in chunks of 2,048 / 4,096 / 8,192: the 27B int4 992 / 922 /
 # 881 ms, the 35B-A3B FP8 342 / 292 / 253 and bf16 372 / 295 / 256; a dense model's bf16 and FP8
 # products gain nothing (the 27B FP8 599 / 592 / 591, bf16 806 / 810 / 793) and keep PREFILL_CHUNK
-LARGE_PREFILL_CHUNKS = (8192, 4096, PREFILL_CHUNK)
+LARGE_PREFILL_CHUNKS = (8192, 4096)
 CONTEXT_STEP = 1024          # suggested context lengths are rounded down to this
 HEADROOM_FIXED = 256 << 20   # allocator slack and fragmentation: a fixed part ...
 HEADROOM_SHARE = 0.02        # ... plus a share of the plan
@@ -410,14 +410,12 @@ def prefill_chunk_that_fits(cfg: ModelConfig, free: int, max_context: int, k_max
     """The prefill chunk of an engine that finds `free` bytes on its device before it loads:
     PREFILL_CHUNK, or for an MoE model or 4-bit products the largest of LARGE_PREFILL_CHUNKS whose
     plan fits in `free` (PREFILL_CHUNK where none does: the plan the CLI checked before loading).
-    A chunk no shorter than max_context: the first such, since no prompt fills more."""
+    A chunk that half of holds every prompt (max_context) is passed over for the next."""
     if int4_format(cfg, weights) is None and not cfg.is_moe:
         return PREFILL_CHUNK
     for chunk in LARGE_PREFILL_CHUNKS:
-        if chunk // 2 >= max_context and chunk > PREFILL_CHUNK:
-            continue                                  # a smaller chunk still holds every prompt
-        if plan_memory(cfg, max_context, k_max, dtype, mtp, cuda_graphs, chunk, snapshots, weights,
-                       draft_vocab).fits(free):
+        if chunk // 2 < max_context and plan_memory(cfg, max_context, k_max, dtype, mtp, cuda_graphs, chunk,
+                                                    snapshots, weights, draft_vocab).fits(free):
             return chunk
     return PREFILL_CHUNK
 

@@ -466,13 +466,8 @@ if tl is not None:
 
     @triton.jit
     def _raw_nibble(b_q, j: tl.constexpr, b_x):
-        b_n = (b_q >> (4 * j)) & 0xF
-        if b_x.dtype == tl.float16:
-            return (b_n | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        elif b_x.dtype == tl.bfloat16:
-            return (b_n | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        else:
-            return (b_n + 128).to(b_x.dtype)
+        # magic + q is an integer every one of x's dtypes holds exactly
+        return (((b_q >> (4 * j)) & 0xF) + magic(b_x)).to(b_x.dtype)
 
     @triton.jit
     def magic(b_x):
