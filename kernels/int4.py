@@ -197,12 +197,8 @@ def permute_columns(q: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 # in float32. Triton's interpreter computes bf16 arithmetic on the raw 16 bits, so float32
 # activations (the CPU's tests) take the two bf16 values to float32 before the subtraction.
 # The zero costs one bf16 subtraction a weight pair (for a symmetric weight 128 + 8 is a constant).
-# Over interleaved weights the plan may take it out of the dot (ProductPlan.int4_fold_zero): 128 +
-# q against x, less (128 + zero) times the group's sum of x (a dot of ones with x's tiles) after
-# it, in float32; with bf16 x the cancellation costs a few float32 roundings of a sum some 30
-# times the result, far below the bf16 output's (fp16 x: 1024 + q, some 8 times more, still a
-# small share of an fp16 rounding). How the words become the dots' operands is the plan's
-# choice (form_args: "reshape", "slices", "pairs").
+# How the words become the dots' operands is the plan's choice (form_args: "reshape", "slices",
+# "pairs").
 
 def check_int4(w: GroupInt4, K: int, interleaved: bool = False) -> None:
     """The layout the 4-bit product kernels read (the module docstring), for a weight of K columns;
@@ -360,30 +356,11 @@ QUARTERS_BF16 = _quarters_asm("0x3F803F80", "0x43004300", "bf16x2")
 QUARTERS_FP16 = _quarters_asm("0x3C003C00", "0x64006400", "f16x2")
 
 
-# With the zero folded out of the weights (ProductPlan.int4_fold_zero), a quarter's weights enter
-# the dot as magic + q (bf16 128 + q, fp16 1024 + q, exact): one lop3 a register, no fma; the dot
-# of a tile of ones with x's tile gives the group's sum of x, and (magic + zero) times it is taken
-# from the group's float32 sum before its scale.
-def _raw_quarters_asm(magic: str) -> str:
-    """Half-words $4 (two) -> quarter q's two weights in $q as magic + q (q = 0 .. 3)."""
-    lines = [".reg .b32 s;"]
-    for q in range(4):
-        if q:
-            lines.append(f"shr.u32 s, $4, {4 * q};")
-        lines.append(f"lop3.b32 ${q}, {'s' if q else '$4'}, 0x000F000F, {magic}, 0xEA;")
-    return "{\n" + "\n".join(lines) + "\n}"
-
-
-RAW_QUARTERS_BF16 = _raw_quarters_asm("0x43004300")
-RAW_QUARTERS_FP16 = _raw_quarters_asm("0x64006400")
-
-
 if tl is not None:
     _SLICED, _PAIRED = tl.constexpr(SLICED), tl.constexpr(PAIRED)
     _INTERLEAVED, _INTERLEAVED_ASM = tl.constexpr(INTERLEAVED), tl.constexpr(INTERLEAVED_ASM)
     _PAIRS_BF16, _PAIRS_FP16 = tl.constexpr(PAIRS_BF16), tl.constexpr(PAIRS_FP16)
     _QUARTERS_BF16, _QUARTERS_FP16 = tl.constexpr(QUARTERS_BF16), tl.constexpr(QUARTERS_FP16)
-    _RAW_BF16, _RAW_FP16 = tl.constexpr(RAW_QUARTERS_BF16), tl.constexpr(RAW_QUARTERS_FP16)
 
     @triton.jit
     def _less_zero(b_n, b_z, b_x):
@@ -449,35 +426,6 @@ if tl is not None:
                     widen_nibble(b_q, 2, b_z, b_x), widen_nibble(b_q, 3, b_z, b_x))
 
     @triton.jit
-    def raw_quarters(b_h, b_x, ASM: tl.constexpr):
-        """Half-words [BN, W] (int16, interleaved) -> their 4 nibbles as 4 tensors [BN, W] of
-        magic + q in b_x's dtype (bf16 128 + q, fp16 1024 + q, float32 128 + q; `magic`): with ASM
-        two a register (bf16, fp16), else one at a time; the same values either way."""
-        if ASM and b_x.dtype == tl.bfloat16:
-            return tl.inline_asm_elementwise(_RAW_BF16, "=r,=r,=r,=r,r", [b_h], dtype=(tl.bfloat16,) * 4,
-                                             is_pure=True, pack=2)
-        elif ASM and b_x.dtype == tl.float16:
-            return tl.inline_asm_elementwise(_RAW_FP16, "=r,=r,=r,=r,r", [b_h], dtype=(tl.float16,) * 4,
-                                             is_pure=True, pack=2)
-        else:
-            b_q = b_h.to(tl.int32)
-            return (_raw_nibble(b_q, 0, b_x), _raw_nibble(b_q, 1, b_x), _raw_nibble(b_q, 2, b_x),
-                    _raw_nibble(b_q, 3, b_x))
-
-    @triton.jit
-    def _raw_nibble(b_q, j: tl.constexpr, b_x):
-        # magic + q is an integer every one of x's dtypes holds exactly
-        return (((b_q >> (4 * j)) & 0xF) + magic(b_x)).to(b_x.dtype)
-
-    @triton.jit
-    def magic(b_x):
-        """The offset of a folded weight for x's dtype (raw_quarters)."""
-        if b_x.dtype == tl.float16:
-            return 1024
-        else:
-            return 128
-
-    @triton.jit
     def _x_tile(p_x, m_x, o_k, K, perm):
         """x's tile [len(o_k), BT] for the weight columns o_k (< K), read through perm where there
         is one; rows' pointers p_x [1, BT] (m_x [BT])."""
@@ -490,8 +438,7 @@ if tl is not None:
 
     @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
-                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0,
-                 FOLD: tl.constexpr = False):
+                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0):
         """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
         whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
         BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
@@ -500,9 +447,7 @@ if tl is not None:
         over an interleaved weight (int16 half-words, no perm), 4 over its quarters; x's tiles then
         load without masks, so every one of p_x's row pointers must lie in x (the callers' rows
         past T repeat a row of x, whose sums nobody stores), and a sub-tile past K reads x's last
-        group (its weights masked to scale 0). FOLD (interleaved): the weights enter the dots as magic + q,
-        and (magic + zero) times the group's sum of x (a dot of ones with x's tiles) is taken from
-        the group's float32 sum before its scale."""
+        group (its weights masked to scale 0)."""
         Q: tl.constexpr = BG // 4                                # an interleaved group's quarter
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
@@ -518,21 +463,11 @@ if tl is not None:
                 b_h = tl.load(w + o_r[:, None] * s_w + o_h[None, :], mask=m_g[:, None], other=0)
                 p_q = p_x + (tl.minimum(kk, K - BG) + tl.arange(0, Q))[:, None]      # x's, in x
                 b_x0, b_x1, b_x2, b_x3 = tl.load(p_q), tl.load(p_q + Q), tl.load(p_q + 2 * Q), tl.load(p_q + 3 * Q)
-                if FOLD:
-                    n0, n1, n2, n3 = raw_quarters(b_h, b_x0, UNPACK == _INTERLEAVED_ASM)
-                else:
-                    n0, n1, n2, n3 = quarters(b_h, b_z, b_x0, UNPACK == _INTERLEAVED_ASM)
+                n0, n1, n2, n3 = quarters(b_h, b_z, b_x0, UNPACK == _INTERLEAVED_ASM)
                 b_d = tl.dot(n0, b_x0, input_precision="ieee")
                 b_d = tl.dot(n1, b_x1, b_d, input_precision="ieee")
                 b_d = tl.dot(n2, b_x2, b_d, input_precision="ieee")
                 b_d = tl.dot(n3, b_x3, b_d, input_precision="ieee")
-                if FOLD:
-                    b_ones = tl.full(n0.shape, 1.0, n0.dtype)
-                    b_o = tl.dot(b_ones, b_x0, input_precision="ieee")
-                    b_o = tl.dot(b_ones, b_x1, b_o, input_precision="ieee")
-                    b_o = tl.dot(b_ones, b_x2, b_o, input_precision="ieee")
-                    b_o = tl.dot(b_ones, b_x3, b_o, input_precision="ieee")
-                    b_d -= (b_z + magic(b_x0)).to(tl.float32)[:, None] * b_o
                 b_acc += b_s[:, None] * b_d
             elif UNPACK == _PAIRED or UNPACK == _SLICED:
                 b_q = tl.load(w + o_r[:, None] * s_w + o_c[None, :], mask=m_g[:, None] & (o_c < K // 8)[None, :], other=0)

@@ -108,13 +108,10 @@ def _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP: tl.constexpr, 
 
 @triton.jit
 def _dot_tile(p_w, m_w, b_x, b_acc, sw, i_b, s_sw, k, FP8: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """b_acc + w tile [BN, BK] @ b_x [BK, BT] (m_w None: the tile loads without a mask). FP8: the
-    tile lies in one block of the weight's scales (row block i_b, column block k // BLOCK): widened
-    to x's dtype (fp8.widen), multiplied, then scaled."""
-    if m_w is None:
-        b_w = tl.load(p_w)
-    else:
-        b_w = tl.load(p_w, mask=m_w, other=0.)
+    """b_acc + w tile [BN, BK] @ b_x [BK, BT]. FP8: the tile lies in one block of the weight's
+    scales (row block i_b, column block k // BLOCK): widened to x's dtype (fp8.widen), multiplied,
+    then scaled."""
+    b_w = tl.load(p_w, mask=m_w, other=0.)
     if FP8:
         b_s = tl.load(sw + i_b * s_sw + k // BLOCK)
         b_acc += b_s * tl.dot(widen(b_w, b_x, BITS), b_x, input_precision="ieee")
@@ -129,7 +126,7 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
                    SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
                    BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None,
-                   UNPACK: tl.constexpr = False, WHOLE: tl.constexpr = False, FOLD: tl.constexpr = False):
+                   UNPACK: tl.constexpr = False):
     # Program i_n takes column block i_n, all of K (with SWIGLU, the gate rows n and the up rows
     # N + n of w together). With SPLIT only the first F programs do; program F + j takes part
     # i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
@@ -159,22 +156,15 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
             # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights
             # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
             p_x = x + tl.minimum(o_t, T - 1)[None, :] * s_x
-            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, FOLD)
+            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
             if SWIGLU:
-                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK,
-                               FOLD)
+                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
         else:
             o_k = k + tl.arange(0, BK)
+            m_k = o_k < K
+            m_w = m_n[:, None] & m_k[None, :]
             p_w = w + o_n[:, None] * s_w + o_k[None, :]
-            if WHOLE:
-                # N and K in whole tiles: w's tile unmasked, x's masked by rows alone
-                m_w = None
-                b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None], other=0.))
-            else:
-                m_k = o_k < K
-                m_w = m_n[:, None] & m_k[None, :]
-                b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                                       other=0.))
+            b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.))
             # FP8: a column block's rows share one row of scales (BN divides the 128-row blocks)
             b_g = _dot_tile(p_w, m_w, b_x, b_g, sw, i_n * BN // 128, s_sw, k, FP8, 128, BITS)
             if SWIGLU:
@@ -352,16 +342,9 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
     _matvec_kernel[(F + (blocks - F) * S,)](
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=BT, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
-        num_stages=stages, WHOLE=whole(N, K, BN, BK, fp8, plan), **scale, **fp8, **pdl(x),
+        num_stages=stages, **scale, **fp8, **pdl(x),
         **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)))
     return y
-
-
-def whole(N: int, K: int, BN: int, BK: int, fmt: dict, plan: ProductPlan) -> bool:
-    """Whether a product over bf16 or FP8 weights loads w's tiles without masks and x's masked by
-    rows alone (the plan's unmasked, where N and K come in whole tiles; 4-bit tiles have their own
-    rule, int4.dot_int4)."""
-    return plan.unmasked and not fmt.get("G") and N % BN == 0 and K % BK == 0
 
 
 def _format_args(x, w, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPlan, product: tuple) -> dict:
@@ -372,7 +355,7 @@ def _format_args(x, w, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPla
     if fmt["FP8"]:
         return widen_args(x, warps, BN, plan.widen_bits, plan.widen_group)
     if fmt.get("G") and w.dtype == torch.int16:
-        return dict(interleaved_args(BK, fmt["G"]), FOLD=plan.int4_fold_zero)
+        return interleaved_args(BK, fmt["G"])
     if fmt.get("G"):
         return form_args(BK, fmt["G"], form_of(plan.int4_form, *product))
     return {}

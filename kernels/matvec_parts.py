@@ -18,7 +18,7 @@ from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.int4 import GroupInt4, dot_int4, measured
 from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, arrival_counts, check_product, pieces,
-                                    permuted_once, whole)
+                                    permuted_once)
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
@@ -27,8 +27,7 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
                          s_h, s_ss, s_sw, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr,
                          NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                          RESIDUAL: tl.constexpr = True, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None,
-                         perm=None, UNPACK: tl.constexpr = False, WHOLE: tl.constexpr = False,
-                         FOLD: tl.constexpr = False):
+                         perm=None, UNPACK: tl.constexpr = False):
     # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
     pdl_start(PDL)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
@@ -41,18 +40,13 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
         if G > 0:       # 4-bit weights (kernels/int4.py)
             # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
             b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + tl.minimum(o_t, T - 1)[None, :] * s_x, m_t,
-                           k, K, BK, G, BG, UNPACK, FOLD)
+                           k, K, BK, G, BG, UNPACK)
         else:
             o_k = k + tl.arange(0, BK)
-            if WHOLE:       # w's tile unmasked, x's masked by rows alone (matvec._matvec_kernel)
-                m_w = None
-                b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None], other=0.)
-            else:
-                m_k = o_k < K
-                m_w = m_n[:, None] & m_k[None, :]
-                b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+            m_k = o_k < K
+            b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
             # FP8: BK divides the 128-column scale blocks and BN the 128-row ones (matvec._dot_tile)
-            b_y = _dot_tile(w + o_n[:, None] * s_w + o_k[None, :], m_w, tl.trans(b_x), b_y,
+            b_y = _dot_tile(w + o_n[:, None] * s_w + o_k[None, :], m_n[:, None] & m_k[None, :], tl.trans(b_x), b_y,
                             sw, i_n * BN // 128, s_sw, k, FP8, 128, BITS)
     o_y = o_t[None, :] * s_y + o_n[:, None]
     tl.store(y + i_s * s_yp + o_y, b_y, mask=m_y)
@@ -183,8 +177,7 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0),
         y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=BT, BN=BN, BK=BK,
         S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None, num_warps=warps,
-        num_stages=stages, WHOLE=whole(N, K, BN, BK, fp8, plan), **fp8, **pdl(x),
-        **_format_args(x, w, BN, BK, warps, fp8, plan, ("split", N, K)))
+        num_stages=stages, **fp8, **pdl(x), **_format_args(x, w, BN, BK, warps, fp8, plan, ("split", N, K)))
     return y if norm is None else (Normed(xn, ss, eps), h)
 
 

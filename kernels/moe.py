@@ -196,8 +196,7 @@ def _expert_ptr(p, offset, p2, e, E, SHARED: tl.constexpr):
 @triton.jit
 def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
                  TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 SHARED: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr,
-                 FOLD: tl.constexpr = False):
+                 SHARED: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr):
     # expert e's words, scales, zeros and perm (None where the stack has none); E the shared one
     w_e = _expert_ptr(w, e * 2 * F * s_w, w2, e, E, SHARED)
     s_e = _expert_ptr(ws, e * 2 * F * s_ws, ws2, e, E, SHARED)
@@ -210,8 +209,8 @@ def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x,
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
     for k in range(0, H, BK):      # p_x's rows all lie in x (dot_int4)
-        acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK, FOLD)
-        acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK, FOLD)
+        acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
+        acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
     out = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
 
@@ -222,7 +221,7 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
                    STEP: tl.constexpr, BP: tl.constexpr, COUNT: tl.constexpr, SHARED: tl.constexpr,
                    FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0, G: tl.constexpr = 0,
                    BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
-                   UNPACK: tl.constexpr = False, FOLD: tl.constexpr = False):
+                   UNPACK: tl.constexpr = False):
     # One program per (block, BN of the F columns): the expert's gate and up tiles, multiplied
     # with the block's rows of x, weights first ([BN, BK] @ [BK, BM]) as in matvec.py. With
     # SHARED, expert E is the shared expert, whose weights (w2, ws2) are a tensor of their own.
@@ -234,7 +233,7 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
         return
     if G > 0:
         _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
-                     TOPK, BM, BN, BK, SHARED, G, BG, UNPACK, FOLD)
+                     TOPK, BM, BN, BK, SHARED, G, BG, UNPACK)
     else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
         w_e = w + e * 2 * F * H
         s_e = ws + e * 2 * F // 128 * s_ws
@@ -272,7 +271,7 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
                  SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                  G: tl.constexpr = 0, BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
-                 UNPACK: tl.constexpr = False, FOLD: tl.constexpr = False):
+                 UNPACK: tl.constexpr = False):
     # One program per (block, BN of the H output columns), over the expert's F inputs (G > 0: 4-bit
     # experts, as in _swiglu_kernel).
     pdl_start(PDL)
@@ -291,7 +290,7 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         p_h = hin + tl.where(m_p, p, 0)[None, :] * s_h      # every row's pointer in hin (dot_int4)
         for k in range(0, F, BK):
-            acc = dot_int4(acc, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_h, m_p, k, F, BK, G, BG, UNPACK, FOLD)
+            acc = dot_int4(acc, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_h, m_p, k, F, BK, G, BG, UNPACK)
         tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
     else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
         w_e = w + e * H * F
@@ -395,11 +394,10 @@ def _shared_args(w, shared, rows: int, K: int) -> tuple:
 _identity: dict = {}
 
 
-def _int4_args(w, shared, n_experts: int, rows: int, K: int, BK: int, form: str, fold: bool = False) -> dict:
+def _int4_args(w, shared, n_experts: int, rows: int, K: int, BK: int, form: str) -> dict:
     """The launch arguments of 4-bit experts (kernels/int4.py), the experts' stack w of
     n_experts x rows and the shared expert (or None) alike in group and zeros; where only one of
-    them has a perm, the other reads x through the identity (made once per size and device).
-    `fold`: interleaved experts take the zero out of their dots (ProductPlan.int4_fold_zero)."""
+    them has a perm, the other reads x through the identity (made once per size and device)."""
     if not isinstance(w, GroupInt4):
         return {}
     check_int4(w, K, interleaved=True)
@@ -420,8 +418,7 @@ def _int4_args(w, shared, n_experts: int, rows: int, K: int, BK: int, form: str,
             perm = identity if perm is None else perm
             perm2 = identity[0] if perm2 is None else perm2
     if w.interleaved:
-        return dict(G=w.group, s_w=K // 4, zw=w.zero, perm=None, zw2=zw2, perm2=None, FOLD=fold,
-                    **interleaved_args(BK, w.group))
+        return dict(G=w.group, s_w=K // 4, zw=w.zero, perm=None, zw2=zw2, perm2=None, **interleaved_args(BK, w.group))
     return dict(G=w.group, s_w=K // 8, zw=w.zero, perm=perm, zw2=zw2, perm2=perm2, **form_args(BK, w.group, form))
 
 
@@ -453,7 +450,7 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
         COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, num_stages=stages,
         **pdl(x), **(_widen(x, warps, BN, plan) if fp8 else {}),
         **_int4_args(w_gate_up, shared, n_experts, 2 * Fi, H, BK,
-                     form_of(plan.int4_form, "expert_swiglu", 2 * Fi, H), plan.int4_fold_zero))
+                     form_of(plan.int4_form, "expert_swiglu", 2 * Fi, H)))
     return h
 
 
@@ -475,8 +472,7 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
         h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
         BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps,
         num_stages=stages, **pdl(h), **(_widen(h, warps, BN, plan) if fp8 else {}),
-        **_int4_args(w_down, shared, n_experts, H, Fi, BK, form_of(plan.int4_form, "expert_down", H, Fi),
-                     plan.int4_fold_zero))
+        **_int4_args(w_down, shared, n_experts, H, Fi, BK, form_of(plan.int4_form, "expert_down", H, Fi)))
     return y
 
 

@@ -50,12 +50,6 @@ class ProductPlan:
     small_parts: int = 8            # ... into at most this many parts
     widen_bits: bool = True         # FP8 tiles widened to bf16 by moving bits, not by Triton's conversion (fp8.widen) ...
     widen_group: int = 0            # ... in groups of this many weights (2 or 4); 0: as the tile suits (fp8.widen_group)
-    unmasked: bool = True           # a product over bf16 or FP8 weights in whole tiles of N and K loads w's tiles
-                                    # without masks, x's masked by rows alone (matvec.whole; the same sums; the
-                                    # FP8 27B's decode step 0.986 x on an H100, 0.974 x on an H200: tests/bench/
-                                    # ab_step.py --plans masks; x's rows past T read again rather than masked:
-                                    # 1.236 x, H100. Interleaved 4-bit x tiles are the other way round: zero-filling
-                                    # their rows past T made the int4 27B's step 1.027 x slower, H200)
     split_programs: int = 240       # programs of a split product (matvec_parts) in all
     split_fp8_stages: int = 8       # its pipeline depth over FP8 tiles (half the bytes of bf16's: twice as deep)
     tiles: TileRule | None = None   # tiles other than the measured ones (benchmarks; small tiles for the interpreter)
@@ -67,11 +61,6 @@ class ProductPlan:
                                     # over neighbouring columns: no byte permutes, x's columns of a dot side by side
                                     # (the int4 decode step 0.61 x the natural layout's on the 27B, 0.71 x on the
                                     # 35B-A3B: tests/bench/ab_step.py --plans int4, H100)
-    int4_fold_zero: bool = False    # interleaved 4-bit products and experts take the zero out of the weights: they
-                                    # enter the dots as 128 + q (bf16 x; fp16 1024 + q), no subtraction a weight,
-                                    # and (128 + zero) times a dot of ones with x's tile comes off each group's sum
-                                    # (int4.dot_int4's FOLD; sums equal within float32 rounding, not bit for bit;
-                                    # the experts' prefill kernels take it too: time prefill before it is on)
     int4_form: str | None = None    # how every 4-bit tile unpacks for the dots (int4.form_args: "reshape",
                                     # "slices", "pairs"); None: each product's measured form (int4.measured)
     permute_x: bool = True          # a 4-bit weight's perm (GPTQ desc_act) applied to x once per few-row product,

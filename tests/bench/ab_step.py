@@ -14,8 +14,6 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans int4 --weights int4   # 4-bit tiles: measured, the pairs form's, rows of 16, natural layout
     python3 ab_step.py --plans fp8tiles --weights fp8 --tiles FILE   # bench_fp8.py --sweep's best FP8 tiles
     python3 ab_step.py --plans rows --weights fp8     # the few-row products' dots padded to 16 rows or to 8
-    python3 ab_step.py --plans masks --weights fp8    # whole tiles loaded without masks, or masked
-    python3 ab_step.py --plans fold --weights int4    # 4-bit zeros subtracted per weight, or folded out of the dot
     python3 ab_step.py --plans int4tiles --weights int4 --tiles FILE   # bench_int4.py --interleaved-only's best
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed. One engine is
@@ -249,21 +247,6 @@ DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split
                  "fc split": dict(fc_split=False), "pick": dict(draft_pick=False)}
 
 
-def masks_plans(base: KernelPlan) -> dict:
-    """Products over bf16 and FP8 weights in whole tiles loading w's tiles without masks and x's
-    masked by rows alone (ProductPlan.unmasked), or every tile masked. With --room 0 the logits
-    must be the same bits."""
-    return {"masked": base.replace(unmasked=False), "unmasked": base.replace(unmasked=True)}
-
-
-def fold_plans(base: KernelPlan) -> dict:
-    """Interleaved 4-bit dense products with the zero subtracted from every weight (the default) or
-    folded out of the dot (ProductPlan.int4_fold_zero: a dot of ones with x's tile per quarter in
-    place of a bf16 subtraction per weight pair; sm_90 loop 676 -> 579 instructions plain, 1,111 ->
-    922 SwiGLU). The logits differ in the last bits."""
-    return {"zero in weights": base.replace(int4_fold_zero=False), "zero folded": base.replace(int4_fold_zero=True)}
-
-
 def rows_plans(base: KernelPlan) -> dict:
     """The few-row products' row tile (ProductPlan.rows): their dots padded to 16 rows, or to 8 (the
     steps timed here take 1 to 5). With --room 0 the logits must be the same bits."""
@@ -281,8 +264,7 @@ def default_plans(base: KernelPlan) -> dict:
 
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
-            "combine": combine_plans, "int4": int4_plans, "rows": rows_plans, "masks": masks_plans,
-            "fold": fold_plans}
+            "combine": combine_plans, "int4": int4_plans, "rows": rows_plans}
 
 
 def _x_key(w) -> tuple:
@@ -354,11 +336,17 @@ def main():
     p.add_argument("--products", action="store_true", help="also time the decode step's products alone")
     p.add_argument("--tiles", metavar="FILE", help="--plans fp8tiles: the JSON of bench_fp8.py --sweep; "
                    "--plans int4tiles: of bench_int4.py --interleaved-only")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a field of the base plan changed before the family's plans are built "
+                        "(e.g. widen_bits=False); repeatable")
     p.add_argument("--json")
     a = p.parse_args()
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
     # the engine loads its 4-bit weights natural; plans that take them interleaved convert them below
     default = KernelPlan.choose("cuda", config, fp8=a.weights == "fp8")
+    for item in a.set:
+        field, _, value = item.partition("=")
+        default = default.replace(**{field: ast.literal_eval(value)})
     engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=a.max_context or a.context + 256,
                     cuda_graphs=False, weights=a.weights, plan=default.replace(int4_interleave=False))
     if a.plans == "fp8tiles":

@@ -269,36 +269,6 @@ def test_interleaved_products(device, dtype, T, N, K, group, symmetric):
     rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=plan).transpose(0, 1), x)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,N,K,group,symmetric", [(1, 100, 384, 128, True), (5, 70, 640, 64, False),
-                                                   (3, 34, 256, 128, False)])
-def test_interleaved_products_with_the_zero_folded(device, dtype, T, N, K, group, symmetric):
-    """The plan's int4_fold_zero: the weights enter the dots as 128 + q and (128 + zero) times the
-    group's sum of x comes off each group's sum. Every dense product against the references (a
-    Normed input, the split product and its norm), each row the same bits as alone."""
-    w = int4_weight(N, K, device, N + T, group, symmetric)
-    il = int4.interleave_ref(w)
-    x = randn(T, K, dtype=dtype, device=device, seed=T)
-    fold = dataclasses.replace(interleaved_split(2), int4_fold_zero=True)
-    tol = 2 * TOL[dtype]                   # the fold's cancellation: a few float32 roundings more
-    check(matvec.matvec_triton(x, il, plan=fold), matvec.matvec_ref(x, w), tol)
-    check(matvec.matvec_swiglu_triton(x, il, fold), matvec.matvec_swiglu_ref(x, w), tol, "swiglu")
-    n = normed(T, K, dtype, device, torch.Generator().manual_seed(T))
-    check(matvec.matvec_triton(n, il, plan=fold), matvec.matvec_ref(n, w), tol, "normed")
-    check(matvec_parts.matvec_parts_triton(x, il, plan=fold), matvec_parts.matvec_parts_ref(x, w, fold),
-          2 * TOL[torch.float32], "parts")
-    sq = int4.interleave_ref(int4_weight(K, K, device, 5, group, symmetric))
-    r, nw = randn(T, K, dtype=dtype, device=device, seed=6), randn(K, dtype=dtype, device=device, seed=7, scale=0.1)
-    xn, h = matvec_parts.matvec_parts_triton(x, sq, norm=(r, nw, 1e-6), plan=fold)
-    check(h, (matvec.matvec_ref(x, sq).float() + r.float()).to(dtype), tol, "h")
-    rows_equal(lambda x: matvec.matvec_triton(x, il, plan=fold), x)
-    rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=fold).transpose(0, 1), x)
-    # the fold is a form of its own: its sums are not the unfolded ones' bits (were they, the
-    # plan would not reach the kernel)
-    assert not torch.equal(matvec_parts.matvec_parts_triton(x, il, plan=fold),
-                           matvec_parts.matvec_parts_triton(x, il, plan=interleaved_split(2)))
-
-
 # --- the 27B's shapes on the GPU --------------------------------------------------------------------
 
 # GDN in_proj [qkv | z], attention q|gate|k|v, GDN out_proj and attention o_proj, MLP down
@@ -320,27 +290,6 @@ def test_int4_27b_shapes_and_rows(N, K, group, symmetric, perm):
         r, nw = randn(5, N, dtype=torch.bfloat16, device="cuda", seed=1), randn(N, device="cuda", seed=2, scale=0.1)
         xn, h = matvec_parts.matvec_parts_triton(x[:5], w, norm=(r, nw.bfloat16(), 1e-6))
         check(h, (matvec.matvec_ref(x[:5], w).float() + r.float()).bfloat16(), 1e-2, "h")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("N,K,symmetric", [(16384, 5120, True), (5120, 17408, False), (2 * 17408, 5120, True)])
-def test_folded_zero_on_the_27b_shapes(dtype, N, K, symmetric):
-    """bf16 and fp16 rows (whose weights enter as 128 + q and 1024 + q) through the interleaved
-    products with the zero folded out of the dots (the plan's int4_fold_zero): the references'
-    values, each row its 1-row call's bits."""
-    il = int4.interleave_ref(int4_weight(N, K, "cuda", N, 128, symmetric))
-    x = randn(8, K, dtype=dtype, device="cuda", seed=K)
-    fold = dataclasses.replace(default_products("cuda"), int4_fold_zero=True)
-    if N == 2 * 17408:
-        check(matvec.matvec_swiglu(x[:4], il, fold), matvec.matvec_swiglu_ref(x[:4], il), 2e-2)
-        rows_equal(lambda x: matvec.matvec_swiglu(x, il, fold), x)
-    elif N == 5120:
-        check(matvec_parts.matvec_parts(x[:5], il, fold), matvec_parts.matvec_parts_ref(x[:5], il, fold), 1e-4, "parts")
-        rows_equal(lambda x: matvec_parts.matvec_parts(x, il, fold).transpose(0, 1), x)
-    else:
-        check(matvec.matvec(x[:5], il, plan=fold), matvec.matvec_ref(x[:5], il), 1e-2)
-        rows_equal(lambda x: matvec.matvec(x, il, plan=fold), x)
 
 
 @pytest.mark.gpu

@@ -4,14 +4,12 @@ the shared expert among the routed ones (its own GroupInt4), step and prefill la
 result the same whatever rows share its experts; the 35B-A3B's shapes (GPU)."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from kernel_checks import TOL, check, int4_weight, randn
 
 from mtpchat.kernels import int4, moe, moe_layout
-from mtpchat.kernels.plan import ProductPlan, default_products
+from mtpchat.kernels.plan import ProductPlan
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 
@@ -103,14 +101,11 @@ def test_int4_experts_in_the_slices_form(device, step, shared):
                    plan=ProductPlan(programs=6, int4_form="slices"))
 
 
-@pytest.mark.parametrize("step,shared,group,fold", [(True, True, 128, False), (False, True, 64, False),
-                                                   (True, False, 64, False), (True, True, 128, True),
-                                                   (False, False, 64, True)])
-def test_int4_interleaved_experts(device, step, shared, group, fold):
+@pytest.mark.parametrize("step,shared,group", [(True, True, 128), (False, True, 64), (True, False, 64)])
+def test_int4_interleaved_experts(device, step, shared, group):
     """Interleaved experts (int4.interleave_ref, no perm), the shared expert interleaved too, in
-    layouts of blocks of STEP_ROWS and of 2 pairs (the prefill's kernel), the zero in the weights or
-    folded out of the dots (ProductPlan.int4_fold_zero): against the references of the natural
-    weights they came from; a shared expert of the other layout is refused."""
+    layouts of blocks of STEP_ROWS and of 2 pairs (the prefill's kernel): against the references of
+    the natural weights they came from; a shared expert of the other layout is refused."""
     T, E, k, H = 3, 5, 2, 384
     F = 3 * group                         # 1.5 or 3 tiles of 128 columns
     wgu, wd = experts(E, F, H, device, 51, group, False, False)
@@ -118,9 +113,7 @@ def test_int4_interleaved_experts(device, step, shared, group, fold):
         if shared else (None, None)
     x = randn(T, H, device=device, seed=55)
     lay_cpu, lay = blocks(routed(T, E, k, 56), E, shared, step, device)
-    plan = ProductPlan(programs=6, int4_fold_zero=fold)
-    products_match(x, wgu, wd, sgu, sd, lay_cpu, lay, k + shared, E, plan=plan, form=int4.interleave_ref,
-                   tol=TOL[torch.float32] * (2 if fold else 1))
+    products_match(x, wgu, wd, sgu, sd, lay_cpu, lay, k + shared, E, form=int4.interleave_ref)
     if shared:
         with pytest.raises(AssertionError, match="layout"):
             moe.expert_swiglu_triton(x, int4.interleave_ref(wgu), lay, k + shared, E, shared=sgu)
@@ -150,15 +143,12 @@ def test_int4_a_row_does_not_depend_on_the_rows_beside_it(device):
     int4_rows_equal(device, torch.float32, E=4, k=2, F=128, H=128, T=3, group=128,
                     plan=ProductPlan(programs=6, int4_form="slices"))
     int4_rows_equal(device, torch.float32, E=4, k=2, F=128, H=256, T=3, group=64, interleaved=True)
-    int4_rows_equal(device, torch.float32, E=4, k=2, F=128, H=256, T=3, group=64, interleaved=True,
-                    plan=ProductPlan(programs=6, int4_fold_zero=True))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("interleaved,fold", [(False, False), (True, False), (True, True)])
-def test_int4_rows_bitwise_on_the_35b_shapes(interleaved, fold):
-    int4_rows_equal("cuda", torch.bfloat16, E=256, k=8, F=512, H=2048, interleaved=interleaved,
-                    plan=dataclasses.replace(default_products("cuda"), int4_fold_zero=fold))
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_int4_rows_bitwise_on_the_35b_shapes(interleaved):
+    int4_rows_equal("cuda", torch.bfloat16, E=256, k=8, F=512, H=2048, interleaved=interleaved)
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_checks import TOL, check, normed, randn
 
-from mtpchat.kernels import fp8, matvec, matvec_parts
+from mtpchat.kernels import matvec
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 # numpy's matmul treats Triton's bf16 as integers in the interpreter: bf16 runs on the GPU only
@@ -55,48 +55,6 @@ def test_matvec_strided_rows(device):
 def test_matvec_row_limit(device):
     with pytest.raises(AssertionError, match="rows"):
         matvec.matvec_triton(randn(matvec.MAX_ROWS + 1, 32, device=device), randn(16, 32, device=device))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", ["dense", "fp8"])
-@pytest.mark.parametrize("T", [1, 3])
-def test_whole_tiles_load_unmasked(device, dtype, fmt, T):
-    # N and K in whole tiles: the plain, SwiGLU (its last wave split over K) and split products
-    # (finishing a norm) load w's tiles without masks and x's masked by rows alone; the same bits
-    # as the masked loads (ProductPlan.unmasked False), and the references' values
-    g = torch.Generator().manual_seed(11 * T)
-    N, K = 640, 1024
-    w, w2, wd = (randn(n, k, device=device, gen=g, scale=0.1) for n, k in ((N, K), (2 * N, K), (256, 2048)))
-    if fmt == "fp8":
-        w, w2, wd = (fp8.quantize_ref(t) for t in (w, w2, wd))
-    else:
-        w, w2, wd = (t.to(dtype) for t in (w, w2, wd))
-    x, xd = randn(T, K, dtype=dtype, device=device, gen=g), randn(T, 2048, dtype=dtype, device=device, gen=g)
-    r, nw = randn(T, 256, dtype=dtype, device=device, gen=g), randn(256, dtype=dtype, device=device, gen=g)
-    size = x.element_size()
-    fmt_args = dict(FP8=fmt == "fp8")
-    BN, BK = matvec.tiles(N, K, size, swiglu=True, fp8=fmt == "fp8")[:2]
-    # one "SM" fewer than the SwiGLU's column blocks: its last wave of one block split over K in 3
-    P = N // BN - 1
-    plans = [ProductPlan(programs=P, unmasked=u, split_tiles=lambda N, K, itemsize: (2, 64, 128, 4, 2))
-             for u in (True, False)]
-    assert matvec.tail_split(N // BN, K // BK, plans[0]) == (3, 3)
-    for swiglu in (False, True):
-        BN, BK = matvec.tiles(N, K, size, swiglu=swiglu, fp8=fmt == "fp8", plan=plans[0])[:2]
-        assert matvec.whole(N, K, BN, BK, fmt_args, plans[0]) and not matvec.whole(N, K, BN, BK, fmt_args, plans[1])
-    products = {
-        "plain": (lambda p: matvec.matvec_triton(x, w, plan=p), matvec.matvec_ref(x, w)),
-        "swiglu": (lambda p: matvec.matvec_swiglu_triton(x, w2, p), matvec.matvec_swiglu_ref(x, w2)),
-        "parts": (lambda p: matvec_parts.matvec_parts_triton(xd, wd, plan=p),
-                  matvec_parts.matvec_parts_ref(xd, wd, plans[0])),
-        "parts, norm": (lambda p: matvec_parts.matvec_parts_triton(xd, wd, (r, nw, 1e-6), p)[1],
-                        (matvec_parts.parts_sum_ref(matvec_parts.matvec_parts_ref(xd, wd, plans[0]), dtype).float()
-                         + r.float()).to(dtype)),
-    }
-    for name, (run, ref) in products.items():
-        unmasked, masked = run(plans[0]), run(plans[1])
-        assert torch.equal(unmasked, masked), name
-        check(unmasked, ref, 2 * TOL[dtype], name)
 
 
 # the 27B decode matrices: MLP down, MLP gate|up, GDN in_proj, attention q|gate|k|v, o_proj, lm_head
