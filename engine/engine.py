@@ -139,7 +139,7 @@ class Engine:
             cap = ".".join(map(str, torch.cuda.get_device_capability(self.device)))
             raise UnsupportedFormat(f"FP8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
                                     f"this one has {cap}: load without weights='fp8'")
-        self.plan = plan or KernelPlan.choose(self.device, self.config, self.fp8)
+        self.plan = plan or KernelPlan.choose(self.device, self.config, self.fp8, weights == "int4")
         # an FP8 or 4-bit model keeps the GDN's bf16 [b | a] apart from its quantized [qkv | z]
         split_ba = self.fp8 or self.int4 is not None
         self.model = Model(self.config, split_ba=split_ba)

@@ -61,11 +61,20 @@ def pdl(t: torch.Tensor) -> dict:
 
 if tl is not None:
     @triton.jit
-    def pdl_start(PDL: tl.constexpr):
-        """Let the next kernel's programs be placed, then wait until the previous kernel has ended
-        and its writes are visible. First in every step kernel, before any load, store or return."""
+    def pdl_start(PDL: tl.constexpr, LATE: tl.constexpr = False):
+        """Let the next kernel's programs be placed (LATE: not yet, pdl_release does), then wait until
+        the previous kernel has ended and its writes are visible. First in every step kernel, before
+        any load, store or return."""
+        if PDL:
+            if not LATE:
+                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+
+    @triton.jit
+    def pdl_release(PDL: tl.constexpr):
+        """Let the next kernel's programs be placed: in a kernel that began with pdl_start(PDL, LATE=True),
+        once its program has read what it streams."""
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
 else:
-    pdl_start = None
+    pdl_start = pdl_release = None

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
+from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
@@ -126,14 +126,15 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
                    SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
                    BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None,
-                   UNPACK: tl.constexpr = False):
+                   UNPACK: tl.constexpr = False, LATE: tl.constexpr = False):
     # Program i_n takes column block i_n, all of K (with SWIGLU, the gate rows n and the up rows
     # N + n of w together). With SPLIT only the first F programs do; program F + j takes part
     # i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
     # leaves its float32 sums in ws[j]; the last of the block's S parts to arrive adds them in
     # order, finishes the block and sets its count (count[j // S]) back to 0. Its acq_rel add,
-    # after every thread of the program has stored, orders the parts before its reads.
-    pdl_start(PDL)
+    # after every thread of the program has stored, orders the parts before its reads. LATE: the
+    # next kernel's programs are placed once this one's have streamed their weights.
+    pdl_start(PDL, LATE)
     pid = tl.program_id(0)
     if SPLIT:
         j = tl.maximum(pid - F, 0)
@@ -169,6 +170,8 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
             b_g = _dot_tile(p_w, m_w, b_x, b_g, sw, i_n * BN // 128, s_sw, k, FP8, 128, BITS)
             if SWIGLU:
                 b_u = _dot_tile(p_w + N * s_w, m_w, b_x, b_u, sw, (N + i_n * BN) // 128, s_sw, k, FP8, 128, BITS)
+    if LATE:
+        pdl_release(PDL)
     if not SPLIT:
         _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
     elif pid < F:
@@ -342,7 +345,7 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
     _matvec_kernel[(F + (blocks - F) * S,)](
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=BT, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
-        num_stages=stages, **scale, **fp8, **pdl(x),
+        num_stages=stages, LATE=plan.late_release, **scale, **fp8, **pdl(x),
         **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)))
     return y
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
+from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.int4 import GroupInt4, dot_int4, measured
 from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, arrival_counts, check_product, pieces,
@@ -27,9 +27,10 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
                          s_h, s_ss, s_sw, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr,
                          NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                          RESIDUAL: tl.constexpr = True, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None,
-                         perm=None, UNPACK: tl.constexpr = False):
+                         perm=None, UNPACK: tl.constexpr = False, LATE: tl.constexpr = False):
     # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
-    pdl_start(PDL)
+    # (LATE: the next kernel's programs placed after the loop, matvec._matvec_kernel)
+    pdl_start(PDL, LATE)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
     o_t = tl.arange(0, BT)
@@ -48,6 +49,8 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
             # FP8: BK divides the 128-column scale blocks and BN the 128-row ones (matvec._dot_tile)
             b_y = _dot_tile(w + o_n[:, None] * s_w + o_k[None, :], m_n[:, None] & m_k[None, :], tl.trans(b_x), b_y,
                             sw, i_n * BN // 128, s_sw, k, FP8, 128, BITS)
+    if LATE:
+        pdl_release(PDL)
     o_y = o_t[None, :] * s_y + o_n[:, None]
     tl.store(y + i_s * s_yp + o_y, b_y, mask=m_y)
     if NORM:
@@ -177,7 +180,8 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0),
         y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=BT, BN=BN, BK=BK,
         S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None, num_warps=warps,
-        num_stages=stages, **fp8, **pdl(x), **_format_args(x, w, BN, BK, warps, fp8, plan, ("split", N, K)))
+        num_stages=stages, LATE=plan.late_release, **fp8, **pdl(x),
+        **_format_args(x, w, BN, BK, warps, fp8, plan, ("split", N, K)))
     return y if norm is None else (Normed(xn, ss, eps), h)
 
 

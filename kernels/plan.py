@@ -50,6 +50,9 @@ class ProductPlan:
     small_parts: int = 8            # ... into at most this many parts
     widen_bits: bool = True         # FP8 tiles widened to bf16 by moving bits, not by Triton's conversion (fp8.widen) ...
     widen_group: int = 0            # ... in groups of this many weights (2 or 4); 0: as the tile suits (fp8.widen_group)
+    late_release: bool = False      # the few-row products let the next kernel's programs be placed once their own
+                                    # have streamed their weights, not as they start (_triton.pdl_start's LATE): on
+                                    # for FP8 and 4-bit models (KernelPlan.choose)
     split_programs: int = 240       # programs of a split product (matvec_parts) in all
     split_fp8_stages: int = 8       # its pipeline depth over FP8 tiles (half the bytes of bf16's: twice as deep)
     tiles: TileRule | None = None   # tiles other than the measured ones (benchmarks; small tiles for the interpreter)

@@ -28,6 +28,17 @@ def test_choose_follows_the_weight_format(gqa3, fp8):
     assert not plan.shared_as_expert                     # a dense model
 
 
+@pytest.mark.parametrize("fp8,int4,late", [(False, False, False), (True, False, True), (False, True, True)])
+def test_fp8_and_4_bit_products_place_the_next_kernel_late_on_a_gpu(gqa3, monkeypatch, fp8, int4, late):
+    # measured on an H100 (ab_step.py --plans release): a gain for FP8 and 4-bit models, none for bf16
+    from mtpchat.engine import plan as plan_module
+    monkeypatch.setattr(plan_module, "default_products", lambda device: ProductPlan(programs=132))
+    monkeypatch.setattr(plan_module, "fp8_runs_on", lambda device: True)
+    config = ModelConfig.load(gqa3)
+    assert KernelPlan.choose("cuda", config, fp8, int4).products.late_release is late
+    assert not KernelPlan.choose("cpu", config, fp8, int4).products.late_release   # no PDL on the CPU
+
+
 def test_the_shared_expert_joins_the_routed_ones_only_as_wide(tmp_path):
     alike = ModelConfig.load(write_tiny_checkpoint(tmp_path / "a", moe=True, **MOE))
     wide = ModelConfig.load(write_tiny_checkpoint(tmp_path / "b", moe=True, **{**MOE, "shared_expert_intermediate_size": 80}))

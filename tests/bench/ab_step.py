@@ -14,6 +14,7 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans int4 --weights int4   # 4-bit tiles: measured, the pairs form's, rows of 16, natural layout
     python3 ab_step.py --plans fp8tiles --weights fp8 --tiles FILE   # bench_fp8.py --sweep's best FP8 tiles
     python3 ab_step.py --plans rows --weights fp8     # the few-row products' dots padded to 16 rows or to 8
+    python3 ab_step.py --plans release --weights fp8  # the next kernel placed as a product starts, or after its loop
     python3 ab_step.py --plans int4tiles --weights int4 --tiles FILE   # bench_int4.py --interleaved-only's best
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed. One engine is
@@ -247,6 +248,14 @@ DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split
                  "fc split": dict(fc_split=False), "pick": dict(draft_pick=False)}
 
 
+def release_plans(base: KernelPlan) -> dict:
+    """The few-row products let the next kernel's programs be placed as their own start (PDL's
+    launch_dependents first, the default) or once they have streamed their weights
+    (ProductPlan.late_release). With --room 0 the logits must be the same bits. (The MoE expert
+    products released late too made the 35B-A3B's step 0.991-1.069 x the products' alone.)"""
+    return {"at start": base.replace(late_release=False), "late": base.replace(late_release=True)}
+
+
 def rows_plans(base: KernelPlan) -> dict:
     """The few-row products' row tile (ProductPlan.rows): their dots padded to 16 rows, or to 8 (the
     steps timed here take 1 to 5). With --room 0 the logits must be the same bits."""
@@ -264,7 +273,8 @@ def default_plans(base: KernelPlan) -> dict:
 
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
-            "combine": combine_plans, "int4": int4_plans, "rows": rows_plans}
+            "combine": combine_plans, "int4": int4_plans, "rows": rows_plans,
+            "release": release_plans}
 
 
 def _x_key(w) -> tuple:
@@ -343,7 +353,7 @@ def main():
     a = p.parse_args()
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
     # the engine loads its 4-bit weights natural; plans that take them interleaved convert them below
-    default = KernelPlan.choose("cuda", config, fp8=a.weights == "fp8")
+    default = KernelPlan.choose("cuda", config, fp8=a.weights == "fp8", int4=a.weights == "int4")
     for item in a.set:
         field, _, value = item.partition("=")
         default = default.replace(**{field: ast.literal_eval(value)})

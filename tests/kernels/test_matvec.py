@@ -2,11 +2,13 @@
 call is bit for bit the 1-row call (GPU)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_checks import TOL, check, normed, randn
 
-from mtpchat.kernels import matvec
+from mtpchat.kernels import fp8, matvec, matvec_parts
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 # numpy's matmul treats Triton's bf16 as integers in the interpreter: bf16 runs on the GPU only
@@ -88,6 +90,25 @@ def test_matvec_swiglu_27b_shapes_and_rows():
     y = matvec.matvec_swiglu(x, w)
     check(y, matvec.matvec_swiglu_ref(x, w), 1e-2)
     assert torch.equal(y, torch.cat([matvec.matvec_swiglu(x[i:i + 1], w) for i in range(5)]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_late_release_changes_no_bit(fmt):
+    # ProductPlan.late_release moves PDL's launch_dependents after the loop: the same sums
+    g = torch.Generator().manual_seed(13)
+    bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
+    x, xd = randn(4, 5120, **bf16), randn(4, 6144, **bf16)
+    w, w2, wd = randn(1536, 5120, **bf16), randn(2 * 768, 5120, **bf16), randn(5120, 6144, **bf16)
+    if fmt == "fp8":
+        w, w2, wd = (fp8.quantize_ref(t) for t in (w, w2, wd))
+    r, nw = randn(4, 5120, **bf16), randn(5120, scale=0.1, **bf16)
+    early = default_products("cuda")
+    late = dataclasses.replace(early, late_release=True)
+    for run in (lambda p: matvec.matvec(x, w, plan=p), lambda p: matvec.matvec_swiglu(x, w2, p),
+                lambda p: matvec_parts.matvec_parts_triton(xd, wd, plan=p),
+                lambda p: matvec_parts.matvec_parts_triton(xd, wd, norm=(r, nw, 1e-6), plan=p)[1]):
+        assert torch.equal(run(late), run(early))
 
 
 
