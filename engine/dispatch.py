@@ -9,8 +9,6 @@ and the few calls through which every product and norm of a layer runs.
 - `Product`, `out_linear`, `add_norm`: a block's last product left for the residual add and the norm
   after it, which in a step on the GPU run it split over K and hand the next product its input as
   a `Normed` (kernels/matvec.py) rather than whole rows.
-- `Combine`, `out_combine`: with the plan's fold_combine, an MoE's combine left for the residual add
-  and the norm after it, which in a step run it in the norm's kernel (kernels/norm.py).
 """
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpchat.engine.plan import KernelPlan
-from mtpchat.kernels import fp8_gemm, int4_gemm, moe, norm
+from mtpchat.kernels import fp8_gemm, int4_gemm, norm
 from mtpchat.kernels._triton import use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BlockFP8
@@ -31,7 +29,7 @@ from mtpchat.kernels.matvec import Normed, matvec
 from mtpchat.kernels.matvec_parts import matvec_parts, matvec_parts_triton
 from mtpchat.kernels.plan import ProductPlan
 
-__all__ = ["Combine", "Ctx", "Normed", "Product", "add_norm", "linear", "weight"]
+__all__ = ["Ctx", "Normed", "Product", "add_norm", "linear", "weight"]
 
 
 @dataclass
@@ -61,15 +59,6 @@ class Ctx:
         if self.step and use_triton(x, values_of(w)):
             return Product(x, w)
         return self.linear(x, w)
-
-    def out_combine(self, y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
-                    gate: torch.Tensor | None, dtype: torch.dtype):
-        """An MoE's combine (kernels/moe.py), which only the residual add and the norm after it
-        read: left for add_norm as a Combine in a step under the plan's fold_combine, the [T, H]
-        rows in `dtype` (the stream's) otherwise."""
-        if self.step and self.plan.fold_combine:
-            return Combine(y, weights, shared, gate)
-        return moe.combine(y, weights, shared, gate, dtype)
 
     def add_norm(self, x, residual: torch.Tensor | None, norm_: nn.Module, whole: bool = False,
                  out: torch.Tensor | None = None):
@@ -116,16 +105,6 @@ class Product(NamedTuple):
     w: torch.Tensor
 
 
-class Combine(NamedTuple):
-    """An MoE's output not yet combined: the expert outputs y [T * k, H] float32 and their weights
-    [T, k], and the shared expert's output [T, H] and gate [T] (None where the expert kernels ran
-    it as a choice). add_norm combines it, rounded to the stream's dtype, in the norm's kernel."""
-    y: torch.Tensor
-    weights: torch.Tensor
-    shared: torch.Tensor | None
-    gate: torch.Tensor | None
-
-
 def add_norm(x, residual: torch.Tensor | None, norm_: nn.Module, plan: KernelPlan, whole: bool = False,
              out: torch.Tensor | None = None):
     """(norm_(x + residual), x + residual) after a block whose output x is a tensor or a Product
@@ -134,13 +113,8 @@ def add_norm(x, residual: torch.Tensor | None, norm_: nn.Module, plan: KernelPla
     leave SMs idle): each column block's last program adds the parts and the residual, and the
     normalised rows come as a Normed for the next product to finish (kernels/matvec_parts.py);
     with `whole` (the final norm, whose rows the lm_head and the MTP head both read) or split_norm
-    off, as whole rows from the norm kernel, which adds the parts. A Combine is combined by the norm
-    kernel, the same bits as the combine and then the norm, the rows whole (kernels/norm.py:
-    combine_add_rmsnorm; the float32 reference on the CPU). `out` (whole rows only) receives the
-    normalised rows. `norm_` is an RMSNorm (its weight and eps)."""
-    if isinstance(x, Combine):
-        assert residual is not None, "add_norm: an MoE's output comes with its residual stream"
-        return norm.combine_add_rmsnorm(*x, residual, norm_.weight, norm_.eps, out=out)
+    off, as whole rows from the norm kernel, which adds the parts. `out` (whole rows only) receives
+    the normalised rows. `norm_` is an RMSNorm (its weight and eps)."""
     if isinstance(x, Product):
         if plan.split_norm and not whole:
             assert out is None, "add_norm: the split norm gives a Normed, never whole rows into `out`"

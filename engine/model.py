@@ -91,8 +91,7 @@ class SparseMoE(nn.Module):
     their SwiGLU outputs are summed with those weights, plus a shared expert scaled by
     sigmoid(its gate). The router's weight carries the shared gate as row E, so one product gives
     both. Kernels: kernels/moe.py; `reads` (an int64 [1] the engine gives) counts the distinct
-    experts each step's layers read. The output: [T, H] rows, or in a step under the plan's
-    fold_combine a Combine for the residual add and the norm after the block to combine (add_norm)."""
+    experts each step's layers read."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -115,12 +114,12 @@ class SparseMoE(nn.Module):
             _, weights, _, layout = moe.route(logits, k, E, ctx.step, shared=True, rows=ctx.rows)
             h = moe.expert_swiglu(x, gate_up, layout, k + 1, E, ctx.step, reads, shared=sgu, plan=ctx.products)
             y = moe.expert_down(h, down, layout, E, ctx.step, shared=sd, plan=ctx.products)
-            return ctx.out_combine(y, weights, None, None, x.dtype)
+            return moe.combine(y, weights, dtype=x.dtype)
         _, weights, gate, layout = moe.route(logits, k, E, ctx.step, rows=ctx.rows)
         h = moe.expert_swiglu(x, gate_up, layout, k, E, ctx.step, reads, plan=ctx.products)
         y = moe.expert_down(h, down, layout, E, ctx.step, plan=ctx.products)
         shared = self.shared(x, ctx, whole=True) if self.shared is not None else None
-        return ctx.out_combine(y, weights, shared, gate, x.dtype)
+        return moe.combine(y, weights, shared, gate, x.dtype)
 
     def _shared_as_expert(self, gate_up, x, ctx: Ctx) -> bool:
         """Whether the expert kernels take the shared expert too: the plan's choice (made where the
@@ -226,8 +225,7 @@ class DecoderLayer(nn.Module):
         """Pre-norm block, with each residual add fused into the norm after it: takes the previous
         block's (output, residual stream) unsummed (residual None for the first block) and returns
         its own. The block's value is output + residual (in a step on the GPU the output comes as a
-        Product still to run, an MoE's as a Combine still to sum under the plan's fold_combine, and
-        the normalised rows as a Normed: see add_norm)."""
+        Product still to run, and the normalised rows as a Normed: see add_norm)."""
         if residual is None and not isinstance(x, Product):
             normed, h = self.input_norm(x), x
         else:          # (a Product without a residual: the MTP head's fc, still to run)

@@ -36,10 +36,6 @@ class KernelPlan:
     shared_as_expert: bool = True
     fc_split: bool = True
     draft_pick: bool = True
-    # An MoE's combine (the weighted sum of its experts' outputs) folded into the residual add and
-    # the norm after it, in a step: one kernel fewer per MoE layer (40 a step on the 35B-A3B), the
-    # same bits. Off until measured on the GPU (tests/bench/ab_step.py --plans combine).
-    fold_combine: bool = False
     # The MTP head's rows kept while MTP is off (hidden_size x 2 bytes each: 5 MiB for the 27B), run
     # through it when MTP comes back on or when they fill up. A flush waits for the steps in flight
     # and runs the head eagerly: at 64 rows it cost a 27B decode some 2.5 ms every 63 tokens.

@@ -8,7 +8,6 @@ kernels beside them, and dispatchers that take the kernels for CUDA tensors.
     swiglu   : h[p] = silu(x[row] @ W_gate[e]ᵀ) * (x[row] @ W_up[e]ᵀ), over each block's pairs
     down     : y[p] = h[p] @ W_down[e]ᵀ
     combine  : out[row] = Σ_j weight[row, j] * y[row * k + j] + gate[row] * shared[row]
-               (or folded into the residual add and the norm after it: kernels/norm.py)
 
 A block reads its expert's weights once for all the pairs in it. In a step (a few rows: decode,
 verify, draft) every distinct expert the rows chose is one block, so its weights are read once
@@ -320,8 +319,7 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
 def combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s,
                 BH: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr):
     """Row r's combine over the columns o_h [BH], float32: its TOPK expert outputs times their
-    weights in order of choice, then the shared expert's output times its gate. The one sum of
-    both the combine kernel and the combine folded into the norm after it (kernels/norm.py)."""
+    weights in order of choice, then the shared expert's output times its gate."""
     acc = tl.zeros([BH], dtype=tl.float32)
     for j in tl.static_range(TOPK):
         acc += tl.load(weights + r * TOPK + j) * tl.load(y + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.)

@@ -5,8 +5,6 @@ rmsnorm:       y = x * rsqrt(mean(x²) + eps) * (1 + w), computed in float32, ca
                (the weights are stored zero-centred).
 add_rmsnorm:   the residual add, h = x + residual in the stream's dtype, then rmsnorm(h); x may come
                as a split product's float32 parts (kernels/matvec_parts.py), added here.
-combine_add_rmsnorm: an MoE's combine (kernels/moe.py) rounded to the stream's dtype, then
-               add_rmsnorm, in one kernel: the same rounding steps, so the same bits, as the two.
 gated_rmsnorm: the GDN output norm, per head: normalise in float32, cast, times w (plain, not 1+w),
                times silu(z) in float32, cast.
 Each row is normalised by one program, so a row's value does not depend on how many rows there are.
@@ -18,7 +16,6 @@ import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.matvec_parts import parts_sum_ref
-from mtpchat.kernels.moe import check_combine, combine_ref, combine_row
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,12 +32,6 @@ def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
         x = parts_sum_ref(x, residual.dtype)
     h = x + residual
     return rmsnorm_ref(h, weight, eps), h
-
-
-def combine_add_rmsnorm_ref(y, weights, shared, gate, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """An MoE's combine (kernels/moe.py: y [T * k, H] float32, weights [T, k], the shared expert's
-    output [T, H] and gate [T] or None) rounded to the residual's dtype, then add_rmsnorm."""
-    return add_rmsnorm_ref(combine_ref(y, weights, shared, gate, residual.dtype), residual, weight, eps)
 
 
 def gated_rmsnorm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,36 +60,15 @@ def _rmsnorm_kernel(x, r, w, y, h, B, D, eps, s_xp, s_x0, s_x1, s_r0, s_r1, s_y0
             b_x += tl.load(p_x + i_p * s_xp, mask=m_d, other=0.)
     if PARTS > 0:
         b_x = b_x.to(h.dtype.element_ty).to(tl.float32)
-    _add_norm_row(b_x, r + i_a * s_r0 + i_b * s_r1, w, y + i_a * s_y0 + i_b * s_y1, h + i_a * s_h0 + i_b * s_h1,
-                  o_d, m_d, D, eps, HAS_RESIDUAL)
-
-
-@triton.jit
-def _add_norm_row(b_x, p_r, w, p_y, p_h, o_d, m_d, D, eps, HAS_RESIDUAL: tl.constexpr):
-    """One row's residual add and norm, from its value b_x [BD] (float32, holding a value of the
-    stream's dtype): h = x + residual written at p_h, norm(h) at p_y (norm(x) without a residual)."""
     if HAS_RESIDUAL:
         # the sum is rounded to the stream's dtype first, as `x + residual` is in torch
-        b_x += tl.load(p_r + o_d, mask=m_d, other=0.).to(tl.float32)
-        b_x = b_x.to(p_h.dtype.element_ty)
-        tl.store(p_h + o_d, b_x, mask=m_d)
+        b_x += tl.load(r + i_a * s_r0 + i_b * s_r1 + o_d, mask=m_d, other=0.).to(tl.float32)
+        b_x = b_x.to(h.dtype.element_ty)
+        tl.store(h + i_a * s_h0 + i_b * s_h1 + o_d, b_x, mask=m_d)
         b_x = b_x.to(tl.float32)
     b_rstd = tl.rsqrt(tl.sum(b_x * b_x) / D + eps)
     b_w = 1. + tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32)
-    tl.store(p_y + o_d, (b_x * b_rstd * b_w).to(p_y.dtype.element_ty), mask=m_d)
-
-
-@triton.jit
-def _combine_add_rmsnorm_kernel(y, weights, shared, gate, r, w, out, h, D, eps, s_y, s_s, s_r, s_o, s_h,
-                                BD: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
-    pdl_start(PDL)
-    i_t = tl.program_id(0)
-    o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    # the combine's sum, rounded to the stream's dtype as the combine's output is, then add_rmsnorm's row
-    b_x = combine_row(y, weights, shared, gate, i_t, o_d, m_d, s_y, s_s, BD, TOPK, HAS_SHARED)
-    b_x = b_x.to(h.dtype.element_ty).to(tl.float32)
-    _add_norm_row(b_x, r + i_t * s_r, w, out + i_t * s_o, h + i_t * s_h, o_d, m_d, D, eps, True)
+    tl.store(y + i_a * s_y0 + i_b * s_y1 + o_d, (b_x * b_rstd * b_w).to(y.dtype.element_ty), mask=m_d)
 
 
 @triton.jit
@@ -167,27 +137,6 @@ def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return _rmsnorm_launch(x, residual, weight, eps, out)
 
 
-def combine_add_rmsnorm_triton(y, weights, shared, gate, residual, weight, eps: float, out=None):
-    """combine_add_rmsnorm_ref's contract in one kernel, one program a row, launched as the norm
-    kernel is for rows of this width (so the norm's sum of squares adds in the same order)."""
-    check_combine(y, weights, shared, gate)
-    T, D = residual.shape
-    assert y.shape[1] == D and residual.stride(1) == 1, f"residual {tuple(residual.shape)} must be [{T}, {y.shape[1]}]"
-    assert weight.shape == (D,) and weight.is_contiguous(), f"weight must be [{D}] contiguous"
-    if out is not None:
-        assert out.shape == (T, D) and out.dtype == residual.dtype and out.stride(1) == 1, \
-            f"out must be [{T}, {D}] {residual.dtype}"
-    y_out = out if out is not None else torch.empty_like(residual)
-    h = torch.empty_like(residual)
-    BD, warps = _launch_params(D)
-    _combine_add_rmsnorm_kernel[(T,)](
-        y, weights, shared if shared is not None else y, gate if gate is not None else weights, residual, weight,
-        y_out, h, D, eps, y.stride(0), shared.stride(0) if shared is not None else 0, residual.stride(0),
-        y_out.stride(0), h.stride(0), BD=BD, TOPK=weights.shape[1], HAS_SHARED=shared is not None,
-        num_warps=warps, **pdl(y))
-    return y_out, h
-
-
 def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     D = x.shape[-1]
     assert z.shape == x.shape, f"z {tuple(z.shape)} must match x {tuple(x.shape)}"
@@ -212,15 +161,6 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     if use_triton(x, residual, weight):
         return add_rmsnorm_triton(x, residual, weight, eps, out)
     y, h = add_rmsnorm_ref(x, residual, weight, eps)
-    return (y if out is None else out.copy_(y)), h
-
-
-def combine_add_rmsnorm(y, weights, shared, gate, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                        out=None):
-    """combine_add_rmsnorm_ref's contract; the normalised rows written into `out` when given."""
-    if use_triton(y, residual, weight):
-        return combine_add_rmsnorm_triton(y, weights, shared, gate, residual, weight, eps, out)
-    y, h = combine_add_rmsnorm_ref(y, weights, shared, gate, residual, weight, eps)
     return (y if out is None else out.copy_(y)), h
 
 

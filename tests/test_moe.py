@@ -13,9 +13,9 @@ from mtpchat.engine import Engine, SamplingParams, memory
 from mtpchat.engine.config import ConfigError, ModelConfig
 from tools.tiny import write_dequantized_twin, write_tiny_checkpoint
 from mtpchat.engine.weights import PER_EXPERT, STACKED, expert_layout, text_prefix
-from mtpchat.kernels import moe, norm
+from mtpchat.kernels import moe
 from mtpchat.kernels.fp8 import quantize_ref
-from helpers import assert_mtp_on_equals_off, greedy_tokens, random_ids, rel_err
+from helpers import assert_mtp_on_equals_off, random_ids, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -146,31 +146,6 @@ def test_greedy_mtp_on_equals_off(ckpts, layout):
     assert all(done.stats.verify_steps > 0 for done in runs)
 
 
-@pytest.mark.parametrize("name", [STACKED, "wide shared"])
-def test_the_combine_folded_into_the_norm_changes_no_token(ckpts, monkeypatch, name):
-    """The plan's fold_combine (the shared expert as a choice, or apart with its gate): greedy
-    tokens the same as with it off, MTP on == off with it on, and the norm combined the steps' rows."""
-    folded = []
-    fold = norm.combine_add_rmsnorm
-
-    def spy(y, weights, *rest, **kw):
-        folded.append(weights.shape)
-        return fold(y, weights, *rest, **kw)
-    monkeypatch.setattr(norm, "combine_add_rmsnorm", spy)
-    base = Engine.load(ckpts[name], max_context=400)
-    ids = random_ids(29, 3, base.config.vocab_size)
-    want = greedy_tokens(base, ids, 24)
-    assert not folded, "the fold ran with the plan's fold_combine off"
-    engine = Engine.load(ckpts[name], max_context=400, plan=base.plan.replace(fold_combine=True))
-    folded.clear()                                          # (the engine's warm-up steps)
-    assert greedy_tokens(engine, ids, 24) == want
-    c = engine.config
-    k = c.num_experts_per_tok + (name == STACKED)          # the shared expert as choice k + 1
-    assert folded.count((1, k)) >= 23 * c.num_hidden_layers  # every layer's, every decode step
-    runs = assert_mtp_on_equals_off(engine, [ids], 24, ks=(2, 3))
-    assert all(done.stats.verify_steps > 0 for done in runs) and (4, k) in folded
-
-
 def test_experts_read_per_step(ckpts):
     engine = Engine.load(ckpts[STACKED], max_context=300)
     c = engine.config
@@ -192,7 +167,7 @@ def stale_rows_apart_and_routed_as_the_last(ckpt, monkeypatch, profile, tokens: 
     that records what the head drafted: {apart: (stats, the head's drafts)}, the head's stale rows
     routed apart (stale_rows undone) or as the last live row; each output checked against MTP off."""
     from mtpchat.engine.spec import ProfileDrafter
-    from mtpchat.kernels import moe, norm
+    from mtpchat.kernels import moe
 
     class Recorder(ProfileDrafter):
         def __call__(self, position, drafts):

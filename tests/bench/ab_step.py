@@ -10,7 +10,6 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans fp8glu --weights fp8   # the FP8 SwiGLU product's tiles
     python3 ab_step.py --plans bits --weights fp8     # FP8 tiles widened by moving bits, or converted
     python3 ab_step.py --plans draft           # the MTP head's fc split, the draft's argmax as two kernels
-    python3 ab_step.py --plans combine --model qwen3.5-35b-a3b   # an MoE's combine folded into the norm, or apart
     python3 ab_step.py --plans int4 --weights int4   # 4-bit tiles: measured, the pairs form's, rows of 16, natural layout
     python3 ab_step.py --plans fp8tiles --weights fp8 --tiles FILE   # bench_fp8.py --sweep's best FP8 tiles
     python3 ab_step.py --plans rows --weights fp8     # the few-row products' dots padded to 16 rows or to 8
@@ -142,13 +141,6 @@ def draft_plans(base: KernelPlan) -> dict:
             "-both": base.replace(fc_split=False, draft_pick=False)}
 
 
-def combine_plans(base: KernelPlan) -> dict:
-    """An MoE's combine as its own kernel after the experts' ("apart") or folded into the residual
-    add and the norm after it ("folded": one kernel fewer per MoE layer). With --room 0 the logits
-    must be the same bits."""
-    return {"apart": base.replace(fold_combine=False), "folded": base.replace(fold_combine=True)}
-
-
 def int4_plans(base: KernelPlan) -> dict:
     """The 4-bit products' measured tiles (kernels/int4.py measured: over interleaved weights, the
     engine's default, their own) against: the pairs form's tiles over the same weights (plain and
@@ -273,8 +265,7 @@ def default_plans(base: KernelPlan) -> dict:
 
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
-            "combine": combine_plans, "int4": int4_plans, "rows": rows_plans,
-            "release": release_plans}
+            "int4": int4_plans, "rows": rows_plans, "release": release_plans}
 
 
 def _x_key(w) -> tuple:

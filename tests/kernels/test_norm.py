@@ -1,12 +1,11 @@
-"""RMSNorm kernels (plain, fused with the residual add, with an MoE's combine before it, gated)
-against their float32 references."""
+"""RMSNorm kernels (plain, fused with the residual add, gated) against their float32 references."""
 from __future__ import annotations
 
 import pytest
 import torch
 from kernel_checks import TOL, check, randn
 
-from mtpchat.kernels import moe, norm
+from mtpchat.kernels import norm
 
 EPS = 1e-6
 DTYPES = [torch.float32, torch.bfloat16]
@@ -114,80 +113,3 @@ def test_add_rmsnorm_into_out(device):
     y2, _ = norm.add_rmsnorm(parts, r, w, EPS, out=buf[1:4])
     assert y2.data_ptr() == buf[1:4].data_ptr()
     check(y2, norm.add_rmsnorm_ref(parts, r, w, EPS)[0], TOL[torch.float32], "from parts")
-
-
-def combine_inputs(T: int, k: int, H: int, dtype, device, shared: bool, seed: int):
-    """An MoE's uncombined output (kernels/moe.py: y [T * k, H] float32, weights [T, k] summing to
-    1, the shared expert's output and gate or None), a residual stream and a norm weight."""
-    g = torch.Generator().manual_seed(seed)
-    y = randn(T * k, H, device=device, gen=g)
-    w = torch.softmax(randn(T, k, gen=g), -1).to(device)
-    s = randn(T, H, dtype=dtype, device=device, gen=g) if shared else None
-    gate = torch.sigmoid(randn(T, gen=g)).to(device) if shared else None
-    r = randn(T, H, dtype=dtype, device=device, gen=g, scale=2.0)
-    nw = randn(H, dtype=dtype, device=device, gen=g, scale=0.3)
-    return (y, w, s, gate, r, nw)
-
-
-# H = 300 and 600: not powers of two, and 600 past the combine kernel's 512 columns a program
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T", [1, 3, 5])
-@pytest.mark.parametrize("k", [1, 3, 8])
-@pytest.mark.parametrize("shared", [True, False])
-def test_combine_add_rmsnorm(device, dtype, T, k, shared):
-    """The combine folded into the residual add and the norm: within rounding of the float32
-    reference, and the same bits as the combine kernel then the norm kernel (both rounding steps
-    kept: the combine's output in the stream's dtype, then the add in it)."""
-    H = 300 if k != 3 else 600
-    y, w, s, gate, r, nw = combine_inputs(T, k, H, dtype, device, shared, seed=T * 100 + k * 10 + shared)
-    out, h = norm.combine_add_rmsnorm_triton(y, w, s, gate, r, nw, EPS)
-    out_ref, h_ref = norm.combine_add_rmsnorm_ref(y, w, s, gate, r, nw, EPS)
-    assert out.dtype == h.dtype == dtype and out.shape == h.shape == (T, H)
-    check(h, h_ref, TOL[dtype], "residual sum")
-    check(out, out_ref, TOL[dtype])
-    combined = moe.combine_triton(y, w, s, gate, dtype)
-    two, two_h = norm.add_rmsnorm_triton(combined, r, nw, EPS)
-    assert torch.equal(h, two_h) and torch.equal(out, two), "not the bits of the combine and then the norm"
-
-
-@pytest.mark.parametrize("shared", [True, False])
-def test_combine_add_rmsnorm_rows_alone(device, shared):
-    """Each row's result is that of the row alone (no sums across rows: greedy MTP on == off), and
-    written into a given buffer (the decoder's hiddens: the final norm's whole rows)."""
-    T, k, H = 5, 4, 200
-    y, w, s, gate, r, nw = combine_inputs(T, k, H, torch.float32, device, shared, seed=7 + shared)
-    buf = torch.full((T + 2, H), float("nan"), device=device)
-    out, h = norm.combine_add_rmsnorm_triton(y, w, s, gate, r, nw, EPS, out=buf[1:T + 1])
-    assert out.data_ptr() == buf[1].data_ptr() and buf[0].isnan().all() and buf[T + 1].isnan().all()
-    for i in (0, 3, 4):
-        pick = (y[i * k:(i + 1) * k], w[i:i + 1], s[i:i + 1] if shared else None, gate[i:i + 1] if shared else None)
-        one, one_h = norm.combine_add_rmsnorm_triton(*pick, r[i:i + 1], nw, EPS)
-        assert torch.equal(one[0], out[i]) and torch.equal(one_h[0], h[i]), i
-
-
-def test_combine_add_rmsnorm_dispatch_cpu_takes_the_reference():
-    args = combine_inputs(3, 2, 40, torch.float32, "cpu", True, seed=9)
-    got, want = norm.combine_add_rmsnorm(*args, EPS), norm.combine_add_rmsnorm_ref(*args, EPS)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    # the reference is the combine, rounded to the stream's dtype, and then add_rmsnorm's
-    c = moe.combine_ref(*args[:4], torch.float32)
-    assert torch.equal(want[0], norm.add_rmsnorm_ref(c, args[4], args[5], EPS)[0])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 5])
-@pytest.mark.parametrize("as_expert", [True, False])
-def test_combine_add_rmsnorm_35b_a3b_shapes(T, as_expert):
-    """The 35B-A3B's MoE output (H 2048, 8 routed experts; its shared expert as a ninth choice, or
-    apart with its gate), bf16: the same bits as the combine kernel then the norm kernel, and a
-    row's bits those of the row alone."""
-    k = 9 if as_expert else 8
-    y, w, s, gate, r, nw = combine_inputs(T, k, 2048, torch.bfloat16, "cuda", not as_expert, seed=T)
-    out, h = norm.combine_add_rmsnorm(y, w, s, gate, r, nw, EPS)
-    two, two_h = norm.add_rmsnorm(moe.combine(y, w, s, gate, torch.bfloat16), r, nw, EPS)
-    assert torch.equal(h, two_h) and torch.equal(out, two)
-    check(out, norm.combine_add_rmsnorm_ref(y, w, s, gate, r, nw, EPS)[0], 1e-2)
-    last = T - 1
-    one, one_h = norm.combine_add_rmsnorm(y[last * k:], w[last:], s[last:] if s is not None else None,
-                                          gate[last:] if gate is not None else None, r[last:], nw, EPS)
-    assert torch.equal(one, out[last:]) and torch.equal(one_h, h[last:])
