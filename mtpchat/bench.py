@@ -145,8 +145,8 @@ def main(args) -> int:
         model, name, config = resolved.path, resolved.name, ModelConfig.load(resolved.path)
     weights = getattr(opts, "weights", "auto")
     draft_vocab = getattr(opts, "draft_vocab", None)
-    from mtpchat.loader import free_memory
-    long = long_context(args, config, device, free_memory(device)[0],
+    from mtpchat.loader import device_memory
+    long = long_context(args, config, device, device_memory(device)[0],
                         weights=None if weights in (None, "auto") else weights, draft_vocab=draft_vocab)
     max_context = _max_context(args, config, getattr(opts, "max_context", None), long)
     engine = Engine(model, device=device, max_context=max_context, cuda_graphs=graphs, prefill_chunk=args.prefill_chunk,

@@ -64,8 +64,9 @@ def pick_device(requested: str, said: str | None = None) -> tuple[str, bool]:
     return requested, False
 
 
-def free_memory(device: str) -> tuple[int | None, int | None]:
-    """(free, total) bytes on the device; (None, None) when unknown."""
+def device_memory(device: str) -> tuple[int | None, int | None]:
+    """(free, total) bytes of the device's memory (the host's for the CPU), before anything is loaded;
+    (None, None) when unknown. What a started engine may take is engine.free_memory."""
     if device.startswith("cuda"):
         import torch
         free, total = torch.cuda.mem_get_info(int(device.partition(":")[2] or 0))
@@ -124,7 +125,7 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
     # MTP can be switched on live, so the head is loaded whenever the checkpoint has one
     # the engine's own limit (memory.K_MAX), whatever k it starts with: the draft count can rise live up to it
     k_max = memory.K_MAX
-    free = None if elsewhere else free_memory(device)[0]
+    free = None if elsewhere else device_memory(device)[0]
     snaps, weights = options.snapshots, weight_format(options.weights, config, device, name, notices,
                                                                 options.said("weights"))
     context = asked or default_context(config, name, free, k_max, dtype, has_mtp, graphs, snaps, notices, weights)

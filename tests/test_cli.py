@@ -318,7 +318,7 @@ def test_cuda_too_old(capsys, tiny, monkeypatch):
 
 def _gpu_with(monkeypatch, free):
     monkeypatch.setattr(loader, "pick_device", lambda requested, said=None: ("cuda", False))
-    monkeypatch.setattr(loader, "free_memory", lambda device: (free, 80 * GiB))
+    monkeypatch.setattr(loader, "device_memory", lambda device: (free, 80 * GiB))
 
 
 def test_not_enough_memory_suggests_a_smaller_model(capsys, big, monkeypatch):

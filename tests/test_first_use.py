@@ -81,7 +81,7 @@ def test_the_default_context_shrinks_to_what_fits(capsys, tmp_path, monkeypatch)
     free = memory.plan_memory(cfg, 5 * 1024, memory.K_MAX, "bfloat16").needed + 1
     assert not memory.plan_memory(cfg, 8192, memory.K_MAX, "bfloat16").fits(free)
     monkeypatch.setattr(loader, "pick_device", lambda requested, said=None: ("cuda", False))
-    monkeypatch.setattr(loader, "free_memory", lambda device: (free, 80 * GiB))
+    monkeypatch.setattr(loader, "device_memory", lambda device: (free, 80 * GiB))
     monkeypatch.setattr(loader.models, "resolve", lambda spec, **kw: type("R", (), dict(
         name="big", path=folder, has_mtp=True))())
     code, out, err = run(capsys, "--model", folder, "--dry-run")         # the app's plan (with turn snapshots)
@@ -188,7 +188,7 @@ def test_known_extra_tensors_still_load(tmp_path):
 def test_not_enough_memory_names_the_fp8_release(capsys, monkeypatch):
     # an alias with an FP8 release: the plan that would fit is that release
     monkeypatch.setattr(loader, "pick_device", lambda requested, said=None: ("cuda", False))
-    monkeypatch.setattr(loader, "free_memory", lambda device: (40 * GiB, 80 * GiB))
+    monkeypatch.setattr(loader, "device_memory", lambda device: (40 * GiB, 80 * GiB))
     code, out, _ = run(capsys, "run", "--model", "Qwen3.6-27B-MTP", "--dry-run")
     assert code == 1 and "what fits: --model Qwen3.6-27B-FP8, or --model Qwen3.5-9B" in out
     code, out, _ = run(capsys, "run", "--model", "Qwen3.6-27B-FP8", "--dry-run")
@@ -205,7 +205,7 @@ def test_fp8_where_it_cannot_run(capsys, tmp_path, monkeypatch):
     assert code == 0 and "stores FP8 weights, which this device cannot multiply" in err
     # an Ampere GPU: the plan suggests 4 bits or a smaller model, never FP8
     monkeypatch.setattr(loader, "pick_device", lambda requested, said=None: ("cuda", False))
-    monkeypatch.setattr(loader, "free_memory", lambda device: (40 * GiB, 80 * GiB))
+    monkeypatch.setattr(loader, "device_memory", lambda device: (40 * GiB, 80 * GiB))
     monkeypatch.setattr(loader, "fp8_capable", lambda device: False)
     code, out, _ = run(capsys, "run", "--model", "Qwen3.6-27B-MTP", "--dry-run")
     assert code == 1 and "what fits: --weights int4, or --model Qwen3.5-9B" in out

@@ -19,7 +19,7 @@ GiB = 2 ** 30
 def dry_run(capsys, monkeypatch, free, *argv, command="run", capable=True):
     """`mtpchat run --dry-run` on a GPU with `free` bytes free (FP8 running there where `capable`)."""
     monkeypatch.setattr(loader, "pick_device", lambda requested, said=None: ("cuda", False))
-    monkeypatch.setattr(loader, "free_memory", lambda device: (free, 80 * GiB))
+    monkeypatch.setattr(loader, "device_memory", lambda device: (free, 80 * GiB))
     monkeypatch.setattr(loader, "fp8_capable", lambda device: capable)
     code = cli.main([command, *map(str, argv), "--dry-run"])
     out, err = capsys.readouterr()

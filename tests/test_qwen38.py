@@ -58,7 +58,7 @@ def test_the_aliases_name_qwen38_and_plan_its_memory(capsys, monkeypatch):
     assert "Qwen3.8-27B-FP8" in "\n".join(models.list_models())
     assert models.suggest_alias("Qwen3.8-72B") == "Qwen3.8-27B"
     monkeypatch.setattr(loader, "pick_device", lambda requested, said=None: ("cuda", False))
-    monkeypatch.setattr(loader, "free_memory", lambda device: (40 * 2 ** 30, 80 * 2 ** 30))
+    monkeypatch.setattr(loader, "device_memory", lambda device: (40 * 2 ** 30, 80 * 2 ** 30))
     code = cli.main(["run", "--model", "Qwen3.8-27B", "--dry-run"])
     out, err = capsys.readouterr()
     assert code == 1 and "model: Qwen3.8-27B" in out and "Traceback" not in err
