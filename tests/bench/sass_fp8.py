@@ -31,14 +31,15 @@ from mtpchat.kernels import fp8, matvec, matvec_parts, moe
 from mtpchat.kernels.plan import ProductPlan
 
 H100 = ProductPlan(programs=132)     # the plan an H100 (132 SMs) gets: kernels/plan.py default_products
-DENSE = dict(G=0, BG=0, UNPACK=False, zw=None, perm=None)   # the products' 4-bit arguments, unused over FP8
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 OPS = ["HGMMA", "HMMA", "LDGSTS", "LDS", "LDSM", "F2FP", "F2F", "PRMT", "LOP3", "SHF", "HMUL2", "IMAD", "BAR"]
 
 
 def compile_sm90(fn, params: list[tuple[str, str]], consts: dict, aligned: set, warps: int, stages: int):
-    """The kernel compiled for sm_90: params (name, type) in order, constexprs, the names a launch
-    would mark 16-divisible (pointers and sizes)."""
+    """The kernel compiled for sm_90: params (name, type) in order, constexprs (the kernel's
+    defaults for the parameters given neither), the names a launch would mark 16-divisible
+    (pointers and sizes)."""
+    consts = {p.name: p.default for p in fn.params if p.has_default and p.name not in dict(params)} | consts
     sig = dict(params) | {k: "constexpr" for k in consts}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, _) in enumerate(params) if n in aligned}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
@@ -81,7 +82,7 @@ def production(bits: bool) -> list[tuple[str, object, list, dict, set, int, int]
     for swiglu in (False, True):
         BN, BK, warps, stages = matvec.tiles(16384, 5120, 2, swiglu=swiglu, fp8=True, plan=H100)
         consts = dict(BT=16, BN=BN, BK=BK, NBP=0, SWIGLU=swiglu, SPLIT=False, FP8=True, PDL=True,
-                      BITS=widening(bits, warps, BN), **DENSE)
+                      BITS=widening(bits, warps, BN))
         out.append((f"matvec{' swiglu' if swiglu else ''} {BN}x{BK} w{warps} s{stages}", matvec._matvec_kernel,
                     params, consts, aligned, warps, stages))
     params = [("x", "*bf16"), ("w", "*fp8e4nv"), ("sw", "*fp32"), ("y", "*fp32"), ("count", "*i32"), ("r", "*bf16"),
@@ -90,7 +91,7 @@ def production(bits: bool) -> list[tuple[str, object, list, dict, set, int, int]
     _, BN, BK, warps, _ = matvec_parts.split_config(5120, 17408, 2, H100)
     stages = H100.split_fp8_stages
     consts = dict(BT=16, BN=BN, BK=BK, S=3, NORM=True, FP8=True, PDL=True, BITS=widening(bits, warps, BN),
-                  RESIDUAL=True, **DENSE)
+                  RESIDUAL=True)
     out.append((f"parts+norm {BN}x{BK} w{warps} s{stages}", matvec_parts._matvec_parts_kernel,
                 params, consts, {n for n, _ in params} - {"T", "s_sw"}, warps, stages))
     BN, BK, warps, stages = moe.tiles("swiglu", True, True, plan=H100)

@@ -37,6 +37,12 @@ POINTERS = dict(x="*bf16", w="*i32", sw="*fp16", ws="*fp16", w2="*i32", ws2="*fp
                 reads="*i32", h="*bf16", hin="*bf16", r="*bf16", nw="*bf16", xn="*bf16", eps="fp32")
 
 
+def constexprs(fn, given):
+    # what a launch gives fn's constexpr parameters: their defaults, then `given` (those fn takes)
+    out = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    return {**out, **{a: v for a, v in given.items() if a in fn.arg_names}}
+
+
 def variants():
     # (name, kernel, its constexprs, pointer types other than POINTERS'[, (warps, stages)]); G 128 and BK 256: two
     # sub-tiles a tile (both forms take them); the "slices" form needs sub-tiles of 128 columns
@@ -90,7 +96,7 @@ for name, fn, consts, types, *launch in variants():
             n += 1
             for cap in caps:
                 c_["PDL"] = cap >= 90
-                c_ = {a: v for a, v in c_.items() if a in fn.arg_names}
+                c_ = constexprs(fn, c_)
                 sig = {a: "constexpr" if a in c_ else types.get(a, POINTERS.get(a, "i32")) for a in fn.arg_names}
                 # as a launch specialises them: pointers 16-byte aligned, the shapes and strides
                 # multiples of 16 (the rows' count T, the pairs' P and eps aside); with these hints
@@ -133,7 +139,7 @@ inter = [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGL
          ("dequantize", int4_gemm._dequantize_kernel, dict(G=128, BN=16, BK=1024, zw=None, INTERLEAVED=True), {"out": "*bf16"}, (4, 1))]
 for name, fn, consts, types, (warps, stages) in inter:
     for cap in (90, 80, 86, 89):
-        c_ = {a: v for a, v in dict(consts, PDL=cap >= 90).items() if a in fn.arg_names}
+        c_ = constexprs(fn, dict(consts, PDL=cap >= 90))
         sig = {a: "constexpr" if a in c_ else types.get(a, dict(POINTERS, w="*i16").get(a, "i32")) for a in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
                  if a not in c_ and a not in ("T", "P", "eps") and sig[a] != "fp32"}
