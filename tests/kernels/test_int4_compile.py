@@ -18,6 +18,7 @@ import sys
 import pytest
 
 COMPILE = r"""
+import os
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -35,6 +36,17 @@ except Exception as e:                      # Triton's own lookup: TRITON_PTXAS_
 POINTERS = dict(x="*bf16", w="*i32", sw="*fp16", ws="*fp16", w2="*i32", ws2="*fp16", y="*bf16", count="*i32",
                 ss="*fp32", zw="*u8", zw2="*u8", perm="*i32", perm2="*i32", expert="*i32", pairs="*i32",
                 reads="*i32", h="*bf16", hin="*bf16", r="*bf16", nw="*bf16", xn="*bf16", eps="fp32")
+
+
+# this process compiles every SHARDS-th compilation from SHARD on (the test runs one process a core)
+SHARD, SHARDS = map(int, os.environ.get("COMPILE_SHARD", "0/1").split("/"))
+_job = -1
+
+
+def mine():
+    global _job
+    _job += 1
+    return _job % SHARDS == SHARD
 
 
 def constexprs(fn, given):
@@ -77,7 +89,8 @@ def variants():
 
 # Each variant compiles in each form for all four targets (the slices form for sm_90 and sm_80),
 # and once more without zeros and perm (reshape: for one target in turn): some 110 compilations,
-# about 3 min on 2 cores the first time, seconds from Triton's cache after. Typing errors such as
+# about 8 min on one core from an empty cache (shared among the cores' processes), seconds from
+# Triton's cache after. Typing errors such as
 # a None returned or a branch compiled with the other format's tiles come before any target's
 # code; the targets' own instructions and shared memory (each variant on its own tiles and
 # layout: a prefill's experts take more than a step's) are checked on each.
@@ -95,6 +108,8 @@ for name, fn, consts, types, *launch in variants():
             caps = ((90, 80) if form == "slices" else (90, 80, 86, 89)) if first else ((90, 80, 86, 89)[n % 4],)
             n += 1
             for cap in caps:
+                if not mine():
+                    continue
                 c_["PDL"] = cap >= 90
                 c_ = constexprs(fn, c_)
                 sig = {a: "constexpr" if a in c_ else types.get(a, POINTERS.get(a, "i32")) for a in fn.arg_names}
@@ -139,6 +154,8 @@ inter = [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGL
          ("dequantize", int4_gemm._dequantize_kernel, dict(G=128, BN=16, BK=1024, zw=None, INTERLEAVED=True), {"out": "*bf16"}, (4, 1))]
 for name, fn, consts, types, (warps, stages) in inter:
     for cap in (90, 80, 86, 89):
+        if not mine():
+            continue
         c_ = constexprs(fn, dict(consts, PDL=cap >= 90))
         sig = {a: "constexpr" if a in c_ else types.get(a, dict(POINTERS, w="*i16").get(a, "i32")) for a in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
@@ -158,15 +175,21 @@ for name, fn, consts, types, (warps, stages) in inter:
 
 def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
     """In a process of its own: this one may run Triton's interpreter, whose kernels never compile.
-    The child finds the package as this process does (its sys.path) and ptxas as Triton does
-    (TRITON_PTXAS_PATH, else the one Triton ships); only where there is none at all it skips."""
+    The children (one a core, each compiling its share) find the package as this process does (its
+    sys.path) and ptxas as Triton does (TRITON_PTXAS_PATH, else the one Triton ships); only where
+    there is none at all it skips."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    if done.stdout.startswith("NO PTXAS"):
-        pytest.skip(f"Triton finds no ptxas to compile with: {done.stdout.strip()}")
-    assert done.returncode == 0, (done.stdout[-2000:] + done.stderr[-4000:])
-    assert done.stdout.count("ok ") >= 80, done.stdout[-2000:]
-    assert "pairs" in done.stdout and done.stdout.count("ok interleaved") == 24, done.stdout[-2000:]
+    shards = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    children = [subprocess.Popen([sys.executable, "-c", COMPILE], env=dict(env, COMPILE_SHARD=f"{i}/{shards}"),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(shards)]
+    outputs = [child.communicate(timeout=900) for child in children]
+    stdout = "".join(out for out, _ in outputs)
+    if stdout.startswith("NO PTXAS"):
+        pytest.skip(f"Triton finds no ptxas to compile with: {stdout.strip()}")
+    for child, (out, err) in zip(children, outputs):
+        assert child.returncode == 0, (out[-2000:] + err[-4000:])
+    assert stdout.count("ok ") >= 80, stdout[-2000:]
+    assert "pairs" in stdout and stdout.count("ok interleaved") == 24, stdout[-2000:]
