@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from probe_fp8 import graph_time
+from graph_timing import graph_time
 
 from mtpchat.kernels import fp8, matvec, matvec_parts
 from mtpchat.kernels.plan import ProductPlan, default_products

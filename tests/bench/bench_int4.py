@@ -27,7 +27,7 @@ import torch
 
 import triton
 import triton.language as tl
-from graph_timing import graph_time
+from graph_timing import copy_bandwidth, graph_time
 from mtpchat.kernels import fp8, int4, int4_gemm, matvec, matvec_parts, moe
 from mtpchat.kernels.plan import ProductPlan, default_products
 
@@ -80,14 +80,6 @@ INTERLEAVED_CANDIDATES = {
               (3, 16, 512, 1, 4), (6, 16, 512, 1, 4)],
     "expert": [(32, 512, 2, 2), (32, 256, 4, 4), (64, 512, 4, 3), (32, 512, 2, 4), (64, 256, 4, 4), (16, 512, 1, 2),
                (32, 256, 2, 4), (32, 1024, 2, 2), (128, 512, 8, 2), (16, 256, 1, 4)]}
-
-
-def copy_bandwidth() -> float:
-    """bytes / s of a device-to-device copy, read and written bytes both counted."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    t = graph_time(lambda i: b.copy_(a), 1, 5)
-    return 2 * a.numel() / (t * 1e-6)
 
 
 def copies_for(nbytes: int) -> int:

@@ -25,3 +25,11 @@ def graph_time(fn, copies: int, launches: int = 20) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / launches)
     return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """bytes / s of a device-to-device copy of 1 GiB, read and written bytes both counted."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = graph_time(lambda i: b.copy_(a), 1, 5)
+    return 2 * a.numel() / (t * 1e-6)
