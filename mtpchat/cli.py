@@ -172,7 +172,8 @@ def kernel_plan_line(prep) -> str:
     from mtpchat.engine.plan import KernelPlan
     if prep.device.startswith("cuda") and not torch.cuda.is_available():
         return "kernel plan: chosen on the GPU at load (its products split by its SMs)"
-    plan = KernelPlan.choose(prep.device, prep.config, prep.plan.weight_format == "fp8", prep.weights == "int4").describe()
+    plan = KernelPlan.choose(prep.device, prep.config, prep.plan.weight_format == "fp8",
+                             prep.weights == "int4").describe()
     products = plan.pop("products")
     return "kernel plan: " + " ".join(f"{k}={v}" for k, v in {**plan, **products}.items())
 

@@ -90,10 +90,10 @@ def variants():
 # Each variant compiles in each form for all four targets (the slices form for sm_90 and sm_80),
 # and once more without zeros and perm (reshape: for one target in turn): some 110 compilations,
 # about 8 min on one core from an empty cache (shared among the cores' processes), seconds from
-# Triton's cache after. Typing errors such as
-# a None returned or a branch compiled with the other format's tiles come before any target's
-# code; the targets' own instructions and shared memory (each variant on its own tiles and
-# layout: a prefill's experts take more than a step's) are checked on each.
+# Triton's cache after. Typing errors such as a None returned or a branch compiled with the other
+# format's tiles come before any target's code; the targets' own instructions and shared memory
+# (each variant on its own tiles and layout: a prefill's experts take more than a step's) are
+# checked on each.
 SHARED_MEMORY = {90: 232448, 80: 166912, 86: 101376, 89: 101376}    # bytes a block may take, per target
 n, seen = 0, set()
 for name, fn, consts, types, *launch in variants():

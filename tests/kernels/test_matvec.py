@@ -95,7 +95,8 @@ def test_matvec_swiglu_27b_shapes_and_rows():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_late_release_changes_no_bit(fmt):
-    # ProductPlan.late_release moves PDL's launch_dependents after the loop: the same sums
+    # ProductPlan.late_release moves PDL's launch_dependents after the loop: the same sums, from
+    # kernels compiled apart (the plan reaches the launch)
     g = torch.Generator().manual_seed(13)
     bf16 = dict(dtype=torch.bfloat16, device="cuda", gen=g)
     x, xd = randn(4, 5120, **bf16), randn(4, 6144, **bf16)
@@ -103,12 +104,20 @@ def test_late_release_changes_no_bit(fmt):
     if fmt == "fp8":
         w, w2, wd = (fp8.quantize_ref(t) for t in (w, w2, wd))
     r, nw = randn(4, 5120, **bf16), randn(5120, scale=0.1, **bf16)
-    early = default_products("cuda")
+    early = dataclasses.replace(default_products("cuda"), late_release=False)
     late = dataclasses.replace(early, late_release=True)
-    for run in (lambda p: matvec.matvec(x, w, plan=p), lambda p: matvec.matvec_swiglu(x, w2, p),
-                lambda p: matvec_parts.matvec_parts_triton(xd, wd, plan=p),
-                lambda p: matvec_parts.matvec_parts_triton(xd, wd, norm=(r, nw, 1e-6), plan=p)[1]):
-        assert torch.equal(run(late), run(early))
+    compiled = lambda fn: sum(len(cache[0]) for cache in fn.device_caches.values())
+    for fn in (matvec._matvec_kernel, matvec_parts._matvec_parts_kernel):
+        fn.device_caches.clear()       # (an engine test may have compiled the late forms already)
+    for fn, run in ((matvec._matvec_kernel, lambda p: matvec.matvec(x, w, plan=p)),
+                    (matvec._matvec_kernel, lambda p: matvec.matvec_swiglu(x, w2, p)),
+                    (matvec_parts._matvec_parts_kernel, lambda p: matvec_parts.matvec_parts_triton(xd, wd, plan=p)),
+                    (matvec_parts._matvec_parts_kernel,
+                     lambda p: matvec_parts.matvec_parts_triton(xd, wd, norm=(r, nw, 1e-6), plan=p)[1])):
+        want = run(early)
+        before = compiled(fn)
+        assert torch.equal(run(late), want)
+        assert compiled(fn) > before, "the late placement did not reach the kernel's compilation"
 
 
 
