@@ -187,28 +187,36 @@ def gemm_cublas(xq: torch.Tensor, xs: torch.Tensor, q: BlockFP8, out_dtype: torc
 
 
 CUBLAS_MIN_ROWS = 256         # fewer rows go to the Triton kernel
-_cublas_trusted: dict = {}    # (device, N, K, dtype, rows rounded up to a power of two) -> seen right
+_cublas_trusted: dict = {}    # (what, device, N, K, dtype, rows rounded up to a power of two) -> seen right
+
+
+def cublas_trusted(key: tuple, trial) -> bool:
+    """Whether cuBLAS's block-scaled product serves the product named by `key` (its kind, device,
+    weight shape, dtype and rows rounded up to a power of two): `trial()` runs it once against a
+    reference and says whether they agree; an error there counts as no. cuBLAS refuses some shapes
+    with an error, and some it returns wrong without one (an H100, CUDA 13.0: 640 x 384 weights
+    came back 46% off, every 27B shape right; tests/bench/probe_fp8.py)."""
+    if key not in _cublas_trusted:
+        try:
+            _cublas_trusted[key] = bool(trial())
+        except RuntimeError:          # NotImplementedError too: a scaling this GPU's cuBLAS lacks
+            _cublas_trusted[key] = False
+    return _cublas_trusted[key]
 
 
 def _cublas_for(q: BlockFP8, dtype: torch.dtype, M: int) -> bool:
-    """Whether cuBLAS's block-scaled product serves weights of q's shape for M rows: tried once
-    for each power of two of rows against the Triton kernel. cuBLAS refuses some shapes with an
-    error, and some it returns wrong without one (an H100, CUDA 13.0: 640 x 384 weights came back
-    46% off, every 27B shape right; tests/bench/probe_fp8.py)."""
+    """Whether cuBLAS serves weights of q's shape for M rows: tried once for each power of two of
+    rows against the Triton kernel (cublas_trusted)."""
     N, K = q.w.shape
     rows = triton.next_power_of_2(M)
-    key = (q.w.device, N, K, dtype, rows)
-    if key not in _cublas_trusted:
+
+    def trial():
         g = torch.Generator(device=q.w.device).manual_seed(0)
         xq, xs = quantize_rows_triton(torch.randn(rows, K, device=q.w.device, generator=g).to(dtype))
-        try:
-            got = gemm_cublas(xq, xs, q, torch.float32)
-        except RuntimeError:
-            _cublas_trusted[key] = False
-        else:
-            want = gemm_quantized_triton(xq, xs, q, torch.float32)
-            _cublas_trusted[key] = bool(((got - want).norm() / want.norm()) < 1e-2)
-    return _cublas_trusted[key]
+        got = gemm_cublas(xq, xs, q, torch.float32)
+        want = gemm_quantized_triton(xq, xs, q, torch.float32)
+        return ((got - want).norm() / want.norm()) < 1e-2
+    return cublas_trusted(("block", q.w.device, N, K, dtype, rows), trial)
 
 
 def gemm(x: torch.Tensor, q: BlockFP8) -> torch.Tensor:

@@ -256,29 +256,35 @@ def bench_experts(Ts, base: ProductPlan, bw: float, quick: bool, out: list, inte
 
 def bench_prefill(T: int, out: list):
     """Prefill's products at T rows: bf16's torch matmul against the 4-bit forms (ProductPlan
-    int4_prefill): "fused" (kernels/int4_gemm.py's kernel) and "dense" (dequantized slabs, then
-    torch's matmul)."""
+    int4_prefill): "fused" (kernels/int4_gemm.py's kernel), "dense" (dequantized slabs, then
+    torch's matmul) and "fp8" (slabs of the integers, x's rows in FP8, cuBLAS's block-scaled
+    product), the dense and fp8 forms over the natural and the interleaved layouts."""
     for name, N, K, _ in SHAPES:
         q = quantized(N, K)
         x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
         wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-        want = int4_gemm.gemm_ref(x, q)
+        want, want_fp8 = int4_gemm.gemm_ref(x, q), int4_gemm.fp8_gemm_ref(x, q)
         row = dict(product=name, N=N, K=K, T=T, prefill=True)
         il = int4.interleave_ref(q)
         for form, fn in (("bf16", lambda: x @ wb.T), ("fused", lambda: int4_gemm.gemm_triton(x, q)),
                          ("dense", lambda: int4_gemm.dense_gemm(x, q)),
-                         ("dense interleaved", lambda: int4_gemm.dense_gemm(x, il))):
+                         ("dense interleaved", lambda: int4_gemm.dense_gemm(x, il)),
+                         ("fp8", lambda: int4_gemm.fp8_dense_gemm(x, q)),
+                         ("fp8 interleaved", lambda: int4_gemm.fp8_dense_gemm(x, il))):
             if form != "bf16":
-                err = rel(fn(), want)
+                err = rel(fn(), want_fp8 if form.startswith("fp8") else want)
                 assert err < 2e-2, f"prefill {name} {form}: relative error {err:.1e}"
             row[form + "_us"] = graph_time(lambda i: fn(), 1, 5)
+        row["fp8_error_to_exact"] = rel(int4_gemm.fp8_dense_gemm(x, q), want)
         row["dequantize_us"] = graph_time(lambda i: int4_gemm.dequantize_triton(q, torch.bfloat16, (0, min(N, 12800))), 1, 5)
         row["dequantize_interleaved_us"] = graph_time(
             lambda i: int4_gemm.dequantize_triton(il, torch.bfloat16, (0, min(N, 12800))), 1, 5)
         out.append(row)
         print(f"prefill {name} [{N} x {K}] T={T}: bf16 {row['bf16_us']:.0f} us, 4-bit fused {row['fused_us']:.0f} us, "
-              f"dense {row['dense_us']:.0f} us, interleaved {row['dense interleaved_us']:.0f} us (one slab's "
-              f"dequantizing {row['dequantize_us']:.0f} us, interleaved {row['dequantize_interleaved_us']:.0f})", flush=True)
+              f"dense {row['dense_us']:.0f} us, interleaved {row['dense interleaved_us']:.0f} us, fp8 "
+              f"{row['fp8_us']:.0f} us, interleaved {row['fp8 interleaved_us']:.0f} us (fp8 off the exact product by "
+              f"{row['fp8_error_to_exact']:.1e}; one slab's dequantizing {row['dequantize_us']:.0f} us, interleaved "
+              f"{row['dequantize_interleaved_us']:.0f})", flush=True)
 
 
 def main():

@@ -12,6 +12,13 @@ float32 on the CPU:
   MTP-on output equals MTP off (it must, in either format).
 
     PYTHONPATH=tests python tests/bench/quality_int4.py [--tokens 64] [--window 1024] [--json out.json]
+    PYTHONPATH=tests python tests/bench/quality_int4.py --prefill-forms      # on a GPU
+
+`--prefill-forms` (a GPU) scores the held-out texts three ways instead, in bf16: the checkpoint
+as it is, and `--weights int4` with prefill's 4-bit products in the dense form and in the fp8 form
+(kernels/int4_gemm.py: x's rows quantized to FP8 per token and 128 columns). The scores are a
+prefill's logits, so they show what the fp8 form alone costs; a text of fewer than 256 tokens
+(the held-out prompts) takes the dense form either way (int4_gemm.fp8_serves).
 
 PYTHONPATH=tests: the held-out files are the training script's (tools.demo.corpus). About two
 minutes on two CPU cores.
@@ -64,7 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per held-out prompt (default 64)")
     p.add_argument("--window", type=int, default=1024, help="tokens of each held-out file scored (default 1024)")
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--prefill-forms", action="store_true", help="on a GPU: int4 prefill's dense and fp8 forms")
     args = p.parse_args(argv)
+    if args.prefill_forms:
+        return prefill_forms(args)
 
     t0 = time.perf_counter()
     engines = {w: Engine.load(DEMO, device="cpu", dtype=torch.float32, max_context=2048, weights=w)
@@ -99,6 +109,33 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(out, indent=1))
     identical = all(m["identical_to_mtp_off"] for by_k in out["mtp_real"].values() for m in by_k.values())
     return 0 if identical else 1
+
+
+def prefill_forms(args) -> int:
+    """The held-out perplexity of bf16 and of int4 under prefill's dense and fp8 forms, on a GPU."""
+    t0 = time.perf_counter()
+    load = dict(device="cuda", dtype=torch.bfloat16, max_context=2048, cuda_graphs=False)
+    engines = {"bf16": Engine.load(DEMO, weights="bf16", **load)}
+    for form in ("dense", "fp8"):
+        e = Engine.load(DEMO, weights="int4", **load)
+        e.plan = e.plan.replace(int4_prefill=form)
+        engines[f"int4 {form}"] = e
+    tok = engines["bf16"].tokenizer
+    prompts = [tok.encode(json.loads(line)["prompt"]) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    files = [ids[:args.window] for ids in map(tok.encode, heldout_texts()) if len(ids) > 1]
+    out = {"heldout_files": perplexity(engines, files), "heldout_prompts": perplexity(engines, prompts),
+           "plans": {name: e.plan.describe()["products"]["int4_prefill"] for name, e in engines.items()}}
+    out["seconds"] = time.perf_counter() - t0
+    for key in ("heldout_files", "heldout_prompts"):
+        r = out[key]
+        print(f"{key}: {r['documents']} texts, {r['tokens']:,} tokens scored")
+        for name in engines:
+            print(f"  {name:<10} perplexity {r[name]['perplexity']:.4f}  top-1 agreement with bf16 "
+                  f"{r[name]['top1_agreement']:.4f}")
+    print(f"{out['seconds']:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_checks import TOL, check, int4_weight, randn
 
-from mtpchat.kernels import int4, int4_gemm
+from mtpchat.kernels import fp8_gemm, int4, int4_gemm
 from mtpchat.kernels.plan import ProductPlan
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -81,3 +81,67 @@ def test_int4_dense_prefill(device, dtype, T, N, K, group, symmetric, perm):
     want = (x.float() @ int4.dequantize_ref(w, dtype).float().T).to(dtype)    # the weight rounded to x's dtype
     check(int4_gemm.dense_gemm(x, w, slab_bytes=16 * K * x.element_size()), want, TOL[dtype])
     check(int4_gemm.dense_gemm(x, w), want, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("N,K,group,symmetric,interleave", [(50, 384, 128, True, False), (33, 1152, 128, False, True),
+                                                            (21, 256, 64, False, False)])
+def test_int4_values_dequantize_exactly(device, dtype, N, K, group, symmetric, interleave):
+    """The fp8 form's slab: the integers q - zero, unscaled, exact in float8_e4m3fn; rows 5 .. 20
+    alone as a slab writes them."""
+    w = int4_weight(N, K, device, N + 3, group, symmetric)
+    if interleave:
+        w = int4.interleave_ref(w)
+    want = int4_gemm.values_minus_zero_ref(w)
+    assert want.abs().max() <= 15 and want.abs().max() >= 7
+    assert torch.equal(int4_gemm.dequantize_triton(w, dtype, scaled=False).float(), want)
+    out = torch.zeros(15, K, dtype=dtype, device=device)
+    int4_gemm.dequantize_triton(w, dtype, (5, 20), out, scaled=False)
+    assert torch.equal(out.float(), want[5:20])
+
+
+def test_fp8_form_reference_is_quantized_rows_times_the_weight(device):
+    # with a perm: x's columns in the weight's order are what is quantized in groups of 128
+    w = int4_weight(40, 512, device, 9, 128, False, True)
+    x = randn(7, 512, device=device, seed=8)
+    xp = x[:, w.perm.long()]
+    xq, xs = fp8_gemm.quantize_rows_ref(xp)
+    want = (xq.float() * xs.repeat_interleave(128, dim=1)) @ int4.dequantize_ref(w._replace(perm=None)).T
+    check(int4_gemm.fp8_gemm_ref(x, w), want, 1e-6)
+    # the activations' rounding is all that moves it off the exact product: a few percent at most
+    check(int4_gemm.fp8_gemm_ref(x, w), int4_gemm.gemm_ref(x, w), 5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K,T,symmetric,perm", [(16384, 5120, 300, True, False), (5120, 17408, 2048, False, True),
+                                                  (34816, 5120, 257, True, False)])
+def test_int4_fp8_prefill_27b_shapes(N, K, T, symmetric, perm):
+    """The fp8 form on the 27B's shapes (several slabs and a partial last one where the weight is
+    larger than a slab) against what it computes in float32, and the plan's dispatch to it."""
+    w = int4_weight(N, K, "cuda", 4, 128, symmetric, perm)
+    x = randn(T, K, dtype=torch.bfloat16, device="cuda", seed=5)
+    assert int4_gemm.fp8_serves(x, w)
+    got = int4_gemm.fp8_dense_gemm(x, w)
+    check(got, int4_gemm.fp8_gemm_ref(x, w), 1e-2)
+    check(got, int4_gemm.gemm_ref(x, w), 5e-2)
+    small = int4_gemm.fp8_dense_gemm(x, w, slab_bytes=3000 * K * 2)     # slabs of 3,008 rows
+    check(small, int4_gemm.fp8_gemm_ref(x, w), 1e-2)
+    plan = ProductPlan(programs=132, int4_prefill="fp8")
+    assert torch.equal(int4_gemm.gemm(x, w, plan), got)
+    il = int4.interleave_ref(w) if not perm else w
+    check(int4_gemm.gemm(x, il, plan), int4_gemm.fp8_gemm_ref(x, w), 1e-2)
+
+
+@pytest.mark.gpu
+def test_int4_fp8_prefill_falls_back_to_dense():
+    """Where the fp8 form does not serve (fewer rows than cuBLAS takes, groups other than 128) the
+    plan's fp8 form is the dense one, bit for bit."""
+    plan = ProductPlan(programs=132, int4_prefill="fp8")
+    w = int4_weight(1024, 2048, "cuda", 6, 128, True)
+    x = randn(100, 2048, dtype=torch.bfloat16, device="cuda", seed=6)
+    assert not int4_gemm.fp8_serves(x, w)
+    assert torch.equal(int4_gemm.gemm(x, w, plan), int4_gemm.dense_gemm(x, w))
+    w64 = int4_weight(1024, 2048, "cuda", 7, 64, False)
+    x = randn(512, 2048, dtype=torch.bfloat16, device="cuda", seed=7)
+    assert not int4_gemm.fp8_serves(x, w64)
+    assert torch.equal(int4_gemm.gemm(x, w64, plan), int4_gemm.dense_gemm(x, w64))
