@@ -217,7 +217,7 @@ def fp8_serves(x: torch.Tensor, w: GroupInt4, slab_bytes: int = SLAB_BYTES) -> b
     def trial(n: int) -> bool:
         g = torch.Generator(device=x.device).manual_seed(0)
         xr = torch.randn(M, K, device=x.device, dtype=x.dtype, generator=g)
-        values = torch.randint(-15, 16, (n, K), device=x.device, generator=g).to(torch.float32).to(FP8)
+        values = torch.randint(-15, 16, (n, K), device=x.device, generator=g, dtype=torch.int8).half().to(FP8)
         scale = torch.rand(n, K // BLOCK, device=x.device, generator=g) + 0.5
         xq, xs = fp8_gemm.quantize_rows_triton(xr)
         got = _fp8_slab(xq, xs, values, scale, torch.float32)[:64]
