@@ -52,14 +52,19 @@ class KernelPlan:
         the device's SMs; the shared expert among the routed ones where the shapes allow (and, at
         run time, where it is stored as they are: SparseMoE). The other forms won or tied on
         every model measured (27B and 35B-A3B, bf16 and FP8; the small split on the 35B-A3B in bf16
-        measured 0.986 x, 1.000 x and 1.006 x on three H100s: kept, a tie)."""
+        measured 0.986 x, 1.000 x and 1.006 x on three H100s: kept, a tie). Prefill's 4-bit products
+        take the fp8 form on Hopper (int4_gemm.py; the dense form elsewhere)."""
         device = torch.device(device)
         products = default_products(device)
         bits = fp8 and device.type == "cuda" and fp8_runs_on(device)
         # the expert kernels take the shared expert only as wide as a routed one
         alike = config.shared_expert_intermediate_size == config.moe_intermediate_size
         late = (fp8 or int4) and device.type == "cuda"
-        return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late),
+        # 4-bit prefill on the FP8 tensor cores where cuBLAS's block-scaled product runs (Hopper): the
+        # 27B int4's 8K prompt in 649 against 825 ms (kernels/int4_gemm.py)
+        hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+        return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late,
+                                                int4_prefill="fp8" if hopper else products.int4_prefill),
                    shared_as_expert=config.is_moe and alike)
 
     def replace(self, **changes) -> "KernelPlan":

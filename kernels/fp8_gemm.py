@@ -65,14 +65,14 @@ def _round_e4m3(b_v):
 
 
 @triton.jit
-def _quantize_rows_kernel(x, xq, xs, M, K, s_x, s_q, s_sm, s_sk, BR: tl.constexpr, G: tl.constexpr,
+def _quantize_rows_kernel(x, xq, xs, M, MP, K, s_x, s_q, s_sm, s_sk, BR: tl.constexpr, G: tl.constexpr,
                           INTERPRET: tl.constexpr):
-    # program (i_r, i_g): rows i_r BR .. + BR, columns of group i_g
+    # program (i_r, i_g): rows i_r BR .. + BR, columns of group i_g; rows M .. MP are padding (zeros)
     i_r, i_g = tl.program_id(0), tl.program_id(1)
     o_r = i_r * BR + tl.arange(0, BR)
     o_k = i_g * G + tl.arange(0, G)
-    m_r = o_r < M
-    m_x = m_r[:, None] & (o_k < K)[None, :]
+    m_r = o_r < MP
+    m_x = (o_r < M)[:, None] & (o_k < K)[None, :]
     b_x = tl.load(x + o_r[:, None] * s_x + o_k[None, :], mask=m_x, other=0.).to(tl.float32)
     b_amax = tl.max(tl.abs(b_x), axis=1)
     # IEEE divisions (div_rn; `/` is div.full.f32 on NVIDIA) so that the bits are the reference's
@@ -81,25 +81,27 @@ def _quantize_rows_kernel(x, xq, xs, M, K, s_x, s_q, s_sm, s_sk, BR: tl.constexp
     b_q = tl.minimum(tl.maximum(b_q, -448.), 448.)
     if INTERPRET:
         b_q = _round_e4m3(b_q)
-    tl.store(xq + o_r[:, None] * s_q + o_k[None, :], b_q.to(xq.dtype.element_ty), mask=m_x)
+    tl.store(xq + o_r[:, None] * s_q + o_k[None, :], b_q.to(xq.dtype.element_ty), mask=m_r[:, None] & (o_k < K)[None, :])
     tl.store(xs + o_r * s_sm + i_g * s_sk, b_s, mask=m_r)
 
 
-def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(x: torch.Tensor, pad: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows_ref in one pass over x. xs comes as the transpose of a [KB, M] tensor (its
     shape [M, KB], strides (1, M)): the product reads a step's BM token scales as one contiguous
-    run."""
+    run. `pad`: the rows rounded up to a multiple of it, the rows added zeros with scale 1 (cuBLAS
+    takes rows in multiples of CUBLAS_ROWS only)."""
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with contiguous rows"
     assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), f"x is {x.dtype}"
     M, K = x.shape
+    MP = triton.cdiv(M, pad) * pad
     KB = triton.cdiv(K, BLOCK)
-    xq = torch.empty(M, K, dtype=FP8, device=x.device)
-    xs = torch.empty(KB, M, dtype=torch.float32, device=x.device).T
-    if M == 0:
+    xq = torch.empty(MP, K, dtype=FP8, device=x.device)
+    xs = torch.empty(KB, MP, dtype=torch.float32, device=x.device).T
+    if MP == 0:
         return xq, xs
     BR = 32
-    _quantize_rows_kernel[(triton.cdiv(M, BR), KB)](
-        x, xq, xs, M, K, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1), BR=BR, G=BLOCK,
+    _quantize_rows_kernel[(triton.cdiv(MP, BR), KB)](
+        x, xq, xs, M, MP, K, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1), BR=BR, G=BLOCK,
         INTERPRET=interpreting(), num_warps=4)
     return xq, xs
 
@@ -187,6 +189,9 @@ def gemm_cublas(xq: torch.Tensor, xs: torch.Tensor, q: BlockFP8, out_dtype: torc
 
 
 CUBLAS_MIN_ROWS = 256         # fewer rows go to the Triton kernel
+# cuBLAS's rows in multiples of this (the rows' 1 x 128 scales are M-major: other counts misalign
+# their columns; an H100, CUDA 13: 257 and 2,047 rows refused with CUBLAS_STATUS_NOT_SUPPORTED)
+CUBLAS_ROWS = 16
 _cublas_trusted: dict = {}    # (what, device, N, K, dtype, rows rounded up to a power of two) -> seen right
 
 
@@ -204,7 +209,7 @@ def cublas_trusted(key: tuple, trial) -> bool:
     return _cublas_trusted[key]
 
 
-def _cublas_for(q: BlockFP8, dtype: torch.dtype, M: int) -> bool:
+def cublas_serves(q: BlockFP8, dtype: torch.dtype, M: int) -> bool:
     """Whether cuBLAS serves weights of q's shape for M rows: tried once for each power of two of
     rows against the Triton kernel (cublas_trusted)."""
     N, K = q.w.shape
@@ -212,7 +217,7 @@ def _cublas_for(q: BlockFP8, dtype: torch.dtype, M: int) -> bool:
 
     def trial():
         g = torch.Generator(device=q.w.device).manual_seed(0)
-        xq, xs = quantize_rows_triton(torch.randn(rows, K, device=q.w.device, generator=g).to(dtype))
+        xq, xs = quantize_rows_triton(torch.randn(rows, K, device=q.w.device, generator=g, dtype=dtype))
         got = gemm_cublas(xq, xs, q, torch.float32)
         want = gemm_quantized_triton(xq, xs, q, torch.float32)
         return ((got - want).norm() / want.norm()) < 1e-2
@@ -221,18 +226,19 @@ def _cublas_for(q: BlockFP8, dtype: torch.dtype, M: int) -> bool:
 
 def gemm(x: torch.Tensor, q: BlockFP8) -> torch.Tensor:
     """x [M, K] @ dequant(q)ᵀ: fp8 activations and tensor cores for CUDA tensors (cuBLAS for the
-    shapes it was seen to compute right, else the Triton kernel), the exact float32 product of the
-    dequantized weights otherwise (see the module's docstring)."""
+    shapes it was seen to compute right, its rows padded to CUBLAS_ROWS, else the Triton kernel),
+    the exact float32 product of the dequantized weights otherwise (see the module's docstring)."""
     if not use_triton(x, q.w):
         return (x.float() @ dequantize_ref(q).T).to(x.dtype)
     assert x.dim() == 2 and x.shape[1] == q.w.shape[1], f"x {tuple(x.shape)} and the weight {tuple(q.w.shape)} disagree"
-    xq, xs = quantize_rows_triton(x)
     # a few rows are no work for either; cuBLAS has no algorithm for some row counts (1 and 130
     # seen), and finding that out costs more than the Triton kernel's whole product
     M = x.shape[0]
-    if M >= CUBLAS_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16) and _cublas_for(q, x.dtype, M):
+    if M >= CUBLAS_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16) and cublas_serves(q, x.dtype, M):
+        xq, xs = quantize_rows_triton(x, CUBLAS_ROWS)
         try:
-            return gemm_cublas(xq, xs, q, x.dtype)
+            return gemm_cublas(xq, xs, q, x.dtype)[:M]
         except RuntimeError:
             pass
+    xq, xs = quantize_rows_triton(x)
     return gemm_quantized_triton(xq, xs, q, x.dtype)

@@ -7,15 +7,14 @@ rows, in one of three forms (ProductPlan.int4_prefill):
   again (four times the 4-bit bytes) and its memory. x is read through the weight's perm first
   (GPTQ's desc_act), so the slab stays in the weight's own column order. The products round the
   dequantized weight to x's dtype, as the CPU's path (forms.dense_ref) does.
-- "fp8": the same slabs, but of the weight's integers q - zero (-15 .. 15, exact in float8_e4m3fn)
-  rather than of the weights, and the product on Hopper's FP8 tensor cores: x's rows quantized
-  per token and 128 columns as fp8_gemm.py quantizes them for FP8 checkpoints, and cuBLAS's
-  block-scaled product applying both scales, 1 x 128 of the rows and 1 x 128 of the weight's (its
-  group scales, one per row and group, in float32: a group of 128 is such a block). The slab is
-  half the dense one's bytes and the tensor cores run at twice the rate; what it costs is x's
-  precision in prefill (e4m3's 3 mantissa bits a value, with a scale per 128), as the official
-  FP8 checkpoints are run. Only groups of 128, at CUBLAS_MIN_ROWS rows or more, where cuBLAS was
-  seen to compute the shape right (fp8_gemm.cublas_trusted); anything else takes the dense form.
+- "fp8": the same slabs, but requantized to FP8 in 128 x 128 blocks (the dequantized weights in
+  float32, a block's scale amax / 448, as fp8.quantize_ref and the official FP8 checkpoints
+  quantize), x's rows quantized per token and 128 columns as fp8_gemm.py quantizes them, and
+  cuBLAS's block-scaled product on Hopper's FP8 tensor cores. The slab is half the dense one's
+  bytes and the tensor cores run at twice the rate; what it costs is precision in prefill alone:
+  x's values to e4m3's 3 mantissa bits, and the weights rounded to e4m3 on their block's scale.
+  Only on Hopper, for groups of 128 and whole 128-row blocks, at CUBLAS_MIN_ROWS rows or more
+  (fp8_serves); anything else takes the dense form.
 - "fused": one kernel that unpacks each weight tile in registers (int4.dot_int4, as the few-row
   products do) and never writes a dense copy: a program takes BM rows of x by BN rows of w, the
   weight rows being the dot's M ([BN, G] @ [G, BM]), each group's float32 result scaled in float32.
@@ -25,16 +24,18 @@ Measured at 2048 rows on an H100 (tests/bench/bench_int4.py --prefill-only, 2026
 torch matmul, fused, dense, in us): the 27B's GDN in_proj [16384 x 5120] 438, 2255, 589; MLP
 gate|up [34816 x 5120] 923, 4805, 1235; MLP down [5120 x 17408] 454, 2409, 581; out_proj
 [5120 x 6144] 166, 880, 191. A slab of 12800 x 5120 dequantizes in 66 us (2.5 TB/s written and
-read). The dense form is the plan's default.
+read). The dense form is ProductPlan's default; the engine's plan takes the fp8 form on Hopper
+(engine/plan.py). Its measurements (H100, 2026-11-26, tests/bench/bench_int4.py --prefill-only,
+probe_prefill_chunk.py, quality_int4.py --prefill-forms) are in docs/PERFORMANCE.md.
 """
 from __future__ import annotations
 
 import torch
 
-from mtpchat.kernels import fp8_gemm
-from mtpchat.kernels._triton import tl, triton, use_triton
-from mtpchat.kernels.fp8 import BLOCK, FP8
-from mtpchat.kernels.int4 import GroupInt4, check_int4, dequantize_ref, dot_int4, form_args, form_of, values_ref
+from mtpchat.kernels import fp8, fp8_gemm
+from mtpchat.kernels._triton import interpreting, tl, triton, use_triton
+from mtpchat.kernels.fp8 import BLOCK, FP8, BlockFP8
+from mtpchat.kernels.int4 import GroupInt4, check_int4, dequantize_ref, dot_int4, form_args, form_of
 from mtpchat.kernels.plan import ProductPlan
 
 TILE = (64, 128, 128, 8, 3)      # the fused form's BM rows of x, BN rows of w, BK columns, warps, stages
@@ -82,11 +83,11 @@ def gemm_triton(x: torch.Tensor, w: GroupInt4, tile: tuple[int, int, int, int, i
 
 @triton.jit
 def _dequantize_kernel(w, sw, out, N, K, s_w, s_sw, s_o, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       zw=None, INTERLEAVED: tl.constexpr = False, SCALED: tl.constexpr = True):
+                       zw=None, INTERLEAVED: tl.constexpr = False):
     # program (i_n, i_k): rows i_n BN.., weights i_k BK... Natural words: each word's 8 weights
     # stored along a third axis (weight column 8 c + j is nibble j of word c). Interleaved int16
     # half-words (kernels/int4.py): the tile's half-words read as they lie, then
-    # each quarter's nibbles stored as a run of G / 4 columns. SCALED False: q - zero, unscaled.
+    # each quarter's nibbles stored as a run of G / 4 columns.
     i_n, i_k = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
     if INTERLEAVED:
@@ -102,10 +103,7 @@ def _dequantize_kernel(w, sw, out, N, K, s_w, s_sw, s_o, G: tl.constexpr, BN: tl
             b_z = tl.load(zw + o_n[:, None] * s_sw + o_g[None, :], mask=m, other=0).to(tl.float32)
         p_o = out + o_n[:, None] * s_o + (o_g * G + o_h % Q)[None, :]
         for q in tl.static_range(4):
-            if SCALED:
-                b_w = (((b_q >> (4 * q)) & 0xF).to(tl.float32) - b_z) * b_s
-            else:
-                b_w = ((b_q >> (4 * q)) & 0xF).to(tl.float32) - b_z
+            b_w = (((b_q >> (4 * q)) & 0xF).to(tl.float32) - b_z) * b_s
             tl.store(p_o + q * Q, b_w.to(out.dtype.element_ty), mask=m)
     else:
         o_c = i_k * (BK // 8) + tl.arange(0, BK // 8)
@@ -119,21 +117,16 @@ def _dequantize_kernel(w, sw, out, N, K, s_w, s_sw, s_o, G: tl.constexpr, BN: tl
             b_z = tl.load(zw + o_n[:, None] * s_sw + o_g[None, :], mask=m, other=0).to(tl.float32)
         j = tl.arange(0, 8)
         b_v = ((b_q[:, :, None] >> (4 * j)[None, None, :]) & 0xF).to(tl.float32)
-        if SCALED:
-            b_w = (b_v - b_z[:, :, None]) * b_s[:, :, None]
-        else:
-            b_w = b_v - b_z[:, :, None]
+        b_w = (b_v - b_z[:, :, None]) * b_s[:, :, None]
         p_o = out + o_n[:, None, None] * s_o + (o_c * 8)[None, :, None] + j[None, None, :]
         tl.store(p_o, b_w.to(out.dtype.element_ty), mask=m[:, :, None])
 
 
 def dequantize_triton(w: GroupInt4, dtype: torch.dtype, rows: tuple[int, int] | None = None,
-                      out: torch.Tensor | None = None, scaled: bool = True) -> torch.Tensor:
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Rows n0 .. n1 (all without `rows`) of the dense weight in the weight's own column order (its
     perm not applied): (q - zero) * scale in float32, rounded to dtype, as dequantize_ref computes
-    it; with `scaled` False the integers q - zero alone (values_minus_zero_ref; exact in any
-    float dtype, float8_e4m3fn included). Written into `out` ([n1 - n0, K], rows contiguous) where
-    given."""
+    it. Written into `out` ([n1 - n0, K], rows contiguous) where given."""
     N, K = w.shape
     n0, n1 = rows or (0, N)
     assert 0 <= n0 < n1 <= N
@@ -145,15 +138,8 @@ def dequantize_triton(w: GroupInt4, dtype: torch.dtype, rows: tuple[int, int] | 
     zero = w.zero[n0:n1] if w.zero is not None else None
     _dequantize_kernel[(triton.cdiv(n1 - n0, BN), triton.cdiv(K, BK))](
         w.w[n0:n1], w.scale[n0:n1], out, n1 - n0, K, w.w.stride(0), w.scale.stride(0), out.stride(0),
-        G=w.group, BN=BN, BK=BK, zw=zero, INTERLEAVED=w.interleaved, SCALED=scaled, num_warps=4)
+        G=w.group, BN=BN, BK=BK, zw=zero, INTERLEAVED=w.interleaved, num_warps=4)
     return out
-
-
-def values_minus_zero_ref(w: GroupInt4) -> torch.Tensor:
-    """[N, K] float32: the integers q - zero (-15 .. 15) in the weight's own column order."""
-    N, K = w.shape
-    zero = 8 if w.zero is None else w.zero.float().repeat_interleave(w.group, dim=1)
-    return values_ref(w).float() - zero
 
 
 def _slab_rows(K: int, itemsize: int, slab_bytes: int) -> int:
@@ -180,75 +166,141 @@ def dense_gemm(x: torch.Tensor, w: GroupInt4, slab_bytes: int = SLAB_BYTES) -> t
     for n0 in range(0, N, rows):
         n1 = min(N, n0 + rows)
         part = dequantize_triton(w, x.dtype, (n0, n1), slab[:n1 - n0])
-        y[:, n0:n1] = x @ part.T
+        # straight into y's columns (cuBLAS takes y's row stride): no slab-wide product copied after
+        # (the 27B's products at 2,048 rows 0.87-0.96 x the time, at 8,192 0.87 x; the same bits)
+        torch.mm(x, part.T, out=y[:, n0:n1])
     return y
+
+
+@triton.jit
+def _requantize_kernel(w, sw, out, os, N, s_w, s_sw, s_o, s_os, zw=None, INTERLEAVED: tl.constexpr = False,
+                       INTERPRET: tl.constexpr = False):
+    # program (i_n, i_g): the FP8 block of rows i_n 128.. and the 128 columns of group i_g: its
+    # weights (q - zero) * scale in float32, their amax, the block's scale amax / 448 and the
+    # weights over it rounded to e4m3, as fp8.quantize_ref computes them
+    i_n, i_g = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * 128 + tl.arange(0, 128)
+    m_n = o_n < N
+    b_s = tl.load(sw + o_n * s_sw + i_g, mask=m_n, other=0.).to(tl.float32)
+    if zw is None:
+        b_z = tl.full([128], 8, tl.float32)
+    else:
+        b_z = tl.load(zw + o_n * s_sw + i_g, mask=m_n, other=0).to(tl.float32)
+    if INTERLEAVED:
+        # the group's 32 half-words: half-word h holds column 32 q + h in its bits 4 q .. 4 q + 3
+        o_h = tl.arange(0, 32)
+        b_q = tl.load(w + o_n[:, None] * s_w + i_g * 32 + o_h[None, :], mask=m_n[:, None], other=0).to(tl.int32)
+        b_w0 = ((b_q & 0xF).to(tl.float32) - b_z[:, None]) * b_s[:, None]
+        b_w1 = (((b_q >> 4) & 0xF).to(tl.float32) - b_z[:, None]) * b_s[:, None]
+        b_w2 = (((b_q >> 8) & 0xF).to(tl.float32) - b_z[:, None]) * b_s[:, None]
+        b_w3 = (((b_q >> 12) & 0xF).to(tl.float32) - b_z[:, None]) * b_s[:, None]
+        b_amax = tl.maximum(tl.maximum(tl.max(tl.abs(b_w0)), tl.max(tl.abs(b_w1))),
+                            tl.maximum(tl.max(tl.abs(b_w2)), tl.max(tl.abs(b_w3))))
+        b_f = tl.where(b_amax > 0, tl.math.div_rn(b_amax, tl.full([], 448., tl.float32)), 1.)
+        p_o = out + o_n[:, None] * s_o + i_g * 128 + o_h[None, :]
+        tl.store(p_o, _e4m3(b_w0, b_f, INTERPRET).to(out.dtype.element_ty), mask=m_n[:, None])
+        tl.store(p_o + 32, _e4m3(b_w1, b_f, INTERPRET).to(out.dtype.element_ty), mask=m_n[:, None])
+        tl.store(p_o + 64, _e4m3(b_w2, b_f, INTERPRET).to(out.dtype.element_ty), mask=m_n[:, None])
+        tl.store(p_o + 96, _e4m3(b_w3, b_f, INTERPRET).to(out.dtype.element_ty), mask=m_n[:, None])
+    else:
+        o_c = i_g * 16 + tl.arange(0, 16)                          # the group's 16 words
+        b_q = tl.load(w + o_n[:, None] * s_w + o_c[None, :], mask=m_n[:, None], other=0)
+        j = tl.arange(0, 8)
+        b_v = ((b_q[:, :, None] >> (4 * j)[None, None, :]) & 0xF).to(tl.float32)
+        b_w = (b_v - b_z[:, None, None]) * b_s[:, None, None]
+        b_amax = tl.max(tl.max(tl.max(tl.abs(b_w), axis=2), axis=1), axis=0)
+        b_f = tl.where(b_amax > 0, tl.math.div_rn(b_amax, tl.full([], 448., tl.float32)), 1.)
+        p_o = out + o_n[:, None, None] * s_o + (o_c * 8)[None, :, None] + j[None, None, :]
+        tl.store(p_o, _e4m3(b_w, b_f, INTERPRET).to(out.dtype.element_ty), mask=m_n[:, None, None])
+    tl.store(os + i_n * s_os + i_g, b_f)
+
+
+@triton.jit
+def _e4m3(b_w, b_f, INTERPRET: tl.constexpr):
+    """Weights over their block's scale, clamped to e4m3's range (and, under the interpreter,
+    rounded to its grid: fp8_gemm._round_e4m3), ready for the conversion."""
+    b_v = tl.math.div_rn(b_w, tl.full(b_w.shape, 1., tl.float32) * b_f)
+    b_v = tl.minimum(tl.maximum(b_v, -448.), 448.)
+    if INTERPRET:
+        b_v = fp8_gemm._round_e4m3(b_v)
+    return b_v
+
+
+def requantize_ref(w: GroupInt4) -> BlockFP8:
+    """The fp8 form's weight: the dequantized weight (its own column order, perm not applied) in
+    float32, quantized to FP8 in 128 x 128 blocks by fp8.quantize_ref's rule, every division a true
+    one (torch on a GPU divides by a scalar as a product by its reciprocal, which can move a block's
+    scale by its last bit)."""
+    d = dequantize_ref(w._replace(perm=None))
+    N, K = d.shape
+    NB = -(-N // BLOCK)
+    b = torch.nn.functional.pad(d, (0, 0, 0, NB * BLOCK - N)).view(NB, BLOCK, K // BLOCK, BLOCK)
+    amax = b.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, fp8.FP8_MAX), torch.ones_like(amax))
+    q = (b / scale[:, None, :, None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(FP8)
+    return BlockFP8(q.view(NB * BLOCK, K)[:N].contiguous(), scale.contiguous())
+
+
+def requantize_triton(w: GroupInt4, rows: tuple[int, int] | None = None, out: BlockFP8 | None = None) -> BlockFP8:
+    """requantize_ref's rows n0 .. n1 (all without `rows`; n0 a multiple of 128), groups of 128,
+    into `out` ([n1 - n0, K] and its [ceil((n1 - n0) / 128), K / 128] scales) where given."""
+    N, K = w.shape
+    n0, n1 = rows or (0, N)
+    assert 0 <= n0 < n1 <= N and n0 % BLOCK == 0 and w.group == BLOCK, "rows from a block's first, groups of 128"
+    check_int4(w, K, interleaved=True)
+    NB = triton.cdiv(n1 - n0, BLOCK)
+    if out is None:
+        out = BlockFP8(torch.empty(n1 - n0, K, dtype=FP8, device=w.device),
+                       torch.empty(NB, K // BLOCK, dtype=torch.float32, device=w.device))
+    assert out.w.shape == (n1 - n0, K) and out.w.is_contiguous() and out.scale.shape == (NB, K // BLOCK)
+    zero = w.zero[n0:n1] if w.zero is not None else None
+    _requantize_kernel[(NB, K // BLOCK)](
+        w.w[n0:n1], w.scale[n0:n1], out.w, out.scale, n1 - n0, w.w.stride(0), w.scale.stride(0), out.w.stride(0),
+        out.scale.stride(0), zw=zero, INTERLEAVED=w.interleaved, INTERPRET=interpreting(), num_warps=8)
+    return out
 
 
 def fp8_gemm_ref(x: torch.Tensor, w: GroupInt4) -> torch.Tensor:
     """What the fp8 form computes, in float32: x (through the weight's perm) quantized per token and
-    128 columns (fp8_gemm.quantize_rows_ref), times the weight's integers and scales, cast to x's
-    dtype."""
+    128 columns (fp8_gemm.quantize_rows_ref) times requantize_ref(w), cast to x's dtype."""
     xp = x if w.perm is None else x[:, w.perm.long()]
     xq, xs = fp8_gemm.quantize_rows_ref(xp)
-    K = xp.shape[1]
-    xd = xq.float() * xs.repeat_interleave(BLOCK, dim=1)[:, :K]
-    return (xd @ dequantize_ref(w._replace(perm=None)).T).to(x.dtype)
+    return fp8_gemm.gemm_ref(xq, xs, requantize_ref(w), x.dtype)
 
 
-def _fp8_slab(xq: torch.Tensor, xs: torch.Tensor, values: torch.Tensor, scale: torch.Tensor,
-              dtype: torch.dtype) -> torch.Tensor:
-    """cuBLAS's product of quantized rows (xq, xs: fp8_gemm.quantize_rows) and a slab's integers
-    values [n, K] (float8_e4m3fn) with their group scales [n, K / 128]: the weight's scales handed
-    over as 1 x 128 blocks of its rows, a [K / 128, n] tensor seen transposed."""
-    return torch._scaled_mm(xq, values.T, scale_a=xs, scale_b=scale.float().T.contiguous(), out_dtype=dtype)
-
-
-def fp8_serves(x: torch.Tensor, w: GroupInt4, slab_bytes: int = SLAB_BYTES) -> bool:
-    """Whether the fp8 form takes this product (module docstring): groups of 128, enough rows, a
-    16-bit x, and cuBLAS seen right on each slab shape the product takes (tried once a shape)."""
-    T, K = x.shape
-    N = w.shape[0]
-    if w.group != BLOCK or T < fp8_gemm.CUBLAS_MIN_ROWS or x.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    rows = _slab_rows(K, x.element_size(), slab_bytes)
-    shapes = {min(rows, N)} | ({N % rows} if N > rows and N % rows else set())
-    M = triton.next_power_of_2(T)
-
-    def trial(n: int) -> bool:
-        g = torch.Generator(device=x.device).manual_seed(0)
-        xr = torch.randn(M, K, device=x.device, dtype=x.dtype, generator=g)
-        values = torch.randint(-15, 16, (n, K), device=x.device, generator=g, dtype=torch.int8).half().to(FP8)
-        scale = torch.rand(n, K // BLOCK, device=x.device, generator=g) + 0.5
-        xq, xs = fp8_gemm.quantize_rows_triton(xr)
-        got = _fp8_slab(xq, xs, values, scale, torch.float32)[:64]
-        xd = xq[:64].float() * xs[:64].repeat_interleave(BLOCK, dim=1)
-        want = xd @ (values.float() * scale.repeat_interleave(BLOCK, dim=1)).T
-        return ((got - want).norm() / want.norm()) < 1e-2
-    return all(fp8_gemm.cublas_trusted(("int4 values", x.device, n, K, x.dtype, M), lambda n=n: trial(n))
-               for n in sorted(shapes))
+def fp8_serves(x: torch.Tensor, w: GroupInt4) -> bool:
+    """Whether the fp8 form takes this product (module docstring): a Hopper GPU (cuBLAS's block-scaled
+    FP8 product is Hopper's), groups of 128 and whole 128-row blocks, enough rows, a 16-bit x."""
+    T = x.shape[0]
+    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9 and w.group == BLOCK
+            and w.shape[0] % BLOCK == 0 and T >= fp8_gemm.CUBLAS_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def fp8_dense_gemm(x: torch.Tensor, w: GroupInt4, slab_bytes: int = SLAB_BYTES) -> torch.Tensor:
     """The fp8 form (module docstring; fp8_serves says where it runs): x read through the weight's
-    perm and quantized once, then per slab of rows the weight's integers in float8_e4m3fn and
-    cuBLAS's block-scaled product."""
+    perm and quantized once (its rows padded for cuBLAS), then per slab of rows the weight
+    requantized to FP8 blocks and cuBLAS's block-scaled product (the Triton FP8 kernel for a slab
+    shape cuBLAS was not seen to compute right: fp8_gemm.cublas_serves)."""
     T, K = x.shape
     N = w.shape[0]
     assert w.shape[1] == K and x.stride(1) == 1, f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
-    assert w.group == BLOCK and (w.perm is None or w.perm.dim() == 1), "groups of 128 and a perm of [K]"
+    assert w.group == BLOCK and N % BLOCK == 0 and (w.perm is None or w.perm.dim() == 1), \
+        "groups of 128, whole 128-row blocks and a perm of [K]"
     if w.perm is not None:
         x = x.index_select(1, w.perm.long())
-    xq, xs = fp8_gemm.quantize_rows_triton(x)
-    rows = _slab_rows(K, x.element_size(), slab_bytes)
-    if rows >= N:
-        return _fp8_slab(xq, xs, dequantize_triton(w, FP8, scaled=False), w.scale, x.dtype)
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    slab = torch.empty(rows, K, dtype=FP8, device=x.device)
+    xq, xs = fp8_gemm.quantize_rows_triton(x, fp8_gemm.CUBLAS_ROWS)
+    rows = max(BLOCK, _slab_rows(K, x.element_size(), slab_bytes) // BLOCK * BLOCK)
+    y = torch.empty(xq.shape[0], N, dtype=x.dtype, device=x.device)
+    slab = BlockFP8(torch.empty(min(rows, N), K, dtype=FP8, device=x.device),
+                    torch.empty(min(rows, N) // BLOCK, K // BLOCK, dtype=torch.float32, device=x.device))
     for n0 in range(0, N, rows):
         n1 = min(N, n0 + rows)
-        part = dequantize_triton(w, FP8, (n0, n1), slab[:n1 - n0], scaled=False)
-        y[:, n0:n1] = _fp8_slab(xq, xs, part, w.scale[n0:n1], x.dtype)
-    return y
+        part = requantize_triton(w, (n0, n1), BlockFP8(slab.w[:n1 - n0], slab.scale[:(n1 - n0) // BLOCK]))
+        if fp8_gemm.cublas_serves(part, x.dtype, T):
+            torch._scaled_mm(xq, part.w.T, scale_a=xs, scale_b=part.scale.T, out_dtype=x.dtype, out=y[:, n0:n1])
+        else:
+            y[:, n0:n1] = fp8_gemm.gemm_quantized_triton(xq, xs, part, x.dtype)
+    return y[:T]
 
 
 def dense_workspace(T: int, k_min: int, k_max: int, itemsize: int, slab_bytes: int = SLAB_BYTES) -> int:

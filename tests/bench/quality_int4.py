@@ -16,7 +16,8 @@ float32 on the CPU:
 
 `--prefill-forms` (a GPU) scores the held-out texts three ways instead, in bf16: the checkpoint
 as it is, and `--weights int4` with prefill's 4-bit products in the dense form and in the fp8 form
-(kernels/int4_gemm.py: x's rows quantized to FP8 per token and 128 columns). The scores are a
+(kernels/int4_gemm.py: the weights requantized to FP8 blocks, x's rows quantized to FP8 per token
+and 128 columns). The scores are a
 prefill's logits, so they show what the fp8 form alone costs; a text of fewer than 256 tokens
 (the held-out prompts) takes the dense form either way (int4_gemm.fp8_serves).
 
@@ -59,8 +60,8 @@ def perplexity(engines: dict[str, Engine], docs: list[list[int]]) -> dict:
         logits = {name: e.logits(ids)[:-1] for name, e in engines.items()}
         first = next(iter(logits.values())).argmax(-1)
         for name, lg in logits.items():
-            nll[name] += F.cross_entropy(lg, target, reduction="sum").item()
-            agree[name] += int((lg.argmax(-1) == first).sum())
+            nll[name] += F.cross_entropy(lg, target.to(lg.device), reduction="sum").item()
+            agree[name] += int((lg.argmax(-1) == first.to(lg.device)).sum())
         n += len(target)
     return {"tokens": n, "documents": len(docs),
             **{name: {"perplexity": math.exp(nll[name] / n), "top1_agreement": agree[name] / n} for name in engines}}
