@@ -67,7 +67,7 @@ def main():
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--prefill", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), default="bf16")
     p.add_argument("--json")
     a = p.parse_args()
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
