@@ -179,14 +179,14 @@ def _requantize_kernel(w, sw, out, os, N, s_w, s_sw, s_o, s_os, zw=None, INTERLE
     # weights (q - zero) * scale in float32, their amax, the block's scale amax / 448 and the
     # weights over it rounded to e4m3, as fp8.quantize_ref computes them
     i_n, i_g = tl.program_id(0), tl.program_id(1)
-    o_n = i_n * 128 + tl.arange(0, 128)
-    m_n = o_n < N
-    b_s = tl.load(sw + o_n * s_sw + i_g, mask=m_n, other=0.).to(tl.float32)
-    if zw is None:
-        b_z = tl.full([128], 8, tl.float32)
-    else:
-        b_z = tl.load(zw + o_n * s_sw + i_g, mask=m_n, other=0).to(tl.float32)
     if INTERLEAVED:
+        o_n = i_n * 128 + tl.arange(0, 128)
+        m_n = o_n < N
+        b_s = tl.load(sw + o_n * s_sw + i_g, mask=m_n, other=0.).to(tl.float32)
+        if zw is None:
+            b_z = tl.full([128], 8, tl.float32)
+        else:
+            b_z = tl.load(zw + o_n * s_sw + i_g, mask=m_n, other=0).to(tl.float32)
         # the group's 32 half-words: half-word h holds column 32 q + h in its bits 4 q .. 4 q + 3
         o_h = tl.arange(0, 32)
         b_q = tl.load(w + o_n[:, None] * s_w + i_g * 32 + o_h[None, :], mask=m_n[:, None], other=0).to(tl.int32)
@@ -203,16 +203,38 @@ def _requantize_kernel(w, sw, out, os, N, s_w, s_sw, s_o, s_os, zw=None, INTERLE
         tl.store(p_o + 64, _e4m3(b_w2, b_f, INTERPRET).to(out.dtype.element_ty), mask=m_n[:, None])
         tl.store(p_o + 96, _e4m3(b_w3, b_f, INTERPRET).to(out.dtype.element_ty), mask=m_n[:, None])
     else:
-        o_c = i_g * 16 + tl.arange(0, 16)                          # the group's 16 words
-        b_q = tl.load(w + o_n[:, None] * s_w + o_c[None, :], mask=m_n[:, None], other=0)
-        j = tl.arange(0, 8)
-        b_v = ((b_q[:, :, None] >> (4 * j)[None, None, :]) & 0xF).to(tl.float32)
-        b_w = (b_v - b_z[:, None, None]) * b_s[:, None, None]
-        b_amax = tl.max(tl.max(tl.max(tl.abs(b_w), axis=2), axis=1), axis=0)
+        # natural words, 16 rows at a time in two passes (the block's amax, then its values): the
+        # whole block's [128, 16, 8] weights at once take too many registers
+        b_amax = tl.zeros([], tl.float32)
+        for r in tl.static_range(0, 128, 16):
+            b_w = _natural_rows(w, sw, zw, N, s_w, s_sw, i_n * 128 + r, i_g)
+            b_amax = tl.maximum(b_amax, tl.max(tl.max(tl.max(tl.abs(b_w), axis=2), axis=1), axis=0))
         b_f = tl.where(b_amax > 0, tl.math.div_rn(b_amax, tl.full([], 448., tl.float32)), 1.)
-        p_o = out + o_n[:, None, None] * s_o + (o_c * 8)[None, :, None] + j[None, None, :]
-        tl.store(p_o, _e4m3(b_w, b_f, INTERPRET).to(out.dtype.element_ty), mask=m_n[:, None, None])
+        j = tl.arange(0, 8)
+        for r in tl.static_range(0, 128, 16):
+            b_w = _natural_rows(w, sw, zw, N, s_w, s_sw, i_n * 128 + r, i_g)
+            o_r = i_n * 128 + r + tl.arange(0, 16)
+            o_c = i_g * 16 + tl.arange(0, 16)
+            p_o = out + o_r[:, None, None] * s_o + (o_c * 8)[None, :, None] + j[None, None, :]
+            tl.store(p_o, _e4m3(b_w, b_f, INTERPRET).to(out.dtype.element_ty), mask=(o_r < N)[:, None, None])
     tl.store(os + i_n * s_os + i_g, b_f)
+
+
+@triton.jit
+def _natural_rows(w, sw, zw, N, s_w, s_sw, r0, i_g):
+    """Rows r0 .. r0 + 16 of group i_g (128 columns) of natural words: their weights (q - zero) *
+    scale in float32 [16, 16, 8] (column 8 c + j at [., c, j]); rows past N zeros."""
+    o_n = r0 + tl.arange(0, 16)
+    m_n = o_n < N
+    b_s = tl.load(sw + o_n * s_sw + i_g, mask=m_n, other=0.).to(tl.float32)
+    if zw is None:
+        b_z = tl.full([16], 8, tl.float32)
+    else:
+        b_z = tl.load(zw + o_n * s_sw + i_g, mask=m_n, other=0).to(tl.float32)
+    o_c = i_g * 16 + tl.arange(0, 16)
+    b_q = tl.load(w + o_n[:, None] * s_w + o_c[None, :], mask=m_n[:, None], other=0)
+    b_v = ((b_q[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF).to(tl.float32)
+    return (b_v - b_z[:, None, None]) * b_s[:, None, None]
 
 
 @triton.jit
