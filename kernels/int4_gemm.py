@@ -173,12 +173,23 @@ def dense_gemm(x: torch.Tensor, w: GroupInt4, slab_bytes: int = SLAB_BYTES) -> t
 
 
 @triton.jit
-def _requantize_kernel(w, sw, out, os, N, s_w, s_sw, s_o, s_os, zw=None, INTERLEAVED: tl.constexpr = False,
-                       INTERPRET: tl.constexpr = False):
-    # program (i_n, i_g): the FP8 block of rows i_n 128.. and the 128 columns of group i_g: its
-    # weights (q - zero) * scale in float32, their amax, the block's scale amax / 448 and the
-    # weights over it rounded to e4m3, as fp8.quantize_ref computes them
-    i_n, i_g = tl.program_id(0), tl.program_id(1)
+def _requantize_kernel(w, sw, out, os, N, KG, s_w, s_sw, s_o, s_os, GROUPS: tl.constexpr, zw=None,
+                       INTERLEAVED: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+    # program (i_n, j): the FP8 blocks of rows i_n 128.. and of groups j GROUPS .. (j + 1) GROUPS
+    # (each 128 columns) of the KG, one after another
+    i_n = tl.program_id(0)
+    for i in tl.static_range(GROUPS):
+        i_g = tl.program_id(1) * GROUPS + i
+        if i_g < KG:
+            _requantize_block(w, sw, out, os, N, s_w, s_sw, s_o, s_os, i_n, i_g, zw, INTERLEAVED, INTERPRET)
+
+
+@triton.jit
+def _requantize_block(w, sw, out, os, N, s_w, s_sw, s_o, s_os, i_n, i_g, zw, INTERLEAVED: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+    """The FP8 block of rows i_n 128.. and the 128 columns of group i_g: its weights (q - zero) *
+    scale in float32, their amax, the block's scale amax / 448 and the weights over it rounded to
+    e4m3, as requantize_ref computes them."""
     if INTERLEAVED:
         o_n = i_n * 128 + tl.arange(0, 128)
         m_n = o_n < N
@@ -263,9 +274,14 @@ def requantize_ref(w: GroupInt4) -> BlockFP8:
     return BlockFP8(q.view(NB * BLOCK, K)[:N].contiguous(), scale.contiguous())
 
 
-def requantize_triton(w: GroupInt4, rows: tuple[int, int] | None = None, out: BlockFP8 | None = None) -> BlockFP8:
+REQUANTIZE_TILE = (1, 8)      # groups a program requantizes (each a 128 x 128 block), warps
+
+
+def requantize_triton(w: GroupInt4, rows: tuple[int, int] | None = None, out: BlockFP8 | None = None,
+                      tile: tuple[int, int] = REQUANTIZE_TILE) -> BlockFP8:
     """requantize_ref's rows n0 .. n1 (all without `rows`; n0 a multiple of 128), groups of 128,
-    into `out` ([n1 - n0, K] and its [ceil((n1 - n0) / 128), K / 128] scales) where given."""
+    into `out` ([n1 - n0, K] and its [ceil((n1 - n0) / 128), K / 128] scales) where given; `tile`:
+    (groups a program, warps)."""
     N, K = w.shape
     n0, n1 = rows or (0, N)
     assert 0 <= n0 < n1 <= N and n0 % BLOCK == 0 and w.group == BLOCK, "rows from a block's first, groups of 128"
@@ -276,9 +292,11 @@ def requantize_triton(w: GroupInt4, rows: tuple[int, int] | None = None, out: Bl
                        torch.empty(NB, K // BLOCK, dtype=torch.float32, device=w.device))
     assert out.w.shape == (n1 - n0, K) and out.w.is_contiguous() and out.scale.shape == (NB, K // BLOCK)
     zero = w.zero[n0:n1] if w.zero is not None else None
-    _requantize_kernel[(NB, K // BLOCK)](
-        w.w[n0:n1], w.scale[n0:n1], out.w, out.scale, n1 - n0, w.w.stride(0), w.scale.stride(0), out.w.stride(0),
-        out.scale.stride(0), zw=zero, INTERLEAVED=w.interleaved, INTERPRET=interpreting(), num_warps=8)
+    groups, warps = tile
+    _requantize_kernel[(NB, triton.cdiv(K // BLOCK, groups))](
+        w.w[n0:n1], w.scale[n0:n1], out.w, out.scale, n1 - n0, K // BLOCK, w.w.stride(0), w.scale.stride(0),
+        out.w.stride(0), out.scale.stride(0), GROUPS=groups, zw=zero, INTERLEAVED=w.interleaved,
+        INTERPRET=interpreting(), num_warps=warps)
     return out
 
 

@@ -99,6 +99,8 @@ def test_int4_requantize_equals_its_reference_bit_for_bit(device, N, K, symmetri
     part = int4_gemm.requantize_triton(w, (128, min(256, N)))
     assert torch.equal(part.w.view(torch.uint8), want.w[128:min(256, N)].view(torch.uint8))
     assert torch.equal(part.scale, want.scale[1:2])
+    many = int4_gemm.requantize_triton(w, tile=(4, 4))          # 4 groups a program, the last program's partly past K
+    assert torch.equal(many.w.view(torch.uint8), want.w.view(torch.uint8)) and torch.equal(many.scale, want.scale)
 
 
 def test_fp8_form_reference_is_quantized_rows_times_the_weight(device):
@@ -117,34 +119,40 @@ def test_fp8_form_reference_is_quantized_rows_times_the_weight(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K,T,symmetric,perm", [(16384, 5120, 300, True, False), (5120, 17408, 2048, False, True),
-                                                  (34816, 5120, 257, True, False)])
-def test_int4_fp8_prefill_27b_shapes(N, K, T, symmetric, perm):
+@pytest.mark.parametrize("N,K,T,symmetric,layout", [(16384, 5120, 300, True, "interleaved"),
+                                                    (5120, 17408, 8192, False, "perm"),
+                                                    (34816, 5120, 257, True, "interleaved")])
+def test_int4_fp8_prefill_27b_shapes(N, K, T, symmetric, layout):
     """The fp8 form on the 27B's shapes (several slabs and a partial last one where the weight is
-    larger than a slab) against what it computes in float32, and the plan's dispatch to it."""
-    w = int4_weight(N, K, "cuda", 4, 128, symmetric, perm)
+    larger than a slab; interleaved words, and natural ones with a perm at the rows where they take
+    it) against what it computes in float32, and the plan's dispatch to it."""
+    w = int4_weight(N, K, "cuda", 4, 128, symmetric, layout == "perm")
+    if layout == "interleaved":
+        w = int4.interleave_ref(w)
     x = randn(T, K, dtype=torch.bfloat16, device="cuda", seed=5)
     assert int4_gemm.fp8_serves(x, w)
+    want = int4_gemm.fp8_gemm_ref(x, w)
     got = int4_gemm.fp8_dense_gemm(x, w)
-    check(got, int4_gemm.fp8_gemm_ref(x, w), 1e-2)
+    check(got, want, 1e-2)
     check(got, int4_gemm.gemm_ref(x, w), 5e-2)
     small = int4_gemm.fp8_dense_gemm(x, w, slab_bytes=3000 * K * 2)     # slabs of 2,944 rows
-    check(small, int4_gemm.fp8_gemm_ref(x, w), 1e-2)
-    plan = ProductPlan(programs=132, int4_prefill="fp8")
-    assert torch.equal(int4_gemm.gemm(x, w, plan), got)
-    il = int4.interleave_ref(w) if not perm else w
-    check(int4_gemm.gemm(x, il, plan), int4_gemm.fp8_gemm_ref(x, w), 1e-2)
+    check(small, want, 1e-2)
+    assert torch.equal(int4_gemm.gemm(x, w, ProductPlan(programs=132, int4_prefill="fp8")), got)
 
 
 @pytest.mark.gpu
 def test_int4_fp8_prefill_falls_back_to_dense():
-    """Where the fp8 form does not serve (fewer rows than cuBLAS takes, groups other than 128) the
-    plan's fp8 form is the dense one, bit for bit."""
+    """Where the fp8 form does not serve (fewer rows than cuBLAS takes, natural words below
+    FP8_NATURAL_ROWS, groups other than 128) the plan's fp8 form is the dense one, bit for bit."""
     plan = ProductPlan(programs=132, int4_prefill="fp8")
     w = int4_weight(1024, 2048, "cuda", 6, 128, True)
     x = randn(100, 2048, dtype=torch.bfloat16, device="cuda", seed=6)
     assert not int4_gemm.fp8_serves(x, w)
     assert torch.equal(int4_gemm.gemm(x, w, plan), int4_gemm.dense_gemm(x, w))
+    natural = int4_weight(1024, 2048, "cuda", 8, 128, True)            # natural words take it from 8,192 rows
+    x = randn(512, 2048, dtype=torch.bfloat16, device="cuda", seed=8)
+    assert not int4_gemm.fp8_serves(x, natural) and int4_gemm.fp8_serves(x, int4.interleave_ref(natural))
+    assert torch.equal(int4_gemm.gemm(x, natural, plan), int4_gemm.dense_gemm(x, natural))
     w64 = int4_weight(1024, 2048, "cuda", 7, 64, False)
     x = randn(512, 2048, dtype=torch.bfloat16, device="cuda", seed=7)
     assert not int4_gemm.fp8_serves(x, w64)
