@@ -278,14 +278,17 @@ def requantize_ref(w: GroupInt4) -> BlockFP8:
     return BlockFP8(q.view(NB * BLOCK, K)[:N].contiguous(), scale.contiguous())
 
 
-REQUANTIZE_TILE = (1, 8)      # groups a program requantizes (each a 128 x 128 block), warps
+# (groups a program requantizes, each a 128 x 128 block; warps) over interleaved and natural words:
+# an H100, 12,800 rows of the 27B's in_proj, 51 and 144 us (dequantizing them to bf16: 96 and 66);
+# several groups a program, or other warps, 8-70 % slower
+REQUANTIZE_TILES = {True: (1, 8), False: (1, 4)}
 
 
 def requantize_triton(w: GroupInt4, rows: tuple[int, int] | None = None, out: BlockFP8 | None = None,
-                      tile: tuple[int, int] = REQUANTIZE_TILE) -> BlockFP8:
+                      tile: tuple[int, int] | None = None) -> BlockFP8:
     """requantize_ref's rows n0 .. n1 (all without `rows`; n0 a multiple of 128), groups of 128,
     into `out` ([n1 - n0, K] and its [ceil((n1 - n0) / 128), K / 128] scales) where given; `tile`:
-    (groups a program, warps)."""
+    (groups a program, warps), None for the layout's REQUANTIZE_TILES."""
     N, K = w.shape
     n0, n1 = rows or (0, N)
     assert 0 <= n0 < n1 <= N and n0 % BLOCK == 0 and w.group == BLOCK, "rows from a block's first, groups of 128"
@@ -296,7 +299,7 @@ def requantize_triton(w: GroupInt4, rows: tuple[int, int] | None = None, out: Bl
                        torch.empty(NB, K // BLOCK, dtype=torch.float32, device=w.device))
     assert out.w.shape == (n1 - n0, K) and out.w.is_contiguous() and out.scale.shape == (NB, K // BLOCK)
     zero = w.zero[n0:n1] if w.zero is not None else None
-    groups, warps = tile
+    groups, warps = tile or REQUANTIZE_TILES[w.interleaved]
     _requantize_kernel[(NB, triton.cdiv(K // BLOCK, groups))](
         w.w[n0:n1], w.scale[n0:n1], out.w, out.scale, n1 - n0, K // BLOCK, w.w.stride(0), w.scale.stride(0),
         out.w.stride(0), out.scale.stride(0), GROUPS=groups, zw=zero, INTERLEAVED=w.interleaved,
@@ -313,9 +316,9 @@ def fp8_gemm_ref(x: torch.Tensor, w: GroupInt4) -> torch.Tensor:
 
 
 # rows from which the fp8 form pays over natural words (GPTQ desc_act weights, which stay natural):
-# requantizing them costs more than interleaved ones (an H100: in_proj at 2,048 rows 660 us
-# against the dense form's 505, at 8,192 1,473 against 1,792; interleaved 514 / 1,340 against
-# the dense form's 539 / 1,940)
+# requantizing them costs more than interleaved ones (an H100: in_proj at 2,048 rows 465 us
+# against the dense form's 446, at 8,192 1,299 against 1,569; interleaved 360 / 1,081 against
+# the dense form's 545 / 1,704)
 FP8_NATURAL_ROWS = 8192
 
 
