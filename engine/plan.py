@@ -26,6 +26,7 @@ import torch
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.kernels.fp8 import fp8_runs_on
+from mtpchat.kernels.int4_gemm import fp8_form_runs_on
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
@@ -61,10 +62,10 @@ class KernelPlan:
         alike = config.shared_expert_intermediate_size == config.moe_intermediate_size
         late = (fp8 or int4) and device.type == "cuda"
         # 4-bit prefill on the FP8 tensor cores where cuBLAS's block-scaled product runs (Hopper): the
-        # 27B int4's 8K prompt in 649 against 825 ms (kernels/int4_gemm.py)
-        hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+        # 27B int4's 8K prompt in 606 against 814 ms in chunks of 8,192, 688 against 921 in chunks
+        # of 2,048 (kernels/int4_gemm.py; an H100)
         return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late,
-                                                int4_prefill="fp8" if hopper else products.int4_prefill),
+                                                int4_prefill="fp8" if fp8_form_runs_on(device) else products.int4_prefill),
                    shared_as_expert=config.is_moe and alike)
 
     def replace(self, **changes) -> "KernelPlan":

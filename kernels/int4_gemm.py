@@ -322,13 +322,20 @@ def fp8_gemm_ref(x: torch.Tensor, w: GroupInt4) -> torch.Tensor:
 FP8_NATURAL_ROWS = 8192
 
 
+def fp8_form_runs_on(device) -> bool:
+    """Whether the fp8 form runs on `device`: a Hopper GPU (cuBLAS's block-scaled FP8 product with
+    1 x 128 row scales is Hopper's; Ada runs FP8 but not it, Blackwell takes other scalings)."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def fp8_serves(x: torch.Tensor, w: GroupInt4) -> bool:
     """Whether the fp8 form takes this product (module docstring): a Hopper GPU (cuBLAS's block-scaled
     FP8 product is Hopper's), groups of 128 and whole 128-row blocks, enough rows (FP8_NATURAL_ROWS
     over natural words), a 16-bit x."""
     T = x.shape[0]
     rows = fp8_gemm.CUBLAS_MIN_ROWS if w.interleaved else FP8_NATURAL_ROWS
-    return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9 and w.group == BLOCK
+    return (fp8_form_runs_on(x.device) and w.group == BLOCK
             and w.shape[0] % BLOCK == 0 and T >= rows and x.dtype in (torch.bfloat16, torch.float16))
 
 
