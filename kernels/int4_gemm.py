@@ -193,11 +193,7 @@ def _requantize_block(w, sw, out, os, N, s_w, s_sw, s_o, s_os, i_n, i_g, zw, INT
     if INTERLEAVED:
         o_n = i_n * 128 + tl.arange(0, 128)
         m_n = o_n < N
-        b_s = tl.load(sw + o_n * s_sw + i_g, mask=m_n, other=0.).to(tl.float32)
-        if zw is None:
-            b_z = tl.full([128], 8, tl.float32)
-        else:
-            b_z = tl.load(zw + o_n * s_sw + i_g, mask=m_n, other=0).to(tl.float32)
+        b_s, b_z = _group_scale(sw, zw, o_n, m_n, s_sw, i_g)
         # the group's 32 half-words: half-word h holds column 32 q + h in its bits 4 q .. 4 q + 3
         o_h = tl.arange(0, 32)
         b_q = tl.load(w + o_n[:, None] * s_w + i_g * 32 + o_h[None, :], mask=m_n[:, None], other=0).to(tl.int32)
@@ -232,16 +228,23 @@ def _requantize_block(w, sw, out, os, N, s_w, s_sw, s_o, s_os, i_n, i_g, zw, INT
 
 
 @triton.jit
+def _group_scale(sw, zw, o_n, m_n, s_sw, i_g):
+    """Rows o_n's (m_n) scale and zero of group i_g, float32 (a symmetric weight's zero 8)."""
+    b_s = tl.load(sw + o_n * s_sw + i_g, mask=m_n, other=0.).to(tl.float32)
+    if zw is None:
+        b_z = tl.full(o_n.shape, 8, tl.float32)
+    else:
+        b_z = tl.load(zw + o_n * s_sw + i_g, mask=m_n, other=0).to(tl.float32)
+    return b_s, b_z
+
+
+@triton.jit
 def _natural_rows(w, sw, zw, N, s_w, s_sw, r0, i_g):
     """Rows r0 .. r0 + 16 of group i_g (128 columns) of natural words: their weights (q - zero) *
     scale in float32 [16, 16, 8] (column 8 c + j at [., c, j]); rows past N zeros."""
     o_n = r0 + tl.arange(0, 16)
     m_n = o_n < N
-    b_s = tl.load(sw + o_n * s_sw + i_g, mask=m_n, other=0.).to(tl.float32)
-    if zw is None:
-        b_z = tl.full([16], 8, tl.float32)
-    else:
-        b_z = tl.load(zw + o_n * s_sw + i_g, mask=m_n, other=0).to(tl.float32)
+    b_s, b_z = _group_scale(sw, zw, o_n, m_n, s_sw, i_g)
     o_c = i_g * 16 + tl.arange(0, 16)
     b_q = tl.load(w + o_n[:, None] * s_w + o_c[None, :], mask=m_n[:, None], other=0)
     b_v = ((b_q[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF).to(tl.float32)
