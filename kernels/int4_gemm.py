@@ -8,8 +8,8 @@ rows, in one of three forms (ProductPlan.int4_prefill):
   (GPTQ's desc_act), so the slab stays in the weight's own column order. The products round the
   dequantized weight to x's dtype, as the CPU's path (forms.dense_ref) does.
 - "fp8": the same slabs, but requantized to FP8 in 128 x 128 blocks (the dequantized weights in
-  float32, a block's scale amax / 448, as fp8.quantize_ref and the official FP8 checkpoints
-  quantize), x's rows quantized per token and 128 columns as fp8_gemm.py quantizes them, and
+  float32, a block's scale amax / 448 as the official FP8 checkpoints are made, each weight times
+  its reciprocal; requantize_ref), x's rows quantized per token and 128 columns as fp8_gemm.py quantizes them, and
   cuBLAS's block-scaled product on Hopper's FP8 tensor cores. The slab is half the dense one's
   bytes and the tensor cores run at twice the rate; what it costs is precision in prefill alone:
   x's values to e4m3's 3 mantissa bits, and the weights rounded to e4m3 on their block's scale.
@@ -20,8 +20,8 @@ rows, in one of three forms (ProductPlan.int4_prefill):
   weight rows being the dot's M ([BN, G] @ [G, BM]), each group's float32 result scaled in float32.
   Each weight tile is unpacked again for every BM rows of x.
 
-Measured at 2048 rows on an H100 (tests/bench/bench_int4.py --prefill-only, 2026-11-25; bf16's
-torch matmul, fused, dense, in us): the 27B's GDN in_proj [16384 x 5120] 438, 2255, 589; MLP
+Measured at 2048 rows on an H100 (tests/bench/bench_int4.py --prefill-only, 2026-11-25, before
+the dense form wrote its products in place; bf16's torch matmul, fused, dense, in us): the 27B's GDN in_proj [16384 x 5120] 438, 2255, 589; MLP
 gate|up [34816 x 5120] 923, 4805, 1235; MLP down [5120 x 17408] 454, 2409, 581; out_proj
 [5120 x 6144] 166, 880, 191. A slab of 12800 x 5120 dequantizes in 66 us (2.5 TB/s written and
 read). The dense form is ProductPlan's default; the engine's plan takes the fp8 form on Hopper
