@@ -209,11 +209,16 @@ def cublas_trusted(key: tuple, trial) -> bool:
     return _cublas_trusted[key]
 
 
+TRIAL_ROWS = 1024     # the most rows a trial takes (its float32 products of a slab's width stay some 100 MB)
+
+
 def cublas_serves(q: BlockFP8, dtype: torch.dtype, M: int) -> bool:
     """Whether cuBLAS serves weights of q's shape for M rows: tried once for each power of two of
-    rows against the Triton kernel (cublas_trusted)."""
+    rows up to TRIAL_ROWS (more rows are trusted as that many were: a long prompt's first chunk
+    must not need some 1 GB more than its plan for the trial) against the Triton kernel
+    (cublas_trusted)."""
     N, K = q.w.shape
-    rows = triton.next_power_of_2(M)
+    rows = min(triton.next_power_of_2(M), TRIAL_ROWS)
 
     def trial():
         g = torch.Generator(device=q.w.device).manual_seed(0)
