@@ -210,12 +210,19 @@ def _requantize_block(w, sw, out, os, N, s_w, s_sw, s_o, s_os, i_n, i_g, zw, INT
         tl.store(p_o + 64, _e4m3(b_w2, b_f, INTERPRET).to(out.dtype.element_ty), mask=m_n[:, None])
         tl.store(p_o + 96, _e4m3(b_w3, b_f, INTERPRET).to(out.dtype.element_ty), mask=m_n[:, None])
     else:
-        # natural words, 16 rows at a time in two passes (the block's amax, then its values): the
-        # whole block's [128, 16, 8] weights at once take too many registers
-        b_amax = tl.zeros([], tl.float32)
-        for r in tl.static_range(0, 128, 16):
-            b_w = _natural_rows(w, sw, zw, N, s_w, s_sw, i_n * 128 + r, i_g)
-            b_amax = tl.maximum(b_amax, tl.max(tl.max(tl.max(tl.abs(b_w), axis=2), axis=1), axis=0))
+        # natural words: the block's amax from its integers first (each row's largest |q - zero|
+        # times its scale: a product rounds monotonically, so this is the largest |weight|), then
+        # its weights 16 rows at a time (the whole block's [128, 16, 8] at once takes too many
+        # registers)
+        o_n = i_n * 128 + tl.arange(0, 128)
+        m_n = o_n < N
+        b_s, b_z = _group_scale(sw, zw, o_n, m_n, s_sw, i_g)
+        b_q = tl.load(w + o_n[:, None] * s_w + i_g * 16 + tl.arange(0, 16)[None, :], mask=m_n[:, None], other=0)
+        b_zi = b_z.to(tl.int32)[:, None]
+        b_m = tl.abs(((b_q >> 28) & 0xF) - b_zi)
+        for j in tl.static_range(7):
+            b_m = tl.maximum(b_m, tl.abs(((b_q >> (4 * j)) & 0xF) - b_zi))
+        b_amax = tl.max(tl.max(b_m, axis=1).to(tl.float32) * tl.abs(b_s), axis=0)
         b_f = tl.where(b_amax > 0, tl.math.div_rn(b_amax, tl.full([], 448., tl.float32)), 1.)
         j = tl.arange(0, 8)
         for r in tl.static_range(0, 128, 16):
