@@ -14,7 +14,7 @@ rows, in one of three forms (ProductPlan.int4_prefill):
   bytes and the tensor cores run at twice the rate; what it costs is precision in prefill alone:
   x's values to e4m3's 3 mantissa bits, and the weights rounded to e4m3 on their block's scale.
   Only on Hopper, for groups of 128 and whole 128-row blocks, at CUBLAS_MIN_ROWS rows or more
-  (FP8_NATURAL_ROWS over natural words; fp8_serves); anything else takes the dense form.
+  (fp8_serves); anything else takes the dense form.
 - "fused": one kernel that unpacks each weight tile in registers (int4.dot_int4, as the few-row
   products do) and never writes a dense copy: a program takes BM rows of x by BN rows of w, the
   weight rows being the dot's M ([BN, G] @ [G, BM]), each group's float32 result scaled in float32.
@@ -289,8 +289,8 @@ def requantize_ref(w: GroupInt4) -> BlockFP8:
 
 
 # (groups a program requantizes, each a 128 x 128 block; warps) over interleaved and natural words:
-# an H100, 12,800 rows of the 27B's in_proj, 51 and 144 us (dequantizing them to bf16: 96 and 66);
-# several groups a program, or other warps, 8-70 % slower
+# an H100, 12,800 rows of the 27B's in_proj, 51 and 69 us (dequantizing them to bf16: 97 and 66);
+# several groups a program, or other warps, 3-40 % slower (tests/bench/probe_requantize.py)
 REQUANTIZE_TILES = {True: (1, 8), False: (1, 4)}
 
 
@@ -325,13 +325,6 @@ def fp8_gemm_ref(x: torch.Tensor, w: GroupInt4) -> torch.Tensor:
     return fp8_gemm.gemm_ref(xq, xs, requantize_ref(w), x.dtype)
 
 
-# rows from which the fp8 form pays over natural words (GPTQ desc_act weights, which stay natural):
-# requantizing them costs more than interleaved ones (an H100: in_proj at 2,048 rows 465 us
-# against the dense form's 446, at 8,192 1,299 against 1,569; interleaved 360 / 1,081 against
-# the dense form's 545 / 1,704)
-FP8_NATURAL_ROWS = 8192
-
-
 def fp8_form_runs_on(device) -> bool:
     """Whether the fp8 form runs on `device`: a Hopper GPU (cuBLAS's block-scaled FP8 product with
     1 x 128 row scales is Hopper's; Ada runs FP8 but not it, Blackwell takes other scalings)."""
@@ -341,12 +334,12 @@ def fp8_form_runs_on(device) -> bool:
 
 def fp8_serves(x: torch.Tensor, w: GroupInt4) -> bool:
     """Whether the fp8 form takes this product (module docstring): a Hopper GPU (cuBLAS's block-scaled
-    FP8 product is Hopper's), groups of 128 and whole 128-row blocks, enough rows (FP8_NATURAL_ROWS
-    over natural words), a 16-bit x."""
+    FP8 product is Hopper's), groups of 128 and whole 128-row blocks, enough rows, a 16-bit x. (On
+    an H100 at 2,048 rows it took the 27B's products in 0.66-0.73 x the dense form's time over
+    interleaved words, 0.76-0.82 x over natural ones: tests/bench/bench_int4.py --prefill-only.)"""
     T = x.shape[0]
-    rows = fp8_gemm.CUBLAS_MIN_ROWS if w.interleaved else FP8_NATURAL_ROWS
-    return (fp8_form_runs_on(x.device) and w.group == BLOCK
-            and w.shape[0] % BLOCK == 0 and T >= rows and x.dtype in (torch.bfloat16, torch.float16))
+    return (fp8_form_runs_on(x.device) and w.group == BLOCK and w.shape[0] % BLOCK == 0
+            and T >= fp8_gemm.CUBLAS_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def fp8_dense_gemm(x: torch.Tensor, w: GroupInt4, slab_bytes: int = SLAB_BYTES) -> torch.Tensor:

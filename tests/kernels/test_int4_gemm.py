@@ -120,12 +120,12 @@ def test_fp8_form_reference_is_quantized_rows_times_the_weight(device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K,T,symmetric,layout", [(16384, 5120, 300, True, "interleaved"),
-                                                    (5120, 17408, 8192, False, "perm"),
+                                                    (5120, 17408, 2048, False, "perm"),
                                                     (34816, 5120, 257, True, "interleaved")])
 def test_int4_fp8_prefill_27b_shapes(N, K, T, symmetric, layout):
     """The fp8 form on the 27B's shapes (several slabs and a partial last one where the weight is
-    larger than a slab; interleaved words, and natural ones with a perm at the rows where they take
-    it) against what it computes in float32, and the plan's dispatch to it."""
+    larger than a slab; interleaved words, and natural ones with a perm) against what it computes
+    in float32, and the plan's dispatch to it."""
     w = int4_weight(N, K, "cuda", 4, 128, symmetric, layout == "perm")
     if layout == "interleaved":
         w = int4.interleave_ref(w)
@@ -142,17 +142,17 @@ def test_int4_fp8_prefill_27b_shapes(N, K, T, symmetric, layout):
 
 @pytest.mark.gpu
 def test_int4_fp8_prefill_falls_back_to_dense():
-    """Where the fp8 form does not serve (fewer rows than cuBLAS takes, natural words below
-    FP8_NATURAL_ROWS, groups other than 128) the plan's fp8 form is the dense one, bit for bit."""
+    """Where the fp8 form does not serve (fewer rows than cuBLAS takes, weights of rows not in whole
+    128-row blocks, groups other than 128) the plan's fp8 form is the dense one, bit for bit."""
     plan = ProductPlan(programs=132, int4_prefill="fp8")
     w = int4_weight(1024, 2048, "cuda", 6, 128, True)
     x = randn(100, 2048, dtype=torch.bfloat16, device="cuda", seed=6)
     assert not int4_gemm.fp8_serves(x, w)
     assert torch.equal(int4_gemm.gemm(x, w, plan), int4_gemm.dense_gemm(x, w))
-    natural = int4_weight(1024, 2048, "cuda", 8, 128, True)            # natural words take it from 8,192 rows
+    rows = int4_weight(1000, 2048, "cuda", 8, 128, True)               # not whole 128-row blocks
     x = randn(512, 2048, dtype=torch.bfloat16, device="cuda", seed=8)
-    assert not int4_gemm.fp8_serves(x, natural) and int4_gemm.fp8_serves(x, int4.interleave_ref(natural))
-    assert torch.equal(int4_gemm.gemm(x, natural, plan), int4_gemm.dense_gemm(x, natural))
+    assert not int4_gemm.fp8_serves(x, rows) and int4_gemm.fp8_serves(x, int4_weight(1024, 2048, "cuda", 8))
+    assert torch.equal(int4_gemm.gemm(x, rows, plan), int4_gemm.dense_gemm(x, rows))
     w64 = int4_weight(1024, 2048, "cuda", 7, 64, False)
     x = randn(512, 2048, dtype=torch.bfloat16, device="cuda", seed=7)
     assert not int4_gemm.fp8_serves(x, w64)
