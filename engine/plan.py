@@ -64,8 +64,8 @@ class KernelPlan:
         # 4-bit prefill on the FP8 tensor cores where cuBLAS's block-scaled product runs (Hopper): the
         # 27B int4's 8K prompt in 606 against 814 ms in chunks of 8,192, 688 against 921 in chunks
         # of 2,048 (kernels/int4_gemm.py; an H100)
-        return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late,
-                                                int4_prefill="fp8" if fp8_form_runs_on(device) else products.int4_prefill),
+        prefill = "fp8" if fp8_form_runs_on(device) else products.int4_prefill
+        return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late, int4_prefill=prefill),
                    shared_as_expert=config.is_moe and alike)
 
     def replace(self, **changes) -> "KernelPlan":

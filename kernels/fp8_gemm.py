@@ -81,7 +81,8 @@ def _quantize_rows_kernel(x, xq, xs, M, MP, K, s_x, s_q, s_sm, s_sk, BR: tl.cons
     b_q = tl.minimum(tl.maximum(b_q, -448.), 448.)
     if INTERPRET:
         b_q = _round_e4m3(b_q)
-    tl.store(xq + o_r[:, None] * s_q + o_k[None, :], b_q.to(xq.dtype.element_ty), mask=m_r[:, None] & (o_k < K)[None, :])
+    m_q = m_r[:, None] & (o_k < K)[None, :]
+    tl.store(xq + o_r[:, None] * s_q + o_k[None, :], b_q.to(xq.dtype.element_ty), mask=m_q)
     tl.store(xs + o_r * s_sm + i_g * s_sk, b_s, mask=m_r)
 
 

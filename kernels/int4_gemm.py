@@ -21,9 +21,9 @@ rows, in one of three forms (ProductPlan.int4_prefill):
   Each weight tile is unpacked again for every BM rows of x.
 
 Measured at 2048 rows on an H100 (tests/bench/bench_int4.py --prefill-only, 2026-11-25, before
-the dense form wrote its products in place; bf16's torch matmul, fused, dense, in us): the 27B's GDN in_proj [16384 x 5120] 438, 2255, 589; MLP
-gate|up [34816 x 5120] 923, 4805, 1235; MLP down [5120 x 17408] 454, 2409, 581; out_proj
-[5120 x 6144] 166, 880, 191. A slab of 12800 x 5120 dequantizes in 66 us (2.5 TB/s written and
+the dense form wrote its products in place; bf16's torch matmul, fused, dense, in us): the 27B's
+GDN in_proj [16384 x 5120] 438, 2255, 589; MLP gate|up [34816 x 5120] 923, 4805, 1235; MLP down
+[5120 x 17408] 454, 2409, 581; out_proj [5120 x 6144] 166, 880, 191. A slab of 12800 x 5120 dequantizes in 66 us (2.5 TB/s written and
 read). The dense form is ProductPlan's default; the engine's plan takes the fp8 form on Hopper
 (engine/plan.py). Its measurements (H100, 2026-11-26, tests/bench/bench_int4.py --prefill-only,
 probe_prefill_chunk.py, quality_int4.py --prefill-forms) are in docs/PERFORMANCE.md.
@@ -342,7 +342,7 @@ def fp8_serves(x: torch.Tensor, w: GroupInt4) -> bool:
             and T >= fp8_gemm.CUBLAS_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16))
 
 
-def fp8_dense_gemm(x: torch.Tensor, w: GroupInt4, slab_bytes: int = SLAB_BYTES) -> torch.Tensor:
+def requantized_gemm(x: torch.Tensor, w: GroupInt4, slab_bytes: int = SLAB_BYTES) -> torch.Tensor:
     """The fp8 form (module docstring; fp8_serves says where it runs): x read through the weight's
     perm and quantized once (its rows padded for cuBLAS), then per slab of rows the weight
     requantized to FP8 blocks and cuBLAS's block-scaled product (the Triton FP8 kernel for a slab
@@ -385,7 +385,7 @@ def gemm(x: torch.Tensor, w: GroupInt4, plan: ProductPlan | None = None) -> torc
         return gemm_ref(x, w)
     form = plan.int4_prefill if plan is not None else ProductPlan.int4_prefill
     if form == "fp8" and fp8_serves(x, w):
-        return fp8_dense_gemm(x, w)
+        return requantized_gemm(x, w)
     if form in ("dense", "fp8") or w.interleaved:
         return dense_gemm(x, w)
     return gemm_triton(x, w, plan=plan)

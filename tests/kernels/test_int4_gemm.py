@@ -132,10 +132,10 @@ def test_int4_fp8_prefill_27b_shapes(N, K, T, symmetric, layout):
     x = randn(T, K, dtype=torch.bfloat16, device="cuda", seed=5)
     assert int4_gemm.fp8_serves(x, w)
     want = int4_gemm.fp8_gemm_ref(x, w)
-    got = int4_gemm.fp8_dense_gemm(x, w)
+    got = int4_gemm.requantized_gemm(x, w)
     check(got, want, 1e-2)
     check(got, int4_gemm.gemm_ref(x, w), 5e-2)
-    small = int4_gemm.fp8_dense_gemm(x, w, slab_bytes=3000 * K * 2)     # slabs of 2,944 rows
+    small = int4_gemm.requantized_gemm(x, w, slab_bytes=3000 * K * 2)     # slabs of 2,944 rows
     check(small, want, 1e-2)
     assert torch.equal(int4_gemm.gemm(x, w, ProductPlan(programs=132, int4_prefill="fp8")), got)
 
