@@ -1,0 +1,237 @@
+"""The candidate kernel plans that ab_step.py times in whole steps: each family (FAMILIES, and the
+two built from a benchmark's JSON, fp8_tile_plans and int4_tile_plans) maps plan names to the
+engine's own plan with some choices changed (engine/plan.py KernelPlan.replace). ab_step.py's
+docstring says what each family compares and how to run it.
+"""
+from __future__ import annotations
+
+import ast
+
+from mtpchat.engine.plan import KernelPlan
+from mtpchat.kernels import matvec_parts
+
+
+def tile_rule(rule, name: str):
+    """A ProductPlan tile rule from rule(N, K, swiglu) -> (BN, BK, warps, stages) or None (bf16 only)."""
+    def tiles(N, K, itemsize, swiglu=False, fp8=False):
+        return rule(N, K, swiglu) if itemsize == 2 and not fp8 else None
+    tiles.__name__ = name
+    return tiles
+
+
+def tile_plans(base: KernelPlan) -> dict:
+    """Tiles for one group of the 27B's products at a time: the two 5120 x 6144 (GDN out_proj,
+    attention o_proj), the MLP down (5120 x 17408), the wide inputs (GDN in_proj 16480 rows,
+    attention q|gate|k|v 14336), the MLP gate|up (SwiGLU, 17408 columns) and the lm_head."""
+    groups = {"out": lambda N, K, g: N == 5120 and K == 6144, "down": lambda N, K, g: N == 5120 and K == 17408,
+              "in": lambda N, K, g: N in (16480, 14336) and not g, "glu": lambda N, K, g: g,
+              "lm": lambda N, K, g: N > 100_000, "plain": lambda N, K, g: not g and N < 100_000}
+    plans = {"base": base}
+    for name, cfgs in {"out": [(64, 256, 8, 4), (64, 128, 4, 8), (64, 256, 2, 4)],
+                       "down": [(64, 256, 8, 4), (64, 128, 4, 8), (64, 256, 2, 4)],
+                       "in": [(128, 128, 4, 4), (128, 128, 8, 4), (64, 256, 8, 4)],
+                       "glu": [(16, 256, 4, 6), (32, 256, 8, 6), (32, 128, 4, 8), (64, 128, 4, 6), (64, 128, 4, 4),
+                               (128, 64, 4, 6), (64, 64, 4, 8), (32, 128, 4, 6), (128, 128, 4, 3)],
+                       "lm": [(128, 128, 4, 4)],
+                       "plain": [(64, 256, 4, 3), (64, 256, 4, 5), (64, 128, 4, 6), (64, 128, 4, 5)]}.items():
+        for cfg in cfgs:
+            label = f"{name}:{cfg[0]}x{cfg[1]}w{cfg[2]}s{cfg[3]}"
+            rule = tile_rule(lambda N, K, g, name=name, cfg=cfg: cfg if groups[name](N, K, g) else None, label)
+            plans[label] = base.replace(tiles=rule)
+    return plans
+
+
+def resident_plans(base: KernelPlan) -> dict:
+    """Tiles of the wide products (GDN in_proj 258 blocks of 64 rows, attention q|gate|k|v 224, the
+    MLP gate|up 272 SwiGLU blocks) whose shared memory lets every program be resident at once on
+    132 SMs (the default tiles take 160-180 KB, one program an SM, two waves and a bit)."""
+    wide = lambda N, K, g: N in (16480, 14336) and not g
+    rules = {"in:64x128w4s4": lambda N, K, g: (64, 128, 4, 4) if wide(N, K, g) else None,
+             "in:64x64w4s6": lambda N, K, g: (64, 64, 4, 6) if wide(N, K, g) else None,
+             "glu:64x64w4s4": lambda N, K, g: (64, 64, 4, 4) if g else None,
+             "glu:32x64w4s4": lambda N, K, g: (32, 64, 4, 4) if g else None}
+    return {"base": base, **{name: base.replace(tiles=tile_rule(rule, name)) for name, rule in rules.items()}}
+
+
+def split_plans(base: KernelPlan) -> dict:
+    """The blocks' last products (o_proj, out_proj, MLP down) split over K into float32 parts that the
+    norm kernel adds ("parts"), or with each column block's last program adding its parts and the
+    residual and the next product taking the norm's scale ("split norm", the default), and that
+    under other splits and tiles ("S3x64x128w4s4": 3 parts, 64 columns by 128 bf16 of K, 4 warps,
+    4 deep)."""
+    def split(cfg, name):
+        def rule(N, K, itemsize):
+            return cfg if itemsize == 2 else None
+        rule.__name__ = name
+        return rule
+    plans = {"split norm": base, "parts": base.replace(split_norm=False)}
+    for cfg in [(2, 64, 128, 4, 4), (4, 64, 128, 4, 4), (1, 64, 256, 4, 4), (2, 64, 256, 4, 4)]:
+        name = "S{}x{}x{}w{}s{}".format(*cfg)
+        plans[name] = base.replace(split_tiles=split(cfg, name))
+    return plans
+
+
+def tail_plans(base: KernelPlan) -> dict:
+    """The products whose last wave of column blocks is small (the MLP gate|up: 8 of 272 blocks on
+    132 SMs) as one program a block ("whole") or with that wave split over K into 2-14 parts a
+    block (14 fill the SMs); the products of a few blocks (an MoE router's 5) split in every block
+    into up to N parts ("small N"), or not ("no small")."""
+    return {"split 3": base, "whole": base.replace(tail_split=False),
+            **{f"split {n}": base.replace(tail_parts=n) for n in (2, 4, 5, 6, 8, 14)},
+            "no small": base.replace(small_split=False),
+            **{f"small {n}": base.replace(small_split=True, small_parts=n) for n in (8, 4, 2)}}
+
+
+def fp8_glu_plans(base: KernelPlan) -> dict:
+    """The FP8 MLP gate|up (SwiGLU) under other tiles than its measured 32 x 128, 2 warps, 3 deep."""
+    def glu(cfg, name):
+        def tiles(N, K, itemsize, swiglu=False, fp8=False):
+            return cfg if fp8 and swiglu else None
+        tiles.__name__ = name
+        return tiles
+    return {"base": base, **{name: base.replace(tiles=glu(cfg, name)) for name, cfg in
+                             {"glu:32x128w2s4": (32, 128, 2, 4), "glu:64x128w4s6": (64, 128, 4, 6)}.items()}}
+
+
+def bits_plans(base: KernelPlan) -> dict:
+    """FP8 weight tiles widened to bf16 by moving bits (kernels/fp8.py widen; the default) against
+    Triton's conversion, and in groups of 4 where the tile would take 2. With --room 0 the logits
+    of every plan must be the conversion's, bit for bit."""
+    return {"cvt": base.replace(widen_bits=False), "bits": base.replace(widen_bits=True),
+            "bits x4": base.replace(widen_bits=True, widen_group=4)}
+
+
+def draft_plans(base: KernelPlan) -> dict:
+    """The draft step's forms, each off alone and both off: the MTP head's fc split over K and
+    finished by its layer's input norm (fc_split) and the draft's argmax and id map as two PDL
+    kernels (draft_pick). Read the "draft 3" phase."""
+    return {"default": base, "-fc split": base.replace(fc_split=False), "-pick": base.replace(draft_pick=False),
+            "-both": base.replace(fc_split=False, draft_pick=False)}
+
+
+def int4_plans(base: KernelPlan) -> dict:
+    """The 4-bit products' measured tiles (kernels/int4.py measured: over interleaved weights, the
+    engine's default, their own) against: the pairs form's tiles over the same weights (plain and
+    split 64 x 1024, 4 warps, 2 deep, split in parts for 240 programs; SwiGLU 64 x 256, 4 deep);
+    rows padded to 16 (ProductPlan.int4_rows); and the natural layout (int4_interleave off: the
+    pairs form and its tiles; captured first, the weights then converted in place). Logits may
+    differ in the last bits between plans (split products sum other parts)."""
+    programs = base.products.split_programs
+
+    def pairs_tiles(product, N, K, group):
+        if product == "swiglu":
+            return 64, 256, 4, 4
+        if product == "split":
+            return max(1, min(-(-K // (3 * 1024)), round(programs / -(-N // 64)))), 64, 1024, 4, 2
+        return 64, 1024, 4, 2
+    pairs_tiles.__name__ = "int4:pairs' tiles"
+    return {"measured": base, "pairs' tiles": base.replace(int4_tiles=pairs_tiles),
+            "rows 16": base.replace(int4_rows=16), "natural": base.replace(int4_interleave=False)}
+
+
+def int4_tile_plans(base: KernelPlan, found: dict) -> dict:
+    """The fastest interleaved tiles of `bench_int4.py --interleaved-only` (its JSON: per product
+    shape at T = 1, the us of each "(tile) interleaved" candidate) for the plain products, the
+    SwiGLU, the split ones, and all together, against the measured tiles (int4.measured); weights
+    interleaved in every plan."""
+    table = {}
+    for row in found["results"]:
+        timed = {ast.literal_eval(label.rsplit(" ", 1)[0]): us for label, us in row.get("tiles", {}).items()
+                 if label.endswith(" interleaved") and isinstance(us, float)}
+        if timed:       # a SwiGLU product's tiles are chosen by its gate rows, half the weight's
+            N = row["N"] // 2 if row["kind"] == "swiglu" else row["N"]
+            table.setdefault(row["kind"], {})[N, row["K"]] = min(timed, key=timed.get)
+
+    def rule(kinds, name):
+        def int4_tiles(product, N, K, group):
+            tile = table.get(product, {}).get((N, K)) if product in kinds else None
+            if tile is not None and product == "split" and len(tile) == 4:
+                return (matvec_parts.split_config(N, K, 2, base.products, group, True)[0],) + tile
+            return tile
+        int4_tiles.__name__ = name
+        return int4_tiles
+    plans = {"measured": base.replace(int4_interleave=True)}
+    for kind in table:
+        plans[kind] = base.replace(int4_interleave=True, int4_tiles=rule((kind,), f"int4:{kind}"))
+    if len(table) > 1:
+        plans["all"] = base.replace(int4_interleave=True, int4_tiles=rule(tuple(table), "int4:all"))
+    return plans
+
+
+def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan:
+    """The plan with every FP8 product of a kind on one tile: tiles {"plain": (BN, BK, warps,
+    stages), "swiglu": ..., "parts": (S, BN, BK, warps, stages)}, each optional."""
+    def tile(N, K, itemsize, swiglu=False, fp8=False):
+        got = tiles.get("swiglu" if swiglu else "plain")
+        return tuple(got) if fp8 and got else None
+    tile.__name__ = f"fp8:{name}"
+
+    def split(N, K, itemsize):        # every split product is FP8 under --weights fp8 (but the fc's)
+        return tuple(tiles["parts"])
+    split.__name__ = f"fp8:{name}"
+    return base.replace(tiles=tile, split_tiles=split if "parts" in tiles else None)
+
+
+def fp8_tile_plans(base: KernelPlan, found: dict) -> dict:
+    """The best FP8 tiles of `bench_fp8.py --sweep` (its JSON's "best": per product shape, a tile or
+    None for the default), for the plain products, the SwiGLU, the split ones, and all together; or
+    named plans (its "plans": name -> tiles by kind, fp8_tiles_everywhere)."""
+    if "plans" in found:
+        return {"base": base, **{name: fp8_tiles_everywhere(base, name, tiles) for name, tiles in found["plans"].items()}}
+    table = {kind: {(b["N"], b["K"]): tuple(b["tile"]) for b in found["best"].values()
+                    if b["kind"] == kind and b["tile"]} for kind in ("plain", "swiglu", "parts")}
+
+    def tiles_of(kinds, name):
+        def tiles(N, K, itemsize, swiglu=False, fp8=False):
+            kind = "swiglu" if swiglu else "plain"
+            return table[kind].get((N, K)) if fp8 and kind in kinds else None
+        tiles.__name__ = name
+        return tiles
+
+    def split(N, K, itemsize):        # the products of these shapes are FP8 under --weights fp8
+        return table["parts"].get((N, K))
+    split.__name__ = "fp8:split"
+    plans = {"base": base}
+    if table["plain"]:
+        plans["plain"] = base.replace(tiles=tiles_of(("plain",), "fp8:plain"))
+    if table["swiglu"]:
+        plans["glu"] = base.replace(tiles=tiles_of(("swiglu",), "fp8:glu"))
+    if table["parts"]:
+        plans["split"] = base.replace(split_tiles=split)
+    if len(plans) > 2:
+        plans["all"] = base.replace(tiles=tiles_of(("plain", "swiglu"), "fp8:all"),
+                                    split_tiles=split if table["parts"] else None)
+    return plans
+
+
+DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split=False),
+                 "fc split": dict(fc_split=False), "pick": dict(draft_pick=False)}
+
+
+def release_plans(base: KernelPlan) -> dict:
+    """The few-row products let the next kernel's programs be placed as their own start (PDL's
+    launch_dependents first, the default) or once they have streamed their weights
+    (ProductPlan.late_release). With --room 0 the logits must be the same bits. (The MoE expert
+    products released late as well took the 35B-A3B's phases 0.989-1.054 x the time of the dense
+    products alone released late: not kept.)"""
+    return {"at start": base.replace(late_release=False), "late": base.replace(late_release=True)}
+
+
+def rows_plans(base: KernelPlan) -> dict:
+    """The few-row products' row tile (ProductPlan.rows): their dots padded to 16 rows, or to 8 (the
+    steps timed here take 1 to 5). With --room 0 the logits must be the same bits."""
+    return {"rows 16": base.replace(rows=16), "rows 8": base.replace(rows=8)}
+
+
+def default_plans(base: KernelPlan) -> dict:
+    """The plan's defaults that were measured in (DEFAULT_FORMS), each off alone against all on, and
+    all off: the ratios say what each still buys on this model and weight format (the bit form
+    matters with --weights fp8 only, the small split on the MoE models and FP8 only)."""
+    off = {k: v for forms in DEFAULT_FORMS.values() for k, v in forms.items()}
+    return {"defaults": base, **{f"-{name}": base.replace(**forms) for name, forms in DEFAULT_FORMS.items()},
+            "none": base.replace(**off)}
+
+
+FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
+            "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
+            "int4": int4_plans, "rows": rows_plans, "release": release_plans}
