@@ -27,7 +27,8 @@ import torch
 
 import triton
 import triton.language as tl
-from graph_timing import copy_bandwidth, graph_time
+from graph_timing import graph_time
+from mtpchat.engine.bench import copy_bandwidth
 from mtpchat.kernels import fp8, int4, int4_gemm, matvec, matvec_parts, moe
 from mtpchat.kernels.plan import ProductPlan, default_products
 
@@ -303,7 +304,7 @@ def main():
     base = default_products("cuda")
     if a.rows:
         base = dataclasses.replace(base, rows=a.rows)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s (read + written); plan {base.describe()}")
     out: list = []
     with torch.inference_mode():

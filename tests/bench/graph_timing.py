@@ -7,8 +7,6 @@ import statistics
 
 import torch
 
-from mtpchat.engine import bench as engine_bench
-
 
 def graph_time(fn, copies: int, launches: int = 20) -> float:
     """us a launch of fn(i) (i: which of `copies` weight copies), the median of 5 graph replays."""
@@ -27,11 +25,3 @@ def graph_time(fn, copies: int, launches: int = 20) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / launches)
     return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """bytes / s of a device-to-device copy, read and written bytes both counted: the engine's
-    measure (engine/bench.py), copies launched one after another. (Captured in a graph, a copy
-    becomes a memcpy node on the copy engines, which gave 2.43 TB/s on H100s where the copy
-    kernel gives 3.01: this function's figures before 2026-11-26 evening are that.)"""
-    return engine_bench.copy_bandwidth("cuda")

@@ -24,8 +24,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from graph_timing import copy_bandwidth, graph_time
+from graph_timing import graph_time
 
+from mtpchat.engine.bench import copy_bandwidth
 from mtpchat.kernels import fp8, fp8_gemm
 from mtpchat.kernels._triton import interpreting, tl, triton
 
@@ -144,7 +145,7 @@ def main(N: int, K: int):
     y = torch.empty(16, N, device="cuda")
     qs = [fp8.quantize_ref(torch.randn(N, K, device="cuda")) for _ in range(3)]
     bf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    print(f"{N} x {K}; copy: {copy_bandwidth() / 1e12:.2f} TB/s (read + written)")
+    print(f"{N} x {K}; copy: {copy_bandwidth('cuda') / 1e12:.2f} TB/s (read + written)")
     from mtpchat.kernels import matvec
     for T in (1, 4):
         t_bf = graph_time(lambda i: matvec.matvec(x[:T], bf[i]), 3)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from graph_timing import copy_bandwidth, graph_time
+from graph_timing import graph_time
 
+from mtpchat.engine.bench import copy_bandwidth
 from mtpchat.kernels import fp8
 from mtpchat.kernels._triton import tl, triton
 
@@ -126,7 +127,7 @@ def main(only_sweep: bool = False, bits: bool = False):
     qs = [fp8.quantize_ref(torch.randn(N, K, device="cuda")) for _ in range(3)]
     tiles = [tiled(q.w, 64, 128) for q in qs]
     bf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    print(f"copy: {copy_bandwidth() / 1e12:.2f} TB/s (read + written)")
+    print(f"copy: {copy_bandwidth('cuda') / 1e12:.2f} TB/s (read + written)")
     if only_sweep:
         return sweep(x, y, qs, N, K)
     if bits:
