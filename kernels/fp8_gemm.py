@@ -190,8 +190,8 @@ def gemm_cublas(xq: torch.Tensor, xs: torch.Tensor, q: BlockFP8, out_dtype: torc
 
 
 CUBLAS_MIN_ROWS = 256         # fewer rows go to the Triton kernel
-# cuBLAS's rows in multiples of this (the rows' 1 x 128 scales are M-major: other counts misalign
-# their columns; an H100, CUDA 13: 257 and 2,047 rows refused with CUBLAS_STATUS_NOT_SUPPORTED)
+# cuBLAS's rows in multiples of this (the rows' 1 x 128 scales are M-major; an H100, CUDA 13, with
+# 1 x 128 scales on both operands: 257 and 2,047 rows refused with CUBLAS_STATUS_NOT_SUPPORTED)
 CUBLAS_ROWS = 16
 _cublas_trusted: dict = {}    # (what, device, N, K, dtype, rows rounded up to a power of two) -> seen right
 

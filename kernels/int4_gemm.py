@@ -371,8 +371,9 @@ def requantized_gemm(x: torch.Tensor, w: GroupInt4, slab_bytes: int = SLAB_BYTES
 
 def dense_workspace(T: int, k_min: int, k_max: int, itemsize: int, slab_bytes: int = SLAB_BYTES) -> int:
     """The most memory the dense or fp8 form takes beside its output, for T rows and products of
-    k_min .. k_max columns: the slab, one slab's product before it is copied into place, x read
-    through a perm, and (fp8) x's rows quantized with their scales."""
+    k_min .. k_max columns: the slab, one slab's product made apart (the fp8 form's Triton
+    fallback; the others write in place), x read through a perm, and (fp8) x's rows quantized with
+    their scales."""
     return slab_bytes + T * (slab_bytes // k_min) + T * k_max * itemsize + T * (k_max + 4 * triton.cdiv(k_max, BLOCK))
 
 

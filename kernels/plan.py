@@ -71,9 +71,9 @@ class ProductPlan:
                                     # the 27B's products at 1 and 4 rows, H100: tests/bench/bench_int4.py)
     int4_prefill: str = "dense"     # prefill's 4-bit products (kernels/int4_gemm.py): "dense" (a dequantized
                                     # slab, then torch's matmul: 1.27-1.34 x bf16 at 2048 rows, H100), "fp8" (a
-                                    # slab of the integers, x's rows in FP8, cuBLAS's block-scaled product; Hopper,
-                                    # groups of 128, else dense) or "fused" (unpacked in the dot's registers: 5.3 x;
-                                    # tests/bench/bench_int4.py)
+                                    # slab requantized to FP8 blocks, x's rows in FP8, cuBLAS's block-scaled product;
+                                    # Hopper, groups of 128, else dense) or "fused" (unpacked in the dot's registers:
+                                    # 5.3 x; tests/bench/bench_int4.py)
 
     def rows_of(self, w) -> int:
         """The row tile of a product over w (rows, or int4_rows for a 4-bit weight)."""
