@@ -61,6 +61,19 @@ def test_quantize_rows(device, dtype, M, K):
     check(rq.float() * rs.repeat_interleave(128, dim=1)[:, :K], x.float(), FP8_TOL, "xq * xs")
 
 
+@pytest.mark.parametrize("M,pad", [(37, 16), (32, 16), (5, 4)])
+def test_quantize_rows_padded(device, M, pad):
+    """Rows padded for cuBLAS (fp8_gemm.CUBLAS_ROWS): the first M as unpadded, the rest zero codes
+    with scale 1, the scales still M-major over the padded rows."""
+    x = rows(M, 300, torch.float32, device, torch.Generator().manual_seed(M))
+    xq, xs = fp8_gemm.quantize_rows_triton(x, pad)
+    MP = -(-M // pad) * pad
+    assert xq.shape == (MP, 300) and xs.shape == (MP, 3) and xs.stride() == (1, MP)
+    rq, rs = quantized_ref(x)
+    assert same_fp8(xq[:M].contiguous(), rq) and torch.equal(xs[:M], rs)
+    assert (xq[M:].view(torch.uint8) == 0).all() and (xs[M:] == 1).all()
+
+
 def test_quantize_rows_ties(device):
     # a group whose amax is 448 (scale 1) holding every midpoint between two fp8 values, of either
     # sign: each rounds to the even code, the normals' and the subnormals' alike
