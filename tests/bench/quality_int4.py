@@ -17,9 +17,9 @@ float32 on the CPU:
 `--prefill-forms` (a GPU) scores the held-out texts three ways instead, in bf16: the checkpoint
 as it is, and `--weights int4` with prefill's 4-bit products in the dense form and in the fp8 form
 (kernels/int4_gemm.py: the weights requantized to FP8 blocks, x's rows quantized to FP8 per token
-and 128 columns). The scores are a
-prefill's logits, so they show what the fp8 form alone costs; a text of fewer than 256 tokens
-(the held-out prompts) takes the dense form either way (int4_gemm.fp8_serves).
+and 128 columns). The scores are a prefill's logits, so they show what the fp8 form alone costs;
+a text of fewer than 256 tokens (the held-out prompts) takes the dense form either way
+(int4_gemm.fp8_serves).
 
 PYTHONPATH=tests: the held-out files are the training script's (tools.demo.corpus). About two
 minutes on two CPU cores.
@@ -46,6 +46,22 @@ DEMO, PROMPTS = ROOT / "assets" / "demo", ROOT / "assets" / "heldout_prompts.jso
 def heldout_texts() -> list[str]:
     root = corpus.stdlib_root()
     return [corpus.read(root, rel) for rel in corpus.stdlib_files(root) if corpus.is_heldout(rel)]
+
+
+def heldout(tok, window: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The held-out prompts' and files' token ids (the first `window` tokens of each file)."""
+    prompts = [tok.encode(json.loads(line)["prompt"]) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    files = [ids[:window] for ids in map(tok.encode, heldout_texts()) if len(ids) > 1]
+    return prompts, files
+
+
+def show_perplexity(out: dict, names):
+    for key in ("heldout_files", "heldout_prompts"):
+        r = out[key]
+        print(f"{key}: {r['documents']} texts, {r['tokens']:,} tokens scored")
+        for name in names:
+            print(f"  {name:<10} perplexity {r[name]['perplexity']:.4f}  top-1 agreement with bf16 "
+                  f"{r[name]['top1_agreement']:.4f}")
 
 
 def perplexity(engines: dict[str, Engine], docs: list[list[int]]) -> dict:
@@ -81,9 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = {w: Engine.load(DEMO, device="cpu", dtype=torch.float32, max_context=2048, weights=w)
                for w in ("bf16", "int4")}
     assert engines["bf16"].weight_format == "float32" and engines["int4"].weight_format == "int4"
-    tok = engines["bf16"].tokenizer
-    prompts = [tok.encode(json.loads(line)["prompt"]) for line in PROMPTS.read_text().splitlines() if line.strip()]
-    files = [ids[:args.window] for ids in map(tok.encode, heldout_texts()) if len(ids) > 1]
+    prompts, files = heldout(engines["bf16"].tokenizer, args.window)
     out = {"heldout_files": perplexity(engines, files), "heldout_prompts": perplexity(engines, prompts)}
 
     replies = {w: [generate(e, ids, args.tokens, mtp=False)["tokens"] for ids in prompts] for w, e in engines.items()}
@@ -95,11 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                            for k, m in real_acceptance(e, prompts, args.tokens).items()} for w, e in engines.items()}
     out["seconds"] = time.perf_counter() - t0
 
-    for key in ("heldout_files", "heldout_prompts"):
-        r = out[key]
-        print(f"{key}: {r['documents']} texts, {r['tokens']:,} tokens scored")
-        for w in engines:
-            print(f"  {w:<5} perplexity {r[w]['perplexity']:.4f}  top-1 agreement with bf16 {r[w]['top1_agreement']:.4f}")
+    show_perplexity(out, engines)
     print(f"greedy reply ({args.tokens} tokens, MTP off), int4's first token unlike bf16's, per prompt: {same}")
     for w, by_k in out["mtp_real"].items():
         print(f"{w:<5} mean acceptance length: " + ", ".join(
@@ -121,18 +131,11 @@ def prefill_forms(args) -> int:
         e = Engine.load(DEMO, weights="int4", **load)
         e.plan = e.plan.replace(int4_prefill=form)
         engines[f"int4 {form}"] = e
-    tok = engines["bf16"].tokenizer
-    prompts = [tok.encode(json.loads(line)["prompt"]) for line in PROMPTS.read_text().splitlines() if line.strip()]
-    files = [ids[:args.window] for ids in map(tok.encode, heldout_texts()) if len(ids) > 1]
+    prompts, files = heldout(engines["bf16"].tokenizer, args.window)
     out = {"heldout_files": perplexity(engines, files), "heldout_prompts": perplexity(engines, prompts),
            "plans": {name: e.plan.describe()["products"]["int4_prefill"] for name, e in engines.items()}}
     out["seconds"] = time.perf_counter() - t0
-    for key in ("heldout_files", "heldout_prompts"):
-        r = out[key]
-        print(f"{key}: {r['documents']} texts, {r['tokens']:,} tokens scored")
-        for name in engines:
-            print(f"  {name:<10} perplexity {r[name]['perplexity']:.4f}  top-1 agreement with bf16 "
-                  f"{r[name]['top1_agreement']:.4f}")
+    show_perplexity(out, engines)
     print(f"{out['seconds']:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
