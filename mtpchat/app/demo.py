@@ -52,6 +52,7 @@ async def play(pilot) -> None:
     await _until(pilot, lambda: app.telemetry.joules_per_token is not None
                  and app.telemetry.gpu.tokens == app.tokens_emitted)
     composer.focus()
+    composer.cursor_blink = False   # the app turned blinking back on when the reply ended: a steady cursor
     app.redraw(force=True)
     await pilot.pause(0.1)
 
