@@ -87,7 +87,7 @@ class Snapshots:
         committed conv inputs (`conv_cols` from the committed offset, no host sync) and the
         recurrent state with the last step's tokens folded in, and the last row's `hidden`."""
         i = self.slot_for(tokens).slot
-        cols = state.conv_off + conv_cols
+        cols = (state.conv_off + conv_cols) % state.conv_width
         for j, ((conv_buf, ssm, pend), m) in enumerate(zip(state.gdn_layers, mixers)):
             self.conv[i, j].copy_(conv_buf.index_select(1, cols))
             self.ssm[i, j].copy_(ssm)

@@ -1,10 +1,10 @@
 """Decode state, allocated once for `max_context` tokens, typed per layer, rolled back explicitly.
 
 - full attention: K and V caches [max_context, Hkv, D]; rollback = a length that does not advance.
-- GDN: a conv window [conv_dim, K-1 + k_max+1] (model dtype) whose committed K-1 columns start at
-  `conv_off`; the recurrent state [Hv, dk, dv] (float32) before the last step's tokens, and those
+- GDN: a conv window [conv_dim, K-1 + k_max+1] (model dtype), a ring whose committed K-1 columns
+  start at `conv_off` (kernels/conv.py); the recurrent state [Hv, dk, dv] (float32) before the last step's tokens, and those
   tokens as the recurrence used them (pend [2, k_max+1, Hv, dk+dv+2], the last step's in half
-  `parity`). Accepting n tokens commits conv offset n and `fold` n: the next step (or prefill)
+  `parity`). Accepting n tokens adds n to the conv offset and commits `fold` n: the next step (or prefill)
   folds those n into the state before its own tokens (kernels/gdn.py), so a verify of T tokens
   writes one state, not T, and nothing is copied at acceptance. A decode step writes the state
   after its one token (always accepted) and commits `fold` 0.
@@ -63,10 +63,9 @@ class DecodeState:
         return out
 
     def commit_prefill(self, T: int):
-        """After a prefill chunk of T tokens (steps commit on the device: engine/decoder.py). The
-        conv call wrote [window | inputs] to the front of the buffer when it fitted, else only the
-        last K-1 inputs (kernels/conv.py)."""
-        self.conv_off.fill_(T if self.kernel - 1 + T <= self.conv_width else 0)
+        """After a prefill chunk of T tokens (steps commit on the device: engine/decoder.py): the
+        conv call wrote its inputs past the window, so the window moves on by T (kernels/conv.py)."""
+        self.conv_off.add_(T)
         self.length += T
 
     def nbytes(self) -> dict[str, int]:

@@ -72,7 +72,7 @@ def commit_ref(a: torch.Tensor, out: torch.Tensor, b: AcceptBuffers):
         b.parity.copy_(torch.where(live, 1 - b.parity, b.parity))
     else:
         b.fold.copy_(torch.where(live, 0, b.fold))
-    b.conv_off.copy_(torch.where(live, n, b.conv_off))
+    b.conv_off.add_(n)                 # the conv window moves on by n (a ring: kernels/conv.py)
     b.pos.add_(n)
     b.gen.add_(n)
     b.next_tok.copy_(torch.where(live, out.index_select(0, (n - 1).clamp(min=0)), b.next_tok))
@@ -169,7 +169,7 @@ def _accept_greedy_kernel(val, idx, s_p, P, drafts, is_stop, room, pos, gen, nex
         tl.store(parity, tl.where(live, 1 - b_parity, b_parity))
     else:
         tl.store(fold, tl.where(live, 0, b_fold))
-    tl.store(conv_off, tl.where(live, i_n, b_off))
+    tl.store(conv_off, b_off + i_n)       # the conv window moves on by n (a ring: kernels/conv.py)
     tl.store(pos, b_pos + i_n)
     tl.store(gen, b_gen + i_n)
     tl.store(next_tok, tl.where(live, b_last, b_next))

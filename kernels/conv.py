@@ -2,12 +2,15 @@
 float32 torch reference, the Triton kernel beside it, and `conv_update`, which picks the kernel for
 CUDA tensors and the reference otherwise.
 
-The window buffer `buf` [C, W] (W = K-1 + k_max+1 columns, model dtype) holds pre-conv inputs. The
-committed window is the K-1 columns starting at `off` (a device tensor). A call with T new inputs
-writes [window | inputs] to the front of the buffer when it fits, so accepting n of the T tokens
-commits offset n with no copy; a long prefill call keeps only the last K-1 inputs (offset 0).
-An optional `live` (1-element long tensor) of 0 leaves the buffer as it was: a step launched after
-its generation ended must not touch the state.
+The window buffer `buf` [C, W] (W = K-1 + k_max+1 columns, model dtype) is a ring of pre-conv
+inputs: the committed window is the K-1 columns from `off` (a device tensor that only grows;
+column j of the window is column (off + j) mod W). A call with T new inputs reads the window and
+writes input t at column (off + K-1 + t) mod W, the last W of them where more come (a prefill).
+Accepting n of a step's T tokens commits off + n, with nothing copied; a step (T <= W - (K-1))
+writes none of the columns it reads, so a kernel whose programs read overlapping channels may
+write them in any order (kernels/gdn.py's conv form). An optional `live` (1-element long tensor)
+of 0 leaves the buffer as it was: a step launched after its generation ended must not touch the
+state.
 """
 from __future__ import annotations
 
@@ -17,6 +20,11 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 
 
+def window_columns(off: torch.Tensor, K: int, width: int) -> torch.Tensor:
+    """The buffer columns of the committed window [K-1] (long) for offset `off` in a ring of `width`."""
+    return (off + torch.arange(K - 1, device=off.device)) % width
+
+
 def conv_update_ref(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor,
                     live: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, C] pre-conv inputs, buf [C, W], off 1-element long tensor, weight [C, K] -> silu(conv) [T, C].
@@ -24,17 +32,17 @@ def conv_update_ref(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weigh
     Each output is an explicit K-term sum, so its value does not depend on T (row invariance).
     """
     T, C = x.shape
-    K = weight.shape[1]
-    cols = off + torch.arange(K - 1, device=buf.device)
-    window = buf.index_select(1, cols)                                  # [C, K-1]
+    K, W = weight.shape[1], buf.shape[1]
+    window = buf.index_select(1, window_columns(off, K, W))                  # [C, K-1]
     full = torch.cat([window, x.T.to(buf.dtype)], dim=1)                # [C, K-1+T]
     w = weight.float()
     y = sum(w[:, j, None] * full[:, j:j + T].float() for j in range(K))  # [C, T]
-    keep = (lambda new, old: new) if live is None else (lambda new, old: torch.where(live > 0, new, old))
-    if K - 1 + T <= buf.shape[1]:
-        buf[:, :K - 1 + T] = keep(full, buf[:, :K - 1 + T])
-    else:
-        buf[:, :K - 1] = keep(full[:, T:], buf[:, :K - 1])
+    kept = min(T, W)                                                    # the last W inputs (a prefill)
+    cols = (off + K - 1 + torch.arange(T - kept, T, device=buf.device)) % W
+    new = full[:, K - 1 + T - kept:]
+    if live is not None:
+        new = torch.where(live > 0, new, buf.index_select(1, cols))
+    buf.index_copy_(1, cols, new)
     return F.silu(y).T.contiguous().to(x.dtype)   # [T, C] rows contiguous, as a 1-token call gives
 
 
@@ -43,8 +51,9 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
                         K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, WP: tl.constexpr,
                         HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
     # One program per (BC channels, BT tokens). Only the first token block reads the committed
-    # window, and only it rewrites the front of the buffer, after its own reads: no other program
-    # touches the buffer, so there is no ordering to arrange between programs.
+    # window, and only it writes the buffer, after its own reads (a prefill's last inputs may land
+    # on the window's columns): no other program touches the buffer, so there is no ordering to
+    # arrange between programs.
     pdl_start(PDL)
     i_c, i_t = tl.program_id(0), tl.program_id(1)
     o_c = i_c * BC + tl.arange(0, BC)
@@ -52,15 +61,6 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
     o_t = i_t * BT + tl.arange(0, BT)
     i_off = tl.load(off)
     p_buf = buf + o_c * s_buf
-    # a step's new front of the buffer, [window | inputs] (first token block only): read whole
-    # into registers with the other loads, one round trip rather than a load and store per column
-    o_w = tl.arange(0, WP)
-    b_step = (tl.zeros([WP], dtype=tl.int32) + tl.where((i_t == 0) & (K - 1 + T <= WIDTH), 1, 0)) > 0
-    m_win = m_c[:, None] & ((o_w < K - 1) & b_step)[None, :]
-    m_new = m_c[:, None] & ((o_w >= K - 1) & (o_w < K - 1 + T) & b_step)[None, :]
-    b_front = tl.where(m_win, tl.load(p_buf[:, None] + i_off + o_w[None, :], mask=m_win, other=0.),
-                       tl.load(x + (o_w - (K - 1))[None, :] * s_x + o_c[:, None], mask=m_new,
-                               other=0.).to(buf.dtype.element_ty))
     b_y = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(K):
         # column t + j of [window | inputs]: a window column while it is < K-1, else input t+j-(K-1)
@@ -70,22 +70,22 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
         b_x = b_x.to(buf.dtype.element_ty).to(tl.float32)
         if i_t == 0:
             m_w = (o_src < 0)[:, None] & m_c[None, :]
-            b_x += tl.load(p_buf[None, :] + (i_off + K - 1 + o_src)[:, None], mask=m_w, other=0.).to(tl.float32)
+            b_x += tl.load(p_buf[None, :] + (i_off + K - 1 + o_src)[:, None] % WIDTH, mask=m_w,
+                           other=0.).to(tl.float32)
         b_y += tl.load(w + o_c * K + j, mask=m_c, other=0.).to(tl.float32)[None, :] * b_x
     b_y = b_y * tl.sigmoid(b_y)
     tl.store(y + o_t[:, None] * s_y + o_c[None, :], b_y.to(y.dtype.element_ty), mask=(o_t < T)[:, None] & m_c[None, :])
     if HAS_LIVE:
         m_c = m_c & (tl.zeros([BC], dtype=tl.int64) + tl.load(live) > 0)   # an ended generation's step writes nothing
     if i_t == 0:
-        if K - 1 + T <= WIDTH:
-            tl.debug_barrier()   # every read of the old window is done before the buffer is rewritten
-            tl.store(p_buf[:, None] + o_w[None, :], b_front, mask=(m_win | m_new) & m_c[:, None])
-        else:
-            tl.debug_barrier()   # every read of the old window is done before the buffer is rewritten
-            # a long call keeps its last K-1 inputs (the launcher checks T >= K-1 here)
-            for i in tl.static_range(K - 1):
-                b_new = tl.load(x + (T - (K - 1) + i) * s_x + o_c, mask=m_c)
-                tl.store(p_buf + i, b_new.to(buf.dtype.element_ty), mask=m_c)
+        # the last min(T, W) inputs, input t at column (off + K-1 + t) mod W
+        o_w = tl.arange(0, WP)
+        kept = tl.minimum(T, WIDTH)
+        o_in = T - kept + o_w
+        m_in = m_c[:, None] & (o_w < kept)[None, :]
+        b_in = tl.load(x + o_in[None, :] * s_x + o_c[:, None], mask=m_in, other=0.)
+        tl.debug_barrier()   # every read of the old window is done before the buffer is written
+        tl.store(p_buf[:, None] + ((i_off + K - 1 + o_in) % WIDTH)[None, :], b_in.to(buf.dtype.element_ty), mask=m_in)
 
 
 def _tile() -> tuple[int, int]:
@@ -99,10 +99,10 @@ def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, we
     K = weight.shape[1]
     assert x.stride(1) == 1, "x rows must be contiguous"
     assert buf.shape[0] == C and buf.stride(1) == 1, f"buf must be [{C}, W] with contiguous rows"
+    assert buf.shape[1] >= K - 1, f"buf must hold the window's {K - 1} columns"
     assert weight.shape == (C, K) and weight.is_contiguous(), f"weight must be [{C}, K] contiguous"
     assert off.numel() == 1 and off.dtype == torch.long, "off must be a 1-element long tensor"
     assert live is None or (live.numel() == 1 and live.dtype == torch.long), "live must be a 1-element long tensor"
-    assert K - 1 + T <= buf.shape[1] or T >= K - 1, "a call longer than the window must have >= K-1 inputs"
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
     (BC, warps), BT = _tile(), 16
     _conv_update_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](

@@ -7,6 +7,7 @@ from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.events import Step
 from mtpchat.engine.sampling import process_logits, sample
 from mtpchat.engine.spec import ProfileDrafter, accept_sampled
+from mtpchat.kernels.conv import window_columns
 
 N_PROMPTS, NEW_TOKENS = 20, 100
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=())
@@ -65,10 +66,10 @@ def snapshot(e):
     """What the next token depends on: committed KV, the committed conv columns, the committed
     recurrent state, and the tokens fed so far."""
     s = e.state
-    L, off, K = s.length, int(s.conv_off), s.kernel
+    L, cols = s.length, window_columns(s.conv_off, s.kernel, s.conv_width)
     return dict(length=L, tokens=list(e.decoder.tokens),
                 kv=[t[:L].clone() for pair in s.kv_layers for t in pair],
-                conv=[buf[:, off:off + K - 1].clone() for buf, _, _ in s.gdn_layers],
+                conv=[buf.index_select(1, cols) for buf, _, _ in s.gdn_layers],
                 state=s.gdn_committed(e.model))
 
 

@@ -6,6 +6,7 @@ from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.memory import K_MAX
 from mtpchat.engine.model import prefill_attention
 from mtpchat.engine.spec import ProfileDrafter
+from mtpchat.kernels.conv import window_columns
 from tools.tiny import write_tiny_checkpoint
 from helpers import GPU_SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens, rel_err
 
@@ -94,7 +95,8 @@ def test_pipelined_steps_equal_one_at_a_time(ckpt, graphs):
         assert engine.decoder.most_in_flight == depth
         s, L = engine.state, engine.state.length
         states.append([t[:L] for pair in s.kv_layers for t in pair] + [s.fold, s.parity, s.conv_off] +
-                      [buf[:, int(s.conv_off):int(s.conv_off) + s.kernel - 1] for buf, _, _ in s.gdn_layers] +
+                      [buf.index_select(1, window_columns(s.conv_off, s.kernel, s.conv_width))
+                       for buf, _, _ in s.gdn_layers] +
                       s.gdn_committed(engine.model))
         states[-1] = [t.clone() for t in states[-1]]
     assert all(torch.equal(a, b) for a, b in zip(*states))
