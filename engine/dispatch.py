@@ -24,6 +24,7 @@ from mtpchat.kernels import fp8_gemm, int4_gemm, norm
 from mtpchat.kernels._triton import use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BlockFP8
+from mtpchat.kernels.fp8_gemm import QuantizedRows
 from mtpchat.kernels.int4 import GroupInt4
 from mtpchat.kernels.matvec import Normed, matvec
 from mtpchat.kernels.matvec_parts import matvec_parts, matvec_parts_triton
@@ -52,6 +53,12 @@ class Ctx:
 
     def linear(self, x, w) -> torch.Tensor:
         return linear(x, w, self.step, self.plan.products)
+
+    def quantized_rows_for(self, w, x: torch.Tensor) -> bool:
+        """Whether the rows that x stands for (their count, device and dtype) go to the product over
+        w as FP8 rows made by their producer: a prefill under the plan's prefill_quant, where that
+        product would quantize them anyway (takes_quantized_rows)."""
+        return not self.step and self.plan.prefill_quant and takes_quantized_rows(x, w, self.plan.products)
 
     def out_linear(self, x: torch.Tensor, w):
         """A block's last product, which only the residual add and the norm after it read: left
@@ -85,6 +92,8 @@ def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
     FP8 tensor cores (fp8_gemm.py), over 4-bit ones in int4_gemm.py (the plan's int4_prefill: a
     dequantized slab and torch's matmul, or the tiles widened in registers); on the CPU it is the
     product of the dequantized weight."""
+    if isinstance(x, QuantizedRows):
+        return fp8_gemm.gemm(x, w) if isinstance(w, BlockFP8) else int4_gemm.gemm(x, w, plan=products)
     if isinstance(x, Normed) or (rowwise and x.is_cuda):
         return matvec(x, w, plan=products)
     if not rowwise and use_triton(x, values_of(w)):
@@ -96,6 +105,19 @@ def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
     if not rowwise:
         return F.linear(x, w)
     return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)
+
+
+def takes_quantized_rows(x: torch.Tensor, w, products: ProductPlan) -> bool:
+    """Whether a prefill's product over w quantizes rows like x (their count, device, dtype) to FP8
+    by rows and 128 columns (fp8_gemm.quantize_rows), and so takes them quantized
+    (fp8_gemm.QuantizedRows): FP8 weights on the GPU; 4-bit ones in the fp8 form where it serves,
+    with no perm (a producer's rows do not come through one)."""
+    if not use_triton(x, values_of(w)) or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if isinstance(w, BlockFP8):
+        return True
+    return (isinstance(w, GroupInt4) and products.int4_prefill == "fp8" and w.perm is None
+            and int4_gemm.fp8_serves(x, w))
 
 
 class Product(NamedTuple):

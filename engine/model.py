@@ -20,8 +20,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.dispatch import Ctx, Product, linear, weight
-from mtpchat.kernels import attention, conv, gdn, gdn_chunk, moe, norm
-from mtpchat.kernels.fp8 import BlockFP8
+from mtpchat.kernels import attention, conv, fp8_gemm, gdn, gdn_chunk, moe, norm
+from mtpchat.kernels.fp8 import BLOCK, BlockFP8
 from mtpchat.kernels.int4 import GroupInt4
 from mtpchat.kernels.matvec import matvec, matvec_swiglu, silu_mul
 from mtpchat.kernels.plan import ProductPlan
@@ -79,11 +79,14 @@ class MLP(nn.Module):
 
     def forward(self, x, ctx: Ctx, whole: bool = False):
         """The MLP's output, or in a step on the GPU a Product for add_norm to finish (`whole`: a tensor)."""
+        down = weight(self, "down")
         if ctx.step and x.is_cuda:
             h = matvec_swiglu(x, weight(self, "gate_up"), ctx.products)   # the product and the gating in one kernel
         else:
-            h = silu_mul(ctx.linear(x, weight(self, "gate_up")))
-        return (ctx.linear if whole else ctx.out_linear)(h, weight(self, "down"))
+            gate_up = ctx.linear(x, weight(self, "gate_up"))
+            # prefill: the gated rows straight to FP8 where the down product takes them so
+            h = fp8_gemm.quantized_swiglu(gate_up) if ctx.quantized_rows_for(down, gate_up) else silu_mul(gate_up)
+        return (ctx.linear if whole else ctx.out_linear)(h, down)
 
 
 class SparseMoE(nn.Module):
@@ -160,7 +163,8 @@ class GatedAttention(nn.Module):
         k_cache, v_cache = cache
         # q normalised and rotated; k likewise and v as it is, straight into the cache rows
         q = qkv_norm_rope(q, k.view(T, -1, c.head_dim), v.view(T, -1, c.head_dim), self.q_norm.weight,
-                          self.k_norm.weight, ctx.positions, self.inv_freq(x.device), c.rms_norm_eps, k_cache, v_cache)
+                          self.k_norm.weight, ctx.positions, self.inv_freq(x.device), c.rms_norm_eps, k_cache, v_cache,
+                          rows=1 if ctx.step else ctx.plan.prefill_rows)
         scale = c.head_dim ** -0.5
         if ctx.step:
             o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale, gate)   # the gate fused in
@@ -195,7 +199,8 @@ class GatedDeltaNet(nn.Module):
         else:
             mixed, z = ctx.linear(x, weight(self, "in_proj")).split([c.conv_dim, c.value_dim], dim=-1)
             b, a = ctx.linear(x, self.in_proj_ba).split([hv, hv], dim=-1)
-        mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live)   # pre-conv in, silu out
+        mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live,   # pre-conv in, silu out
+                                 tokens=16 if ctx.step else ctx.plan.prefill_conv_tokens)
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
         if ctx.step:
@@ -208,8 +213,13 @@ class GatedDeltaNet(nn.Module):
                 gdn.fold_pending(state, pend, ctx.fold, ctx.parity, self.A_log, self.dt_bias)
             o, end_state = gdn_chunk.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state.clone())
             state.copy_(end_state)
-        o = norm.gated_rmsnorm(o.to(x.dtype), z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps)
-        return ctx.out_linear(o.reshape(T, c.value_dim), weight(self, "out_proj"))
+        out_proj = weight(self, "out_proj")
+        o = o.to(x.dtype)
+        # prefill: the normed rows straight to FP8 (a head one group of 128) where out_proj takes them so
+        quantize = dv == BLOCK and ctx.quantized_rows_for(out_proj, o)
+        o = norm.gated_rmsnorm(o, z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps,
+                               rows=1 if ctx.step else ctx.plan.prefill_rows, quantize=quantize)
+        return ctx.out_linear(o if quantize else o.reshape(T, c.value_dim), out_proj)
 
 
 class DecoderLayer(nn.Module):

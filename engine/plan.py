@@ -41,6 +41,19 @@ class KernelPlan:
     # through it when MTP comes back on or when they fill up. A flush waits for the steps in flight
     # and runs the head eagerly: at 64 rows it cost a 27B decode some 2.5 ms every 63 tokens.
     pending_rows: int = 512
+    # Prefill's small kernels: rows (a token's heads) a program of the GDN output norm and of the
+    # q/k norm + RoPE (kernels/norm.py, kernels/rope.py), and tokens a program of the causal conv
+    # (kernels/conv.py). One row a program made some 100,000 programs of 256 bytes for a 2,048-token
+    # chunk: the 27B's 8K prompt spent 22.9 ms in the GDN output norm, 16.8 in the conv and 5.4 in
+    # the q/k norm, some 4.8 / 3 / 4 x what their bytes take at the copy bandwidth (an H100,
+    # tests/bench/profile_step.py). Steps keep one row and 16 tokens a program.
+    prefill_rows: int = 1
+    prefill_conv_tokens: int = 16
+    # Prefill's MLP gating and GDN output norm hand an FP8 product (FP8 weights; 4-bit ones in the
+    # fp8 form) their rows quantized (kernels/fp8_gemm.py QuantizedRows), the same codes and scales
+    # as the product's own quantization of their bf16 rows, with one pass over the rows fewer: the
+    # 27B FP8's 8K prompt spent 20.3 ms quantizing rows and 18.5 in the gating.
+    prefill_quant: bool = False
 
     @classmethod
     def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool, int4: bool = False) -> "KernelPlan":

@@ -94,7 +94,9 @@ def _tile() -> tuple[int, int]:
 
 
 def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor,
-                       live: torch.Tensor | None = None) -> torch.Tensor:
+                       live: torch.Tensor | None = None, tokens: int = 16) -> torch.Tensor:
+    """conv_update_ref's contract, `tokens` tokens a program (a power of two; a prefill may take
+    more than a step's 16: KernelPlan.prefill_conv_tokens). An output's value does not depend on it."""
     T, C = x.shape
     K = weight.shape[1]
     assert x.stride(1) == 1, "x rows must be contiguous"
@@ -104,7 +106,8 @@ def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, we
     assert off.numel() == 1 and off.dtype == torch.long, "off must be a 1-element long tensor"
     assert live is None or (live.numel() == 1 and live.dtype == torch.long), "live must be a 1-element long tensor"
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
-    (BC, warps), BT = _tile(), 16
+    assert tokens >= 1 and tokens & (tokens - 1) == 0, f"tokens a program must be a power of two, got {tokens}"
+    (BC, warps), BT = _tile(), tokens
     _conv_update_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](
         x, buf, off, live if live is not None else off, weight, y, T, C, buf.shape[1], x.stride(0), y.stride(0),
         buf.stride(0), K=K, BC=BC, BT=BT, WP=triton.next_power_of_2(buf.shape[1]),
@@ -113,8 +116,8 @@ def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, we
 
 
 def conv_update(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor,
-                live: torch.Tensor | None = None) -> torch.Tensor:
-    """conv_update_ref's contract; the Triton kernel for CUDA tensors."""
+                live: torch.Tensor | None = None, tokens: int = 16) -> torch.Tensor:
+    """conv_update_ref's contract; the Triton kernel for CUDA tensors (`tokens` a program)."""
     if use_triton(x, weight):
-        return conv_update_triton(x, buf, off, weight, live)
+        return conv_update_triton(x, buf, off, weight, live, tokens)
     return conv_update_ref(x, buf, off, weight, live)

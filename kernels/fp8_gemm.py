@@ -21,6 +21,8 @@ the tests hold the kernel to.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from mtpchat.kernels._triton import interpreting, tl, triton, use_triton
@@ -65,35 +67,54 @@ def _round_e4m3(b_v):
 
 
 @triton.jit
+def quantize_tile(b_x, INTERPRET: tl.constexpr):
+    """float32 rows [R, G] of one group each -> (codes [R, G] in [-448, 448] on the e4m3 grid, still
+    float32; scales [R]): quantize_rows_ref's rule, bit for bit."""
+    b_amax = tl.max(tl.abs(b_x), axis=1)
+    # IEEE divisions (div_rn; `/` is div.full.f32 on NVIDIA) so that the bits are the reference's
+    b_s = tl.where(b_amax > 0, tl.math.div_rn(b_amax, tl.full(b_amax.shape, 448., tl.float32)), 1.)
+    b_q = tl.math.div_rn(b_x, tl.broadcast_to(b_s[:, None], b_x.shape))
+    b_q = tl.minimum(tl.maximum(b_q, -448.), 448.)
+    if INTERPRET:
+        b_q = _round_e4m3(b_q)
+    return b_q, b_s
+
+
+@triton.jit
 def _quantize_rows_kernel(x, xq, xs, M, MP, K, s_x, s_q, s_sm, s_sk, BR: tl.constexpr, G: tl.constexpr,
-                          INTERPRET: tl.constexpr):
-    # program (i_r, i_g): rows i_r BR .. + BR, columns of group i_g; rows M .. MP are padding (zeros)
+                          SWIGLU: tl.constexpr, INTERPRET: tl.constexpr):
+    # program (i_r, i_g): rows i_r BR .. + BR, columns of group i_g; rows M .. MP are padding (zeros).
+    # SWIGLU: x is [gate | up] (K columns each) and the rows are silu(gate) * up, rounded as
+    # kernels/matvec.py's silu_mul rounds them
     i_r, i_g = tl.program_id(0), tl.program_id(1)
     o_r = i_r * BR + tl.arange(0, BR)
     o_k = i_g * G + tl.arange(0, G)
     m_r = o_r < MP
     m_x = (o_r < M)[:, None] & (o_k < K)[None, :]
-    b_x = tl.load(x + o_r[:, None] * s_x + o_k[None, :], mask=m_x, other=0.).to(tl.float32)
-    b_amax = tl.max(tl.abs(b_x), axis=1)
-    # IEEE divisions (div_rn; `/` is div.full.f32 on NVIDIA) so that the bits are the reference's
-    b_s = tl.where(b_amax > 0, tl.math.div_rn(b_amax, tl.full([BR], 448., tl.float32)), 1.)
-    b_q = tl.math.div_rn(b_x, tl.broadcast_to(b_s[:, None], [BR, G]))
-    b_q = tl.minimum(tl.maximum(b_q, -448.), 448.)
-    if INTERPRET:
-        b_q = _round_e4m3(b_q)
+    p_x = x + o_r[:, None] * s_x + o_k[None, :]
+    b_x = tl.load(p_x, mask=m_x, other=0.).to(tl.float32)
+    if SWIGLU:
+        b_u = tl.load(p_x + K, mask=m_x, other=0.).to(tl.float32)
+        b_x = (b_x * tl.sigmoid(b_x)).to(x.dtype.element_ty).to(tl.float32)
+        b_x = (b_x * b_u).to(x.dtype.element_ty).to(tl.float32)
+    b_q, b_s = quantize_tile(b_x, INTERPRET)
     m_q = m_r[:, None] & (o_k < K)[None, :]
     tl.store(xq + o_r[:, None] * s_q + o_k[None, :], b_q.to(xq.dtype.element_ty), mask=m_q)
     tl.store(xs + o_r * s_sm + i_g * s_sk, b_s, mask=m_r)
 
 
-def quantize_rows_triton(x: torch.Tensor, pad: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(x: torch.Tensor, pad: int = 1, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows_ref in one pass over x. xs comes as the transpose of a [KB, M] tensor (its
     shape [M, KB], strides (1, M)): the product reads a step's BM token scales as one contiguous
     run. `pad`: the rows rounded up to a multiple of it, the rows added zeros with scale 1 (cuBLAS
-    takes rows in multiples of CUBLAS_ROWS only)."""
+    takes rows in multiples of CUBLAS_ROWS only). `swiglu`: x is an MLP's [gate | up] rows and
+    the rows quantized are silu(gate) * up (quantize_rows_ref(silu_mul_ref(x)), bit for bit)."""
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [M, K] with contiguous rows"
     assert x.dtype in (torch.float32, torch.bfloat16, torch.float16), f"x is {x.dtype}"
     M, K = x.shape
+    if swiglu:
+        assert K % 2 == 0, "swiglu: x must be [M, 2I] = [gate | up]"
+        K //= 2
     MP = triton.cdiv(M, pad) * pad
     KB = triton.cdiv(K, BLOCK)
     xq = torch.empty(MP, K, dtype=FP8, device=x.device)
@@ -103,8 +124,30 @@ def quantize_rows_triton(x: torch.Tensor, pad: int = 1) -> tuple[torch.Tensor, t
     BR = 32
     _quantize_rows_kernel[(triton.cdiv(MP, BR), KB)](
         x, xq, xs, M, MP, K, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1), BR=BR, G=BLOCK,
-        INTERPRET=interpreting(), num_warps=4)
+        SWIGLU=swiglu, INTERPRET=interpreting(), num_warps=4)
     return xq, xs
+
+
+class QuantizedRows(NamedTuple):
+    """Rows already quantized for an FP8 product, as quantize_rows_triton(x, CUBLAS_ROWS) gives
+    them: codes [MP, K], scales [MP, KB] (M-major), `rows` of the MP real, standing for rows of
+    `dtype` (the product's output dtype). A prefill kernel whose rows only an FP8 product reads
+    writes them so (KernelPlan.prefill_quant: the MLP's SwiGLU, the GDN output norm), which saves
+    a pass over them; `gemm` and int4_gemm.requantized_gemm take them as they take x."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    rows: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.q.shape[1]
+
+
+def quantized_swiglu(gate_up: torch.Tensor) -> QuantizedRows:
+    """An MLP's gating of [gate | up] rows straight into FP8 rows for the down product."""
+    xq, xs = quantize_rows_triton(gate_up, CUBLAS_ROWS, swiglu=True)
+    return QuantizedRows(xq, xs, gate_up.shape[0], gate_up.dtype)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +248,8 @@ def cublas_trusted(key: tuple, trial) -> bool:
     if key not in _cublas_trusted:
         try:
             _cublas_trusted[key] = bool(trial())
-        except RuntimeError:          # NotImplementedError too: a scaling this GPU's cuBLAS lacks
+        except (RuntimeError, ValueError):   # NotImplementedError too: a scaling this GPU's cuBLAS lacks;
+                                             # ValueError: one torch takes for no device's (a CPU's)
             _cublas_trusted[key] = False
     return _cublas_trusted[key]
 
@@ -230,10 +274,21 @@ def cublas_serves(q: BlockFP8, dtype: torch.dtype, M: int) -> bool:
     return cublas_trusted(("block", q.w.device, N, K, dtype, rows), trial)
 
 
-def gemm(x: torch.Tensor, q: BlockFP8) -> torch.Tensor:
+def gemm(x: torch.Tensor | QuantizedRows, q: BlockFP8) -> torch.Tensor:
     """x [M, K] @ dequant(q)ᵀ: fp8 activations and tensor cores for CUDA tensors (cuBLAS for the
     shapes it was seen to compute right, its rows padded to CUBLAS_ROWS, else the Triton kernel),
-    the exact float32 product of the dequantized weights otherwise (see the module's docstring)."""
+    the exact float32 product of the dequantized weights otherwise (see the module's docstring).
+    x may come quantized already (QuantizedRows, CUDA only)."""
+    if isinstance(x, QuantizedRows):
+        M = x.rows
+        assert x.q.shape[1] == q.w.shape[1] and x.q.shape[0] % CUBLAS_ROWS == 0, \
+            f"quantized rows {tuple(x.q.shape)} for the weight {tuple(q.w.shape)}, padded to {CUBLAS_ROWS}"
+        if M >= CUBLAS_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16) and cublas_serves(q, x.dtype, M):
+            try:
+                return gemm_cublas(x.q, x.scale, q, x.dtype)[:M]
+            except RuntimeError:
+                pass
+        return gemm_quantized_triton(x.q, x.scale, q, x.dtype)[:M]
     if not use_triton(x, q.w):
         return (x.float() @ dequantize_ref(q).T).to(x.dtype)
     assert x.dim() == 2 and x.shape[1] == q.w.shape[1], f"x {tuple(x.shape)} and the weight {tuple(q.w.shape)} disagree"

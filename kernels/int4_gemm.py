@@ -35,6 +35,7 @@ import torch
 from mtpchat.kernels import fp8, fp8_gemm
 from mtpchat.kernels._triton import interpreting, tl, triton, use_triton
 from mtpchat.kernels.fp8 import BLOCK, FP8, BlockFP8
+from mtpchat.kernels.fp8_gemm import QuantizedRows
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dequantize_ref, dot_int4, form_args, form_of
 from mtpchat.kernels.plan import ProductPlan
 
@@ -342,30 +343,36 @@ def fp8_serves(x: torch.Tensor, w: GroupInt4) -> bool:
             and T >= fp8_gemm.CUBLAS_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16))
 
 
-def requantized_gemm(x: torch.Tensor, w: GroupInt4, slab_bytes: int = SLAB_BYTES) -> torch.Tensor:
+def requantized_gemm(x: torch.Tensor | QuantizedRows, w: GroupInt4, slab_bytes: int = SLAB_BYTES) -> torch.Tensor:
     """The fp8 form (module docstring; fp8_serves says where it runs): x read through the weight's
-    perm and quantized once (its rows padded for cuBLAS), then per slab of rows the weight
-    requantized to FP8 blocks and cuBLAS's block-scaled product (the Triton FP8 kernel for a slab
-    shape cuBLAS was not seen to compute right: fp8_gemm.cublas_serves)."""
+    perm and quantized once (its rows padded for cuBLAS; or x quantized already, for a weight with
+    no perm), then per slab of rows the weight requantized to FP8 blocks and cuBLAS's block-scaled
+    product (the Triton FP8 kernel for a slab shape cuBLAS was not seen to compute right:
+    fp8_gemm.cublas_serves)."""
     T, K = x.shape
     N = w.shape[0]
-    assert w.shape[1] == K and x.stride(1) == 1, f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
+    assert w.shape[1] == K and (isinstance(x, QuantizedRows) or x.stride(1) == 1), \
+        f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
     assert w.group == BLOCK and N % BLOCK == 0 and (w.perm is None or w.perm.dim() == 1), \
         "groups of 128, whole 128-row blocks and a perm of [K]"
-    if w.perm is not None:
-        x = x.index_select(1, w.perm.long())
-    xq, xs = fp8_gemm.quantize_rows_triton(x, fp8_gemm.CUBLAS_ROWS)
-    rows = max(BLOCK, _slab_rows(K, x.element_size(), slab_bytes) // BLOCK * BLOCK)
-    y = torch.empty(xq.shape[0], N, dtype=x.dtype, device=x.device)
-    slab = BlockFP8(torch.empty(min(rows, N), K, dtype=FP8, device=x.device),
-                    torch.empty(min(rows, N) // BLOCK, K // BLOCK, dtype=torch.float32, device=x.device))
+    if isinstance(x, QuantizedRows):
+        assert w.perm is None, "rows quantized already cannot take the weight's perm"
+        (xq, xs), dtype, device = (x.q, x.scale), x.dtype, x.q.device
+    else:
+        if w.perm is not None:
+            x = x.index_select(1, w.perm.long())
+        (xq, xs), dtype, device = fp8_gemm.quantize_rows_triton(x, fp8_gemm.CUBLAS_ROWS), x.dtype, x.device
+    rows = max(BLOCK, _slab_rows(K, dtype.itemsize, slab_bytes) // BLOCK * BLOCK)
+    y = torch.empty(xq.shape[0], N, dtype=dtype, device=device)
+    slab = BlockFP8(torch.empty(min(rows, N), K, dtype=FP8, device=device),
+                    torch.empty(min(rows, N) // BLOCK, K // BLOCK, dtype=torch.float32, device=device))
     for n0 in range(0, N, rows):
         n1 = min(N, n0 + rows)
         part = requantize_triton(w, (n0, n1), BlockFP8(slab.w[:n1 - n0], slab.scale[:(n1 - n0) // BLOCK]))
-        if fp8_gemm.cublas_serves(part, x.dtype, T):
-            torch._scaled_mm(xq, part.w.T, scale_a=xs, scale_b=part.scale.T, out_dtype=x.dtype, out=y[:, n0:n1])
+        if fp8_gemm.cublas_serves(part, dtype, T):
+            torch._scaled_mm(xq, part.w.T, scale_a=xs, scale_b=part.scale.T, out_dtype=dtype, out=y[:, n0:n1])
         else:
-            y[:, n0:n1] = fp8_gemm.gemm_quantized_triton(xq, xs, part, x.dtype)
+            y[:, n0:n1] = fp8_gemm.gemm_quantized_triton(xq, xs, part, dtype)
     return y[:T]
 
 
@@ -381,7 +388,9 @@ def gemm(x: torch.Tensor, w: GroupInt4, plan: ProductPlan | None = None) -> torc
     """x [T, K] @ w [N, K]ᵀ -> [T, N] in x's dtype, for any number of rows: on CUDA the plan's
     int4_prefill form (the default plan's without one; an interleaved weight, which the fused
     kernel does not read, the dense form; the fp8 form where fp8_serves, else the dense form), the
-    float32 reference otherwise."""
+    float32 reference otherwise. x quantized already (QuantizedRows) takes the fp8 form."""
+    if isinstance(x, QuantizedRows):
+        return requantized_gemm(x, w)
     if not use_triton(x, w.w):
         return gemm_ref(x, w)
     form = plan.int4_prefill if plan is not None else ProductPlan.int4_prefill

@@ -7,14 +7,17 @@ add_rmsnorm:   the residual add, h = x + residual in the stream's dtype, then rm
                as a split product's float32 parts (kernels/matvec_parts.py), added here.
 gated_rmsnorm: the GDN output norm, per head: normalise in float32, cast, times w (plain, not 1+w),
                times silu(z) in float32, cast.
-Each row is normalised by one program, so a row's value does not depend on how many rows there are.
+Each row is normalised on its own (by one program, or one row of a program's tile), so a row's
+value does not depend on how many rows there are.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
+from mtpchat.kernels._triton import interpreting, pdl, pdl_start, tl, triton, use_triton
+from mtpchat.kernels.fp8 import BLOCK, FP8
+from mtpchat.kernels.fp8_gemm import CUBLAS_ROWS, QuantizedRows, quantize_tile
 from mtpchat.kernels.matvec_parts import parts_sum_ref
 
 
@@ -72,19 +75,32 @@ def _rmsnorm_kernel(x, r, w, y, h, B, D, eps, s_xp, s_x0, s_x1, s_r0, s_r1, s_y0
 
 
 @triton.jit
-def _gated_rmsnorm_kernel(x, z, w, y, B, D, eps, s_x0, s_x1, s_z0, s_z1, s_y0, s_y1, BD: tl.constexpr, PDL: tl.constexpr):
+def _gated_rmsnorm_kernel(x, z, w, y, R, RP, B, D, eps, s_x0, s_x1, s_z0, s_z1, s_y0, s_y1, ys, s_sm, s_sk,
+                          BR: tl.constexpr, BD: tl.constexpr, QUANT: tl.constexpr, INTERPRET: tl.constexpr,
+                          PDL: tl.constexpr):
+    # BR rows a program (rows r = a * B + b of the [A, B, D] views), each normalised on its own.
+    # QUANT: each row (D = 128, one group) quantized to FP8 for the product after it, y [A', B * D]
+    # the codes and ys [A', B] their scales (fp8_gemm.quantize_rows_triton's layout), rows R .. RP
+    # the padding (zeros, scale 1)
     pdl_start(PDL)
-    i_r = tl.program_id(0)
-    i_a, i_b = i_r // B, i_r % B
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    i_a, i_b = o_r // B, o_r % B
     o_d = tl.arange(0, BD)
-    m_d = o_d < D
-    b_x = tl.load(x + i_a * s_x0 + i_b * s_x1 + o_d, mask=m_d, other=0.).to(tl.float32)
-    b_n = (b_x * tl.rsqrt(tl.sum(b_x * b_x) / D + eps)).to(x.dtype.element_ty).to(tl.float32)
+    m = (o_r < R)[:, None] & (o_d < D)[None, :]
+    b_x = tl.load(x + (i_a * s_x0 + i_b * s_x1)[:, None] + o_d[None, :], mask=m, other=0.).to(tl.float32)
+    b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+    b_n = (b_x * b_rstd[:, None]).to(x.dtype.element_ty).to(tl.float32)
     # weight * normed is rounded to the model dtype, as torch does for bf16 x bf16
-    b_wn = (tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32) * b_n).to(x.dtype.element_ty)
-    b_z = tl.load(z + i_a * s_z0 + i_b * s_z1 + o_d, mask=m_d, other=0.).to(tl.float32)
-    b_y = b_wn.to(tl.float32) * (b_z * tl.sigmoid(b_z))
-    tl.store(y + i_a * s_y0 + i_b * s_y1 + o_d, b_y.to(y.dtype.element_ty), mask=m_d)
+    b_wn = (tl.load(w + o_d, mask=o_d < D, other=0.).to(tl.float32)[None, :] * b_n).to(x.dtype.element_ty)
+    b_z = tl.load(z + (i_a * s_z0 + i_b * s_z1)[:, None] + o_d[None, :], mask=m, other=0.).to(tl.float32)
+    b_y = (b_wn.to(tl.float32) * (b_z * tl.sigmoid(b_z))).to(x.dtype.element_ty)
+    if QUANT:
+        b_q, b_s = quantize_tile(b_y.to(tl.float32), INTERPRET)
+        m_p = (o_r < RP)[:, None] & (o_d < D)[None, :]
+        tl.store(y + (i_a * s_y0 + i_b * s_y1)[:, None] + o_d[None, :], b_q.to(y.dtype.element_ty), mask=m_p)
+        tl.store(ys + i_a * s_sm + i_b * s_sk, b_s, mask=o_r < RP)
+    else:
+        tl.store(y + (i_a * s_y0 + i_b * s_y1)[:, None] + o_d[None, :], b_y, mask=m)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -137,19 +153,39 @@ def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return _rmsnorm_launch(x, residual, weight, eps, out)
 
 
-def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                         rows: int = 1, quantize: bool = False) -> torch.Tensor | QuantizedRows:
+    """gated_rmsnorm_ref's contract, `rows` rows (heads of tokens) a program: 1 in a step (48
+    programs of one warp a token on the 27B), more in a prefill (KernelPlan.prefill_rows), where
+    one a program makes some 100,000 programs of 256 bytes a chunk. For a given `rows`, a row's
+    value does not depend on how many rows there are (its sum's order may depend on `rows`).
+    `quantize` (x [T, H, 128]): the output's [T, H * 128] rows come quantized for an FP8 product
+    (fp8_gemm.QuantizedRows: quantize_rows_ref of the output, bit for bit, each head one group)."""
     D = x.shape[-1]
     assert z.shape == x.shape, f"z {tuple(z.shape)} must match x {tuple(x.shape)}"
     assert weight.shape == (D,) and weight.is_contiguous(), f"weight must be [{D}] contiguous"
     assert weight.dtype == x.dtype, "the gated norm's weight must have x's dtype"
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    x3, z3, y3 = _rows(x), _rows(z), _rows(y)
-    B = x3.shape[1]
+    assert rows >= 1 and rows & (rows - 1) == 0, f"rows a program must be a power of two, got {rows}"
+    x3, z3 = _rows(x), _rows(z)
+    R, B = x3.shape[0] * x3.shape[1], x3.shape[1]
+    if quantize:
+        assert x.dim() == 3 and D == BLOCK, f"quantize: x must be [T, H, {BLOCK}] (a head a group)"
+        MP = triton.cdiv(x.shape[0], CUBLAS_ROWS) * CUBLAS_ROWS
+        xq = torch.empty(MP, B * D, dtype=FP8, device=x.device)
+        xs = torch.empty(B, MP, dtype=torch.float32, device=x.device).T
+        out, RP = QuantizedRows(xq, xs, x.shape[0], x.dtype), MP * B
+        y, y_strides, s_scales = xq, (xq.stride(0), D), xs.stride()
+    else:
+        out, RP = torch.empty(x.shape, dtype=x.dtype, device=x.device), R
+        y = _rows(out)
+        y_strides, s_scales = y.stride()[:2], (0, 0)
     BD, warps = _launch_params(D)
-    _gated_rmsnorm_kernel[(x3.shape[0] * B,)](x3, z3, weight, y3, B, D, eps, x3.stride(0), x3.stride(1),
-                                               z3.stride(0), z3.stride(1), y3.stride(0), y3.stride(1),
-                                               BD=BD, num_warps=warps, **pdl(x))
-    return y
+    warps = min(8, max(warps, rows * BD // 512))
+    _gated_rmsnorm_kernel[(triton.cdiv(RP, rows),)](
+        x3, z3, weight, y, R, RP, B, D, eps, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), *y_strides,
+        out.scale if quantize else y, *s_scales, BR=rows, BD=BD, QUANT=quantize, INTERPRET=interpreting(),
+        num_warps=warps, **pdl(x))
+    return out
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -164,5 +200,11 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     return (y if out is None else out.copy_(y)), h
 
 
-def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return gated_rmsnorm_triton(x, z, weight, eps) if use_triton(x, z, weight) else gated_rmsnorm_ref(x, z, weight, eps)
+def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, rows: int = 1,
+                  quantize: bool = False) -> torch.Tensor | QuantizedRows:
+    """gated_rmsnorm_ref's contract; the kernel for CUDA tensors, `rows` rows a program, its output
+    quantized for an FP8 product with `quantize` (CUDA only)."""
+    if use_triton(x, z, weight):
+        return gated_rmsnorm_triton(x, z, weight, eps, rows, quantize)
+    assert not quantize, "quantized rows come from the kernel only"
+    return gated_rmsnorm_ref(x, z, weight, eps)

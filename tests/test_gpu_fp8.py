@@ -71,3 +71,29 @@ def test_fp8_steps_follow_the_cpu_as_bf16_does(ckpt, tmp_path, monkeypatch):
     twin = write_dequantized_twin(ckpt, tmp_path / "bf16")
     bf16 = step_error(Engine.load(twin, device="cuda", dtype=torch.bfloat16, max_context=512), cpu, ids)
     assert fp8 < 1.5 * bf16 + 1e-3, (fp8, bf16)
+
+
+# value heads of 128, so that the GDN output norm's heads are the FP8 groups of out_proj
+WIDE_HEADS = {**SHAPE, "linear_value_head_dim": 128}
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("gpu-fp8-128"), fp8=True, **WIDE_HEADS)
+
+
+def test_prefill_kernel_candidates(wide_heads):
+    """Prefill's candidate forms (KernelPlan.prefill_quant, prefill_rows, prefill_conv_tokens): the
+    fused quantization hands the products the codes they would have made (the same logits, bit for
+    bit); larger tiles of the small kernels sum in another order at most; greedy MTP on == off."""
+    engine = Engine.load(wide_heads, device="cuda", dtype=torch.bfloat16, max_context=1024, cuda_graphs=False)
+    ids = gpu_prompts(engine, 3)[2] * 4                       # a few hundred tokens: cuBLAS takes the products
+    assert len(ids) >= 256
+    base = engine.plan
+    want = engine.logits(ids)
+    for changes, exact in (({"prefill_quant": True}, True), ({"prefill_conv_tokens": 64}, True),
+                           ({"prefill_rows": 16, "prefill_conv_tokens": 64, "prefill_quant": True}, False)):
+        engine.plan = engine.decoder.plan = base.replace(**changes)
+        got = engine.logits(ids)
+        assert torch.equal(got, want) if exact else rel_err(got, want, ord=2) < 1e-2, changes
+    assert_mtp_on_equals_off(engine, gpu_prompts(engine, 2), 48, ks=(3,))

@@ -2,10 +2,14 @@
 weights of an official shape), with the peak memory each chunk size takes beyond the weights.
 
     python3 probe_prefill_chunk.py [--model qwen3.6-27b] [--weights int4] [--tokens 8192] [--chunks 2048,4096,8192]
-                                   [--int4-prefill dense,fp8]
+                                   [--int4-prefill dense,fp8] [--plans "prefill_rows=1;prefill_rows=16"]
+                                   [--rounds 1]
 
 `--int4-prefill`: each chunk size under each of these forms of prefill's 4-bit products
 (ProductPlan.int4_prefill; kernels/int4_gemm.py), the engine's plan changed between runs.
+`--plans`: each chunk size under each of these plans, given as changes to the engine's
+(`name=value` pairs, comma-separated, for KernelPlan.replace; an empty one is the engine's own),
+the plans in turn `--rounds` times, so that a ratio between two is read from one process.
 """
 from __future__ import annotations
 
@@ -26,22 +30,36 @@ def main():
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--chunks", default="2048,4096,8192")
     p.add_argument("--int4-prefill", default="", help="forms of prefill's 4-bit products, comma-separated")
+    p.add_argument("--plans", default="", help="plans as changes to the engine's, ';'-separated")
+    p.add_argument("--rounds", type=int, default=1)
     a = p.parse_args()
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
     engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=a.tokens + 256, cuda_graphs=False,
                     weights=a.weights)
     weights = torch.cuda.memory_allocated()
-    for form in a.int4_prefill.split(",") if a.int4_prefill else [None]:
-        if form is not None:
-            engine.plan = engine.decoder.plan = engine.plan.replace(int4_prefill=form)
+    base = engine.plan
+    plans = [parse_changes(c) for c in a.plans.split(";")] if a.plans else [{}]
+    forms = a.int4_prefill.split(",") if a.int4_prefill else [None]
+    for _, changes, form in ((r, c, f) for r in range(a.rounds) for c in plans for f in forms):
+        engine.plan = engine.decoder.plan = base.replace(**changes, **({"int4_prefill": form} if form else {}))
         for chunk in map(int, a.chunks.split(",")):
             engine.decoder.prefill_chunk = chunk
             torch.cuda.reset_peak_memory_stats()
             ms = time_to_first_token(engine, a.tokens)
             peak = torch.cuda.max_memory_allocated() - weights
             print(f"{a.model} {a.weights} {a.tokens} tokens, chunk {chunk}, int4 prefill "
-                  f"{engine.plan.products.int4_prefill}: {ms:.0f} ms, peak {peak / 2**30:.2f} GiB beyond the engine "
-                  "at rest", flush=True)
+                  f"{engine.plan.products.int4_prefill}, plan {changes or 'as loaded'}: {ms:.1f} ms, peak "
+                  f"{peak / 2**30:.2f} GiB beyond the engine at rest", flush=True)
+
+
+def parse_changes(text: str) -> dict:
+    """"prefill_rows=16,int4_prefill=fp8" -> {"prefill_rows": 16, "int4_prefill": "fp8"} (ints, booleans, words)."""
+    out = {}
+    for pair in filter(None, (t.strip() for t in text.split(","))):
+        key, value = pair.split("=")
+        out[key] = (int(value) if value.lstrip("-").isdigit() else
+                    {"true": True, "false": False}.get(value.lower(), value))
+    return out
 
 
 if __name__ == "__main__":

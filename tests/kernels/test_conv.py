@@ -37,6 +37,18 @@ def test_conv_update(device, dtype, T, off, width):
     assert torch.equal(buf, buf_ref), "window buffer"
 
 
+@pytest.mark.parametrize("tokens", [4, 64])
+@pytest.mark.parametrize("T", [5, 37])
+def test_conv_tokens_a_program(device, T, tokens):
+    # a prefill's tiles of other sizes give every output and the window the bits of a step's 16
+    x, buf, w = _case(100, T, torch.bfloat16, device, seed=60 + T)
+    off = torch.tensor([3], device=device)
+    buf16 = buf.clone()
+    y = conv.conv_update_triton(x, buf, off, w, tokens=tokens)
+    assert torch.equal(y, conv.conv_update_triton(x, buf16, off, w))
+    assert torch.equal(buf, buf16), "window buffer"
+
+
 def test_conv_strided_input(device):
     # the conv input is the first C columns of a wider projection
     wide = randn(3, 130, device=device, seed=3)
@@ -58,6 +70,27 @@ def test_conv_rollback(device):
     y = conv.conv_update_triton(x[4:], buf, torch.tensor([2], device=device), w)
     y_ref = conv.conv_update_ref(torch.cat([x[:2], x[4:]]), buf_ref, zero, w)[2:]
     check(y, y_ref, TOL[torch.float32])
+
+
+def test_conv_steps_around_the_ring(device):
+    # steps of 1..5 tokens, each accepting some of them, carry the offset around the ring many times:
+    # every output is the conv of the last K-1 accepted inputs and the step's own
+    C = 50
+    g = torch.Generator().manual_seed(9)
+    w = randn(C, K, device=device, gen=g, scale=0.5)
+    buf = randn(C, WIDTH, device=device, gen=g)
+    history = buf[:, :K - 1].T.clone()                       # [K-1, C]: the committed window at offset 0
+    off = torch.tensor([0], device=device)
+    steps = [(1 + i % 5, (i * 7) % (1 + i % 5) + 1) for i in range(40)]   # (T, accepted), accepted <= T
+    for T, n in steps:
+        x = randn(T, C, device=device, gen=g)
+        full = torch.cat([history[-(K - 1):], x])           # [K-1+T, C]
+        want = torch.nn.functional.silu(sum(w[:, j] * full[j:j + T] for j in range(K)))
+        check(conv.conv_update_triton(x, buf, off, w), want, TOL[torch.float32])
+        history = torch.cat([history, x[:n]])
+        off += n
+    assert int(off) > 4 * WIDTH, "the offset went around the ring several times"
+    assert torch.equal(buf.index_select(1, conv.window_columns(off, K, WIDTH)), history[-(K - 1):].T)
 
 
 @pytest.mark.parametrize("live", [0, 2])

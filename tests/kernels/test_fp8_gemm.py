@@ -9,6 +9,7 @@ from kernel_checks import INTERPRETED, TOL, check, randn
 
 from mtpchat.kernels import fp8_gemm
 from mtpchat.kernels.fp8 import FP8, BlockFP8, dequantize_ref, quantize_ref
+from mtpchat.kernels.matvec import silu_mul_ref, silu_mul_triton
 
 # the exact product against the one with fp8 activations: e4m3 keeps 3 bits of mantissa
 FP8_TOL = 5e-2
@@ -72,6 +73,35 @@ def test_quantize_rows_padded(device, M, pad):
     rq, rs = quantized_ref(x)
     assert same_fp8(xq[:M].contiguous(), rq) and torch.equal(xs[:M], rs)
     assert (xq[M:].view(torch.uint8) == 0).all() and (xs[M:] == 1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,K", [(5, 200), (37, 384)])
+def test_quantized_swiglu_is_silu_mul_then_quantize_rows(device, dtype, M, K):
+    """The MLP's gating straight into FP8 rows (prefill's fused form): the codes and scales of
+    quantize_rows over silu_mul's rows, bit for bit, padded for cuBLAS."""
+    g = torch.Generator().manual_seed(M + K)
+    gate_up = torch.cat([rows(M, K, dtype, device, g), rows(M, K, dtype, device, g)], dim=1)
+    got = fp8_gemm.quantized_swiglu(gate_up)
+    h = silu_mul_triton(gate_up)
+    xq, xs = fp8_gemm.quantize_rows_triton(h, fp8_gemm.CUBLAS_ROWS)
+    assert got.rows == M and got.dtype == dtype and got.shape == (M, K) and xq.shape[0] % fp8_gemm.CUBLAS_ROWS == 0
+    assert same_fp8(got.q, xq) and torch.equal(got.scale, xs) and got.scale.stride() == xs.stride()
+    # and within fp8's precision of the reference's gating (silu_mul's kernel and reference may part
+    # by a last bit of the model dtype, which can move a code)
+    check(got.q[:M].float() * got.scale[:M].repeat_interleave(128, dim=1)[:, :K], silu_mul_ref(gate_up).float(),
+          FP8_TOL, "xq * xs")
+
+
+@pytest.mark.parametrize("M,N,K", [(5, 300, 200), (37, 129, 384)])
+def test_gemm_takes_quantized_rows(device, M, N, K):
+    # rows handed over quantized give the product of the same rows quantized by gemm itself
+    g = torch.Generator().manual_seed(M * K)
+    x, q = rows(M, K, torch.bfloat16, device, g), weight(N, K, device, g)
+    xq, xs = fp8_gemm.quantize_rows_triton(x, fp8_gemm.CUBLAS_ROWS)
+    got = fp8_gemm.gemm(fp8_gemm.QuantizedRows(xq, xs, M, x.dtype), q)
+    assert got.shape == (M, N) and got.dtype == x.dtype
+    assert torch.equal(got, fp8_gemm.gemm_quantized_triton(*fp8_gemm.quantize_rows_triton(x), q, x.dtype))
 
 
 def test_quantize_rows_ties(device):

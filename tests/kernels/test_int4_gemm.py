@@ -103,6 +103,18 @@ def test_int4_requantize_equals_its_reference_bit_for_bit(device, N, K, symmetri
     assert torch.equal(many.w.view(torch.uint8), want.w.view(torch.uint8)) and torch.equal(many.scale, want.scale)
 
 
+@pytest.mark.parametrize("interleave", [False, True])
+def test_fp8_form_takes_quantized_rows(device, interleave):
+    # rows handed over quantized (a fused producer's) give the fp8 form's product bit for bit
+    w = int4_weight(256, 384, device, 10, 128, True)
+    w = int4.interleave_ref(w) if interleave else w
+    x = randn(37, 384, dtype=torch.bfloat16, device=device, seed=11)
+    xq, xs = fp8_gemm.quantize_rows_triton(x, fp8_gemm.CUBLAS_ROWS)
+    got = int4_gemm.gemm(fp8_gemm.QuantizedRows(xq, xs, 37, x.dtype), w)
+    assert got.shape == (37, 256) and torch.equal(got, int4_gemm.requantized_gemm(x, w))
+    check(got, int4_gemm.fp8_gemm_ref(x, w), 1e-2)
+
+
 def test_fp8_form_reference_is_quantized_rows_times_the_weight(device):
     # with a perm: x's columns in the weight's order are what is quantized in groups of 128
     w = int4_weight(40, 512, device, 9, 128, False, True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from kernel_checks import TOL, check, randn
 
-from mtpchat.kernels import norm
+from mtpchat.kernels import fp8_gemm, norm
 
 EPS = 1e-6
 DTYPES = [torch.float32, torch.bfloat16]
@@ -74,6 +74,41 @@ def test_gated_rmsnorm(device, dtype, T):
     check(norm.gated_rmsnorm_triton(x, z, w, EPS), norm.gated_rmsnorm_ref(x, z, w, EPS), TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [2, 16])
+def test_gated_rmsnorm_rows_a_program(device, dtype, rows):
+    # a prefill's tiles of several rows (the last one partial), and a row's value independent of
+    # how many rows the call holds
+    g = torch.Generator().manual_seed(7 + rows)
+    T, H, D = 7, 5, 48
+    x = randn(T, H, D, dtype=dtype, device=device, gen=g)
+    z = randn(T, H * D + 3, dtype=dtype, device=device, gen=g)[:, :H * D].view(T, H, D)
+    w = 1 + randn(D, dtype=dtype, device=device, gen=g, scale=0.2)
+    y = norm.gated_rmsnorm_triton(x, z, w, EPS, rows=rows)
+    check(y, norm.gated_rmsnorm_ref(x, z, w, EPS), TOL[dtype])
+    assert torch.equal(norm.gated_rmsnorm_triton(x[2:5], z[2:5], w, EPS, rows=rows), y[2:5])
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("T", [3, 21])
+def test_gated_rmsnorm_quantized(device, rows, T):
+    """The GDN output norm straight into FP8 rows for out_proj (prefill's fused form, a head of 128
+    one group): quantize_rows over the norm's output, bit for bit, padded for cuBLAS."""
+    g = torch.Generator().manual_seed(T + rows)
+    H, D = 3, 128
+    x = randn(T, H, D, dtype=torch.bfloat16, device=device, gen=g) * 3
+    z = randn(T, H * D + 5, dtype=torch.bfloat16, device=device, gen=g)[:, :H * D].view(T, H, D)
+    w = 1 + randn(D, dtype=torch.bfloat16, device=device, gen=g, scale=0.2)
+    got = norm.gated_rmsnorm_triton(x, z, w, EPS, rows=rows, quantize=True)
+    y = norm.gated_rmsnorm_triton(x, z, w, EPS, rows=rows).reshape(T, H * D)
+    xq, xs = fp8_gemm.quantize_rows_triton(y, fp8_gemm.CUBLAS_ROWS)
+    assert got.rows == T and got.dtype == torch.bfloat16 and got.q.shape == xq.shape
+    assert torch.equal(got.q.view(torch.uint8), xq.view(torch.uint8)), "codes"
+    assert torch.equal(got.scale, xs) and got.scale.stride() == xs.stride(), "scales"
+    with pytest.raises(AssertionError, match="a head a group"):
+        norm.gated_rmsnorm_triton(x[..., :64], z[..., :64], w[:64].contiguous(), EPS, quantize=True)
+
+
 def test_dispatch_cpu_takes_the_reference():
     x, w = randn(2, 30), randn(30, seed=1)
     assert torch.equal(norm.rmsnorm(x, w, EPS), norm.rmsnorm_ref(x, w, EPS))
@@ -96,6 +131,7 @@ def test_norms_27b_shapes(T):
     check(y, y_ref, 1e-2)
     o, z, wn = randn(T, 48, 128, **bf16), randn(T, 48, 128, **bf16), 1 + randn(128, scale=0.2, **bf16)
     check(norm.gated_rmsnorm(o, z, wn, EPS), norm.gated_rmsnorm_ref(o, z, wn, EPS), 1e-2)
+    check(norm.gated_rmsnorm(o, z, wn, EPS, rows=16), norm.gated_rmsnorm_ref(o, z, wn, EPS), 1e-2)
 
 
 def test_add_rmsnorm_into_out(device):

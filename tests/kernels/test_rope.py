@@ -25,7 +25,8 @@ def _qkv(T, Hq, Hkv, D, dtype, device, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,Hq,Hkv,D,R,L", [(1, 3, 1, 64, 16, 40), (5, 4, 2, 48, 12, 23), (3, 6, 2, 256, 64, 1100)])
-def test_qkv_norm_rope(device, dtype, T, Hq, Hkv, D, R, L):
+@pytest.mark.parametrize("rows", [1, 4])      # tokens a program: a step's 1, a prefill's tiles (the last partial)
+def test_qkv_norm_rope(device, dtype, T, Hq, Hkv, D, R, L, rows):
     q, k, v, g = _qkv(T, Hq, Hkv, D, dtype, device, seed=T * 10 + Hq)
     qw = randn(D, dtype=dtype, device=device, gen=g, scale=0.3)
     kw = randn(D, dtype=dtype, device=device, gen=g, scale=0.3)
@@ -35,7 +36,7 @@ def test_qkv_norm_rope(device, dtype, T, Hq, Hkv, D, R, L):
     want_k, want_v = kc.clone(), vc.clone()
     want_q = qkv_norm_rope_ref(q, k, v, qw, kw, pos, f, EPS, want_k, want_v)
     got_k, got_v = kc.clone(), vc.clone()
-    got_q = qkv_norm_rope_triton(q, k, v, qw, kw, pos, f, EPS, got_k, got_v)
+    got_q = qkv_norm_rope_triton(q, k, v, qw, kw, pos, f, EPS, got_k, got_v, rows=rows)
     check(got_q, want_q, TOL[dtype], "q")
     check(got_k, want_k, TOL[dtype], "k cache")
     assert torch.equal(got_v, want_v), "v is copied into its cache rows as it is"
@@ -60,7 +61,8 @@ def test_reference_matches_the_model_formula():
 
 
 @pytest.mark.parametrize("T", [2, 4])
-def test_qkv_norm_rope_consecutive_positions(device, T):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_qkv_norm_rope_consecutive_positions(device, T, rows):
     # positions [1]: the first of T consecutive ones, as a step passes them; the same as spelled out
     q, k, v, g = _qkv(T, 3, 1, 64, torch.float32, device, seed=70 + T)
     qw, kw = randn(64, device=device, gen=g, scale=0.3), randn(64, device=device, gen=g, scale=0.3)
@@ -69,9 +71,11 @@ def test_qkv_norm_rope_consecutive_positions(device, T):
     start = torch.tensor([L - T - 2], device=device)
     spelled = start + torch.arange(T, device=device)
     outs = []
-    for pos, fn in ((spelled, qkv_norm_rope_triton), (start, qkv_norm_rope_triton), (start, qkv_norm_rope_ref)):
+    tiles = dict(rows=rows)
+    for pos, fn, kw_ in ((spelled, qkv_norm_rope_triton, tiles), (start, qkv_norm_rope_triton, tiles),
+                         (start, qkv_norm_rope_ref, {})):
         kk, vv = kc.clone(), vc.clone()
-        outs.append((fn(q, k, v, qw, kw, pos, f, EPS, kk, vv), kk, vv))
+        outs.append((fn(q, k, v, qw, kw, pos, f, EPS, kk, vv, **kw_), kk, vv))
     for a, b in zip(outs[0], outs[1]):
         assert torch.equal(a, b)
     for a, b in zip(outs[1], outs[2]):

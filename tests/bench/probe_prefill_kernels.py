@@ -1,0 +1,107 @@
+"""Prefill's small kernels at one chunk of the 27B's shapes, in each candidate form of the kernel
+plan (engine/plan.py: prefill_rows, prefill_conv_tokens, prefill_quant), against the bytes each
+must move at the copy bandwidth of the same run.
+
+    cd tests/bench && python3 probe_prefill_kernels.py [--tokens 2048]
+
+Each launch reads and writes its own copy of the buffers (three, rotating: more than L2 holds),
+captured in a CUDA graph (graph_timing.py). Rows:
+- the GDN output norm (gated, per head of 128), one row to 32 rows a program;
+- the attention layer's q/k norm + RoPE with the cache writes, one token to 16 tokens a program;
+- the GDN causal conv (10240 channels of the in_proj's rows), 16 to 128 tokens a program;
+- the MLP's gating then the FP8 rows for down (silu_mul, quantize_rows) against the two in one
+  pass (fp8_gemm.quantized_swiglu), and the GDN norm then quantize_rows against the norm that
+  quantizes (norm.gated_rmsnorm quantize=True).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from mtpchat.engine.bench import copy_bandwidth
+from mtpchat.kernels import conv, fp8_gemm, norm
+from mtpchat.kernels.matvec import silu_mul
+from mtpchat.kernels.rope import qkv_norm_rope
+from graph_timing import graph_time
+
+H, I = 5120, 17408
+HK, HV, DK, DV, CONV = 16, 48, 128, 128, 10240
+IN_PROJ = CONV + HV * DV + 2 * HV
+HQ, HKV, HD, ROTARY = 24, 4, 256, 64
+COPIES = 3
+
+
+def report(name: str, us: float, nbytes: int, bw: float, base: float | None = None):
+    floor = nbytes / bw * 1e6
+    ratio = f", {us / base:.3f} x the first" if base else ""
+    print(f"{name:58s} {us:8.1f} us  floor {floor:6.1f} us ({us / floor:.2f} x){ratio}", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=2048)
+    T = p.parse_args().tokens
+    bw = copy_bandwidth("cuda")
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s, {T} tokens")
+    bf16 = dict(dtype=torch.bfloat16, device="cuda")
+    eps = 1e-6
+
+    # the GDN output norm: o [T, 48, 128], z a view of in_proj's rows
+    o = [torch.randn(T, HV, DV, **bf16) for _ in range(COPIES)]
+    proj = [torch.randn(T, IN_PROJ, **bf16) for _ in range(COPIES)]
+    z = [t[:, CONV:CONV + HV * DV].view(T, HV, DV) for t in proj]
+    wn = 1 + 0.1 * torch.randn(DV, **bf16)
+    nbytes = 3 * T * HV * DV * 2
+    base = None
+    for rows in (1, 2, 4, 8, 16, 32):
+        us = graph_time(lambda i: norm.gated_rmsnorm(o[i], z[i], wn, eps, rows=rows), COPIES)
+        report(f"GDN output norm, {rows} rows a program", us, nbytes, bw, base)
+        base = base or us
+
+    # q/k norm + RoPE: q, k, v views of the fused projection, k and v into the caches
+    width = 2 * HQ * HD + 2 * HKV * HD
+    qkv = [torch.randn(T, width, **bf16) for _ in range(COPIES)]
+    views = [(t[:, :2 * HQ * HD].view(T, HQ, 2 * HD)[..., :HD], t[:, 2 * HQ * HD:(2 * HQ + HKV) * HD].view(T, HKV, HD),
+              t[:, (2 * HQ + HKV) * HD:].view(T, HKV, HD)) for t in qkv]
+    caches = [(torch.empty(T, HKV, HD, **bf16), torch.empty(T, HKV, HD, **bf16)) for _ in range(COPIES)]
+    qw, kw = 0.1 * torch.randn(HD, **bf16), 0.1 * torch.randn(HD, **bf16)
+    pos = torch.arange(T, device="cuda")
+    inv_freq = 1e7 ** (-torch.arange(0, ROTARY, 2, dtype=torch.float32, device="cuda") / ROTARY)
+    nbytes = 2 * T * (HQ + 2 * HKV) * HD * 2
+    base = None
+    for rows in (1, 2, 4, 8, 16):
+        us = graph_time(lambda i: qkv_norm_rope(*views[i], qw, kw, pos, inv_freq, eps, *caches[i], rows=rows), COPIES)
+        report(f"q/k norm + RoPE, {rows} tokens a program", us, nbytes, bw, base)
+        base = base or us
+
+    # the causal conv over the in_proj's first 10240 columns, the window ring of a k_max 4 state
+    x = [t[:, :CONV] for t in proj]
+    bufs = [torch.randn(CONV, 3 + 5, **bf16) for _ in range(COPIES)]
+    cw = 0.3 * torch.randn(CONV, 4, **bf16)
+    off = torch.zeros(1, dtype=torch.long, device="cuda")
+    nbytes = 2 * T * CONV * 2
+    base = None
+    for tokens in (16, 32, 64, 128):
+        us = graph_time(lambda i: conv.conv_update(x[i], bufs[i], off, cw, tokens=tokens), COPIES)
+        report(f"causal conv, {tokens} tokens a program", us, nbytes, bw, base)
+        base = base or us
+
+    # the MLP's gating and the FP8 rows of down, in two passes and in one
+    gate_up = [torch.randn(T, 2 * I, **bf16) for _ in range(COPIES)]
+    two = graph_time(lambda i: fp8_gemm.quantize_rows_triton(silu_mul(gate_up[i]), fp8_gemm.CUBLAS_ROWS), COPIES)
+    one = graph_time(lambda i: fp8_gemm.quantized_swiglu(gate_up[i]), COPIES)
+    report("gating, then quantize_rows", two, T * I * (4 + 2 + 2 + 1), bw)
+    report("gating into FP8 rows (quantized_swiglu)", one, T * I * (4 + 1), bw, two)
+
+    # the GDN output norm then the FP8 rows of out_proj, in two passes and in one
+    for rows in (1, 16):
+        two = graph_time(lambda i: fp8_gemm.quantize_rows_triton(
+            norm.gated_rmsnorm(o[i], z[i], wn, eps, rows=rows).view(T, HV * DV), fp8_gemm.CUBLAS_ROWS), COPIES)
+        one = graph_time(lambda i: norm.gated_rmsnorm(o[i], z[i], wn, eps, rows=rows, quantize=True), COPIES)
+        report(f"GDN output norm ({rows} rows), then quantize_rows", two, T * HV * DV * (2 + 2 + 2 + 2 + 1), bw)
+        report(f"GDN output norm ({rows} rows) into FP8 rows", one, T * HV * DV * (2 + 2 + 1), bw, two)
+
+
+if __name__ == "__main__":
+    main()
