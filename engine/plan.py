@@ -54,6 +54,10 @@ class KernelPlan:
     # as the product's own quantization of their bf16 rows, with one pass over the rows fewer: the
     # 27B FP8's 8K prompt spent 20.3 ms quantizing rows and 18.5 in the gating.
     prefill_quant: bool = False
+    # The GDN's chunked form with its output written by the scan (kernels/gdn_chunk.py, "fused_out"):
+    # the chunks' start states and writes (float32, 2.5 x the output's bytes) never go through
+    # memory, and a kernel fewer; the 27B's 8K prompt spent 96 ms in the three chunk kernels.
+    chunk_fused_out: bool = False
 
     @classmethod
     def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool, int4: bool = False) -> "KernelPlan":

@@ -64,12 +64,31 @@ def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 6
 #   writes u - w S0, then moves the state to the chunk's end. Two products per chunk.
 # _chunk_out_kernel, one program per (chunk, value head, value block), in parallel again:
 #   o = (e^G q) S0 + (q kᵀ ∘ decay) (u - w S0).
+# The fused form (config "fused_out"; KernelPlan.chunk_fused_out) writes the output in the scan
+# instead, from the state in its registers: the prep also keeps each chunk's q kᵀ ∘ decay, and
+# neither the start states S0 nor the writes u - w S0 go through memory (float32, 2.5 times the
+# bytes of the output at the 27B's shapes), nor is there a third kernel.
+
+@triton.jit
+def _unit_rows(p, scale):
+    """float32 rows of q or k [BC, DK] l2-normalised, times scale."""
+    return p * (tl.rsqrt(tl.sum(p * p, axis=1) + 1e-6) * scale)[:, None]
+
+
+@triton.jit
+def _causal_scores(b_q, b_k, b_G, DOT: tl.constexpr):
+    """The chunk's (q kᵀ ∘ decay)[t, j] = e^{G_t - G_j} (q_t·k_j) for j <= t, 0 above: [BC, BC]."""
+    o_r = tl.arange(0, b_G.shape[0])
+    m_causal = o_r[:, None] >= o_r[None, :]
+    b_decay = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.))
+    return tl.where(m_causal, tl.dot(b_q, tl.trans(b_k), input_precision=DOT) * b_decay, 0.)
+
 
 @triton.jit(do_not_specialize=["T"])
-def _chunk_prep_kernel(k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, s_k, s_v, s_a, s_b,
+def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, T, scale, s_q, s_k, s_v, s_a, s_b,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BDV: tl.constexpr, BC: tl.constexpr, SB: tl.constexpr, NB: tl.constexpr,
-                       DOT: tl.constexpr):
+                       DOT: tl.constexpr, FUSED: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     o_r = tl.arange(0, BC)
     o_t = i_c * BC + o_r
@@ -96,6 +115,11 @@ def _chunk_prep_kernel(k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, s_
     tl.store(p_u + o_r[:, None] * DV + o_v[None, :], b_v.to(tl.float32) * b_beta[:, None], mask=m_v[None, :])
     tl.store(p_w + o_r[:, None] * DK + o_k[None, :], b_k * (b_beta * tl.exp(b_G))[:, None])
     tl.store(ws_g + o_ws * BC + o_r, b_G)
+    if FUSED:
+        # the output's intra-chunk scores, for the scan that writes the output (_chunk_scan_kernel)
+        b_q = tl.load(q + o_t[:, None] * s_q + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
+        b_p = _causal_scores(_unit_rows(b_q.to(tl.float32), scale), b_k, b_G, DOT)
+        tl.store(ws_p + o_ws * BC * BC + o_r[:, None] * BC + o_r[None, :], b_p)
     tl.debug_barrier()   # what was stored is read back below by other threads
     # inverses of the NB diagonal SB x SB blocks at once, by forward substitution:
     # Y[d] = (I + A_dd)^-1 - I, whose row i is -A_dd[i] - sum_{j<i} A_dd[i, j] Y[d][j]
@@ -124,9 +148,9 @@ def _chunk_prep_kernel(k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, s_
 
 
 @triton.jit(do_not_specialize=["T"])
-def _chunk_scan_kernel(k, ws_w, ws_u, ws_g, ws_h, ws_v, state, s_out, T, s_k,
+def _chunk_scan_kernel(q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, o, state, s_out, T, scale, s_q, s_k, s_o,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
+                       BV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr, FUSED: tl.constexpr):
     i_h, i_v = tl.program_id(0), tl.program_id(1)
     o_r, o_k = tl.arange(0, BC), tl.arange(0, DK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -135,9 +159,11 @@ def _chunk_scan_kernel(k, ws_w, ws_u, ws_g, ws_h, ws_v, state, s_out, T, s_k,
     b_S = tl.load(state + i_h * DK * DV + o_s, mask=m_v[None, :], other=0.)
     for i_c in range(tl.cdiv(T, BC)):
         o_ws = i_c * HV + i_h
-        tl.store(ws_h + o_ws * DK * DV + o_s, b_S, mask=m_v[None, :])      # the state the chunk starts from
+        if not FUSED:
+            tl.store(ws_h + o_ws * DK * DV + o_s, b_S, mask=m_v[None, :])  # the state the chunk starts from
         o_t = i_c * BC + o_r
-        b_k = tl.load(k + o_t[:, None] * s_k + (i_h // GROUP) * DK + o_k[None, :], mask=(o_t < T)[:, None], other=0.)
+        m_t = o_t < T
+        b_k = tl.load(k + o_t[:, None] * s_k + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
         b_k = b_k.to(tl.float32)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
         b_G = tl.load(ws_g + o_ws * BC + o_r)
@@ -145,7 +171,17 @@ def _chunk_scan_kernel(k, ws_w, ws_u, ws_g, ws_h, ws_v, state, s_out, T, s_k,
         b_w = tl.load(ws_w + (o_ws * BC + o_r[:, None]) * DK + o_k[None, :])
         b_u = tl.load(ws_u + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.)
         b_new = b_u - tl.dot(b_w, b_S, input_precision=DOT)                  # the chunk's writes
-        tl.store(ws_v + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], b_new, mask=m_v[None, :])
+        if FUSED:
+            # the chunk's output from the state it starts from, here rather than in _chunk_out_kernel
+            b_q = tl.load(q + o_t[:, None] * s_q + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
+            b_q = _unit_rows(b_q.to(tl.float32), scale)
+            b_p = tl.load(ws_p + o_ws * BC * BC + o_r[:, None] * BC + o_r[None, :])
+            b_o = (tl.dot(b_q * tl.exp(b_G)[:, None], b_S, input_precision=DOT)
+                   + tl.dot(b_p, b_new, input_precision=DOT))
+            tl.store(o + o_t[:, None] * s_o + i_h * DV + o_v[None, :], b_o.to(o.dtype.element_ty),
+                     mask=m_t[:, None] & m_v[None, :])
+        else:
+            tl.store(ws_v + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], b_new, mask=m_v[None, :])
         b_k_tail = b_k * tl.exp(b_last - b_G)[:, None]                       # e^{G_C - G_j} k_j
         b_S = b_S * tl.exp(b_last) + tl.dot(tl.trans(b_k_tail), b_new, input_precision=DOT)
     tl.store(s_out + i_h * DK * DV + o_s, b_S, mask=m_v[None, :])
@@ -164,15 +200,13 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, o, T, scale, s_q, s_k, s_o,
     m_v = o_v < DV
     b_q = tl.load(q + o_t[:, None] * s_q + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
     b_k = tl.load(k + o_t[:, None] * s_k + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
-    b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q, axis=1) + 1e-6) * scale)[:, None]
+    b_q = _unit_rows(b_q, scale)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
     o_ws = i_c * HV + i_h
     b_G = tl.load(ws_g + o_ws * BC + o_r)
     b_S = tl.load(ws_h + o_ws * DK * DV + o_k[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
     b_new = tl.load(ws_v + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.)
-    m_causal = o_r[:, None] >= o_r[None, :]
-    b_decay = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.))
-    b_qk = tl.where(m_causal, tl.dot(b_q, tl.trans(b_k), input_precision=DOT) * b_decay, 0.)
+    b_qk = _causal_scores(b_q, b_k, b_G, DOT)
     b_o = (tl.dot(b_q * tl.exp(b_G)[:, None], b_S, input_precision=DOT)
            + tl.dot(b_qk, b_new, input_precision=DOT))
     tl.store(o + o_t[:, None] * s_o + i_h * DV + o_v[None, :], b_o.to(o.dtype.element_ty),
@@ -182,12 +216,14 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, o, T, scale, s_q, s_k, s_o,
 # tf32 products, as fla's bf16 ones but with three more mantissa bits; "tf32x3" gives float32
 # accuracy at 2.6 times the time. On an H100, 27B shapes, 8192 tokens: 1.76 ms per layer
 # (prep 0.68, scan 0.57, output 0.51); tests/bench/bench_kernels.py --sweep --only chunk.
-CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_bv=64, out_warps=4, dot="tf32")
+CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_bv=64, out_warps=4, dot="tf32",
+                    fused_out=False)
 
 
 def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, config: dict | None = None):
     """chunk_ref's contract (chunk 64), with q, k, v, a, b as row-strided views like recurrent_triton's.
-    `config` overrides entries of CHUNK_CONFIG, for tuning."""
+    `config` overrides entries of CHUNK_CONFIG: "fused_out" the fused form (the output written by
+    the scan), the rest tiles, for tuning."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert chunk == 64, "the chunk kernels work on 64 tokens at a time"
@@ -202,26 +238,35 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     cfg = {**CHUNK_CONFIG, **({"dot": "tf32x3"} if v.dtype == torch.float32 else {}), **(config or {})}
     NT, dev, G = triton.cdiv(T, chunk), q.device, Hv // Hk
     new = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=dev)
+    fused = bool(cfg["fused_out"])
     ws_a, ws_w, ws_u, ws_g = new(NT, Hv, chunk, chunk), new(NT, Hv, chunk, DK), new(NT, Hv, chunk, DV), new(NT, Hv, chunk)
-    ws_h, ws_v, s_out = new(NT, Hv, DK, DV), new(NT, Hv, chunk, DV), torch.empty_like(state)
+    if fused:      # the chunks' scores for the scan; no start states or writes kept
+        ws_p, ws_h, ws_v = new(NT, Hv, chunk, chunk), ws_a, ws_a
+    else:
+        ws_p, ws_h, ws_v = ws_a, new(NT, Hv, DK, DV), new(NT, Hv, chunk, DV)
+    s_out = torch.empty_like(state)
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=dev)
-    _chunk_prep_kernel[(NT, Hv)](k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, T, k.stride(0), v.stride(0),
-                                 a.stride(0), b.stride(0), HV=Hv, GROUP=G, DK=DK, DV=DV,
+    scale = DK ** -0.5
+    _chunk_prep_kernel[(NT, Hv)](q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, T, scale, q.stride(0),
+                                 k.stride(0), v.stride(0), a.stride(0), b.stride(0), HV=Hv, GROUP=G, DK=DK, DV=DV,
                                  BDV=triton.next_power_of_2(DV), BC=chunk, SB=16, NB=chunk // 16, DOT=cfg["dot"],
-                                 num_warps=cfg["prep_warps"])
+                                 FUSED=fused, num_warps=cfg["prep_warps"])
     BV = min(cfg["scan_bv"], triton.next_power_of_2(DV))
-    _chunk_scan_kernel[(Hv, triton.cdiv(DV, BV))](k, ws_w, ws_u, ws_g, ws_h, ws_v, state, s_out, T, k.stride(0),
-                                                   HV=Hv, GROUP=G, DK=DK, DV=DV, BV=BV, BC=chunk, DOT=cfg["dot"],
+    _chunk_scan_kernel[(Hv, triton.cdiv(DV, BV))](q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, o, state, s_out, T, scale,
+                                                   q.stride(0), k.stride(0), o.stride(0), HV=Hv, GROUP=G, DK=DK,
+                                                   DV=DV, BV=BV, BC=chunk, DOT=cfg["dot"], FUSED=fused,
                                                    num_warps=cfg["scan_warps"], num_stages=cfg["scan_stages"])
+    if fused:
+        return o, s_out
     BV = min(cfg["out_bv"], triton.next_power_of_2(DV))
-    _chunk_out_kernel[(NT, Hv, triton.cdiv(DV, BV))](q, k, ws_g, ws_h, ws_v, o, T, DK ** -0.5, q.stride(0),
+    _chunk_out_kernel[(NT, Hv, triton.cdiv(DV, BV))](q, k, ws_g, ws_h, ws_v, o, T, scale, q.stride(0),
                                                       k.stride(0), o.stride(0), HV=Hv, GROUP=G, DK=DK, DV=DV,
                                                       BV=BV, BC=chunk, DOT=cfg["dot"], num_warps=cfg["out_warps"])
     return o, s_out
 
 
-def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64):
-    """chunk_ref's contract; the Triton kernels for CUDA tensors."""
+def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, fused_out: bool = False):
+    """chunk_ref's contract; the Triton kernels for CUDA tensors (the fused form with `fused_out`)."""
     if use_triton(q, k, v, a, b):
-        return chunk_triton(q, k, v, a, b, A_log, dt_bias, state, chunk)
+        return chunk_triton(q, k, v, a, b, A_log, dt_bias, state, chunk, {"fused_out": fused_out})
     return chunk_ref(q, k, v, a, b, A_log, dt_bias, state, chunk)

@@ -9,6 +9,7 @@ captured in a CUDA graph (graph_timing.py). Rows:
 - the GDN output norm (gated, per head of 128), one row to 32 rows a program;
 - the attention layer's q/k norm + RoPE with the cache writes, one token to 16 tokens a program;
 - the GDN causal conv (10240 channels of the in_proj's rows), 16 to 128 tokens a program;
+- the GDN's chunked form in three kernels and with the output written by the scan (fused_out);
 - the MLP's gating then the FP8 rows for down (silu_mul, quantize_rows) against the two in one
   pass (fp8_gemm.quantized_swiglu), and the GDN norm then quantize_rows against the norm that
   quantizes (norm.gated_rmsnorm quantize=True).
@@ -20,7 +21,7 @@ import argparse
 import torch
 
 from mtpchat.engine.bench import copy_bandwidth
-from mtpchat.kernels import conv, fp8_gemm, norm
+from mtpchat.kernels import conv, fp8_gemm, gdn_chunk, norm
 from mtpchat.kernels.matvec import silu_mul
 from mtpchat.kernels.rope import qkv_norm_rope
 from graph_timing import graph_time
@@ -85,6 +86,21 @@ def main():
     for tokens in (16, 32, 64, 128):
         us = graph_time(lambda i: conv.conv_update(x[i], bufs[i], off, cw, tokens=tokens), COPIES)
         report(f"causal conv, {tokens} tokens a program", us, nbytes, bw, base)
+        base = base or us
+
+    # the GDN's chunked form: q, k, v views of the conv's output, the gates of in_proj's last columns
+    mixed = [torch.randn(T, CONV, **bf16) for _ in range(COPIES)]
+    qkv_heads = [(m[:, :HK * DK].view(T, HK, DK), m[:, HK * DK:2 * HK * DK].view(T, HK, DK),
+                  m[:, 2 * HK * DK:].view(T, HV, DV)) for m in mixed]
+    gates = [(t[:, -HV:], t[:, -2 * HV:-HV]) for t in proj]           # a, b of [... | b | a]
+    A_log, dt_bias = 0.5 * torch.randn(HV, **bf16), torch.randn(HV, **bf16)
+    states = [0.1 * torch.randn(HV, DK, DV, device="cuda") for _ in range(COPIES)]
+    nbytes = T * (2 * HK * DK + 2 * HV * DV) * 2
+    base = None
+    for fused in (False, True):
+        us = graph_time(lambda i: gdn_chunk.chunk(*qkv_heads[i], *gates[i], A_log, dt_bias, states[i], fused_out=fused),
+                        COPIES)
+        report(f"GDN chunked form, {'output by the scan' if fused else 'three kernels'}", us, nbytes, bw, base)
         base = base or us
 
     # the MLP's gating and the FP8 rows of down, in two passes and in one
