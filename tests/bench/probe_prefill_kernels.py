@@ -9,7 +9,8 @@ captured in a CUDA graph (graph_timing.py). Rows:
 - the GDN output norm (gated, per head of 128), one row to 32 rows a program;
 - the attention layer's q/k norm + RoPE with the cache writes, one token to 16 tokens a program;
 - the GDN causal conv (10240 channels of the in_proj's rows), 16 to 128 tokens a program;
-- the GDN's chunked form in three kernels and with the output written by the scan (fused_out);
+- the GDN's chunked form in three kernels and with the output written by the scan (fused_out),
+  each with its prep solving block by block or by the whole inverse (prep_inverse), 4 or 8 warps;
 - the MLP's gating then the FP8 rows for down (silu_mul, quantize_rows) against the two in one
   pass (fp8_gemm.quantized_swiglu), and the GDN norm then quantize_rows against the norm that
   quantizes (norm.gated_rmsnorm quantize=True).
@@ -97,10 +98,13 @@ def main():
     states = [0.1 * torch.randn(HV, DK, DV, device="cuda") for _ in range(COPIES)]
     nbytes = T * (2 * HK * DK + 2 * HV * DV) * 2
     base = None
-    for fused in (False, True):
-        us = graph_time(lambda i: gdn_chunk.chunk(*qkv_heads[i], *gates[i], A_log, dt_bias, states[i], fused_out=fused),
-                        COPIES)
-        report(f"GDN chunked form, {'output by the scan' if fused else 'three kernels'}", us, nbytes, bw, base)
+    for fused, inverse, warps in ((False, False, 4), (True, False, 4), (False, True, 4), (False, True, 8),
+                                  (True, True, 4), (True, True, 8)):
+        config = dict(fused_out=fused, prep_inverse=inverse, prep_warps=warps)
+        us = graph_time(lambda i: gdn_chunk.chunk_triton(*qkv_heads[i], *gates[i], A_log, dt_bias, states[i],
+                                                         config=config), COPIES)
+        report(f"GDN chunk: {'output by the scan' if fused else 'three kernels'}, prep "
+               f"{'inverse' if inverse else 'by blocks'}, {warps} warps", us, nbytes, bw, base)
         base = base or us
 
     # the MLP's gating and the FP8 rows of down, in two passes and in one
