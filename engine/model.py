@@ -173,6 +173,11 @@ class GatedAttention(nn.Module):
             # [1, H, T, D]: the fused SDPA kernels take 4-D inputs only (3-D falls back to the math path)
             q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))
             o = prefill_attention(q4, keys, values, ctx.start == 0, scale)[0].transpose(0, 1)
+            if ctx.plan.prefill_gate and c.head_dim & (c.head_dim - 1) == 0:
+                # the gate and the rows in one kernel; straight to FP8 where o_proj takes them so
+                o_proj = weight(self, "o_proj")
+                quantize = c.head_dim % BLOCK == 0 and ctx.quantized_rows_for(o_proj, o)
+                return ctx.out_linear(attention.gate_rows(o, gate, quantize), o_proj)
             o = o * torch.sigmoid(gate)
         return ctx.out_linear(o.reshape(T, c.q_dim), weight(self, "o_proj"))
 

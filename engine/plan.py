@@ -54,6 +54,10 @@ class KernelPlan:
     # as the product's own quantization of their bf16 rows, with one pass over the rows fewer: the
     # 27B FP8's 8K prompt spent 20.3 ms quantizing rows and 18.5 in the gating.
     prefill_quant: bool = False
+    # Prefill's attention output gate, o * sigmoid(gate) into rows, in one kernel (kernels/attention.py
+    # gate_rows) rather than torch's sigmoid, product and copy of the transposed output (4.6 ms of
+    # the 27B's 8K prompt); with prefill_quant its rows go to an FP8 o_proj quantized.
+    prefill_gate: bool = False
     # The GDN's chunked form with its output written by the scan (kernels/gdn_chunk.py, "fused_out"):
     # the chunks' start states and writes (float32, 2.5 x the output's bytes) never go through
     # memory, and a kernel fewer; the 27B's 8K prompt spent 96 ms in the three chunk kernels.

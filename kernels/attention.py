@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
+from mtpchat.kernels._triton import interpreting, pdl, pdl_start, tl, triton, use_triton
+from mtpchat.kernels.fp8 import BLOCK, FP8
+from mtpchat.kernels.fp8_gemm import CUBLAS_ROWS, QuantizedRows, quantize_tile
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -198,3 +200,68 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             start = torch.tensor([start], dtype=torch.long, device=q.device)
         return decode_attention_triton(q, k_cache, v_cache, start, scale, gate)
     return decode_attention_ref(q, k_cache, v_cache, int(start), scale, gate)
+
+
+# --- prefill's output gate --------------------------------------------------------------------------
+
+def gate_rows_ref(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """A prefill's attention output o [T, H, D] times sigmoid(gate [T, H, D]), each step rounded to
+    o's dtype as torch does it, as rows [T, H * D]."""
+    return (o * torch.sigmoid(gate)).reshape(o.shape[0], -1)
+
+
+@triton.jit
+def _gate_rows_kernel(o, gate, y, ys, T, TP, s_ot, s_oh, s_gt, s_gh, s_y, s_sm, s_sk,
+                      D: tl.constexpr, BT: tl.constexpr, QUANT: tl.constexpr, INTERPRET: tl.constexpr):
+    # program (i_t, i_h): BT tokens of head i_h. QUANT: y the FP8 codes [T', H * D] and ys their
+    # scales [T', H * D / 128] (fp8_gemm.quantize_rows_triton's layout; rows T .. T' the padding)
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, D)
+    m = (o_t < T)[:, None]
+    b_o = tl.load(o + (o_t * s_ot + i_h * s_oh)[:, None] + o_d[None, :], mask=m, other=0.).to(tl.float32)
+    b_g = tl.load(gate + (o_t * s_gt + i_h * s_gh)[:, None] + o_d[None, :], mask=m, other=0.).to(tl.float32)
+    b_s = tl.sigmoid(b_g).to(o.dtype.element_ty).to(tl.float32)
+    b_y = (b_o * b_s).to(o.dtype.element_ty)
+    p_y = y + (o_t * s_y + i_h * D)[:, None] + o_d[None, :]
+    if QUANT:
+        G: tl.constexpr = D // BLOCK
+        b_q, b_sc = quantize_tile(tl.reshape(b_y.to(tl.float32), (BT * G, BLOCK)), INTERPRET)
+        m_p = (o_t < TP)[:, None]                 # the padding rows too: zeros, scale 1
+        tl.store(p_y, tl.reshape(b_q, (BT, D)).to(y.dtype.element_ty), mask=m_p)
+        o_g = tl.arange(0, G)
+        tl.store(ys + o_t[:, None] * s_sm + (i_h * G + o_g)[None, :] * s_sk, tl.reshape(b_sc, (BT, G)), mask=m_p)
+    else:
+        tl.store(p_y, b_y, mask=m)
+
+
+def gate_rows_triton(o: torch.Tensor, gate: torch.Tensor, quantize: bool = False, tokens: int = 16):
+    """gate_rows_ref's contract in one pass (torch takes three: the sigmoid, the product, the copy
+    of a transposed o into rows); `quantize` (D a multiple of 128): the rows come quantized for an
+    FP8 product (fp8_gemm.QuantizedRows, padded for cuBLAS), quantize_rows of the rows bit for bit."""
+    T, H, D = o.shape
+    assert gate.shape == o.shape and o.stride(2) == 1 and gate.stride(2) == 1, \
+        f"o and gate must be [T, H, D] with contiguous heads, got {tuple(o.shape)}, {tuple(gate.shape)}"
+    assert D & (D - 1) == 0 and tokens & (tokens - 1) == 0, "D and tokens a program must be powers of two"
+    if quantize:
+        assert D % BLOCK == 0, f"quantize: D must be a multiple of {BLOCK}"
+        TP = triton.cdiv(T, CUBLAS_ROWS) * CUBLAS_ROWS
+        yq = torch.empty(TP, H * D, dtype=FP8, device=o.device)
+        ys = torch.empty(H * D // BLOCK, TP, dtype=torch.float32, device=o.device).T
+        out, y = QuantizedRows(yq, ys, T, o.dtype), yq
+    else:
+        out = y = ys = torch.empty(T, H * D, dtype=o.dtype, device=o.device)
+        TP = T
+    _gate_rows_kernel[(triton.cdiv(TP, tokens), H)](
+        o, gate, y, ys, T, TP, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), y.stride(0),
+        ys.stride(0) if quantize else 0, ys.stride(1) if quantize else 0, D=D, BT=tokens, QUANT=quantize,
+        INTERPRET=interpreting(), num_warps=min(8, max(1, tokens * D // 1024)))
+    return out
+
+
+def gate_rows(o: torch.Tensor, gate: torch.Tensor, quantize: bool = False, tokens: int = 16):
+    """gate_rows_ref's contract; the kernel for CUDA tensors (its rows quantized with `quantize`)."""
+    if use_triton(o, gate):
+        return gate_rows_triton(o, gate, quantize, tokens)
+    assert not quantize, "quantized rows come from the kernel only"
+    return gate_rows_ref(o, gate)

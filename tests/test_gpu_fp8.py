@@ -84,7 +84,7 @@ def wide_heads(tmp_path_factory):
 
 def test_prefill_kernel_candidates(wide_heads):
     """Prefill's candidate forms (KernelPlan.prefill_quant, prefill_rows, prefill_conv_tokens,
-    chunk_fused_out, chunk_prep_inverse): the fused quantization hands the products the codes they would have made,
+    chunk_fused_out, chunk_prep_inverse, prefill_gate): the fused quantization hands the products the codes they would have made,
     the conv's larger tiles make the same sums (the same logits, bit for bit); larger tiles of the
     norms and the GDN output written by its scan sum in another order at most; greedy MTP on == off."""
     engine = Engine.load(wide_heads, device="cuda", dtype=torch.bfloat16, max_context=1024, cuda_graphs=False)
@@ -94,8 +94,9 @@ def test_prefill_kernel_candidates(wide_heads):
     want = engine.logits(ids)
     for changes, exact in (({"prefill_quant": True}, True), ({"prefill_conv_tokens": 64}, True),
                            ({"chunk_fused_out": True}, False), ({"chunk_prep_inverse": True}, False),
+                           ({"prefill_gate": True}, False), ({"prefill_gate": True, "prefill_quant": True}, False),
                            ({"prefill_rows": 16, "prefill_conv_tokens": 64, "prefill_quant": True,
-                             "chunk_fused_out": True, "chunk_prep_inverse": True}, False)):
+                             "chunk_fused_out": True, "chunk_prep_inverse": True, "prefill_gate": True}, False)):
         engine.plan = engine.decoder.plan = base.replace(**changes)
         got = engine.logits(ids)
         assert torch.equal(got, want) if exact else rel_err(got, want, ord=2) < 1e-2, changes

@@ -11,6 +11,8 @@ captured in a CUDA graph (graph_timing.py). Rows:
 - the GDN causal conv (10240 channels of the in_proj's rows), 16 to 128 tokens a program;
 - the GDN's chunked form in three kernels and with the output written by the scan (fused_out),
   each with its prep solving block by block or by the whole inverse (prep_inverse), 4 or 8 warps;
+- attention's output gate: torch's sigmoid, product and copy into rows against one kernel
+  (attention.gate_rows), and that kernel writing FP8 rows for o_proj;
 - the MLP's gating then the FP8 rows for down (silu_mul, quantize_rows) against the two in one
   pass (fp8_gemm.quantized_swiglu), and the GDN norm then quantize_rows against the norm that
   quantizes (norm.gated_rmsnorm quantize=True).
@@ -22,7 +24,7 @@ import argparse
 import torch
 
 from mtpchat.engine.bench import copy_bandwidth
-from mtpchat.kernels import conv, fp8_gemm, gdn_chunk, norm
+from mtpchat.kernels import attention, conv, fp8_gemm, gdn_chunk, norm
 from mtpchat.kernels.matvec import silu_mul
 from mtpchat.kernels.rope import qkv_norm_rope
 from graph_timing import graph_time
@@ -106,6 +108,21 @@ def main():
         report(f"GDN chunk: {'output by the scan' if fused else 'three kernels'}, prep "
                f"{'inverse' if inverse else 'by blocks'}, {warps} warps", us, nbytes, bw, base)
         base = base or us
+
+    # attention's output gate: o as SDPA hands it back (transposed), the gate a view of q|gate
+    att = [torch.randn(HQ, T, HD, **bf16).transpose(0, 1) for _ in range(COPIES)]
+    gate = [t[:, :2 * HQ * HD].view(T, HQ, 2 * HD)[..., HD:] for t in qkv]
+    nbytes = 3 * T * HQ * HD * 2
+    torch_us = graph_time(lambda i: (att[i] * torch.sigmoid(gate[i])).reshape(T, HQ * HD), COPIES)
+    report("attention output gate, torch", torch_us, nbytes, bw)
+    for tokens in (4, 16):
+        us = graph_time(lambda i: attention.gate_rows(att[i], gate[i], tokens=tokens), COPIES)
+        report(f"attention output gate, one kernel, {tokens} tokens a program", us, nbytes, bw, torch_us)
+    two = graph_time(lambda i: fp8_gemm.quantize_rows_triton((att[i] * torch.sigmoid(gate[i])).reshape(T, HQ * HD),
+                                                             fp8_gemm.CUBLAS_ROWS), COPIES)
+    one = graph_time(lambda i: attention.gate_rows(att[i], gate[i], quantize=True), COPIES)
+    report("attention output gate (torch), then quantize_rows", two, T * HQ * HD * (2 + 2 + 2 + 2 + 1), bw)
+    report("attention output gate into FP8 rows", one, T * HQ * HD * (2 + 2 + 1), bw, two)
 
     # the MLP's gating and the FP8 rows of down, in two passes and in one
     gate_up = [torch.randn(T, 2 * I, **bf16) for _ in range(COPIES)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_checks import TOL, check, randn
 
-from mtpchat.kernels import attention
+from mtpchat.kernels import attention, fp8_gemm
 
 
 def _case(T, Hq, Hkv, D, L, dtype, device, seed):
@@ -86,3 +86,29 @@ def test_decode_attention_two_sizes_of_span(device, T, start):
     out = attention.decode_attention_triton(q, kc, vc, torch.tensor([start], device=device), 0.25,
                                             config=(3, 32, 16, 4, 2))
     check(out, attention.decode_attention_ref(q, kc, vc, start, 0.25), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,D,tokens", [(1, 2, 64, 16), (21, 3, 128, 4), (37, 2, 256, 16)])
+def test_prefill_output_gate(device, dtype, T, H, D, tokens):
+    # a prefill's attention output (a transposed view, as SDPA hands it back) times sigmoid of the
+    # gate (a strided view of the q|gate projection), as rows
+    g = torch.Generator().manual_seed(T + D)
+    o = randn(H, T, D, dtype=dtype, device=device, gen=g).transpose(0, 1)
+    gate = randn(T, H, 2 * D, dtype=dtype, device=device, gen=g)[..., D:]
+    got = attention.gate_rows_triton(o, gate, tokens=tokens)
+    assert got.shape == (T, H * D) and got.is_contiguous()
+    check(got, attention.gate_rows_ref(o, gate), TOL[dtype])
+
+
+@pytest.mark.parametrize("T,D", [(21, 128), (37, 256)])
+def test_prefill_output_gate_quantized(device, T, D):
+    # straight into FP8 rows for o_proj: quantize_rows of the gated rows, bit for bit, padded
+    g = torch.Generator().manual_seed(T)
+    o = randn(3, T, D, dtype=torch.bfloat16, device=device, gen=g).transpose(0, 1)
+    gate = randn(T, 3, 2 * D, dtype=torch.bfloat16, device=device, gen=g)[..., D:]
+    got = attention.gate_rows_triton(o, gate, quantize=True, tokens=4)
+    xq, xs = fp8_gemm.quantize_rows_triton(attention.gate_rows_triton(o, gate, tokens=4), fp8_gemm.CUBLAS_ROWS)
+    assert got.rows == T and got.q.shape == xq.shape
+    assert torch.equal(got.q.view(torch.uint8), xq.view(torch.uint8)), "codes"
+    assert torch.equal(got.scale, xs) and got.scale.stride() == xs.stride(), "scales"
