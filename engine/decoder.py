@@ -10,7 +10,7 @@ roll back the state on the device. Positions follow qwen35-model.md §6:
   then chains d_2..d_k on the head's own output.
 - The verify feeds [x_L, d_1..d_k] at L..L+k; of the a+1 accepted tokens the step emits n: up to
   and including the first stop id, and no more than `room` (what the token limit and the context
-  leave). It commits them on the device: conv offset n, GDN fold n (the next step folds those
+  leave). It commits them on the device: the conv offset moved on by n, GDN fold n (the next step folds those
   tokens into the recurrent states first; engine/state.py), L += n, next token, pending rows = the
   verified rows. A stop id or an exhausted room sets `room` to 0, after which a step
   emits nothing and writes no state (the conv and recurrent kernels read `room` as their `live`

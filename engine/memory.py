@@ -291,14 +291,17 @@ def _activation_bytes_per_token(cfg: ModelConfig, dtype) -> int:
     # copy, the float32 norm temporaries, and the largest of
     # - the GDN mixer: qkv before and after the conv, z, its output, and the chunked form's float32
     #   work per chunk of GDN_CHUNK tokens and value head (the chunk's decays and their products
-    #   [C, C], w [C, dk], u and v [C, dv], gates [C], the state [dk, dv]);
+    #   [C, C], w [C, dk], u and v [C, dv], gates [C], the state [dk, dv]; the form whose scan writes
+    #   the output (KernelPlan.chunk_fused_out) keeps a second [C, C] instead of v and the state:
+    #   the larger of the two);
     # - attention: q with gate, k, v, output;
     # - the MLP: gate, up and their product;
     # - an MoE: per chosen expert (and the shared one) its gate | up and SwiGLU rows and its float32
     #   output row, the router's float32 logits.
     b = dtype_bytes(dtype)
     hv, dk, dv, C = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, GDN_CHUNK
-    gdn = (2 * cfg.conv_dim + 2 * cfg.value_dim) * b + hv * (C + dk + 2 * dv + 1 + dk * dv // C) * 4
+    chunk_work = max(C + dk + 2 * dv + 1 + dk * dv // C, 2 * C + dk + dv + 1)
+    gdn = (2 * cfg.conv_dim + 2 * cfg.value_dim) * b + hv * chunk_work * 4
     attention = (3 * cfg.q_dim + 2 * cfg.kv_dim) * b
     mlp = 3 * cfg.intermediate_size * b
     moe = 0

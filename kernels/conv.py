@@ -7,8 +7,8 @@ inputs: the committed window is the K-1 columns from `off` (a device tensor that
 column j of the window is column (off + j) mod W). A call with T new inputs reads the window and
 writes input t at column (off + K-1 + t) mod W, the last W of them where more come (a prefill).
 Accepting n of a step's T tokens commits off + n, with nothing copied; a step (T <= W - (K-1))
-writes none of the columns it reads, so a kernel whose programs read overlapping channels may
-write them in any order (kernels/gdn.py's conv form). An optional `live` (1-element long tensor)
+writes none of the columns it reads, and the window is never copied to the buffer's front. An
+optional `live` (1-element long tensor)
 of 0 leaves the buffer as it was: a step launched after its generation ended must not touch the
 state.
 """
@@ -95,8 +95,9 @@ def _tile() -> tuple[int, int]:
 
 def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor,
                        live: torch.Tensor | None = None, tokens: int = 16) -> torch.Tensor:
-    """conv_update_ref's contract, `tokens` tokens a program (a power of two; a prefill may take
-    more than a step's 16: KernelPlan.prefill_conv_tokens). An output's value does not depend on it."""
+    """conv_update_ref's contract, `tokens` tokens a program (a power of two, at least K-1: only the
+    first token block reads the window; a prefill may take more than a step's 16:
+    KernelPlan.prefill_conv_tokens). An output's value does not depend on it."""
     T, C = x.shape
     K = weight.shape[1]
     assert x.stride(1) == 1, "x rows must be contiguous"
@@ -106,7 +107,8 @@ def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, we
     assert off.numel() == 1 and off.dtype == torch.long, "off must be a 1-element long tensor"
     assert live is None or (live.numel() == 1 and live.dtype == torch.long), "live must be a 1-element long tensor"
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
-    assert tokens >= 1 and tokens & (tokens - 1) == 0, f"tokens a program must be a power of two, got {tokens}"
+    assert tokens >= K - 1 and tokens & (tokens - 1) == 0, \
+        f"tokens a program must be a power of two of at least {K - 1} (the window), got {tokens}"
     (BC, warps), BT = _tile(), tokens
     _conv_update_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](
         x, buf, off, live if live is not None else off, weight, y, T, C, buf.shape[1], x.stride(0), y.stride(0),

@@ -60,7 +60,7 @@ def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 6
 #   blocks inverted row by row, the rest as small products), so that the chunk's state writes
 #   are u - w S0 for any start state S0. Its other form ("prep_inverse") builds (I + A)^-1 itself
 #   from the diagonal blocks' inverses (16 x 16 products over A's blocks) and takes u and w as two
-#   64-row products, its right-hand sides never stored and read back.
+#   64-row products, with no chain of small products through memory.
 # _chunk_scan_kernel, one program per (value head, block of value columns), walks the chunks in
 #   order with its slice of the state in registers: it saves each chunk's start state S0 and
 #   writes u - w S0, then moves the state to the chunk's end. Two products per chunk.
@@ -113,13 +113,11 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
     p_a, p_u, p_w = ws_a + o_ws * BC * BC, ws_u + o_ws * BC * DV, ws_w + o_ws * BC * DK
     b_v = tl.load(v + o_t[:, None] * s_v + i_h * DV + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
     tl.store(p_a + o_r[:, None] * BC + o_r[None, :], b_A)
-    # the right-hand sides beta v and beta e^G k, solved below into u and w (in place, or by the
-    # whole inverse's products)
-    b_rhs_v = b_v.to(tl.float32) * b_beta[:, None]
-    b_rhs_k = b_k * (b_beta * tl.exp(b_G))[:, None]
-    if not INVERSE:
-        tl.store(p_u + o_r[:, None] * DV + o_v[None, :], b_rhs_v, mask=m_v[None, :])
-        tl.store(p_w + o_r[:, None] * DK + o_k[None, :], b_rhs_k)
+    # the right-hand sides beta v and beta e^G k, solved below into u and w in place (block by
+    # block, or by the whole inverse's products: read back then rather than held in registers
+    # through the inverse)
+    tl.store(p_u + o_r[:, None] * DV + o_v[None, :], b_v.to(tl.float32) * b_beta[:, None], mask=m_v[None, :])
+    tl.store(p_w + o_r[:, None] * DK + o_k[None, :], b_k * (b_beta * tl.exp(b_G))[:, None])
     tl.store(ws_g + o_ws * BC + o_r, b_G)
     if FUSED:
         # the output's intra-chunk scores, for the scan that writes the output (_chunk_scan_kernel)
@@ -159,8 +157,13 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
         tl.store(p_a + o_dr * BC + o_d[:, None, None] * SB + o_i[None, None, :], b_Xd)
         tl.debug_barrier()
         b_X = tl.load(p_a + o_r[:, None] * BC + o_r[None, :])
-        tl.store(p_u + o_r[:, None] * DV + o_v[None, :], tl.dot(b_X, b_rhs_v, input_precision=DOT), mask=m_v[None, :])
-        tl.store(p_w + o_r[:, None] * DK + o_k[None, :], tl.dot(b_X, b_rhs_k, input_precision=DOT))
+        b_rhs = tl.load(p_u + o_r[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+        b_u = tl.dot(b_X, b_rhs, input_precision=DOT)
+        b_rhs = tl.load(p_w + o_r[:, None] * DK + o_k[None, :])
+        b_w = tl.dot(b_X, b_rhs, input_precision=DOT)
+        tl.debug_barrier()   # every read of the right-hand sides is done before they are overwritten
+        tl.store(p_u + o_r[:, None] * DV + o_v[None, :], b_u, mask=m_v[None, :])
+        tl.store(p_w + o_r[:, None] * DK + o_k[None, :], b_w)
     else:
         # block forward substitution, in place: Z_i = X_ii (R_i - sum_{j<i} A_ij Z_j)
         for i in tl.static_range(NB):

@@ -180,7 +180,7 @@ def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
         y = _rows(out)
         y_strides, s_scales = y.stride()[:2], (0, 0)
     BD, warps = _launch_params(D)
-    warps = min(8, max(warps, rows * BD // 512))
+    warps = max(warps, min(8, rows * BD // 512))
     _gated_rmsnorm_kernel[(triton.cdiv(RP, rows),)](
         x3, z3, weight, y, R, RP, B, D, eps, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), *y_strides,
         out.scale if quantize else y, *s_scales, BR=rows, BD=BD, QUANT=quantize, INTERPRET=interpreting(),

@@ -36,6 +36,20 @@ HQ, HKV, HD, ROTARY = 24, 4, 256, 64
 COPIES = 3
 
 
+def registers(*kernels):
+    """Registers and spills of each compiled variant of these Triton kernels (a spilling variant's
+    time says more about its registers than its form), where this Triton tells them."""
+    for fn in kernels:
+        for cache in getattr(fn, "device_caches", {}).values():
+            for compiled in cache[0].values():
+                try:
+                    compiled._init_handles()
+                    print(f"  {fn.__name__}: {compiled.n_regs} registers, {compiled.n_spills} spilled, "
+                          f"{compiled.metadata.num_warps} warps")
+                except Exception as e:        # a Triton whose compiled kernels say it otherwise
+                    print(f"  {fn.__name__}: registers not known here ({type(e).__name__})")
+
+
 def report(name: str, us: float, nbytes: int, bw: float, base: float | None = None):
     floor = nbytes / bw * 1e6
     ratio = f", {us / base:.3f} x the first" if base else ""
@@ -108,6 +122,7 @@ def main():
         report(f"GDN chunk: {'output by the scan' if fused else 'three kernels'}, prep "
                f"{'inverse' if inverse else 'by blocks'}, {warps} warps", us, nbytes, bw, base)
         base = base or us
+    registers(gdn_chunk._chunk_prep_kernel, gdn_chunk._chunk_scan_kernel, gdn_chunk._chunk_out_kernel)
 
     # attention's output gate: o as SDPA hands it back (transposed), the gate a view of q|gate
     att = [torch.randn(HQ, T, HD, **bf16).transpose(0, 1) for _ in range(COPIES)]

@@ -22,19 +22,24 @@ def _case(C, T, dtype, device, seed, width=WIDTH):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 2, 5, 37])
-@pytest.mark.parametrize("off", [0, 2])
+@pytest.mark.parametrize("T", [1, 2, 5, 6, 7, 8, 37])     # 6..8: a prefill whose inputs land on the window's columns
+@pytest.mark.parametrize("off", [0, 2, 6, 13, 2 ** 40 + 3])   # the window wrapped around the ring, a long history
 @pytest.mark.parametrize("width", [WIDTH, WIDTH - 1])      # k_max 4, or 3: a window not a power of two
 def test_conv_update(device, dtype, T, off, width):
-    if off + K - 1 > width:
-        pytest.skip("no such offset")
-    x, buf, w = _case(100, T, dtype, device, seed=T + 10 * off, width=width)
+    x, buf, w = _case(100, T, dtype, device, seed=T + 10 * (off % 97), width=width)
     offset = torch.tensor([off], device=device)
     buf_ref = buf.clone()
     y = conv.conv_update_triton(x, buf, offset, w)
     y_ref = conv.conv_update_ref(x, buf_ref, offset, w)
     check(y, y_ref, TOL[dtype])
     assert torch.equal(buf, buf_ref), "window buffer"
+
+
+def test_conv_tokens_a_program_hold_the_window(device):
+    # only the first token block reads the window: a block of fewer than K-1 tokens is refused
+    x, buf, w = _case(100, 9, torch.bfloat16, device, seed=61)
+    with pytest.raises(AssertionError, match="at least 3"):
+        conv.conv_update_triton(x, buf, torch.tensor([5], device=device), w, tokens=2)
 
 
 @pytest.mark.parametrize("tokens", [4, 64])
