@@ -212,14 +212,16 @@ class GatedDeltaNet(nn.Module):
             o = gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, state, pend, ctx.fold, ctx.parity, ctx.live)
         else:
             # the last step's accepted tokens first (the decoder zeroes ctx.fold after the first
-            # chunk; decode state, no gradient); the chunked form starts from a copy, which a
-            # training forward may still need
+            # chunk; decode state, no gradient); the kernels write the end state over the start
+            # state, the reference returns it (from a copy of the start state, which a training
+            # forward's gradients may still need)
             with torch.no_grad():
                 gdn.fold_pending(state, pend, ctx.fold, ctx.parity, self.A_log, self.dt_bias)
-            o, end_state = gdn_chunk.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state.clone(),
+            o, end_state = gdn_chunk.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state, out=state,
                                            fused_out=ctx.plan.chunk_fused_out,
                                            prep_inverse=ctx.plan.chunk_prep_inverse)
-            state.copy_(end_state)
+            if end_state is not state:
+                state.copy_(end_state)
         out_proj = weight(self, "out_proj")
         o = o.to(x.dtype)
         # prefill: the normed rows straight to FP8 (a head one group of 128) where out_proj takes them so

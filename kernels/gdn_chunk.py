@@ -255,8 +255,11 @@ CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_b
                     fused_out=False, prep_inverse=False)
 
 
-def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, config: dict | None = None):
+def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, config: dict | None = None,
+                 out: torch.Tensor | None = None):
     """chunk_ref's contract (chunk 64), with q, k, v, a, b as row-strided views like recurrent_triton's.
+    The final state goes into `out` when given (the start state itself may be it: each program of
+    the scan reads its slice of the start state before it writes that slice of the end state).
     `config` overrides entries of CHUNK_CONFIG: "fused_out" the fused form (the output written by
     the scan), "prep_inverse" the prep's u and w by the whole (I + A)^-1, the rest tiles, for tuning."""
     T, Hk, DK = q.shape
@@ -279,7 +282,9 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
         ws_p, ws_h, ws_v = new(NT, Hv, chunk, chunk), ws_a, ws_a
     else:
         ws_p, ws_h, ws_v = ws_a, new(NT, Hv, DK, DV), new(NT, Hv, chunk, DV)
-    s_out = torch.empty_like(state)
+    if out is not None:
+        assert out.shape == state.shape and out.dtype == torch.float32 and out.is_contiguous(), "out must be like state"
+    s_out = out if out is not None else torch.empty_like(state)
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=dev)
     scale = DK ** -0.5
     _chunk_prep_kernel[(NT, Hv)](q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, T, scale, q.stride(0),
@@ -301,10 +306,12 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
 
 
 def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, fused_out: bool = False,
-          prep_inverse: bool = False):
+          prep_inverse: bool = False, out: torch.Tensor | None = None):
     """chunk_ref's contract; the Triton kernels for CUDA tensors (the fused form with `fused_out`,
-    the prep by the whole inverse with `prep_inverse`)."""
+    the prep by the whole inverse with `prep_inverse`, the final state into `out` where given: the
+    reference returns a new tensor, which the caller copies where it wants it, and starts from a
+    copy of the start state then, which a training forward's gradients may still need)."""
     if use_triton(q, k, v, a, b):
         return chunk_triton(q, k, v, a, b, A_log, dt_bias, state, chunk,
-                            {"fused_out": fused_out, "prep_inverse": prep_inverse})
-    return chunk_ref(q, k, v, a, b, A_log, dt_bias, state, chunk)
+                            {"fused_out": fused_out, "prep_inverse": prep_inverse}, out)
+    return chunk_ref(q, k, v, a, b, A_log, dt_bias, state if out is None else state.clone(), chunk)

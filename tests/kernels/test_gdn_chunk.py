@@ -49,6 +49,16 @@ def test_fused_output_is_the_three_kernels_output(device):
     check(o_fused, o, 1e-2)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_chunk_end_state_over_the_start_state(device, fused):
+    # the engine's prefill hands the start state as `out`: the same end state and output in place
+    args, state = _inputs(130, 2, 4, 32, 24, torch.float32, device, seed=5)
+    config = {"fused_out": fused}
+    o, s = gdn_chunk.chunk_triton(*args, state, config=config)
+    o2, s2 = gdn_chunk.chunk_triton(*args, state, config=config, out=state)
+    assert s2 is state and torch.equal(state, s) and torch.equal(o2, o)
+
+
 def test_chunk_matches_the_recurrence(device):
     args, state = _inputs(100, 2, 4, 16, 24, torch.float32, device, seed=3)
     o, s = gdn_chunk.chunk_triton(*args, state)
