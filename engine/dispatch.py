@@ -68,8 +68,13 @@ class Ctx:
         return self.linear(x, w)
 
     def add_norm(self, x, residual: torch.Tensor | None, norm_: nn.Module, whole: bool = False,
-                 out: torch.Tensor | None = None):
-        return add_norm(x, residual, norm_, self.plan, whole, out)
+                 out: torch.Tensor | None = None, quantize_for=None):
+        """add_norm under this context's plan; `quantize_for`: the weight of the one product that
+        reads the normalised rows, which then come as FP8 rows where it takes them so
+        (quantized_rows_for)."""
+        quantize = (quantize_for is not None and residual is not None and isinstance(x, torch.Tensor)
+                    and self.quantized_rows_for(quantize_for, residual))
+        return add_norm(x, residual, norm_, self.plan, whole, out, quantize)
 
 
 def weight(m: nn.Module, name: str):
@@ -128,7 +133,7 @@ class Product(NamedTuple):
 
 
 def add_norm(x, residual: torch.Tensor | None, norm_: nn.Module, plan: KernelPlan, whole: bool = False,
-             out: torch.Tensor | None = None):
+             out: torch.Tensor | None = None, quantize: bool = False):
     """(norm_(x + residual), x + residual) after a block whose output x is a tensor or a Product
     (a Product may come with no residual: the MTP head's fc, the first thing its layer reads).
     With the plan's split_norm a Product runs split over K (its 5120 columns in 80 blocks would
@@ -136,7 +141,8 @@ def add_norm(x, residual: torch.Tensor | None, norm_: nn.Module, plan: KernelPla
     normalised rows come as a Normed for the next product to finish (kernels/matvec_parts.py);
     with `whole` (the final norm, whose rows the lm_head and the MTP head both read) or split_norm
     off, as whole rows from the norm kernel, which adds the parts. `out` (whole rows only) receives
-    the normalised rows. `norm_` is an RMSNorm (its weight and eps)."""
+    the normalised rows. `norm_` is an RMSNorm (its weight and eps). `quantize` (a prefill's rows on
+    the GPU): the normalised rows come quantized for an FP8 product (fp8_gemm.QuantizedRows)."""
     if isinstance(x, Product):
         if plan.split_norm and not whole:
             assert out is None, "add_norm: the split norm gives a Normed, never whole rows into `out`"
@@ -146,4 +152,4 @@ def add_norm(x, residual: torch.Tensor | None, norm_: nn.Module, plan: KernelPla
             x = linear(x.x, x.w, True, plan.products)
             return norm.rmsnorm(x, norm_.weight, norm_.eps), x
         x = matvec_parts(x.x, x.w, plan=plan.products)
-    return norm.add_rmsnorm(x, residual, norm_.weight, norm_.eps, out=out)
+    return norm.add_rmsnorm(x, residual, norm_.weight, norm_.eps, out=out, quantize=quantize)

@@ -49,10 +49,11 @@ class KernelPlan:
     # tests/bench/profile_step.py). Steps keep one row and 16 tokens a program.
     prefill_rows: int = 1
     prefill_conv_tokens: int = 16
-    # Prefill's MLP gating and GDN output norm hand an FP8 product (FP8 weights; 4-bit ones in the
-    # fp8 form) their rows quantized (kernels/fp8_gemm.py QuantizedRows), the same codes and scales
-    # as the product's own quantization of their bf16 rows, with one pass over the rows fewer: the
-    # 27B FP8's 8K prompt spent 20.3 ms quantizing rows and 18.5 in the gating.
+    # Prefill's MLP gating, GDN output norm and the norms before attention's q|k|v and a dense MLP's
+    # gate|up hand an FP8 product (FP8 weights; 4-bit ones in the fp8 form) their rows quantized
+    # (kernels/fp8_gemm.py QuantizedRows), the same codes and scales as the product's own
+    # quantization of their bf16 rows, with one pass over the rows fewer: the 27B FP8's 8K prompt
+    # spent 20.3 ms quantizing rows and 18.5 in the gating.
     prefill_quant: bool = False
     # Prefill's attention output gate, o * sigmoid(gate) into rows, in one kernel (kernels/attention.py
     # gate_rows) rather than torch's sigmoid, product and copy of the transposed output (4.6 ms of

@@ -48,13 +48,19 @@ def gated_rmsnorm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, ep
 # per-head rows [T, H, D], and per-head views of a wider projection (q of q_proj, z of in_proj).
 
 @triton.jit
-def _rmsnorm_kernel(x, r, w, y, h, B, D, eps, s_xp, s_x0, s_x1, s_r0, s_r1, s_y0, s_y1, s_h0, s_h1,
-                    BD: tl.constexpr, PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+def _rmsnorm_kernel(x, r, w, y, h, R, B, D, eps, s_xp, s_x0, s_x1, s_r0, s_r1, s_y0, s_y1, s_h0, s_h1,
+                    ys, s_sm, s_sk, BD: tl.constexpr, PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    QUANT: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+    # QUANT (rows [1, R, D], a residual): the normalised rows quantized for an FP8 product, y the
+    # codes [R', D] and ys their scales [R', D / 128] (fp8_gemm.quantize_rows_triton's layout),
+    # programs R .. R' the padding rows (zeros, scale 1)
     pdl_start(PDL)
     i_r = tl.program_id(0)
     i_a, i_b = i_r // B, i_r % B
     o_d = tl.arange(0, BD)
     m_d = o_d < D
+    if QUANT:
+        m_d = m_d & ((tl.zeros([BD], dtype=tl.int32) + i_r) < R)   # (a scalar boolean makes no mask everywhere)
     p_x = x + i_a * s_x0 + i_b * s_x1 + o_d
     b_x = tl.load(p_x, mask=m_d, other=0.).to(tl.float32)
     if PARTS > 1:
@@ -71,7 +77,15 @@ def _rmsnorm_kernel(x, r, w, y, h, B, D, eps, s_xp, s_x0, s_x1, s_r0, s_r1, s_y0
         b_x = b_x.to(tl.float32)
     b_rstd = tl.rsqrt(tl.sum(b_x * b_x) / D + eps)
     b_w = 1. + tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32)
-    tl.store(y + i_a * s_y0 + i_b * s_y1 + o_d, (b_x * b_rstd * b_w).to(y.dtype.element_ty), mask=m_d)
+    if QUANT:
+        NG: tl.constexpr = BD // BLOCK
+        b_y = (b_x * b_rstd * b_w).to(h.dtype.element_ty).to(tl.float32)
+        b_q, b_s = quantize_tile(tl.reshape(b_y, (NG, BLOCK)), INTERPRET)
+        tl.store(y + i_r * s_y0 + o_d, tl.reshape(b_q, (BD,)).to(y.dtype.element_ty), mask=o_d < D)
+        o_g = tl.arange(0, NG)
+        tl.store(ys + i_r * s_sm + o_g * s_sk, b_s, mask=o_g * BLOCK < D)
+    else:
+        tl.store(y + i_a * s_y0 + i_b * s_y1 + o_d, (b_x * b_rstd * b_w).to(y.dtype.element_ty), mask=m_d)
 
 
 @triton.jit
@@ -120,7 +134,7 @@ def _launch_params(D: int):
     return BD, min(16, max(1, BD // 512))
 
 
-def _rmsnorm_launch(x, residual, weight, eps, out=None):
+def _rmsnorm_launch(x, residual, weight, eps, out=None, quantize: bool = False):
     D = x.shape[-1]
     assert weight.shape == (D,) and weight.is_contiguous(), f"weight must be [{D}] contiguous"
     parts = residual is not None and x.dim() == residual.dim() + 1
@@ -131,17 +145,31 @@ def _rmsnorm_launch(x, residual, weight, eps, out=None):
     shape = x.shape[1:] if parts else x.shape
     if out is not None:
         assert out.shape == shape and out.dtype == dtype, f"out must be {tuple(shape)} {dtype}"
-    y = out if out is not None else torch.empty(shape, dtype=dtype, device=x.device)
-    h = torch.empty_like(y) if residual is not None else y
-    x3, y3, h3 = _rows(x[0] if parts else x), _rows(y), _rows(h)
+    BD, warps = _launch_params(D)
+    if quantize:
+        assert residual is not None and residual.dim() == 2 and out is None and BD >= BLOCK, \
+            f"quantize: rows [T, D >= {BLOCK // 2 + 1}] with a residual, no `out`"
+        T = residual.shape[0]
+        MP = triton.cdiv(T, CUBLAS_ROWS) * CUBLAS_ROWS
+        xq = torch.empty(MP, D, dtype=FP8, device=x.device)
+        xs = torch.empty(triton.cdiv(D, BLOCK), MP, dtype=torch.float32, device=x.device).T
+        y, y3, grid, s_scales = QuantizedRows(xq, xs, T, dtype), xq[None], MP, xs.stride()
+        h = torch.empty(shape, dtype=dtype, device=x.device)
+    else:
+        y = out if out is not None else torch.empty(shape, dtype=dtype, device=x.device)
+        h = torch.empty_like(y) if residual is not None else y
+        y3, xs, s_scales = _rows(y), None, (0, 0)
+    x3, h3 = _rows(x[0] if parts else x), _rows(h)
     r3 = _rows(residual) if residual is not None else x3
     assert r3.shape == x3.shape and r3.dtype == dtype, "residual must match x"
     A, B = x3.shape[0], x3.shape[1]
-    BD, warps = _launch_params(D)
-    _rmsnorm_kernel[(A * B,)](x3, r3, weight, y3, h3, B, D, eps, x.stride(0) if parts else 0, x3.stride(0),
-                              x3.stride(1), r3.stride(0), r3.stride(1), y3.stride(0), y3.stride(1), h3.stride(0),
-                              h3.stride(1), BD=BD, PARTS=x.shape[0] if parts else 0,
-                              HAS_RESIDUAL=residual is not None, num_warps=warps, **pdl(x))
+    if not quantize:
+        grid = A * B
+    _rmsnorm_kernel[(grid,)](x3, r3, weight, y3, h3, A * B, B, D, eps, x.stride(0) if parts else 0, x3.stride(0),
+                             x3.stride(1), r3.stride(0), r3.stride(1), y3.stride(1) if quantize else y3.stride(0),
+                             y3.stride(1), h3.stride(0), h3.stride(1), xs if quantize else y3, *s_scales, BD=BD,
+                             PARTS=x.shape[0] if parts else 0, HAS_RESIDUAL=residual is not None, QUANT=quantize,
+                             INTERPRET=interpreting(), num_warps=warps, **pdl(x))
     return y, h
 
 
@@ -149,8 +177,11 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return _rmsnorm_launch(x, None, weight, eps)[0]
 
 
-def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out=None):
-    return _rmsnorm_launch(x, residual, weight, eps, out)
+def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out=None,
+                       quantize: bool = False):
+    """add_rmsnorm_ref's contract; `quantize` (rows [T, D]): the normalised rows come quantized for
+    an FP8 product (fp8_gemm.QuantizedRows: quantize_rows of them, bit for bit)."""
+    return _rmsnorm_launch(x, residual, weight, eps, out, quantize)
 
 
 def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -192,10 +223,13 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rmsnorm_triton(x, weight, eps) if use_triton(x, weight) else rmsnorm_ref(x, weight, eps)
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out=None):
-    """add_rmsnorm_ref's contract; the normalised rows written into `out` when given."""
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out=None,
+                quantize: bool = False):
+    """add_rmsnorm_ref's contract; the normalised rows written into `out` when given, or quantized
+    for an FP8 product with `quantize` (CUDA only)."""
     if use_triton(x, residual, weight):
-        return add_rmsnorm_triton(x, residual, weight, eps, out)
+        return add_rmsnorm_triton(x, residual, weight, eps, out, quantize)
+    assert not quantize, "quantized rows come from the kernel only"
     y, h = add_rmsnorm_ref(x, residual, weight, eps)
     return (y if out is None else out.copy_(y)), h
 

@@ -15,7 +15,8 @@ captured in a CUDA graph (graph_timing.py). Rows:
   (attention.gate_rows), and that kernel writing FP8 rows for o_proj;
 - the MLP's gating then the FP8 rows for down (silu_mul, quantize_rows) against the two in one
   pass (fp8_gemm.quantized_swiglu), and the GDN norm then quantize_rows against the norm that
-  quantizes (norm.gated_rmsnorm quantize=True).
+  quantizes (norm.gated_rmsnorm quantize=True); the residual add and norm then quantize_rows
+  against the norm that quantizes (norm.add_rmsnorm quantize=True).
 """
 from __future__ import annotations
 
@@ -153,6 +154,16 @@ def main():
         one = graph_time(lambda i: norm.gated_rmsnorm(o[i], z[i], wn, eps, rows=rows, quantize=True), COPIES)
         report(f"GDN output norm ({rows} rows), then quantize_rows", two, T * HV * DV * (2 + 2 + 2 + 2 + 1), bw)
         report(f"GDN output norm ({rows} rows) into FP8 rows", one, T * HV * DV * (2 + 2 + 1), bw, two)
+
+    # the residual add and norm before an FP8 product, then the rows quantized, in two passes and in one
+    xs_ = [torch.randn(T, H, **bf16) for _ in range(COPIES)]
+    rs_ = [torch.randn(T, H, **bf16) for _ in range(COPIES)]
+    wr = 0.1 * torch.randn(H, **bf16)
+    two = graph_time(lambda i: fp8_gemm.quantize_rows_triton(norm.add_rmsnorm(xs_[i], rs_[i], wr, eps)[0],
+                                                             fp8_gemm.CUBLAS_ROWS), COPIES)
+    one = graph_time(lambda i: norm.add_rmsnorm(xs_[i], rs_[i], wr, eps, quantize=True), COPIES)
+    report("add + norm, then quantize_rows", two, T * H * (2 + 2 + 2 + 2 + 2 + 1), bw)
+    report("add + norm into FP8 rows", one, T * H * (2 + 2 + 2 + 1), bw, two)
 
 
 if __name__ == "__main__":

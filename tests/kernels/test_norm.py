@@ -49,6 +49,21 @@ def test_add_rmsnorm_parts(device, dtype, S, T):
         assert torch.equal(h, h_ref), "the parts are added in order, as the reference adds them"
 
 
+@pytest.mark.parametrize("T,D", [(5, 300), (21, 256)])
+def test_add_rmsnorm_quantized(device, T, D):
+    """The residual add and norm straight into FP8 rows for the product after it (prefill's fused
+    form): quantize_rows over the normalised rows, bit for bit, padded for cuBLAS; the sum as ever."""
+    g = torch.Generator().manual_seed(T * D)
+    bf16 = dict(dtype=torch.bfloat16, device=device, gen=g)
+    x, r, w = randn(T, D, **bf16) * 4, randn(T, D, **bf16), randn(D, scale=0.3, **bf16)
+    got, h = norm.add_rmsnorm_triton(x, r, w, EPS, quantize=True)
+    y, h_want = norm.add_rmsnorm_triton(x, r, w, EPS)
+    xq, xs = fp8_gemm.quantize_rows_triton(y, fp8_gemm.CUBLAS_ROWS)
+    assert torch.equal(h, h_want) and got.rows == T and got.q.shape == xq.shape
+    assert torch.equal(got.q.view(torch.uint8), xq.view(torch.uint8)), "codes"
+    assert torch.equal(got.scale, xs) and got.scale.stride() == xs.stride(), "scales"
+
+
 def test_add_rmsnorm_parts_shape_mismatch(device):
     with pytest.raises(AssertionError, match="parts"):
         norm.add_rmsnorm_triton(randn(2, 3, 40, device=device), randn(2, 40, device=device), randn(40, device=device), EPS)
