@@ -6,7 +6,7 @@ import torch
 
 from mtpchat.engine import Engine, SamplingParams
 from tools.tiny import write_tiny_checkpoint
-from helpers import assert_mtp_on_equals_off, gpu_prompts, rel_err
+from helpers import assert_mtp_on_equals_off, gpu_prompts, random_ids, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -84,12 +84,12 @@ def wide_heads(tmp_path_factory):
 
 def test_prefill_kernel_candidates(wide_heads):
     """Prefill's candidate forms (KernelPlan.prefill_quant, prefill_rows, prefill_conv_tokens,
-    chunk_fused_out, chunk_prep_inverse, prefill_gate): the fused quantization hands the products the codes they would have made,
-    the conv's larger tiles make the same sums (the same logits, bit for bit); larger tiles of the
-    norms and the GDN output written by its scan sum in another order at most; greedy MTP on == off."""
+    chunk_fused_out, chunk_prep_inverse, prefill_gate): the fused quantization hands the products
+    the codes they would have made, the conv's larger tiles make the same sums (the same logits,
+    bit for bit); larger tiles of the norms, the one-kernel output gate and the chunked forms sum
+    in another order at most; greedy MTP on == off."""
     engine = Engine.load(wide_heads, device="cuda", dtype=torch.bfloat16, max_context=1024, cuda_graphs=False)
-    ids = gpu_prompts(engine, 3)[2] * 4                       # a few hundred tokens: cuBLAS takes the products
-    assert len(ids) >= 256
+    ids = random_ids(300, 5, engine.config.vocab_size - 64)   # enough rows for cuBLAS's products
     base = engine.plan
     want = engine.logits(ids)
     for changes, exact in (({"prefill_quant": True}, True), ({"prefill_conv_tokens": 64}, True),
