@@ -22,8 +22,8 @@ def _case(C, T, dtype, device, seed, width=WIDTH):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 2, 5, 6, 7, 8, 37])     # 6..8: a prefill whose inputs land on the window's columns
-@pytest.mark.parametrize("off", [0, 2, 6, 13, 2 ** 40 + 3])   # the window wrapped around the ring, a long history
+@pytest.mark.parametrize("T", [1, 5, 7, 37])     # 7: a prefill whose inputs land on the window's columns
+@pytest.mark.parametrize("off", [0, 6, 2 ** 40 + 3])   # the window wrapped around the ring, a long history
 @pytest.mark.parametrize("width", [WIDTH, WIDTH - 1])      # k_max 4, or 3: a window not a power of two
 def test_conv_update(device, dtype, T, off, width):
     x, buf, w = _case(100, T, dtype, device, seed=T + 10 * (off % 97), width=width)
