@@ -212,7 +212,8 @@ def gate_rows_ref(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _gate_rows_kernel(o, gate, y, ys, T, TP, s_ot, s_oh, s_gt, s_gh, s_y, s_sm, s_sk,
-                      D: tl.constexpr, BT: tl.constexpr, QUANT: tl.constexpr, INTERPRET: tl.constexpr):
+                      D: tl.constexpr, BT: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                      INTERPRET: tl.constexpr):
     # program (i_t, i_h): BT tokens of head i_h. QUANT: y the FP8 codes [T', H * D] and ys their
     # scales [T', H * D / 128] (fp8_gemm.quantize_rows_triton's layout; rows T .. T' the padding)
     i_t, i_h = tl.program_id(0), tl.program_id(1)
@@ -225,8 +226,8 @@ def _gate_rows_kernel(o, gate, y, ys, T, TP, s_ot, s_oh, s_gt, s_gh, s_y, s_sm, 
     b_y = (b_o * b_s).to(o.dtype.element_ty)
     p_y = y + (o_t * s_y + i_h * D)[:, None] + o_d[None, :]
     if QUANT:
-        G: tl.constexpr = D // BLOCK
-        b_q, b_sc = quantize_tile(tl.reshape(b_y.to(tl.float32), (BT * G, BLOCK)), INTERPRET)
+        G: tl.constexpr = D // SCALE_GROUP
+        b_q, b_sc = quantize_tile(tl.reshape(b_y.to(tl.float32), (BT * G, SCALE_GROUP)), INTERPRET)
         m_p = (o_t < TP)[:, None]                 # the padding rows too: zeros, scale 1
         tl.store(p_y, tl.reshape(b_q, (BT, D)).to(y.dtype.element_ty), mask=m_p)
         o_g = tl.arange(0, G)
@@ -255,7 +256,7 @@ def gate_rows_triton(o: torch.Tensor, gate: torch.Tensor, quantize: bool = False
     _gate_rows_kernel[(triton.cdiv(TP, tokens), H)](
         o, gate, y, ys, T, TP, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), y.stride(0),
         ys.stride(0) if quantize else 0, ys.stride(1) if quantize else 0, D=D, BT=tokens, QUANT=quantize,
-        INTERPRET=interpreting(), num_warps=min(8, max(1, tokens * D // 1024)))
+        SCALE_GROUP=BLOCK, INTERPRET=interpreting(), num_warps=min(8, max(1, tokens * D // 1024)))
     return out
 
 

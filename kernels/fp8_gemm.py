@@ -143,6 +143,10 @@ class QuantizedRows(NamedTuple):
     def shape(self) -> tuple[int, int]:
         return self.rows, self.q.shape[1]
 
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
 
 def quantized_swiglu(gate_up: torch.Tensor) -> QuantizedRows:
     """An MLP's gating of [gate | up] rows straight into FP8 rows for the down product."""

@@ -50,7 +50,7 @@ def gated_rmsnorm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, ep
 @triton.jit
 def _rmsnorm_kernel(x, r, w, y, h, R, B, D, eps, s_xp, s_x0, s_x1, s_r0, s_r1, s_y0, s_y1, s_h0, s_h1,
                     ys, s_sm, s_sk, BD: tl.constexpr, PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                    QUANT: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
+                    QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr):
     # QUANT (rows [1, R, D], a residual): the normalised rows quantized for an FP8 product, y the
     # codes [R', D] and ys their scales [R', D / 128] (fp8_gemm.quantize_rows_triton's layout),
     # programs R .. R' the padding rows (zeros, scale 1)
@@ -78,12 +78,12 @@ def _rmsnorm_kernel(x, r, w, y, h, R, B, D, eps, s_xp, s_x0, s_x1, s_r0, s_r1, s
     b_rstd = tl.rsqrt(tl.sum(b_x * b_x) / D + eps)
     b_w = 1. + tl.load(w + o_d, mask=m_d, other=0.).to(tl.float32)
     if QUANT:
-        NG: tl.constexpr = BD // BLOCK
+        NG: tl.constexpr = BD // SCALE_GROUP
         b_y = (b_x * b_rstd * b_w).to(h.dtype.element_ty).to(tl.float32)
-        b_q, b_s = quantize_tile(tl.reshape(b_y, (NG, BLOCK)), INTERPRET)
+        b_q, b_s = quantize_tile(tl.reshape(b_y, (NG, SCALE_GROUP)), INTERPRET)
         tl.store(y + i_r * s_y0 + o_d, tl.reshape(b_q, (BD,)).to(y.dtype.element_ty), mask=o_d < D)
         o_g = tl.arange(0, NG)
-        tl.store(ys + i_r * s_sm + o_g * s_sk, b_s, mask=o_g * BLOCK < D)
+        tl.store(ys + i_r * s_sm + o_g * s_sk, b_s, mask=o_g * SCALE_GROUP < D)
     else:
         tl.store(y + i_a * s_y0 + i_b * s_y1 + o_d, (b_x * b_rstd * b_w).to(y.dtype.element_ty), mask=m_d)
 
@@ -169,6 +169,7 @@ def _rmsnorm_launch(x, residual, weight, eps, out=None, quantize: bool = False):
                              x3.stride(1), r3.stride(0), r3.stride(1), y3.stride(1) if quantize else y3.stride(0),
                              y3.stride(1), h3.stride(0), h3.stride(1), xs if quantize else y3, *s_scales, BD=BD,
                              PARTS=x.shape[0] if parts else 0, HAS_RESIDUAL=residual is not None, QUANT=quantize,
+                             SCALE_GROUP=BLOCK,
                              INTERPRET=interpreting(), num_warps=warps, **pdl(x))
     return y, h
 
