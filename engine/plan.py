@@ -46,19 +46,23 @@ class KernelPlan:
     # (kernels/conv.py). One row a program made some 100,000 programs of 256 bytes for a 2,048-token
     # chunk: the 27B's 8K prompt spent 22.9 ms in the GDN output norm, 16.8 in the conv and 5.4 in
     # the q/k norm, some 4.8 / 3 / 4 x what their bytes take at the copy bandwidth (an H100,
-    # tests/bench/profile_step.py). Steps keep one row and 16 tokens a program.
-    prefill_rows: int = 1
+    # tests/bench/profile_step.py). Eight rows a program took those two norms to 1.08 and 1.13 x
+    # (probe_prefill_kernels.py); 16 tokens a program stayed the conv's best (32: 1.07 x its time).
+    # Steps keep one row and 16 tokens a program.
+    prefill_rows: int = 8
     prefill_conv_tokens: int = 16
     # Prefill's MLP gating, GDN output norm and the norms before attention's q|k|v and a dense MLP's
     # gate|up hand an FP8 product (FP8 weights; 4-bit ones in the fp8 form) their rows quantized
     # (kernels/fp8_gemm.py QuantizedRows), the same codes and scales as the product's own
     # quantization of their bf16 rows, with one pass over the rows fewer: the 27B FP8's 8K prompt
     # spent 20.3 ms quantizing rows and 18.5 in the gating.
-    prefill_quant: bool = False
+    prefill_quant: bool = True
     # Prefill's attention output gate, o * sigmoid(gate) into rows, in one kernel (kernels/attention.py
     # gate_rows) rather than torch's sigmoid, product and copy of the transposed output (4.6 ms of
-    # the 27B's 8K prompt); with prefill_quant its rows go to an FP8 o_proj quantized.
-    prefill_gate: bool = False
+    # the 27B's 8K prompt: 112 us a 2,048-token chunk, 27 us in one kernel); with prefill_quant its
+    # rows go to an FP8 o_proj quantized. The three together: the 27B FP8's 8K prompt 0.95 x
+    # (probe_prefill_chunk.py, 2026-11-26, docs/PERFORMANCE.md).
+    prefill_gate: bool = True
     # The GDN's chunked form with its output written by the scan (kernels/gdn_chunk.py, "fused_out"):
     # the chunks' start states and writes (float32, 2.5 x the output's bytes) never go through
     # memory, and a kernel fewer; the 27B's 8K prompt spent 96 ms in the three chunk kernels.
