@@ -66,10 +66,9 @@ class KernelPlan:
     # The GDN's chunked form with its output written by the scan (kernels/gdn_chunk.py, "fused_out"):
     # the chunks' start states and writes (float32, 2.5 x the output's bytes) never go through
     # memory, and a kernel fewer; the 27B's 8K prompt spent 96 ms in the three chunk kernels.
+    # On an H100 it took a chunk's three kernels to 0.97 x, and the 8K prompt's peak 0.12 GiB lower,
+    # but the whole prompt within its noise (0.99-1.03 x; docs/PERFORMANCE.md 2026-11-26): a candidate.
     chunk_fused_out: bool = False
-    # ... and its prep with (I + A)^-1 built whole, u and w then two 64-row products ("prep_inverse"),
-    # rather than solved block by block through memory (the prep: 35.8 of those 96 ms)
-    chunk_prep_inverse: bool = False
 
     @classmethod
     def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool, int4: bool = False) -> "KernelPlan":

@@ -58,9 +58,9 @@ def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 6
 #   strictly lower A[r, c] = beta_r e^{G_r-G_c} (k_r·k_c), then u = (I + A)^-1 (beta v) and
 #   w = (I + A)^-1 (beta e^G k) by blocked forward substitution (16-row blocks: the diagonal
 #   blocks inverted row by row, the rest as small products), so that the chunk's state writes
-#   are u - w S0 for any start state S0. Its other form ("prep_inverse") builds (I + A)^-1 itself
-#   from the diagonal blocks' inverses (16 x 16 products over A's blocks) and takes u and w as two
-#   64-row products, with no chain of small products through memory.
+#   are u - w S0 for any start state S0. (Building (I + A)^-1 whole from the diagonal blocks'
+#   inverses and taking u and w as two 64-row products was tried: 1.07-1.10 x the time at 255
+#   registers and spills on an H100, docs/PERFORMANCE.md 2026-11-26.)
 # _chunk_scan_kernel, one program per (value head, block of value columns), walks the chunks in
 #   order with its slice of the state in registers: it saves each chunk's start state S0 and
 #   writes u - w S0, then moves the state to the chunk's end. Two products per chunk.
@@ -90,7 +90,7 @@ def _causal_scores(b_q, b_k, b_G, DOT: tl.constexpr):
 def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, T, scale, s_q, s_k, s_v, s_a, s_b,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BDV: tl.constexpr, BC: tl.constexpr, SB: tl.constexpr, NB: tl.constexpr,
-                       DOT: tl.constexpr, FUSED: tl.constexpr, INVERSE: tl.constexpr):
+                       DOT: tl.constexpr, FUSED: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     o_r = tl.arange(0, BC)
     o_t = i_c * BC + o_r
@@ -113,9 +113,7 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
     p_a, p_u, p_w = ws_a + o_ws * BC * BC, ws_u + o_ws * BC * DV, ws_w + o_ws * BC * DK
     b_v = tl.load(v + o_t[:, None] * s_v + i_h * DV + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
     tl.store(p_a + o_r[:, None] * BC + o_r[None, :], b_A)
-    # the right-hand sides beta v and beta e^G k, solved below into u and w in place (block by
-    # block, or by the whole inverse's products: read back then rather than held in registers
-    # through the inverse)
+    # the right-hand sides beta v and beta e^G k, solved below into u and w in place
     tl.store(p_u + o_r[:, None] * DV + o_v[None, :], b_v.to(tl.float32) * b_beta[:, None], mask=m_v[None, :])
     tl.store(p_w + o_r[:, None] * DK + o_k[None, :], b_k * (b_beta * tl.exp(b_G))[:, None])
     tl.store(ws_g + o_ws * BC + o_r, b_G)
@@ -134,52 +132,21 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
         b_row += tl.sum(b_row[:, :, None] * b_Y, axis=1)
         b_Y = tl.where((o_i == i)[None, :, None], b_row[:, None, :], b_Y)
     b_Xd = b_Y + tl.where(o_i[:, None] == o_i[None, :], 1., 0.)[None, :, :]
-    if INVERSE:
-        # X = (I + A)^-1 whole, row block by row block: X_ij = -X_ii (A_ij X_jj + sum_{j<m<i} A_im
-        # X_mj), each written over A_ij once read (no later block reads A_ij: it needs A_im for
-        # m >= j' > j, and the blocks of the rows above as X); then u and w as two products
-        for i in tl.static_range(1, NB):
-            o_ri = i * SB + o_i
-            b_Xii = tl.sum(tl.where((o_d == i)[:, None, None], b_Xd, 0.), axis=0)
-            for j in tl.static_range(i):
-                o_rj = j * SB + o_i
-                b_Xjj = tl.sum(tl.where((o_d == j)[:, None, None], b_Xd, 0.), axis=0)
-                b_sum = tl.dot(tl.load(p_a + o_ri[:, None] * BC + o_rj[None, :]), b_Xjj, input_precision=DOT)
-                for m in tl.static_range(j + 1, i):
-                    o_rm = m * SB + o_i
-                    b_sum += tl.dot(tl.load(p_a + o_ri[:, None] * BC + o_rm[None, :]),
-                                    tl.load(p_a + o_rm[:, None] * BC + o_rj[None, :]), input_precision=DOT)
-                b_Xij = -tl.dot(b_Xii, b_sum, input_precision=DOT)
-                tl.debug_barrier()   # every read of A_ij is done
-                tl.store(p_a + o_ri[:, None] * BC + o_rj[None, :], b_Xij)
-                tl.debug_barrier()   # X_ij is read by the rows below
-        o_dr = o_d[:, None, None] * SB + o_i[None, :, None]           # the diagonal blocks' rows
-        tl.store(p_a + o_dr * BC + o_d[:, None, None] * SB + o_i[None, None, :], b_Xd)
-        tl.debug_barrier()
-        b_X = tl.load(p_a + o_r[:, None] * BC + o_r[None, :])
-        b_rhs = tl.load(p_u + o_r[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
-        b_u = tl.dot(b_X, b_rhs, input_precision=DOT)
-        b_rhs = tl.load(p_w + o_r[:, None] * DK + o_k[None, :])
-        b_w = tl.dot(b_X, b_rhs, input_precision=DOT)
-        tl.debug_barrier()   # every read of the right-hand sides is done before they are overwritten
-        tl.store(p_u + o_r[:, None] * DV + o_v[None, :], b_u, mask=m_v[None, :])
-        tl.store(p_w + o_r[:, None] * DK + o_k[None, :], b_w)
-    else:
-        # block forward substitution, in place: Z_i = X_ii (R_i - sum_{j<i} A_ij Z_j)
-        for i in tl.static_range(NB):
-            o_ri = i * SB + o_i
-            b_rv = tl.load(p_u + o_ri[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
-            b_rk = tl.load(p_w + o_ri[:, None] * DK + o_k[None, :])
-            for j in tl.static_range(i):
-                o_rj = j * SB + o_i
-                b_Aij = tl.load(p_a + o_ri[:, None] * BC + o_rj[None, :])
-                b_zv = tl.load(p_u + o_rj[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
-                b_rv -= tl.dot(b_Aij, b_zv, input_precision=DOT)
-                b_rk -= tl.dot(b_Aij, tl.load(p_w + o_rj[:, None] * DK + o_k[None, :]), input_precision=DOT)
-            b_Xii = tl.sum(tl.where((o_d == i)[:, None, None], b_Xd, 0.), axis=0)
-            tl.store(p_u + o_ri[:, None] * DV + o_v[None, :], tl.dot(b_Xii, b_rv, input_precision=DOT), mask=m_v[None, :])
-            tl.store(p_w + o_ri[:, None] * DK + o_k[None, :], tl.dot(b_Xii, b_rk, input_precision=DOT))
-            tl.debug_barrier()   # block i is read by the blocks below it
+    # block forward substitution, in place: Z_i = X_ii (R_i - sum_{j<i} A_ij Z_j)
+    for i in tl.static_range(NB):
+        o_ri = i * SB + o_i
+        b_rv = tl.load(p_u + o_ri[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+        b_rk = tl.load(p_w + o_ri[:, None] * DK + o_k[None, :])
+        for j in tl.static_range(i):
+            o_rj = j * SB + o_i
+            b_Aij = tl.load(p_a + o_ri[:, None] * BC + o_rj[None, :])
+            b_zv = tl.load(p_u + o_rj[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+            b_rv -= tl.dot(b_Aij, b_zv, input_precision=DOT)
+            b_rk -= tl.dot(b_Aij, tl.load(p_w + o_rj[:, None] * DK + o_k[None, :]), input_precision=DOT)
+        b_Xii = tl.sum(tl.where((o_d == i)[:, None, None], b_Xd, 0.), axis=0)
+        tl.store(p_u + o_ri[:, None] * DV + o_v[None, :], tl.dot(b_Xii, b_rv, input_precision=DOT), mask=m_v[None, :])
+        tl.store(p_w + o_ri[:, None] * DK + o_k[None, :], tl.dot(b_Xii, b_rk, input_precision=DOT))
+        tl.debug_barrier()   # block i is read by the blocks below it
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -252,7 +219,7 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, o, T, scale, s_q, s_k, s_o,
 # accuracy at 2.6 times the time. On an H100, 27B shapes, 8192 tokens: 1.76 ms per layer
 # (prep 0.68, scan 0.57, output 0.51); tests/bench/bench_kernels.py --sweep --only chunk.
 CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_bv=64, out_warps=4, dot="tf32",
-                    fused_out=False, prep_inverse=False)
+                    fused_out=False)
 
 
 def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, config: dict | None = None,
@@ -261,7 +228,7 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     The final state goes into `out` when given (the start state itself may be it: each program of
     the scan reads its slice of the start state before it writes that slice of the end state).
     `config` overrides entries of CHUNK_CONFIG: "fused_out" the fused form (the output written by
-    the scan), "prep_inverse" the prep's u and w by the whole (I + A)^-1, the rest tiles, for tuning."""
+    the scan), the rest tiles, for tuning."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert chunk == 64, "the chunk kernels work on 64 tokens at a time"
@@ -290,7 +257,7 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     _chunk_prep_kernel[(NT, Hv)](q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, T, scale, q.stride(0),
                                  k.stride(0), v.stride(0), a.stride(0), b.stride(0), HV=Hv, GROUP=G, DK=DK, DV=DV,
                                  BDV=triton.next_power_of_2(DV), BC=chunk, SB=16, NB=chunk // 16, DOT=cfg["dot"],
-                                 FUSED=fused, INVERSE=bool(cfg["prep_inverse"]), num_warps=cfg["prep_warps"])
+                                 FUSED=fused, num_warps=cfg["prep_warps"])
     BV = min(cfg["scan_bv"], triton.next_power_of_2(DV))
     _chunk_scan_kernel[(Hv, triton.cdiv(DV, BV))](q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, o, state, s_out, T, scale,
                                                    q.stride(0), k.stride(0), o.stride(0), HV=Hv, GROUP=G, DK=DK,
@@ -306,12 +273,12 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
 
 
 def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, fused_out: bool = False,
-          prep_inverse: bool = False, out: torch.Tensor | None = None):
+          out: torch.Tensor | None = None):
     """chunk_ref's contract; the Triton kernels for CUDA tensors (the fused form with `fused_out`,
-    the prep by the whole inverse with `prep_inverse`, the final state into `out` where given: the
+    the final state into `out` where given: the
     reference returns a new tensor, which the caller copies where it wants it, and starts from a
     copy of the start state then, which a training forward's gradients may still need)."""
     if use_triton(q, k, v, a, b):
         return chunk_triton(q, k, v, a, b, A_log, dt_bias, state, chunk,
-                            {"fused_out": fused_out, "prep_inverse": prep_inverse}, out)
+                            {"fused_out": fused_out}, out)
     return chunk_ref(q, k, v, a, b, A_log, dt_bias, state if out is None else state.clone(), chunk)

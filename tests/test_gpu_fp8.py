@@ -83,21 +83,27 @@ def wide_heads(tmp_path_factory):
 
 
 def test_prefill_kernel_candidates(wide_heads):
-    """Prefill's candidate forms (KernelPlan.prefill_quant, prefill_rows, prefill_conv_tokens,
-    chunk_fused_out, chunk_prep_inverse, prefill_gate): the fused quantization hands the products
+    """Prefill's forms (KernelPlan.prefill_quant, prefill_rows, prefill_conv_tokens, chunk_fused_out,
+    prefill_gate), each against all of them off: the fused quantization hands the products
     the codes they would have made, the conv's larger tiles make the same sums (the same logits,
     bit for bit); larger tiles of the norms, the one-kernel output gate and the chunked forms sum
     in another order at most; greedy MTP on == off."""
     engine = Engine.load(wide_heads, device="cuda", dtype=torch.bfloat16, max_context=1024, cuda_graphs=False)
     ids = random_ids(300, 5, engine.config.vocab_size - 64)   # enough rows for cuBLAS's products
-    base = engine.plan
+    default = engine.plan
+    base = default.replace(prefill_rows=1, prefill_conv_tokens=16, prefill_quant=False, prefill_gate=False,
+                           chunk_fused_out=False)
+    engine.plan = engine.decoder.plan = base
     want = engine.logits(ids)
     for changes, exact in (({"prefill_quant": True}, True), ({"prefill_conv_tokens": 64}, True),
-                           ({"chunk_fused_out": True}, False), ({"chunk_prep_inverse": True}, False),
+                           ({"prefill_rows": 8}, False), ({"chunk_fused_out": True}, False),
                            ({"prefill_gate": True}, False), ({"prefill_gate": True, "prefill_quant": True}, False),
+                           ({f: getattr(default, f) for f in ("prefill_rows", "prefill_conv_tokens", "prefill_quant",
+                                                              "prefill_gate", "chunk_fused_out")}, False),
                            ({"prefill_rows": 16, "prefill_conv_tokens": 64, "prefill_quant": True,
-                             "chunk_fused_out": True, "chunk_prep_inverse": True, "prefill_gate": True}, False)):
+                             "chunk_fused_out": True, "prefill_gate": True}, False)):
         engine.plan = engine.decoder.plan = base.replace(**changes)
         got = engine.logits(ids)
         assert torch.equal(got, want) if exact else rel_err(got, want, ord=2) < 1e-2, changes
+    engine.plan = engine.decoder.plan = default
     assert_mtp_on_equals_off(engine, gpu_prompts(engine, 2), 48, ks=(3,))

@@ -10,7 +10,7 @@ captured in a CUDA graph (graph_timing.py). Rows:
 - the attention layer's q/k norm + RoPE with the cache writes, one token to 16 tokens a program;
 - the GDN causal conv (10240 channels of the in_proj's rows), 16 to 128 tokens a program;
 - the GDN's chunked form in three kernels and with the output written by the scan (fused_out),
-  each with its prep solving block by block or by the whole inverse (prep_inverse), 4 or 8 warps;
+  its prep at 4 or 8 warps;
 - attention's output gate: torch's sigmoid, product and copy into rows against one kernel
   (attention.gate_rows), and that kernel writing FP8 rows for o_proj;
 - the MLP's gating then the FP8 rows for down (silu_mul, quantize_rows) against the two in one
@@ -115,13 +115,12 @@ def main():
     states = [0.1 * torch.randn(HV, DK, DV, device="cuda") for _ in range(COPIES)]
     nbytes = T * (2 * HK * DK + 2 * HV * DV) * 2
     base = None
-    for fused, inverse, warps in ((False, False, 4), (True, False, 4), (False, True, 4), (False, True, 8),
-                                  (True, True, 4), (True, True, 8)):
-        config = dict(fused_out=fused, prep_inverse=inverse, prep_warps=warps)
+    for fused, warps in ((False, 4), (True, 4), (False, 8), (True, 8)):
+        config = dict(fused_out=fused, prep_warps=warps)
         us = graph_time(lambda i: gdn_chunk.chunk_triton(*qkv_heads[i], *gates[i], A_log, dt_bias, states[i],
                                                          config=config), COPIES)
-        report(f"GDN chunk: {'output by the scan' if fused else 'three kernels'}, prep "
-               f"{'inverse' if inverse else 'by blocks'}, {warps} warps", us, nbytes, bw, base)
+        report(f"GDN chunk: {'output by the scan' if fused else 'three kernels'}, prep at {warps} warps",
+               us, nbytes, bw, base)
         base = base or us
     registers(gdn_chunk._chunk_prep_kernel, gdn_chunk._chunk_scan_kernel, gdn_chunk._chunk_out_kernel)
 

@@ -26,11 +26,11 @@ def _inputs(T, Hk, Hv, dk, dv, dtype, device, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 5, 63, 64, 130])
 @pytest.mark.parametrize("Hk,Hv,dk,dv", [(2, 2, 32, 24), (1, 3, 16, 40)])
-@pytest.mark.parametrize("form", ["three", "fused", "inverse"])   # the output by its own kernel or by the
-def test_chunk(device, dtype, T, Hk, Hv, dk, dv, form):                 # scan; the prep by the whole inverse
+@pytest.mark.parametrize("form", ["three", "fused"])   # the output by its own kernel or by the scan
+def test_chunk(device, dtype, T, Hk, Hv, dk, dv, form):
     args, state = _inputs(T, Hk, Hv, dk, dv, dtype, device, seed=T + Hv)
     state_in = state.clone()
-    o, s = gdn_chunk.chunk_triton(*args, state, config={"fused_out": form == "fused", "prep_inverse": form == "inverse"})
+    o, s = gdn_chunk.chunk_triton(*args, state, config={"fused_out": form == "fused"})
     o_ref, s_ref = gdn_chunk.chunk_ref(*args, state)
     assert torch.equal(state, state_in), "the start state is an input"
     check(o, o_ref, max(TOL[dtype], STATE_TOL))
@@ -76,7 +76,7 @@ def test_chunk_matches_the_recurrence(device):
 def test_chunk_27b_shapes(T):
     args, state = _inputs(T, 16, 48, 128, 128, torch.bfloat16, "cuda", seed=T)
     o_ref, s_ref = gdn_chunk.chunk_ref(*args, state)
-    for fused, inverse in ((False, False), (True, False), (False, True), (True, True)):
-        o, s = gdn_chunk.chunk(*args, state, fused_out=fused, prep_inverse=inverse)
+    for fused in (False, True):
+        o, s = gdn_chunk.chunk(*args, state, fused_out=fused)
         check(o, o_ref, 1e-2)
         check(s, s_ref, STATE_TOL, "final state")
