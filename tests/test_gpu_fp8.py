@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine.plan import KernelPlan
 from tools.tiny import write_tiny_checkpoint
 from helpers import assert_mtp_on_equals_off, gpu_prompts, random_ids, rel_err
 
@@ -67,9 +68,8 @@ def test_fp8_steps_follow_the_cpu_as_bf16_does(ckpt, tmp_path, monkeypatch):
     monkeypatch.setattr(fp8_gemm, "gemm", lambda x, q: (x.float() @ dequantize_ref(q).T).to(x.dtype))
     cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
     ids = gpu_prompts(cpu, 3)[2][:40]
-    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512)
-    engine.plan = engine.decoder.plan = engine.plan.replace(prefill_quant=False)   # bf16 rows for that product
-    fp8 = step_error(engine, cpu, ids)
+    plan = KernelPlan.choose("cuda", cpu.config, fp8=True).replace(prefill_quant=False)   # bf16 rows for it
+    fp8 = step_error(Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512, plan=plan), cpu, ids)
     twin = write_dequantized_twin(ckpt, tmp_path / "bf16")
     bf16 = step_error(Engine.load(twin, device="cuda", dtype=torch.bfloat16, max_context=512), cpu, ids)
     assert fp8 < 1.5 * bf16 + 1e-3, (fp8, bf16)
