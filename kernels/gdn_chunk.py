@@ -275,9 +275,9 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
 def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, fused_out: bool = False,
           out: torch.Tensor | None = None):
     """chunk_ref's contract; the Triton kernels for CUDA tensors (the fused form with `fused_out`,
-    the final state into `out` where given: the
-    reference returns a new tensor, which the caller copies where it wants it, and starts from a
-    copy of the start state then, which a training forward's gradients may still need)."""
+    the final state into `out` where given: the reference returns a new tensor, which the caller
+    copies where it wants it, and starts from a copy of the start state then, which a training
+    forward's gradients may still need)."""
     if use_triton(q, k, v, a, b):
         return chunk_triton(q, k, v, a, b, A_log, dt_bias, state, chunk,
                             {"fused_out": fused_out}, out)
