@@ -135,14 +135,15 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
     # block forward substitution, in place: Z_i = X_ii (R_i - sum_{j<i} A_ij Z_j)
     for i in tl.static_range(NB):
         o_ri = i * SB + o_i
-        b_rv = tl.load(p_u + o_ri[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
-        b_rk = tl.load(p_w + o_ri[:, None] * DK + o_k[None, :])
+        b_rv = tl.load(p_u + o_ri[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.).to(tl.float32)
+        b_rk = tl.load(p_w + o_ri[:, None] * DK + o_k[None, :]).to(tl.float32)
         for j in tl.static_range(i):
             o_rj = j * SB + o_i
             b_Aij = tl.load(p_a + o_ri[:, None] * BC + o_rj[None, :])
-            b_zv = tl.load(p_u + o_rj[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+            b_zv = tl.load(p_u + o_rj[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.).to(tl.float32)
             b_rv -= tl.dot(b_Aij, b_zv, input_precision=DOT)
-            b_rk -= tl.dot(b_Aij, tl.load(p_w + o_rj[:, None] * DK + o_k[None, :]), input_precision=DOT)
+            b_zk = tl.load(p_w + o_rj[:, None] * DK + o_k[None, :]).to(tl.float32)
+            b_rk -= tl.dot(b_Aij, b_zk, input_precision=DOT)
         b_Xii = tl.sum(tl.where((o_d == i)[:, None, None], b_Xd, 0.), axis=0)
         tl.store(p_u + o_ri[:, None] * DV + o_v[None, :], tl.dot(b_Xii, b_rv, input_precision=DOT), mask=m_v[None, :])
         tl.store(p_w + o_ri[:, None] * DK + o_k[None, :], tl.dot(b_Xii, b_rk, input_precision=DOT))
@@ -170,14 +171,15 @@ def _chunk_scan_kernel(q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, o, state, s_out
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
         b_G = tl.load(ws_g + o_ws * BC + o_r)
         b_last = tl.load(ws_g + o_ws * BC + BC - 1)                  # G at the chunk's end (padding adds 0)
-        b_w = tl.load(ws_w + (o_ws * BC + o_r[:, None]) * DK + o_k[None, :])
+        b_w = tl.load(ws_w + (o_ws * BC + o_r[:, None]) * DK + o_k[None, :]).to(tl.float32)
         b_u = tl.load(ws_u + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+        b_u = b_u.to(tl.float32)
         b_new = b_u - tl.dot(b_w, b_S, input_precision=DOT)                  # the chunk's writes
         if FUSED:
             # the chunk's output from the state it starts from, here rather than in _chunk_out_kernel
             b_q = tl.load(q + o_t[:, None] * s_q + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
             b_q = _unit_rows(b_q.to(tl.float32), scale)
-            b_p = tl.load(ws_p + o_ws * BC * BC + o_r[:, None] * BC + o_r[None, :])
+            b_p = tl.load(ws_p + o_ws * BC * BC + o_r[:, None] * BC + o_r[None, :]).to(tl.float32)
             b_o = (tl.dot(b_q * tl.exp(b_G)[:, None], b_S, input_precision=DOT)
                    + tl.dot(b_p, b_new, input_precision=DOT))
             tl.store(o + o_t[:, None] * s_o + i_h * DV + o_v[None, :], b_o.to(o.dtype.element_ty),
@@ -207,7 +209,9 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, o, T, scale, s_q, s_k, s_o,
     o_ws = i_c * HV + i_h
     b_G = tl.load(ws_g + o_ws * BC + o_r)
     b_S = tl.load(ws_h + o_ws * DK * DV + o_k[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+    b_S = b_S.to(tl.float32)
     b_new = tl.load(ws_v + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.)
+    b_new = b_new.to(tl.float32)
     b_qk = _causal_scores(b_q, b_k, b_G, DOT)
     b_o = (tl.dot(b_q * tl.exp(b_G)[:, None], b_S, input_precision=DOT)
            + tl.dot(b_qk, b_new, input_precision=DOT))
@@ -219,7 +223,7 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, o, T, scale, s_q, s_k, s_o,
 # accuracy at 2.6 times the time. On an H100, 27B shapes, 8192 tokens: 1.76 ms per layer
 # (prep 0.68, scan 0.57, output 0.51); tests/bench/bench_kernels.py --sweep --only chunk.
 CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_bv=64, out_warps=4, dot="tf32",
-                    fused_out=False)
+                    fused_out=False, ws="float32", ws_out="float32")
 
 
 def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, config: dict | None = None,
@@ -243,12 +247,16 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     cfg = {**CHUNK_CONFIG, **({"dot": "tf32x3"} if v.dtype == torch.float32 else {}), **(config or {})}
     NT, dev, G = triton.cdiv(T, chunk), q.device, Hv // Hk
     new = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=dev)
+    # what passes between the kernels: w and u (the prep's solve, which the scan's state is built
+    # from) in cfg["ws"], the start states, writes and scores (the output's alone) in cfg["ws_out"]
+    solved = lambda *shape: torch.empty(*shape, dtype=getattr(torch, cfg["ws"]), device=dev)
+    for_out = lambda *shape: torch.empty(*shape, dtype=getattr(torch, cfg["ws_out"]), device=dev)
     fused = bool(cfg["fused_out"])
-    ws_a, ws_w, ws_u, ws_g = new(NT, Hv, chunk, chunk), new(NT, Hv, chunk, DK), new(NT, Hv, chunk, DV), new(NT, Hv, chunk)
+    ws_a, ws_w, ws_u, ws_g = new(NT, Hv, chunk, chunk), solved(NT, Hv, chunk, DK), solved(NT, Hv, chunk, DV), new(NT, Hv, chunk)
     if fused:      # the chunks' scores for the scan; no start states or writes kept
-        ws_p, ws_h, ws_v = new(NT, Hv, chunk, chunk), ws_a, ws_a
+        ws_p, ws_h, ws_v = for_out(NT, Hv, chunk, chunk), ws_a, ws_a
     else:
-        ws_p, ws_h, ws_v = ws_a, new(NT, Hv, DK, DV), new(NT, Hv, chunk, DV)
+        ws_p, ws_h, ws_v = ws_a, for_out(NT, Hv, DK, DV), for_out(NT, Hv, chunk, DV)
     if out is not None:
         assert out.shape == state.shape and out.dtype == torch.float32 and out.is_contiguous(), "out must be like state"
     s_out = out if out is not None else torch.empty_like(state)

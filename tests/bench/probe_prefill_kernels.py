@@ -2,7 +2,7 @@
 plan (engine/plan.py: prefill_rows, prefill_conv_tokens, prefill_quant), against the bytes each
 must move at the copy bandwidth of the same run.
 
-    cd tests/bench && python3 probe_prefill_kernels.py [--tokens 2048]
+    cd tests/bench && python3 probe_prefill_kernels.py [--tokens 2048] [--sections norm,rope,...]
 
 Each launch reads and writes its own copy of the buffers (three, rotating: more than L2 holds),
 captured in a CUDA graph (graph_timing.py). Rows:
@@ -35,6 +35,7 @@ HK, HV, DK, DV, CONV = 16, 48, 128, 128, 10240
 IN_PROJ = CONV + HV * DV + 2 * HV
 HQ, HKV, HD, ROTARY = 24, 4, 256, 64
 COPIES = 3
+SECTIONS = ("norm", "rope", "conv", "gdn", "gate", "gating", "quant")
 
 
 def registers(*kernels):
@@ -51,6 +52,18 @@ def registers(*kernels):
                     print(f"  {fn.__name__}: registers not known here ({type(e).__name__})")
 
 
+def kernel_times(fn, copies: int, repeats: int = 6) -> dict[str, float]:
+    """us a call of fn(i) spends in each of its kernels (by name), from torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn(0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(repeats):
+            fn(i % copies)
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / repeats for e in prof.key_averages() if e.device_time_total > 0}
+
+
 def report(name: str, us: float, nbytes: int, bw: float, base: float | None = None):
     floor = nbytes / bw * 1e6
     ratio = f", {us / base:.3f} x the first" if base else ""
@@ -60,7 +73,10 @@ def report(name: str, us: float, nbytes: int, bw: float, base: float | None = No
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=2048)
-    T = p.parse_args().tokens
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"which rows, of {','.join(SECTIONS)}")
+    a = p.parse_args()
+    T, sections = a.tokens, set(a.sections.split(","))
+    assert sections <= set(SECTIONS), f"sections are {SECTIONS}"
     bw = copy_bandwidth("cuda")
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s, {T} tokens")
     bf16 = dict(dtype=torch.bfloat16, device="cuda")
@@ -71,12 +87,13 @@ def main():
     proj = [torch.randn(T, IN_PROJ, **bf16) for _ in range(COPIES)]
     z = [t[:, CONV:CONV + HV * DV].view(T, HV, DV) for t in proj]
     wn = 1 + 0.1 * torch.randn(DV, **bf16)
-    nbytes = 3 * T * HV * DV * 2
-    base = None
-    for rows in (1, 2, 4, 8, 16, 32):
-        us = graph_time(lambda i: norm.gated_rmsnorm(o[i], z[i], wn, eps, rows=rows), COPIES)
-        report(f"GDN output norm, {rows} rows a program", us, nbytes, bw, base)
-        base = base or us
+    if "norm" in sections:
+        nbytes = 3 * T * HV * DV * 2
+        base = None
+        for rows in (1, 2, 4, 8, 16, 32):
+            us = graph_time(lambda i: norm.gated_rmsnorm(o[i], z[i], wn, eps, rows=rows), COPIES)
+            report(f"GDN output norm, {rows} rows a program", us, nbytes, bw, base)
+            base = base or us
 
     # q/k norm + RoPE: q, k, v views of the fused projection, k and v into the caches
     width = 2 * HQ * HD + 2 * HKV * HD
@@ -87,24 +104,26 @@ def main():
     qw, kw = 0.1 * torch.randn(HD, **bf16), 0.1 * torch.randn(HD, **bf16)
     pos = torch.arange(T, device="cuda")
     inv_freq = 1e7 ** (-torch.arange(0, ROTARY, 2, dtype=torch.float32, device="cuda") / ROTARY)
-    nbytes = 2 * T * (HQ + 2 * HKV) * HD * 2
-    base = None
-    for rows in (1, 2, 4, 8, 16):
-        us = graph_time(lambda i: qkv_norm_rope(*views[i], qw, kw, pos, inv_freq, eps, *caches[i], rows=rows), COPIES)
-        report(f"q/k norm + RoPE, {rows} tokens a program", us, nbytes, bw, base)
-        base = base or us
+    if "rope" in sections:
+        nbytes = 2 * T * (HQ + 2 * HKV) * HD * 2
+        base = None
+        for rows in (1, 2, 4, 8, 16):
+            us = graph_time(lambda i: qkv_norm_rope(*views[i], qw, kw, pos, inv_freq, eps, *caches[i], rows=rows), COPIES)
+            report(f"q/k norm + RoPE, {rows} tokens a program", us, nbytes, bw, base)
+            base = base or us
 
     # the causal conv over the in_proj's first 10240 columns, the window ring of a k_max 4 state
     x = [t[:, :CONV] for t in proj]
     bufs = [torch.randn(CONV, 3 + 5, **bf16) for _ in range(COPIES)]
     cw = 0.3 * torch.randn(CONV, 4, **bf16)
     off = torch.zeros(1, dtype=torch.long, device="cuda")
-    nbytes = 2 * T * CONV * 2
-    base = None
-    for tokens in (16, 32, 64, 128):
-        us = graph_time(lambda i: conv.conv_update(x[i], bufs[i], off, cw, tokens=tokens), COPIES)
-        report(f"causal conv, {tokens} tokens a program", us, nbytes, bw, base)
-        base = base or us
+    if "conv" in sections:
+        nbytes = 2 * T * CONV * 2
+        base = None
+        for tokens in (16, 32, 64, 128):
+            us = graph_time(lambda i: conv.conv_update(x[i], bufs[i], off, cw, tokens=tokens), COPIES)
+            report(f"causal conv, {tokens} tokens a program", us, nbytes, bw, base)
+            base = base or us
 
     # the GDN's chunked form: q, k, v views of the conv's output, the gates of in_proj's last columns
     mixed = [torch.randn(T, CONV, **bf16) for _ in range(COPIES)]
@@ -113,56 +132,65 @@ def main():
     gates = [(t[:, -HV:], t[:, -2 * HV:-HV]) for t in proj]           # a, b of [... | b | a]
     A_log, dt_bias = 0.5 * torch.randn(HV, **bf16), torch.randn(HV, **bf16)
     states = [0.1 * torch.randn(HV, DK, DV, device="cuda") for _ in range(COPIES)]
-    nbytes = T * (2 * HK * DK + 2 * HV * DV) * 2
-    base = None
-    for fused, warps in ((False, 4), (True, 4), (False, 8), (True, 8)):
-        config = dict(fused_out=fused, prep_warps=warps)
-        us = graph_time(lambda i: gdn_chunk.chunk_triton(*qkv_heads[i], *gates[i], A_log, dt_bias, states[i],
-                                                         config=config), COPIES)
-        report(f"GDN chunk: {'output by the scan' if fused else 'three kernels'}, prep at {warps} warps",
-               us, nbytes, bw, base)
-        base = base or us
-    registers(gdn_chunk._chunk_prep_kernel, gdn_chunk._chunk_scan_kernel, gdn_chunk._chunk_out_kernel)
+    if "gdn" in sections:
+        nbytes = T * (2 * HK * DK + 2 * HV * DV) * 2
+        base = None
+        forms = ((False, 4, "float32", "float32"), (True, 4, "float32", "float32"), (False, 8, "float32", "float32"),
+                 (False, 4, "float32", "bfloat16"), (True, 4, "float32", "bfloat16"),
+                 (False, 4, "bfloat16", "bfloat16"), (True, 4, "bfloat16", "bfloat16"))
+        for fused, warps, ws, ws_out in forms:
+            config = dict(fused_out=fused, prep_warps=warps, ws=ws, ws_out=ws_out)
+            run = lambda i: gdn_chunk.chunk_triton(*qkv_heads[i], *gates[i], A_log, dt_bias, states[i], config=config)
+            us = graph_time(run, COPIES)
+            report(f"GDN chunk: {'output by the scan' if fused else 'three kernels'}, prep {warps} warps, "
+                   f"w|u {ws[:4]}, out's {ws_out[:4]}", us, nbytes, bw, base)
+            base = base or us
+            print("    " + ", ".join(f"{k} {v:.1f} us" for k, v in kernel_times(run, COPIES).items()))
+        registers(gdn_chunk._chunk_prep_kernel, gdn_chunk._chunk_scan_kernel, gdn_chunk._chunk_out_kernel)
 
     # attention's output gate: o as SDPA hands it back (transposed), the gate a view of q|gate
     att = [torch.randn(HQ, T, HD, **bf16).transpose(0, 1) for _ in range(COPIES)]
     gate = [t[:, :2 * HQ * HD].view(T, HQ, 2 * HD)[..., HD:] for t in qkv]
-    nbytes = 3 * T * HQ * HD * 2
-    torch_us = graph_time(lambda i: (att[i] * torch.sigmoid(gate[i])).reshape(T, HQ * HD), COPIES)
-    report("attention output gate, torch", torch_us, nbytes, bw)
-    for tokens in (4, 16):
-        us = graph_time(lambda i: attention.gate_rows(att[i], gate[i], tokens=tokens), COPIES)
-        report(f"attention output gate, one kernel, {tokens} tokens a program", us, nbytes, bw, torch_us)
-    two = graph_time(lambda i: fp8_gemm.quantize_rows_triton((att[i] * torch.sigmoid(gate[i])).reshape(T, HQ * HD),
-                                                             fp8_gemm.CUBLAS_ROWS), COPIES)
-    one = graph_time(lambda i: attention.gate_rows(att[i], gate[i], quantize=True), COPIES)
-    report("attention output gate (torch), then quantize_rows", two, T * HQ * HD * (2 + 2 + 2 + 2 + 1), bw)
-    report("attention output gate into FP8 rows", one, T * HQ * HD * (2 + 2 + 1), bw, two)
+    if "gate" in sections:
+        nbytes = 3 * T * HQ * HD * 2
+        torch_us = graph_time(lambda i: (att[i] * torch.sigmoid(gate[i])).reshape(T, HQ * HD), COPIES)
+        report("attention output gate, torch", torch_us, nbytes, bw)
+        for tokens in (4, 16):
+            us = graph_time(lambda i: attention.gate_rows(att[i], gate[i], tokens=tokens), COPIES)
+            report(f"attention output gate, one kernel, {tokens} tokens a program", us, nbytes, bw, torch_us)
+        two = graph_time(lambda i: fp8_gemm.quantize_rows_triton((att[i] * torch.sigmoid(gate[i])).reshape(T, HQ * HD),
+                                                                 fp8_gemm.CUBLAS_ROWS), COPIES)
+        one = graph_time(lambda i: attention.gate_rows(att[i], gate[i], quantize=True), COPIES)
+        report("attention output gate (torch), then quantize_rows", two, T * HQ * HD * (2 + 2 + 2 + 2 + 1), bw)
+        report("attention output gate into FP8 rows", one, T * HQ * HD * (2 + 2 + 1), bw, two)
 
     # the MLP's gating and the FP8 rows of down, in two passes and in one
     gate_up = [torch.randn(T, 2 * I, **bf16) for _ in range(COPIES)]
-    two = graph_time(lambda i: fp8_gemm.quantize_rows_triton(silu_mul(gate_up[i]), fp8_gemm.CUBLAS_ROWS), COPIES)
-    one = graph_time(lambda i: fp8_gemm.quantized_swiglu(gate_up[i]), COPIES)
-    report("gating, then quantize_rows", two, T * I * (4 + 2 + 2 + 1), bw)
-    report("gating into FP8 rows (quantized_swiglu)", one, T * I * (4 + 1), bw, two)
+    if "gating" in sections:
+        two = graph_time(lambda i: fp8_gemm.quantize_rows_triton(silu_mul(gate_up[i]), fp8_gemm.CUBLAS_ROWS), COPIES)
+        one = graph_time(lambda i: fp8_gemm.quantized_swiglu(gate_up[i]), COPIES)
+        report("gating, then quantize_rows", two, T * I * (4 + 2 + 2 + 1), bw)
+        report("gating into FP8 rows (quantized_swiglu)", one, T * I * (4 + 1), bw, two)
 
     # the GDN output norm then the FP8 rows of out_proj, in two passes and in one
-    for rows in (1, 16):
-        two = graph_time(lambda i: fp8_gemm.quantize_rows_triton(
-            norm.gated_rmsnorm(o[i], z[i], wn, eps, rows=rows).view(T, HV * DV), fp8_gemm.CUBLAS_ROWS), COPIES)
-        one = graph_time(lambda i: norm.gated_rmsnorm(o[i], z[i], wn, eps, rows=rows, quantize=True), COPIES)
-        report(f"GDN output norm ({rows} rows), then quantize_rows", two, T * HV * DV * (2 + 2 + 2 + 2 + 1), bw)
-        report(f"GDN output norm ({rows} rows) into FP8 rows", one, T * HV * DV * (2 + 2 + 1), bw, two)
+    if "quant" in sections:
+        for rows in (1, 16):
+            two = graph_time(lambda i: fp8_gemm.quantize_rows_triton(
+                norm.gated_rmsnorm(o[i], z[i], wn, eps, rows=rows).view(T, HV * DV), fp8_gemm.CUBLAS_ROWS), COPIES)
+            one = graph_time(lambda i: norm.gated_rmsnorm(o[i], z[i], wn, eps, rows=rows, quantize=True), COPIES)
+            report(f"GDN output norm ({rows} rows), then quantize_rows", two, T * HV * DV * (2 + 2 + 2 + 2 + 1), bw)
+            report(f"GDN output norm ({rows} rows) into FP8 rows", one, T * HV * DV * (2 + 2 + 1), bw, two)
 
     # the residual add and norm before an FP8 product, then the rows quantized, in two passes and in one
     xs_ = [torch.randn(T, H, **bf16) for _ in range(COPIES)]
     rs_ = [torch.randn(T, H, **bf16) for _ in range(COPIES)]
     wr = 0.1 * torch.randn(H, **bf16)
-    two = graph_time(lambda i: fp8_gemm.quantize_rows_triton(norm.add_rmsnorm(xs_[i], rs_[i], wr, eps)[0],
-                                                             fp8_gemm.CUBLAS_ROWS), COPIES)
-    one = graph_time(lambda i: norm.add_rmsnorm(xs_[i], rs_[i], wr, eps, quantize=True), COPIES)
-    report("add + norm, then quantize_rows", two, T * H * (2 + 2 + 2 + 2 + 2 + 1), bw)
-    report("add + norm into FP8 rows", one, T * H * (2 + 2 + 2 + 1), bw, two)
+    if "quant" in sections:
+        two = graph_time(lambda i: fp8_gemm.quantize_rows_triton(norm.add_rmsnorm(xs_[i], rs_[i], wr, eps)[0],
+                                                                 fp8_gemm.CUBLAS_ROWS), COPIES)
+        one = graph_time(lambda i: norm.add_rmsnorm(xs_[i], rs_[i], wr, eps, quantize=True), COPIES)
+        report("add + norm, then quantize_rows", two, T * H * (2 + 2 + 2 + 2 + 2 + 1), bw)
+        report("add + norm into FP8 rows", one, T * H * (2 + 2 + 2 + 1), bw, two)
 
 
 if __name__ == "__main__":

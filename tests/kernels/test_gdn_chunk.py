@@ -59,6 +59,23 @@ def test_chunk_end_state_over_the_start_state(device, fused):
     assert s2 is state and torch.equal(state, s) and torch.equal(o2, o)
 
 
+@pytest.mark.parametrize("ws,ws_out", [("float32", "bfloat16"), ("bfloat16", "bfloat16")])
+@pytest.mark.parametrize("fused", [False, True])
+def test_chunk_with_bf16_between_the_kernels(device, ws, ws_out, fused):
+    # what the kernels hand each other rounded to bf16 (as fla keeps it): the output's terms alone
+    # (ws_out) leave the final state as it was, bit for bit; w and u (ws) move it by about bf16's rounding
+    args, state = _inputs(130, 2, 4, 32, 24, torch.bfloat16, device, seed=6)
+    o_ref, s_ref = gdn_chunk.chunk_ref(*args, state)
+    o32, s32 = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused})
+    o, s = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused, "ws": ws, "ws_out": ws_out})
+    assert not torch.equal(o, o32), "the output's terms were rounded"
+    check(o, o_ref, 2e-2)
+    if ws == "float32":
+        assert torch.equal(s, s32), "final state"
+    else:
+        check(s, s_ref, 2e-2, "final state")
+
+
 def test_chunk_matches_the_recurrence(device):
     args, state = _inputs(100, 2, 4, 16, 24, torch.float32, device, seed=3)
     o, s = gdn_chunk.chunk_triton(*args, state)
