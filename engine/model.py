@@ -218,7 +218,8 @@ class GatedDeltaNet(nn.Module):
             with torch.no_grad():
                 gdn.fold_pending(state, pend, ctx.fold, ctx.parity, self.A_log, self.dt_bias)
             o, end_state = gdn_chunk.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state, out=state,
-                                           fused_out=ctx.plan.chunk_fused_out)
+                                           fused_out=ctx.plan.chunk_fused_out, solved=ctx.plan.chunk_solved,
+                                           terms=ctx.plan.chunk_terms)
             if end_state is not state:
                 state.copy_(end_state)
         out_proj = weight(self, "out_proj")

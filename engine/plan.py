@@ -63,12 +63,23 @@ class KernelPlan:
     # rows go to an FP8 o_proj quantized. The three together: the 27B FP8's 8K prompt 0.95 x
     # (probe_prefill_chunk.py, 2026-11-26, docs/PERFORMANCE.md).
     prefill_gate: bool = True
-    # The GDN's chunked form with its output written by the scan (kernels/gdn_chunk.py, "fused_out"):
-    # the chunks' start states and writes (float32, 2.5 x the output's bytes) never go through
-    # memory, and a kernel fewer; the 27B's 8K prompt spent 96 ms in the three chunk kernels.
-    # On an H100 it took a chunk's three kernels to 0.97 x, and the 8K prompt's peak 0.12 GiB lower,
-    # but the whole prompt within its noise (0.99-1.03 x; docs/PERFORMANCE.md 2026-11-26): a candidate.
+    # The GDN's chunked form (kernels/gdn_chunk.py) with its output written by the scan
+    # ("fused_out"): the chunks' start states and writes never go through memory, and a kernel
+    # fewer. And what its kernels hand each other: w and u of the prep's solve, from which the scan
+    # builds the state ("solved"), and the output's terms ("terms"), in bfloat16 as fla keeps them,
+    # or float32 (a float32 model keeps float32 whatever the plan says). One 2,048-token chunk of
+    # the 27B on an H100 (probe_prefill_kernels.py): 452 us all float32, 441 fused, 413 in bf16,
+    # 372 fused in bf16; the 27B's 8K prompt 0.970 x (FP8, 558 -> 541 ms) and 0.980 x (bf16, 782 ->
+    # 768), peak 0.17 GiB lower (probe_prefill_chunk.py, three rounds). The state then lies some
+    # 7e-3 from float32's (tests/kernels/test_gdn_chunk.py); the demo model's held-out perplexity
+    # over 8,190-token prefills 33.3802 -> 33.3854 (quality_int4.py --plans; docs/PERFORMANCE.md
+    # 2026-11-26). But random-weight models amplify it: a 35B-A3B-like one in 4 bits
+    # (tests/test_gpu_int4.py) came 0.083 from float32 where it had come 0.050, and the wide-head
+    # model of tests/test_gpu_fp8.py moved its logits by 0.15 (the other prefill forms by 0).
+    # Candidates: float32 stays the default.
     chunk_fused_out: bool = False
+    chunk_solved: str = "float32"
+    chunk_terms: str = "float32"
 
     @classmethod
     def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool, int4: bool = False) -> "KernelPlan":

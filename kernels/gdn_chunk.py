@@ -223,7 +223,7 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, o, T, scale, s_q, s_k, s_o,
 # accuracy at 2.6 times the time. On an H100, 27B shapes, 8192 tokens: 1.76 ms per layer
 # (prep 0.68, scan 0.57, output 0.51); tests/bench/bench_kernels.py --sweep --only chunk.
 CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_bv=64, out_warps=4, dot="tf32",
-                    fused_out=False, ws="float32", ws_out="float32")
+                    fused_out=False, solved="float32", terms="float32")
 
 
 def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, config: dict | None = None,
@@ -232,7 +232,10 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     The final state goes into `out` when given (the start state itself may be it: each program of
     the scan reads its slice of the start state before it writes that slice of the end state).
     `config` overrides entries of CHUNK_CONFIG: "fused_out" the fused form (the output written by
-    the scan), the rest tiles, for tuning."""
+    the scan); "solved" and "terms" the dtype of what the kernels hand each other ("float32" or
+    "bfloat16", as fla keeps them; float32 for float32 inputs): w and u, from which the scan
+    builds the state, and the output's terms (start states and writes, or the scores), which the
+    state never sees; the rest tiles, for tuning."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert chunk == 64, "the chunk kernels work on 64 tokens at a time"
@@ -243,14 +246,17 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     assert a.shape == b.shape == (T, Hv) and a.stride(1) == 1 and b.stride(1) == 1, "a, b must be [T, Hv]"
     assert state.dtype == torch.float32 and state.is_contiguous() and state.shape == (Hv, DK, DV), \
         "state must be contiguous float32 [Hv, dk, dv]"
-    # a float32 model is float32 throughout: its products take "tf32x3" (float32 accuracy), not tf32
-    cfg = {**CHUNK_CONFIG, **({"dot": "tf32x3"} if v.dtype == torch.float32 else {}), **(config or {})}
+    # a float32 model is float32 throughout: its products take "tf32x3" (float32 accuracy), not tf32,
+    # and what the kernels hand each other stays float32 whatever the plan asks
+    wide = v.dtype == torch.float32
+    cfg = {**CHUNK_CONFIG, **({"dot": "tf32x3"} if wide else {}), **(config or {}),
+           **({"solved": "float32", "terms": "float32"} if wide else {})}
     NT, dev, G = triton.cdiv(T, chunk), q.device, Hv // Hk
     new = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=dev)
-    # what passes between the kernels: w and u (the prep's solve, which the scan's state is built
-    # from) in cfg["ws"], the start states, writes and scores (the output's alone) in cfg["ws_out"]
-    solved = lambda *shape: torch.empty(*shape, dtype=getattr(torch, cfg["ws"]), device=dev)
-    for_out = lambda *shape: torch.empty(*shape, dtype=getattr(torch, cfg["ws_out"]), device=dev)
+    # what passes between the kernels: w and u (the prep's solve, which the scan builds the state
+    # from) in cfg["solved"], the start states, writes and scores (the output's terms) in cfg["terms"]
+    solved = lambda *shape: torch.empty(*shape, dtype=getattr(torch, cfg["solved"]), device=dev)
+    for_out = lambda *shape: torch.empty(*shape, dtype=getattr(torch, cfg["terms"]), device=dev)
     fused = bool(cfg["fused_out"])
     ws_a, ws_w, ws_u, ws_g = new(NT, Hv, chunk, chunk), solved(NT, Hv, chunk, DK), solved(NT, Hv, chunk, DV), new(NT, Hv, chunk)
     if fused:      # the chunks' scores for the scan; no start states or writes kept
@@ -281,12 +287,13 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
 
 
 def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, fused_out: bool = False,
-          out: torch.Tensor | None = None):
+          out: torch.Tensor | None = None, solved: str = "float32", terms: str = "float32"):
     """chunk_ref's contract; the Triton kernels for CUDA tensors (the fused form with `fused_out`,
-    the final state into `out` where given: the reference returns a new tensor, which the caller
-    copies where it wants it, and starts from a copy of the start state then, which a training
-    forward's gradients may still need)."""
+    what they hand each other in the dtypes `solved` and `terms` (chunk_triton), the final state
+    into `out` where given: the reference returns a new tensor, which the caller copies where it
+    wants it, and starts from a copy of the start state then, which a training forward's gradients
+    may still need)."""
     if use_triton(q, k, v, a, b):
         return chunk_triton(q, k, v, a, b, A_log, dt_bias, state, chunk,
-                            {"fused_out": fused_out}, out)
+                            {"fused_out": fused_out, "solved": solved, "terms": terms}, out)
     return chunk_ref(q, k, v, a, b, A_log, dt_bias, state if out is None else state.clone(), chunk)

@@ -139,7 +139,7 @@ def main():
                  (False, 4, "float32", "bfloat16"), (True, 4, "float32", "bfloat16"),
                  (False, 4, "bfloat16", "bfloat16"), (True, 4, "bfloat16", "bfloat16"))
         for fused, warps, ws, ws_out in forms:
-            config = dict(fused_out=fused, prep_warps=warps, ws=ws, ws_out=ws_out)
+            config = dict(fused_out=fused, prep_warps=warps, solved=ws, terms=ws_out)
             run = lambda i: gdn_chunk.chunk_triton(*qkv_heads[i], *gates[i], A_log, dt_bias, states[i], config=config)
             us = graph_time(run, COPIES)
             report(f"GDN chunk: {'output by the scan' if fused else 'three kernels'}, prep {warps} warps, "

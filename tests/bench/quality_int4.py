@@ -13,6 +13,7 @@ float32 on the CPU:
 
     PYTHONPATH=tests python tests/bench/quality_int4.py [--tokens 64] [--window 1024] [--json out.json]
     PYTHONPATH=tests python tests/bench/quality_int4.py --prefill-forms      # on a GPU
+    PYTHONPATH=tests python tests/bench/quality_int4.py --plans "chunk_terms=bfloat16;..."   # on a GPU
 
 `--prefill-forms` (a GPU) scores the held-out texts three ways instead, in bf16: the checkpoint
 as it is, and `--weights int4` with prefill's 4-bit products in the dense form and in the fp8 form
@@ -20,6 +21,10 @@ as it is, and `--weights int4` with prefill's 4-bit products in the dense form a
 and 128 columns). The scores are a prefill's logits, so they show what the fp8 form alone costs;
 a text of fewer than 256 tokens (the held-out prompts) takes the dense form either way
 (int4_gemm.fp8_serves).
+
+`--plans` (a GPU) scores them in bf16 under the engine's own plan and under each of these changes
+to it (KernelPlan.replace pairs, comma-separated, the plans ';'-separated): what a prefill form
+costs the scores, against the plan's defaults.
 
 PYTHONPATH=tests: the held-out files are the training script's (tools.demo.corpus). About two
 minutes on two CPU cores.
@@ -89,9 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=1024, help="tokens of each held-out file scored (default 1024)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--prefill-forms", action="store_true", help="on a GPU: int4 prefill's dense and fp8 forms")
+    p.add_argument("--plans", default="", help="on a GPU: plans as changes to the engine's, ';'-separated")
     args = p.parse_args(argv)
     if args.prefill_forms:
         return prefill_forms(args)
+    if args.plans:
+        return plan_forms(args)
 
     t0 = time.perf_counter()
     engines = {w: Engine.load(DEMO, device="cpu", dtype=torch.float32, max_context=2048, weights=w)
@@ -120,6 +128,26 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(out, indent=1))
     identical = all(m["identical_to_mtp_off"] for by_k in out["mtp_real"].values() for m in by_k.values())
     return 0 if identical else 1
+
+
+def plan_forms(args) -> int:
+    """The held-out perplexity in bf16 under the engine's plan and under each change to it, on a GPU."""
+    from probe_prefill_chunk import parse_changes
+    t0 = time.perf_counter()
+    load = dict(device="cuda", dtype=torch.bfloat16, max_context=max(2048, args.window + 64), cuda_graphs=False)
+    engines = {"defaults": Engine.load(DEMO, weights="bf16", **load)}
+    for text in args.plans.split(";"):
+        e = Engine.load(DEMO, weights="bf16", **load)
+        e.plan = e.decoder.plan = e.plan.replace(**parse_changes(text))
+        engines[text] = e
+    prompts, files = heldout(engines["defaults"].tokenizer, args.window)
+    out = {"heldout_files": perplexity(engines, files), "heldout_prompts": perplexity(engines, prompts)}
+    out["seconds"] = time.perf_counter() - t0
+    show_perplexity(out, engines)
+    print(f"{out['seconds']:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
 
 
 def prefill_forms(args) -> int:

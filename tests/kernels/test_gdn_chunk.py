@@ -59,21 +59,28 @@ def test_chunk_end_state_over_the_start_state(device, fused):
     assert s2 is state and torch.equal(state, s) and torch.equal(o2, o)
 
 
-@pytest.mark.parametrize("ws,ws_out", [("float32", "bfloat16"), ("bfloat16", "bfloat16")])
+@pytest.mark.parametrize("solved,terms", [("float32", "bfloat16"), ("bfloat16", "bfloat16")])
 @pytest.mark.parametrize("fused", [False, True])
-def test_chunk_with_bf16_between_the_kernels(device, ws, ws_out, fused):
+def test_chunk_with_bf16_between_the_kernels(device, solved, terms, fused):
     # what the kernels hand each other rounded to bf16 (as fla keeps it): the output's terms alone
-    # (ws_out) leave the final state as it was, bit for bit; w and u (ws) move it by about bf16's rounding
+    # (terms) leave the final state as it was, bit for bit; w and u (solved) move it by about bf16's rounding
     args, state = _inputs(130, 2, 4, 32, 24, torch.bfloat16, device, seed=6)
     o_ref, s_ref = gdn_chunk.chunk_ref(*args, state)
     o32, s32 = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused})
-    o, s = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused, "ws": ws, "ws_out": ws_out})
+    o, s = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused, "solved": solved, "terms": terms})
     assert not torch.equal(o, o32), "the output's terms were rounded"
     check(o, o_ref, 2e-2)
-    if ws == "float32":
+    if solved == "float32":
         assert torch.equal(s, s32), "final state"
     else:
         check(s, s_ref, 2e-2, "final state")
+
+
+def test_float32_inputs_keep_float32_between_the_kernels(device):
+    args, state = _inputs(70, 1, 2, 16, 24, torch.float32, device, seed=7)
+    o, s = gdn_chunk.chunk_triton(*args, state)
+    o2, s2 = gdn_chunk.chunk_triton(*args, state, config={"solved": "bfloat16", "terms": "bfloat16"})
+    assert torch.equal(o2, o) and torch.equal(s2, s)
 
 
 def test_chunk_matches_the_recurrence(device):
@@ -97,3 +104,7 @@ def test_chunk_27b_shapes(T):
         o, s = gdn_chunk.chunk(*args, state, fused_out=fused)
         check(o, o_ref, 1e-2)
         check(s, s_ref, STATE_TOL, "final state")
+    # the engine's default: fused, w|u and the output's terms in bf16
+    o, s = gdn_chunk.chunk(*args, state, fused_out=True, solved="bfloat16", terms="bfloat16")
+    check(o, o_ref, 2e-2)
+    check(s, s_ref, 2e-2, "final state")
