@@ -134,7 +134,7 @@ def _launch_params(D: int):
     return BD, min(16, max(1, BD // 512))
 
 
-def _rmsnorm_launch(x, residual, weight, eps, out=None, quantize: bool = False):
+def _rmsnorm_launch(x, residual, weight, eps, out=None, quantize: bool = False, warps: int | None = None):
     D = x.shape[-1]
     assert weight.shape == (D,) and weight.is_contiguous(), f"weight must be [{D}] contiguous"
     parts = residual is not None and x.dim() == residual.dim() + 1
@@ -145,7 +145,8 @@ def _rmsnorm_launch(x, residual, weight, eps, out=None, quantize: bool = False):
     shape = x.shape[1:] if parts else x.shape
     if out is not None:
         assert out.shape == shape and out.dtype == dtype, f"out must be {tuple(shape)} {dtype}"
-    BD, warps = _launch_params(D)
+    BD, default_warps = _launch_params(D)
+    warps = warps or default_warps
     if quantize:
         assert residual is not None and residual.dim() == 2 and out is None and BD >= BLOCK, \
             f"quantize: rows [T, D >= {BLOCK // 2 + 1}] with a residual, no `out`"
@@ -179,10 +180,12 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out=None,
-                       quantize: bool = False):
+                       quantize: bool = False, warps: int | None = None):
     """add_rmsnorm_ref's contract; `quantize` (rows [T, D]): the normalised rows come quantized for
-    an FP8 product (fp8_gemm.QuantizedRows: quantize_rows of them, bit for bit)."""
-    return _rmsnorm_launch(x, residual, weight, eps, out, quantize)
+    an FP8 product (fp8_gemm.QuantizedRows: quantize_rows of them, bit for bit, at the same `warps`).
+    `warps` a row (a power of two; by default up to 16, one per 512 of D) sets the order of its
+    sum of squares, so two calls agree bit for bit at the same warps."""
+    return _rmsnorm_launch(x, residual, weight, eps, out, quantize, warps)
 
 
 def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -35,7 +35,7 @@ HK, HV, DK, DV, CONV = 16, 48, 128, 128, 10240
 IN_PROJ = CONV + HV * DV + 2 * HV
 HQ, HKV, HD, ROTARY = 24, 4, 256, 64
 COPIES = 3
-SECTIONS = ("norm", "rope", "conv", "gdn", "gate", "gating", "quant")
+SECTIONS = ("norm", "rope", "conv", "gdn", "gate", "gating", "quant", "addnorm")
 
 
 def registers(*kernels):
@@ -191,6 +191,16 @@ def main():
         one = graph_time(lambda i: norm.add_rmsnorm(xs_[i], rs_[i], wr, eps, quantize=True), COPIES)
         report("add + norm, then quantize_rows", two, T * H * (2 + 2 + 2 + 2 + 2 + 1), bw)
         report("add + norm into FP8 rows", one, T * H * (2 + 2 + 2 + 1), bw, two)
+
+    if "addnorm" in sections:
+        # the residual add and norm of a prefill (5,120 wide), one row a program, on 4 to 16 warps
+        for warps in (4, 8, 16):
+            us = graph_time(lambda i: norm.add_rmsnorm_triton(xs_[i], rs_[i], wr, eps, warps=warps), COPIES)
+            report(f"add + norm, {warps} warps", us, T * H * (2 + 2 + 2 + 2), bw)
+            us = graph_time(lambda i: norm.add_rmsnorm_triton(xs_[i], rs_[i], wr, eps, quantize=True, warps=warps),
+                            COPIES)
+            report(f"add + norm into FP8 rows, {warps} warps", us, T * H * (2 + 2 + 2 + 1), bw)
+        registers(norm._rmsnorm_kernel)
 
 
 if __name__ == "__main__":

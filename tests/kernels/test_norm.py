@@ -49,15 +49,17 @@ def test_add_rmsnorm_parts(device, dtype, S, T):
         assert torch.equal(h, h_ref), "the parts are added in order, as the reference adds them"
 
 
-@pytest.mark.parametrize("T,D", [(5, 300), (21, 256)])
-def test_add_rmsnorm_quantized(device, T, D):
+@pytest.mark.parametrize("T,D,warps", [(5, 300, None), (21, 256, None), (7, 700, 2)])
+def test_add_rmsnorm_quantized(device, T, D, warps):
     """The residual add and norm straight into FP8 rows for the product after it (prefill's fused
-    form): quantize_rows over the normalised rows, bit for bit, padded for cuBLAS; the sum as ever."""
+    form): quantize_rows over the normalised rows of the same warps, bit for bit, padded for
+    cuBLAS; the sum as ever."""
     g = torch.Generator().manual_seed(T * D)
     bf16 = dict(dtype=torch.bfloat16, device=device, gen=g)
     x, r, w = randn(T, D, **bf16) * 4, randn(T, D, **bf16), randn(D, scale=0.3, **bf16)
-    got, h = norm.add_rmsnorm_triton(x, r, w, EPS, quantize=True)
-    y, h_want = norm.add_rmsnorm_triton(x, r, w, EPS)
+    got, h = norm.add_rmsnorm_triton(x, r, w, EPS, quantize=True, warps=warps)
+    y, h_want = norm.add_rmsnorm_triton(x, r, w, EPS, warps=warps)
+    check(y, norm.add_rmsnorm_ref(x, r, w, EPS)[0], TOL[torch.bfloat16])
     xq, xs = fp8_gemm.quantize_rows_triton(y, fp8_gemm.CUBLAS_ROWS)
     assert torch.equal(h, h_want) and got.rows == T and got.q.shape == xq.shape
     assert torch.equal(got.q.view(torch.uint8), xq.view(torch.uint8)), "codes"
