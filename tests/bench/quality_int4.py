@@ -140,14 +140,7 @@ def plan_forms(args) -> int:
         e = Engine.load(DEMO, weights="bf16", **load)
         e.plan = e.decoder.plan = e.plan.replace(**parse_changes(text))
         engines[text] = e
-    prompts, files = heldout(engines["defaults"].tokenizer, args.window)
-    out = {"heldout_files": perplexity(engines, files), "heldout_prompts": perplexity(engines, prompts)}
-    out["seconds"] = time.perf_counter() - t0
-    show_perplexity(out, engines)
-    print(f"{out['seconds']:.0f} s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
-    return 0
+    return score(engines, args, t0)
 
 
 def prefill_forms(args) -> int:
@@ -159,16 +152,21 @@ def prefill_forms(args) -> int:
         e = Engine.load(DEMO, weights="int4", **load)
         e.plan = e.plan.replace(int4_prefill=form)
         engines[f"int4 {form}"] = e
-    prompts, files = heldout(engines["bf16"].tokenizer, args.window)
+    return score(engines, args, t0, {"plans": {name: e.plan.describe()["products"]["int4_prefill"]
+                                               for name, e in engines.items()}})
+
+
+def score(engines: dict[str, Engine], args, t0: float, extra: dict | None = None) -> int:
+    """The held-out perplexity of each engine against the first, shown and written to --json."""
+    prompts, files = heldout(next(iter(engines.values())).tokenizer, args.window)
     out = {"heldout_files": perplexity(engines, files), "heldout_prompts": perplexity(engines, prompts),
-           "plans": {name: e.plan.describe()["products"]["int4_prefill"] for name, e in engines.items()}}
+           **(extra or {})}
     out["seconds"] = time.perf_counter() - t0
     show_perplexity(out, engines)
     print(f"{out['seconds']:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
