@@ -86,46 +86,6 @@ def _causal_scores(b_q, b_k, b_G, DOT: tl.constexpr):
     return tl.where(m_causal, tl.dot(b_q, tl.trans(b_k), input_precision=DOT) * b_decay, 0.)
 
 
-@triton.jit
-def _chunk_gates(a, b, A_log, dt_bias, o_t, m_t, s_a, s_b, i_h):
-    """(G, beta) of a chunk's tokens o_t for value head i_h: G the cumulative log decay."""
-    b_x = tl.load(a + o_t * s_a + i_h, mask=m_t, other=0.).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
-    b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))
-    # tokens past T get g = 0 and beta = 0: they neither decay nor write the state
-    b_g = tl.where(m_t, -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * b_softplus, 0.)
-    b_beta = tl.where(m_t, tl.sigmoid(tl.load(b + o_t * s_b + i_h, mask=m_t, other=0.).to(tl.float32)), 0.)
-    return tl.cumsum(b_g, axis=0), b_beta
-
-
-@triton.jit
-def _chunk_kk(b_k, b_G, b_beta, DOT: tl.constexpr):
-    """The strictly lower A[r, c] = beta_r e^{G_r - G_c} (k_r·k_c) of a chunk: [BC, BC]."""
-    o_r = tl.arange(0, b_G.shape[0])
-    m_low = o_r[:, None] > o_r[None, :]
-    b_decay = tl.exp(tl.where(m_low, b_G[:, None] - b_G[None, :], 0.))      # masked before exp: > 0 above
-    return tl.where(m_low, b_beta[:, None] * b_decay * tl.dot(b_k, tl.trans(b_k), input_precision=DOT), 0.)
-
-
-@triton.jit
-def _diagonal_inverses(p_a, BC: tl.constexpr, SB: tl.constexpr, NB: tl.constexpr):
-    """[NB, SB, SB]: (I + A_dd)^-1 of the NB diagonal SB x SB blocks of the strictly lower A [BC, BC]
-    at p_a, at once, by forward substitution: Y[d] = (I + A_dd)^-1 - I, whose row i is
-    -A_dd[i] - sum_{j<i} A_dd[i, j] Y[d][j]."""
-    o_d, o_i = tl.arange(0, NB), tl.arange(0, SB)
-    b_Y = tl.zeros([NB, SB, SB], tl.float32)
-    for i in range(1, SB):
-        b_row = -tl.load(p_a + (o_d[:, None] * SB + i) * BC + o_d[:, None] * SB + o_i[None, :])   # [NB, SB]
-        b_row += tl.sum(b_row[:, :, None] * b_Y, axis=1)
-        b_Y = tl.where((o_i == i)[None, :, None], b_row[:, None, :], b_Y)
-    return b_Y + tl.where(o_i[:, None] == o_i[None, :], 1., 0.)[None, :, :]
-
-
-@triton.jit
-def _block(b_X, i: tl.constexpr):
-    """Block i of [NB, SB, SB]: [SB, SB]."""
-    return tl.sum(tl.where((tl.arange(0, b_X.shape[0]) == i)[:, None, None], b_X, 0.), axis=0)
-
-
 @triton.jit(do_not_specialize=["T"])
 def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, T, scale, s_q, s_k, s_v, s_a, s_b,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -137,10 +97,18 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
     m_t = o_t < T
     o_k, o_v = tl.arange(0, DK), tl.arange(0, BDV)
     m_v = o_v < DV
-    b_k = _unit_rows(tl.load(k + o_t[:, None] * s_k + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None],
-                             other=0.).to(tl.float32), 1.)
-    b_G, b_beta = _chunk_gates(a, b, A_log, dt_bias, o_t, m_t, s_a, s_b, i_h)
-    b_A = _chunk_kk(b_k, b_G, b_beta, DOT)
+    b_k = tl.load(k + o_t[:, None] * s_k + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
+    b_k = b_k.to(tl.float32)
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+    b_x = tl.load(a + o_t * s_a + i_h, mask=m_t, other=0.).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
+    b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))
+    # tokens past T get g = 0 and beta = 0: they neither decay nor write the state
+    b_g = tl.where(m_t, -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * b_softplus, 0.)
+    b_beta = tl.where(m_t, tl.sigmoid(tl.load(b + o_t * s_b + i_h, mask=m_t, other=0.).to(tl.float32)), 0.)
+    b_G = tl.cumsum(b_g, axis=0)
+    m_low = o_r[:, None] > o_r[None, :]
+    b_decay = tl.exp(tl.where(m_low, b_G[:, None] - b_G[None, :], 0.))      # masked before exp: > 0 above
+    b_A = tl.where(m_low, b_beta[:, None] * b_decay * tl.dot(b_k, tl.trans(b_k), input_precision=DOT), 0.)
     o_ws = i_c * HV + i_h
     p_a, p_u, p_w = ws_a + o_ws * BC * BC, ws_u + o_ws * BC * DV, ws_w + o_ws * BC * DK
     b_v = tl.load(v + o_t[:, None] * s_v + i_h * DV + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
@@ -155,8 +123,15 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
         b_p = _causal_scores(_unit_rows(b_q.to(tl.float32), scale), b_k, b_G, DOT)
         tl.store(ws_p + o_ws * BC * BC + o_r[:, None] * BC + o_r[None, :], b_p)
     tl.debug_barrier()   # what was stored is read back below by other threads
-    b_Xd = _diagonal_inverses(p_a, BC, SB, NB)
-    o_i = tl.arange(0, SB)
+    # inverses of the NB diagonal SB x SB blocks at once, by forward substitution:
+    # Y[d] = (I + A_dd)^-1 - I, whose row i is -A_dd[i] - sum_{j<i} A_dd[i, j] Y[d][j]
+    o_d, o_i = tl.arange(0, NB), tl.arange(0, SB)
+    b_Y = tl.zeros([NB, SB, SB], tl.float32)
+    for i in range(1, SB):
+        b_row = -tl.load(p_a + (o_d[:, None] * SB + i) * BC + o_d[:, None] * SB + o_i[None, :])   # [NB, SB]
+        b_row += tl.sum(b_row[:, :, None] * b_Y, axis=1)
+        b_Y = tl.where((o_i == i)[None, :, None], b_row[:, None, :], b_Y)
+    b_Xd = b_Y + tl.where(o_i[:, None] == o_i[None, :], 1., 0.)[None, :, :]
     # block forward substitution, in place: Z_i = X_ii (R_i - sum_{j<i} A_ij Z_j)
     for i in tl.static_range(NB):
         o_ri = i * SB + o_i
@@ -169,91 +144,10 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
             b_rv -= tl.dot(b_Aij, b_zv, input_precision=DOT)
             b_zk = tl.load(p_w + o_rj[:, None] * DK + o_k[None, :]).to(tl.float32)
             b_rk -= tl.dot(b_Aij, b_zk, input_precision=DOT)
-        b_Xii = _block(b_Xd, i)
+        b_Xii = tl.sum(tl.where((o_d == i)[:, None, None], b_Xd, 0.), axis=0)
         tl.store(p_u + o_ri[:, None] * DV + o_v[None, :], tl.dot(b_Xii, b_rv, input_precision=DOT), mask=m_v[None, :])
         tl.store(p_w + o_ri[:, None] * DK + o_k[None, :], tl.dot(b_Xii, b_rk, input_precision=DOT))
         tl.debug_barrier()   # block i is read by the blocks below it
-
-
-@triton.jit(do_not_specialize=["T"])
-def _chunk_inverse_kernel(q, k, a, b, A_log, dt_bias, ws_a, ws_g, ws_p, T, scale, s_q, s_k, s_a, s_b,
-                          HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, BC: tl.constexpr,
-                          SB: tl.constexpr, DOT: tl.constexpr, FUSED: tl.constexpr):
-    # The prep's other form, its first kernel: (I + A)^-1 whole into ws_a, from the diagonal
-    # blocks' inverses D_i: X_ij = -D_i sum_{j<=m<i} A_im X_mj (X_jj = D_j), row block by row
-    # block, four blocks of 16 (a chunk of 64). _chunk_wu_kernel then takes u and w as products.
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    o_r = tl.arange(0, BC)
-    o_t = i_c * BC + o_r
-    m_t = o_t < T
-    o_k = tl.arange(0, DK)
-    b_k = _unit_rows(tl.load(k + o_t[:, None] * s_k + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None],
-                             other=0.).to(tl.float32), 1.)
-    b_G, b_beta = _chunk_gates(a, b, A_log, dt_bias, o_t, m_t, s_a, s_b, i_h)
-    o_ws = i_c * HV + i_h
-    p_a = ws_a + o_ws * BC * BC
-    tl.store(p_a + o_r[:, None] * BC + o_r[None, :], _chunk_kk(b_k, b_G, b_beta, DOT))
-    tl.store(ws_g + o_ws * BC + o_r, b_G)
-    if FUSED:
-        b_q = tl.load(q + o_t[:, None] * s_q + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
-        b_p = _causal_scores(_unit_rows(b_q.to(tl.float32), scale), b_k, b_G, DOT)
-        tl.store(ws_p + o_ws * BC * BC + o_r[:, None] * BC + o_r[None, :], b_p)
-    tl.debug_barrier()   # what was stored is read back below by other threads
-    b_D = _diagonal_inverses(p_a, BC, SB, BC // SB)
-    o_i = tl.arange(0, SB)
-    p_b = p_a + o_i[:, None] * BC + o_i[None, :]           # block (0, 0); block (i, j) at + (i SB BC + j SB)
-    d0, d1, d2, d3 = _block(b_D, 0), _block(b_D, 1), _block(b_D, 2), _block(b_D, 3)
-    a10 = tl.load(p_b + SB * BC)
-    a20, a21 = tl.load(p_b + 2 * SB * BC), tl.load(p_b + 2 * SB * BC + SB)
-    a30, a31, a32 = tl.load(p_b + 3 * SB * BC), tl.load(p_b + 3 * SB * BC + SB), tl.load(p_b + 3 * SB * BC + 2 * SB)
-    x10 = -tl.dot(d1, tl.dot(a10, d0, input_precision=DOT), input_precision=DOT)
-    x21 = -tl.dot(d2, tl.dot(a21, d1, input_precision=DOT), input_precision=DOT)
-    x32 = -tl.dot(d3, tl.dot(a32, d2, input_precision=DOT), input_precision=DOT)
-    x20 = -tl.dot(d2, tl.dot(a20, d0, input_precision=DOT) + tl.dot(a21, x10, input_precision=DOT),
-                  input_precision=DOT)
-    x31 = -tl.dot(d3, tl.dot(a31, d1, input_precision=DOT) + tl.dot(a32, x21, input_precision=DOT),
-                  input_precision=DOT)
-    x30 = -tl.dot(d3, tl.dot(a30, d0, input_precision=DOT) + tl.dot(a31, x10, input_precision=DOT)
-                  + tl.dot(a32, x20, input_precision=DOT), input_precision=DOT)
-    tl.debug_barrier()   # every read of A is done before X is written over it (its upper blocks stay 0)
-    tl.store(p_b, d0)
-    tl.store(p_b + SB * BC, x10)
-    tl.store(p_b + SB * BC + SB, d1)
-    tl.store(p_b + 2 * SB * BC, x20)
-    tl.store(p_b + 2 * SB * BC + SB, x21)
-    tl.store(p_b + 2 * SB * BC + 2 * SB, d2)
-    tl.store(p_b + 3 * SB * BC, x30)
-    tl.store(p_b + 3 * SB * BC + SB, x31)
-    tl.store(p_b + 3 * SB * BC + 2 * SB, x32)
-    tl.store(p_b + 3 * SB * BC + 3 * SB, d3)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _chunk_wu_kernel(k, v, ws_a, ws_g, ws_w, ws_u, b, T, s_k, s_v, s_b, HV: tl.constexpr, GROUP: tl.constexpr,
-                     DK: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
-    # The prep's other form, its second kernel: program (chunk, head, 0) w = X (beta e^G k), program
-    # (chunk, head, 1) u = X (beta v), X = (I + A)^-1 from _chunk_inverse_kernel.
-    i_c, i_h, i_x = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_r = tl.arange(0, BC)
-    o_t = i_c * BC + o_r
-    m_t = o_t < T
-    o_ws = i_c * HV + i_h
-    b_X = tl.load(ws_a + o_ws * BC * BC + o_r[:, None] * BC + o_r[None, :])
-    # beta as _chunk_gates has it: 0 past T
-    b_beta = tl.where(m_t, tl.sigmoid(tl.load(b + o_t * s_b + i_h, mask=m_t, other=0.).to(tl.float32)), 0.)
-    if i_x == 0:
-        o_k = tl.arange(0, DK)
-        b_k = _unit_rows(tl.load(k + o_t[:, None] * s_k + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None],
-                                 other=0.).to(tl.float32), 1.)
-        b_G = tl.load(ws_g + o_ws * BC + o_r)
-        b_w = tl.dot(b_X, b_k * (b_beta * tl.exp(b_G))[:, None], input_precision=DOT)
-        tl.store(ws_w + (o_ws * BC + o_r[:, None]) * DK + o_k[None, :], b_w)
-    else:
-        o_v = tl.arange(0, BDV)
-        m_v = o_v < DV
-        b_v = tl.load(v + o_t[:, None] * s_v + i_h * DV + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
-        b_u = tl.dot(b_X, b_v.to(tl.float32) * b_beta[:, None], input_precision=DOT)
-        tl.store(ws_u + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], b_u, mask=m_v[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -329,7 +223,7 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, o, T, scale, s_q, s_k, s_o,
 # accuracy at 2.6 times the time. On an H100, 27B shapes, 8192 tokens: 1.76 ms per layer
 # (prep 0.68, scan 0.57, output 0.51); tests/bench/bench_kernels.py --sweep --only chunk.
 CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_bv=64, out_warps=4, dot="tf32",
-                    fused_out=False, solved="float32", terms="float32", prep="blocks", wu_warps=4)
+                    fused_out=False, solved="float32", terms="float32")
 
 
 def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, config: dict | None = None,
@@ -341,9 +235,7 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     the scan); "solved" and "terms" the dtype of what the kernels hand each other ("float32" or
     "bfloat16", as fla keeps them; float32 for float32 inputs): w and u, from which the scan
     builds the state, and the output's terms (start states and writes, or the scores), which the
-    state never sees; "prep" the prep's form ("blocks": one kernel, u and w by blocked forward
-    substitution; "inverse": (I + A)^-1 whole, then u and w as products, two kernels); the rest
-    tiles, for tuning."""
+    state never sees; the rest tiles, for tuning."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert chunk == 64, "the chunk kernels work on 64 tokens at a time"
@@ -376,19 +268,10 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     s_out = out if out is not None else torch.empty_like(state)
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=dev)
     scale = DK ** -0.5
-    if cfg["prep"] == "blocks":
-        _chunk_prep_kernel[(NT, Hv)](q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, T, scale,
-                                     q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), HV=Hv, GROUP=G,
-                                     DK=DK, DV=DV, BDV=triton.next_power_of_2(DV), BC=chunk, SB=16, NB=chunk // 16,
-                                     DOT=cfg["dot"], FUSED=fused, num_warps=cfg["prep_warps"])
-    else:
-        assert cfg["prep"] == "inverse", f"the prep is by \"blocks\" or by the \"inverse\", not {cfg['prep']!r}"
-        _chunk_inverse_kernel[(NT, Hv)](q, k, a, b, A_log, dt_bias, ws_a, ws_g, ws_p, T, scale, q.stride(0),
-                                        k.stride(0), a.stride(0), b.stride(0), HV=Hv, GROUP=G, DK=DK, BC=chunk, SB=16,
-                                        DOT=cfg["dot"], FUSED=fused, num_warps=cfg["prep_warps"])
-        _chunk_wu_kernel[(NT, Hv, 2)](k, v, ws_a, ws_g, ws_w, ws_u, b, T, k.stride(0), v.stride(0), b.stride(0),
-                                      HV=Hv, GROUP=G, DK=DK, DV=DV, BDV=triton.next_power_of_2(DV), BC=chunk,
-                                      DOT=cfg["dot"], num_warps=cfg["wu_warps"])
+    _chunk_prep_kernel[(NT, Hv)](q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, T, scale, q.stride(0),
+                                 k.stride(0), v.stride(0), a.stride(0), b.stride(0), HV=Hv, GROUP=G, DK=DK, DV=DV,
+                                 BDV=triton.next_power_of_2(DV), BC=chunk, SB=16, NB=chunk // 16, DOT=cfg["dot"],
+                                 FUSED=fused, num_warps=cfg["prep_warps"])
     BV = min(cfg["scan_bv"], triton.next_power_of_2(DV))
     _chunk_scan_kernel[(Hv, triton.cdiv(DV, BV))](q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, o, state, s_out, T, scale,
                                                    q.stride(0), k.stride(0), o.stride(0), HV=Hv, GROUP=G, DK=DK,

@@ -59,23 +59,6 @@ def test_chunk_end_state_over_the_start_state(device, fused):
     assert s2 is state and torch.equal(state, s) and torch.equal(o2, o)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 63, 130])
-@pytest.mark.parametrize("fused", [False, True])
-def test_chunk_with_the_prep_by_the_inverse(device, dtype, T, fused):
-    # (I + A)^-1 whole, then u and w as two products: the reference's output and state, and the
-    # blocked prep's within a rounding
-    args, state = _inputs(T, 2, 4, 32, 24, dtype, device, seed=T + 11)
-    o_ref, s_ref = gdn_chunk.chunk_ref(*args, state)
-    o, s = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused, "prep": "inverse"})
-    o_blocks, s_blocks = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused})
-    check(o, o_ref, max(TOL[dtype], STATE_TOL))
-    check(s, s_ref, STATE_TOL, "final state")
-    check(s, s_blocks, STATE_TOL, "final state against the blocked prep's")
-    with pytest.raises(AssertionError, match="blocks"):
-        gdn_chunk.chunk_triton(*args, state, config={"prep": "rows"})
-
-
 @pytest.mark.parametrize("solved,terms", [("float32", "bfloat16"), ("bfloat16", "bfloat16")])
 @pytest.mark.parametrize("fused", [False, True])
 def test_chunk_with_bf16_between_the_kernels(device, solved, terms, fused):
@@ -121,11 +104,7 @@ def test_chunk_27b_shapes(T):
         o, s = gdn_chunk.chunk(*args, state, fused_out=fused)
         check(o, o_ref, 1e-2)
         check(s, s_ref, STATE_TOL, "final state")
-    # the candidates: w|u and the output's terms in bf16; the prep by the inverse
+    # the engine's default: fused, w|u and the output's terms in bf16
     o, s = gdn_chunk.chunk(*args, state, fused_out=True, solved="bfloat16", terms="bfloat16")
     check(o, o_ref, 2e-2)
     check(s, s_ref, 2e-2, "final state")
-    for fused in (False, True):
-        o, s = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused, "prep": "inverse"})
-        check(o, o_ref, 1e-2)
-        check(s, s_ref, STATE_TOL, "final state")
