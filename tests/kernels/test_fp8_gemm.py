@@ -104,6 +104,22 @@ def test_gemm_takes_quantized_rows(device, M, N, K):
     assert torch.equal(got, fp8_gemm.gemm_quantized_triton(*fp8_gemm.quantize_rows_triton(x), q, x.dtype))
 
 
+def test_quantize_rows_tiny_groups(device):
+    # groups whose scale's reciprocal would pass float32's largest (amax under 1.3e-36): the
+    # reciprocal stops there, so codes stay finite, zeros zero and signs kept, as the reference's
+    g = torch.Generator().manual_seed(9)
+    x = rows(3, 256, torch.float32, device, g)
+    x[0, :128] *= 1e-38
+    x[1, 128:] = 0.
+    x[1, 130], x[1, 200] = 1e-37, -3e-38
+    xq, xs = fp8_gemm.quantize_rows_triton(x)
+    rq, rs = quantized_ref(x)
+    assert same_fp8(xq, rq) and torch.equal(xs, rs)
+    codes = rq.float()
+    assert codes.isfinite().all() and (codes[1, 128:].ne(0) == x[1, 128:].ne(0).to(device)).all()
+    assert ((codes.sign() == x.sign().to(device)) | (codes == 0)).all()
+
+
 def test_quantize_rows_ties(device):
     # a group whose amax is 448 (scale 1) holding every midpoint between two fp8 values, of either
     # sign: each rounds to the even code, the normals' and the subnormals' alike
