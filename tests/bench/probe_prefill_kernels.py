@@ -10,7 +10,8 @@ captured in a CUDA graph (graph_timing.py). Rows:
 - the attention layer's q/k norm + RoPE with the cache writes, one token to 16 tokens a program;
 - the GDN causal conv (10240 channels of the in_proj's rows), 16 to 128 tokens a program;
 - the GDN's chunked form in three kernels and with the output written by the scan (fused_out),
-  its prep at 4 or 8 warps;
+  its prep at 4 or 8 warps, what its kernels hand each other in float32 or bf16; and
+  (`gdntiles`) the scan's and the output kernel's tiles;
 - attention's output gate: torch's sigmoid, product and copy into rows against one kernel
   (attention.gate_rows), and that kernel writing FP8 rows for o_proj;
 - the MLP's gating then the FP8 rows for down (silu_mul, quantize_rows) against the two in one
@@ -35,7 +36,7 @@ HK, HV, DK, DV, CONV = 16, 48, 128, 128, 10240
 IN_PROJ = CONV + HV * DV + 2 * HV
 HQ, HKV, HD, ROTARY = 24, 4, 256, 64
 COPIES = 3
-SECTIONS = ("norm", "rope", "conv", "gdn", "gate", "gating", "quant", "addnorm")
+SECTIONS = ("norm", "rope", "conv", "gdn", "gdntiles", "gate", "gating", "quant", "addnorm")
 
 
 def registers(*kernels):
@@ -147,6 +148,19 @@ def main():
             base = base or us
             print("    " + ", ".join(f"{k} {v:.1f} us" for k, v in kernel_times(run, COPIES).items()))
         registers(gdn_chunk._chunk_prep_kernel, gdn_chunk._chunk_scan_kernel, gdn_chunk._chunk_out_kernel)
+    if "gdntiles" in sections:
+        # the serial scan's and the output's tiles (value columns a program, warps, depth), the rest
+        # as CHUNK_CONFIG has them
+        nbytes = T * (2 * HK * DK + 2 * HV * DV) * 2
+        base = None
+        tiles = [{}, dict(scan_bv=32), dict(scan_bv=32, scan_warps=4), dict(scan_stages=3), dict(scan_warps=4),
+                 dict(scan_bv=128), dict(out_bv=128), dict(out_bv=32), dict(out_warps=8)]
+        for config in tiles:
+            run = lambda i: gdn_chunk.chunk_triton(*qkv_heads[i], *gates[i], A_log, dt_bias, states[i], config=config)
+            us = graph_time(run, COPIES)
+            report(f"GDN chunk, {config or 'as configured'}", us, nbytes, bw, base)
+            base = base or us
+            print("    " + ", ".join(f"{k} {v:.1f} us" for k, v in kernel_times(run, COPIES).items()))
 
     # attention's output gate: o as SDPA hands it back (transposed), the gate a view of q|gate
     att = [torch.randn(HQ, T, HD, **bf16).transpose(0, 1) for _ in range(COPIES)]
