@@ -252,17 +252,17 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     cfg = {**CHUNK_CONFIG, **({"dot": "tf32x3"} if wide else {}), **(config or {}),
            **({"solved": "float32", "terms": "float32"} if wide else {})}
     NT, dev, G = triton.cdiv(T, chunk), q.device, Hv // Hk
-    new = lambda *shape: torch.empty(*shape, dtype=torch.float32, device=dev)
     # what passes between the kernels: w and u (the prep's solve, which the scan builds the state
     # from) in cfg["solved"], the start states, writes and scores (the output's terms) in cfg["terms"]
-    solved = lambda *shape: torch.empty(*shape, dtype=getattr(torch, cfg["solved"]), device=dev)
-    for_out = lambda *shape: torch.empty(*shape, dtype=getattr(torch, cfg["terms"]), device=dev)
+    new = lambda dtype, *shape: torch.empty(*shape, dtype=getattr(torch, dtype), device=dev)
+    solved, terms = cfg["solved"], cfg["terms"]
     fused = bool(cfg["fused_out"])
-    ws_a, ws_w, ws_u, ws_g = new(NT, Hv, chunk, chunk), solved(NT, Hv, chunk, DK), solved(NT, Hv, chunk, DV), new(NT, Hv, chunk)
+    ws_a, ws_g = new("float32", NT, Hv, chunk, chunk), new("float32", NT, Hv, chunk)
+    ws_w, ws_u = new(solved, NT, Hv, chunk, DK), new(solved, NT, Hv, chunk, DV)
     if fused:      # the chunks' scores for the scan; no start states or writes kept
-        ws_p, ws_h, ws_v = for_out(NT, Hv, chunk, chunk), ws_a, ws_a
+        ws_p, ws_h, ws_v = new(terms, NT, Hv, chunk, chunk), ws_a, ws_a
     else:
-        ws_p, ws_h, ws_v = ws_a, for_out(NT, Hv, DK, DV), for_out(NT, Hv, chunk, DV)
+        ws_p, ws_h, ws_v = ws_a, new(terms, NT, Hv, DK, DV), new(terms, NT, Hv, chunk, DV)
     if out is not None:
         assert out.shape == state.shape and out.dtype == torch.float32 and out.is_contiguous(), "out must be like state"
     s_out = out if out is not None else torch.empty_like(state)

@@ -104,7 +104,7 @@ def test_chunk_27b_shapes(T):
         o, s = gdn_chunk.chunk(*args, state, fused_out=fused)
         check(o, o_ref, 1e-2)
         check(s, s_ref, STATE_TOL, "final state")
-    # the engine's default: fused, w|u and the output's terms in bf16
+    # the plan's candidates: fused, w|u and the output's terms in bf16
     o, s = gdn_chunk.chunk(*args, state, fused_out=True, solved="bfloat16", terms="bfloat16")
     check(o, o_ref, 2e-2)
     check(s, s_ref, 2e-2, "final state")
