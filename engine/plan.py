@@ -80,11 +80,6 @@ class KernelPlan:
     chunk_fused_out: bool = False
     chunk_solved: str = "float32"
     chunk_terms: str = "float32"
-    # A step of at most this many tokens computes its causal conv inside the GDN recurrence kernel
-    # (kernels/gdn.py conv_recurrent), each program for the channels it reads: one kernel fewer a GDN
-    # layer. The same bits as the conv kernel then the recurrence (tests/kernels/test_gdn_conv_step.py).
-    # 0: never. A candidate until measured in whole steps (tests/bench/ab_step.py --plans conv).
-    conv_in_recurrence: int = 0
 
     @classmethod
     def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool, int4: bool = False) -> "KernelPlan":

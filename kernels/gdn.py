@@ -7,18 +7,12 @@ Shapes (one sequence): q, k [T, Hk, dk]; v [T, Hv, dv]; a, b [T, Hv]; A_log, dt_
 states [Hv, dk, dv] float32 (the dk x dv layout of transformers and fla). V head j reads Q/K head
 j // (Hv // Hk). Per token, with g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b):
     S = exp(g) * S ;  S = S + k ⊗ beta * (v - Sᵀk) ;  o = Sᵀ q        (q, k l2-normalised, q * dk^-0.5)
-
-A step may also take q, k and v before the causal conv (`conv_recurrent`): the recurrence kernel
-then computes each token's conv and silu for the channels it reads, as kernels/conv.py does (the
-same sums in the same order, the same rounding), and writes the step's inputs into the conv's
-window buffer: one kernel a GDN layer fewer in every decode and verify step.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from mtpchat.kernels import conv
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 
 
@@ -111,70 +105,17 @@ def fold_pending_ref(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor
     state.copy_(_fold(state, pend, fold, parity, A_log, dt_bias))
 
 
-def conv_recurrent_ref(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
-                       fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                       key_heads: int = 1) -> torch.Tensor:
-    """The causal conv of a step's inputs x [T, 2 Hk dk + Hv dv] (q | k | v before the conv; buf, off
-    and weight as kernels/conv.py takes them, `key_heads` = Hk), then the recurrence of its output
-    (recurrent_ref's contract for the rest). Returns o [T, Hv, dv]."""
-    T, (Hv, dk, dv) = x.shape[0], state.shape
-    y = conv.conv_update_ref(x, buf, off, weight, live)
-    q, k, v = y.split([key_heads * dk, key_heads * dk, Hv * dv], dim=-1)
-    return recurrent_ref(q.view(T, key_heads, dk), k.view(T, key_heads, dk), v.view(T, Hv, dv), a, b, A_log,
-                         dt_bias, state, pend, fold, parity, live)
-
-
-@triton.jit
-def _conv_at(x, buf, cw, o_c, m_c, t, s_x, s_buf, i_off, WIDTH, KC: tl.constexpr):
-    """silu(causal conv) of channels o_c at token t of a step, float32 from the value rounded to x's
-    dtype: conv.py's kernel's sums in its order (window column or input, times the tap, tap by tap)
-    and its rounding, so the recurrence reads the same bits as from that kernel's output."""
-    b_y = tl.zeros(o_c.shape, dtype=tl.float32)
-    for j in tl.static_range(KC):
-        src = t + j - (KC - 1)                                           # < 0: a column of the window
-        o_src = tl.zeros(o_c.shape, dtype=tl.int32) + src                 # the masks' shape; addresses from src
-        b_x = tl.load(x + src * s_x + o_c, mask=m_c & (o_src >= 0), other=0.).to(buf.dtype.element_ty)
-        b_x = b_x.to(tl.float32) + tl.load(buf + o_c * s_buf + (i_off + KC - 1 + src) % WIDTH,
-                                           mask=m_c & (o_src < 0), other=0.).to(tl.float32)
-        b_y += tl.load(cw + o_c * KC + j, mask=m_c, other=0.).to(tl.float32) * b_x
-    b_y = b_y * tl.sigmoid(b_y)
-    return b_y.to(x.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _conv_keep(x, buf, o_c, m_c, t, s_x, s_buf, i_off, WIDTH, KC: tl.constexpr):
-    """Token t's inputs of channels o_c into the conv window's ring (column (off + KC-1 + t) mod WIDTH),
-    where m_c: a column no token of the step reads (a step holds at most WIDTH - (KC-1) tokens)."""
-    b_in = tl.load(x + t * s_x + o_c, mask=m_c, other=0.)
-    tl.store(buf + o_c * s_buf + (i_off + KC - 1 + t) % WIDTH, b_in.to(buf.dtype.element_ty), mask=m_c)
-
-
-@triton.jit
-def _token_inputs(q, k, v, t, s_q, s_k, s_v, i_kh, i_h, o_k, o_v, m_v, DK: tl.constexpr, DV: tl.constexpr):
-    """Token t's q, k (of key head i_kh) and v (value head i_h's columns o_v), float32."""
-    b_q = tl.load(q + t * s_q + i_kh * DK + o_k).to(tl.float32)
-    b_k = tl.load(k + t * s_k + i_kh * DK + o_k).to(tl.float32)
-    b_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v, other=0.).to(tl.float32)
-    return b_q, b_k, b_v
-
-
-def _recurrent(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, scale,
-               s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt,
-               GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-               HAS_LIVE: tl.constexpr, PDL: tl.constexpr, xc=None, buf=None, off=None, cw=None, s_xc=0,
-               s_buf=0, WIDTH=1, KEY=0, conv_on=0, KC: tl.constexpr = 0):
+@triton.jit(do_not_specialize=["T"])
+def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, scale,
+                      s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt,
+                      GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                      HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
     # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
     # stays in registers through the last step's accepted tokens (read back from pend) and this
     # step's T; one loop body runs both, so a token gives the same bits folded in later as when
     # its step ran it. The gates and the q/k l2norm are computed here. Each program reads and
     # writes only its own slice of the state and of v in pend (k, a and b are written by the
     # head's first program); pend's halves alternate, so no program reads what another writes.
-    # KC > 0 (the conv form, _recurrent_conv_kernel) with conv_on: q, k and v come before the conv
-    # of KC taps (xc [T, 2 KEY + Hv DV], the conv's window buffer, offset and weight as
-    # kernels/conv.py takes them): each program computes its own channels' conv; the step's inputs
-    # go into the window by the program that owns the channels (v: each its own slice; q and k of a
-    # key head: its first value head's program 0), into columns no program of the step reads.
-    # Without conv_on the conv form reads q, k and v as the plain form does.
     pdl_start(PDL)
     i_h, i_v = tl.program_id(0), tl.program_id(1)
     i_kh = i_h // GROUP
@@ -190,10 +131,6 @@ def _recurrent(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o
     if HAS_LIVE:
         b_live = tl.minimum(tl.maximum(tl.load(live), 0), 1)
     b_head = b_live * (1 - tl.minimum(i_v, 1))                           # k, a, b: program 0 only
-    b_qk = b_head * tl.where(i_h % GROUP == 0, 1, 0)                      # q, k's conv inputs: a key head's first
-    b_off = tl.full([], 0, tl.int64)
-    if KC > 0:
-        b_off = tl.load(off)
     b_par, b_fold = tl.load(parity), tl.load(fold)
     W: tl.constexpr = DK + DV + 2
     p_in = pend + b_par * s_pp + i_h * W
@@ -208,22 +145,10 @@ def _recurrent(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o
             b_ab = tl.load(p_in + j * s_pt + DK + DV + o_g)
             b_q = b_k                                                    # its output is not kept
         else:
+            b_k = tl.load(k + t * s_k + i_kh * DK + o_k).to(tl.float32)
+            b_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v, other=0.).to(tl.float32)
             b_ab = tl.where(o_g == 0, tl.load(a + t * s_a + i_h), tl.load(b + t * s_b + i_h)).to(tl.float32)
-            if KC > 0:
-                if conv_on > 0:
-                    o_q, o_kc, o_vc = i_kh * DK + o_k, KEY + i_kh * DK + o_k, 2 * KEY + i_h * DV + o_v
-                    b_q = _conv_at(xc, buf, cw, o_q, o_k < DK, t, s_xc, s_buf, b_off, WIDTH, KC)
-                    b_k = _conv_at(xc, buf, cw, o_kc, o_k < DK, t, s_xc, s_buf, b_off, WIDTH, KC)
-                    b_v = _conv_at(xc, buf, cw, o_vc, m_v, t, s_xc, s_buf, b_off, WIDTH, KC)
-                    m_qk = (tl.zeros([DK], dtype=tl.int64) + b_qk) > 0
-                    _conv_keep(xc, buf, o_q, m_qk, t, s_xc, s_buf, b_off, WIDTH, KC)
-                    _conv_keep(xc, buf, o_kc, m_qk, t, s_xc, s_buf, b_off, WIDTH, KC)
-                    _conv_keep(xc, buf, o_vc, m_v & ((tl.zeros([BV], dtype=tl.int64) + b_live) > 0), t, s_xc,
-                               s_buf, b_off, WIDTH, KC)
-                else:
-                    b_q, b_k, b_v = _token_inputs(q, k, v, t, s_q, s_k, s_v, i_kh, i_h, o_k, o_v, m_v, DK, DV)
-            else:
-                b_q, b_k, b_v = _token_inputs(q, k, v, t, s_q, s_k, s_v, i_kh, i_h, o_k, o_v, m_v, DK, DV)
+            b_q = tl.load(q + t * s_q + i_kh * DK + o_k).to(tl.float32)
         b_x = tl.sum(tl.where(o_g == 0, b_ab, 0.)) + b_dt
         b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))      # torch's threshold 20
         b_beta = tl.sigmoid(tl.sum(tl.where(o_g == 1, b_ab, 0.)))
@@ -245,24 +170,11 @@ def _recurrent(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o
         tl.store(p_out + t * s_pt + DK + DV + o_g, b_ab, mask=(tl.zeros([2], dtype=tl.int64) + b_head * b_keep) > 0)
 
 
-# The plain form, and the conv form: one compiled kernel for every launch of an engine that takes
-# the conv in (a decode with conv_on, a verify after the conv kernel without, a fold before a
-# prefill), its arguments never specialised on their values or alignment, so that the same code
-# runs every token. The compiler lays out the loop's vectors by how they are loaded, and a sum's
-# order follows the layout: the conv form's state came 1 ulp off the plain form's in a sixth to a
-# third of its values after a fold (an H100), where greedy MTP on and off must not part.
-_recurrent_kernel = triton.jit(do_not_specialize=["T"])(_recurrent)
-_recurrent_conv_kernel = triton.jit(do_not_specialize=[
-    "q", "k", "v", "a", "b", "o", "live", "xc", "T", "s_q", "s_k", "s_v", "s_a", "s_b", "s_o", "s_xc", "s_buf",
-    "WIDTH", "KEY", "conv_on"])(_recurrent)
-
-
-def _tile(DV: int, conv: bool = False) -> tuple[int, int]:
+def _tile(DV: int) -> tuple[int, int]:
     """(BV, warps): value columns a program and its warps, the same for a step and a prefill's
     fold (so both give the state the same bits). Small programs win: at T = 4 on an H100, BV 16
-    with one warp took 9.3 us, BV 32 with four 11.8. The conv form takes two warps: in one it
-    needs more than 255 registers (sm_90) and spills."""
-    return min(16, triton.next_power_of_2(DV)), 2 if conv else 1
+    with one warp took 9.3 us, BV 32 with four 11.8."""
+    return min(16, triton.next_power_of_2(DV)), 1
 
 
 def _check_state(state, pend, fold, parity, Hv, DK, DV):
@@ -275,132 +187,54 @@ def _check_state(state, pend, fold, parity, Hv, DK, DV):
 
 
 def recurrent_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
-                     fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                     conv: tuple | None = None) -> torch.Tensor:
+                     fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_ref's contract. q, k, v may be row-strided views (of the conv output) with each
-    token's heads contiguous; a, b likewise [T, Hv] views. `conv` (buf, off, weight): the layer's
-    conv window, offset and weight where the engine computes the conv inside this kernel in other
-    steps (conv_recurrent); the kernel then runs in that compiled form with the conv off, so that
-    every step gives a token the same bits."""
+    token's heads contiguous; a, b likewise [T, Hv] views."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert k.shape == q.shape and v.shape[0] == T and Hv % Hk == 0, "q, k [T, Hk, dk], v [T, Hv, dv]"
     assert DK & (DK - 1) == 0, "dk must be a power of two"
     for t, hs in ((q, DK), (k, DK), (v, DV)):
         assert t.stride(2) == 1 and t.stride(1) == hs, "each token's heads must be contiguous"
-    _check_step(a, b, A_log, dt_bias, state, pend, fold, parity, live, T, Hv, DK, DV)
-    o = torch.empty(T, Hv, DV, dtype=v.dtype, device=v.device)
-    _launch((q, k, v), (q.stride(0), k.stride(0), v.stride(0)), a, b, A_log, dt_bias, state, pend, fold, parity,
-            live, o, T, Hv // Hk, None if conv is None else (conv[0], *conv), conv_on=False)
-    return o
-
-
-def conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
-                          fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                          key_heads: int = 1) -> torch.Tensor:
-    """conv_recurrent_ref's contract in one kernel: the recurrence's, each program computing the
-    conv of the channels it reads. x [T, C] may be a row-strided view (of the in_proj output)."""
-    T, C = x.shape
-    Hv, DK, DV = state.shape
-    KC, WIDTH = weight.shape[1], buf.shape[1]
-    assert C == 2 * key_heads * DK + Hv * DV and x.stride(1) == 1, \
-        f"x must be [T, {2 * key_heads * DK + Hv * DV}] with contiguous rows"
-    assert Hv % key_heads == 0 and DK & (DK - 1) == 0, "Hv a multiple of the key heads, dk a power of two"
-    assert T <= WIDTH - (KC - 1), f"a step of {T} tokens would write the window it reads (W = {WIDTH})"
-    _check_step(a, b, A_log, dt_bias, state, pend, fold, parity, live, T, Hv, DK, DV)
-    o = torch.empty(T, Hv, DV, dtype=x.dtype, device=x.device)
-    _launch((x, x, x), (x.stride(0),) * 3, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T,
-            Hv // key_heads, (x, buf, off, weight), conv_on=True)
-    return o
-
-
-def fold_pending_triton(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
-                        A_log: torch.Tensor, dt_bias: torch.Tensor, conv: tuple | None = None):
-    """fold_pending_ref's contract: the recurrent kernel with no tokens of its own (`conv`: as
-    recurrent_triton takes it, for the form the steps run in)."""
-    Hv, DK, DV = state.shape
-    _check_state(state, pend, fold, parity, Hv, DK, DV)
-    if conv is None:
-        _launch((state,) * 3, (0, 0, 0), state, state, A_log, dt_bias, state, pend, fold, parity, None, state, 0, 1,
-                None, conv_on=False)
-    else:
-        # stand-ins of the steps' dtypes for the tokens it has none of, and the steps' GQA ratio, so
-        # that the compiled form is theirs
-        x, key_heads = conv[0], (conv[2].shape[0] - Hv * DV) // (2 * DK)
-        _launch((x,) * 3, (0, 0, 0), x, x, A_log, dt_bias, state, pend, fold, parity, None, x, 0, Hv // key_heads,
-                (x, *conv), conv_on=False)
-
-
-def _check_step(a, b, A_log, dt_bias, state, pend, fold, parity, live, T, Hv, DK, DV):
     assert a.shape == b.shape == (T, Hv) and a.stride(1) == 1 and b.stride(1) == 1, "a, b must be [T, Hv]"
     assert A_log.shape == dt_bias.shape == (Hv,), "A_log, dt_bias must be [Hv]"
     _check_state(state, pend, fold, parity, Hv, DK, DV)
     assert T <= pend.shape[1], f"pend holds {pend.shape[1]} tokens a step, got {T}"
     assert live is None or (live.numel() == 1 and live.dtype == torch.long), "live must be a 1-element long tensor"
+    o = torch.empty(T, Hv, DV, dtype=v.dtype, device=v.device)
+    BV, warps = _tile(DV)
+    _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
+        q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live if live is not None else fold, o, T,
+        DK ** -0.5, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), o.stride(0),
+        pend.stride(0), pend.stride(1), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV,
+        HAS_LIVE=live is not None, num_warps=warps, **pdl(q))
+    return o
 
 
-_ones: dict = {}
-
-
-def _one(device: torch.device) -> torch.Tensor:
-    """A 1-element long tensor holding 1 (the conv form's `live` where a launch has none), made once
-    per device outside graph capture."""
-    one = _ones.get(device)
-    if one is None:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "gdn: run a fold or a step once before capturing a graph"
-        one = _ones[device] = torch.ones(1, dtype=torch.long, device=device)
-    return one
-
-
-def _launch(qkv, strides, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, group, conv, conv_on):
-    """The recurrence over T tokens (0: the fold alone): the plain kernel, or with conv = (x, buf,
-    off, weight) the conv form (every argument present, `live` always given), its conv on or off
-    (x: the step's inputs before the conv, or with the conv off a stand-in of their dtype)."""
+def fold_pending_triton(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
+                        A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """fold_pending_ref's contract: the recurrent kernel with no tokens of its own."""
     Hv, DK, DV = state.shape
-    BV, warps = _tile(DV, conv is not None)
-    args = (*qkv, a, b, A_log, dt_bias, state, pend, fold, parity)
-    grid = (Hv, triton.cdiv(DV, BV))
-    shape = dict(GROUP=group, DK=DK, DV=DV, BV=BV, num_warps=warps, **pdl(state))
-    if conv is None:
-        _recurrent_kernel[grid](*args, live if live is not None else fold, o, T, DK ** -0.5, *strides,
-                                a.stride(0), b.stride(0), o.stride(0), pend.stride(0), pend.stride(1),
-                                HAS_LIVE=live is not None, **shape)
-        return
-    x, buf, off, weight = conv
-    C = weight.shape[0]
-    assert buf.shape[0] == C and buf.stride(1) == 1 and weight.is_contiguous() and x.dtype == buf.dtype, \
-        f"buf must be [{C}, W] with contiguous rows like x's dtype, the conv weight [{C}, K] contiguous"
-    assert off.numel() == 1 and off.dtype == torch.long, "off must be a 1-element long tensor"
-    _recurrent_conv_kernel[grid](*args, live if live is not None else _one(state.device), o, T, DK ** -0.5,
-                                 *strides, a.stride(0), b.stride(0), o.stride(0), pend.stride(0), pend.stride(1),
-                                 HAS_LIVE=True, xc=x, buf=buf, off=off, cw=weight, s_xc=x.stride(0),
-                                 s_buf=buf.stride(0), WIDTH=buf.shape[1], KEY=(C - Hv * DV) // 2,
-                                 conv_on=int(conv_on), KC=weight.shape[1], **shape)
+    _check_state(state, pend, fold, parity, Hv, DK, DV)
+    BV, warps = _tile(DV)
+    _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
+        state, state, state, state, state, A_log, dt_bias, state, pend, fold, parity, fold, state, 0, 1.,
+        0, 0, 0, 0, 0, 0, pend.stride(0), pend.stride(1), GROUP=1, DK=DK, DV=DV, BV=BV,
+        HAS_LIVE=False, num_warps=warps, **pdl(state))
 
 
 def recurrent(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor,
-              parity: torch.Tensor, live: torch.Tensor | None = None, conv: tuple | None = None) -> torch.Tensor:
-    """recurrent_ref's contract; the Triton kernel for CUDA tensors (`conv`: recurrent_triton's)."""
+              parity: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    """recurrent_ref's contract; the Triton kernel for CUDA tensors."""
     if use_triton(q, k, v, a, b):
-        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, conv)
+        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live)
     return recurrent_ref(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live)
 
 
-def conv_recurrent(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
-                   fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                   key_heads: int = 1) -> torch.Tensor:
-    """conv_recurrent_ref's contract; the one kernel for CUDA tensors."""
-    if use_triton(x, a, b):
-        return conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state, pend, fold, parity, live,
-                                     key_heads)
-    return conv_recurrent_ref(x, buf, off, weight, a, b, A_log, dt_bias, state, pend, fold, parity, live, key_heads)
-
-
 def fold_pending(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
-                 A_log: torch.Tensor, dt_bias: torch.Tensor, conv: tuple | None = None):
-    """fold_pending_ref's contract; the Triton kernel for CUDA tensors (`conv`: fold_pending_triton's)."""
+                 A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """fold_pending_ref's contract; the Triton kernel for CUDA tensors."""
     if use_triton(state):
-        fold_pending_triton(state, pend, fold, parity, A_log, dt_bias, conv)
+        fold_pending_triton(state, pend, fold, parity, A_log, dt_bias)
     else:
         fold_pending_ref(state, pend, fold, parity, A_log, dt_bias)
