@@ -204,24 +204,12 @@ class GatedDeltaNet(nn.Module):
         else:
             mixed, z = ctx.linear(x, weight(self, "in_proj")).split([c.conv_dim, c.value_dim], dim=-1)
             b, a = ctx.linear(x, self.in_proj_ba).split([hv, hv], dim=-1)
-        mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live,   # pre-conv in, silu out
-                                 tokens=16 if ctx.step else ctx.plan.prefill_conv_tokens)
-        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
-        q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
-        if ctx.step:
-            o = gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, state, pend, ctx.fold, ctx.parity, ctx.live)
+        if ctx.step and T <= ctx.plan.conv_in_recurrence:
+            # the recurrence kernel computes the conv of the channels each of its programs reads
+            o = gdn.conv_recurrent(mixed, conv_buf, ctx.conv_off, self.conv_weight, a, b, self.A_log, self.dt_bias,
+                                   state, pend, ctx.fold, ctx.parity, ctx.live, c.linear_num_key_heads)
         else:
-            # the last step's accepted tokens first (the decoder zeroes ctx.fold after the first
-            # chunk; decode state, no gradient); the kernels write the end state over the start
-            # state, the reference returns it (from a copy of the start state, which a training
-            # forward's gradients may still need)
-            with torch.no_grad():
-                gdn.fold_pending(state, pend, ctx.fold, ctx.parity, self.A_log, self.dt_bias)
-            o, end_state = gdn_chunk.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state, out=state,
-                                           fused_out=ctx.plan.chunk_fused_out, solved=ctx.plan.chunk_solved,
-                                           terms=ctx.plan.chunk_terms)
-            if end_state is not state:
-                state.copy_(end_state)
+            o = self._conv_then_recurrence(mixed, a, b, cache, ctx)
         out_proj = weight(self, "out_proj")
         o = o.to(x.dtype)
         # prefill: the normed rows straight to FP8 (a head one group of 128) where out_proj takes them so
@@ -229,6 +217,30 @@ class GatedDeltaNet(nn.Module):
         o = norm.gated_rmsnorm(o, z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps,
                                rows=1 if ctx.step else ctx.plan.prefill_rows, quantize=quantize)
         return ctx.out_linear(o if quantize else o.reshape(T, c.value_dim), out_proj)
+
+    def _conv_then_recurrence(self, mixed, a, b, cache, ctx: Ctx):
+        """The conv kernel, then the recurrence (a step) or the chunked form (a prefill)."""
+        c, T = self.c, mixed.shape[0]
+        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        conv_buf, state, pend = cache
+        mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live,   # pre-conv in, silu out
+                                 tokens=16 if ctx.step else ctx.plan.prefill_conv_tokens)
+        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
+        if ctx.step:
+            return gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, state, pend, ctx.fold, ctx.parity, ctx.live)
+        # the last step's accepted tokens first (the decoder zeroes ctx.fold after the first chunk;
+        # decode state, no gradient); the kernels write the end state over the start state, the
+        # reference returns it (from a copy of the start state, which a training forward's
+        # gradients may still need)
+        with torch.no_grad():
+            gdn.fold_pending(state, pend, ctx.fold, ctx.parity, self.A_log, self.dt_bias)
+        o, end_state = gdn_chunk.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state, out=state,
+                                       fused_out=ctx.plan.chunk_fused_out, solved=ctx.plan.chunk_solved,
+                                       terms=ctx.plan.chunk_terms)
+        if end_state is not state:
+            state.copy_(end_state)
+        return o
 
 
 class DecoderLayer(nn.Module):

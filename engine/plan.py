@@ -80,6 +80,14 @@ class KernelPlan:
     chunk_fused_out: bool = False
     chunk_solved: str = "float32"
     chunk_terms: str = "float32"
+    # A step of at most this many tokens has its causal conv computed by the GDN recurrence kernel
+    # (kernels/gdn.py conv_recurrent): each program first writes the conv of the channels it reads,
+    # then runs the same loop as after the conv kernel, so a token takes the same bits either way
+    # (tests/kernels/test_gdn_conv_step.py); 0: never. One-token steps (decode): the FP8 27B's decode
+    # step 0.994 x, verify 3 1.000 x; in every step, verify 3 1.007 x: the conv of four tokens for
+    # every channel a program reads costs more than the launch it saves (an H200,
+    # tests/bench/ab_step.py --plans conv; docs/PERFORMANCE.md 2026-11-27).
+    conv_in_recurrence: int = 1
 
     @classmethod
     def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool, int4: bool = False) -> "KernelPlan":

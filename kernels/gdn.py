@@ -7,12 +7,19 @@ Shapes (one sequence): q, k [T, Hk, dk]; v [T, Hv, dv]; a, b [T, Hv]; A_log, dt_
 states [Hv, dk, dv] float32 (the dk x dv layout of transformers and fla). V head j reads Q/K head
 j // (Hv // Hk). Per token, with g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b):
     S = exp(g) * S ;  S = S + k ⊗ beta * (v - Sᵀk) ;  o = Sᵀ q        (q, k l2-normalised, q * dk^-0.5)
+
+A step may also hand the kernel q, k and v before the causal conv (`conv_recurrent`): each program
+then first computes the conv and silu of the channels it reads, for the step's tokens, as
+kernels/conv.py's kernel does (the same sums, the same rounding), writes them into the rows it then
+reads as the plain kernel reads them, and writes the step's inputs into the conv's window: one
+kernel a GDN layer fewer in every step, and the same loop, so the same bits.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from mtpchat.kernels import conv
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 
 
@@ -105,11 +112,54 @@ def fold_pending_ref(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor
     state.copy_(_fold(state, pend, fold, parity, A_log, dt_bias))
 
 
+def conv_recurrent_ref(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
+                       fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
+                       key_heads: int = 1) -> torch.Tensor:
+    """The causal conv of a step's inputs x [T, 2 Hk dk + Hv dv] (q | k | v before the conv; buf, off
+    and weight as kernels/conv.py takes them, `key_heads` = Hk), then the recurrence of its output
+    (recurrent_ref's contract for the rest). Returns o [T, Hv, dv]."""
+    T, (Hv, dk, dv) = x.shape[0], state.shape
+    y = conv.conv_update_ref(x, buf, off, weight, live)
+    q, k, v = y.split([key_heads * dk, key_heads * dk, Hv * dv], dim=-1)
+    return recurrent_ref(q.view(T, key_heads, dk), k.view(T, key_heads, dk), v.view(T, Hv, dv), a, b, A_log,
+                         dt_bias, state, pend, fold, parity, live)
+
+
+@triton.jit
+def _conv_rows(x, buf, cw, y, o_c, m_c, own, T, s_x, s_y, s_buf, i_off, WIDTH, KC: tl.constexpr,
+               TP: tl.constexpr, N: tl.constexpr):
+    """silu(causal conv) of the N channels o_c for a step's T (<= TP) tokens into y's rows, each
+    value as conv.py's kernel computes it (window column or input, times the tap, tap by tap; the
+    same rounding), four tokens at a time (eight spill registers at the 27B's shapes); where `own`,
+    the step's inputs of these channels into the window's ring, at columns no token of the step
+    reads (a step holds at most WIDTH - (KC-1) tokens)."""
+    TB: tl.constexpr = 4 if TP > 4 else TP
+    for t0 in tl.static_range(0, TP, TB):
+        o_t = t0 + tl.arange(0, TB)
+        b_y = tl.zeros([TB, N], dtype=tl.float32)
+        for j in tl.static_range(KC):
+            o_src = o_t + j - (KC - 1)
+            m_x = (o_src >= 0)[:, None] & (o_src < T)[:, None] & m_c[None, :]
+            b_in = tl.load(x + o_src[:, None] * s_x + o_c[None, :], mask=m_x, other=0.).to(buf.dtype.element_ty)
+            b_x = b_in.to(tl.float32)
+            m_w = (o_src < 0)[:, None] & m_c[None, :]
+            b_x += tl.load(buf + o_c[None, :] * s_buf + (i_off + KC - 1 + o_src)[:, None] % WIDTH, mask=m_w,
+                           other=0.).to(tl.float32)
+            b_y += tl.load(cw + o_c * KC + j, mask=m_c, other=0.).to(tl.float32)[None, :] * b_x
+        b_y = b_y * tl.sigmoid(b_y)
+        m_y = (o_t < T)[:, None] & m_c[None, :]
+        tl.store(y + o_t[:, None] * s_y + o_c[None, :], b_y.to(y.dtype.element_ty), mask=m_y)
+        # b_in is the last tap's: the tokens' own inputs
+        tl.store(buf + o_c[None, :] * s_buf + ((i_off + KC - 1 + o_t) % WIDTH)[:, None], b_in,
+                 mask=m_y & ((tl.zeros([TB, N], dtype=tl.int64) + own) > 0))
+
+
 @triton.jit(do_not_specialize=["T"])
 def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, scale,
                       s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt,
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                      HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
+                      HAS_LIVE: tl.constexpr, PDL: tl.constexpr, xc=None, buf=None, off=None, cw=None, s_xc=0,
+                      s_buf=0, WIDTH=1, KEY=0, KC: tl.constexpr = 0, TP: tl.constexpr = 1):
     # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
     # stays in registers through the last step's accepted tokens (read back from pend) and this
     # step's T; one loop body runs both, so a token gives the same bits folded in later as when
@@ -125,6 +175,24 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
     m_s = (o_k < DK)[:, None] & m_v[None, :]
     o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
     o_g = tl.arange(0, 2)
+    if KC > 0:
+        # the conv form: xc [T, 2 KEY + Hv DV] holds q | k | v before a conv of KC taps (buf, off and
+        # cw: its window, offset and weight, as kernels/conv.py takes them), and q points at the
+        # rows [T, 2 KEY + Hv DV] that k and v are views of, still to be written. This program
+        # writes the conv of the channels it reads there (its key head's q and k, which the head's
+        # other programs write alike, and its own v columns), then reads them below as the plain
+        # kernel does. The window takes the step's inputs from the programs that own the channels:
+        # q and k from a key head's first value head's program 0, v from each program its own.
+        b_own = tl.full([], 1, tl.int64)
+        if HAS_LIVE:
+            b_own = tl.minimum(tl.maximum(tl.load(live), 0), 1)
+        b_qk = b_own * (1 - tl.minimum(i_v, 1)) * tl.where(i_h % GROUP == 0, 1, 0)
+        b_off = tl.load(off)
+        o_q = i_kh * DK + o_k
+        _conv_rows(xc, buf, cw, q, o_q, o_q < KEY, b_qk, T, s_xc, s_q, s_buf, b_off, WIDTH, KC, TP, DK)
+        _conv_rows(xc, buf, cw, q, KEY + o_q, o_q < KEY, b_qk, T, s_xc, s_q, s_buf, b_off, WIDTH, KC, TP, DK)
+        _conv_rows(xc, buf, cw, q, 2 * KEY + i_h * DV + o_v, m_v, b_own, T, s_xc, s_q, s_buf, b_off, WIDTH, KC, TP, BV)
+        tl.debug_barrier()   # the rows written above, before any thread of the program reads them
     b_S = tl.load(state + o_s, mask=m_s, other=0.)
     # what this program may write, as integers (scalar booleans do not make masks everywhere)
     b_live = tl.full([], 1, tl.int64)
@@ -211,6 +279,40 @@ def recurrent_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: t
     return o
 
 
+def conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
+                          fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
+                          key_heads: int = 1) -> torch.Tensor:
+    """conv_recurrent_ref's contract in one kernel: the recurrence's, each program first computing
+    the conv of the channels it reads. x [T, C] may be a row-strided view (of the in_proj output)."""
+    T, C = x.shape
+    Hv, DK, DV = state.shape
+    KC, WIDTH = weight.shape[1], buf.shape[1]
+    KEY = key_heads * DK
+    assert C == 2 * KEY + Hv * DV and x.stride(1) == 1, f"x must be [T, {2 * KEY + Hv * DV}] with contiguous rows"
+    assert Hv % key_heads == 0 and DK & (DK - 1) == 0, "Hv a multiple of the key heads, dk a power of two"
+    assert buf.shape[0] == C and buf.stride(1) == 1 and weight.shape == (C, KC) and weight.is_contiguous(), \
+        f"buf must be [{C}, W] with contiguous rows, the conv weight [{C}, K] contiguous"
+    assert T <= WIDTH - (KC - 1), f"a step of {T} tokens would write the window it reads (W = {WIDTH})"
+    assert off.numel() == 1 and off.dtype == torch.long, "off must be a 1-element long tensor"
+    assert a.shape == b.shape == (T, Hv) and a.stride(1) == 1 and b.stride(1) == 1, "a, b must be [T, Hv]"
+    assert A_log.shape == dt_bias.shape == (Hv,), "A_log, dt_bias must be [Hv]"
+    _check_state(state, pend, fold, parity, Hv, DK, DV)
+    assert T <= pend.shape[1], f"pend holds {pend.shape[1]} tokens a step, got {T}"
+    assert live is None or (live.numel() == 1 and live.dtype == torch.long), "live must be a 1-element long tensor"
+    # the conv's output rows, as conv.py's kernel would hand them to the plain kernel
+    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    q, k, v = y.split([KEY, KEY, Hv * DV], dim=-1)
+    o = torch.empty(T, Hv, DV, dtype=x.dtype, device=x.device)
+    BV, warps = _tile(DV)
+    _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
+        q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live if live is not None else fold, o, T,
+        DK ** -0.5, y.stride(0), y.stride(0), y.stride(0), a.stride(0), b.stride(0), o.stride(0),
+        pend.stride(0), pend.stride(1), GROUP=Hv // key_heads, DK=DK, DV=DV, BV=BV,
+        HAS_LIVE=live is not None, num_warps=warps, **pdl(x), xc=x, buf=buf, off=off, cw=weight,
+        s_xc=x.stride(0), s_buf=buf.stride(0), WIDTH=WIDTH, KEY=KEY, KC=KC, TP=triton.next_power_of_2(T))
+    return o
+
+
 def fold_pending_triton(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
                         A_log: torch.Tensor, dt_bias: torch.Tensor):
     """fold_pending_ref's contract: the recurrent kernel with no tokens of its own."""
@@ -229,6 +331,16 @@ def recurrent(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Te
     if use_triton(q, k, v, a, b):
         return recurrent_triton(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live)
     return recurrent_ref(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live)
+
+
+def conv_recurrent(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
+                   fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
+                   key_heads: int = 1) -> torch.Tensor:
+    """conv_recurrent_ref's contract; the one kernel for CUDA tensors."""
+    if use_triton(x, a, b):
+        return conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state, pend, fold, parity, live,
+                                     key_heads)
+    return conv_recurrent_ref(x, buf, off, weight, a, b, A_log, dt_bias, state, pend, fold, parity, live, key_heads)
 
 
 def fold_pending(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,

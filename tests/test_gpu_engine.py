@@ -3,8 +3,10 @@ import pytest
 import torch
 
 from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.memory import K_MAX
 from mtpchat.engine.model import prefill_attention
+from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.spec import ProfileDrafter
 from mtpchat.kernels.conv import window_columns
 from tools.tiny import write_tiny_checkpoint
@@ -136,3 +138,17 @@ def test_drafts_past_the_captured_ones_keep_mtp_on_equal_off(ckpt):
     runs = assert_mtp_on_equals_off(engine, gpu_prompts(engine, 2), 96, profile_ks=(5, 8), ks=(6,))
     # per prompt: profile drafts at k = 5 and 8, then the head's at 6; steps of that many drafts ran
     assert [max(r.stats.k_histogram) for r in runs] == [5, 8, 6, 5, 8, 6]
+
+
+def test_conv_in_recurrence_changes_no_token(ckpt):
+    # the GDN conv computed by the recurrence kernel (KernelPlan.conv_in_recurrence) in no step, in
+    # one-token steps only (a verify's tokens then folded in by a decode with the conv inside, and
+    # the other way round) and in every step: the same greedy tokens, MTP off and on
+    runs = []
+    for tokens in (0, 1, 1 << 10):
+        plan = KernelPlan.choose("cuda", ModelConfig.load(ckpt), fp8=False).replace(conv_in_recurrence=tokens)
+        engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, plan=plan)
+        runs.append(assert_mtp_on_equals_off(engine, gpu_prompts(engine, 3)[1:], 96, profile_ks=(1, 3), ks=(2,)))
+        del engine
+    tokens = [[list(done.token_ids) for done in run] for run in runs]
+    assert tokens[0] == tokens[1] == tokens[2]

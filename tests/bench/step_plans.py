@@ -223,6 +223,13 @@ def rows_plans(base: KernelPlan) -> dict:
     return {"rows 16": base.replace(rows=16), "rows 8": base.replace(rows=8)}
 
 
+def conv_plans(base: KernelPlan) -> dict:
+    """A step's GDN conv as a kernel of its own before the recurrence, or computed by the recurrence
+    kernel (KernelPlan.conv_in_recurrence: one launch a GDN layer fewer) in one-token steps or in
+    every step. The logits must be the same bits."""
+    return {"conv kernel": base.replace(conv_in_recurrence=0), "in decode": base.replace(conv_in_recurrence=1),
+            "in every step": base.replace(conv_in_recurrence=1 << 10)}
+
 def default_plans(base: KernelPlan) -> dict:
     """The plan's defaults that were measured in (DEFAULT_FORMS), each off alone against all on, and
     all off: the ratios say what each still buys on this model and weight format (the bit form
@@ -234,4 +241,4 @@ def default_plans(base: KernelPlan) -> dict:
 
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
-            "int4": int4_plans, "rows": rows_plans, "release": release_plans}
+            "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans}
