@@ -258,6 +258,32 @@ def recurrent_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: t
                      fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_ref's contract. q, k, v may be row-strided views (of the conv output) with each
     token's heads contiguous; a, b likewise [T, Hv] views."""
+    return _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, {})
+
+
+def conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
+                          fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
+                          key_heads: int = 1) -> torch.Tensor:
+    """conv_recurrent_ref's contract in one kernel: the recurrence's, each program first computing
+    the conv of the channels it reads. x [T, C] may be a row-strided view (of the in_proj output)."""
+    T, C = x.shape
+    Hv, DK, DV = state.shape
+    KC, WIDTH = weight.shape[1], buf.shape[1]
+    KEY = key_heads * DK
+    assert C == 2 * KEY + Hv * DV and x.stride(1) == 1, f"x must be [T, {2 * KEY + Hv * DV}] with contiguous rows"
+    assert buf.shape[0] == C and buf.stride(1) == 1 and weight.shape == (C, KC) and weight.is_contiguous(), \
+        f"buf must be [{C}, W] with contiguous rows, the conv weight [{C}, K] contiguous"
+    assert T <= WIDTH - (KC - 1), f"a step of {T} tokens would write the window it reads (W = {WIDTH})"
+    assert off.numel() == 1 and off.dtype == torch.long, "off must be a 1-element long tensor"
+    # the conv's output rows, which the kernel writes and then reads as the plain kernel reads conv.py's
+    q, k, v = torch.empty(T, C, dtype=x.dtype, device=x.device).split([KEY, KEY, Hv * DV], dim=-1)
+    return _step(q.view(T, key_heads, DK), k.view(T, key_heads, DK), v.view(T, Hv, DV), a, b, A_log, dt_bias, state,
+                 pend, fold, parity, live, dict(xc=x, buf=buf, off=off, cw=weight, s_xc=x.stride(0), s_buf=buf.stride(0),
+                                                WIDTH=WIDTH, KEY=KEY, KC=KC, TP=triton.next_power_of_2(T)))
+
+
+def _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, conv_args: dict) -> torch.Tensor:
+    """A step's launch of the recurrence kernel (conv_args: the conv form's, or none)."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert k.shape == q.shape and v.shape[0] == T and Hv % Hk == 0, "q, k [T, Hk, dk], v [T, Hv, dv]"
@@ -275,41 +301,7 @@ def recurrent_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: t
         q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live if live is not None else fold, o, T,
         DK ** -0.5, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), o.stride(0),
         pend.stride(0), pend.stride(1), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV,
-        HAS_LIVE=live is not None, num_warps=warps, **pdl(q))
-    return o
-
-
-def conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
-                          fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                          key_heads: int = 1) -> torch.Tensor:
-    """conv_recurrent_ref's contract in one kernel: the recurrence's, each program first computing
-    the conv of the channels it reads. x [T, C] may be a row-strided view (of the in_proj output)."""
-    T, C = x.shape
-    Hv, DK, DV = state.shape
-    KC, WIDTH = weight.shape[1], buf.shape[1]
-    KEY = key_heads * DK
-    assert C == 2 * KEY + Hv * DV and x.stride(1) == 1, f"x must be [T, {2 * KEY + Hv * DV}] with contiguous rows"
-    assert Hv % key_heads == 0 and DK & (DK - 1) == 0, "Hv a multiple of the key heads, dk a power of two"
-    assert buf.shape[0] == C and buf.stride(1) == 1 and weight.shape == (C, KC) and weight.is_contiguous(), \
-        f"buf must be [{C}, W] with contiguous rows, the conv weight [{C}, K] contiguous"
-    assert T <= WIDTH - (KC - 1), f"a step of {T} tokens would write the window it reads (W = {WIDTH})"
-    assert off.numel() == 1 and off.dtype == torch.long, "off must be a 1-element long tensor"
-    assert a.shape == b.shape == (T, Hv) and a.stride(1) == 1 and b.stride(1) == 1, "a, b must be [T, Hv]"
-    assert A_log.shape == dt_bias.shape == (Hv,), "A_log, dt_bias must be [Hv]"
-    _check_state(state, pend, fold, parity, Hv, DK, DV)
-    assert T <= pend.shape[1], f"pend holds {pend.shape[1]} tokens a step, got {T}"
-    assert live is None or (live.numel() == 1 and live.dtype == torch.long), "live must be a 1-element long tensor"
-    # the conv's output rows, as conv.py's kernel would hand them to the plain kernel
-    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
-    q, k, v = y.split([KEY, KEY, Hv * DV], dim=-1)
-    o = torch.empty(T, Hv, DV, dtype=x.dtype, device=x.device)
-    BV, warps = _tile(DV)
-    _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
-        q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live if live is not None else fold, o, T,
-        DK ** -0.5, y.stride(0), y.stride(0), y.stride(0), a.stride(0), b.stride(0), o.stride(0),
-        pend.stride(0), pend.stride(1), GROUP=Hv // key_heads, DK=DK, DV=DV, BV=BV,
-        HAS_LIVE=live is not None, num_warps=warps, **pdl(x), xc=x, buf=buf, off=off, cw=weight,
-        s_xc=x.stride(0), s_buf=buf.stride(0), WIDTH=WIDTH, KEY=KEY, KC=KC, TP=triton.next_power_of_2(T))
+        HAS_LIVE=live is not None, num_warps=warps, **pdl(q), **conv_args)
     return o
 
 
