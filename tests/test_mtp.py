@@ -106,17 +106,18 @@ def test_greedy_exact_across_full_pending_rows(gqa3, greedy_refs, monkeypatch):
     assert flushes.count(8) >= 2, f"flushes at {flushes} pending rows"
 
 
-
-@pytest.mark.parametrize("tokens", [1, 1 << 10])
+@pytest.mark.parametrize("tokens", [0, 1 << 10])
 def test_greedy_exact_with_the_conv_in_the_recurrence(gqa3, greedy_refs, tokens):
-    # the GDN conv taken by the recurrence's call (KernelPlan.conv_in_recurrence) in one-token
-    # steps or in every step: MTP on and off emit MTP off's tokens of the default plan
+    # the GDN conv as a call of its own in every step, or taken by the recurrence's call in every
+    # step (KernelPlan.conv_in_recurrence; the default takes it in one-token steps only): MTP on
+    # and off emit MTP off's tokens of the default plan
     plan = KernelPlan.choose("cpu", ModelConfig.load(gqa3), fp8=False).replace(conv_in_recurrence=tokens)
     e = load(gqa3, draft_tokens=3, plan=plan)
     for ids, ref in list(zip(*greedy_refs))[:3]:
         for mtp in (False, True):
             e.mtp = mtp
             assert list(generate(e, ids)[-1].token_ids) == ref
+
 
 # --- 2. rollback leaves exactly the state of one-at-a-time feeding ---------------------------------
 @pytest.mark.parametrize("k", [1, 2, 3, 4])

@@ -230,6 +230,7 @@ def conv_plans(base: KernelPlan) -> dict:
     return {"conv kernel": base.replace(conv_in_recurrence=0), "in decode": base.replace(conv_in_recurrence=1),
             "in every step": base.replace(conv_in_recurrence=1 << 10)}
 
+
 def default_plans(base: KernelPlan) -> dict:
     """The plan's defaults that were measured in (DEFAULT_FORMS), each off alone against all on, and
     all off: the ratios say what each still buys on this model and weight format (the bit form
