@@ -16,6 +16,7 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans release --weights fp8  # the next kernel placed as a product starts, or after its loop
     python3 ab_step.py --plans int4tiles --weights int4 --tiles FILE   # bench_int4.py --interleaved-only's best
     python3 ab_step.py --plans conv --weights fp8      # the GDN conv as its own kernel, or in the recurrence's
+    python3 ab_step.py --plans prefetch --weights fp8 --verify-fold 2   # the GDN recurrence's rows loaded ahead, or in turn
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed (the families
 are in step_plans.py). One engine is
@@ -112,6 +113,9 @@ def main():
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--room", type=int, default=1 << 20,
                    help="tokens the generation may still emit: 0 replays ended steps, which write no GDN state")
+    p.add_argument("--verify-fold", type=int, help="the last verify's tokens that each replayed verify folds into "
+                   "the GDN state first (an acceptance: 1..k+1), the decode step then folding none, as with MTP off "
+                   "(default: both as the generation left them)")
     p.add_argument("--products", action="store_true", help="also time the decode step's products alone")
     p.add_argument("--tiles", metavar="FILE", help="--plans fp8tiles: the JSON of bench_fp8.py --sweep; "
                    "--plans int4tiles: of bench_int4.py --interleaved-only")
@@ -143,9 +147,11 @@ def main():
     kept = (d.pos, d.state.fold, d.state.parity, d.state.conv_off, d.pend_n, d.room)
     save = [t.clone() for t in kept]
 
-    def restore():
+    def restore(phase: str = ""):
         for t, s in zip(kept, save):
             t.copy_(s)
+        if a.verify_fold is not None:
+            d.state.fold.fill_(0 if phase == "verify 0" else a.verify_fold)
 
     phases = {"verify 0": lambda: d.verify(0), "verify 3": lambda: d.verify(3), "draft 3": lambda: d.draft(3)}
     graphs, logits = {}, {}
@@ -161,12 +167,12 @@ def main():
         d.plan = plan                              # the decoder's contexts carry it from here on
         try:
             for phase, fn in phases.items():
-                restore()
+                restore(phase)
                 fn()                               # compiles this plan's kernels
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    restore()
+                    restore(phase)
                     fn()
                 graphs[name, phase] = g
         except Exception as e:                     # a tile that does not fit, and the like
@@ -174,7 +180,7 @@ def main():
             del plans[name]
             graphs = {key: g for key, g in graphs.items() if key[0] != name}
             continue
-        restore()
+        restore("verify 0")
         graphs[name, "verify 0"].replay()
         logits[name] = d.v_logits[:1].clone()
     d.plan = engine.plan
