@@ -207,8 +207,7 @@ class GatedDeltaNet(nn.Module):
         if ctx.step and T <= ctx.plan.conv_in_recurrence:
             # the recurrence kernel computes the conv of the channels each of its programs reads
             o = gdn.conv_recurrent(mixed, conv_buf, ctx.conv_off, self.conv_weight, a, b, self.A_log, self.dt_bias,
-                                   state, pend, ctx.fold, ctx.parity, ctx.live, c.linear_num_key_heads,
-                                   ctx.plan.recurrence_prefetch)
+                                   state, pend, ctx.fold, ctx.parity, ctx.live, c.linear_num_key_heads)
         else:
             o = self._conv_then_recurrence(mixed, a, b, cache, ctx)
         out_proj = weight(self, "out_proj")
@@ -229,14 +228,13 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
         if ctx.step:
-            return gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, state, pend, ctx.fold, ctx.parity, ctx.live,
-                                 ctx.plan.recurrence_prefetch)
+            return gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, state, pend, ctx.fold, ctx.parity, ctx.live)
         # the last step's accepted tokens first (the decoder zeroes ctx.fold after the first chunk;
         # decode state, no gradient); the kernels write the end state over the start state, the
         # reference returns it (from a copy of the start state, which a training forward's
         # gradients may still need)
         with torch.no_grad():
-            gdn.fold_pending(state, pend, ctx.fold, ctx.parity, self.A_log, self.dt_bias, ctx.plan.recurrence_prefetch)
+            gdn.fold_pending(state, pend, ctx.fold, ctx.parity, self.A_log, self.dt_bias)
         o, end_state = gdn_chunk.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state, out=state,
                                        fused_out=ctx.plan.chunk_fused_out, solved=ctx.plan.chunk_solved,
                                        terms=ctx.plan.chunk_terms)

@@ -88,12 +88,6 @@ class KernelPlan:
     # every channel a program reads costs more than the launch it saves (an H200,
     # tests/bench/ab_step.py --plans conv; docs/PERFORMANCE.md 2026-11-27).
     conv_in_recurrence: int = 1
-    # The GDN recurrence kernel asks for this many rows of its loop (the tokens it folds in, then the
-    # step's own) ahead of the one it runs, and for the state and the step's scalars before its conv,
-    # so that a row's loads no longer wait for the row before (0: each row loaded as its turn
-    # comes). The same arithmetic on the same values: the same bits (tests/kernels/test_gdn_recurrent.py).
-    # Candidate, off until measured (tests/bench/ab_step.py --plans prefetch).
-    recurrence_prefetch: int = 0
 
     @classmethod
     def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool, int4: bool = False) -> "KernelPlan":

@@ -154,35 +154,12 @@ def _conv_rows(x, buf, cw, y, o_c, m_c, own, T, s_x, s_y, s_buf, i_off, WIDTH, K
                  mask=m_y & ((tl.zeros([TB, N], dtype=tl.int64) + own) > 0))
 
 
-@triton.jit
-def _token_row(p_row, q, k, v, a, b, t, from_pend, from_step, i_kh, i_h, o_k, o_v, m_v, o_g, s_q, s_k, s_v, s_a,
-               s_b, DK: tl.constexpr, DV: tl.constexpr):
-    """The (k, v, [a, b], q) float32 a program runs for one row of its loop: the kept row at p_row
-    where `from_pend` (a folded token, q = k, its output not kept), else this step's token t where
-    `from_step`; both loads are issued (each masked by its own flag), so a caller may load a row
-    before it knows which it is and pick it after (from_pend then still picks). The values are the
-    plain loop's, bit for bit."""
-    # (integer flags made into masks the vector way: scalar booleans do not make masks everywhere)
-    p_k = tl.load(p_row + o_k, mask=(o_k * 0 + from_pend) > 0, other=0.)
-    p_v = tl.load(p_row + DK + o_v, mask=m_v & ((o_v * 0 + from_pend) > 0), other=0.)
-    p_ab = tl.load(p_row + DK + DV + o_g, mask=(o_g * 0 + from_pend) > 0, other=0.)
-    x_k = tl.load(k + t * s_k + i_kh * DK + o_k, mask=(o_k * 0 + from_step) > 0, other=0.).to(tl.float32)
-    x_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v & ((o_v * 0 + from_step) > 0), other=0.).to(tl.float32)
-    x_a = tl.load(a + t * s_a + i_h + o_g * 0, mask=(o_g == 0) & ((o_g * 0 + from_step) > 0), other=0.)
-    x_b = tl.load(b + t * s_b + i_h + o_g * 0, mask=(o_g == 1) & ((o_g * 0 + from_step) > 0), other=0.)
-    x_ab = tl.where(o_g == 0, x_a, x_b).to(tl.float32)
-    x_q = tl.load(q + t * s_q + i_kh * DK + o_k, mask=(o_k * 0 + from_step) > 0, other=0.).to(tl.float32)
-    pick = from_pend > 0
-    return tl.where(pick, p_k, x_k), tl.where(pick, p_v, x_v), tl.where(pick, p_ab, x_ab), tl.where(pick, p_k, x_q)
-
-
 @triton.jit(do_not_specialize=["T"])
 def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, scale,
                       s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt,
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                       HAS_LIVE: tl.constexpr, PDL: tl.constexpr, xc=None, buf=None, off=None, cw=None, s_xc=0,
-                      s_buf=0, WIDTH=1, KEY=0, KC: tl.constexpr = 0, TP: tl.constexpr = 1,
-                      PREFETCH: tl.constexpr = 0):
+                      s_buf=0, WIDTH=1, KEY=0, KC: tl.constexpr = 0, TP: tl.constexpr = 1):
     # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
     # stays in registers through the last step's accepted tokens (read back from pend) and this
     # step's T; one loop body runs both, so a token gives the same bits folded in later as when
@@ -198,13 +175,6 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
     m_s = (o_k < DK)[:, None] & m_v[None, :]
     o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
     o_g = tl.arange(0, 2)
-    if PREFETCH > 0:
-        # the state and the step's scalars asked for first, so their loads overlap the conv's
-        b_S = tl.load(state + o_s, mask=m_s, other=0.)
-        b_live = tl.full([], 1, tl.int64)
-        if HAS_LIVE:
-            b_live = tl.minimum(tl.maximum(tl.load(live), 0), 1)
-        b_par, b_fold = tl.load(parity), tl.load(fold)
     if KC > 0:
         # the conv form: xc [T, 2 KEY + Hv DV] holds q | k | v before a conv of KC taps (buf, off and
         # cw: its window, offset and weight, as kernels/conv.py takes them), and q points at the
@@ -223,54 +193,30 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
         _conv_rows(xc, buf, cw, q, KEY + o_q, o_q < KEY, b_qk, T, s_xc, s_q, s_buf, b_off, WIDTH, KC, TP, DK)
         _conv_rows(xc, buf, cw, q, 2 * KEY + i_h * DV + o_v, m_v, b_own, T, s_xc, s_q, s_buf, b_off, WIDTH, KC, TP, BV)
         tl.debug_barrier()   # the rows written above, before any thread of the program reads them
-    if PREFETCH == 0:
-        b_S = tl.load(state + o_s, mask=m_s, other=0.)
-        # what this program may write, as integers (scalar booleans do not make masks everywhere)
-        b_live = tl.full([], 1, tl.int64)
-        if HAS_LIVE:
-            b_live = tl.minimum(tl.maximum(tl.load(live), 0), 1)
-        b_par, b_fold = tl.load(parity), tl.load(fold)
+    b_S = tl.load(state + o_s, mask=m_s, other=0.)
+    # what this program may write, as integers (scalar booleans do not make masks everywhere)
+    b_live = tl.full([], 1, tl.int64)
+    if HAS_LIVE:
+        b_live = tl.minimum(tl.maximum(tl.load(live), 0), 1)
     b_head = b_live * (1 - tl.minimum(i_v, 1))                           # k, a, b: program 0 only
+    b_par, b_fold = tl.load(parity), tl.load(fold)
     W: tl.constexpr = DK + DV + 2
     p_in = pend + b_par * s_pp + i_h * W
     p_out = pend + (1 - b_par) * s_pp + i_h * W
     b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     b_dt = tl.load(dt_bias + i_h).to(tl.float32)
-    if PREFETCH > 0:
-        # PREFETCH rows ahead of the one the loop runs: row 0 is this step's first token (asked for
-        # before the fold is known) or the first token folded in; the rows after it, in the loop
-        b_f0 = tl.minimum(b_fold, 1)
-        n_k, n_v, n_ab, n_q = _token_row(p_in, q, k, v, a, b, 0, b_f0, tl.minimum(T, 1), i_kh, i_h, o_k, o_v, m_v,
-                                         o_g, s_q, s_k, s_v, s_a, s_b, DK, DV)
-        if PREFETCH > 1:
-            m_k, m_vv, m_ab, m_q = _token_row(p_in + s_pt, q, k, v, a, b, 1 - b_fold, tl.where(1 < b_fold, 1, 0),
-                                              tl.where((1 >= b_fold) & (1 - b_fold < T), 1, 0), i_kh, i_h, o_k, o_v,
-                                              m_v, o_g, s_q, s_k, s_v, s_a, s_b, DK, DV)
     for j in range(b_fold + T):
         t = j - b_fold                                                   # < 0: a token folded in
-        if PREFETCH > 0:
-            b_k, b_v, b_ab, b_q = n_k, n_v, n_ab, n_q
-            j_n = j + PREFETCH
-            t_n = j_n - b_fold
-            r_k, r_v, r_ab, r_q = _token_row(p_in + j_n * s_pt, q, k, v, a, b, t_n, tl.where(j_n < b_fold, 1, 0),
-                                             tl.where((t_n >= 0) & (t_n < T), 1, 0), i_kh, i_h, o_k, o_v, m_v, o_g,
-                                             s_q, s_k, s_v, s_a, s_b, DK, DV)
-            if PREFETCH > 1:
-                n_k, n_v, n_ab, n_q = m_k, m_vv, m_ab, m_q
-                m_k, m_vv, m_ab, m_q = r_k, r_v, r_ab, r_q
-            else:
-                n_k, n_v, n_ab, n_q = r_k, r_v, r_ab, r_q
+        if j < b_fold:
+            b_k = tl.load(p_in + j * s_pt + o_k)
+            b_v = tl.load(p_in + j * s_pt + DK + o_v, mask=m_v, other=0.)
+            b_ab = tl.load(p_in + j * s_pt + DK + DV + o_g)
+            b_q = b_k                                                    # its output is not kept
         else:
-            if j < b_fold:
-                b_k = tl.load(p_in + j * s_pt + o_k)
-                b_v = tl.load(p_in + j * s_pt + DK + o_v, mask=m_v, other=0.)
-                b_ab = tl.load(p_in + j * s_pt + DK + DV + o_g)
-                b_q = b_k                                                # its output is not kept
-            else:
-                b_k = tl.load(k + t * s_k + i_kh * DK + o_k).to(tl.float32)
-                b_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v, other=0.).to(tl.float32)
-                b_ab = tl.where(o_g == 0, tl.load(a + t * s_a + i_h), tl.load(b + t * s_b + i_h)).to(tl.float32)
-                b_q = tl.load(q + t * s_q + i_kh * DK + o_k).to(tl.float32)
+            b_k = tl.load(k + t * s_k + i_kh * DK + o_k).to(tl.float32)
+            b_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v, other=0.).to(tl.float32)
+            b_ab = tl.where(o_g == 0, tl.load(a + t * s_a + i_h), tl.load(b + t * s_b + i_h)).to(tl.float32)
+            b_q = tl.load(q + t * s_q + i_kh * DK + o_k).to(tl.float32)
         b_x = tl.sum(tl.where(o_g == 0, b_ab, 0.)) + b_dt
         b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))      # torch's threshold 20
         b_beta = tl.sigmoid(tl.sum(tl.where(o_g == 1, b_ab, 0.)))
@@ -309,20 +255,17 @@ def _check_state(state, pend, fold, parity, Hv, DK, DV):
 
 
 def recurrent_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
-                     fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                     prefetch: int = 0) -> torch.Tensor:
+                     fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_ref's contract. q, k, v may be row-strided views (of the conv output) with each
-    token's heads contiguous; a, b likewise [T, Hv] views. `prefetch` (0, 1 or 2): the kernel asks
-    for that many rows of its loop ahead of the one it runs (KernelPlan.recurrence_prefetch)."""
-    return _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, {}, prefetch)
+    token's heads contiguous; a, b likewise [T, Hv] views."""
+    return _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, {})
 
 
 def conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
                           fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                          key_heads: int = 1, prefetch: int = 0) -> torch.Tensor:
+                          key_heads: int = 1) -> torch.Tensor:
     """conv_recurrent_ref's contract in one kernel: the recurrence's, each program first computing
-    the conv of the channels it reads. x [T, C] may be a row-strided view (of the in_proj output).
-    `prefetch`: as recurrent_triton's."""
+    the conv of the channels it reads. x [T, C] may be a row-strided view (of the in_proj output)."""
     T, C = x.shape
     Hv, DK, DV = state.shape
     KC, WIDTH = weight.shape[1], buf.shape[1]
@@ -336,11 +279,10 @@ def conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state: torc
     q, k, v = torch.empty(T, C, dtype=x.dtype, device=x.device).split([KEY, KEY, Hv * DV], dim=-1)
     return _step(q.view(T, key_heads, DK), k.view(T, key_heads, DK), v.view(T, Hv, DV), a, b, A_log, dt_bias, state,
                  pend, fold, parity, live, dict(xc=x, buf=buf, off=off, cw=weight, s_xc=x.stride(0), s_buf=buf.stride(0),
-                                                WIDTH=WIDTH, KEY=KEY, KC=KC, TP=triton.next_power_of_2(T)), prefetch)
+                                                WIDTH=WIDTH, KEY=KEY, KC=KC, TP=triton.next_power_of_2(T)))
 
 
-def _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, conv_args: dict,
-          prefetch: int) -> torch.Tensor:
+def _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, conv_args: dict) -> torch.Tensor:
     """A step's launch of the recurrence kernel (conv_args: the conv form's, or none)."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
@@ -359,45 +301,44 @@ def _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, conv_a
         q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live if live is not None else fold, o, T,
         DK ** -0.5, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), o.stride(0),
         pend.stride(0), pend.stride(1), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV,
-        HAS_LIVE=live is not None, num_warps=warps, PREFETCH=prefetch, **pdl(q), **conv_args)
+        HAS_LIVE=live is not None, num_warps=warps, **pdl(q), **conv_args)
     return o
 
 
 def fold_pending_triton(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
-                        A_log: torch.Tensor, dt_bias: torch.Tensor, prefetch: int = 0):
-    """fold_pending_ref's contract: the recurrent kernel with no tokens of its own (`prefetch`: the
-    form the steps take, so a token folded here gets the bits a step would give it)."""
+                        A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """fold_pending_ref's contract: the recurrent kernel with no tokens of its own."""
     Hv, DK, DV = state.shape
     _check_state(state, pend, fold, parity, Hv, DK, DV)
     BV, warps = _tile(DV)
     _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
         state, state, state, state, state, A_log, dt_bias, state, pend, fold, parity, fold, state, 0, 1.,
         0, 0, 0, 0, 0, 0, pend.stride(0), pend.stride(1), GROUP=1, DK=DK, DV=DV, BV=BV,
-        HAS_LIVE=False, num_warps=warps, PREFETCH=prefetch, **pdl(state))
+        HAS_LIVE=False, num_warps=warps, **pdl(state))
 
 
 def recurrent(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor,
-              parity: torch.Tensor, live: torch.Tensor | None = None, prefetch: int = 0) -> torch.Tensor:
-    """recurrent_ref's contract; the Triton kernel for CUDA tensors (`prefetch`: its form)."""
+              parity: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    """recurrent_ref's contract; the Triton kernel for CUDA tensors."""
     if use_triton(q, k, v, a, b):
-        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, prefetch)
+        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live)
     return recurrent_ref(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live)
 
 
 def conv_recurrent(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
                    fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                   key_heads: int = 1, prefetch: int = 0) -> torch.Tensor:
-    """conv_recurrent_ref's contract; the one kernel for CUDA tensors (`prefetch`: its form)."""
+                   key_heads: int = 1) -> torch.Tensor:
+    """conv_recurrent_ref's contract; the one kernel for CUDA tensors."""
     if use_triton(x, a, b):
         return conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state, pend, fold, parity, live,
-                                     key_heads, prefetch)
+                                     key_heads)
     return conv_recurrent_ref(x, buf, off, weight, a, b, A_log, dt_bias, state, pend, fold, parity, live, key_heads)
 
 
 def fold_pending(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
-                 A_log: torch.Tensor, dt_bias: torch.Tensor, prefetch: int = 0):
-    """fold_pending_ref's contract; the Triton kernel for CUDA tensors (`prefetch`: the steps' form)."""
+                 A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """fold_pending_ref's contract; the Triton kernel for CUDA tensors."""
     if use_triton(state):
-        fold_pending_triton(state, pend, fold, parity, A_log, dt_bias, prefetch)
+        fold_pending_triton(state, pend, fold, parity, A_log, dt_bias)
     else:
         fold_pending_ref(state, pend, fold, parity, A_log, dt_bias)

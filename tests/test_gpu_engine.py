@@ -99,7 +99,7 @@ def test_pipelined_steps_equal_one_at_a_time(ckpt, graphs):
         states.append([t[:L] for pair in s.kv_layers for t in pair] + [s.fold, s.parity, s.conv_off] +
                       [buf.index_select(1, window_columns(s.conv_off, s.kernel, s.conv_width))
                        for buf, _, _ in s.gdn_layers] +
-                      s.gdn_committed(engine.model, engine.plan.recurrence_prefetch))
+                      s.gdn_committed(engine.model))
         states[-1] = [t.clone() for t in states[-1]]
     assert all(torch.equal(a, b) for a, b in zip(*states))
 
@@ -147,20 +147,6 @@ def test_conv_in_recurrence_changes_no_token(ckpt):
     runs = []
     for tokens in (0, 1, 1 << 10):
         plan = KernelPlan.choose("cuda", ModelConfig.load(ckpt), fp8=False).replace(conv_in_recurrence=tokens)
-        engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, plan=plan)
-        runs.append(assert_mtp_on_equals_off(engine, gpu_prompts(engine, 3)[1:], 96, profile_ks=(1, 3), ks=(2,)))
-        del engine
-    tokens = [[list(done.token_ids) for done in run] for run in runs]
-    assert tokens[0] == tokens[1] == tokens[2]
-
-
-def test_recurrence_prefetch_changes_no_token(ckpt):
-    # the GDN recurrence loading its rows ahead (KernelPlan.recurrence_prefetch 1 and 2) against in
-    # turn: the same greedy tokens, MTP off and on (verifies that fold the last one's tokens, and
-    # decodes after them)
-    runs = []
-    for prefetch in (0, 1, 2):
-        plan = KernelPlan.choose("cuda", ModelConfig.load(ckpt), fp8=False).replace(recurrence_prefetch=prefetch)
         engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, plan=plan)
         runs.append(assert_mtp_on_equals_off(engine, gpu_prompts(engine, 3)[1:], 96, profile_ks=(1, 3), ks=(2,)))
         del engine

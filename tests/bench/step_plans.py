@@ -231,14 +231,6 @@ def conv_plans(base: KernelPlan) -> dict:
             "in every step": base.replace(conv_in_recurrence=1 << 10)}
 
 
-def prefetch_plans(base: KernelPlan) -> dict:
-    """The GDN recurrence kernel loading each row of its loop as its turn comes, or 1 or 2 rows ahead
-    of it, with the state and the step's scalars asked for before its conv
-    (KernelPlan.recurrence_prefetch). The logits must be the same bits."""
-    return {"in turn": base.replace(recurrence_prefetch=0), "1 ahead": base.replace(recurrence_prefetch=1),
-            "2 ahead": base.replace(recurrence_prefetch=2)}
-
-
 def default_plans(base: KernelPlan) -> dict:
     """The plan's defaults that were measured in (DEFAULT_FORMS), each off alone against all on, and
     all off: the ratios say what each still buys on this model and weight format (the bit form
@@ -250,5 +242,4 @@ def default_plans(base: KernelPlan) -> dict:
 
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
-            "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
-            "prefetch": prefetch_plans}
+            "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans}

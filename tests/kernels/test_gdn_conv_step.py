@@ -35,11 +35,11 @@ def _long(x, device):
     return torch.tensor([x], device=device)
 
 
-def _run(fn, x, a, b, weights, kept, off, fold, parity, live, Hk, prefetch=0):
+def _run(fn, x, a, b, weights, kept, off, fold, parity, live, Hk):
     """fn on copies of the buffers: (o, buf, state, pend)."""
     buf, state, pend = (t.clone() for t in kept)
     cw, A_log, dt_bias = weights
-    o = fn(x, buf, off, cw, a, b, A_log, dt_bias, state, pend, fold, parity, live, Hk, prefetch)
+    o = fn(x, buf, off, cw, a, b, A_log, dt_bias, state, pend, fold, parity, live, Hk)
     return o, buf, state, pend
 
 
@@ -91,13 +91,13 @@ def test_conv_recurrent_live_flag(device, live):
     assert unchanged == ([True] * 3 if live == 0 else [False] * 3)
 
 
-def _two_kernels(x, buf, off, cw, a, b, A_log, dt_bias, state, pend, fold, parity, live, Hk, prefetch=0):
+def _two_kernels(x, buf, off, cw, a, b, A_log, dt_bias, state, pend, fold, parity, live, Hk):
     """The conv kernel, then the recurrence kernel on its output (the path the conv form replaces)."""
     T, (Hv, dk, dv) = x.shape[0], state.shape
     y = conv.conv_update_triton(x, buf, off, cw, live)
     q, k, v = y.split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
     return gdn.recurrent_triton(q.view(T, Hk, dk), k.view(T, Hk, dk), v.view(T, Hv, dv), a, b, A_log, dt_bias,
-                                state, pend, fold, parity, live, prefetch)
+                                state, pend, fold, parity, live)
 
 
 def _differ(got, want, names=("output", "window", "state", "kept tokens")) -> str:
@@ -106,21 +106,9 @@ def _differ(got, want, names=("output", "window", "state", "kept tokens")) -> st
                      for g, w, what in zip(got, want, names) if not torch.equal(g, w))
 
 
-@pytest.mark.parametrize("prefetch", [1, 2])
-@pytest.mark.parametrize("T,fold", [(1, 2), (3, 0)])
-def test_conv_recurrent_prefetch(device, prefetch, T, fold):
-    # the conv form with the loop's rows loaded ahead (KernelPlan.recurrence_prefetch): the same bits
-    # as loading them in turn, window included
-    x, a, b, weights, kept = _inputs(T, 2, 4, 16, 40, torch.bfloat16, device, seed=T + 3 * fold)
-    args = (x, a, b, weights, kept, _long(5, device), _long(fold, device), _long(1, device), _long(1, device), 2)
-    differ = _differ(_run(gdn.conv_recurrent_triton, *args, prefetch), _run(gdn.conv_recurrent_triton, *args))
-    assert not differ, differ
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
 @pytest.mark.parametrize("T,fold", [(1, 0), (1, 3), (2, 1), (4, 2), (5, 5)])
-def test_conv_recurrent_is_the_two_kernels_27b(T, fold, prefetch):
+def test_conv_recurrent_is_the_two_kernels_27b(T, fold):
     # the 27B's GDN shapes: a step with the conv inside gives the same bits as the conv kernel then
     # the recurrence kernel, outputs, window, state and kept tokens, whatever it folds: what greedy
     # MTP on == off and the plans' equality rest on (a fold before a prefill or a snapshot runs the
@@ -128,7 +116,7 @@ def test_conv_recurrent_is_the_two_kernels_27b(T, fold, prefetch):
     x, a, b, weights, kept = _inputs(T, 16, 48, 128, 128, torch.bfloat16, "cuda", seed=T + fold)
     args = (x, a, b, weights, kept, _long(1234, "cuda"), _long(fold, "cuda"), _long(fold % 2, "cuda"),
             _long(1, "cuda"), 16)
-    differ = _differ(_run(gdn.conv_recurrent_triton, *args, prefetch), _run(_two_kernels, *args, prefetch))
+    differ = _differ(_run(gdn.conv_recurrent_triton, *args), _run(_two_kernels, *args))
     assert not differ, differ
 
 

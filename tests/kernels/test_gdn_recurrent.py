@@ -1,7 +1,6 @@
 """Gated DeltaNet recurrent step (gates and q/k l2norm fused; the last step's accepted tokens
 folded into the state first) against recurrent_ref: outputs, the state and the kept tokens, for
-decode (T = 1), verify (T = k+1), GQA ratios 1-3, rollback, ended steps and the fold alone; and
-the forms that load the loop's rows ahead (KernelPlan.recurrence_prefetch), bit for bit the plain one."""
+decode (T = 1), verify (T = k+1), GQA ratios 1-3, rollback, ended steps and the fold alone."""
 from __future__ import annotations
 
 import pytest
@@ -101,54 +100,6 @@ def test_recurrent_rollback(device):
     assert torch.equal(torch.cat(one_outs[2:]), outs[1])
 
 
-def _run_form(args, state, pend, fold, parity, live, prefetch):
-    """The kernel in one form (KernelPlan.recurrence_prefetch) on copies: (o, state, pend)."""
-    state, pend = state.clone(), pend.clone()
-    return gdn.recurrent_triton(*args, state, pend, fold, parity, live, prefetch), state, pend
-
-
-@pytest.mark.parametrize("prefetch", [1, 2])
-@pytest.mark.parametrize("T,fold,live", [(1, 0, 1), (1, 2, 1), (5, 3, 1), (2, 5, 1), (3, 1, 0)])
-def test_prefetch_is_the_same_loop(device, prefetch, T, fold, live):
-    # the rows loaded ahead of the one the loop runs: outputs, state and kept tokens the same bits as
-    # loading each row in its turn, and as near the reference (folds past a step's length, a decode
-    # after a verify, an ended step)
-    args, state, pend = _inputs(T, 2, 4, 16, 40, torch.bfloat16, device, seed=T * 5 + fold)
-    flags = (_long(fold, device), _long(fold % 2, device), _long(live, device))
-    got = _run_form(args, state, pend, *flags, prefetch)
-    want = _run_form(args, state, pend, *flags, 0)
-    for g, w, what in zip(got, want, ("output", "state", "kept tokens")):
-        assert torch.equal(g, w), f"{what} differs with the rows loaded {prefetch} ahead"
-    ref_state, ref_pend = state.clone(), pend.clone()
-    check(got[0], gdn.recurrent_ref(*args, ref_state, ref_pend, *flags), TOL[torch.bfloat16])
-    check(got[1], ref_state, TOL[torch.bfloat16], "state")
-
-
-@pytest.mark.parametrize("prefetch", [1, 2])
-def test_prefetch_fold_pending(device, prefetch):
-    # the fold alone (before a prefill or a snapshot) in the form the steps take: the same bits
-    args, state, pend = _inputs(2, 2, 4, 16, 24, torch.float32, device, seed=11)
-    n, parity = _long(4, device), _long(1, device)
-    got, want = state.clone(), state.clone()
-    gdn.fold_pending_triton(got, pend, n, parity, *args[5:], prefetch=prefetch)
-    gdn.fold_pending_triton(want, pend, n, parity, *args[5:])
-    assert torch.equal(got, want) and not torch.equal(got, state)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [1, 2])
-@pytest.mark.parametrize("T,fold", [(1, 0), (1, 3), (4, 2), (5, 5)])
-def test_prefetch_is_the_same_loop_27b(prefetch, T, fold):
-    # compiled for the GPU the forms must still agree to the bit (the rows' layouts follow their
-    # loads, and a sum's order its layout), at the 27B's shapes
-    args, state, pend = _inputs(T, 16, 48, 128, 128, torch.bfloat16, "cuda", seed=T + fold)
-    flags = (_long(fold, "cuda"), _long(fold % 2, "cuda"), _long(1, "cuda"))
-    got = _run_form(args, state, pend, *flags, prefetch)
-    want = _run_form(args, state, pend, *flags, 0)
-    for g, w, what in zip(got, want, ("output", "state", "kept tokens")):
-        assert torch.equal(g, w), f"{what}: {(g != w).sum().item()} of {g.numel()} values differ"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 2, 5])
 def test_recurrent_27b_shapes(T):
@@ -205,15 +156,14 @@ def test_fold_pending(device, fold):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_prefill_fold_is_a_steps_fold_27b(prefetch):
+def test_prefill_fold_is_a_steps_fold_27b():
     # what a new turn's prefill folds in (fold_pending) must be, to the bit, the state a live step's
-    # own fold writes (with the step's launch options: the live flag, the GQA ratio, the form);
-    # otherwise MTP on and off could part at the next turn
+    # own fold writes (with the step's launch options: the live flag, the GQA ratio); otherwise
+    # MTP on and off could part at the next turn
     args, state, pend = _inputs(2, 16, 48, 128, 128, torch.bfloat16, "cuda", seed=5)
     n, parity = _long(3, "cuda"), _long(1, "cuda")
     folded = state.clone()
-    gdn.fold_pending(folded, pend, n, parity, *args[5:], prefetch)
+    gdn.fold_pending(folded, pend, n, parity, *args[5:])
     stepped, p = state.clone(), pend.clone()
-    gdn.recurrent(*args, stepped, p, n, parity, _long(1, "cuda"), prefetch)   # a verify writes the state when folded
+    gdn.recurrent(*args, stepped, p, n, parity, _long(1, "cuda"))   # a verify writes the state when folded
     assert torch.equal(folded, stepped)
