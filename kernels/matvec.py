@@ -126,14 +126,15 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
                    SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
                    BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None,
-                   UNPACK: tl.constexpr = False, LATE: tl.constexpr = False):
+                   UNPACK: tl.constexpr = False, LATE: tl.constexpr = False, RUN: tl.constexpr = 1):
     # Program i_n takes column block i_n, all of K (with SWIGLU, the gate rows n and the up rows
     # N + n of w together). With SPLIT only the first F programs do; program F + j takes part
     # i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
     # leaves its float32 sums in ws[j]; the last of the block's S parts to arrive adds them in
     # order, finishes the block and sets its count (count[j // S]) back to 0. Its acq_rel add,
     # after every thread of the program has stored, orders the parts before its reads. LATE: the
-    # next kernel's programs are placed once this one's have streamed their weights.
+    # next kernel's programs are placed once this one's have streamed their weights. RUN: a K step
+    # takes RUN tiles of BK / RUN columns, one after another along each weight row (fp8_run).
     pdl_start(PDL, LATE)
     pid = tl.program_id(0)
     if SPLIT:
@@ -161,15 +162,19 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
             if SWIGLU:
                 b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
         else:
-            o_k = k + tl.arange(0, BK)
-            m_k = o_k < K
-            m_w = m_n[:, None] & m_k[None, :]
-            p_w = w + o_n[:, None] * s_w + o_k[None, :]
-            b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.))
-            # FP8: a column block's rows share one row of scales (BN divides the 128-row blocks)
-            b_g = _dot_tile(p_w, m_w, b_x, b_g, sw, i_n * BN // 128, s_sw, k, FP8, 128, BITS)
-            if SWIGLU:
-                b_u = _dot_tile(p_w + N * s_w, m_w, b_x, b_u, sw, (N + i_n * BN) // 128, s_sw, k, FP8, 128, BITS)
+            for u in tl.static_range(RUN):
+                k_u = k + u * (BK // RUN)
+                o_k = k_u + tl.arange(0, BK // RUN)
+                m_k = o_k < K
+                m_w = m_n[:, None] & m_k[None, :]
+                p_w = w + o_n[:, None] * s_w + o_k[None, :]
+                b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                                       other=0.))
+                # FP8: a column block's rows share one row of scales (BN divides the 128-row blocks)
+                b_g = _dot_tile(p_w, m_w, b_x, b_g, sw, i_n * BN // 128, s_sw, k_u, FP8, 128, BITS)
+                if SWIGLU:
+                    b_u = _dot_tile(p_w + N * s_w, m_w, b_x, b_u, sw, (N + i_n * BN) // 128, s_sw, k_u, FP8, 128,
+                                    BITS)
     if LATE:
         pdl_release(PDL)
     if not SPLIT:
@@ -239,14 +244,20 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     bytes suits every plain product (smaller tiles, more warps, other depths: 0-23% slower); the
     SwiGLU product is fastest with 64 columns (128 rows of w) by 256 bytes of K, 5 deep (the
     decode step 1.5% faster than with 32 x 512 bytes). float32 plain tiles take half the K. FP8
-    weights: tiles of one scale block's 128 columns (128 bytes a row); plain products over rows of
-    4096 or more (K) 32 rows, 2 warps, 8 deep (56 KB of shared memory: four programs an SM, so the
-    27B's 512 and 448 column blocks are all resident at once; with the bit form 0.92 x the time of
-    64 rows, 4 warps, the FP8 27B's decode step 0.994 x: bench_fp8.py --sweep, ab_step.py --plans
-    fp8tiles), over shorter rows 64 rows, 4 warps, 8 deep (the 35B-A3B's K = 2048: its decode step
-    0.980 x the 32-row tile's, though verify 3 1.007 x and draft 3 1.025 x); the SwiGLU
-    product 32 columns (64 rows of w), 2 warps, 3 deep (alone 2.38 TB/s against 1.79, the FP8 27B's
-    decode step 0.953 x: tests/bench/bench_fp8.py, ab_step.py --plans fp8glu).
+    weights: tiles of 32 rows, 2 warps, over rows of 4096 or more (K), each K step two scale blocks
+    (256 bytes of each row, taken a block at a time: fp8_run) where 256 divides K, the plain
+    products 4 deep (64 KB of shared memory: three programs an SM), the SwiGLU 3 deep: the FP8
+    27B's decode step 0.954 x (an H200) the one-block tiles below, the same logits; the plain alone
+    0.990 x, the SwiGLU alone 0.965 x; a plain tile 5 or 6 deep, 3 deep, 1 warp, 64 rows or 512
+    bytes, a SwiGLU 2 or 4 deep, and runs in the split products with these all slower
+    (tests/bench/ab_step.py --plans fp8tiles --tiles docs/bench-2026-11-27b/fp8-run-plans*.json).
+    Otherwise one scale block's 128 columns a step: plain products over rows of 4096 or more 32
+    rows, 2 warps, 8 deep (56 KB: four programs an SM; with the bit form 0.92 x the time of 64 rows,
+    4 warps, the FP8 27B's decode step 0.994 x: bench_fp8.py --sweep, ab_step.py --plans fp8tiles),
+    over shorter rows 64 rows, 4 warps, 8 deep (the 35B-A3B's K = 2048: its decode step 0.980 x the
+    32-row tile's, though verify 3 1.007 x and draft 3 1.025 x); the SwiGLU product 32 columns (64
+    rows of w), 2 warps, 3 deep (alone 2.38 TB/s against 1.79, the FP8 27B's decode step 0.953 x:
+    tests/bench/bench_fp8.py, ab_step.py --plans fp8glu).
 
     4-bit weights in groups of `group` columns (kernels/int4.py; BK counts weights, 2 a byte), or
     `interleaved` ones: the plan's int4_tiles rule, else the measured tiles (int4.measured)."""
@@ -256,7 +267,7 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
         return chosen or measured(product, N, K, interleaved)[0]
     chosen = plan.tiles(N, K, itemsize, swiglu, fp8) if plan is not None and plan.tiles is not None else None
     if chosen is not None:
-        return chosen
+        return fp8_fit(chosen, K) if fp8 else chosen
     if fp8:
         if swiglu:
             return 32, BLOCK, 2, 3
@@ -264,6 +275,24 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     if swiglu:
         return (64, 128, 4, 5) if itemsize == 2 else (32, 128, 4, 4)
     return 64, 512 // itemsize, 4, 4
+
+
+def fp8_fit(tile: tuple, K: int) -> tuple:
+    """An FP8 tile (..., BK, warps, stages) as a product of K columns can take it: a BK of two
+    128-column scale blocks (a K step then takes them one after another: fp8_run) only where it
+    divides K, else one block. (Four blocks a step compiled to other sums on an H200, and were
+    slower: not taken.)"""
+    *head, BK, warps, stages = tile
+    assert BK <= BLOCK and BLOCK % BK == 0 or BK == 2 * BLOCK, f"an FP8 tile's K ({BK}) must divide {BLOCK} or be twice it"
+    return (*head, BK if BK <= BLOCK or K % BK == 0 else BLOCK, warps, stages)
+
+
+def fp8_run(BK: int, fp8: bool) -> dict:
+    """The RUN launch argument of the product kernels: the 128-column scale blocks an FP8 tile of BK
+    columns spans, taken one after another in each K step (each its own tile load, dot and scale,
+    so the sums are those of one block a step, in the same order: the same bits), 1 otherwise.
+    Each weight row then streams in runs of RUN x 128 bytes."""
+    return {"RUN": BK // BLOCK if fp8 and BK > BLOCK else 1}
 
 
 def check_product(x: torch.Tensor, w, K: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -345,7 +374,7 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
     _matvec_kernel[(F + (blocks - F) * S,)](
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=BT, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
-        num_stages=stages, LATE=plan.late_release, **scale, **fp8, **pdl(x),
+        num_stages=stages, LATE=plan.late_release, **scale, **fp8, **pdl(x), **fp8_run(BK, fp8["FP8"]),
         **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)))
     return y
 

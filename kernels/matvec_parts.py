@@ -17,7 +17,7 @@ import torch
 from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.int4 import GroupInt4, dot_int4, measured
-from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, arrival_counts, check_product, pieces,
+from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, arrival_counts, check_product, fp8_run, pieces,
                                     permuted_once)
 from mtpchat.kernels.plan import ProductPlan, default_products
 
@@ -27,9 +27,10 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
                          s_h, s_ss, s_sw, BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr,
                          NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                          RESIDUAL: tl.constexpr = True, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None,
-                         perm=None, UNPACK: tl.constexpr = False, LATE: tl.constexpr = False):
+                         perm=None, UNPACK: tl.constexpr = False, LATE: tl.constexpr = False,
+                         RUN: tl.constexpr = 1):
     # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
-    # (LATE: the next kernel's programs placed after the loop, matvec._matvec_kernel)
+    # (LATE: the next kernel's programs placed after the loop; RUN: tiles a K step, matvec._matvec_kernel)
     pdl_start(PDL, LATE)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -43,12 +44,14 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
             b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + tl.minimum(o_t, T - 1)[None, :] * s_x, m_t,
                            k, K, BK, G, BG, UNPACK)
         else:
-            o_k = k + tl.arange(0, BK)
-            m_k = o_k < K
-            b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-            # FP8: BK divides the 128-column scale blocks and BN the 128-row ones (matvec._dot_tile)
-            b_y = _dot_tile(w + o_n[:, None] * s_w + o_k[None, :], m_n[:, None] & m_k[None, :], tl.trans(b_x), b_y,
-                            sw, i_n * BN // 128, s_sw, k, FP8, 128, BITS)
+            for u in tl.static_range(RUN):
+                k_u = k + u * (BK // RUN)
+                o_k = k_u + tl.arange(0, BK // RUN)
+                m_k = o_k < K
+                b_x = tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+                # FP8: BK / RUN divides the 128-column scale blocks and BN the 128-row ones (matvec._dot_tile)
+                b_y = _dot_tile(w + o_n[:, None] * s_w + o_k[None, :], m_n[:, None] & m_k[None, :], tl.trans(b_x),
+                                b_y, sw, i_n * BN // 128, s_sw, k_u, FP8, 128, BITS)
     if LATE:
         pdl_release(PDL)
     o_y = o_t[None, :] * s_y + o_n[:, None]
@@ -162,6 +165,9 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
     _, BN, BK, warps, stages = split_config(N, K, x.element_size(), plan, G, il)
     if fp8["FP8"] and plan.split_tiles is None:
         stages = plan.split_fp8_stages
+    # an FP8 tile of several scale blocks (fp8_run) must divide K: every part then ends on a whole tile
+    assert not fp8["FP8"] or BK <= 128 or (BK == 256 and K % BK == 0), \
+        f"an FP8 split tile's K ({BK}) must be 128 or less, or 256 dividing K ({K})"
     blocks = triton.cdiv(N, BN)
     y = torch.empty(len(ranges), T, N, dtype=torch.float32, device=x.device)
     if norm is None:
@@ -180,7 +186,7 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, ranges[0][1], x.stride(0), w.stride(0), y.stride(0),
         y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=BT, BN=BN, BK=BK,
         S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None, num_warps=warps,
-        num_stages=stages, LATE=plan.late_release, **fp8, **pdl(x),
+        num_stages=stages, LATE=plan.late_release, **fp8, **pdl(x), **fp8_run(BK, fp8["FP8"]),
         **_format_args(x, w, BN, BK, warps, fp8, plan, ("split", N, K)))
     return y if norm is None else (Normed(xn, ss, eps), h)
 

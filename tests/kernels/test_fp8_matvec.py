@@ -8,7 +8,7 @@ import torch
 from kernel_checks import TOL, check, normed, randn, split_plan
 
 from mtpchat.kernels import fp8, matvec, matvec_parts
-from mtpchat.kernels.plan import default_products
+from mtpchat.kernels.plan import ProductPlan, default_products
 
 # numpy's matmul treats Triton's bf16 as integers in the interpreter: bf16 activations on the GPU only
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -89,6 +89,36 @@ def test_fp8_matvec_parts(device, dtype, N, K):
     check(xn.x, (h.float() * (1 + nw.float())).to(dtype), TOL[dtype], "x")
 
 
+def _run_tiles(BK: int, BN: int = 32, warps: int = 2, stages: int = 2, parts: int = 3, programs: int = 6):
+    """A plan whose FP8 products take tiles of BK columns (several scale blocks a K step where BK >
+    128: matvec.fp8_run), the same rows, warps and depth whatever BK."""
+    def tiles(N, K, itemsize, swiglu=False, fp8=False):
+        return (BN, BK, warps, stages) if fp8 else None
+
+    def split_tiles(N, K, itemsize):
+        return parts, BN, BK, warps, stages
+    return ProductPlan(programs=programs, tiles=tiles, split_tiles=split_tiles)
+
+
+@pytest.mark.parametrize("BK", [256])
+def test_fp8_runs_are_the_same_sums(device, BK):
+    # a K step of BK / 128 scale blocks, taken one after another (each its own load, dot and scale):
+    # the plain, SwiGLU and split products the same bits as one block a step, and near float32;
+    # a K that BK does not divide (640 = 5 blocks) falls back to one block a step
+    x = randn(3, 1536, dtype=torch.float32, device=device, seed=BK)
+    w, w2 = weights(160, 1536, device, seed=5), weights(2 * 128, 1536, device, seed=6)
+    run, one = _run_tiles(BK), _run_tiles(128)
+    assert matvec.tiles(160, 1536, 4, fp8=True, plan=run)[1] == BK
+    assert matvec.tiles(160, 640, 4, fp8=True, plan=run)[1] == 128
+    got = matvec.matvec_triton(x, w, plan=run)
+    assert torch.equal(got, matvec.matvec_triton(x, w, plan=one))
+    check(got, matvec.matvec_ref(x, w), TOL[torch.float32])
+    assert torch.equal(matvec.matvec_swiglu_triton(x, w2, plan=run), matvec.matvec_swiglu_triton(x, w2, plan=one))
+    parts = matvec_parts.matvec_parts_triton(x, w, plan=run)
+    assert parts.shape[0] == 3 and torch.equal(parts, matvec_parts.matvec_parts_triton(x, w, plan=one))
+    check(parts, matvec_parts.matvec_parts_ref(x, w, run), TOL[torch.float32], "parts")
+
+
 # the 27B's FP8 products: GDN [qkv | z], attention q|gate|k|v, MLP gate|up (SwiGLU), and the 5120-row ones
 SHAPES_27B = [(16384, 5120), (14336, 5120), (5120, 6144), (5120, 17408)]
 
@@ -102,6 +132,28 @@ def test_fp8_27b_shapes_and_rows(N, K):
     ones = torch.cat([matvec.matvec(x[i:i + 1], w) for i in range(x.shape[0])])
     for T in (2, 3, 5, matvec.MAX_ROWS):
         assert torch.equal(matvec.matvec(x[:T], w), ones[:T]), f"T={T}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("BK", [256])
+@pytest.mark.parametrize("N,K", SHAPES_27B)
+def test_fp8_runs_are_the_same_sums_27b(N, K, BK):
+    # compiled for the GPU (the bit form, wgmma or mma.sync), a K step of several scale blocks gives
+    # the very sums of one block a step, at the 27B's shapes: plain (32 rows, 2 warps) and split
+    # (64 rows, 4 warps, the norm finished), and the SwiGLU over the gate|up
+    x = randn(4, K, dtype=torch.bfloat16, device="cuda", seed=K)
+    w = weights(N, K, "cuda", seed=N)
+    stages = 4
+    for BN, warps in ((32, 2), (64, 4)):
+        run, one = (_run_tiles(b, BN, warps, stages, programs=132) for b in (BK, 128))
+        assert torch.equal(matvec.matvec(x, w, plan=run), matvec.matvec(x, w, plan=one))
+        r, nw = randn(4, N, dtype=torch.bfloat16, device="cuda", seed=1), randn(N, device="cuda", seed=2).bfloat16()
+        got, want = (matvec_parts.matvec_parts_triton(x, w, norm=(r, nw, 1e-6), plan=p) for p in (run, one))
+        assert torch.equal(got[0].x, want[0].x) and torch.equal(got[0].ss, want[0].ss) and torch.equal(got[1], want[1])
+    if N == 16384:
+        gu = weights(2 * 17408, K, "cuda", seed=3)
+        run, one = (_run_tiles(b, programs=132) for b in (BK, 128))
+        assert torch.equal(matvec.matvec_swiglu(x, gu, plan=run), matvec.matvec_swiglu(x, gu, plan=one))
 
 
 @pytest.mark.gpu
