@@ -269,8 +269,14 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     if chosen is not None:
         return fp8_fit(chosen, K) if fp8 else chosen
     if fp8:
+        # rows of 4096 or more: two scale blocks a K step (fp8_run) where 256 divides K and the plan
+        # takes them for this product (ProductPlan.fp8_runs)
+        runs = (plan or ProductPlan(programs=1)).fp8_runs
+        run = K >= 4096 and K % (2 * BLOCK) == 0 and ("swiglu" if swiglu else "plain") in runs
         if swiglu:
-            return 32, BLOCK, 2, 3
+            return (32, 2 * BLOCK, 2, 3) if run else (32, BLOCK, 2, 3)
+        if run:
+            return 32, 2 * BLOCK, 2, 4
         return (32, BLOCK, 2, 8) if K >= 4096 else (64, BLOCK, 4, 8)
     if swiglu:
         return (64, 128, 4, 5) if itemsize == 2 else (32, 128, 4, 4)

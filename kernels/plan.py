@@ -55,6 +55,11 @@ class ProductPlan:
                                     # for FP8 and 4-bit models (KernelPlan.choose)
     split_programs: int = 240       # programs of a split product (matvec_parts) in all
     split_fp8_stages: int = 8       # its pipeline depth over FP8 tiles (half the bytes of bf16's: twice as deep)
+    fp8_runs: tuple = ("plain",)    # the FP8 products ("plain", "swiglu") whose K steps take two scale blocks of
+                                    # each weight row, one after another (matvec.fp8_run; the same sums): the FP8
+                                    # 27B's decode step 0.987 x on an H100 and 0.990 x on an H200 for the plain
+                                    # ones; the SwiGLU 1.011 x on an H100 but 0.965 x on an H200, so there too
+                                    # (default_products; tests/bench/ab_step.py --plans fp8tiles)
     tiles: TileRule | None = None   # tiles other than the measured ones (benchmarks; small tiles for the interpreter)
     split_tiles: SplitRule | None = None
     expert_tiles: ExpertRule | None = None  # the MoE expert products' tiles (tests/bench/bench_moe.py)
@@ -102,4 +107,7 @@ def default_products(device: torch.device | str) -> ProductPlan:
 
 @functools.cache
 def _default(kind: str, index: int | None) -> ProductPlan:
-    return ProductPlan(programs=programs_on(torch.device(kind, index)))
+    device = torch.device(kind, index)
+    # the FP8 SwiGLU's runs of two scale blocks won on an H200 (HBM3e) and lost on an H100
+    glu_runs = kind == "cuda" and "H200" in torch.cuda.get_device_name(device)
+    return ProductPlan(programs=programs_on(device), fp8_runs=("plain", "swiglu") if glu_runs else ("plain",))
