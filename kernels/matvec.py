@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
-from mtpchat.kernels.fp8 import BLOCK, BlockFP8, widen, widen_args
+from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
 from mtpchat.kernels.plan import ProductPlan, default_products
 
@@ -281,24 +281,6 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     if swiglu:
         return (64, 128, 4, 5) if itemsize == 2 else (32, 128, 4, 4)
     return 64, 512 // itemsize, 4, 4
-
-
-def fp8_fit(tile: tuple, K: int) -> tuple:
-    """An FP8 tile (..., BK, warps, stages) as a product of K columns can take it: a BK of two
-    128-column scale blocks (a K step then takes them one after another: fp8_run) only where it
-    divides K, else one block. (Four blocks a step compiled to other sums on an H200, and were
-    slower: not taken.)"""
-    *head, BK, warps, stages = tile
-    assert BK <= BLOCK and BLOCK % BK == 0 or BK == 2 * BLOCK, f"an FP8 tile's K ({BK}) must divide {BLOCK} or be twice it"
-    return (*head, BK if BK <= BLOCK or K % BK == 0 else BLOCK, warps, stages)
-
-
-def fp8_run(BK: int, fp8: bool) -> dict:
-    """The RUN launch argument of the product kernels: the 128-column scale blocks an FP8 tile of BK
-    columns spans, taken one after another in each K step (each its own tile load, dot and scale,
-    so the sums are those of one block a step, in the same order: the same bits), 1 otherwise.
-    Each weight row then streams in runs of RUN x 128 bytes."""
-    return {"RUN": BK // BLOCK if fp8 and BK > BLOCK else 1}
 
 
 def check_product(x: torch.Tensor, w, K: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, dict]:

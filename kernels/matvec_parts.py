@@ -17,7 +17,8 @@ import torch
 from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.int4 import GroupInt4, dot_int4, measured
-from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, arrival_counts, check_product, fp8_run, pieces,
+from mtpchat.kernels.fp8 import fp8_run
+from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, arrival_counts, check_product, pieces,
                                     permuted_once)
 from mtpchat.kernels.plan import ProductPlan, default_products
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
-from mtpchat.kernels.fp8 import BLOCK, BlockFP8, widen, widen_args
+from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
 from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
@@ -220,11 +220,12 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
                    STEP: tl.constexpr, BP: tl.constexpr, COUNT: tl.constexpr, SHARED: tl.constexpr,
                    FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0, G: tl.constexpr = 0,
                    BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
-                   UNPACK: tl.constexpr = False):
+                   UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1):
     # One program per (block, BN of the F columns): the expert's gate and up tiles, multiplied
     # with the block's rows of x, weights first ([BN, BK] @ [BK, BM]) as in matvec.py. With
     # SHARED, expert E is the shared expert, whose weights (w2, ws2) are a tensor of their own.
     # G > 0: 4-bit experts (kernels/int4.py), rows of s_w words, zeros zw and perm [E, H] (or None).
+    # RUN: a K step takes RUN tiles of BK / RUN columns one after another (fp8.fp8_run).
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     e, p = _block(expert, pairs, reads, P, i_b, i_n, BM, STEP, BP, COUNT, SHARED)
@@ -246,21 +247,23 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
         m_n = o_n < F
         acc_g = tl.zeros([BN, BM], dtype=tl.float32)
         acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-        for k in range(0, H, BK):
-            o_k = k + tl.arange(0, BK)
-            m_k = o_k < H
-            b_x = tl.load(x + rows[None, :] * s_x + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
-            m_w = m_n[:, None] & m_k[None, :]
-            b_g = tl.load(w_e + o_n[:, None] * H + o_k[None, :], mask=m_w, other=0.)
-            b_u = tl.load(w_e + (o_n + F)[:, None] * H + o_k[None, :], mask=m_w, other=0.)
-            if FP8:
-                s_g = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
-                s_u = tl.load(s_e + (F + i_n * BN) // 128 * s_ws + k // 128)
-                acc_g += s_g * tl.dot(widen(b_g, b_x, BITS), b_x, input_precision="ieee")
-                acc_u += s_u * tl.dot(widen(b_u, b_x, BITS), b_x, input_precision="ieee")
-            else:
-                acc_g = tl.dot(b_g, b_x, acc_g, input_precision="ieee")
-                acc_u = tl.dot(b_u, b_x, acc_u, input_precision="ieee")
+        for k0 in range(0, H, BK):
+            for u in tl.static_range(RUN):
+                k = k0 + u * (BK // RUN)
+                o_k = k + tl.arange(0, BK // RUN)
+                m_k = o_k < H
+                b_x = tl.load(x + rows[None, :] * s_x + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
+                m_w = m_n[:, None] & m_k[None, :]
+                b_g = tl.load(w_e + o_n[:, None] * H + o_k[None, :], mask=m_w, other=0.)
+                b_u = tl.load(w_e + (o_n + F)[:, None] * H + o_k[None, :], mask=m_w, other=0.)
+                if FP8:
+                    s_g = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
+                    s_u = tl.load(s_e + (F + i_n * BN) // 128 * s_ws + k // 128)
+                    acc_g += s_g * tl.dot(widen(b_g, b_x, BITS), b_x, input_precision="ieee")
+                    acc_u += s_u * tl.dot(widen(b_u, b_x, BITS), b_x, input_precision="ieee")
+                else:
+                    acc_g = tl.dot(b_g, b_x, acc_g, input_precision="ieee")
+                    acc_u = tl.dot(b_u, b_x, acc_u, input_precision="ieee")
         out = acc_g * tl.sigmoid(acc_g) * acc_u
         tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
 
@@ -270,9 +273,9 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
                  SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                  G: tl.constexpr = 0, BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
-                 UNPACK: tl.constexpr = False):
+                 UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1):
     # One program per (block, BN of the H output columns), over the expert's F inputs (G > 0: 4-bit
-    # experts, as in _swiglu_kernel).
+    # experts, RUN: as in _swiglu_kernel).
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     e, p = _block(expert, pairs, y, P, i_b, i_n, BM, STEP, BP, False, SHARED)
@@ -302,16 +305,18 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
         o_n = i_n * BN + tl.arange(0, BN)
         m_n = o_n < H
         acc = tl.zeros([BN, BM], dtype=tl.float32)
-        for k in range(0, F, BK):
-            o_k = k + tl.arange(0, BK)
-            m_k = o_k < F
-            b_h = tl.load(hin + p[None, :] * s_h + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
-            b_w = tl.load(w_e + o_n[:, None] * F + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
-            if FP8:
-                s = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
-                acc += s * tl.dot(widen(b_w, b_h, BITS), b_h, input_precision="ieee")
-            else:
-                acc = tl.dot(b_w, b_h, acc, input_precision="ieee")
+        for k0 in range(0, F, BK):
+            for u in tl.static_range(RUN):
+                k = k0 + u * (BK // RUN)
+                o_k = k + tl.arange(0, BK // RUN)
+                m_k = o_k < F
+                b_h = tl.load(hin + p[None, :] * s_h + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
+                b_w = tl.load(w_e + o_n[:, None] * F + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
+                if FP8:
+                    s = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
+                    acc += s * tl.dot(widen(b_w, b_h, BITS), b_h, input_precision="ieee")
+                else:
+                    acc = tl.dot(b_w, b_h, acc, input_precision="ieee")
         tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
 
 
@@ -344,7 +349,8 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
     """(BN, BK, warps, stages) of an expert product: the plan's expert_tiles rule where it gives one,
     else a function of the product, the phase, the weight format and the activations' width, never
     of the number of rows (tests/bench/bench_moe.py measured the step's at the 35B-A3B's shapes on
-    an H100). FP8 tiles lie inside one 128 x 128 block of scales; float32 tiles are smaller, to fit
+    an H100). FP8 tiles lie inside one 128 x 128 block of scales, or span two along K (BK 256, taken a
+    block at a time: fp8.fp8_run; a rule's only); float32 tiles are smaller, to fit
     in shared memory. 4-bit experts, int4 = (N, K, group) of one expert's product: the plan's
     int4_tiles rule ("expert_swiglu", "expert_down"), else in a step the measured tile
     (int4.measured; interleaved experts: their own) and in a prefill 64 x 128 weights
@@ -439,6 +445,8 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     int4 = (2 * Fi, H, w_gate_up.group) if isinstance(w_gate_up, GroupInt4) else None
     BN, BK, warps, stages = tiles("swiglu", step, fp8, x.element_size(), plan, int4,
                                   int4 is not None and w_gate_up.interleaved)
+    if fp8:
+        BN, BK, warps, stages = fp8_fit((BN, BK, warps, stages), H)
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
     w2, ws2 = _shared_args(w_gate_up, shared, 2 * Fi, H)
     ws = w_gate_up.scale if isinstance(w_gate_up, (BlockFP8, GroupInt4)) else wv
@@ -446,7 +454,7 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
         x, wv, ws, w2, ws2, expert, pairs, reads if reads is not None else h, h, P, n_experts, H, Fi,
         x.stride(0), h.stride(0), ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp,
         COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, num_stages=stages,
-        **pdl(x), **(_widen(x, warps, BN, plan) if fp8 else {}),
+        **pdl(x), **(_widen(x, warps, BN, plan) if fp8 else {}), **fp8_run(BK, fp8),
         **_int4_args(w_gate_up, shared, n_experts, 2 * Fi, H, BK,
                      form_of(plan.int4_form, "expert_swiglu", 2 * Fi, H)))
     return h
@@ -463,13 +471,15 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
     plan = plan or default_products(h.device)
     int4 = (H, Fi, w_down.group) if isinstance(w_down, GroupInt4) else None
     BN, BK, warps, stages = tiles("down", step, fp8, h.element_size(), plan, int4, int4 is not None and w_down.interleaved)
+    if fp8:
+        BN, BK, warps, stages = fp8_fit((BN, BK, warps, stages), Fi)
     y = torch.empty(P_, H, dtype=torch.float32, device=h.device)
     ws = w_down.scale if isinstance(w_down, (BlockFP8, GroupInt4)) else wv
     w2, ws2 = _shared_args(w_down, shared, H, Fi)
     _down_kernel[(blocks, triton.cdiv(H, BN))](
         h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
         BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps,
-        num_stages=stages, **pdl(h), **(_widen(h, warps, BN, plan) if fp8 else {}),
+        num_stages=stages, **pdl(h), **(_widen(h, warps, BN, plan) if fp8 else {}), **fp8_run(BK, fp8),
         **_int4_args(w_down, shared, n_experts, H, Fi, BK, form_of(plan.int4_form, "expert_down", H, Fi)))
     return y
 

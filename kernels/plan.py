@@ -56,7 +56,7 @@ class ProductPlan:
     split_programs: int = 240       # programs of a split product (matvec_parts) in all
     split_fp8_stages: int = 8       # its pipeline depth over FP8 tiles (half the bytes of bf16's: twice as deep)
     fp8_runs: tuple = ("plain",)    # the FP8 products ("plain", "swiglu") whose K steps take two scale blocks of
-                                    # each weight row, one after another (matvec.fp8_run; the same sums): the FP8
+                                    # each weight row, one after another (fp8.fp8_run; the same sums): the FP8
                                     # 27B's decode step 0.987 x on an H100 and 0.990 x on an H200 for the plain
                                     # ones; the SwiGLU 1.011 x on an H100 but 0.965 x on an H200, so there too
                                     # (default_products; tests/bench/ab_step.py --plans fp8tiles)

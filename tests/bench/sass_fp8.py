@@ -82,7 +82,7 @@ def production(bits: bool) -> list[tuple[str, object, list, dict, set, int, int]
     for swiglu in (False, True):
         BN, BK, warps, stages = matvec.tiles(16384, 5120, 2, swiglu=swiglu, fp8=True, plan=H100)
         consts = dict(BT=16, BN=BN, BK=BK, NBP=0, SWIGLU=swiglu, SPLIT=False, FP8=True, PDL=True,
-                      BITS=widening(bits, warps, BN), **matvec.fp8_run(BK, True))
+                      BITS=widening(bits, warps, BN), **fp8.fp8_run(BK, True))
         out.append((f"matvec{' swiglu' if swiglu else ''} {BN}x{BK} w{warps} s{stages}", matvec._matvec_kernel,
                     params, consts, aligned, warps, stages))
     params = [("x", "*bf16"), ("w", "*fp8e4nv"), ("sw", "*fp32"), ("y", "*fp32"), ("count", "*i32"), ("r", "*bf16"),

@@ -160,7 +160,8 @@ def int4_tile_plans(base: KernelPlan, found: dict) -> dict:
 
 def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan:
     """The plan with every FP8 product of a kind on one tile: tiles {"plain": (BN, BK, warps,
-    stages), "swiglu": ..., "parts": (S, BN, BK, warps, stages)}, each optional."""
+    stages), "swiglu": ..., "parts": (S, BN, BK, warps, stages), "expert_swiglu", "expert_down":
+    (BN, BK, warps, stages) of a step's MoE expert products}, each optional."""
     def tile(N, K, itemsize, swiglu=False, fp8=False):
         got = tiles.get("swiglu" if swiglu else "plain")
         return tuple(got) if fp8 and got else None
@@ -169,7 +170,14 @@ def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan
     def split(N, K, itemsize):        # every split product is FP8 under --weights fp8 (but the fc's)
         return tuple(tiles["parts"])
     split.__name__ = f"fp8:{name}"
-    return base.replace(tiles=tile, split_tiles=split if "parts" in tiles else None)
+
+    def experts(product, step, fp8, itemsize=2):
+        got = tiles.get("expert_" + product)
+        return tuple(got) if fp8 and step and got else None
+    experts.__name__ = f"fp8:{name}"
+    experts_ruled = any(k.startswith("expert_") for k in tiles)
+    return base.replace(tiles=tile, split_tiles=split if "parts" in tiles else None,
+                        expert_tiles=experts if experts_ruled else None)
 
 
 def fp8_tile_plans(base: KernelPlan, found: dict) -> dict:

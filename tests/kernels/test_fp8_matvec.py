@@ -91,7 +91,7 @@ def test_fp8_matvec_parts(device, dtype, N, K):
 
 def _run_tiles(BK: int, BN: int = 32, warps: int = 2, stages: int = 2, parts: int = 3, programs: int = 6):
     """A plan whose FP8 products take tiles of BK columns (several scale blocks a K step where BK >
-    128: matvec.fp8_run), the same rows, warps and depth whatever BK."""
+    128: fp8.fp8_run), the same rows, warps and depth whatever BK."""
     def tiles(N, K, itemsize, swiglu=False, fp8=False):
         return (BN, BK, warps, stages) if fp8 else None
 

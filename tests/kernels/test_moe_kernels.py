@@ -4,11 +4,14 @@ step's routing and layout, the expert SwiGLU and down products over bf16/float32
 and the 35B-A3B's shapes (GPU)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_checks import TOL, check, randn
 
 from mtpchat.kernels import fp8, matvec, moe, moe_layout
+from mtpchat.kernels.plan import default_products
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 
@@ -114,6 +117,45 @@ def test_fp8_expert_products(device, T):
     check(moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True).cpu(), h_ref, TOL[torch.float32], "fp8 swiglu")
     y_ref = moe.expert_down_ref(h_ref, cpu(wd), lay_cpu, E)
     check(moe.expert_down(h_ref.to(device), wd, lay, E, rowwise=True).cpu(), y_ref, TOL[torch.float32], "fp8 down")
+
+
+def _expert_tiles(BK: int, stages: int = 2):
+    """A plan whose FP8 expert products take BN 64 x BK tiles on 4 warps (BK 256: two scale blocks a
+    K step, fp8.fp8_run)."""
+    def expert_tiles(product, step, fp8_, itemsize=2):
+        return (64, BK, 4, stages) if fp8_ else None
+    return dataclasses.replace(default_products("cuda" if torch.cuda.is_available() else "cpu"),
+                               expert_tiles=expert_tiles)
+
+
+def test_fp8_expert_runs_are_the_same_sums(device):
+    # the experts' gate|up over H = 512 and down over F = 256 (two K steps of two scale blocks): the
+    # same bits as one block a step; F = 128 (one block) falls back to one block a step
+    E, k, T = 3, 2, 3
+    for F, H in ((256, 512), (128, 256)):
+        wgu, wd = experts(E, F, H, device, None, True, seed=F)
+        x = randn(T, H, device=device, seed=3)
+        lay_cpu = moe_layout.layout_ref(routed(T, E, k, device, seed=5).cpu(), E, moe_layout.STEP_ROWS, min(E, T * k))
+        lay = moe_layout.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
+        run, one = _expert_tiles(256), _expert_tiles(128)
+        h = moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True, plan=run)
+        assert torch.equal(h, moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True, plan=one))
+        assert torch.equal(moe.expert_down(h, wd, lay, E, rowwise=True, plan=run),
+                           moe.expert_down(h, wd, lay, E, rowwise=True, plan=one))
+
+
+@pytest.mark.gpu
+def test_fp8_expert_runs_are_the_same_sums_35b():
+    # compiled for the GPU at the 35B-A3B's expert shapes, a step's routing: the same bits either way
+    E, k, F, H, T = 256, 8, 512, 2048, 4
+    wgu, wd = experts(E, F, H, "cuda", torch.bfloat16, True, seed=5)
+    x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=6)
+    _, _, _, lay = moe.route_step(randn(T, E + 1, seed=7, scale=3.0).cuda(), k, E)
+    run, one = _expert_tiles(256), _expert_tiles(128, 3)
+    h = moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True, plan=run)
+    assert torch.equal(h, moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True, plan=one))
+    assert torch.equal(moe.expert_down(h, wd, lay, E, rowwise=True, plan=run),
+                       moe.expert_down(h, wd, lay, E, rowwise=True, plan=one))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
