@@ -117,18 +117,21 @@ def widen_args(x: torch.Tensor, warps: int, BN: int, bits: bool, group: int = 0)
 def fp8_fit(tile: tuple, K: int) -> tuple:
     """An FP8 tile (..., BK, warps, stages) as a product of K columns can take it: a BK of two
     128-column scale blocks (a K step then takes them one after another: fp8_run) only where it
-    divides K, else one block. (Four blocks a step compiled to other sums on an H200, and were
-    slower: not taken.)"""
+    divides K, else one block; a K step past K would read a scale past its row. (Four blocks a
+    step compiled to other sums on an H200, and were slower: not taken.)"""
     *head, BK, warps, stages = tile
-    assert BK <= BLOCK and BLOCK % BK == 0 or BK == 2 * BLOCK, f"an FP8 tile's K ({BK}) must divide {BLOCK} or be twice it"
+    assert (BK <= BLOCK and BLOCK % BK == 0) or BK == 2 * BLOCK, \
+        f"an FP8 tile's K ({BK}) must divide {BLOCK} or be twice it"
     return (*head, BK if BK <= BLOCK or K % BK == 0 else BLOCK, warps, stages)
 
 
 def fp8_run(BK: int, fp8: bool) -> dict:
     """The RUN launch argument of the product kernels: the 128-column scale blocks an FP8 tile of BK
     columns spans, taken one after another in each K step (each its own tile load, dot and scale,
-    so the sums are those of one block a step, in the same order: the same bits), 1 otherwise.
-    Each weight row then streams in runs of RUN x 128 bytes."""
+    so a program's sums are those of one block a step, in the same order), 1 otherwise. Each
+    weight row then streams in runs of RUN x 128 bytes. A product split over K in whole tiles
+    (matvec.tail_split) may split elsewhere under a wider tile, and then sums other ranges: on the
+    27B's shapes the splits fall on the same columns, so its products keep their bits."""
     return {"RUN": BK // BLOCK if fp8 and BK > BLOCK else 1}
 
 

@@ -245,12 +245,14 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     SwiGLU product is fastest with 64 columns (128 rows of w) by 256 bytes of K, 5 deep (the
     decode step 1.5% faster than with 32 x 512 bytes). float32 plain tiles take half the K. FP8
     weights: tiles of 32 rows, 2 warps, over rows of 4096 or more (K), each K step two scale blocks
-    (256 bytes of each row, taken a block at a time: fp8_run) where 256 divides K, the plain
-    products 4 deep (64 KB of shared memory: three programs an SM), the SwiGLU 3 deep: the FP8
-    27B's decode step 0.954 x (an H200) the one-block tiles below, the same logits; the plain alone
-    0.990 x, the SwiGLU alone 0.965 x; a plain tile 5 or 6 deep, 3 deep, 1 warp, 64 rows or 512
-    bytes, a SwiGLU 2 or 4 deep, and runs in the split products with these all slower
-    (tests/bench/ab_step.py --plans fp8tiles --tiles docs/bench-2026-11-27b/fp8-run-plans*.json).
+    (256 bytes of each row, taken a block at a time: fp8_run) where 256 divides K and the plan's
+    fp8_two_blocks name the product, the plain products 4 deep (48 KB of shared memory: four
+    programs an SM), the SwiGLU 3 deep. On an H200 both: the FP8 27B's decode step 0.954 x the
+    one-block tiles below, the same logits (the plain alone 0.990 x, the SwiGLU alone 0.965 x); on
+    an H100 the plain ones alone (0.987 x; the SwiGLU's 1.011 x). A plain tile 5 or 6 deep, 3 deep,
+    1 warp or 64 rows, a SwiGLU 2 or 4 deep, and two blocks a step in the split products beside
+    these all slower on the H200 (tests/bench/ab_step.py --plans fp8tiles --tiles
+    docs/bench-2026-11-27b/fp8-run-plans*.json).
     Otherwise one scale block's 128 columns a step: plain products over rows of 4096 or more 32
     rows, 2 warps, 8 deep (56 KB: four programs an SM; with the bit form 0.92 x the time of 64 rows,
     4 warps, the FP8 27B's decode step 0.994 x: bench_fp8.py --sweep, ab_step.py --plans fp8tiles),
@@ -270,9 +272,9 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
         return fp8_fit(chosen, K) if fp8 else chosen
     if fp8:
         # rows of 4096 or more: two scale blocks a K step (fp8_run) where 256 divides K and the plan
-        # takes them for this product (ProductPlan.fp8_runs)
-        runs = (plan or ProductPlan(programs=1)).fp8_runs
-        run = K >= 4096 and K % (2 * BLOCK) == 0 and ("swiglu" if swiglu else "plain") in runs
+        # takes them for this product (ProductPlan.fp8_two_blocks)
+        two = plan.fp8_two_blocks if plan is not None else ProductPlan.fp8_two_blocks
+        run = K >= 4096 and K % (2 * BLOCK) == 0 and ("swiglu" if swiglu else "plain") in two
         if swiglu:
             return (32, 2 * BLOCK, 2, 3) if run else (32, BLOCK, 2, 3)
         if run:

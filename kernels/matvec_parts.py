@@ -16,8 +16,8 @@ import torch
 
 from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
+from mtpchat.kernels.fp8 import fp8_fit, fp8_run
 from mtpchat.kernels.int4 import GroupInt4, dot_int4, measured
-from mtpchat.kernels.fp8 import fp8_run
 from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, arrival_counts, check_product, pieces,
                                     permuted_once)
 from mtpchat.kernels.plan import ProductPlan, default_products
@@ -166,8 +166,9 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
     _, BN, BK, warps, stages = split_config(N, K, x.element_size(), plan, G, il)
     if fp8["FP8"] and plan.split_tiles is None:
         stages = plan.split_fp8_stages
-    # an FP8 tile of several scale blocks (fp8_run) must divide K: every part then ends on a whole tile
-    assert not fp8["FP8"] or BK <= 128 or (BK == 256 and K % BK == 0), \
+    # an FP8 tile of two scale blocks (fp8_run) must divide K, or the last part's K step would read
+    # a scale past its row; the rule that chose it must say so (its parts' ranges follow from BK)
+    assert not fp8["FP8"] or fp8_fit((BK, warps, stages), K)[0] == BK, \
         f"an FP8 split tile's K ({BK}) must be 128 or less, or 256 dividing K ({K})"
     blocks = triton.cdiv(N, BN)
     y = torch.empty(len(ranges), T, N, dtype=torch.float32, device=x.device)

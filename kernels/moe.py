@@ -247,18 +247,18 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
         m_n = o_n < F
         acc_g = tl.zeros([BN, BM], dtype=tl.float32)
         acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-        for k0 in range(0, H, BK):
+        for k in range(0, H, BK):
             for u in tl.static_range(RUN):
-                k = k0 + u * (BK // RUN)
-                o_k = k + tl.arange(0, BK // RUN)
+                k_u = k + u * (BK // RUN)
+                o_k = k_u + tl.arange(0, BK // RUN)
                 m_k = o_k < H
                 b_x = tl.load(x + rows[None, :] * s_x + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
                 m_w = m_n[:, None] & m_k[None, :]
                 b_g = tl.load(w_e + o_n[:, None] * H + o_k[None, :], mask=m_w, other=0.)
                 b_u = tl.load(w_e + (o_n + F)[:, None] * H + o_k[None, :], mask=m_w, other=0.)
                 if FP8:
-                    s_g = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
-                    s_u = tl.load(s_e + (F + i_n * BN) // 128 * s_ws + k // 128)
+                    s_g = tl.load(s_e + (i_n * BN) // 128 * s_ws + k_u // 128)
+                    s_u = tl.load(s_e + (F + i_n * BN) // 128 * s_ws + k_u // 128)
                     acc_g += s_g * tl.dot(widen(b_g, b_x, BITS), b_x, input_precision="ieee")
                     acc_u += s_u * tl.dot(widen(b_u, b_x, BITS), b_x, input_precision="ieee")
                 else:
@@ -305,15 +305,15 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
         o_n = i_n * BN + tl.arange(0, BN)
         m_n = o_n < H
         acc = tl.zeros([BN, BM], dtype=tl.float32)
-        for k0 in range(0, F, BK):
+        for k in range(0, F, BK):
             for u in tl.static_range(RUN):
-                k = k0 + u * (BK // RUN)
-                o_k = k + tl.arange(0, BK // RUN)
+                k_u = k + u * (BK // RUN)
+                o_k = k_u + tl.arange(0, BK // RUN)
                 m_k = o_k < F
                 b_h = tl.load(hin + p[None, :] * s_h + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
                 b_w = tl.load(w_e + o_n[:, None] * F + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
                 if FP8:
-                    s = tl.load(s_e + (i_n * BN) // 128 * s_ws + k // 128)
+                    s = tl.load(s_e + (i_n * BN) // 128 * s_ws + k_u // 128)
                     acc += s * tl.dot(widen(b_w, b_h, BITS), b_h, input_precision="ieee")
                 else:
                     acc = tl.dot(b_w, b_h, acc, input_precision="ieee")

@@ -4,12 +4,14 @@ benchmark or a test that wants another form builds another plan. Nothing here is
 module-level switch, so two engines in one process can differ, and a CUDA graph captured under a
 plan keeps it.
 
-The defaults are the forms measured fastest on an H100 (docs/PERFORMANCE.md). None of them is a
+The defaults are the forms measured fastest on an H100 (docs/PERFORMANCE.md), and on an H200 where
+they differ (fp8_two_blocks). None of them is a
 function of the number of rows, so a row's result never depends on how many rows a call holds.
 """
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,8 +57,8 @@ class ProductPlan:
                                     # for FP8 and 4-bit models (KernelPlan.choose)
     split_programs: int = 240       # programs of a split product (matvec_parts) in all
     split_fp8_stages: int = 8       # its pipeline depth over FP8 tiles (half the bytes of bf16's: twice as deep)
-    fp8_runs: tuple = ("plain",)    # the FP8 products ("plain", "swiglu") whose K steps take two scale blocks of
-                                    # each weight row, one after another (fp8.fp8_run; the same sums): the FP8
+    fp8_two_blocks: tuple[str, ...] = ("plain",)  # the FP8 products ("plain", "swiglu") whose K steps take two
+                                    # scale blocks of each weight row, one after another (fp8.fp8_run): the FP8
                                     # 27B's decode step 0.987 x on an H100 and 0.990 x on an H200 for the plain
                                     # ones; the SwiGLU 1.011 x on an H100 but 0.965 x on an H200, so there too
                                     # (default_products; tests/bench/ab_step.py --plans fp8tiles)
@@ -108,6 +110,7 @@ def default_products(device: torch.device | str) -> ProductPlan:
 @functools.cache
 def _default(kind: str, index: int | None) -> ProductPlan:
     device = torch.device(kind, index)
-    # the FP8 SwiGLU's runs of two scale blocks won on an H200 (HBM3e) and lost on an H100
-    glu_runs = kind == "cuda" and "H200" in torch.cuda.get_device_name(device)
-    return ProductPlan(programs=programs_on(device), fp8_runs=("plain", "swiglu") if glu_runs else ("plain",))
+    # the FP8 SwiGLU's runs of two scale blocks won on an H200 (HBM3e) and lost on an H100 (a GH200
+    # is neither: unmeasured, it keeps the H100's choice)
+    glu = kind == "cuda" and re.search(r"\bH200\b", torch.cuda.get_device_name(device)) is not None
+    return ProductPlan(programs=programs_on(device), fp8_two_blocks=("plain", "swiglu") if glu else ("plain",))

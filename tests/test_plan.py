@@ -50,6 +50,22 @@ def test_4_bit_prefill_takes_the_fp8_tensor_cores_where_they_serve(gqa3, monkeyp
     assert KernelPlan.choose("cpu", ModelConfig.load(gqa3), False, True).products.int4_prefill == "dense"
 
 
+@pytest.mark.parametrize("name,glu", [("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False),
+                                      ("NVIDIA GH200 480GB", False)])
+def test_the_fp8_swiglu_takes_two_blocks_on_an_h200_only(monkeypatch, name, glu):
+    # measured (ab_step.py --plans fp8tiles): the SwiGLU's two scale blocks a step 0.965 x on an H200,
+    # 1.011 x on an H100; the plain products' everywhere; a GH200 (unmeasured) as an H100
+    from mtpchat.kernels import plan as kplan
+    assert kplan.default_products("cpu").fp8_two_blocks == ("plain",)
+    monkeypatch.setattr(kplan, "programs_on", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    kplan._default.cache_clear()
+    try:
+        assert kplan._default("cuda", 0).fp8_two_blocks == (("plain", "swiglu") if glu else ("plain",))
+    finally:
+        kplan._default.cache_clear()          # no plan made under the patches outlives the test
+
+
 def test_the_shared_expert_joins_the_routed_ones_only_as_wide(tmp_path):
     alike = ModelConfig.load(write_tiny_checkpoint(tmp_path / "a", moe=True, **MOE))
     wide = ModelConfig.load(write_tiny_checkpoint(tmp_path / "b", moe=True, **{**MOE, "shared_expert_intermediate_size": 80}))

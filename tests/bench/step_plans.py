@@ -83,7 +83,8 @@ def tail_plans(base: KernelPlan) -> dict:
 
 
 def fp8_glu_plans(base: KernelPlan) -> dict:
-    """The FP8 MLP gate|up (SwiGLU) under other tiles than its measured 32 x 128, 2 warps, 3 deep."""
+    """The FP8 MLP gate|up (SwiGLU) under other tiles than its measured one (32 rows, 2 warps, 3 deep,
+    one or two scale blocks a step as the device's plan says: matvec.tiles)."""
     def glu(cfg, name):
         def tiles(N, K, itemsize, swiglu=False, fp8=False):
             return cfg if fp8 and swiglu else None

@@ -100,11 +100,25 @@ def _run_tiles(BK: int, BN: int = 32, warps: int = 2, stages: int = 2, parts: in
     return ProductPlan(programs=programs, tiles=tiles, split_tiles=split_tiles)
 
 
+def test_fp8_two_blocks_where_the_plan_and_k_allow():
+    # the measured rule: two scale blocks a step for rows of 4096 or more that 256 divides, for the
+    # products the plan names (the plain ones by default, the SwiGLU too on an H200's plan)
+    both = ProductPlan(programs=132, fp8_two_blocks=("plain", "swiglu"))
+    assert matvec.tiles(5120, 17408, 2, fp8=True)[1:] == (256, 2, 4)
+    assert matvec.tiles(300, 4224, 2, fp8=True)[1:] == (128, 2, 8)            # 33 blocks: one at a time
+    assert matvec.tiles(2048, 2048, 2, fp8=True)[1] == 128                     # short rows
+    assert matvec.tiles(17408, 5120, 2, swiglu=True, fp8=True)[1] == 128
+    assert matvec.tiles(17408, 5120, 2, swiglu=True, fp8=True, plan=both)[1:] == (256, 2, 3)
+    assert matvec.tiles(5120, 17408, 2, fp8=True, plan=ProductPlan(programs=132, fp8_two_blocks=()))[1] == 128
+    assert matvec.tiles(5120, 17408, 2, fp8=False)[1] == 256                   # bf16: its own tiles
+
+
 @pytest.mark.parametrize("BK", [256])
 def test_fp8_runs_are_the_same_sums(device, BK):
     # a K step of BK / 128 scale blocks, taken one after another (each its own load, dot and scale):
-    # the plain, SwiGLU and split products the same bits as one block a step, and near float32;
-    # a K that BK does not divide (640 = 5 blocks) falls back to one block a step
+    # the plain, SwiGLU and split products the same bits as one block a step (where no split over
+    # K falls elsewhere: none here), and near float32; a K that BK does not divide (640 = 5 blocks)
+    # falls back to one block a step
     x = randn(3, 1536, dtype=torch.float32, device=device, seed=BK)
     w, w2 = weights(160, 1536, device, seed=5), weights(2 * 128, 1536, device, seed=6)
     run, one = _run_tiles(BK), _run_tiles(128)

@@ -114,9 +114,9 @@ def test_fp8_expert_products(device, T):
     lay = moe_layout.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
     cpu = lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())
     h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(wgu), lay_cpu, k, E)
-    check(moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True).cpu(), h_ref, TOL[torch.float32], "fp8 swiglu")
+    check(moe.expert_swiglu_triton(x, wgu, lay, k, E).cpu(), h_ref, TOL[torch.float32], "fp8 swiglu")
     y_ref = moe.expert_down_ref(h_ref, cpu(wd), lay_cpu, E)
-    check(moe.expert_down(h_ref.to(device), wd, lay, E, rowwise=True).cpu(), y_ref, TOL[torch.float32], "fp8 down")
+    check(moe.expert_down_triton(h_ref.to(device), wd, lay, E).cpu(), y_ref, TOL[torch.float32], "fp8 down")
 
 
 def _expert_tiles(BK: int, stages: int = 2):
@@ -129,19 +129,24 @@ def _expert_tiles(BK: int, stages: int = 2):
 
 
 def test_fp8_expert_runs_are_the_same_sums(device):
-    # the experts' gate|up over H = 512 and down over F = 256 (two K steps of two scale blocks): the
-    # same bits as one block a step; F = 128 (one block) falls back to one block a step
+    # the experts' kernels (not the reference the dispatchers take on the CPU): gate|up over H = 512
+    # and down over F = 256, two K steps of two scale blocks, the same bits as one block a step and
+    # near float32; F = 128 (one block) takes one block a step whatever the rule says
     E, k, T = 3, 2, 3
+    assert fp8.fp8_fit((64, 256, 4, 2), 128)[1] == 128 and fp8.fp8_fit((64, 256, 4, 2), 512)[1] == 256
+    cpu = lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())
     for F, H in ((256, 512), (128, 256)):
         wgu, wd = experts(E, F, H, device, None, True, seed=F)
         x = randn(T, H, device=device, seed=3)
         lay_cpu = moe_layout.layout_ref(routed(T, E, k, device, seed=5).cpu(), E, moe_layout.STEP_ROWS, min(E, T * k))
         lay = moe_layout.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
         run, one = _expert_tiles(256), _expert_tiles(128)
-        h = moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True, plan=run)
-        assert torch.equal(h, moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True, plan=one))
-        assert torch.equal(moe.expert_down(h, wd, lay, E, rowwise=True, plan=run),
-                           moe.expert_down(h, wd, lay, E, rowwise=True, plan=one))
+        h = moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=run)
+        assert torch.equal(h, moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=one))
+        check(h.cpu(), moe.expert_swiglu_ref(x.cpu(), cpu(wgu), lay_cpu, k, E), TOL[torch.float32], "swiglu")
+        y = moe.expert_down_triton(h, wd, lay, E, plan=run)
+        assert torch.equal(y, moe.expert_down_triton(h, wd, lay, E, plan=one))
+        check(y.cpu(), moe.expert_down_ref(h.cpu(), cpu(wd), lay_cpu, E), TOL[torch.float32], "down")
 
 
 @pytest.mark.gpu
@@ -152,10 +157,9 @@ def test_fp8_expert_runs_are_the_same_sums_35b():
     x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=6)
     _, _, _, lay = moe.route_step(randn(T, E + 1, seed=7, scale=3.0).cuda(), k, E)
     run, one = _expert_tiles(256), _expert_tiles(128, 3)
-    h = moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True, plan=run)
-    assert torch.equal(h, moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True, plan=one))
-    assert torch.equal(moe.expert_down(h, wd, lay, E, rowwise=True, plan=run),
-                       moe.expert_down(h, wd, lay, E, rowwise=True, plan=one))
+    h = moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=run)
+    assert torch.equal(h, moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=one))
+    assert torch.equal(moe.expert_down_triton(h, wd, lay, E, plan=run), moe.expert_down_triton(h, wd, lay, E, plan=one))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
