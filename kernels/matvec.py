@@ -276,7 +276,7 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
         two = plan.fp8_two_blocks if plan is not None else ProductPlan.fp8_two_blocks
         run = K >= 4096 and K % (2 * BLOCK) == 0 and ("swiglu" if swiglu else "plain") in two
         if swiglu:
-            return (32, 2 * BLOCK, 2, 3) if run else (32, BLOCK, 2, 3)
+            return 32, 2 * BLOCK if run else BLOCK, 2, 3
         if run:
             return 32, 2 * BLOCK, 2, 4
         return (32, BLOCK, 2, 8) if K >= 4096 else (64, BLOCK, 4, 8)

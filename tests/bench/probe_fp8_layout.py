@@ -24,7 +24,7 @@ import torch
 from graph_timing import graph_time
 
 from mtpchat.engine.bench import copy_bandwidth
-from mtpchat.kernels import fp8
+from mtpchat.kernels import fp8, matvec
 from mtpchat.kernels._triton import tl, triton
 
 
@@ -153,11 +153,9 @@ def main(only_sweep: bool = False, bits: bool = False, long: bool = False):
     if bits:
         return bits_forms(x, y, qs, N, K)
     if long:
-        from mtpchat.kernels import matvec
         t_pr = graph_time(lambda i: matvec.matvec(x[:1], qs[i]), 3)
         print(f"FP8 matvec (production) {t_pr:6.1f} us {N * K / t_pr / 1e6:.2f} TB/s", flush=True)
         return long_runs(x, y, qs, N, K)
-    from mtpchat.kernels import matvec
     for T in (1, 4):
         t_bf = graph_time(lambda i: matvec.matvec(x[:T], bf[i]), 3)
         t_pr = graph_time(lambda i: matvec.matvec(x[:T], qs[i]), 3)

@@ -113,12 +113,12 @@ def test_fp8_two_blocks_where_the_plan_and_k_allow():
     assert matvec.tiles(5120, 17408, 2, fp8=False)[1] == 256                   # bf16: its own tiles
 
 
-@pytest.mark.parametrize("BK", [256])
-def test_fp8_runs_are_the_same_sums(device, BK):
+def test_fp8_runs_are_the_same_sums(device):
     # a K step of BK / 128 scale blocks, taken one after another (each its own load, dot and scale):
     # the plain, SwiGLU and split products the same bits as one block a step (where no split over
     # K falls elsewhere: none here), and near float32; a K that BK does not divide (640 = 5 blocks)
     # falls back to one block a step
+    BK = 256
     x = randn(3, 1536, dtype=torch.float32, device=device, seed=BK)
     w, w2 = weights(160, 1536, device, seed=5), weights(2 * 128, 1536, device, seed=6)
     run, one = _run_tiles(BK), _run_tiles(128)
@@ -149,24 +149,22 @@ def test_fp8_27b_shapes_and_rows(N, K):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("BK", [256])
 @pytest.mark.parametrize("N,K", SHAPES_27B)
-def test_fp8_runs_are_the_same_sums_27b(N, K, BK):
+def test_fp8_runs_are_the_same_sums_27b(N, K):
     # compiled for the GPU (the bit form, wgmma or mma.sync), a K step of several scale blocks gives
     # the very sums of one block a step, at the 27B's shapes: plain (32 rows, 2 warps) and split
     # (64 rows, 4 warps, the norm finished), and the SwiGLU over the gate|up
     x = randn(4, K, dtype=torch.bfloat16, device="cuda", seed=K)
     w = weights(N, K, "cuda", seed=N)
-    stages = 4
     for BN, warps in ((32, 2), (64, 4)):
-        run, one = (_run_tiles(b, BN, warps, stages, programs=132) for b in (BK, 128))
+        run, one = (_run_tiles(b, BN, warps, 4, programs=132) for b in (256, 128))
         assert torch.equal(matvec.matvec(x, w, plan=run), matvec.matvec(x, w, plan=one))
         r, nw = randn(4, N, dtype=torch.bfloat16, device="cuda", seed=1), randn(N, device="cuda", seed=2).bfloat16()
         got, want = (matvec_parts.matvec_parts_triton(x, w, norm=(r, nw, 1e-6), plan=p) for p in (run, one))
         assert torch.equal(got[0].x, want[0].x) and torch.equal(got[0].ss, want[0].ss) and torch.equal(got[1], want[1])
     if N == 16384:
         gu = weights(2 * 17408, K, "cuda", seed=3)
-        run, one = (_run_tiles(b, programs=132) for b in (BK, 128))
+        run, one = (_run_tiles(b, programs=132) for b in (256, 128))
         assert torch.equal(matvec.matvec_swiglu(x, gu, plan=run), matvec.matvec_swiglu(x, gu, plan=one))
 
 
