@@ -14,8 +14,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+import mtpchat
 
 COMPILE = r"""
 import os
@@ -175,12 +178,14 @@ for name, fn, consts, types, (warps, stages) in inter:
 
 def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
     """In a process of its own: this one may run Triton's interpreter, whose kernels never compile.
-    The children (one a core, each compiling its share) find the package as this process does (its
-    sys.path) and ptxas as Triton does (TRITON_PTXAS_PATH, else the one Triton ships); only where
+    The children (one a core, each compiling its share) find the package where this process found it
+    (then the rest of its sys.path: a checkout's top folder may hold an `mtpchat/` without its
+    engine and kernels) and ptxas as Triton does (TRITON_PTXAS_PATH, else the one Triton ships); only where
     there is none at all it skips."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    home = str(Path(mtpchat.__file__).parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([home] + [p for p in sys.path if p])
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     shards = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
     children = [subprocess.Popen([sys.executable, "-c", COMPILE], env=dict(env, COMPILE_SHARD=f"{i}/{shards}"),
