@@ -29,6 +29,7 @@ from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
+from mtpchat.kernels.matvec import arrival_counts
 from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
                                        count_reads, layout_ref)
@@ -195,7 +196,8 @@ def _expert_ptr(p, offset, p2, e, E, SHARED: tl.constexpr):
 @triton.jit
 def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
                  TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 SHARED: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr):
+                 SHARED: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr,
+                 part, count, i_b, i_s, KS: tl.constexpr, PARTS: tl.constexpr):
     # expert e's words, scales, zeros and perm (None where the stack has none); E the shared one
     w_e = _expert_ptr(w, e * 2 * F * s_w, w2, e, E, SHARED)
     s_e = _expert_ptr(ws, e * 2 * F * s_ws, ws2, e, E, SHARED)
@@ -207,11 +209,46 @@ def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x,
     m_n = o_n < F
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    for k in range(0, H, BK):      # p_x's rows all lie in x (dot_int4)
+    if PARTS > 1:
+        k_lo = i_s * KS
+        k_hi = tl.minimum(k_lo + KS, H)
+    else:
+        k_lo = 0
+        k_hi = H
+    for k in range(k_lo, k_hi, BK):      # p_x's rows all lie in x (dot_int4)
         acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
         acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
-    out = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
+    if PARTS > 1:
+        _swiglu_parts(acc_g, acc_u, part, count, h, p, o_n, m_n, m_p, s_h, i_b, i_n, i_s, F, BM, BN, PARTS)
+    else:
+        out = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
+
+
+@triton.jit
+def _swiglu_parts(acc_g, acc_u, part, count, h, p, o_n, m_n, m_p, s_h, i_b, i_n, i_s, F,
+                  BM: tl.constexpr, BN: tl.constexpr, PARTS: tl.constexpr):
+    """Part i_s of block i_b's column tile i_n, its float32 gate and up sums over its range of H:
+    left in `part`; the last of the tile's PARTS parts to arrive adds them in order (part 0 first,
+    whichever came last), gates and stores the tile's h and sets the tile's count back to 0. Its
+    acq_rel add, after every thread of the program has stored, orders the parts before its reads
+    (as matvec.py's split SwiGLU)."""
+    j = i_b * tl.cdiv(F, BN) + i_n                                   # the tile
+    o_w = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
+    s_p: tl.constexpr = 2 * BN * BM
+    tl.store(part + (j * PARTS + i_s) * s_p + o_w, acc_g)
+    tl.store(part + (j * PARTS + i_s) * s_p + BN * BM + o_w, acc_u)
+    tl.debug_barrier()
+    if tl.atomic_add(count + j, 1, sem="acq_rel", scope="gpu") == PARTS - 1:
+        p_0 = part + j * PARTS * s_p
+        g = tl.load(p_0 + o_w, cache_modifier=".cg")
+        u = tl.load(p_0 + BN * BM + o_w, cache_modifier=".cg")
+        for i_p in range(1, PARTS):
+            g += tl.load(p_0 + i_p * s_p + o_w, cache_modifier=".cg")
+            u += tl.load(p_0 + i_p * s_p + BN * BM + o_w, cache_modifier=".cg")
+        out = g * tl.sigmoid(g) * u
+        tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
+        tl.atomic_xchg(count + j, 0)
 
 
 @triton.jit
@@ -220,20 +257,25 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
                    STEP: tl.constexpr, BP: tl.constexpr, COUNT: tl.constexpr, SHARED: tl.constexpr,
                    FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0, G: tl.constexpr = 0,
                    BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
-                   UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1):
+                   UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, part=None, count=None,
+                   KS: tl.constexpr = 0, PARTS: tl.constexpr = 1):
     # One program per (block, BN of the F columns): the expert's gate and up tiles, multiplied
     # with the block's rows of x, weights first ([BN, BK] @ [BK, BM]) as in matvec.py. With
     # SHARED, expert E is the shared expert, whose weights (w2, ws2) are a tensor of their own.
     # G > 0: 4-bit experts (kernels/int4.py), rows of s_w words, zeros zw and perm [E, H] (or None).
     # RUN: a K step takes RUN tiles of BK / RUN columns one after another (fp8.fp8_run).
+    # PARTS > 1: one program per (block, column tile, part), part i_s over H[i_s KS : (i_s + 1) KS],
+    # finished by the tile's last part to arrive (_swiglu_parts).
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
-    e, p = _block(expert, pairs, reads, P, i_b, i_n, BM, STEP, BP, COUNT, SHARED)
+    i_s = tl.program_id(2) if PARTS > 1 else 0
+    # (i_n + i_s: the step's reads counted by one program, the first part of block 0's first tile)
+    e, p = _block(expert, pairs, reads, P, i_b, i_n + i_s, BM, STEP, BP, COUNT, SHARED)
     if e < 0:
         return
     if G > 0:
         _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
-                     TOPK, BM, BN, BK, SHARED, G, BG, UNPACK)
+                     TOPK, BM, BN, BK, SHARED, G, BG, UNPACK, part, count, i_b, i_s, KS, PARTS)
     else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
         w_e = w + e * 2 * F * H
         s_e = ws + e * 2 * F // 128 * s_ws
@@ -247,7 +289,13 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
         m_n = o_n < F
         acc_g = tl.zeros([BN, BM], dtype=tl.float32)
         acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-        for k in range(0, H, BK):
+        if PARTS > 1:
+            k_lo = i_s * KS
+            k_hi = tl.minimum(k_lo + KS, H)
+        else:
+            k_lo = 0
+            k_hi = H
+        for k in range(k_lo, k_hi, BK):
             for u in tl.static_range(RUN):
                 k_u = k + u * (BK // RUN)
                 o_k = k_u + tl.arange(0, BK // RUN)
@@ -264,8 +312,12 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
                 else:
                     acc_g = tl.dot(b_g, b_x, acc_g, input_precision="ieee")
                     acc_u = tl.dot(b_u, b_x, acc_u, input_precision="ieee")
-        out = acc_g * tl.sigmoid(acc_g) * acc_u
-        tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
+        if PARTS > 1:
+            _swiglu_parts(acc_g, acc_u, part, count, h, p, o_n, m_n, m_p, s_h, i_b, i_n, i_s, F, BM, BN, PARTS)
+        else:
+            out = acc_g * tl.sigmoid(acc_g) * acc_u
+            tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty),
+                     mask=m_n[:, None] & m_p[None, :])
 
 
 @triton.jit
@@ -450,14 +502,27 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
     w2, ws2 = _shared_args(w_gate_up, shared, 2 * Fi, H)
     ws = w_gate_up.scale if isinstance(w_gate_up, (BlockFP8, GroupInt4)) else wv
-    _swiglu_kernel[(blocks, triton.cdiv(Fi, BN))](
+    tiles_n = triton.cdiv(Fi, BN)
+    parts = _parts_args(step, plan.expert_parts, blocks * tiles_n, H, BK, BN, bm, x.device)
+    _swiglu_kernel[(blocks, tiles_n, parts.get("PARTS", 1))](
         x, wv, ws, w2, ws2, expert, pairs, reads if reads is not None else h, h, P, n_experts, H, Fi,
         x.stride(0), h.stride(0), ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp,
         COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, num_stages=stages,
         **pdl(x), **(_widen(x, warps, BN, plan) if fp8 else {}), **fp8_run(BK, fp8),
         **_int4_args(w_gate_up, shared, n_experts, 2 * Fi, H, BK,
-                     form_of(plan.int4_form, "expert_swiglu", 2 * Fi, H)))
+                     form_of(plan.int4_form, "expert_swiglu", 2 * Fi, H)), **parts)
     return h
+
+
+def _parts_args(step: bool, parts: int, tiles: int, H: int, BK: int, BN: int, BM: int, device) -> dict:
+    """A step's SwiGLU over H in `parts` ranges of whole K tiles (ProductPlan.expert_parts): the
+    kernel's part buffer, arrival counts and range; {} for one part (or a prefill's layout)."""
+    KS = triton.cdiv(triton.cdiv(H, parts), BK) * BK
+    parts = triton.cdiv(H, KS) if step else 1             # no part left without a range
+    if parts <= 1:
+        return {}
+    part = torch.empty(tiles * parts * 2 * BN * BM, dtype=torch.float32, device=device)
+    return dict(part=part, count=arrival_counts(device, tiles), KS=KS, PARTS=parts)
 
 
 def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: ProductPlan | None = None) -> torch.Tensor:

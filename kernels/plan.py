@@ -62,6 +62,9 @@ class ProductPlan:
                                     # 27B's decode step 0.987 x on an H100 and 0.990 x on an H200 for the plain
                                     # ones; the SwiGLU 1.011 x on an H100 but 0.965 x on an H200, so there too
                                     # (default_products; tests/bench/ab_step.py --plans fp8tiles)
+    expert_parts: int = 1           # a step's MoE expert SwiGLU split over H into this many ranges of whole K tiles,
+                                    # the last part of each tile to arrive adding them in order and gating (moe.py
+                                    # _swiglu_parts): more programs for the few experts of a step; 1: one range
     tiles: TileRule | None = None   # tiles other than the measured ones (benchmarks; small tiles for the interpreter)
     split_tiles: SplitRule | None = None
     expert_tiles: ExpertRule | None = None  # the MoE expert products' tiles (tests/bench/bench_moe.py)

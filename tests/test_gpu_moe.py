@@ -6,6 +6,7 @@ import torch
 
 from mtpchat.engine import Engine
 from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.plan import KernelPlan
 from tools.tiny import write_tiny_checkpoint
 from mtpchat.engine.weights import PER_EXPERT, STACKED
 from helpers import GPU_MOE_SHAPE as SHAPE, assert_mtp_on_equals_off, gpu_prompts
@@ -30,6 +31,16 @@ def on_equals_off(engine, n_prompts=4, n=96):
 def test_greedy_mtp_on_equals_off(ckpts, layout, graphs):
     engine = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs, max_context=1024)
     assert engine.fp8 == (layout == PER_EXPERT)
+    on_equals_off(engine)
+
+
+@pytest.mark.parametrize("layout", [STACKED, PER_EXPERT])
+def test_expert_parts_change_no_greedy_token_between_mtp_on_and_off(ckpts, layout):
+    # a step's expert SwiGLU over H in parts (ProductPlan.expert_parts; H 256: two K tiles of 128)
+    plan = KernelPlan.choose("cuda", ModelConfig.load(ckpts[layout]), fp8=layout == PER_EXPERT).replace(
+        expert_parts=2, expert_tiles=lambda product, step, fp8, itemsize=2: (64, 128, 4, 3))
+    engine = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024, plan=plan)
+    assert engine.plan.products.expert_parts == 2
     on_equals_off(engine)
 
 

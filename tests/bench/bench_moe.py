@@ -4,7 +4,10 @@ FP8 experts widened by Triton's conversion and by moving bits (kernels/fp8.py wi
 variant is a ProductPlan (kernels/plan.py) handed to the expert kernels: the device's measured plan
 with an expert_tiles rule and widen_bits off or on.
 
-    python tests/bench/bench_moe.py [--weights fp8]
+    python tests/bench/bench_moe.py [--weights fp8] [--parts 1,2,4] [--bits on] [--tiles "32,128,2,3 ..."]
+
+`--parts`: the SwiGLU of a step over H in that many ranges as well (ProductPlan.expert_parts), each
+timed on every tile; `--bits on`: FP8 tiles widened by moving bits only (the plan's default form).
 """
 from __future__ import annotations
 
@@ -18,13 +21,13 @@ from mtpchat.kernels import fp8, moe
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
-def tile_plan(base: ProductPlan, cfg, bits: bool) -> ProductPlan:
-    """The base plan with every expert product on `cfg` (BN, BK, warps, stages) and its FP8 tiles
-    widened by moving bits or by Triton's conversion."""
+def tile_plan(base: ProductPlan, cfg, bits: bool, parts: int = 1) -> ProductPlan:
+    """The base plan with every expert product on `cfg` (BN, BK, warps, stages), its FP8 tiles
+    widened by moving bits or by Triton's conversion, and a step's SwiGLU in `parts` ranges of H."""
     def expert_tiles(product, step, fp8_, itemsize=2):
         return cfg
     expert_tiles.__name__ = "experts:{}x{}w{}s{}".format(*cfg)
-    return dataclasses.replace(base, expert_tiles=expert_tiles, widen_bits=bits)
+    return dataclasses.replace(base, expert_tiles=expert_tiles, widen_bits=bits, expert_parts=parts)
 
 
 def timed(fn, reps=200) -> float:
@@ -46,7 +49,11 @@ def timed(fn, reps=200) -> float:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--weights", choices=("fp8", "bf16", "both"), default="both")
+    p.add_argument("--parts", default="1", help="comma-separated part counts of the step's SwiGLU")
+    p.add_argument("--bits", choices=("both", "on"), default="both")
+    p.add_argument("--tiles", help='tiles to time instead of the grid: "BN,BK,warps,stages ..."')
     a = p.parse_args()
+    part_counts = [int(n) for n in a.parts.split(",")]
     E, k, F, H = 256, 8, 512, 2048
     bw = 3.0e12
     base = default_products("cuda")
@@ -70,19 +77,22 @@ def main():
             print(f"{weights} T={T}: {n} experts; route {t_route:.1f} us, combine {t_comb:.1f} us")
             grid = itertools.product((32, 64, 128), (128,), (2, 4, 8), (2, 3, 4, 6)) if weights == "fp8" else \
                 itertools.product((32, 64), (128, 256), (4,), (3, 4))
+            if a.tiles:
+                grid = [tuple(int(v) for v in t.split(",")) for t in a.tiles.split()]
             for BN, BK, warps, stages in grid:
                 f1, f2 = n * per_expert[0] / bw * 1e6, n * per_expert[1] / bw * 1e6
                 line = []
-                for bits in (False, True) if weights == "fp8" else (False,):
-                    plan = tile_plan(base, (BN, BK, warps, stages), bits)
-                    try:
-                        t1 = timed(lambda: moe.expert_swiglu_triton(x, gu, lay, k, E, plan=plan))
-                        t2 = timed(lambda: moe.expert_down_triton(h, down, lay, E, plan=plan))
-                    except Exception as e:      # a tile that does not compile (shared memory)
-                        line.append(type(e).__name__)
-                        continue
-                    line.append(f"{'bits ' if bits else ''}swiglu {t1:6.1f} us ({t1 / f1:.2f} x floor)  "
-                                f"down {t2:6.1f} us ({t2 / f2:.2f} x floor)")
+                for bits in ((False, True) if a.bits == "both" else (True,)) if weights == "fp8" else (False,):
+                    for parts in part_counts:
+                        plan = tile_plan(base, (BN, BK, warps, stages), bits, parts)
+                        try:
+                            t1 = timed(lambda: moe.expert_swiglu_triton(x, gu, lay, k, E, plan=plan))
+                            t2 = timed(lambda: moe.expert_down_triton(h, down, lay, E, plan=plan)) if parts == 1 else 0
+                        except Exception as e:      # a tile that does not compile (shared memory)
+                            line.append(type(e).__name__)
+                            continue
+                        line.append(f"{'bits ' if bits else ''}{parts}p swiglu {t1:6.1f} us ({t1 / f1:.2f} x)"
+                                    + (f"  down {t2:6.1f} us ({t2 / f2:.2f} x)" if parts == 1 else ""))
                 print(f"  BN {BN:>3} BK {BK:>3} warps {warps} stages {stages}: " + ";  ".join(line))
 
 

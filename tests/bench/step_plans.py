@@ -162,7 +162,8 @@ def int4_tile_plans(base: KernelPlan, found: dict) -> dict:
 def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan:
     """The plan with every FP8 product of a kind on one tile: tiles {"plain": (BN, BK, warps,
     stages), "swiglu": ..., "parts": (S, BN, BK, warps, stages), "expert_swiglu", "expert_down":
-    (BN, BK, warps, stages) of a step's MoE expert products}, each optional."""
+    (BN, BK, warps, stages) of a step's MoE expert products, "expert_parts": the step's expert
+    SwiGLU in that many ranges of H}, each optional."""
     def tile(N, K, itemsize, swiglu=False, fp8=False):
         got = tiles.get("swiglu" if swiglu else "plain")
         return tuple(got) if fp8 and got else None
@@ -176,9 +177,10 @@ def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan
         got = tiles.get("expert_" + product)
         return tuple(got) if fp8 and step and got else None
     experts.__name__ = f"fp8:{name}"
-    experts_ruled = any(k.startswith("expert_") for k in tiles)
+    experts_ruled = any(k in ("expert_swiglu", "expert_down") for k in tiles)
     return base.replace(tiles=tile, split_tiles=split if "parts" in tiles else None,
-                        expert_tiles=experts if experts_ruled else None)
+                        expert_tiles=experts if experts_ruled else None,
+                        expert_parts=tiles.get("expert_parts", base.products.expert_parts))
 
 
 def fp8_tile_plans(base: KernelPlan, found: dict) -> dict:
@@ -240,6 +242,14 @@ def conv_plans(base: KernelPlan) -> dict:
             "in every step": base.replace(conv_in_recurrence=1 << 10)}
 
 
+def expert_parts_plans(base: KernelPlan) -> dict:
+    """A step's MoE expert SwiGLU over H in one range (the default) or split into 2, 4 or 8
+    (ProductPlan.expert_parts: more programs for a step's few experts, the last part of a tile to
+    arrive adding the parts in order). The logits differ between part counts (other orders of
+    sums); each count gives the same bits at every row count (tests/kernels/test_moe_kernels.py)."""
+    return {f"{n} part{'s' if n > 1 else ''}": base.replace(expert_parts=n) for n in (1, 2, 4, 8)}
+
+
 def default_plans(base: KernelPlan) -> dict:
     """The plan's defaults that were measured in (DEFAULT_FORMS), each off alone against all on, and
     all off: the ratios say what each still buys on this model and weight format (the bit form
@@ -251,4 +261,5 @@ def default_plans(base: KernelPlan) -> dict:
 
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
-            "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans}
+            "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
+            "experts": expert_parts_plans}

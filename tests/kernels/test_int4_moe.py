@@ -119,6 +119,29 @@ def test_int4_interleaved_experts(device, step, shared, group):
             moe.expert_swiglu_triton(x, int4.interleave_ref(wgu), lay, k + shared, E, shared=sgu)
 
 
+@pytest.mark.parametrize("interleaved,perm", [(False, True), (True, False)])
+def test_int4_expert_swiglu_in_parts(device, interleaved, perm):
+    """A step's SwiGLU over 4-bit experts split over H (ProductPlan.expert_parts), the shared expert
+    as expert E: against the float32 references and the one-range kernel, for 2 and 3 parts of the
+    five 128-column K tiles; a row's bits the same alone and among others."""
+    T, E, k, H, group = 3, 6, 2, 640, 64
+    F = 3 * group
+    wgu, wd = experts(E, F, H, device, 61, group, False, perm)
+    sgu, sd = int4_weight(2 * F, H, device, 63, group, False, perm), int4_weight(H, F, device, 64, group, False, perm)
+    form = int4.interleave_ref if interleaved else (lambda w: w)
+    x = randn(T, H, device=device, seed=65)
+    ids, _, _, lay = moe.route_step(randn(T, E + 1, seed=66, scale=2.0).to(device), k, E, shared=True)
+    ref_lay = moe_layout.layout_ref(ids.cpu(), E + 1, 16)
+    tiles = lambda product, N, K, g: (64, 128, 4, 2) if product.startswith("expert") else None
+    plan = lambda parts: ProductPlan(programs=6, int4_tiles=tiles, expert_parts=parts)
+    one = moe.expert_swiglu_triton(x, form(wgu), lay, k + 1, E, shared=form(sgu), plan=plan(1))
+    for parts in (2, 3):
+        products_match(x, wgu, wd, sgu, sd, ref_lay, lay, k + 1, E, plan=plan(parts), form=form)
+        h = moe.expert_swiglu_triton(x, form(wgu), lay, k + 1, E, shared=form(sgu), plan=plan(parts))
+        check(h.cpu(), one.cpu(), TOL[torch.float32], f"{parts} parts against one")
+    int4_rows_equal(device, torch.float32, E=4, k=2, F=128, H=384, T=3, group=64, plan=plan(3), interleaved=interleaved)
+
+
 def int4_rows_equal(device, dtype, E, k, F, H, T=5, group=128, plan=None, interleaved=False):
     wgu, wd = experts(E, F, H, device, 11, group, False, not interleaved)
     if interleaved:

@@ -162,6 +162,72 @@ def test_fp8_expert_runs_are_the_same_sums_35b():
     assert torch.equal(moe.expert_down_triton(h, wd, lay, E, plan=run), moe.expert_down_triton(h, wd, lay, E, plan=one))
 
 
+def _parts(parts: int, device, tiles=None):
+    """The device's plan with a step's expert SwiGLU over H in `parts` ranges (and `tiles`, as
+    moe.tiles' rule gives them, where given)."""
+    plan = dataclasses.replace(default_products(device), expert_parts=parts)
+    if tiles is not None:
+        plan = dataclasses.replace(plan, expert_tiles=lambda product, step, fp8_, itemsize=2: tiles)
+    return plan
+
+
+@pytest.mark.parametrize("fp8_", [False, True])
+@pytest.mark.parametrize("T", [1, 4])
+def test_expert_swiglu_in_parts(device, fp8_, T):
+    """A step's SwiGLU split over H (ProductPlan.expert_parts): each tile's parts added in order by
+    the last to arrive, then gated. Against the float32 reference and the one-range kernel, with
+    the shared expert as expert E; the routed experts counted once; the arrival counts left at 0
+    for the next product. H = 640 is five K tiles of 128: 2 parts take 3 + 2 tiles, 3 parts 2 + 2 +
+    1, and 4 parts fall back to the 3 that whole tiles allow."""
+    E, k, F, H = 6, 2, 128, 640
+    wgu, wd = experts(E + 1, F, H, device, torch.float32, fp8_, seed=31 + T)
+    if fp8_:
+        gu, sgu = (fp8.BlockFP8(wgu.w[:-2 * F].contiguous(), wgu.scale[:-2 * F // 128].contiguous()),
+                   fp8.BlockFP8(wgu.w[-2 * F:].contiguous(), wgu.scale[-2 * F // 128:].contiguous()))
+        cpu = lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())
+    else:
+        gu, sgu = wgu[:-2 * F].contiguous(), wgu[-2 * F:].contiguous()
+        cpu = lambda t: t.cpu()
+    x = randn(T, H, device=device, seed=32)
+    logits = randn(T, E + 1, seed=33, scale=2.0).to(device)
+    ids, _, _, lay = moe.route_step(logits, k, E, shared=True)
+    ref_lay = moe_layout.layout_ref(ids.cpu(), E + 1, 16)
+    h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(gu), ref_lay, k + 1, E, shared=cpu(sgu))
+    tiles = (64, 128, 4, 2)
+    whole = moe.expert_swiglu_triton(x, gu, lay, k + 1, E, shared=sgu, plan=_parts(1, device, tiles))
+    for parts in (2, 3, 4):
+        reads = torch.zeros(1, dtype=torch.int64, device=device)
+        h = moe.expert_swiglu_triton(x, gu, lay, k + 1, E, reads=reads, shared=sgu, plan=_parts(parts, device, tiles))
+        check(h.cpu(), h_ref, TOL[torch.float32], f"{parts} parts")
+        check(h.cpu(), whole.cpu(), TOL[torch.float32], f"{parts} parts against one")
+        assert reads.item() == len(set(ids[:, :k].flatten().tolist())), parts
+        assert not matvec.arrival_counts(torch.device(device), 1).any(), "a tile's count was left set"
+
+
+def test_expert_parts_keep_a_row_independent_of_the_rows_beside_it(device):
+    moe_rows_equal(device, torch.float32, E=12, k=3, F=40, H=200, plan=_parts(3, device, (32, 64, 4, 2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_", [False, True])
+@pytest.mark.parametrize("parts", [2, 4])
+def test_expert_parts_on_the_35b_shapes(fp8_, parts):
+    """The 35B-A3B's experts (H 2048) in a verify's step, the SwiGLU in parts: near the one-range
+    kernel and float32, and a row's bits the same alone and among others (bf16)."""
+    E, k, F, H, T = 256, 8, 512, 2048, 4
+    wgu, _ = experts(E, F, H, "cuda", torch.bfloat16, fp8_, seed=5)
+    x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=6)
+    ids, _, _, lay = moe.route_step(randn(T, E + 1, seed=7, scale=3.0).cuda(), k, E)
+    h = moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=_parts(parts, "cuda"))
+    one = moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=_parts(1, "cuda"))
+    cpu = (lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())) if fp8_ else (lambda t: t.cpu().float())
+    h_ref = moe.expert_swiglu_ref(x.cpu().float(), cpu(wgu), moe_layout.layout_ref(ids.cpu(), E, 16), k, E)
+    check(h.cpu().float(), h_ref, 1e-2, "swiglu")
+    check(h.cpu().float(), one.cpu().float(), 1e-2, "against one range")
+    if not fp8_:
+        moe_rows_equal("cuda", torch.bfloat16, E=E, k=k, F=F, H=H, plan=_parts(parts, "cuda"))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shared", [True, False])
 def test_combine(device, dtype, shared):
@@ -182,7 +248,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(device):
     moe_rows_equal(device, torch.float32, E=12, k=3, F=40, H=72)
 
 
-def moe_rows_equal(device, dtype, E, k, F, H, T=5):
+def moe_rows_equal(device, dtype, E, k, F, H, T=5, plan=None):
     wgu, wd = experts(E, F, H, device, dtype, False, seed=11)
     router = (randn(E + 1, H, seed=12) / H ** 0.5).to(device, dtype)
     x = randn(T, H, dtype=dtype, device=device, seed=13)
@@ -190,8 +256,8 @@ def moe_rows_equal(device, dtype, E, k, F, H, T=5):
     def forward(rows):
         logits = torch.cat([moe.F.linear(r[None], router) for r in rows])   # per row, as matvec gives
         ids, w, g, lay = moe.route_step(logits, k, E)
-        h = moe.expert_swiglu_triton(rows, wgu, lay, k, E)
-        y = moe.expert_down_triton(h, wd, lay, E)
+        h = moe.expert_swiglu_triton(rows, wgu, lay, k, E, plan=plan)
+        y = moe.expert_down_triton(h, wd, lay, E, plan=plan)
         return ids.view(-1, k), w, h.view(-1, k, F), y.view(-1, k, H), moe.combine_triton(y, w, None, None, dtype)
     together = forward(x)
     for i in range(T):
