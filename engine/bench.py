@@ -291,8 +291,13 @@ def run(engine, context: int = 1024, tokens: int = 128, ks=(1, 2, 3, 4), ttft=(5
     # drafter's first call sets itself up on the device (once a process each)
     warm = generate(engine, prompt, tokens, mtp=False)["tokens"]
     generate(engine, prompt, tokens, mtp=True, k=1, drafter=ProfileDrafter(warm, PROFILE, vocab=engine.config.vocab_size))
-    off = generate(engine, prompt, tokens, mtp=False)
+    # MTP off twice, the faster kept: a one-off stall of the host (once 0.5 s in 128 tokens of the
+    # 35B-A3B, whose step's GPU time and every other figure of the run were as usual) is no cost of
+    # a token; both are reported
+    runs = [generate(engine, prompt, tokens, mtp=False) for _ in range(2)]
+    off = min(runs, key=lambda r: r["ms_per_token"])
     out["decode_ms"] = off["ms_per_token"]
+    out["decode_runs_ms"] = [r["ms_per_token"] for r in runs]
     out["decode_step_ms"] = off["verify_ms"]
     if engine.config.is_moe:
         out["decode_experts_per_layer"] = off["stats"].experts_per_layer["decode"]

@@ -103,8 +103,13 @@ def expert_down_ref(h: torch.Tensor, w_down, layout: Layout, n_experts: int, row
 def combine_ref(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
                 gate: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """y [T * k, H] float32, weights [T, k] -> [T, H] in dtype: each row's k expert outputs summed
-    in order of choice, then the shared expert's output times its gate."""
+    in order of choice, then the shared expert's output times its gate. y [S, T * k, H]: a down
+    product's S parts over F (ProductPlan.expert_down_parts), added in order first."""
     T, k = weights.shape
+    if y.dim() == 3:
+        parts, y = y, y[0]
+        for part in parts[1:]:
+            y = y + part
     y = y.view(T, k, -1)
     out = torch.zeros(T, y.shape[-1], dtype=torch.float32, device=y.device)
     for j in range(k):
@@ -325,11 +330,22 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
                  SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                  G: tl.constexpr = 0, BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
-                 UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1):
+                 UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, KS: tl.constexpr = 0,
+                 PARTS: tl.constexpr = 1):
     # One program per (block, BN of the H output columns), over the expert's F inputs (G > 0: 4-bit
-    # experts, RUN: as in _swiglu_kernel).
+    # experts, RUN: as in _swiglu_kernel). PARTS > 1 (a step's layout): one program per (block,
+    # column tile, part), part i_s over F[i_s KS : (i_s + 1) KS], its float32 sums left in y[i_s]
+    # (y [PARTS, P, H]) for the combine to add in order.
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
+    if PARTS > 1:
+        i_s = tl.program_id(2)
+        k_lo = i_s * KS
+        k_hi = tl.minimum(k_lo + KS, F)
+        y += i_s * P * s_y
+    else:
+        k_lo = 0
+        k_hi = F
     e, p = _block(expert, pairs, y, P, i_b, i_n, BM, STEP, BP, False, SHARED)
     if e < 0:
         return
@@ -343,7 +359,7 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
         m_n = o_n < H
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         p_h = hin + tl.where(m_p, p, 0)[None, :] * s_h      # every row's pointer in hin (dot_int4)
-        for k in range(0, F, BK):
+        for k in range(k_lo, k_hi, BK):
             acc = dot_int4(acc, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_h, m_p, k, F, BK, G, BG, UNPACK)
         tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
     else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
@@ -357,7 +373,7 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
         o_n = i_n * BN + tl.arange(0, BN)
         m_n = o_n < H
         acc = tl.zeros([BN, BM], dtype=tl.float32)
-        for k in range(0, F, BK):
+        for k in range(k_lo, k_hi, BK):
             for u in tl.static_range(RUN):
                 k_u = k + u * (BK // RUN)
                 o_k = k_u + tl.arange(0, BK // RUN)
@@ -374,12 +390,20 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
 
 @triton.jit
 def combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s,
-                BH: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr):
+                BH: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, PARTS: tl.constexpr = 1,
+                s_yp=None):
     """Row r's combine over the columns o_h [BH], float32: its TOPK expert outputs times their
-    weights in order of choice, then the shared expert's output times its gate."""
+    weights in order of choice, then the shared expert's output times its gate. PARTS > 1: each
+    output the sum of the down product's parts (s_yp apart), added in order first."""
     acc = tl.zeros([BH], dtype=tl.float32)
     for j in tl.static_range(TOPK):
-        acc += tl.load(weights + r * TOPK + j) * tl.load(y + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.)
+        if PARTS > 1:
+            y_j = tl.load(y + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.)
+            for i_p in tl.static_range(1, PARTS):
+                y_j += tl.load(y + i_p * s_yp + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.)
+            acc += tl.load(weights + r * TOPK + j) * y_j
+        else:
+            acc += tl.load(weights + r * TOPK + j) * tl.load(y + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.)
     if HAS_SHARED:
         acc += tl.load(gate + r) * tl.load(shared + r * s_s + o_h, mask=m_h, other=0.).to(tl.float32)
     return acc
@@ -387,12 +411,13 @@ def combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s,
 
 @triton.jit
 def _combine_kernel(y, weights, shared, gate, out, H, s_y, s_s, s_o,
-                    TOPK: tl.constexpr, BH: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
+                    TOPK: tl.constexpr, BH: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr,
+                    PARTS: tl.constexpr = 1, s_yp=None):
     pdl_start(PDL)
     r, i_h = tl.program_id(0), tl.program_id(1)
     o_h = i_h * BH + tl.arange(0, BH)
     m_h = o_h < H
-    acc = combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s, BH, TOPK, HAS_SHARED)
+    acc = combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s, BH, TOPK, HAS_SHARED, PARTS, s_yp)
     tl.store(out + r * s_o + o_h, acc.to(out.dtype.element_ty), mask=m_h)
 
 
@@ -503,26 +528,25 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     w2, ws2 = _shared_args(w_gate_up, shared, 2 * Fi, H)
     ws = w_gate_up.scale if isinstance(w_gate_up, (BlockFP8, GroupInt4)) else wv
     tiles_n = triton.cdiv(Fi, BN)
-    parts = _parts_args(step, plan.expert_parts, blocks * tiles_n, H, BK, BN, bm, x.device)
-    _swiglu_kernel[(blocks, tiles_n, parts.get("PARTS", 1))](
+    KS, parts = _ranges(step, plan.expert_parts, H, BK)
+    _swiglu_kernel[(blocks, tiles_n, parts)](
         x, wv, ws, w2, ws2, expert, pairs, reads if reads is not None else h, h, P, n_experts, H, Fi,
         x.stride(0), h.stride(0), ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp,
         COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, num_stages=stages,
         **pdl(x), **(_widen(x, warps, BN, plan) if fp8 else {}), **fp8_run(BK, fp8),
         **_int4_args(w_gate_up, shared, n_experts, 2 * Fi, H, BK,
-                     form_of(plan.int4_form, "expert_swiglu", 2 * Fi, H)), **parts)
+                     form_of(plan.int4_form, "expert_swiglu", 2 * Fi, H)),
+        **(dict(part=torch.empty(blocks * tiles_n * parts * 2 * BN * bm, dtype=torch.float32, device=x.device),
+                count=arrival_counts(x.device, blocks * tiles_n), KS=KS, PARTS=parts) if parts > 1 else {}))
     return h
 
 
-def _parts_args(step: bool, parts: int, tiles: int, H: int, BK: int, BN: int, BM: int, device) -> dict:
-    """A step's SwiGLU over H in `parts` ranges of whole K tiles (ProductPlan.expert_parts): the
-    kernel's part buffer, arrival counts and range; {} for one part (or a prefill's layout)."""
-    KS = triton.cdiv(triton.cdiv(H, parts), BK) * BK
-    parts = triton.cdiv(H, KS) if step else 1             # no part left without a range
-    if parts <= 1:
-        return {}
-    part = torch.empty(tiles * parts * 2 * BN * BM, dtype=torch.float32, device=device)
-    return dict(part=part, count=arrival_counts(device, tiles), KS=KS, PARTS=parts)
+def _ranges(step: bool, parts: int, K: int, BK: int) -> tuple[int, int]:
+    """(KS, n): a step's product over K in n ranges of KS columns, whole K tiles each, for the plan's
+    `parts` (ProductPlan.expert_parts, expert_down_parts); n = 1 in a prefill's layout, and fewer
+    than `parts` where whole tiles leave no column to the last ones."""
+    KS = triton.cdiv(triton.cdiv(K, parts), BK) * BK
+    return KS, triton.cdiv(K, KS) if step else 1
 
 
 def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: ProductPlan | None = None) -> torch.Tensor:
@@ -538,14 +562,16 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
     BN, BK, warps, stages = tiles("down", step, fp8, h.element_size(), plan, int4, int4 is not None and w_down.interleaved)
     if fp8:
         BN, BK, warps, stages = fp8_fit((BN, BK, warps, stages), Fi)
-    y = torch.empty(P_, H, dtype=torch.float32, device=h.device)
+    KS, parts = _ranges(step, plan.expert_down_parts, Fi, BK)
+    y = torch.empty(*((parts,) if parts > 1 else ()), P_, H, dtype=torch.float32, device=h.device)
     ws = w_down.scale if isinstance(w_down, (BlockFP8, GroupInt4)) else wv
     w2, ws2 = _shared_args(w_down, shared, H, Fi)
-    _down_kernel[(blocks, triton.cdiv(H, BN))](
-        h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
+    _down_kernel[(blocks, triton.cdiv(H, BN), parts)](
+        h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(-2), ws.stride(0),
         BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps,
         num_stages=stages, **pdl(h), **(_widen(h, warps, BN, plan) if fp8 else {}), **fp8_run(BK, fp8),
-        **_int4_args(w_down, shared, n_experts, H, Fi, BK, form_of(plan.int4_form, "expert_down", H, Fi)))
+        **_int4_args(w_down, shared, n_experts, H, Fi, BK, form_of(plan.int4_form, "expert_down", H, Fi)),
+        **(dict(KS=KS, PARTS=parts) if parts > 1 else {}))
     return y
 
 
@@ -553,9 +579,10 @@ def check_combine(y, weights, shared, gate):
     """The combine's layout contract: y [T * k, H] float32 (rows contiguous), weights [T, k] and
     gate [T] float32 contiguous, shared [T, H] (rows contiguous)."""
     T, k = weights.shape
-    H = y.shape[1]
-    assert y.shape[0] == T * k and y.dtype == torch.float32 and y.stride(1) == 1, \
-        f"combine: y {tuple(y.shape)} {y.dtype} must be float32 [{T} * {k}, H], rows contiguous"
+    H = y.shape[-1]
+    assert y.dim() in (2, 3) and y.shape[-2] == T * k and y.dtype == torch.float32 and y.stride(-1) == 1, \
+        f"combine: y {tuple(y.shape)} {y.dtype} must be float32 [{T} * {k}, H] (or [parts, {T} * {k}, H]), " \
+        "rows contiguous"
     assert weights.dtype == torch.float32 and weights.is_contiguous(), "combine: weights must be float32 contiguous"
     assert (shared is None) == (gate is None), "combine: the shared expert's output comes with its gate"
     if shared is not None:
@@ -568,13 +595,15 @@ def check_combine(y, weights, shared, gate):
 def combine_triton(y, weights, shared=None, gate=None, dtype=torch.bfloat16) -> torch.Tensor:
     check_combine(y, weights, shared, gate)
     T, k = weights.shape
-    H = y.shape[1]
+    H = y.shape[-1]
     out = torch.empty(T, H, dtype=dtype, device=y.device)
     BH = 512
+    parts = dict(PARTS=y.shape[0], s_yp=y.stride(0)) if y.dim() == 3 and y.shape[0] > 1 else {}
+    y = y[0] if y.dim() == 3 else y
     _combine_kernel[(T, triton.cdiv(H, BH))](
         y, weights, shared if shared is not None else y, gate if gate is not None else weights, out, H,
         y.stride(0), shared.stride(0) if shared is not None else 0, out.stride(0),
-        TOPK=k, BH=BH, HAS_SHARED=shared is not None, num_warps=4, **pdl(y))
+        TOPK=k, BH=BH, HAS_SHARED=shared is not None, num_warps=4, **pdl(y), **parts)
     return out
 
 

@@ -36,9 +36,10 @@ def test_greedy_mtp_on_equals_off(ckpts, layout, graphs):
 
 @pytest.mark.parametrize("layout", [STACKED, PER_EXPERT])
 def test_expert_parts_change_no_greedy_token_between_mtp_on_and_off(ckpts, layout):
-    # a step's expert SwiGLU over H in parts (ProductPlan.expert_parts; H 256: two K tiles of 128)
+    # a step's expert SwiGLU over H and down over F in parts (ProductPlan.expert_parts,
+    # expert_down_parts; H 256 and F 128 on K tiles of 64: 2 ranges each)
     plan = KernelPlan.choose("cuda", ModelConfig.load(ckpts[layout]), fp8=layout == PER_EXPERT).replace(
-        expert_parts=2, expert_tiles=lambda product, step, fp8, itemsize=2: (64, 128, 4, 3))
+        expert_parts=2, expert_down_parts=2, expert_tiles=lambda product, step, fp8, itemsize=2: (64, 64, 4, 3))
     engine = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024, plan=plan)
     assert engine.plan.products.expert_parts == 2
     on_equals_off(engine)

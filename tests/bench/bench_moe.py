@@ -6,8 +6,9 @@ with an expert_tiles rule and widen_bits off or on.
 
     python tests/bench/bench_moe.py [--weights fp8] [--parts 1,2,4] [--bits on] [--tiles "32,128,2,3 ..."]
 
-`--parts`: the SwiGLU of a step over H in that many ranges as well (ProductPlan.expert_parts), each
-timed on every tile; `--bits on`: FP8 tiles widened by moving bits only (the plan's default form).
+`--parts`: a step's SwiGLU over H and down over F in that many ranges as well
+(ProductPlan.expert_parts, expert_down_parts; the combine then adds the down's), each timed on
+every tile; `--bits on`: FP8 tiles widened by moving bits only (the plan's default form).
 """
 from __future__ import annotations
 
@@ -23,11 +24,13 @@ from mtpchat.kernels.plan import ProductPlan, default_products
 
 def tile_plan(base: ProductPlan, cfg, bits: bool, parts: int = 1) -> ProductPlan:
     """The base plan with every expert product on `cfg` (BN, BK, warps, stages), its FP8 tiles
-    widened by moving bits or by Triton's conversion, and a step's SwiGLU in `parts` ranges of H."""
+    widened by moving bits or by Triton's conversion, and a step's SwiGLU and down products in
+    `parts` ranges of their K (H, F)."""
     def expert_tiles(product, step, fp8_, itemsize=2):
         return cfg
     expert_tiles.__name__ = "experts:{}x{}w{}s{}".format(*cfg)
-    return dataclasses.replace(base, expert_tiles=expert_tiles, widen_bits=bits, expert_parts=parts)
+    return dataclasses.replace(base, expert_tiles=expert_tiles, widen_bits=bits, expert_parts=parts,
+                               expert_down_parts=parts)
 
 
 def timed(fn, reps=200) -> float:
@@ -87,12 +90,12 @@ def main():
                         plan = tile_plan(base, (BN, BK, warps, stages), bits, parts)
                         try:
                             t1 = timed(lambda: moe.expert_swiglu_triton(x, gu, lay, k, E, plan=plan))
-                            t2 = timed(lambda: moe.expert_down_triton(h, down, lay, E, plan=plan)) if parts == 1 else 0
+                            t2 = timed(lambda: moe.expert_down_triton(h, down, lay, E, plan=plan))
                         except Exception as e:      # a tile that does not compile (shared memory)
                             line.append(type(e).__name__)
                             continue
-                        line.append(f"{'bits ' if bits else ''}{parts}p swiglu {t1:6.1f} us ({t1 / f1:.2f} x)"
-                                    + (f"  down {t2:6.1f} us ({t2 / f2:.2f} x)" if parts == 1 else ""))
+                        line.append(f"{'bits ' if bits else ''}{parts}p swiglu {t1:6.1f} us ({t1 / f1:.2f} x)  "
+                                    f"down {t2:6.1f} us ({t2 / f2:.2f} x)")
                 print(f"  BN {BN:>3} BK {BK:>3} warps {warps} stages {stages}: " + ";  ".join(line))
 
 

@@ -162,8 +162,8 @@ def int4_tile_plans(base: KernelPlan, found: dict) -> dict:
 def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan:
     """The plan with every FP8 product of a kind on one tile: tiles {"plain": (BN, BK, warps,
     stages), "swiglu": ..., "parts": (S, BN, BK, warps, stages), "expert_swiglu", "expert_down":
-    (BN, BK, warps, stages) of a step's MoE expert products, "expert_parts": the step's expert
-    SwiGLU in that many ranges of H}, each optional."""
+    (BN, BK, warps, stages) of a step's MoE expert products, "expert_parts", "expert_down_parts":
+    the step's expert SwiGLU and down products in that many ranges of K}, each optional."""
     def tile(N, K, itemsize, swiglu=False, fp8=False):
         got = tiles.get("swiglu" if swiglu else "plain")
         return tuple(got) if fp8 and got else None
@@ -180,7 +180,8 @@ def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan
     experts_ruled = any(k in ("expert_swiglu", "expert_down") for k in tiles)
     return base.replace(tiles=tile, split_tiles=split if "parts" in tiles else None,
                         expert_tiles=experts if experts_ruled else None,
-                        expert_parts=tiles.get("expert_parts", base.products.expert_parts))
+                        expert_parts=tiles.get("expert_parts", base.products.expert_parts),
+                        expert_down_parts=tiles.get("expert_down_parts", base.products.expert_down_parts))
 
 
 def fp8_tile_plans(base: KernelPlan, found: dict) -> dict:
@@ -245,9 +246,14 @@ def conv_plans(base: KernelPlan) -> dict:
 def expert_parts_plans(base: KernelPlan) -> dict:
     """A step's MoE expert SwiGLU over H in one range (the default) or split into 2, 4 or 8
     (ProductPlan.expert_parts: more programs for a step's few experts, the last part of a tile to
-    arrive adding the parts in order). The logits differ between part counts (other orders of
+    arrive adding the parts in order), its down product over F in 2 or 4 (expert_down_parts: the
+    combine adds the parts), and both. The logits differ between part counts (other orders of
     sums); each count gives the same bits at every row count (tests/kernels/test_moe_kernels.py)."""
-    return {f"{n} part{'s' if n > 1 else ''}": base.replace(expert_parts=n) for n in (1, 2, 4, 8)}
+    plans = {"one range": base.replace(expert_parts=1, expert_down_parts=1)}
+    plans |= {f"swiglu {n}": base.replace(expert_parts=n) for n in (2, 4, 8)}
+    plans |= {f"down {n}": base.replace(expert_down_parts=n) for n in (2, 4)}
+    plans |= {f"swiglu {n}, down {m}": base.replace(expert_parts=n, expert_down_parts=m) for n, m in ((4, 2), (8, 4))}
+    return plans
 
 
 def default_plans(base: KernelPlan) -> dict:

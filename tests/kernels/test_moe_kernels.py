@@ -205,34 +205,77 @@ def test_expert_swiglu_in_parts(device, fp8_, T):
 
 
 def test_expert_parts_keep_a_row_independent_of_the_rows_beside_it(device):
-    moe_rows_equal(device, torch.float32, E=12, k=3, F=40, H=200, plan=_parts(3, device, (32, 64, 4, 2)))
+    plan = dataclasses.replace(_parts(3, device, (32, 64, 4, 2)), expert_down_parts=2)
+    moe_rows_equal(device, torch.float32, E=12, k=3, F=136, H=200, plan=plan)
+
+
+@pytest.mark.parametrize("fp8_", [False, True])
+@pytest.mark.parametrize("T", [1, 4])
+def test_expert_down_in_parts(device, fp8_, T):
+    """A step's down product split over F (ProductPlan.expert_down_parts): each part's float32 sums
+    a plane of y, which the combine adds in order before weighting. F = 384 is three K tiles of
+    128: 2 parts take 2 + 1 tiles, 3 parts one each, 4 parts fall back to 3. The parts' sum
+    against the float32 reference; the combine of the parts against combine_ref's and against the
+    one-range product's combine; the shared expert as expert E."""
+    E, k, F, H = 6, 2, 384, 256
+    wgu, wd = experts(E + 1, F, H, device, torch.float32, fp8_, seed=41 + T)
+    if fp8_:
+        d, sd = (fp8.BlockFP8(wd.w[:-H].contiguous(), wd.scale[:-H // 128].contiguous()),
+                 fp8.BlockFP8(wd.w[-H:].contiguous(), wd.scale[-H // 128:].contiguous()))
+        cpu = lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())
+    else:
+        d, sd = wd[:-H].contiguous(), wd[-H:].contiguous()
+        cpu = lambda t: t.cpu()
+    logits = randn(T, E + 1, seed=43, scale=2.0).to(device)
+    ids, w, _, lay = moe.route_step(logits, k, E, shared=True)
+    h = randn(T * (k + 1), F, device=device, seed=44)
+    y_ref = moe.expert_down_ref(h.cpu(), cpu(d), moe_layout.layout_ref(ids.cpu(), E + 1, 16), E, shared=cpu(sd))
+    tiles = (64, 128, 4, 2)
+    one = moe.expert_down_triton(h, d, lay, E, shared=sd, plan=_parts(1, device, tiles))
+    assert one.dim() == 2
+    for parts, planes in ((2, 2), (3, 3), (4, 3)):
+        plan = dataclasses.replace(_parts(1, device, tiles), expert_down_parts=parts)
+        y = moe.expert_down_triton(h, d, lay, E, shared=sd, plan=plan)
+        assert y.shape == (planes, T * (k + 1), H), parts
+        check(y.sum(0).cpu(), y_ref, TOL[torch.float32], f"{parts} parts")
+        out = moe.combine(y, w, dtype=torch.float32)
+        check(out.cpu(), moe.combine_ref(y.cpu(), w.cpu()), 1e-6, f"{parts} parts' combine")
+        check(out.cpu(), moe.combine(one, w, dtype=torch.float32).cpu(), TOL[torch.float32], f"{parts} against one")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_", [False, True])
 @pytest.mark.parametrize("parts", [2, 4])
 def test_expert_parts_on_the_35b_shapes(fp8_, parts):
-    """The 35B-A3B's experts (H 2048) in a verify's step, the SwiGLU in parts: near the one-range
-    kernel and float32, and a row's bits the same alone and among others (bf16)."""
+    """The 35B-A3B's experts (H 2048, F 512) in a verify's step, the SwiGLU and the down product in
+    parts: near the one-range kernel and float32, and a row's bits the same alone and among others
+    (bf16)."""
     E, k, F, H, T = 256, 8, 512, 2048, 4
-    wgu, _ = experts(E, F, H, "cuda", torch.bfloat16, fp8_, seed=5)
+    wgu, wd = experts(E, F, H, "cuda", torch.bfloat16, fp8_, seed=5)
     x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=6)
     ids, _, _, lay = moe.route_step(randn(T, E + 1, seed=7, scale=3.0).cuda(), k, E)
-    h = moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=_parts(parts, "cuda"))
+    plan = dataclasses.replace(_parts(parts, "cuda"), expert_down_parts=parts)
+    h = moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=plan)
     one = moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=_parts(1, "cuda"))
     cpu = (lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())) if fp8_ else (lambda t: t.cpu().float())
-    h_ref = moe.expert_swiglu_ref(x.cpu().float(), cpu(wgu), moe_layout.layout_ref(ids.cpu(), E, 16), k, E)
+    ref_lay = moe_layout.layout_ref(ids.cpu(), E, 16)
+    h_ref = moe.expert_swiglu_ref(x.cpu().float(), cpu(wgu), ref_lay, k, E)
     check(h.cpu().float(), h_ref, 1e-2, "swiglu")
     check(h.cpu().float(), one.cpu().float(), 1e-2, "against one range")
+    y = moe.expert_down_triton(h, wd, lay, E, plan=plan)
+    assert y.dim() == 3
+    check(y.sum(0).cpu(), moe.expert_down_ref(h.cpu().float(), cpu(wd), ref_lay, E), 1e-2, "down")
     if not fp8_:
-        moe_rows_equal("cuda", torch.bfloat16, E=E, k=k, F=F, H=H, plan=_parts(parts, "cuda"))
+        moe_rows_equal("cuda", torch.bfloat16, E=E, k=k, F=F, H=H, plan=plan)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shared", [True, False])
-def test_combine(device, dtype, shared):
+@pytest.mark.parametrize("parts", [0, 3])
+def test_combine(device, dtype, shared, parts):
+    # parts: y [parts, T * k, H], a down product's planes (0: y [T * k, H])
     T, k, H = 3, 4, 600
-    y = randn(T * k, H, device=device, seed=1)
+    y = randn(*((parts,) if parts else ()), T * k, H, device=device, seed=1)
     w = torch.softmax(randn(T, k, seed=2), -1).to(device)
     s = randn(T, H, dtype=dtype, device=device, seed=3) if shared else None
     g = torch.sigmoid(randn(T, seed=4)).to(device) if shared else None
@@ -258,7 +301,9 @@ def moe_rows_equal(device, dtype, E, k, F, H, T=5, plan=None):
         ids, w, g, lay = moe.route_step(logits, k, E)
         h = moe.expert_swiglu_triton(rows, wgu, lay, k, E, plan=plan)
         y = moe.expert_down_triton(h, wd, lay, E, plan=plan)
-        return ids.view(-1, k), w, h.view(-1, k, F), y.view(-1, k, H), moe.combine_triton(y, w, None, None, dtype)
+        # y [parts, T * k, H] where the plan splits the down product: rows first
+        y_rows = y.view(-1, k, H) if y.dim() == 2 else y.view(y.shape[0], -1, k, H).transpose(0, 1)
+        return ids.view(-1, k), w, h.view(-1, k, F), y_rows, moe.combine_triton(y, w, None, None, dtype)
     together = forward(x)
     for i in range(T):
         alone = forward(x[i:i + 1])
