@@ -8,6 +8,7 @@ kernels beside them, and dispatchers that take the kernels for CUDA tensors.
     swiglu   : h[p] = silu(x[row] @ W_gate[e]ᵀ) * (x[row] @ W_up[e]ᵀ), over each block's pairs
     down     : y[p] = h[p] @ W_down[e]ᵀ
     combine  : out[row] = Σ_j weight[row, j] * y[row * k + j] + gate[row] * shared[row]
+               (a step's down product may come in planes over ranges of F: y = Σ_s y_s, in order)
 
 A block reads its expert's weights once for all the pairs in it. In a step (a few rows: decode,
 verify, draft) every distinct expert the rows chose is one block, so its weights are read once
@@ -199,6 +200,31 @@ def _expert_ptr(p, offset, p2, e, E, SHARED: tl.constexpr):
 
 
 @triton.jit
+def _program(PARTS: tl.constexpr):
+    """(i_b, i_n, i_s): the program's block, column tile and part. With parts they come first in
+    the launch's order, so the parts of a tile run side by side (and under the interpreter a
+    tile's last part runs after every tile's first)."""
+    if PARTS > 1:
+        i_s, i_b, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:
+        i_b, i_n = tl.program_id(0), tl.program_id(1)
+        i_s = 0
+    return i_b, i_n, i_s
+
+
+@triton.jit
+def _k_range(i_s, K, KS: tl.constexpr, PARTS: tl.constexpr):
+    """[k_lo, k_hi): part i_s's columns of K, all of K for one part."""
+    if PARTS > 1:
+        k_lo = i_s * KS
+        k_hi = tl.minimum(k_lo + KS, K)
+    else:
+        k_lo = 0
+        k_hi = K
+    return k_lo, k_hi
+
+
+@triton.jit
 def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
                  TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  SHARED: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr,
@@ -214,12 +240,7 @@ def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x,
     m_n = o_n < F
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    if PARTS > 1:
-        k_lo = i_s * KS
-        k_hi = tl.minimum(k_lo + KS, H)
-    else:
-        k_lo = 0
-        k_hi = H
+    k_lo, k_hi = _k_range(i_s, H, KS, PARTS)
     for k in range(k_lo, k_hi, BK):      # p_x's rows all lie in x (dot_int4)
         acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
         acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
@@ -269,11 +290,10 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
     # SHARED, expert E is the shared expert, whose weights (w2, ws2) are a tensor of their own.
     # G > 0: 4-bit experts (kernels/int4.py), rows of s_w words, zeros zw and perm [E, H] (or None).
     # RUN: a K step takes RUN tiles of BK / RUN columns one after another (fp8.fp8_run).
-    # PARTS > 1: one program per (block, column tile, part), part i_s over H[i_s KS : (i_s + 1) KS],
+    # PARTS > 1: one program per (part, block, column tile), part i_s over H[i_s KS : (i_s + 1) KS],
     # finished by the tile's last part to arrive (_swiglu_parts).
     pdl_start(PDL)
-    i_b, i_n = tl.program_id(0), tl.program_id(1)
-    i_s = tl.program_id(2) if PARTS > 1 else 0
+    i_b, i_n, i_s = _program(PARTS)
     # (i_n + i_s: the step's reads counted by one program, the first part of block 0's first tile)
     e, p = _block(expert, pairs, reads, P, i_b, i_n + i_s, BM, STEP, BP, COUNT, SHARED)
     if e < 0:
@@ -294,12 +314,7 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
         m_n = o_n < F
         acc_g = tl.zeros([BN, BM], dtype=tl.float32)
         acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-        if PARTS > 1:
-            k_lo = i_s * KS
-            k_hi = tl.minimum(k_lo + KS, H)
-        else:
-            k_lo = 0
-            k_hi = H
+        k_lo, k_hi = _k_range(i_s, H, KS, PARTS)
         for k in range(k_lo, k_hi, BK):
             for u in tl.static_range(RUN):
                 k_u = k + u * (BK // RUN)
@@ -331,21 +346,16 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
                  SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                  G: tl.constexpr = 0, BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
                  UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, KS: tl.constexpr = 0,
-                 PARTS: tl.constexpr = 1):
+                 PARTS: tl.constexpr = 1, s_yp=None):
     # One program per (block, BN of the H output columns), over the expert's F inputs (G > 0: 4-bit
-    # experts, RUN: as in _swiglu_kernel). PARTS > 1 (a step's layout): one program per (block,
-    # column tile, part), part i_s over F[i_s KS : (i_s + 1) KS], its float32 sums left in y[i_s]
-    # (y [PARTS, P, H]) for the combine to add in order.
+    # experts, RUN: as in _swiglu_kernel). PARTS > 1 (a step's layout): one program per (part,
+    # block, column tile), part i_s over F[i_s KS : (i_s + 1) KS], its float32 sums left in plane
+    # i_s of y (planes s_yp apart) for the combine to add in order.
     pdl_start(PDL)
-    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    i_b, i_n, i_s = _program(PARTS)
+    k_lo, k_hi = _k_range(i_s, F, KS, PARTS)
     if PARTS > 1:
-        i_s = tl.program_id(2)
-        k_lo = i_s * KS
-        k_hi = tl.minimum(k_lo + KS, F)
-        y += i_s * P * s_y
-    else:
-        k_lo = 0
-        k_hi = F
+        y += i_s * s_yp
     e, p = _block(expert, pairs, y, P, i_b, i_n, BM, STEP, BP, False, SHARED)
     if e < 0:
         return
@@ -529,7 +539,7 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     ws = w_gate_up.scale if isinstance(w_gate_up, (BlockFP8, GroupInt4)) else wv
     tiles_n = triton.cdiv(Fi, BN)
     KS, parts = _ranges(step, plan.expert_parts, H, BK)
-    _swiglu_kernel[(blocks, tiles_n, parts)](
+    _swiglu_kernel[(parts, blocks, tiles_n) if parts > 1 else (blocks, tiles_n)](
         x, wv, ws, w2, ws2, expert, pairs, reads if reads is not None else h, h, P, n_experts, H, Fi,
         x.stride(0), h.stride(0), ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp,
         COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, num_stages=stages,
@@ -545,11 +555,14 @@ def _ranges(step: bool, parts: int, K: int, BK: int) -> tuple[int, int]:
     """(KS, n): a step's product over K in n ranges of KS columns, whole K tiles each, for the plan's
     `parts` (ProductPlan.expert_parts, expert_down_parts); n = 1 in a prefill's layout, and fewer
     than `parts` where whole tiles leave no column to the last ones."""
+    assert parts >= 1, f"a product takes 1 part or more, not {parts}"
     KS = triton.cdiv(triton.cdiv(K, parts), BK) * BK
     return KS, triton.cdiv(K, KS) if step else 1
 
 
 def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: ProductPlan | None = None) -> torch.Tensor:
+    """y [P, H] float32; in a step whose plan splits the product over F (expert_down_parts),
+    [parts, P, H]: each range's sums a plane, for the combine to add in order."""
     P_, Fi = h.shape
     wv = values_of(w_down)
     H = w_down.shape[0] // n_experts
@@ -566,18 +579,19 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
     y = torch.empty(*((parts,) if parts > 1 else ()), P_, H, dtype=torch.float32, device=h.device)
     ws = w_down.scale if isinstance(w_down, (BlockFP8, GroupInt4)) else wv
     w2, ws2 = _shared_args(w_down, shared, H, Fi)
-    _down_kernel[(blocks, triton.cdiv(H, BN), parts)](
+    _down_kernel[(parts, blocks, triton.cdiv(H, BN)) if parts > 1 else (blocks, triton.cdiv(H, BN))](
         h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(-2), ws.stride(0),
         BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps,
         num_stages=stages, **pdl(h), **(_widen(h, warps, BN, plan) if fp8 else {}), **fp8_run(BK, fp8),
         **_int4_args(w_down, shared, n_experts, H, Fi, BK, form_of(plan.int4_form, "expert_down", H, Fi)),
-        **(dict(KS=KS, PARTS=parts) if parts > 1 else {}))
+        **(dict(KS=KS, PARTS=parts, s_yp=y.stride(0)) if parts > 1 else {}))
     return y
 
 
 def check_combine(y, weights, shared, gate):
-    """The combine's layout contract: y [T * k, H] float32 (rows contiguous), weights [T, k] and
-    gate [T] float32 contiguous, shared [T, H] (rows contiguous)."""
+    """The combine's layout contract: y [T * k, H] float32 (rows contiguous), or [parts, T * k, H]
+    (a split down product's planes), weights [T, k] and gate [T] float32 contiguous, shared [T, H]
+    (rows contiguous)."""
     T, k = weights.shape
     H = y.shape[-1]
     assert y.dim() in (2, 3) and y.shape[-2] == T * k and y.dtype == torch.float32 and y.stride(-1) == 1, \

@@ -52,7 +52,7 @@ def timed(fn, reps=200) -> float:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--weights", choices=("fp8", "bf16", "both"), default="both")
-    p.add_argument("--parts", default="1", help="comma-separated part counts of the step's SwiGLU")
+    p.add_argument("--parts", default="1", help="comma-separated part counts of the step's SwiGLU and down products")
     p.add_argument("--bits", choices=("both", "on"), default="both")
     p.add_argument("--tiles", help='tiles to time instead of the grid: "BN,BK,warps,stages ..."')
     a = p.parse_args()
@@ -91,11 +91,15 @@ def main():
                         try:
                             t1 = timed(lambda: moe.expert_swiglu_triton(x, gu, lay, k, E, plan=plan))
                             t2 = timed(lambda: moe.expert_down_triton(h, down, lay, E, plan=plan))
+                            planes = moe.expert_down_triton(h, down, lay, E, plan=plan)
+                            # the combine of the down's planes (its one-plane time printed above)
+                            t3 = timed(lambda: moe.combine_triton(planes, w, shared, g, torch.bfloat16)) \
+                                if planes.dim() == 3 else t_comb
                         except Exception as e:      # a tile that does not compile (shared memory)
                             line.append(type(e).__name__)
                             continue
                         line.append(f"{'bits ' if bits else ''}{parts}p swiglu {t1:6.1f} us ({t1 / f1:.2f} x)  "
-                                    f"down {t2:6.1f} us ({t2 / f2:.2f} x)")
+                                    f"down {t2:6.1f} us ({t2 / f2:.2f} x)  combine {t3:.1f} us")
                 print(f"  BN {BN:>3} BK {BK:>3} warps {warps} stages {stages}: " + ";  ".join(line))
 
 

@@ -178,8 +178,10 @@ def test_expert_swiglu_in_parts(device, fp8_, T):
     the last to arrive, then gated. Against the float32 reference and the one-range kernel, with
     the shared expert as expert E; the routed experts counted once; the arrival counts left at 0
     for the next product. H = 640 is five K tiles of 128: 2 parts take 3 + 2 tiles, 3 parts 2 + 2 +
-    1, and 4 parts fall back to the 3 that whole tiles allow."""
-    E, k, F, H = 6, 2, 128, 640
+    1, and 4 parts fall back to the 3 that whole tiles allow; unquantized, H = 600 leaves the last
+    tile 88 columns (3 parts: 256 + 256 + 88)."""
+    E, k, F = 6, 2, 128
+    H = 640 if fp8_ else 600
     wgu, wd = experts(E + 1, F, H, device, torch.float32, fp8_, seed=31 + T)
     if fp8_:
         gu, sgu = (fp8.BlockFP8(wgu.w[:-2 * F].contiguous(), wgu.scale[:-2 * F // 128].contiguous()),
@@ -201,11 +203,14 @@ def test_expert_swiglu_in_parts(device, fp8_, T):
         check(h.cpu(), h_ref, TOL[torch.float32], f"{parts} parts")
         check(h.cpu(), whole.cpu(), TOL[torch.float32], f"{parts} parts against one")
         assert reads.item() == len(set(ids[:, :k].flatten().tolist())), parts
-        assert not matvec.arrival_counts(torch.device(device), 1).any(), "a tile's count was left set"
+        assert not matvec.arrival_counts(x.device, 1).any(), "a tile's count was left set"
 
 
 def test_expert_parts_keep_a_row_independent_of_the_rows_beside_it(device):
-    plan = dataclasses.replace(_parts(3, device, (32, 64, 4, 2)), expert_down_parts=2)
+    """A step's MoE in parts (the SwiGLU's H = 200 in 4 ranges of 64, 64, 64 and 8 columns, the
+    down's F = 136 in 2 of 128 and 8): a row's routing, products and combine the same bits alone
+    and among others."""
+    plan = dataclasses.replace(_parts(4, device, (32, 64, 4, 2)), expert_down_parts=2)
     moe_rows_equal(device, torch.float32, E=12, k=3, F=136, H=200, plan=plan)
 
 
@@ -238,9 +243,9 @@ def test_expert_down_in_parts(device, fp8_, T):
         y = moe.expert_down_triton(h, d, lay, E, shared=sd, plan=plan)
         assert y.shape == (planes, T * (k + 1), H), parts
         check(y.sum(0).cpu(), y_ref, TOL[torch.float32], f"{parts} parts")
-        out = moe.combine(y, w, dtype=torch.float32)
+        out = moe.combine_triton(y, w, dtype=torch.float32)     # the kernel (combine takes the reference on a CPU)
         check(out.cpu(), moe.combine_ref(y.cpu(), w.cpu()), 1e-6, f"{parts} parts' combine")
-        check(out.cpu(), moe.combine(one, w, dtype=torch.float32).cpu(), TOL[torch.float32], f"{parts} against one")
+        check(out.cpu(), moe.combine_triton(one, w, dtype=torch.float32).cpu(), TOL[torch.float32], f"{parts} against one")
 
 
 @pytest.mark.gpu
@@ -279,7 +284,7 @@ def test_combine(device, dtype, shared, parts):
     w = torch.softmax(randn(T, k, seed=2), -1).to(device)
     s = randn(T, H, dtype=dtype, device=device, seed=3) if shared else None
     g = torch.sigmoid(randn(T, seed=4)).to(device) if shared else None
-    out = moe.combine(y, w, s, g, dtype)
+    out = moe.combine_triton(y, w, s, g, dtype)     # the kernel (combine takes the reference on a CPU)
     ref = moe.combine_ref(y.cpu(), w.cpu(), s.cpu() if shared else None, g.cpu() if shared else None)
     assert out.dtype == dtype
     check(out.cpu().float(), ref, TOL[dtype])
