@@ -244,37 +244,38 @@ def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x,
     for k in range(k_lo, k_hi, BK):      # p_x's rows all lie in x (dot_int4)
         acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
         acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
-    if PARTS > 1:
-        _swiglu_parts(acc_g, acc_u, part, count, h, p, o_n, m_n, m_p, s_h, i_b, i_n, i_s, F, BM, BN, PARTS)
-    else:
-        out = acc_g * tl.sigmoid(acc_g) * acc_u
-        tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
+    _swiglu_finish(acc_g, acc_u, part, count, h, p, o_n, m_n, m_p, s_h, i_b, i_n, i_s, F, BM, BN, PARTS)
 
 
 @triton.jit
-def _swiglu_parts(acc_g, acc_u, part, count, h, p, o_n, m_n, m_p, s_h, i_b, i_n, i_s, F,
-                  BM: tl.constexpr, BN: tl.constexpr, PARTS: tl.constexpr):
-    """Part i_s of block i_b's column tile i_n, its float32 gate and up sums over its range of H:
-    left in `part`; the last of the tile's PARTS parts to arrive adds them in order (part 0 first,
-    whichever came last), gates and stores the tile's h and sets the tile's count back to 0. Its
-    acq_rel add, after every thread of the program has stored, orders the parts before its reads
-    (as matvec.py's split SwiGLU)."""
-    j = i_b * tl.cdiv(F, BN) + i_n                                   # the tile
-    o_w = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
-    s_p: tl.constexpr = 2 * BN * BM
-    tl.store(part + (j * PARTS + i_s) * s_p + o_w, acc_g)
-    tl.store(part + (j * PARTS + i_s) * s_p + BN * BM + o_w, acc_u)
-    tl.debug_barrier()
-    if tl.atomic_add(count + j, 1, sem="acq_rel", scope="gpu") == PARTS - 1:
-        p_0 = part + j * PARTS * s_p
-        g = tl.load(p_0 + o_w, cache_modifier=".cg")
-        u = tl.load(p_0 + BN * BM + o_w, cache_modifier=".cg")
-        for i_p in range(1, PARTS):
-            g += tl.load(p_0 + i_p * s_p + o_w, cache_modifier=".cg")
-            u += tl.load(p_0 + i_p * s_p + BN * BM + o_w, cache_modifier=".cg")
-        out = g * tl.sigmoid(g) * u
+def _swiglu_finish(acc_g, acc_u, part, count, h, p, o_n, m_n, m_p, s_h, i_b, i_n, i_s, F,
+                   BM: tl.constexpr, BN: tl.constexpr, PARTS: tl.constexpr):
+    """Block i_b's column tile i_n of h from its float32 gate and up sums: gated and stored; or
+    with PARTS > 1 those of part i_s over its range of H, left in `part`, and the last of the
+    tile's parts to arrive adds them in order (part 0 first, whichever came last), gates and
+    stores the tile and sets the tile's count back to 0. Its acq_rel add, after every thread of
+    the program has stored, orders the parts before its reads (as matvec.py's split SwiGLU)."""
+    if PARTS == 1:
+        out = acc_g * tl.sigmoid(acc_g) * acc_u
         tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
-        tl.atomic_xchg(count + j, 0)
+    else:
+        j = i_b * tl.cdiv(F, BN) + i_n                                   # the tile
+        o_w = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
+        s_p: tl.constexpr = 2 * BN * BM
+        tl.store(part + (j * PARTS + i_s) * s_p + o_w, acc_g)
+        tl.store(part + (j * PARTS + i_s) * s_p + BN * BM + o_w, acc_u)
+        tl.debug_barrier()
+        if tl.atomic_add(count + j, 1, sem="acq_rel", scope="gpu") == PARTS - 1:
+            p_0 = part + j * PARTS * s_p
+            g = tl.load(p_0 + o_w, cache_modifier=".cg")
+            u = tl.load(p_0 + BN * BM + o_w, cache_modifier=".cg")
+            for i_p in range(1, PARTS):
+                g += tl.load(p_0 + i_p * s_p + o_w, cache_modifier=".cg")
+                u += tl.load(p_0 + i_p * s_p + BN * BM + o_w, cache_modifier=".cg")
+            out = g * tl.sigmoid(g) * u
+            tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty),
+                     mask=m_n[:, None] & m_p[None, :])
+            tl.atomic_xchg(count + j, 0)
 
 
 @triton.jit
@@ -291,7 +292,7 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
     # G > 0: 4-bit experts (kernels/int4.py), rows of s_w words, zeros zw and perm [E, H] (or None).
     # RUN: a K step takes RUN tiles of BK / RUN columns one after another (fp8.fp8_run).
     # PARTS > 1: one program per (part, block, column tile), part i_s over H[i_s KS : (i_s + 1) KS],
-    # finished by the tile's last part to arrive (_swiglu_parts).
+    # finished by the tile's last part to arrive (_swiglu_finish).
     pdl_start(PDL)
     i_b, i_n, i_s = _program(PARTS)
     # (i_n + i_s: the step's reads counted by one program, the first part of block 0's first tile)
@@ -332,12 +333,7 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
                 else:
                     acc_g = tl.dot(b_g, b_x, acc_g, input_precision="ieee")
                     acc_u = tl.dot(b_u, b_x, acc_u, input_precision="ieee")
-        if PARTS > 1:
-            _swiglu_parts(acc_g, acc_u, part, count, h, p, o_n, m_n, m_p, s_h, i_b, i_n, i_s, F, BM, BN, PARTS)
-        else:
-            out = acc_g * tl.sigmoid(acc_g) * acc_u
-            tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty),
-                     mask=m_n[:, None] & m_p[None, :])
+        _swiglu_finish(acc_g, acc_u, part, count, h, p, o_n, m_n, m_p, s_h, i_b, i_n, i_s, F, BM, BN, PARTS)
 
 
 @triton.jit

@@ -64,7 +64,7 @@ class ProductPlan:
                                     # (default_products; tests/bench/ab_step.py --plans fp8tiles)
     expert_parts: int = 1           # a step's MoE expert SwiGLU split over H into this many ranges of whole K tiles,
                                     # the last part of each tile to arrive adding them in order and gating (moe.py
-                                    # _swiglu_parts): more programs for the few experts of a step; 1: one range
+                                    # _swiglu_finish): more programs for the few experts of a step; 1: one range
     expert_down_parts: int = 1      # ... and its down product over F, each range's float32 sums a plane of its
                                     # output, added in order by the combine (moe.combine_row)
     tiles: TileRule | None = None   # tiles other than the measured ones (benchmarks; small tiles for the interpreter)

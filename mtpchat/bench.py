@@ -231,9 +231,8 @@ def table(r: dict) -> str:
                      f"whole {t['second_full_ms']:.1f} ms)")
         lines.append(f"{'  the turn before, its snapshot kept':<44}{t['first_ms']:>10.1f} ms "
                      f"(without the snapshot {t['first_plain_ms']:.1f} ms)")
-    runs = r.get("decode_runs_ms", [])
     lines.append(row("decode, MTP off (per token)", r["decode_ms"])
-                 + (f"  (faster of {', '.join(f'{ms:.3f}' for ms in runs)})" if len(runs) > 1 else ""))
+                 + f"  (faster of {', '.join(f'{ms:.3f}' for ms in r['decode_runs_ms'])})")
     lines.append(row("decode step, device time", r["decode_step_ms"]))
     for k, m in r["mtp_profile"].items():
         lines.append(row(f"verify k={k}", m["verify_ms"]))
