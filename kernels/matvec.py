@@ -438,8 +438,7 @@ def arrival_counts(device: torch.device, blocks: int) -> torch.Tensor:
     count = _counts.get(device)
     if count is None or count.numel() < blocks:
         assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "run a split product (matvec, matvec_parts, a step's MoE experts in parts) once before capturing a " \
-            "graph: its arrival counts are made then"
+            "matvec: run a split product once before capturing a graph (its counts are made then)"
         if count is not None:
             _outgrown.append(count)
         count = _counts[device] = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)

@@ -8,7 +8,6 @@ kernels beside them, and dispatchers that take the kernels for CUDA tensors.
     swiglu   : h[p] = silu(x[row] @ W_gate[e]ᵀ) * (x[row] @ W_up[e]ᵀ), over each block's pairs
     down     : y[p] = h[p] @ W_down[e]ᵀ
     combine  : out[row] = Σ_j weight[row, j] * y[row * k + j] + gate[row] * shared[row]
-               (a step's down product may come in planes over ranges of F: y = Σ_s y_s, in order)
 
 A block reads its expert's weights once for all the pairs in it. In a step (a few rows: decode,
 verify, draft) every distinct expert the rows chose is one block, so its weights are read once
@@ -30,7 +29,6 @@ from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
-from mtpchat.kernels.matvec import arrival_counts
 from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
                                        count_reads, layout_ref)
@@ -104,13 +102,8 @@ def expert_down_ref(h: torch.Tensor, w_down, layout: Layout, n_experts: int, row
 def combine_ref(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
                 gate: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """y [T * k, H] float32, weights [T, k] -> [T, H] in dtype: each row's k expert outputs summed
-    in order of choice, then the shared expert's output times its gate. y [S, T * k, H]: a down
-    product's S parts over F (ProductPlan.expert_down_parts), added in order first."""
+    in order of choice, then the shared expert's output times its gate."""
     T, k = weights.shape
-    if y.dim() == 3:
-        parts, y = y, y[0]
-        for part in parts[1:]:
-            y = y + part
     y = y.view(T, k, -1)
     out = torch.zeros(T, y.shape[-1], dtype=torch.float32, device=y.device)
     for j in range(k):
@@ -200,35 +193,9 @@ def _expert_ptr(p, offset, p2, e, E, SHARED: tl.constexpr):
 
 
 @triton.jit
-def _program(PARTS: tl.constexpr):
-    """(i_b, i_n, i_s): the program's block, column tile and part. With parts they come first in
-    the launch's order, so the parts of a tile run side by side (and under the interpreter a
-    tile's last part runs after every tile's first)."""
-    if PARTS > 1:
-        i_s, i_b, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    else:
-        i_b, i_n = tl.program_id(0), tl.program_id(1)
-        i_s = 0
-    return i_b, i_n, i_s
-
-
-@triton.jit
-def _k_range(i_s, K, KS: tl.constexpr, PARTS: tl.constexpr):
-    """[k_lo, k_hi): part i_s's columns of K, all of K for one part."""
-    if PARTS > 1:
-        k_lo = i_s * KS
-        k_hi = tl.minimum(k_lo + KS, K)
-    else:
-        k_lo = 0
-        k_hi = K
-    return k_lo, k_hi
-
-
-@triton.jit
 def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
                  TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 SHARED: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr,
-                 part, count, i_b, i_s, KS: tl.constexpr, PARTS: tl.constexpr):
+                 SHARED: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr):
     # expert e's words, scales, zeros and perm (None where the stack has none); E the shared one
     w_e = _expert_ptr(w, e * 2 * F * s_w, w2, e, E, SHARED)
     s_e = _expert_ptr(ws, e * 2 * F * s_ws, ws2, e, E, SHARED)
@@ -240,42 +207,11 @@ def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x,
     m_n = o_n < F
     acc_g = tl.zeros([BN, BM], dtype=tl.float32)
     acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    k_lo, k_hi = _k_range(i_s, H, KS, PARTS)
-    for k in range(k_lo, k_hi, BK):      # p_x's rows all lie in x (dot_int4)
+    for k in range(0, H, BK):      # p_x's rows all lie in x (dot_int4)
         acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
         acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
-    _swiglu_finish(acc_g, acc_u, part, count, h, p, o_n, m_n, m_p, s_h, i_b, i_n, i_s, F, BM, BN, PARTS)
-
-
-@triton.jit
-def _swiglu_finish(acc_g, acc_u, part, count, h, p, o_n, m_n, m_p, s_h, i_b, i_n, i_s, F,
-                   BM: tl.constexpr, BN: tl.constexpr, PARTS: tl.constexpr):
-    """Block i_b's column tile i_n of h from its float32 gate and up sums: gated and stored; or
-    with PARTS > 1 those of part i_s over its range of H, left in `part`, and the last of the
-    tile's parts to arrive adds them in order (part 0 first, whichever came last), gates and
-    stores the tile and sets the tile's count back to 0. Its acq_rel add, after every thread of
-    the program has stored, orders the parts before its reads (as matvec.py's split SwiGLU)."""
-    if PARTS == 1:
-        out = acc_g * tl.sigmoid(acc_g) * acc_u
-        tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
-    else:
-        j = i_b * tl.cdiv(F, BN) + i_n                                   # the tile
-        o_w = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
-        s_p: tl.constexpr = 2 * BN * BM
-        tl.store(part + (j * PARTS + i_s) * s_p + o_w, acc_g)
-        tl.store(part + (j * PARTS + i_s) * s_p + BN * BM + o_w, acc_u)
-        tl.debug_barrier()
-        if tl.atomic_add(count + j, 1, sem="acq_rel", scope="gpu") == PARTS - 1:
-            p_0 = part + j * PARTS * s_p
-            g = tl.load(p_0 + o_w, cache_modifier=".cg")
-            u = tl.load(p_0 + BN * BM + o_w, cache_modifier=".cg")
-            for i_p in range(1, PARTS):
-                g += tl.load(p_0 + i_p * s_p + o_w, cache_modifier=".cg")
-                u += tl.load(p_0 + i_p * s_p + BN * BM + o_w, cache_modifier=".cg")
-            out = g * tl.sigmoid(g) * u
-            tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty),
-                     mask=m_n[:, None] & m_p[None, :])
-            tl.atomic_xchg(count + j, 0)
+    out = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
 
 
 @triton.jit
@@ -284,24 +220,21 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
                    STEP: tl.constexpr, BP: tl.constexpr, COUNT: tl.constexpr, SHARED: tl.constexpr,
                    FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0, G: tl.constexpr = 0,
                    BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
-                   UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, part=None, count=None,
-                   KS: tl.constexpr = 0, PARTS: tl.constexpr = 1):
+                   UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, STACKED: tl.constexpr = False):
     # One program per (block, BN of the F columns): the expert's gate and up tiles, multiplied
     # with the block's rows of x, weights first ([BN, BK] @ [BK, BM]) as in matvec.py. With
     # SHARED, expert E is the shared expert, whose weights (w2, ws2) are a tensor of their own.
     # G > 0: 4-bit experts (kernels/int4.py), rows of s_w words, zeros zw and perm [E, H] (or None).
     # RUN: a K step takes RUN tiles of BK / RUN columns one after another (fp8.fp8_run).
-    # PARTS > 1: one program per (part, block, column tile), part i_s over H[i_s KS : (i_s + 1) KS],
-    # finished by the tile's last part to arrive (_swiglu_finish).
+    # STACKED (bf16 and FP8 experts): the gate and up tiles as one [2 BN, BK] tile, one dot a K step.
     pdl_start(PDL)
-    i_b, i_n, i_s = _program(PARTS)
-    # (i_n + i_s: the step's reads counted by one program, the first part of block 0's first tile)
-    e, p = _block(expert, pairs, reads, P, i_b, i_n + i_s, BM, STEP, BP, COUNT, SHARED)
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    e, p = _block(expert, pairs, reads, P, i_b, i_n, BM, STEP, BP, COUNT, SHARED)
     if e < 0:
         return
     if G > 0:
         _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
-                     TOPK, BM, BN, BK, SHARED, G, BG, UNPACK, part, count, i_b, i_s, KS, PARTS)
+                     TOPK, BM, BN, BK, SHARED, G, BG, UNPACK)
     else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
         w_e = w + e * 2 * F * H
         s_e = ws + e * 2 * F // 128 * s_ws
@@ -313,27 +246,59 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
         rows = tl.where(m_p, p // TOPK, 0)
         o_n = i_n * BN + tl.arange(0, BN)
         m_n = o_n < F
-        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
-        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-        k_lo, k_hi = _k_range(i_s, H, KS, PARTS)
-        for k in range(k_lo, k_hi, BK):
-            for u in tl.static_range(RUN):
-                k_u = k + u * (BK // RUN)
-                o_k = k_u + tl.arange(0, BK // RUN)
-                m_k = o_k < H
-                b_x = tl.load(x + rows[None, :] * s_x + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
-                m_w = m_n[:, None] & m_k[None, :]
-                b_g = tl.load(w_e + o_n[:, None] * H + o_k[None, :], mask=m_w, other=0.)
-                b_u = tl.load(w_e + (o_n + F)[:, None] * H + o_k[None, :], mask=m_w, other=0.)
-                if FP8:
-                    s_g = tl.load(s_e + (i_n * BN) // 128 * s_ws + k_u // 128)
-                    s_u = tl.load(s_e + (F + i_n * BN) // 128 * s_ws + k_u // 128)
-                    acc_g += s_g * tl.dot(widen(b_g, b_x, BITS), b_x, input_precision="ieee")
-                    acc_u += s_u * tl.dot(widen(b_u, b_x, BITS), b_x, input_precision="ieee")
-                else:
-                    acc_g = tl.dot(b_g, b_x, acc_g, input_precision="ieee")
-                    acc_u = tl.dot(b_u, b_x, acc_u, input_precision="ieee")
-        _swiglu_finish(acc_g, acc_u, part, count, h, p, o_n, m_n, m_p, s_h, i_b, i_n, i_s, F, BM, BN, PARTS)
+        if STACKED:
+            acc_g, acc_u = _swiglu_stacked(x, w_e, s_e, rows, m_p, i_n, H, F, s_x, s_ws, BM, BN, BK, FP8, BITS, RUN)
+        else:
+            acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+            acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+            for k in range(0, H, BK):
+                for u in tl.static_range(RUN):
+                    k_u = k + u * (BK // RUN)
+                    o_k = k_u + tl.arange(0, BK // RUN)
+                    m_k = o_k < H
+                    b_x = tl.load(x + rows[None, :] * s_x + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
+                    m_w = m_n[:, None] & m_k[None, :]
+                    b_g = tl.load(w_e + o_n[:, None] * H + o_k[None, :], mask=m_w, other=0.)
+                    b_u = tl.load(w_e + (o_n + F)[:, None] * H + o_k[None, :], mask=m_w, other=0.)
+                    if FP8:
+                        s_g = tl.load(s_e + (i_n * BN) // 128 * s_ws + k_u // 128)
+                        s_u = tl.load(s_e + (F + i_n * BN) // 128 * s_ws + k_u // 128)
+                        acc_g += s_g * tl.dot(widen(b_g, b_x, BITS), b_x, input_precision="ieee")
+                        acc_u += s_u * tl.dot(widen(b_u, b_x, BITS), b_x, input_precision="ieee")
+                    else:
+                        acc_g = tl.dot(b_g, b_x, acc_g, input_precision="ieee")
+                        acc_u = tl.dot(b_u, b_x, acc_u, input_precision="ieee")
+        out = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
+
+
+@triton.jit
+def _swiglu_stacked(x, w_e, s_e, rows, m_p, i_n, H, F, s_x, s_ws, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, FP8: tl.constexpr, BITS: tl.constexpr, RUN: tl.constexpr):
+    """(gate, up) sums [BN, BM] of column tile i_n from one tile of 2 BN weight rows a K step, the
+    tile's gate rows over its up rows: one dot (one chain of matrix instructions where the two
+    made two, each waited for before the next; with 8 warps the halves on two warpgroups at once),
+    each row's sums those of the separate dots (an FP8 row's block scale the gate's or the up's)."""
+    o_r = tl.arange(0, 2 * BN)
+    up = o_r >= BN
+    o_c = i_n * BN + o_r % BN                       # the tile's columns of F, twice
+    m_r = o_c < F
+    o_w = o_c + tl.where(up, F, 0)                  # rows of the expert's gate|up
+    acc = tl.zeros([2 * BN, BM], dtype=tl.float32)
+    for k in range(0, H, BK):
+        for u in tl.static_range(RUN):
+            k_u = k + u * (BK // RUN)
+            o_k = k_u + tl.arange(0, BK // RUN)
+            m_k = o_k < H
+            b_x = tl.load(x + rows[None, :] * s_x + o_k[:, None], mask=m_k[:, None] & m_p[None, :], other=0.)
+            b_w = tl.load(w_e + o_w[:, None] * H + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.)
+            if FP8:
+                s_g = tl.load(s_e + (i_n * BN) // 128 * s_ws + k_u // 128)
+                s_u = tl.load(s_e + (F + i_n * BN) // 128 * s_ws + k_u // 128)
+                acc += tl.where(up, s_u, s_g)[:, None] * tl.dot(widen(b_w, b_x, BITS), b_x, input_precision="ieee")
+            else:
+                acc = tl.dot(b_w, b_x, acc, input_precision="ieee")
+    return tl.split(tl.permute(tl.reshape(acc, [2, BN, BM]), [1, 2, 0]))
 
 
 @triton.jit
@@ -341,17 +306,11 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
                  SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                  G: tl.constexpr = 0, BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
-                 UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, KS: tl.constexpr = 0,
-                 PARTS: tl.constexpr = 1, s_yp=None):
+                 UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1):
     # One program per (block, BN of the H output columns), over the expert's F inputs (G > 0: 4-bit
-    # experts, RUN: as in _swiglu_kernel). PARTS > 1 (a step's layout): one program per (part,
-    # block, column tile), part i_s over F[i_s KS : (i_s + 1) KS], its float32 sums left in plane
-    # i_s of y (planes s_yp apart) for the combine to add in order.
+    # experts, RUN: as in _swiglu_kernel).
     pdl_start(PDL)
-    i_b, i_n, i_s = _program(PARTS)
-    k_lo, k_hi = _k_range(i_s, F, KS, PARTS)
-    if PARTS > 1:
-        y += i_s * s_yp
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
     e, p = _block(expert, pairs, y, P, i_b, i_n, BM, STEP, BP, False, SHARED)
     if e < 0:
         return
@@ -365,7 +324,7 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
         m_n = o_n < H
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         p_h = hin + tl.where(m_p, p, 0)[None, :] * s_h      # every row's pointer in hin (dot_int4)
-        for k in range(k_lo, k_hi, BK):
+        for k in range(0, F, BK):
             acc = dot_int4(acc, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_h, m_p, k, F, BK, G, BG, UNPACK)
         tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
     else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
@@ -379,7 +338,7 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
         o_n = i_n * BN + tl.arange(0, BN)
         m_n = o_n < H
         acc = tl.zeros([BN, BM], dtype=tl.float32)
-        for k in range(k_lo, k_hi, BK):
+        for k in range(0, F, BK):
             for u in tl.static_range(RUN):
                 k_u = k + u * (BK // RUN)
                 o_k = k_u + tl.arange(0, BK // RUN)
@@ -396,20 +355,12 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
 
 @triton.jit
 def combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s,
-                BH: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, PARTS: tl.constexpr = 1,
-                s_yp=None):
+                BH: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr):
     """Row r's combine over the columns o_h [BH], float32: its TOPK expert outputs times their
-    weights in order of choice, then the shared expert's output times its gate. PARTS > 1: each
-    output the sum of the down product's parts (s_yp apart), added in order first."""
+    weights in order of choice, then the shared expert's output times its gate."""
     acc = tl.zeros([BH], dtype=tl.float32)
     for j in tl.static_range(TOPK):
-        if PARTS > 1:
-            y_j = tl.load(y + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.)
-            for i_p in tl.static_range(1, PARTS):
-                y_j += tl.load(y + i_p * s_yp + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.)
-            acc += tl.load(weights + r * TOPK + j) * y_j
-        else:
-            acc += tl.load(weights + r * TOPK + j) * tl.load(y + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.)
+        acc += tl.load(weights + r * TOPK + j) * tl.load(y + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.)
     if HAS_SHARED:
         acc += tl.load(gate + r) * tl.load(shared + r * s_s + o_h, mask=m_h, other=0.).to(tl.float32)
     return acc
@@ -417,13 +368,12 @@ def combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s,
 
 @triton.jit
 def _combine_kernel(y, weights, shared, gate, out, H, s_y, s_s, s_o,
-                    TOPK: tl.constexpr, BH: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr,
-                    PARTS: tl.constexpr = 1, s_yp=None):
+                    TOPK: tl.constexpr, BH: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
     pdl_start(PDL)
     r, i_h = tl.program_id(0), tl.program_id(1)
     o_h = i_h * BH + tl.arange(0, BH)
     m_h = o_h < H
-    acc = combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s, BH, TOPK, HAS_SHARED, PARTS, s_yp)
+    acc = combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s, BH, TOPK, HAS_SHARED)
     tl.store(out + r * s_o + o_h, acc.to(out.dtype.element_ty), mask=m_h)
 
 
@@ -437,7 +387,9 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
     in shared memory. 4-bit experts, int4 = (N, K, group) of one expert's product: the plan's
     int4_tiles rule ("expert_swiglu", "expert_down"), else in a step the measured tile
     (int4.measured; interleaved experts: their own) and in a prefill 64 x 128 weights
-    (unmeasured; it fits shared memory)."""
+    (unmeasured; it fits shared memory). A step's FP8 SwiGLU stacked (ProductPlan.expert_stacked)
+    takes 32 columns (bench_moe.py --stacked both, H100, 2026-11-27, a decode's 8 experts: 16.6 us
+    against 16.9 for the 64 apart, 22.8 for 32 apart; a verify's 30: 28.6 against 32.1)."""
     if int4 is not None:
         rule4 = plan.int4_tiles if plan is not None else None
         chosen = rule4("expert_" + product, *int4) if rule4 is not None else None
@@ -452,7 +404,10 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
     if chosen is not None:
         return chosen
     if fp8:
-        return 64, 128, 4, 3
+        # a step's SwiGLU stacked on 32 columns: 144 programs for a decode's 9 experts, one chain of
+        # matrix instructions a K step each (apart, the 64-column tile is the faster)
+        stacked = product == "swiglu" and step and (plan.expert_stacked if plan is not None else True)
+        return (32, 128, 4, 3) if stacked else (64, 128, 4, 3)
     if itemsize > 2:
         return 32, 64, 4, 3
     if step:
@@ -531,34 +486,21 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     if fp8:
         BN, BK, warps, stages = fp8_fit((BN, BK, warps, stages), H)
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
+    stacked = plan.expert_stacked and step and int4 is None
     w2, ws2 = _shared_args(w_gate_up, shared, 2 * Fi, H)
     ws = w_gate_up.scale if isinstance(w_gate_up, (BlockFP8, GroupInt4)) else wv
-    tiles_n = triton.cdiv(Fi, BN)
-    KS, parts = _ranges(step, plan.expert_parts, H, BK)
-    _swiglu_kernel[(parts, blocks, tiles_n) if parts > 1 else (blocks, tiles_n)](
+    _swiglu_kernel[(blocks, triton.cdiv(Fi, BN))](
         x, wv, ws, w2, ws2, expert, pairs, reads if reads is not None else h, h, P, n_experts, H, Fi,
         x.stride(0), h.stride(0), ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp,
         COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, num_stages=stages,
-        **pdl(x), **(_widen(x, warps, BN, plan) if fp8 else {}), **fp8_run(BK, fp8),
+        STACKED=stacked, **pdl(x), **(_widen(x, warps, 2 * BN if stacked else BN, plan) if fp8 else {}),
+        **fp8_run(BK, fp8),
         **_int4_args(w_gate_up, shared, n_experts, 2 * Fi, H, BK,
-                     form_of(plan.int4_form, "expert_swiglu", 2 * Fi, H)),
-        **(dict(part=torch.empty(blocks * tiles_n * parts * 2 * BN * bm, dtype=torch.float32, device=x.device),
-                count=arrival_counts(x.device, blocks * tiles_n), KS=KS, PARTS=parts) if parts > 1 else {}))
+                     form_of(plan.int4_form, "expert_swiglu", 2 * Fi, H)))
     return h
 
 
-def _ranges(step: bool, parts: int, K: int, BK: int) -> tuple[int, int]:
-    """(KS, n): a step's product over K in n ranges of KS columns, whole K tiles each, for the plan's
-    `parts` (ProductPlan.expert_parts, expert_down_parts); n = 1 in a prefill's layout, and fewer
-    than `parts` where whole tiles leave no column to the last ones."""
-    assert parts >= 1, f"a product takes 1 part or more, not {parts}"
-    KS = triton.cdiv(triton.cdiv(K, parts), BK) * BK
-    return KS, triton.cdiv(K, KS) if step else 1
-
-
 def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: ProductPlan | None = None) -> torch.Tensor:
-    """y [P, H] float32; in a step whose plan splits the product over F (expert_down_parts),
-    [parts, P, H]: each range's sums a plane, for the combine to add in order."""
     P_, Fi = h.shape
     wv = values_of(w_down)
     H = w_down.shape[0] // n_experts
@@ -571,28 +513,24 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
     BN, BK, warps, stages = tiles("down", step, fp8, h.element_size(), plan, int4, int4 is not None and w_down.interleaved)
     if fp8:
         BN, BK, warps, stages = fp8_fit((BN, BK, warps, stages), Fi)
-    KS, parts = _ranges(step, plan.expert_down_parts, Fi, BK)
-    y = torch.empty(*((parts,) if parts > 1 else ()), P_, H, dtype=torch.float32, device=h.device)
+    y = torch.empty(P_, H, dtype=torch.float32, device=h.device)
     ws = w_down.scale if isinstance(w_down, (BlockFP8, GroupInt4)) else wv
     w2, ws2 = _shared_args(w_down, shared, H, Fi)
-    _down_kernel[(parts, blocks, triton.cdiv(H, BN)) if parts > 1 else (blocks, triton.cdiv(H, BN))](
-        h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(-2), ws.stride(0),
+    _down_kernel[(blocks, triton.cdiv(H, BN))](
+        h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
         BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps,
         num_stages=stages, **pdl(h), **(_widen(h, warps, BN, plan) if fp8 else {}), **fp8_run(BK, fp8),
-        **_int4_args(w_down, shared, n_experts, H, Fi, BK, form_of(plan.int4_form, "expert_down", H, Fi)),
-        **(dict(KS=KS, PARTS=parts, s_yp=y.stride(0)) if parts > 1 else {}))
+        **_int4_args(w_down, shared, n_experts, H, Fi, BK, form_of(plan.int4_form, "expert_down", H, Fi)))
     return y
 
 
 def check_combine(y, weights, shared, gate):
-    """The combine's layout contract: y [T * k, H] float32 (rows contiguous), or [parts, T * k, H]
-    (a split down product's planes), weights [T, k] and gate [T] float32 contiguous, shared [T, H]
-    (rows contiguous)."""
+    """The combine's layout contract: y [T * k, H] float32 (rows contiguous), weights [T, k] and
+    gate [T] float32 contiguous, shared [T, H] (rows contiguous)."""
     T, k = weights.shape
-    H = y.shape[-1]
-    assert y.dim() in (2, 3) and y.shape[-2] == T * k and y.dtype == torch.float32 and y.stride(-1) == 1, \
-        f"combine: y {tuple(y.shape)} {y.dtype} must be float32 [{T} * {k}, H] (or [parts, {T} * {k}, H]), " \
-        "rows contiguous"
+    H = y.shape[1]
+    assert y.shape[0] == T * k and y.dtype == torch.float32 and y.stride(1) == 1, \
+        f"combine: y {tuple(y.shape)} {y.dtype} must be float32 [{T} * {k}, H], rows contiguous"
     assert weights.dtype == torch.float32 and weights.is_contiguous(), "combine: weights must be float32 contiguous"
     assert (shared is None) == (gate is None), "combine: the shared expert's output comes with its gate"
     if shared is not None:
@@ -605,15 +543,13 @@ def check_combine(y, weights, shared, gate):
 def combine_triton(y, weights, shared=None, gate=None, dtype=torch.bfloat16) -> torch.Tensor:
     check_combine(y, weights, shared, gate)
     T, k = weights.shape
-    H = y.shape[-1]
+    H = y.shape[1]
     out = torch.empty(T, H, dtype=dtype, device=y.device)
     BH = 512
-    parts = dict(PARTS=y.shape[0], s_yp=y.stride(0)) if y.dim() == 3 and y.shape[0] > 1 else {}
-    y = y[0] if y.dim() == 3 else y
     _combine_kernel[(T, triton.cdiv(H, BH))](
         y, weights, shared if shared is not None else y, gate if gate is not None else weights, out, H,
         y.stride(0), shared.stride(0) if shared is not None else 0, out.stride(0),
-        TOPK=k, BH=BH, HAS_SHARED=shared is not None, num_warps=4, **pdl(y), **parts)
+        TOPK=k, BH=BH, HAS_SHARED=shared is not None, num_warps=4, **pdl(y))
     return out
 
 

@@ -62,11 +62,11 @@ class ProductPlan:
                                     # 27B's decode step 0.987 x on an H100 and 0.990 x on an H200 for the plain
                                     # ones; the SwiGLU 1.011 x on an H100 but 0.965 x on an H200, so there too
                                     # (default_products; tests/bench/ab_step.py --plans fp8tiles)
-    expert_parts: int = 1           # a step's MoE expert SwiGLU split over H into this many ranges of whole K tiles,
-                                    # the last part of each tile to arrive adding them in order and gating (moe.py
-                                    # _swiglu_finish): more programs for the few experts of a step; 1: one range
-    expert_down_parts: int = 1      # ... and its down product over F, each range's float32 sums a plane of its
-                                    # output, added in order by the combine (moe.combine_row)
+    expert_stacked: bool = True     # a step's MoE expert SwiGLU (bf16 and FP8 experts) takes a tile's gate and up
+                                    # rows as one tile, one dot a K step (moe._swiglu_stacked): one chain of matrix
+                                    # instructions a step where there were two, each waited for; the FP8 tile then
+                                    # 32 columns (moe.tiles): the 35B-A3B's FP8 decode step 0.976 x (H100), 0.975 x
+                                    # (H200); bf16 1.003 x, unchanged (tests/bench/ab_step.py --plans stacked)
     tiles: TileRule | None = None   # tiles other than the measured ones (benchmarks; small tiles for the interpreter)
     split_tiles: SplitRule | None = None
     expert_tiles: ExpertRule | None = None  # the MoE expert products' tiles (tests/bench/bench_moe.py)

@@ -4,11 +4,11 @@ FP8 experts widened by Triton's conversion and by moving bits (kernels/fp8.py wi
 variant is a ProductPlan (kernels/plan.py) handed to the expert kernels: the device's measured plan
 with an expert_tiles rule and widen_bits off or on.
 
-    python tests/bench/bench_moe.py [--weights fp8] [--parts 1,2,4] [--bits on] [--tiles "32,128,2,3 ..."]
+    python tests/bench/bench_moe.py [--weights fp8] [--bits on] [--stacked both] [--tiles "32,128,2,3 ..."]
 
-`--parts`: a step's SwiGLU over H and down over F in that many ranges as well
-(ProductPlan.expert_parts, expert_down_parts; the combine then adds the down's), each timed on
-every tile; `--bits on`: FP8 tiles widened by moving bits only (the plan's default form).
+`--bits on`: FP8 tiles widened by moving bits only (the plan's default form); `--stacked`: the
+SwiGLU's gate and up tiles as one tile, one dot a K step (ProductPlan.expert_stacked), or apart
+(the default), or both; `--tiles`: these tiles instead of the grid.
 """
 from __future__ import annotations
 
@@ -22,15 +22,17 @@ from mtpchat.kernels import fp8, moe
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
-def tile_plan(base: ProductPlan, cfg, bits: bool, parts: int = 1) -> ProductPlan:
+STACKED = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
+def tile_plan(base: ProductPlan, cfg, bits: bool, stacked: bool = False) -> ProductPlan:
     """The base plan with every expert product on `cfg` (BN, BK, warps, stages), its FP8 tiles
-    widened by moving bits or by Triton's conversion, and a step's SwiGLU and down products in
-    `parts` ranges of their K (H, F)."""
+    widened by moving bits or by Triton's conversion, the SwiGLU's gate and up tiles stacked or
+    not (ProductPlan.expert_stacked)."""
     def expert_tiles(product, step, fp8_, itemsize=2):
         return cfg
     expert_tiles.__name__ = "experts:{}x{}w{}s{}".format(*cfg)
-    return dataclasses.replace(base, expert_tiles=expert_tiles, widen_bits=bits, expert_parts=parts,
-                               expert_down_parts=parts)
+    return dataclasses.replace(base, expert_tiles=expert_tiles, widen_bits=bits, expert_stacked=stacked)
 
 
 def timed(fn, reps=200) -> float:
@@ -52,11 +54,11 @@ def timed(fn, reps=200) -> float:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--weights", choices=("fp8", "bf16", "both"), default="both")
-    p.add_argument("--parts", default="1", help="comma-separated part counts of the step's SwiGLU and down products")
     p.add_argument("--bits", choices=("both", "on"), default="both")
+    p.add_argument("--stacked", choices=tuple(STACKED), default="off",
+                   help="the SwiGLU's gate and up tiles as one (ProductPlan.expert_stacked)")
     p.add_argument("--tiles", help='tiles to time instead of the grid: "BN,BK,warps,stages ..."')
     a = p.parse_args()
-    part_counts = [int(n) for n in a.parts.split(",")]
     E, k, F, H = 256, 8, 512, 2048
     bw = 3.0e12
     base = default_products("cuda")
@@ -86,20 +88,16 @@ def main():
                 f1, f2 = n * per_expert[0] / bw * 1e6, n * per_expert[1] / bw * 1e6
                 line = []
                 for bits in ((False, True) if a.bits == "both" else (True,)) if weights == "fp8" else (False,):
-                    for parts in part_counts:
-                        plan = tile_plan(base, (BN, BK, warps, stages), bits, parts)
+                    for stacked in STACKED[a.stacked]:
+                        plan = tile_plan(base, (BN, BK, warps, stages), bits, stacked)
                         try:
                             t1 = timed(lambda: moe.expert_swiglu_triton(x, gu, lay, k, E, plan=plan))
                             t2 = timed(lambda: moe.expert_down_triton(h, down, lay, E, plan=plan))
-                            planes = moe.expert_down_triton(h, down, lay, E, plan=plan)
-                            # the combine of the down's planes (its one-plane time printed above)
-                            t3 = timed(lambda: moe.combine_triton(planes, w, shared, g, torch.bfloat16)) \
-                                if planes.dim() == 3 else t_comb
                         except Exception as e:      # a tile that does not compile (shared memory)
                             line.append(type(e).__name__)
                             continue
-                        line.append(f"{'bits ' if bits else ''}{parts}p swiglu {t1:6.1f} us ({t1 / f1:.2f} x)  "
-                                    f"down {t2:6.1f} us ({t2 / f2:.2f} x)  combine {t3:.1f} us")
+                        line.append(f"{'bits ' if bits else ''}{'stacked ' if stacked else ''}swiglu {t1:6.1f} us "
+                                    f"({t1 / f1:.2f} x)  down {t2:6.1f} us ({t2 / f2:.2f} x)")
                 print(f"  BN {BN:>3} BK {BK:>3} warps {warps} stages {stages}: " + ";  ".join(line))
 
 

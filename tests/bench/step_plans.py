@@ -162,8 +162,7 @@ def int4_tile_plans(base: KernelPlan, found: dict) -> dict:
 def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan:
     """The plan with every FP8 product of a kind on one tile: tiles {"plain": (BN, BK, warps,
     stages), "swiglu": ..., "parts": (S, BN, BK, warps, stages), "expert_swiglu", "expert_down":
-    (BN, BK, warps, stages) of a step's MoE expert products, "expert_parts", "expert_down_parts":
-    the step's expert SwiGLU and down products in that many ranges of K}, each optional."""
+    (BN, BK, warps, stages) of a step's MoE expert products}, each optional."""
     def tile(N, K, itemsize, swiglu=False, fp8=False):
         got = tiles.get("swiglu" if swiglu else "plain")
         return tuple(got) if fp8 and got else None
@@ -177,11 +176,9 @@ def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan
         got = tiles.get("expert_" + product)
         return tuple(got) if fp8 and step and got else None
     experts.__name__ = f"fp8:{name}"
-    experts_ruled = any(k in ("expert_swiglu", "expert_down") for k in tiles)
+    experts_ruled = any(k.startswith("expert_") for k in tiles)
     return base.replace(tiles=tile, split_tiles=split if "parts" in tiles else None,
-                        expert_tiles=experts if experts_ruled else None,
-                        expert_parts=tiles.get("expert_parts", base.products.expert_parts),
-                        expert_down_parts=tiles.get("expert_down_parts", base.products.expert_down_parts))
+                        expert_tiles=experts if experts_ruled else None)
 
 
 def fp8_tile_plans(base: KernelPlan, found: dict) -> dict:
@@ -243,17 +240,27 @@ def conv_plans(base: KernelPlan) -> dict:
             "in every step": base.replace(conv_in_recurrence=1 << 10)}
 
 
-def expert_parts_plans(base: KernelPlan) -> dict:
-    """A step's MoE expert SwiGLU over H in one range (the default) or split into 2, 4 or 8
-    (ProductPlan.expert_parts: more programs for a step's few experts, the last part of a tile to
-    arrive adding the parts in order), its down product over F in 2 or 4 (expert_down_parts: the
-    combine adds the parts), and both. The logits differ between part counts (other orders of
-    sums); each count gives the same bits at every row count (tests/kernels/test_moe_kernels.py)."""
-    plans = {"one range": base.replace(expert_parts=1, expert_down_parts=1)}
-    plans |= {f"swiglu {n}": base.replace(expert_parts=n) for n in (2, 4, 8)}
-    plans |= {f"down {n}": base.replace(expert_down_parts=n) for n in (2, 4)}
-    plans |= {f"swiglu {n}, down {m}": base.replace(expert_parts=n, expert_down_parts=m) for n, m in ((4, 2), (8, 4))}
-    return plans
+def stacked_plans(base: KernelPlan) -> dict:
+    """The MoE expert SwiGLU's gate and up tiles apart (two dots a K step, the default) or stacked
+    (ProductPlan.expert_stacked: one dot of 2 BN rows), the stacked on 4 warps (one chain of
+    matrix instructions) or 8 (the gate and up halves on two warpgroups at once), and FP8 stacked on
+    tiles of 32 columns (144 programs a decode step). The logits must be the same bits."""
+    def warps8(product, step, fp8, itemsize=2):
+        if product != "swiglu" or not step:
+            return None
+        return (64, 128, 8, 3) if fp8 else (64, 256, 8, 3)
+    warps8.__name__ = "experts:swiglu 8 warps"
+
+    def fp8_swiglu(tile):
+        def rule(product, step, fp8, itemsize=2):
+            return tile if product == "swiglu" and step and fp8 else None
+        rule.__name__ = "experts:fp8 swiglu {}x{}w{}s{}".format(*tile)
+        return rule
+    return {"apart": base.replace(expert_stacked=False), "stacked": base.replace(expert_stacked=True),
+            "stacked 8 warps": base.replace(expert_stacked=True, expert_tiles=warps8),
+            "apart 8 warps": base.replace(expert_stacked=False, expert_tiles=warps8),
+            **{f"stacked {BN}x{BK} w{w} s{st}": base.replace(expert_stacked=True, expert_tiles=fp8_swiglu((BN, BK, w, st)))
+               for BN, BK, w, st in ((32, 128, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (32, 128, 2, 3))}}
 
 
 def default_plans(base: KernelPlan) -> dict:
@@ -268,4 +275,4 @@ def default_plans(base: KernelPlan) -> dict:
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
-            "experts": expert_parts_plans}
+            "stacked": stacked_plans}

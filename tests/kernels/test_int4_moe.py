@@ -119,34 +119,6 @@ def test_int4_interleaved_experts(device, step, shared, group):
             moe.expert_swiglu_triton(x, int4.interleave_ref(wgu), lay, k + shared, E, shared=sgu)
 
 
-@pytest.mark.parametrize("interleaved,perm", [(False, True), (True, False)])
-def test_int4_expert_products_in_parts(device, interleaved, perm):
-    """A step's products over 4-bit experts split over K (ProductPlan.expert_parts over H,
-    expert_down_parts over F), the shared expert as expert E: against the float32 references and
-    the one-range kernel, for 3 parts of the SwiGLU's five 128-column K tiles (2 + 2 + 1) and 2 of
-    the down's; a row's bits the same alone and among others."""
-    T, E, k, H, group = 3, 6, 2, 640, 64
-    F = 3 * group
-    wgu, wd = experts(E, F, H, device, 61, group, False, perm)
-    sgu, sd = int4_weight(2 * F, H, device, 63, group, False, perm), int4_weight(H, F, device, 64, group, False, perm)
-    form = int4.interleave_ref if interleaved else (lambda w: w)
-    x = randn(T, H, device=device, seed=65)
-    ids, _, _, lay = moe.route_step(randn(T, E + 1, seed=66, scale=2.0).to(device), k, E, shared=True)
-    ref_lay = moe_layout.layout_ref(ids.cpu(), E + 1, 16)
-    tiles = lambda product, N, K, g: (64, 128, 4, 2) if product.startswith("expert") else None
-    plan = lambda parts, down=1: ProductPlan(programs=6, int4_tiles=tiles, expert_parts=parts, expert_down_parts=down)
-    one = moe.expert_swiglu_triton(x, form(wgu), lay, k + 1, E, shared=form(sgu), plan=plan(1))
-    products_match(x, wgu, wd, sgu, sd, ref_lay, lay, k + 1, E, plan=plan(3), form=form)
-    h = moe.expert_swiglu_triton(x, form(wgu), lay, k + 1, E, shared=form(sgu), plan=plan(3))
-    check(h.cpu(), one.cpu(), TOL[torch.float32], "3 parts against one")
-    # the down product over F = 192 in parts of whole 128-column tiles: 128 + 64
-    y = moe.expert_down_triton(h, form(wd), lay, E, shared=form(sd), plan=plan(1, 2))
-    assert y.shape[0] == 2
-    check(y.sum(0).cpu(), moe.expert_down_ref(h.cpu(), cpu(wd), ref_lay, E, shared=cpu(sd)), TOL[torch.float32], "down")
-    int4_rows_equal(device, torch.float32, E=3, k=2, F=256, H=384, T=3, group=64, plan=plan(3, 2),
-                    interleaved=interleaved)
-
-
 def int4_rows_equal(device, dtype, E, k, F, H, T=5, group=128, plan=None, interleaved=False):
     wgu, wd = experts(E, F, H, device, 11, group, False, not interleaved)
     if interleaved:
@@ -159,8 +131,7 @@ def int4_rows_equal(device, dtype, E, k, F, H, T=5, group=128, plan=None, interl
         ids, w, g, lay = moe.route_step(logits, k, E)
         h = moe.expert_swiglu_triton(rows, wgu, lay, k, E, plan=plan)
         y = moe.expert_down_triton(h, wd, lay, E, plan=plan)
-        # y [parts, T * k, H] where the plan splits the down product: rows first
-        return h.view(-1, k, F), y.view(-1, k, H) if y.dim() == 2 else y.view(y.shape[0], -1, k, H).transpose(0, 1)
+        return h.view(-1, k, F), y.view(-1, k, H)
     together = forward(x)
     for i in range(T):
         for name, a, b in zip(("swiglu", "down"), forward(x[i:i + 1]), together):

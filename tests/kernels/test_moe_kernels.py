@@ -162,27 +162,25 @@ def test_fp8_expert_runs_are_the_same_sums_35b():
     assert torch.equal(moe.expert_down_triton(h, wd, lay, E, plan=run), moe.expert_down_triton(h, wd, lay, E, plan=one))
 
 
-def _parts(parts: int, device, tiles=None):
-    """The device's plan with a step's expert SwiGLU over H in `parts` ranges (and `tiles`, as
-    moe.tiles' rule gives them, where given)."""
-    plan = dataclasses.replace(default_products(device), expert_parts=parts)
+def _stacked(device, tiles=None, stacked=True):
+    """The device's plan with the expert SwiGLU's gate and up tiles stacked (ProductPlan.expert_stacked)
+    or not, on `tiles` (BN, BK, warps, stages) where given."""
+    plan = dataclasses.replace(default_products(device), expert_stacked=stacked)
     if tiles is not None:
         plan = dataclasses.replace(plan, expert_tiles=lambda product, step, fp8_, itemsize=2: tiles)
     return plan
 
 
 @pytest.mark.parametrize("fp8_", [False, True])
-@pytest.mark.parametrize("T", [1, 4])
-def test_expert_swiglu_in_parts(device, fp8_, T):
-    """A step's SwiGLU split over H (ProductPlan.expert_parts): each tile's parts added in order by
-    the last to arrive, then gated. Against the float32 reference and the one-range kernel, with
-    the shared expert as expert E; the routed experts counted once; the arrival counts left at 0
-    for the next product. H = 640 is five K tiles of 128: 2 parts take 3 + 2 tiles, 3 parts 2 + 2 +
-    1, and 4 parts fall back to the 3 that whole tiles allow; unquantized, H = 600 leaves the last
-    tile 88 columns (3 parts: 256 + 256 + 88)."""
-    E, k, F = 6, 2, 128
-    H = 640 if fp8_ else 600
-    wgu, wd = experts(E + 1, F, H, device, torch.float32, fp8_, seed=31 + T)
+def test_expert_swiglu_stacked(device, fp8_):
+    """A step's gate and up tiles as one tile of 2 BN rows, one dot a K step: against the float32
+    reference and the separate dots, with the shared expert as expert E, the routed experts counted
+    once. F = 192 leaves the second column tile of 128 half past F (its up rows masked as its gate
+    rows); unquantized, H = 200 leaves the last K tile 72 columns; FP8 takes two scale blocks a K
+    step (BK 256) as well as one, the gate's and the up's scales differing per block."""
+    T, E, k = 3, 6, 2
+    F, H = (256, 384) if fp8_ else (192, 200)
+    wgu, _ = experts(E + 1, F, H, device, torch.float32, fp8_, seed=51)
     if fp8_:
         gu, sgu = (fp8.BlockFP8(wgu.w[:-2 * F].contiguous(), wgu.scale[:-2 * F // 128].contiguous()),
                    fp8.BlockFP8(wgu.w[-2 * F:].contiguous(), wgu.scale[-2 * F // 128:].contiguous()))
@@ -190,97 +188,46 @@ def test_expert_swiglu_in_parts(device, fp8_, T):
     else:
         gu, sgu = wgu[:-2 * F].contiguous(), wgu[-2 * F:].contiguous()
         cpu = lambda t: t.cpu()
-    x = randn(T, H, device=device, seed=32)
-    logits = randn(T, E + 1, seed=33, scale=2.0).to(device)
+    x = randn(T, H, device=device, seed=52)
+    logits = randn(T, E + 1, seed=53, scale=2.0).to(device)
     ids, _, _, lay = moe.route_step(logits, k, E, shared=True)
-    ref_lay = moe_layout.layout_ref(ids.cpu(), E + 1, 16)
-    h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(gu), ref_lay, k + 1, E, shared=cpu(sgu))
-    tiles = (64, 128, 4, 2)
-    whole = moe.expert_swiglu_triton(x, gu, lay, k + 1, E, shared=sgu, plan=_parts(1, device, tiles))
-    for parts in (2, 3, 4):
+    h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(gu), moe_layout.layout_ref(ids.cpu(), E + 1, 16), k + 1, E,
+                                  shared=cpu(sgu))
+    for tiles in ((128, 128, 4, 2),) + (((64, 256, 4, 2),) if fp8_ else ((64, 64, 4, 2),)):
         reads = torch.zeros(1, dtype=torch.int64, device=device)
-        h = moe.expert_swiglu_triton(x, gu, lay, k + 1, E, reads=reads, shared=sgu, plan=_parts(parts, device, tiles))
-        check(h.cpu(), h_ref, TOL[torch.float32], f"{parts} parts")
-        check(h.cpu(), whole.cpu(), TOL[torch.float32], f"{parts} parts against one")
-        assert reads.item() == len(set(ids[:, :k].flatten().tolist())), parts
-        assert not matvec.arrival_counts(x.device, 1).any(), "a tile's count was left set"
+        h = moe.expert_swiglu_triton(x, gu, lay, k + 1, E, reads=reads, shared=sgu, plan=_stacked(device, tiles))
+        check(h.cpu(), h_ref, TOL[torch.float32], f"stacked on {tiles}")
+        apart = moe.expert_swiglu_triton(x, gu, lay, k + 1, E, shared=sgu, plan=_stacked(device, tiles, False))
+        check(h.cpu(), apart.cpu(), TOL[torch.float32], f"stacked against apart on {tiles}")
+        assert reads.item() == len(set(ids[:, :k].flatten().tolist()))
 
 
-def test_expert_parts_keep_a_row_independent_of_the_rows_beside_it(device):
-    """A step's MoE in parts (the SwiGLU's H = 200 in 4 ranges of 64, 64, 64 and 8 columns, the
-    down's F = 136 in 2 of 128 and 8): a row's routing, products and combine the same bits alone
-    and among others."""
-    plan = dataclasses.replace(_parts(4, device, (32, 64, 4, 2)), expert_down_parts=2)
-    moe_rows_equal(device, torch.float32, E=12, k=3, F=136, H=200, plan=plan)
-
-
-@pytest.mark.parametrize("fp8_", [False, True])
-@pytest.mark.parametrize("T", [1, 4])
-def test_expert_down_in_parts(device, fp8_, T):
-    """A step's down product split over F (ProductPlan.expert_down_parts): each part's float32 sums
-    a plane of y, which the combine adds in order before weighting. F = 384 is three K tiles of
-    128: 2 parts take 2 + 1 tiles, 3 parts one each, 4 parts fall back to 3. The parts' sum
-    against the float32 reference; the combine of the parts against combine_ref's and against the
-    one-range product's combine; the shared expert as expert E."""
-    E, k, F, H = 6, 2, 384, 256
-    wgu, wd = experts(E + 1, F, H, device, torch.float32, fp8_, seed=41 + T)
-    if fp8_:
-        d, sd = (fp8.BlockFP8(wd.w[:-H].contiguous(), wd.scale[:-H // 128].contiguous()),
-                 fp8.BlockFP8(wd.w[-H:].contiguous(), wd.scale[-H // 128:].contiguous()))
-        cpu = lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())
-    else:
-        d, sd = wd[:-H].contiguous(), wd[-H:].contiguous()
-        cpu = lambda t: t.cpu()
-    logits = randn(T, E + 1, seed=43, scale=2.0).to(device)
-    ids, w, _, lay = moe.route_step(logits, k, E, shared=True)
-    h = randn(T * (k + 1), F, device=device, seed=44)
-    y_ref = moe.expert_down_ref(h.cpu(), cpu(d), moe_layout.layout_ref(ids.cpu(), E + 1, 16), E, shared=cpu(sd))
-    tiles = (64, 128, 4, 2)
-    one = moe.expert_down_triton(h, d, lay, E, shared=sd, plan=_parts(1, device, tiles))
-    assert one.dim() == 2
-    for parts, planes in ((2, 2), (3, 3), (4, 3)):
-        plan = dataclasses.replace(_parts(1, device, tiles), expert_down_parts=parts)
-        y = moe.expert_down_triton(h, d, lay, E, shared=sd, plan=plan)
-        assert y.shape == (planes, T * (k + 1), H), parts
-        check(y.sum(0).cpu(), y_ref, TOL[torch.float32], f"{parts} parts")
-        out = moe.combine_triton(y, w, dtype=torch.float32)     # the kernel (combine takes the reference on a CPU)
-        check(out.cpu(), moe.combine_ref(y.cpu(), w.cpu()), 1e-6, f"{parts} parts' combine")
-        check(out.cpu(), moe.combine_triton(one, w, dtype=torch.float32).cpu(), TOL[torch.float32], f"{parts} against one")
+def test_expert_swiglu_stacked_keeps_a_row_independent_of_the_rows_beside_it(device):
+    moe_rows_equal(device, torch.float32, E=12, k=3, F=40, H=72, plan=_stacked(device, (32, 64, 4, 2)))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_", [False, True])
-@pytest.mark.parametrize("parts", [2, 4])
-def test_expert_parts_on_the_35b_shapes(fp8_, parts):
-    """The 35B-A3B's experts (H 2048, F 512) in a verify's step, the SwiGLU and the down product in
-    parts: near the one-range kernel and float32, and a row's bits the same alone and among others
-    (bf16)."""
+@pytest.mark.parametrize("warps", [4, 8])
+def test_expert_swiglu_stacked_on_the_35b_shapes(fp8_, warps):
+    """At the 35B-A3B's expert shapes, a verify's routing: stacked, the same bits as the separate
+    dots (each row's sums over the same K steps in the same order), and a row the same bits alone
+    and among others."""
     E, k, F, H, T = 256, 8, 512, 2048, 4
-    wgu, wd = experts(E, F, H, "cuda", torch.bfloat16, fp8_, seed=5)
+    wgu, _ = experts(E, F, H, "cuda", torch.bfloat16, fp8_, seed=5)
     x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=6)
-    ids, _, _, lay = moe.route_step(randn(T, E + 1, seed=7, scale=3.0).cuda(), k, E)
-    plan = dataclasses.replace(_parts(parts, "cuda"), expert_down_parts=parts)
-    h = moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=plan)
-    one = moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=_parts(1, "cuda"))
-    cpu = (lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())) if fp8_ else (lambda t: t.cpu().float())
-    ref_lay = moe_layout.layout_ref(ids.cpu(), E, 16)
-    h_ref = moe.expert_swiglu_ref(x.cpu().float(), cpu(wgu), ref_lay, k, E)
-    check(h.cpu().float(), h_ref, 1e-2, "swiglu")
-    check(h.cpu().float(), one.cpu().float(), 1e-2, "against one range")
-    y = moe.expert_down_triton(h, wd, lay, E, plan=plan)
-    assert y.dim() == 3
-    check(y.sum(0).cpu(), moe.expert_down_ref(h.cpu().float(), cpu(wd), ref_lay, E), 1e-2, "down")
-    if not fp8_:
-        moe_rows_equal("cuda", torch.bfloat16, E=E, k=k, F=F, H=H, plan=plan)
+    _, _, _, lay = moe.route_step(randn(T, E + 1, seed=7, scale=3.0).cuda(), k, E)
+    tiles = (64, 128, warps, 3)
+    h = moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=_stacked("cuda", tiles))
+    assert torch.equal(h, moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=_stacked("cuda", tiles, False)))
+    moe_rows_equal("cuda", torch.bfloat16, E=E, k=k, F=F, H=H, plan=_stacked("cuda", tiles))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("parts", [0, 3])
-def test_combine(device, dtype, shared, parts):
-    # parts: y [parts, T * k, H], a down product's planes (0: y [T * k, H])
+def test_combine(device, dtype, shared):
     T, k, H = 3, 4, 600
-    y = randn(*((parts,) if parts else ()), T * k, H, device=device, seed=1)
+    y = randn(T * k, H, device=device, seed=1)
     w = torch.softmax(randn(T, k, seed=2), -1).to(device)
     s = randn(T, H, dtype=dtype, device=device, seed=3) if shared else None
     g = torch.sigmoid(randn(T, seed=4)).to(device) if shared else None
@@ -306,9 +253,7 @@ def moe_rows_equal(device, dtype, E, k, F, H, T=5, plan=None):
         ids, w, g, lay = moe.route_step(logits, k, E)
         h = moe.expert_swiglu_triton(rows, wgu, lay, k, E, plan=plan)
         y = moe.expert_down_triton(h, wd, lay, E, plan=plan)
-        # y [parts, T * k, H] where the plan splits the down product: rows first
-        y_rows = y.view(-1, k, H) if y.dim() == 2 else y.view(y.shape[0], -1, k, H).transpose(0, 1)
-        return ids.view(-1, k), w, h.view(-1, k, F), y_rows, moe.combine_triton(y, w, None, None, dtype)
+        return ids.view(-1, k), w, h.view(-1, k, F), y.view(-1, k, H), moe.combine_triton(y, w, None, None, dtype)
     together = forward(x)
     for i in range(T):
         alone = forward(x[i:i + 1])
