@@ -1,0 +1,46 @@
+"""One decode row through the step kernels that run furthest from their floor, each launched a few
+times eagerly, for Nsight Compute to read their stall reasons, issue rates and occupancy:
+
+    cd tests/bench && ncu --clock-control none --kernel-name regex:'_swiglu_kernel|_matvec_parts_kernel|_matvec_kernel' \\
+        --launch-skip 3 --launch-count 6 --section SpeedOfLight --section Occupancy --section LaunchStats \\
+        --section SchedulerStats --section WarpStateStats python3 ncu_kernels.py
+
+The kernels: the 35B-A3B's FP8 expert SwiGLU of a decode step (8 experts, the engine's default
+stacked tile and the 64-column tile apart), the 27B's FP8 MLP down (split over K), and the 27B's
+GDN in_proj under --weights int4 (interleaved). Run alone, it checks that each runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mtpchat.kernels import fp8, int4, matvec, matvec_parts, moe
+from mtpchat.kernels.plan import default_products
+
+E, F, H = 256, 512, 2048
+
+
+def main():
+    base = default_products("cuda")
+    apart = dataclasses.replace(base, expert_stacked=False)
+    gu = fp8.quantize_ref(torch.randn(E * 2 * F, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5)
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    _, _, _, lay = moe.route_step(torch.randn(1, E + 1, device="cuda", dtype=torch.bfloat16) * 3, 8, E)
+    down27 = fp8.quantize_ref(torch.randn(5120, 17408, device="cuda", dtype=torch.bfloat16) / 17408 ** 0.5)
+    x27 = torch.randn(1, 17408, device="cuda", dtype=torch.bfloat16)
+    in_proj = int4.interleave_ref(int4.quantize_ref(torch.randn(16384, 5120, device="cuda") / 5120 ** 0.5))
+    x5 = torch.randn(1, 5120, device="cuda", dtype=torch.bfloat16)
+    for plan in (base, apart):
+        for _ in range(5):
+            moe.expert_swiglu_triton(x, gu, lay, 8, E, plan=plan)
+    for _ in range(5):
+        matvec_parts.matvec_parts_triton(x27, down27, plan=base)
+    for _ in range(5):
+        matvec.matvec(x5, in_proj, plan=base)
+    torch.cuda.synchronize()
+    print("ran: expert SwiGLU stacked and apart, 27B FP8 down in parts, 27B int4 in_proj")
+
+
+if __name__ == "__main__":
+    main()
