@@ -114,11 +114,11 @@ class SparseMoE(nn.Module):
         if self._shared_as_expert(gate_up, x, ctx):
             # the shared expert as every row's last choice, expert E: two launches fewer a layer
             sgu, sd = weight(self.shared, "gate_up"), weight(self.shared, "down")
-            _, weights, _, layout = moe.route(logits, k, E, ctx.step, shared=True, rows=ctx.rows)
+            _, weights, _, layout = moe.route(logits, k, E, ctx.step, shared=True, rows=ctx.rows, plan=ctx.products)
             h = moe.expert_swiglu(x, gate_up, layout, k + 1, E, ctx.step, reads, shared=sgu, plan=ctx.products)
             y = moe.expert_down(h, down, layout, E, ctx.step, shared=sd, plan=ctx.products)
             return moe.combine(y, weights, dtype=x.dtype)
-        _, weights, gate, layout = moe.route(logits, k, E, ctx.step, rows=ctx.rows)
+        _, weights, gate, layout = moe.route(logits, k, E, ctx.step, rows=ctx.rows, plan=ctx.products)
         h = moe.expert_swiglu(x, gate_up, layout, k, E, ctx.step, reads, plan=ctx.products)
         y = moe.expert_down(h, down, layout, E, ctx.step, plan=ctx.products)
         shared = self.shared(x, ctx, whole=True) if self.shared is not None else None

@@ -30,8 +30,9 @@ from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
 from mtpchat.kernels.plan import ProductPlan, default_products
+from mtpchat.kernels.matvec import arrival_counts
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
-                                       count_reads, layout_ref)
+                                       count_reads, layout_ref, step_pairs, write_step_layout)
 
 
 # --- float32 references ------------------------------------------------------------------------
@@ -117,10 +118,15 @@ def combine_ref(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | N
 
 @triton.jit
 def _topk_kernel(logits, s_l, ids, weights, gate, rows, E, K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr,
-                 HAS_GATE: tl.constexpr, SHARED: tl.constexpr, HAS_ROWS: tl.constexpr, PDL: tl.constexpr):
+                 HAS_GATE: tl.constexpr, SHARED: tl.constexpr, HAS_ROWS: tl.constexpr, PDL: tl.constexpr,
+                 LAYOUT: tl.constexpr = False, expert=None, pairs=None, count=None, NB=0,
+                 BP: tl.constexpr = 1, BB: tl.constexpr = 1, BM: tl.constexpr = 1):
     # One program a row: softmax, the top k by repeated argmax in descending order (of equal values
     # the smaller expert first; torch.topk's order is unspecified), renormalised. HAS_ROWS: a row
-    # past `rows` routes as the last row before it (stale_rows).
+    # past `rows` routes as the last row before it (stale_rows). LAYOUT: the last row to arrive
+    # writes the step's layout (expert [NB], pairs [NB, BM]: write_step_layout) and sets its count
+    # back to 0; its acq_rel add, after every thread of the program has stored, orders the other
+    # rows' ids before its reads.
     pdl_start(PDL)
     r = tl.program_id(0)
     r_src = r
@@ -150,6 +156,12 @@ def _topk_kernel(logits, s_l, ids, weights, gate, rows, E, K: tl.constexpr, KP: 
         tl.store(weights + r * K + o_k, b_top / tl.sum(b_top, 0), mask=o_k < K)
         if HAS_GATE:
             tl.store(gate + r, tl.sigmoid(tl.load(logits + r_src * s_l + E).to(tl.float32)))
+    if LAYOUT:
+        T = tl.num_programs(0)
+        tl.debug_barrier()
+        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == T - 1:
+            write_step_layout(ids, T * (K + SHARED), expert, pairs, NB, BP, BM, BB)
+            tl.atomic_xchg(count, 0)
 
 
 def stale_rows(logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -162,8 +174,10 @@ def stale_rows(logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 
 def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = False,
-               rows: torch.Tensor | None = None):
-    """route_ref on the GPU for a step's few rows, with the step's layout (`rows`: stale_rows)."""
+               rows: torch.Tensor | None = None, layout: bool = False):
+    """route_ref on the GPU for a step's few rows, with the step's layout (`rows`: stale_rows);
+    `layout`: written by the routing kernel (the plan's routed_layout), else left for the expert
+    kernels to derive."""
     T, kk = logits.shape[0], top_k + shared
     assert T <= STEP_ROWS, f"a step routes at most {STEP_ROWS} rows, got {T}"
     assert logits.stride(1) == 1
@@ -173,11 +187,18 @@ def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = 
     weights = torch.empty(T, kk, dtype=torch.float32, device=dev)
     has_gate = logits.shape[1] > n_experts and not shared
     gate = torch.empty(T, dtype=torch.float32, device=dev) if has_gate else None
+    blocks = min(n_experts + shared, T * kk)
+    laid = {}
+    if layout:
+        laid = dict(LAYOUT=True, expert=torch.empty(blocks, dtype=torch.int32, device=dev),
+                    pairs=torch.empty(blocks, STEP_ROWS, dtype=torch.int32, device=dev),
+                    count=arrival_counts(dev, 1), NB=blocks, BP=step_pairs(T * kk),
+                    BB=triton.next_power_of_2(blocks), BM=STEP_ROWS)
     _topk_kernel[(T,)](logits, logits.stride(0), ids, weights, gate if has_gate else weights,
                        rows if rows is not None else ids, n_experts, K=top_k, KP=triton.next_power_of_2(top_k),
                        BE=triton.next_power_of_2(n_experts), HAS_GATE=has_gate, SHARED=shared,
-                       HAS_ROWS=rows is not None, num_warps=1, **pdl(logits))
-    return ids, weights, gate, StepLayout(ids, min(n_experts + shared, T * kk))
+                       HAS_ROWS=rows is not None, num_warps=1, **pdl(logits), **laid)
+    return ids, weights, gate, StepLayout(ids, blocks, laid.get("expert"), laid.get("pairs"))
 
 
 @triton.jit
@@ -220,16 +241,18 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
                    STEP: tl.constexpr, BP: tl.constexpr, COUNT: tl.constexpr, SHARED: tl.constexpr,
                    FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0, G: tl.constexpr = 0,
                    BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
-                   UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, STACKED: tl.constexpr = False):
+                   UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, STACKED: tl.constexpr = False,
+                   LAID: tl.constexpr = False):
     # One program per (block, BN of the F columns): the expert's gate and up tiles, multiplied
     # with the block's rows of x, weights first ([BN, BK] @ [BK, BM]) as in matvec.py. With
     # SHARED, expert E is the shared expert, whose weights (w2, ws2) are a tensor of their own.
     # G > 0: 4-bit experts (kernels/int4.py), rows of s_w words, zeros zw and perm [E, H] (or None).
     # RUN: a K step takes RUN tiles of BK / RUN columns one after another (fp8.fp8_run).
     # STACKED (bf16 and FP8 experts): the gate and up tiles as one [2 BN, BK] tile, one dot a K step.
+    # LAID: a step's layout as the routing kernel wrote it (moe_layout._block).
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
-    e, p = _block(expert, pairs, reads, P, i_b, i_n, BM, STEP, BP, COUNT, SHARED)
+    e, p = _block(expert, pairs, reads, P, i_b, i_n, BM, STEP, BP, COUNT, SHARED, LAID)
     if e < 0:
         return
     if G > 0:
@@ -306,12 +329,12 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
                  SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                  G: tl.constexpr = 0, BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
-                 UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1):
+                 UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, LAID: tl.constexpr = False):
     # One program per (block, BN of the H output columns), over the expert's F inputs (G > 0: 4-bit
-    # experts, RUN: as in _swiglu_kernel).
+    # experts, RUN, LAID: as in _swiglu_kernel).
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
-    e, p = _block(expert, pairs, y, P, i_b, i_n, BM, STEP, BP, False, SHARED)
+    e, p = _block(expert, pairs, y, P, i_b, i_n, BM, STEP, BP, False, SHARED, LAID)
     if e < 0:
         return
     if G > 0:
@@ -478,7 +501,7 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     fp8 = isinstance(w_gate_up, BlockFP8)
     assert w_gate_up.shape == (n_experts * 2 * Fi, H) and wv.is_contiguous() and x.stride(1) == 1
     assert _fp8_ok(w_gate_up, Fi), "FP8 experts need 128-row aligned gate and up parts"
-    expert, pairs, P, bm, blocks, step, bp = _layout_args(layout)
+    expert, pairs, P, bm, blocks, step, bp, laid = _layout_args(layout)
     plan = plan or default_products(x.device)
     int4 = (2 * Fi, H, w_gate_up.group) if isinstance(w_gate_up, GroupInt4) else None
     BN, BK, warps, stages = tiles("swiglu", step, fp8, x.element_size(), plan, int4,
@@ -493,7 +516,7 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
         x, wv, ws, w2, ws2, expert, pairs, reads if reads is not None else h, h, P, n_experts, H, Fi,
         x.stride(0), h.stride(0), ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp,
         COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, num_stages=stages,
-        STACKED=stacked, **pdl(x),
+        STACKED=stacked, LAID=laid, **pdl(x),
         **(_widen(x, warps, 2 * BN if stacked else BN, plan) if fp8 else {}),
         **fp8_run(BK, fp8),
         **_int4_args(w_gate_up, shared, n_experts, 2 * Fi, H, BK,
@@ -508,7 +531,7 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
     fp8 = isinstance(w_down, BlockFP8)
     assert w_down.shape == (n_experts * H, Fi) and wv.is_contiguous() and h.stride(1) == 1
     assert _fp8_ok(w_down, H), "FP8 experts need 128-row aligned down parts"
-    expert, pairs, P, bm, blocks, step, bp = _layout_args(layout)
+    expert, pairs, P, bm, blocks, step, bp, laid = _layout_args(layout)
     plan = plan or default_products(h.device)
     int4 = (H, Fi, w_down.group) if isinstance(w_down, GroupInt4) else None
     BN, BK, warps, stages = tiles("down", step, fp8, h.element_size(), plan, int4, int4 is not None and w_down.interleaved)
@@ -520,7 +543,7 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
     _down_kernel[(blocks, triton.cdiv(H, BN))](
         h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
         BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps,
-        num_stages=stages, **pdl(h), **(_widen(h, warps, BN, plan) if fp8 else {}), **fp8_run(BK, fp8),
+        num_stages=stages, LAID=laid, **pdl(h), **(_widen(h, warps, BN, plan) if fp8 else {}), **fp8_run(BK, fp8),
         **_int4_args(w_down, shared, n_experts, H, Fi, BK, form_of(plan.int4_form, "expert_down", H, Fi)))
     return y
 
@@ -560,13 +583,15 @@ PREFILL_ROWS = 64       # the pairs a block takes in a prefill
 
 
 def route(logits: torch.Tensor, top_k: int, n_experts: int, step: bool, shared: bool = False,
-          rows: torch.Tensor | None = None):
-    """(ids, weights, gate, layout). A step on the GPU routes its rows in one kernel and leaves the
-    layout to the expert kernels (StepLayout); a prefill groups its pairs into blocks of PREFILL_ROWS.
-    `shared`: the shared expert as every row's last choice, expert E (route_ref). `rows`: the rows
-    that count, the rest routed as the last of them (stale_rows)."""
+          rows: torch.Tensor | None = None, plan: ProductPlan | None = None):
+    """(ids, weights, gate, layout). A step on the GPU routes its rows in one kernel, which writes the
+    layout too under the plan's routed_layout, or leaves it to the expert kernels (StepLayout); a
+    prefill groups its pairs into blocks of PREFILL_ROWS. `shared`: the shared expert as every
+    row's last choice, expert E (route_ref). `rows`: the rows that count, the rest routed as the
+    last of them (stale_rows)."""
     if step and use_triton(logits):
-        return route_step(logits, top_k, n_experts, shared, rows)
+        plan = plan or default_products(logits.device)
+        return route_step(logits, top_k, n_experts, shared, rows, plan.routed_layout)
     ids, weights, gate = route_ref(stale_rows(logits, rows), top_k, n_experts, shared)
     return ids, weights, gate, layout_ref(ids, n_experts + shared, STEP_ROWS if step else PREFILL_ROWS)
 

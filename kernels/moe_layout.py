@@ -6,7 +6,9 @@ block of a product takes, so that a block reads its expert's weights once for al
     step     : in a step (a few rows: decode, verify, draft) block b takes the b-th smallest distinct
                expert the rows chose, all its pairs: the expert kernels derive it on the device from
                the routing itself (`_step_block`, exact integer bookkeeping, so the same layout as
-               layout_ref gives), launched for the worst case (min(E, T * k) blocks) so the step can
+               layout_ref gives), or, under the plan's routed_layout, the routing kernel's last row
+               writes it once (`write_step_layout`, the same bookkeeping for every block at once)
+               and they read it; launched for the worst case (min(E, T * k) blocks) so the step can
                be a CUDA graph; they count the step's distinct routed experts as they go (`_block`;
                `count_reads` on the CPU)
 
@@ -56,10 +58,13 @@ def layout_ref(ids: torch.Tensor, n_experts: int, bm: int, blocks: int | None = 
 
 
 class StepLayout(NamedTuple):
-    """A step's layout, left for the expert kernels to derive from the routing itself (`_step_block`):
-    block b takes the b-th smallest distinct expert the rows chose, its pairs in order."""
+    """A step's layout: block b takes the b-th smallest distinct expert the rows chose, its pairs in
+    order; left for the expert kernels to derive from the routing itself (`_step_block`), or
+    written by the routing kernel (`expert`, `pairs`: as a Layout holds them)."""
     ids: torch.Tensor       # [T, k] int32
     blocks: int             # min(E, T * k): as many as the step could need
+    expert: torch.Tensor | None = None     # [blocks] int32, or None: derived by the expert kernels
+    pairs: torch.Tensor | None = None      # [blocks, STEP_ROWS] int32
 
     def expand(self, n_experts: int) -> Layout:
         return layout_ref(self.ids, n_experts, STEP_ROWS, self.blocks)
@@ -87,27 +92,60 @@ def _step_block(ids, P, i_b, BP: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
+def write_step_layout(ids, P, expert, pairs, NB, BP: tl.constexpr, BM: tl.constexpr, BB: tl.constexpr):
+    """A step's whole layout from its P pairs' experts `ids` (written by other programs: read past
+    L1): expert [NB] and pairs [NB, BM], every block and place not taken -1, as _step_block gives
+    block by block. Each pair's place among its expert's pairs and its expert's rank among the
+    distinct ones, then one store each."""
+    o_q = tl.arange(0, BP)
+    m_q = o_q < P
+    e_q = tl.load(ids + o_q, mask=m_q, other=-1, cache_modifier=".cg")
+    earlier = (e_q[:, None] == e_q[None, :]) & m_q[None, :] & (o_q[None, :] < o_q[:, None])
+    place = tl.sum(earlier.to(tl.int32), 1)
+    first = m_q & (place == 0)
+    rank = tl.sum(((e_q[None, :] < e_q[:, None]) & first[None, :]).to(tl.int32), 1)
+    o_b = tl.arange(0, BB)
+    tl.store(expert + o_b, tl.full([BB], -1, tl.int32), mask=o_b < NB)
+    o_f = tl.arange(0, BB * BM)
+    tl.store(pairs + o_f, tl.full([BB * BM], -1, tl.int32), mask=o_f < NB * BM)
+    tl.debug_barrier()                              # every -1 stored before a block's own values
+    tl.store(expert + rank, e_q, mask=first)
+    tl.store(pairs + rank * BM + place, o_q, mask=m_q)
+
+
+@triton.jit
 def _block(expert, pairs, reads, P, i_b, i_n, BM: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
-           COUNT: tl.constexpr, SHARED: tl.constexpr):
-    """(expert, pair ids [BM]) of block i_b: from a Layout, or derived in a step (counting the
-    step's distinct routed experts into `reads` once: the shared one, in every step, is not)."""
-    if STEP:
+           COUNT: tl.constexpr, SHARED: tl.constexpr, LAID: tl.constexpr = False):
+    """(expert, pair ids [BM]) of block i_b: from a Layout (or a step's, LAID: written by the
+    routing), or derived in a step; in a step the step's distinct routed experts are counted into
+    `reads` once (the shared one, in every step, is not)."""
+    if STEP and not LAID:
         e, p, n = _step_block(expert, P, i_b, BP, BM)
-        if COUNT:
-            if (i_b == 0) & (i_n == 0):
-                tl.atomic_add(reads, (n - SHARED).to(tl.int64))
     else:
         e = tl.load(expert + i_b)
         p = tl.load(pairs + i_b * BM + tl.arange(0, BM))
+    if STEP and COUNT:
+        if (i_b == 0) & (i_n == 0):
+            if LAID:     # the blocks taken: every launch holds as many blocks as the step could need
+                o_b = tl.arange(0, BP)
+                n = tl.sum((tl.load(expert + o_b, mask=o_b < tl.num_programs(0), other=-1) >= 0).to(tl.int32), 0)
+            tl.atomic_add(reads, (n - SHARED).to(tl.int64))
     return e.to(tl.int64), p
 
 
+def step_pairs(P: int) -> int:
+    """The pairs a step's bookkeeping holds for P pairs: a power of 2, STEP_PAIRS at least."""
+    return max(STEP_PAIRS, triton.next_power_of_2(P))
+
+
 def _layout_args(layout) -> tuple:
-    """(expert or ids, pairs, P, BM, blocks, STEP, BP) for a kernel launch."""
+    """(expert or ids, pairs, P, BM, blocks, STEP, BP, LAID) for a kernel launch."""
     if isinstance(layout, StepLayout):
         P = layout.ids.numel()
-        return layout.ids, layout.ids, P, STEP_ROWS, layout.blocks, True, max(STEP_PAIRS, triton.next_power_of_2(P))
-    return layout.expert, layout.pairs, 0, layout.pairs.shape[1], layout.expert.shape[0], False, 16
+        if layout.expert is not None:
+            return layout.expert, layout.pairs, P, STEP_ROWS, layout.blocks, True, step_pairs(P), True
+        return layout.ids, layout.ids, P, STEP_ROWS, layout.blocks, True, step_pairs(P), False
+    return layout.expert, layout.pairs, 0, layout.pairs.shape[1], layout.expert.shape[0], False, 16, False
 
 
 def count_reads(layout, reads: torch.Tensor, n_experts: int):

@@ -17,6 +17,7 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans int4tiles --weights int4 --tiles FILE   # bench_int4.py --interleaved-only's best
     python3 ab_step.py --plans conv --weights fp8      # the GDN conv as its own kernel, or in the recurrence's
     python3 ab_step.py --plans stacked --model qwen3.5-35b-a3b --weights fp8   # the expert SwiGLU's gate and up as one tile
+    python3 ab_step.py --plans routed --model qwen3.5-35b-a3b --weights fp8    # a step's MoE layout written by the routing
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed (the families
 are in step_plans.py). One engine is

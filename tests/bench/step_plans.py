@@ -263,6 +263,13 @@ def stacked_plans(base: KernelPlan) -> dict:
                for BN, BK, w, st in ((32, 128, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (32, 128, 2, 3))}}
 
 
+def routed_plans(base: KernelPlan) -> dict:
+    """A step's MoE layout derived by every program of the expert kernels (the default) or written
+    once by the routing kernel's last row (ProductPlan.routed_layout). The logits must be the same
+    bits."""
+    return {"derived": base.replace(routed_layout=False), "routed": base.replace(routed_layout=True)}
+
+
 def default_plans(base: KernelPlan) -> dict:
     """The plan's defaults that were measured in (DEFAULT_FORMS), each off alone against all on, and
     all off: the ratios say what each still buys on this model and weight format (the bit form
@@ -275,4 +282,4 @@ def default_plans(base: KernelPlan) -> dict:
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
-            "stacked": stacked_plans}
+            "stacked": stacked_plans, "routed": routed_plans}

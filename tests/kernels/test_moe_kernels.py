@@ -47,6 +47,49 @@ def test_route_step_equals_reference(device, T, E, k, gate):
     assert isinstance(lay, moe_layout.StepLayout) and lay.blocks == min(E, T * k)
 
 
+# (9, 256, 8, True): a verify of 8 drafts with the shared expert routes 81 pairs, 128 in the bookkeeping
+@pytest.mark.parametrize("T,E,k,shared", [(1, 12, 3, False), (1, 256, 8, True), (5, 12, 3, True), (4, 40, 8, False),
+                                          (3, 7, 7, False), (9, 256, 8, True)])
+def test_routing_writes_the_step_layout(device, T, E, k, shared):
+    """The routing kernel's last row writes the step's layout (ProductPlan.routed_layout): every
+    block's expert and pairs as layout_ref gives them, the blocks and places not taken -1; the
+    routing itself the same bits as without; the arrival count back at 0."""
+    logits = randn(T, E + 1, seed=T * E + k, scale=2.0).to(device)
+    ids, w, g, lay = moe.route_step(logits, k, E, shared=shared, layout=True)
+    ids0, w0, g0, lay0 = moe.route_step(logits, k, E, shared=shared)
+    assert torch.equal(ids, ids0) and torch.equal(w, w0) and (g is None) == (g0 is None)
+    assert lay0.expert is None and lay.blocks == lay0.blocks == min(E + shared, T * (k + shared))
+    ref = moe_layout.layout_ref(ids.cpu(), E + shared, moe_layout.STEP_ROWS, lay.blocks)
+    assert torch.equal(lay.expert.cpu(), ref.expert)
+    assert torch.equal(lay.pairs.cpu(), ref.pairs)
+    assert not matvec.arrival_counts(logits.device, 1).any(), "the routing left its count set"
+
+
+@pytest.mark.parametrize("fp8_", [False, True])
+@pytest.mark.parametrize("T", [1, 4])
+def test_expert_products_on_the_routed_layout(device, fp8_, T):
+    """The expert kernels on the layout the routing wrote: the same bits as on the layout they
+    derive, the shared expert as expert E, the routed experts counted once."""
+    E, k, F, H = 9, 3, 128, 256
+    wgu, wd = experts(E + 1, F, H, device, torch.float32, fp8_, seed=61 + T)
+    if fp8_:
+        split = lambda q, rows: (fp8.BlockFP8(q.w[:-rows].contiguous(), q.scale[:-rows // 128].contiguous()),
+                                 fp8.BlockFP8(q.w[-rows:].contiguous(), q.scale[-rows // 128:].contiguous()))
+    else:
+        split = lambda t, rows: (t[:-rows].contiguous(), t[-rows:].contiguous())
+    (gu, sgu), (d, sd) = split(wgu, 2 * F), split(wd, H)
+    x = randn(T, H, device=device, seed=62)
+    logits = randn(T, E + 1, seed=63, scale=2.0).to(device)
+    out = []
+    for laid in (False, True):
+        ids, _, _, lay = moe.route_step(logits, k, E, shared=True, layout=laid)
+        reads = torch.zeros(1, dtype=torch.int64, device=device)
+        h = moe.expert_swiglu_triton(x, gu, lay, k + 1, E, reads=reads, shared=sgu)
+        out.append((h, moe.expert_down_triton(h, d, lay, E, shared=sd)))
+        assert reads.item() == len(set(ids[:, :k].flatten().tolist())), laid
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
 @pytest.mark.parametrize("T,E,k", [(1, 12, 3), (5, 12, 3), (4, 40, 8), (2, 5, 4), (9, 40, 9)])
 def test_step_kernels_lay_out_and_count_as_the_reference(device, T, E, k):
     """The swiglu kernel derives each block's expert and pairs from the routing: its output equals
@@ -250,7 +293,7 @@ def moe_rows_equal(device, dtype, E, k, F, H, T=5, plan=None):
 
     def forward(rows):
         logits = torch.cat([moe.F.linear(r[None], router) for r in rows])   # per row, as matvec gives
-        ids, w, g, lay = moe.route_step(logits, k, E)
+        ids, w, g, lay = moe.route_step(logits, k, E, layout=plan is not None and plan.routed_layout)
         h = moe.expert_swiglu_triton(rows, wgu, lay, k, E, plan=plan)
         y = moe.expert_down_triton(h, wd, lay, E, plan=plan)
         return ids.view(-1, k), w, h.view(-1, k, F), y.view(-1, k, H), moe.combine_triton(y, w, None, None, dtype)
@@ -259,6 +302,33 @@ def moe_rows_equal(device, dtype, E, k, F, H, T=5, plan=None):
         alone = forward(x[i:i + 1])
         for name, a, b in zip(("ids", "weights", "swiglu", "down", "combine"), alone, together):
             assert torch.equal(a[0], b[i]), f"row {i}: {name} differs alone"
+
+
+def test_the_routed_layout_keeps_a_row_independent_of_the_rows_beside_it(device):
+    plan = dataclasses.replace(default_products(device), routed_layout=True)
+    moe_rows_equal(device, torch.float32, E=12, k=3, F=40, H=72, plan=plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4, 9])
+def test_the_routed_layout_on_the_35b_shapes(T):
+    """At the 35B-A3B's shapes, bf16 and FP8 experts with the shared one: the routing's layout as
+    layout_ref gives it, and the expert products the same bits on it as on the derived one."""
+    E, k, F, H = 256, 8, 512, 2048
+    logits = randn(T, E + 1, seed=70 + T, scale=3.0).cuda()
+    x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=71)
+    for fp8_ in (False, True):
+        wgu, wd = experts(E, F, H, "cuda", torch.bfloat16, fp8_, seed=72)
+        sgu = fp8.BlockFP8(wgu.w[:2 * F].contiguous(), wgu.scale[:2 * F // 128].contiguous()) if fp8_ else wgu[:2 * F]
+        sd = fp8.BlockFP8(wd.w[:H].contiguous(), wd.scale[:H // 128].contiguous()) if fp8_ else wd[:H]
+        out = []
+        for laid in (False, True):
+            ids, _, _, lay = moe.route_step(logits, k, E, shared=True, layout=laid)
+            h = moe.expert_swiglu_triton(x, wgu, lay, k + 1, E, shared=sgu)
+            out.append((h, moe.expert_down_triton(h, wd, lay, E, shared=sd)))
+        ref = moe_layout.layout_ref(ids.cpu(), E + 1, moe_layout.STEP_ROWS, lay.blocks)
+        assert torch.equal(lay.expert.cpu(), ref.expert) and torch.equal(lay.pairs.cpu(), ref.pairs)
+        assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1]), fp8_
 
 
 @pytest.mark.gpu
