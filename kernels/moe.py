@@ -30,7 +30,6 @@ from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
 from mtpchat.kernels.plan import ProductPlan, default_products
-from mtpchat.kernels.matvec import arrival_counts
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
                                        count_reads, layout_ref, step_pairs, write_step_layout)
 
@@ -173,6 +172,20 @@ def stale_rows(logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return logits.index_select(0, src)
 
 
+_route_counts: dict = {}
+
+
+def route_count(device: torch.device) -> torch.Tensor:
+    """The routing's own arrival count on a device (int32 [1], left at 0 by every routing), apart
+    from the split products' (matvec.arrival_counts): made once, outside graph capture."""
+    count = _route_counts.get(device)
+    if count is None:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
+            "route a step once before capturing a graph (the routing's count is made then)"
+        count = _route_counts[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return count
+
+
 def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = False,
                rows: torch.Tensor | None = None, layout: bool = False):
     """route_ref on the GPU for a step's few rows, with the step's layout (`rows`: stale_rows);
@@ -192,7 +205,7 @@ def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = 
     if layout:
         laid = dict(LAYOUT=True, expert=torch.empty(blocks, dtype=torch.int32, device=dev),
                     pairs=torch.empty(blocks, STEP_ROWS, dtype=torch.int32, device=dev),
-                    count=arrival_counts(dev, 1), NB=blocks, BP=step_pairs(T * kk),
+                    count=route_count(dev), NB=blocks, BP=step_pairs(T * kk),
                     BB=triton.next_power_of_2(blocks), BM=STEP_ROWS)
     _topk_kernel[(T,)](logits, logits.stride(0), ids, weights, gate if has_gate else weights,
                        rows if rows is not None else ids, n_experts, K=top_k, KP=triton.next_power_of_2(top_k),

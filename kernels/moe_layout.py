@@ -95,8 +95,8 @@ def _step_block(ids, P, i_b, BP: tl.constexpr, BM: tl.constexpr):
 def write_step_layout(ids, P, expert, pairs, NB, BP: tl.constexpr, BM: tl.constexpr, BB: tl.constexpr):
     """A step's whole layout from its P pairs' experts `ids` (written by other programs: read past
     L1): expert [NB] and pairs [NB, BM], every block and place not taken -1, as _step_block gives
-    block by block. Each pair's place among its expert's pairs and its expert's rank among the
-    distinct ones, then one store each."""
+    block by block (places past BM dropped, as there). Each pair's place among its expert's pairs
+    and its expert's rank among the distinct ones, then one store each."""
     o_q = tl.arange(0, BP)
     m_q = o_q < P
     e_q = tl.load(ids + o_q, mask=m_q, other=-1, cache_modifier=".cg")
@@ -110,7 +110,7 @@ def write_step_layout(ids, P, expert, pairs, NB, BP: tl.constexpr, BM: tl.conste
     tl.store(pairs + o_f, tl.full([BB * BM], -1, tl.int32), mask=o_f < NB * BM)
     tl.debug_barrier()                              # every -1 stored before a block's own values
     tl.store(expert + rank, e_q, mask=first)
-    tl.store(pairs + rank * BM + place, o_q, mask=m_q)
+    tl.store(pairs + rank * BM + place, o_q, mask=m_q & (place < BM))    # (a row's experts are distinct: < T places)
 
 
 @triton.jit

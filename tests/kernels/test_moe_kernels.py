@@ -47,22 +47,28 @@ def test_route_step_equals_reference(device, T, E, k, gate):
     assert isinstance(lay, moe_layout.StepLayout) and lay.blocks == min(E, T * k)
 
 
-# (9, 256, 8, True): a verify of 8 drafts with the shared expert routes 81 pairs, 128 in the bookkeeping
-@pytest.mark.parametrize("T,E,k,shared", [(1, 12, 3, False), (1, 256, 8, True), (5, 12, 3, True), (4, 40, 8, False),
-                                          (3, 7, 7, False), (9, 256, 8, True)])
-def test_routing_writes_the_step_layout(device, T, E, k, shared):
+# (9, 256, 8, True): a verify of 8 drafts with the shared expert routes 81 pairs, 128 in the bookkeeping;
+# (16, 3, 2, True): 16 rows on 3 experts, whole blocks of 16 pairs; live: the rows that count (stale_rows)
+@pytest.mark.parametrize("T,E,k,shared,live", [(1, 12, 3, False, None), (1, 256, 8, True, None), (5, 12, 3, True, None),
+                                               (4, 40, 8, False, None), (3, 7, 7, False, None), (9, 256, 8, True, None),
+                                               (16, 3, 2, True, None), (5, 12, 3, True, 2)])
+def test_routing_writes_the_step_layout(device, T, E, k, shared, live):
     """The routing kernel's last row writes the step's layout (ProductPlan.routed_layout): every
-    block's expert and pairs as layout_ref gives them, the blocks and places not taken -1; the
-    routing itself the same bits as without; the arrival count back at 0."""
+    block's expert and pairs as layout_ref gives them, the blocks and places not taken -1 (over
+    memory a layout held before); the routing itself the same bits as without; the count back at 0.
+    (The interpreter runs the rows one after another: the last row to arrive is always the last.)"""
+    rows = None if live is None else torch.tensor([live], dtype=torch.int32, device=device)
+    before = moe.route_step(randn(T, E + 1, seed=1, scale=2.0).to(device), k, E, shared=shared, layout=True)[3]
+    del before                                      # its layout's memory free for the next one to take
     logits = randn(T, E + 1, seed=T * E + k, scale=2.0).to(device)
-    ids, w, g, lay = moe.route_step(logits, k, E, shared=shared, layout=True)
-    ids0, w0, g0, lay0 = moe.route_step(logits, k, E, shared=shared)
+    ids, w, g, lay = moe.route_step(logits, k, E, shared=shared, rows=rows, layout=True)
+    ids0, w0, g0, lay0 = moe.route_step(logits, k, E, shared=shared, rows=rows)
     assert torch.equal(ids, ids0) and torch.equal(w, w0) and (g is None) == (g0 is None)
     assert lay0.expert is None and lay.blocks == lay0.blocks == min(E + shared, T * (k + shared))
     ref = moe_layout.layout_ref(ids.cpu(), E + shared, moe_layout.STEP_ROWS, lay.blocks)
     assert torch.equal(lay.expert.cpu(), ref.expert)
     assert torch.equal(lay.pairs.cpu(), ref.pairs)
-    assert not matvec.arrival_counts(logits.device, 1).any(), "the routing left its count set"
+    assert not moe.route_count(logits.device).any(), "the routing left its count set"
 
 
 @pytest.mark.parametrize("fp8_", [False, True])
@@ -219,10 +225,10 @@ def test_expert_swiglu_stacked(device, fp8_):
     """A step's gate and up tiles as one tile of 2 BN rows, one dot a K step: against the float32
     reference and the separate dots, with the shared expert as expert E, the routed experts counted
     once. F = 192 leaves the second column tile of 128 half past F (its up rows masked as its gate
-    rows); unquantized, H = 200 leaves the last K tile 72 columns; FP8 takes two scale blocks a K
-    step (BK 256) as well as one, the gate's and the up's scales differing per block."""
+    rows); unquantized, H = 200 leaves the last K tile 72 columns; FP8 (H = 512) takes two scale
+    blocks a K step (BK 256) as well as one, the gate's and the up's scales differing per block."""
     T, E, k = 3, 6, 2
-    F, H = (256, 384) if fp8_ else (192, 200)
+    F, H = (256, 512) if fp8_ else (192, 200)
     wgu, _ = experts(E + 1, F, H, device, torch.float32, fp8_, seed=51)
     if fp8_:
         gu, sgu = (fp8.BlockFP8(wgu.w[:-2 * F].contiguous(), wgu.scale[:-2 * F // 128].contiguous()),
@@ -263,6 +269,8 @@ def test_expert_swiglu_stacked_on_the_35b_shapes(fp8_, warps):
     tiles = (64, 128, warps, 3)
     h = moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=_stacked("cuda", tiles))
     assert torch.equal(h, moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=_stacked("cuda", tiles, False)))
+    if fp8_ and warps == 4:     # the default FP8 step tile, 32 columns stacked (64 rows a dot), against 64 apart
+        assert torch.equal(h, moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=_stacked("cuda", (32, 128, 4, 3))))
     moe_rows_equal("cuda", torch.bfloat16, E=E, k=k, F=F, H=H, plan=_stacked("cuda", tiles))
 
 
