@@ -5,6 +5,13 @@ times eagerly, for Nsight Compute to read their stall reasons, issue rates and o
         --launch-skip 3 --launch-count 6 --section SpeedOfLight --section Occupancy --section LaunchStats \\
         --section SchedulerStats --section WarpStateStats python3 ncu_kernels.py
 
+The stall reasons by name (cycles a warp waits per issued instruction, one line a launch):
+
+    ncu --clock-control none --kernel-name regex:'_swiglu_kernel|_matvec_parts_kernel|_matvec_kernel' \\
+        --launch-skip 0 --launch-count 20 \\
+        --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio',gpu__time_duration.sum \\
+        python3 ncu_kernels.py
+
 The kernels: the 35B-A3B's FP8 expert SwiGLU of a decode step (8 experts, the engine's default
 stacked tile and the 64-column tile apart), the 27B's FP8 MLP down (split over K), and the 27B's
 GDN in_proj under --weights int4 (interleaved). Run alone, it checks that each runs.
