@@ -11,8 +11,9 @@ kernels beside them, and dispatchers that take the kernels for CUDA tensors.
 
 A block reads its expert's weights once for all the pairs in it. In a step (a few rows: decode,
 verify, draft) every distinct expert the rows chose is one block, so its weights are read once
-per step however many rows chose it: the expert kernels derive that layout on the device from the
-routing itself (moe_layout.py), launched for the worst case so the step can be a CUDA graph. Each
+per step however many rows chose it: the routing kernel writes that layout on the device (or, under
+a plan without routed_layout, the expert kernels derive it; moe_layout.py), the expert kernels
+launched for the worst case so the step can be a CUDA graph. Each
 pair's products are accumulated in the same order whatever shares its block, and the combine sums
 a row's k choices in order, so a row's result does not depend on the other rows (greedy MTP on ==
 off). Experts are stored stacked: W_gate_up [E * 2F, H] (expert e's gate rows, then its up rows),
@@ -442,7 +443,7 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
     if fp8:
         # a step's SwiGLU stacked on 32 columns: 144 programs for a decode's 9 experts, one chain of
         # matrix instructions a K step each (apart, the 64-column tile is the faster)
-        stacked = product == "swiglu" and step and (plan.expert_stacked if plan is not None else True)
+        stacked = product == "swiglu" and step and (plan or ProductPlan).expert_stacked    # (the class: the default)
         return (32, 128, 4, 3) if stacked else (64, 128, 4, 3)
     if itemsize > 2:
         return 32, 64, 4, 3

@@ -71,20 +71,29 @@ class StepLayout(NamedTuple):
 
 
 @triton.jit
+def _ranked_pairs(ids, P, BP: tl.constexpr):
+    """A step's P pairs (at most BP) as the layout places them: (pair ids [BP], which are pairs, their
+    experts, each pair's place among its expert's pairs, whether it is its expert's first, its
+    expert's rank among the distinct experts). `ids` may have been written by the kernel before, or
+    by other programs of this one: read past L1. Integer bookkeeping, exact."""
+    o_q = tl.arange(0, BP)
+    m_q = o_q < P
+    e_q = tl.load(ids + o_q, mask=m_q, other=-1, cache_modifier=".cg")
+    earlier = (e_q[:, None] == e_q[None, :]) & m_q[None, :] & (o_q[None, :] < o_q[:, None])
+    place = tl.sum(earlier.to(tl.int32), 1)
+    first = m_q & (place == 0)
+    rank = tl.sum(((e_q[None, :] < e_q[:, None]) & first[None, :]).to(tl.int32), 1)
+    return o_q, m_q, e_q, place, first, rank
+
+
+@triton.jit
 def _step_block(ids, P, i_b, BP: tl.constexpr, BM: tl.constexpr):
     """Block i_b of a step: the i_b-th smallest distinct expert among the P pairs of `ids` (-1: none),
     the pairs that chose it in order (place c the c-th; -1 past them), and the number of distinct
-    experts. Integer bookkeeping over at most BP pairs, exact, so the products see the same
-    layout as layout_ref gives."""
-    o_q = tl.arange(0, BP)
-    m_q = o_q < P
-    e_q = tl.load(ids + o_q, mask=m_q, other=-1)
-    same = (e_q[:, None] == e_q[None, :]) & m_q[:, None] & m_q[None, :]
-    first = m_q & (tl.sum((same & (o_q[None, :] < o_q[:, None])).to(tl.int32), 1) == 0)
-    rank = tl.sum(((e_q[None, :] < e_q[:, None]) & first[None, :]).to(tl.int32), 1)
+    experts: the same layout as layout_ref gives."""
+    o_q, m_q, e_q, place, first, rank = _ranked_pairs(ids, P, BP)
     mine = m_q & (rank == i_b)
     e = tl.max(tl.where(mine, e_q, -1), 0)
-    place = tl.cumsum(mine.to(tl.int32), 0) - 1
     o_c = tl.arange(0, BM)
     hit = mine[None, :] & (place[None, :] == o_c[:, None])
     pairs = tl.sum(tl.where(hit, o_q[None, :] + 1, 0), 1) - 1
@@ -93,17 +102,10 @@ def _step_block(ids, P, i_b, BP: tl.constexpr, BM: tl.constexpr):
 
 @triton.jit
 def write_step_layout(ids, P, expert, pairs, NB, BP: tl.constexpr, BM: tl.constexpr, BB: tl.constexpr):
-    """A step's whole layout from its P pairs' experts `ids` (written by other programs: read past
-    L1): expert [NB] and pairs [NB, BM], every block and place not taken -1, as _step_block gives
-    block by block (places past BM dropped, as there). Each pair's place among its expert's pairs
-    and its expert's rank among the distinct ones, then one store each."""
-    o_q = tl.arange(0, BP)
-    m_q = o_q < P
-    e_q = tl.load(ids + o_q, mask=m_q, other=-1, cache_modifier=".cg")
-    earlier = (e_q[:, None] == e_q[None, :]) & m_q[None, :] & (o_q[None, :] < o_q[:, None])
-    place = tl.sum(earlier.to(tl.int32), 1)
-    first = m_q & (place == 0)
-    rank = tl.sum(((e_q[None, :] < e_q[:, None]) & first[None, :]).to(tl.int32), 1)
+    """A step's whole layout from its P pairs' experts `ids` (_ranked_pairs): expert [NB] and pairs
+    [NB, BM], every block and place not taken -1, as _step_block gives block by block (places past
+    BM dropped, as there), one store each."""
+    o_q, m_q, e_q, place, first, rank = _ranked_pairs(ids, P, BP)
     o_b = tl.arange(0, BB)
     tl.store(expert + o_b, tl.full([BB], -1, tl.int32), mask=o_b < NB)
     o_f = tl.arange(0, BB * BM)
