@@ -241,8 +241,8 @@ def conv_plans(base: KernelPlan) -> dict:
 
 
 def stacked_plans(base: KernelPlan) -> dict:
-    """The MoE expert SwiGLU's gate and up tiles apart (two dots a K step, the default) or stacked
-    (ProductPlan.expert_stacked: one dot of 2 BN rows), the stacked on 4 warps (one chain of
+    """The MoE expert SwiGLU's gate and up tiles apart (two dots a K step) or stacked
+    (ProductPlan.expert_stacked, the default: one dot of 2 BN rows), the stacked on 4 warps (one chain of
     matrix instructions) or 8 (the gate and up halves on two warpgroups at once), and FP8 stacked on
     tiles of 32 columns (144 programs a decode step). The logits must be the same bits."""
     def warps8(product, step, fp8, itemsize=2):
@@ -264,8 +264,8 @@ def stacked_plans(base: KernelPlan) -> dict:
 
 
 def routed_plans(base: KernelPlan) -> dict:
-    """A step's MoE layout derived by every program of the expert kernels (the default) or written
-    once by the routing kernel's last row (ProductPlan.routed_layout). The logits must be the same
+    """A step's MoE layout derived by every program of the expert kernels or written once by the
+    routing kernel's last row (ProductPlan.routed_layout, the default). The logits must be the same
     bits."""
     return {"derived": base.replace(routed_layout=False), "routed": base.replace(routed_layout=True)}
 
