@@ -8,7 +8,8 @@ and the few calls through which every product and norm of a layer runs.
   (kernels/int4.py), put together from its stored parts by `weight`.
 - `Product`, `out_linear`, `add_norm`: a block's last product left for the residual add and the norm
   after it, which in a step on the GPU run it split over K and hand the next product its input as
-  a `Normed` (kernels/matvec.py) rather than whole rows.
+  a `Normed` (kernels/matvec.py) rather than whole rows. `Experts` is an MoE layer's down product
+  and combine left for them alike (the plan's moe_fold).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpchat.engine.plan import KernelPlan
-from mtpchat.kernels import fp8_gemm, int4_gemm, norm
+from mtpchat.kernels import fp8_gemm, int4_gemm, moe, norm
 from mtpchat.kernels._triton import use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BlockFP8
@@ -30,7 +31,7 @@ from mtpchat.kernels.matvec import Normed, matvec
 from mtpchat.kernels.matvec_parts import matvec_parts, matvec_parts_triton
 from mtpchat.kernels.plan import ProductPlan
 
-__all__ = ["Ctx", "Normed", "Product", "add_norm", "linear", "weight"]
+__all__ = ["Ctx", "Experts", "Normed", "Product", "add_norm", "linear", "weight"]
 
 
 @dataclass
@@ -132,6 +133,28 @@ class Product(NamedTuple):
     w: torch.Tensor
 
 
+class Experts(NamedTuple):
+    """An MoE layer in a step past its experts' SwiGLU h [T * k, F], its down product (the experts'
+    stack `down`, the shared expert's `shared_down` where it is expert E) and its combine (the
+    routing's `weights`, the shared expert's output and `gate` where it is not) not yet run: with
+    the plan's moe_fold, the residual add and the norm after the layer run them in the down
+    kernel (add_norm)."""
+    h: torch.Tensor
+    down: torch.Tensor
+    layout: object
+    n_experts: int
+    shared_down: torch.Tensor | None
+    weights: torch.Tensor
+    shared: torch.Tensor | None
+    gate: torch.Tensor | None
+
+    def run(self, rowwise: bool, products: ProductPlan, dtype: torch.dtype, fold: moe.Fold | None = None):
+        """The layer's output [T, H] in dtype; with `fold`, (Normed, h) (moe.expert_down)."""
+        y = moe.expert_down(self.h, self.down, self.layout, self.n_experts, rowwise, shared=self.shared_down,
+                            plan=products, fold=fold)
+        return y if fold is not None else moe.combine(y, self.weights, self.shared, self.gate, dtype)
+
+
 def add_norm(x, residual: torch.Tensor | None, norm_: nn.Module, plan: KernelPlan, whole: bool = False,
              out: torch.Tensor | None = None, quantize: bool = False):
     """(norm_(x + residual), x + residual) after a block whose output x is a tensor or a Product
@@ -142,7 +165,15 @@ def add_norm(x, residual: torch.Tensor | None, norm_: nn.Module, plan: KernelPla
     with `whole` (the final norm, whose rows the lm_head and the MTP head both read) or split_norm
     off, as whole rows from the norm kernel, which adds the parts. `out` (whole rows only) receives
     the normalised rows. `norm_` is an RMSNorm (its weight and eps). `quantize` (a prefill's rows on
-    the GPU): the normalised rows come quantized for an FP8 product (fp8_gemm.QuantizedRows)."""
+    the GPU): the normalised rows come quantized for an FP8 product (fp8_gemm.QuantizedRows). An Experts x
+    (a step's MoE layer still to finish, SparseMoE) runs in its down kernel with the norm's two
+    pieces (the plan's moe_fold; not `whole`), else its down and combine first."""
+    if isinstance(x, Experts):
+        if plan.moe_fold and not whole and residual is not None:
+            assert out is None, "add_norm: a folded MoE layer gives a Normed, never whole rows into `out`"
+            return x.run(True, plan.products, residual.dtype,
+                         moe.Fold(x.weights, x.shared, x.gate, residual, norm_.weight, norm_.eps))
+        x = x.run(True, plan.products, x.h.dtype)
     if isinstance(x, Product):
         if plan.split_norm and not whole:
             assert out is None, "add_norm: the split norm gives a Normed, never whole rows into `out`"

@@ -19,8 +19,10 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.dispatch import Ctx, Product, linear, weight
+from mtpchat.engine.dispatch import Ctx, Experts, Product, linear, weight
 from mtpchat.kernels import attention, conv, fp8_gemm, gdn, gdn_chunk, moe, norm
+from mtpchat.kernels._triton import use_triton
+from mtpchat.kernels.forms import values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8
 from mtpchat.kernels.int4 import GroupInt4
 from mtpchat.kernels.matvec import matvec, matvec_swiglu, silu_mul
@@ -116,13 +118,18 @@ class SparseMoE(nn.Module):
             sgu, sd = weight(self.shared, "gate_up"), weight(self.shared, "down")
             _, weights, _, layout = moe.route(logits, k, E, ctx.step, shared=True, rows=ctx.rows, plan=ctx.products)
             h = moe.expert_swiglu(x, gate_up, layout, k + 1, E, ctx.step, reads, shared=sgu, plan=ctx.products)
-            y = moe.expert_down(h, down, layout, E, ctx.step, shared=sd, plan=ctx.products)
-            return moe.combine(y, weights, dtype=x.dtype)
+            return self._finish(Experts(h, down, layout, E, sd, weights, None, None), x, ctx)
         _, weights, gate, layout = moe.route(logits, k, E, ctx.step, rows=ctx.rows, plan=ctx.products)
         h = moe.expert_swiglu(x, gate_up, layout, k, E, ctx.step, reads, plan=ctx.products)
-        y = moe.expert_down(h, down, layout, E, ctx.step, plan=ctx.products)
         shared = self.shared(x, ctx, whole=True) if self.shared is not None else None
-        return moe.combine(y, weights, shared, gate, x.dtype)
+        return self._finish(Experts(h, down, layout, E, None, weights, shared, gate), x, ctx)
+
+    def _finish(self, experts: Experts, x, ctx: Ctx):
+        """The layer's output [T, H], or in a step on the GPU under the plan's moe_fold the Experts
+        for the norm after the layer to finish (add_norm): its down kernel does."""
+        if ctx.step and ctx.plan.moe_fold and use_triton(experts.h, values_of(experts.down)):
+            return experts
+        return experts.run(ctx.step, ctx.products, x.dtype)
 
     def _shared_as_expert(self, gate_up, x, ctx: Ctx) -> bool:
         """Whether the expert kernels take the shared expert too: the plan's choice (made where the

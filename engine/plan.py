@@ -16,6 +16,10 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
 - fc_split: the MTP head's fc split over K and finished by its layer's input norm (the draft step
   0.97-0.99 x);
 - draft_pick: the draft's argmax and its map to a token id as two PDL kernels (draft 0.93-0.97 x).
+
+Candidates, off until a whole-step A/B says otherwise:
+- moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the
+  next norm's two pieces: kernels/moe.py Fold), two launches a layer fewer.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ class KernelPlan:
     products: ProductPlan
     split_norm: bool = True
     shared_as_expert: bool = True
+    moe_fold: bool = False
     fc_split: bool = True
     draft_pick: bool = True
     # The MTP head's rows kept while MTP is off (hidden_size x 2 bytes each: 5 MiB for the 27B), run

@@ -23,6 +23,8 @@ or interleaved (no perm; the shared expert then interleaved too).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +32,7 @@ from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
+from mtpchat.kernels.matvec import Normed
 from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
                                        count_reads, layout_ref, step_pairs, write_step_layout)
@@ -112,6 +115,29 @@ def combine_ref(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | N
     if shared is not None:
         out = out + gate[:, None] * shared.float()
     return out.to(dtype)
+
+
+class Fold(NamedTuple):
+    """What finishes a step's MoE layer in its down kernel (expert_down): the combine's inputs (the
+    routing's weights [T, k]; the shared expert's output [T, H] and gate [T], or None where it is
+    expert E), the residual stream r [T, H] the layer's value is added to, and the next norm's
+    weight [H] and eps."""
+    weights: torch.Tensor
+    shared: torch.Tensor | None
+    gate: torch.Tensor | None
+    residual: torch.Tensor
+    norm_weight: torch.Tensor
+    eps: float
+
+
+def fold_ref(y: torch.Tensor, fold: Fold) -> tuple[Normed, torch.Tensor]:
+    """(Normed, h) from the pairs' down products y [T * k, H]: h = the combine (rounded to the
+    residual's dtype) + the residual, rounded; the Normed holds h * (1 + norm_weight), rounded, and
+    the sums of h² (one block: a Normed's reader needs only their sum)."""
+    r = fold.residual
+    h = (combine_ref(y, fold.weights, fold.shared, fold.gate, r.dtype).float() + r.float()).to(r.dtype)
+    xn = (h.float() * (1. + fold.norm_weight.float())).to(r.dtype)
+    return Normed(xn, h.float().square().sum(-1, keepdim=True), fold.eps), h
 
 
 # --- Triton kernels ----------------------------------------------------------------------------
@@ -343,38 +369,55 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
                  SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                  G: tl.constexpr = 0, BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
-                 UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, LAID: tl.constexpr = False):
+                 UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, LAID: tl.constexpr = False,
+                 FOLD: tl.constexpr = False, weights=None, shared=None, gate=None, r=None, nw=None, xn=None,
+                 hout=None, ss=None, count=None, T=0, s_s=0, s_r=0, s_xn=0, s_hout=0, s_ss=0,
+                 TOPK: tl.constexpr = 1, HAS_SHARED: tl.constexpr = False):
     # One program per (block, BN of the H output columns), over the expert's F inputs (G > 0: 4-bit
-    # experts, RUN, LAID: as in _swiglu_kernel).
+    # experts, RUN, LAID: as in _swiglu_kernel). FOLD: the last of a column block's programs to end
+    # finishes the layer there (_fold_columns); every program counts, an empty block's too.
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     e, p = _block(expert, pairs, y, P, i_b, i_n, BM, STEP, BP, False, SHARED, LAID)
-    if e < 0:
-        return
+    if FOLD:
+        if e >= 0:
+            _down_tile(hin, w, ws, w2, ws2, y, e, p, i_n, E, H, F, s_h, s_y, s_ws, BM, BN, BK, SHARED, FP8, BITS,
+                       G, BG, s_w, zw, perm, zw2, perm2, UNPACK, RUN)
+        _fold_columns(y, weights, shared, gate, r, nw, xn, hout, ss, count, i_n, T, H, tl.num_programs(0),
+                      s_y, s_s, s_r, s_xn, s_hout, s_ss, BN, TOPK, HAS_SHARED)
+    else:
+        if e < 0:
+            return
+        _down_tile(hin, w, ws, w2, ws2, y, e, p, i_n, E, H, F, s_h, s_y, s_ws, BM, BN, BK, SHARED, FP8, BITS,
+                   G, BG, s_w, zw, perm, zw2, perm2, UNPACK, RUN)
+
+
+@triton.jit
+def _down_tile(hin, w, ws, w2, ws2, y, e, p, i_n, E, H, F, s_h, s_y, s_ws,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr,
+               BITS: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, s_w, zw, perm, zw2, perm2,
+               UNPACK: tl.constexpr, RUN: tl.constexpr):
+    """Block (expert e, pairs p [BM]) times the H output columns i_n * BN .. of its down weight,
+    float32 into y's pair rows."""
+    m_p = p >= 0
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < H
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
     if G > 0:
         w_e = _expert_ptr(w, e * H * s_w, w2, e, E, SHARED)            # as in _swiglu_int4
         s_e = _expert_ptr(ws, e * H * s_ws, ws2, e, E, SHARED)
         z_e = zw if zw is None else _expert_ptr(zw, e * H * s_ws, zw2, e, E, SHARED)
         q_e = perm if perm is None else _expert_ptr(perm, e * F, perm2, e, E, SHARED)
-        m_p = p >= 0
-        o_n = i_n * BN + tl.arange(0, BN)
-        m_n = o_n < H
-        acc = tl.zeros([BN, BM], dtype=tl.float32)
         p_h = hin + tl.where(m_p, p, 0)[None, :] * s_h      # every row's pointer in hin (dot_int4)
         for k in range(0, F, BK):
             acc = dot_int4(acc, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_h, m_p, k, F, BK, G, BG, UNPACK)
-        tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
-    else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
+    else:
         w_e = w + e * H * F
         s_e = ws + e * H // 128 * s_ws
         if SHARED:
             if e == E:
                 w_e = w2
                 s_e = ws2
-        m_p = p >= 0
-        o_n = i_n * BN + tl.arange(0, BN)
-        m_n = o_n < H
-        acc = tl.zeros([BN, BM], dtype=tl.float32)
         for k in range(0, F, BK):
             for u in tl.static_range(RUN):
                 k_u = k + u * (BK // RUN)
@@ -387,17 +430,45 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
                     acc += s * tl.dot(widen(b_w, b_h, BITS), b_h, input_precision="ieee")
                 else:
                     acc = tl.dot(b_w, b_h, acc, input_precision="ieee")
-        tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
+    tl.store(y + p[None, :] * s_y + o_n[:, None], acc, mask=m_n[:, None] & m_p[None, :])
+
+
+@triton.jit
+def _fold_columns(y, weights, shared, gate, r, nw, xn, hout, ss, count, i_n, T, H, NBLK, s_y, s_s, s_r, s_xn,
+                  s_hout, s_ss, BN: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """The MoE layer finished in the down kernel, column block i_n of H at a time: the last of the
+    block's NBLK programs to end combines each of the T rows' expert outputs there (combine_row, from
+    L2), adds the residual r (hout = the block's value, as the combine and the norm after it round
+    it), and writes the next product's input as a Normed's share: xn = hout * (1 + nw) and the
+    block's sums of hout² (ss[:, i_n]); then sets the block's count back to 0. Its acq_rel add,
+    after every thread of the program has stored, orders the other programs' y before its reads."""
+    tl.debug_barrier()
+    if tl.atomic_add(count + i_n, 1, sem="acq_rel", scope="gpu") == NBLK - 1:
+        o_n = i_n * BN + tl.arange(0, BN)
+        m_n = o_n < H
+        dtype = hout.dtype.element_ty
+        b_nw = 1. + tl.load(nw + o_n, mask=m_n, other=0.).to(tl.float32)
+        for t in range(T):
+            b_v = combine_row(y, weights, shared, gate, t, o_n, m_n, s_y, s_s, BN, TOPK, HAS_SHARED, ".cg")
+            b_r = tl.load(r + t * s_r + o_n, mask=m_n, other=0.).to(tl.float32)
+            b_h = (b_v.to(dtype).to(tl.float32) + b_r).to(dtype)
+            tl.store(hout + t * s_hout + o_n, b_h, mask=m_n)
+            b_h = b_h.to(tl.float32)
+            tl.store(xn + t * s_xn + o_n, (b_h * b_nw).to(dtype), mask=m_n)
+            tl.store(ss + t * s_ss + i_n, tl.sum(b_h * b_h, axis=0))
+        tl.atomic_xchg(count + i_n, 0)
 
 
 @triton.jit
 def combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s,
-                BH: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr):
+                BH: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, CACHE: tl.constexpr = ""):
     """Row r's combine over the columns o_h [BH], float32: its TOPK expert outputs times their
-    weights in order of choice, then the shared expert's output times its gate."""
+    weights in order of choice, then the shared expert's output times its gate. CACHE: the
+    expert outputs' loads' cache modifier (".cg" where other programs of the kernel wrote them)."""
     acc = tl.zeros([BH], dtype=tl.float32)
     for j in tl.static_range(TOPK):
-        acc += tl.load(weights + r * TOPK + j) * tl.load(y + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.)
+        acc += tl.load(weights + r * TOPK + j) * tl.load(y + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.,
+                                                         cache_modifier=CACHE)
     if HAS_SHARED:
         acc += tl.load(gate + r) * tl.load(shared + r * s_s + o_h, mask=m_h, other=0.).to(tl.float32)
     return acc
@@ -538,7 +609,10 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     return h
 
 
-def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: ProductPlan | None = None) -> torch.Tensor:
+def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: ProductPlan | None = None,
+                       fold: Fold | None = None):
+    """y [P, H] float32, the pairs' down products; with `fold` (a step's layout), (Normed, h) of
+    the layer finished in the kernel (expert_down)."""
     P_, Fi = h.shape
     wv = values_of(w_down)
     H = w_down.shape[0] // n_experts
@@ -554,12 +628,52 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
     y = torch.empty(P_, H, dtype=torch.float32, device=h.device)
     ws = w_down.scale if isinstance(w_down, (BlockFP8, GroupInt4)) else wv
     w2, ws2 = _shared_args(w_down, shared, H, Fi)
+    folded, out = {}, y
+    if fold is not None:
+        assert step, "the down kernel finishes the layer in a step only (a step's few rows)"
+        folded, out = _fold_args(fold, y, triton.cdiv(H, BN))
     _down_kernel[(blocks, triton.cdiv(H, BN))](
         h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
         BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps,
         num_stages=stages, LAID=laid, **pdl(h), **(_widen(h, warps, BN, plan) if fp8 else {}), **fp8_run(BK, fp8),
-        **_int4_args(w_down, shared, n_experts, H, Fi, BK, form_of(plan.int4_form, "expert_down", H, Fi)))
-    return y
+        **_int4_args(w_down, shared, n_experts, H, Fi, BK, form_of(plan.int4_form, "expert_down", H, Fi)),
+        **folded)
+    return out
+
+
+def _fold_args(fold: Fold, y: torch.Tensor, blocks: int) -> tuple[dict, tuple]:
+    """The down kernel's arguments to finish the layer (FOLD) over `blocks` column blocks, and what
+    it returns: (Normed, h), made here."""
+    weights, shared, gate, r, nw, eps = fold
+    check_combine(y, weights, shared, gate)
+    T, H = r.shape
+    assert weights.shape[0] == T and r.stride(1) == 1, f"the residual must be [{T}, {H}], rows contiguous"
+    assert nw.shape == (H,) and nw.is_contiguous(), f"the norm's weight must be [{H}] contiguous"
+    xn, h = (torch.empty(T, H, dtype=r.dtype, device=r.device) for _ in range(2))
+    ss = torch.empty(T, blocks, dtype=torch.float32, device=r.device)
+    args = dict(FOLD=True, weights=weights, shared=shared, gate=gate, r=r, nw=nw, xn=xn, hout=h, ss=ss,
+                count=fold_count(r.device, blocks), T=T, s_s=shared.stride(0) if shared is not None else 0,
+                s_r=r.stride(0), s_xn=xn.stride(0), s_hout=h.stride(0), s_ss=ss.stride(0),
+                TOPK=weights.shape[1], HAS_SHARED=shared is not None)
+    return args, (Normed(xn, ss, eps), h)
+
+
+def fold_count(device: torch.device, blocks: int) -> torch.Tensor:
+    """The folded down kernel's arrival counts on a device (int32, one a column block, left at 0 by
+    every launch), apart from the split products' and the routing's: made once, outside graph
+    capture."""
+    count = _fold_counts.get(device)
+    if count is None or count.numel() < blocks:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
+            "run a step's MoE layer once before capturing a graph (the down kernel's counts are made then)"
+        if count is not None:
+            _outgrown.append(count)             # graphs captured before still count in it
+        count = _fold_counts[device] = torch.zeros(max(blocks, 256), dtype=torch.int32, device=device)
+    return count
+
+
+_fold_counts: dict = {}
+_outgrown: list = []
 
 
 def check_combine(y, weights, shared, gate):
@@ -623,11 +737,15 @@ def expert_swiglu(x, w_gate_up, layout, top_k: int, n_experts: int, rowwise: boo
 
 
 def expert_down(h, w_down, layout, n_experts: int, rowwise: bool, shared=None,
-                plan: ProductPlan | None = None) -> torch.Tensor:
+                plan: ProductPlan | None = None, fold: Fold | None = None):
+    """y [P, H] float32; with `fold`, the layer finished: the combine, the residual add and the
+    norm's two pieces for the next product (Normed, h), in the down kernel on the GPU (fold_ref
+    otherwise)."""
     if use_triton(h, values_of(w_down)):
-        return expert_down_triton(h, w_down, layout, n_experts, shared, plan)
+        return expert_down_triton(h, w_down, layout, n_experts, shared, plan, fold)
     layout = layout.expand(n_experts + (shared is not None)) if isinstance(layout, StepLayout) else layout
-    return expert_down_ref(h, w_down, layout, n_experts, rowwise, shared)
+    y = expert_down_ref(h, w_down, layout, n_experts, rowwise, shared)
+    return y if fold is None else fold_ref(y, fold)
 
 
 def combine(y, weights, shared=None, gate=None, dtype=torch.float32) -> torch.Tensor:

@@ -8,7 +8,7 @@ from mtpchat.engine import Engine
 from mtpchat.engine.config import ModelConfig
 from tools.tiny import write_tiny_checkpoint
 from mtpchat.engine.weights import PER_EXPERT, STACKED
-from helpers import GPU_MOE_SHAPE as SHAPE, assert_mtp_on_equals_off, gpu_prompts
+from helpers import GPU_MOE_SHAPE as SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -31,6 +31,24 @@ def test_greedy_mtp_on_equals_off(ckpts, layout, graphs):
     engine = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs, max_context=1024)
     assert engine.fp8 == (layout == PER_EXPERT)
     on_equals_off(engine)
+
+
+@pytest.mark.parametrize("layout", [STACKED, PER_EXPERT])
+def test_the_moe_layer_folded_in_its_down_kernel(ckpts, layout):
+    """KernelPlan.moe_fold: greedy MTP on == off (CUDA graphs), and in float32 the same greedy
+    tokens as the plan without (the two differ only in where the norm's 1 / rms is applied)."""
+    base = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024)
+    folded = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024,
+                         plan=base.plan.replace(moe_fold=True))
+    del base
+    on_equals_off(folded)
+    del folded
+    if layout == STACKED:
+        plain = Engine.load(ckpts[layout], device="cuda", dtype=torch.float32, max_context=1024)
+        folded = Engine.load(ckpts[layout], device="cuda", dtype=torch.float32, max_context=1024,
+                             plan=plain.plan.replace(moe_fold=True))
+        for ids in gpu_prompts(plain, 3):
+            assert greedy_tokens(folded, ids, 64) == greedy_tokens(plain, ids, 64)
 
 
 def test_gpu_logits_close_to_the_cpu(ckpts):

@@ -191,6 +191,9 @@ def main():
         for name, plan in plans.items():
             products[name] = products_ms(engine.model, plan)
     same = {name: bool(torch.equal(logits[name], logits[first])) for name in plans} if a.room == 0 else {}
+    # where a plan moves the logits (another rounding), by how much: |a - b| / |b| over the vocabulary
+    apart = {name: ((logits[name].float() - logits[first].float()).norm() / logits[first].float().norm()).item()
+             for name in plans} if a.room == 0 else {}
     times = {key: [] for key in graphs}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(a.rounds):
@@ -202,7 +205,8 @@ def main():
             end.record()
             end.synchronize()
             times[key].append(start.elapsed_time(end) / a.replays)
-    out = {"plans": a.plans, "base_plan": default.describe(), "same_logits": same, "ms": {}, "spread": {},
+    out = {"plans": a.plans, "base_plan": default.describe(), "same_logits": same, "logits_apart": apart,
+           "ms": {}, "spread": {},
            "resources": kernel_resources()}
     base = {phase: statistics.median(times[first, phase]) for phase in phases}
     for name in plans:
@@ -210,7 +214,8 @@ def main():
         out["ms"][name] = row
         out["spread"][name] = {phase: [min(times[name, phase]), max(times[name, phase])] for phase in phases}
         rel = "  ".join(f"{ph} {ms:7.3f} ms ({ms / base[ph]:.4f})" for ph, ms in row.items())
-        print(f"{name:>18}: {rel}  same logits: {same.get(name)}", flush=True)
+        moved = f" ({apart[name]:.1e} apart)" if same.get(name) is False else ""
+        print(f"{name:>18}: {rel}  same logits: {same.get(name)}{moved}", flush=True)
     for line in out["resources"]:
         print(line)
     if products:

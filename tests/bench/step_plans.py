@@ -270,6 +270,14 @@ def routed_plans(base: KernelPlan) -> dict:
     return {"derived": base.replace(routed_layout=False), "routed": base.replace(routed_layout=True)}
 
 
+def fold_plans(base: KernelPlan) -> dict:
+    """A step's MoE layer finished by its own kernels (the down product, the combine, then the next
+    norm whole) or in its down kernel (KernelPlan.moe_fold: each column block's last program
+    combines, adds the residual and hands the next product a Normed; two launches a layer fewer).
+    The logits move by the norm's rounding (the 1 / rms applied after the next product's dot)."""
+    return {"combine": base.replace(moe_fold=False), "folded": base.replace(moe_fold=True)}
+
+
 def default_plans(base: KernelPlan) -> dict:
     """The plan's defaults that were measured in (DEFAULT_FORMS), each off alone against all on, and
     all off: the ratios say what each still buys on this model and weight format (the bit form
@@ -282,4 +290,4 @@ def default_plans(base: KernelPlan) -> dict:
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
-            "stacked": stacked_plans, "routed": routed_plans}
+            "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans}

@@ -397,6 +397,76 @@ def test_the_shared_expert_as_expert_e(device, fp8_, step):
         assert reads.item() == len(set(ids_r[:, :k].flatten().tolist()))     # routed experts only
 
 
+def fold_case(device, dtype, fp8_, T, shared_as_expert, E=7, k=3, F=128, H=384, seed=0):
+    """A step's MoE layer up to its down product: (h, down, shared down or None, layout, Fold) with a
+    residual, a norm weight and, where the shared expert is not expert E, its output and gate."""
+    wgu, wd = experts(E + 1, F, H, device, dtype, fp8_, seed=31 + seed)
+    if fp8_:
+        d, sd = (fp8.BlockFP8(wd.w[:-H].contiguous(), wd.scale[:-H // 128].contiguous()),
+                 fp8.BlockFP8(wd.w[-H:].contiguous(), wd.scale[-H // 128:].contiguous()))
+    else:
+        d, sd = wd[:-H].contiguous(), wd[-H:].contiguous()
+    logits = randn(T, E + 1, seed=32 + seed, scale=2.0).to(device)
+    ids, w, g, lay = moe.route_step(logits, k, E, shared=shared_as_expert, layout=True)
+    h = randn(T * (k + shared_as_expert), F, dtype=dtype, device=device, seed=33 + seed)
+    so = None if shared_as_expert else randn(T, H, dtype=dtype, device=device, seed=34 + seed)
+    r = randn(T, H, dtype=dtype, device=device, seed=35 + seed, scale=3.0)
+    nw = randn(H, device=device, seed=36 + seed, scale=0.3).to(dtype)
+    return h, d, sd if shared_as_expert else None, lay, moe.Fold(w, so, g, r, nw, 1e-6)
+
+
+@pytest.mark.parametrize("fp8_", [False, True])
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("shared_as_expert", [True, False])
+def test_the_down_kernel_folds_the_layer(device, fp8_, T, shared_as_expert):
+    """The down kernel finishing a step's MoE layer (moe.Fold): its h the combine kernel's output
+    plus the residual, bit for bit; x = h * (1 + w) bit for bit; the block sums of h² adding up to
+    the row's; the counts back at 0. 7 experts, 3 or 4 chosen a row: the layout's blocks not taken
+    count too."""
+    dtype = torch.float32
+    h, d, sd, lay, fold = fold_case(device, dtype, fp8_, T, shared_as_expert, seed=T)
+    y = moe.expert_down_triton(h, d, lay, 7, shared=sd)
+    normed, hh = moe.expert_down_triton(h, d, lay, 7, shared=sd, fold=fold)
+    c = moe.combine_triton(y, fold.weights, fold.shared, fold.gate, dtype)
+    want = (c.float() + fold.residual.float()).to(dtype)
+    assert torch.equal(hh, want)
+    assert torch.equal(normed.x, (want.float() * (1. + fold.norm_weight.float())).to(dtype))
+    assert normed.ss.shape[0] == T and normed.ss.shape[1] > 1 and normed.eps == fold.eps
+    check(normed.ss.sum(-1).cpu(), want.float().square().sum(-1).cpu(), 1e-5, "sums of h²")
+    assert not moe.fold_count(hh.device, normed.ss.shape[1]).any(), "the down kernel left a count set"
+    # against the float32 reference of the whole layer
+    cpu = (lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())) if fp8_ else (lambda t: t.cpu())
+    ref_lay = lay.expand(8) if shared_as_expert else lay.expand(7)
+    y_ref = moe.expert_down_ref(h.cpu(), cpu(d), moe_layout.Layout(ref_lay.expert.cpu(), ref_lay.pairs.cpu()), 7,
+                                shared=None if sd is None else cpu(sd))
+    n_ref, h_ref = moe.fold_ref(y_ref, moe.Fold(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in fold)))
+    check(hh.cpu(), h_ref, TOL[dtype], "h")
+    check(matvec.rstd_ref(normed).cpu(), matvec.rstd_ref(n_ref), 1e-5, "1 / rms")
+
+
+def test_the_folded_layer_keeps_a_row_independent_of_the_rows_beside_it(device):
+    """Row i's h, x and sums of h² the same bits alone and among 5 rows."""
+    T = 5
+    h, d, sd, _, fold = fold_case(device, torch.float32, False, T, True, seed=9)
+    logits = randn(T, 8, seed=41, scale=2.0).to(device)
+    _, w_all, _, lay_all = moe.route_step(logits, 3, 7, shared=True, layout=True)
+    n_all, h_all = moe.expert_down_triton(h, d, lay_all, 7, shared=sd, fold=fold._replace(weights=w_all))
+    for i in range(T):
+        ids, w, _, lay_i = moe.route_step(logits[i:i + 1], 3, 7, shared=True, layout=True)
+        ids_all = moe.route_step(logits, 3, 7, shared=True, layout=True)
+        del ids_all
+    # the same rows again through layouts routed for one row each
+    full = moe.route_step(logits, 3, 7, shared=True, layout=True)
+    f_all = fold._replace(weights=full[1])
+    n_all, h_all = moe.expert_down_triton(h, d, full[3], 7, shared=sd, fold=f_all)
+    for i in range(T):
+        _, w, _, lay_i = moe.route_step(logits[i:i + 1], 3, 7, shared=True, layout=True)
+        f_i = moe.Fold(w, None, None, fold.residual[i:i + 1], fold.norm_weight, fold.eps)
+        n_i, h_i = moe.expert_down_triton(h[4 * i:4 * i + 4], d, lay_i, 7, shared=sd, fold=f_i)
+        assert torch.equal(h_i[0], h_all[i]) and torch.equal(n_i.x[0], n_all.x[i]), f"row {i}"
+        assert torch.equal(n_i.ss[0], n_all.ss[i]), f"row {i}: sums of h²"
+
+
 @pytest.mark.parametrize("live", [0, 1, 3, 5])
 def test_stale_rows_route_as_the_last_live_one(device, live):
     # the MTP head's catch-up: rows past `rows` take the last live row's experts and weights (so the
