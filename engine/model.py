@@ -270,11 +270,11 @@ class DecoderLayer(nn.Module):
             # attention's q|k|v product alone reads the normed rows (a GDN's b|a product too, in bf16)
             qkv = weight(self.mixer, "qkv") if self.kind == "full_attention" and not ctx.step else None
             normed, h = ctx.add_norm(x, residual, self.input_norm, quantize_for=qkv)
-        # the MoE's router and experts read whole rows, never a Normed; a dense MLP's gate|up alone
-        # reads them
+        # the MoE's router and experts read whole rows, or under the plan's moe_normed a Normed; a
+        # dense MLP's gate|up alone reads them
         gate_up = None if self.kind_moe or ctx.step else weight(self.mlp, "gate_up")
-        normed, h = ctx.add_norm(self.mixer(normed, cache, ctx), h, self.post_norm, whole=self.kind_moe,
-                                 quantize_for=gate_up)
+        normed, h = ctx.add_norm(self.mixer(normed, cache, ctx), h, self.post_norm,
+                                 whole=self.kind_moe and not ctx.plan.moe_normed, quantize_for=gate_up)
         return self.mlp(normed, ctx), h
 
 

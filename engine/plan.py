@@ -19,7 +19,10 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
 
 Candidates, off until a whole-step A/B says otherwise:
 - moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the
-  next norm's two pieces: kernels/moe.py Fold), two launches a layer fewer.
+  next norm's two pieces: kernels/moe.py Fold), two launches a layer fewer;
+- moe_normed: a step's MoE layer reads the norm before it as a Normed (its router and shared
+  expert as any product does, its expert SwiGLU scaling each pair by its row's 1 / rms), a
+  launch a layer fewer.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ class KernelPlan:
     split_norm: bool = True
     shared_as_expert: bool = True
     moe_fold: bool = False
+    moe_normed: bool = False
     fc_split: bool = True
     draft_pick: bool = True
     # The MTP head's rows kept while MTP is off (hidden_size x 2 bytes each: 5 MiB for the 27B), run

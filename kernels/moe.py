@@ -32,7 +32,7 @@ from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
-from mtpchat.kernels.matvec import Normed
+from mtpchat.kernels.matvec import Normed, _row_scale, _scale_args
 from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
                                        count_reads, layout_ref, step_pairs, write_step_layout)
@@ -255,8 +255,9 @@ def _expert_ptr(p, offset, p2, e, E, SHARED: tl.constexpr):
 
 @triton.jit
 def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
-                 TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 SHARED: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr):
+                 ss, s_ss, NB, eps, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 SHARED: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr,
+                 NBP: tl.constexpr):
     # expert e's words, scales, zeros and perm (None where the stack has none); E the shared one
     w_e = _expert_ptr(w, e * 2 * F * s_w, w2, e, E, SHARED)
     s_e = _expert_ptr(ws, e * 2 * F * s_ws, ws2, e, E, SHARED)
@@ -271,6 +272,19 @@ def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x,
     for k in range(0, H, BK):      # p_x's rows all lie in x (dot_int4)
         acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
         acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
+    _swiglu_out(acc_g, acc_u, h, p, m_p, o_n, m_n, s_h, ss, s_ss, NB, H, eps, TOPK, NBP)
+
+
+@triton.jit
+def _swiglu_out(acc_g, acc_u, h, p, m_p, o_n, m_n, s_h, ss, s_ss, NB, H, eps, TOPK: tl.constexpr,
+                NBP: tl.constexpr):
+    """silu(gate) * up of a block's pairs p [BM] (columns o_n) from their sums [BN, BM], into h;
+    NBP > 0: x was a Normed (its NB sums of squares a row in ss), each pair's sums first scaled by
+    its row's 1 / rms (matvec._row_scale)."""
+    if NBP > 0:
+        b_rstd = _row_scale(ss, s_ss, NB, H, eps, tl.where(m_p, p // TOPK, 0), m_p, NBP)
+        acc_g = acc_g * b_rstd[None, :]
+        acc_u = acc_u * b_rstd[None, :]
     out = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
 
@@ -282,14 +296,15 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
                    FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0, G: tl.constexpr = 0,
                    BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
                    UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, STACKED: tl.constexpr = False,
-                   LAID: tl.constexpr = False):
+                   LAID: tl.constexpr = False, ss=None, s_ss=0, NB=0, eps=0., NBP: tl.constexpr = 0):
     # One program per (block, BN of the F columns): the expert's gate and up tiles, multiplied
     # with the block's rows of x, weights first ([BN, BK] @ [BK, BM]) as in matvec.py. With
     # SHARED, expert E is the shared expert, whose weights (w2, ws2) are a tensor of their own.
     # G > 0: 4-bit experts (kernels/int4.py), rows of s_w words, zeros zw and perm [E, H] (or None).
     # RUN: a K step takes RUN tiles of BK / RUN columns one after another (fp8.fp8_run).
     # STACKED (bf16 and FP8 experts): the gate and up tiles as one [2 BN, BK] tile, one dot a K step.
-    # LAID: a step's layout as the routing kernel wrote it (moe_layout._block).
+    # LAID: a step's layout as the routing kernel wrote it (moe_layout._block). NBP > 0: x is a
+    # Normed's x, its rows' sums of squares in ss (_swiglu_out).
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     e, p = _block(expert, pairs, reads, P, i_b, i_n, BM, STEP, BP, COUNT, SHARED, LAID)
@@ -297,7 +312,7 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
         return
     if G > 0:
         _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
-                     TOPK, BM, BN, BK, SHARED, G, BG, UNPACK)
+                     ss, s_ss, NB, eps, TOPK, BM, BN, BK, SHARED, G, BG, UNPACK, NBP)
     else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
         w_e = w + e * 2 * F * H
         s_e = ws + e * 2 * F // 128 * s_ws
@@ -331,8 +346,7 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
                     else:
                         acc_g = tl.dot(b_g, b_x, acc_g, input_precision="ieee")
                         acc_u = tl.dot(b_u, b_x, acc_u, input_precision="ieee")
-        out = acc_g * tl.sigmoid(acc_g) * acc_u
-        tl.store(h + p[None, :] * s_h + o_n[:, None], out.to(h.dtype.element_ty), mask=m_n[:, None] & m_p[None, :])
+        _swiglu_out(acc_g, acc_u, h, p, m_p, o_n, m_n, s_h, ss, s_ss, NB, H, eps, TOPK, NBP)
 
 
 @triton.jit
@@ -579,7 +593,9 @@ def _widen(x, warps: int, BN: int, plan: ProductPlan) -> dict:
 def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
                          reads: torch.Tensor | None = None, shared=None, plan: ProductPlan | None = None) -> torch.Tensor:
     """`reads` (a step's layout only): the step's distinct routed experts are added to it.
-    `shared`: the shared expert's gate|up [2F, H], taken as expert `n_experts` (route(shared=True))."""
+    `shared`: the shared expert's gate|up [2F, H], taken as expert `n_experts` (route(shared=True)).
+    x may be a Normed (kernels/matvec.py): each pair's sums scaled by its row's 1 / rms."""
+    x, normed = _scale_args(x, x.shape[1])
     T, H = x.shape
     wv = values_of(w_gate_up)
     Fi = w_gate_up.shape[0] // (2 * n_experts)
@@ -601,7 +617,7 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
         x, wv, ws, w2, ws2, expert, pairs, reads if reads is not None else h, h, P, n_experts, H, Fi,
         x.stride(0), h.stride(0), ws.stride(0), TOPK=top_k, BM=bm, BN=BN, BK=BK, STEP=step, BP=bp,
         COUNT=step and reads is not None, SHARED=shared is not None, FP8=fp8, num_warps=warps, num_stages=stages,
-        STACKED=stacked, LAID=laid, **pdl(x),
+        STACKED=stacked, LAID=laid, **normed, **pdl(x),
         **(_widen(x, warps, 2 * BN if stacked else BN, plan) if fp8 else {}),
         **fp8_run(BK, fp8),
         **_int4_args(w_gate_up, shared, n_experts, 2 * Fi, H, BK,
@@ -727,8 +743,9 @@ def route(logits: torch.Tensor, top_k: int, n_experts: int, step: bool, shared: 
 def expert_swiglu(x, w_gate_up, layout, top_k: int, n_experts: int, rowwise: bool,
                   reads: torch.Tensor | None = None, shared=None, plan: ProductPlan | None = None) -> torch.Tensor:
     """`reads`: in a step, the distinct routed experts read are added to it. `shared`: the shared
-    expert's gate|up, as expert n_experts. `plan`: the tiles and how FP8 tiles widen (kernels/plan.py)."""
-    if use_triton(x, values_of(w_gate_up)):
+    expert's gate|up, as expert n_experts. `plan`: the tiles and how FP8 tiles widen (kernels/plan.py).
+    x: rows, or on the GPU a Normed (a step's norm before the layer left in two pieces)."""
+    if isinstance(x, Normed) or use_triton(x, values_of(w_gate_up)):
         return expert_swiglu_triton(x, w_gate_up, layout, top_k, n_experts, reads, shared, plan)
     layout = layout.expand(n_experts + (shared is not None)) if isinstance(layout, StepLayout) else layout
     if reads is not None and rowwise:

@@ -33,22 +33,25 @@ def test_greedy_mtp_on_equals_off(ckpts, layout, graphs):
     on_equals_off(engine)
 
 
-@pytest.mark.parametrize("layout", [STACKED, PER_EXPERT])
-def test_the_moe_layer_folded_in_its_down_kernel(ckpts, layout):
-    """KernelPlan.moe_fold: greedy MTP on == off (CUDA graphs), and in float32 the same greedy
-    tokens as the plan without (the two differ only in where the norm's 1 / rms is applied)."""
+@pytest.mark.parametrize("layout,forms", [(STACKED, dict(moe_fold=True)), (STACKED, dict(moe_normed=True)),
+                                          (STACKED, dict(moe_fold=True, moe_normed=True)),
+                                          (PER_EXPERT, dict(moe_fold=True, moe_normed=True))])
+def test_the_moe_layer_between_normeds(ckpts, layout, forms):
+    """KernelPlan.moe_fold (the layer finished in its down kernel) and moe_normed (the layer reading
+    its norm as a Normed): greedy MTP on == off (CUDA graphs), and in float32 the same greedy tokens
+    as the plan without them (the two differ only in where the norms' 1 / rms is applied)."""
     base = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024)
-    folded = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024,
-                         plan=base.plan.replace(moe_fold=True))
+    engine = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024,
+                         plan=base.plan.replace(**forms))
     del base
-    on_equals_off(folded)
-    del folded
+    on_equals_off(engine)
+    del engine
     if layout == STACKED:
         plain = Engine.load(ckpts[layout], device="cuda", dtype=torch.float32, max_context=1024)
-        folded = Engine.load(ckpts[layout], device="cuda", dtype=torch.float32, max_context=1024,
-                             plan=plain.plan.replace(moe_fold=True))
+        engine = Engine.load(ckpts[layout], device="cuda", dtype=torch.float32, max_context=1024,
+                             plan=plain.plan.replace(**forms))
         for ids in gpu_prompts(plain, 3):
-            assert greedy_tokens(folded, ids, 64) == greedy_tokens(plain, ids, 64)
+            assert greedy_tokens(engine, ids, 64) == greedy_tokens(plain, ids, 64)
 
 
 def test_gpu_logits_close_to_the_cpu(ckpts):

@@ -274,8 +274,12 @@ def fold_plans(base: KernelPlan) -> dict:
     """A step's MoE layer finished by its own kernels (the down product, the combine, then the next
     norm whole) or in its down kernel (KernelPlan.moe_fold: each column block's last program
     combines, adds the residual and hands the next product a Normed; two launches a layer fewer).
-    The logits move by the norm's rounding (the 1 / rms applied after the next product's dot)."""
-    return {"combine": base.replace(moe_fold=False), "folded": base.replace(moe_fold=True)}
+    The MoE layer reading the norm before it as a Normed (KernelPlan.moe_normed: the router, the
+    shared expert and the expert SwiGLU scale each row by its 1 / rms after their dots; a launch a
+    layer fewer), alone and with the fold. The logits move by the norms' rounding."""
+    off = base.replace(moe_fold=False, moe_normed=False)
+    return {"combine": off, "folded": off.replace(moe_fold=True), "normed": off.replace(moe_normed=True),
+            "folded normed": off.replace(moe_fold=True, moe_normed=True)}
 
 
 def default_plans(base: KernelPlan) -> dict:

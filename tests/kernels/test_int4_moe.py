@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_checks import TOL, check, int4_weight, randn
 
-from mtpchat.kernels import int4, moe, moe_layout
+from mtpchat.kernels import int4, matvec, moe, moe_layout
 from mtpchat.kernels.plan import ProductPlan
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -67,6 +67,33 @@ def test_int4_expert_products(device, dtype, T, step, group, symmetric, perm, F)
     y_ref = moe.expert_down_ref(h_ref.to(dtype).float(), cpu(wd), lay_cpu, E)
     y = moe.expert_down(h_ref.to(device, dtype), wd, lay, E, rowwise=step)
     check(y.cpu(), y_ref, TOL[dtype], "int4 down")
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_int4_experts_fold_the_layer_over_a_normed(device, interleaved):
+    """A step's MoE layer over 4-bit experts reading a Normed and finished in its down kernel
+    (KernelPlan.moe_normed, moe_fold): the SwiGLU as over the rows normalised whole, the layer's h
+    the combine of the down's products plus the residual."""
+    T, E, k, F, H = 3, 6, 2, 128, 256
+    wgu, wd = experts(E, F, H, device, 17, 64)
+    form = int4.interleave_ref if interleaved else (lambda w: w)
+    h = randn(T, H, device=device, seed=18) * torch.tensor([0.2, 1., 5.], device=device)[:, None]
+    nw = randn(H, device=device, seed=19, scale=0.3)
+    ss = torch.stack([c.square().sum(-1) for c in h.split(64, dim=1)], 1)
+    normed = matvec.Normed(h * (1. + nw), ss, 1e-6)
+    logits = randn(T, E, seed=20, scale=2.0).to(device)
+    ids, w, _, lay = moe.route_step(logits, k, E, layout=True)
+    lay_cpu = moe_layout.layout_ref(ids.cpu(), E, moe_layout.STEP_ROWS)
+    got = moe.expert_swiglu_triton(normed, form(wgu), lay, k, E)
+    rows = normed.x * matvec.rstd_ref(normed)[:, None]
+    check(got.cpu(), moe.expert_swiglu_ref(rows.cpu(), cpu(wgu), lay_cpu, k, E), TOL[torch.float32], "swiglu")
+    r = randn(T, H, device=device, seed=21)
+    fold = moe.Fold(w, randn(T, H, device=device, seed=22), torch.sigmoid(randn(T, seed=23)).to(device), r, nw, 1e-6)
+    n_out, h_out = moe.expert_down_triton(got, form(wd), lay, E, fold=fold)
+    y = moe.expert_down_triton(got, form(wd), lay, E)
+    want = moe.combine_triton(y, w, fold.shared, fold.gate, torch.float32) + r
+    assert torch.equal(h_out, want) and torch.equal(n_out.x, h_out * (1. + nw))
+    check(n_out.ss.sum(-1).cpu(), want.square().sum(-1).cpu(), 1e-5, "sums of h²")
 
 
 @pytest.mark.parametrize("shared_perm,experts_perm,group,interleaved", [

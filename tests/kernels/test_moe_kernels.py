@@ -467,6 +467,28 @@ def test_the_folded_layer_keeps_a_row_independent_of_the_rows_beside_it(device):
         assert torch.equal(n_i.ss[0], n_all.ss[i]), f"row {i}: sums of h²"
 
 
+@pytest.mark.parametrize("fp8_", [False, True])
+@pytest.mark.parametrize("T", [1, 4])
+def test_the_expert_swiglu_reads_a_normed(device, fp8_, T):
+    """The SwiGLU over a Normed x (KernelPlan.moe_normed): each pair's sums scaled by its row's
+    1 / rms, as the product of the rows normalised whole; rows of scales 0.1 to 10 apart, so a
+    pair scaled by another row's 1 / rms is far off."""
+    E, k, F, H = 7, 3, 128, 256
+    wgu, _ = experts(E, F, H, device, torch.float32, fp8_, seed=51 + T)
+    h = randn(T, H, device=device, seed=52) * torch.logspace(-1, 1, T, device=device)[:, None]
+    nw = randn(H, device=device, seed=53, scale=0.3)
+    xn = h * (1. + nw)
+    ss = torch.stack([c.square().sum(-1) for c in h.split(96, dim=1)], 1)      # 3 blocks, the last short
+    normed = matvec.Normed(xn, ss, 1e-6)
+    logits = randn(T, E, seed=54, scale=2.0).to(device)
+    ids, _, _, lay = moe.route_step(logits, k, E, layout=True)
+    got = moe.expert_swiglu_triton(normed, wgu, lay, k, E)
+    rows = xn * matvec.rstd_ref(normed)[:, None]
+    cpu = (lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())) if fp8_ else (lambda t: t.cpu())
+    want = moe.expert_swiglu_ref(rows.cpu(), cpu(wgu), moe_layout.layout_ref(ids.cpu(), E, 16), k, E)
+    check(got.cpu(), want, TOL[torch.float32], "swiglu of a Normed")
+
+
 @pytest.mark.parametrize("live", [0, 1, 3, 5])
 def test_stale_rows_route_as_the_last_live_one(device, live):
     # the MTP head's catch-up: rows past `rows` take the last live row's experts and weights (so the
