@@ -463,7 +463,7 @@ def _fold_columns(y, weights, shared, gate, r, nw, xn, hout, ss, count, i_n, T, 
         dtype = hout.dtype.element_ty
         b_nw = 1. + tl.load(nw + o_n, mask=m_n, other=0.).to(tl.float32)
         for t in range(T):
-            b_v = combine_row(y, weights, shared, gate, t, o_n, m_n, s_y, s_s, BN, TOPK, HAS_SHARED, ".cg")
+            b_v = combine_row(y, weights, shared, gate, t, o_n, m_n, s_y, s_s, BN, TOPK, HAS_SHARED, True)
             b_r = tl.load(r + t * s_r + o_n, mask=m_n, other=0.).to(tl.float32)
             b_h = (b_v.to(dtype).to(tl.float32) + b_r).to(dtype)
             tl.store(hout + t * s_hout + o_n, b_h, mask=m_n)
@@ -475,14 +475,18 @@ def _fold_columns(y, weights, shared, gate, r, nw, xn, hout, ss, count, i_n, T, 
 
 @triton.jit
 def combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s,
-                BH: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, CACHE: tl.constexpr = ""):
+                BH: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, L2: tl.constexpr = False):
     """Row r's combine over the columns o_h [BH], float32: its TOPK expert outputs times their
-    weights in order of choice, then the shared expert's output times its gate. CACHE: the
-    expert outputs' loads' cache modifier (".cg" where other programs of the kernel wrote them)."""
+    weights in order of choice, then the shared expert's output times its gate. L2: the expert
+    outputs read past L1 (other programs of the kernel wrote them)."""
     acc = tl.zeros([BH], dtype=tl.float32)
     for j in tl.static_range(TOPK):
-        acc += tl.load(weights + r * TOPK + j) * tl.load(y + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.,
-                                                         cache_modifier=CACHE)
+        p_y = y + (r * TOPK + j) * s_y + o_h
+        if L2:
+            b_y = tl.load(p_y, mask=m_h, other=0., cache_modifier=".cg")
+        else:
+            b_y = tl.load(p_y, mask=m_h, other=0.)
+        acc += tl.load(weights + r * TOPK + j) * b_y
     if HAS_SHARED:
         acc += tl.load(gate + r) * tl.load(shared + r * s_s + o_h, mask=m_h, other=0.).to(tl.float32)
     return acc
