@@ -386,7 +386,7 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
                  UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, LAID: tl.constexpr = False,
                  FOLD: tl.constexpr = False, weights=None, shared=None, gate=None, r=None, nw=None, xn=None,
                  hout=None, ss=None, count=None, T=0, s_s=0, s_r=0, s_xn=0, s_hout=0, s_ss=0,
-                 TOPK: tl.constexpr = 1, HAS_SHARED: tl.constexpr = False):
+                 TOPK: tl.constexpr = 1, HAS_SHARED: tl.constexpr = False, BT: tl.constexpr = 1):
     # One program per (block, BN of the H output columns), over the expert's F inputs (G > 0: 4-bit
     # experts, RUN, LAID: as in _swiglu_kernel). FOLD: the last of a column block's programs to end
     # finishes the layer there (_fold_columns); every program counts, an empty block's too.
@@ -398,7 +398,7 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
             _down_tile(hin, w, ws, w2, ws2, y, e, p, i_n, E, H, F, s_h, s_y, s_ws, BM, BN, BK, SHARED, FP8, BITS,
                        G, BG, s_w, zw, perm, zw2, perm2, UNPACK, RUN)
         _fold_columns(y, weights, shared, gate, r, nw, xn, hout, ss, count, i_n, T, H, tl.num_programs(0),
-                      s_y, s_s, s_r, s_xn, s_hout, s_ss, BN, TOPK, HAS_SHARED)
+                      s_y, s_s, s_r, s_xn, s_hout, s_ss, BN, TOPK, HAS_SHARED, BT)
     else:
         if e < 0:
             return
@@ -449,44 +449,47 @@ def _down_tile(hin, w, ws, w2, ws2, y, e, p, i_n, E, H, F, s_h, s_y, s_ws,
 
 @triton.jit
 def _fold_columns(y, weights, shared, gate, r, nw, xn, hout, ss, count, i_n, T, H, NBLK, s_y, s_s, s_r, s_xn,
-                  s_hout, s_ss, BN: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr):
+                  s_hout, s_ss, BN: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, BT: tl.constexpr):
     """The MoE layer finished in the down kernel, column block i_n of H at a time: the last of the
-    block's NBLK programs to end combines each of the T rows' expert outputs there (combine_row, from
-    L2), adds the residual r (hout = the block's value, as the combine and the norm after it round
-    it), and writes the next product's input as a Normed's share: xn = hout * (1 + nw) and the
-    block's sums of hout² (ss[:, i_n]); then sets the block's count back to 0. Its acq_rel add,
-    after every thread of the program has stored, orders the other programs' y before its reads."""
+    block's NBLK programs to end combines the T rows' expert outputs there (as combine_row, all BT
+    rows at once, from L2), adds the residual r (hout = the block's value, as the combine and the
+    norm after it round it), and writes the next product's input as a Normed's share: xn = hout *
+    (1 + nw) and the block's sums of hout² (ss[:, i_n]); then sets the block's count back to 0.
+    Its acq_rel add, after every thread of the program has stored, orders the other programs' y
+    before its reads. Each row's sums run in the same order whatever BT is."""
     tl.debug_barrier()
     if tl.atomic_add(count + i_n, 1, sem="acq_rel", scope="gpu") == NBLK - 1:
         o_n = i_n * BN + tl.arange(0, BN)
-        m_n = o_n < H
+        o_t = tl.arange(0, BT)
+        m_n, m_t = o_n < H, o_t < T
+        m = m_t[:, None] & m_n[None, :]
+        acc = tl.zeros([BT, BN], dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            b_w = tl.load(weights + o_t * TOPK + j, mask=m_t, other=0.)
+            b_y = tl.load(y + (o_t * TOPK + j)[:, None] * s_y + o_n[None, :], mask=m, other=0., cache_modifier=".cg")
+            acc += b_w[:, None] * b_y
+        if HAS_SHARED:
+            b_s = tl.load(shared + o_t[:, None] * s_s + o_n[None, :], mask=m, other=0.).to(tl.float32)
+            acc += tl.load(gate + o_t, mask=m_t, other=0.)[:, None] * b_s
         dtype = hout.dtype.element_ty
+        b_r = tl.load(r + o_t[:, None] * s_r + o_n[None, :], mask=m, other=0.).to(tl.float32)
+        b_h = (acc.to(dtype).to(tl.float32) + b_r).to(dtype)
+        tl.store(hout + o_t[:, None] * s_hout + o_n[None, :], b_h, mask=m)
+        b_h = b_h.to(tl.float32)
         b_nw = 1. + tl.load(nw + o_n, mask=m_n, other=0.).to(tl.float32)
-        for t in range(T):
-            b_v = combine_row(y, weights, shared, gate, t, o_n, m_n, s_y, s_s, BN, TOPK, HAS_SHARED, True)
-            b_r = tl.load(r + t * s_r + o_n, mask=m_n, other=0.).to(tl.float32)
-            b_h = (b_v.to(dtype).to(tl.float32) + b_r).to(dtype)
-            tl.store(hout + t * s_hout + o_n, b_h, mask=m_n)
-            b_h = b_h.to(tl.float32)
-            tl.store(xn + t * s_xn + o_n, (b_h * b_nw).to(dtype), mask=m_n)
-            tl.store(ss + t * s_ss + i_n, tl.sum(b_h * b_h, axis=0))
+        tl.store(xn + o_t[:, None] * s_xn + o_n[None, :], (b_h * b_nw[None, :]).to(dtype), mask=m)
+        tl.store(ss + o_t * s_ss + i_n, tl.sum(b_h * b_h, axis=1), mask=m_t)
         tl.atomic_xchg(count + i_n, 0)
 
 
 @triton.jit
 def combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s,
-                BH: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr, L2: tl.constexpr = False):
+                BH: tl.constexpr, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr):
     """Row r's combine over the columns o_h [BH], float32: its TOPK expert outputs times their
-    weights in order of choice, then the shared expert's output times its gate. L2: the expert
-    outputs read past L1 (other programs of the kernel wrote them)."""
+    weights in order of choice, then the shared expert's output times its gate."""
     acc = tl.zeros([BH], dtype=tl.float32)
     for j in tl.static_range(TOPK):
-        p_y = y + (r * TOPK + j) * s_y + o_h
-        if L2:
-            b_y = tl.load(p_y, mask=m_h, other=0., cache_modifier=".cg")
-        else:
-            b_y = tl.load(p_y, mask=m_h, other=0.)
-        acc += tl.load(weights + r * TOPK + j) * b_y
+        acc += tl.load(weights + r * TOPK + j) * tl.load(y + (r * TOPK + j) * s_y + o_h, mask=m_h, other=0.)
     if HAS_SHARED:
         acc += tl.load(gate + r) * tl.load(shared + r * s_s + o_h, mask=m_h, other=0.).to(tl.float32)
     return acc
@@ -674,7 +677,7 @@ def _fold_args(fold: Fold, y: torch.Tensor, blocks: int) -> tuple[dict, tuple]:
     args = dict(FOLD=True, weights=weights, shared=shared, gate=gate, r=r, nw=nw, xn=xn, hout=h, ss=ss,
                 count=fold_count(r.device, blocks), T=T, s_s=shared.stride(0) if shared is not None else 0,
                 s_r=r.stride(0), s_xn=xn.stride(0), s_hout=h.stride(0), s_ss=ss.stride(0),
-                TOPK=weights.shape[1], HAS_SHARED=shared is not None)
+                TOPK=weights.shape[1], HAS_SHARED=shared is not None, BT=triton.next_power_of_2(T))
     return args, (Normed(xn, ss, eps), h)
 
 
