@@ -456,7 +456,8 @@ def _fold_columns(y, weights, shared, gate, r, nw, xn, hout, ss, count, i_n, T, 
     norm after it round it), and writes the next product's input as a Normed's share: xn = hout *
     (1 + nw) and the block's sums of hout² (ss[:, i_n]); then sets the block's count back to 0.
     Its acq_rel add, after every thread of the program has stored, orders the other programs' y
-    before its reads. Each row's sums run in the same order whatever BT is."""
+    before its reads. BT is the same for every step (STEP_ROWS), never a function of T: the sums of
+    squares reduce over the tile's layout, and a row's bits must not depend on how many share it."""
     tl.debug_barrier()
     if tl.atomic_add(count + i_n, 1, sem="acq_rel", scope="gpu") == NBLK - 1:
         o_n = i_n * BN + tl.arange(0, BN)
@@ -671,13 +672,14 @@ def _fold_args(fold: Fold, y: torch.Tensor, blocks: int) -> tuple[dict, tuple]:
     check_combine(y, weights, shared, gate)
     T, H = r.shape
     assert weights.shape[0] == T and r.stride(1) == 1, f"the residual must be [{T}, {H}], rows contiguous"
+    assert T <= STEP_ROWS, f"the down kernel finishes at most {STEP_ROWS} rows (a step's), got {T}"
     assert nw.shape == (H,) and nw.is_contiguous(), f"the norm's weight must be [{H}] contiguous"
     xn, h = (torch.empty(T, H, dtype=r.dtype, device=r.device) for _ in range(2))
     ss = torch.empty(T, blocks, dtype=torch.float32, device=r.device)
     args = dict(FOLD=True, weights=weights, shared=shared, gate=gate, r=r, nw=nw, xn=xn, hout=h, ss=ss,
                 count=fold_count(r.device, blocks), T=T, s_s=shared.stride(0) if shared is not None else 0,
                 s_r=r.stride(0), s_xn=xn.stride(0), s_hout=h.stride(0), s_ss=ss.stride(0),
-                TOPK=weights.shape[1], HAS_SHARED=shared is not None, BT=triton.next_power_of_2(T))
+                TOPK=weights.shape[1], HAS_SHARED=shared is not None, BT=STEP_ROWS)
     return args, (Normed(xn, ss, eps), h)
 
 
