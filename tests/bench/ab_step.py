@@ -18,12 +18,15 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans conv --weights fp8      # the GDN conv as its own kernel, or in the recurrence's
     python3 ab_step.py --plans stacked --model qwen3.5-35b-a3b --weights fp8   # the expert SwiGLU's gate and up as one tile
     python3 ab_step.py --plans routed --model qwen3.5-35b-a3b --weights fp8    # a step's MoE layout written by the routing
+    python3 ab_step.py --plans moefold --model qwen3.5-35b-a3b --weights fp8   # the MoE layer between Normeds, folded
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed (the families
 are in step_plans.py). One engine is
 loaded; for each plan the decoder takes that plan (its forward contexts carry it) and its phases are
 compiled and captured under it. Steps of a live generation write the GDN state they start from, so
-logits are compared on ended steps only (`--room 0`).
+logits are compared on ended steps only (`--room 0`). Every plan is also checked for what greedy MTP
+on == off asks: verify 3's first row the decode step's row bit for bit, and a captured verify 3 what
+it gives run eagerly (a plan that fails either says so on its line).
 """
 from __future__ import annotations
 
@@ -155,7 +158,7 @@ def main():
             d.state.fold.fill_(0 if phase == "verify 0" else a.verify_fold)
 
     phases = {"verify 0": lambda: d.verify(0), "verify 3": lambda: d.verify(3), "draft 3": lambda: d.draft(3)}
-    graphs, logits = {}, {}
+    graphs, logits, checks = {}, {}, {}
     pool = torch.cuda.graph_pool_handle()
     # plans that store the 4-bit weights interleaved come last: the weights are converted once, in
     # place, the natural ones kept alive for the graphs captured before
@@ -184,6 +187,17 @@ def main():
         restore("verify 0")
         graphs[name, "verify 0"].replay()
         logits[name] = d.v_logits[:1].clone()
+        # greedy MTP on == off asks that a verify's first row be the decode step's row, bit for bit,
+        # and a captured step what the same step gives run eagerly
+        restore("verify 3")
+        graphs[name, "verify 3"].replay()
+        rows = d.v_logits[:4].clone()
+        restore("verify 3")
+        d.verify(3)
+        checks[name] = {"verify 3 row 0 == decode": bool(torch.equal(rows[:1], logits[name])),
+                        "verify 3 captured == eager": bool(torch.equal(rows, d.v_logits[:4]))}
+        if a.verify_fold is not None:               # another state: its first row is another row
+            del checks[name]["verify 3 row 0 == decode"]
     d.plan = engine.plan
     first = next(iter(plans))
     products = {}
@@ -206,6 +220,7 @@ def main():
             end.synchronize()
             times[key].append(start.elapsed_time(end) / a.replays)
     out = {"plans": a.plans, "base_plan": default.describe(), "same_logits": same, "logits_apart": apart,
+           "row_checks": checks,
            "ms": {}, "spread": {},
            "resources": kernel_resources()}
     base = {phase: statistics.median(times[first, phase]) for phase in phases}
@@ -215,7 +230,9 @@ def main():
         out["spread"][name] = {phase: [min(times[name, phase]), max(times[name, phase])] for phase in phases}
         rel = "  ".join(f"{ph} {ms:7.3f} ms ({ms / base[ph]:.4f})" for ph, ms in row.items())
         moved = f" ({apart[name]:.1e} apart)" if same.get(name) is False else ""
-        print(f"{name:>18}: {rel}  same logits: {same.get(name)}{moved}", flush=True)
+        failed = [check for check, ok in checks[name].items() if not ok]
+        print(f"{name:>18}: {rel}  same logits: {same.get(name)}{moved}"
+              f"{'  FAILS: ' + '; '.join(failed) if failed else ''}", flush=True)
     for line in out["resources"]:
         print(line)
     if products:
