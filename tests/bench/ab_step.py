@@ -158,7 +158,7 @@ def main():
             d.state.fold.fill_(0 if phase == "verify 0" else a.verify_fold)
 
     phases = {"verify 0": lambda: d.verify(0), "verify 3": lambda: d.verify(3), "draft 3": lambda: d.draft(3)}
-    graphs, logits, checks = {}, {}, {}
+    graphs, logits, checks, verify3 = {}, {}, {}, {}
     pool = torch.cuda.graph_pool_handle()
     # plans that store the 4-bit weights interleaved come last: the weights are converted once, in
     # place, the natural ones kept alive for the graphs captured before
@@ -194,6 +194,7 @@ def main():
         rows = d.v_logits[:4].clone()
         restore("verify 3")
         d.verify(3)
+        verify3[name] = rows
         checks[name] = {"verify 3 row 0 == decode": bool(torch.equal(rows[:1], logits[name])),
                         "verify 3 captured == eager": bool(torch.equal(rows, d.v_logits[:4]))}
         if a.verify_fold is not None:               # another state: its first row is another row
@@ -205,6 +206,9 @@ def main():
         for name, plan in plans.items():
             products[name] = products_ms(engine.model, plan)
     same = {name: bool(torch.equal(logits[name], logits[first])) for name in plans} if a.room == 0 else {}
+    if a.room == 0:         # and verify 3's every row
+        for name in plans:
+            checks[name]["verify 3 rows == the first plan's"] = bool(torch.equal(verify3[name], verify3[first]))
     # where a plan moves the logits (another rounding), by how much: |a - b| / |b| over the vocabulary
     apart = {name: ((logits[name].float() - logits[first].float()).norm() / logits[first].float().norm()).item()
              for name in plans} if a.room == 0 else {}
