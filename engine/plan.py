@@ -15,17 +15,21 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
   fewer a layer), where it is as wide as a routed expert and stored alike;
 - fc_split: the MTP head's fc split over K and finished by its layer's input norm (the draft step
   0.97-0.99 x);
-- draft_pick: the draft's argmax and its map to a token id as two PDL kernels (draft 0.93-0.97 x);
-- moe_normed: a step's MoE layer reads the norm before it as a Normed (its router and shared
-  expert as any product does, its expert SwiGLU scaling each pair by its row's 1 / rms), a
-  launch a layer fewer (the 35B-A3B's FP8 decode step 0.971-0.994 x, verify 3 0.989-1.000 x;
-  int4 0.994 / 0.995 x: tests/bench/ab_step.py --plans moefold, two H100s).
+- draft_pick: the draft's argmax and its map to a token id as two PDL kernels (draft 0.93-0.97 x).
 
-A candidate, off: moe_fold, a step's MoE layer finished in its down kernel (the combine, the
-residual add and the next norm's two pieces: kernels/moe.py Fold), two launches a layer fewer.
-Measured with moe_normed against moe_normed alone: the 35B-A3B's FP8 steps 0.994 / 0.995 / 1.002
-x, but int4 1.008 / 1.033 / 1.000 x (decode / verify 3 / draft 3): the tail of the last program
-of each column block costs what the launches saved.
+Candidates, off:
+- moe_normed: a step's MoE layer reads the norm before it as a Normed (its router and shared
+  expert as any product does, its expert SwiGLU scaling each pair by its row's 1 / rms), a launch
+  a layer fewer. Over the layout written by the routing (ProductPlan.routed_layout) the 35B-A3B's
+  FP8 decode step took 0.971-0.994 x, verify 3 0.989-1.000 x, int4 0.994 / 0.995 x
+  (tests/bench/ab_step.py --plans moefold, two H100s); but that layout is off (it broke MTP's
+  exactness), and over the derived one the SwiGLU of a verify step passes 128 registers (143
+  against 127 at 64 pairs, sm_90: 3 programs an SM where 4 fit), and verify 3 took some 1.15 x.
+- moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the
+  next norm's two pieces: kernels/moe.py Fold), two launches a layer fewer. With moe_normed,
+  against moe_normed alone: the 35B-A3B's FP8 steps 0.994 / 0.995 / 1.002 x, int4 1.008 / 1.033 /
+  1.000 x (decode / verify 3 / draft 3): the tail of each column block's last program costs what
+  the launches saved.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ class KernelPlan:
     products: ProductPlan
     split_norm: bool = True
     shared_as_expert: bool = True
-    moe_normed: bool = True
+    moe_normed: bool = False
     moe_fold: bool = False
     fc_split: bool = True
     draft_pick: bool = True

@@ -214,8 +214,7 @@ def fp8_tile_plans(base: KernelPlan, found: dict) -> dict:
 
 
 DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split=False),
-                 "fc split": dict(fc_split=False), "pick": dict(draft_pick=False),
-                 "moe normed": dict(moe_normed=False)}
+                 "fc split": dict(fc_split=False), "pick": dict(draft_pick=False)}
 
 
 def release_plans(base: KernelPlan) -> dict:
