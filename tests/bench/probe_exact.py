@@ -3,6 +3,7 @@ and with single forms of it turned off: which form, if any, breaks the exactness
 each plan, the prompts whose MTP-on tokens differ and where.
 
     python3 probe_exact.py --model qwen3.5-35b-a3b --weights fp8 --plans "moe_normed=0;routed_layout=0"
+    python3 probe_exact.py --plans "routed_layout=1" --eager       # the same with the steps run eagerly
 """
 from __future__ import annotations
 
@@ -36,13 +37,15 @@ def main():
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=3)
+    p.add_argument("--eager", action="store_true", help="steps run eagerly, no CUDA graphs")
     a = p.parse_args()
     config = ModelConfig.load(Path(bench.__file__).parent / "configs" / f"{a.model}.json")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size - 64, (5 + 23 * i,), generator=g).tolist() for i in range(a.prompts)]
     for forms in [""] + a.plans.split(";"):
         plan = KernelPlan.choose("cuda", config, a.weights == "fp8", a.weights == "int4").replace(**parse(forms))
-        engine = Engine(config, device="cuda", max_context=2048, weights=a.weights, plan=plan)
+        engine = Engine(config, device="cuda", max_context=2048, weights=a.weights, plan=plan,
+                        cuda_graphs=not a.eager)
         bad = []
         for i, ids in enumerate(prompts):
             off = greedy_tokens(engine, ids, a.tokens)
