@@ -134,11 +134,11 @@ class Product(NamedTuple):
 
 
 class Experts(NamedTuple):
-    """An MoE layer in a step past its experts' SwiGLU h [T * k, F], its down product (the experts'
-    stack `down`, the shared expert's `shared_down` where it is expert E) and its combine (the
-    routing's `weights`, the shared expert's output and `gate` where it is not) not yet run: with
-    the plan's moe_fold, the residual add and the norm after the layer run them in the down
-    kernel (add_norm)."""
+    """An MoE layer in a step past its experts' SwiGLU h [T * k, F] (k counting the shared expert
+    where it is expert E), its down product (the experts' stack `down`, the shared expert's
+    `shared_down` where it is expert E) and its combine (the routing's `weights`, the shared
+    expert's output and `gate` where it is not) not yet run: with the plan's moe_fold, the
+    residual add and the norm after the layer run them in the down kernel (add_norm)."""
     h: torch.Tensor
     down: torch.Tensor
     layout: object
@@ -167,7 +167,8 @@ def add_norm(x, residual: torch.Tensor | None, norm_: nn.Module, plan: KernelPla
     the normalised rows. `norm_` is an RMSNorm (its weight and eps). `quantize` (a prefill's rows on
     the GPU): the normalised rows come quantized for an FP8 product (fp8_gemm.QuantizedRows). An Experts x
     (a step's MoE layer still to finish, SparseMoE) runs in its down kernel with the norm's two
-    pieces (the plan's moe_fold; not `whole`), else its down and combine first."""
+    pieces (the plan's moe_fold, whatever split_norm says; not `whole`), else its down and
+    combine first."""
     if isinstance(x, Experts):
         if plan.moe_fold and not whole and residual is not None:
             assert out is None, "add_norm: a folded MoE layer gives a Normed, never whole rows into `out`"

@@ -263,7 +263,8 @@ class DecoderLayer(nn.Module):
         """Pre-norm block, with each residual add fused into the norm after it: takes the previous
         block's (output, residual stream) unsummed (residual None for the first block) and returns
         its own. The block's value is output + residual (in a step on the GPU the output comes as a
-        Product still to run, and the normalised rows as a Normed: see add_norm)."""
+        Product, or an MoE layer's as Experts, still to run, and the normalised rows as a Normed:
+        see add_norm)."""
         if residual is None and not isinstance(x, Product):
             normed, h = self.input_norm(x), x
         else:          # (a Product without a residual: the MTP head's fc, still to run)

@@ -11,12 +11,19 @@ kernels beside them, and dispatchers that take the kernels for CUDA tensors.
 
 A block reads its expert's weights once for all the pairs in it. In a step (a few rows: decode,
 verify, draft) every distinct expert the rows chose is one block, so its weights are read once
-per step however many rows chose it: the routing kernel writes that layout on the device (or, under
-a plan without routed_layout, the expert kernels derive it; moe_layout.py), the expert kernels
-launched for the worst case so the step can be a CUDA graph. Each
-pair's products are accumulated in the same order whatever shares its block, and the combine sums
-a row's k choices in order, so a row's result does not depend on the other rows (greedy MTP on ==
-off). Experts are stored stacked: W_gate_up [E * 2F, H] (expert e's gate rows, then its up rows),
+per step however many rows chose it: the expert kernels derive that layout on the device from
+the routing (or, under the plan's routed_layout, the routing kernel writes it; moe_layout.py), the
+expert kernels launched for the worst case so the step can be a CUDA graph. Each pair's products
+are accumulated in the same order whatever shares its block, and the combine sums a row's k
+choices in order, so a row's result does not depend on the other rows (greedy MTP on == off).
+
+Two forms of a step, plan candidates (engine/plan.py): the SwiGLU may read x as a Normed (the norm
+before the layer in two pieces, kernels/matvec.py), scaling each pair by its row's 1 / rms; and the
+down kernel may finish the layer (`Fold`, _down_fold_kernel): each column block's last program
+combines, adds the residual and writes the next norm's two pieces, its rows one tile of STEP_ROWS
+whatever the step's T, so that a row's sums of squares reduce the same way in every step.
+
+Experts are stored stacked: W_gate_up [E * 2F, H] (expert e's gate rows, then its up rows),
 W_down [E * H, F]; either may be a BlockFP8 (kernels/fp8.py) whose 128-row blocks never straddle
 two experts, or a GroupInt4 (kernels/int4.py) with a perm [E, K] where each expert has its own,
 or interleaved (no perm; the shared expert then interleaved too).
@@ -383,27 +390,36 @@ def _down_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
                  SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                  G: tl.constexpr = 0, BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
-                 UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, LAID: tl.constexpr = False,
-                 FOLD: tl.constexpr = False, weights=None, shared=None, gate=None, r=None, nw=None, xn=None,
-                 hout=None, ss=None, count=None, T=0, s_s=0, s_r=0, s_xn=0, s_hout=0, s_ss=0,
-                 TOPK: tl.constexpr = 1, HAS_SHARED: tl.constexpr = False, BT: tl.constexpr = 1):
+                 UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, LAID: tl.constexpr = False):
     # One program per (block, BN of the H output columns), over the expert's F inputs (G > 0: 4-bit
-    # experts, RUN, LAID: as in _swiglu_kernel). FOLD: the last of a column block's programs to end
-    # finishes the layer there (_fold_columns); every program counts, an empty block's too.
+    # experts, RUN, LAID: as in _swiglu_kernel).
     pdl_start(PDL)
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     e, p = _block(expert, pairs, y, P, i_b, i_n, BM, STEP, BP, False, SHARED, LAID)
-    if FOLD:
-        if e >= 0:
-            _down_tile(hin, w, ws, w2, ws2, y, e, p, i_n, E, H, F, s_h, s_y, s_ws, BM, BN, BK, SHARED, FP8, BITS,
-                       G, BG, s_w, zw, perm, zw2, perm2, UNPACK, RUN)
-        _fold_columns(y, weights, shared, gate, r, nw, xn, hout, ss, count, i_n, T, H, tl.num_programs(0),
-                      s_y, s_s, s_r, s_xn, s_hout, s_ss, BN, TOPK, HAS_SHARED, BT)
-    else:
-        if e < 0:
-            return
+    if e < 0:
+        return
+    _down_tile(hin, w, ws, w2, ws2, y, e, p, i_n, E, H, F, s_h, s_y, s_ws, BM, BN, BK, SHARED, FP8, BITS,
+               G, BG, s_w, zw, perm, zw2, perm2, UNPACK, RUN)
+
+
+@triton.jit
+def _down_fold_kernel(hin, w, ws, w2, ws2, expert, pairs, y, P, E, H, F, s_h, s_y, s_ws,
+                      weights, shared, gate, r, nw, xn, hout, ss, count, T, s_s, s_r, s_xn, s_hout, s_ss,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEP: tl.constexpr, BP: tl.constexpr,
+                      SHARED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, TOPK: tl.constexpr,
+                      HAS_SHARED: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr = 0,
+                      G: tl.constexpr = 0, BG: tl.constexpr = 0, s_w=0, zw=None, perm=None, zw2=None, perm2=None,
+                      UNPACK: tl.constexpr = False, RUN: tl.constexpr = 1, LAID: tl.constexpr = False):
+    # _down_kernel, then the last of a column block's programs to end finishes the layer there
+    # (_fold_columns); every program counts, an empty block's too.
+    pdl_start(PDL)
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    e, p = _block(expert, pairs, y, P, i_b, i_n, BM, STEP, BP, False, SHARED, LAID)
+    if e >= 0:
         _down_tile(hin, w, ws, w2, ws2, y, e, p, i_n, E, H, F, s_h, s_y, s_ws, BM, BN, BK, SHARED, FP8, BITS,
                    G, BG, s_w, zw, perm, zw2, perm2, UNPACK, RUN)
+    _fold_columns(y, weights, shared, gate, r, nw, xn, hout, ss, count, i_n, T, H, tl.num_programs(0),
+                  s_y, s_s, s_r, s_xn, s_hout, s_ss, BN, TOPK, HAS_SHARED, BT)
 
 
 @triton.jit
@@ -652,22 +668,22 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
     y = torch.empty(P_, H, dtype=torch.float32, device=h.device)
     ws = w_down.scale if isinstance(w_down, (BlockFP8, GroupInt4)) else wv
     w2, ws2 = _shared_args(w_down, shared, H, Fi)
-    folded, out = {}, y
+    kernel, folded, out = _down_kernel, {}, y
     if fold is not None:
         assert step, "the down kernel finishes the layer in a step only (a step's few rows)"
+        kernel = _down_fold_kernel
         folded, out = _fold_args(fold, y, triton.cdiv(H, BN))
-    _down_kernel[(blocks, triton.cdiv(H, BN))](
-        h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0),
+    kernel[(blocks, triton.cdiv(H, BN))](
+        h, wv, ws, w2, ws2, expert, pairs, y, P, n_experts, H, Fi, h.stride(0), y.stride(0), ws.stride(0), **folded,
         BM=bm, BN=BN, BK=BK, STEP=step, BP=bp, SHARED=shared is not None, FP8=fp8, num_warps=warps,
         num_stages=stages, LAID=laid, **pdl(h), **(_widen(h, warps, BN, plan) if fp8 else {}), **fp8_run(BK, fp8),
-        **_int4_args(w_down, shared, n_experts, H, Fi, BK, form_of(plan.int4_form, "expert_down", H, Fi)),
-        **folded)
+        **_int4_args(w_down, shared, n_experts, H, Fi, BK, form_of(plan.int4_form, "expert_down", H, Fi)))
     return out
 
 
 def _fold_args(fold: Fold, y: torch.Tensor, blocks: int) -> tuple[dict, tuple]:
-    """The down kernel's arguments to finish the layer (FOLD) over `blocks` column blocks, and what
-    it returns: (Normed, h), made here."""
+    """_down_fold_kernel's arguments to finish the layer over `blocks` column blocks, and what it
+    returns: (Normed, h), made here."""
     weights, shared, gate, r, nw, eps = fold
     check_combine(y, weights, shared, gate)
     T, H = r.shape
@@ -676,7 +692,8 @@ def _fold_args(fold: Fold, y: torch.Tensor, blocks: int) -> tuple[dict, tuple]:
     assert nw.shape == (H,) and nw.is_contiguous(), f"the norm's weight must be [{H}] contiguous"
     xn, h = (torch.empty(T, H, dtype=r.dtype, device=r.device) for _ in range(2))
     ss = torch.empty(T, blocks, dtype=torch.float32, device=r.device)
-    args = dict(FOLD=True, weights=weights, shared=shared, gate=gate, r=r, nw=nw, xn=xn, hout=h, ss=ss,
+    args = dict(weights=weights, shared=shared if shared is not None else r, gate=gate if gate is not None else weights,
+                r=r, nw=nw, xn=xn, hout=h, ss=ss,
                 count=fold_count(r.device, blocks), T=T, s_s=shared.stride(0) if shared is not None else 0,
                 s_r=r.stride(0), s_xn=xn.stride(0), s_hout=h.stride(0), s_ss=ss.stride(0),
                 TOPK=weights.shape[1], HAS_SHARED=shared is not None, BT=STEP_ROWS)

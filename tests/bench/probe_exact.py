@@ -2,8 +2,8 @@
 and with single forms of it turned off: which form, if any, breaks the exactness. Prints, for
 each plan, the prompts whose MTP-on tokens differ and where.
 
-    python3 probe_exact.py --model qwen3.5-35b-a3b --weights fp8 --plans "moe_normed=0;routed_layout=0"
-    python3 probe_exact.py --plans "routed_layout=1" --eager       # the same with the steps run eagerly
+    python3 probe_exact.py --model qwen3.5-35b-a3b --weights bf16 --plans "routed_layout=1;routed_layout=1,moe_normed=1"
+    python3 probe_exact.py --plans "routed_layout=1" --eager       # the steps run eagerly
 """
 from __future__ import annotations
 
