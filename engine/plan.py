@@ -23,8 +23,9 @@ Candidates, off:
   a layer fewer. Over the layout written by the routing (ProductPlan.routed_layout) the 35B-A3B's
   FP8 decode step took 0.971-0.994 x, verify 3 0.989-1.000 x, int4 0.994 / 0.995 x
   (tests/bench/ab_step.py --plans moefold, two H100s); but that layout is off (it broke MTP's
-  exactness), and over the derived one the SwiGLU of a verify step passes 128 registers (143
-  against 127 at 64 pairs, sm_90: 3 programs an SM where 4 fit), and verify 3 took some 1.15 x.
+  exactness), and over the derived one the SwiGLU of a verify step then passed 128 registers (143
+  against 127 at 64 pairs, sm_90: 3 programs an SM where 4 fit) and verify 3 took some 1.15 x.
+  Its 1 / rms now reads the sums a block at a time (128 registers): not yet timed.
 - moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the
   next norm's two pieces: kernels/moe.py Fold), two launches a layer fewer. With moe_normed,
   against moe_normed alone: the 35B-A3B's FP8 steps 0.994 / 0.995 / 1.002 x, int4 1.008 / 1.033 /
