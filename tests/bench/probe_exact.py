@@ -19,6 +19,7 @@ from helpers import first_diff, greedy_tokens  # noqa: E402
 from mtpchat.engine import Engine, bench  # noqa: E402
 from mtpchat.engine.config import ModelConfig  # noqa: E402
 from mtpchat.engine.plan import KernelPlan  # noqa: E402
+from mtpchat.kernels import moe  # noqa: E402
 
 
 def parse(forms: str) -> dict:
@@ -46,13 +47,18 @@ def main():
         plan = KernelPlan.choose("cuda", config, a.weights == "fp8", a.weights == "int4").replace(**parse(forms))
         engine = Engine(config, device="cuda", max_context=2048, weights=a.weights, plan=plan,
                         cuda_graphs=not a.eager)
-        bad = []
+        bad, counts = [], []
         for i, ids in enumerate(prompts):
             off = greedy_tokens(engine, ids, a.tokens)
+            counts.append(int(moe.route_count(torch.device("cuda", torch.cuda.current_device())).item()))
             on = greedy_tokens(engine, ids, a.tokens, mtp=True, k=a.k)
+            counts.append(int(moe.route_count(torch.device("cuda", torch.cuda.current_device())).item()))
             if on != off:
                 bad.append(f"prompt {i}: token {first_diff(on, off)}")
-        print(f"{forms or 'defaults':>28}: {'MTP on == off' if not bad else '; '.join(bad)}", flush=True)
+        # the routing's arrival count must be back at 0 after every step (a count left set would
+        # write a routed layout from another program than the last, or none)
+        left = f"  (routing count left at {counts})" if any(counts) else ""
+        print(f"{forms or 'defaults':>28}: {'MTP on == off' if not bad else '; '.join(bad)}{left}", flush=True)
         del engine
         gc.collect()
         torch.cuda.empty_cache()
