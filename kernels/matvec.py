@@ -429,19 +429,21 @@ _counts: dict = {}
 _outgrown: list = []
 
 
-def arrival_counts(device: torch.device, blocks: int) -> torch.Tensor:
-    """Arrival counts of the split column blocks of a product (a small last wave here, a split
-    product with `norm` in matvec_parts.py): int32, made once per device outside graph capture and
-    left at 0 by every product. One buffer serves every product because they run one after another on one stream
-    (two such products running at once on two streams would share counts). A buffer outgrown by a
-    wider model is kept, not freed: graphs captured before still count in it."""
-    count = _counts.get(device)
+def arrival_counts(device: torch.device, blocks: int, owner: str = "products") -> torch.Tensor:
+    """Arrival counts of the kernels whose programs count in (the last to arrive finishes their
+    work): int32, at least `blocks` of them, made once per device and owner outside graph capture
+    and left at 0 by every launch. One buffer serves all of an owner's kernels because they run one
+    after another on one stream (two running at once on two streams would share counts); the
+    owners ("products": a small last wave here, a split product with `norm` in matvec_parts.py; the
+    MoE routing's and its folded down kernel's, kernels/moe.py) keep theirs apart. A buffer outgrown
+    by a wider model is kept, not freed: graphs captured before still count in it."""
+    count = _counts.get((device, owner))
     if count is None or count.numel() < blocks:
         assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "matvec: run a split product once before capturing a graph (its counts are made then)"
+            f"run a step once before capturing a graph (the {owner} kernels' arrival counts are made then)"
         if count is not None:
             _outgrown.append(count)
-        count = _counts[device] = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)
+        count = _counts[device, owner] = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)
     return count
 
 

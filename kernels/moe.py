@@ -39,7 +39,7 @@ from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
-from mtpchat.kernels.matvec import Normed, _scale_args
+from mtpchat.kernels.matvec import Normed, _scale_args, arrival_counts
 from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import (STEP_ROWS, Layout, StepLayout, _block, _layout_args,
                                        count_reads, layout_ref, step_pairs, write_step_layout)
@@ -206,18 +206,10 @@ def stale_rows(logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return logits.index_select(0, src)
 
 
-_route_counts: dict = {}
-
-
 def route_count(device: torch.device) -> torch.Tensor:
-    """The routing's own arrival count on a device (int32 [1], left at 0 by every routing), apart
-    from the split products' (matvec.arrival_counts): made once, outside graph capture."""
-    count = _route_counts.get(device)
-    if count is None:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "route a step once before capturing a graph (the routing's count is made then)"
-        count = _route_counts[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return count
+    """The routing's own arrival count on a device (int32, left at 0 by every routing), apart from
+    the split products' (matvec.arrival_counts)."""
+    return arrival_counts(device, 1, "routing")
 
 
 def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = False,
@@ -709,20 +701,8 @@ def _fold_args(fold: Fold, y: torch.Tensor, blocks: int) -> tuple[dict, tuple]:
 
 def fold_count(device: torch.device, blocks: int) -> torch.Tensor:
     """The folded down kernel's arrival counts on a device (int32, one a column block, left at 0 by
-    every launch), apart from the split products' and the routing's: made once, outside graph
-    capture."""
-    count = _fold_counts.get(device)
-    if count is None or count.numel() < blocks:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "run a step's MoE layer once before capturing a graph (the down kernel's counts are made then)"
-        if count is not None:
-            _outgrown.append(count)             # graphs captured before still count in it
-        count = _fold_counts[device] = torch.zeros(max(blocks, 256), dtype=torch.int32, device=device)
-    return count
-
-
-_fold_counts: dict = {}
-_outgrown: list = []
+    every launch), apart from the split products' and the routing's (matvec.arrival_counts)."""
+    return arrival_counts(device, blocks, "fold")
 
 
 def check_combine(y, weights, shared, gate):

@@ -138,7 +138,7 @@ def test_matvec_tail_split(device, dtype, P, blocks, T):
     x, w = randn(T, K, dtype=dtype, device=device, gen=g), randn(N, K, dtype=dtype, device=device, gen=g, scale=0.1)
     for _ in range(2):                               # the second call finds the counts at 0 again
         check(matvec.matvec_triton(x, w, plan=plan), matvec.matvec_ref(x, w), TOL[dtype])
-        assert int(matvec._counts[x.device].abs().sum()) == 0
+        assert int(matvec.arrival_counts(x.device, 1).abs().sum()) == 0
     n = normed(T, K, dtype, device, g)
     BN2 = matvec.tiles(1000, K, size, swiglu=True)[0]
     w2 = randn(2 * (blocks * BN2 - 3), K, dtype=dtype, device=device, gen=g, scale=0.1)
@@ -150,7 +150,7 @@ def test_matvec_tail_split(device, dtype, P, blocks, T):
                            ("swiglu, Normed", lambda: matvec.matvec_swiglu_triton(n, w2, plan),
                             matvec.matvec_swiglu_ref(n, w2))]:
         check(out(), ref, TOL[dtype], what)
-        assert int(matvec._counts[x.device].abs().sum()) == 0, what
+        assert int(matvec.arrival_counts(x.device, 1).abs().sum()) == 0, what
     whole = ProductPlan(programs=P, tail_split=False)
     assert matvec.tail_split(blocks, matvec.triton.cdiv(K, BK), whole) is None
     check(matvec.matvec_triton(x, w, plan=whole), matvec.matvec_ref(x, w), TOL[dtype], "unsplit")
@@ -180,7 +180,7 @@ def test_matvec_small_split(device, dtype, T):
                             matvec.matvec_ref(x, w).float()),
                            ("swiglu", lambda: matvec.matvec_swiglu_triton(x, w2, plan), matvec.matvec_swiglu_ref(x, w2))]:
         check(out(), ref, TOL[dtype], what)
-        assert int(matvec._counts[x.device].abs().sum()) == 0, what
+        assert int(matvec.arrival_counts(x.device, 1).abs().sum()) == 0, what
     ones = torch.cat([matvec.matvec_triton(x[i:i + 1], w, plan=plan) for i in range(T)])
     assert torch.equal(matvec.matvec_triton(x, w, plan=plan), ones)
     assert matvec.tail_split(1, KI, ProductPlan(programs=6, small_split=False)) is None
@@ -202,7 +202,7 @@ def test_small_split_on_the_35b_router():
     check(first, whole, 1e-2)
     for _ in range(20):
         assert torch.equal(matvec.matvec(n, w, plan=plan), first)
-        assert int(matvec._counts[x.device].abs().sum()) == 0
+        assert int(matvec.arrival_counts(x.device, 1).abs().sum()) == 0
     assert torch.equal(matvec.matvec(matvec.Normed(n.x[:1], n.ss[:1], n.eps), w, plan=plan), first[:1])
     check(matvec.matvec(x, w, plan=plan), matvec.matvec_ref(x, w), 1e-2)
 
@@ -233,7 +233,7 @@ def test_matvec_tail_split_races(P):
         check(first, ref, 1e-2, what)
         for _ in range(20):
             assert torch.equal(call(x), first), what
-            assert int(matvec._counts[x.device].abs().sum()) == 0, what
+            assert int(matvec.arrival_counts(x.device, 1).abs().sum()) == 0, what
         assert torch.equal(call(x[:1]), first[:1]), f"{what}: row 0 alone"
 
 
