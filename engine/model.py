@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.dispatch import Ctx, Experts, Product, linear, weight
-from mtpchat.kernels import attention, conv, fp8_gemm, gdn, gdn_chunk, moe, norm
+from mtpchat.kernels import attention, conv, fp8_gemm, gdn, gdn_chunk, moe, moe_routing, norm
 from mtpchat.kernels._triton import use_triton
 from mtpchat.kernels.forms import values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8
@@ -116,10 +116,10 @@ class SparseMoE(nn.Module):
         if self._shared_as_expert(gate_up, x, ctx):
             # the shared expert as every row's last choice, expert E: two launches fewer a layer
             sgu, sd = weight(self.shared, "gate_up"), weight(self.shared, "down")
-            _, weights, _, layout = moe.route(logits, k, E, ctx.step, shared=True, rows=ctx.rows, plan=ctx.products)
+            _, weights, _, layout = moe_routing.route(logits, k, E, ctx.step, shared=True, rows=ctx.rows, plan=ctx.products)
             h = moe.expert_swiglu(x, gate_up, layout, k + 1, E, ctx.step, reads, shared=sgu, plan=ctx.products)
             return self._finish(Experts(h, down, layout, E, sd, weights, None, None), x, ctx)
-        _, weights, gate, layout = moe.route(logits, k, E, ctx.step, rows=ctx.rows, plan=ctx.products)
+        _, weights, gate, layout = moe_routing.route(logits, k, E, ctx.step, rows=ctx.rows, plan=ctx.products)
         h = moe.expert_swiglu(x, gate_up, layout, k, E, ctx.step, reads, plan=ctx.products)
         shared = self.shared(x, ctx, whole=True) if self.shared is not None else None
         return self._finish(Experts(h, down, layout, E, None, weights, shared, gate), x, ctx)

@@ -26,6 +26,7 @@ from mtpchat.kernels._triton import tl, triton
 STEP_ROWS = 16          # the pairs a step's block takes: one per row, for each distinct expert
 STEP_PAIRS = 64         # the pairs a step's bookkeeping holds at least (8 rows of 8 choices); more
                         # (9 rows of 9 with 8 drafts and the shared expert) take the next power of 2
+PREFILL_ROWS = 64       # the pairs a block takes in a prefill
 
 
 class Layout(NamedTuple):

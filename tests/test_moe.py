@@ -13,7 +13,7 @@ from mtpchat.engine import Engine, SamplingParams, memory
 from mtpchat.engine.config import ConfigError, ModelConfig
 from tools.tiny import write_dequantized_twin, write_tiny_checkpoint
 from mtpchat.engine.weights import PER_EXPERT, STACKED, expert_layout, text_prefix
-from mtpchat.kernels import moe
+from mtpchat.kernels import moe_routing
 from mtpchat.kernels.fp8 import quantize_ref
 from helpers import assert_mtp_on_equals_off, random_ids, rel_err
 
@@ -120,7 +120,7 @@ def test_logits_equal_transformers_on_its_own_save(saved_by_transformers, tmp_pa
 
 @pytest.mark.parametrize("mistake", ["no renormalisation", "shared gate not squashed", "no shared gate"])
 def test_a_wrong_router_fails_the_comparison(ckpts, monkeypatch, mistake):
-    right = moe.route_ref
+    right = moe_routing.route_ref
 
     def wrong(logits, top_k, n_experts, shared=False):
         ids, weights, gate = right(logits, top_k, n_experts, shared)
@@ -133,7 +133,7 @@ def test_a_wrong_router_fails_the_comparison(ckpts, monkeypatch, mistake):
         else:
             gates.fill_(1.0)
         return ids, weights, gate
-    monkeypatch.setattr(moe, "route_ref", wrong)
+    monkeypatch.setattr(moe_routing, "route_ref", wrong)
     for name in (STACKED, "wide shared"):
         assert max_error(ckpts[name]) > 1e-3, name
 
@@ -181,7 +181,7 @@ def stale_rows_apart_and_routed_as_the_last(ckpt, monkeypatch, profile, tokens: 
     out = {}
     for apart in (True, False):
         if apart:
-            monkeypatch.setattr(moe, "stale_rows", lambda logits, rows: logits)
+            monkeypatch.setattr(moe_routing, "stale_rows", lambda logits, rows: logits)
         else:
             monkeypatch.undo()
         heads = []

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from graph_timing import graph_time
 from mtpchat.engine.bench import copy_bandwidth
-from mtpchat.kernels import fp8, int4, int4_gemm, matvec, matvec_parts, moe
+from mtpchat.kernels import fp8, int4, int4_gemm, matvec, matvec_parts, moe, moe_routing
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
@@ -222,7 +222,7 @@ def bench_experts(Ts, base: ProductPlan, bw: float, quick: bool, out: list, inte
     db = torch.randn(E * H_E, F_E, device="cuda", dtype=torch.bfloat16) / F_E ** 0.5
     for T in Ts:
         x = torch.randn(T, H_E, device="cuda", dtype=torch.bfloat16)
-        ids, w, g, lay = moe.route_step(torch.randn(T, E, device="cuda") * 3, TOPK, E)
+        ids, w, g, lay = moe_routing.route_step(torch.randn(T, E, device="cuda") * 3, TOPK, E)
         n = len(set(ids.flatten().tolist()))
         h = moe.expert_swiglu_triton(x, gub, lay, TOPK, E, plan=base)
         full = lay.expand(E)

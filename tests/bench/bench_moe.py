@@ -18,7 +18,7 @@ import itertools
 
 import torch
 
-from mtpchat.kernels import fp8, moe
+from mtpchat.kernels import fp8, moe, moe_routing
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
@@ -72,12 +72,12 @@ def main():
         for T in (1, 4):
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             logits = torch.randn(T, E + 1, device="cuda", dtype=torch.bfloat16) * 3
-            ids, w, g, lay = moe.route_step(logits, k, E)
+            ids, w, g, lay = moe_routing.route_step(logits, k, E)
             n = len(set(ids.flatten().tolist()))
             h = moe.expert_swiglu_triton(x, gu, lay, k, E, plan=base)
             y = moe.expert_down_triton(h, down, lay, E, plan=base)
             shared = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-            t_route = timed(lambda: moe.route_step(logits, k, E))
+            t_route = timed(lambda: moe_routing.route_step(logits, k, E))
             t_comb = timed(lambda: moe.combine_triton(y, w, shared, g, torch.bfloat16))
             print(f"{weights} T={T}: {n} experts; route {t_route:.1f} us, combine {t_comb:.1f} us")
             grid = itertools.product((32, 64, 128), (128,), (2, 4, 8), (2, 3, 4, 6)) if weights == "fp8" else \

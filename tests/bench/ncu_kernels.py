@@ -22,7 +22,7 @@ import dataclasses
 
 import torch
 
-from mtpchat.kernels import fp8, int4, matvec, matvec_parts, moe
+from mtpchat.kernels import fp8, int4, matvec, matvec_parts, moe, moe_routing
 from mtpchat.kernels.plan import default_products
 
 E, F, H = 256, 512, 2048
@@ -33,7 +33,7 @@ def main():
     apart = dataclasses.replace(base, expert_stacked=False)
     gu = fp8.quantize_ref(torch.randn(E * 2 * F, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5)
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
-    _, _, _, lay = moe.route_step(torch.randn(1, E + 1, device="cuda", dtype=torch.bfloat16) * 3, 8, E)
+    _, _, _, lay = moe_routing.route_step(torch.randn(1, E + 1, device="cuda", dtype=torch.bfloat16) * 3, 8, E)
     down27 = fp8.quantize_ref(torch.randn(5120, 17408, device="cuda", dtype=torch.bfloat16) / 17408 ** 0.5)
     x27 = torch.randn(1, 17408, device="cuda", dtype=torch.bfloat16)
     in_proj = int4.interleave_ref(int4.quantize_ref(torch.randn(16384, 5120, device="cuda") / 5120 ** 0.5))

@@ -19,7 +19,7 @@ from helpers import first_diff, greedy_tokens  # noqa: E402
 from mtpchat.engine import Engine, bench  # noqa: E402
 from mtpchat.engine.config import ModelConfig  # noqa: E402
 from mtpchat.engine.plan import KernelPlan  # noqa: E402
-from mtpchat.kernels import moe  # noqa: E402
+from mtpchat.kernels import moe_routing  # noqa: E402
 
 
 def parse(forms: str) -> dict:
@@ -50,9 +50,9 @@ def main():
         bad, counts = [], []
         for i, ids in enumerate(prompts):
             off = greedy_tokens(engine, ids, a.tokens)
-            counts.append(int(moe.route_count(torch.device("cuda", torch.cuda.current_device())).item()))
+            counts.append(int(moe_routing.route_count(torch.device("cuda", torch.cuda.current_device())).item()))
             on = greedy_tokens(engine, ids, a.tokens, mtp=True, k=a.k)
-            counts.append(int(moe.route_count(torch.device("cuda", torch.cuda.current_device())).item()))
+            counts.append(int(moe_routing.route_count(torch.device("cuda", torch.cuda.current_device())).item()))
             if on != off:
                 bad.append(f"prompt {i}: token {first_diff(on, off)}")
         # the routing's arrival count must be back at 0 after every step (a count left set would

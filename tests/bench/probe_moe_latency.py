@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from bench_moe import timed
-from mtpchat.kernels import fp8, moe
+from mtpchat.kernels import fp8, moe, moe_routing
 from mtpchat.kernels.plan import default_products
 
 E, F, H, ROUTINGS = 256, 512, 2048, 16
@@ -29,7 +29,7 @@ def main():
         x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
         rows = {}
         for k in (1, 2, 4, 8):
-            lays = [moe.route_step(torch.randn(1, E + 1, device="cuda", dtype=torch.bfloat16) * 3, k, E)[3] for _ in range(ROUTINGS)]
+            lays = [moe_routing.route_step(torch.randn(1, E + 1, device="cuda", dtype=torch.bfloat16) * 3, k, E)[3] for _ in range(ROUTINGS)]
             given = [lay.expand(E) for lay in lays]
             h = moe.expert_swiglu_triton(x, gu, lays[0], k, E, plan=plan)
             for name, ls in (("step", lays), ("given", given)):

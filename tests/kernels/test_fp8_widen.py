@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernel_checks import normed, randn
 
-from mtpchat.kernels import fp8, matvec, matvec_parts, moe
+from mtpchat.kernels import fp8, matvec, matvec_parts, moe, moe_routing
 from mtpchat.kernels.plan import default_products
 
 FINITE = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
@@ -133,7 +133,7 @@ def test_expert_products_equal_under_both_forms(T, step):
     (gu, sgu), (down, sdown) = cut(gu, 2 * F), cut(down, H)
     x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=T) / H ** 0.5
     logits = randn(T, E + 1, seed=7, scale=3.0).cuda()
-    ids, weights, gate, lay = moe.route(logits, k, E, step=step, shared=True)
+    ids, weights, gate, lay = moe_routing.route(logits, k, E, step=step, shared=True)
 
     def experts(plan):
         h = moe.expert_swiglu_triton(x, gu, lay, k + 1, E, shared=sgu, plan=plan)

@@ -25,7 +25,7 @@ import os
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
-from mtpchat.kernels import int4, int4_gemm, matvec, matvec_parts, moe
+from mtpchat.kernels import int4, int4_gemm, matvec, matvec_parts, moe, moe_layout
 from mtpchat.kernels.moe_layout import STEP_PAIRS, STEP_ROWS
 from mtpchat.kernels.plan import ProductPlan
 
@@ -80,7 +80,7 @@ def variants():
     yield "parts 64 x 256", mp, dict(BT=16, BN=64, BK=256, S=3, NORM=True, RESIDUAL=True, **i4), {"y": "*fp32"}
     for step, shared in ((True, True), (False, False)):      # a step with the shared expert, a prefill without
         # the tiles the engine takes for the 35B-A3B's experts (gate|up 1024 x 2048, down 2048 x 512)
-        lay = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS) if step else dict(BM=moe.PREFILL_ROWS, STEP=False, BP=16)
+        lay = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS) if step else dict(BM=moe_layout.PREFILL_ROWS, STEP=False, BP=16)
         BN, BK, warps, stages = moe.tiles("swiglu", step, False, 2, None, (1024, 2048, 128))
         yield f"expert swiglu step={step} shared={shared}", moe._swiglu_kernel, dict(
             TOPK=8, BN=BN, BK=BK, COUNT=step, SHARED=shared, **lay, **i4), {}, (warps, stages)

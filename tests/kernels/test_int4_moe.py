@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_checks import TOL, check, int4_weight, randn
 
-from mtpchat.kernels import int4, matvec, moe, moe_layout
+from mtpchat.kernels import int4, matvec, moe, moe_layout, moe_routing
 from mtpchat.kernels.plan import ProductPlan
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -82,7 +82,7 @@ def test_int4_experts_fold_the_layer_over_a_normed(device, interleaved):
     ss = torch.stack([c.square().sum(-1) for c in h.split(64, dim=1)], 1)
     normed = matvec.Normed(h * (1. + nw), ss, 1e-6)
     logits = randn(T, E, seed=20, scale=2.0).to(device)
-    ids, w, _, lay = moe.route_step(logits, k, E, layout=True)
+    ids, w, _, lay = moe_routing.route_step(logits, k, E, layout=True)
     lay_cpu = moe_layout.layout_ref(ids.cpu(), E, moe_layout.STEP_ROWS)
     got = moe.expert_swiglu_triton(normed, form(wgu), lay, k, E)
     rows = normed.x * matvec.rstd_ref(normed)[:, None]
@@ -111,7 +111,7 @@ def test_int4_shared_expert_as_expert_e(device, shared_perm, experts_perm, group
     sd = int4_weight(H, F, device, 34, group, False, shared_perm)
     logits = randn(T, E + 1, seed=22, scale=2.0).to(device)
     x = randn(T, H, device=device, seed=23)
-    ids, w, _, lay = moe.route_step(logits, k, E, shared=True)
+    ids, w, _, lay = moe_routing.route_step(logits, k, E, shared=True)
     ref_lay = moe_layout.layout_ref(ids.cpu(), E + 1, 16)
     products_match(x, wgu, wd, sgu, sd, ref_lay, lay, k + 1, E, form=int4.interleave_ref if interleaved else lambda w: w)
 
@@ -155,7 +155,7 @@ def int4_rows_equal(device, dtype, E, k, F, H, T=5, group=128, plan=None, interl
 
     def forward(rows):
         logits = torch.cat([moe.F.linear(r[None], router) for r in rows])
-        ids, w, g, lay = moe.route_step(logits, k, E)
+        ids, w, g, lay = moe_routing.route_step(logits, k, E)
         h = moe.expert_swiglu_triton(rows, wgu, lay, k, E, plan=plan)
         y = moe.expert_down_triton(h, wd, lay, E, plan=plan)
         return h.view(-1, k, F), y.view(-1, k, H)
@@ -185,7 +185,7 @@ def test_int4_35b_shapes_against_reference(symmetric, perm):
     wgu, wd = experts(E, F, H, "cuda", 5, 128, symmetric, perm)
     x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=6)
     logits = randn(T, E, seed=7, scale=3.0).cuda()
-    ids, w, g, lay = moe.route_step(logits, k, E)
+    ids, w, g, lay = moe_routing.route_step(logits, k, E)
     h = moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True)
     y = moe.expert_down(h, wd, lay, E, rowwise=True)
     # the references on the GPU too (float32, rowwise): dequantizing 256 experts on a CPU is slow

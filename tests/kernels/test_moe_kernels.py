@@ -1,7 +1,8 @@
 """The MoE kernels (kernels/moe.py, kernels/moe_layout.py) against their float32 references: the
-step's routing and layout, the expert SwiGLU and down products over bf16/float32 and FP8 experts
-(step and prefill layouts), the combine; a row's result the same whatever rows share its experts;
-and the 35B-A3B's shapes (GPU)."""
+step's layout, the expert SwiGLU and down products over bf16/float32 and FP8 experts (step and
+prefill layouts), the combine and the layer folded into the down kernel, a Normed read by the
+SwiGLU; a row's result the same whatever rows share its experts; and the 35B-A3B's shapes (GPU).
+The routing's own tests: test_moe_routing.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,7 @@ import pytest
 import torch
 from kernel_checks import TOL, check, randn
 
-from mtpchat.kernels import fp8, matvec, moe, moe_layout
+from mtpchat.kernels import fp8, matvec, moe, moe_layout, moe_routing
 from mtpchat.kernels.plan import default_products
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -30,47 +31,6 @@ def experts(E: int, F: int, H: int, device, dtype, fp8_: bool, seed: int):
     return gu.to(device, dtype), down.to(device, dtype)
 
 
-# (9, 256, 8): a verify of 8 drafts routes 72 pairs, past the 64 the step's bookkeeping holds at least
-@pytest.mark.parametrize("T,E,k", [(1, 12, 3), (5, 12, 3), (4, 256, 8), (3, 7, 7), (9, 256, 8)])
-@pytest.mark.parametrize("gate", [True, False])
-def test_route_step_equals_reference(device, T, E, k, gate):
-    logits = randn(T, E + gate, seed=T * E + k, scale=2.0).to(device)
-    ids, w, g, lay = moe.route_step(logits, k, E)
-    ids_r, w_r, g_r = moe.route_ref(logits.cpu(), k, E)
-    assert torch.equal(ids.cpu(), ids_r)
-    check(w.cpu(), w_r, 1e-6, "weights")
-    assert torch.allclose(w.sum(-1).cpu(), torch.ones(T), atol=1e-6)           # renormalised
-    if gate:
-        check(g.cpu(), g_r, 1e-6, "shared gate")
-    else:
-        assert g is None and g_r is None
-    assert isinstance(lay, moe_layout.StepLayout) and lay.blocks == min(E, T * k)
-
-
-# (9, 256, 8, True): a verify of 8 drafts with the shared expert routes 81 pairs, 128 in the bookkeeping;
-# (16, 3, 2, True): 16 rows on 3 experts, whole blocks of 16 pairs; live: the rows that count (stale_rows)
-@pytest.mark.parametrize("T,E,k,shared,live", [(1, 12, 3, False, None), (1, 256, 8, True, None), (5, 12, 3, True, None),
-                                               (4, 40, 8, False, None), (3, 7, 7, False, None), (9, 256, 8, True, None),
-                                               (16, 3, 2, True, None), (5, 12, 3, True, 2)])
-def test_routing_writes_the_step_layout(device, T, E, k, shared, live):
-    """The routing kernel's last row writes the step's layout (ProductPlan.routed_layout): every
-    block's expert and pairs as layout_ref gives them, the blocks and places not taken -1 (over
-    memory a layout held before); the routing itself the same bits as without; the count back at 0.
-    (The interpreter runs the rows one after another: the last row to arrive is always the last.)"""
-    rows = None if live is None else torch.tensor([live], dtype=torch.int32, device=device)
-    before = moe.route_step(randn(T, E + 1, seed=1, scale=2.0).to(device), k, E, shared=shared, layout=True)[3]
-    del before                                      # its layout's memory free for the next one to take
-    logits = randn(T, E + 1, seed=T * E + k, scale=2.0).to(device)
-    ids, w, g, lay = moe.route_step(logits, k, E, shared=shared, rows=rows, layout=True)
-    ids0, w0, g0, lay0 = moe.route_step(logits, k, E, shared=shared, rows=rows)
-    assert torch.equal(ids, ids0) and torch.equal(w, w0) and (g is None) == (g0 is None)
-    assert lay0.expert is None and lay.blocks == lay0.blocks == min(E + shared, T * (k + shared))
-    ref = moe_layout.layout_ref(ids.cpu(), E + shared, moe_layout.STEP_ROWS, lay.blocks)
-    assert torch.equal(lay.expert.cpu(), ref.expert)
-    assert torch.equal(lay.pairs.cpu(), ref.pairs)
-    assert not moe.route_count(logits.device).any(), "the routing left its count set"
-
-
 @pytest.mark.parametrize("fp8_", [False, True])
 @pytest.mark.parametrize("T", [1, 4])
 def test_expert_products_on_the_routed_layout(device, fp8_, T):
@@ -88,7 +48,7 @@ def test_expert_products_on_the_routed_layout(device, fp8_, T):
     logits = randn(T, E + 1, seed=63, scale=2.0).to(device)
     out = []
     for laid in (False, True):
-        ids, _, _, lay = moe.route_step(logits, k, E, shared=True, layout=laid)
+        ids, _, _, lay = moe_routing.route_step(logits, k, E, shared=True, layout=laid)
         reads = torch.zeros(1, dtype=torch.int64, device=device)
         h = moe.expert_swiglu_triton(x, gu, lay, k + 1, E, reads=reads, shared=sgu)
         out.append((h, moe.expert_down_triton(h, d, lay, E, shared=sd)))
@@ -204,7 +164,7 @@ def test_fp8_expert_runs_are_the_same_sums_35b():
     E, k, F, H, T = 256, 8, 512, 2048, 4
     wgu, wd = experts(E, F, H, "cuda", torch.bfloat16, True, seed=5)
     x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=6)
-    _, _, _, lay = moe.route_step(randn(T, E + 1, seed=7, scale=3.0).cuda(), k, E)
+    _, _, _, lay = moe_routing.route_step(randn(T, E + 1, seed=7, scale=3.0).cuda(), k, E)
     run, one = _expert_tiles(256), _expert_tiles(128, 3)
     h = moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=run)
     assert torch.equal(h, moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=one))
@@ -239,7 +199,7 @@ def test_expert_swiglu_stacked(device, fp8_):
         cpu = lambda t: t.cpu()
     x = randn(T, H, device=device, seed=52)
     logits = randn(T, E + 1, seed=53, scale=2.0).to(device)
-    ids, _, _, lay = moe.route_step(logits, k, E, shared=True)
+    ids, _, _, lay = moe_routing.route_step(logits, k, E, shared=True)
     h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(gu), moe_layout.layout_ref(ids.cpu(), E + 1, 16), k + 1, E,
                                   shared=cpu(sgu))
     for tiles in ((128, 128, 4, 2),) + (((64, 256, 4, 2),) if fp8_ else ((64, 64, 4, 2),)):
@@ -265,7 +225,7 @@ def test_expert_swiglu_stacked_on_the_35b_shapes(fp8_, warps):
     E, k, F, H, T = 256, 8, 512, 2048, 4
     wgu, _ = experts(E, F, H, "cuda", torch.bfloat16, fp8_, seed=5)
     x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=6)
-    _, _, _, lay = moe.route_step(randn(T, E + 1, seed=7, scale=3.0).cuda(), k, E)
+    _, _, _, lay = moe_routing.route_step(randn(T, E + 1, seed=7, scale=3.0).cuda(), k, E)
     tiles = (64, 128, warps, 3)
     h = moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=_stacked("cuda", tiles))
     assert torch.equal(h, moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=_stacked("cuda", tiles, False)))
@@ -301,7 +261,7 @@ def moe_rows_equal(device, dtype, E, k, F, H, T=5, plan=None):
 
     def forward(rows):
         logits = torch.cat([moe.F.linear(r[None], router) for r in rows])   # per row, as matvec gives
-        ids, w, g, lay = moe.route_step(logits, k, E, layout=plan is not None and plan.routed_layout)
+        ids, w, g, lay = moe_routing.route_step(logits, k, E, layout=plan is not None and plan.routed_layout)
         h = moe.expert_swiglu_triton(rows, wgu, lay, k, E, plan=plan)
         y = moe.expert_down_triton(h, wd, lay, E, plan=plan)
         return ids.view(-1, k), w, h.view(-1, k, F), y.view(-1, k, H), moe.combine_triton(y, w, None, None, dtype)
@@ -331,7 +291,7 @@ def test_the_routed_layout_on_the_35b_shapes(T):
         sd = fp8.BlockFP8(wd.w[:H].contiguous(), wd.scale[:H // 128].contiguous()) if fp8_ else wd[:H]
         out = []
         for laid in (False, True):
-            ids, _, _, lay = moe.route_step(logits, k, E, shared=True, layout=laid)
+            ids, _, _, lay = moe_routing.route_step(logits, k, E, shared=True, layout=laid)
             h = moe.expert_swiglu_triton(x, wgu, lay, k + 1, E, shared=sgu)
             out.append((h, moe.expert_down_triton(h, wd, lay, E, shared=sd)))
         ref = moe_layout.layout_ref(ids.cpu(), E + 1, moe_layout.STEP_ROWS, lay.blocks)
@@ -351,7 +311,7 @@ def test_35b_shapes_against_reference(fp8_):
     wgu, wd = experts(E, F, H, "cuda", torch.bfloat16, fp8_, seed=5)
     x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=6)
     logits = randn(T, E + 1, seed=7, scale=3.0).cuda()
-    ids, w, g, lay = moe.route_step(logits, k, E)
+    ids, w, g, lay = moe_routing.route_step(logits, k, E)
     h = moe.expert_swiglu(x, wgu, lay, k, E, rowwise=True)
     y = moe.expert_down(h, wd, lay, E, rowwise=True)
     lay_cpu = moe_layout.layout_ref(ids.cpu(), E, moe_layout.STEP_ROWS)
@@ -376,10 +336,10 @@ def test_the_shared_expert_as_expert_e(device, fp8_, step):
     (gu, sgu), (d, sd) = split(wgu, 2 * F), split(wd, H)
     logits = randn(T, E + 1, seed=22, scale=2.0).to(device)
     x = randn(T, H, device=device, seed=23)
-    ids_r, w_r, g_r = moe.route_ref(logits.cpu(), k, E, shared=True)
+    ids_r, w_r, g_r = moe_routing.route_ref(logits.cpu(), k, E, shared=True)
     assert g_r is None and (ids_r[:, k] == E).all() and torch.equal(w_r[:, k], torch.sigmoid(logits[:, E].cpu()))
     if step:
-        ids, w, _, lay = moe.route_step(logits, k, E, shared=True)
+        ids, w, _, lay = moe_routing.route_step(logits, k, E, shared=True)
         assert torch.equal(ids.cpu(), ids_r) and lay.blocks == min(E + 1, T * (k + 1))
         check(w.cpu(), w_r, 1e-6, "weights")
     else:
@@ -408,7 +368,7 @@ def fold_case(device, dtype, fp8_, T, shared_as_expert, E=7, k=3, F=128, H=384, 
     else:
         d, sd = wd[:-H].contiguous(), wd[-H:].contiguous()
     logits = randn(T, E + 1, seed=32 + seed, scale=2.0).to(device)
-    ids, w, g, lay = moe.route_step(logits, k, E, shared=shared_as_expert, layout=routed)
+    ids, w, g, lay = moe_routing.route_step(logits, k, E, shared=shared_as_expert, layout=routed)
     h = randn(T * (k + shared_as_expert), F, dtype=dtype, device=device, seed=33 + seed)
     so = None if shared_as_expert else randn(T, H, dtype=dtype, device=device, seed=34 + seed)
     r = randn(T, H, dtype=dtype, device=device, seed=35 + seed, scale=3.0)
@@ -456,10 +416,10 @@ def test_the_folded_layer_keeps_a_row_independent_of_the_rows_beside_it(device, 
     T, k = 5, 3
     h, d, sd, _, fold = fold_case(device, torch.float32, False, T, True, seed=9)
     logits = randn(T, 8, seed=41, scale=2.0).to(device)
-    _, w_all, _, lay_all = moe.route_step(logits, k, 7, shared=True, layout=routed)
+    _, w_all, _, lay_all = moe_routing.route_step(logits, k, 7, shared=True, layout=routed)
     n_all, h_all = moe.expert_down_triton(h, d, lay_all, 7, shared=sd, fold=fold._replace(weights=w_all))
     for i in range(T):
-        _, w, _, lay_i = moe.route_step(logits[i:i + 1], k, 7, shared=True, layout=routed)
+        _, w, _, lay_i = moe_routing.route_step(logits[i:i + 1], k, 7, shared=True, layout=routed)
         f_i = moe.Fold(w, None, None, fold.residual[i:i + 1], fold.norm_weight, fold.eps)
         pairs = slice((k + 1) * i, (k + 1) * (i + 1))
         n_i, h_i = moe.expert_down_triton(h[pairs], d, lay_i, 7, shared=sd, fold=f_i)
@@ -477,10 +437,10 @@ def test_the_expert_swiglu_of_a_normed_keeps_a_row_independent_of_the_rows_besid
                            randn(T, 3, device=device, seed=73).abs() * torch.logspace(-1, 2, T, device=device)[:, None],
                            1e-6)
     logits = randn(T, E, seed=74, scale=2.0).to(device)
-    lay_all = moe.route_step(logits, k, E, layout=routed)[3]
+    lay_all = moe_routing.route_step(logits, k, E, layout=routed)[3]
     together = moe.expert_swiglu_triton(normed, wgu, lay_all, k, E)
     for i in range(T):
-        lay_i = moe.route_step(logits[i:i + 1], k, E, layout=routed)[3]
+        lay_i = moe_routing.route_step(logits[i:i + 1], k, E, layout=routed)[3]
         alone = moe.expert_swiglu_triton(matvec.rows_slice(normed, i, i + 1), wgu, lay_i, k, E)
         assert torch.equal(alone, together[k * i:k * (i + 1)]), f"row {i}"
 
@@ -500,46 +460,9 @@ def test_the_expert_swiglu_reads_a_normed(device, fp8_, T, routed):
     ss = torch.stack([c.square().sum(-1) for c in h.split(96, dim=1)], 1)      # 3 blocks, the last short
     normed = matvec.Normed(xn, ss, 1e-6)
     logits = randn(T, E, seed=54, scale=2.0).to(device)
-    ids, _, _, lay = moe.route_step(logits, k, E, layout=routed)
+    ids, _, _, lay = moe_routing.route_step(logits, k, E, layout=routed)
     got = moe.expert_swiglu_triton(normed, wgu, lay, k, E)
     rows = xn * matvec.rstd_ref(normed)[:, None]
     cpu = (lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())) if fp8_ else (lambda t: t.cpu())
     want = moe.expert_swiglu_ref(rows.cpu(), cpu(wgu), moe_layout.layout_ref(ids.cpu(), E, 16), k, E)
     check(got.cpu(), want, TOL[torch.float32], "swiglu of a Normed")
-
-
-@pytest.mark.parametrize("live", [0, 1, 3, 5])
-def test_stale_rows_route_as_the_last_live_one(device, live):
-    # the MTP head's catch-up: rows past `rows` take the last live row's experts and weights (so the
-    # step reads no expert for them), the live rows route as without `rows`; no host sync needed
-    g = torch.Generator().manual_seed(live)
-    T, E, k = 5, 37, 4
-    x = randn(T, 300, gen=g).to(device)
-    w = randn(E + 1, 300, gen=g, scale=0.3).to(device)
-    rows = torch.tensor([live], device=device)
-    logits = matvec.matvec(x, w)
-    route = lambda r: moe.route(logits, k, E, step=True, shared=True, rows=r)
-    ids, weights, _, _ = route(rows)
-    ids0, weights0, _, _ = route(None)
-    last = max(live, 1) - 1
-    assert torch.equal(ids[:live], ids0[:live]) and torch.equal(weights[:live], weights0[:live])
-    for r in range(live, T):
-        assert torch.equal(ids[r], ids0[last]) and torch.equal(weights[r], weights0[last]), r
-    assert len(set(ids[:, :k].flatten().tolist())) == len(set(ids0[:max(live, 1), :k].flatten().tolist()))
-    ids_k, weights_k, _, _ = moe.route_step(logits, k, E, shared=True, rows=rows)   # the kernel itself
-    assert torch.equal(ids_k.cpu(), ids.cpu())
-    check(weights_k.cpu(), weights.cpu(), 1e-6, "the kernel's weights")
-
-
-@pytest.mark.gpu
-def test_ties_take_the_smaller_expert_first():
-    # five router rows alike give five equal logits: the routing kernel orders them by expert
-    g = torch.Generator().manual_seed(1)
-    w = randn(257, 2048, gen=g, scale=0.01)
-    w[[1, 2, 4, 8, 16]] = randn(2048, gen=g, scale=0.05).abs()        # far above the rest, for x > 0
-    x = randn(3, 2048, gen=g).abs().to("cuda", torch.bfloat16)
-    w = w.to("cuda", torch.bfloat16)
-    logits = matvec.matvec(x, w)
-    assert (logits[:, [1, 2, 4, 8, 16]] == logits[:, 1:2]).all()
-    ids = moe.route_step(logits, 8, 256)[0]
-    assert (ids[:, :5] == torch.tensor([1, 2, 4, 8, 16], device="cuda", dtype=ids.dtype)).all(), ids
