@@ -37,12 +37,17 @@ def _topk_kernel(logits, s_l, ids, weights, gate, rows, E, K: tl.constexpr, KP: 
                  HAS_GATE: tl.constexpr, SHARED: tl.constexpr, HAS_ROWS: tl.constexpr, PDL: tl.constexpr,
                  LAYOUT: tl.constexpr = False, expert=None, pairs=None, count=None, NB=0,
                  BP: tl.constexpr = 1, BB: tl.constexpr = 1, BM: tl.constexpr = 1):
-    # One program a row: softmax, the top k by repeated argmax in descending order (of equal values
-    # the smaller expert first; torch.topk's order is unspecified), renormalised. HAS_ROWS: a row
-    # past `rows` routes as the last row before it (stale_rows). LAYOUT: the last row to arrive
-    # writes the step's layout (expert [NB], pairs [NB, BM]: write_step_layout) and sets its count
-    # back to 0; its acq_rel add, after every thread of the program has stored, orders the other
-    # rows' ids before its reads.
+    # One program a row: the softmax's numerators exp(l - max), the top k of them by repeated
+    # argmax in descending order (of equal values the smaller expert first; torch.topk's order is
+    # unspecified), divided by their own sum: route_ref's weights, the softmax's denominator
+    # cancelled. The row's bits must not depend on how the kernel was compiled (LAYOUT's BB follows
+    # the row count, and a decode's row must equal the same row in a verify): the sum is added in
+    # the order of the choices and the division rounded as IEEE's, never a reduction over a
+    # layout the compiler picks (tl.sum of the top k gave a decode's weights other last bits
+    # than a verify's under LAYOUT). HAS_ROWS: a row past `rows` routes as the last row before it
+    # (stale_rows). LAYOUT: the last row to arrive writes the step's layout (expert [NB], pairs
+    # [NB, BM]: write_step_layout) and sets its count back to 0; its acq_rel add, after every
+    # thread of the program has stored, orders the other rows' ids before its reads.
     pdl_start(PDL)
     r = tl.program_id(0)
     r_src = r
@@ -51,25 +56,27 @@ def _topk_kernel(logits, s_l, ids, weights, gate, rows, E, K: tl.constexpr, KP: 
     o_e = tl.arange(0, BE)
     b_l = tl.load(logits + r_src * s_l + o_e, mask=o_e < E, other=float("-inf")).to(tl.float32)
     b_p = tl.exp(b_l - tl.max(b_l, 0))
-    b_p = b_p / tl.sum(b_p, 0)
     o_k = tl.arange(0, KP)
     b_ids = tl.zeros([KP], dtype=tl.int32)
     b_top = tl.zeros([KP], dtype=tl.float32)
+    total = tl.full([], 0.0, tl.float32)
     for j in tl.static_range(K):
         best = tl.max(b_p, 0)
         idx = tl.argmax(b_p, 0)
         b_p = tl.where(o_e == idx, -1.0, b_p)
         b_ids = tl.where(o_k == j, idx, b_ids)
         b_top = tl.where(o_k == j, best, b_top)
+        total += best
+    b_w = tl.div_rn(b_top, total)
     if SHARED:      # choice K: the shared expert (E), weighted by its gate
         g = tl.sigmoid(tl.load(logits + r_src * s_l + E).to(tl.float32))
         tl.store(ids + r * (K + 1) + o_k, b_ids, mask=o_k < K)
-        tl.store(weights + r * (K + 1) + o_k, b_top / tl.sum(b_top, 0), mask=o_k < K)
+        tl.store(weights + r * (K + 1) + o_k, b_w, mask=o_k < K)
         tl.store(ids + r * (K + 1) + K, E)
         tl.store(weights + r * (K + 1) + K, g)
     else:
         tl.store(ids + r * K + o_k, b_ids, mask=o_k < K)
-        tl.store(weights + r * K + o_k, b_top / tl.sum(b_top, 0), mask=o_k < K)
+        tl.store(weights + r * K + o_k, b_w, mask=o_k < K)
         if HAS_GATE:
             tl.store(gate + r, tl.sigmoid(tl.load(logits + r_src * s_l + E).to(tl.float32)))
     if LAYOUT:

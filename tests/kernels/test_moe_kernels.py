@@ -405,7 +405,9 @@ def test_the_down_kernel_folds_the_layer(device, dtype, fp8_, T, shared_as_exper
                                 shared=None if sd is None else cpu(sd))
     n_ref, h_ref = moe.fold_ref(y_ref, moe.Fold(*(t.cpu().float() if isinstance(t, torch.Tensor) else t for t in fold)))
     check(hh.cpu().float(), h_ref, TOL[dtype], "h")
-    check(matvec.rstd_ref(normed).cpu(), matvec.rstd_ref(n_ref), 1e-5, "1 / rms")
+    # (the rows' h rounded to bf16 give sums of squares other than the float32 layer's by about 1e-4:
+    # the sums of the rounded rows are checked against `want` above)
+    check(matvec.rstd_ref(normed).cpu(), matvec.rstd_ref(n_ref), TOL[dtype], "1 / rms")
 
 
 @pytest.mark.parametrize("routed", [False, True])

@@ -40,15 +40,31 @@ def test_routing_writes_the_step_layout(device, T, E, k, shared, live):
     rows = None if live is None else torch.tensor([live], dtype=torch.int32, device=device)
     before = moe_routing.route_step(randn(T, E + 1, seed=1, scale=2.0).to(device), k, E, shared=shared, layout=True)[3]
     del before                                      # its layout's memory free for the next one to take
-    logits = randn(T, E + 1, seed=T * E + k, scale=2.0).to(device)
-    ids, w, g, lay = moe_routing.route_step(logits, k, E, shared=shared, rows=rows, layout=True)
-    ids0, w0, g0, lay0 = moe_routing.route_step(logits, k, E, shared=shared, rows=rows)
-    assert torch.equal(ids, ids0) and torch.equal(w, w0) and (g is None) == (g0 is None)
+    for seed in range(4):                           # the routing itself: the same bits on several rows
+        logits = randn(T, E + 1, seed=T * E + k + 1000 * seed, scale=2.0).to(device)
+        ids, w, g, lay = moe_routing.route_step(logits, k, E, shared=shared, rows=rows, layout=True)
+        ids0, w0, g0, lay0 = moe_routing.route_step(logits, k, E, shared=shared, rows=rows)
+        assert torch.equal(ids, ids0) and torch.equal(w, w0) and (g is None) == (g0 is None), seed
     assert lay0.expert is None and lay.blocks == lay0.blocks == min(E + shared, T * (k + shared))
     ref = moe_layout.layout_ref(ids.cpu(), E + shared, moe_layout.STEP_ROWS, lay.blocks)
     assert torch.equal(lay.expert.cpu(), ref.expert)
     assert torch.equal(lay.pairs.cpu(), ref.pairs)
     assert not moe_routing.route_count(logits.device).any(), "the routing left its count set"
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_row_routes_to_the_same_bits_at_any_row_count(device, shared):
+    """A decode's row must equal the same row in a verify, bit for bit, whether the routing writes
+    the layout or not: each row count compiles its own layout kernel (BB follows it), and a sum
+    over a layout the compiler picks gave a decode's weights other last bits than a verify's."""
+    E, k, T = 256, 8, 9
+    logits = randn(T, E + 1, seed=7 + shared, scale=2.0).to(device)
+    ids9, w9, g9, _ = moe_routing.route_step(logits, k, E, shared=shared)
+    for n in range(1, T + 1):
+        for layout in (False, True):
+            ids, w, g, _ = moe_routing.route_step(logits[:n].contiguous(), k, E, shared=shared, layout=layout)
+            assert torch.equal(ids, ids9[:n]) and torch.equal(w, w9[:n]), (n, layout)
+            assert shared or torch.equal(g, g9[:n]), (n, layout)
 
 
 @pytest.mark.parametrize("live", [0, 1, 3, 5])
