@@ -15,17 +15,18 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
   fewer a layer), where it is as wide as a routed expert and stored alike;
 - fc_split: the MTP head's fc split over K and finished by its layer's input norm (the draft step
   0.97-0.99 x);
-- draft_pick: the draft's argmax and its map to a token id as two PDL kernels (draft 0.93-0.97 x).
+- draft_pick: the draft's argmax and its map to a token id as two PDL kernels (draft 0.93-0.97 x);
+- moe_normed (bf16 and FP8 plans): a step's MoE layer reads the norm before it as a Normed (its
+  router and shared expert as any product does, its expert SwiGLU scaling each pair by its row's
+  1 / rms), a launch a layer fewer. Over the layout the routing writes (ProductPlan.routed_layout),
+  end to end on the 35B-A3B: FP8 decode 0.975 x, MTP k = 3 0.985 x a token; int4 1.009 x and
+  1.004 x, so not in the --weights int4 plan (one H100 run each, docs/PERFORMANCE.md 2026-11-27);
+  bf16 steps 0.991 / 0.998 / 1.000 x (decode / verify 3 / draft 3, tests/bench/ab_step.py
+  --plans moefold). Over the derived layout (routed_layout off) a verify's SwiGLU took 143
+  registers where 127 let 4 programs share an SM, and verify 3 some 1.15 x; its 1 / rms now adds
+  the sums a block at a time (128 registers), not timed there.
 
 Candidates, off:
-- moe_normed: a step's MoE layer reads the norm before it as a Normed (its router and shared
-  expert as any product does, its expert SwiGLU scaling each pair by its row's 1 / rms), a launch
-  a layer fewer. Over the layout written by the routing (ProductPlan.routed_layout) the 35B-A3B's
-  FP8 decode step took 0.971-0.994 x, verify 3 0.989-1.000 x, int4 0.994 / 0.995 x
-  (tests/bench/ab_step.py --plans moefold, two H100s); but that layout is off (it broke MTP's
-  exactness), and over the derived one the SwiGLU of a verify step then passed 128 registers (143
-  against 127 at 64 pairs, sm_90: 3 programs an SM where 4 fit) and verify 3 took some 1.15 x.
-  Its 1 / rms now reads the sums a block at a time (128 registers): not yet timed.
 - moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the
   next norm's two pieces: kernels/moe.py Fold), two launches a layer fewer. With moe_normed,
   against moe_normed alone: the 35B-A3B's FP8 steps 0.994 / 0.995 / 1.002 x, int4 1.008 / 1.033 /
@@ -50,7 +51,7 @@ class KernelPlan:
     products: ProductPlan
     split_norm: bool = True
     shared_as_expert: bool = True
-    moe_normed: bool = False
+    moe_normed: bool = False        # choose() turns it on for the bf16 and FP8 MoE plans (above)
     moe_fold: bool = False
     fc_split: bool = True
     draft_pick: bool = True
@@ -130,7 +131,7 @@ class KernelPlan:
         # of 2,048 (kernels/int4_gemm.py; an H100)
         prefill = "fp8" if fp8_form_runs_on(device) else products.int4_prefill
         return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late, int4_prefill=prefill),
-                   shared_as_expert=config.is_moe and alike)
+                   shared_as_expert=config.is_moe and alike, moe_normed=config.is_moe and not int4)
 
     def replace(self, **changes) -> "KernelPlan":
         """This plan with some choices changed; products' fields may be given by name too."""

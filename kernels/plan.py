@@ -67,12 +67,13 @@ class ProductPlan:
                                     # instructions a step where there were two, each waited for; the FP8 tile then
                                     # 32 columns (moe.tiles): the 35B-A3B's FP8 decode step 0.976 x (H100), 0.975 x
                                     # (H200); bf16 1.003 x, unchanged (tests/bench/ab_step.py --plans stacked)
-    routed_layout: bool = False     # a step's MoE layout written once by the routing kernel's last row, not derived
-                                    # by each expert kernel's programs (moe_layout.write_step_layout): the 35B-A3B's
-                                    # FP8 verify 3 step 0.920 x, draft 3 0.968 x, decode 1.011 x; bf16 0.975 / 0.973
-                                    # / 0.981 x (H100, tests/bench/ab_step.py --plans routed). Off: on the 35B-A3B's
-                                    # shapes it broke greedy MTP on == off (every prompt, bf16, FP8 and int4:
-                                    # tests/bench/probe_exact.py), where the derived layout keeps it
+    routed_layout: bool = True      # a step's MoE layout written once by the routing kernel's last row, not derived
+                                    # by each expert kernel's programs (moe_layout.write_step_layout): end to end
+                                    # the 35B-A3B's FP8 decode 0.991 x, MTP k = 3 0.828 x a token (verify 3 4.60
+                                    # against 5.62 ms), 0 mismatches (H100, one run; docs/PERFORMANCE.md
+                                    # 2026-11-27). Its routing kernel compiles one form per row count, and a sum
+                                    # over a layout the compiler picks once gave a decode's weights other last bits
+                                    # than a verify's, which broke MTP on == off: the weights are now summed in order
     tiles: TileRule | None = None   # tiles other than the measured ones (benchmarks; small tiles for the interpreter)
     split_tiles: SplitRule | None = None
     expert_tiles: ExpertRule | None = None  # the MoE expert products' tiles (tests/bench/bench_moe.py)
