@@ -12,8 +12,7 @@ import torch
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.matvec import arrival_counts
-from mtpchat.kernels.moe_layout import (PREFILL_ROWS, STEP_ROWS, StepLayout, layout_ref, step_pairs,
-                                       write_step_layout)
+from mtpchat.kernels.moe_layout import PREFILL_ROWS, STEP_ROWS, StepLayout, layout_ref, write_step_layout
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
@@ -47,7 +46,10 @@ def _topk_kernel(logits, s_l, ids, weights, gate, rows, E, K: tl.constexpr, KP: 
     # than a verify's under LAYOUT). HAS_ROWS: a row past `rows` routes as the last row before it
     # (stale_rows). LAYOUT: the last row to arrive writes the step's layout (expert [NB], pairs
     # [NB, BM]: write_step_layout) and sets its count back to 0; its acq_rel add, after every
-    # thread of the program has stored, orders the other rows' ids before its reads.
+    # thread of the program has stored, orders the other rows' ids before its reads (a decode's
+    # one row takes no count: 3.2 against 5.7 us a launch, H100). One program for all the rows,
+    # each a warp or one warp for all, took longer at every row count (2.8-6.1 us at 1-4 rows
+    # against 2.4-5.7 here; tests/bench/bench_routing.py).
     pdl_start(PDL)
     r = tl.program_id(0)
     r_src = r
@@ -61,8 +63,7 @@ def _topk_kernel(logits, s_l, ids, weights, gate, rows, E, K: tl.constexpr, KP: 
     b_top = tl.zeros([KP], dtype=tl.float32)
     total = tl.full([], 0.0, tl.float32)
     for j in tl.static_range(K):
-        best = tl.max(b_p, 0)
-        idx = tl.argmax(b_p, 0)
+        best, idx = tl.max(b_p, 0, return_indices=True, return_indices_tie_break_left=True)
         b_p = tl.where(o_e == idx, -1.0, b_p)
         b_ids = tl.where(o_k == j, idx, b_ids)
         b_top = tl.where(o_k == j, best, b_top)
@@ -82,9 +83,13 @@ def _topk_kernel(logits, s_l, ids, weights, gate, rows, E, K: tl.constexpr, KP: 
     if LAYOUT:
         T = tl.num_programs(0)
         tl.debug_barrier()
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == T - 1:
+        last = T == 1                   # a decode's one row: the last to arrive, no count to take
+        if T > 1:
+            last = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == T - 1
+        if last:
             write_step_layout(ids, T * (K + SHARED), expert, pairs, NB, BP, BM, BB)
-            tl.atomic_xchg(count, 0)
+            if T > 1:
+                tl.atomic_xchg(count, 0)
 
 
 def stale_rows(logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -121,7 +126,9 @@ def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = 
     if layout:
         laid = dict(LAYOUT=True, expert=torch.empty(blocks, dtype=torch.int32, device=dev),
                     pairs=torch.empty(blocks, STEP_ROWS, dtype=torch.int32, device=dev),
-                    count=route_count(dev), NB=blocks, BP=step_pairs(T * kk),
+                    # the bookkeeping as wide as the step's pairs (16 at least), not the expert
+                    # kernels' 64 at least: a decode's 9 pairs compare 16 x 16, not 64 x 64
+                    count=route_count(dev), NB=blocks, BP=max(16, triton.next_power_of_2(T * kk)),
                     BB=triton.next_power_of_2(blocks), BM=STEP_ROWS)
     _topk_kernel[(T,)](logits, logits.stride(0), ids, weights, gate if has_gate else weights,
                        rows if rows is not None else ids, n_experts, K=top_k, KP=triton.next_power_of_2(top_k),
