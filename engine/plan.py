@@ -20,7 +20,8 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
   router and shared expert as any product does, its expert SwiGLU scaling each pair by its row's
   1 / rms), a launch a layer fewer. Over the layout the routing writes (ProductPlan.routed_layout),
   end to end on the 35B-A3B: FP8 decode 0.975 x, MTP k = 3 0.985 x a token; int4 1.009 x and
-  1.004 x, so not in the --weights int4 plan (one H100 run each, docs/PERFORMANCE.md 2026-11-27);
+  1.004 x, so not in the --weights int4 plan nor a 4-bit checkpoint's (one H100 run each,
+  docs/PERFORMANCE.md 2026-11-27);
   bf16 steps 0.991 / 0.998 / 1.000 x (decode / verify 3 / draft 3, tests/bench/ab_step.py
   --plans moefold). Over the derived layout (routed_layout off) a verify's SwiGLU took 143
   registers where 127 let 4 programs share an SM, and verify 3 some 1.15 x; its 1 / rms now adds
@@ -51,7 +52,7 @@ class KernelPlan:
     products: ProductPlan
     split_norm: bool = True
     shared_as_expert: bool = True
-    moe_normed: bool = False        # choose() turns it on for the bf16 and FP8 MoE plans (above)
+    moe_normed: bool = False        # choose() turns it on over bf16 and FP8 experts (above)
     moe_fold: bool = False
     fc_split: bool = True
     draft_pick: bool = True
@@ -130,8 +131,12 @@ class KernelPlan:
         # 27B int4's 8K prompt in 606 against 814 ms in chunks of 8,192, 688 against 921 in chunks
         # of 2,048 (kernels/int4_gemm.py; an H100)
         prefill = "fp8" if fp8_form_runs_on(device) else products.int4_prefill
+        # the MoE layer between Normeds where its experts are bf16 or FP8: over 4-bit experts it
+        # measured 1.009 x (--weights int4), and a 4-bit checkpoint's (its shared expert in bf16,
+        # apart from the 4-bit routed ones) is neither timed nor tested with it on the GPU
+        normed = config.is_moe and not int4 and config.quantization != "int4"
         return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late, int4_prefill=prefill),
-                   shared_as_expert=config.is_moe and alike, moe_normed=config.is_moe and not int4)
+                   shared_as_expert=config.is_moe and alike, moe_normed=normed)
 
     def replace(self, **changes) -> "KernelPlan":
         """This plan with some choices changed; products' fields may be given by name too."""

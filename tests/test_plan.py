@@ -73,6 +73,16 @@ def test_the_shared_expert_joins_the_routed_ones_only_as_wide(tmp_path):
     assert not KernelPlan.choose("cpu", wide, False).shared_as_expert
 
 
+def test_the_moe_layer_reads_a_normed_over_bf16_and_fp8_experts_only(tmp_path, gqa3):
+    moe = ModelConfig.load(write_tiny_checkpoint(tmp_path / "a", moe=True, **MOE))
+    assert KernelPlan.choose("cpu", moe, False).moe_normed and KernelPlan.choose("cpu", moe, True).moe_normed
+    assert not KernelPlan.choose("cpu", moe, False, int4=True).moe_normed         # --weights int4
+    four_bit = dataclasses.replace(moe, quantization="int4")                      # a GPTQ / compressed-tensors one
+    assert not KernelPlan.choose("cpu", four_bit, False).moe_normed
+    assert not KernelPlan.choose("cpu", ModelConfig.load(gqa3), True).moe_normed  # a dense model has no MoE layer
+    assert KernelPlan.choose("cpu", moe, False).products.routed_layout            # the layout the routing writes
+
+
 def test_replace_and_describe(gqa3):
     plan = KernelPlan.choose("cpu", ModelConfig.load(gqa3), False)
     other = plan.replace(fc_split=False, tail_parts=5)           # a products field by name too
