@@ -39,17 +39,17 @@ def _topk_kernel(logits, s_l, ids, weights, gate, rows, E, K: tl.constexpr, KP: 
     # One program a row: the softmax's numerators exp(l - max), the top k of them by repeated
     # argmax in descending order (of equal values the smaller expert first; torch.topk's order is
     # unspecified), divided by their own sum: route_ref's weights, the softmax's denominator
-    # cancelled. The row's bits must not depend on how the kernel was compiled (LAYOUT's BB follows
-    # the row count, and a decode's row must equal the same row in a verify): the sum is added in
+    # cancelled. The row's bits must not depend on how the kernel was compiled (LAYOUT's BB and BP
+    # follow the row count, and a decode's row must equal the same row in a verify): the sum is added in
     # the order of the choices and the division rounded as IEEE's, never a reduction over a
     # layout the compiler picks (tl.sum of the top k gave a decode's weights other last bits
     # than a verify's under LAYOUT). HAS_ROWS: a row past `rows` routes as the last row before it
     # (stale_rows). LAYOUT: the last row to arrive writes the step's layout (expert [NB], pairs
     # [NB, BM]: write_step_layout) and sets its count back to 0; its acq_rel add, after every
     # thread of the program has stored, orders the other rows' ids before its reads (a decode's
-    # one row takes no count: 3.2 against 5.7 us a launch, H100). One program for all the rows,
-    # each a warp or one warp for all, took longer at every row count (2.8-6.1 us at 1-4 rows
-    # against 2.4-5.7 here; tests/bench/bench_routing.py).
+    # one row takes no count: 3.2 against 5.7 us a launch, H100). One program for all the rows
+    # (in one warp, or spread by Triton over 2 or 4 warps) took longer at every row count (2.8-7.3
+    # us at 1-4 rows against 2.4-5.6 here; tests/bench/bench_routing.py).
     pdl_start(PDL)
     r = tl.program_id(0)
     r_src = r
