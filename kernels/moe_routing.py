@@ -40,9 +40,9 @@ def _topk_kernel(logits, s_l, ids, weights, gate, rows, E, K: tl.constexpr, KP: 
     # argmax in descending order (of equal values the smaller expert first; torch.topk's order is
     # unspecified), divided by their own sum: route_ref's weights, the softmax's denominator
     # cancelled. The row's bits must not depend on how the kernel was compiled (LAYOUT's BB and BP
-    # follow the row count, and a decode's row must equal the same row in a verify): the sum is added in
-    # the order of the choices and the division rounded as IEEE's, never a reduction over a
-    # layout the compiler picks (tl.sum of the top k gave a decode's weights other last bits
+    # follow the row count, and a decode's row must equal the same row in a verify): the sum is
+    # added in the order of the choices and the division rounded as IEEE's, never a reduction over
+    # a layout the compiler picks (tl.sum of the top k gave a decode's weights other last bits
     # than a verify's under LAYOUT). HAS_ROWS: a row past `rows` routes as the last row before it
     # (stale_rows). LAYOUT: the last row to arrive writes the step's layout (expert [NB], pairs
     # [NB, BM]: write_step_layout) and sets its count back to 0; its acq_rel add, after every
