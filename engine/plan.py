@@ -16,9 +16,9 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
 - fc_split: the MTP head's fc split over K and finished by its layer's input norm (the draft step
   0.97-0.99 x);
 - draft_pick: the draft's argmax and its map to a token id as two PDL kernels (draft 0.93-0.97 x);
-- moe_normed (over bf16 and FP8 experts): a step's MoE layer reads the norm before it as a Normed (its
-  router and shared expert as any product does, its expert SwiGLU scaling each pair by its row's
-  1 / rms), a launch a layer fewer. Over the layout the routing writes (ProductPlan.routed_layout),
+- moe_normed (over bf16 and FP8 experts): a step's MoE layer reads the norm before it as a
+  Normed (its router and shared expert as any product does, its expert SwiGLU scaling each pair by
+  its row's 1 / rms), a launch a layer fewer. Over the layout the routing writes (ProductPlan.routed_layout),
   end to end on the 35B-A3B: FP8 decode 0.975 x, MTP k = 3 0.985 x a token; int4 1.009 x and
   1.004 x, so not in the --weights int4 plan nor a 4-bit checkpoint's (one H100 run each,
   docs/PERFORMANCE.md 2026-11-27);

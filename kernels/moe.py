@@ -3,8 +3,7 @@ the block layout (kernels/moe_layout.py), the expert products and the combine (h
 torch references, the Triton kernels beside them, and dispatchers that take the kernels for CUDA
 tensors.
 
-    route    : softmax over the router's E logits (float32), the top k, renormalised to sum to 1;
-               a logit past the E experts' is the shared expert's gate, returned as its sigmoid
+    route    : the top k of the router's E logits, weighted (kernels/moe_routing.py)
     layout   : the (row, choice) pairs p = row * k + j grouped by expert into blocks (moe_layout.py)
     swiglu   : h[p] = silu(x[row] @ W_gate[e]ᵀ) * (x[row] @ W_up[e]ᵀ), over each block's pairs
     down     : y[p] = h[p] @ W_down[e]ᵀ
@@ -12,15 +11,16 @@ tensors.
 
 A block reads its expert's weights once for all the pairs in it. In a step (a few rows: decode,
 verify, draft) every distinct expert the rows chose is one block, so its weights are read once
-per step however many rows chose it: the expert kernels derive that layout on the device from
-the routing (or, under the plan's routed_layout, the routing kernel writes it; moe_layout.py), the
-expert kernels launched for the worst case so the step can be a CUDA graph. Each pair's products
+per step however many rows chose it: the routing kernel writes that layout on the device (or,
+under a plan without routed_layout, the expert kernels derive it; moe_layout.py), the expert
+kernels launched for the worst case so the step can be a CUDA graph. Each pair's products
 are accumulated in the same order whatever shares its block, and the combine sums a row's k
 choices in order, so a row's result does not depend on the other rows (greedy MTP on == off).
 
-Two forms of a step, plan candidates (engine/plan.py): the SwiGLU may read x as a Normed (the norm
-before the layer in two pieces, kernels/matvec.py), scaling each pair by its row's 1 / rms; and the
-down kernel may finish the layer (`Fold`, _down_fold_kernel): each column block's last program
+Two forms of a step (engine/plan.py: moe_normed, a default over bf16 and FP8 experts, and
+moe_fold, a candidate): the SwiGLU may read x as a Normed (the norm before the layer in two
+pieces, kernels/matvec.py), scaling each pair by its row's 1 / rms; and the down kernel may finish
+the layer (`Fold`, _down_fold_kernel): each column block's last program
 combines, adds the residual and writes the next norm's two pieces, its rows one tile of STEP_ROWS
 whatever the step's T, so that a row's sums of squares reduce the same way in every step.
 

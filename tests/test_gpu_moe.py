@@ -1,11 +1,16 @@
 """The MoE models on the GPU: CUDA graphs, greedy MTP on equal to MTP off (a tiny MoE in both
 checkpoint layouts and FP8; the 35B-A3B's shapes with random weights, 8 prompts x 256 tokens,
 k = 1..4), and the GPU's logits close to the CPU's float32 ones."""
+import contextlib
+import gc
+from pathlib import Path
+
 import pytest
 import torch
 
-from mtpchat.engine import Engine
+from mtpchat.engine import Engine, bench
 from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.plan import KernelPlan
 from tools.tiny import write_tiny_checkpoint
 from mtpchat.engine.weights import PER_EXPERT, STACKED
 from helpers import GPU_MOE_SHAPE as SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens
@@ -39,17 +44,18 @@ def test_greedy_mtp_on_equals_off(ckpts, layout, graphs):
 def test_the_moe_layer_between_normeds(ckpts, layout, forms):
     """KernelPlan.moe_fold (the layer finished in its down kernel) and moe_normed (the layer reading
     its norm as a Normed): greedy MTP on == off (CUDA graphs), and in float32 the same greedy tokens
-    as the plan without them (the two differ only in where the norms' 1 / rms is applied)."""
+    as the plan without either (the two differ only in where the norms' 1 / rms is applied)."""
     base = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024)
+    without = base.plan.replace(moe_fold=False, moe_normed=False)     # moe_normed is a default
     engine = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024,
-                         plan=base.plan.replace(**forms))
+                         plan=without.replace(**forms))
     del base
     on_equals_off(engine)
     del engine
     if layout == STACKED:
-        plain = Engine.load(ckpts[layout], device="cuda", dtype=torch.float32, max_context=1024)
+        plain = Engine.load(ckpts[layout], device="cuda", dtype=torch.float32, max_context=1024, plan=without)
         engine = Engine.load(ckpts[layout], device="cuda", dtype=torch.float32, max_context=1024,
-                             plan=plain.plan.replace(**forms))
+                             plan=without.replace(**forms))
         for ids in gpu_prompts(plain, 3):
             assert greedy_tokens(engine, ids, 64) == greedy_tokens(plain, ids, 64)
 
@@ -62,22 +68,28 @@ def test_gpu_logits_close_to_the_cpu(ckpts):
         assert ((got - want).norm() / want.norm()).item() < 1e-4
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("weights", ["bf16", "fp8"])
-def test_35b_a3b_shapes_mtp_on_equals_off(weights):
-    from mtpchat.engine import bench
-    from pathlib import Path
-    import gc
+@contextlib.contextmanager
+def random_35b_a3b(weights: str, **forms):
+    """An engine of the 35B-A3B's shapes on random weights, the default plan with `forms` changed,
+    freed after (the bf16 one is 66 GiB: the one before must be gone)."""
     config = ModelConfig.load(Path(bench.__file__).parent / "configs" / "qwen3.5-35b-a3b.json")
-    gc.collect()                  # a model of the run before (the bf16 one is 66 GiB) must be gone
+    gc.collect()
     torch.cuda.empty_cache()
-    engine = Engine(config, device="cuda", max_context=2048, weights=weights)
+    plan = KernelPlan.choose("cuda", config, weights == "fp8", weights == "int4").replace(**forms)
+    engine = Engine(config, device="cuda", max_context=2048, weights=weights, plan=plan)
     try:
-        on_equals_off(engine, n_prompts=8, n=256)
+        yield engine
     finally:
         del engine
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_35b_a3b_shapes_mtp_on_equals_off(weights):
+    with random_35b_a3b(weights) as engine:
+        on_equals_off(engine, n_prompts=8, n=256)
 
 
 @pytest.mark.slow
@@ -88,18 +100,5 @@ def test_35b_a3b_shapes_mtp_on_equals_off_over_either_layout(weights, routed):
     derived one: a short form of the bench's exactness check (under the routed layout it once
     failed within 64 tokens of every prompt: a decode's routing weights took other last bits than
     a verify's, tests/kernels/test_moe_routing.py)."""
-    from mtpchat.engine import bench
-    from mtpchat.engine.plan import KernelPlan
-    from pathlib import Path
-    import gc
-    config = ModelConfig.load(Path(bench.__file__).parent / "configs" / "qwen3.5-35b-a3b.json")
-    gc.collect()
-    torch.cuda.empty_cache()
-    plan = KernelPlan.choose("cuda", config, weights == "fp8", weights == "int4").replace(routed_layout=routed)
-    engine = Engine(config, device="cuda", max_context=2048, weights=weights, plan=plan)
-    try:
+    with random_35b_a3b(weights, routed_layout=routed) as engine:
         assert_mtp_on_equals_off(engine, gpu_prompts(engine, 2), 64, ks=(3,))
-    finally:
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()

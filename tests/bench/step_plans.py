@@ -214,7 +214,8 @@ def fp8_tile_plans(base: KernelPlan, found: dict) -> dict:
 
 
 DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split=False),
-                 "fc split": dict(fc_split=False), "pick": dict(draft_pick=False)}
+                 "fc split": dict(fc_split=False), "pick": dict(draft_pick=False),
+                 "routed layout": dict(routed_layout=False), "moe normed": dict(moe_normed=False)}
 
 
 def release_plans(base: KernelPlan) -> dict:
@@ -285,7 +286,8 @@ def fold_plans(base: KernelPlan) -> dict:
 def default_plans(base: KernelPlan) -> dict:
     """The plan's defaults that were measured in (DEFAULT_FORMS), each off alone against all on, and
     all off: the ratios say what each still buys on this model and weight format (the bit form
-    matters with --weights fp8 only, the small split on the MoE models and FP8 only)."""
+    matters with --weights fp8 only, the small split on the MoE models and FP8 only, the routed
+    layout and moe_normed on the MoE models only)."""
     off = {k: v for forms in DEFAULT_FORMS.values() for k, v in forms.items()}
     return {"defaults": base, **{f"-{name}": base.replace(**forms) for name, forms in DEFAULT_FORMS.items()},
             "none": base.replace(**off)}

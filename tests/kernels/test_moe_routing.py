@@ -40,15 +40,15 @@ def test_routing_writes_the_step_layout(device, T, E, k, shared, live):
     rows = None if live is None else torch.tensor([live], dtype=torch.int32, device=device)
     before = moe_routing.route_step(randn(T, E + 1, seed=1, scale=2.0).to(device), k, E, shared=shared, layout=True)[3]
     del before                                      # its layout's memory free for the next one to take
-    for seed in range(4):                           # the routing itself: the same bits on several rows
+    for seed in range(4):                           # several sets of rows
         logits = randn(T, E + 1, seed=T * E + k + 1000 * seed, scale=2.0).to(device)
         ids, w, g, lay = moe_routing.route_step(logits, k, E, shared=shared, rows=rows, layout=True)
         ids0, w0, g0, lay0 = moe_routing.route_step(logits, k, E, shared=shared, rows=rows)
         assert torch.equal(ids, ids0) and torch.equal(w, w0) and (g is None) == (g0 is None), seed
-    assert lay0.expert is None and lay.blocks == lay0.blocks == min(E + shared, T * (k + shared))
-    ref = moe_layout.layout_ref(ids.cpu(), E + shared, moe_layout.STEP_ROWS, lay.blocks)
-    assert torch.equal(lay.expert.cpu(), ref.expert)
-    assert torch.equal(lay.pairs.cpu(), ref.pairs)
+        assert lay0.expert is None and lay.blocks == lay0.blocks == min(E + shared, T * (k + shared))
+        ref = moe_layout.layout_ref(ids.cpu(), E + shared, moe_layout.STEP_ROWS, lay.blocks)
+        assert torch.equal(lay.expert.cpu(), ref.expert), seed
+        assert torch.equal(lay.pairs.cpu(), ref.pairs), seed
     assert not moe_routing.route_count(logits.device).any(), "the routing left its count set"
 
 
