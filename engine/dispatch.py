@@ -27,7 +27,7 @@ from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BlockFP8
 from mtpchat.kernels.fp8_gemm import QuantizedRows
 from mtpchat.kernels.int4 import GroupInt4
-from mtpchat.kernels.matvec import Normed, matvec
+from mtpchat.kernels.matvec import Normed, matvec, matvec_rider, rides
 from mtpchat.kernels.matvec_parts import matvec_parts, matvec_parts_triton
 from mtpchat.kernels.plan import ProductPlan
 
@@ -54,6 +54,9 @@ class Ctx:
 
     def linear(self, x, w) -> torch.Tensor:
         return linear(x, w, self.step, self.plan.products)
+
+    def linears(self, x, w, rider) -> tuple[torch.Tensor, torch.Tensor]:
+        return linears(x, w, rider, self.step, self.plan.products)
 
     def quantized_rows_for(self, w, x: torch.Tensor) -> bool:
         """Whether the rows that x stands for (their count, device and dtype) go to the product over
@@ -111,6 +114,15 @@ def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
     if not rowwise:
         return F.linear(x, w)
     return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)
+
+
+def linears(x, w, rider, rowwise: bool, products: ProductPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ wᵀ, x @ riderᵀ), each as `linear` gives it: where a step's products run as the matvec
+    kernel and the plan's `rides` is on, the rider (a tensor, e.g. the GDN's bf16 b|a) takes the
+    first programs of w's launch (matvec_rider); otherwise two products."""
+    if products.rides and (isinstance(x, Normed) or (rowwise and x.is_cuda)) and rides(x, w, rider):
+        return matvec_rider(x, w, rider, plan=products)
+    return linear(x, w, rowwise, products), linear(x, rider, rowwise, products)
 
 
 def takes_quantized_rows(x: torch.Tensor, w, products: ProductPlan) -> bool:

@@ -210,8 +210,9 @@ class GatedDeltaNet(nn.Module):
         if self.in_proj_ba is None:
             mixed, z, b, a = ctx.linear(x, self.in_proj).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
         else:
-            mixed, z = ctx.linear(x, weight(self, "in_proj")).split([c.conv_dim, c.value_dim], dim=-1)
-            b, a = ctx.linear(x, self.in_proj_ba).split([hv, hv], dim=-1)
+            mz, ba = ctx.linears(x, weight(self, "in_proj"), self.in_proj_ba)
+            mixed, z = mz.split([c.conv_dim, c.value_dim], dim=-1)
+            b, a = ba.split([hv, hv], dim=-1)
         if ctx.step and T <= ctx.plan.conv_in_recurrence:
             # the recurrence kernel computes the conv of the channels each of its programs reads
             o = gdn.conv_recurrent(mixed, conv_buf, ctx.conv_off, self.conv_weight, a, b, self.A_log, self.dt_bias,

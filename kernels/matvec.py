@@ -126,17 +126,60 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
                    BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
                    SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
                    BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None,
-                   UNPACK: tl.constexpr = False, LATE: tl.constexpr = False, RUN: tl.constexpr = 1):
-    # Program i_n takes column block i_n, all of K (with SWIGLU, the gate rows n and the up rows
-    # N + n of w together). With SPLIT only the first F programs do; program F + j takes part
-    # i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
+                   UNPACK: tl.constexpr = False, LATE: tl.constexpr = False, RUN: tl.constexpr = 1,
+                   w2=None, y2=None, N2=0, R=0, s_w2=0, s_y2=0, BN2: tl.constexpr = 0, BK2: tl.constexpr = 0):
+    # With a rider (BN2 > 0, matvec_rider), programs 0 .. R - 1 take the rider's column blocks of
+    # BN2 rows of w2 over the same rows x, and program R + i the product's program i.
+    pdl_start(PDL, LATE)
+    pid = tl.program_id(0)
+    if BN2 > 0:
+        if pid < R:
+            _ride(x, w2, y2, ss, T, N2, K, NB, pid, s_x, s_w2, s_y2, s_ss, eps, BT, BN2, BK2, NBP, PDL, LATE)
+        else:
+            _main(pid - R, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
+                  BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN)
+    else:
+        _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
+              BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN)
+
+
+@triton.jit
+def _ride(x, w2, y2, ss, T, N2, K, NB, pid, s_x, s_w2, s_y2, s_ss, eps, BT: tl.constexpr, BN2: tl.constexpr,
+          BK2: tl.constexpr, NBP: tl.constexpr, PDL: tl.constexpr, LATE: tl.constexpr):
+    """A rider's program: column block pid of y2 = x @ w2ᵀ (w2 in x's dtype), all of K in steps of
+    BK2, each row scaled by its 1 / rms for a Normed x, as a program of its own launch would."""
+    o_n = pid * BN2 + tl.arange(0, BN2)
+    o_t = tl.arange(0, BT)
+    m_n, m_t = o_n < N2, o_t < T
+    b_rstd = tl.zeros([BT], dtype=tl.float32)
+    if NBP > 0:
+        b_rstd = _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP)
+    b_y = tl.zeros([BN2, BT], dtype=tl.float32)
+    for k in range(0, K, BK2):
+        o_k = k + tl.arange(0, BK2)
+        m_k = o_k < K
+        b_x = tl.trans(tl.load(x + o_t[:, None] * s_x + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.))
+        b_w = tl.load(w2 + o_n[:, None] * s_w2 + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
+        b_y = tl.dot(b_w, b_x, b_y, input_precision="ieee")
+    if LATE:
+        pdl_release(PDL)
+    _finish(b_y, b_y, b_rstd, x, y2, o_t, o_n, m_t, m_n, s_y2, NBP, False)
+
+
+@triton.jit
+def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
+          BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
+          SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+          BITS: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, zw, perm,
+          UNPACK: tl.constexpr, LATE: tl.constexpr, RUN: tl.constexpr):
+    # Program pid: with no SPLIT, column block pid, all of K (with SWIGLU, the gate rows n and the
+    # up rows N + n of w together). With SPLIT only the first F programs do; program F + j takes
+    # part i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
     # leaves its float32 sums in ws[j]; the last of the block's S parts to arrive adds them in
     # order, finishes the block and sets its count (count[j // S]) back to 0. Its acq_rel add,
     # after every thread of the program has stored, orders the parts before its reads. LATE: the
     # next kernel's programs are placed once this one's have streamed their weights. RUN: a K step
     # takes RUN tiles of BK / RUN columns, one after another along each weight row (fp8_run).
-    pdl_start(PDL, LATE)
-    pid = tl.program_id(0)
     if SPLIT:
         j = tl.maximum(pid - F, 0)
         i_s = j % S
@@ -350,9 +393,10 @@ def tail_split(blocks: int, KI: int, plan: ProductPlan) -> tuple[int, int] | Non
     return triton.cdiv(KI, KS), KS
 
 
-def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: bool, plan: ProductPlan, BT: int):
+def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: bool, plan: ProductPlan, BT: int,
+            rider: tuple | None = None):
     """One program a column block (_matvec_kernel) over rows padded to BT, a small last wave split
-    over K where tail_split says so."""
+    over K where tail_split says so; `rider` (w2, y2): the rider's programs first (matvec_rider)."""
     blocks, KI, P = triton.cdiv(N, BN), triton.cdiv(K, BK), plan.programs
     tail = tail_split(blocks, KI, plan)
     S, KS = tail or (1, KI)
@@ -361,11 +405,17 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
     if tail:
         ws = torch.empty((blocks - F) * S, 2 if swiglu else 1, BN, BT, dtype=torch.float32, device=x.device)
         count = arrival_counts(x.device, blocks - F)
-    _matvec_kernel[(F + (blocks - F) * S,)](
+    ride = {}
+    if rider is not None:
+        w2, y2 = rider
+        BN2, BK2 = RIDER_TILE[0], RIDER_TILE[1] // x.element_size()
+        ride = dict(w2=w2, y2=y2, N2=w2.shape[0], R=triton.cdiv(w2.shape[0], BN2), s_w2=w2.stride(0),
+                    s_y2=y2.stride(0), BN2=BN2, BK2=BK2)
+    _matvec_kernel[(ride.get("R", 0) + F + (blocks - F) * S,)](
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=BT, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
         num_stages=stages, LATE=plan.late_release, **scale, **fp8, **pdl(x), **fp8_run(BK, fp8["FP8"]),
-        **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)))
+        **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)), **ride)
     return y
 
 
@@ -423,6 +473,52 @@ def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | Non
     BN, BK, warps, stages = tiles(N, K, x.element_size(), fp8=fp8["FP8"], plan=plan, group=fp8.get("G", 0),
                                   interleaved=w.dtype == torch.int16)
     return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, False, plan, BT)
+
+
+# A rider's tile: (rows, bytes of K) a program and step. Its programs run the launch's warps and
+# pipeline depth beside the product's tiles, and take no more shared memory than they do.
+RIDER_TILE = (16, 256)
+
+
+def rides(x, w, w2) -> bool:
+    """Whether w2 can ride in the launch of the product over w (matvec_rider): a tensor in the rows'
+    dtype, over the same K, with contiguous rows, where the product reads x as it is (no perm
+    applied to x for it)."""
+    rows = _rows_of(x)
+    return (isinstance(w2, torch.Tensor) and w2.dtype == rows.dtype and w2.dim() == 2 and w2.shape[1] == w.shape[1]
+            and w2.stride(1) == 1 and not (isinstance(w, GroupInt4) and w.perm is not None))
+
+
+def matvec_rider_ref(x, w, w2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ wᵀ, x @ w2ᵀ), each as matvec_ref computes it."""
+    return matvec_ref(x, w), matvec_ref(x, w2)
+
+
+def matvec_rider_triton(x, w, w2: torch.Tensor, plan: ProductPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x @ wᵀ and x @ w2ᵀ in one launch: w2, a small product over the same rows (a GDN's b|a rows, in
+    the model dtype beside an FP8 or 4-bit in_proj), takes the first programs of the product's
+    launch, each RIDER_TILE[0] rows of it over all of K, so it costs no launch of its own. More
+    rows than the plan's row tile run in pieces, as matvec's do."""
+    N, K = w.shape
+    plan = plan or default_products(x.device)
+    assert rides(x, w, w2), "the rider must be a tensor in x's dtype [N2, K] with contiguous rows, w without a perm"
+    BT = plan.rows_of(w)
+    y, y2 = _out(_rows_of(x), N, None), _out(_rows_of(x), w2.shape[0], None)
+    for a, b in pieces(x.shape[0], BT):
+        xs, scale = _scale_args(rows_slice(x, a, b), K)
+        wv, sw, fp8 = check_product(xs, w, K, BT)
+        BN, BK, warps, stages = tiles(N, K, xs.element_size(), fp8=fp8["FP8"], plan=plan, group=fp8.get("G", 0),
+                                      interleaved=wv.dtype == torch.int16)
+        _launch(xs, wv, sw, y[a:b], N, K, BN, BK, warps, stages, scale, fp8, False, plan, BT, rider=(w2, y2[a:b]))
+    return y, y2
+
+
+def matvec_rider(x, w, w2: torch.Tensor, plan: ProductPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ wᵀ, x @ w2ᵀ) for x [T, K] or a Normed, w as matvec takes it and w2 a tensor that rides
+    (rides): one launch on CUDA (matvec_rider_triton), the float32 references otherwise."""
+    if not use_triton(_rows_of(x), values_of(w), w2):
+        return matvec_rider_ref(x, w, w2)
+    return matvec_rider_triton(x, w, w2, plan)
 
 
 _counts: dict = {}

@@ -30,6 +30,15 @@ def test_fp8_greedy_mtp_on_equals_off(ckpt, graphs):
     assert_mtp_on_equals_off(engine, gpu_prompts(engine, 4), 96, profile_ks=(1, 2, 3, 4), ks=(3,))
 
 
+@pytest.mark.parametrize("rides", [False, True])
+def test_fp8_b_a_riding_or_apart_keeps_mtp_on_equal_to_off(ckpt, rides):
+    # the GDN's bf16 b|a rows in the FP8 in_proj's launch (ProductPlan.rides) or a launch of their own
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, cuda_graphs=True, max_context=1024)
+    engine.plan = engine.decoder.plan = engine.plan.replace(rides=rides)
+    assert engine.model.layers[0].mixer.in_proj_ba is not None
+    assert_mtp_on_equals_off(engine, gpu_prompts(engine, 3), 64, profile_ks=(2, 3), ks=(3,))
+
+
 def test_fp8_prefill_on_the_gpu_is_close_to_the_cpu(ckpt):
     # the prefill quantizes its activations to e4m3 (3 bits of mantissa, about 3% a value), which a
     # random 8-layer model amplifies: a loose bound

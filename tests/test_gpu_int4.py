@@ -27,6 +27,16 @@ def test_int4_on_load_greedy_mtp_on_equals_off(ckpt, graphs):
     assert_mtp_on_equals_off(engine, gpu_prompts(engine, 4), 96, profile_ks=(1, 2, 3, 4), ks=(3,))
 
 
+@pytest.mark.parametrize("rides", [False, True])
+def test_int4_b_a_riding_or_apart_keeps_mtp_on_equal_to_off(ckpt, rides):
+    # the GDN's bf16 b|a rows in the 4-bit in_proj's launch (ProductPlan.rides) or a launch of their own
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, cuda_graphs=True, max_context=1024,
+                         weights="int4")
+    engine.plan = engine.decoder.plan = engine.plan.replace(rides=rides)
+    assert engine.model.layers[0].mixer.in_proj_ba is not None
+    assert_mtp_on_equals_off(engine, gpu_prompts(engine, 3), 64, profile_ks=(2, 3), ks=(3,))
+
+
 FORMATS = {
     "gptq-desc-act": lambda root: write_gptq_checkpoint(root, desc_act=True, dynamic={}),
     "gptq-moe-desc-act": lambda root: write_gptq_checkpoint(root, desc_act=True, moe=True, dynamic={}),

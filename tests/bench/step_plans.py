@@ -283,6 +283,14 @@ def fold_plans(base: KernelPlan) -> dict:
             "folded normed": off.replace(moe_fold=True, moe_normed=True)}
 
 
+def rider_plans(base: KernelPlan) -> dict:
+    """An FP8 or 4-bit model's GDN b|a product (bf16) as a launch of its own, or riding as the first
+    programs of the in_proj's launch (ProductPlan.rides: a launch a GDN layer fewer). The in_proj's
+    logits are the same bits; b|a's move by its sums' order (one program over all of K against the
+    small split's parts)."""
+    return {"apart": base.replace(rides=False), "rides": base.replace(rides=True)}
+
+
 def default_plans(base: KernelPlan) -> dict:
     """The plan's defaults that were measured in (DEFAULT_FORMS), each off alone against all on, and
     all off: the ratios say what each still buys on this model and weight format (the bit form
@@ -296,4 +304,5 @@ def default_plans(base: KernelPlan) -> dict:
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
-            "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans}
+            "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans,
+            "rides": rider_plans}
