@@ -50,9 +50,11 @@ class ProductPlan:
     tail_parts: int = 3             # ... into this many parts a block
     small_split: bool = True        # a product of at most programs / 4 column blocks split over K in every block ...
     small_parts: int = 8            # ... into at most this many parts
-    rides: bool = False             # a small product in the model dtype over the rows another product reads (an FP8
+    rides: bool = True              # a small product in the model dtype over the rows another product reads (an FP8
                                     # or 4-bit model's GDN b|a beside its in_proj) runs as the first programs of
-                                    # that product's launch (matvec.matvec_rider): a launch a GDN layer fewer
+                                    # that product's launch (matvec.matvec_rider): a launch a GDN layer fewer. Whole
+                                    # steps, decode / verify 3 (H100, tests/bench/ab_step.py --plans rides): 35B-A3B
+                                    # FP8 0.960 / 0.970 x, int4 0.955 / 0.961; 27B FP8 0.989 / 0.990, int4 0.965 / 0.954
     widen_bits: bool = True         # FP8 tiles widened to bf16 by moving bits, not by Triton's conversion (fp8.widen) ...
     widen_group: int = 0            # ... in groups of this many weights (2 or 4); 0: as the tile suits (fp8.widen_group)
     late_release: bool = False      # the few-row products let the next kernel's programs be placed once their own

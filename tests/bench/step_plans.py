@@ -215,7 +215,8 @@ def fp8_tile_plans(base: KernelPlan, found: dict) -> dict:
 
 DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split=False),
                  "fc split": dict(fc_split=False), "pick": dict(draft_pick=False),
-                 "routed layout": dict(routed_layout=False), "moe normed": dict(moe_normed=False)}
+                 "routed layout": dict(routed_layout=False), "moe normed": dict(moe_normed=False),
+                 "rides": dict(rides=False)}
 
 
 def release_plans(base: KernelPlan) -> dict:
