@@ -43,6 +43,18 @@ def kernel_table(fn, repeats: int) -> dict:
             "total_us": round(sum(r[2] for r in rows), 1), "launches": sum(r[1] for r in rows)}
 
 
+def sequence(fn, first: int, skip: int = 0) -> list:
+    """The kernels of one call of fn in launch order, (name, us) each, `first` of them after `skip`."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda ev: ev.time_range.start)
+    return [(ev.name[:60], round(ev.device_time_total, 1)) for ev in evs][skip:skip + first]
+
+
 def wall(fn, repeats: int) -> float:
     fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -69,6 +81,9 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--weights", choices=("bf16", "fp8", "int4"), default="bf16")
     p.add_argument("--json")
+    p.add_argument("--sequence", type=int, default=0, metavar="N",
+                   help="also list N kernels of an eager decode step and verify 3 in launch order (after --skip)")
+    p.add_argument("--skip", type=int, default=0)
     a = p.parse_args()
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
     engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=max(a.context, a.prefill) + 256,
@@ -95,6 +110,13 @@ def main():
         out[f"{key[0]} {key[1]}"] = {**table, "wall_us": w}
         show(f"graph {key}", table, w)
     fn = lambda: (restore(), d.verify(0))
+    if a.sequence:
+        for k in (0, 3):
+            seq = sequence(lambda k=k: (restore(), d.verify(k)), a.sequence, a.skip)
+            out[f"verify {k} eager sequence"] = seq
+            print(f"\n== eager verify {k}, kernels {a.skip} .. {a.skip + len(seq)} in launch order")
+            for name, us in seq:
+                print(f"  {us:8.1f} us  {name}")
     table = kernel_table(fn, a.repeats)
     out["verify 0 eager"] = table
     show("eager verify 0", table)
