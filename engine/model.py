@@ -111,26 +111,19 @@ class SparseMoE(nn.Module):
     def forward(self, x, ctx: Ctx):
         E, k = self.c.num_experts, self.c.num_experts_per_tok
         gate_up, down = weight(self, "experts_gate_up"), weight(self, "experts_down")
+        logits = ctx.linear(x, self.router)
         reads = self.reads if ctx.step else None
         if self._shared_as_expert(gate_up, x, ctx):
             # the shared expert as every row's last choice, expert E: two launches fewer a layer
             sgu, sd = weight(self.shared, "gate_up"), weight(self.shared, "down")
-            _, weights, _, layout = self._route(x, ctx, shared=True)
+            _, weights, _, layout = moe_routing.route(logits, k, E, ctx.step, shared=True, rows=ctx.rows,
+                                                      plan=ctx.products)
             h = moe.expert_swiglu(x, gate_up, layout, k + 1, E, ctx.step, reads, shared=sgu, plan=ctx.products)
             return self._finish(Experts(h, down, layout, E, sd, weights, None, None), x, ctx)
-        _, weights, gate, layout = self._route(x, ctx)
+        _, weights, gate, layout = moe_routing.route(logits, k, E, ctx.step, rows=ctx.rows, plan=ctx.products)
         h = moe.expert_swiglu(x, gate_up, layout, k, E, ctx.step, reads, plan=ctx.products)
         shared = self.shared(x, ctx, whole=True) if self.shared is not None else None
         return self._finish(Experts(h, down, layout, E, None, weights, shared, gate), x, ctx)
-
-    def _route(self, x, ctx: Ctx, shared: bool = False):
-        """(ids, weights, gate, layout) of the rows x: the router's product, then the routing; in a
-        step on the GPU under the plan's router_routes, both in one launch."""
-        E, k = self.c.num_experts, self.c.num_experts_per_tok
-        if ctx.step and moe_routing.routes_whole(x, self.router, ctx.products):
-            return moe_routing.route_rows(x, self.router, k, E, shared=shared, rows=ctx.rows, plan=ctx.products)
-        return moe_routing.route(ctx.linear(x, self.router), k, E, ctx.step, shared=shared, rows=ctx.rows,
-                                 plan=ctx.products)
 
     def _finish(self, experts: Experts, x, ctx: Ctx):
         """The layer's output [T, H], or in a step on the GPU under the plan's moe_fold the Experts

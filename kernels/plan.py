@@ -79,8 +79,6 @@ class ProductPlan:
                                     # 2026-11-27). Its routing kernel compiles one form per row count, and a sum
                                     # over a layout the compiler picks once gave a decode's weights other last bits
                                     # than a verify's, which broke MTP on == off: the weights are now summed in order
-    router_routes: bool = False     # a step's MoE router product and its routing in one launch, the routing run by
-                                    # the product's last program (moe_routing.route_rows): a launch a layer fewer
     tiles: TileRule | None = None   # tiles other than the measured ones (benchmarks; small tiles for the interpreter)
     split_tiles: SplitRule | None = None
     expert_tiles: ExpertRule | None = None  # the MoE expert products' tiles (tests/bench/bench_moe.py)

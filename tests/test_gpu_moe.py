@@ -60,17 +60,6 @@ def test_the_moe_layer_between_normeds(ckpts, layout, forms):
             assert greedy_tokens(engine, ids, 64) == greedy_tokens(plain, ids, 64)
 
 
-@pytest.mark.parametrize("layout", [STACKED, PER_EXPERT])
-@pytest.mark.parametrize("routes", [False, True])
-def test_the_router_routing_in_its_launch(ckpts, layout, routes):
-    """ProductPlan.router_routes (a step's router product and routing in one launch) on and off:
-    greedy MTP on == off under CUDA graphs, and the same step logits either way (the same logits
-    and routing bits: tests/kernels/test_moe_routing.py)."""
-    engine = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024)
-    engine.plan = engine.decoder.plan = engine.plan.replace(router_routes=routes)
-    on_equals_off(engine, n_prompts=3, n=64)
-
-
 def test_gpu_logits_close_to_the_cpu(ckpts):
     gpu = Engine.load(ckpts[STACKED], device="cuda", dtype=torch.float32, max_context=512, cuda_graphs=False)
     cpu = Engine.load(ckpts[STACKED], device="cpu", dtype=torch.float32, max_context=512)

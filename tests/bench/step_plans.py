@@ -292,12 +292,6 @@ def rider_plans(base: KernelPlan) -> dict:
     return {"apart": base.replace(rides=False), "rides": base.replace(rides=True)}
 
 
-def router_plans(base: KernelPlan) -> dict:
-    """A step's MoE router product and routing as two launches, or one (ProductPlan.router_routes:
-    the routing run by the product's last program). The logits must be the same bits."""
-    return {"apart": base.replace(router_routes=False), "routes": base.replace(router_routes=True)}
-
-
 def default_plans(base: KernelPlan) -> dict:
     """The plan's defaults that were measured in (DEFAULT_FORMS), each off alone against all on, and
     all off: the ratios say what each still buys on this model and weight format (the bit form
@@ -312,4 +306,4 @@ FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
             "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans,
-            "rides": rider_plans, "router": router_plans}
+            "rides": rider_plans}

@@ -3,14 +3,11 @@ renormalisation, the shared expert's gate or the shared expert as every row's la
 step's layout written by the routing kernel; stale rows routed as the last live one; ties."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from kernel_checks import INTERPRETED, check, normed, randn
+from kernel_checks import INTERPRETED, check, randn
 
 from mtpchat.kernels import matvec, moe_layout, moe_routing
-from mtpchat.kernels.plan import ProductPlan, default_products
 
 
 # (9, 256, 8): a verify of 8 drafts routes 72 pairs, past the 64 the step's bookkeeping holds at least
@@ -112,83 +109,3 @@ def test_ties_take_the_smaller_expert_first():
     assert (logits[:, [1, 2, 4, 8, 16]] == logits[:, 1:2]).all()
     ids = moe_routing.route_step(logits, 8, 256)[0]
     assert (ids[:, :5] == torch.tensor([1, 2, 4, 8, 16], device="cuda", dtype=ids.dtype)).all(), ids
-
-
-def h100_like(**changes) -> ProductPlan:
-    """A plan whose router splits as on an H100's 132 SMs (the interpreter's 6 "SMs" leave it whole)."""
-    return ProductPlan(programs=132, **changes)
-
-
-# (4, 256, 8, 2048): the 35B-A3B's router (K = 2048 over 8 parts); H = 300: a last K tile of 44 columns
-@pytest.mark.parametrize("T,E,k,H", [(1, 12, 3, 300), (5, 40, 4, 256), (4, 256, 8, 2048), (3, 7, 7, 200)])
-@pytest.mark.parametrize("head", ["gate", "shared", "none"])
-@pytest.mark.parametrize("is_normed", [False, True])
-def test_the_router_routes_in_its_own_launch(device, T, E, k, H, head, is_normed):
-    """route_rows (the router's product and the routing in one launch, ProductPlan.router_routes):
-    the same ids, weights, gate and layout, bit for bit, as the product kernel's logits routed by
-    the routing kernel, for plain and Normed rows, with the shared expert's gate, with the shared
-    expert as a choice, or with neither; the count back at 0."""
-    g = torch.Generator().manual_seed(T * E + H)
-    dtype = torch.float32 if INTERPRETED else torch.bfloat16
-    x = normed(T, H, dtype, device, g) if is_normed else randn(T, H, dtype=dtype, device=device, gen=g)
-    router = randn(E + (head != "none"), H, dtype=dtype, device=device, gen=g, scale=2.0 * H ** -0.5)
-    shared = head == "shared"
-    for plan in (h100_like(), h100_like(small_split=False)):
-        for layout in (False, True):
-            plan = plan if plan.routed_layout == layout else dataclasses.replace(plan, routed_layout=layout)
-            got = moe_routing.route_rows(x, router, k, E, shared=shared, plan=plan)
-            logits = matvec.matvec_triton(x, router, plan=plan)
-            want = moe_routing.route_step(logits, k, E, shared=shared, layout=layout)
-            at = (plan.small_split, layout)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), at
-            assert (got[2] is None) == (want[2] is None) and (got[2] is None or torch.equal(got[2], want[2])), at
-            assert got[3].blocks == want[3].blocks and (got[3].expert is None) == (not layout), at
-            if layout:
-                assert torch.equal(got[3].expert, want[3].expert) and torch.equal(got[3].pairs, want[3].pairs), at
-            ids_r, w_r, _ = moe_routing.route_ref(matvec.matvec_ref(x, router).cpu(), k, E, shared)
-            assert (ids_r == got[0].cpu()).float().mean() > 0.9, "far from the reference's choices"
-    assert not moe_routing.arrival_counts(torch.device(device), 1, "router").any(), "the router left its count set"
-
-
-@pytest.mark.parametrize("live", [1, 3])
-def test_the_router_routes_stale_rows_as_the_last_live_one(device, live):
-    g = torch.Generator().manual_seed(live)
-    T, E, k, H = 5, 37, 4, 300
-    dtype = torch.float32 if INTERPRETED else torch.bfloat16
-    x = randn(T, H, dtype=dtype, device=device, gen=g)
-    router = randn(E + 1, H, dtype=dtype, device=device, gen=g, scale=0.1)
-    rows = torch.tensor([live], device=device)
-    got = moe_routing.route_rows(x, router, k, E, shared=True, rows=rows, plan=h100_like())
-    want = moe_routing.route_step(matvec.matvec_triton(x, router, plan=h100_like()), k, E, shared=True, rows=rows,
-                                  layout=True)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert torch.equal(got[3].expert, want[3].expert) and torch.equal(got[3].pairs, want[3].pairs)
-
-
-def test_what_the_router_kernel_takes(device):
-    plan = h100_like(router_routes=True)
-    x, router = randn(2, 64, device=device, seed=1), randn(9, 64, device=device, seed=2)
-    assert moe_routing.routes_whole(x, router, plan) == (device == "cuda")    # CPU rows take the reference
-    if device == "cuda":
-        assert not moe_routing.routes_whole(x, router, h100_like()), "the plan's router_routes is off"
-        assert not moe_routing.routes_whole(x, router.half(), plan), "another dtype"
-        assert not moe_routing.routes_whole(randn(17, 64, device=device, seed=3), router, plan), "past the row tile"
-    with pytest.raises(AssertionError, match="route_rows"):
-        moe_routing.route_rows(x, randn(9, 32, device=device, seed=2), 2, 8, plan=plan)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shared", [True, False])
-def test_a_row_routes_by_its_router_to_the_same_bits_at_any_row_count(shared):
-    # the 35B-A3B's router over Normed rows: every window of 1 to 9 rows against the 9 routed whole
-    g = torch.Generator().manual_seed(shared)
-    E, k, T, H = 256, 8, 9, 2048
-    x = normed(T, H, torch.bfloat16, "cuda", g)
-    router = randn(E + 1, H, dtype=torch.bfloat16, device="cuda", gen=g, scale=2.0 * H ** -0.5)
-    plan = dataclasses.replace(default_products("cuda"), router_routes=True)
-    ids9, w9, _, _ = moe_routing.route_rows(x, router, k, E, shared=shared, plan=plan)
-    for n in range(1, T + 1):
-        for r in range(T - n + 1):
-            xs = matvec.Normed(x.x[r:r + n], x.ss[r:r + n], x.eps)
-            ids, w, _, _ = moe_routing.route_rows(xs, router, k, E, shared=shared, plan=plan)
-            assert torch.equal(ids, ids9[r:r + n]) and torch.equal(w, w9[r:r + n]), (r, n)
