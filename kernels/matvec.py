@@ -196,7 +196,7 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
         b_rstd = _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP)
     b_g = tl.zeros([BN, BT], dtype=tl.float32)
     b_u = tl.zeros([BN, BT], dtype=tl.float32)
-    for k in range(k_lo, k_hi, BK):
+    for k in range(tl.multiple_of(k_lo, BK), k_hi, BK):
         if G > 0:
             # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights
             # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
