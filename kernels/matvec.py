@@ -196,6 +196,8 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
         b_rstd = _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP)
     b_g = tl.zeros([BN, BT], dtype=tl.float32)
     b_u = tl.zeros([BN, BT], dtype=tl.float32)
+    # the start hinted a multiple of BK: without it a split's loop over 4-bit words was not pipelined
+    # (KS's known divisor, 16 weights, is 8 bytes of interleaved half-words: no 16-byte copies)
     for k in range(tl.multiple_of(k_lo, BK), k_hi, BK):
         if G > 0:
             # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights

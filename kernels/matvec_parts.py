@@ -39,7 +39,9 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
     m_n, m_t = o_n < N, o_t < T
     m_y = m_n[:, None] & m_t[None, :]
     b_y = tl.zeros([BN, BT], dtype=tl.float32)
-    for k in range(i_s * KS, tl.minimum(i_s * KS + KS, K), BK):
+    # the start hinted a multiple of BK: a 4-bit weight's words then load in 16-byte copies (KS's
+    # known divisor, 16 weights, is 8 bytes of interleaved half-words)
+    for k in range(tl.multiple_of(i_s * KS, BK), tl.minimum(i_s * KS + KS, K), BK):
         if G > 0:       # 4-bit weights (kernels/int4.py)
             # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
             b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + tl.minimum(o_t, T - 1)[None, :] * s_x, m_t,
