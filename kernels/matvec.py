@@ -25,6 +25,11 @@ kernel (ProductPlan.permute_x, the default) or to x's tile in every program).
 
 Products with fewer column blocks than SMs are split over K in matvec_parts.py, whose norm-finishing
 form hands the next product its input as a `Normed` (below).
+
+A small product over the same rows in the rows' dtype may ride in a product's launch
+(`matvec_rider`, the plan's `rides`: an FP8 or 4-bit model's GDN b|a rows beside its in_proj): its
+column blocks take the launch's first programs, the product's follow, computing what they compute
+in a launch of their own.
 """
 from __future__ import annotations
 
