@@ -78,7 +78,8 @@ INTERLEAVED_CANDIDATES = {
               (4, 64, 512, 4, 3), (6, 64, 256, 4, 4), (8, 64, 256, 4, 3), (3, 32, 512, 2, 4), (4, 32, 512, 2, 4),
               (6, 32, 256, 2, 6), (2, 32, 1024, 2, 3), (4, 128, 256, 8, 4), (12, 64, 128, 4, 6), (2, 32, 512, 2, 4),
               (3, 32, 512, 2, 3), (3, 32, 512, 2, 5), (3, 32, 256, 2, 6), (4, 32, 256, 2, 6), (5, 32, 512, 2, 4),
-              (3, 16, 512, 1, 4), (6, 16, 512, 1, 4)],
+              (3, 16, 512, 1, 4), (6, 16, 512, 1, 4), (4, 32, 512, 2, 3), (6, 32, 512, 2, 3), (2, 32, 512, 2, 6),
+              (3, 32, 1024, 2, 2), (4, 32, 1024, 2, 2)],
     "expert": [(32, 512, 2, 2), (32, 256, 4, 4), (64, 512, 4, 3), (32, 512, 2, 4), (64, 256, 4, 4), (16, 512, 1, 2),
                (32, 256, 2, 4), (32, 1024, 2, 2), (128, 512, 8, 2), (16, 256, 1, 4)]}
 
@@ -298,7 +299,10 @@ def main():
     p.add_argument("--no-experts", action="store_true", help="the 27B's products only")
     p.add_argument("--interleaved-only", action="store_true", help="only the interleaved form's candidate tiles")
     p.add_argument("--experts-only", action="store_true", help="the 35B-A3B's experts only")
+    p.add_argument("--kinds", default="plain,swiglu,split", help="the 27B's products of these kinds only")
+    p.add_argument("--rows-timed", default="1,4", help="the row counts to time (the tiles at the first)")
     a = p.parse_args()
+    kinds, Ts = a.kinds.split(","), tuple(int(t) for t in a.rows_timed.split(","))
     start = time.time()
     torch.manual_seed(0)
     base = default_products("cuda")
@@ -312,9 +316,10 @@ def main():
             bench_prefill(a.prefill, out)
         if not a.prefill_only:
             for name, N, K, kind in SHAPES if not a.experts_only else ():
-                bench_product(name, N, K, kind, (1, 4), base, bw, a.quick, out, a.interleaved_only)
+                if kind in kinds:
+                    bench_product(name, N, K, kind, Ts, base, bw, a.quick, out, a.interleaved_only)
             if not a.no_experts:
-                bench_experts((1, 4), base, bw, a.quick, out, a.interleaved_only)
+                bench_experts(Ts, base, bw, a.quick, out, a.interleaved_only)
     print(f"{time.time() - start:.0f} s")
     if a.json:
         with open(a.json, "w") as f:
