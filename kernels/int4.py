@@ -260,7 +260,7 @@ def form_args(BK: int, G: int, form: str) -> dict:
     return dict(BG=BG, UNPACK=PAIRED if form == "pairs" and not interpreting() else SLICED)
 
 
-def measured(product: str, N: int, K: int, interleaved: bool = False) -> tuple[tuple[int, int, int, int], str]:
+def measured(product: str, N: int, K: int, interleaved: bool = False) -> tuple[tuple[int, ...], str]:
     """The tile (BN, BK in weights, warps, stages) and unpack form of a 4-bit product where the
     plan names none, by the product ("plain", "swiglu", "split", "expert_swiglu", "expert_down";
     any other, e.g. prefill's "gemm": the reshape form) and the weight's [N, K]. Measured on an
@@ -293,7 +293,14 @@ def measured(product: str, N: int, K: int, interleaved: bool = False) -> tuple[t
     14.0 us (32 x 512, 2 warps: 20.5; natural, pairs: 22.3; bf16 11.5), down 64 x 512, 4 warps, 3
     deep 7.0 (natural 10.3; bf16 7.6); the 35B-A3B's int4 decode step with all its weights
     interleaved 0.724 x the natural layout's, and the experts' gate|up tile then 0.979 x (verify 3
-    0.907: ab_step.py --model qwen3.5-35b-a3b --plans int4 / int4tiles)."""
+    0.907: ab_step.py --model qwen3.5-35b-a3b --plans int4 / int4tiles). Once the split products'
+    words loaded in 16-byte copies (2026-11-27), the 27B's MLP down [5120 x 17408] took 23.9 us in
+    4 parts of 32 x 256, 2 warps, 6 deep, against 25.8 in 3 of 32 x 512 (out_proj: 11.6 either
+    way; bench_int4.py --kinds split), and the decode step 0.986 x (verify 3 0.994: ab_step.py
+    --plans int4tiles): a split tile of rows of 16384 or more comes with its parts,
+    (S, BN, BK, warps, stages)."""
+    if interleaved and product == "split" and K >= 16384:
+        return (4, 32, 256, 2, 6), "interleaved"           # parts too (matvec_parts.split_config)
     if interleaved and product in ("plain", "split"):
         return (32, 512, 2, 4), "interleaved"
     if interleaved and product == "swiglu":

@@ -95,7 +95,10 @@ def split_config(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 
     programs (their 32-row tiles: 480 on the 27B, 3 parts)."""
     if group:
         chosen = plan.int4_tiles("split", N, K, group) if plan.int4_tiles is not None else None
-        BN, BK, warps, stages = measured("split", N, K, interleaved)[0]
+        tile = measured("split", N, K, interleaved)[0]
+        if chosen is None and len(tile) == 5:       # a measured tile with its parts
+            return tile
+        BN, BK, warps, stages = tile[-4:]
     else:
         chosen = plan.split_tiles(N, K, itemsize) if plan.split_tiles is not None else None
         BN, BK, warps, stages = 64, 256 // itemsize, 4, 4

@@ -144,14 +144,14 @@ il = dict(G=128, BG=128, FP8=False, BITS=0, UNPACK=int4.INTERLEAVED_ASM, zw=None
 BT = ProductPlan(programs=132).int4_rows
 (BN, BK, warps, stages), _ = int4.measured("plain", 16384, 5120, True)
 (SN, SK, swarps, sstages), _ = int4.measured("swiglu", 17408, 5120, True)
-(PN, PK, pwarps, pstages), _ = int4.measured("split", 5120, 17408, True)
+(PS, PN, PK, pwarps, pstages), _ = int4.measured("split", 5120, 17408, True)     # the 27B's down: with its parts
 step = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS, SHARED=True, zw2=None, perm2=None)
 (EN, EK, ewarps, estages) = moe.tiles("swiglu", True, False, 2, None, (1024, 2048, 128), True)
 (DN, DK, dwarps, dstages) = moe.tiles("down", True, False, 2, None, (2048, 512, 128), True)
 i16 = {"w2": "*i16"}
 inter = [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGLU=False, SPLIT=True, **il), {"ws": "*fp32"}, (warps, stages)),
          ("swiglu", matvec._matvec_kernel, dict(BT=BT, BN=SN, BK=SK, NBP=0, SWIGLU=True, SPLIT=False, **il), {"ws": "*fp32"}, (swarps, sstages)),
-         ("parts", matvec_parts._matvec_parts_kernel, dict(BT=BT, BN=PN, BK=PK, S=3, NORM=True, RESIDUAL=True, **il), {"y": "*fp32"}, (pwarps, pstages)),
+         ("parts", matvec_parts._matvec_parts_kernel, dict(BT=BT, BN=PN, BK=PK, S=PS, NORM=True, RESIDUAL=True, **il), {"y": "*fp32"}, (pwarps, pstages)),
          ("expert swiglu", moe._swiglu_kernel, dict(TOPK=8, BN=EN, BK=EK, COUNT=True, **step, **il), i16, (ewarps, estages)),
          ("expert down", moe._down_kernel, dict(BN=DN, BK=DK, **step, **il), dict(i16, y="*fp32"), (dwarps, dstages)),
          ("dequantize", int4_gemm._dequantize_kernel, dict(G=128, BN=16, BK=1024, zw=None, INTERLEAVED=True), {"out": "*bf16"}, (4, 1))]
