@@ -172,6 +172,11 @@ for name, fn, consts, types, (warps, stages) in inter:
             raise SystemExit(1)
         assert k.metadata.shared <= SHARED_MEMORY[cap], f"{what}: {k.metadata.shared} bytes of shared memory"
         assert name == "dequantize" or "lop3.b32" in k.asm["ptx"], what
+        # the few-row products' weights stream through shared memory in 16-byte copies (cp.async.cg):
+        # a split's K start known only as a multiple of 16 weights (8 bytes of half-words) once gave
+        # 8-byte copies, or none at all (matvec.py, matvec_parts.py: tl.multiple_of)
+        assert name not in ("plain", "swiglu", "parts") or "cp.async.cg.shared.global" in k.asm["ptx"], \
+            f"{what}: its weights load in copies of under 16 bytes"
         print("ok", what)
 """
 
