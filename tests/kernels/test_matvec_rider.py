@@ -9,7 +9,7 @@ import torch
 from kernel_checks import TOL, check, int4_weight, normed, randn
 
 from mtpchat.kernels import fp8, int4, matvec
-from mtpchat.kernels.plan import ProductPlan, default_products
+from mtpchat.kernels.plan import default_products
 
 # numpy's matmul treats Triton's bf16 as integers in the interpreter: bf16 rows on the GPU only
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
@@ -26,21 +26,19 @@ def product_weight(form: str, N: int, K: int, dtype, device, seed: int):
     return w.to(dtype)
 
 
-def plan_for(device) -> ProductPlan:
-    return default_products(device)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("form", ["tensor", "fp8", "int4"])
-@pytest.mark.parametrize("T,N,N2,K", [(1, 200, 40, 384), (3, 96, 96, 256), (5, 300, 17, 640)])
+@pytest.mark.parametrize("T,N,N2,K", [(1, 200, 40, 384), (3, 96, 96, 256), (5, 300, 17, 640), (2, 448, 24, 512)])
 @pytest.mark.parametrize("is_normed", [False, True])
 def test_a_rider_and_its_product(device, dtype, form, T, N, N2, K, is_normed):
-    # N2 of 17 and 40: a last rider block of 1 and 8 rows; 300 rows of FP8: a partial scale block
+    # N2 of 17 and 40: a last rider block of 1 and 8 rows; 300 rows of FP8: a partial scale block;
+    # 448 float32 rows on the interpreter's 6 "SMs": 7 blocks of 64, the last split over K in 2
+    # parts (matvec.tail_split) after the rider's programs
     g = torch.Generator().manual_seed(T * N2 + K)
     x = normed(T, K, dtype, device, g) if is_normed else randn(T, K, dtype=dtype, device=device, gen=g)
     w = product_weight(form, N, K, dtype, device, seed=N + K)
     w2 = randn(N2, K, dtype=dtype, device=device, gen=g, scale=K ** -0.5)
-    plan = plan_for(device)
+    plan = default_products(device)
     y, y2 = matvec.matvec_rider_triton(x, w, w2, plan=plan)
     assert torch.equal(y, matvec.matvec_triton(x, w, plan=plan)), "the ridden product's outputs moved"
     check(y2, matvec.matvec_ref(x, w2), TOL[dtype], "rider")
@@ -52,7 +50,7 @@ def test_rows_past_the_row_tile_run_in_pieces(device):
     g = torch.Generator().manual_seed(11)
     x = randn(11, 256, device=device, gen=g)
     w, w2 = product_weight("int4", 64, 256, torch.float32, device, 3), randn(24, 256, device=device, gen=g)
-    plan = plan_for(device)
+    plan = default_products(device)
     y, y2 = matvec.matvec_rider_triton(x, w, w2, plan=plan)
     assert torch.equal(y, matvec.matvec_triton(x, w, plan=plan))
     check(y2, matvec.matvec_ref(x, w2), TOL[torch.float32], "rider")
@@ -80,7 +78,7 @@ def test_rider_rows_do_not_depend_on_T(form, N, N2, K):
     x = randn(matvec.MAX_ROWS, K, dtype=torch.bfloat16, device="cuda", gen=g)
     w = product_weight(form, N, K, torch.bfloat16, "cuda", seed=K)
     w2 = randn(N2, K, dtype=torch.bfloat16, device="cuda", gen=g, scale=K ** -0.5)
-    plan = plan_for("cuda")
+    plan = default_products("cuda")
     y, y2 = matvec.matvec_rider_triton(x, w, w2, plan=plan)
     for i in range(x.shape[0]):
         yi, y2i = matvec.matvec_rider_triton(x[i:i + 1], w, w2, plan=plan)
