@@ -298,7 +298,12 @@ def measured(product: str, N: int, K: int, interleaved: bool = False) -> tuple[t
     4 parts of 32 x 256, 2 warps, 6 deep, against 25.8 in 3 of 32 x 512 (out_proj: 11.6 either
     way; bench_int4.py --kinds split), and the decode step 0.986 x (verify 3 0.994: ab_step.py
     --plans int4tiles): a split tile of rows of 16384 or more comes with its parts,
-    (S, BN, BK, warps, stages)."""
+    (S, BN, BK, warps, stages). The experts' down [2048 x 512] in a verify of 4 rows (31 experts,
+    the layout derived by the kernels: bench_int4.py --experts-only --rows-timed 4,1) took 21.5 us
+    on 128 x 256, 8 warps, 2 deep against 30.5 on 64 x 512, 4 warps, 3 deep (one K step a program:
+    1,056 programs of 96 KB of shared memory, two an SM; 7.1 us either way for a decode's 8), and
+    the 35B-A3B's verify 3 step 0.962 x (decode 0.991, draft 3 0.995: ab_step.py --plans int4tiles,
+    H100, 2026-11-27); the SwiGLU on 64 x 512, 3 deep, 1.013 x, stays."""
     if interleaved and product == "split" and K >= 16384:
         return (4, 32, 256, 2, 6), "interleaved"           # parts too (matvec_parts.split_config)
     if interleaved and product in ("plain", "split"):
@@ -308,7 +313,7 @@ def measured(product: str, N: int, K: int, interleaved: bool = False) -> tuple[t
     if interleaved and product == "expert_swiglu":
         return (64, 256, 4, 4), "interleaved"
     if interleaved and product == "expert_down":
-        return (64, 512, 4, 3), "interleaved"
+        return (128, 256, 8, 2), "interleaved"
     if product in ("plain", "split"):
         return (64, 1024, 4, 2), "pairs"
     if product == "swiglu":

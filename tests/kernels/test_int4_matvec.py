@@ -277,9 +277,13 @@ SHAPES_27B = [(16384, 5120), (14336, 5120), (5120, 6144), (5120, 17408)]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", SHAPES_27B)
-@pytest.mark.parametrize("group,symmetric,perm", [(128, True, False), (32, False, True)])
-def test_int4_27b_shapes_and_rows(N, K, group, symmetric, perm):
+@pytest.mark.parametrize("group,symmetric,perm,interleaved", [(128, True, False, False), (32, False, True, False),
+                                                               (128, True, False, True)])
+def test_int4_27b_shapes_and_rows(N, K, group, symmetric, perm, interleaved):
+    # interleaved: the engine's layout, on the measured tiles (the MLP down's split with its own parts)
     w = int4_weight(N, K, "cuda", N, group, symmetric, perm)
+    if interleaved:
+        w = int4.interleave_ref(w)
     x = randn(matvec.MAX_ROWS, K, dtype=torch.bfloat16, device="cuda", seed=K)
     check(matvec.matvec(x[:5], w), matvec.matvec_ref(x[:5], w), 1e-2)
     rows_equal(lambda x: matvec.matvec(x, w), x)
