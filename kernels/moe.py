@@ -150,8 +150,10 @@ def _expert_ptr(p, offset, p2, e, E, SHARED: tl.constexpr):
 def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
                  ss, s_ss, NB, eps, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  SHARED: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr,
-                 NBP: tl.constexpr):
-    # expert e's words, scales, zeros and perm (None where the stack has none); E the shared one
+                 NBP: tl.constexpr, STACKED: tl.constexpr):
+    # expert e's words, scales, zeros and perm (None where the stack has none); E the shared one.
+    # STACKED: the tile's gate rows over its up rows, one dot a group (as _swiglu_stacked), each
+    # row's sums those of the two dots apart
     w_e = _expert_ptr(w, e * 2 * F * s_w, w2, e, E, SHARED)
     s_e = _expert_ptr(ws, e * 2 * F * s_ws, ws2, e, E, SHARED)
     z_e = zw if zw is None else _expert_ptr(zw, e * 2 * F * s_ws, zw2, e, E, SHARED)
@@ -160,11 +162,20 @@ def _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x,
     p_x = x + tl.where(m_p, p // TOPK, 0)[None, :] * s_x
     o_n = i_n * BN + tl.arange(0, BN)
     m_n = o_n < F
-    acc_g = tl.zeros([BN, BM], dtype=tl.float32)
-    acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    for k in range(0, H, BK):      # p_x's rows all lie in x (dot_int4)
-        acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
-        acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
+    if STACKED:
+        o_r = tl.arange(0, 2 * BN)
+        o_c = i_n * BN + o_r % BN                   # the tile's columns of F, twice
+        o_w = o_c + tl.where(o_r >= BN, F, 0)       # rows of the expert's gate|up
+        acc = tl.zeros([2 * BN, BM], dtype=tl.float32)
+        for k in range(0, H, BK):      # p_x's rows all lie in x (dot_int4)
+            acc = dot_int4(acc, w_e, s_e, z_e, q_e, o_w, o_c < F, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, [2, BN, BM]), [1, 2, 0]))
+    else:
+        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+        for k in range(0, H, BK):      # p_x's rows all lie in x (dot_int4)
+            acc_g = dot_int4(acc_g, w_e, s_e, z_e, q_e, o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
+            acc_u = dot_int4(acc_u, w_e, s_e, z_e, q_e, F + o_n, m_n, s_w, s_ws, p_x, m_p, k, H, BK, G, BG, UNPACK)
     _swiglu_out(acc_g, acc_u, h, p, m_p, o_n, m_n, s_h, ss, s_ss, NB, H, eps, TOPK, NBP)
 
 
@@ -202,7 +213,7 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
     # SHARED, expert E is the shared expert, whose weights (w2, ws2) are a tensor of their own.
     # G > 0: 4-bit experts (kernels/int4.py), rows of s_w words, zeros zw and perm [E, H] (or None).
     # RUN: a K step takes RUN tiles of BK / RUN columns one after another (fp8.fp8_run).
-    # STACKED (bf16 and FP8 experts): the gate and up tiles as one [2 BN, BK] tile, one dot a K step.
+    # STACKED: the gate and up tiles as one [2 BN, BK] tile, one dot a K step (4-bit: a group).
     # LAID: a step's layout as the routing kernel wrote it (moe_layout._block). NBP > 0: x is a
     # Normed's x, its rows' sums of squares in ss (_swiglu_out).
     pdl_start(PDL)
@@ -212,7 +223,7 @@ def _swiglu_kernel(x, w, ws, w2, ws2, expert, pairs, reads, h, P, E, H, F, s_x, 
         return
     if G > 0:
         _swiglu_int4(x, w, ws, zw, perm, w2, ws2, zw2, perm2, e, p, h, E, H, F, s_x, s_h, s_ws, s_w, i_n,
-                     ss, s_ss, NB, eps, TOPK, BM, BN, BK, SHARED, G, BG, UNPACK, NBP)
+                     ss, s_ss, NB, eps, TOPK, BM, BN, BK, SHARED, G, BG, UNPACK, NBP, STACKED)
     else:   # not a return in `if G > 0`: Triton compiles the code after a constexpr if's return
         w_e = w + e * 2 * F * H
         s_e = ws + e * 2 * F // 128 * s_ws
@@ -527,7 +538,7 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     if fp8:
         BN, BK, warps, stages = fp8_fit((BN, BK, warps, stages), H)
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
-    stacked = plan.expert_stacked and step and int4 is None
+    stacked = step and (plan.expert_stacked if int4 is None else plan.int4_expert_stacked)
     w2, ws2 = _shared_args(w_gate_up, shared, 2 * Fi, H)
     ws = w_gate_up.scale if isinstance(w_gate_up, (BlockFP8, GroupInt4)) else wv
     _swiglu_kernel[(blocks, triton.cdiv(Fi, BN))](

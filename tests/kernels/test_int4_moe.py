@@ -4,6 +4,8 @@ the shared expert among the routed ones (its own GroupInt4), step and prefill la
 result the same whatever rows share its experts; the 35B-A3B's shapes (GPU)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_checks import TOL, check, int4_weight, randn
@@ -146,6 +148,39 @@ def test_int4_interleaved_experts(device, step, shared, group):
             moe.expert_swiglu_triton(x, int4.interleave_ref(wgu), lay, k + shared, E, shared=sgu)
 
 
+def stacked_plan(tile=(32, 128, 4, 2)) -> ProductPlan:
+    """4-bit experts' SwiGLU stacked (ProductPlan.int4_expert_stacked) on `tile`."""
+    return ProductPlan(programs=6, int4_expert_stacked=True,
+                       int4_tiles=lambda product, N, K, group: tile if product == "expert_swiglu" else None)
+
+
+@pytest.mark.parametrize("interleaved,group,perm,normed", [(False, 32, True, False), (True, 64, False, True)])
+def test_int4_stacked_swiglu_is_the_apart_one_bit_for_bit(device, interleaved, group, perm, normed):
+    """The SwiGLU's gate and up tiles as one (2 BN rows, one dot a group) give the same bits as the
+    two dots apart on the same tile on the GPU (each row's sums in the same order), the shared expert
+    and a Normed input included; F 80 leaves the last tile's columns part empty."""
+    T, E, k, F, H = 3, 5, 2, 80, 256
+    wgu = int4_weight(E * 2 * F, H, device, 61, group, False, perm, experts=E)
+    sgu = int4_weight(2 * F, H, device, 63, group, False, perm)
+    form = int4.interleave_ref if interleaved else (lambda w: w)
+    x = randn(T, H, device=device, seed=65)
+    if normed:
+        x = matvec.Normed(x, randn(T, 4, device=device, seed=66).abs() * 60, 1e-6)
+    # a step's own layout (route_step): what the stacked form is for (a prefill's blocks keep them apart)
+    ids, _, _, lay = moe_routing.route_step(randn(T, E + 1, seed=67, scale=2.0).to(device), k, E, shared=True)
+    assert isinstance(lay, moe_layout.StepLayout)
+    lay_cpu = moe_layout.layout_ref(ids.cpu(), E + 1, moe_layout.STEP_ROWS)
+    apart = dataclasses.replace(stacked_plan(), int4_expert_stacked=False)
+    h = moe.expert_swiglu_triton(x, form(wgu), lay, k + 1, E, shared=form(sgu), plan=stacked_plan())
+    h_apart = moe.expert_swiglu_triton(x, form(wgu), lay, k + 1, E, shared=form(sgu), plan=apart)
+    if device == "cuda":
+        assert torch.equal(h, h_apart)
+    else:       # the interpreter's dots are numpy's, whose sums' order may follow the tile's rows
+        check(h, h_apart, 1e-6, "stacked against apart")
+    if not normed:
+        check(h.cpu(), moe.expert_swiglu_ref(x.cpu(), cpu(wgu), lay_cpu, k + 1, E, shared=cpu(sgu)), TOL[torch.float32])
+
+
 def int4_rows_equal(device, dtype, E, k, F, H, T=5, group=128, plan=None, interleaved=False):
     wgu, wd = experts(E, F, H, device, 11, group, False, not interleaved)
     if interleaved:
@@ -176,6 +211,20 @@ def test_int4_a_row_does_not_depend_on_the_rows_beside_it(device):
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_int4_rows_bitwise_on_the_35b_shapes(interleaved):
     int4_rows_equal("cuda", torch.bfloat16, E=256, k=8, F=512, H=2048, interleaved=interleaved)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(64, 256, 8, 4), (32, 256, 4, 4)])
+def test_int4_stacked_swiglu_on_the_35b_shapes(tile):
+    # a row's bits whatever rows share its experts, and the stacked tile's bits the apart tile's
+    int4_rows_equal("cuda", torch.bfloat16, E=256, k=8, F=512, H=2048, interleaved=True, plan=stacked_plan(tile))
+    E, k, F, H = 256, 8, 512, 2048
+    wgu = int4.interleave_ref(experts(E, F, H, "cuda", 71, 128, True, False)[0])
+    x = randn(4, H, dtype=torch.bfloat16, device="cuda", seed=72)
+    ids, w, g, lay = moe_routing.route_step(randn(4, E, seed=73, scale=3.0).cuda(), k, E)
+    apart = dataclasses.replace(stacked_plan(tile), int4_expert_stacked=False)
+    assert torch.equal(moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=stacked_plan(tile)),
+                       moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=apart))
 
 
 @pytest.mark.gpu
