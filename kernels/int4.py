@@ -303,7 +303,12 @@ def measured(product: str, N: int, K: int, interleaved: bool = False) -> tuple[t
     on 128 x 256, 8 warps, 2 deep against 30.5 on 64 x 512, 4 warps, 3 deep (one K step a program:
     1,056 programs of 96 KB of shared memory, two an SM; 7.1 us either way for a decode's 8), and
     the 35B-A3B's verify 3 step 0.962 x (decode 0.991, draft 3 0.995: ab_step.py --plans int4tiles,
-    H100, 2026-11-27); the SwiGLU on 64 x 512, 3 deep, 1.013 x, stays."""
+    H100, 2026-11-27); the SwiGLU on 64 x 512, 3 deep, 1.013 x, stays. Then the SwiGLU's gate and
+    up tiles as one (ProductPlan.int4_expert_stacked: 2 BN rows, one dot a group, 16 rows a warp,
+    half the instructions a thread of the 64-column tile apart, sm_90) on 32 columns, 4 warps, 4
+    deep: the 35B-A3B int4's decode step 0.967 x the 64 apart, verify 3 1.003, draft 3 0.989
+    (ab_step.py --plans int4stacked; 64 x 256 on 8 warps 0.983 / 1.009 / 0.997): the interleaved
+    experts' SwiGLU tile, stacked (moe.tiles)."""
     if interleaved and product == "split" and K >= 16384:
         return (4, 32, 256, 2, 6), "interleaved"           # parts too (matvec_parts.split_config)
     if interleaved and product in ("plain", "split"):
@@ -311,7 +316,7 @@ def measured(product: str, N: int, K: int, interleaved: bool = False) -> tuple[t
     if interleaved and product == "swiglu":
         return (32, 512, 2, 2), "interleaved"
     if interleaved and product == "expert_swiglu":
-        return (64, 256, 4, 4), "interleaved"
+        return (32, 256, 4, 4), "interleaved"              # stacked (moe.tiles)
     if interleaved and product == "expert_down":
         return (128, 256, 8, 2), "interleaved"
     if product in ("plain", "split"):

@@ -538,7 +538,8 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     if fp8:
         BN, BK, warps, stages = fp8_fit((BN, BK, warps, stages), H)
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
-    stacked = step and (plan.expert_stacked if int4 is None else plan.int4_expert_stacked)
+    # 4-bit experts stacked where measured: interleaved ones (natural words keep their tiles apart)
+    stacked = step and (plan.expert_stacked if int4 is None else plan.int4_expert_stacked and w_gate_up.interleaved)
     w2, ws2 = _shared_args(w_gate_up, shared, 2 * Fi, H)
     ws = w_gate_up.scale if isinstance(w_gate_up, (BlockFP8, GroupInt4)) else wv
     _swiglu_kernel[(blocks, triton.cdiv(Fi, BN))](

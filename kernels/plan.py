@@ -72,8 +72,10 @@ class ProductPlan:
                                     # instructions a step where there were two, each waited for; the FP8 tile then
                                     # 32 columns (moe.tiles): the 35B-A3B's FP8 decode step 0.976 x (H100), 0.975 x
                                     # (H200); bf16 1.003 x, unchanged (tests/bench/ab_step.py --plans stacked)
-    int4_expert_stacked: bool = False   # the same for 4-bit experts (moe._swiglu_int4): a tile of 2 BN rows, one
-                                    # dot a group, on warps that each take 16 of its rows (a candidate)
+    int4_expert_stacked: bool = True    # the same for interleaved 4-bit experts (moe._swiglu_int4): a tile of
+                                    # 2 BN rows, one dot a group, 16 of its rows a warp, on 32 columns (int4.measured):
+                                    # the 35B-A3B int4's decode step 0.967 x the 64 columns apart, verify 3 1.003 x,
+                                    # draft 3 0.989 x (H100, tests/bench/ab_step.py --plans int4stacked)
     routed_layout: bool = True      # a step's MoE layout written once by the routing kernel's last row, not derived
                                     # by each expert kernel's programs (moe_layout.write_step_layout): end to end
                                     # the 35B-A3B's FP8 decode 0.991 x, MTP k = 3 0.828 x a token (verify 3 4.60

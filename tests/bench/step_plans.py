@@ -266,17 +266,19 @@ def stacked_plans(base: KernelPlan) -> dict:
 
 
 def int4_stacked_plans(base: KernelPlan) -> dict:
-    """The 4-bit experts' SwiGLU with its gate and up tiles apart (the measured tile, int4.measured)
-    or stacked (ProductPlan.int4_expert_stacked: one dot of 2 BN rows a group) on tiles whose warps
-    take 16 of its rows each. The logits must be the same bits."""
+    """The 4-bit experts' SwiGLU with its gate and up tiles apart (on the tile measured for them,
+    64 x 256) or stacked (ProductPlan.int4_expert_stacked, the default for interleaved experts: one
+    dot of 2 BN rows a group) on the measured tile (int4.measured) and others whose warps take 16 of
+    its rows each. The logits must be the same bits."""
     def swiglu(tile):
         def rule(product, N, K, group):
             return tile if product == "expert_swiglu" else None
         rule.__name__ = "int4:expert swiglu {}x{}w{}s{}".format(*tile)
         return rule
-    return {"apart": base.replace(int4_expert_stacked=False),
+    return {"apart 64x256 w4 s4": base.replace(int4_expert_stacked=False, int4_tiles=swiglu((64, 256, 4, 4))),
+            "stacked (measured)": base.replace(int4_expert_stacked=True),
             **{f"stacked {BN}x{BK} w{w} s{st}": base.replace(int4_expert_stacked=True, int4_tiles=swiglu((BN, BK, w, st)))
-               for BN, BK, w, st in ((64, 256, 8, 4), (64, 256, 8, 3), (32, 256, 4, 4), (32, 512, 4, 3))}}
+               for BN, BK, w, st in ((64, 256, 8, 4), (64, 256, 8, 3), (32, 512, 4, 3))}}
 
 
 def routed_plans(base: KernelPlan) -> dict:

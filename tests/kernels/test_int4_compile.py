@@ -152,11 +152,12 @@ i16 = {"w2": "*i16"}
 inter = [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGLU=False, SPLIT=True, **il), {"ws": "*fp32"}, (warps, stages)),
          ("swiglu", matvec._matvec_kernel, dict(BT=BT, BN=SN, BK=SK, NBP=0, SWIGLU=True, SPLIT=False, **il), {"ws": "*fp32"}, (swarps, sstages)),
          ("parts", matvec_parts._matvec_parts_kernel, dict(BT=BT, BN=PN, BK=PK, S=PS, NORM=True, RESIDUAL=True, **il), {"y": "*fp32"}, (pwarps, pstages)),
-         ("expert swiglu", moe._swiglu_kernel, dict(TOPK=8, BN=EN, BK=EK, COUNT=True, **step, **il), i16, (ewarps, estages)),
+         ("expert swiglu", moe._swiglu_kernel, dict(TOPK=8, BN=EN, BK=EK, COUNT=True, STACKED=True, **step, **il), i16,
+          (ewarps, estages)),
          ("expert down", moe._down_kernel, dict(BN=DN, BK=DK, **step, **il), dict(i16, y="*fp32"), (dwarps, dstages)),
-         # the SwiGLU's gate and up as one tile (ProductPlan.int4_expert_stacked), on 8 warps
-         ("expert swiglu stacked", moe._swiglu_kernel, dict(TOPK=8, BN=64, BK=256, COUNT=True, STACKED=True, **step, **il),
-          i16, (8, 4)),
+         # the SwiGLU's gate and up tiles apart (ProductPlan.int4_expert_stacked off), on their own tile
+         ("expert swiglu apart", moe._swiglu_kernel, dict(TOPK=8, BN=64, BK=256, COUNT=True, STACKED=False, **step, **il),
+          i16, (4, 4)),
          ("dequantize", int4_gemm._dequantize_kernel, dict(G=128, BN=16, BK=1024, zw=None, INTERLEAVED=True), {"out": "*bf16"}, (4, 1))]
 for name, fn, consts, types, (warps, stages) in inter:
     for cap in (90, 80, 86, 89):
