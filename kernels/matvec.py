@@ -132,7 +132,8 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
                    SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
                    BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None,
                    UNPACK: tl.constexpr = False, LATE: tl.constexpr = False, RUN: tl.constexpr = 1,
-                   w2=None, y2=None, N2=0, R=0, s_w2=0, s_y2=0, BN2: tl.constexpr = 0, BK2: tl.constexpr = 0):
+                   w2=None, y2=None, N2=0, R=0, s_w2=0, s_y2=0, BN2: tl.constexpr = 0, BK2: tl.constexpr = 0,
+                   STACKED: tl.constexpr = False):
     # With a rider (BN2 > 0, matvec_rider), programs 0 .. R - 1 take the rider's column blocks of
     # BN2 rows of w2 over the same rows x, and program R + i the product's program i.
     pdl_start(PDL, LATE)
@@ -142,10 +143,10 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
             _ride(x, w2, y2, ss, T, N2, K, NB, pid, s_x, s_w2, s_y2, s_ss, eps, BT, BN2, BK2, NBP, PDL, LATE)
         else:
             _main(pid - R, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
-                  BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN)
+                  BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN, STACKED)
     else:
         _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
-              BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN)
+              BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN, STACKED)
 
 
 @triton.jit
@@ -178,7 +179,7 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
           BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
           SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
           BITS: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, zw, perm,
-          UNPACK: tl.constexpr, LATE: tl.constexpr, RUN: tl.constexpr):
+          UNPACK: tl.constexpr, LATE: tl.constexpr, RUN: tl.constexpr, STACKED: tl.constexpr):
     # Program pid: with no SPLIT, column block pid, all of K (with SWIGLU, the gate rows n and the
     # up rows N + n of w together). With SPLIT only the first F programs do; program F + j takes
     # part i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
@@ -187,6 +188,8 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
     # after every thread of the program has stored, orders the parts before its reads. LATE: the
     # next kernel's programs are placed once this one's have streamed their weights. RUN: a K step
     # takes RUN tiles of BK / RUN columns, one after another along each weight row (fp8_run).
+    # STACKED (a 4-bit SwiGLU): the block's gate rows over its up rows as one tile of 2 BN rows,
+    # one dot a group, each row's sums those of the two dots apart.
     if SPLIT:
         j = tl.maximum(pid - F, 0)
         i_s = j % S
@@ -203,6 +206,11 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
         b_rstd = _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP)
     b_g = tl.zeros([BN, BT], dtype=tl.float32)
     b_u = tl.zeros([BN, BT], dtype=tl.float32)
+    if STACKED:
+        o_r = tl.arange(0, 2 * BN)
+        o_w = i_n * BN + o_r % BN + tl.where(o_r >= BN, N, 0)         # the gate rows, then the up rows
+        m_w = (i_n * BN + o_r % BN) < N
+        b_a = tl.zeros([2 * BN, BT], dtype=tl.float32)
     # the start hinted a multiple of BK: without it a split's loop over 4-bit words was not pipelined
     # (KS's known divisor, 16 weights, is 8 bytes of interleaved half-words: no 16-byte copies)
     for k in range(tl.multiple_of(k_lo, BK), k_hi, BK):
@@ -210,9 +218,12 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
             # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights
             # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
             p_x = x + tl.minimum(o_t, T - 1)[None, :] * s_x
-            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
-            if SWIGLU:
-                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
+            if STACKED:
+                b_a = dot_int4(b_a, w, sw, zw, perm, o_w, m_w, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
+            else:
+                b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
+                if SWIGLU:
+                    b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
         else:
             for u in tl.static_range(RUN):
                 k_u = k + u * (BK // RUN)
@@ -227,6 +238,8 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
                 if SWIGLU:
                     b_u = _dot_tile(p_w + N * s_w, m_w, b_x, b_u, sw, (N + i_n * BN) // 128, s_sw, k_u, FP8, 128,
                                     BITS)
+    if STACKED:
+        b_g, b_u = tl.split(tl.permute(tl.reshape(b_a, [2, BN, BT]), [1, 2, 0]))
     if LATE:
         pdl_release(PDL)
     if not SPLIT:
@@ -403,9 +416,10 @@ def tail_split(blocks: int, KI: int, plan: ProductPlan) -> tuple[int, int] | Non
 
 
 def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: bool, plan: ProductPlan, BT: int,
-            rider: tuple | None = None):
+            rider: tuple | None = None, stacked: bool = False):
     """One program a column block (_matvec_kernel) over rows padded to BT, a small last wave split
-    over K where tail_split says so; `rider` (w2, y2): the rider's programs first (matvec_rider)."""
+    over K where tail_split says so; `rider` (w2, y2): the rider's programs first (matvec_rider);
+    `stacked`: a 4-bit SwiGLU's gate and up rows in one tile."""
     blocks, KI, P = triton.cdiv(N, BN), triton.cdiv(K, BK), plan.programs
     tail = tail_split(blocks, KI, plan)
     S, KS = tail or (1, KI)
@@ -424,7 +438,8 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=BT, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
         num_stages=stages, LATE=plan.late_release, **scale, **fp8, **pdl(x), **fp8_run(BK, fp8["FP8"]),
-        **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)), **ride)
+        **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)), **ride,
+        **({"STACKED": True} if stacked else {}))
     return y
 
 
@@ -567,7 +582,9 @@ def matvec_swiglu_triton(x, w, plan: ProductPlan | None = None) -> torch.Tensor:
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     BN, BK, warps, stages = tiles(N, K, x.element_size(), swiglu=True, fp8=fp8["FP8"], plan=plan,
                                   group=fp8.get("G", 0), interleaved=w.dtype == torch.int16)
-    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, True, plan, BT)
+    # an interleaved 4-bit weight's gate and up rows in one tile where the plan says so
+    stacked = plan.int4_swiglu_stacked and w.dtype == torch.int16
+    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, True, plan, BT, stacked=stacked)
 
 
 def _out(x: torch.Tensor, N: int, out: torch.Tensor | None) -> torch.Tensor:

@@ -281,6 +281,20 @@ def int4_stacked_plans(base: KernelPlan) -> dict:
                for BN, BK, w, st in ((64, 256, 8, 4), (64, 256, 8, 3), (32, 512, 4, 3))}}
 
 
+def int4_glu_plans(base: KernelPlan) -> dict:
+    """The few-row SwiGLU over interleaved 4-bit weights (the 27B's MLP gate|up) with its gate and up
+    rows apart (the measured tile, int4.measured) or stacked (ProductPlan.int4_swiglu_stacked: one
+    dot of 2 BN rows a group) on 4 or 8 warps, each warp 16 rows. The logits must be the same bits."""
+    def swiglu(tile):
+        def rule(product, N, K, group):
+            return tile if product == "swiglu" else None
+        rule.__name__ = "int4:swiglu {}x{}w{}s{}".format(*tile)
+        return rule
+    return {"apart": base.replace(int4_swiglu_stacked=False),
+            **{f"stacked {BN}x{BK} w{w} s{st}": base.replace(int4_swiglu_stacked=True, int4_tiles=swiglu((BN, BK, w, st)))
+               for BN, BK, w, st in ((32, 512, 4, 2), (32, 512, 4, 3), (32, 256, 4, 4), (64, 256, 8, 2), (64, 512, 8, 2))}}
+
+
 def routed_plans(base: KernelPlan) -> dict:
     """A step's MoE layout derived by every program of the expert kernels or written once by the
     routing kernel's last row (ProductPlan.routed_layout, the default). The logits must be the same
@@ -322,4 +336,4 @@ FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
             "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans,
-            "rides": rider_plans, "int4stacked": int4_stacked_plans}
+            "rides": rider_plans, "int4stacked": int4_stacked_plans, "int4glu": int4_glu_plans}

@@ -151,6 +151,9 @@ step = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS, SHARED=True, zw2=None, perm2
 i16 = {"w2": "*i16"}
 inter = [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGLU=False, SPLIT=True, **il), {"ws": "*fp32"}, (warps, stages)),
          ("swiglu", matvec._matvec_kernel, dict(BT=BT, BN=SN, BK=SK, NBP=0, SWIGLU=True, SPLIT=False, **il), {"ws": "*fp32"}, (swarps, sstages)),
+         # the SwiGLU's gate and up rows in one tile (ProductPlan.int4_swiglu_stacked), its last wave split
+         ("swiglu stacked", matvec._matvec_kernel, dict(BT=BT, BN=32, BK=512, NBP=8, SWIGLU=True, SPLIT=True, STACKED=True, **il),
+          {"ws": "*fp32"}, (4, 2)),
          ("parts", matvec_parts._matvec_parts_kernel, dict(BT=BT, BN=PN, BK=PK, S=PS, NORM=True, RESIDUAL=True, **il), {"y": "*fp32"}, (pwarps, pstages)),
          ("expert swiglu", moe._swiglu_kernel, dict(TOPK=8, BN=EN, BK=EK, COUNT=True, STACKED=True, **step, **il), i16,
           (ewarps, estages)),
@@ -206,4 +209,4 @@ def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
     for child, (out, err) in zip(children, outputs):
         assert child.returncode == 0, (out[-2000:] + err[-4000:])
     assert stdout.count("ok ") >= 80, stdout[-2000:]
-    assert "pairs" in stdout and stdout.count("ok interleaved") == 28, stdout[-2000:]
+    assert "pairs" in stdout and stdout.count("ok interleaved") == 32, stdout[-2000:]

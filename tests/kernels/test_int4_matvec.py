@@ -269,6 +269,36 @@ def test_interleaved_products(device, dtype, T, N, K, group, symmetric):
     rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=plan).transpose(0, 1), x)
 
 
+def stacked_swiglu(stacked: bool, programs: int = 4, tile=(16, 128, 4, 2)) -> ProductPlan:
+    """The 4-bit SwiGLU on `tile`, its gate and up rows in one tile (ProductPlan.int4_swiglu_stacked)
+    or apart; on `programs` resident programs (4: the 70-column weight's last block split over K)."""
+    return ProductPlan(programs=programs, int4_swiglu_stacked=stacked,
+                       int4_tiles=lambda product, N, K, group: tile if product == "swiglu" else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,group,symmetric,programs", [(1, 128, True, 4), (5, 64, False, 4), (3, 128, False, 2)])
+def test_interleaved_swiglu_stacked(device, dtype, T, group, symmetric, programs):
+    """The SwiGLU's gate and up rows as one tile of 2 BN rows (one dot a group) against the
+    reference and against the two dots apart (the same bits on the GPU: each row's sums in the
+    same order), over 70 columns (a partial block), with its last block split over K (4 programs)
+    or none split (2), a Normed input; each row the same bits as alone."""
+    w = int4_weight(140, 768, device, 20 + T, group, symmetric)
+    il = int4.interleave_ref(w)
+    x = randn(T, 768, dtype=dtype, device=device, seed=21 + T)
+    n = normed(T, 768, dtype, device, torch.Generator().manual_seed(22 + T))
+    stacked, apart = stacked_swiglu(True, programs), stacked_swiglu(False, programs)
+    for rows, ref in ((x, matvec.matvec_swiglu_ref(x, w)), (n, matvec.matvec_swiglu_ref(n, w))):
+        y = matvec.matvec_swiglu_triton(rows, il, plan=stacked)
+        check(y, ref, TOL[dtype], "stacked")
+        y_apart = matvec.matvec_swiglu_triton(rows, il, plan=apart)
+        if device == "cuda":
+            assert torch.equal(y, y_apart)
+        else:   # the interpreter's dots are numpy's, whose sums' order may follow the tile's rows
+            check(y, y_apart, 1e-6, "stacked against apart")
+    rows_equal(lambda x: matvec.matvec_swiglu_triton(x, il, plan=stacked), x)
+
+
 # --- the 27B's shapes on the GPU --------------------------------------------------------------------
 
 # GDN in_proj [qkv | z], attention q|gate|k|v, GDN out_proj and attention o_proj, MLP down
@@ -294,6 +324,19 @@ def test_int4_27b_shapes_and_rows(N, K, group, symmetric, perm, interleaved):
         r, nw = randn(5, N, dtype=torch.bfloat16, device="cuda", seed=1), randn(N, device="cuda", seed=2, scale=0.1)
         xn, h = matvec_parts.matvec_parts_triton(x[:5], w, norm=(r, nw.bfloat16(), 1e-6))
         check(h, (matvec.matvec_ref(x[:5], w).float() + r.float()).bfloat16(), 1e-2, "h")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(32, 512, 4, 2), (32, 256, 4, 4), (64, 256, 8, 2)])
+def test_int4_swiglu_stacked_27b_rows(tile):
+    # the 27B's MLP gate|up, interleaved: stacked the same bits as apart, each row as alone
+    w = int4.interleave_ref(int4_weight(2 * 17408, 5120, "cuda", 3, 128, True, False))
+    x = randn(matvec.MAX_ROWS, 5120, dtype=torch.bfloat16, device="cuda", seed=4)
+    plan = stacked_swiglu(True, 132, tile)
+    y = matvec.matvec_swiglu_triton(x, w, plan=plan)
+    assert torch.equal(y, matvec.matvec_swiglu_triton(x, w, plan=stacked_swiglu(False, 132, tile)))
+    check(y[:4], matvec.matvec_swiglu_ref(x[:4], w), 2e-2)
+    rows_equal(lambda x: matvec.matvec_swiglu_triton(x, w, plan=plan), x)
 
 
 @pytest.mark.gpu
