@@ -1,0 +1,31 @@
+"""Times the 27B's 4-bit interleaved products (in_proj, MLP gate|up, out_proj, MLP down) at T = 1 and
+4 under whichever package is first on sys.path, and saves their outputs to /tmp/out_TAG.pt: a code
+variant of the kernels against the package as it is, one process each, alternated on one GPU, the
+outputs compared bit for bit afterwards.
+
+    cd tests/bench && PYTHONPATH=SITE_A python3 probe_x_tile.py a && PYTHONPATH=SITE_B python3 probe_x_tile.py b
+
+(2026-11-27: an interleaved group's x loaded as one tile, docs/PERFORMANCE.md.)"""
+import sys
+import torch
+from graph_timing import graph_time
+from mtpchat.kernels import int4, matvec, matvec_parts
+
+torch.manual_seed(0)
+tag = sys.argv[1]
+out = {}
+SHAPES = [("in_proj", 16384, 5120, "plain"), ("gate_up", 34816, 5120, "swiglu"), ("out_proj", 5120, 6144, "split"),
+          ("down", 5120, 17408, "split")]
+run = {"plain": matvec.matvec, "swiglu": matvec.matvec_swiglu, "split": lambda x, w: matvec_parts.matvec_parts(x, w)}
+with torch.inference_mode():
+    for name, N, K, kind in SHAPES:
+        q = int4.quantize_ref(torch.randn(N, K, device="cuda") / K ** 0.5)
+        copies = max(2, -(-160 * 2 ** 20 // q.nbytes()))
+        ws = [int4.interleave_ref(q)] + [int4.interleave_ref(int4.quantize_ref(torch.randn(N, K, device="cuda"))) for _ in range(copies - 1)]
+        for T in (1, 4):
+            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+            f = run[kind]
+            out[f"{name} {T}"] = f(x, ws[0]).cpu()
+            t = min(graph_time(lambda i: f(x, ws[i % copies]), copies) for _ in range(3))
+            print(f"{tag} {name} T={T}: {t:.2f} us", flush=True)
+torch.save(out, f"/tmp/out_{tag}.pt")
