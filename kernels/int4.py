@@ -443,6 +443,53 @@ if tl is not None:
                     widen_nibble(b_q, 2, b_z, b_x), widen_nibble(b_q, 3, b_z, b_x))
 
     @triton.jit
+    def quarters_of(b_h, b_z, b_x, ASM: tl.constexpr):
+        """quarters for half-words of any shape, b_z (int32) of the same shape."""
+        if ASM and b_x.dtype == tl.bfloat16:
+            return tl.inline_asm_elementwise(_QUARTERS_BF16, "=r,=r,=r,=r,r,r", [b_h, (b_z | 0xC300).to(tl.int16)],
+                                             dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
+        elif ASM and b_x.dtype == tl.float16:
+            return tl.inline_asm_elementwise(_QUARTERS_FP16, "=r,=r,=r,=r,r,r", [b_h, (b_z | 0xE400).to(tl.int16)],
+                                             dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+        else:
+            b_q = b_h.to(tl.int32)
+            b_o = (b_z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)       # 128 + zero
+            return (((b_q & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32) - b_o).to(b_x.dtype), \
+                   ((((b_q >> 4) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32) - b_o).to(b_x.dtype), \
+                   ((((b_q >> 8) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32) - b_o).to(b_x.dtype), \
+                   ((((b_q >> 12) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32) - b_o).to(b_x.dtype)
+
+    @triton.jit
+    def dot_int4_batched(b_acc, w, sw, zw, o_r, m_r, s_w, s_sw, p_x, k, K, BK: tl.constexpr, G: tl.constexpr,
+                         UNPACK: tl.constexpr):
+        """dot_int4 over an interleaved weight with a tile's groups side by side: b_acc [NB, BN, BT]
+        takes NB groups at a time as a batch of dots (Triton places the batch over the warps, so
+        each warp takes one group of all BN rows), group NB i + j of the tile into b_acc[j]; the
+        caller adds the NB sums at the end. Each sum over its own groups in order."""
+        NB: tl.constexpr = b_acc.shape[0]
+        Q: tl.constexpr = G // 4
+        for i in tl.static_range(BK // (NB * G)):
+            kk = k + i * NB * G + tl.arange(0, NB) * G                           # [NB]
+            m_g = m_r[None, :] & (kk[:, None] < K)                              # [NB, BN]
+            b_s = tl.load(sw + o_r[None, :] * s_sw + (kk // G)[:, None], mask=m_g, other=0.).to(tl.float32)
+            if zw is None:
+                b_z = tl.full([NB, o_r.shape[0], Q], 8, tl.int32)                # SYMMETRIC_ZERO
+            else:
+                b_z = tl.load(zw + o_r[None, :] * s_sw + (kk // G)[:, None], mask=m_g, other=0).to(tl.int32)[:, :, None] \
+                    + tl.zeros([NB, o_r.shape[0], Q], tl.int32)
+            o_h = (kk // 4)[:, None, None] + tl.arange(0, Q)[None, None, :]      # [NB, 1, Q]
+            b_h = tl.load(w + o_r[None, :, None] * s_w + o_h, mask=m_g[:, :, None], other=0)
+            p_q = p_x[None, :, :] + (tl.minimum(kk, K - G)[:, None, None] + tl.arange(0, Q)[None, :, None])  # [NB, Q, BT]
+            b_x0, b_x1, b_x2, b_x3 = tl.load(p_q), tl.load(p_q + Q), tl.load(p_q + 2 * Q), tl.load(p_q + 3 * Q)
+            n0, n1, n2, n3 = quarters_of(b_h, b_z, b_x0, UNPACK == _INTERLEAVED_ASM)
+            b_d = tl.dot(n0, b_x0, input_precision="ieee")
+            b_d = tl.dot(n1, b_x1, b_d, input_precision="ieee")
+            b_d = tl.dot(n2, b_x2, b_d, input_precision="ieee")
+            b_d = tl.dot(n3, b_x3, b_d, input_precision="ieee")
+            b_acc += b_s[:, :, None] * b_d
+        return b_acc
+
+    @triton.jit
     def _x_tile(p_x, m_x, o_k, K, perm):
         """x's tile [len(o_k), BT] for the weight columns o_k (< K), read through perm where there
         is one; rows' pointers p_x [1, BT] (m_x [BT])."""
@@ -505,4 +552,4 @@ if tl is not None:
                 b_acc += b_s[:, None] * tl.dot(widen(b_q, b_z, b_x), b_x, input_precision="ieee")
         return b_acc
 else:
-    widen = widen_nibble = dot_int4 = None
+    widen = widen_nibble = dot_int4 = dot_int4_batched = None

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
-from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
+from mtpchat.kernels.int4 import (GroupInt4, check_int4, dot_int4, dot_int4_batched, form_args, form_of,
+                                  interleaved_args, measured)
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 MAX_ROWS = 16
@@ -133,7 +134,7 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
                    BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None,
                    UNPACK: tl.constexpr = False, LATE: tl.constexpr = False, RUN: tl.constexpr = 1,
                    w2=None, y2=None, N2=0, R=0, s_w2=0, s_y2=0, BN2: tl.constexpr = 0, BK2: tl.constexpr = 0,
-                   STACKED: tl.constexpr = False):
+                   STACKED: tl.constexpr = False, BATCH: tl.constexpr = 0):
     # With a rider (BN2 > 0, matvec_rider), programs 0 .. R - 1 take the rider's column blocks of
     # BN2 rows of w2 over the same rows x, and program R + i the product's program i.
     pdl_start(PDL, LATE)
@@ -143,10 +144,10 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
             _ride(x, w2, y2, ss, T, N2, K, NB, pid, s_x, s_w2, s_y2, s_ss, eps, BT, BN2, BK2, NBP, PDL, LATE)
         else:
             _main(pid - R, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
-                  BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN, STACKED)
+                  BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN, STACKED, BATCH)
     else:
         _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
-              BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN, STACKED)
+              BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN, STACKED, BATCH)
 
 
 @triton.jit
@@ -179,7 +180,7 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
           BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
           SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
           BITS: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, zw, perm,
-          UNPACK: tl.constexpr, LATE: tl.constexpr, RUN: tl.constexpr, STACKED: tl.constexpr):
+          UNPACK: tl.constexpr, LATE: tl.constexpr, RUN: tl.constexpr, STACKED: tl.constexpr, BATCH: tl.constexpr):
     # Program pid: with no SPLIT, column block pid, all of K (with SWIGLU, the gate rows n and the
     # up rows N + n of w together). With SPLIT only the first F programs do; program F + j takes
     # part i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
@@ -189,7 +190,9 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
     # next kernel's programs are placed once this one's have streamed their weights. RUN: a K step
     # takes RUN tiles of BK / RUN columns, one after another along each weight row (fp8_run).
     # STACKED (a 4-bit SwiGLU): the block's gate rows over its up rows as one tile of 2 BN rows,
-    # one dot a group, each row's sums those of the two dots apart.
+    # one dot a group, each row's sums those of the two dots apart. BATCH (a plain product over
+    # interleaved 4-bit words): a tile's groups BATCH at a time side by side, one a warp
+    # (int4.dot_int4_batched), their BATCH sums added after the loop.
     if SPLIT:
         j = tl.maximum(pid - F, 0)
         i_s = j % S
@@ -211,6 +214,8 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
         o_w = i_n * BN + o_r % BN + tl.where(o_r >= BN, N, 0)         # the gate rows, then the up rows
         m_w = (i_n * BN + o_r % BN) < N
         b_a = tl.zeros([2 * BN, BT], dtype=tl.float32)
+    if BATCH > 0:
+        b_b = tl.zeros([BATCH, BN, BT], dtype=tl.float32)
     # the start hinted a multiple of BK: without it a split's loop over 4-bit words was not pipelined
     # (KS's known divisor, 16 weights, is 8 bytes of interleaved half-words: no 16-byte copies)
     for k in range(tl.multiple_of(k_lo, BK), k_hi, BK):
@@ -220,6 +225,8 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
             p_x = x + tl.minimum(o_t, T - 1)[None, :] * s_x
             if STACKED:
                 b_a = dot_int4(b_a, w, sw, zw, perm, o_w, m_w, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
+            elif BATCH > 0:
+                b_b = dot_int4_batched(b_b, w, sw, zw, o_n, m_n, s_w, s_sw, p_x, k, K, BK, G, UNPACK)
             else:
                 b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
                 if SWIGLU:
@@ -240,6 +247,8 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
                                     BITS)
     if STACKED:
         b_g, b_u = tl.split(tl.permute(tl.reshape(b_a, [2, BN, BT]), [1, 2, 0]))
+    if BATCH > 0:
+        b_g = tl.sum(b_b, axis=0)
     if LATE:
         pdl_release(PDL)
     if not SPLIT:
@@ -439,8 +448,17 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
         s_y=y.stride(0), BT=BT, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
         num_stages=stages, LATE=plan.late_release, **scale, **fp8, **pdl(x), **fp8_run(BK, fp8["FP8"]),
         **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)), **ride,
-        **({"STACKED": True} if stacked else {}))
+        **({"STACKED": True} if stacked else {}), **_batch_args(w, BK, fp8, swiglu, plan))
     return y
+
+
+def _batch_args(w, BK: int, fmt: dict, swiglu: bool, plan: ProductPlan) -> dict:
+    """BATCH for a plain product over interleaved 4-bit words under the plan's int4_group_batch,
+    where a tile holds whole batches of groups; none otherwise."""
+    B, G = plan.int4_group_batch, fmt.get("G", 0)
+    if B and G and not swiglu and w.dtype == torch.int16 and BK % (B * G) == 0:
+        return {"BATCH": B}
+    return {}
 
 
 def _format_args(x, w, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPlan, product: tuple) -> dict:

@@ -295,6 +295,24 @@ def int4_glu_plans(base: KernelPlan) -> dict:
                for BN, BK, w, st in ((32, 512, 4, 2), (32, 512, 4, 3), (32, 256, 4, 4), (64, 256, 8, 2), (64, 512, 8, 2))}}
 
 
+def int4_batch_plans(base: KernelPlan) -> dict:
+    """The few-row plain products over interleaved 4-bit words (the 27B's GDN in_proj and attention
+    q|gate|k|v) with a tile's groups one after another (the measured tile, int4.measured) or as a
+    batch of dots, one a warp (ProductPlan.int4_group_batch), at the measured tile's shared memory
+    on twice the warps, or more. The logits move by the groups' order of addition, so a batched
+    plan's verify rows are not the first plan's; each plan's own checks (verify 3's first row the
+    decode's, captured the same as eager) must hold."""
+    def plain(tile):
+        def rule(product, N, K, group):
+            return tile if product == "plain" else None
+        rule.__name__ = "int4:plain {}x{}w{}s{}".format(*tile)
+        return rule
+    return {"groups in turn": base.replace(int4_group_batch=0),
+            **{f"batch {B} {BN}x{BK} w{w} s{st}": base.replace(int4_group_batch=B, int4_tiles=plain((BN, BK, w, st)))
+               for B, BN, BK, w, st in ((4, 32, 512, 4, 4), (4, 32, 512, 4, 3), (4, 32, 512, 4, 5), (8, 32, 1024, 8, 3),
+                                        (4, 32, 1024, 4, 3))}}
+
+
 def routed_plans(base: KernelPlan) -> dict:
     """A step's MoE layout derived by every program of the expert kernels or written once by the
     routing kernel's last row (ProductPlan.routed_layout, the default). The logits must be the same
@@ -336,4 +354,5 @@ FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
             "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans,
-            "rides": rider_plans, "int4stacked": int4_stacked_plans, "int4glu": int4_glu_plans}
+            "rides": rider_plans, "int4stacked": int4_stacked_plans, "int4glu": int4_glu_plans,
+            "int4batch": int4_batch_plans}

@@ -299,6 +299,35 @@ def test_interleaved_swiglu_stacked(device, dtype, T, group, symmetric, programs
     rows_equal(lambda x: matvec.matvec_swiglu_triton(x, il, plan=stacked), x)
 
 
+def group_batch(batch: int, group: int, programs: int = 4) -> ProductPlan:
+    """Plain products over interleaved words with a tile's groups `batch` at a time side by side
+    (ProductPlan.int4_group_batch), on tiles of 16 rows and one batch of groups, a warp a group."""
+    return ProductPlan(programs=programs, int4_group_batch=batch,
+                       int4_tiles=lambda product, N, K, g: (16, batch * g, batch, 2) if product == "plain" else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,group,symmetric,programs", [(1, 64, True, 4), (5, 128, False, 2), (3, 64, False, 4)])
+def test_interleaved_plain_group_batch(device, dtype, T, group, symmetric, programs):
+    """A tile's groups as a batch of dots (one a warp, their sums added after the loop) against the
+    reference: 70 rows (a partial block), the last block split over K (4 programs, groups of 64) or
+    none split (2), a Normed input, the GDN's b|a riding in the launch; each row the same bits as alone."""
+    K = 1024
+    w = int4_weight(70, K, device, 30 + T, group, symmetric)
+    il = int4.interleave_ref(w)
+    plan = group_batch(4, group, programs)
+    assert matvec._batch_args(il.w, 4 * group, dict(G=group), False, plan) == {"BATCH": 4}
+    x = randn(T, K, dtype=dtype, device=device, seed=31 + T)
+    check(matvec.matvec_triton(x, il, plan=plan), matvec.matvec_ref(x, w), TOL[dtype], "batched")
+    n = normed(T, K, dtype, device, torch.Generator().manual_seed(32 + T))
+    check(matvec.matvec_triton(n, il, plan=plan), matvec.matvec_ref(n, w), TOL[dtype], "normed")
+    w2 = randn(12, K, dtype=dtype, device=device, seed=33, scale=0.1)
+    y, y2 = matvec.matvec_rider_triton(x, il, w2, plan=plan)
+    assert torch.equal(y, matvec.matvec_triton(x, il, plan=plan))
+    check(y2, matvec.matvec_ref(x, w2), TOL[dtype], "rider")
+    rows_equal(lambda x: matvec.matvec_triton(x, il, plan=plan), x)
+
+
 # --- the 27B's shapes on the GPU --------------------------------------------------------------------
 
 # GDN in_proj [qkv | z], attention q|gate|k|v, GDN out_proj and attention o_proj, MLP down
@@ -324,6 +353,20 @@ def test_int4_27b_shapes_and_rows(N, K, group, symmetric, perm, interleaved):
         r, nw = randn(5, N, dtype=torch.bfloat16, device="cuda", seed=1), randn(N, device="cuda", seed=2, scale=0.1)
         xn, h = matvec_parts.matvec_parts_triton(x[:5], w, norm=(r, nw.bfloat16(), 1e-6))
         check(h, (matvec.matvec_ref(x[:5], w).float() + r.float()).bfloat16(), 1e-2, "h")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [16384, 14336])
+@pytest.mark.parametrize("batch,tile", [(4, (32, 512, 4, 4)), (8, (32, 1024, 8, 3))])
+def test_int4_group_batch_27b_rows(N, batch, tile):
+    # the 27B's in_proj and q|gate|k|v, interleaved, a tile's groups as a batch of dots: near the
+    # reference, each row the same bits as alone
+    w = int4.interleave_ref(int4_weight(N, 5120, "cuda", 5, 128, True, False))
+    x = randn(matvec.MAX_ROWS, 5120, dtype=torch.bfloat16, device="cuda", seed=6)
+    plan = ProductPlan(programs=132, int4_group_batch=batch,
+                       int4_tiles=lambda product, N, K, group: tile if product == "plain" else None)
+    check(matvec.matvec_triton(x[:4], w, plan=plan), matvec.matvec_ref(x[:4], w), 1e-2)
+    rows_equal(lambda x: matvec.matvec_triton(x, w, plan=plan), x)
 
 
 @pytest.mark.gpu
