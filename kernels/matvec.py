@@ -448,15 +448,16 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
         s_y=y.stride(0), BT=BT, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
         num_stages=stages, LATE=plan.late_release, **scale, **fp8, **pdl(x), **fp8_run(BK, fp8["FP8"]),
         **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)), **ride,
-        **({"STACKED": True} if stacked else {}), **_batch_args(w, BK, fp8, swiglu, plan))
+        **({"STACKED": True} if stacked else {}), **_batch_args(w, BK, warps, fp8, swiglu, plan))
     return y
 
 
-def _batch_args(w, BK: int, fmt: dict, swiglu: bool, plan: ProductPlan) -> dict:
-    """BATCH for a plain product over interleaved 4-bit words under the plan's int4_group_batch,
-    where a tile holds whole batches of groups; none otherwise."""
+def _batch_args(w, BK: int, warps: int, fmt: dict, swiglu: bool, plan: ProductPlan) -> dict:
+    """BATCH for a plain or split product over interleaved 4-bit words under the plan's
+    int4_group_batch: where a tile holds whole batches of groups and has a warp for each group of
+    a batch; none otherwise."""
     B, G = plan.int4_group_batch, fmt.get("G", 0)
-    if B and G and not swiglu and w.dtype == torch.int16 and BK % (B * G) == 0:
+    if B and G and not swiglu and w.dtype == torch.int16 and BK % (B * G) == 0 and warps == B:
         return {"BATCH": B}
     return {}
 

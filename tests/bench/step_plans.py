@@ -296,21 +296,30 @@ def int4_glu_plans(base: KernelPlan) -> dict:
 
 
 def int4_batch_plans(base: KernelPlan) -> dict:
-    """The few-row plain products over interleaved 4-bit words (the 27B's GDN in_proj and attention
-    q|gate|k|v) with a tile's groups one after another (the measured tile, int4.measured) or as a
-    batch of dots, one a warp (ProductPlan.int4_group_batch), at the measured tile's shared memory
-    on twice the warps, or more. The logits move by the groups' order of addition, so a batched
-    plan's verify rows are not the first plan's; each plan's own checks (verify 3's first row the
-    decode's, captured the same as eager) must hold."""
-    def plain(tile):
-        def rule(product, N, K, group):
-            return tile if product == "plain" else None
-        rule.__name__ = "int4:plain {}x{}w{}s{}".format(*tile)
-        return rule
-    return {"groups in turn": base.replace(int4_group_batch=0),
-            **{f"batch {B} {BN}x{BK} w{w} s{st}": base.replace(int4_group_batch=B, int4_tiles=plain((BN, BK, w, st)))
-               for B, BN, BK, w, st in ((4, 32, 512, 4, 4), (4, 32, 512, 4, 3), (4, 32, 512, 4, 5), (8, 32, 1024, 8, 3),
-                                        (4, 32, 1024, 4, 3))}}
+    """The few-row plain and split products over interleaved 4-bit words (the 27B's GDN in_proj and
+    attention q|gate|k|v; out_proj, o_proj and the MLP down) with a tile's groups one after another
+    (the measured tiles, int4.measured) or as a batch of dots, one a warp
+    (ProductPlan.int4_group_batch), at the measured tiles' shared memory on twice the warps, or
+    more. The logits move by the groups' order of addition, so a batched plan's verify rows are not
+    the first plan's; each plan's own checks (verify 3's first row the decode's, captured the same
+    as eager) must hold."""
+    def rule(plain, split, name):
+        def int4_tiles(product, N, K, group):
+            if product == "plain":
+                return plain
+            if product == "split" and split is not None:
+                return (4 if K >= 16384 else 3,) + split
+            return None
+        int4_tiles.__name__ = name
+        return int4_tiles
+    split = (32, 512, 4, 4)
+    plans = {"groups in turn": base.replace(int4_group_batch=0)}
+    for B, tile in ((4, (32, 512, 4, 4)), (4, (32, 512, 4, 3)), (8, (32, 1024, 8, 3))):
+        name = "batch {} plain {}x{}w{}s{}".format(B, *tile)
+        plans[name] = base.replace(int4_group_batch=B, int4_tiles=rule(tile, None, "int4:" + name))
+    plans["batch 4 split"] = base.replace(int4_group_batch=4, int4_tiles=rule(None, split, "int4:batch 4 split"))
+    plans["batch 4 both"] = base.replace(int4_group_batch=4, int4_tiles=rule((32, 512, 4, 4), split, "int4:batch 4 both"))
+    return plans
 
 
 def routed_plans(base: KernelPlan) -> dict:

@@ -157,6 +157,8 @@ inter = [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGL
          # a tile's groups as a batch of dots, one a warp (ProductPlan.int4_group_batch), its last wave split
          ("plain batched", matvec._matvec_kernel, dict(BT=BT, BN=32, BK=512, NBP=8, SWIGLU=False, SPLIT=True, BATCH=4, **il),
           {"ws": "*fp32"}, (4, 4)),
+         ("parts batched", matvec_parts._matvec_parts_kernel, dict(BT=BT, BN=32, BK=512, S=3, NORM=True, RESIDUAL=True, BATCH=4, **il),
+          {"y": "*fp32"}, (4, 4)),
          ("parts", matvec_parts._matvec_parts_kernel, dict(BT=BT, BN=PN, BK=PK, S=PS, NORM=True, RESIDUAL=True, **il), {"y": "*fp32"}, (pwarps, pstages)),
          ("expert swiglu", moe._swiglu_kernel, dict(TOPK=8, BN=EN, BK=EK, COUNT=True, STACKED=True, **step, **il), i16,
           (ewarps, estages)),
@@ -212,4 +214,4 @@ def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
     for child, (out, err) in zip(children, outputs):
         assert child.returncode == 0, (out[-2000:] + err[-4000:])
     assert stdout.count("ok ") >= 80, stdout[-2000:]
-    assert "pairs" in stdout and stdout.count("ok interleaved") == 36, stdout[-2000:]
+    assert "pairs" in stdout and stdout.count("ok interleaved") == 40, stdout[-2000:]

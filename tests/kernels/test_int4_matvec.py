@@ -300,10 +300,13 @@ def test_interleaved_swiglu_stacked(device, dtype, T, group, symmetric, programs
 
 
 def group_batch(batch: int, group: int, programs: int = 4) -> ProductPlan:
-    """Plain products over interleaved words with a tile's groups `batch` at a time side by side
-    (ProductPlan.int4_group_batch), on tiles of 16 rows and one batch of groups, a warp a group."""
-    return ProductPlan(programs=programs, int4_group_batch=batch,
-                       int4_tiles=lambda product, N, K, g: (16, batch * g, batch, 2) if product == "plain" else None)
+    """Plain and split products over interleaved words with a tile's groups `batch` at a time side
+    by side (ProductPlan.int4_group_batch), on tiles of 16 rows and one batch of groups, a warp a
+    group; split products in 2 parts."""
+    def tiles(product, N, K, g):
+        tile = (16, batch * g, batch, 2)
+        return tile if product == "plain" else (2,) + tile if product == "split" else None
+    return ProductPlan(programs=programs, int4_group_batch=batch, int4_tiles=tiles)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -311,12 +314,14 @@ def group_batch(batch: int, group: int, programs: int = 4) -> ProductPlan:
 def test_interleaved_plain_group_batch(device, dtype, T, group, symmetric, programs):
     """A tile's groups as a batch of dots (one a warp, their sums added after the loop) against the
     reference: 70 rows (a partial block), the last block split over K (4 programs, groups of 64) or
-    none split (2), a Normed input, the GDN's b|a riding in the launch; each row the same bits as alone."""
+    none split (2), a Normed input, the GDN's b|a riding in the launch, the split products with and
+    without their norm; each row the same bits as alone."""
     K = 1024
     w = int4_weight(70, K, device, 30 + T, group, symmetric)
     il = int4.interleave_ref(w)
     plan = group_batch(4, group, programs)
-    assert matvec._batch_args(il.w, 4 * group, dict(G=group), False, plan) == {"BATCH": 4}
+    assert matvec._batch_args(il.w, 4 * group, 4, dict(G=group), False, plan) == {"BATCH": 4}
+    assert matvec._batch_args(il.w, 4 * group, 2, dict(G=group), False, plan) == {}     # a warp a group, or none
     x = randn(T, K, dtype=dtype, device=device, seed=31 + T)
     check(matvec.matvec_triton(x, il, plan=plan), matvec.matvec_ref(x, w), TOL[dtype], "batched")
     n = normed(T, K, dtype, device, torch.Generator().manual_seed(32 + T))
@@ -326,6 +331,14 @@ def test_interleaved_plain_group_batch(device, dtype, T, group, symmetric, progr
     assert torch.equal(y, matvec.matvec_triton(x, il, plan=plan))
     check(y2, matvec.matvec_ref(x, w2), TOL[dtype], "rider")
     rows_equal(lambda x: matvec.matvec_triton(x, il, plan=plan), x)
+    # the split products: their parts, and the residual add and norm finished by them
+    check(matvec_parts.matvec_parts_triton(x, il, plan=plan), matvec_parts.matvec_parts_ref(x, w, plan),
+          TOL[torch.float32], "parts")
+    sq = int4.interleave_ref(int4_weight(K, K, device, 34, group, symmetric))
+    r, nw = randn(T, K, dtype=dtype, device=device, seed=35), randn(K, dtype=dtype, device=device, seed=36, scale=0.1)
+    xn, h = matvec_parts.matvec_parts_triton(x, sq, norm=(r, nw, 1e-6), plan=plan)
+    check(h, (matvec.matvec_ref(x, sq).float() + r.float()).to(dtype), TOL[dtype], "h")
+    rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=plan).transpose(0, 1), x)
 
 
 # --- the 27B's shapes on the GPU --------------------------------------------------------------------
