@@ -465,7 +465,9 @@ if tl is not None:
         """dot_int4 over an interleaved weight with a tile's groups side by side: b_acc [NB, BN, BT]
         takes NB groups at a time as a batch of dots (Triton places the batch over the warps, so
         each warp takes one group of all BN rows), group NB i + j of the tile into b_acc[j]; the
-        caller adds the NB sums at the end. Each sum over its own groups in order."""
+        caller adds the NB sums at the end. Each sum over its own groups in order. (Its four quarter
+        dots repeat dot_int4's: moved into a helper both call, they changed the default SwiGLU's
+        compiled form, 147 -> 144 registers on sm_90, and a default's form is chosen by measurement.)"""
         NB: tl.constexpr = b_acc.shape[0]
         Q: tl.constexpr = G // 4
         for i in tl.static_range(BK // (NB * G)):

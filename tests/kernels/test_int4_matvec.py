@@ -243,6 +243,19 @@ def test_interleaving_moves_columns_within_groups_only():
         int4.interleave_ref(int4_weight(6, 384, "cpu", 3, 128, True, True))
 
 
+def check_interleaved_parts(x, w, il, plan, group, symmetric, seed):
+    """The split products over an interleaved weight `il` (made from w) under the plan: their parts
+    against the references, and the residual add and norm they finish over a square weight."""
+    T, K = x.shape
+    check(matvec_parts.matvec_parts_triton(x, il, plan=plan), matvec_parts.matvec_parts_ref(x, w, plan),
+          TOL[torch.float32], "parts")
+    sq = int4.interleave_ref(int4_weight(K, K, x.device, seed, group, symmetric))
+    r = randn(T, K, dtype=x.dtype, device=x.device, seed=seed + 1)
+    nw = randn(K, dtype=x.dtype, device=x.device, seed=seed + 2, scale=0.1)
+    _, h = matvec_parts.matvec_parts_triton(x, sq, norm=(r, nw, 1e-6), plan=plan)
+    check(h, (matvec.matvec_ref(x, sq).float() + r.float()).to(x.dtype), TOL[x.dtype], "h")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,N,K,group,symmetric", [(1, 100, 384, 128, True), (5, 70, 640, 64, False),
                                                    (11, 34, 256, 128, False)])
@@ -258,12 +271,7 @@ def test_interleaved_products(device, dtype, T, N, K, group, symmetric):
     n = normed(T, K, dtype, device, torch.Generator().manual_seed(T))
     check(matvec.matvec_triton(n, il), matvec.matvec_ref(n, w), TOL[dtype], "normed")
     plan = interleaved_split(2)
-    check(matvec_parts.matvec_parts_triton(x, il, plan=plan), matvec_parts.matvec_parts_ref(x, w, plan),
-          TOL[torch.float32], "parts")
-    sq = int4.interleave_ref(int4_weight(K, K, device, 5, group, symmetric))
-    r, nw = randn(T, K, dtype=dtype, device=device, seed=6), randn(K, dtype=dtype, device=device, seed=7, scale=0.1)
-    xn, h = matvec_parts.matvec_parts_triton(x, sq, norm=(r, nw, 1e-6), plan=plan)
-    check(h, (matvec.matvec_ref(x, sq).float() + r.float()).to(dtype), TOL[dtype], "h")
+    check_interleaved_parts(x, w, il, plan, group, symmetric, 5)
     rows_equal(lambda x: matvec.matvec_triton(x, il), x)
     rows_equal(lambda x: matvec.matvec_swiglu_triton(x, il), x)
     rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=plan).transpose(0, 1), x)
@@ -331,13 +339,7 @@ def test_interleaved_plain_group_batch(device, dtype, T, group, symmetric, progr
     assert torch.equal(y, matvec.matvec_triton(x, il, plan=plan))
     check(y2, matvec.matvec_ref(x, w2), TOL[dtype], "rider")
     rows_equal(lambda x: matvec.matvec_triton(x, il, plan=plan), x)
-    # the split products: their parts, and the residual add and norm finished by them
-    check(matvec_parts.matvec_parts_triton(x, il, plan=plan), matvec_parts.matvec_parts_ref(x, w, plan),
-          TOL[torch.float32], "parts")
-    sq = int4.interleave_ref(int4_weight(K, K, device, 34, group, symmetric))
-    r, nw = randn(T, K, dtype=dtype, device=device, seed=35), randn(K, dtype=dtype, device=device, seed=36, scale=0.1)
-    xn, h = matvec_parts.matvec_parts_triton(x, sq, norm=(r, nw, 1e-6), plan=plan)
-    check(h, (matvec.matvec_ref(x, sq).float() + r.float()).to(dtype), TOL[dtype], "h")
+    check_interleaved_parts(x, w, il, plan, group, symmetric, 34)
     rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=plan).transpose(0, 1), x)
 
 
