@@ -425,39 +425,27 @@ if tl is not None:
                     widen_nibble(b_q, 6, b_z, b_x), widen_nibble(b_q, 7, b_z, b_x))
 
     @triton.jit
-    def quarters(b_h, b_z, b_x, ASM: tl.constexpr):
-        """Half-words [BN, W] (int16, interleaved) -> their 4 nibbles as 4 tensors [BN, W] of q -
-        zero in b_x's dtype (b_z [BN] int32): with ASM two a register, where x is bf16 or fp16,
-        else one at a time; the same integers either way."""
-        if ASM and b_x.dtype == tl.bfloat16:
-            b_m = ((b_z | 0xC300)[:, None] + tl.zeros(b_h.shape, tl.int32)).to(tl.int16)   # bf16 -(128 + zero)
-            return tl.inline_asm_elementwise(_QUARTERS_BF16, "=r,=r,=r,=r,r,r", [b_h, b_m],
-                                             dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
-        elif ASM and b_x.dtype == tl.float16:
-            b_m = ((b_z | 0xE400)[:, None] + tl.zeros(b_h.shape, tl.int32)).to(tl.int16)   # fp16 -(1024 + zero)
-            return tl.inline_asm_elementwise(_QUARTERS_FP16, "=r,=r,=r,=r,r,r", [b_h, b_m],
-                                             dtype=(tl.float16,) * 4, is_pure=True, pack=2)
-        else:
-            b_q = b_h.to(tl.int32)
-            return (widen_nibble(b_q, 0, b_z, b_x), widen_nibble(b_q, 1, b_z, b_x),
-                    widen_nibble(b_q, 2, b_z, b_x), widen_nibble(b_q, 3, b_z, b_x))
+    def _quarter_less_zero(b_q, q: tl.constexpr, b_o, b_x):
+        """Nibble q of half-words b_q (int32) less the zero, b_o: 128 + zero as float32."""
+        b_w = (((b_q >> (4 * q)) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)        # 128 + value
+        return (b_w.to(tl.float32) - b_o).to(b_x.dtype)
 
     @triton.jit
-    def quarters_of(b_h, b_z, b_x, ASM: tl.constexpr):
-        """quarters for half-words of any shape, b_z (int32) of the same shape."""
+    def quarters(b_h, b_z, b_x, ASM: tl.constexpr):
+        """Half-words (int16, interleaved; any shape) -> their 4 nibbles as 4 tensors of their shape,
+        q - zero in b_x's dtype (b_z int32, the half-words' shape): with ASM two a register, where x
+        is bf16 or fp16, else one at a time; the same integers either way."""
         if ASM and b_x.dtype == tl.bfloat16:
             return tl.inline_asm_elementwise(_QUARTERS_BF16, "=r,=r,=r,=r,r,r", [b_h, (b_z | 0xC300).to(tl.int16)],
-                                             dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
+                                             dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)     # bf16 -(128 + zero)
         elif ASM and b_x.dtype == tl.float16:
             return tl.inline_asm_elementwise(_QUARTERS_FP16, "=r,=r,=r,=r,r,r", [b_h, (b_z | 0xE400).to(tl.int16)],
-                                             dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+                                             dtype=(tl.float16,) * 4, is_pure=True, pack=2)     # fp16 -(1024 + zero)
         else:
             b_q = b_h.to(tl.int32)
-            b_o = (b_z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)       # 128 + zero
-            return (((b_q & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32) - b_o).to(b_x.dtype), \
-                   ((((b_q >> 4) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32) - b_o).to(b_x.dtype), \
-                   ((((b_q >> 8) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32) - b_o).to(b_x.dtype), \
-                   ((((b_q >> 12) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32) - b_o).to(b_x.dtype)
+            b_o = (b_z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)          # 128 + zero
+            return (_quarter_less_zero(b_q, 0, b_o, b_x), _quarter_less_zero(b_q, 1, b_o, b_x),
+                    _quarter_less_zero(b_q, 2, b_o, b_x), _quarter_less_zero(b_q, 3, b_o, b_x))
 
     @triton.jit
     def dot_int4_batched(b_acc, w, sw, zw, o_r, m_r, s_w, s_sw, p_x, k, K, BK: tl.constexpr, G: tl.constexpr,
@@ -483,7 +471,7 @@ if tl is not None:
             b_h = tl.load(w + o_r[None, :, None] * s_w + o_h, mask=m_g[:, :, None], other=0)
             p_q = p_x[None, :, :] + (tl.minimum(kk, K - G)[:, None, None] + tl.arange(0, Q)[None, :, None])  # [NB, Q, BT]
             b_x0, b_x1, b_x2, b_x3 = tl.load(p_q), tl.load(p_q + Q), tl.load(p_q + 2 * Q), tl.load(p_q + 3 * Q)
-            n0, n1, n2, n3 = quarters_of(b_h, b_z, b_x0, UNPACK == _INTERLEAVED_ASM)
+            n0, n1, n2, n3 = quarters(b_h, b_z, b_x0, UNPACK == _INTERLEAVED_ASM)
             b_d = tl.dot(n0, b_x0, input_precision="ieee")
             b_d = tl.dot(n1, b_x1, b_d, input_precision="ieee")
             b_d = tl.dot(n2, b_x2, b_d, input_precision="ieee")
@@ -529,7 +517,8 @@ if tl is not None:
                 b_h = tl.load(w + o_r[:, None] * s_w + o_h[None, :], mask=m_g[:, None], other=0)
                 p_q = p_x + (tl.minimum(kk, K - BG) + tl.arange(0, Q))[:, None]      # x's, in x
                 b_x0, b_x1, b_x2, b_x3 = tl.load(p_q), tl.load(p_q + Q), tl.load(p_q + 2 * Q), tl.load(p_q + 3 * Q)
-                n0, n1, n2, n3 = quarters(b_h, b_z, b_x0, UNPACK == _INTERLEAVED_ASM)
+                n0, n1, n2, n3 = quarters(b_h, b_z[:, None] + tl.zeros(b_h.shape, tl.int32), b_x0,
+                                          UNPACK == _INTERLEAVED_ASM)
                 b_d = tl.dot(n0, b_x0, input_precision="ieee")
                 b_d = tl.dot(n1, b_x1, b_d, input_precision="ieee")
                 b_d = tl.dot(n2, b_x2, b_d, input_precision="ieee")
