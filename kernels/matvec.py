@@ -425,10 +425,9 @@ def tail_split(blocks: int, KI: int, plan: ProductPlan) -> tuple[int, int] | Non
 
 
 def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: bool, plan: ProductPlan, BT: int,
-            rider: tuple | None = None, stacked: bool = False):
+            rider: tuple | None = None):
     """One program a column block (_matvec_kernel) over rows padded to BT, a small last wave split
-    over K where tail_split says so; `rider` (w2, y2): the rider's programs first (matvec_rider);
-    `stacked`: a 4-bit SwiGLU's gate and up rows in one tile."""
+    over K where tail_split says so; `rider` (w2, y2): the rider's programs first (matvec_rider)."""
     blocks, KI, P = triton.cdiv(N, BN), triton.cdiv(K, BK), plan.programs
     tail = tail_split(blocks, KI, plan)
     S, KS = tail or (1, KI)
@@ -448,18 +447,22 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
         s_y=y.stride(0), BT=BT, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
         num_stages=stages, LATE=plan.late_release, **scale, **fp8, **pdl(x), **fp8_run(BK, fp8["FP8"]),
         **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)), **ride,
-        **({"STACKED": True} if stacked else {}), **_batch_args(w, BK, warps, fp8, swiglu, plan))
+        **_int4_tile_args(w, BK, warps, fp8, swiglu, plan))
     return y
 
 
-def _batch_args(w, BK: int, warps: int, fmt: dict, swiglu: bool, plan: ProductPlan) -> dict:
-    """BATCH for a plain or split product over interleaved 4-bit words under the plan's
-    int4_group_batch: where a tile holds whole batches of groups and has a warp for each group of
-    a batch; none otherwise."""
-    B, G = plan.int4_group_batch, fmt.get("G", 0)
-    if B and G and not swiglu and w.dtype == torch.int16 and BK % (B * G) == 0 and warps == B:
-        return {"BATCH": B}
-    return {}
+def _int4_tile_args(w, BK: int, warps: int, fmt: dict, swiglu: bool, plan: ProductPlan) -> dict:
+    """How a tile over interleaved 4-bit words (w: the words as the kernel reads them) takes its
+    dots, where the plan says so: a SwiGLU's gate and up rows as one tile (int4_swiglu_stacked:
+    STACKED), a plain or split product's groups int4_group_batch at a time side by side, where the
+    tile holds whole batches and has a warp for each group of one (BATCH); neither otherwise."""
+    G = fmt.get("G", 0)
+    if not G or w.dtype != torch.int16:
+        return {}
+    if swiglu:
+        return {"STACKED": True} if plan.int4_swiglu_stacked else {}
+    B = plan.int4_group_batch
+    return {"BATCH": B} if B and BK % (B * G) == 0 and warps == B else {}
 
 
 def _format_args(x, w, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPlan, product: tuple) -> dict:
@@ -601,9 +604,7 @@ def matvec_swiglu_triton(x, w, plan: ProductPlan | None = None) -> torch.Tensor:
     y = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     BN, BK, warps, stages = tiles(N, K, x.element_size(), swiglu=True, fp8=fp8["FP8"], plan=plan,
                                   group=fp8.get("G", 0), interleaved=w.dtype == torch.int16)
-    # an interleaved 4-bit weight's gate and up rows in one tile where the plan says so
-    stacked = plan.int4_swiglu_stacked and w.dtype == torch.int16
-    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, True, plan, BT, stacked=stacked)
+    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, True, plan, BT)
 
 
 def _out(x: torch.Tensor, N: int, out: torch.Tensor | None) -> torch.Tensor:

@@ -18,8 +18,8 @@ from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import fp8_fit, fp8_run
 from mtpchat.kernels.int4 import GroupInt4, dot_int4, dot_int4_batched, measured
-from mtpchat.kernels.matvec import (Normed, _batch_args, _dot_tile, _format_args, arrival_counts, check_product, pieces,
-                                    permuted_once)
+from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, _int4_tile_args, arrival_counts, check_product,
+                                    pieces, permuted_once)
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
@@ -203,7 +203,7 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=BT, BN=BN, BK=BK,
         S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None, num_warps=warps,
         num_stages=stages, LATE=plan.late_release, **fp8, **pdl(x), **fp8_run(BK, fp8["FP8"]),
-        **_format_args(x, w, BN, BK, warps, fp8, plan, ("split", N, K)), **_batch_args(w, BK, warps, fp8, False, plan))
+        **_format_args(x, w, BN, BK, warps, fp8, plan, ("split", N, K)), **_int4_tile_args(w, BK, warps, fp8, False, plan))
     return y if norm is None else (Normed(xn, ss, eps), h)
 
 

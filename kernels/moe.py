@@ -518,6 +518,15 @@ def _widen(x, warps: int, BN: int, plan: ProductPlan) -> dict:
     return widen_args(x, warps, BN, plan.widen_bits, plan.widen_group)
 
 
+def swiglu_stacked(w_gate_up, step: bool, plan: ProductPlan) -> bool:
+    """Whether a step's expert SwiGLU takes each tile's gate and up rows as one tile: bf16 and FP8
+    experts under the plan's expert_stacked, 4-bit ones under int4_expert_stacked where measured,
+    interleaved (natural words keep their tiles apart); a prefill's never."""
+    if isinstance(w_gate_up, GroupInt4):
+        return step and plan.int4_expert_stacked and w_gate_up.interleaved
+    return step and plan.expert_stacked
+
+
 def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
                          reads: torch.Tensor | None = None, shared=None, plan: ProductPlan | None = None) -> torch.Tensor:
     """`reads` (a step's layout only): the step's distinct routed experts are added to it.
@@ -538,8 +547,7 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     if fp8:
         BN, BK, warps, stages = fp8_fit((BN, BK, warps, stages), H)
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
-    # 4-bit experts stacked where measured: interleaved ones (natural words keep their tiles apart)
-    stacked = step and (plan.expert_stacked if int4 is None else plan.int4_expert_stacked and w_gate_up.interleaved)
+    stacked = swiglu_stacked(w_gate_up, step, plan)
     w2, ws2 = _shared_args(w_gate_up, shared, 2 * Fi, H)
     ws = w_gate_up.scale if isinstance(w_gate_up, (BlockFP8, GroupInt4)) else wv
     _swiglu_kernel[(blocks, triton.cdiv(Fi, BN))](

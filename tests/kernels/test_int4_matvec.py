@@ -296,6 +296,9 @@ def test_interleaved_swiglu_stacked(device, dtype, T, group, symmetric, programs
     x = randn(T, 768, dtype=dtype, device=device, seed=21 + T)
     n = normed(T, 768, dtype, device, torch.Generator().manual_seed(22 + T))
     stacked, apart = stacked_swiglu(True, programs), stacked_swiglu(False, programs)
+    assert matvec._int4_tile_args(il.w, 128, 4, dict(G=group), True, stacked) == {"STACKED": True}
+    assert matvec._int4_tile_args(il.w, 128, 4, dict(G=group), True, apart) == {}
+    assert matvec._int4_tile_args(w.w, 128, 4, dict(G=group), True, stacked) == {}           # natural words: apart
     for rows, ref in ((x, matvec.matvec_swiglu_ref(x, w)), (n, matvec.matvec_swiglu_ref(n, w))):
         y = matvec.matvec_swiglu_triton(rows, il, plan=stacked)
         check(y, ref, TOL[dtype], "stacked")
@@ -328,8 +331,9 @@ def test_interleaved_plain_group_batch(device, dtype, T, group, symmetric, progr
     w = int4_weight(70, K, device, 30 + T, group, symmetric)
     il = int4.interleave_ref(w)
     plan = group_batch(4, group, programs)
-    assert matvec._batch_args(il.w, 4 * group, 4, dict(G=group), False, plan) == {"BATCH": 4}
-    assert matvec._batch_args(il.w, 4 * group, 2, dict(G=group), False, plan) == {}     # a warp a group, or none
+    assert matvec._int4_tile_args(il.w, 4 * group, 4, dict(G=group), False, plan) == {"BATCH": 4}
+    assert matvec._int4_tile_args(il.w, 4 * group, 2, dict(G=group), False, plan) == {}     # a warp a group, or none
+    assert matvec._int4_tile_args(il.w, 4 * group, 4, dict(G=group), True, plan) == {}      # a SwiGLU: never
     x = randn(T, K, dtype=dtype, device=device, seed=31 + T)
     check(matvec.matvec_triton(x, il, plan=plan), matvec.matvec_ref(x, w), TOL[dtype], "batched")
     n = normed(T, K, dtype, device, torch.Generator().manual_seed(32 + T))

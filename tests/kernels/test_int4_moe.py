@@ -171,6 +171,8 @@ def test_int4_stacked_swiglu_is_the_apart_one_bit_for_bit(device, group, normed)
     assert isinstance(lay, moe_layout.StepLayout)
     lay_cpu = moe_layout.layout_ref(ids.cpu(), E + 1, moe_layout.STEP_ROWS)
     apart = dataclasses.replace(stacked_plan(), int4_expert_stacked=False)
+    assert moe.swiglu_stacked(form(wgu), True, stacked_plan()) and not moe.swiglu_stacked(form(wgu), True, apart)
+    assert not moe.swiglu_stacked(wgu, True, stacked_plan()) and not moe.swiglu_stacked(form(wgu), False, stacked_plan())
     h = moe.expert_swiglu_triton(x, form(wgu), lay, k + 1, E, shared=form(sgu), plan=stacked_plan())
     h_apart = moe.expert_swiglu_triton(x, form(wgu), lay, k + 1, E, shared=form(sgu), plan=apart)
     if device == "cuda":
@@ -223,6 +225,7 @@ def test_int4_stacked_swiglu_on_the_35b_shapes(tile):
     x = randn(4, H, dtype=torch.bfloat16, device="cuda", seed=72)
     ids, w, g, lay = moe_routing.route_step(randn(4, E, seed=73, scale=3.0).cuda(), k, E)
     apart = dataclasses.replace(stacked_plan(tile), int4_expert_stacked=False)
+    assert moe.swiglu_stacked(wgu, True, stacked_plan(tile))
     assert torch.equal(moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=stacked_plan(tile)),
                        moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=apart))
 
