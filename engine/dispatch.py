@@ -93,6 +93,12 @@ def weight(m: nn.Module, name: str):
     return BlockFP8(w, scale)
 
 
+def _few_rows(x, rowwise: bool) -> bool:
+    """Whether a product over x runs as the few-row matvec kernel: a step's rows on the GPU, or a
+    Normed (which only that kernel reads)."""
+    return isinstance(x, Normed) or (rowwise and x.is_cuda)
+
+
 def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
     """x [T, K] @ w[N, K]ᵀ, w a tensor, a BlockFP8 or a GroupInt4. With `rowwise` (decode, verify,
     draft) each row's result is that of a 1-row call: the batch-invariant matvec kernel on the GPU,
@@ -103,7 +109,7 @@ def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
     product of the dequantized weight."""
     if isinstance(x, QuantizedRows):
         return fp8_gemm.gemm(x, w) if isinstance(w, BlockFP8) else int4_gemm.gemm(x, w, plan=products)
-    if isinstance(x, Normed) or (rowwise and x.is_cuda):
+    if _few_rows(x, rowwise):
         return matvec(x, w, plan=products)
     if not rowwise and use_triton(x, values_of(w)):
         if isinstance(w, BlockFP8):
@@ -120,7 +126,7 @@ def linears(x, w, rider, rowwise: bool, products: ProductPlan) -> tuple[torch.Te
     """(x @ wᵀ, x @ riderᵀ), each as `linear` gives it: where a step's products run as the matvec
     kernel and the plan's `rides` is on, the rider (a tensor, e.g. the GDN's bf16 b|a) takes the
     first programs of w's launch (matvec_rider); otherwise two products."""
-    if products.rides and (isinstance(x, Normed) or (rowwise and x.is_cuda)) and rides(x, w, rider):
+    if products.rides and _few_rows(x, rowwise) and rides(x, w, rider):
         return matvec_rider(x, w, rider, plan=products)
     return linear(x, w, rowwise, products), linear(x, rider, rowwise, products)
 
