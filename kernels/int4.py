@@ -448,38 +448,6 @@ if tl is not None:
                     _quarter_less_zero(b_q, 2, b_o, b_x), _quarter_less_zero(b_q, 3, b_o, b_x))
 
     @triton.jit
-    def dot_int4_batched(b_acc, w, sw, zw, o_r, m_r, s_w, s_sw, p_x, k, K, BK: tl.constexpr, G: tl.constexpr,
-                         UNPACK: tl.constexpr):
-        """dot_int4 over an interleaved weight with a tile's groups side by side: b_acc [NB, BN, BT]
-        takes NB groups at a time as a batch of dots (Triton places the batch over the warps, so
-        each warp takes one group of all BN rows), group NB i + j of the tile into b_acc[j]; the
-        caller adds the NB sums at the end. Each sum over its own groups in order. (Its four quarter
-        dots repeat dot_int4's: moved into a helper both call, they changed the default SwiGLU's
-        compiled form, 147 -> 144 registers on sm_90, and a default's form is chosen by measurement.)"""
-        NB: tl.constexpr = b_acc.shape[0]
-        Q: tl.constexpr = G // 4
-        for i in tl.static_range(BK // (NB * G)):
-            kk = k + i * NB * G + tl.arange(0, NB) * G                           # [NB]
-            m_g = m_r[None, :] & (kk[:, None] < K)                              # [NB, BN]
-            b_s = tl.load(sw + o_r[None, :] * s_sw + (kk // G)[:, None], mask=m_g, other=0.).to(tl.float32)
-            if zw is None:
-                b_z = tl.full([NB, o_r.shape[0], Q], 8, tl.int32)                # SYMMETRIC_ZERO
-            else:
-                b_z = tl.load(zw + o_r[None, :] * s_sw + (kk // G)[:, None], mask=m_g, other=0).to(tl.int32)[:, :, None] \
-                    + tl.zeros([NB, o_r.shape[0], Q], tl.int32)
-            o_h = (kk // 4)[:, None, None] + tl.arange(0, Q)[None, None, :]      # [NB, 1, Q]
-            b_h = tl.load(w + o_r[None, :, None] * s_w + o_h, mask=m_g[:, :, None], other=0)
-            p_q = p_x[None, :, :] + (tl.minimum(kk, K - G)[:, None, None] + tl.arange(0, Q)[None, :, None])  # [NB, Q, BT]
-            b_x0, b_x1, b_x2, b_x3 = tl.load(p_q), tl.load(p_q + Q), tl.load(p_q + 2 * Q), tl.load(p_q + 3 * Q)
-            n0, n1, n2, n3 = quarters(b_h, b_z, b_x0, UNPACK == _INTERLEAVED_ASM)
-            b_d = tl.dot(n0, b_x0, input_precision="ieee")
-            b_d = tl.dot(n1, b_x1, b_d, input_precision="ieee")
-            b_d = tl.dot(n2, b_x2, b_d, input_precision="ieee")
-            b_d = tl.dot(n3, b_x3, b_d, input_precision="ieee")
-            b_acc += b_s[:, :, None] * b_d
-        return b_acc
-
-    @triton.jit
     def _x_tile(p_x, m_x, o_k, K, perm):
         """x's tile [len(o_k), BT] for the weight columns o_k (< K), read through perm where there
         is one; rows' pointers p_x [1, BT] (m_x [BT])."""
@@ -492,7 +460,8 @@ if tl is not None:
 
     @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
-                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0):
+                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0,
+                 WHOLE: tl.constexpr = False):
         """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
         whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
         BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
@@ -501,20 +470,29 @@ if tl is not None:
         over an interleaved weight (int16 half-words, no perm), 4 over its quarters; x's tiles then
         load without masks, so every one of p_x's row pointers must lie in x (the callers' rows
         past T repeat a row of x, whose sums nobody stores), and a sub-tile past K reads x's last
-        group (its weights masked to scale 0)."""
+        group (its weights masked to scale 0). WHOLE (interleaved words only): the rows o_r all lie
+        in w and the tile all in K, so its words, scales and zeros load without masks."""
         Q: tl.constexpr = BG // 4                                # an interleaved group's quarter
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
             o_c = kk // 8 + tl.arange(0, BG // 8)
             m_g = m_r & (tl.full(o_r.shape, kk, tl.int32) < K)   # K is whole groups: a sub-tile lies in K or past it
-            b_s = tl.load(sw + o_r * s_sw + kk // G, mask=m_g, other=0.).to(tl.float32)
+            if WHOLE:
+                b_s = tl.load(sw + o_r * s_sw + kk // G).to(tl.float32)
+            else:
+                b_s = tl.load(sw + o_r * s_sw + kk // G, mask=m_g, other=0.).to(tl.float32)
             if zw is None:
                 b_z = tl.full(o_r.shape, 8, tl.int32)          # SYMMETRIC_ZERO
+            elif WHOLE:
+                b_z = tl.load(zw + o_r * s_sw + kk // G).to(tl.int32)
             else:
                 b_z = tl.load(zw + o_r * s_sw + kk // G, mask=m_g, other=0).to(tl.int32)
             if UNPACK == _INTERLEAVED or UNPACK == _INTERLEAVED_ASM:
                 o_h = kk // 4 + tl.arange(0, Q)
-                b_h = tl.load(w + o_r[:, None] * s_w + o_h[None, :], mask=m_g[:, None], other=0)
+                if WHOLE:
+                    b_h = tl.load(w + o_r[:, None] * s_w + o_h[None, :])
+                else:
+                    b_h = tl.load(w + o_r[:, None] * s_w + o_h[None, :], mask=m_g[:, None], other=0)
                 p_q = p_x + (tl.minimum(kk, K - BG) + tl.arange(0, Q))[:, None]      # x's, in x
                 b_x0, b_x1, b_x2, b_x3 = tl.load(p_q), tl.load(p_q + Q), tl.load(p_q + 2 * Q), tl.load(p_q + 3 * Q)
                 n0, n1, n2, n3 = quarters(b_h, b_z[:, None] + tl.zeros(b_h.shape, tl.int32), b_x0,
@@ -543,4 +521,4 @@ if tl is not None:
                 b_acc += b_s[:, None] * tl.dot(widen(b_q, b_z, b_x), b_x, input_precision="ieee")
         return b_acc
 else:
-    widen = widen_nibble = dot_int4 = dot_int4_batched = None
+    widen = widen_nibble = dot_int4 = None

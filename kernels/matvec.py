@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
-from mtpchat.kernels.int4 import (GroupInt4, check_int4, dot_int4, dot_int4_batched, form_args, form_of,
+from mtpchat.kernels.int4 import (GroupInt4, check_int4, dot_int4, form_args, form_of,
                                   interleaved_args, measured)
 from mtpchat.kernels.plan import ProductPlan, default_products
 
@@ -134,7 +134,7 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
                    BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None,
                    UNPACK: tl.constexpr = False, LATE: tl.constexpr = False, RUN: tl.constexpr = 1,
                    w2=None, y2=None, N2=0, R=0, s_w2=0, s_y2=0, BN2: tl.constexpr = 0, BK2: tl.constexpr = 0,
-                   STACKED: tl.constexpr = False, BATCH: tl.constexpr = 0):
+                   WHOLE: tl.constexpr = False):
     # With a rider (BN2 > 0, matvec_rider), programs 0 .. R - 1 take the rider's column blocks of
     # BN2 rows of w2 over the same rows x, and program R + i the product's program i.
     pdl_start(PDL, LATE)
@@ -144,10 +144,10 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
             _ride(x, w2, y2, ss, T, N2, K, NB, pid, s_x, s_w2, s_y2, s_ss, eps, BT, BN2, BK2, NBP, PDL, LATE)
         else:
             _main(pid - R, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
-                  BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN, STACKED, BATCH)
+                  BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN, WHOLE)
     else:
         _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
-              BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN, STACKED, BATCH)
+              BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN, WHOLE)
 
 
 @triton.jit
@@ -180,7 +180,7 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
           BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
           SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
           BITS: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, zw, perm,
-          UNPACK: tl.constexpr, LATE: tl.constexpr, RUN: tl.constexpr, STACKED: tl.constexpr, BATCH: tl.constexpr):
+          UNPACK: tl.constexpr, LATE: tl.constexpr, RUN: tl.constexpr, WHOLE: tl.constexpr):
     # Program pid: with no SPLIT, column block pid, all of K (with SWIGLU, the gate rows n and the
     # up rows N + n of w together). With SPLIT only the first F programs do; program F + j takes
     # part i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
@@ -189,10 +189,7 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
     # after every thread of the program has stored, orders the parts before its reads. LATE: the
     # next kernel's programs are placed once this one's have streamed their weights. RUN: a K step
     # takes RUN tiles of BK / RUN columns, one after another along each weight row (fp8_run).
-    # STACKED (a 4-bit SwiGLU): the block's gate rows over its up rows as one tile of 2 BN rows,
-    # one dot a group, each row's sums those of the two dots apart. BATCH (a plain product over
-    # interleaved 4-bit words): a tile's groups BATCH at a time side by side, one a warp
-    # (int4.dot_int4_batched), their BATCH sums added after the loop.
+    # WHOLE (interleaved 4-bit words): N and K in whole tiles, the words loaded without masks.
     if SPLIT:
         j = tl.maximum(pid - F, 0)
         i_s = j % S
@@ -209,13 +206,6 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
         b_rstd = _row_scale(ss, s_ss, NB, K, eps, o_t, m_t, NBP)
     b_g = tl.zeros([BN, BT], dtype=tl.float32)
     b_u = tl.zeros([BN, BT], dtype=tl.float32)
-    if STACKED:
-        o_r = tl.arange(0, 2 * BN)
-        o_w = i_n * BN + o_r % BN + tl.where(o_r >= BN, N, 0)         # the gate rows, then the up rows
-        m_w = (i_n * BN + o_r % BN) < N
-        b_a = tl.zeros([2 * BN, BT], dtype=tl.float32)
-    if BATCH > 0:
-        b_b = tl.zeros([BATCH, BN, BT], dtype=tl.float32)
     # the start hinted a multiple of BK: without it a split's loop over 4-bit words was not pipelined
     # (KS's known divisor, 16 weights, is 8 bytes of interleaved half-words: no 16-byte copies)
     for k in range(tl.multiple_of(k_lo, BK), k_hi, BK):
@@ -223,14 +213,9 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
             # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights
             # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
             p_x = x + tl.minimum(o_t, T - 1)[None, :] * s_x
-            if STACKED:
-                b_a = dot_int4(b_a, w, sw, zw, perm, o_w, m_w, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
-            elif BATCH > 0:
-                b_b = dot_int4_batched(b_b, w, sw, zw, o_n, m_n, s_w, s_sw, p_x, k, K, BK, G, UNPACK)
-            else:
-                b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
-                if SWIGLU:
-                    b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
+            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, WHOLE)
+            if SWIGLU:
+                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, WHOLE)
         else:
             for u in tl.static_range(RUN):
                 k_u = k + u * (BK // RUN)
@@ -245,10 +230,6 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
                 if SWIGLU:
                     b_u = _dot_tile(p_w + N * s_w, m_w, b_x, b_u, sw, (N + i_n * BN) // 128, s_sw, k_u, FP8, 128,
                                     BITS)
-    if STACKED:
-        b_g, b_u = tl.split(tl.permute(tl.reshape(b_a, [2, BN, BT]), [1, 2, 0]))
-    if BATCH > 0:
-        b_g = tl.sum(b_b, axis=0)
     if LATE:
         pdl_release(PDL)
     if not SPLIT:
@@ -447,22 +428,16 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
         s_y=y.stride(0), BT=BT, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
         num_stages=stages, LATE=plan.late_release, **scale, **fp8, **pdl(x), **fp8_run(BK, fp8["FP8"]),
         **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)), **ride,
-        **_int4_tile_args(w, BK, warps, fp8, swiglu, plan))
+        **_int4_whole(w, N, K, BN, BK, KS * BK, fp8, plan))
     return y
 
 
-def _int4_tile_args(w, BK: int, warps: int, fmt: dict, swiglu: bool, plan: ProductPlan) -> dict:
-    """How a tile over interleaved 4-bit words (w: the words as the kernel reads them) takes its
-    dots, where the plan says so: a SwiGLU's gate and up rows as one tile (int4_swiglu_stacked:
-    STACKED), a plain or split product's groups int4_group_batch at a time side by side, where the
-    tile holds whole batches and has a warp for each group of one (BATCH); neither otherwise."""
-    G = fmt.get("G", 0)
-    if not G or w.dtype != torch.int16:
-        return {}
-    if swiglu:
-        return {"STACKED": True} if plan.int4_swiglu_stacked else {}
-    B = plan.int4_group_batch
-    return {"BATCH": B} if B and BK % (B * G) == 0 and warps == B else {}
+def _int4_whole(w, N: int, K: int, BN: int, BK: int, KS: int, fmt: dict, plan: ProductPlan) -> dict:
+    """WHOLE where the plan says so (int4_whole) for a tile over interleaved 4-bit words (w: the
+    words as the kernel reads them) whose N and K, and a split's parts of KS columns, come in
+    whole tiles: its words, scales and zeros then load without masks."""
+    whole = plan.int4_whole and fmt.get("G", 0) and w.dtype == torch.int16
+    return {"WHOLE": True} if whole and N % BN == 0 and K % BK == 0 and KS % BK == 0 else {}
 
 
 def _format_args(x, w, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPlan, product: tuple) -> dict:

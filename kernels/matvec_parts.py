@@ -17,8 +17,8 @@ import torch
 from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import fp8_fit, fp8_run
-from mtpchat.kernels.int4 import GroupInt4, dot_int4, dot_int4_batched, measured
-from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, _int4_tile_args, arrival_counts, check_product,
+from mtpchat.kernels.int4 import GroupInt4, dot_int4, measured
+from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, _int4_whole, arrival_counts, check_product,
                                     pieces, permuted_once)
 from mtpchat.kernels.plan import ProductPlan, default_products
 
@@ -29,10 +29,10 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
                          NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                          RESIDUAL: tl.constexpr = True, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None,
                          perm=None, UNPACK: tl.constexpr = False, LATE: tl.constexpr = False,
-                         RUN: tl.constexpr = 1, BATCH: tl.constexpr = 0):
+                         RUN: tl.constexpr = 1, WHOLE: tl.constexpr = False):
     # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
-    # (LATE: the next kernel's programs placed after the loop; RUN: tiles a K step; BATCH: a tile's
-    # groups of 4-bit words side by side: matvec._matvec_kernel)
+    # (LATE: the next kernel's programs placed after the loop; RUN: tiles a K step; WHOLE: 4-bit
+    # words in whole tiles, loaded without masks: matvec._matvec_kernel)
     pdl_start(PDL, LATE)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -40,18 +40,13 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
     m_n, m_t = o_n < N, o_t < T
     m_y = m_n[:, None] & m_t[None, :]
     b_y = tl.zeros([BN, BT], dtype=tl.float32)
-    if BATCH > 0:
-        b_b = tl.zeros([BATCH, BN, BT], dtype=tl.float32)
     # the start hinted a multiple of BK: a 4-bit weight's words then load in 16-byte copies (KS's
     # known divisor, 16 weights, is 8 bytes of interleaved half-words)
     for k in range(tl.multiple_of(i_s * KS, BK), tl.minimum(i_s * KS + KS, K), BK):
         if G > 0:       # 4-bit weights (kernels/int4.py)
             # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
             p_x = x + tl.minimum(o_t, T - 1)[None, :] * s_x
-            if BATCH > 0:
-                b_b = dot_int4_batched(b_b, w, sw, zw, o_n, m_n, s_w, s_sw, p_x, k, K, BK, G, UNPACK)
-            else:
-                b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
+            b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, WHOLE)
         else:
             for u in tl.static_range(RUN):
                 k_u = k + u * (BK // RUN)
@@ -61,8 +56,6 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
                 # FP8: BK / RUN divides the 128-column scale blocks and BN the 128-row ones (matvec._dot_tile)
                 b_y = _dot_tile(w + o_n[:, None] * s_w + o_k[None, :], m_n[:, None] & m_k[None, :], tl.trans(b_x),
                                 b_y, sw, i_n * BN // 128, s_sw, k_u, FP8, 128, BITS)
-    if BATCH > 0:
-        b_y = tl.sum(b_b, axis=0)
     if LATE:
         pdl_release(PDL)
     o_y = o_t[None, :] * s_y + o_n[:, None]
@@ -203,7 +196,7 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=BT, BN=BN, BK=BK,
         S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None, num_warps=warps,
         num_stages=stages, LATE=plan.late_release, **fp8, **pdl(x), **fp8_run(BK, fp8["FP8"]),
-        **_format_args(x, w, BN, BK, warps, fp8, plan, ("split", N, K)), **_int4_tile_args(w, BK, warps, fp8, False, plan))
+        **_format_args(x, w, BN, BK, warps, fp8, plan, ("split", N, K)), **_int4_whole(w, N, K, BN, BK, ranges[0][1], fp8, plan))
     return y if norm is None else (Normed(xn, ss, eps), h)
 
 

@@ -281,45 +281,11 @@ def int4_stacked_plans(base: KernelPlan) -> dict:
                for BN, BK, w, st in ((64, 256, 8, 4), (64, 256, 8, 3), (32, 512, 4, 3))}}
 
 
-def int4_glu_plans(base: KernelPlan) -> dict:
-    """The few-row SwiGLU over interleaved 4-bit weights (the 27B's MLP gate|up) with its gate and up
-    rows apart (the measured tile, int4.measured) or stacked (ProductPlan.int4_swiglu_stacked: one
-    dot of 2 BN rows a group) on 4 or 8 warps, each warp 16 rows. The logits must be the same bits."""
-    def swiglu(tile):
-        def rule(product, N, K, group):
-            return tile if product == "swiglu" else None
-        rule.__name__ = "int4:swiglu {}x{}w{}s{}".format(*tile)
-        return rule
-    return {"apart": base.replace(int4_swiglu_stacked=False),
-            **{f"stacked {BN}x{BK} w{w} s{st}": base.replace(int4_swiglu_stacked=True, int4_tiles=swiglu((BN, BK, w, st)))
-               for BN, BK, w, st in ((32, 512, 4, 2), (32, 512, 4, 3), (32, 256, 4, 4), (64, 256, 8, 2), (64, 512, 8, 2))}}
-
-
-def int4_batch_plans(base: KernelPlan) -> dict:
-    """The few-row plain and split products over interleaved 4-bit words (the 27B's GDN in_proj and
-    attention q|gate|k|v; out_proj, o_proj and the MLP down) with a tile's groups one after another
-    (the measured tiles, int4.measured) or as a batch of dots, one a warp
-    (ProductPlan.int4_group_batch), at the measured tiles' shared memory on twice the warps, or
-    more. The logits move by the groups' order of addition, so a batched plan's verify rows are not
-    the first plan's; each plan's own checks (verify 3's first row the decode's, captured the same
-    as eager) must hold."""
-    def rule(plain, split, name):
-        def int4_tiles(product, N, K, group):
-            if product == "plain":
-                return plain
-            if product == "split" and split is not None:
-                return (4 if K >= 16384 else 3,) + split
-            return None
-        int4_tiles.__name__ = name
-        return int4_tiles
-    split = (32, 512, 4, 4)
-    plans = {"groups in turn": base.replace(int4_group_batch=0)}
-    for B, tile in ((4, (32, 512, 4, 4)), (4, (32, 512, 4, 3)), (8, (32, 1024, 8, 3))):
-        name = "batch {} plain {}x{}w{}s{}".format(B, *tile)
-        plans[name] = base.replace(int4_group_batch=B, int4_tiles=rule(tile, None, "int4:" + name))
-    plans["batch 4 split"] = base.replace(int4_group_batch=4, int4_tiles=rule(None, split, "int4:batch 4 split"))
-    plans["batch 4 both"] = base.replace(int4_group_batch=4, int4_tiles=rule((32, 512, 4, 4), split, "int4:batch 4 both"))
-    return plans
+def int4_whole_plans(base: KernelPlan) -> dict:
+    """The few-row plain, SwiGLU and split products over interleaved 4-bit words with their words,
+    scales and zeros loaded masked or, where N and K come in whole tiles, without masks
+    (ProductPlan.int4_whole). The logits must be the same bits."""
+    return {"masked": base.replace(int4_whole=False), "whole": base.replace(int4_whole=True)}
 
 
 def routed_plans(base: KernelPlan) -> dict:
@@ -363,5 +329,4 @@ FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
             "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans,
-            "rides": rider_plans, "int4stacked": int4_stacked_plans, "int4glu": int4_glu_plans,
-            "int4batch": int4_batch_plans}
+            "rides": rider_plans, "int4stacked": int4_stacked_plans, "int4whole": int4_whole_plans}

@@ -277,74 +277,59 @@ def test_interleaved_products(device, dtype, T, N, K, group, symmetric):
     rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=plan).transpose(0, 1), x)
 
 
-def stacked_swiglu(stacked: bool, programs: int = 4, tile=(16, 128, 4, 2)) -> ProductPlan:
-    """The 4-bit SwiGLU on `tile`, its gate and up rows in one tile (ProductPlan.int4_swiglu_stacked)
-    or apart; on `programs` resident programs (4: the 70-column weight's last block split over K)."""
-    return ProductPlan(programs=programs, int4_swiglu_stacked=stacked,
-                       int4_tiles=lambda product, N, K, group: tile if product == "swiglu" else None)
+def whole_tiles(whole: bool, programs: int = 4) -> ProductPlan:
+    """Interleaved products on tiles of 16 rows and 256 columns (a split in 2 parts of them), their
+    words loaded without masks where N and K come in whole tiles (ProductPlan.int4_whole) or masked;
+    on `programs` resident programs (4: a 7-block product's last block split over K)."""
+    def tiles(product, N, K, group):
+        return (16, 256, 4, 2) if product in ("plain", "swiglu") else (2, 16, 256, 4, 2) if product == "split" else None
+    return ProductPlan(programs=programs, int4_whole=whole, int4_tiles=tiles)
+
+
+def test_whole_tiles_only_where_n_and_k_are_whole():
+    il, natural = int4.interleave_ref(int4_weight(16, 512, "cpu", 1, 128, True)), int4_weight(16, 512, "cpu", 1, 128, True)
+    on, off = whole_tiles(True), whole_tiles(False)
+    fmt = dict(G=128)
+    assert matvec._int4_whole(il.w, 112, 768, 16, 256, 256, fmt, on) == {"WHOLE": True}
+    assert matvec._int4_whole(il.w, 112, 768, 16, 256, 256, fmt, off) == {}
+    assert matvec._int4_whole(natural.w, 112, 768, 16, 256, 256, fmt, on) == {}          # natural words: masked
+    assert matvec._int4_whole(il.w, 100, 768, 16, 256, 256, fmt, on) == {}              # a partial column block
+    assert matvec._int4_whole(il.w, 112, 640, 16, 256, 256, fmt, on) == {}               # a partial K tile
+    assert matvec._int4_whole(il.w, 112, 1024, 16, 256, 384, fmt, on) == {}              # a part ends inside a tile
+    assert matvec._int4_whole(il.w, 112, 768, 16, 256, 256, {}, on) == {}                # not 4 bits
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,group,symmetric,programs", [(1, 128, True, 4), (5, 64, False, 4), (3, 128, False, 2)])
-def test_interleaved_swiglu_stacked(device, dtype, T, group, symmetric, programs):
-    """The SwiGLU's gate and up rows as one tile of 2 BN rows (one dot a group) against the
-    reference and against the two dots apart (the same bits on the GPU: each row's sums in the
-    same order), over 70 columns (a partial block), with its last block split over K (4 programs)
-    or none split (2), a Normed input; each row the same bits as alone."""
-    w = int4_weight(140, 768, device, 20 + T, group, symmetric)
+@pytest.mark.parametrize("T,group,symmetric,programs", [(1, 128, True, 4), (5, 64, False, 4), (3, 128, False, 8)])
+def test_interleaved_whole_tiles(device, dtype, T, group, symmetric, programs):
+    """Words, scales and zeros loaded without masks where the tiles are whole: the same bits as the
+    masked loads (the same sums in the same order), for the plain product (7 blocks of 16 rows:
+    the last split over K on 4 programs, none on 8), the SwiGLU, a Normed input, the split products
+    with and without their norm; near the reference; each row the same bits as alone."""
+    K = 768
+    w = int4_weight(112, K, device, 40 + T, group, symmetric)
     il = int4.interleave_ref(w)
-    x = randn(T, 768, dtype=dtype, device=device, seed=21 + T)
-    n = normed(T, 768, dtype, device, torch.Generator().manual_seed(22 + T))
-    stacked, apart = stacked_swiglu(True, programs), stacked_swiglu(False, programs)
-    assert matvec._int4_tile_args(il.w, 128, 4, dict(G=group), True, stacked) == {"STACKED": True}
-    assert matvec._int4_tile_args(il.w, 128, 4, dict(G=group), True, apart) == {}
-    assert matvec._int4_tile_args(w.w, 128, 4, dict(G=group), True, stacked) == {}           # natural words: apart
-    for rows, ref in ((x, matvec.matvec_swiglu_ref(x, w)), (n, matvec.matvec_swiglu_ref(n, w))):
-        y = matvec.matvec_swiglu_triton(rows, il, plan=stacked)
-        check(y, ref, TOL[dtype], "stacked")
-        y_apart = matvec.matvec_swiglu_triton(rows, il, plan=apart)
-        if device == "cuda":
-            assert torch.equal(y, y_apart)
-        else:   # the interpreter's dots are numpy's, whose sums' order may follow the tile's rows
-            check(y, y_apart, 1e-6, "stacked against apart")
-    rows_equal(lambda x: matvec.matvec_swiglu_triton(x, il, plan=stacked), x)
-
-
-def group_batch(batch: int, group: int, programs: int = 4) -> ProductPlan:
-    """Plain and split products over interleaved words with a tile's groups `batch` at a time side
-    by side (ProductPlan.int4_group_batch), on tiles of 16 rows and one batch of groups, a warp a
-    group; split products in 2 parts."""
-    def tiles(product, N, K, g):
-        tile = (16, batch * g, batch, 2)
-        return tile if product == "plain" else (2,) + tile if product == "split" else None
-    return ProductPlan(programs=programs, int4_group_batch=batch, int4_tiles=tiles)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,group,symmetric,programs", [(1, 64, True, 4), (5, 128, False, 2), (3, 64, False, 4)])
-def test_interleaved_plain_group_batch(device, dtype, T, group, symmetric, programs):
-    """A tile's groups as a batch of dots (one a warp, their sums added after the loop) against the
-    reference: 70 rows (a partial block), the last block split over K (4 programs, groups of 64) or
-    none split (2), a Normed input, the GDN's b|a riding in the launch, the split products with and
-    without their norm; each row the same bits as alone."""
-    K = 1024
-    w = int4_weight(70, K, device, 30 + T, group, symmetric)
-    il = int4.interleave_ref(w)
-    plan = group_batch(4, group, programs)
-    assert matvec._int4_tile_args(il.w, 4 * group, 4, dict(G=group), False, plan) == {"BATCH": 4}
-    assert matvec._int4_tile_args(il.w, 4 * group, 2, dict(G=group), False, plan) == {}     # a warp a group, or none
-    assert matvec._int4_tile_args(il.w, 4 * group, 4, dict(G=group), True, plan) == {}      # a SwiGLU: never
-    x = randn(T, K, dtype=dtype, device=device, seed=31 + T)
-    check(matvec.matvec_triton(x, il, plan=plan), matvec.matvec_ref(x, w), TOL[dtype], "batched")
-    n = normed(T, K, dtype, device, torch.Generator().manual_seed(32 + T))
-    check(matvec.matvec_triton(n, il, plan=plan), matvec.matvec_ref(n, w), TOL[dtype], "normed")
-    w2 = randn(12, K, dtype=dtype, device=device, seed=33, scale=0.1)
-    y, y2 = matvec.matvec_rider_triton(x, il, w2, plan=plan)
-    assert torch.equal(y, matvec.matvec_triton(x, il, plan=plan))
-    check(y2, matvec.matvec_ref(x, w2), TOL[dtype], "rider")
-    rows_equal(lambda x: matvec.matvec_triton(x, il, plan=plan), x)
-    check_interleaved_parts(x, w, il, plan, group, symmetric, 34)
-    rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=plan).transpose(0, 1), x)
+    on, off = whole_tiles(True, programs), whole_tiles(False, programs)
+    x = randn(T, K, dtype=dtype, device=device, seed=41 + T)
+    n = normed(T, K, dtype, device, torch.Generator().manual_seed(42 + T))
+    for rows in (x, n):
+        y = matvec.matvec_triton(rows, il, plan=on)
+        assert torch.equal(y, matvec.matvec_triton(rows, il, plan=off))
+        check(y, matvec.matvec_ref(rows, w), TOL[dtype], "plain")
+        g = matvec.matvec_swiglu_triton(rows, il, plan=on)
+        assert torch.equal(g, matvec.matvec_swiglu_triton(rows, il, plan=off))
+        check(g, matvec.matvec_swiglu_ref(rows, w), TOL[dtype], "swiglu")
+    parts = matvec_parts.matvec_parts_triton(x, il, plan=on)
+    assert torch.equal(parts, matvec_parts.matvec_parts_triton(x, il, plan=off))
+    check_interleaved_parts(x, w, il, on, group, symmetric, 43)
+    sq = int4.interleave_ref(int4_weight(K, K, device, 44, group, symmetric))
+    r = randn(T, K, dtype=dtype, device=device, seed=45)
+    nw = randn(K, dtype=dtype, device=device, seed=46, scale=0.1)
+    (xn, h), (xn_m, h_m) = (matvec_parts.matvec_parts_triton(x, sq, norm=(r, nw, 1e-6), plan=p) for p in (on, off))
+    assert torch.equal(h, h_m) and torch.equal(xn.x, xn_m.x) and torch.equal(xn.ss, xn_m.ss)
+    rows_equal(lambda x: matvec.matvec_triton(x, il, plan=on), x)
+    rows_equal(lambda x: matvec.matvec_swiglu_triton(x, il, plan=on), x)
+    rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=on).transpose(0, 1), x)
 
 
 # --- the 27B's shapes on the GPU --------------------------------------------------------------------
@@ -375,30 +360,22 @@ def test_int4_27b_shapes_and_rows(N, K, group, symmetric, perm, interleaved):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N", [16384, 14336])
-@pytest.mark.parametrize("batch,tile", [(4, (32, 512, 4, 4)), (8, (32, 1024, 8, 3))])
-def test_int4_group_batch_27b_rows(N, batch, tile):
-    # the 27B's in_proj and q|gate|k|v, interleaved, a tile's groups as a batch of dots: near the
-    # reference, each row the same bits as alone
-    w = int4.interleave_ref(int4_weight(N, 5120, "cuda", 5, 128, True, False))
-    x = randn(matvec.MAX_ROWS, 5120, dtype=torch.bfloat16, device="cuda", seed=6)
-    plan = ProductPlan(programs=132, int4_group_batch=batch,
-                       int4_tiles=lambda product, N, K, group: tile if product == "plain" else None)
-    check(matvec.matvec_triton(x[:4], w, plan=plan), matvec.matvec_ref(x[:4], w), 1e-2)
-    rows_equal(lambda x: matvec.matvec_triton(x, w, plan=plan), x)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tile", [(32, 512, 4, 2), (32, 256, 4, 4), (64, 256, 8, 2)])
-def test_int4_swiglu_stacked_27b_rows(tile):
-    # the 27B's MLP gate|up, interleaved: stacked the same bits as apart, each row as alone
-    w = int4.interleave_ref(int4_weight(2 * 17408, 5120, "cuda", 3, 128, True, False))
-    x = randn(matvec.MAX_ROWS, 5120, dtype=torch.bfloat16, device="cuda", seed=4)
-    plan = stacked_swiglu(True, 132, tile)
-    y = matvec.matvec_swiglu_triton(x, w, plan=plan)
-    assert torch.equal(y, matvec.matvec_swiglu_triton(x, w, plan=stacked_swiglu(False, 132, tile)))
-    check(y[:4], matvec.matvec_swiglu_ref(x[:4], w), 2e-2)
-    rows_equal(lambda x: matvec.matvec_swiglu_triton(x, w, plan=plan), x)
+@pytest.mark.parametrize("N,K", SHAPES_27B)
+def test_int4_whole_tiles_27b(N, K):
+    # the 27B's interleaved products on the measured tiles: loaded without masks, the same bits as
+    # masked (plain and SwiGLU; the split products of the 5120-column ones)
+    w = int4.interleave_ref(int4_weight(N, K, "cuda", 7, 128, True, False))
+    x = randn(matvec.MAX_ROWS, K, dtype=torch.bfloat16, device="cuda", seed=8)
+    on, off = (ProductPlan(programs=132, int4_whole=whole) for whole in (True, False))
+    assert matvec._int4_whole(w.w, N, K, 32, 512, K, dict(G=128), on) == {"WHOLE": True}
+    y = matvec.matvec_triton(x, w, plan=on)
+    assert torch.equal(y, matvec.matvec_triton(x, w, plan=off))
+    check(y[:4], matvec.matvec_ref(x[:4], w), 1e-2)
+    if N == 5120:
+        assert torch.equal(matvec_parts.matvec_parts_triton(x, w, plan=on), matvec_parts.matvec_parts_triton(x, w, plan=off))
+    else:
+        g = matvec.matvec_swiglu_triton(x, w, plan=on)
+        assert torch.equal(g, matvec.matvec_swiglu_triton(x, w, plan=off))
 
 
 @pytest.mark.gpu
