@@ -281,13 +281,6 @@ def int4_stacked_plans(base: KernelPlan) -> dict:
                for BN, BK, w, st in ((64, 256, 8, 4), (64, 256, 8, 3), (32, 512, 4, 3))}}
 
 
-def int4_whole_plans(base: KernelPlan) -> dict:
-    """The few-row plain, SwiGLU and split products over interleaved 4-bit words with their words,
-    scales and zeros loaded masked or, where N and K come in whole tiles, without masks
-    (ProductPlan.int4_whole). The logits must be the same bits."""
-    return {"masked": base.replace(int4_whole=False), "whole": base.replace(int4_whole=True)}
-
-
 def routed_plans(base: KernelPlan) -> dict:
     """A step's MoE layout derived by every program of the expert kernels or written once by the
     routing kernel's last row (ProductPlan.routed_layout, the default). The logits must be the same
@@ -329,4 +322,4 @@ FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
             "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans,
-            "rides": rider_plans, "int4stacked": int4_stacked_plans, "int4whole": int4_whole_plans}
+            "rides": rider_plans, "int4stacked": int4_stacked_plans}

@@ -151,14 +151,6 @@ step = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS, SHARED=True, zw2=None, perm2
 i16 = {"w2": "*i16"}
 inter = [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGLU=False, SPLIT=True, **il), {"ws": "*fp32"}, (warps, stages)),
          ("swiglu", matvec._matvec_kernel, dict(BT=BT, BN=SN, BK=SK, NBP=0, SWIGLU=True, SPLIT=False, **il), {"ws": "*fp32"}, (swarps, sstages)),
-         # words, scales and zeros loaded without masks (ProductPlan.int4_whole), with zeros, the last wave split
-         ("plain whole", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGLU=False, SPLIT=True, WHOLE=True,
-                                                     **{k: v for k, v in il.items() if k != "zw"}),
-          {"ws": "*fp32", "zw": "*u8"}, (warps, stages)),
-         ("swiglu whole", matvec._matvec_kernel, dict(BT=BT, BN=SN, BK=SK, NBP=0, SWIGLU=True, SPLIT=True, WHOLE=True, **il),
-          {"ws": "*fp32"}, (swarps, sstages)),
-         ("parts whole", matvec_parts._matvec_parts_kernel, dict(BT=BT, BN=PN, BK=PK, S=PS, NORM=True, RESIDUAL=True, WHOLE=True, **il),
-          {"y": "*fp32"}, (pwarps, pstages)),
          ("parts", matvec_parts._matvec_parts_kernel, dict(BT=BT, BN=PN, BK=PK, S=PS, NORM=True, RESIDUAL=True, **il), {"y": "*fp32"}, (pwarps, pstages)),
          ("expert swiglu", moe._swiglu_kernel, dict(TOPK=8, BN=EN, BK=EK, COUNT=True, STACKED=True, **step, **il), i16,
           (ewarps, estages)),

@@ -277,61 +277,6 @@ def test_interleaved_products(device, dtype, T, N, K, group, symmetric):
     rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=plan).transpose(0, 1), x)
 
 
-def whole_tiles(whole: bool, programs: int = 4) -> ProductPlan:
-    """Interleaved products on tiles of 16 rows and 256 columns (a split in 2 parts of them), their
-    words loaded without masks where N and K come in whole tiles (ProductPlan.int4_whole) or masked;
-    on `programs` resident programs (4: a 7-block product's last block split over K)."""
-    def tiles(product, N, K, group):
-        return (16, 256, 4, 2) if product in ("plain", "swiglu") else (2, 16, 256, 4, 2) if product == "split" else None
-    return ProductPlan(programs=programs, int4_whole=whole, int4_tiles=tiles)
-
-
-def test_whole_tiles_only_where_n_and_k_are_whole():
-    il, natural = int4.interleave_ref(int4_weight(16, 512, "cpu", 1, 128, True)), int4_weight(16, 512, "cpu", 1, 128, True)
-    on, off = whole_tiles(True), whole_tiles(False)
-    fmt = dict(G=128)
-    assert matvec._int4_whole(il.w, 112, 768, 16, 256, 256, fmt, on) == {"WHOLE": True}
-    assert matvec._int4_whole(il.w, 112, 768, 16, 256, 256, fmt, off) == {}
-    assert matvec._int4_whole(natural.w, 112, 768, 16, 256, 256, fmt, on) == {}          # natural words: masked
-    assert matvec._int4_whole(il.w, 100, 768, 16, 256, 256, fmt, on) == {}              # a partial column block
-    assert matvec._int4_whole(il.w, 112, 640, 16, 256, 256, fmt, on) == {}               # a partial K tile
-    assert matvec._int4_whole(il.w, 112, 1024, 16, 256, 384, fmt, on) == {}              # a part ends inside a tile
-    assert matvec._int4_whole(il.w, 112, 768, 16, 256, 256, {}, on) == {}                # not 4 bits
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,group,symmetric,programs", [(1, 128, True, 4), (5, 64, False, 4), (3, 128, False, 8)])
-def test_interleaved_whole_tiles(device, dtype, T, group, symmetric, programs):
-    """Words, scales and zeros loaded without masks where the tiles are whole: the same bits as the
-    masked loads (the same sums in the same order), for the plain product (7 blocks of 16 rows:
-    the last split over K on 4 programs, none on 8), the SwiGLU, a Normed input, the split products
-    with and without their norm; near the reference; each row the same bits as alone."""
-    K = 768
-    w = int4_weight(112, K, device, 40 + T, group, symmetric)
-    il = int4.interleave_ref(w)
-    on, off = whole_tiles(True, programs), whole_tiles(False, programs)
-    x = randn(T, K, dtype=dtype, device=device, seed=41 + T)
-    n = normed(T, K, dtype, device, torch.Generator().manual_seed(42 + T))
-    for rows in (x, n):
-        y = matvec.matvec_triton(rows, il, plan=on)
-        assert torch.equal(y, matvec.matvec_triton(rows, il, plan=off))
-        check(y, matvec.matvec_ref(rows, w), TOL[dtype], "plain")
-        g = matvec.matvec_swiglu_triton(rows, il, plan=on)
-        assert torch.equal(g, matvec.matvec_swiglu_triton(rows, il, plan=off))
-        check(g, matvec.matvec_swiglu_ref(rows, w), TOL[dtype], "swiglu")
-    parts = matvec_parts.matvec_parts_triton(x, il, plan=on)
-    assert torch.equal(parts, matvec_parts.matvec_parts_triton(x, il, plan=off))
-    check_interleaved_parts(x, w, il, on, group, symmetric, 43)
-    sq = int4.interleave_ref(int4_weight(K, K, device, 44, group, symmetric))
-    r = randn(T, K, dtype=dtype, device=device, seed=45)
-    nw = randn(K, dtype=dtype, device=device, seed=46, scale=0.1)
-    (xn, h), (xn_m, h_m) = (matvec_parts.matvec_parts_triton(x, sq, norm=(r, nw, 1e-6), plan=p) for p in (on, off))
-    assert torch.equal(h, h_m) and torch.equal(xn.x, xn_m.x) and torch.equal(xn.ss, xn_m.ss)
-    rows_equal(lambda x: matvec.matvec_triton(x, il, plan=on), x)
-    rows_equal(lambda x: matvec.matvec_swiglu_triton(x, il, plan=on), x)
-    rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=on).transpose(0, 1), x)
-
-
 # --- the 27B's shapes on the GPU --------------------------------------------------------------------
 
 # GDN in_proj [qkv | z], attention q|gate|k|v, GDN out_proj and attention o_proj, MLP down
@@ -357,25 +302,6 @@ def test_int4_27b_shapes_and_rows(N, K, group, symmetric, perm, interleaved):
         r, nw = randn(5, N, dtype=torch.bfloat16, device="cuda", seed=1), randn(N, device="cuda", seed=2, scale=0.1)
         xn, h = matvec_parts.matvec_parts_triton(x[:5], w, norm=(r, nw.bfloat16(), 1e-6))
         check(h, (matvec.matvec_ref(x[:5], w).float() + r.float()).bfloat16(), 1e-2, "h")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("N,K", SHAPES_27B)
-def test_int4_whole_tiles_27b(N, K):
-    # the 27B's interleaved products on the measured tiles: loaded without masks, the same bits as
-    # masked (plain and SwiGLU; the split products of the 5120-column ones)
-    w = int4.interleave_ref(int4_weight(N, K, "cuda", 7, 128, True, False))
-    x = randn(matvec.MAX_ROWS, K, dtype=torch.bfloat16, device="cuda", seed=8)
-    on, off = (ProductPlan(programs=132, int4_whole=whole) for whole in (True, False))
-    assert matvec._int4_whole(w.w, N, K, 32, 512, K, dict(G=128), on) == {"WHOLE": True}
-    y = matvec.matvec_triton(x, w, plan=on)
-    assert torch.equal(y, matvec.matvec_triton(x, w, plan=off))
-    check(y[:4], matvec.matvec_ref(x[:4], w), 1e-2)
-    if N == 5120:
-        assert torch.equal(matvec_parts.matvec_parts_triton(x, w, plan=on), matvec_parts.matvec_parts_triton(x, w, plan=off))
-    else:
-        g = matvec.matvec_swiglu_triton(x, w, plan=on)
-        assert torch.equal(g, matvec.matvec_swiglu_triton(x, w, plan=off))
 
 
 @pytest.mark.gpu
