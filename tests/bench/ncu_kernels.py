@@ -14,11 +14,14 @@ The stall reasons by name (cycles a warp waits per issued instruction, one line 
 
 The kernels: the 35B-A3B's FP8 expert SwiGLU of a decode step (8 experts, the engine's default
 stacked tile and the 64-column tile apart), the 27B's FP8 MLP down (split over K), and the 27B's
-GDN in_proj under --weights int4 (interleaved). Run alone, it checks that each runs.
+GDN in_proj under --weights int4 (interleaved). Run alone, it checks that each runs. With --int4,
+the 27B's interleaved 4-bit products alone (GDN in_proj, MLP gate|up, MLP down in its parts), under
+whichever package is first on the path (a variant of the kernels against the package as it is).
 """
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 
@@ -28,7 +31,21 @@ from mtpchat.kernels.plan import default_products
 E, F, H = 256, 512, 2048
 
 
+def int4_products():
+    plan = default_products("cuda")
+    for N, K, run in ((16384, 5120, matvec.matvec), (2 * 17408, 5120, matvec.matvec_swiglu),
+                      (5120, 17408, matvec_parts.matvec_parts)):
+        w = int4.interleave_ref(int4.quantize_ref(torch.randn(N, K, device="cuda") / K ** 0.5))
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        for _ in range(5):
+            run(x, w, plan=plan)
+    torch.cuda.synchronize()
+    print("ran: 27B int4 in_proj, gate|up, down in parts")
+
+
 def main():
+    if "--int4" in sys.argv:
+        return int4_products()
     base = default_products("cuda")
     apart = dataclasses.replace(base, expert_stacked=False)
     gu = fp8.quantize_ref(torch.randn(E * 2 * F, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5)
