@@ -206,4 +206,4 @@ def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
     for child, (out, err) in zip(children, outputs):
         assert child.returncode == 0, (out[-2000:] + err[-4000:])
     assert stdout.count("ok ") >= 80, stdout[-2000:]
-    assert "pairs" in stdout and stdout.count("ok interleaved") == 40, stdout[-2000:]
+    assert "pairs" in stdout and stdout.count("ok interleaved") == 7 * 4, stdout[-2000:]     # 7 kernels x 4 targets
