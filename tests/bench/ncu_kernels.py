@@ -12,6 +12,12 @@ The stall reasons by name (cycles a warp waits per issued instruction, one line 
         --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio',gpu__time_duration.sum \\
         python3 ncu_kernels.py
 
+Where in a kernel the waits sit (warp states sampled per SASS instruction; Triton keeps line info):
+
+    ncu --clock-control none --set full --import-source yes --kernel-name regex:'_matvec_kernel' \
+        --launch-skip 5 --launch-count 1 -o /tmp/int4-swiglu python3 ncu_kernels.py --int4
+    ncu -i /tmp/int4-swiglu.ncu-rep --page source --csv --print-source sass > int4-swiglu-sass.csv
+
 The kernels: the 35B-A3B's FP8 expert SwiGLU of a decode step (8 experts, the engine's default
 stacked tile and the 64-column tile apart), the 27B's FP8 MLP down (split over K), and the 27B's
 GDN in_proj under --weights int4 (interleaved). Run alone, it checks that each runs. With --int4,
