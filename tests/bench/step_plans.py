@@ -284,8 +284,13 @@ def int4_stacked_plans(base: KernelPlan) -> dict:
 def int4_ahead_plans(base: KernelPlan) -> dict:
     """The few-row plain, SwiGLU and split products over interleaved 4-bit words with each K step's
     group scales loaded in the step, just before its dots, or a step ahead
-    (ProductPlan.int4_scales_ahead). The logits must be the same bits."""
-    return {"in the step": base.replace(int4_scales_ahead=False), "a step ahead": base.replace(int4_scales_ahead=True)}
+    (ProductPlan.int4_scales_ahead); and ahead with the SwiGLU's pipeline a stage deeper (its
+    measured tile is 2 deep, int4.measured). The logits must be the same bits."""
+    def deeper(product, N, K, group):
+        return (32, 512, 2, 3) if product == "swiglu" else None
+    deeper.__name__ = "int4:swiglu 32x512w2s3"
+    return {"in the step": base.replace(int4_scales_ahead=False), "a step ahead": base.replace(int4_scales_ahead=True),
+            "ahead, SwiGLU 3 deep": base.replace(int4_scales_ahead=True, int4_tiles=deeper)}
 
 
 def routed_plans(base: KernelPlan) -> dict:
