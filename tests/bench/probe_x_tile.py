@@ -5,18 +5,29 @@ outputs compared bit for bit afterwards.
 
     cd tests/bench && PYTHONPATH=SITE_A python3 probe_x_tile.py a && PYTHONPATH=SITE_B python3 probe_x_tile.py b
 
-(2026-11-27: an interleaved group's x loaded as one tile, docs/PERFORMANCE.md.)"""
+or a plan's product fields against the defaults, in one process or alternated:
+
+    cd tests/bench && python3 probe_x_tile.py base && python3 probe_x_tile.py ahead int4_scales_ahead=True
+
+(2026-11-27: an interleaved group's x loaded as one tile, and variants of the interleaved dot,
+docs/PERFORMANCE.md.)"""
+import ast
+import dataclasses
 import sys
 import torch
 from graph_timing import graph_time
 from mtpchat.kernels import int4, matvec, matvec_parts
+from mtpchat.kernels.plan import default_products
 
 torch.manual_seed(0)
 tag = sys.argv[1]
+plan = dataclasses.replace(default_products("cuda"), **{k: ast.literal_eval(v) for k, v in
+                                                        (a.split("=", 1) for a in sys.argv[2:])})
 out = {}
 SHAPES = [("in_proj", 16384, 5120, "plain"), ("gate_up", 34816, 5120, "swiglu"), ("out_proj", 5120, 6144, "split"),
           ("down", 5120, 17408, "split")]
-run = {"plain": matvec.matvec, "swiglu": matvec.matvec_swiglu, "split": lambda x, w: matvec_parts.matvec_parts(x, w)}
+run = {"plain": lambda x, w: matvec.matvec(x, w, plan=plan), "swiglu": lambda x, w: matvec.matvec_swiglu(x, w, plan),
+       "split": lambda x, w: matvec_parts.matvec_parts(x, w, plan)}
 with torch.inference_mode():
     for name, N, K, kind in SHAPES:
         q = int4.quantize_ref(torch.randn(N, K, device="cuda") / K ** 0.5)
