@@ -284,13 +284,18 @@ def int4_stacked_plans(base: KernelPlan) -> dict:
 def int4_ahead_plans(base: KernelPlan) -> dict:
     """The few-row plain, SwiGLU and split products over interleaved 4-bit words with each K step's
     group scales loaded in the step, just before its dots, or a step ahead
-    (ProductPlan.int4_scales_ahead); and ahead with the SwiGLU's pipeline a stage deeper (its
-    measured tile is 2 deep, int4.measured). The logits must be the same bits."""
-    def deeper(product, N, K, group):
-        return (32, 512, 2, 3) if product == "swiglu" else None
-    deeper.__name__ = "int4:swiglu 32x512w2s3"
+    (ProductPlan.int4_scales_ahead); and the SwiGLU's pipeline 3 or 4 deep, with and without (its
+    measured tile is 2 deep, int4.measured: compiled for sm_90 its loop then waits for all its
+    copies at the top of each K step, the next step's issued at the bottom of this one). The logits
+    must be the same bits."""
+    def deeper(stages):
+        def rule(product, N, K, group):
+            return (32, 512, 2, stages) if product == "swiglu" else None
+        rule.__name__ = f"int4:swiglu 32x512w2s{stages}"
+        return rule
     return {"in the step": base.replace(int4_scales_ahead=False), "a step ahead": base.replace(int4_scales_ahead=True),
-            "ahead, SwiGLU 3 deep": base.replace(int4_scales_ahead=True, int4_tiles=deeper)}
+            **{f"SwiGLU {st} deep": base.replace(int4_scales_ahead=False, int4_tiles=deeper(st)) for st in (3, 4)},
+            **{f"ahead, SwiGLU {st} deep": base.replace(int4_scales_ahead=True, int4_tiles=deeper(st)) for st in (3, 4)}}
 
 
 def routed_plans(base: KernelPlan) -> dict:
