@@ -208,28 +208,27 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
     b_u = tl.zeros([BN, BT], dtype=tl.float32)
     # the start hinted a multiple of BK: without it a split's loop over 4-bit words was not pipelined
     # (KS's known divisor, 16 weights, is 8 bytes of interleaved half-words: no 16-byte copies)
+    b_sg, b_su = None, None                     # a K step's group scales, loaded a step ahead (AHEAD)
     if AHEAD:
         b_sg = group_scales(sw, o_n, m_n, s_sw, k_lo, k_hi, BK, G)
         if SWIGLU:
             b_su = group_scales(sw, N + o_n, m_n, s_sw, k_lo, k_hi, BK, G)
     for k in range(tl.multiple_of(k_lo, BK), k_hi, BK):
-        if AHEAD:
-            # as below, with the next K step's scales loaded before this step's dots (0 past the range)
-            p_x = x + tl.minimum(o_t, T - 1)[None, :] * s_x
-            b_ng = group_scales(sw, o_n, m_n, s_sw, k + BK, k_hi, BK, G)
-            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, b_sg)
-            b_sg = b_ng
-            if SWIGLU:
-                b_nu = group_scales(sw, N + o_n, m_n, s_sw, k + BK, k_hi, BK, G)
-                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, b_su)
-                b_su = b_nu
-        elif G > 0:
+        if G > 0:
             # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights
             # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
             p_x = x + tl.minimum(o_t, T - 1)[None, :] * s_x
-            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
+            if AHEAD:           # the next K step's (0 past the range), loaded before this step's dots
+                b_ng = group_scales(sw, o_n, m_n, s_sw, k + BK, k_hi, BK, G)
+            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, b_sg)
             if SWIGLU:
-                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
+                if AHEAD:
+                    b_nu = group_scales(sw, N + o_n, m_n, s_sw, k + BK, k_hi, BK, G)
+                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, b_su)
+            if AHEAD:
+                b_sg = b_ng
+                if SWIGLU:
+                    b_su = b_nu
         else:
             for u in tl.static_range(RUN):
                 k_u = k + u * (BK // RUN)

@@ -42,18 +42,18 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
     b_y = tl.zeros([BN, BT], dtype=tl.float32)
     # the start hinted a multiple of BK: a 4-bit weight's words then load in 16-byte copies (KS's
     # known divisor, 16 weights, is 8 bytes of interleaved half-words)
+    b_sc = None                                 # a K step's group scales, loaded a step ahead (AHEAD)
     if AHEAD:
         b_sc = group_scales(sw, o_n, m_n, s_sw, i_s * KS, tl.minimum(i_s * KS + KS, K), BK, G)
     for k in range(tl.multiple_of(i_s * KS, BK), tl.minimum(i_s * KS + KS, K), BK):
-        if AHEAD:       # as below, the next K step's scales loaded before this step's dots
-            b_nc = group_scales(sw, o_n, m_n, s_sw, k + BK, tl.minimum(i_s * KS + KS, K), BK, G)
+        if G > 0:       # 4-bit weights (kernels/int4.py)
+            # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
+            if AHEAD:   # the next K step's, loaded before this step's dots
+                b_nc = group_scales(sw, o_n, m_n, s_sw, k + BK, tl.minimum(i_s * KS + KS, K), BK, G)
             b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + tl.minimum(o_t, T - 1)[None, :] * s_x, m_t,
                            k, K, BK, G, BG, UNPACK, b_sc)
-            b_sc = b_nc
-        elif G > 0:     # 4-bit weights (kernels/int4.py)
-            # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
-            b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + tl.minimum(o_t, T - 1)[None, :] * s_x, m_t,
-                           k, K, BK, G, BG, UNPACK)
+            if AHEAD:
+                b_sc = b_nc
         else:
             for u in tl.static_range(RUN):
                 k_u = k + u * (BK // RUN)

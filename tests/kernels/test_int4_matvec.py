@@ -286,13 +286,20 @@ def scales_ahead(ahead: bool, BK: int, programs: int = 4) -> ProductPlan:
     return ProductPlan(programs=programs, int4_scales_ahead=ahead, int4_tiles=tiles)
 
 
+def ahead_args(x, w, plan: ProductPlan) -> dict:
+    """What a launch of w's product passes for AHEAD: the format check_product gives it."""
+    values, _, fmt = matvec.check_product(x, w, w.shape[1], plan.rows_of(w))
+    return matvec.int4_ahead(values, fmt, plan)
+
+
 def test_scales_ahead_only_over_interleaved_words():
-    il, natural = int4.interleave_ref(int4_weight(16, 512, "cpu", 1, 128, True)), int4_weight(16, 512, "cpu", 1, 128, True)
+    natural = int4_weight(16, 512, "cpu", 1, 128, True)
+    il, x = int4.interleave_ref(natural), randn(2, 512, seed=1)
     on, off = scales_ahead(True, 256), scales_ahead(False, 256)
-    assert matvec.int4_ahead(il.w, dict(G=128), on) == {"AHEAD": True}
-    assert matvec.int4_ahead(il.w, dict(G=128), off) == {}
-    assert matvec.int4_ahead(natural.w, dict(G=128), on) == {}       # natural words: their own forms
-    assert matvec.int4_ahead(il.w, {}, on) == {}                     # not 4 bits
+    assert ahead_args(x, il, on) == {"AHEAD": True}
+    assert ahead_args(x, il, off) == {}
+    assert ahead_args(x, natural, on) == {}                          # natural words: their own forms
+    assert ahead_args(x, randn(16, 512, seed=2), on) == {}          # not 4 bits
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -309,6 +316,7 @@ def test_interleaved_scales_ahead(device, dtype, T, N, K, BK, group, symmetric, 
     il = int4.interleave_ref(w)
     on, off = scales_ahead(True, BK, programs), scales_ahead(False, BK, programs)
     x = randn(T, K, dtype=dtype, device=device, seed=41 + T)
+    assert ahead_args(x, il, on) == {"AHEAD": True}
     n = normed(T, K, dtype, device, torch.Generator().manual_seed(42 + T))
     for rows in (x, n):
         y = matvec.matvec_triton(rows, il, plan=on)
@@ -364,6 +372,7 @@ def test_int4_scales_ahead_27b(N, K):
     w = int4.interleave_ref(int4_weight(N, K, "cuda", 7, 128, False, False))
     x = randn(matvec.MAX_ROWS, K, dtype=torch.bfloat16, device="cuda", seed=8)
     on, off = (ProductPlan(programs=132, int4_scales_ahead=ahead) for ahead in (True, False))
+    assert ahead_args(x[:4], w, on) == {"AHEAD": True}
     y = matvec.matvec_triton(x, w, plan=on)
     assert torch.equal(y, matvec.matvec_triton(x, w, plan=off))
     check(y[:4], matvec.matvec_ref(x[:4], w), 1e-2)
