@@ -459,34 +459,8 @@ if tl is not None:
         return tl.load(p_x + o_x[:, None], mask=m_k[:, None] & m_x[None, :], other=0.)
 
     @triton.jit
-    def _group_scale(sw, o_r, m_r, s_sw, kk, K, G: tl.constexpr):
-        """The scales [len(o_r)] float32 of rows o_r (m_r) for the group at column kk, 0 from K on."""
-        m_g = m_r & (tl.full(o_r.shape, kk, tl.int32) < K)
-        return tl.load(sw + o_r * s_sw + kk // G, mask=m_g, other=0.).to(tl.float32)
-
-    @triton.jit
-    def group_scales(sw, o_r, m_r, s_sw, k, K, BK: tl.constexpr, G: tl.constexpr):
-        """The scales of rows o_r (m_r) for the BK / G groups of columns k .. k + BK (1, 2, 4 or 8),
-        a tuple of [len(o_r)] float32, 0 from column K on: what dot_int4 takes as b_sc, loaded by
-        the caller a K step before the dot needs them."""
-        tl.static_assert(BK // G == 1 or BK // G == 2 or BK // G == 4 or BK // G == 8,
-                         "a K step's scales ahead are 1, 2, 4 or 8 groups")
-        if BK // G == 1:
-            return (_group_scale(sw, o_r, m_r, s_sw, k, K, G),)
-        elif BK // G == 2:
-            return (_group_scale(sw, o_r, m_r, s_sw, k, K, G), _group_scale(sw, o_r, m_r, s_sw, k + G, K, G))
-        elif BK // G == 4:
-            return (_group_scale(sw, o_r, m_r, s_sw, k, K, G), _group_scale(sw, o_r, m_r, s_sw, k + G, K, G),
-                    _group_scale(sw, o_r, m_r, s_sw, k + 2 * G, K, G), _group_scale(sw, o_r, m_r, s_sw, k + 3 * G, K, G))
-        else:
-            return (_group_scale(sw, o_r, m_r, s_sw, k, K, G), _group_scale(sw, o_r, m_r, s_sw, k + G, K, G),
-                    _group_scale(sw, o_r, m_r, s_sw, k + 2 * G, K, G), _group_scale(sw, o_r, m_r, s_sw, k + 3 * G, K, G),
-                    _group_scale(sw, o_r, m_r, s_sw, k + 4 * G, K, G), _group_scale(sw, o_r, m_r, s_sw, k + 5 * G, K, G),
-                    _group_scale(sw, o_r, m_r, s_sw, k + 6 * G, K, G), _group_scale(sw, o_r, m_r, s_sw, k + 7 * G, K, G))
-
-    @triton.jit
     def dot_int4(b_acc, w, sw, zw, perm, o_r, m_r, s_w, s_sw, p_x, m_x, k, K,
-                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0, b_sc=None):
+                 BK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, UNPACK: tl.constexpr = 0):
         """b_acc [BN, BT] + the weight rows o_r [BN] (m_r) over columns k .. k + BK @ x's tile,
         whose rows' pointers are p_x [1, BT] (m_x [BT]): one dot a group (or a tile inside one,
         BG columns), its float32 result times the group's scales. zw None: symmetric (zero 8);
@@ -495,17 +469,13 @@ if tl is not None:
         over an interleaved weight (int16 half-words, no perm), 4 over its quarters; x's tiles then
         load without masks, so every one of p_x's row pointers must lie in x (the callers' rows
         past T repeat a row of x, whose sums nobody stores), and a sub-tile past K reads x's last
-        group (its weights masked to scale 0). b_sc (interleaved words only: one group a sub-tile):
-        the tile's group scales, group_scales' tuple, loaded ahead by the caller; None: loaded here."""
+        group (its weights masked to scale 0)."""
         Q: tl.constexpr = BG // 4                                # an interleaved group's quarter
         for i in tl.static_range(BK // BG):
             kk = k + i * BG
             o_c = kk // 8 + tl.arange(0, BG // 8)
             m_g = m_r & (tl.full(o_r.shape, kk, tl.int32) < K)   # K is whole groups: a sub-tile lies in K or past it
-            if b_sc is None:
-                b_s = tl.load(sw + o_r * s_sw + kk // G, mask=m_g, other=0.).to(tl.float32)
-            else:
-                b_s = b_sc[i]
+            b_s = tl.load(sw + o_r * s_sw + kk // G, mask=m_g, other=0.).to(tl.float32)
             if zw is None:
                 b_z = tl.full(o_r.shape, 8, tl.int32)          # SYMMETRIC_ZERO
             else:
@@ -541,4 +511,4 @@ if tl is not None:
                 b_acc += b_s[:, None] * tl.dot(widen(b_q, b_z, b_x), b_x, input_precision="ieee")
         return b_acc
 else:
-    widen = widen_nibble = dot_int4 = group_scales = None
+    widen = widen_nibble = dot_int4 = None

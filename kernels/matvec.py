@@ -41,8 +41,7 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
-from mtpchat.kernels.int4 import (GroupInt4, check_int4, dot_int4, form_args, form_of, group_scales, interleaved_args,
-                                  measured)
+from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 MAX_ROWS = 16
@@ -133,8 +132,7 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
                    SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
                    BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None,
                    UNPACK: tl.constexpr = False, LATE: tl.constexpr = False, RUN: tl.constexpr = 1,
-                   w2=None, y2=None, N2=0, R=0, s_w2=0, s_y2=0, BN2: tl.constexpr = 0, BK2: tl.constexpr = 0,
-                   AHEAD: tl.constexpr = False):
+                   w2=None, y2=None, N2=0, R=0, s_w2=0, s_y2=0, BN2: tl.constexpr = 0, BK2: tl.constexpr = 0):
     # With a rider (BN2 > 0, matvec_rider), programs 0 .. R - 1 take the rider's column blocks of
     # BN2 rows of w2 over the same rows x, and program R + i the product's program i.
     pdl_start(PDL, LATE)
@@ -144,10 +142,10 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
             _ride(x, w2, y2, ss, T, N2, K, NB, pid, s_x, s_w2, s_y2, s_ss, eps, BT, BN2, BK2, NBP, PDL, LATE)
         else:
             _main(pid - R, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
-                  BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN, AHEAD)
+                  BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN)
     else:
         _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
-              BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN, AHEAD)
+              BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN)
 
 
 @triton.jit
@@ -180,7 +178,7 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
           BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
           SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
           BITS: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, zw, perm,
-          UNPACK: tl.constexpr, LATE: tl.constexpr, RUN: tl.constexpr, AHEAD: tl.constexpr):
+          UNPACK: tl.constexpr, LATE: tl.constexpr, RUN: tl.constexpr):
     # Program pid: with no SPLIT, column block pid, all of K (with SWIGLU, the gate rows n and the
     # up rows N + n of w together). With SPLIT only the first F programs do; program F + j takes
     # part i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
@@ -189,7 +187,6 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
     # after every thread of the program has stored, orders the parts before its reads. LATE: the
     # next kernel's programs are placed once this one's have streamed their weights. RUN: a K step
     # takes RUN tiles of BK / RUN columns, one after another along each weight row (fp8_run).
-    # AHEAD (interleaved 4-bit words): each K step's group scales loaded one K step before its dots.
     if SPLIT:
         j = tl.maximum(pid - F, 0)
         i_s = j % S
@@ -208,27 +205,14 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
     b_u = tl.zeros([BN, BT], dtype=tl.float32)
     # the start hinted a multiple of BK: without it a split's loop over 4-bit words was not pipelined
     # (KS's known divisor, 16 weights, is 8 bytes of interleaved half-words: no 16-byte copies)
-    b_sg, b_su = None, None                     # a K step's group scales, loaded a step ahead (AHEAD)
-    if AHEAD:
-        b_sg = group_scales(sw, o_n, m_n, s_sw, k_lo, k_hi, BK, G)
-        if SWIGLU:
-            b_su = group_scales(sw, N + o_n, m_n, s_sw, k_lo, k_hi, BK, G)
     for k in range(tl.multiple_of(k_lo, BK), k_hi, BK):
         if G > 0:
             # 4-bit weights (G columns a group, kernels/int4.py): w holds words, K counts weights
             # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
             p_x = x + tl.minimum(o_t, T - 1)[None, :] * s_x
-            if AHEAD:           # the next K step's (0 past the range), loaded before this step's dots
-                b_ng = group_scales(sw, o_n, m_n, s_sw, k + BK, k_hi, BK, G)
-            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, b_sg)
+            b_g = dot_int4(b_g, w, sw, zw, perm, o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
             if SWIGLU:
-                if AHEAD:
-                    b_nu = group_scales(sw, N + o_n, m_n, s_sw, k + BK, k_hi, BK, G)
-                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK, b_su)
-            if AHEAD:
-                b_sg = b_ng
-                if SWIGLU:
-                    b_su = b_nu
+                b_u = dot_int4(b_u, w, sw, zw, perm, N + o_n, m_n, s_w, s_sw, p_x, m_t, k, K, BK, G, BG, UNPACK)
         else:
             for u in tl.static_range(RUN):
                 k_u = k + u * (BK // RUN)
@@ -440,16 +424,8 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=BT, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
         num_stages=stages, LATE=plan.late_release, **scale, **fp8, **pdl(x), **fp8_run(BK, fp8["FP8"]),
-        **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)), **ride,
-        **int4_ahead(w, fp8, plan))
+        **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)), **ride)
     return y
-
-
-def int4_ahead(w, fmt: dict, plan: ProductPlan) -> dict:
-    """AHEAD where the plan says so (int4_scales_ahead) for a product over interleaved 4-bit words
-    (w: the words as the kernel reads them, int16 half-words): each K step's group scales loaded a
-    K step before its dots, into registers the loop carries."""
-    return {"AHEAD": True} if plan.int4_scales_ahead and fmt.get("G", 0) and w.dtype == torch.int16 else {}
 
 
 def _format_args(x, w, BN: int, BK: int, warps: int, fmt: dict, plan: ProductPlan, product: tuple) -> dict:

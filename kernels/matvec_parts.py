@@ -17,8 +17,8 @@ import torch
 from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import fp8_fit, fp8_run
-from mtpchat.kernels.int4 import GroupInt4, dot_int4, group_scales, measured
-from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, arrival_counts, check_product, int4_ahead, pieces,
+from mtpchat.kernels.int4 import GroupInt4, dot_int4, measured
+from mtpchat.kernels.matvec import (Normed, _dot_tile, _format_args, arrival_counts, check_product, pieces,
                                     permuted_once)
 from mtpchat.kernels.plan import ProductPlan, default_products
 
@@ -29,10 +29,9 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
                          NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = 0,
                          RESIDUAL: tl.constexpr = True, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None,
                          perm=None, UNPACK: tl.constexpr = False, LATE: tl.constexpr = False,
-                         RUN: tl.constexpr = 1, AHEAD: tl.constexpr = False):
+                         RUN: tl.constexpr = 1):
     # program (i_n, i_s): output columns i_n*BN.. over K[i_s*KS : (i_s+1)*KS], float32 into y[i_s]
-    # (LATE: the next kernel's programs placed after the loop; RUN: tiles a K step; AHEAD: 4-bit group
-    # scales loaded a K step ahead: matvec._matvec_kernel)
+    # (LATE: the next kernel's programs placed after the loop; RUN: tiles a K step, matvec._matvec_kernel)
     pdl_start(PDL, LATE)
     i_n, i_s = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -42,18 +41,11 @@ def _matvec_parts_kernel(x, w, sw, y, count, r, nw, xn, h, ss, T, N, K, KS, s_x,
     b_y = tl.zeros([BN, BT], dtype=tl.float32)
     # the start hinted a multiple of BK: a 4-bit weight's words then load in 16-byte copies (KS's
     # known divisor, 16 weights, is 8 bytes of interleaved half-words)
-    b_sc = None                                 # a K step's group scales, loaded a step ahead (AHEAD)
-    if AHEAD:
-        b_sc = group_scales(sw, o_n, m_n, s_sw, i_s * KS, tl.minimum(i_s * KS + KS, K), BK, G)
     for k in range(tl.multiple_of(i_s * KS, BK), tl.minimum(i_s * KS + KS, K), BK):
         if G > 0:       # 4-bit weights (kernels/int4.py)
             # rows past T read row T - 1 (dot_int4: interleaved x tiles load unmasked; their sums are never stored)
-            if AHEAD:   # the next K step's, loaded before this step's dots
-                b_nc = group_scales(sw, o_n, m_n, s_sw, k + BK, tl.minimum(i_s * KS + KS, K), BK, G)
             b_y = dot_int4(b_y, w, sw, zw, perm, o_n, m_n, s_w, s_sw, x + tl.minimum(o_t, T - 1)[None, :] * s_x, m_t,
-                           k, K, BK, G, BG, UNPACK, b_sc)
-            if AHEAD:
-                b_sc = b_nc
+                           k, K, BK, G, BG, UNPACK)
         else:
             for u in tl.static_range(RUN):
                 k_u = k + u * (BK // RUN)
@@ -203,7 +195,7 @@ def matvec_parts_triton(x: torch.Tensor, w: torch.Tensor, norm: tuple | None = N
         y.stride(1), r.stride(0), xn.stride(0), h.stride(0), ss.stride(0), BT=BT, BN=BN, BK=BK,
         S=len(ranges), NORM=norm is not None, RESIDUAL=norm is None or norm[0] is not None, num_warps=warps,
         num_stages=stages, LATE=plan.late_release, **fp8, **pdl(x), **fp8_run(BK, fp8["FP8"]),
-        **_format_args(x, w, BN, BK, warps, fp8, plan, ("split", N, K)), **int4_ahead(w, fp8, plan))
+        **_format_args(x, w, BN, BK, warps, fp8, plan, ("split", N, K)))
     return y if norm is None else (Normed(xn, ss, eps), h)
 
 

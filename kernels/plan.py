@@ -72,10 +72,6 @@ class ProductPlan:
                                     # instructions a step where there were two, each waited for; the FP8 tile then
                                     # 32 columns (moe.tiles): the 35B-A3B's FP8 decode step 0.976 x (H100), 0.975 x
                                     # (H200); bf16 1.003 x, unchanged (tests/bench/ab_step.py --plans stacked)
-    int4_scales_ahead: bool = False # the few-row plain, SwiGLU and split products over interleaved 4-bit words load
-                                    # each K step's group scales a step before its dots (matvec.int4_ahead), where
-                                    # they loaded them just before: Nsight Compute put the products' waits on global
-                                    # loads first (a candidate: ab_step.py --plans int4ahead)
     int4_expert_stacked: bool = True    # the same for interleaved 4-bit experts (moe._swiglu_int4): a tile of
                                     # 2 BN rows, one dot a group, 16 of its rows a warp, on 32 columns (int4.measured):
                                     # the 35B-A3B int4's decode step 0.967 x the 64 columns apart, verify 3 1.003 x,

@@ -7,7 +7,7 @@ outputs compared bit for bit afterwards.
 
 or a plan's product fields against the defaults, in one process or alternated:
 
-    cd tests/bench && python3 probe_x_tile.py base && python3 probe_x_tile.py ahead int4_scales_ahead=True
+    cd tests/bench && python3 probe_x_tile.py base && python3 probe_x_tile.py rows16 int4_rows=16
 
 (2026-11-27: an interleaved group's x loaded as one tile, and variants of the interleaved dot,
 docs/PERFORMANCE.md.)"""

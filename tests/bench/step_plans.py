@@ -281,23 +281,6 @@ def int4_stacked_plans(base: KernelPlan) -> dict:
                for BN, BK, w, st in ((64, 256, 8, 4), (64, 256, 8, 3), (32, 512, 4, 3))}}
 
 
-def int4_ahead_plans(base: KernelPlan) -> dict:
-    """The few-row plain, SwiGLU and split products over interleaved 4-bit words with each K step's
-    group scales loaded in the step, just before its dots, or a step ahead
-    (ProductPlan.int4_scales_ahead); and the SwiGLU's pipeline 3 or 4 deep, with and without (its
-    measured tile is 2 deep, int4.measured: compiled for sm_90 its loop then waits for all its
-    copies at the top of each K step, the next step's issued at the bottom of this one). The logits
-    must be the same bits."""
-    def deeper(stages):
-        def rule(product, N, K, group):
-            return (32, 512, 2, stages) if product == "swiglu" else None
-        rule.__name__ = f"int4:swiglu 32x512w2s{stages}"
-        return rule
-    return {"in the step": base.replace(int4_scales_ahead=False), "a step ahead": base.replace(int4_scales_ahead=True),
-            **{f"SwiGLU {st} deep": base.replace(int4_scales_ahead=False, int4_tiles=deeper(st)) for st in (3, 4)},
-            **{f"ahead, SwiGLU {st} deep": base.replace(int4_scales_ahead=True, int4_tiles=deeper(st)) for st in (3, 4)}}
-
-
 def routed_plans(base: KernelPlan) -> dict:
     """A step's MoE layout derived by every program of the expert kernels or written once by the
     routing kernel's last row (ProductPlan.routed_layout, the default). The logits must be the same
@@ -339,5 +322,4 @@ FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
             "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans,
-            "rides": rider_plans, "int4stacked": int4_stacked_plans,
-            "int4ahead": int4_ahead_plans}
+            "rides": rider_plans, "int4stacked": int4_stacked_plans}

@@ -277,66 +277,6 @@ def test_interleaved_products(device, dtype, T, N, K, group, symmetric):
     rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=plan).transpose(0, 1), x)
 
 
-def scales_ahead(ahead: bool, BK: int, programs: int = 4) -> ProductPlan:
-    """Interleaved products on tiles of 16 rows and BK columns (a split in 2 parts of them), each
-    K step's group scales loaded a step ahead (ProductPlan.int4_scales_ahead) or in the step; on
-    `programs` resident programs (4: a 7-block product's last block split over K)."""
-    def tiles(product, N, K, group):
-        return (16, BK, 4, 2) if product in ("plain", "swiglu") else (2, 16, BK, 4, 2) if product == "split" else None
-    return ProductPlan(programs=programs, int4_scales_ahead=ahead, int4_tiles=tiles)
-
-
-def ahead_args(x, w, plan: ProductPlan) -> dict:
-    """What a launch of w's product passes for AHEAD: the format check_product gives it."""
-    values, _, fmt = matvec.check_product(x, w, w.shape[1], plan.rows_of(w))
-    return matvec.int4_ahead(values, fmt, plan)
-
-
-def test_scales_ahead_only_over_interleaved_words():
-    natural = int4_weight(16, 512, "cpu", 1, 128, True)
-    il, x = int4.interleave_ref(natural), randn(2, 512, seed=1)
-    on, off = scales_ahead(True, 256), scales_ahead(False, 256)
-    assert ahead_args(x, il, on) == {"AHEAD": True}
-    assert ahead_args(x, il, off) == {}
-    assert ahead_args(x, natural, on) == {}                          # natural words: their own forms
-    assert ahead_args(x, randn(16, 512, seed=2), on) == {}          # not 4 bits
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,N,K,BK,group,symmetric,programs", [
-    (1, 112, 768, 256, 128, True, 4),      # 2 groups a K step, the last block split over K
-    (5, 70, 640, 256, 64, False, 8),       # 4 groups a step, a partial block and a partial last K step, none split
-    (3, 112, 512, 128, 128, False, 4),     # 1 group a step
-    (2, 48, 1024, 512, 64, True, 4)])      # 8 groups a step
-def test_interleaved_scales_ahead(device, dtype, T, N, K, BK, group, symmetric, programs):
-    """Each K step's group scales loaded a step ahead: the same bits as loaded in the step (the same
-    sums in the same order), for the plain product, the SwiGLU, a Normed input, the split products
-    with and without their norm; near the reference; each row the same bits as alone."""
-    w = int4_weight(N, K, device, 40 + T, group, symmetric)
-    il = int4.interleave_ref(w)
-    on, off = scales_ahead(True, BK, programs), scales_ahead(False, BK, programs)
-    x = randn(T, K, dtype=dtype, device=device, seed=41 + T)
-    assert ahead_args(x, il, on) == {"AHEAD": True}
-    n = normed(T, K, dtype, device, torch.Generator().manual_seed(42 + T))
-    for rows in (x, n):
-        y = matvec.matvec_triton(rows, il, plan=on)
-        assert torch.equal(y, matvec.matvec_triton(rows, il, plan=off))
-        check(y, matvec.matvec_ref(rows, w), TOL[dtype], "plain")
-        g = matvec.matvec_swiglu_triton(rows, il, plan=on)
-        assert torch.equal(g, matvec.matvec_swiglu_triton(rows, il, plan=off))
-        check(g, matvec.matvec_swiglu_ref(rows, w), TOL[dtype], "swiglu")
-    assert torch.equal(matvec_parts.matvec_parts_triton(x, il, plan=on), matvec_parts.matvec_parts_triton(x, il, plan=off))
-    check_interleaved_parts(x, w, il, on, group, symmetric, 43)
-    sq = int4.interleave_ref(int4_weight(K, K, device, 44, group, symmetric))
-    r = randn(T, K, dtype=dtype, device=device, seed=45)
-    nw = randn(K, dtype=dtype, device=device, seed=46, scale=0.1)
-    (xn, h), (xn_o, h_o) = (matvec_parts.matvec_parts_triton(x, sq, norm=(r, nw, 1e-6), plan=p) for p in (on, off))
-    assert torch.equal(h, h_o) and torch.equal(xn.x, xn_o.x) and torch.equal(xn.ss, xn_o.ss)
-    rows_equal(lambda x: matvec.matvec_triton(x, il, plan=on), x)
-    rows_equal(lambda x: matvec.matvec_swiglu_triton(x, il, plan=on), x)
-    rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=on).transpose(0, 1), x)
-
-
 # --- the 27B's shapes on the GPU --------------------------------------------------------------------
 
 # GDN in_proj [qkv | z], attention q|gate|k|v, GDN out_proj and attention o_proj, MLP down
@@ -362,24 +302,6 @@ def test_int4_27b_shapes_and_rows(N, K, group, symmetric, perm, interleaved):
         r, nw = randn(5, N, dtype=torch.bfloat16, device="cuda", seed=1), randn(N, device="cuda", seed=2, scale=0.1)
         xn, h = matvec_parts.matvec_parts_triton(x[:5], w, norm=(r, nw.bfloat16(), 1e-6))
         check(h, (matvec.matvec_ref(x[:5], w).float() + r.float()).bfloat16(), 1e-2, "h")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("N,K", SHAPES_27B)
-def test_int4_scales_ahead_27b(N, K):
-    # the 27B's interleaved products on the measured tiles, with zeros: scales loaded a step ahead,
-    # the same bits as in the step (plain and SwiGLU; the split products of the 5120-column ones)
-    w = int4.interleave_ref(int4_weight(N, K, "cuda", 7, 128, False, False))
-    x = randn(matvec.MAX_ROWS, K, dtype=torch.bfloat16, device="cuda", seed=8)
-    on, off = (ProductPlan(programs=132, int4_scales_ahead=ahead) for ahead in (True, False))
-    assert ahead_args(x[:4], w, on) == {"AHEAD": True}
-    y = matvec.matvec_triton(x, w, plan=on)
-    assert torch.equal(y, matvec.matvec_triton(x, w, plan=off))
-    check(y[:4], matvec.matvec_ref(x[:4], w), 1e-2)
-    if N == 5120:
-        assert torch.equal(matvec_parts.matvec_parts_triton(x, w, plan=on), matvec_parts.matvec_parts_triton(x, w, plan=off))
-    else:
-        assert torch.equal(matvec.matvec_swiglu_triton(x, w, plan=on), matvec.matvec_swiglu_triton(x, w, plan=off))
 
 
 @pytest.mark.gpu
