@@ -8,6 +8,7 @@ outputs compared bit for bit afterwards.
 or a plan's product fields against the defaults, in one process or alternated:
 
     cd tests/bench && python3 probe_x_tile.py base && python3 probe_x_tile.py rows16 int4_rows=16
+    cd tests/bench && python3 probe_x_tile.py flat "tile.swiglu=(32, 512, 2, 1)"
 
 (2026-11-27: an interleaved group's x loaded as one tile, and variants of the interleaved dot,
 docs/PERFORMANCE.md.)"""
@@ -21,8 +22,11 @@ from mtpchat.kernels.plan import default_products
 
 torch.manual_seed(0)
 tag = sys.argv[1]
-plan = dataclasses.replace(default_products("cuda"), **{k: ast.literal_eval(v) for k, v in
-                                                        (a.split("=", 1) for a in sys.argv[2:])})
+fields = dict(a.split("=", 1) for a in sys.argv[2:])
+# tile.PRODUCT=(BN, BK, warps, stages): that product's 4-bit tile (ProductPlan.int4_tiles), the rest measured
+tiles = {k.split(".", 1)[1]: ast.literal_eval(fields.pop(k)) for k in list(fields) if k.startswith("tile.")}
+plan = dataclasses.replace(default_products("cuda"), **{k: ast.literal_eval(v) for k, v in fields.items()},
+                           **({"int4_tiles": lambda product, N, K, group: tiles.get(product)} if tiles else {}))
 out = {}
 SHAPES = [("in_proj", 16384, 5120, "plain"), ("gate_up", 34816, 5120, "swiglu"), ("out_proj", 5120, 6144, "split"),
           ("down", 5120, 17408, "split")]
