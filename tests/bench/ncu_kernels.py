@@ -22,10 +22,12 @@ The kernels: the 35B-A3B's FP8 expert SwiGLU of a decode step (8 experts, the en
 stacked tile and the 64-column tile apart), the 27B's FP8 MLP down (split over K), and the 27B's
 GDN in_proj under --weights int4 (interleaved). Run alone, it checks that each runs. With --int4,
 the 27B's interleaved 4-bit products alone (GDN in_proj, MLP gate|up, MLP down in its parts), under
-whichever package is first on the path (a variant of the kernels against the package as it is).
+whichever package is first on the path (a variant of the kernels against the package as it is),
+on other tiles with arguments such as "tile.swiglu=(32, 512, 2, 3)".
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import sys
 
@@ -38,7 +40,11 @@ E, F, H = 256, 512, 2048
 
 
 def int4_products():
+    # tile.PRODUCT=(BN, BK, warps, stages) arguments: that product's 4-bit tile (as probe_x_tile.py takes them)
+    tiles = {a.split("=", 1)[0][5:]: ast.literal_eval(a.split("=", 1)[1]) for a in sys.argv if a.startswith("tile.")}
     plan = default_products("cuda")
+    if tiles:
+        plan = dataclasses.replace(plan, int4_tiles=lambda product, N, K, group: tiles.get(product))
     for N, K, run in ((16384, 5120, matvec.matvec), (2 * 17408, 5120, matvec.matvec_swiglu),
                       (5120, 17408, matvec_parts.matvec_parts)):
         w = int4.interleave_ref(int4.quantize_ref(torch.randn(N, K, device="cuda") / K ** 0.5))
