@@ -16,12 +16,17 @@ def graph_time(fn, copies: int, launches: int = 20) -> float:
     with torch.cuda.graph(g):
         for i in range(launches):
             fn(i % copies)
+    return replay_us(g) / launches
+
+
+def replay_us(g: torch.cuda.CUDAGraph, replays: int = 5) -> float:
+    """us a replay of the captured graph g takes, the median of `replays`."""
     times = []
-    for _ in range(5):
+    for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / launches)
+        times.append(a.elapsed_time(b) * 1e3)
     return statistics.median(times)

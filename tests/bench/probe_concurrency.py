@@ -8,9 +8,8 @@ products only: the split products' parts share one arrival-count workspace a dev
     cd tests/bench && python3 probe_concurrency.py"""
 from __future__ import annotations
 
-import statistics
-
 import torch
+from graph_timing import replay_us
 from mtpchat.engine.bench import copy_bandwidth
 from mtpchat.kernels import int4, matvec
 from mtpchat.kernels.plan import default_products
@@ -21,18 +20,6 @@ SHAPES = [("in_proj", 16384, 5120, "plain"), ("gate_up", 34816, 5120, "swiglu"),
           # the graph runs them side by side at all
           ("4096 x 5120", 4096, 5120, "plain"), ("2048 x 5120", 2048, 5120, "plain")]
 LAUNCHES = 20
-
-
-def replay_us(g: torch.cuda.CUDAGraph) -> float:
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def main():
@@ -65,8 +52,8 @@ def main():
                             f(x, w[i % copies])
                     for s in side:
                         main_stream.wait_stream(s)
-            t_serial = min(replay_us(serial) for _ in range(3)) / LAUNCHES
-            t_paired = min(replay_us(paired) for _ in range(3)) / LAUNCHES
+            t_serial = min(replay_us(serial, 7) for _ in range(3)) / LAUNCHES
+            t_paired = min(replay_us(paired, 7) for _ in range(3)) / LAUNCHES
             nbytes = 2 * q.nbytes()
             print(f"{name:8s} two products: one after the other {t_serial:7.2f} us ({nbytes / t_serial / 1e6:.2f} TB/s), "
                   f"side by side {t_paired:7.2f} us ({nbytes / t_paired / 1e6:.2f} TB/s): {t_paired / t_serial:.3f} x",
