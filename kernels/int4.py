@@ -380,11 +380,16 @@ if tl is not None:
     _QUARTERS_BF16, _QUARTERS_FP16 = tl.constexpr(QUARTERS_BF16), tl.constexpr(QUARTERS_FP16)
 
     @triton.jit
-    def _less_zero(b_n, b_z, b_x):
-        """4-bit values b_n [BN, W] (int32, 0 .. 15) -> q - zero in b_x's dtype, b_z [BN] int32: both
-        or'ed into 0x4300, whose bf16 is 128 + the value, so the difference is exact in bf16."""
+    def _offset(b_z):
+        """The zeros b_z (int32) or'ed into 0x4300: 128 + zero in bf16 (_less_zero)."""
+        return (b_z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def _less_zero(b_n, b_o, b_x):
+        """4-bit values b_n (int32, 0 .. 15) -> q - zero in b_x's dtype, b_o 128 + zero (_offset, a
+        shape that broadcasts to b_n's): the value or'ed into 0x4300 too, whose bf16 is 128 + the
+        value, so the difference is exact in bf16."""
         b_w = (b_n | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)                 # 128 + q
-        b_o = (b_z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)[:, None]        # 128 + zero
         if b_x.dtype == tl.bfloat16:
             return b_w - b_o
         else:
@@ -396,12 +401,12 @@ if tl is not None:
         BN: tl.constexpr = b_q.shape[0]
         W: tl.constexpr = b_q.shape[1]
         b_n = (b_q[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF      # [BN, W, 8]
-        return _less_zero(tl.reshape(b_n, [BN, W * 8]), b_z, b_x)                  # column 8 w + j
+        return _less_zero(tl.reshape(b_n, [BN, W * 8]), _offset(b_z)[:, None], b_x)   # column 8 w + j
 
     @triton.jit
     def widen_nibble(b_q, j: tl.constexpr, b_z, b_x):
         """Nibble j of each word [BN, W] -> the weights [BN, W] as q - zero in b_x's dtype."""
-        return _less_zero((b_q >> (4 * j)) & 0xF, b_z, b_x)
+        return _less_zero((b_q >> (4 * j)) & 0xF, _offset(b_z)[:, None], b_x)
 
     @triton.jit
     def nibbles(b_q, b_z, b_x, ASM: tl.constexpr):
@@ -425,12 +430,6 @@ if tl is not None:
                     widen_nibble(b_q, 6, b_z, b_x), widen_nibble(b_q, 7, b_z, b_x))
 
     @triton.jit
-    def _quarter_less_zero(b_q, q: tl.constexpr, b_o, b_x):
-        """Nibble q of half-words b_q (int32) less the zero, b_o: 128 + zero as float32."""
-        b_w = (((b_q >> (4 * q)) & 0xF) | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)        # 128 + value
-        return (b_w.to(tl.float32) - b_o).to(b_x.dtype)
-
-    @triton.jit
     def quarters(b_h, b_z, b_x, ASM: tl.constexpr):
         """Half-words (int16, interleaved; any shape) -> their 4 nibbles as 4 tensors of their shape,
         q - zero in b_x's dtype (b_z int32, the half-words' shape): with ASM two a register, where x
@@ -442,10 +441,9 @@ if tl is not None:
             return tl.inline_asm_elementwise(_QUARTERS_FP16, "=r,=r,=r,=r,r,r", [b_h, (b_z | 0xE400).to(tl.int16)],
                                              dtype=(tl.float16,) * 4, is_pure=True, pack=2)     # fp16 -(1024 + zero)
         else:
-            b_q = b_h.to(tl.int32)
-            b_o = (b_z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)          # 128 + zero
-            return (_quarter_less_zero(b_q, 0, b_o, b_x), _quarter_less_zero(b_q, 1, b_o, b_x),
-                    _quarter_less_zero(b_q, 2, b_o, b_x), _quarter_less_zero(b_q, 3, b_o, b_x))
+            b_q, b_o = b_h.to(tl.int32), _offset(b_z)
+            return (_less_zero(b_q & 0xF, b_o, b_x), _less_zero((b_q >> 4) & 0xF, b_o, b_x),
+                    _less_zero((b_q >> 8) & 0xF, b_o, b_x), _less_zero((b_q >> 12) & 0xF, b_o, b_x))
 
     @triton.jit
     def _x_tile(p_x, m_x, o_k, K, perm):
