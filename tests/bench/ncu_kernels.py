@@ -27,7 +27,6 @@ on other tiles with arguments such as "tile.swiglu=(32, 512, 2, 3)".
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import sys
 
@@ -35,16 +34,17 @@ import torch
 
 from mtpchat.kernels import fp8, int4, matvec, matvec_parts, moe, moe_routing
 from mtpchat.kernels.plan import default_products
+from step_plans import int4_tiles_of, tile_arguments
 
 E, F, H = 256, 512, 2048
 
 
 def int4_products():
     # tile.PRODUCT=(BN, BK, warps, stages) arguments: that product's 4-bit tile (as probe_x_tile.py takes them)
-    tiles = {a.split("=", 1)[0][5:]: ast.literal_eval(a.split("=", 1)[1]) for a in sys.argv if a.startswith("tile.")}
+    tiles, _ = tile_arguments(sys.argv[1:])
     plan = default_products("cuda")
     if tiles:
-        plan = dataclasses.replace(plan, int4_tiles=lambda product, N, K, group: tiles.get(product))
+        plan = dataclasses.replace(plan, int4_tiles=int4_tiles_of(tiles))
     for N, K, run in ((16384, 5120, matvec.matvec), (2 * 17408, 5120, matvec.matvec_swiglu),
                       (5120, 17408, matvec_parts.matvec_parts)):
         w = int4.interleave_ref(int4.quantize_ref(torch.randn(N, K, device="cuda") / K ** 0.5))

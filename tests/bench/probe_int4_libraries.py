@@ -97,7 +97,9 @@ def marlin(N, K, src):
     outs = {}
 
     def run(x, w):
-        y = outs.setdefault(x.shape[0], torch.empty(x.shape[0], N, dtype=torch.half, device="cuda"))
+        if x.shape[0] not in outs:        # allocated once a row count, not in the timed launches
+            outs[x.shape[0]] = torch.empty(x.shape[0], N, dtype=torch.half, device="cuda")
+        y = outs[x.shape[0]]
         mod.mul(x, w[0], y, w[1], w[2], -1, -1, -1, 16)
         return y
     return run, ws, torch.float16, nbytes

@@ -17,16 +17,16 @@ import dataclasses
 import sys
 import torch
 from graph_timing import graph_time
+from step_plans import int4_tiles_of, tile_arguments
 from mtpchat.kernels import int4, matvec, matvec_parts
 from mtpchat.kernels.plan import default_products
 
 torch.manual_seed(0)
 tag = sys.argv[1]
-fields = dict(a.split("=", 1) for a in sys.argv[2:])
 # tile.PRODUCT=(BN, BK, warps, stages): that product's 4-bit tile (ProductPlan.int4_tiles), the rest measured
-tiles = {k.split(".", 1)[1]: ast.literal_eval(fields.pop(k)) for k in list(fields) if k.startswith("tile.")}
-plan = dataclasses.replace(default_products("cuda"), **{k: ast.literal_eval(v) for k, v in fields.items()},
-                           **({"int4_tiles": lambda product, N, K, group: tiles.get(product)} if tiles else {}))
+tiles, fields = tile_arguments(sys.argv[2:])
+plan = dataclasses.replace(default_products("cuda"), **{k: ast.literal_eval(v) for k, v in (a.split("=", 1) for a in fields)},
+                           **({"int4_tiles": int4_tiles_of(tiles)} if tiles else {}))
 out = {}
 SHAPES = [("in_proj", 16384, 5120, "plain"), ("gate_up", 34816, 5120, "swiglu"), ("out_proj", 5120, 6144, "split"),
           ("down", 5120, 17408, "split")]

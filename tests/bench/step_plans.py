@@ -19,6 +19,21 @@ def tile_rule(rule, name: str):
     return tiles
 
 
+def int4_tiles_of(tiles: dict, name: str = "int4:given"):
+    """A ProductPlan int4_tiles rule from {product: (BN, BK, warps, stages)}: those products' 4-bit
+    tiles, the measured ones for the rest."""
+    def int4_tiles(product, N, K, group):
+        return tiles.get(product)
+    int4_tiles.__name__ = name
+    return int4_tiles
+
+
+def tile_arguments(args: list[str]) -> tuple[dict, list[str]]:
+    """Command-line arguments "tile.PRODUCT=(BN, BK, warps, stages)" -> ({PRODUCT: tile}, the others)."""
+    tiles = {a.split("=", 1)[0][len("tile."):]: ast.literal_eval(a.split("=", 1)[1]) for a in args if a.startswith("tile.")}
+    return tiles, [a for a in args if not a.startswith("tile.")]
+
+
 def tile_plans(base: KernelPlan) -> dict:
     """Tiles for one group of the 27B's products at a time: the two 5120 x 6144 (GDN out_proj,
     attention o_proj), the MLP down (5120 x 17408), the wide inputs (GDN in_proj 16480 rows,
@@ -271,10 +286,7 @@ def int4_stacked_plans(base: KernelPlan) -> dict:
     dot of 2 BN rows a group) on the measured tile (int4.measured) and others whose warps take 16 of
     its rows each. The logits must be the same bits."""
     def swiglu(tile):
-        def rule(product, N, K, group):
-            return tile if product == "expert_swiglu" else None
-        rule.__name__ = "int4:expert swiglu {}x{}w{}s{}".format(*tile)
-        return rule
+        return int4_tiles_of({"expert_swiglu": tile}, "int4:expert swiglu {}x{}w{}s{}".format(*tile))
     return {"apart 64x256 w4 s4": base.replace(int4_expert_stacked=False, int4_tiles=swiglu((64, 256, 4, 4))),
             "stacked (measured)": base.replace(int4_expert_stacked=True),
             **{f"stacked {BN}x{BK} w{w} s{st}": base.replace(int4_expert_stacked=True, int4_tiles=swiglu((BN, BK, w, st)))
