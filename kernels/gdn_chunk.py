@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpchat.kernels._triton import tl, triton, use_triton
+from mtpchat.kernels._triton import interpreting, tl, triton, use_triton
 from mtpchat.kernels.gdn import gates, l2norm
 
 
@@ -72,9 +72,45 @@ def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 6
 # bytes of the output at the 27B's shapes), nor is there a third kernel.
 
 @triton.jit
+def _mm(a, b, DOT: tl.constexpr):
+    """a @ b, float32: DOT "bf16" takes both operands in bf16 (as fla's products); "bf16ieee" the
+    same under Triton's interpreter, whose bf16 arithmetic works on the raw bits (the operands
+    rounded to bf16, then multiplied and summed in float32: the products exact, as the GPU's);
+    else float32 operands at DOT's precision ("tf32", "tf32x3", "ieee")."""
+    if DOT == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif DOT == "bf16ieee":
+        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT)
+
+
+@triton.jit
 def _unit_rows(p, scale):
     """float32 rows of q or k [BC, DK] l2-normalised, times scale."""
     return p * (tl.rsqrt(tl.sum(p * p, axis=1) + 1e-6) * scale)[:, None]
+
+
+@triton.jit
+def _unit_keys(k, ws_k, o_t, m_t, o_k, s_k, i_kh, HK: tl.constexpr, DK: tl.constexpr, NORMED: tl.constexpr):
+    """float32 unit rows of key head i_kh's k at tokens o_t [BC, DK]: as the prep wrote them
+    (NORMED), else normalised here."""
+    if NORMED:
+        return tl.load(ws_k + (o_t[:, None] * HK + i_kh) * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+    else:
+        b_k = tl.load(k + o_t[:, None] * s_k + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+        return b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _unit_queries(q, ws_q, o_t, m_t, o_k, s_q, i_kh, HK: tl.constexpr, DK: tl.constexpr, scale, NORMED: tl.constexpr):
+    """float32 unit rows of key head i_kh's q at tokens o_t, times scale: as the prep wrote them
+    (NORMED), else normalised here."""
+    if NORMED:
+        return tl.load(ws_q + (o_t[:, None] * HK + i_kh) * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+    else:
+        b_q = tl.load(q + o_t[:, None] * s_q + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.)
+        return _unit_rows(b_q.to(tl.float32), scale)
 
 
 @triton.jit
@@ -83,14 +119,15 @@ def _causal_scores(b_q, b_k, b_G, DOT: tl.constexpr):
     o_r = tl.arange(0, b_G.shape[0])
     m_causal = o_r[:, None] >= o_r[None, :]
     b_decay = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.))
-    return tl.where(m_causal, tl.dot(b_q, tl.trans(b_k), input_precision=DOT) * b_decay, 0.)
+    return tl.where(m_causal, _mm(b_q, tl.trans(b_k), DOT) * b_decay, 0.)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, T, scale, s_q, s_k, s_v, s_a, s_b,
+def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, ws_q, ws_k, T, scale, s_q, s_k,
+                       s_v, s_a, s_b,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BDV: tl.constexpr, BC: tl.constexpr, SB: tl.constexpr, NB: tl.constexpr,
-                       DOT: tl.constexpr, FUSED: tl.constexpr):
+                       DOT: tl.constexpr, FUSED: tl.constexpr, NORMED: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     o_r = tl.arange(0, BC)
     o_t = i_c * BC + o_r
@@ -108,7 +145,7 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
     b_G = tl.cumsum(b_g, axis=0)
     m_low = o_r[:, None] > o_r[None, :]
     b_decay = tl.exp(tl.where(m_low, b_G[:, None] - b_G[None, :], 0.))      # masked before exp: > 0 above
-    b_A = tl.where(m_low, b_beta[:, None] * b_decay * tl.dot(b_k, tl.trans(b_k), input_precision=DOT), 0.)
+    b_A = tl.where(m_low, b_beta[:, None] * b_decay * _mm(b_k, tl.trans(b_k), DOT), 0.)
     o_ws = i_c * HV + i_h
     p_a, p_u, p_w = ws_a + o_ws * BC * BC, ws_u + o_ws * BC * DV, ws_w + o_ws * BC * DK
     b_v = tl.load(v + o_t[:, None] * s_v + i_h * DV + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
@@ -122,6 +159,12 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
         b_q = tl.load(q + o_t[:, None] * s_q + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
         b_p = _causal_scores(_unit_rows(b_q.to(tl.float32), scale), b_k, b_G, DOT)
         tl.store(ws_p + o_ws * BC * BC + o_r[:, None] * BC + o_r[None, :], b_p)
+    if NORMED and i_h % GROUP == 0:
+        # the key head's unit rows of k, and of q times the scale, once for the later kernels
+        p_n = (o_t[:, None] * (HV // GROUP) + i_h // GROUP) * DK + o_k[None, :]
+        tl.store(ws_k + p_n, b_k.to(ws_k.dtype.element_ty), mask=m_t[:, None])
+        b_qn = tl.load(q + o_t[:, None] * s_q + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
+        tl.store(ws_q + p_n, _unit_rows(b_qn.to(tl.float32), scale).to(ws_q.dtype.element_ty), mask=m_t[:, None])
     tl.debug_barrier()   # what was stored is read back below by other threads
     # inverses of the NB diagonal SB x SB blocks at once, by forward substitution:
     # Y[d] = (I + A_dd)^-1 - I, whose row i is -A_dd[i] - sum_{j<i} A_dd[i, j] Y[d][j]
@@ -141,19 +184,20 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
             o_rj = j * SB + o_i
             b_Aij = tl.load(p_a + o_ri[:, None] * BC + o_rj[None, :])
             b_zv = tl.load(p_u + o_rj[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.).to(tl.float32)
-            b_rv -= tl.dot(b_Aij, b_zv, input_precision=DOT)
+            b_rv -= _mm(b_Aij, b_zv, DOT)
             b_zk = tl.load(p_w + o_rj[:, None] * DK + o_k[None, :]).to(tl.float32)
-            b_rk -= tl.dot(b_Aij, b_zk, input_precision=DOT)
+            b_rk -= _mm(b_Aij, b_zk, DOT)
         b_Xii = tl.sum(tl.where((o_d == i)[:, None, None], b_Xd, 0.), axis=0)
-        tl.store(p_u + o_ri[:, None] * DV + o_v[None, :], tl.dot(b_Xii, b_rv, input_precision=DOT), mask=m_v[None, :])
-        tl.store(p_w + o_ri[:, None] * DK + o_k[None, :], tl.dot(b_Xii, b_rk, input_precision=DOT))
+        tl.store(p_u + o_ri[:, None] * DV + o_v[None, :], _mm(b_Xii, b_rv, DOT), mask=m_v[None, :])
+        tl.store(p_w + o_ri[:, None] * DK + o_k[None, :], _mm(b_Xii, b_rk, DOT))
         tl.debug_barrier()   # block i is read by the blocks below it
 
 
 @triton.jit(do_not_specialize=["T"])
-def _chunk_scan_kernel(q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, o, state, s_out, T, scale, s_q, s_k, s_o,
+def _chunk_scan_kernel(q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, ws_q, ws_k, o, state, s_out, T, scale, s_q, s_k, s_o,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr, FUSED: tl.constexpr):
+                       BV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr, FUSED: tl.constexpr,
+                       NORMED: tl.constexpr):
     i_h, i_v = tl.program_id(0), tl.program_id(1)
     o_r, o_k = tl.arange(0, BC), tl.arange(0, DK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -166,35 +210,31 @@ def _chunk_scan_kernel(q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, o, state, s_out
             tl.store(ws_h + o_ws * DK * DV + o_s, b_S, mask=m_v[None, :])  # the state the chunk starts from
         o_t = i_c * BC + o_r
         m_t = o_t < T
-        b_k = tl.load(k + o_t[:, None] * s_k + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
-        b_k = b_k.to(tl.float32)
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+        b_k = _unit_keys(k, ws_k, o_t, m_t, o_k, s_k, i_h // GROUP, HV // GROUP, DK, NORMED)
         b_G = tl.load(ws_g + o_ws * BC + o_r)
         b_last = tl.load(ws_g + o_ws * BC + BC - 1)                  # G at the chunk's end (padding adds 0)
         b_w = tl.load(ws_w + (o_ws * BC + o_r[:, None]) * DK + o_k[None, :]).to(tl.float32)
         b_u = tl.load(ws_u + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.)
         b_u = b_u.to(tl.float32)
-        b_new = b_u - tl.dot(b_w, b_S, input_precision=DOT)                  # the chunk's writes
+        b_new = b_u - _mm(b_w, b_S, DOT)                                     # the chunk's writes
         if FUSED:
             # the chunk's output from the state it starts from, here rather than in _chunk_out_kernel
-            b_q = tl.load(q + o_t[:, None] * s_q + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
-            b_q = _unit_rows(b_q.to(tl.float32), scale)
+            b_q = _unit_queries(q, ws_q, o_t, m_t, o_k, s_q, i_h // GROUP, HV // GROUP, DK, scale, NORMED)
             b_p = tl.load(ws_p + o_ws * BC * BC + o_r[:, None] * BC + o_r[None, :]).to(tl.float32)
-            b_o = (tl.dot(b_q * tl.exp(b_G)[:, None], b_S, input_precision=DOT)
-                   + tl.dot(b_p, b_new, input_precision=DOT))
+            b_o = _mm(b_q * tl.exp(b_G)[:, None], b_S, DOT) + _mm(b_p, b_new, DOT)
             tl.store(o + o_t[:, None] * s_o + i_h * DV + o_v[None, :], b_o.to(o.dtype.element_ty),
                      mask=m_t[:, None] & m_v[None, :])
         else:
             tl.store(ws_v + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], b_new, mask=m_v[None, :])
         b_k_tail = b_k * tl.exp(b_last - b_G)[:, None]                       # e^{G_C - G_j} k_j
-        b_S = b_S * tl.exp(b_last) + tl.dot(tl.trans(b_k_tail), b_new, input_precision=DOT)
+        b_S = b_S * tl.exp(b_last) + _mm(tl.trans(b_k_tail), b_new, DOT)
     tl.store(s_out + i_h * DK * DV + o_s, b_S, mask=m_v[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])
-def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, o, T, scale, s_q, s_k, s_o,
+def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, ws_q, ws_k, o, T, scale, s_q, s_k, s_o,
                       HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr):
+                      BV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr, NORMED: tl.constexpr):
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_kh = i_h // GROUP
     o_r, o_k = tl.arange(0, BC), tl.arange(0, DK)
@@ -202,10 +242,8 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, o, T, scale, s_q, s_k, s_o,
     m_t = o_t < T
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < DV
-    b_q = tl.load(q + o_t[:, None] * s_q + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
-    b_k = tl.load(k + o_t[:, None] * s_k + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
-    b_q = _unit_rows(b_q, scale)
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+    b_q = _unit_queries(q, ws_q, o_t, m_t, o_k, s_q, i_kh, HV // GROUP, DK, scale, NORMED)
+    b_k = _unit_keys(k, ws_k, o_t, m_t, o_k, s_k, i_kh, HV // GROUP, DK, NORMED)
     o_ws = i_c * HV + i_h
     b_G = tl.load(ws_g + o_ws * BC + o_r)
     b_S = tl.load(ws_h + o_ws * DK * DV + o_k[:, None] * DV + o_v[None, :], mask=m_v[None, :], other=0.)
@@ -213,8 +251,7 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, o, T, scale, s_q, s_k, s_o,
     b_new = tl.load(ws_v + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], mask=m_v[None, :], other=0.)
     b_new = b_new.to(tl.float32)
     b_qk = _causal_scores(b_q, b_k, b_G, DOT)
-    b_o = (tl.dot(b_q * tl.exp(b_G)[:, None], b_S, input_precision=DOT)
-           + tl.dot(b_qk, b_new, input_precision=DOT))
+    b_o = _mm(b_q * tl.exp(b_G)[:, None], b_S, DOT) + _mm(b_qk, b_new, DOT)
     tl.store(o + o_t[:, None] * s_o + i_h * DV + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=m_t[:, None] & m_v[None, :])
 
@@ -223,7 +260,7 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, o, T, scale, s_q, s_k, s_o,
 # accuracy at 2.6 times the time. On an H100, 27B shapes, 8192 tokens: 1.76 ms per layer
 # (prep 0.68, scan 0.57, output 0.51); tests/bench/bench_kernels.py --sweep --only chunk.
 CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_bv=64, out_warps=4, dot="tf32",
-                    fused_out=False, solved="float32", terms="float32")
+                    state_dot=None, normed=False, fused_out=False, solved="float32", terms="float32")
 
 
 def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, config: dict | None = None,
@@ -235,7 +272,10 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     the scan); "solved" and "terms" the dtype of what the kernels hand each other ("float32" or
     "bfloat16", as fla keeps them; float32 for float32 inputs): w and u, from which the scan
     builds the state, and the output's terms (start states and writes, or the scores), which the
-    state never sees; the rest tiles, for tuning."""
+    state never sees; "state_dot" the precision of the scan's and the output kernel's products
+    (None: the prep's "dot"; "bf16": operands rounded to bf16, as fla's), "normed" the unit rows
+    of q and k written once by the prep (k in the "solved" dtype, q in the "terms" one) rather
+    than normalised again by the scan and the output kernel; the rest tiles, for tuning."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert chunk == 64, "the chunk kernels work on 64 tokens at a time"
@@ -250,7 +290,10 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     # and what the kernels hand each other stays float32 whatever the plan asks
     wide = v.dtype == torch.float32
     cfg = {**CHUNK_CONFIG, **({"dot": "tf32x3"} if wide else {}), **(config or {}),
-           **({"solved": "float32", "terms": "float32"} if wide else {})}
+           **({"solved": "float32", "terms": "float32", "state_dot": "tf32x3"} if wide else {})}
+    state_dot = cfg["state_dot"] or cfg["dot"]
+    if state_dot == "bf16" and interpreting():
+        state_dot = "bf16ieee"
     NT, dev, G = triton.cdiv(T, chunk), q.device, Hv // Hk
     # what passes between the kernels: w and u (the prep's solve, which the scan builds the state
     # from) in cfg["solved"], the start states, writes and scores (the output's terms) in cfg["terms"]
@@ -263,26 +306,30 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
         ws_p, ws_h, ws_v = new(terms, NT, Hv, chunk, chunk), ws_a, ws_a
     else:
         ws_p, ws_h, ws_v = ws_a, new(terms, NT, Hv, DK, DV), new(terms, NT, Hv, chunk, DV)
+    normed = bool(cfg["normed"])
+    ws_q, ws_k = (new(terms, T, Hk, DK), new(solved, T, Hk, DK)) if normed else (ws_a, ws_a)
     if out is not None:
         assert out.shape == state.shape and out.dtype == torch.float32 and out.is_contiguous(), "out must be like state"
     s_out = out if out is not None else torch.empty_like(state)
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=dev)
     scale = DK ** -0.5
-    _chunk_prep_kernel[(NT, Hv)](q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, T, scale, q.stride(0),
-                                 k.stride(0), v.stride(0), a.stride(0), b.stride(0), HV=Hv, GROUP=G, DK=DK, DV=DV,
-                                 BDV=triton.next_power_of_2(DV), BC=chunk, SB=16, NB=chunk // 16, DOT=cfg["dot"],
-                                 FUSED=fused, num_warps=cfg["prep_warps"])
+    _chunk_prep_kernel[(NT, Hv)](q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, ws_q, ws_k, T, scale,
+                                 q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), HV=Hv, GROUP=G,
+                                 DK=DK, DV=DV, BDV=triton.next_power_of_2(DV), BC=chunk, SB=16, NB=chunk // 16,
+                                 DOT=cfg["dot"], FUSED=fused, NORMED=normed, num_warps=cfg["prep_warps"])
     BV = min(cfg["scan_bv"], triton.next_power_of_2(DV))
-    _chunk_scan_kernel[(Hv, triton.cdiv(DV, BV))](q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, o, state, s_out, T, scale,
-                                                   q.stride(0), k.stride(0), o.stride(0), HV=Hv, GROUP=G, DK=DK,
-                                                   DV=DV, BV=BV, BC=chunk, DOT=cfg["dot"], FUSED=fused,
-                                                   num_warps=cfg["scan_warps"], num_stages=cfg["scan_stages"])
+    _chunk_scan_kernel[(Hv, triton.cdiv(DV, BV))](q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, ws_q, ws_k, o, state,
+                                                   s_out, T, scale, q.stride(0), k.stride(0), o.stride(0), HV=Hv,
+                                                   GROUP=G, DK=DK, DV=DV, BV=BV, BC=chunk, DOT=state_dot,
+                                                   FUSED=fused, NORMED=normed, num_warps=cfg["scan_warps"],
+                                                   num_stages=cfg["scan_stages"])
     if fused:
         return o, s_out
     BV = min(cfg["out_bv"], triton.next_power_of_2(DV))
-    _chunk_out_kernel[(NT, Hv, triton.cdiv(DV, BV))](q, k, ws_g, ws_h, ws_v, o, T, scale, q.stride(0),
+    _chunk_out_kernel[(NT, Hv, triton.cdiv(DV, BV))](q, k, ws_g, ws_h, ws_v, ws_q, ws_k, o, T, scale, q.stride(0),
                                                       k.stride(0), o.stride(0), HV=Hv, GROUP=G, DK=DK, DV=DV,
-                                                      BV=BV, BC=chunk, DOT=cfg["dot"], num_warps=cfg["out_warps"])
+                                                      BV=BV, BC=chunk, DOT=state_dot, NORMED=normed,
+                                                      num_warps=cfg["out_warps"])
     return o, s_out
 
 

@@ -11,7 +11,10 @@ captured in a CUDA graph (graph_timing.py). Rows:
 - the GDN causal conv (10240 channels of the in_proj's rows), 16 to 128 tokens a program;
 - the GDN's chunked form in three kernels and with the output written by the scan (fused_out),
   its prep at 4 or 8 warps, what its kernels hand each other in float32 or bf16; and
-  (`gdntiles`) the scan's and the output kernel's tiles;
+  (`gdntiles`) the scan's and the output kernel's tiles; (`fla`) the same chunk through the
+  flash-linear-attention library's `chunk_gated_delta_rule` (norms and gates in its kernels, bf16
+  between them), where it imports (on PYTHONPATH; not a dependency of the package), with its
+  output's and final state's distance from ours;
 - attention's output gate: torch's sigmoid, product and copy into rows against one kernel
   (attention.gate_rows), and that kernel writing FP8 rows for o_proj;
 - the MLP's gating then the FP8 rows for down (silu_mul, quantize_rows) against the two in one
@@ -36,7 +39,7 @@ HK, HV, DK, DV, CONV = 16, 48, 128, 128, 10240
 IN_PROJ = CONV + HV * DV + 2 * HV
 HQ, HKV, HD, ROTARY = 24, 4, 256, 64
 COPIES = 3
-SECTIONS = ("norm", "rope", "conv", "gdn", "gdntiles", "gate", "gating", "quant", "addnorm")
+SECTIONS = ("norm", "rope", "conv", "gdn", "gdntiles", "fla", "gate", "gating", "quant", "addnorm")
 
 
 def registers(*kernels):
@@ -136,17 +139,29 @@ def main():
     if "gdn" in sections:
         nbytes = T * (2 * HK * DK + 2 * HV * DV) * 2
         base = None
-        forms = ((False, 4, "float32", "float32"), (True, 4, "float32", "float32"), (False, 8, "float32", "float32"),
-                 (False, 4, "float32", "bfloat16"), (True, 4, "float32", "bfloat16"),
-                 (False, 4, "bfloat16", "bfloat16"), (True, 4, "bfloat16", "bfloat16"))
-        for fused, warps, ws, ws_out in forms:
-            config = dict(fused_out=fused, prep_warps=warps, solved=ws, terms=ws_out)
+        bf16_between = dict(solved="bfloat16", terms="bfloat16")
+        low = dict(bf16_between, normed=True, state_dot="bf16")
+        forms = ({}, dict(fused_out=True), dict(prep_warps=8), dict(terms="bfloat16"),
+                 dict(fused_out=True, terms="bfloat16"), bf16_between, dict(bf16_between, fused_out=True),
+                 dict(normed=True), dict(bf16_between, normed=True), dict(state_dot="bf16"), low,
+                 dict(low, scan_bv=32), dict(low, scan_bv=32, scan_warps=4), dict(low, scan_bv=16, scan_warps=4),
+                 dict(low, out_bv=128), dict(low, fused_out=True), dict(low, fused_out=True, scan_bv=32),
+                 dict(low, fused_out=True, scan_bv=32, scan_warps=4))
+        o_ref, s_ref = gdn_chunk.chunk_ref(*(t.float() for t in qkv_heads[0]), *(t.float() for t in gates[0]),
+                                           A_log.float(), dt_bias.float(), states[0])
+        rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
+        for config in forms:
             run = lambda i: gdn_chunk.chunk_triton(*qkv_heads[i], *gates[i], A_log, dt_bias, states[i], config=config)
-            us = graph_time(run, COPIES)
-            report(f"GDN chunk: {'output by the scan' if fused else 'three kernels'}, prep {warps} warps, "
-                   f"w|u {ws[:4]}, out's {ws_out[:4]}", us, nbytes, bw, base)
+            try:
+                us = graph_time(run, COPIES)
+            except Exception as e:              # a tile past the shared memory, and the like
+                print(f"GDN chunk, {config}: {type(e).__name__} {str(e)[:100]}", flush=True)
+                continue
+            o, s_end = run(0)
+            report(f"GDN chunk, {config or 'as configured'}", us, nbytes, bw, base)
             base = base or us
-            print("    " + ", ".join(f"{k} {v:.1f} us" for k, v in kernel_times(run, COPIES).items()))
+            print(f"    from float32: o {rel(o, o_ref):.2e}, state {rel(s_end, s_ref):.2e}; "
+                  + ", ".join(f"{k} {v:.1f} us" for k, v in kernel_times(run, COPIES).items()))
         registers(gdn_chunk._chunk_prep_kernel, gdn_chunk._chunk_scan_kernel, gdn_chunk._chunk_out_kernel)
     if "gdntiles" in sections:
         # the serial scan's and the output's tiles (value columns a program, warps, depth), the rest
@@ -165,6 +180,32 @@ def main():
             report(f"GDN chunk, {config or 'as configured'}", us, nbytes, bw, base)
             base = base or us
             print("    " + ", ".join(f"{k} {v:.1f} us" for k, v in kernel_times(run, COPIES).items()))
+
+    if "fla" in sections:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        nbytes = T * (2 * HK * DK + 2 * HV * DV) * 2
+        whole = [tuple(t.contiguous()[None] for t in h) for h in qkv_heads]
+        raw = [(g_a.contiguous()[None], g_b.contiguous()[None]) for g_a, g_b in gates]
+
+        def run_fla(i):
+            (q, k, v), (g_a, g_b) = whole[i], raw[i]
+            return chunk_gated_delta_rule(q, k, v, g_a, g_b, initial_state=states[i][None], output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                          use_gate_in_kernel=True, A_log=A_log.float(), dt_bias=dt_bias.float())
+        ours = lambda i: gdn_chunk.chunk_triton(*qkv_heads[i], *gates[i], A_log, dt_bias, states[i])
+        o_ours, s_ours = ours(0)
+        o_fla, s_fla = run_fla(0)
+        o_ref, s_ref = gdn_chunk.chunk_ref(*(t.float() for t in qkv_heads[0]), *(t.float() for t in gates[0]),
+                                           A_log.float(), dt_bias.float(), states[0])
+        rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
+        print(f"GDN chunk vs float32 reference, relative L2: ours o {rel(o_ours, o_ref):.2e} state "
+              f"{rel(s_ours, s_ref):.2e}; fla o {rel(o_fla[0], o_ref):.2e} state {rel(s_fla[0], s_ref):.2e}")
+        base = graph_time(ours, COPIES)
+        report("GDN chunk: ours, as configured", base, nbytes, bw)
+        print("    " + ", ".join(f"{k} {v:.1f} us" for k, v in kernel_times(ours, COPIES).items()))
+        us = graph_time(run_fla, COPIES)
+        report("GDN chunk: flash-linear-attention", us, nbytes, bw, base)
+        print("    " + ", ".join(f"{k[:40]} {v:.1f} us" for k, v in kernel_times(run_fla, COPIES).items()))
 
     # attention's output gate: o as SDPA hands it back (transposed), the gate a view of q|gate
     att = [torch.randn(HQ, T, HD, **bf16).transpose(0, 1) for _ in range(COPIES)]

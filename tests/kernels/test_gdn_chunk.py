@@ -76,10 +76,36 @@ def test_chunk_with_bf16_between_the_kernels(device, solved, terms, fused):
         check(s, s_ref, 2e-2, "final state")
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_chunk_with_unit_rows_from_the_prep(device, fused):
+    # q and k normalised once by the prep (float32 between the kernels): the same bits as each
+    # kernel normalising them itself
+    args, state = _inputs(130, 2, 6, 32, 24, torch.bfloat16, device, seed=8)
+    o, s = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused})
+    o2, s2 = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused, "normed": True})
+    assert torch.equal(o2, o) and torch.equal(s2, s)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("bv", [64, 16])
+def test_chunk_with_bf16_products(device, fused, bv):
+    # the scan's and the output's products on bf16 operands (as fla's), everything between the
+    # kernels bf16 too: within bf16's reach of the float32 reference, and apart from the tf32 form
+    args, state = _inputs(130, 2, 6, 32, 40, torch.bfloat16, device, seed=9)
+    o_ref, s_ref = gdn_chunk.chunk_ref(*args, state)
+    o32, s32 = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused})
+    config = dict(fused_out=fused, normed=True, state_dot="bf16", solved="bfloat16", terms="bfloat16", scan_bv=bv)
+    o, s = gdn_chunk.chunk_triton(*args, state, config=config)
+    assert not torch.equal(s, s32), "the state's products were rounded"
+    check(o, o_ref, 3e-2)
+    check(s, s_ref, 2e-2, "final state")
+
+
 def test_float32_inputs_keep_float32_between_the_kernels(device):
     args, state = _inputs(70, 1, 2, 16, 24, torch.float32, device, seed=7)
     o, s = gdn_chunk.chunk_triton(*args, state)
-    o2, s2 = gdn_chunk.chunk_triton(*args, state, config={"solved": "bfloat16", "terms": "bfloat16"})
+    o2, s2 = gdn_chunk.chunk_triton(*args, state, config={"solved": "bfloat16", "terms": "bfloat16",
+                                                          "state_dot": "bf16", "normed": True})
     assert torch.equal(o2, o) and torch.equal(s2, s)
 
 
