@@ -84,21 +84,29 @@ class KernelPlan:
     prefill_gate: bool = True
     # The GDN's chunked form (kernels/gdn_chunk.py) with its output written by the scan
     # ("fused_out"): the chunks' start states and writes never go through memory, and a kernel
-    # fewer. And what its kernels hand each other: w and u of the prep's solve, from which the scan
+    # fewer. What its kernels hand each other: w and u of the prep's solve, from which the scan
     # builds the state ("solved"), and the output's terms ("terms"), in bfloat16 as fla keeps them,
-    # or float32 (a float32 model keeps float32 whatever the plan says). One 2,048-token chunk of
-    # the 27B on an H100 (probe_prefill_kernels.py): 452 us all float32, 441 fused, 413 in bf16,
-    # 372 fused in bf16; the 27B's 8K prompt 0.970 x (FP8, 558 -> 541 ms) and 0.980 x (bf16, 782 ->
-    # 768), peak 0.17 GiB lower (probe_prefill_chunk.py, three rounds). The state then lies some
-    # 7e-3 from float32's (tests/kernels/test_gdn_chunk.py); the demo model's held-out perplexity
-    # over 8,190-token prefills 33.3802 -> 33.3854 (quality_int4.py --plans; docs/PERFORMANCE.md
-    # 2026-11-26). But random-weight models amplify it: a 35B-A3B-like one in 4 bits
-    # (tests/test_gpu_int4.py) came 0.083 from float32 where it had come 0.050, and the wide-head
-    # model of tests/test_gpu_fp8.py moved its logits by 0.15 (the other prefill forms by 0).
-    # Candidates: float32 stays the default.
-    chunk_fused_out: bool = False
-    chunk_solved: str = "float32"
-    chunk_terms: str = "float32"
+    # or float32. The products of the scan and the output kernel on bf16 operands ("products", as
+    # fla's; "tf32": float32 operands in tf32), and q and k made unit rows once by the prep
+    # ("normed") rather than by each kernel again. A float32 model keeps float32 and tf32x3
+    # whatever the plan says. One 2,048-token chunk of the 27B on an H100
+    # (probe_prefill_kernels.py, 2026-11-28): 460 us all float32 and tf32, 374 fused with bf16
+    # between the kernels, 283 with bf16 products and unit rows too (its tiles: gdn_chunk.BF16_TILES;
+    # flash-linear-attention's chunk_gated_delta_rule 232 us in the same run); from the float32
+    # reference the output 2.5e-3 -> 3.5e-3 and the state 1.1e-3 -> 3.0e-3 (fla's: 4.1e-3, 3.1e-3).
+    # The 27B's 8K prompt (probe_prefill_chunk.py, two rounds): FP8 565.5 / 561.9 -> 546.3 / 533.7
+    # ms, bf16 806.1 / 798.9 -> 784.7 / 777.3 ms (unfused: 602.7 / 540.6, 793.8 / 780.5), the
+    # prompt's peak 0.52 -> 0.36 GiB beyond the engine. Random-weight models that discretise their
+    # activations amplify the rounding (the FP8 wide-head model of tests/test_gpu_fp8.py moved its
+    # logits by 0.15 with bf16 between the kernels, 2026-11-26); a bf16 model stays within bf16's
+    # own distance from float32 (tests/test_gpu_engine.py), and the demo model's held-out
+    # perplexity over 8,190-token prefills moved 33.3802 -> 33.3854 with bf16 between the kernels
+    # (quality_int4.py --plans, 2026-11-26).
+    chunk_fused_out: bool = True
+    chunk_solved: str = "bfloat16"
+    chunk_terms: str = "bfloat16"
+    chunk_products: str = "bf16"
+    chunk_normed: bool = True
     # A step of at most this many tokens has its causal conv computed by the GDN recurrence kernel
     # (kernels/gdn.py conv_recurrent): each program first writes the conv of the channels it reads,
     # then runs the same loop as after the conv kernel, so a token takes the same bits either way

@@ -60,7 +60,9 @@ def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 6
 #   blocks inverted row by row, the rest as small products), so that the chunk's state writes
 #   are u - w S0 for any start state S0. (Building (I + A)^-1 whole from the diagonal blocks'
 #   inverses and taking u and w as two 64-row products was tried: 1.07-1.10 x the time at 255
-#   registers and spills on an H100, docs/PERFORMANCE.md 2026-11-26.)
+#   registers and spills on an H100, docs/PERFORMANCE.md 2026-11-26 Nor did the whole
+#   prep in registers, the chunk as four 16-token pieces and A as its ten blocks, fla's way: 328 us
+#   a 2,048-token chunk of the 27B in tf32 against 153, 158 with bf16 products; 2026-11-28.)
 # _chunk_scan_kernel, one program per (value head, block of value columns), walks the chunks in
 #   order with its slice of the state in registers: it saves each chunk's start state S0 and
 #   writes u - w S0, then moves the state to the chunk's end. Two products per chunk.
@@ -114,6 +116,17 @@ def _unit_queries(q, ws_q, o_t, m_t, o_k, s_q, i_kh, HK: tl.constexpr, DK: tl.co
 
 
 @triton.jit
+def _gates(a, b, A_log, dt_bias, o_t, m_t, s_a, s_b, i_h):
+    """Value head i_h's decay logs g and write strengths beta at tokens o_t, float32; tokens past T
+    (m_t false) get g = 0 and beta = 0: they neither decay nor write the state."""
+    b_x = tl.load(a + o_t * s_a + i_h, mask=m_t, other=0.).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
+    b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))
+    b_g = tl.where(m_t, -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * b_softplus, 0.)
+    b_beta = tl.where(m_t, tl.sigmoid(tl.load(b + o_t * s_b + i_h, mask=m_t, other=0.).to(tl.float32)), 0.)
+    return b_g, b_beta
+
+
+@triton.jit
 def _causal_scores(b_q, b_k, b_G, DOT: tl.constexpr):
     """The chunk's (q kᵀ ∘ decay)[t, j] = e^{G_t - G_j} (q_t·k_j) for j <= t, 0 above: [BC, BC]."""
     o_r = tl.arange(0, b_G.shape[0])
@@ -137,11 +150,7 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
     b_k = tl.load(k + o_t[:, None] * s_k + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
     b_k = b_k.to(tl.float32)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-    b_x = tl.load(a + o_t * s_a + i_h, mask=m_t, other=0.).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
-    b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))
-    # tokens past T get g = 0 and beta = 0: they neither decay nor write the state
-    b_g = tl.where(m_t, -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * b_softplus, 0.)
-    b_beta = tl.where(m_t, tl.sigmoid(tl.load(b + o_t * s_b + i_h, mask=m_t, other=0.).to(tl.float32)), 0.)
+    b_g, b_beta = _gates(a, b, A_log, dt_bias, o_t, m_t, s_a, s_b, i_h)
     b_G = tl.cumsum(b_g, axis=0)
     m_low = o_r[:, None] > o_r[None, :]
     b_decay = tl.exp(tl.where(m_low, b_G[:, None] - b_G[None, :], 0.))      # masked before exp: > 0 above
@@ -261,6 +270,12 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, ws_q, ws_k, o, T, scale, s_q, s_k,
 # (prep 0.68, scan 0.57, output 0.51); tests/bench/bench_kernels.py --sweep --only chunk.
 CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_bv=64, out_warps=4, dot="tf32",
                     state_dot=None, normed=False, fused_out=False, solved="float32", terms="float32")
+# The scan's and the output kernel's tiles where their products take bf16 operands: the state in
+# slices of 32 value columns on 4 warps (192 programs for the 27B's 48 heads, where 64 columns on
+# 8 warps made 96), the output 128 columns a program. One 2,048-token chunk of the 27B on an H100,
+# with w, u and the terms in bf16 and the unit rows from the prep (probe_prefill_kernels.py,
+# 2026-11-28): the scan 97.8 -> 83.0 us, the output 64.7 -> 54.1 us.
+BF16_TILES = dict(scan_bv=32, scan_warps=4, out_bv=128)
 
 
 def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, config: dict | None = None,
@@ -275,7 +290,8 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     state never sees; "state_dot" the precision of the scan's and the output kernel's products
     (None: the prep's "dot"; "bf16": operands rounded to bf16, as fla's), "normed" the unit rows
     of q and k written once by the prep (k in the "solved" dtype, q in the "terms" one) rather
-    than normalised again by the scan and the output kernel; the rest tiles, for tuning."""
+    than normalised again by the scan and the output kernel; the rest tiles, for tuning (bf16
+    products take BF16_TILES where `config` names none)."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert chunk == 64, "the chunk kernels work on 64 tokens at a time"
@@ -289,25 +305,27 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     # a float32 model is float32 throughout: its products take "tf32x3" (float32 accuracy), not tf32,
     # and what the kernels hand each other stays float32 whatever the plan asks
     wide = v.dtype == torch.float32
-    cfg = {**CHUNK_CONFIG, **({"dot": "tf32x3"} if wide else {}), **(config or {}),
+    config = config or {}
+    low = config.get("state_dot") == "bf16" and not wide
+    cfg = {**CHUNK_CONFIG, **({"dot": "tf32x3"} if wide else {}), **(BF16_TILES if low else {}), **config,
            **({"solved": "float32", "terms": "float32", "state_dot": "tf32x3"} if wide else {})}
-    state_dot = cfg["state_dot"] or cfg["dot"]
-    if state_dot == "bf16" and interpreting():
-        state_dot = "bf16ieee"
+    # Triton's interpreter takes bf16 products as float32 ones over operands rounded to bf16 (_mm)
+    dot, state_dot = ("bf16ieee" if d == "bf16" and interpreting() else d for d in (cfg["dot"], cfg["state_dot"] or cfg["dot"]))
     NT, dev, G = triton.cdiv(T, chunk), q.device, Hv // Hk
     # what passes between the kernels: w and u (the prep's solve, which the scan builds the state
     # from) in cfg["solved"], the start states, writes and scores (the output's terms) in cfg["terms"]
     new = lambda dtype, *shape: torch.empty(*shape, dtype=getattr(torch, dtype), device=dev)
     solved, terms = cfg["solved"], cfg["terms"]
     fused = bool(cfg["fused_out"])
+    unused = new("float32", 1)        # a kernel's pointer this form does not read
     ws_a, ws_g = new("float32", NT, Hv, chunk, chunk), new("float32", NT, Hv, chunk)
     ws_w, ws_u = new(solved, NT, Hv, chunk, DK), new(solved, NT, Hv, chunk, DV)
     if fused:      # the chunks' scores for the scan; no start states or writes kept
-        ws_p, ws_h, ws_v = new(terms, NT, Hv, chunk, chunk), ws_a, ws_a
+        ws_p, ws_h, ws_v = new(terms, NT, Hv, chunk, chunk), unused, unused
     else:
-        ws_p, ws_h, ws_v = ws_a, new(terms, NT, Hv, DK, DV), new(terms, NT, Hv, chunk, DV)
+        ws_p, ws_h, ws_v = unused, new(terms, NT, Hv, DK, DV), new(terms, NT, Hv, chunk, DV)
     normed = bool(cfg["normed"])
-    ws_q, ws_k = (new(terms, T, Hk, DK), new(solved, T, Hk, DK)) if normed else (ws_a, ws_a)
+    ws_q, ws_k = (new(terms, T, Hk, DK), new(solved, T, Hk, DK)) if normed else (unused, unused)
     if out is not None:
         assert out.shape == state.shape and out.dtype == torch.float32 and out.is_contiguous(), "out must be like state"
     s_out = out if out is not None else torch.empty_like(state)
@@ -316,7 +334,7 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     _chunk_prep_kernel[(NT, Hv)](q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, ws_q, ws_k, T, scale,
                                  q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), HV=Hv, GROUP=G,
                                  DK=DK, DV=DV, BDV=triton.next_power_of_2(DV), BC=chunk, SB=16, NB=chunk // 16,
-                                 DOT=cfg["dot"], FUSED=fused, NORMED=normed, num_warps=cfg["prep_warps"])
+                                 DOT=dot, FUSED=fused, NORMED=normed, num_warps=cfg["prep_warps"])
     BV = min(cfg["scan_bv"], triton.next_power_of_2(DV))
     _chunk_scan_kernel[(Hv, triton.cdiv(DV, BV))](q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, ws_q, ws_k, o, state,
                                                    s_out, T, scale, q.stride(0), k.stride(0), o.stride(0), HV=Hv,
@@ -334,13 +352,17 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
 
 
 def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, fused_out: bool = False,
-          out: torch.Tensor | None = None, solved: str = "float32", terms: str = "float32"):
+          out: torch.Tensor | None = None, solved: str = "float32", terms: str = "float32", products: str = "tf32",
+          normed: bool = False):
     """chunk_ref's contract; the Triton kernels for CUDA tensors (the fused form with `fused_out`,
-    what they hand each other in the dtypes `solved` and `terms` (chunk_triton), the final state
-    into `out` where given: the reference returns a new tensor, which the caller copies where it
-    wants it, and starts from a copy of the start state then, which a training forward's gradients
-    may still need)."""
+    what they hand each other in the dtypes `solved` and `terms`, the scan's and the output's
+    products on `products` ("tf32" or "bf16") operands, the unit rows of q and k written once by
+    the prep where `normed`: chunk_triton), the final state into `out` where given: the reference
+    returns a new tensor, which the caller copies where it wants it, and starts from a copy of the
+    start state then, which a training forward's gradients may still need."""
+    assert products in ("tf32", "bf16"), f"the chunk's products take tf32 or bf16, not {products!r}"
     if use_triton(q, k, v, a, b):
         return chunk_triton(q, k, v, a, b, A_log, dt_bias, state, chunk,
-                            {"fused_out": fused_out, "solved": solved, "terms": terms}, out)
+                            {"fused_out": fused_out, "solved": solved, "terms": terms, "normed": normed,
+                             "state_dot": "bf16" if products == "bf16" else None}, out)
     return chunk_ref(q, k, v, a, b, A_log, dt_bias, state if out is None else state.clone(), chunk)

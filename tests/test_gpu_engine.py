@@ -51,6 +51,25 @@ def test_gpu_logits_close_to_cpu_float32(ckpt):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
+def test_gdn_chunk_in_bf16_within_bf16s_reach_of_float32(ckpt):
+    # the plan's chunked GDN (bf16 between its kernels, bf16 products) against the same bf16 engine
+    # with the chunk in float32 and tf32, both against float32 on the CPU over a prompt of several
+    # 64-token chunks: the bf16 forms add no more than bf16's own distance (a wrong sum is far off)
+    cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
+    ids = gpu_prompts(cpu, 4)[3] * 3
+    want = cpu.logits(ids)
+    gpu = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512)
+    default = gpu.plan
+    assert default.chunk_products == "bf16" and default.chunk_solved == "bfloat16"
+    got = gpu.logits(ids).float().cpu()
+    gpu.plan = gpu.decoder.plan = default.replace(chunk_solved="float32", chunk_terms="float32",
+                                                  chunk_products="tf32")
+    wide = gpu.logits(ids).float().cpu()
+    err, err_wide = rel_err(got, want, ord=2), rel_err(wide, want, ord=2)
+    assert err < 1.5 * err_wide + 5e-3, (err, err_wide)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
 @pytest.mark.parametrize("Hq,Hkv,T,n", [(24, 4, 100, 300), (8, 2, 1, 77), (6, 6, 64, 100), (6, 6, 64, 64)])
 def test_prefill_attention_of_a_later_chunk(Hq, Hkv, T, n):
     # the last T of n rows attend to every earlier row and causally among themselves (flash on the GPU)

@@ -99,20 +99,23 @@ def test_prefill_kernel_candidates(wide_heads):
     quantization hands the products the codes they would have made, the conv's larger tiles make
     the same sums (the same logits, bit for bit); larger tiles of the norms, the one-kernel output
     gate and the chunked GDN's fused output sum in another order at most; greedy MTP on == off.
-    (The GDN's kernels handing each other bf16, chunk_solved and chunk_terms, are checked against
-    the reference in tests/kernels/test_gdn_chunk.py: on this random model they move the logits by
-    some 0.15, an H100 2026-11-26.)"""
+    The chunked GDN's precision (chunk_solved, chunk_terms, chunk_products) stays float32 and tf32
+    in every row here: its bf16 forms are checked against the reference in
+    tests/kernels/test_gdn_chunk.py and against a float32 model in tests/test_gpu_engine.py; on this
+    random model, whose activations are quantized to FP8 (a code flip moves a value by 6-12 %),
+    they moved the logits by some 0.15 (an H100, 2026-11-26)."""
     engine = Engine.load(wide_heads, device="cuda", dtype=torch.bfloat16, max_context=1024, cuda_graphs=False)
     ids = random_ids(300, 5, engine.config.vocab_size - 64)   # enough rows for cuBLAS's products
     default = engine.plan
     off = dict(prefill_rows=1, prefill_conv_tokens=16, prefill_quant=False, prefill_gate=False,
-               chunk_fused_out=False, chunk_solved="float32", chunk_terms="float32")
-    base = default.replace(**off)
+               chunk_fused_out=False, chunk_normed=False)
+    wide = dict(chunk_solved="float32", chunk_terms="float32", chunk_products="tf32")
+    base = default.replace(**off, **wide)
     engine.plan = engine.decoder.plan = base
     want = engine.logits(ids)
     # (changes to all off, the largest relative difference allowed: 0 is bit for bit)
     forms = [(dict(prefill_quant=True), 0), (dict(prefill_conv_tokens=64), 0), (dict(prefill_rows=8), 1e-2),
-             (dict(chunk_fused_out=True), 1e-2), (dict(prefill_gate=True), 1e-2),
+             (dict(chunk_fused_out=True), 1e-2), (dict(chunk_normed=True), 1e-2), (dict(prefill_gate=True), 1e-2),
              (dict(prefill_gate=True, prefill_quant=True), 1e-2), ({k: getattr(default, k) for k in off}, 1e-2),
              (dict(prefill_rows=16, prefill_conv_tokens=64, prefill_quant=True, chunk_fused_out=True,
                    prefill_gate=True), 1e-2)]

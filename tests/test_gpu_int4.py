@@ -55,7 +55,12 @@ def test_int4_checkpoints_on_the_gpu(form, tmp_path):
     # bf16 activations through 4-bit products (prefill) against float32 on the dequantized weights;
     # an MoE moves further (likely its routers' top-k, which flips where two experts nearly tie:
     # 0.0501 measured on an H100 for one MoE form, under 0.05 for the dense ones); the expert kernels themselves
-    # are checked against float32 in tests/kernels/test_int4_moe.py
+    # are checked against float32 in tests/kernels/test_int4_moe.py. The chunked GDN in float32 and
+    # tf32 here: its bf16 forms (the plan's) are checked in tests/test_gpu_engine.py, and on this
+    # MoE their rounding alone flipped enough experts to move it to 0.083 (an H100, 2026-11-26)
+    default = gpu.plan
+    gpu.plan = gpu.decoder.plan = default.replace(chunk_solved="float32", chunk_terms="float32", chunk_products="tf32")
     bound = 0.08 if "moe" in form else 0.05
     assert rel_err(gpu.logits(ids).float().cpu(), cpu.logits(ids), ord=2) < bound
+    gpu.plan = gpu.decoder.plan = default
     assert_mtp_on_equals_off(gpu, gpu_prompts(gpu, 2), 64, profile_ks=(2, 4), ks=(3,))

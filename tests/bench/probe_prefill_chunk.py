@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from mtpchat.engine.bench import time_to_first_token
+from mtpchat.engine.bench import second_turn, time_to_first_token
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.engine import Engine
 from ab_step import CONFIGS
@@ -32,6 +32,8 @@ def main():
     p.add_argument("--int4-prefill", default="", help="forms of prefill's 4-bit products, comma-separated")
     p.add_argument("--plans", default="", help="plans as changes to the engine's, ';'-separated")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--turn", type=int, default=0, metavar="NEW",
+                   help="also a chat turn of NEW tokens after the prompt's snapshot (engine.bench.second_turn)")
     a = p.parse_args()
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
     engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=a.tokens + 256, cuda_graphs=False,
@@ -50,6 +52,10 @@ def main():
             print(f"{a.model} {a.weights} {a.tokens} tokens, chunk {chunk}, int4 prefill "
                   f"{engine.plan.products.int4_prefill}, plan {changes or 'as loaded'}: {ms:.1f} ms, peak "
                   f"{peak / 2**30:.2f} GiB beyond the engine at rest", flush=True)
+            if a.turn:
+                turn = second_turn(engine, a.tokens, a.turn)
+                print(f"    then a turn of {a.turn} tokens after the snapshot: {turn['second_ms']:.1f} ms "
+                      f"({turn['second_reused']} reused; the first turn {turn['first_ms']:.1f} ms)", flush=True)
 
 
 def parse_changes(text: str) -> dict:

@@ -140,13 +140,11 @@ def main():
         nbytes = T * (2 * HK * DK + 2 * HV * DV) * 2
         base = None
         bf16_between = dict(solved="bfloat16", terms="bfloat16")
-        low = dict(bf16_between, normed=True, state_dot="bf16")
-        forms = ({}, dict(fused_out=True), dict(prep_warps=8), dict(terms="bfloat16"),
-                 dict(fused_out=True, terms="bfloat16"), bf16_between, dict(bf16_between, fused_out=True),
-                 dict(normed=True), dict(bf16_between, normed=True), dict(state_dot="bf16"), low,
-                 dict(low, scan_bv=32), dict(low, scan_bv=32, scan_warps=4), dict(low, scan_bv=16, scan_warps=4),
-                 dict(low, out_bv=128), dict(low, fused_out=True), dict(low, fused_out=True, scan_bv=32),
-                 dict(low, fused_out=True, scan_bv=32, scan_warps=4))
+        low = dict(bf16_between, normed=True, state_dot="bf16")     # its tiles gdn_chunk.BF16_TILES
+        forms = ({}, dict(fused_out=True), bf16_between, dict(bf16_between, fused_out=True),
+                 dict(bf16_between, normed=True), dict(state_dot="bf16"), low, dict(low, scan_bv=64, scan_warps=8),
+                 dict(low, out_bv=64), dict(low, fused_out=True), dict(low, fused_out=True, scan_bv=64, scan_warps=8),
+                 dict(low, prep_warps=2), dict(low, dot="bf16"))
         o_ref, s_ref = gdn_chunk.chunk_ref(*(t.float() for t in qkv_heads[0]), *(t.float() for t in gates[0]),
                                            A_log.float(), dt_bias.float(), states[0])
         rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())

@@ -78,12 +78,16 @@ def test_chunk_with_bf16_between_the_kernels(device, solved, terms, fused):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_chunk_with_unit_rows_from_the_prep(device, fused):
-    # q and k normalised once by the prep (float32 between the kernels): the same bits as each
-    # kernel normalising them itself
+    # q and k normalised once by the prep (float32 between the kernels): the same arithmetic as each
+    # kernel normalising them itself (bit for bit under the interpreter; compiled, each kernel's
+    # layout sums a row in its own order)
     args, state = _inputs(130, 2, 6, 32, 24, torch.bfloat16, device, seed=8)
     o, s = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused})
     o2, s2 = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused, "normed": True})
-    assert torch.equal(o2, o) and torch.equal(s2, s)
+    if INTERPRETED:
+        assert torch.equal(o2, o) and torch.equal(s2, s)
+    check(o2, o, 1e-2)
+    check(s2, s, 1e-4, "final state")
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -105,7 +109,7 @@ def test_float32_inputs_keep_float32_between_the_kernels(device):
     args, state = _inputs(70, 1, 2, 16, 24, torch.float32, device, seed=7)
     o, s = gdn_chunk.chunk_triton(*args, state)
     o2, s2 = gdn_chunk.chunk_triton(*args, state, config={"solved": "bfloat16", "terms": "bfloat16",
-                                                          "state_dot": "bf16", "normed": True})
+                                                          "state_dot": "bf16"})
     assert torch.equal(o2, o) and torch.equal(s2, s)
 
 
@@ -130,7 +134,12 @@ def test_chunk_27b_shapes(T):
         o, s = gdn_chunk.chunk(*args, state, fused_out=fused)
         check(o, o_ref, 1e-2)
         check(s, s_ref, STATE_TOL, "final state")
-    # the plan's candidates: fused, w|u and the output's terms in bf16
-    o, s = gdn_chunk.chunk(*args, state, fused_out=True, solved="bfloat16", terms="bfloat16")
-    check(o, o_ref, 2e-2)
-    check(s, s_ref, 2e-2, "final state")
+    # the plan's candidates: fused, w|u and the output's terms in bf16, bf16 products, unit rows once
+    for fused in (False, True):
+        o, s = gdn_chunk.chunk(*args, state, fused_out=fused, solved="bfloat16", terms="bfloat16")
+        check(o, o_ref, 2e-2)
+        check(s, s_ref, 2e-2, "final state")
+        o, s = gdn_chunk.chunk(*args, state, fused_out=fused, solved="bfloat16", terms="bfloat16", products="bf16",
+                               normed=True)
+        check(o, o_ref, 2e-2)
+        check(s, s_ref, 2e-2, "final state")
