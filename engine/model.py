@@ -233,7 +233,8 @@ class GatedDeltaNet(nn.Module):
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         conv_buf, state, pend = cache
         mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live,   # pre-conv in, silu out
-                                 tokens=16 if ctx.step else ctx.plan.prefill_conv_tokens)
+                                 tokens=16 if ctx.step else ctx.plan.prefill_conv_tokens,
+                                 blocks=1 if ctx.step else ctx.plan.prefill_conv_blocks)
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
         if ctx.step:

@@ -70,6 +70,13 @@ class KernelPlan:
     # Steps keep one row and 16 tokens a program.
     prefill_rows: int = 8
     prefill_conv_tokens: int = 16
+    # Token blocks (of prefill_conv_tokens) a program of prefill's causal conv takes in turn, its
+    # loop pipelined: one block a program made 20,480 programs of 1,024 outputs for a 2,048-token
+    # chunk, 2.67 x what the conv's bytes take (16.8 ms of the 27B's 8K prompt; 73.8 us a chunk
+    # against a floor of 27.6: probe_prefill_kernels.py, 2026-11-26). Candidate, unmeasured; the
+    # same bits at any count (tests/kernels/test_conv.py), and with 1 the kernel compiles for sm_90
+    # to the SASS of before but for one add's operand order.
+    prefill_conv_blocks: int = 1
     # Prefill's MLP gating, GDN output norm and the norms before attention's q|k|v and a dense MLP's
     # gate|up hand an FP8 product (FP8 weights; 4-bit ones in the fp8 form) their rows quantized
     # (kernels/fp8_gemm.py QuantizedRows), the same codes and scales as the product's own

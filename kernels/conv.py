@@ -46,22 +46,13 @@ def conv_update_ref(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weigh
     return F.silu(y).T.contiguous().to(x.dtype)   # [T, C] rows contiguous, as a 1-token call gives
 
 
-@triton.jit(do_not_specialize=["T"])
-def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
-                        K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, WP: tl.constexpr,
-                        HAS_LIVE: tl.constexpr, PDL: tl.constexpr):
-    # One program per (BC channels, BT tokens). Only the first token block reads the committed
-    # window, and only it writes the buffer, after its own reads (a prefill's last inputs may land
-    # on the window's columns): no other program touches the buffer, so there is no ordering to
-    # arrange between programs.
-    pdl_start(PDL)
-    i_c, i_t = tl.program_id(0), tl.program_id(1)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < C
+@triton.jit
+def _conv_block(x, buf, w, y, T, WIDTH, s_x, s_y, i_t, i_off, o_c, m_c, p_buf,
+                K: tl.constexpr, BT: tl.constexpr):
+    """Token block i_t's outputs for channels o_c (m_c): silu of the K-term causal sums over
+    [window | inputs], the window (buffer columns from i_off) read by block 0 only."""
     o_t = i_t * BT + tl.arange(0, BT)
-    i_off = tl.load(off)
-    p_buf = buf + o_c * s_buf
-    b_y = tl.zeros([BT, BC], dtype=tl.float32)
+    b_y = tl.zeros([BT, o_c.shape[0]], dtype=tl.float32)
     for j in tl.static_range(K):
         # column t + j of [window | inputs]: a window column while it is < K-1, else input t+j-(K-1)
         o_src = o_t + j - (K - 1)
@@ -75,9 +66,32 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
         b_y += tl.load(w + o_c * K + j, mask=m_c, other=0.).to(tl.float32)[None, :] * b_x
     b_y = b_y * tl.sigmoid(b_y)
     tl.store(y + o_t[:, None] * s_y + o_c[None, :], b_y.to(y.dtype.element_ty), mask=(o_t < T)[:, None] & m_c[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
+                        K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, WP: tl.constexpr,
+                        HAS_LIVE: tl.constexpr, PDL: tl.constexpr, NBT: tl.constexpr = 1,
+                        STAGES: tl.constexpr = 2):
+    # One program per (BC channels, NBT blocks of BT tokens, in turn: with more than one, a loop
+    # the compiler pipelines STAGES deep). Only the first token block reads the committed window,
+    # and only its program writes the buffer, after its own reads (a prefill's last inputs may land
+    # on the window's columns): no other program touches the buffer, so there is no ordering to
+    # arrange between programs.
+    pdl_start(PDL)
+    i_c, i_s = tl.program_id(0), tl.program_id(1)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    i_off = tl.load(off)
+    p_buf = buf + o_c * s_buf
+    if NBT == 1:
+        _conv_block(x, buf, w, y, T, WIDTH, s_x, s_y, i_s, i_off, o_c, m_c, p_buf, K, BT)
+    else:
+        for i in tl.range(0, NBT, num_stages=STAGES):
+            _conv_block(x, buf, w, y, T, WIDTH, s_x, s_y, i_s * NBT + i, i_off, o_c, m_c, p_buf, K, BT)
     if HAS_LIVE:
         m_c = m_c & (tl.zeros([BC], dtype=tl.int64) + tl.load(live) > 0)   # an ended generation's step writes nothing
-    if i_t == 0:
+    if i_s == 0:
         # the last min(T, W) inputs, input t at column (off + K-1 + t) mod W
         o_w = tl.arange(0, WP)
         kept = tl.minimum(T, WIDTH)
@@ -94,10 +108,11 @@ def _tile() -> tuple[int, int]:
 
 
 def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor,
-                       live: torch.Tensor | None = None, tokens: int = 16) -> torch.Tensor:
-    """conv_update_ref's contract, `tokens` tokens a program (a power of two, at least K-1: only the
+                       live: torch.Tensor | None = None, tokens: int = 16, blocks: int = 1) -> torch.Tensor:
+    """conv_update_ref's contract, `tokens` tokens a block (a power of two, at least K-1: only the
     first token block reads the window; a prefill may take more than a step's 16:
-    KernelPlan.prefill_conv_tokens). An output's value does not depend on it."""
+    KernelPlan.prefill_conv_tokens) and `blocks` blocks a program, in turn
+    (KernelPlan.prefill_conv_blocks). An output's value depends on neither."""
     T, C = x.shape
     K = weight.shape[1]
     assert x.stride(1) == 1, "x rows must be contiguous"
@@ -109,17 +124,20 @@ def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, we
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
     assert tokens >= K - 1 and tokens & (tokens - 1) == 0, \
         f"tokens a program must be a power of two of at least {K - 1} (the window), got {tokens}"
+    assert blocks >= 1, f"token blocks a program: at least 1, got {blocks}"
     (BC, warps), BT = _tile(), tokens
-    _conv_update_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT))](
+    NBT = min(blocks, triton.cdiv(T, BT))
+    _conv_update_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT * NBT))](
         x, buf, off, live if live is not None else off, weight, y, T, C, buf.shape[1], x.stride(0), y.stride(0),
         buf.stride(0), K=K, BC=BC, BT=BT, WP=triton.next_power_of_2(buf.shape[1]),
-        HAS_LIVE=live is not None, num_warps=warps, **pdl(x))
+        HAS_LIVE=live is not None, NBT=NBT, num_warps=warps, **pdl(x))
     return y
 
 
 def conv_update(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, weight: torch.Tensor,
-                live: torch.Tensor | None = None, tokens: int = 16) -> torch.Tensor:
-    """conv_update_ref's contract; the Triton kernel for CUDA tensors (`tokens` a program)."""
+                live: torch.Tensor | None = None, tokens: int = 16, blocks: int = 1) -> torch.Tensor:
+    """conv_update_ref's contract; the Triton kernel for CUDA tensors (`tokens` a block, `blocks`
+    blocks a program)."""
     if use_triton(x, weight):
-        return conv_update_triton(x, buf, off, weight, live, tokens)
+        return conv_update_triton(x, buf, off, weight, live, tokens, blocks)
     return conv_update_ref(x, buf, off, weight, live)

@@ -98,7 +98,8 @@ def _unit_keys(k, ws_k, o_t, m_t, o_k, s_k, i_kh, HK: tl.constexpr, DK: tl.const
     """float32 unit rows of key head i_kh's k at tokens o_t [BC, DK]: as the prep wrote them
     (NORMED), else normalised here."""
     if NORMED:
-        return tl.load(ws_k + (o_t[:, None] * HK + i_kh) * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+        b_k = tl.load(ws_k + (o_t[:, None] * HK + i_kh) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
+        return b_k.to(tl.float32)
     else:
         b_k = tl.load(k + o_t[:, None] * s_k + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
         return b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
@@ -109,7 +110,8 @@ def _unit_queries(q, ws_q, o_t, m_t, o_k, s_q, i_kh, HK: tl.constexpr, DK: tl.co
     """float32 unit rows of key head i_kh's q at tokens o_t, times scale: as the prep wrote them
     (NORMED), else normalised here."""
     if NORMED:
-        return tl.load(ws_q + (o_t[:, None] * HK + i_kh) * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+        b_q = tl.load(ws_q + (o_t[:, None] * HK + i_kh) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
+        return b_q.to(tl.float32)
     else:
         b_q = tl.load(q + o_t[:, None] * s_q + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.)
         return _unit_rows(b_q.to(tl.float32), scale)
@@ -310,7 +312,8 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     cfg = {**CHUNK_CONFIG, **({"dot": "tf32x3"} if wide else {}), **(BF16_TILES if low else {}), **config,
            **({"solved": "float32", "terms": "float32", "state_dot": "tf32x3"} if wide else {})}
     # Triton's interpreter takes bf16 products as float32 ones over operands rounded to bf16 (_mm)
-    dot, state_dot = ("bf16ieee" if d == "bf16" and interpreting() else d for d in (cfg["dot"], cfg["state_dot"] or cfg["dot"]))
+    dot, state_dot = ("bf16ieee" if d == "bf16" and interpreting() else d
+                      for d in (cfg["dot"], cfg["state_dot"] or cfg["dot"]))
     NT, dev, G = triton.cdiv(T, chunk), q.device, Hv // Hk
     # what passes between the kernels: w and u (the prep's solve, which the scan builds the state
     # from) in cfg["solved"], the start states, writes and scores (the output's terms) in cfg["terms"]

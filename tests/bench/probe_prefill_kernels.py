@@ -8,7 +8,8 @@ Each launch reads and writes its own copy of the buffers (three, rotating: more 
 captured in a CUDA graph (graph_timing.py). Rows:
 - the GDN output norm (gated, per head of 128), one row to 32 rows a program;
 - the attention layer's q/k norm + RoPE with the cache writes, one token to 16 tokens a program;
-- the GDN causal conv (10240 channels of the in_proj's rows), 16 to 128 tokens a program;
+- the GDN causal conv (10240 channels of the in_proj's rows), 16 to 64 tokens a block and 1 to 16
+  blocks a program (KernelPlan.prefill_conv_blocks);
 - the GDN's chunked form in three kernels and with the output written by the scan (fused_out),
   its prep at 4 or 8 warps, what its kernels hand each other in float32 or bf16; and
   (`gdntiles`) the scan's and the output kernel's tiles; (`fla`) the same chunk through the
@@ -124,9 +125,9 @@ def main():
     if "conv" in sections:
         nbytes = 2 * T * CONV * 2
         base = None
-        for tokens in (16, 32, 64, 128):
-            us = graph_time(lambda i: conv.conv_update(x[i], bufs[i], off, cw, tokens=tokens), COPIES)
-            report(f"causal conv, {tokens} tokens a program", us, nbytes, bw, base)
+        for tokens, blocks in ((16, 1), (32, 1), (64, 1), (16, 4), (16, 8), (16, 16), (32, 4), (32, 8)):
+            us = graph_time(lambda i: conv.conv_update(x[i], bufs[i], off, cw, tokens=tokens, blocks=blocks), COPIES)
+            report(f"causal conv, {tokens} tokens a block, {blocks} blocks a program", us, nbytes, bw, base)
             base = base or us
 
     # the GDN's chunked form: q, k, v views of the conv's output, the gates of in_proj's last columns

@@ -54,6 +54,21 @@ def test_conv_tokens_a_program(device, T, tokens):
     assert torch.equal(buf, buf16), "window buffer"
 
 
+@pytest.mark.parametrize("blocks", [2, 3, 8])
+@pytest.mark.parametrize("T", [5, 37, 70])
+def test_conv_token_blocks_a_program(device, T, blocks):
+    # a program taking several token blocks in turn (KernelPlan.prefill_conv_blocks; 3 and 70 leave
+    # a program whose last blocks lie past T) gives every output and the window the bits of one
+    # block a program
+    x, buf, w = _case(100, T, torch.bfloat16, device, seed=70 + T)
+    off = torch.tensor([5], device=device)
+    buf1, buf_ref = buf.clone(), buf.clone()
+    y = conv.conv_update_triton(x, buf, off, w, tokens=8, blocks=blocks)
+    assert torch.equal(y, conv.conv_update_triton(x, buf1, off, w, tokens=8))
+    assert torch.equal(buf, buf1), "window buffer"
+    check(y, conv.conv_update_ref(x, buf_ref, off, w), 1e-2)
+
+
 def test_conv_strided_input(device):
     # the conv input is the first C columns of a wider projection
     wide = randn(3, 130, device=device, seed=3)
