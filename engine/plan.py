@@ -114,6 +114,14 @@ class KernelPlan:
     chunk_terms: str = "bfloat16"
     chunk_products: str = "bf16"
     chunk_normed: bool = True
+    # The chunk's prep as one kernel ("solve": A and the right-hand sides through memory, solved
+    # block by block) or two ("split": (I + A)^-1 whole in registers from four 16-token pieces,
+    # the keys' products summed over 32 columns at a time, fla's way, then w and u as two
+    # products). Candidate, unmeasured: the prep is the chunk's largest kernel now (171 us of 283
+    # a 2,048-token chunk of the 27B; fla's two take 79). Compiled for sm_90 (Triton 3.6, on the
+    # CPU), the inverse holds 255 registers; with bf16 products on 4 warps it spills nothing
+    # unfused and 320 bytes fused; on 1 or 2 warps it spills kilobytes.
+    chunk_prep: str = "solve"
     # A step of at most this many tokens has its causal conv computed by the GDN recurrence kernel
     # (kernels/gdn.py conv_recurrent): each program first writes the conv of the channels it reads,
     # then runs the same loop as after the conv kernel, so a token takes the same bits either way

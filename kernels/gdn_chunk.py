@@ -204,6 +204,240 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
         tl.debug_barrier()   # block i is read by the blocks below it
 
 
+@triton.jit
+def _lower_block(b_kk, b_rki, b_rkj, b_beta, b_Gi, b_Gj, DIAG: tl.constexpr):
+    """Block (i, j) of A[r, c] = beta_r e^{G_r - G_c} (k_r·k_c) / (|k_r| |k_c|), r > c, from the
+    raw keys' products b_kk and the reciprocal norms b_rki, b_rkj: [SB, SB]; DIAG: a diagonal
+    block (i == j), strictly lower."""
+    b_kk = b_kk * b_rki[:, None] * b_rkj[None, :]
+    if DIAG:
+        o_i = tl.arange(0, b_Gi.shape[0])
+        m_low = o_i[:, None] > o_i[None, :]
+        b_decay = tl.exp(tl.where(m_low, b_Gi[:, None] - b_Gj[None, :], 0.))     # masked before exp: > 0 above
+        return tl.where(m_low, b_beta[:, None] * b_decay * b_kk, 0.)
+    else:
+        return b_beta[:, None] * tl.exp(b_Gi[:, None] - b_Gj[None, :]) * b_kk
+
+
+@triton.jit
+def _score_block(b_qk, b_rqi, b_rkj, b_Gi, b_Gj, DIAG: tl.constexpr):
+    """Block (i, j) of the chunk's output scores e^{G_t - G_j} (q_t·k_j) over unit rows (q times the
+    scale), j <= t, from the raw products b_qk and the reciprocal norms: [SB, SB]."""
+    b_qk = b_qk * b_rqi[:, None] * b_rkj[None, :]
+    if DIAG:
+        o_i = tl.arange(0, b_Gi.shape[0])
+        m_causal = o_i[:, None] >= o_i[None, :]
+        return tl.where(m_causal, b_qk * tl.exp(tl.where(m_causal, b_Gi[:, None] - b_Gj[None, :], 0.)), 0.)
+    else:
+        return b_qk * tl.exp(b_Gi[:, None] - b_Gj[None, :])
+
+
+@triton.jit
+def _unit_inverse(b_L):
+    """(I + L)^-1 of a strictly lower [SB, SB] block by forward substitution in registers: row i
+    of X is e_i - sum_{j<i} L[i, j] X[j]."""
+    o_i = tl.arange(0, b_L.shape[0])
+    b_I = tl.where(o_i[:, None] == o_i[None, :], 1., 0.)
+    b_X = b_I
+    for i in range(1, b_L.shape[0]):
+        m_i = o_i[:, None] == i
+        b_row = tl.sum(tl.sum(tl.where(m_i, b_L, 0.), axis=0)[:, None] * b_X, axis=0)
+        b_X = tl.where(m_i, b_I - b_row[None, :], b_X)
+    return b_X
+
+
+@triton.jit
+def _block_out(ws, o_ws, i: tl.constexpr, j: tl.constexpr, b_x, SB: tl.constexpr, BC: tl.constexpr):
+    """Block (i, j) [SB, SB] of a chunk's [BC, BC] workspace tile o_ws."""
+    o_i = tl.arange(0, SB)
+    tl.store(ws + (o_ws * BC + i * SB + o_i[:, None]) * BC + j * SB + o_i[None, :], b_x.to(ws.dtype.element_ty))
+
+
+@triton.jit
+def _rows_piece(p, o_t, m_t, s_p, o_k):
+    """Token rows o_t (m_t) of a head's columns o_k, float32 [SB, len(o_k)]."""
+    return tl.load(p + o_t[:, None] * s_p + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+
+
+@triton.jit
+def _unit_rows_out(p, ws, o_t, m_t, s_p, i_kh, b_r, HK: tl.constexpr, DK: tl.constexpr):
+    """Rows o_t of a key head times their reciprocal norms b_r, into ws [T, HK, DK]."""
+    o_k = tl.arange(0, DK)
+    tl.store(ws + (o_t[:, None] * HK + i_kh) * DK + o_k[None, :],
+             (_rows_piece(p, o_t, m_t, s_p, o_k) * b_r[:, None]).to(ws.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_inverse_kernel(q, k, a, b, A_log, dt_bias, ws_a, ws_g, ws_p, ws_q, ws_k, T, scale, s_q, s_k, s_a, s_b,
+                          HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, SB: tl.constexpr,
+                          BK: tl.constexpr, DOT: tl.constexpr, MERGE: tl.constexpr, FUSED: tl.constexpr,
+                          NORMED: tl.constexpr):
+    """The split prep's first kernel (config prep "split"): (I + A)^-1 of a chunk of 4 SB tokens
+    and value head into ws_a [BC, BC], in registers, fla's way: the ten blocks of the raw keys'
+    products on and below the diagonal (and, FUSED, of q's with them) summed over BK columns at a
+    time with the rows' squares, then scaled by the reciprocal norms, so no unit row is held
+    whole; the diagonal blocks inverted by forward substitution, the rest merged block by block,
+    X_ij = -X_ii sum_{j<=l<i} A_il X_lj. With the decays' sums G, the scores (FUSED) and the unit
+    rows of q and k (NORMED) as the prep writes them. DOT: the products of the keys and queries;
+    MERGE: the merges' (float32 operands, as fla's tf32). _chunk_wu_kernel then takes w and u."""
+    BC: tl.constexpr = 4 * SB
+    HK: tl.constexpr = HV // GROUP
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_kh = i_h // GROUP
+    o_i = tl.arange(0, SB)
+    o_ws = i_c * HV + i_h
+    o_t0 = i_c * BC + o_i
+    o_t1, o_t2, o_t3 = o_t0 + SB, o_t0 + 2 * SB, o_t0 + 3 * SB
+    m_t0, m_t1, m_t2, m_t3 = o_t0 < T, o_t1 < T, o_t2 < T, o_t3 < T
+    p_k, p_q = k + i_kh * DK, q + i_kh * DK
+    b_zero = tl.zeros([SB, SB], tl.float32)
+    a00, a10, a11, a20, a21, a22 = b_zero, b_zero, b_zero, b_zero, b_zero, b_zero
+    a30, a31, a32, a33 = b_zero, b_zero, b_zero, b_zero
+    p00, p10, p11, p20, p21, p22 = b_zero, b_zero, b_zero, b_zero, b_zero, b_zero
+    p30, p31, p32, p33 = b_zero, b_zero, b_zero, b_zero
+    s_k0, s_k1, s_k2, s_k3 = tl.zeros([SB], tl.float32), tl.zeros([SB], tl.float32), \
+        tl.zeros([SB], tl.float32), tl.zeros([SB], tl.float32)
+    s_q0, s_q1, s_q2, s_q3 = s_k0, s_k1, s_k2, s_k3
+    for kk in range(0, DK, BK):
+        o_k = kk + tl.arange(0, BK)
+        k0, k1 = _rows_piece(p_k, o_t0, m_t0, s_k, o_k), _rows_piece(p_k, o_t1, m_t1, s_k, o_k)
+        k2, k3 = _rows_piece(p_k, o_t2, m_t2, s_k, o_k), _rows_piece(p_k, o_t3, m_t3, s_k, o_k)
+        s_k0 += tl.sum(k0 * k0, axis=1)
+        s_k1 += tl.sum(k1 * k1, axis=1)
+        s_k2 += tl.sum(k2 * k2, axis=1)
+        s_k3 += tl.sum(k3 * k3, axis=1)
+        a00 += _mm(k0, tl.trans(k0), DOT)
+        a10 += _mm(k1, tl.trans(k0), DOT)
+        a11 += _mm(k1, tl.trans(k1), DOT)
+        a20 += _mm(k2, tl.trans(k0), DOT)
+        a21 += _mm(k2, tl.trans(k1), DOT)
+        a22 += _mm(k2, tl.trans(k2), DOT)
+        a30 += _mm(k3, tl.trans(k0), DOT)
+        a31 += _mm(k3, tl.trans(k1), DOT)
+        a32 += _mm(k3, tl.trans(k2), DOT)
+        a33 += _mm(k3, tl.trans(k3), DOT)
+        if FUSED or NORMED:
+            q0, q1 = _rows_piece(p_q, o_t0, m_t0, s_q, o_k), _rows_piece(p_q, o_t1, m_t1, s_q, o_k)
+            q2, q3 = _rows_piece(p_q, o_t2, m_t2, s_q, o_k), _rows_piece(p_q, o_t3, m_t3, s_q, o_k)
+            s_q0 += tl.sum(q0 * q0, axis=1)
+            s_q1 += tl.sum(q1 * q1, axis=1)
+            s_q2 += tl.sum(q2 * q2, axis=1)
+            s_q3 += tl.sum(q3 * q3, axis=1)
+            if FUSED:
+                p00 += _mm(q0, tl.trans(k0), DOT)
+                p10 += _mm(q1, tl.trans(k0), DOT)
+                p11 += _mm(q1, tl.trans(k1), DOT)
+                p20 += _mm(q2, tl.trans(k0), DOT)
+                p21 += _mm(q2, tl.trans(k1), DOT)
+                p22 += _mm(q2, tl.trans(k2), DOT)
+                p30 += _mm(q3, tl.trans(k0), DOT)
+                p31 += _mm(q3, tl.trans(k1), DOT)
+                p32 += _mm(q3, tl.trans(k2), DOT)
+                p33 += _mm(q3, tl.trans(k3), DOT)
+    # the reciprocal norms of the unit rows (_unit_rows), q's times the scale
+    r_k0, r_k1 = tl.rsqrt(s_k0 + 1e-6), tl.rsqrt(s_k1 + 1e-6)
+    r_k2, r_k3 = tl.rsqrt(s_k2 + 1e-6), tl.rsqrt(s_k3 + 1e-6)
+    r_q0, r_q1 = tl.rsqrt(s_q0 + 1e-6) * scale, tl.rsqrt(s_q1 + 1e-6) * scale
+    r_q2, r_q3 = tl.rsqrt(s_q2 + 1e-6) * scale, tl.rsqrt(s_q3 + 1e-6) * scale
+    b_g0, b_beta0 = _gates(a, b, A_log, dt_bias, o_t0, m_t0, s_a, s_b, i_h)
+    b_g1, b_beta1 = _gates(a, b, A_log, dt_bias, o_t1, m_t1, s_a, s_b, i_h)
+    b_g2, b_beta2 = _gates(a, b, A_log, dt_bias, o_t2, m_t2, s_a, s_b, i_h)
+    b_g3, b_beta3 = _gates(a, b, A_log, dt_bias, o_t3, m_t3, s_a, s_b, i_h)
+    b_G0 = tl.cumsum(b_g0, axis=0)
+    b_G1 = tl.cumsum(b_g1, axis=0) + tl.sum(b_g0, axis=0)
+    b_G2 = tl.cumsum(b_g2, axis=0) + (tl.sum(b_g0, axis=0) + tl.sum(b_g1, axis=0))
+    b_G3 = tl.cumsum(b_g3, axis=0) + (tl.sum(b_g0, axis=0) + tl.sum(b_g1, axis=0) + tl.sum(b_g2, axis=0))
+    tl.store(ws_g + o_ws * BC + o_i, b_G0)
+    tl.store(ws_g + o_ws * BC + SB + o_i, b_G1)
+    tl.store(ws_g + o_ws * BC + 2 * SB + o_i, b_G2)
+    tl.store(ws_g + o_ws * BC + 3 * SB + o_i, b_G3)
+    if FUSED:
+        # the output's intra-chunk scores for the scan; zeros right of the diagonal
+        _block_out(ws_p, o_ws, 0, 0, _score_block(p00, r_q0, r_k0, b_G0, b_G0, True), SB, BC)
+        _block_out(ws_p, o_ws, 1, 0, _score_block(p10, r_q1, r_k0, b_G1, b_G0, False), SB, BC)
+        _block_out(ws_p, o_ws, 1, 1, _score_block(p11, r_q1, r_k1, b_G1, b_G1, True), SB, BC)
+        _block_out(ws_p, o_ws, 2, 0, _score_block(p20, r_q2, r_k0, b_G2, b_G0, False), SB, BC)
+        _block_out(ws_p, o_ws, 2, 1, _score_block(p21, r_q2, r_k1, b_G2, b_G1, False), SB, BC)
+        _block_out(ws_p, o_ws, 2, 2, _score_block(p22, r_q2, r_k2, b_G2, b_G2, True), SB, BC)
+        _block_out(ws_p, o_ws, 3, 0, _score_block(p30, r_q3, r_k0, b_G3, b_G0, False), SB, BC)
+        _block_out(ws_p, o_ws, 3, 1, _score_block(p31, r_q3, r_k1, b_G3, b_G1, False), SB, BC)
+        _block_out(ws_p, o_ws, 3, 2, _score_block(p32, r_q3, r_k2, b_G3, b_G2, False), SB, BC)
+        _block_out(ws_p, o_ws, 3, 3, _score_block(p33, r_q3, r_k3, b_G3, b_G3, True), SB, BC)
+        _block_out(ws_p, o_ws, 0, 1, b_zero, SB, BC)
+        _block_out(ws_p, o_ws, 0, 2, b_zero, SB, BC)
+        _block_out(ws_p, o_ws, 0, 3, b_zero, SB, BC)
+        _block_out(ws_p, o_ws, 1, 2, b_zero, SB, BC)
+        _block_out(ws_p, o_ws, 1, 3, b_zero, SB, BC)
+        _block_out(ws_p, o_ws, 2, 3, b_zero, SB, BC)
+    if NORMED and i_h % GROUP == 0:
+        # the key head's unit rows of k, and of q times the scale, once for the later kernels
+        _unit_rows_out(p_k, ws_k, o_t0, m_t0, s_k, i_kh, r_k0, HK, DK)
+        _unit_rows_out(p_k, ws_k, o_t1, m_t1, s_k, i_kh, r_k1, HK, DK)
+        _unit_rows_out(p_k, ws_k, o_t2, m_t2, s_k, i_kh, r_k2, HK, DK)
+        _unit_rows_out(p_k, ws_k, o_t3, m_t3, s_k, i_kh, r_k3, HK, DK)
+        _unit_rows_out(p_q, ws_q, o_t0, m_t0, s_q, i_kh, r_q0, HK, DK)
+        _unit_rows_out(p_q, ws_q, o_t1, m_t1, s_q, i_kh, r_q1, HK, DK)
+        _unit_rows_out(p_q, ws_q, o_t2, m_t2, s_q, i_kh, r_q2, HK, DK)
+        _unit_rows_out(p_q, ws_q, o_t3, m_t3, s_q, i_kh, r_q3, HK, DK)
+    # (I + A)^-1 block by block
+    b_X0 = _unit_inverse(_lower_block(a00, r_k0, r_k0, b_beta0, b_G0, b_G0, True))
+    b_X1 = _unit_inverse(_lower_block(a11, r_k1, r_k1, b_beta1, b_G1, b_G1, True))
+    b_X2 = _unit_inverse(_lower_block(a22, r_k2, r_k2, b_beta2, b_G2, b_G2, True))
+    b_X3 = _unit_inverse(_lower_block(a33, r_k3, r_k3, b_beta3, b_G3, b_G3, True))
+    a10 = _lower_block(a10, r_k1, r_k0, b_beta1, b_G1, b_G0, False)
+    a21 = _lower_block(a21, r_k2, r_k1, b_beta2, b_G2, b_G1, False)
+    a32 = _lower_block(a32, r_k3, r_k2, b_beta3, b_G3, b_G2, False)
+    b_X10 = -_mm(b_X1, _mm(a10, b_X0, MERGE), MERGE)
+    b_X21 = -_mm(b_X2, _mm(a21, b_X1, MERGE), MERGE)
+    b_X32 = -_mm(b_X3, _mm(a32, b_X2, MERGE), MERGE)
+    a20 = _lower_block(a20, r_k2, r_k0, b_beta2, b_G2, b_G0, False)
+    b_X20 = -_mm(b_X2, _mm(a20, b_X0, MERGE) + _mm(a21, b_X10, MERGE), MERGE)
+    a31 = _lower_block(a31, r_k3, r_k1, b_beta3, b_G3, b_G1, False)
+    b_X31 = -_mm(b_X3, _mm(a31, b_X1, MERGE) + _mm(a32, b_X21, MERGE), MERGE)
+    a30 = _lower_block(a30, r_k3, r_k0, b_beta3, b_G3, b_G0, False)
+    b_X30 = -_mm(b_X3, _mm(a30, b_X0, MERGE) + _mm(a31, b_X10, MERGE) + _mm(a32, b_X20, MERGE), MERGE)
+    _block_out(ws_a, o_ws, 0, 0, b_X0, SB, BC)
+    _block_out(ws_a, o_ws, 0, 1, b_zero, SB, BC)
+    _block_out(ws_a, o_ws, 0, 2, b_zero, SB, BC)
+    _block_out(ws_a, o_ws, 0, 3, b_zero, SB, BC)
+    _block_out(ws_a, o_ws, 1, 0, b_X10, SB, BC)
+    _block_out(ws_a, o_ws, 1, 1, b_X1, SB, BC)
+    _block_out(ws_a, o_ws, 1, 2, b_zero, SB, BC)
+    _block_out(ws_a, o_ws, 1, 3, b_zero, SB, BC)
+    _block_out(ws_a, o_ws, 2, 0, b_X20, SB, BC)
+    _block_out(ws_a, o_ws, 2, 1, b_X21, SB, BC)
+    _block_out(ws_a, o_ws, 2, 2, b_X2, SB, BC)
+    _block_out(ws_a, o_ws, 2, 3, b_zero, SB, BC)
+    _block_out(ws_a, o_ws, 3, 0, b_X30, SB, BC)
+    _block_out(ws_a, o_ws, 3, 1, b_X31, SB, BC)
+    _block_out(ws_a, o_ws, 3, 2, b_X32, SB, BC)
+    _block_out(ws_a, o_ws, 3, 3, b_X3, SB, BC)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_wu_kernel(k, v, b, ws_a, ws_g, ws_w, ws_u, ws_k, T, s_k, s_v, s_b,
+                     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                     BDV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr, NORMED: tl.constexpr):
+    """The split prep's second kernel: w = X (beta e^G k) and u = X (beta v) for a chunk and value
+    head, X = (I + A)^-1 from _chunk_inverse_kernel (its unit keys from ws_k where NORMED)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    o_r, o_k, o_v = tl.arange(0, BC), tl.arange(0, DK), tl.arange(0, BDV)
+    m_v = o_v < DV
+    o_t = i_c * BC + o_r
+    m_t = o_t < T
+    o_ws = i_c * HV + i_h
+    b_X = tl.load(ws_a + (o_ws * BC + o_r[:, None]) * BC + o_r[None, :])
+    b_G = tl.load(ws_g + o_ws * BC + o_r)
+    # beta as _gates has it: 0 past T
+    b_beta = tl.where(m_t, tl.sigmoid(tl.load(b + o_t * s_b + i_h, mask=m_t, other=0.).to(tl.float32)), 0.)
+    b_k = _unit_keys(k, ws_k, o_t, m_t, o_k, s_k, i_h // GROUP, HV // GROUP, DK, NORMED)
+    b_w = _mm(b_X, b_k * (b_beta * tl.exp(b_G))[:, None], DOT)
+    tl.store(ws_w + (o_ws * BC + o_r[:, None]) * DK + o_k[None, :], b_w.to(ws_w.dtype.element_ty))
+    b_v = tl.load(v + o_t[:, None] * s_v + i_h * DV + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
+    b_u = _mm(b_X, b_v.to(tl.float32) * b_beta[:, None], DOT)
+    tl.store(ws_u + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], b_u.to(ws_u.dtype.element_ty), mask=m_v[None, :])
+
+
 @triton.jit(do_not_specialize=["T"])
 def _chunk_scan_kernel(q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, ws_q, ws_k, o, state, s_out, T, scale, s_q, s_k, s_o,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -271,7 +505,8 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, ws_q, ws_k, o, T, scale, s_q, s_k,
 # accuracy at 2.6 times the time. On an H100, 27B shapes, 8192 tokens: 1.76 ms per layer
 # (prep 0.68, scan 0.57, output 0.51); tests/bench/bench_kernels.py --sweep --only chunk.
 CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_bv=64, out_warps=4, dot="tf32",
-                    state_dot=None, normed=False, fused_out=False, solved="float32", terms="float32")
+                    state_dot=None, normed=False, fused_out=False, solved="float32", terms="float32", prep="solve",
+                    inverse_warps=4, inverse_bk=32, wu_warps=4)
 # The scan's and the output kernel's tiles where their products take bf16 operands: the state in
 # slices of 32 value columns on 4 warps (192 programs for the 27B's 48 heads, where 64 columns on
 # 8 warps made 96), the output 128 columns a program. One 2,048-token chunk of the 27B on an H100,
@@ -292,8 +527,11 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     state never sees; "state_dot" the precision of the scan's and the output kernel's products
     (None: the prep's "dot"; "bf16": operands rounded to bf16, as fla's), "normed" the unit rows
     of q and k written once by the prep (k in the "solved" dtype, q in the "terms" one) rather
-    than normalised again by the scan and the output kernel; the rest tiles, for tuning (bf16
-    products take BF16_TILES where `config` names none)."""
+    than normalised again by the scan and the output kernel; "prep" the prep's form ("solve":
+    _chunk_prep_kernel, A and the right-hand sides through memory, solved block by block;
+    "split": (I + A)^-1 whole in registers, then w and u as products, _chunk_inverse_kernel and
+    _chunk_wu_kernel); the rest tiles, for tuning (bf16 products take BF16_TILES where `config`
+    names none)."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert chunk == 64, "the chunk kernels work on 64 tokens at a time"
@@ -310,7 +548,7 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     config = config or {}
     low = config.get("state_dot") == "bf16" and not wide
     cfg = {**CHUNK_CONFIG, **({"dot": "tf32x3"} if wide else {}), **(BF16_TILES if low else {}), **config,
-           **({"solved": "float32", "terms": "float32", "state_dot": "tf32x3"} if wide else {})}
+           **({"solved": "float32", "terms": "float32", "dot": "tf32x3", "state_dot": "tf32x3"} if wide else {})}
     # Triton's interpreter takes bf16 products as float32 ones over operands rounded to bf16 (_mm)
     dot, state_dot = ("bf16ieee" if d == "bf16" and interpreting() else d
                       for d in (cfg["dot"], cfg["state_dot"] or cfg["dot"]))
@@ -320,6 +558,7 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     new = lambda dtype, *shape: torch.empty(*shape, dtype=getattr(torch, dtype), device=dev)
     solved, terms = cfg["solved"], cfg["terms"]
     fused = bool(cfg["fused_out"])
+    assert cfg["prep"] in ("solve", "split"), f"the prep's forms are solve and split, not {cfg['prep']!r}"
     unused = new("float32", 1)        # a kernel's pointer this form does not read
     ws_a, ws_g = new("float32", NT, Hv, chunk, chunk), new("float32", NT, Hv, chunk)
     ws_w, ws_u = new(solved, NT, Hv, chunk, DK), new(solved, NT, Hv, chunk, DV)
@@ -334,10 +573,21 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     s_out = out if out is not None else torch.empty_like(state)
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=dev)
     scale = DK ** -0.5
-    _chunk_prep_kernel[(NT, Hv)](q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, ws_q, ws_k, T, scale,
-                                 q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), HV=Hv, GROUP=G,
-                                 DK=DK, DV=DV, BDV=triton.next_power_of_2(DV), BC=chunk, SB=16, NB=chunk // 16,
-                                 DOT=dot, FUSED=fused, NORMED=normed, num_warps=cfg["prep_warps"])
+    if cfg["prep"] == "split":
+        merge = "tf32x3" if wide else "ieee" if interpreting() else "tf32"
+        _chunk_inverse_kernel[(NT, Hv)](q, k, a, b, A_log, dt_bias, ws_a, ws_g, ws_p, ws_q, ws_k, T, scale,
+                                        q.stride(0), k.stride(0), a.stride(0), b.stride(0), HV=Hv, GROUP=G, DK=DK,
+                                        SB=chunk // 4, BK=min(cfg["inverse_bk"], DK), DOT=dot, MERGE=merge,
+                                        FUSED=fused, NORMED=normed, num_warps=cfg["inverse_warps"])
+        _chunk_wu_kernel[(NT, Hv)](k, v, b, ws_a, ws_g, ws_w, ws_u, ws_k, T, k.stride(0), v.stride(0), b.stride(0),
+                                   HV=Hv, GROUP=G, DK=DK, DV=DV, BDV=triton.next_power_of_2(DV), BC=chunk, DOT=dot,
+                                   NORMED=normed, num_warps=cfg["wu_warps"])
+    else:
+        _chunk_prep_kernel[(NT, Hv)](q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, ws_q, ws_k, T,
+                                     scale, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), HV=Hv,
+                                     GROUP=G, DK=DK, DV=DV, BDV=triton.next_power_of_2(DV), BC=chunk, SB=16,
+                                     NB=chunk // 16, DOT=dot, FUSED=fused, NORMED=normed,
+                                     num_warps=cfg["prep_warps"])
     BV = min(cfg["scan_bv"], triton.next_power_of_2(DV))
     _chunk_scan_kernel[(Hv, triton.cdiv(DV, BV))](q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, ws_q, ws_k, o, state,
                                                    s_out, T, scale, q.stride(0), k.stride(0), o.stride(0), HV=Hv,
@@ -356,16 +606,17 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
 
 def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, fused_out: bool = False,
           out: torch.Tensor | None = None, solved: str = "float32", terms: str = "float32", products: str = "tf32",
-          normed: bool = False):
+          normed: bool = False, prep: str = "solve"):
     """chunk_ref's contract; the Triton kernels for CUDA tensors (the fused form with `fused_out`,
     what they hand each other in the dtypes `solved` and `terms`, the scan's and the output's
     products on `products` ("tf32" or "bf16") operands, the unit rows of q and k written once by
-    the prep where `normed`: chunk_triton), the final state into `out` where given: the reference
-    returns a new tensor, which the caller copies where it wants it, and starts from a copy of the
-    start state then, which a training forward's gradients may still need."""
+    the prep where `normed`, the prep's form `prep`: chunk_triton), the final state into `out`
+    where given: the reference returns a new tensor, which the caller copies where it wants it,
+    and starts from a copy of the start state then, which a training forward's gradients may
+    still need."""
     assert products in ("tf32", "bf16"), f"the chunk's products take tf32 or bf16, not {products!r}"
     if use_triton(q, k, v, a, b):
         return chunk_triton(q, k, v, a, b, A_log, dt_bias, state, chunk,
                             {"fused_out": fused_out, "solved": solved, "terms": terms, "normed": normed,
-                             "state_dot": "bf16" if products == "bf16" else None}, out)
+                             "state_dot": "bf16" if products == "bf16" else None, "prep": prep}, out)
     return chunk_ref(q, k, v, a, b, A_log, dt_bias, state if out is None else state.clone(), chunk)

@@ -145,7 +145,12 @@ def main():
         forms = ({}, dict(fused_out=True), bf16_between, dict(bf16_between, fused_out=True),
                  dict(bf16_between, normed=True), dict(state_dot="bf16"), low, dict(low, scan_bv=64, scan_warps=8),
                  dict(low, out_bv=64), dict(low, fused_out=True), dict(low, fused_out=True, scan_bv=64, scan_warps=8),
-                 dict(low, prep_warps=2), dict(low, dot="bf16"))
+                 dict(low, prep_warps=2), dict(low, dot="bf16"),
+                 # the prep split in two (prep "split": the inverse in registers, then w and u)
+                 dict(low, prep="split"), dict(low, prep="split", dot="bf16"),
+                 dict(low, prep="split", dot="bf16", inverse_bk=64), dict(low, prep="split", dot="bf16", inverse_warps=2),
+                 dict(low, prep="split", dot="bf16", wu_warps=8), dict(low, prep="split", dot="bf16", fused_out=True),
+                 dict(low, prep="split", fused_out=True))
         o_ref, s_ref = gdn_chunk.chunk_ref(*(t.float() for t in qkv_heads[0]), *(t.float() for t in gates[0]),
                                            A_log.float(), dt_bias.float(), states[0])
         rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
@@ -161,7 +166,8 @@ def main():
             base = base or us
             print(f"    from float32: o {rel(o, o_ref):.2e}, state {rel(s_end, s_ref):.2e}; "
                   + ", ".join(f"{k} {v:.1f} us" for k, v in kernel_times(run, COPIES).items()))
-        registers(gdn_chunk._chunk_prep_kernel, gdn_chunk._chunk_scan_kernel, gdn_chunk._chunk_out_kernel)
+        registers(gdn_chunk._chunk_prep_kernel, gdn_chunk._chunk_inverse_kernel, gdn_chunk._chunk_wu_kernel,
+                  gdn_chunk._chunk_scan_kernel, gdn_chunk._chunk_out_kernel)
     if "gdntiles" in sections:
         # the serial scan's and the output's tiles (value columns a program, warps, depth), the rest
         # as CHUNK_CONFIG has them

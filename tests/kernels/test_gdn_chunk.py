@@ -26,11 +26,13 @@ def _inputs(T, Hk, Hv, dk, dv, dtype, device, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 5, 63, 64, 130])
 @pytest.mark.parametrize("Hk,Hv,dk,dv", [(2, 2, 32, 24), (1, 3, 16, 40)])
-@pytest.mark.parametrize("form", ["three", "fused"])   # the output by its own kernel or by the scan
+# the output by its own kernel or by the scan; the prep as one kernel or split in two
+@pytest.mark.parametrize("form", ["three", "fused", "split", "split-fused"])
 def test_chunk(device, dtype, T, Hk, Hv, dk, dv, form):
     args, state = _inputs(T, Hk, Hv, dk, dv, dtype, device, seed=T + Hv)
     state_in = state.clone()
-    o, s = gdn_chunk.chunk_triton(*args, state, config={"fused_out": form == "fused"})
+    config = {"fused_out": form.endswith("fused"), "prep": "split" if form.startswith("split") else "solve"}
+    o, s = gdn_chunk.chunk_triton(*args, state, config=config)
     o_ref, s_ref = gdn_chunk.chunk_ref(*args, state)
     assert torch.equal(state, state_in), "the start state is an input"
     check(o, o_ref, max(TOL[dtype], STATE_TOL))
@@ -105,12 +107,26 @@ def test_chunk_with_bf16_products(device, fused, bv):
     check(s, s_ref, 2e-2, "final state")
 
 
-def test_float32_inputs_keep_float32_between_the_kernels(device):
+@pytest.mark.parametrize("prep", ["solve", "split"])
+def test_float32_inputs_keep_float32_between_the_kernels(device, prep):
     args, state = _inputs(70, 1, 2, 16, 24, torch.float32, device, seed=7)
-    o, s = gdn_chunk.chunk_triton(*args, state)
-    o2, s2 = gdn_chunk.chunk_triton(*args, state, config={"solved": "bfloat16", "terms": "bfloat16",
-                                                          "state_dot": "bf16"})
+    o, s = gdn_chunk.chunk_triton(*args, state, config={"prep": prep})
+    o2, s2 = gdn_chunk.chunk_triton(*args, state, config={"solved": "bfloat16", "terms": "bfloat16", "prep": prep,
+                                                          "state_dot": "bf16", "dot": "bf16"})
     assert torch.equal(o2, o) and torch.equal(s2, s)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_split_prep_with_bf16_products(device, fused):
+    # the split prep's key products on bf16 operands, with the scan's and the output's, and bf16
+    # between the kernels (the candidate fla's way throughout)
+    args, state = _inputs(130, 2, 6, 32, 40, torch.bfloat16, device, seed=10)
+    o_ref, s_ref = gdn_chunk.chunk_ref(*args, state)
+    config = dict(fused_out=fused, normed=True, state_dot="bf16", dot="bf16", solved="bfloat16", terms="bfloat16",
+                  prep="split")
+    o, s = gdn_chunk.chunk_triton(*args, state, config=config)
+    check(o, o_ref, 3e-2)
+    check(s, s_ref, 2e-2, "final state")
 
 
 def test_chunk_matches_the_recurrence(device):
@@ -139,7 +155,8 @@ def test_chunk_27b_shapes(T):
         o, s = gdn_chunk.chunk(*args, state, fused_out=fused, solved="bfloat16", terms="bfloat16")
         check(o, o_ref, 2e-2)
         check(s, s_ref, 2e-2, "final state")
-        o, s = gdn_chunk.chunk(*args, state, fused_out=fused, solved="bfloat16", terms="bfloat16", products="bf16",
-                               normed=True)
-        check(o, o_ref, 2e-2)
-        check(s, s_ref, 2e-2, "final state")
+        for prep in ("solve", "split"):
+            o, s = gdn_chunk.chunk(*args, state, fused_out=fused, solved="bfloat16", terms="bfloat16",
+                                   products="bf16", normed=True, prep=prep)
+            check(o, o_ref, 2e-2)
+            check(s, s_ref, 2e-2, "final state")
