@@ -60,9 +60,12 @@ def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 6
 #   blocks inverted row by row, the rest as small products), so that the chunk's state writes
 #   are u - w S0 for any start state S0. (Building (I + A)^-1 whole from the diagonal blocks'
 #   inverses and taking u and w as two 64-row products was tried: 1.07-1.10 x the time at 255
-#   registers and spills on an H100, docs/PERFORMANCE.md 2026-11-26 Nor did the whole
-#   prep in registers, the chunk as four 16-token pieces and A as its ten blocks, fla's way: 328 us
+#   registers and spills on an H100, docs/PERFORMANCE.md 2026-11-26. Nor did one kernel with all
+#   of it in registers, four 16-token pieces of unit keys held whole, A as its ten blocks: 328 us
 #   a 2,048-token chunk of the 27B in tf32 against 153, 158 with bf16 products; 2026-11-28.)
+#   The split form (config "prep": "split"; KernelPlan.chunk_prep, a candidate) takes it in two
+#   kernels as fla does: _chunk_inverse_kernel, (I + A)^-1 in registers from the keys' products
+#   summed over a few columns at a time, then _chunk_wu_kernel, w and u as two products.
 # _chunk_scan_kernel, one program per (value head, block of value columns), walks the chunks in
 #   order with its slice of the state in registers: it saves each chunk's start state S0 and
 #   writes u - w S0, then moves the state to the chunk's end. Two products per chunk.
