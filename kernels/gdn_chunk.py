@@ -263,6 +263,28 @@ def _rows_piece(p, o_t, m_t, s_p, o_k):
 
 
 @triton.jit
+def _four_pieces(p, o_t0, T, s_p, o_k, SB: tl.constexpr):
+    """A head's columns o_k at the chunk's four pieces of SB token rows from o_t0, float32, and
+    each row's sum of squares over them."""
+    x0 = _rows_piece(p, o_t0, o_t0 < T, s_p, o_k)
+    x1 = _rows_piece(p, o_t0 + SB, o_t0 + SB < T, s_p, o_k)
+    x2 = _rows_piece(p, o_t0 + 2 * SB, o_t0 + 2 * SB < T, s_p, o_k)
+    x3 = _rows_piece(p, o_t0 + 3 * SB, o_t0 + 3 * SB < T, s_p, o_k)
+    return x0, x1, x2, x3, tl.sum(x0 * x0, axis=1), tl.sum(x1 * x1, axis=1), tl.sum(x2 * x2, axis=1), \
+        tl.sum(x3 * x3, axis=1)
+
+
+@triton.jit
+def _lower_products(b00, b10, b11, b20, b21, b22, b30, b31, b32, b33, x0, x1, x2, x3, k0, k1, k2, k3,
+                    DOT: tl.constexpr):
+    """The ten blocks on and below the diagonal of the pieces' products, b_ij + x_i k_jᵀ (j <= i)."""
+    return (b00 + _mm(x0, tl.trans(k0), DOT), b10 + _mm(x1, tl.trans(k0), DOT), b11 + _mm(x1, tl.trans(k1), DOT),
+            b20 + _mm(x2, tl.trans(k0), DOT), b21 + _mm(x2, tl.trans(k1), DOT), b22 + _mm(x2, tl.trans(k2), DOT),
+            b30 + _mm(x3, tl.trans(k0), DOT), b31 + _mm(x3, tl.trans(k1), DOT), b32 + _mm(x3, tl.trans(k2), DOT),
+            b33 + _mm(x3, tl.trans(k3), DOT))
+
+
+@triton.jit
 def _unit_rows_out(p, ws, o_t, m_t, s_p, i_kh, b_r, HK: tl.constexpr, DK: tl.constexpr):
     """Rows o_t of a key head times their reciprocal norms b_r, into ws [T, HK, DK]."""
     o_k = tl.arange(0, DK)
@@ -303,40 +325,16 @@ def _chunk_inverse_kernel(q, k, a, b, A_log, dt_bias, ws_a, ws_g, ws_p, ws_q, ws
     s_q0, s_q1, s_q2, s_q3 = s_k0, s_k1, s_k2, s_k3
     for kk in range(0, DK, BK):
         o_k = kk + tl.arange(0, BK)
-        k0, k1 = _rows_piece(p_k, o_t0, m_t0, s_k, o_k), _rows_piece(p_k, o_t1, m_t1, s_k, o_k)
-        k2, k3 = _rows_piece(p_k, o_t2, m_t2, s_k, o_k), _rows_piece(p_k, o_t3, m_t3, s_k, o_k)
-        s_k0 += tl.sum(k0 * k0, axis=1)
-        s_k1 += tl.sum(k1 * k1, axis=1)
-        s_k2 += tl.sum(k2 * k2, axis=1)
-        s_k3 += tl.sum(k3 * k3, axis=1)
-        a00 += _mm(k0, tl.trans(k0), DOT)
-        a10 += _mm(k1, tl.trans(k0), DOT)
-        a11 += _mm(k1, tl.trans(k1), DOT)
-        a20 += _mm(k2, tl.trans(k0), DOT)
-        a21 += _mm(k2, tl.trans(k1), DOT)
-        a22 += _mm(k2, tl.trans(k2), DOT)
-        a30 += _mm(k3, tl.trans(k0), DOT)
-        a31 += _mm(k3, tl.trans(k1), DOT)
-        a32 += _mm(k3, tl.trans(k2), DOT)
-        a33 += _mm(k3, tl.trans(k3), DOT)
+        k0, k1, k2, k3, n0, n1, n2, n3 = _four_pieces(p_k, o_t0, T, s_k, o_k, SB)
+        s_k0, s_k1, s_k2, s_k3 = s_k0 + n0, s_k1 + n1, s_k2 + n2, s_k3 + n3
+        a00, a10, a11, a20, a21, a22, a30, a31, a32, a33 = _lower_products(
+            a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, k0, k1, k2, k3, k0, k1, k2, k3, DOT)
         if FUSED or NORMED:
-            q0, q1 = _rows_piece(p_q, o_t0, m_t0, s_q, o_k), _rows_piece(p_q, o_t1, m_t1, s_q, o_k)
-            q2, q3 = _rows_piece(p_q, o_t2, m_t2, s_q, o_k), _rows_piece(p_q, o_t3, m_t3, s_q, o_k)
-            s_q0 += tl.sum(q0 * q0, axis=1)
-            s_q1 += tl.sum(q1 * q1, axis=1)
-            s_q2 += tl.sum(q2 * q2, axis=1)
-            s_q3 += tl.sum(q3 * q3, axis=1)
+            q0, q1, q2, q3, n0, n1, n2, n3 = _four_pieces(p_q, o_t0, T, s_q, o_k, SB)
+            s_q0, s_q1, s_q2, s_q3 = s_q0 + n0, s_q1 + n1, s_q2 + n2, s_q3 + n3
             if FUSED:
-                p00 += _mm(q0, tl.trans(k0), DOT)
-                p10 += _mm(q1, tl.trans(k0), DOT)
-                p11 += _mm(q1, tl.trans(k1), DOT)
-                p20 += _mm(q2, tl.trans(k0), DOT)
-                p21 += _mm(q2, tl.trans(k1), DOT)
-                p22 += _mm(q2, tl.trans(k2), DOT)
-                p30 += _mm(q3, tl.trans(k0), DOT)
-                p31 += _mm(q3, tl.trans(k1), DOT)
-                p32 += _mm(q3, tl.trans(k2), DOT)
-                p33 += _mm(q3, tl.trans(k3), DOT)
+                p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_products(
+                    p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, q0, q1, q2, q3, k0, k1, k2, k3, DOT)
     # the reciprocal norms of the unit rows (_unit_rows), q's times the scale
     r_k0, r_k1 = tl.rsqrt(s_k0 + 1e-6), tl.rsqrt(s_k1 + 1e-6)
     r_k2, r_k3 = tl.rsqrt(s_k2 + 1e-6), tl.rsqrt(s_k3 + 1e-6)
