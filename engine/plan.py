@@ -120,8 +120,11 @@ class KernelPlan:
     # products). Candidate, unmeasured: the prep is the chunk's largest kernel now (171 us of 283
     # a 2,048-token chunk of the 27B; fla's two take 79). Compiled for sm_90 (Triton 3.6, on the
     # CPU), the inverse holds 255 registers; with bf16 products on 4 warps it spills nothing
-    # unfused and 320 bytes fused; on 1 or 2 warps it spills kilobytes.
+    # unfused and 320 bytes fused; on 1 or 2 warps it spills kilobytes. The prep's products of
+    # keys (and queries) on bf16 operands or tf32 ones (chunk_prep_products; fla's are bf16): a
+    # candidate too, not yet measured with either prep.
     chunk_prep: str = "solve"
+    chunk_prep_products: str = "tf32"
     # A step of at most this many tokens has its causal conv computed by the GDN recurrence kernel
     # (kernels/gdn.py conv_recurrent): each program first writes the conv of the channels it reads,
     # then runs the same loop as after the conv kernel, so a token takes the same bits either way

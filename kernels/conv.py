@@ -71,10 +71,10 @@ def _conv_block(x, buf, w, y, T, WIDTH, s_x, s_y, i_t, i_off, o_c, m_c, p_buf,
 @triton.jit(do_not_specialize=["T"])
 def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
                         K: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr, WP: tl.constexpr,
-                        HAS_LIVE: tl.constexpr, PDL: tl.constexpr, NBT: tl.constexpr = 1,
-                        STAGES: tl.constexpr = 2):
+                        HAS_LIVE: tl.constexpr, PDL: tl.constexpr, NBT: tl.constexpr = 1):
     # One program per (BC channels, NBT blocks of BT tokens, in turn: with more than one, a loop
-    # the compiler pipelines STAGES deep). Only the first token block reads the committed window,
+    # the compiler pipelines two deep; blocks past T store nothing). Only the first token block
+    # reads the committed window,
     # and only its program writes the buffer, after its own reads (a prefill's last inputs may land
     # on the window's columns): no other program touches the buffer, so there is no ordering to
     # arrange between programs.
@@ -87,7 +87,7 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
     if NBT == 1:
         _conv_block(x, buf, w, y, T, WIDTH, s_x, s_y, i_s, i_off, o_c, m_c, p_buf, K, BT)
     else:
-        for i in tl.range(0, NBT, num_stages=STAGES):
+        for i in tl.range(0, NBT, num_stages=2):
             _conv_block(x, buf, w, y, T, WIDTH, s_x, s_y, i_s * NBT + i, i_off, o_c, m_c, p_buf, K, BT)
     if HAS_LIVE:
         m_c = m_c & (tl.zeros([BC], dtype=tl.int64) + tl.load(live) > 0)   # an ended generation's step writes nothing
@@ -126,11 +126,11 @@ def conv_update_triton(x: torch.Tensor, buf: torch.Tensor, off: torch.Tensor, we
         f"tokens a program must be a power of two of at least {K - 1} (the window), got {tokens}"
     assert blocks >= 1, f"token blocks a program: at least 1, got {blocks}"
     (BC, warps), BT = _tile(), tokens
-    NBT = min(blocks, triton.cdiv(T, BT))
-    _conv_update_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT * NBT))](
+    # `blocks` as it is, not capped by T: one compiled variant for every prompt length
+    _conv_update_kernel[(triton.cdiv(C, BC), triton.cdiv(T, BT * blocks))](
         x, buf, off, live if live is not None else off, weight, y, T, C, buf.shape[1], x.stride(0), y.stride(0),
         buf.stride(0), K=K, BC=BC, BT=BT, WP=triton.next_power_of_2(buf.shape[1]),
-        HAS_LIVE=live is not None, NBT=NBT, num_warps=warps, **pdl(x))
+        HAS_LIVE=live is not None, NBT=blocks, num_warps=warps, **pdl(x))
     return y
 
 

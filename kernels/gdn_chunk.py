@@ -127,8 +127,13 @@ def _gates(a, b, A_log, dt_bias, o_t, m_t, s_a, s_b, i_h):
     b_x = tl.load(a + o_t * s_a + i_h, mask=m_t, other=0.).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
     b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))
     b_g = tl.where(m_t, -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * b_softplus, 0.)
-    b_beta = tl.where(m_t, tl.sigmoid(tl.load(b + o_t * s_b + i_h, mask=m_t, other=0.).to(tl.float32)), 0.)
-    return b_g, b_beta
+    return b_g, _betas(b, o_t, m_t, s_b, i_h)
+
+
+@triton.jit
+def _betas(b, o_t, m_t, s_b, i_h):
+    """Value head i_h's write strengths beta at tokens o_t (0 past T), float32."""
+    return tl.where(m_t, tl.sigmoid(tl.load(b + o_t * s_b + i_h, mask=m_t, other=0.).to(tl.float32)), 0.)
 
 
 @triton.jit
@@ -250,10 +255,10 @@ def _unit_inverse(b_L):
 
 
 @triton.jit
-def _block_out(ws, o_ws, i: tl.constexpr, j: tl.constexpr, b_x, SB: tl.constexpr, BC: tl.constexpr):
-    """Block (i, j) [SB, SB] of a chunk's [BC, BC] workspace tile o_ws."""
+def _block_out(ws, o_ws, I: tl.constexpr, J: tl.constexpr, b_x, SB: tl.constexpr, BC: tl.constexpr):
+    """Block (I, J) [SB, SB] of a chunk's [BC, BC] workspace tile o_ws."""
     o_i = tl.arange(0, SB)
-    tl.store(ws + (o_ws * BC + i * SB + o_i[:, None]) * BC + j * SB + o_i[None, :], b_x.to(ws.dtype.element_ty))
+    tl.store(ws + (o_ws * BC + I * SB + o_i[:, None]) * BC + J * SB + o_i[None, :], b_x.to(ws.dtype.element_ty))
 
 
 @triton.jit
@@ -316,30 +321,32 @@ def _chunk_inverse_kernel(q, k, a, b, A_log, dt_bias, ws_a, ws_g, ws_p, ws_q, ws
     m_t0, m_t1, m_t2, m_t3 = o_t0 < T, o_t1 < T, o_t2 < T, o_t3 < T
     p_k, p_q = k + i_kh * DK, q + i_kh * DK
     b_zero = tl.zeros([SB, SB], tl.float32)
-    a00, a10, a11, a20, a21, a22 = b_zero, b_zero, b_zero, b_zero, b_zero, b_zero
-    a30, a31, a32, a33 = b_zero, b_zero, b_zero, b_zero
-    p00, p10, p11, p20, p21, p22 = b_zero, b_zero, b_zero, b_zero, b_zero, b_zero
-    p30, p31, p32, p33 = b_zero, b_zero, b_zero, b_zero
-    s_k0, s_k1, s_k2, s_k3 = tl.zeros([SB], tl.float32), tl.zeros([SB], tl.float32), \
+    b_a00, b_a10, b_a11, b_a20, b_a21, b_a22 = b_zero, b_zero, b_zero, b_zero, b_zero, b_zero
+    b_a30, b_a31, b_a32, b_a33 = b_zero, b_zero, b_zero, b_zero
+    b_s00, b_s10, b_s11, b_s20, b_s21, b_s22 = b_zero, b_zero, b_zero, b_zero, b_zero, b_zero
+    b_s30, b_s31, b_s32, b_s33 = b_zero, b_zero, b_zero, b_zero
+    b_nk0, b_nk1, b_nk2, b_nk3 = tl.zeros([SB], tl.float32), tl.zeros([SB], tl.float32), \
         tl.zeros([SB], tl.float32), tl.zeros([SB], tl.float32)
-    s_q0, s_q1, s_q2, s_q3 = s_k0, s_k1, s_k2, s_k3
+    b_nq0, b_nq1, b_nq2, b_nq3 = b_nk0, b_nk1, b_nk2, b_nk3
     for kk in range(0, DK, BK):
         o_k = kk + tl.arange(0, BK)
-        k0, k1, k2, k3, n0, n1, n2, n3 = _four_pieces(p_k, o_t0, T, s_k, o_k, SB)
-        s_k0, s_k1, s_k2, s_k3 = s_k0 + n0, s_k1 + n1, s_k2 + n2, s_k3 + n3
-        a00, a10, a11, a20, a21, a22, a30, a31, a32, a33 = _lower_products(
-            a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, k0, k1, k2, k3, k0, k1, k2, k3, DOT)
+        b_k0, b_k1, b_k2, b_k3, b_n0, b_n1, b_n2, b_n3 = _four_pieces(p_k, o_t0, T, s_k, o_k, SB)
+        b_nk0, b_nk1, b_nk2, b_nk3 = b_nk0 + b_n0, b_nk1 + b_n1, b_nk2 + b_n2, b_nk3 + b_n3
+        b_a00, b_a10, b_a11, b_a20, b_a21, b_a22, b_a30, b_a31, b_a32, b_a33 = _lower_products(
+            b_a00, b_a10, b_a11, b_a20, b_a21, b_a22, b_a30, b_a31, b_a32, b_a33,
+            b_k0, b_k1, b_k2, b_k3, b_k0, b_k1, b_k2, b_k3, DOT)
         if FUSED or NORMED:
-            q0, q1, q2, q3, n0, n1, n2, n3 = _four_pieces(p_q, o_t0, T, s_q, o_k, SB)
-            s_q0, s_q1, s_q2, s_q3 = s_q0 + n0, s_q1 + n1, s_q2 + n2, s_q3 + n3
+            b_q0, b_q1, b_q2, b_q3, b_n0, b_n1, b_n2, b_n3 = _four_pieces(p_q, o_t0, T, s_q, o_k, SB)
+            b_nq0, b_nq1, b_nq2, b_nq3 = b_nq0 + b_n0, b_nq1 + b_n1, b_nq2 + b_n2, b_nq3 + b_n3
             if FUSED:
-                p00, p10, p11, p20, p21, p22, p30, p31, p32, p33 = _lower_products(
-                    p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, q0, q1, q2, q3, k0, k1, k2, k3, DOT)
+                b_s00, b_s10, b_s11, b_s20, b_s21, b_s22, b_s30, b_s31, b_s32, b_s33 = _lower_products(
+                    b_s00, b_s10, b_s11, b_s20, b_s21, b_s22, b_s30, b_s31, b_s32, b_s33,
+                    b_q0, b_q1, b_q2, b_q3, b_k0, b_k1, b_k2, b_k3, DOT)
     # the reciprocal norms of the unit rows (_unit_rows), q's times the scale
-    r_k0, r_k1 = tl.rsqrt(s_k0 + 1e-6), tl.rsqrt(s_k1 + 1e-6)
-    r_k2, r_k3 = tl.rsqrt(s_k2 + 1e-6), tl.rsqrt(s_k3 + 1e-6)
-    r_q0, r_q1 = tl.rsqrt(s_q0 + 1e-6) * scale, tl.rsqrt(s_q1 + 1e-6) * scale
-    r_q2, r_q3 = tl.rsqrt(s_q2 + 1e-6) * scale, tl.rsqrt(s_q3 + 1e-6) * scale
+    b_rk0, b_rk1 = tl.rsqrt(b_nk0 + 1e-6), tl.rsqrt(b_nk1 + 1e-6)
+    b_rk2, b_rk3 = tl.rsqrt(b_nk2 + 1e-6), tl.rsqrt(b_nk3 + 1e-6)
+    b_rq0, b_rq1 = tl.rsqrt(b_nq0 + 1e-6) * scale, tl.rsqrt(b_nq1 + 1e-6) * scale
+    b_rq2, b_rq3 = tl.rsqrt(b_nq2 + 1e-6) * scale, tl.rsqrt(b_nq3 + 1e-6) * scale
     b_g0, b_beta0 = _gates(a, b, A_log, dt_bias, o_t0, m_t0, s_a, s_b, i_h)
     b_g1, b_beta1 = _gates(a, b, A_log, dt_bias, o_t1, m_t1, s_a, s_b, i_h)
     b_g2, b_beta2 = _gates(a, b, A_log, dt_bias, o_t2, m_t2, s_a, s_b, i_h)
@@ -354,16 +361,16 @@ def _chunk_inverse_kernel(q, k, a, b, A_log, dt_bias, ws_a, ws_g, ws_p, ws_q, ws
     tl.store(ws_g + o_ws * BC + 3 * SB + o_i, b_G3)
     if FUSED:
         # the output's intra-chunk scores for the scan; zeros right of the diagonal
-        _block_out(ws_p, o_ws, 0, 0, _score_block(p00, r_q0, r_k0, b_G0, b_G0, True), SB, BC)
-        _block_out(ws_p, o_ws, 1, 0, _score_block(p10, r_q1, r_k0, b_G1, b_G0, False), SB, BC)
-        _block_out(ws_p, o_ws, 1, 1, _score_block(p11, r_q1, r_k1, b_G1, b_G1, True), SB, BC)
-        _block_out(ws_p, o_ws, 2, 0, _score_block(p20, r_q2, r_k0, b_G2, b_G0, False), SB, BC)
-        _block_out(ws_p, o_ws, 2, 1, _score_block(p21, r_q2, r_k1, b_G2, b_G1, False), SB, BC)
-        _block_out(ws_p, o_ws, 2, 2, _score_block(p22, r_q2, r_k2, b_G2, b_G2, True), SB, BC)
-        _block_out(ws_p, o_ws, 3, 0, _score_block(p30, r_q3, r_k0, b_G3, b_G0, False), SB, BC)
-        _block_out(ws_p, o_ws, 3, 1, _score_block(p31, r_q3, r_k1, b_G3, b_G1, False), SB, BC)
-        _block_out(ws_p, o_ws, 3, 2, _score_block(p32, r_q3, r_k2, b_G3, b_G2, False), SB, BC)
-        _block_out(ws_p, o_ws, 3, 3, _score_block(p33, r_q3, r_k3, b_G3, b_G3, True), SB, BC)
+        _block_out(ws_p, o_ws, 0, 0, _score_block(b_s00, b_rq0, b_rk0, b_G0, b_G0, True), SB, BC)
+        _block_out(ws_p, o_ws, 1, 0, _score_block(b_s10, b_rq1, b_rk0, b_G1, b_G0, False), SB, BC)
+        _block_out(ws_p, o_ws, 1, 1, _score_block(b_s11, b_rq1, b_rk1, b_G1, b_G1, True), SB, BC)
+        _block_out(ws_p, o_ws, 2, 0, _score_block(b_s20, b_rq2, b_rk0, b_G2, b_G0, False), SB, BC)
+        _block_out(ws_p, o_ws, 2, 1, _score_block(b_s21, b_rq2, b_rk1, b_G2, b_G1, False), SB, BC)
+        _block_out(ws_p, o_ws, 2, 2, _score_block(b_s22, b_rq2, b_rk2, b_G2, b_G2, True), SB, BC)
+        _block_out(ws_p, o_ws, 3, 0, _score_block(b_s30, b_rq3, b_rk0, b_G3, b_G0, False), SB, BC)
+        _block_out(ws_p, o_ws, 3, 1, _score_block(b_s31, b_rq3, b_rk1, b_G3, b_G1, False), SB, BC)
+        _block_out(ws_p, o_ws, 3, 2, _score_block(b_s32, b_rq3, b_rk2, b_G3, b_G2, False), SB, BC)
+        _block_out(ws_p, o_ws, 3, 3, _score_block(b_s33, b_rq3, b_rk3, b_G3, b_G3, True), SB, BC)
         _block_out(ws_p, o_ws, 0, 1, b_zero, SB, BC)
         _block_out(ws_p, o_ws, 0, 2, b_zero, SB, BC)
         _block_out(ws_p, o_ws, 0, 3, b_zero, SB, BC)
@@ -372,31 +379,31 @@ def _chunk_inverse_kernel(q, k, a, b, A_log, dt_bias, ws_a, ws_g, ws_p, ws_q, ws
         _block_out(ws_p, o_ws, 2, 3, b_zero, SB, BC)
     if NORMED and i_h % GROUP == 0:
         # the key head's unit rows of k, and of q times the scale, once for the later kernels
-        _unit_rows_out(p_k, ws_k, o_t0, m_t0, s_k, i_kh, r_k0, HK, DK)
-        _unit_rows_out(p_k, ws_k, o_t1, m_t1, s_k, i_kh, r_k1, HK, DK)
-        _unit_rows_out(p_k, ws_k, o_t2, m_t2, s_k, i_kh, r_k2, HK, DK)
-        _unit_rows_out(p_k, ws_k, o_t3, m_t3, s_k, i_kh, r_k3, HK, DK)
-        _unit_rows_out(p_q, ws_q, o_t0, m_t0, s_q, i_kh, r_q0, HK, DK)
-        _unit_rows_out(p_q, ws_q, o_t1, m_t1, s_q, i_kh, r_q1, HK, DK)
-        _unit_rows_out(p_q, ws_q, o_t2, m_t2, s_q, i_kh, r_q2, HK, DK)
-        _unit_rows_out(p_q, ws_q, o_t3, m_t3, s_q, i_kh, r_q3, HK, DK)
+        _unit_rows_out(p_k, ws_k, o_t0, m_t0, s_k, i_kh, b_rk0, HK, DK)
+        _unit_rows_out(p_k, ws_k, o_t1, m_t1, s_k, i_kh, b_rk1, HK, DK)
+        _unit_rows_out(p_k, ws_k, o_t2, m_t2, s_k, i_kh, b_rk2, HK, DK)
+        _unit_rows_out(p_k, ws_k, o_t3, m_t3, s_k, i_kh, b_rk3, HK, DK)
+        _unit_rows_out(p_q, ws_q, o_t0, m_t0, s_q, i_kh, b_rq0, HK, DK)
+        _unit_rows_out(p_q, ws_q, o_t1, m_t1, s_q, i_kh, b_rq1, HK, DK)
+        _unit_rows_out(p_q, ws_q, o_t2, m_t2, s_q, i_kh, b_rq2, HK, DK)
+        _unit_rows_out(p_q, ws_q, o_t3, m_t3, s_q, i_kh, b_rq3, HK, DK)
     # (I + A)^-1 block by block
-    b_X0 = _unit_inverse(_lower_block(a00, r_k0, r_k0, b_beta0, b_G0, b_G0, True))
-    b_X1 = _unit_inverse(_lower_block(a11, r_k1, r_k1, b_beta1, b_G1, b_G1, True))
-    b_X2 = _unit_inverse(_lower_block(a22, r_k2, r_k2, b_beta2, b_G2, b_G2, True))
-    b_X3 = _unit_inverse(_lower_block(a33, r_k3, r_k3, b_beta3, b_G3, b_G3, True))
-    a10 = _lower_block(a10, r_k1, r_k0, b_beta1, b_G1, b_G0, False)
-    a21 = _lower_block(a21, r_k2, r_k1, b_beta2, b_G2, b_G1, False)
-    a32 = _lower_block(a32, r_k3, r_k2, b_beta3, b_G3, b_G2, False)
-    b_X10 = -_mm(b_X1, _mm(a10, b_X0, MERGE), MERGE)
-    b_X21 = -_mm(b_X2, _mm(a21, b_X1, MERGE), MERGE)
-    b_X32 = -_mm(b_X3, _mm(a32, b_X2, MERGE), MERGE)
-    a20 = _lower_block(a20, r_k2, r_k0, b_beta2, b_G2, b_G0, False)
-    b_X20 = -_mm(b_X2, _mm(a20, b_X0, MERGE) + _mm(a21, b_X10, MERGE), MERGE)
-    a31 = _lower_block(a31, r_k3, r_k1, b_beta3, b_G3, b_G1, False)
-    b_X31 = -_mm(b_X3, _mm(a31, b_X1, MERGE) + _mm(a32, b_X21, MERGE), MERGE)
-    a30 = _lower_block(a30, r_k3, r_k0, b_beta3, b_G3, b_G0, False)
-    b_X30 = -_mm(b_X3, _mm(a30, b_X0, MERGE) + _mm(a31, b_X10, MERGE) + _mm(a32, b_X20, MERGE), MERGE)
+    b_X0 = _unit_inverse(_lower_block(b_a00, b_rk0, b_rk0, b_beta0, b_G0, b_G0, True))
+    b_X1 = _unit_inverse(_lower_block(b_a11, b_rk1, b_rk1, b_beta1, b_G1, b_G1, True))
+    b_X2 = _unit_inverse(_lower_block(b_a22, b_rk2, b_rk2, b_beta2, b_G2, b_G2, True))
+    b_X3 = _unit_inverse(_lower_block(b_a33, b_rk3, b_rk3, b_beta3, b_G3, b_G3, True))
+    b_a10 = _lower_block(b_a10, b_rk1, b_rk0, b_beta1, b_G1, b_G0, False)
+    b_a21 = _lower_block(b_a21, b_rk2, b_rk1, b_beta2, b_G2, b_G1, False)
+    b_a32 = _lower_block(b_a32, b_rk3, b_rk2, b_beta3, b_G3, b_G2, False)
+    b_X10 = -_mm(b_X1, _mm(b_a10, b_X0, MERGE), MERGE)
+    b_X21 = -_mm(b_X2, _mm(b_a21, b_X1, MERGE), MERGE)
+    b_X32 = -_mm(b_X3, _mm(b_a32, b_X2, MERGE), MERGE)
+    b_a20 = _lower_block(b_a20, b_rk2, b_rk0, b_beta2, b_G2, b_G0, False)
+    b_X20 = -_mm(b_X2, _mm(b_a20, b_X0, MERGE) + _mm(b_a21, b_X10, MERGE), MERGE)
+    b_a31 = _lower_block(b_a31, b_rk3, b_rk1, b_beta3, b_G3, b_G1, False)
+    b_X31 = -_mm(b_X3, _mm(b_a31, b_X1, MERGE) + _mm(b_a32, b_X21, MERGE), MERGE)
+    b_a30 = _lower_block(b_a30, b_rk3, b_rk0, b_beta3, b_G3, b_G0, False)
+    b_X30 = -_mm(b_X3, _mm(b_a30, b_X0, MERGE) + _mm(b_a31, b_X10, MERGE) + _mm(b_a32, b_X20, MERGE), MERGE)
     _block_out(ws_a, o_ws, 0, 0, b_X0, SB, BC)
     _block_out(ws_a, o_ws, 0, 1, b_zero, SB, BC)
     _block_out(ws_a, o_ws, 0, 2, b_zero, SB, BC)
@@ -429,8 +436,7 @@ def _chunk_wu_kernel(k, v, b, ws_a, ws_g, ws_w, ws_u, ws_k, T, s_k, s_v, s_b,
     o_ws = i_c * HV + i_h
     b_X = tl.load(ws_a + (o_ws * BC + o_r[:, None]) * BC + o_r[None, :])
     b_G = tl.load(ws_g + o_ws * BC + o_r)
-    # beta as _gates has it: 0 past T
-    b_beta = tl.where(m_t, tl.sigmoid(tl.load(b + o_t * s_b + i_h, mask=m_t, other=0.).to(tl.float32)), 0.)
+    b_beta = _betas(b, o_t, m_t, s_b, i_h)
     b_k = _unit_keys(k, ws_k, o_t, m_t, o_k, s_k, i_h // GROUP, HV // GROUP, DK, NORMED)
     b_w = _mm(b_X, b_k * (b_beta * tl.exp(b_G))[:, None], DOT)
     tl.store(ws_w + (o_ws * BC + o_r[:, None]) * DK + o_k[None, :], b_w.to(ws_w.dtype.element_ty))
@@ -502,9 +508,11 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, ws_q, ws_k, o, T, scale, s_q, s_k,
              mask=m_t[:, None] & m_v[None, :])
 
 
-# tf32 products, as fla's bf16 ones but with three more mantissa bits; "tf32x3" gives float32
-# accuracy at 2.6 times the time. On an H100, 27B shapes, 8192 tokens: 1.76 ms per layer
-# (prep 0.68, scan 0.57, output 0.51); tests/bench/bench_kernels.py --sweep --only chunk.
+# The kernels' own defaults: float32 between them and tf32 products (fla's bf16 ones with three
+# more mantissa bits; "tf32x3" gives float32 accuracy at 2.6 times the time), what a float32
+# model takes. The engine's plan asks for the bf16 forms (engine/plan.py chunk_*; gdn_chunk.chunk).
+# On an H100, 27B shapes, 8192 tokens, these defaults: 1.76 ms per layer (prep 0.68, scan 0.57,
+# output 0.51); tests/bench/bench_kernels.py --sweep --only chunk.
 CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_bv=64, out_warps=4, dot="tf32",
                     state_dot=None, normed=False, fused_out=False, solved="float32", terms="float32", prep="solve",
                     inverse_warps=4, inverse_bk=32, wu_warps=4)
@@ -532,7 +540,8 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     _chunk_prep_kernel, A and the right-hand sides through memory, solved block by block;
     "split": (I + A)^-1 whole in registers, then w and u as products, _chunk_inverse_kernel and
     _chunk_wu_kernel); the rest tiles, for tuning (bf16 products take BF16_TILES where `config`
-    names none)."""
+    names none). A float32 model (float32 v) keeps float32 between the kernels and tf32x3
+    products whatever `config` asks."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert chunk == 64, "the chunk kernels work on 64 tokens at a time"
@@ -607,17 +616,19 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
 
 def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, fused_out: bool = False,
           out: torch.Tensor | None = None, solved: str = "float32", terms: str = "float32", products: str = "tf32",
-          normed: bool = False, prep: str = "solve"):
+          normed: bool = False, prep: str = "solve", prep_products: str = "tf32"):
     """chunk_ref's contract; the Triton kernels for CUDA tensors (the fused form with `fused_out`,
     what they hand each other in the dtypes `solved` and `terms`, the scan's and the output's
     products on `products` ("tf32" or "bf16") operands, the unit rows of q and k written once by
-    the prep where `normed`, the prep's form `prep`: chunk_triton), the final state into `out`
+    the prep where `normed`, the prep's form `prep` and its products on `prep_products` operands:
+    chunk_triton), the final state into `out`
     where given: the reference returns a new tensor, which the caller copies where it wants it,
     and starts from a copy of the start state then, which a training forward's gradients may
     still need."""
-    assert products in ("tf32", "bf16"), f"the chunk's products take tf32 or bf16, not {products!r}"
+    for name, form in (("products", products), ("prep_products", prep_products)):
+        assert form in ("tf32", "bf16"), f"the chunk's {name} take tf32 or bf16, not {form!r}"
     if use_triton(q, k, v, a, b):
         return chunk_triton(q, k, v, a, b, A_log, dt_bias, state, chunk,
                             {"fused_out": fused_out, "solved": solved, "terms": terms, "normed": normed,
-                             "state_dot": "bf16" if products == "bf16" else None, "prep": prep}, out)
+                             "state_dot": products, "dot": prep_products, "prep": prep}, out)
     return chunk_ref(q, k, v, a, b, A_log, dt_bias, state if out is None else state.clone(), chunk)

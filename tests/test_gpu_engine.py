@@ -63,7 +63,7 @@ def test_gdn_chunk_in_bf16_within_bf16s_reach_of_float32(ckpt):
     assert default.chunk_products == "bf16" and default.chunk_solved == "bfloat16"
     got = gpu.logits(ids).float().cpu()
     gpu.plan = gpu.decoder.plan = default.replace(chunk_solved="float32", chunk_terms="float32",
-                                                  chunk_products="tf32")
+                                                  chunk_products="tf32", chunk_prep_products="tf32")
     wide = gpu.logits(ids).float().cpu()
     err, err_wide = rel_err(got, want, ord=2), rel_err(wide, want, ord=2)
     assert err < 1.5 * err_wide + 5e-3, (err, err_wide)

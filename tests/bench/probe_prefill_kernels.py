@@ -30,8 +30,10 @@ import argparse
 import torch
 
 from mtpchat.engine.bench import copy_bandwidth
+from mtpchat.engine.plan import KernelPlan
 from mtpchat.kernels import attention, conv, fp8_gemm, gdn_chunk, norm
 from mtpchat.kernels.matvec import silu_mul
+from mtpchat.kernels.plan import default_products
 from mtpchat.kernels.rope import qkv_norm_rope
 from graph_timing import graph_time
 
@@ -148,9 +150,10 @@ def main():
                  dict(low, prep_warps=2), dict(low, dot="bf16"),
                  # the prep split in two (prep "split": the inverse in registers, then w and u)
                  dict(low, prep="split"), dict(low, prep="split", dot="bf16"),
-                 dict(low, prep="split", dot="bf16", inverse_bk=64), dict(low, prep="split", dot="bf16", inverse_warps=2),
+                 dict(low, prep="split", dot="bf16", inverse_bk=64),
+                 dict(low, prep="split", dot="bf16", inverse_warps=2),
                  dict(low, prep="split", dot="bf16", wu_warps=8), dict(low, prep="split", dot="bf16", fused_out=True),
-                 dict(low, prep="split", fused_out=True))
+                 dict(low, prep="split", fused_out=True), dict(low, fused_out=True, dot="bf16"))
         o_ref, s_ref = gdn_chunk.chunk_ref(*(t.float() for t in qkv_heads[0]), *(t.float() for t in gates[0]),
                                            A_log.float(), dt_bias.float(), states[0])
         rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
@@ -198,16 +201,26 @@ def main():
                                           use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                                           use_gate_in_kernel=True, A_log=A_log.float(), dt_bias=dt_bias.float())
         ours = lambda i: gdn_chunk.chunk_triton(*qkv_heads[i], *gates[i], A_log, dt_bias, states[i])
+        plan = KernelPlan(products=default_products("cuda"))
+        engine_form = lambda i: gdn_chunk.chunk(*qkv_heads[i], *gates[i], A_log, dt_bias, states[i],
+                                                fused_out=plan.chunk_fused_out, solved=plan.chunk_solved,
+                                                terms=plan.chunk_terms, products=plan.chunk_products,
+                                                normed=plan.chunk_normed, prep=plan.chunk_prep,
+                                                prep_products=plan.chunk_prep_products)
         o_ours, s_ours = ours(0)
+        o_plan, s_plan = engine_form(0)
         o_fla, s_fla = run_fla(0)
         o_ref, s_ref = gdn_chunk.chunk_ref(*(t.float() for t in qkv_heads[0]), *(t.float() for t in gates[0]),
                                            A_log.float(), dt_bias.float(), states[0])
         rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
         print(f"GDN chunk vs float32 reference, relative L2: ours o {rel(o_ours, o_ref):.2e} state "
-              f"{rel(s_ours, s_ref):.2e}; fla o {rel(o_fla[0], o_ref):.2e} state {rel(s_fla[0], s_ref):.2e}")
+              f"{rel(s_ours, s_ref):.2e}; the plan's form o {rel(o_plan, o_ref):.2e} state {rel(s_plan, s_ref):.2e}; "
+              f"fla o {rel(o_fla[0], o_ref):.2e} state {rel(s_fla[0], s_ref):.2e}")
         base = graph_time(ours, COPIES)
-        report("GDN chunk: ours, as configured", base, nbytes, bw)
+        report("GDN chunk: ours, the kernels' own defaults (float32, tf32)", base, nbytes, bw)
         print("    " + ", ".join(f"{k} {v:.1f} us" for k, v in kernel_times(ours, COPIES).items()))
+        report("GDN chunk: ours, the engine plan's form", graph_time(engine_form, COPIES), nbytes, bw, base)
+        print("    " + ", ".join(f"{k} {v:.1f} us" for k, v in kernel_times(engine_form, COPIES).items()))
         us = graph_time(run_fla, COPIES)
         report("GDN chunk: flash-linear-attention", us, nbytes, bw, base)
         print("    " + ", ".join(f"{k[:40]} {v:.1f} us" for k, v in kernel_times(run_fla, COPIES).items()))

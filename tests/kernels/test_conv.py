@@ -57,9 +57,9 @@ def test_conv_tokens_a_program(device, T, tokens):
 @pytest.mark.parametrize("blocks", [2, 3, 8])
 @pytest.mark.parametrize("T", [5, 37, 70])
 def test_conv_token_blocks_a_program(device, T, blocks):
-    # a program taking several token blocks in turn (KernelPlan.prefill_conv_blocks; 3 and 70 leave
-    # a program whose last blocks lie past T) gives every output and the window the bits of one
-    # block a program
+    # a program taking several token blocks in turn (KernelPlan.prefill_conv_blocks; where T ends
+    # before a program's last blocks, as at T = 5, they store nothing) gives every output and the
+    # window the bits of one block a program
     x, buf, w = _case(100, T, torch.bfloat16, device, seed=70 + T)
     off = torch.tensor([5], device=device)
     buf1, buf_ref = buf.clone(), buf.clone()

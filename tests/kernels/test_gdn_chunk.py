@@ -99,10 +99,10 @@ def test_chunk_with_bf16_products(device, fused, bv):
     # kernels bf16 too: within bf16's reach of the float32 reference, and apart from the tf32 form
     args, state = _inputs(130, 2, 6, 32, 40, torch.bfloat16, device, seed=9)
     o_ref, s_ref = gdn_chunk.chunk_ref(*args, state)
-    o32, s32 = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused})
-    config = dict(fused_out=fused, normed=True, state_dot="bf16", solved="bfloat16", terms="bfloat16", scan_bv=bv)
-    o, s = gdn_chunk.chunk_triton(*args, state, config=config)
-    assert not torch.equal(s, s32), "the state's products were rounded"
+    config = dict(fused_out=fused, normed=True, solved="bfloat16", terms="bfloat16", scan_bv=bv)
+    o_tf32, s_tf32 = gdn_chunk.chunk_triton(*args, state, config=config)
+    o, s = gdn_chunk.chunk_triton(*args, state, config=dict(config, state_dot="bf16"))
+    assert not torch.equal(s, s_tf32), "the state's products took bf16 operands"
     check(o, o_ref, 3e-2)
     check(s, s_ref, 2e-2, "final state")
 
@@ -114,6 +114,31 @@ def test_float32_inputs_keep_float32_between_the_kernels(device, prep):
     o2, s2 = gdn_chunk.chunk_triton(*args, state, config={"solved": "bfloat16", "terms": "bfloat16", "prep": prep,
                                                           "state_dot": "bf16", "dot": "bf16"})
     assert torch.equal(o2, o) and torch.equal(s2, s)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_split_prep_with_unit_rows_written_once(device, fused):
+    # the split prep writes the unit rows of q and k from its own sums of squares: the same values
+    # as each kernel normalising them, to float32's rounding
+    args, state = _inputs(130, 2, 6, 32, 40, torch.float32, device, seed=11)
+    o, s = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused, "prep": "split"})
+    o2, s2 = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused, "prep": "split", "normed": True})
+    check(o2, o, 1e-5)
+    check(s2, s, 1e-5, "final state")
+
+
+def test_chunk_passes_the_plans_forms(monkeypatch):
+    # chunk() hands chunk_triton every form it is given (the engine's plan: engine/model.py)
+    seen = {}
+    monkeypatch.setattr(gdn_chunk, "use_triton", lambda *t: True)
+    monkeypatch.setattr(gdn_chunk, "chunk_triton", lambda *args: seen.update(args[9]) or ("o", "s"))
+    args, state = _inputs(5, 1, 2, 16, 16, torch.float32, "cpu", seed=12)
+    gdn_chunk.chunk(*args, state, fused_out=True, solved="bfloat16", terms="bfloat16", products="bf16",
+                    normed=True, prep="split", prep_products="bf16")
+    assert seen == dict(fused_out=True, solved="bfloat16", terms="bfloat16", normed=True, state_dot="bf16",
+                        dot="bf16", prep="split")
+    with pytest.raises(AssertionError, match="prep_products"):
+        gdn_chunk.chunk(*args, state, prep_products="fp8")
 
 
 @pytest.mark.parametrize("fused", [False, True])
