@@ -4,6 +4,8 @@ its shapes and the recurrence it computes: gdn.py.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mtpchat.kernels._triton import interpreting, tl, triton, use_triton
@@ -524,6 +526,49 @@ CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_b
 BF16_TILES = dict(scan_bv=32, scan_warps=4, out_bv=128)
 
 
+# Shared memory a block may take on the GPUs with the most of it (A100 163 KB, H100 227 KB), which
+# the float32 forms' tiles need; the others (RTX 30 and 40, A10, L4: sm_86 and sm_89; RTX 50) give
+# 99-101 KB. On those, compiled with Triton 3.6 (tests/kernels/test_gdn_chunk_compile.py): the
+# float32 model's tf32x3 kernels take 131-197 KB at any tile, so a float32 model there runs the
+# torch reference (chunk()); the tf32 forms fit with the scan on 16 value columns and the output on
+# 32 (SMALL_TILES: the scan 74-99 KB, the output 90 KB, against 98-148 and 115 at CHUNK_CONFIG's);
+# the bf16 forms at their tiles take 33-82 KB. A float32 model's scan on CHUNK_CONFIG's 64 columns
+# took 180 KB compiled by Triton 3.9 for an A100 (166 KB a block): WIDE_TILES.
+ROOMY = 160 * 1024
+SMALL_TILES = dict(scan_bv=16, scan_warps=4, out_bv=32)
+WIDE_TILES = dict(scan_bv=32, scan_warps=4, out_bv=32)
+
+
+@functools.cache
+def _block_shared_memory(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    given = getattr(props, "shared_memory_per_block_optin", 0)
+    if given:
+        return given
+    major, minor = torch.cuda.get_device_capability(index)
+    return 232448 if major >= 9 and major < 12 else 166912 if (major, minor) == (8, 0) else 101376
+
+
+def roomy(device: torch.device) -> bool:
+    """Whether a block of the chunk kernels may take ROOMY bytes of shared memory on `device` (the
+    CPU under Triton's interpreter: yes)."""
+    if device.type != "cuda" or interpreting():
+        return True
+    return _block_shared_memory(device.index if device.index is not None else torch.cuda.current_device()) >= ROOMY
+
+
+def chunk_config(config: dict | None, wide: bool, room: bool = True) -> dict:
+    """The kernels' configuration chunk_triton launches (its docstring) for `config`, a float32
+    model's (`wide`: float32 between the kernels and tf32x3 products whatever `config` asks) or
+    not, on a device with ROOMY shared memory a block or less (`room`: the tf32 forms' tiles shrink
+    to SMALL_TILES where `config` names none; a float32 model's take WIDE_TILES)."""
+    config = config or {}
+    low = config.get("state_dot") == "bf16" and not wide
+    tiles = BF16_TILES if low else WIDE_TILES if wide else {} if room else SMALL_TILES
+    return {**CHUNK_CONFIG, **({"dot": "tf32x3"} if wide else {}), **tiles, **config,
+            **({"solved": "float32", "terms": "float32", "dot": "tf32x3", "state_dot": "tf32x3"} if wide else {})}
+
+
 def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, config: dict | None = None,
                  out: torch.Tensor | None = None):
     """chunk_ref's contract (chunk 64), with q, k, v, a, b as row-strided views like recurrent_triton's.
@@ -540,8 +585,9 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     _chunk_prep_kernel, A and the right-hand sides through memory, solved block by block;
     "split": (I + A)^-1 whole in registers, then w and u as products, _chunk_inverse_kernel and
     _chunk_wu_kernel); the rest tiles, for tuning (bf16 products take BF16_TILES where `config`
-    names none). A float32 model (float32 v) keeps float32 between the kernels and tf32x3
-    products whatever `config` asks."""
+    names none; on a device without ROOMY shared memory a block the tf32 forms take SMALL_TILES).
+    A float32 model (float32 v) keeps float32 between the kernels and tf32x3 products whatever
+    `config` asks (chunk_config)."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert chunk == 64, "the chunk kernels work on 64 tokens at a time"
@@ -552,13 +598,7 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     assert a.shape == b.shape == (T, Hv) and a.stride(1) == 1 and b.stride(1) == 1, "a, b must be [T, Hv]"
     assert state.dtype == torch.float32 and state.is_contiguous() and state.shape == (Hv, DK, DV), \
         "state must be contiguous float32 [Hv, dk, dv]"
-    # a float32 model is float32 throughout: its products take "tf32x3" (float32 accuracy), not tf32,
-    # and what the kernels hand each other stays float32 whatever the plan asks
-    wide = v.dtype == torch.float32
-    config = config or {}
-    low = config.get("state_dot") == "bf16" and not wide
-    cfg = {**CHUNK_CONFIG, **({"dot": "tf32x3"} if wide else {}), **(BF16_TILES if low else {}), **config,
-           **({"solved": "float32", "terms": "float32", "dot": "tf32x3", "state_dot": "tf32x3"} if wide else {})}
+    cfg = chunk_config(config, v.dtype == torch.float32, roomy(q.device))
     # Triton's interpreter takes bf16 products as float32 ones over operands rounded to bf16 (_mm)
     dot, state_dot = ("bf16ieee" if d == "bf16" and interpreting() else d
                       for d in (cfg["dot"], cfg["state_dot"] or cfg["dot"]))
@@ -584,7 +624,7 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=dev)
     scale = DK ** -0.5
     if cfg["prep"] == "split":
-        merge = "tf32x3" if wide else "ieee" if interpreting() else "tf32"
+        merge = "tf32x3" if cfg["dot"] == "tf32x3" else "ieee" if interpreting() else "tf32"    # a float32 model's
         _chunk_inverse_kernel[(NT, Hv)](q, k, a, b, A_log, dt_bias, ws_a, ws_g, ws_p, ws_q, ws_k, T, scale,
                                         q.stride(0), k.stride(0), a.stride(0), b.stride(0), HV=Hv, GROUP=G, DK=DK,
                                         SB=chunk // 4, BK=min(cfg["inverse_bk"], DK), DOT=dot, MERGE=merge,
@@ -614,6 +654,13 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     return o, s_out
 
 
+def plan_config(fused_out: bool, solved: str, terms: str, products: str, normed: bool, prep: str,
+                prep_products: str) -> dict:
+    """chunk_triton's `config` for the plan's forms (chunk's arguments, KernelPlan.chunk_*)."""
+    return {"fused_out": fused_out, "solved": solved, "terms": terms, "normed": normed, "state_dot": products,
+            "dot": prep_products, "prep": prep}
+
+
 def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, fused_out: bool = False,
           out: torch.Tensor | None = None, solved: str = "float32", terms: str = "float32", products: str = "tf32",
           normed: bool = False, prep: str = "solve", prep_products: str = "tf32"):
@@ -621,14 +668,14 @@ def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, f
     what they hand each other in the dtypes `solved` and `terms`, the scan's and the output's
     products on `products` ("tf32" or "bf16") operands, the unit rows of q and k written once by
     the prep where `normed`, the prep's form `prep` and its products on `prep_products` operands:
-    chunk_triton), the final state into `out`
+    chunk_triton; a float32 model only where the device is roomy), the final state into `out`
     where given: the reference returns a new tensor, which the caller copies where it wants it,
     and starts from a copy of the start state then, which a training forward's gradients may
     still need."""
     for name, form in (("products", products), ("prep_products", prep_products)):
         assert form in ("tf32", "bf16"), f"the chunk's {name} take tf32 or bf16, not {form!r}"
-    if use_triton(q, k, v, a, b):
+    # a float32 model's kernels need ROOMY shared memory a block; elsewhere it takes the reference
+    if use_triton(q, k, v, a, b) and (v.dtype != torch.float32 or roomy(q.device)):
         return chunk_triton(q, k, v, a, b, A_log, dt_bias, state, chunk,
-                            {"fused_out": fused_out, "solved": solved, "terms": terms, "normed": normed,
-                             "state_dot": products, "dot": prep_products, "prep": prep}, out)
+                            plan_config(fused_out, solved, terms, products, normed, prep, prep_products), out)
     return chunk_ref(q, k, v, a, b, A_log, dt_bias, state if out is None else state.clone(), chunk)

@@ -141,6 +141,31 @@ def test_chunk_passes_the_plans_forms(monkeypatch):
         gdn_chunk.chunk(*args, state, prep_products="fp8")
 
 
+def test_a_float32_model_takes_the_reference_where_shared_memory_is_short(monkeypatch):
+    # its kernels' tiles need ROOMY bytes a block (an RTX 4090 gives 99 KB): there chunk() runs chunk_ref
+    monkeypatch.setattr(gdn_chunk, "use_triton", lambda *t: True)
+    monkeypatch.setattr(gdn_chunk, "roomy", lambda device: False)
+    monkeypatch.setattr(gdn_chunk, "chunk_triton", lambda *args: pytest.fail("the kernels ran"))
+    args, state = _inputs(70, 1, 2, 16, 24, torch.float32, "cpu", seed=13)
+    o, s = gdn_chunk.chunk(*args, state)
+    o_ref, s_ref = gdn_chunk.chunk_ref(*args, state)
+    assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
+
+
+def test_chunk_config_tiles():
+    # the plan's bf16 forms on BF16_TILES; tf32 ones on CHUNK_CONFIG's, or SMALL_TILES where shared
+    # memory is short; a float32 model's on WIDE_TILES in float32 and tf32x3 whatever is asked; a
+    # tile `config` names wins
+    low = gdn_chunk.plan_config(True, "bfloat16", "bfloat16", "bf16", True, "solve", "tf32")
+    assert gdn_chunk.chunk_config(low, False, False)["scan_bv"] == gdn_chunk.BF16_TILES["scan_bv"]
+    assert gdn_chunk.chunk_config({}, False, True)["scan_bv"] == gdn_chunk.CHUNK_CONFIG["scan_bv"]
+    assert gdn_chunk.chunk_config({}, False, False)["out_bv"] == gdn_chunk.SMALL_TILES["out_bv"]
+    wide = gdn_chunk.chunk_config(low, True, True)
+    assert (wide["solved"], wide["terms"], wide["dot"], wide["state_dot"]) == ("float32", "float32", "tf32x3", "tf32x3")
+    assert wide["scan_bv"] == gdn_chunk.WIDE_TILES["scan_bv"]
+    assert gdn_chunk.chunk_config(dict(low, scan_bv=64), False, False)["scan_bv"] == 64
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_split_prep_with_bf16_products(device, fused):
     # the split prep's key products on bf16 operands, with the scan's and the output's, and bf16

@@ -1,0 +1,116 @@
+"""The chunked GDN's kernels (kernels/gdn_chunk.py) through Triton's whole pipeline to a cubin, on a
+machine without a GPU, configured as chunk_triton configures them (gdn_chunk.chunk_config) for the
+engine's plan (KernelPlan.chunk_*), its candidates (the output by its own kernel, the prep split in
+two with bf16 products), the tf32 form and a float32 model's: for Hopper (sm_90) and for Ampere and
+Ada (sm_80, sm_86, sm_89: the products on mma.sync, nothing of Hopper's), each within the target's
+shared memory on the tiles it takes there (a float32 model only where the device is roomy: the
+others run it on the torch reference). The interpreter, which runs test_gdn_chunk.py here, never
+compiles."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mtpchat
+
+COMPILE = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from mtpchat.engine.plan import KernelPlan
+from mtpchat.kernels import gdn_chunk as g
+from mtpchat.kernels.plan import ProductPlan
+
+try:
+    from triton.backends.nvidia.compiler import get_ptxas
+    get_ptxas(80).path
+except Exception as e:                      # Triton's own lookup: TRITON_PTXAS_PATH, its bundled ptxas
+    print("NO PTXAS", repr(e))
+    sys.exit(0)
+
+SHARED_MEMORY = {90: 232448, 80: 166912, 86: 101376, 89: 101376}    # bytes a block may take, per target
+SHAPE = dict(HV=48, GROUP=3, DK=128, DV=128, BDV=128, BC=64)        # the 27B's heads
+plan = KernelPlan(products=ProductPlan(programs=132))
+PLAN = (plan.chunk_fused_out, plan.chunk_solved, plan.chunk_terms, plan.chunk_products, plan.chunk_normed,
+        plan.chunk_prep, plan.chunk_prep_products)
+FORMS = {"plan": (g.plan_config(*PLAN), False),
+         "plan unfused": (g.plan_config(False, *PLAN[1:]), False),
+         "plan split": (g.plan_config(*PLAN[:5], "split", "bf16"), False),
+         "tf32": (g.plan_config(False, "float32", "float32", "tf32", False, "solve", "tf32"), False),
+         "tf32 fused": (g.plan_config(True, "float32", "float32", "tf32", False, "solve", "tf32"), False),
+         "float32 model": ({}, True)}
+
+
+def launches(cfg):
+    # (name, kernel, constexprs, warps, stages) as chunk_triton launches them under cfg
+    dot, state_dot, fused = cfg["dot"], cfg["state_dot"] or cfg["dot"], cfg["fused_out"]
+    flags = dict(FUSED=fused, NORMED=cfg["normed"])
+    if cfg["prep"] == "split":
+        yield "inverse", g._chunk_inverse_kernel, dict(SB=16, BK=cfg["inverse_bk"], DOT=dot, MERGE="tf32", **flags), \
+            cfg["inverse_warps"], 3
+        yield "wu", g._chunk_wu_kernel, dict(DOT=dot, NORMED=cfg["normed"]), cfg["wu_warps"], 3
+    else:
+        yield "prep", g._chunk_prep_kernel, dict(SB=16, NB=4, DOT=dot, **flags), cfg["prep_warps"], 3
+    yield "scan", g._chunk_scan_kernel, dict(BV=cfg["scan_bv"], DOT=state_dot, **flags), cfg["scan_warps"], \
+        cfg["scan_stages"]
+    if not fused:
+        yield "out", g._chunk_out_kernel, dict(BV=cfg["out_bv"], DOT=state_dot, NORMED=cfg["normed"]), \
+            cfg["out_warps"], 3
+
+
+def pointer(name, cfg, wide):
+    # what passes between the kernels in cfg's dtypes; the model's tensors bf16 (a float32 model's float32)
+    if name in ("ws_w", "ws_u", "ws_k"):
+        return "*bf16" if cfg["solved"] == "bfloat16" else "*fp32"
+    if name in ("ws_h", "ws_v", "ws_p", "ws_q"):
+        return "*bf16" if cfg["terms"] == "bfloat16" else "*fp32"
+    return "*fp32" if wide or name in ("ws_a", "ws_g", "state", "s_out") else "*bf16"
+
+
+for form, (config, wide) in FORMS.items():
+    for cap in (90, 80, 86, 89):
+        room = SHARED_MEMORY[cap] >= g.ROOMY
+        if wide and not room:
+            continue                        # chunk() takes the reference there
+        cfg = g.chunk_config(config, wide, room)
+        for name, fn, consts, warps, stages in launches(cfg):
+            consts = {a: v for a, v in {**SHAPE, **consts}.items() if a in fn.arg_names}
+            sig = {a: "constexpr" if a in consts else "fp32" if a == "scale" else
+                   "i32" if a == "T" or a.startswith("s_") and a != "s_out" else pointer(a, cfg, wide)
+                   for a in fn.arg_names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a].startswith("*")}
+            what = f"{form}: {name} sm_{cap}"
+            try:
+                k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                                   target=GPUTarget("cuda", cap, 32), options=dict(num_warps=warps, num_stages=stages))
+            except Exception as e:
+                print("FAILED", what, "\n", str(e)[-1500:], file=sys.stderr)
+                raise SystemExit(1)
+            ptx = k.asm["ptx"]
+            assert f".target sm_{cap}" in ptx and len(k.asm["cubin"]) > 0, what
+            # what a launch would refuse (OutOfResources), which compiling alone lets through
+            assert k.metadata.shared <= SHARED_MEMORY[cap], f"{what}: {k.metadata.shared} bytes of shared memory"
+            if cap < 90:
+                assert "mma.sync" in ptx and "wgmma" not in ptx and "setmaxnreg" not in ptx, what
+            print("ok", what)
+"""
+
+
+def test_chunk_kernels_compile_for_hopper_ampere_and_ada():
+    """In a process of its own: this one may run Triton's interpreter, whose kernels never compile.
+    The child finds the package where this process found it and ptxas as Triton does; only where
+    there is none at all it skips."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(mtpchat.__file__).parent.parent)] + [p for p in sys.path if p])
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    child = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=1500)
+    if child.stdout.startswith("NO PTXAS"):
+        pytest.skip(f"Triton finds no ptxas to compile with: {child.stdout.strip()}")
+    assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-4000:]
+    # plan 2 kernels, unfused 3, split 3, tf32 3, tf32 fused 2 on 4 targets; the float32 model's 3 on 2
+    assert child.stdout.count("ok ") == (2 + 3 + 3 + 3 + 2) * 4 + 3 * 2, child.stdout[-2000:]
