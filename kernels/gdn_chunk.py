@@ -4,12 +4,11 @@ its shapes and the recurrence it computes: gdn.py.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from mtpchat.kernels._triton import interpreting, tl, triton, use_triton
 from mtpchat.kernels.gdn import gates, l2norm
+from mtpchat.kernels.plan import default_products
 
 
 def _prepare(q, k, v, a, b, A_log, dt_bias):
@@ -539,22 +538,10 @@ SMALL_TILES = dict(scan_bv=16, scan_warps=4, out_bv=32)
 WIDE_TILES = dict(scan_bv=32, scan_warps=4, out_bv=32)
 
 
-@functools.cache
-def _block_shared_memory(index: int) -> int:
-    props = torch.cuda.get_device_properties(index)
-    given = getattr(props, "shared_memory_per_block_optin", 0)
-    if given:
-        return given
-    major, minor = torch.cuda.get_device_capability(index)
-    return 232448 if major >= 9 and major < 12 else 166912 if (major, minor) == (8, 0) else 101376
-
-
 def roomy(device: torch.device) -> bool:
     """Whether a block of the chunk kernels may take ROOMY bytes of shared memory on `device` (the
     CPU under Triton's interpreter: yes)."""
-    if device.type != "cuda" or interpreting():
-        return True
-    return _block_shared_memory(device.index if device.index is not None else torch.cuda.current_device()) >= ROOMY
+    return device.type != "cuda" or interpreting() or default_products(device).shared_memory >= ROOMY
 
 
 def chunk_config(config: dict | None, wide: bool, room: bool = True) -> dict:

@@ -322,6 +322,33 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     chosen = plan.tiles(N, K, itemsize, swiglu, fp8) if plan is not None and plan.tiles is not None else None
     if chosen is not None:
         return fp8_fit(chosen, K) if fp8 else chosen
+    return _fitted(_measured_tile(K, itemsize, swiglu, fp8, plan), swiglu, itemsize, plan)
+
+
+# what Triton's pipeline keeps beside its buffers (barriers, the epilogue's layout changes), as slack
+PIPELINE_SLACK = 4096
+
+
+def _fitted(tile: tuple[int, int, int, int], swiglu: bool, itemsize: int,
+            plan: ProductPlan | None) -> tuple[int, int, int, int]:
+    """A measured tile, its depth cut until its pipelined buffers fit the device's shared memory a
+    program (ProductPlan.shared_memory): stages - 1 buffers of w's tile (2 BN rows for a SwiGLU) and
+    x's [BK, rows] (bf16; a float32 model's float32), as Triton 3.6 lays them out (the bf16 plain
+    tile, 64 x 256 x 4 deep, 122,880 bytes for sm_80-90: over the 101,376 an RTX 3090 or 4090, an
+    A10 or an L4 gives, where it runs 3 deep in 81,920). The same sums at any depth; an H100's and
+    an A100's tiles unchanged."""
+    BN, BK, warps, stages = tile
+    room = plan.shared_memory if plan is not None else ProductPlan.shared_memory
+    rows = plan.rows if plan is not None else ProductPlan.rows
+    stage = (2 if swiglu else 1) * BN * BK * itemsize + BK * rows * (4 if itemsize == 4 else 2)
+    while stages > 2 and (stages - 1) * stage > room - PIPELINE_SLACK:
+        stages -= 1
+    return BN, BK, warps, stages
+
+
+def _measured_tile(K: int, itemsize: int, swiglu: bool, fp8: bool,
+                   plan: ProductPlan | None) -> tuple[int, int, int, int]:
+    """The measured tile of a bf16, float32 or FP8 product (tiles' docstring) on an H100."""
     if fp8:
         # rows of 4096 or more: two scale blocks a K step (fp8_run) where 256 divides K and the plan
         # takes them for this product (ProductPlan.fp8_two_blocks)

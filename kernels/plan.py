@@ -38,6 +38,10 @@ Int4Rule = Callable[[str, int, int, int], "tuple[int, ...] | None"]
 @dataclass(frozen=True)
 class ProductPlan:
     programs: int                   # programs resident at once for the wide products' tiles: one an SM
+    shared_memory: int = 232448     # bytes of shared memory a program may take on the device (block_shared_memory:
+                                    # H100 227 KB, A100 163 KB; RTX 30 and 40, A10, L4, RTX 50: 99 KB): a few-row
+                                    # product's measured tile runs shallower where its buffers would take more
+                                    # (matvec.tiles; the bf16 tiles took 120-144 KB)
     rows: int = 16                  # the row tile (BT) of a few-row product over bf16 or FP8 weights: its one
                                     # compiled kernel takes 1..rows rows, padded to this many in its dots, so a
                                     # row's result never depends on how many a call holds (more rows run in
@@ -121,6 +125,19 @@ def programs_on(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def block_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory a program (block) may take on `device`: what the device says, else by
+    its compute capability (sm_80 163 KB, sm_90 and sm_100 227 KB, the others 99 KB); the CPU (Triton's
+    interpreter) has no limit that matters, so an H100's."""
+    if device.type != "cuda":
+        return ProductPlan.shared_memory
+    given = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+    if given:
+        return int(given)
+    major, minor = torch.cuda.get_device_capability(device)
+    return 232448 if major in (9, 10) else 166912 if (major, minor) == (8, 0) else 101376
+
+
 def default_products(device: torch.device | str) -> ProductPlan:
     """The measured forms for products on `device` (the engine's plan starts from these)."""
     device = torch.device(device)
@@ -134,4 +151,5 @@ def _default(kind: str, index: int | None) -> ProductPlan:
     # the FP8 SwiGLU's runs of two scale blocks won on an H200 (HBM3e) and lost on an H100 (a GH200
     # is neither: unmeasured, it keeps the H100's choice)
     glu = kind == "cuda" and re.search(r"\bH200\b", torch.cuda.get_device_name(device)) is not None
-    return ProductPlan(programs=programs_on(device), fp8_two_blocks=("plain", "swiglu") if glu else ("plain",))
+    return ProductPlan(programs=programs_on(device), shared_memory=block_shared_memory(device),
+                       fp8_two_blocks=("plain", "swiglu") if glu else ("plain",))

@@ -112,3 +112,12 @@ def test_prefill_output_gate_quantized(device, T, D):
     assert got.rows == T and got.q.shape == xq.shape
     assert torch.equal(got.q.view(torch.uint8), xq.view(torch.uint8)), "codes"
     assert torch.equal(got.scale, xs) and got.scale.stride() == xs.stride(), "scales"
+
+
+def test_decode_attention_runs_shallower_where_shared_memory_is_short():
+    # head_dim 256 three deep takes 151,552 bytes a program: two deep (86,016) on a 101,376-byte
+    # device, the same tiles and spans
+    first, split, BN, warps, stages = attention._config(32768, 2, 256)
+    assert stages == 3
+    assert attention._config(32768, 2, 256, room=101376) == (first, split, BN, warps, 2)
+    assert attention._config(32768, 4, 256, room=101376)[-1] == 1     # float32: one deep anyway

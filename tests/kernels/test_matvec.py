@@ -272,3 +272,18 @@ def test_matvec_normed_input(device, dtype, T):
     check(matvec.matvec_swiglu_triton(n, w), matvec.matvec_swiglu_ref(n, w), TOL[dtype], "swiglu")
     ref = matvec.matvec_ref(n.x, w).float() * matvec.rstd_ref(n)[:, None].cpu().to(device)
     check(matvec.matvec_ref(n, w), ref, TOL[dtype], "the reference's scale")
+
+
+def test_tiles_run_shallower_where_shared_memory_is_short():
+    # an RTX 3090 or 4090, an A10 or an L4 gives a program 101,376 bytes: the bf16 tiles (122,880 and
+    # 147,456 bytes as measured for an H100) run 3 deep there, the rest of each tile as measured;
+    # an H100's and an A100's as they are (tests/kernels/test_products_compile.py compiles them)
+    small, h100 = ProductPlan(programs=128, shared_memory=101376), ProductPlan(programs=132)
+    for swiglu in (False, True):
+        BN, BK, warps, stages = matvec.tiles(17408, 5120, 2, swiglu, plan=h100)
+        assert matvec.tiles(17408, 5120, 2, swiglu, plan=small) == (BN, BK, warps, 3) and stages > 3
+        assert matvec.tiles(17408, 5120, 2, swiglu, plan=ProductPlan(programs=108, shared_memory=166912)) == \
+            (BN, BK, warps, stages)
+        # FP8 tiles fit either way
+        assert matvec.tiles(17408, 5120, 1, swiglu, fp8=True, plan=small) == \
+            matvec.tiles(17408, 5120, 1, swiglu, fp8=True, plan=h100)
