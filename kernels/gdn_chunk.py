@@ -525,16 +525,16 @@ CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_b
 BF16_TILES = dict(scan_bv=32, scan_warps=4, out_bv=128)
 
 
-# Shared memory a block may take on the GPUs with the most of it (A100 163 KB, H100 227 KB), which
-# the float32 forms' tiles need; the others (RTX 30 and 40, A10, L4: sm_86 and sm_89; RTX 50) give
-# 99-101 KB. On those, compiled with Triton 3.6 (tests/kernels/test_gdn_chunk_compile.py): the
-# float32 model's tf32x3 kernels take 131-197 KB at any tile, so a float32 model there runs the
-# torch reference (chunk()); the tf32 forms fit with the scan on 16 value columns and the output on
-# 32 (SMALL_TILES: the scan 74-99 KB, the output 90 KB, against 98-148 and 115 at CHUNK_CONFIG's);
-# the bf16 forms at their tiles take 33-82 KB. A float32 model's scan on CHUNK_CONFIG's 64 columns
-# took 180 KB compiled by Triton 3.9 for an A100 (166 KB a block): WIDE_TILES.
-ROOMY = 160 * 1024
-SMALL_TILES = dict(scan_bv=16, scan_warps=4, out_bv=32)
+# Shared memory a block may take on an H100 (227 KB), which the float32 forms' tiles need; an A100
+# gives 163 KB, the others (RTX 30 and 40, A10, L4: sm_86 and sm_89; RTX 50) 99 KB. Compiled with
+# Triton 3.6 and 3.9 (tests/kernels/test_gdn_chunk_compile.py), its strides 16-divisible as a launch
+# has them: a float32 model's tf32x3 kernels take 131-197 KB at any tile, so a float32 model below
+# ROOMY runs the torch reference (chunk()); the tf32 forms' scan on CHUNK_CONFIG's 64 value columns
+# took 180 KB (A100 included), so below ROOMY they take SMALL_TILES (the scan on 32 columns, not
+# pipelined: 41-74 KB on sm_86; the output on 32); the bf16 forms at their tiles take 33-82 KB. A
+# float32 model's scan takes WIDE_TILES.
+ROOMY = 200 * 1024
+SMALL_TILES = dict(scan_bv=32, scan_warps=4, scan_stages=1, out_bv=32)
 WIDE_TILES = dict(scan_bv=32, scan_warps=4, out_bv=32)
 
 

@@ -8,31 +8,15 @@ others run it on the torch reference). The interpreter, which runs test_gdn_chun
 compiles."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-import mtpchat
+from compile_checks import run_children
 
 COMPILE = r"""
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
+from compile_checks import SHARED_MEMORY, compile_checked, ptxas_or_exit
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.kernels import gdn_chunk as g
 from mtpchat.kernels.plan import ProductPlan
 
-try:
-    from triton.backends.nvidia.compiler import get_ptxas
-    get_ptxas(80).path
-except Exception as e:                      # Triton's own lookup: TRITON_PTXAS_PATH, its bundled ptxas
-    print("NO PTXAS", repr(e))
-    sys.exit(0)
-
-SHARED_MEMORY = {90: 232448, 80: 166912, 86: 101376, 89: 101376}    # bytes a block may take, per target
+ptxas_or_exit()
 SHAPE = dict(HV=48, GROUP=3, DK=128, DV=128, BDV=128, BC=64)        # the 27B's heads
 plan = KernelPlan(products=ProductPlan(programs=132))
 PLAN = (plan.chunk_fused_out, plan.chunk_solved, plan.chunk_terms, plan.chunk_products, plan.chunk_normed,
@@ -78,39 +62,18 @@ for form, (config, wide) in FORMS.items():
             continue                        # chunk() takes the reference there
         cfg = g.chunk_config(config, wide, room)
         for name, fn, consts, warps, stages in launches(cfg):
-            consts = {a: v for a, v in {**SHAPE, **consts}.items() if a in fn.arg_names}
-            sig = {a: "constexpr" if a in consts else "fp32" if a == "scale" else
-                   "i32" if a == "T" or a.startswith("s_") and a != "s_out" else pointer(a, cfg, wide)
-                   for a in fn.arg_names}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a].startswith("*")}
-            what = f"{form}: {name} sm_{cap}"
-            try:
-                k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                                   target=GPUTarget("cuda", cap, 32), options=dict(num_warps=warps, num_stages=stages))
-            except Exception as e:
-                print("FAILED", what, "\n", str(e)[-1500:], file=sys.stderr)
-                raise SystemExit(1)
-            ptx = k.asm["ptx"]
-            assert f".target sm_{cap}" in ptx and len(k.asm["cubin"]) > 0, what
-            # what a launch would refuse (OutOfResources), which compiling alone lets through
-            assert k.metadata.shared <= SHARED_MEMORY[cap], f"{what}: {k.metadata.shared} bytes of shared memory"
-            if cap < 90:
-                assert "mma.sync" in ptx and "wgmma" not in ptx and "setmaxnreg" not in ptx, what
-            print("ok", what)
+            consts = {**SHAPE, **consts}
+            sig = {a: "fp32" if a == "scale" else "i32" if a == "T" or a.startswith("s_") and a != "s_out" else
+                   pointer(a, cfg, wide) for a in fn.arg_names if a not in consts}
+            # as a launch specialises them: pointers, the heads' strides 16-divisible (T aside)
+            aligned = {a for a in sig if a not in ("T", "scale")}
+            k = compile_checked(fn, consts, sig, cap, warps, stages, f"{form}: {name} sm_{cap}", aligned)
+            assert cap >= 90 or "mma.sync" in k.asm["ptx"], name
 """
 
 
 def test_chunk_kernels_compile_for_hopper_ampere_and_ada():
-    """In a process of its own: this one may run Triton's interpreter, whose kernels never compile.
-    The child finds the package where this process found it and ptxas as Triton does; only where
-    there is none at all it skips."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(mtpchat.__file__).parent.parent)] + [p for p in sys.path if p])
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    child = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=1500)
-    if child.stdout.startswith("NO PTXAS"):
-        pytest.skip(f"Triton finds no ptxas to compile with: {child.stdout.strip()}")
-    assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-4000:]
-    # plan 2 kernels, unfused 3, split 3, tf32 3, tf32 fused 2 on 4 targets; the float32 model's 3 on 2
-    assert child.stdout.count("ok ") == (2 + 3 + 3 + 3 + 2) * 4 + 3 * 2, child.stdout[-2000:]
+    """In a process of its own (compile_checks.run_children): this one may run Triton's interpreter."""
+    stdout = run_children(COMPILE)
+    # plan 2 kernels, unfused 3, split 3, tf32 3, tf32 fused 2 on 4 targets; the float32 model's 3 on sm_90
+    assert stdout.count("ok ") == (2 + 3 + 3 + 3 + 2) * 4 + 3, stdout[-2000:]

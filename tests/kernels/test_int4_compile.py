@@ -12,29 +12,17 @@ memory; and over interleaved weights, the products and experts on their own tile
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
-
-import mtpchat
+from compile_checks import run_children
 
 COMPILE = r"""
 import os
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
+from compile_checks import SHARED_MEMORY, compile_checked, ptxas_or_exit
 from mtpchat.kernels import int4, int4_gemm, matvec, matvec_parts, moe, moe_layout
 from mtpchat.kernels.moe_layout import STEP_PAIRS, STEP_ROWS
 from mtpchat.kernels.plan import ProductPlan
 
-try:
-    from triton.backends.nvidia.compiler import get_ptxas
-    get_ptxas(80).path
-except Exception as e:                      # Triton's own lookup: TRITON_PTXAS_PATH, its bundled ptxas
-    print("NO PTXAS", repr(e))
-    sys.exit(0)
+ptxas_or_exit()
 
 POINTERS = dict(x="*bf16", w="*i32", sw="*fp16", ws="*fp16", w2="*i32", ws2="*fp16", y="*bf16", count="*i32",
                 ss="*fp32", zw="*u8", zw2="*u8", perm="*i32", perm2="*i32", expert="*i32", pairs="*i32",
@@ -50,6 +38,13 @@ def mine():
     global _job
     _job += 1
     return _job % SHARDS == SHARD
+
+
+def aligned(fn, consts, sig):
+    # as a launch specialises them: pointers 16-byte aligned, the shapes and strides multiples of
+    # 16 (the rows' count T, the pairs' P and eps aside); with these hints Triton pipelines x's
+    # loads through shared memory, as on the GPU
+    return {a for a in fn.arg_names if a not in consts and a not in ("T", "P", "eps") and sig[a] != "fp32"}
 
 
 def constexprs(fn, given):
@@ -97,7 +92,6 @@ def variants():
 # format's tiles come before any target's code; the targets' own instructions and shared memory
 # (each variant on its own tiles and layout: a prefill's experts take more than a step's) are
 # checked on each.
-SHARED_MEMORY = {90: 232448, 80: 166912, 86: 101376, 89: 101376}    # bytes a block may take, per target
 n, seen = 0, set()
 for name, fn, consts, types, *launch in variants():
     warps, stages = launch[0] if launch else (4, 3)
@@ -115,28 +109,10 @@ for name, fn, consts, types, *launch in variants():
                     continue
                 c_["PDL"] = cap >= 90
                 c_ = constexprs(fn, c_)
-                sig = {a: "constexpr" if a in c_ else types.get(a, POINTERS.get(a, "i32")) for a in fn.arg_names}
-                # as a launch specialises them: pointers 16-byte aligned, the shapes and strides
-                # multiples of 16 (the rows' count T, the pairs' P and eps aside); with these hints
-                # Triton pipelines x's loads through shared memory, as on the GPU
-                attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                         if a not in c_ and a not in ("T", "P", "eps") and sig[a] != "fp32"}
-                what = f"{name} {form} zeros/perm={not extra} sm_{cap}"
-                try:
-                    k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=c_, attrs=attrs),
-                                       target=GPUTarget("cuda", cap, 32),
-                                       options=dict(num_warps=warps, num_stages=stages))
-                except Exception as e:
-                    print("FAILED", what, "\n", str(e)[-1500:], file=sys.stderr)
-                    raise SystemExit(1)
-                ptx = k.asm["ptx"]
-                assert f".target sm_{cap}" in ptx and len(k.asm["cubin"]) > 0, what
-                # what a launch would refuse (OutOfResources), which compiling alone lets through
-                assert k.metadata.shared <= SHARED_MEMORY[cap], f"{what}: {k.metadata.shared} bytes of shared memory"
-                if cap < 90:
-                    assert "mma.sync" in ptx, what
-                    assert "wgmma" not in ptx and "setmaxnreg" not in ptx and "griddepcontrol" not in ptx, what
-                print("ok", what)
+                sig = {a: types.get(a, POINTERS.get(a, "i32")) for a in fn.arg_names if a not in c_}
+                k = compile_checked(fn, c_, sig, cap, warps, stages, f"{name} {form} zeros/perm={not extra} sm_{cap}",
+                                    aligned(fn, c_, sig))
+                assert cap >= 90 or "mma.sync" in k.asm["ptx"], name
 
 # interleaved weights (int16 half-words, their own form) in the few-row products, the experts'
 # (a step with the shared expert) and prefill's dequantize kernel, on the engine's tiles, for every target
@@ -164,24 +140,15 @@ for name, fn, consts, types, (warps, stages) in inter:
         if not mine():
             continue
         c_ = constexprs(fn, dict(consts, PDL=cap >= 90))
-        sig = {a: "constexpr" if a in c_ else types.get(a, dict(POINTERS, w="*i16").get(a, "i32")) for a in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                 if a not in c_ and a not in ("T", "P", "eps") and sig[a] != "fp32"}
+        sig = {a: types.get(a, dict(POINTERS, w="*i16").get(a, "i32")) for a in fn.arg_names if a not in c_}
         what = f"interleaved {name} sm_{cap}"
-        try:
-            k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=c_, attrs=attrs),
-                               target=GPUTarget("cuda", cap, 32), options=dict(num_warps=warps, num_stages=stages))
-        except Exception as e:
-            print("FAILED", what, "\n", str(e)[-1500:], file=sys.stderr)
-            raise SystemExit(1)
-        assert k.metadata.shared <= SHARED_MEMORY[cap], f"{what}: {k.metadata.shared} bytes of shared memory"
+        k = compile_checked(fn, c_, sig, cap, warps, stages, what, aligned(fn, c_, sig))
         assert name == "dequantize" or "lop3.b32" in k.asm["ptx"], what
         # the few-row products' weights stream through shared memory in 16-byte copies (cp.async.cg):
         # a split's K start known only as a multiple of 16 weights (8 bytes of half-words) once gave
         # 8-byte copies, or none at all (matvec.py, matvec_parts.py: tl.multiple_of)
         assert name not in ("plain", "swiglu", "parts") or "cp.async.cg.shared.global" in k.asm["ptx"], \
             f"{what}: its weights load in copies of under 16 bytes"
-        print("ok", what)
 """
 
 
@@ -191,19 +158,7 @@ def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
     (then the rest of its sys.path: a checkout's top folder may hold an `mtpchat/` without its
     engine and kernels) and ptxas as Triton does (TRITON_PTXAS_PATH, else the one Triton ships); only where
     there is none at all it skips."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    home = str(Path(mtpchat.__file__).parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join([home] + [p for p in sys.path if p])
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
     shards = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-    children = [subprocess.Popen([sys.executable, "-c", COMPILE], env=dict(env, COMPILE_SHARD=f"{i}/{shards}"),
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(shards)]
-    outputs = [child.communicate(timeout=900) for child in children]
-    stdout = "".join(out for out, _ in outputs)
-    if stdout.startswith("NO PTXAS"):
-        pytest.skip(f"Triton finds no ptxas to compile with: {stdout.strip()}")
-    for child, (out, err) in zip(children, outputs):
-        assert child.returncode == 0, (out[-2000:] + err[-4000:])
+    stdout = run_children(COMPILE, shards, timeout=900)
     assert stdout.count("ok ") >= 80, stdout[-2000:]
     assert "pairs" in stdout and stdout.count("ok interleaved") == 7 * 4, stdout[-2000:]     # 7 kernels x 4 targets

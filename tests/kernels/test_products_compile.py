@@ -7,31 +7,15 @@ sm_89 (FP8 from sm_89), each within the target's shared memory, nothing of Hoppe
 (test_gdn_chunk_compile.py)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-import mtpchat
+from compile_checks import run_children
 
 COMPILE = r"""
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
+from compile_checks import SHARED_MEMORY, compile_checked, ptxas_or_exit
 from mtpchat.kernels import attention, matvec, matvec_parts
 from mtpchat.kernels.fp8 import fp8_run, widen_group
 from mtpchat.kernels.plan import ProductPlan
 
-try:
-    from triton.backends.nvidia.compiler import get_ptxas
-    get_ptxas(80).path
-except Exception as e:                      # Triton's own lookup: TRITON_PTXAS_PATH, its bundled ptxas
-    print("NO PTXAS", repr(e))
-    sys.exit(0)
-
-SHARED_MEMORY = {90: 232448, 80: 166912, 86: 101376, 89: 101376}    # bytes a block may take, per target
+ptxas_or_exit()
 TYPES = dict(x="*bf16", w="*bf16", sw="*fp32", y="*bf16", ws="*fp32", count="*i32", ss="*fp32", r="*bf16",
              nw="*bf16", xn="*bf16", h="*bf16", eps="fp32", q="*bf16", k_cache="*bf16", v_cache="*bf16",
              start="*i64", ws_m="*fp32", ws_l="*fp32", ws_o="*fp32", scale="fp32")
@@ -66,39 +50,16 @@ def launches(cap):
 
 for cap in (90, 80, 86, 89):
     for name, fn, consts, types, warps, stages in launches(cap):
-        c_ = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
-        c_.update({a: v for a, v in dict(consts, PDL=cap >= 90).items() if a in fn.arg_names})
-        sig = {a: "constexpr" if a in c_ else types.get(a, TYPES.get(a, "i32")) for a in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                 if a not in c_ and a not in ("T", "eps", "scale") and sig[a] != "fp32"}
-        what = f"{name} sm_{cap}"
-        try:
-            k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=c_, attrs=attrs),
-                               target=GPUTarget("cuda", cap, 32), options=dict(num_warps=warps, num_stages=stages))
-        except Exception as e:
-            print("FAILED", what, "\n", str(e)[-1500:], file=sys.stderr)
-            raise SystemExit(1)
-        ptx = k.asm["ptx"]
-        assert f".target sm_{cap}" in ptx and len(k.asm["cubin"]) > 0, what
-        # what a launch would refuse (OutOfResources), which compiling alone lets through
-        assert k.metadata.shared <= SHARED_MEMORY[cap], f"{what}: {k.metadata.shared} bytes of shared memory"
-        if cap < 90:
-            assert "wgmma" not in ptx and "setmaxnreg" not in ptx and "griddepcontrol" not in ptx, what
-        print("ok", what, k.metadata.shared)
+        consts = dict(consts, PDL=cap >= 90)
+        sig = {a: types.get(a, TYPES.get(a, "i32")) for a in fn.arg_names if a not in consts}
+        # as a launch specialises them: pointers, shapes and strides 16-divisible (T, eps, scale aside)
+        aligned = {a for a in sig if a not in ("T", "eps", "scale") and sig[a] != "fp32"}
+        compile_checked(fn, consts, sig, cap, warps, stages, f"{name} sm_{cap}", aligned)
 """
 
 
 def test_products_compile_within_each_targets_shared_memory():
-    """In a process of its own: this one may run Triton's interpreter, whose kernels never compile.
-    The child finds the package where this process found it and ptxas as Triton does; only where
-    there is none at all it skips."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(mtpchat.__file__).parent.parent)] + [p for p in sys.path if p])
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    child = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=1500)
-    if child.stdout.startswith("NO PTXAS"):
-        pytest.skip(f"Triton finds no ptxas to compile with: {child.stdout.strip()}")
-    assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-4000:]
+    """In a process of its own (compile_checks.run_children): this one may run Triton's interpreter."""
+    stdout = run_children(COMPILE)
     # bf16: plain, SwiGLU, split and attention on 4 targets; FP8's three on sm_89 and sm_90
-    assert child.stdout.count("ok ") == 4 * 4 + 3 * 2, child.stdout[-2000:]
+    assert stdout.count("ok ") == 4 * 4 + 3 * 2, stdout[-2000:]
