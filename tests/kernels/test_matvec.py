@@ -287,3 +287,15 @@ def test_tiles_run_shallower_where_shared_memory_is_short():
         # FP8 tiles fit either way
         assert matvec.tiles(17408, 5120, 1, swiglu, fp8=True, plan=small) == \
             matvec.tiles(17408, 5120, 1, swiglu, fp8=True, plan=h100)
+
+
+@pytest.mark.parametrize("capability,given,want", [((8, 6), 0, 101376), ((8, 9), 0, 101376), ((8, 0), 0, 166912),
+                                                   ((9, 0), 0, 232448), ((12, 0), 0, 101376), ((8, 6), 99000, 99000)])
+def test_block_shared_memory_of_a_device(monkeypatch, capability, given, want):
+    # what the device says where torch tells it, else by compute capability; the CPU: an H100's
+    from mtpchat.kernels import plan as kplan
+    props = type("Props", (), {"shared_memory_per_block_optin": given})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    assert kplan.block_shared_memory(torch.device("cuda", 0)) == want
+    assert kplan.block_shared_memory(torch.device("cpu")) == ProductPlan.shared_memory
