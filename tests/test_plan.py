@@ -58,6 +58,7 @@ def test_the_fp8_swiglu_takes_two_blocks_on_an_h200_only(monkeypatch, name, glu)
     from mtpchat.kernels import plan as kplan
     assert kplan.default_products("cpu").fp8_two_blocks == ("plain",)
     monkeypatch.setattr(kplan, "programs_on", lambda device: 132)
+    monkeypatch.setattr(kplan, "block_shared_memory", lambda device: 232448)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     kplan._default.cache_clear()
     try:
