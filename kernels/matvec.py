@@ -325,10 +325,6 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     return _fitted(_measured_tile(K, itemsize, swiglu, fp8, plan), swiglu, itemsize, plan)
 
 
-# what Triton's pipeline keeps beside its buffers (barriers, the epilogue's layout changes), as slack
-PIPELINE_SLACK = 4096
-
-
 def _fitted(tile: tuple[int, int, int, int], swiglu: bool, itemsize: int,
             plan: ProductPlan | None) -> tuple[int, int, int, int]:
     """A measured tile, its depth cut until its pipelined buffers fit the device's shared memory a
@@ -338,12 +334,9 @@ def _fitted(tile: tuple[int, int, int, int], swiglu: bool, itemsize: int,
     A10 or an L4 gives, where it runs 3 deep in 81,920). The same sums at any depth; an H100's and
     an A100's tiles unchanged."""
     BN, BK, warps, stages = tile
-    room = plan.shared_memory if plan is not None else ProductPlan.shared_memory
-    rows = plan.rows if plan is not None else ProductPlan.rows
-    stage = (2 if swiglu else 1) * BN * BK * itemsize + BK * rows * (4 if itemsize == 4 else 2)
-    while stages > 2 and (stages - 1) * stage > room - PIPELINE_SLACK:
-        stages -= 1
-    return BN, BK, warps, stages
+    plan = plan or ProductPlan(programs=1)
+    stage = (2 if swiglu else 1) * BN * BK * itemsize + BK * plan.rows * (4 if itemsize == 4 else 2)
+    return BN, BK, warps, plan.depth(stages, stage)
 
 
 def _measured_tile(K: int, itemsize: int, swiglu: bool, fp8: bool,

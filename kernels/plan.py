@@ -20,6 +20,7 @@ import torch
 from mtpchat.kernels.int4 import GroupInt4
 
 CPU_PROGRAMS = 6       # the "SMs" under Triton's interpreter, where products split as on a small GPU
+PIPELINE_SLACK = 4096  # what Triton's pipeline keeps beside its buffers (barriers, the epilogue's layout changes)
 
 # (N, K, itemsize, swiglu, fp8) -> (BN, BK, warps, stages), or None for the default tile (matvec.tiles)
 TileRule = Callable[[int, int, int, bool, bool], "tuple[int, int, int, int] | None"]
@@ -106,6 +107,14 @@ class ProductPlan:
                                     # slab requantized to FP8 blocks, x's rows in FP8, cuBLAS's block-scaled product;
                                     # Hopper, groups of 128, else dense) or "fused" (unpacked in the dot's registers:
                                     # 5.3 x; tests/bench/bench_int4.py)
+
+    def depth(self, stages: int, stage_bytes: int) -> int:
+        """A tile's pipeline depth `stages`, cut (to 2 at least) until the stages - 1 buffers Triton
+        keeps of stage_bytes each, and PIPELINE_SLACK beside them, fit the device's shared memory
+        a program (shared_memory). The same sums at any depth."""
+        while stages > 2 and (stages - 1) * stage_bytes > self.shared_memory - PIPELINE_SLACK:
+            stages -= 1
+        return stages
 
     def rows_of(self, w) -> int:
         """The row tile of a product over w (rows, or int4_rows for a 4-bit weight)."""

@@ -299,3 +299,10 @@ def test_block_shared_memory_of_a_device(monkeypatch, capability, given, want):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
     assert kplan.block_shared_memory(torch.device("cuda", 0)) == want
     assert kplan.block_shared_memory(torch.device("cpu")) == ProductPlan.shared_memory
+
+
+def test_a_pipelines_depth_fits_the_devices_shared_memory():
+    # stages - 1 buffers and the slack within shared_memory, 2 deep at least
+    small = ProductPlan(programs=1, shared_memory=101376)
+    assert small.depth(5, 36864) == 3 and small.depth(4, 40960) == 3 and small.depth(3, 200000) == 2
+    assert ProductPlan(programs=1).depth(5, 36864) == 5

@@ -1,24 +1,26 @@
-"""The few-row products over bf16 and FP8 weights (kernels/matvec.py, matvec_parts.py) and decode's
-attention (kernels/attention.py) through Triton's whole pipeline to a cubin, on a machine without a
-GPU, on the tiles the engine takes on each target (ProductPlan.shared_memory: an RTX 3090 or 4090,
-an A10 or an L4 gives a program 99 KB, an A100 163 KB, an H100 227 KB): for sm_90, sm_80, sm_86 and
-sm_89 (FP8 from sm_89), each within the target's shared memory, nothing of Hopper's below it. The
-4-bit products have their own such test (test_int4_compile.py), the chunked GDN too
-(test_gdn_chunk_compile.py)."""
+"""The few-row products over bf16 and FP8 weights (kernels/matvec.py, matvec_parts.py), the MoE
+experts over them (kernels/moe.py) and decode's attention (kernels/attention.py) through Triton's
+whole pipeline to a cubin, on a machine without a GPU, on the tiles the engine takes on each target
+(ProductPlan.shared_memory: an RTX 3090 or 4090, an A10, an L4 or an L40S gives a program 99 KB,
+an A100 163 KB, an H100 227 KB): for sm_90, sm_80, sm_86 and sm_89 (FP8 from sm_89), each within
+the target's shared memory, nothing of Hopper's below it. The 4-bit products have their own such
+test (test_int4_compile.py), the chunked GDN too (test_gdn_chunk_compile.py)."""
 from __future__ import annotations
 
 from compile_checks import run_children
 
 COMPILE = r"""
 from compile_checks import SHARED_MEMORY, compile_checked, ptxas_or_exit
-from mtpchat.kernels import attention, matvec, matvec_parts
+from mtpchat.kernels import attention, matvec, matvec_parts, moe, moe_layout
 from mtpchat.kernels.fp8 import fp8_run, widen_group
+from mtpchat.kernels.moe_layout import STEP_PAIRS, STEP_ROWS
 from mtpchat.kernels.plan import ProductPlan
 
 ptxas_or_exit()
 TYPES = dict(x="*bf16", w="*bf16", sw="*fp32", y="*bf16", ws="*fp32", count="*i32", ss="*fp32", r="*bf16",
              nw="*bf16", xn="*bf16", h="*bf16", eps="fp32", q="*bf16", k_cache="*bf16", v_cache="*bf16",
-             start="*i64", ws_m="*fp32", ws_l="*fp32", ws_o="*fp32", scale="fp32")
+             start="*i64", ws_m="*fp32", ws_l="*fp32", ws_o="*fp32", scale="fp32", w2="*bf16", ws2="*fp32",
+             expert="*i32", pairs="*i32", reads="*i32", hin="*bf16")
 
 
 def launches(cap):
@@ -43,6 +45,20 @@ def launches(cap):
         extra = dict(BITS=widen_group((cap // 10, cap % 10), warps, BN), **fp8_run(BK, True)) if fmt == "fp8" else {}
         yield f"{fmt} split", mp, dict(consts, BT=plan.rows, BN=BN, BK=BK, S=3, NORM=True, RESIDUAL=True, **extra), \
             dict(types, y="*fp32"), warps, stages
+        # the MoE experts (the 35B-A3B's: gate|up 1024 x 2048, down 2048 x 512) in a step, with the
+        # shared expert, and in a prefill
+        for step in (True, False):
+            lay = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS) if step else \
+                dict(BM=moe_layout.PREFILL_ROWS, STEP=False, BP=16)
+            for product, fn in (("swiglu", moe._swiglu_kernel), ("down", moe._down_kernel)):
+                BN, BK, warps, stages = moe.tiles(product, step, fmt == "fp8", 2, plan)
+                extra = dict(BITS=widen_group((cap // 10, cap % 10), warps, BN), **fp8_run(BK, True)) \
+                    if fmt == "fp8" else {}
+                if product == "swiglu":
+                    extra.update(TOPK=8, COUNT=step, STACKED=step and plan.expert_stacked)
+                yield f"{fmt} expert {product} step={step}", fn, \
+                    dict(consts, BN=BN, BK=BK, SHARED=step, **lay, **extra), \
+                    dict(types, w2=types.get("w", "*bf16"), y="*fp32"), warps, stages
     first, split, BN, warps, stages = attention._config(32768, 2, 256, plan.shared_memory)
     yield "decode attention", attention._attn_split_kernel, dict(HQ=24, GROUP=6, D=256, BM=32, BN=BN, FIRST=first,
                                                                    SPLIT=split), {}, warps, stages
@@ -61,5 +77,5 @@ for cap in (90, 80, 86, 89):
 def test_products_compile_within_each_targets_shared_memory():
     """In a process of its own (compile_checks.run_children): this one may run Triton's interpreter."""
     stdout = run_children(COMPILE)
-    # bf16: plain, SwiGLU, split and attention on 4 targets; FP8's three on sm_89 and sm_90
-    assert stdout.count("ok ") == 4 * 4 + 3 * 2, stdout[-2000:]
+    # bf16: plain, SwiGLU, split, 4 expert kernels and attention on 4 targets; FP8's 7 on sm_89 and sm_90
+    assert stdout.count("ok ") == 8 * 4 + 7 * 2, stdout[-2000:]
