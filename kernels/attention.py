@@ -134,7 +134,7 @@ def _attn_combine_kernel(start, ws_m, ws_l, ws_o, gate, out, T, s_gt, s_gh, s_ot
 MAX_SPANS = 128
 
 
-def _config(L: int, itemsize: int = 2, D: int = 256, room: int = ProductPlan.shared_memory,
+def _config(L: int, itemsize: int = 2, D: int = 256, plan: ProductPlan | None = None,
             BM: int = 32) -> tuple[int, int, int, int, int]:
     """(spans of BN keys first, keys per later span, BN, warps, stages) for a cache of L rows: a
     function of L and the dtype alone, never of the length or of T, which keeps rows invariant.
@@ -147,13 +147,11 @@ def _config(L: int, itemsize: int = 2, D: int = 256, room: int = ProductPlan.sha
     with the larger spans alone, at 16K 0.7% slower; with the first 2,048 keys in small spans, the
     same at 1K and 0.9% slower at 16K; with spans of 64 or 128 keys throughout, 0.7-0.8% faster at
     1K and 1.8-3.3% slower at 16K. Where a program gets less shared memory than the tiles' stages
-    take (`room`, ProductPlan.shared_memory: stages - 1 buffers of a K and a V tile beside q's; at
+    take (the plan's ProductPlan.depth: stages - 1 buffers of a K and a V tile beside q's; at
     head_dim 256 three deep take 151,552 bytes, over the 101,376 of an RTX 3090 or 4090, an A10 or
-    an L4), the tiles run shallower: the same sums."""
+    an L4), the tiles run shallower: the same sums. `plan` None: an H100's."""
     BN, stages = (64, 3) if itemsize <= 2 else (32, 1)
-    stage, rest = 2 * BN * D * itemsize, BM * D * itemsize + 4096        # K and V a stage; q's tile and slack
-    while stages > 1 and (stages - 1) * stage + rest > room:
-        stages -= 1
+    stages = (plan or ProductPlan(programs=1)).depth(stages, 2 * BN * D * itemsize, BM * D * itemsize)
     return 16, max(2 * BN, triton.next_power_of_2(triton.cdiv(L, MAX_SPANS))), BN, 4, stages
 
 
@@ -179,8 +177,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if gate is not None:
         assert gate.shape == q.shape and gate.stride(2) == 1 and gate.dtype == q.dtype, "gate must be like q"
     group, BM = Hq // Hkv, 32
-    room = default_products(q.device).shared_memory
-    first, split, BN, warps, stages = config or _config(L, q.element_size(), D, room, BM)
+    first, split, BN, warps, stages = config or _config(L, q.element_size(), D, default_products(q.device), BM)
     assert split % BN == 0, "a span is whole tiles"
     spans = min(first, triton.cdiv(L, BN)) + triton.cdiv(max(0, L - first * BN), split)
     ws_m = torch.empty(spans, T, Hq, dtype=torch.float32, device=q.device)

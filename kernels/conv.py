@@ -74,10 +74,10 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
                         HAS_LIVE: tl.constexpr, PDL: tl.constexpr, NBT: tl.constexpr = 1):
     # One program per (BC channels, NBT blocks of BT tokens, in turn: with more than one, a loop
     # the compiler pipelines two deep; blocks past T store nothing). Only the first token block
-    # reads the committed window,
-    # and only its program writes the buffer, after its own reads (a prefill's last inputs may land
-    # on the window's columns): no other program touches the buffer, so there is no ordering to
-    # arrange between programs.
+    # reads the committed window, and only its program writes the buffer, after its own reads (a
+    # prefill's last inputs may land on the window's columns): no other program touches the
+    # buffer, so there is no ordering to arrange between programs. One block (a step, and prefill
+    # by default) runs without the loop, the code it had before blocks came.
     pdl_start(PDL)
     i_c, i_s = tl.program_id(0), tl.program_id(1)
     o_c = i_c * BC + tl.arange(0, BC)

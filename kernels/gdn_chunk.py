@@ -98,15 +98,26 @@ def _unit_rows(p, scale):
 
 
 @triton.jit
+def _rows_piece(p, o_t, m_t, s_p, o_k):
+    """Token rows o_t (m_t) of a head's columns o_k, float32 [len(o_t), len(o_k)]."""
+    return tl.load(p + o_t[:, None] * s_p + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+
+
+@triton.jit
+def _head_rows_out(ws, o_t, m_t, i_kh, b_x, HK: tl.constexpr, DK: tl.constexpr):
+    """Rows b_x of key head i_kh at tokens o_t (m_t) into ws [T, HK, DK] (the unit rows the prep writes)."""
+    o_k = tl.arange(0, DK)
+    tl.store(ws + (o_t[:, None] * HK + i_kh) * DK + o_k[None, :], b_x.to(ws.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
 def _unit_keys(k, ws_k, o_t, m_t, o_k, s_k, i_kh, HK: tl.constexpr, DK: tl.constexpr, NORMED: tl.constexpr):
     """float32 unit rows of key head i_kh's k at tokens o_t [BC, DK]: as the prep wrote them
     (NORMED), else normalised here."""
     if NORMED:
-        b_k = tl.load(ws_k + (o_t[:, None] * HK + i_kh) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
-        return b_k.to(tl.float32)
+        return _rows_piece(ws_k + i_kh * DK, o_t, m_t, HK * DK, o_k)
     else:
-        b_k = tl.load(k + o_t[:, None] * s_k + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
-        return b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+        return _unit_rows(_rows_piece(k + i_kh * DK, o_t, m_t, s_k, o_k), 1.)
 
 
 @triton.jit
@@ -114,11 +125,9 @@ def _unit_queries(q, ws_q, o_t, m_t, o_k, s_q, i_kh, HK: tl.constexpr, DK: tl.co
     """float32 unit rows of key head i_kh's q at tokens o_t, times scale: as the prep wrote them
     (NORMED), else normalised here."""
     if NORMED:
-        b_q = tl.load(ws_q + (o_t[:, None] * HK + i_kh) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
-        return b_q.to(tl.float32)
+        return _rows_piece(ws_q + i_kh * DK, o_t, m_t, HK * DK, o_k)
     else:
-        b_q = tl.load(q + o_t[:, None] * s_q + i_kh * DK + o_k[None, :], mask=m_t[:, None], other=0.)
-        return _unit_rows(b_q.to(tl.float32), scale)
+        return _unit_rows(_rows_piece(q + i_kh * DK, o_t, m_t, s_q, o_k), scale)
 
 
 @triton.jit
@@ -138,12 +147,17 @@ def _betas(b, o_t, m_t, s_b, i_h):
 
 
 @triton.jit
-def _causal_scores(b_q, b_k, b_G, DOT: tl.constexpr):
-    """The chunk's (q kᵀ ∘ decay)[t, j] = e^{G_t - G_j} (q_t·k_j) for j <= t, 0 above: [BC, BC]."""
+def _causal(b_qk, b_G):
+    """e^{G_t - G_j} b_qk[t, j] for j <= t, 0 above (the exponent masked before exp: > 0 above)."""
     o_r = tl.arange(0, b_G.shape[0])
     m_causal = o_r[:, None] >= o_r[None, :]
-    b_decay = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.))
-    return tl.where(m_causal, _mm(b_q, tl.trans(b_k), DOT) * b_decay, 0.)
+    return tl.where(m_causal, b_qk * tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.)), 0.)
+
+
+@triton.jit
+def _causal_scores(b_q, b_k, b_G, DOT: tl.constexpr):
+    """The chunk's (q kᵀ ∘ decay)[t, j] = e^{G_t - G_j} (q_t·k_j) for j <= t, 0 above: [BC, BC]."""
+    return _causal(_mm(b_q, tl.trans(b_k), DOT), b_G)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -158,9 +172,9 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
     m_t = o_t < T
     o_k, o_v = tl.arange(0, DK), tl.arange(0, BDV)
     m_v = o_v < DV
-    b_k = tl.load(k + o_t[:, None] * s_k + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
-    b_k = b_k.to(tl.float32)
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
+    HK: tl.constexpr = HV // GROUP
+    i_kh = i_h // GROUP
+    b_k = _unit_keys(k, ws_k, o_t, m_t, o_k, s_k, i_kh, HK, DK, False)
     b_g, b_beta = _gates(a, b, A_log, dt_bias, o_t, m_t, s_a, s_b, i_h)
     b_G = tl.cumsum(b_g, axis=0)
     m_low = o_r[:, None] > o_r[None, :]
@@ -174,17 +188,16 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
     tl.store(p_u + o_r[:, None] * DV + o_v[None, :], b_v.to(tl.float32) * b_beta[:, None], mask=m_v[None, :])
     tl.store(p_w + o_r[:, None] * DK + o_k[None, :], b_k * (b_beta * tl.exp(b_G))[:, None])
     tl.store(ws_g + o_ws * BC + o_r, b_G)
-    if FUSED:
-        # the output's intra-chunk scores, for the scan that writes the output (_chunk_scan_kernel)
-        b_q = tl.load(q + o_t[:, None] * s_q + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
-        b_p = _causal_scores(_unit_rows(b_q.to(tl.float32), scale), b_k, b_G, DOT)
-        tl.store(ws_p + o_ws * BC * BC + o_r[:, None] * BC + o_r[None, :], b_p)
-    if NORMED and i_h % GROUP == 0:
-        # the key head's unit rows of k, and of q times the scale, once for the later kernels
-        p_n = (o_t[:, None] * (HV // GROUP) + i_h // GROUP) * DK + o_k[None, :]
-        tl.store(ws_k + p_n, b_k.to(ws_k.dtype.element_ty), mask=m_t[:, None])
-        b_qn = tl.load(q + o_t[:, None] * s_q + (i_h // GROUP) * DK + o_k[None, :], mask=m_t[:, None], other=0.)
-        tl.store(ws_q + p_n, _unit_rows(b_qn.to(tl.float32), scale).to(ws_q.dtype.element_ty), mask=m_t[:, None])
+    mine = NORMED and i_h % GROUP == 0          # the value head that writes its key head's unit rows
+    if FUSED or mine:
+        b_q = _unit_queries(q, ws_q, o_t, m_t, o_k, s_q, i_kh, HK, DK, scale, False)
+        if FUSED:
+            # the output's intra-chunk scores, for the scan that writes the output (_chunk_scan_kernel)
+            tl.store(ws_p + o_ws * BC * BC + o_r[:, None] * BC + o_r[None, :], _causal_scores(b_q, b_k, b_G, DOT))
+        if mine:
+            # the key head's unit rows of k, and of q times the scale, once for the later kernels
+            _head_rows_out(ws_k, o_t, m_t, i_kh, b_k, HK, DK)
+            _head_rows_out(ws_q, o_t, m_t, i_kh, b_q, HK, DK)
     tl.debug_barrier()   # what was stored is read back below by other threads
     # inverses of the NB diagonal SB x SB blocks at once, by forward substitution:
     # Y[d] = (I + A_dd)^-1 - I, whose row i is -A_dd[i] - sum_{j<i} A_dd[i, j] Y[d][j]
@@ -234,9 +247,7 @@ def _score_block(b_qk, b_rqi, b_rkj, b_Gi, b_Gj, DIAG: tl.constexpr):
     scale), j <= t, from the raw products b_qk and the reciprocal norms: [SB, SB]."""
     b_qk = b_qk * b_rqi[:, None] * b_rkj[None, :]
     if DIAG:
-        o_i = tl.arange(0, b_Gi.shape[0])
-        m_causal = o_i[:, None] >= o_i[None, :]
-        return tl.where(m_causal, b_qk * tl.exp(tl.where(m_causal, b_Gi[:, None] - b_Gj[None, :], 0.)), 0.)
+        return _causal(b_qk, b_Gi)
     else:
         return b_qk * tl.exp(b_Gi[:, None] - b_Gj[None, :])
 
@@ -260,12 +271,6 @@ def _block_out(ws, o_ws, I: tl.constexpr, J: tl.constexpr, b_x, SB: tl.constexpr
     """Block (I, J) [SB, SB] of a chunk's [BC, BC] workspace tile o_ws."""
     o_i = tl.arange(0, SB)
     tl.store(ws + (o_ws * BC + I * SB + o_i[:, None]) * BC + J * SB + o_i[None, :], b_x.to(ws.dtype.element_ty))
-
-
-@triton.jit
-def _rows_piece(p, o_t, m_t, s_p, o_k):
-    """Token rows o_t (m_t) of a head's columns o_k, float32 [SB, len(o_k)]."""
-    return tl.load(p + o_t[:, None] * s_p + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
 
 
 @triton.jit
@@ -293,9 +298,7 @@ def _lower_products(b00, b10, b11, b20, b21, b22, b30, b31, b32, b33, x0, x1, x2
 @triton.jit
 def _unit_rows_out(p, ws, o_t, m_t, s_p, i_kh, b_r, HK: tl.constexpr, DK: tl.constexpr):
     """Rows o_t of a key head times their reciprocal norms b_r, into ws [T, HK, DK]."""
-    o_k = tl.arange(0, DK)
-    tl.store(ws + (o_t[:, None] * HK + i_kh) * DK + o_k[None, :],
-             (_rows_piece(p, o_t, m_t, s_p, o_k) * b_r[:, None]).to(ws.dtype.element_ty), mask=m_t[:, None])
+    _head_rows_out(ws, o_t, m_t, i_kh, _rows_piece(p, o_t, m_t, s_p, tl.arange(0, DK)) * b_r[:, None], HK, DK)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -596,8 +599,9 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     solved, terms = cfg["solved"], cfg["terms"]
     fused = bool(cfg["fused_out"])
     assert cfg["prep"] in ("solve", "split"), f"the prep's forms are solve and split, not {cfg['prep']!r}"
-    unused = new("float32", 1)        # a kernel's pointer this form does not read
-    ws_a, ws_g = new("float32", NT, Hv, chunk, chunk), new("float32", NT, Hv, chunk)
+    ws_g = new("float32", NT, Hv, chunk)
+    unused = ws_g                     # for a kernel's pointer this form does not read
+    ws_a = new("float32", NT, Hv, chunk, chunk)
     ws_w, ws_u = new(solved, NT, Hv, chunk, DK), new(solved, NT, Hv, chunk, DV)
     if fused:      # the chunks' scores for the scan; no start states or writes kept
         ws_p, ws_h, ws_v = new(terms, NT, Hv, chunk, chunk), unused, unused

@@ -108,11 +108,12 @@ class ProductPlan:
                                     # Hopper, groups of 128, else dense) or "fused" (unpacked in the dot's registers:
                                     # 5.3 x; tests/bench/bench_int4.py)
 
-    def depth(self, stages: int, stage_bytes: int) -> int:
+    def depth(self, stages: int, stage_bytes: int, fixed: int = 0) -> int:
         """A tile's pipeline depth `stages`, cut (to 2 at least) until the stages - 1 buffers Triton
-        keeps of stage_bytes each, and PIPELINE_SLACK beside them, fit the device's shared memory
-        a program (shared_memory). The same sums at any depth."""
-        while stages > 2 and (stages - 1) * stage_bytes > self.shared_memory - PIPELINE_SLACK:
+        keeps of stage_bytes each, with `fixed` bytes (tiles held through the loop) and
+        PIPELINE_SLACK beside them, fit the device's shared memory a program (shared_memory). The
+        same sums at any depth."""
+        while stages > 2 and (stages - 1) * stage_bytes + fixed > self.shared_memory - PIPELINE_SLACK:
             stages -= 1
         return stages
 

@@ -7,6 +7,7 @@ import torch
 from kernel_checks import TOL, check, randn
 
 from mtpchat.kernels import attention, fp8_gemm
+from mtpchat.kernels.plan import ProductPlan
 
 
 def _case(T, Hq, Hkv, D, L, dtype, device, seed):
@@ -117,7 +118,8 @@ def test_prefill_output_gate_quantized(device, T, D):
 def test_decode_attention_runs_shallower_where_shared_memory_is_short():
     # head_dim 256 three deep takes 151,552 bytes a program: two deep (86,016) on a 101,376-byte
     # device, the same tiles and spans
+    small = ProductPlan(programs=1, shared_memory=101376)
     first, split, BN, warps, stages = attention._config(32768, 2, 256)
     assert stages == 3
-    assert attention._config(32768, 2, 256, room=101376) == (first, split, BN, warps, 2)
-    assert attention._config(32768, 4, 256, room=101376)[-1] == 1     # float32: one deep anyway
+    assert attention._config(32768, 2, 256, small) == (first, split, BN, warps, 2)
+    assert attention._config(32768, 4, 256, small)[-1] == 1     # float32: one deep anyway

@@ -59,7 +59,7 @@ def launches(cap):
                 yield f"{fmt} expert {product} step={step}", fn, \
                     dict(consts, BN=BN, BK=BK, SHARED=step, **lay, **extra), \
                     dict(types, w2=types.get("w", "*bf16"), y="*fp32"), warps, stages
-    first, split, BN, warps, stages = attention._config(32768, 2, 256, plan.shared_memory)
+    first, split, BN, warps, stages = attention._config(32768, 2, 256, plan)
     yield "decode attention", attention._attn_split_kernel, dict(HQ=24, GROUP=6, D=256, BM=32, BN=BN, FIRST=first,
                                                                    SPLIT=split), {}, warps, stages
 
