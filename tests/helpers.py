@@ -17,6 +17,10 @@ from mtpchat import hubcache
 from mtpchat.engine import SamplingParams
 from mtpchat.engine.spec import ProfileDrafter
 
+# The chunked GDN's plan forms in float32 and tf32 (KernelPlan.chunk_*), for GPU tests of other
+# paths' parity: the plan's bf16 forms have a test of their own (test_gpu_engine.py)
+FLOAT32_CHUNK = dict(chunk_solved="float32", chunk_terms="float32", chunk_products="tf32", chunk_prep_products="tf32")
+
 # The GPU tests' dense model: head_dim and the GDN head dims are powers of two, as the kernels
 # require (and the real models have)
 GPU_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,

@@ -10,7 +10,7 @@ from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.spec import ProfileDrafter
 from mtpchat.kernels.conv import window_columns
 from tools.tiny import write_tiny_checkpoint
-from helpers import GPU_SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens, rel_err
+from helpers import FLOAT32_CHUNK, GPU_SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -62,8 +62,7 @@ def test_gdn_chunk_in_bf16_within_bf16s_reach_of_float32(ckpt):
     default = gpu.plan
     assert default.chunk_products == "bf16" and default.chunk_solved == "bfloat16"
     got = gpu.logits(ids).float().cpu()
-    gpu.plan = gpu.decoder.plan = default.replace(chunk_solved="float32", chunk_terms="float32",
-                                                  chunk_products="tf32", chunk_prep_products="tf32")
+    gpu.plan = gpu.decoder.plan = default.replace(**FLOAT32_CHUNK)
     wide = gpu.logits(ids).float().cpu()
     err, err_wide = rel_err(got, want, ord=2), rel_err(wide, want, ord=2)
     assert err < 1.5 * err_wide + 5e-3, (err, err_wide)

@@ -7,7 +7,7 @@ import torch
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.plan import KernelPlan
 from tools.tiny import write_tiny_checkpoint
-from helpers import assert_mtp_on_equals_off, gpu_prompts, random_ids, rel_err
+from helpers import FLOAT32_CHUNK, assert_mtp_on_equals_off, gpu_prompts, random_ids, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -110,8 +110,7 @@ def test_prefill_kernel_candidates(wide_heads):
     default = engine.plan
     off = dict(prefill_rows=1, prefill_conv_tokens=16, prefill_conv_blocks=1, prefill_quant=False,
                prefill_gate=False, chunk_fused_out=False, chunk_normed=False, chunk_prep="solve")
-    wide = dict(chunk_solved="float32", chunk_terms="float32", chunk_products="tf32", chunk_prep_products="tf32")
-    base = default.replace(**off, **wide)
+    base = default.replace(**off, **FLOAT32_CHUNK)
     engine.plan = engine.decoder.plan = base
     want = engine.logits(ids)
     # (changes to all off, the largest relative difference allowed: 0 is bit for bit)

@@ -8,7 +8,7 @@ import torch
 from mtpchat.engine import Engine
 from tools.int4 import write_compressed_checkpoint, write_gptq_checkpoint
 from tools.tiny import write_tiny_checkpoint
-from helpers import GPU_SHAPE, assert_mtp_on_equals_off, gpu_prompts, rel_err
+from helpers import FLOAT32_CHUNK, GPU_SHAPE, assert_mtp_on_equals_off, gpu_prompts, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -59,8 +59,7 @@ def test_int4_checkpoints_on_the_gpu(form, tmp_path):
     # tf32 here: its bf16 forms (the plan's) are checked in tests/test_gpu_engine.py, and on this
     # MoE their rounding alone flipped enough experts to move it to 0.083 (an H100, 2026-11-26)
     default = gpu.plan
-    gpu.plan = gpu.decoder.plan = default.replace(chunk_solved="float32", chunk_terms="float32", chunk_products="tf32",
-                                                  chunk_prep_products="tf32")
+    gpu.plan = gpu.decoder.plan = default.replace(**FLOAT32_CHUNK)
     bound = 0.08 if "moe" in form else 0.05
     assert rel_err(gpu.logits(ids).float().cpu(), cpu.logits(ids), ord=2) < bound
     gpu.plan = gpu.decoder.plan = default
