@@ -248,8 +248,7 @@ class GatedDeltaNet(nn.Module):
         o, end_state = gdn_chunk.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state, out=state,
                                        fused_out=ctx.plan.chunk_fused_out, solved=ctx.plan.chunk_solved,
                                        terms=ctx.plan.chunk_terms, products=ctx.plan.chunk_products,
-                                       normed=ctx.plan.chunk_normed, prep=ctx.plan.chunk_prep,
-                                       prep_products=ctx.plan.chunk_prep_products)
+                                       normed=ctx.plan.chunk_normed, prep_products=ctx.plan.chunk_prep_products)
         if end_state is not state:
             state.copy_(end_state)
         return o

@@ -114,17 +114,13 @@ class KernelPlan:
     chunk_terms: str = "bfloat16"
     chunk_products: str = "bf16"
     chunk_normed: bool = True
-    # The chunk's prep as one kernel ("solve": A and the right-hand sides through memory, solved
-    # block by block) or two ("split": (I + A)^-1 whole in registers from four 16-token pieces,
-    # the keys' products summed over 32 columns at a time, fla's way, then w and u as two
-    # products). Candidate, unmeasured: the prep is the chunk's largest kernel now (171 us of 283
-    # a 2,048-token chunk of the 27B; fla's two take 79). Compiled for sm_90 (Triton 3.6, on the
-    # CPU), the inverse holds 255 registers; with bf16 products on 4 warps it spills nothing
-    # unfused and 320 bytes fused; on 1 or 2 warps it spills kilobytes. The prep's products of
-    # keys (and queries) on bf16 operands or tf32 ones (chunk_prep_products; fla's are bf16): a
-    # candidate too, not yet measured with either prep.
-    chunk_prep: str = "solve"
-    chunk_prep_products: str = "tf32"
+    # The chunk's prep takes its products of keys and queries (A, w, u and, fused, the output's
+    # scores) on bf16 operands, as fla's ("tf32": float32 operands in tf32). One 2,048-token chunk
+    # of the 27B on an H100 (probe_prefill_kernels.py --sections prep, 2026-11-28): 290.8 -> 256.3
+    # us (the prep 186.5 -> 148.7), from the float32 reference the output 3.50e-3 -> 4.18e-3 and the
+    # state 3.08e-3 -> 3.12e-3; the 27B FP8's 8K prompt (probe_prefill_chunk.py, three rounds in one
+    # process) 523.1 / 511.6 / 512.5 -> 521.8 / 504.9 / 503.1 ms.
+    chunk_prep_products: str = "bf16"
     # A step of at most this many tokens has its causal conv computed by the GDN recurrence kernel
     # (kernels/gdn.py conv_recurrent): each program first writes the conv of the channels it reads,
     # then runs the same loop as after the conv kernel, so a token takes the same bits either way

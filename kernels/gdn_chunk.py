@@ -63,10 +63,10 @@ def chunk_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 6
 #   inverses and taking u and w as two 64-row products was tried: 1.07-1.10 x the time at 255
 #   registers and spills on an H100, docs/PERFORMANCE.md 2026-11-26. Nor did one kernel with all
 #   of it in registers, four 16-token pieces of unit keys held whole, A as its ten blocks: 328 us
-#   a 2,048-token chunk of the 27B in tf32 against 153, 158 with bf16 products; 2026-11-28.)
-#   The split form (config "prep": "split"; KernelPlan.chunk_prep, a candidate) takes it in two
-#   kernels as fla does: _chunk_inverse_kernel, (I + A)^-1 in registers from the keys' products
-#   summed over a few columns at a time, then _chunk_wu_kernel, w and u as two products.
+#   a 2,048-token chunk of the 27B in tf32 against 153, 158 with bf16 products; 2026-11-28. Nor
+#   did it split in two as fla's is, (I + A)^-1 in registers from the keys' products summed over
+#   32 columns at a time, then w and u as two products: 265-278 us for the chunk with bf16
+#   products against this prep's 256, fused or not, at the best of 1, 2 and 4 warps; 2026-11-28.)
 # _chunk_scan_kernel, one program per (value head, block of value columns), walks the chunks in
 #   order with its slice of the state in registers: it saves each chunk's start state S0 and
 #   writes u - w S0, then moves the state to the chunk's end. Two products per chunk.
@@ -226,229 +226,6 @@ def _chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws
         tl.debug_barrier()   # block i is read by the blocks below it
 
 
-@triton.jit
-def _lower_block(b_kk, b_rki, b_rkj, b_beta, b_Gi, b_Gj, DIAG: tl.constexpr):
-    """Block (i, j) of A[r, c] = beta_r e^{G_r - G_c} (k_r·k_c) / (|k_r| |k_c|), r > c, from the
-    raw keys' products b_kk and the reciprocal norms b_rki, b_rkj: [SB, SB]; DIAG: a diagonal
-    block (i == j), strictly lower."""
-    b_kk = b_kk * b_rki[:, None] * b_rkj[None, :]
-    if DIAG:
-        o_i = tl.arange(0, b_Gi.shape[0])
-        m_low = o_i[:, None] > o_i[None, :]
-        b_decay = tl.exp(tl.where(m_low, b_Gi[:, None] - b_Gj[None, :], 0.))     # masked before exp: > 0 above
-        return tl.where(m_low, b_beta[:, None] * b_decay * b_kk, 0.)
-    else:
-        return b_beta[:, None] * tl.exp(b_Gi[:, None] - b_Gj[None, :]) * b_kk
-
-
-@triton.jit
-def _score_block(b_qk, b_rqi, b_rkj, b_Gi, b_Gj, DIAG: tl.constexpr):
-    """Block (i, j) of the chunk's output scores e^{G_t - G_j} (q_t·k_j) over unit rows (q times the
-    scale), j <= t, from the raw products b_qk and the reciprocal norms: [SB, SB]."""
-    b_qk = b_qk * b_rqi[:, None] * b_rkj[None, :]
-    if DIAG:
-        return _causal(b_qk, b_Gi)
-    else:
-        return b_qk * tl.exp(b_Gi[:, None] - b_Gj[None, :])
-
-
-@triton.jit
-def _unit_inverse(b_L):
-    """(I + L)^-1 of a strictly lower [SB, SB] block by forward substitution in registers: row i
-    of X is e_i - sum_{j<i} L[i, j] X[j]."""
-    o_i = tl.arange(0, b_L.shape[0])
-    b_I = tl.where(o_i[:, None] == o_i[None, :], 1., 0.)
-    b_X = b_I
-    for i in range(1, b_L.shape[0]):
-        m_i = o_i[:, None] == i
-        b_row = tl.sum(tl.sum(tl.where(m_i, b_L, 0.), axis=0)[:, None] * b_X, axis=0)
-        b_X = tl.where(m_i, b_I - b_row[None, :], b_X)
-    return b_X
-
-
-@triton.jit
-def _block_out(ws, o_ws, I: tl.constexpr, J: tl.constexpr, b_x, SB: tl.constexpr, BC: tl.constexpr):
-    """Block (I, J) [SB, SB] of a chunk's [BC, BC] workspace tile o_ws."""
-    o_i = tl.arange(0, SB)
-    tl.store(ws + (o_ws * BC + I * SB + o_i[:, None]) * BC + J * SB + o_i[None, :], b_x.to(ws.dtype.element_ty))
-
-
-@triton.jit
-def _four_pieces(p, o_t0, T, s_p, o_k, SB: tl.constexpr):
-    """A head's columns o_k at the chunk's four pieces of SB token rows from o_t0, float32, and
-    each row's sum of squares over them."""
-    x0 = _rows_piece(p, o_t0, o_t0 < T, s_p, o_k)
-    x1 = _rows_piece(p, o_t0 + SB, o_t0 + SB < T, s_p, o_k)
-    x2 = _rows_piece(p, o_t0 + 2 * SB, o_t0 + 2 * SB < T, s_p, o_k)
-    x3 = _rows_piece(p, o_t0 + 3 * SB, o_t0 + 3 * SB < T, s_p, o_k)
-    return x0, x1, x2, x3, tl.sum(x0 * x0, axis=1), tl.sum(x1 * x1, axis=1), tl.sum(x2 * x2, axis=1), \
-        tl.sum(x3 * x3, axis=1)
-
-
-@triton.jit
-def _lower_products(b00, b10, b11, b20, b21, b22, b30, b31, b32, b33, x0, x1, x2, x3, k0, k1, k2, k3,
-                    DOT: tl.constexpr):
-    """The ten blocks on and below the diagonal of the pieces' products, b_ij + x_i k_jᵀ (j <= i)."""
-    return (b00 + _mm(x0, tl.trans(k0), DOT), b10 + _mm(x1, tl.trans(k0), DOT), b11 + _mm(x1, tl.trans(k1), DOT),
-            b20 + _mm(x2, tl.trans(k0), DOT), b21 + _mm(x2, tl.trans(k1), DOT), b22 + _mm(x2, tl.trans(k2), DOT),
-            b30 + _mm(x3, tl.trans(k0), DOT), b31 + _mm(x3, tl.trans(k1), DOT), b32 + _mm(x3, tl.trans(k2), DOT),
-            b33 + _mm(x3, tl.trans(k3), DOT))
-
-
-@triton.jit
-def _unit_rows_out(p, ws, o_t, m_t, s_p, i_kh, b_r, HK: tl.constexpr, DK: tl.constexpr):
-    """Rows o_t of a key head times their reciprocal norms b_r, into ws [T, HK, DK]."""
-    _head_rows_out(ws, o_t, m_t, i_kh, _rows_piece(p, o_t, m_t, s_p, tl.arange(0, DK)) * b_r[:, None], HK, DK)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _chunk_inverse_kernel(q, k, a, b, A_log, dt_bias, ws_a, ws_g, ws_p, ws_q, ws_k, T, scale, s_q, s_k, s_a, s_b,
-                          HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, SB: tl.constexpr,
-                          BK: tl.constexpr, DOT: tl.constexpr, MERGE: tl.constexpr, FUSED: tl.constexpr,
-                          NORMED: tl.constexpr):
-    """The split prep's first kernel (config prep "split"): (I + A)^-1 of a chunk of 4 SB tokens
-    and value head into ws_a [BC, BC], in registers, fla's way: the ten blocks of the raw keys'
-    products on and below the diagonal (and, FUSED, of q's with them) summed over BK columns at a
-    time with the rows' squares, then scaled by the reciprocal norms, so no unit row is held
-    whole; the diagonal blocks inverted by forward substitution, the rest merged block by block,
-    X_ij = -X_ii sum_{j<=l<i} A_il X_lj. With the decays' sums G, the scores (FUSED) and the unit
-    rows of q and k (NORMED) as the prep writes them. DOT: the products of the keys and queries;
-    MERGE: the merges' (float32 operands, as fla's tf32). _chunk_wu_kernel then takes w and u."""
-    BC: tl.constexpr = 4 * SB
-    HK: tl.constexpr = HV // GROUP
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_kh = i_h // GROUP
-    o_i = tl.arange(0, SB)
-    o_ws = i_c * HV + i_h
-    o_t0 = i_c * BC + o_i
-    o_t1, o_t2, o_t3 = o_t0 + SB, o_t0 + 2 * SB, o_t0 + 3 * SB
-    m_t0, m_t1, m_t2, m_t3 = o_t0 < T, o_t1 < T, o_t2 < T, o_t3 < T
-    p_k, p_q = k + i_kh * DK, q + i_kh * DK
-    b_zero = tl.zeros([SB, SB], tl.float32)
-    b_a00, b_a10, b_a11, b_a20, b_a21, b_a22 = b_zero, b_zero, b_zero, b_zero, b_zero, b_zero
-    b_a30, b_a31, b_a32, b_a33 = b_zero, b_zero, b_zero, b_zero
-    b_s00, b_s10, b_s11, b_s20, b_s21, b_s22 = b_zero, b_zero, b_zero, b_zero, b_zero, b_zero
-    b_s30, b_s31, b_s32, b_s33 = b_zero, b_zero, b_zero, b_zero
-    b_nk0, b_nk1, b_nk2, b_nk3 = tl.zeros([SB], tl.float32), tl.zeros([SB], tl.float32), \
-        tl.zeros([SB], tl.float32), tl.zeros([SB], tl.float32)
-    b_nq0, b_nq1, b_nq2, b_nq3 = b_nk0, b_nk1, b_nk2, b_nk3
-    for kk in range(0, DK, BK):
-        o_k = kk + tl.arange(0, BK)
-        b_k0, b_k1, b_k2, b_k3, b_n0, b_n1, b_n2, b_n3 = _four_pieces(p_k, o_t0, T, s_k, o_k, SB)
-        b_nk0, b_nk1, b_nk2, b_nk3 = b_nk0 + b_n0, b_nk1 + b_n1, b_nk2 + b_n2, b_nk3 + b_n3
-        b_a00, b_a10, b_a11, b_a20, b_a21, b_a22, b_a30, b_a31, b_a32, b_a33 = _lower_products(
-            b_a00, b_a10, b_a11, b_a20, b_a21, b_a22, b_a30, b_a31, b_a32, b_a33,
-            b_k0, b_k1, b_k2, b_k3, b_k0, b_k1, b_k2, b_k3, DOT)
-        if FUSED or NORMED:
-            b_q0, b_q1, b_q2, b_q3, b_n0, b_n1, b_n2, b_n3 = _four_pieces(p_q, o_t0, T, s_q, o_k, SB)
-            b_nq0, b_nq1, b_nq2, b_nq3 = b_nq0 + b_n0, b_nq1 + b_n1, b_nq2 + b_n2, b_nq3 + b_n3
-            if FUSED:
-                b_s00, b_s10, b_s11, b_s20, b_s21, b_s22, b_s30, b_s31, b_s32, b_s33 = _lower_products(
-                    b_s00, b_s10, b_s11, b_s20, b_s21, b_s22, b_s30, b_s31, b_s32, b_s33,
-                    b_q0, b_q1, b_q2, b_q3, b_k0, b_k1, b_k2, b_k3, DOT)
-    # the reciprocal norms of the unit rows (_unit_rows), q's times the scale
-    b_rk0, b_rk1 = tl.rsqrt(b_nk0 + 1e-6), tl.rsqrt(b_nk1 + 1e-6)
-    b_rk2, b_rk3 = tl.rsqrt(b_nk2 + 1e-6), tl.rsqrt(b_nk3 + 1e-6)
-    b_rq0, b_rq1 = tl.rsqrt(b_nq0 + 1e-6) * scale, tl.rsqrt(b_nq1 + 1e-6) * scale
-    b_rq2, b_rq3 = tl.rsqrt(b_nq2 + 1e-6) * scale, tl.rsqrt(b_nq3 + 1e-6) * scale
-    b_g0, b_beta0 = _gates(a, b, A_log, dt_bias, o_t0, m_t0, s_a, s_b, i_h)
-    b_g1, b_beta1 = _gates(a, b, A_log, dt_bias, o_t1, m_t1, s_a, s_b, i_h)
-    b_g2, b_beta2 = _gates(a, b, A_log, dt_bias, o_t2, m_t2, s_a, s_b, i_h)
-    b_g3, b_beta3 = _gates(a, b, A_log, dt_bias, o_t3, m_t3, s_a, s_b, i_h)
-    b_G0 = tl.cumsum(b_g0, axis=0)
-    b_G1 = tl.cumsum(b_g1, axis=0) + tl.sum(b_g0, axis=0)
-    b_G2 = tl.cumsum(b_g2, axis=0) + (tl.sum(b_g0, axis=0) + tl.sum(b_g1, axis=0))
-    b_G3 = tl.cumsum(b_g3, axis=0) + (tl.sum(b_g0, axis=0) + tl.sum(b_g1, axis=0) + tl.sum(b_g2, axis=0))
-    tl.store(ws_g + o_ws * BC + o_i, b_G0)
-    tl.store(ws_g + o_ws * BC + SB + o_i, b_G1)
-    tl.store(ws_g + o_ws * BC + 2 * SB + o_i, b_G2)
-    tl.store(ws_g + o_ws * BC + 3 * SB + o_i, b_G3)
-    if FUSED:
-        # the output's intra-chunk scores for the scan; zeros right of the diagonal
-        _block_out(ws_p, o_ws, 0, 0, _score_block(b_s00, b_rq0, b_rk0, b_G0, b_G0, True), SB, BC)
-        _block_out(ws_p, o_ws, 1, 0, _score_block(b_s10, b_rq1, b_rk0, b_G1, b_G0, False), SB, BC)
-        _block_out(ws_p, o_ws, 1, 1, _score_block(b_s11, b_rq1, b_rk1, b_G1, b_G1, True), SB, BC)
-        _block_out(ws_p, o_ws, 2, 0, _score_block(b_s20, b_rq2, b_rk0, b_G2, b_G0, False), SB, BC)
-        _block_out(ws_p, o_ws, 2, 1, _score_block(b_s21, b_rq2, b_rk1, b_G2, b_G1, False), SB, BC)
-        _block_out(ws_p, o_ws, 2, 2, _score_block(b_s22, b_rq2, b_rk2, b_G2, b_G2, True), SB, BC)
-        _block_out(ws_p, o_ws, 3, 0, _score_block(b_s30, b_rq3, b_rk0, b_G3, b_G0, False), SB, BC)
-        _block_out(ws_p, o_ws, 3, 1, _score_block(b_s31, b_rq3, b_rk1, b_G3, b_G1, False), SB, BC)
-        _block_out(ws_p, o_ws, 3, 2, _score_block(b_s32, b_rq3, b_rk2, b_G3, b_G2, False), SB, BC)
-        _block_out(ws_p, o_ws, 3, 3, _score_block(b_s33, b_rq3, b_rk3, b_G3, b_G3, True), SB, BC)
-        _block_out(ws_p, o_ws, 0, 1, b_zero, SB, BC)
-        _block_out(ws_p, o_ws, 0, 2, b_zero, SB, BC)
-        _block_out(ws_p, o_ws, 0, 3, b_zero, SB, BC)
-        _block_out(ws_p, o_ws, 1, 2, b_zero, SB, BC)
-        _block_out(ws_p, o_ws, 1, 3, b_zero, SB, BC)
-        _block_out(ws_p, o_ws, 2, 3, b_zero, SB, BC)
-    if NORMED and i_h % GROUP == 0:
-        # the key head's unit rows of k, and of q times the scale, once for the later kernels
-        _unit_rows_out(p_k, ws_k, o_t0, m_t0, s_k, i_kh, b_rk0, HK, DK)
-        _unit_rows_out(p_k, ws_k, o_t1, m_t1, s_k, i_kh, b_rk1, HK, DK)
-        _unit_rows_out(p_k, ws_k, o_t2, m_t2, s_k, i_kh, b_rk2, HK, DK)
-        _unit_rows_out(p_k, ws_k, o_t3, m_t3, s_k, i_kh, b_rk3, HK, DK)
-        _unit_rows_out(p_q, ws_q, o_t0, m_t0, s_q, i_kh, b_rq0, HK, DK)
-        _unit_rows_out(p_q, ws_q, o_t1, m_t1, s_q, i_kh, b_rq1, HK, DK)
-        _unit_rows_out(p_q, ws_q, o_t2, m_t2, s_q, i_kh, b_rq2, HK, DK)
-        _unit_rows_out(p_q, ws_q, o_t3, m_t3, s_q, i_kh, b_rq3, HK, DK)
-    # (I + A)^-1 block by block
-    b_X0 = _unit_inverse(_lower_block(b_a00, b_rk0, b_rk0, b_beta0, b_G0, b_G0, True))
-    b_X1 = _unit_inverse(_lower_block(b_a11, b_rk1, b_rk1, b_beta1, b_G1, b_G1, True))
-    b_X2 = _unit_inverse(_lower_block(b_a22, b_rk2, b_rk2, b_beta2, b_G2, b_G2, True))
-    b_X3 = _unit_inverse(_lower_block(b_a33, b_rk3, b_rk3, b_beta3, b_G3, b_G3, True))
-    b_a10 = _lower_block(b_a10, b_rk1, b_rk0, b_beta1, b_G1, b_G0, False)
-    b_a21 = _lower_block(b_a21, b_rk2, b_rk1, b_beta2, b_G2, b_G1, False)
-    b_a32 = _lower_block(b_a32, b_rk3, b_rk2, b_beta3, b_G3, b_G2, False)
-    b_X10 = -_mm(b_X1, _mm(b_a10, b_X0, MERGE), MERGE)
-    b_X21 = -_mm(b_X2, _mm(b_a21, b_X1, MERGE), MERGE)
-    b_X32 = -_mm(b_X3, _mm(b_a32, b_X2, MERGE), MERGE)
-    b_a20 = _lower_block(b_a20, b_rk2, b_rk0, b_beta2, b_G2, b_G0, False)
-    b_X20 = -_mm(b_X2, _mm(b_a20, b_X0, MERGE) + _mm(b_a21, b_X10, MERGE), MERGE)
-    b_a31 = _lower_block(b_a31, b_rk3, b_rk1, b_beta3, b_G3, b_G1, False)
-    b_X31 = -_mm(b_X3, _mm(b_a31, b_X1, MERGE) + _mm(b_a32, b_X21, MERGE), MERGE)
-    b_a30 = _lower_block(b_a30, b_rk3, b_rk0, b_beta3, b_G3, b_G0, False)
-    b_X30 = -_mm(b_X3, _mm(b_a30, b_X0, MERGE) + _mm(b_a31, b_X10, MERGE) + _mm(b_a32, b_X20, MERGE), MERGE)
-    _block_out(ws_a, o_ws, 0, 0, b_X0, SB, BC)
-    _block_out(ws_a, o_ws, 0, 1, b_zero, SB, BC)
-    _block_out(ws_a, o_ws, 0, 2, b_zero, SB, BC)
-    _block_out(ws_a, o_ws, 0, 3, b_zero, SB, BC)
-    _block_out(ws_a, o_ws, 1, 0, b_X10, SB, BC)
-    _block_out(ws_a, o_ws, 1, 1, b_X1, SB, BC)
-    _block_out(ws_a, o_ws, 1, 2, b_zero, SB, BC)
-    _block_out(ws_a, o_ws, 1, 3, b_zero, SB, BC)
-    _block_out(ws_a, o_ws, 2, 0, b_X20, SB, BC)
-    _block_out(ws_a, o_ws, 2, 1, b_X21, SB, BC)
-    _block_out(ws_a, o_ws, 2, 2, b_X2, SB, BC)
-    _block_out(ws_a, o_ws, 2, 3, b_zero, SB, BC)
-    _block_out(ws_a, o_ws, 3, 0, b_X30, SB, BC)
-    _block_out(ws_a, o_ws, 3, 1, b_X31, SB, BC)
-    _block_out(ws_a, o_ws, 3, 2, b_X32, SB, BC)
-    _block_out(ws_a, o_ws, 3, 3, b_X3, SB, BC)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _chunk_wu_kernel(k, v, b, ws_a, ws_g, ws_w, ws_u, ws_k, T, s_k, s_v, s_b,
-                     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                     BDV: tl.constexpr, BC: tl.constexpr, DOT: tl.constexpr, NORMED: tl.constexpr):
-    """The split prep's second kernel: w = X (beta e^G k) and u = X (beta v) for a chunk and value
-    head, X = (I + A)^-1 from _chunk_inverse_kernel (its unit keys from ws_k where NORMED)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    o_r, o_k, o_v = tl.arange(0, BC), tl.arange(0, DK), tl.arange(0, BDV)
-    m_v = o_v < DV
-    o_t = i_c * BC + o_r
-    m_t = o_t < T
-    o_ws = i_c * HV + i_h
-    b_X = tl.load(ws_a + (o_ws * BC + o_r[:, None]) * BC + o_r[None, :])
-    b_G = tl.load(ws_g + o_ws * BC + o_r)
-    b_beta = _betas(b, o_t, m_t, s_b, i_h)
-    b_k = _unit_keys(k, ws_k, o_t, m_t, o_k, s_k, i_h // GROUP, HV // GROUP, DK, NORMED)
-    b_w = _mm(b_X, b_k * (b_beta * tl.exp(b_G))[:, None], DOT)
-    tl.store(ws_w + (o_ws * BC + o_r[:, None]) * DK + o_k[None, :], b_w.to(ws_w.dtype.element_ty))
-    b_v = tl.load(v + o_t[:, None] * s_v + i_h * DV + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
-    b_u = _mm(b_X, b_v.to(tl.float32) * b_beta[:, None], DOT)
-    tl.store(ws_u + (o_ws * BC + o_r[:, None]) * DV + o_v[None, :], b_u.to(ws_u.dtype.element_ty), mask=m_v[None, :])
-
-
 @triton.jit(do_not_specialize=["T"])
 def _chunk_scan_kernel(q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, ws_q, ws_k, o, state, s_out, T, scale, s_q, s_k, s_o,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -518,8 +295,7 @@ def _chunk_out_kernel(q, k, ws_g, ws_h, ws_v, ws_q, ws_k, o, T, scale, s_q, s_k,
 # On an H100, 27B shapes, 8192 tokens, these defaults: 1.76 ms per layer (prep 0.68, scan 0.57,
 # output 0.51); tests/bench/bench_kernels.py --sweep --only chunk.
 CHUNK_CONFIG = dict(prep_warps=4, scan_bv=64, scan_warps=8, scan_stages=2, out_bv=64, out_warps=4, dot="tf32",
-                    state_dot=None, normed=False, fused_out=False, solved="float32", terms="float32", prep="solve",
-                    inverse_warps=4, inverse_bk=32, wu_warps=4)
+                    state_dot=None, normed=False, fused_out=False, solved="float32", terms="float32")
 # The scan's and the output kernel's tiles where their products take bf16 operands: the state in
 # slices of 32 value columns on 4 warps (192 programs for the 27B's 48 heads, where 64 columns on
 # 8 warps made 96), the output 128 columns a program. One 2,048-token chunk of the 27B on an H100,
@@ -571,10 +347,8 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     state never sees; "state_dot" the precision of the scan's and the output kernel's products
     (None: the prep's "dot"; "bf16": operands rounded to bf16, as fla's), "normed" the unit rows
     of q and k written once by the prep (k in the "solved" dtype, q in the "terms" one) rather
-    than normalised again by the scan and the output kernel; "prep" the prep's form ("solve":
-    _chunk_prep_kernel, A and the right-hand sides through memory, solved block by block;
-    "split": (I + A)^-1 whole in registers, then w and u as products, _chunk_inverse_kernel and
-    _chunk_wu_kernel); the rest tiles, for tuning (bf16 products take BF16_TILES where `config`
+    than normalised again by the scan and the output kernel; "dot" the precision of the prep's
+    products ("tf32", "bf16", "tf32x3"); the rest tiles, for tuning (bf16 products take BF16_TILES where `config`
     names none; on a device without ROOMY shared memory a block the tf32 forms take SMALL_TILES).
     A float32 model (float32 v) keeps float32 between the kernels and tf32x3 products whatever
     `config` asks (chunk_config)."""
@@ -598,7 +372,6 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     new = lambda dtype, *shape: torch.empty(*shape, dtype=getattr(torch, dtype), device=dev)
     solved, terms = cfg["solved"], cfg["terms"]
     fused = bool(cfg["fused_out"])
-    assert cfg["prep"] in ("solve", "split"), f"the prep's forms are solve and split, not {cfg['prep']!r}"
     ws_g = new("float32", NT, Hv, chunk)
     unused = ws_g                     # for a kernel's pointer this form does not read
     ws_a = new("float32", NT, Hv, chunk, chunk)
@@ -614,21 +387,10 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     s_out = out if out is not None else torch.empty_like(state)
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=dev)
     scale = DK ** -0.5
-    if cfg["prep"] == "split":
-        merge = "tf32x3" if cfg["dot"] == "tf32x3" else "ieee" if interpreting() else "tf32"    # a float32 model's
-        _chunk_inverse_kernel[(NT, Hv)](q, k, a, b, A_log, dt_bias, ws_a, ws_g, ws_p, ws_q, ws_k, T, scale,
-                                        q.stride(0), k.stride(0), a.stride(0), b.stride(0), HV=Hv, GROUP=G, DK=DK,
-                                        SB=chunk // 4, BK=min(cfg["inverse_bk"], DK), DOT=dot, MERGE=merge,
-                                        FUSED=fused, NORMED=normed, num_warps=cfg["inverse_warps"])
-        _chunk_wu_kernel[(NT, Hv)](k, v, b, ws_a, ws_g, ws_w, ws_u, ws_k, T, k.stride(0), v.stride(0), b.stride(0),
-                                   HV=Hv, GROUP=G, DK=DK, DV=DV, BDV=triton.next_power_of_2(DV), BC=chunk, DOT=dot,
-                                   NORMED=normed, num_warps=cfg["wu_warps"])
-    else:
-        _chunk_prep_kernel[(NT, Hv)](q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, ws_q, ws_k, T,
-                                     scale, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), HV=Hv,
-                                     GROUP=G, DK=DK, DV=DV, BDV=triton.next_power_of_2(DV), BC=chunk, SB=16,
-                                     NB=chunk // 16, DOT=dot, FUSED=fused, NORMED=normed,
-                                     num_warps=cfg["prep_warps"])
+    _chunk_prep_kernel[(NT, Hv)](q, k, v, a, b, A_log, dt_bias, ws_a, ws_w, ws_u, ws_g, ws_p, ws_q, ws_k, T,
+                                 scale, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), HV=Hv,
+                                 GROUP=G, DK=DK, DV=DV, BDV=triton.next_power_of_2(DV), BC=chunk, SB=16,
+                                 NB=chunk // 16, DOT=dot, FUSED=fused, NORMED=normed, num_warps=cfg["prep_warps"])
     BV = min(cfg["scan_bv"], triton.next_power_of_2(DV))
     _chunk_scan_kernel[(Hv, triton.cdiv(DV, BV))](q, k, ws_w, ws_u, ws_g, ws_h, ws_v, ws_p, ws_q, ws_k, o, state,
                                                    s_out, T, scale, q.stride(0), k.stride(0), o.stride(0), HV=Hv,
@@ -645,20 +407,19 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     return o, s_out
 
 
-def plan_config(fused_out: bool, solved: str, terms: str, products: str, normed: bool, prep: str,
-                prep_products: str) -> dict:
+def plan_config(fused_out: bool, solved: str, terms: str, products: str, normed: bool, prep_products: str) -> dict:
     """chunk_triton's `config` for the plan's forms (chunk's arguments, KernelPlan.chunk_*)."""
     return {"fused_out": fused_out, "solved": solved, "terms": terms, "normed": normed, "state_dot": products,
-            "dot": prep_products, "prep": prep}
+            "dot": prep_products}
 
 
 def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, fused_out: bool = False,
           out: torch.Tensor | None = None, solved: str = "float32", terms: str = "float32", products: str = "tf32",
-          normed: bool = False, prep: str = "solve", prep_products: str = "tf32"):
+          normed: bool = False, prep_products: str = "tf32"):
     """chunk_ref's contract; the Triton kernels for CUDA tensors (the fused form with `fused_out`,
     what they hand each other in the dtypes `solved` and `terms`, the scan's and the output's
     products on `products` ("tf32" or "bf16") operands, the unit rows of q and k written once by
-    the prep where `normed`, the prep's form `prep` and its products on `prep_products` operands:
+    the prep where `normed`, the prep's products of keys and queries on `prep_products` operands:
     chunk_triton; a float32 model only where the device is roomy), the final state into `out`
     where given: the reference returns a new tensor, which the caller copies where it wants it,
     and starts from a copy of the start state then, which a training forward's gradients may
@@ -668,5 +429,5 @@ def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, f
     # a float32 model's kernels need ROOMY shared memory a block; elsewhere it takes the reference
     if use_triton(q, k, v, a, b) and (v.dtype != torch.float32 or roomy(q.device)):
         return chunk_triton(q, k, v, a, b, A_log, dt_bias, state, chunk,
-                            plan_config(fused_out, solved, terms, products, normed, prep, prep_products), out)
+                            plan_config(fused_out, solved, terms, products, normed, prep_products), out)
     return chunk_ref(q, k, v, a, b, A_log, dt_bias, state if out is None else state.clone(), chunk)

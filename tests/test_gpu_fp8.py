@@ -95,7 +95,7 @@ def wide_heads(tmp_path_factory):
 
 def test_prefill_kernel_candidates(wide_heads):
     """Prefill's forms (KernelPlan.prefill_quant, prefill_rows, prefill_conv_tokens and _blocks,
-    prefill_gate, chunk_fused_out, chunk_normed, chunk_prep), each against all of them off: the
+    prefill_gate, chunk_fused_out, chunk_normed), each against all of them off: the
     fused quantization hands the products the codes they would have made, the conv's larger tiles
     and blocks make the same sums (the same logits, bit for bit); larger tiles of the norms, the
     one-kernel output gate, the chunked GDN's fused output, unit rows written once and split prep
@@ -109,14 +109,14 @@ def test_prefill_kernel_candidates(wide_heads):
     ids = random_ids(300, 5, engine.config.vocab_size - 64)   # enough rows for cuBLAS's products
     default = engine.plan
     off = dict(prefill_rows=1, prefill_conv_tokens=16, prefill_conv_blocks=1, prefill_quant=False,
-               prefill_gate=False, chunk_fused_out=False, chunk_normed=False, chunk_prep="solve")
+               prefill_gate=False, chunk_fused_out=False, chunk_normed=False)
     base = default.replace(**off, **FLOAT32_CHUNK)
     engine.plan = engine.decoder.plan = base
     want = engine.logits(ids)
     # (changes to all off, the largest relative difference allowed: 0 is bit for bit)
     forms = [(dict(prefill_quant=True), 0), (dict(prefill_conv_tokens=64), 0), (dict(prefill_conv_blocks=8), 0),
              (dict(prefill_rows=8), 1e-2),
-             (dict(chunk_fused_out=True), 1e-2), (dict(chunk_normed=True), 1e-2), (dict(chunk_prep="split"), 1e-2),
+             (dict(chunk_fused_out=True), 1e-2), (dict(chunk_normed=True), 1e-2),
              (dict(prefill_gate=True), 1e-2),
              (dict(prefill_gate=True, prefill_quant=True), 1e-2), ({k: getattr(default, k) for k in off}, 1e-2),
              (dict(prefill_rows=16, prefill_conv_tokens=64, prefill_quant=True, chunk_fused_out=True,

@@ -11,7 +11,8 @@ captured in a CUDA graph (graph_timing.py). Rows:
 - the GDN causal conv (10240 channels of the in_proj's rows), 16 to 64 tokens a block and 1 to 16
   blocks a program (KernelPlan.prefill_conv_blocks);
 - the GDN's chunked form in three kernels and with the output written by the scan (fused_out),
-  its prep at 4 or 8 warps, what its kernels hand each other in float32 or bf16; and
+  its prep at 4 or 8 warps, what its kernels hand each other in float32 or bf16; (`prep`) the
+  prep's forms alone beside the plan's; and
   (`gdntiles`) the scan's and the output kernel's tiles; (`fla`) the same chunk through the
   flash-linear-attention library's `chunk_gated_delta_rule` (norms and gates in its kernels, bf16
   between them), where it imports (on PYTHONPATH; not a dependency of the package), with its
@@ -42,7 +43,7 @@ HK, HV, DK, DV, CONV = 16, 48, 128, 128, 10240
 IN_PROJ = CONV + HV * DV + 2 * HV
 HQ, HKV, HD, ROTARY = 24, 4, 256, 64
 COPIES = 3
-SECTIONS = ("norm", "rope", "conv", "gdn", "gdntiles", "fla", "gate", "gating", "quant", "addnorm")
+SECTIONS = ("norm", "rope", "conv", "gdn", "prep", "gdntiles", "fla", "gate", "gating", "quant", "addnorm")
 
 
 def registers(*kernels):
@@ -139,21 +140,21 @@ def main():
     gates = [(t[:, -HV:], t[:, -2 * HV:-HV]) for t in proj]           # a, b of [... | b | a]
     A_log, dt_bias = 0.5 * torch.randn(HV, **bf16), torch.randn(HV, **bf16)
     states = [0.1 * torch.randn(HV, DK, DV, device="cuda") for _ in range(COPIES)]
+    bf16_between = dict(solved="bfloat16", terms="bfloat16")
+    low = dict(bf16_between, normed=True, state_dot="bf16")         # its tiles gdn_chunk.BF16_TILES
+    forms = []
     if "gdn" in sections:
+        forms += [{}, dict(fused_out=True), bf16_between, dict(bf16_between, fused_out=True),
+                  dict(bf16_between, normed=True), dict(state_dot="bf16"), low, dict(low, scan_bv=64, scan_warps=8),
+                  dict(low, out_bv=64), dict(low, fused_out=True), dict(low, fused_out=True, scan_bv=64, scan_warps=8),
+                  dict(low, prep_warps=2), dict(low, dot="bf16"), dict(low, fused_out=True, dot="bf16")]
+    if "prep" in sections:
+        # the prep's forms beside the plan's (low, fused, its products of keys in bf16)
+        forms += [dict(low, fused_out=True), dict(low, fused_out=True, dot="bf16"),
+                  dict(low, fused_out=True, dot="bf16", prep_warps=8), dict(low, dot="bf16")]
+    if forms:
         nbytes = T * (2 * HK * DK + 2 * HV * DV) * 2
         base = None
-        bf16_between = dict(solved="bfloat16", terms="bfloat16")
-        low = dict(bf16_between, normed=True, state_dot="bf16")     # its tiles gdn_chunk.BF16_TILES
-        forms = ({}, dict(fused_out=True), bf16_between, dict(bf16_between, fused_out=True),
-                 dict(bf16_between, normed=True), dict(state_dot="bf16"), low, dict(low, scan_bv=64, scan_warps=8),
-                 dict(low, out_bv=64), dict(low, fused_out=True), dict(low, fused_out=True, scan_bv=64, scan_warps=8),
-                 dict(low, prep_warps=2), dict(low, dot="bf16"),
-                 # the prep split in two (prep "split": the inverse in registers, then w and u)
-                 dict(low, prep="split"), dict(low, prep="split", dot="bf16"),
-                 dict(low, prep="split", dot="bf16", inverse_bk=64),
-                 dict(low, prep="split", dot="bf16", inverse_warps=2),
-                 dict(low, prep="split", dot="bf16", wu_warps=8), dict(low, prep="split", dot="bf16", fused_out=True),
-                 dict(low, prep="split", fused_out=True), dict(low, fused_out=True, dot="bf16"))
         o_ref, s_ref = gdn_chunk.chunk_ref(*(t.float() for t in qkv_heads[0]), *(t.float() for t in gates[0]),
                                            A_log.float(), dt_bias.float(), states[0])
         rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
@@ -169,8 +170,7 @@ def main():
             base = base or us
             print(f"    from float32: o {rel(o, o_ref):.2e}, state {rel(s_end, s_ref):.2e}; "
                   + ", ".join(f"{k} {v:.1f} us" for k, v in kernel_times(run, COPIES).items()))
-        registers(gdn_chunk._chunk_prep_kernel, gdn_chunk._chunk_inverse_kernel, gdn_chunk._chunk_wu_kernel,
-                  gdn_chunk._chunk_scan_kernel, gdn_chunk._chunk_out_kernel)
+        registers(gdn_chunk._chunk_prep_kernel, gdn_chunk._chunk_scan_kernel, gdn_chunk._chunk_out_kernel)
     if "gdntiles" in sections:
         # the serial scan's and the output's tiles (value columns a program, warps, depth), the rest
         # as CHUNK_CONFIG has them
@@ -205,8 +205,7 @@ def main():
         engine_form = lambda i: gdn_chunk.chunk(*qkv_heads[i], *gates[i], A_log, dt_bias, states[i],
                                                 fused_out=plan.chunk_fused_out, solved=plan.chunk_solved,
                                                 terms=plan.chunk_terms, products=plan.chunk_products,
-                                                normed=plan.chunk_normed, prep=plan.chunk_prep,
-                                                prep_products=plan.chunk_prep_products)
+                                                normed=plan.chunk_normed, prep_products=plan.chunk_prep_products)
         o_ours, s_ours = ours(0)
         o_plan, s_plan = engine_form(0)
         o_fla, s_fla = run_fla(0)

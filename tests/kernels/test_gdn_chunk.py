@@ -26,12 +26,12 @@ def _inputs(T, Hk, Hv, dk, dv, dtype, device, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 5, 63, 64, 130])
 @pytest.mark.parametrize("Hk,Hv,dk,dv", [(2, 2, 32, 24), (1, 3, 16, 40)])
-# the output by its own kernel or by the scan; the prep as one kernel or split in two
-@pytest.mark.parametrize("form", ["three", "fused", "split", "split-fused"])
+# the output by its own kernel or by the scan
+@pytest.mark.parametrize("form", ["three", "fused"])
 def test_chunk(device, dtype, T, Hk, Hv, dk, dv, form):
     args, state = _inputs(T, Hk, Hv, dk, dv, dtype, device, seed=T + Hv)
     state_in = state.clone()
-    config = {"fused_out": form.endswith("fused"), "prep": "split" if form.startswith("split") else "solve"}
+    config = {"fused_out": form == "fused"}
     o, s = gdn_chunk.chunk_triton(*args, state, config=config)
     o_ref, s_ref = gdn_chunk.chunk_ref(*args, state)
     assert torch.equal(state, state_in), "the start state is an input"
@@ -107,24 +107,12 @@ def test_chunk_with_bf16_products(device, fused, bv):
     check(s, s_ref, 2e-2, "final state")
 
 
-@pytest.mark.parametrize("prep", ["solve", "split"])
-def test_float32_inputs_keep_float32_between_the_kernels(device, prep):
+def test_float32_inputs_keep_float32_between_the_kernels(device):
     args, state = _inputs(70, 1, 2, 16, 24, torch.float32, device, seed=7)
-    o, s = gdn_chunk.chunk_triton(*args, state, config={"prep": prep})
-    o2, s2 = gdn_chunk.chunk_triton(*args, state, config={"solved": "bfloat16", "terms": "bfloat16", "prep": prep,
+    o, s = gdn_chunk.chunk_triton(*args, state)
+    o2, s2 = gdn_chunk.chunk_triton(*args, state, config={"solved": "bfloat16", "terms": "bfloat16",
                                                           "state_dot": "bf16", "dot": "bf16"})
     assert torch.equal(o2, o) and torch.equal(s2, s)
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_split_prep_with_unit_rows_written_once(device, fused):
-    # the split prep writes the unit rows of q and k from its own sums of squares: the same values
-    # as each kernel normalising them, to float32's rounding
-    args, state = _inputs(130, 2, 6, 32, 40, torch.float32, device, seed=11)
-    o, s = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused, "prep": "split"})
-    o2, s2 = gdn_chunk.chunk_triton(*args, state, config={"fused_out": fused, "prep": "split", "normed": True})
-    check(o2, o, 1e-5)
-    check(s2, s, 1e-5, "final state")
 
 
 def test_chunk_passes_the_plans_forms(monkeypatch):
@@ -134,9 +122,9 @@ def test_chunk_passes_the_plans_forms(monkeypatch):
     monkeypatch.setattr(gdn_chunk, "chunk_triton", lambda *args: seen.update(args[9]) or ("o", "s"))
     args, state = _inputs(5, 1, 2, 16, 16, torch.float32, "cpu", seed=12)
     gdn_chunk.chunk(*args, state, fused_out=True, solved="bfloat16", terms="bfloat16", products="bf16",
-                    normed=True, prep="split", prep_products="bf16")
+                    normed=True, prep_products="bf16")
     assert seen == dict(fused_out=True, solved="bfloat16", terms="bfloat16", normed=True, state_dot="bf16",
-                        dot="bf16", prep="split")
+                        dot="bf16")
     with pytest.raises(AssertionError, match="prep_products"):
         gdn_chunk.chunk(*args, state, prep_products="fp8")
 
@@ -156,7 +144,7 @@ def test_chunk_config_tiles():
     # the plan's bf16 forms on BF16_TILES; tf32 ones on CHUNK_CONFIG's, or SMALL_TILES where shared
     # memory is short; a float32 model's on WIDE_TILES in float32 and tf32x3 whatever is asked; a
     # tile `config` names wins
-    low = gdn_chunk.plan_config(True, "bfloat16", "bfloat16", "bf16", True, "solve", "tf32")
+    low = gdn_chunk.plan_config(True, "bfloat16", "bfloat16", "bf16", True, "bf16")
     assert gdn_chunk.chunk_config(low, False, False)["scan_bv"] == gdn_chunk.BF16_TILES["scan_bv"]
     assert gdn_chunk.chunk_config({}, False, True)["scan_bv"] == gdn_chunk.CHUNK_CONFIG["scan_bv"]
     assert gdn_chunk.chunk_config({}, False, False)["out_bv"] == gdn_chunk.SMALL_TILES["out_bv"]
@@ -167,14 +155,15 @@ def test_chunk_config_tiles():
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_split_prep_with_bf16_products(device, fused):
-    # the split prep's key products on bf16 operands, with the scan's and the output's, and bf16
-    # between the kernels (the candidate fla's way throughout)
+def test_prep_with_bf16_products(device, fused):
+    # the prep's products of keys and queries on bf16 operands too (the plan's form, fla's way
+    # throughout): within bf16's reach of the float32 reference, and apart from its tf32 prep
     args, state = _inputs(130, 2, 6, 32, 40, torch.bfloat16, device, seed=10)
     o_ref, s_ref = gdn_chunk.chunk_ref(*args, state)
-    config = dict(fused_out=fused, normed=True, state_dot="bf16", dot="bf16", solved="bfloat16", terms="bfloat16",
-                  prep="split")
-    o, s = gdn_chunk.chunk_triton(*args, state, config=config)
+    config = dict(fused_out=fused, normed=True, state_dot="bf16", solved="bfloat16", terms="bfloat16")
+    o_tf32, s_tf32 = gdn_chunk.chunk_triton(*args, state, config=config)
+    o, s = gdn_chunk.chunk_triton(*args, state, config=dict(config, dot="bf16"))
+    assert not torch.equal(s, s_tf32), "the prep's products took bf16 operands"
     check(o, o_ref, 3e-2)
     check(s, s_ref, 2e-2, "final state")
 
@@ -205,8 +194,8 @@ def test_chunk_27b_shapes(T):
         o, s = gdn_chunk.chunk(*args, state, fused_out=fused, solved="bfloat16", terms="bfloat16")
         check(o, o_ref, 2e-2)
         check(s, s_ref, 2e-2, "final state")
-        for prep in ("solve", "split"):
+        for prep_products in ("tf32", "bf16"):
             o, s = gdn_chunk.chunk(*args, state, fused_out=fused, solved="bfloat16", terms="bfloat16",
-                                   products="bf16", normed=True, prep=prep)
+                                   products="bf16", normed=True, prep_products=prep_products)
             check(o, o_ref, 2e-2)
             check(s, s_ref, 2e-2, "final state")

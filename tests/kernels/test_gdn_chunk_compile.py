@@ -20,12 +20,12 @@ ptxas_or_exit()
 SHAPE = dict(HV=48, GROUP=3, DK=128, DV=128, BDV=128, BC=64)        # the 27B's heads
 plan = KernelPlan(products=ProductPlan(programs=132))
 PLAN = (plan.chunk_fused_out, plan.chunk_solved, plan.chunk_terms, plan.chunk_products, plan.chunk_normed,
-        plan.chunk_prep, plan.chunk_prep_products)
+        plan.chunk_prep_products)
 FORMS = {"plan": (g.plan_config(*PLAN), False),
          "plan unfused": (g.plan_config(False, *PLAN[1:]), False),
-         "plan split": (g.plan_config(*PLAN[:5], "split", "bf16"), False),
-         "tf32": (g.plan_config(False, "float32", "float32", "tf32", False, "solve", "tf32"), False),
-         "tf32 fused": (g.plan_config(True, "float32", "float32", "tf32", False, "solve", "tf32"), False),
+         "plan, tf32 prep": (g.plan_config(*PLAN[:5], "tf32"), False),
+         "tf32": (g.plan_config(False, "float32", "float32", "tf32", False, "tf32"), False),
+         "tf32 fused": (g.plan_config(True, "float32", "float32", "tf32", False, "tf32"), False),
          "float32 model": ({}, True)}
 
 
@@ -33,12 +33,7 @@ def launches(cfg):
     # (name, kernel, constexprs, warps, stages) as chunk_triton launches them under cfg
     dot, state_dot, fused = cfg["dot"], cfg["state_dot"] or cfg["dot"], cfg["fused_out"]
     flags = dict(FUSED=fused, NORMED=cfg["normed"])
-    if cfg["prep"] == "split":
-        yield "inverse", g._chunk_inverse_kernel, dict(SB=16, BK=cfg["inverse_bk"], DOT=dot, MERGE="tf32", **flags), \
-            cfg["inverse_warps"], 3
-        yield "wu", g._chunk_wu_kernel, dict(DOT=dot, NORMED=cfg["normed"]), cfg["wu_warps"], 3
-    else:
-        yield "prep", g._chunk_prep_kernel, dict(SB=16, NB=4, DOT=dot, **flags), cfg["prep_warps"], 3
+    yield "prep", g._chunk_prep_kernel, dict(SB=16, NB=4, DOT=dot, **flags), cfg["prep_warps"], 3
     yield "scan", g._chunk_scan_kernel, dict(BV=cfg["scan_bv"], DOT=state_dot, **flags), cfg["scan_warps"], \
         cfg["scan_stages"]
     if not fused:
@@ -75,5 +70,5 @@ for form, (config, wide) in FORMS.items():
 def test_chunk_kernels_compile_for_hopper_ampere_and_ada():
     """In a process of its own (compile_checks.run_children): this one may run Triton's interpreter."""
     stdout = run_children(COMPILE)
-    # plan 2 kernels, unfused 3, split 3, tf32 3, tf32 fused 2 on 4 targets; the float32 model's 3 on sm_90
-    assert stdout.count("ok ") == (2 + 3 + 3 + 3 + 2) * 4 + 3, stdout[-2000:]
+    # plan 2 kernels, unfused 3, tf32 prep 2, tf32 3, tf32 fused 2 on 4 targets; the float32 model's 3 on sm_90
+    assert stdout.count("ok ") == (2 + 3 + 2 + 3 + 2) * 4 + 3, stdout[-2000:]
