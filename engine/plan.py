@@ -73,9 +73,12 @@ class KernelPlan:
     # Token blocks (of prefill_conv_tokens) a program of prefill's causal conv takes in turn, its
     # loop pipelined: one block a program made 20,480 programs of 1,024 outputs for a 2,048-token
     # chunk, 2.67 x what the conv's bytes take (16.8 ms of the 27B's 8K prompt; 73.8 us a chunk
-    # against a floor of 27.6: probe_prefill_kernels.py, 2026-11-26). Candidate, unmeasured; the
-    # same bits at any count (tests/kernels/test_conv.py), and with 1 the kernel compiles for sm_90
-    # to the SASS of before but for one add's operand order.
+    # against a floor of 27.6: probe_prefill_kernels.py, 2026-11-26). The same bits at any count
+    # (tests/kernels/test_conv.py), and with 1 the kernel compiles for sm_90 to the SASS of before
+    # but for one add's operand order. Measured (an H100, 2026-11-28): 32 tokens x 4 blocks took the
+    # chunk's conv 73.3 -> 56.3 us, but the 27B FP8's 8K prompt did not move beyond its spread (3.3
+    # ms expected of 510) and a 50-token turn after it read 63.5 / 92.5 / 108.6 ms against 61.6-64.3:
+    # off until a longer A/B settles both.
     prefill_conv_blocks: int = 1
     # Prefill's MLP gating, GDN output norm and the norms before attention's q|k|v and a dense MLP's
     # gate|up hand an FP8 product (FP8 weights; 4-bit ones in the fp8 form) their rows quantized
