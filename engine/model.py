@@ -178,9 +178,12 @@ class GatedAttention(nn.Module):
             o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale, gate)   # the gate fused in
         else:
             n = ctx.start + T
-            # [1, H, T, D]: the fused SDPA kernels take 4-D inputs only (3-D falls back to the math path)
-            q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))
-            o = prefill_attention(q4, keys, values, ctx.start == 0, scale)[0].transpose(0, 1)
+            if ctx.plan.prefill_attention == "triton" and use_triton(q) and q.dtype != torch.float32:
+                o = attention.prefill_attention_triton(q, k_cache[:n], v_cache[:n], scale)
+            else:
+                # [1, H, T, D]: the fused SDPA kernels take 4-D inputs only (3-D falls back to the math path)
+                q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))
+                o = prefill_attention(q4, keys, values, ctx.start == 0, scale)[0].transpose(0, 1)
             if ctx.plan.prefill_gate and c.head_dim & (c.head_dim - 1) == 0:
                 # the gate and the rows in one kernel; straight to FP8 where o_proj takes them so
                 o_proj = weight(self, "o_proj")

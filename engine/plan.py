@@ -92,6 +92,13 @@ class KernelPlan:
     # rows go to an FP8 o_proj quantized. The three together: the 27B FP8's 8K prompt 0.95 x
     # (probe_prefill_chunk.py, 2026-11-26, docs/PERFORMANCE.md).
     prefill_gate: bool = True
+    # Prefill's attention (a bf16 or fp16 chunk's queries over the cache's keys before and in it, on
+    # the GPU): torch's flash kernel ("flash"; 219-292 TFLOP/s at the 27B's head_dim of 256, 59 ms of
+    # the 27B FP8's 8K prompt, an H100, 2026-11-27) or our Triton kernel ("triton":
+    # kernels/attention.py prefill_attention_triton; its output [T, Hq, D] straight, no transposed
+    # copies). Candidate, untimed: compiled for sm_80/86/89/90 (wgmma on sm_90, no spills), tested
+    # against the float32 reference under the interpreter.
+    prefill_attention: str = "flash"
     # The GDN's chunked form (kernels/gdn_chunk.py) with its output written by the scan
     # ("fused_out"): the chunks' start states and writes never go through memory, and a kernel
     # fewer. What its kernels hand each other: w and u of the prep's solve, from which the scan

@@ -69,6 +69,23 @@ def test_gdn_chunk_in_bf16_within_bf16s_reach_of_float32(ckpt):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
 
+def test_triton_prefill_attention_within_bf16s_reach_of_float32(ckpt):
+    # the plan's candidate prefill attention (kernels/attention.py) against torch's flash kernel in
+    # the same bf16 engine, both against float32 on the CPU, over a prompt in several chunks (the
+    # later ones over the keys before them)
+    cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
+    ids = gpu_prompts(cpu, 4)[3] * 3
+    want = cpu.logits(ids)
+    gpu = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512, prefill_chunk=48)
+    assert len(ids) > 2 * 48
+    flash = gpu.logits(ids).float().cpu()
+    gpu.plan = gpu.decoder.plan = gpu.plan.replace(prefill_attention="triton")
+    got = gpu.logits(ids).float().cpu()
+    err, err_flash = rel_err(got, want, ord=2), rel_err(flash, want, ord=2)
+    assert err < 1.5 * err_flash + 5e-3, (err, err_flash)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
 @pytest.mark.parametrize("Hq,Hkv,T,n", [(24, 4, 100, 300), (8, 2, 1, 77), (6, 6, 64, 100), (6, 6, 64, 64)])
 def test_prefill_attention_of_a_later_chunk(Hq, Hkv, T, n):
     # the last T of n rows attend to every earlier row and causally among themselves (flash on the GPU)

@@ -129,3 +129,29 @@ def test_products_default_for_a_device():
     if torch.cuda.is_available():
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         assert default_products("cuda").programs == sms
+
+
+def test_the_prefill_attention_candidate_reaches_its_kernel(gqa3, monkeypatch):
+    # prefill_attention "triton" sends a prefill chunk's attention (bf16 rows where the kernels run)
+    # to kernels/attention.py's kernel with the cache's first n rows; here the kernel stands in as
+    # its float32 reference, which the flash path agrees with to bf16's rounding
+    from mtpchat.engine import model
+    from mtpchat.kernels import attention
+    calls = []
+
+    def kernel(q, k, v, scale):
+        calls.append((q.shape[0], k.shape[0], v.shape[0]))
+        return attention.prefill_attention_ref(q, k, v, scale)
+    engine = Engine.load(gqa3, dtype=torch.bfloat16, max_context=256, prefill_chunk=16)
+    ids = list(range(5, 45))
+    flash = engine.logits(ids).float()
+    monkeypatch.setattr(model, "use_triton", lambda *t: True)
+    monkeypatch.setattr(attention, "prefill_attention_triton", kernel)
+    assert not calls and engine.plan.prefill_attention == "flash"
+    assert torch.equal(engine.logits(ids).float(), flash)              # the default never calls it
+    engine.plan = engine.decoder.plan = engine.plan.replace(prefill_attention="triton")
+    got = engine.logits(ids).float()
+    layers = sum(kind == "full_attention" for kind in engine.config.layer_types)
+    # each attention layer in each chunk: 16 rows over 16 keys, 16 over 32, the last 8 over 40
+    assert layers and sorted(calls) == sorted([(16, 16, 16), (16, 32, 32), (8, 40, 40)] * layers), calls
+    assert (got - flash).abs().max() <= 0.05 * flash.abs().max()

@@ -123,3 +123,44 @@ def test_decode_attention_runs_shallower_where_shared_memory_is_short():
     assert stages == 3
     assert attention._config(32768, 2, 256, small) == (first, split, BN, warps, 2)
     assert attention._config(32768, 4, 256, small)[-1] == 1     # float32: one deep anyway
+
+
+# --- prefill: a chunk's queries over the keys before and in it ---------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,before,Hq,Hkv,D,config", [
+    (1, 0, 2, 1, 16, (16, 16, 4, 1)),        # one token, the first
+    (5, 0, 6, 2, 32, (16, 16, 4, 1)),        # the first chunk, fewer rows than a block
+    (63, 1, 3, 3, 40, (32, 16, 4, 1)),       # no GQA, head dim not a power of two, one key before
+    (130, 77, 4, 1, 16, (32, 32, 4, 2)),     # rows over several blocks, keys before not a block's multiple
+    (37, 200, 6, 2, 24, (16, 64, 4, 1)),     # key blocks wider than the row blocks
+    (20, 45, 2, 2, 32, None),                # the device's own tiles
+])
+def test_prefill_attention(device, dtype, T, before, Hq, Hkv, D, config):
+    g = torch.Generator().manual_seed(T + before)
+    q = randn(T, Hq, D, dtype=dtype, device=device, gen=g)
+    k, v = (randn(before + T, Hkv, D, dtype=dtype, device=device, gen=g) for _ in range(2))
+    out = attention.prefill_attention_triton(q, k, v, D ** -0.5, config)
+    check(out, attention.prefill_attention_ref(q, k, v, D ** -0.5), TOL[dtype])
+
+
+def test_prefill_attention_reads_the_cache_as_it_lies(device):
+    # q a view of a wider projection, k and v the first n rows of a longer cache: the same as
+    # contiguous copies, and no key past n read (the rows past it hold NaN)
+    g = torch.Generator().manual_seed(5)
+    T, n, Hq, Hkv, D = 21, 50, 4, 2, 16
+    qg = randn(T, Hq, 2 * D, device=device, gen=g)
+    cache = randn(80, Hkv, D, device=device, gen=g), randn(80, Hkv, D, device=device, gen=g)
+    for c in cache:
+        c[n:] = float("nan")
+    q, k, v = qg[..., :D], cache[0][:n], cache[1][:n]
+    out = attention.prefill_attention_triton(q, k, v, 0.3, (16, 16, 4, 1))
+    assert torch.equal(out, attention.prefill_attention_triton(q.contiguous(), k.clone(), v.clone(), 0.3,
+                                                               (16, 16, 4, 1)))
+    check(out, attention.prefill_attention_ref(q, k, v, 0.3), TOL[torch.float32])
+
+
+def test_prefill_attention_tiles_follow_shared_memory():
+    # 128 x 64 on 8 warps where a program has the room (an H100), 64 x 32 on a 99 KB card
+    assert attention.prefill_attention_config(256, 2, ProductPlan(programs=1)) == (128, 64, 8, 2)
+    assert attention.prefill_attention_config(256, 2, ProductPlan(programs=1, shared_memory=101376)) == (64, 32, 4, 2)

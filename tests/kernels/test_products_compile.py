@@ -1,5 +1,5 @@
 """The few-row products over bf16 and FP8 weights (kernels/matvec.py, matvec_parts.py), the MoE
-experts over them (kernels/moe.py) and decode's attention (kernels/attention.py) through Triton's
+experts over them (kernels/moe.py) and decode's and prefill's attention (kernels/attention.py) through Triton's
 whole pipeline to a cubin, on a machine without a GPU, on the tiles the engine takes on each target
 (ProductPlan.shared_memory: an RTX 3090 or 4090, an A10, an L4 or an L40S gives a program 99 KB,
 an A100 163 KB, an H100 227 KB): for sm_90, sm_80, sm_86 and sm_89 (FP8 from sm_89), each within
@@ -62,6 +62,9 @@ def launches(cap):
     first, split, BN, warps, stages = attention._config(32768, 2, 256, plan)
     yield "decode attention", attention._attn_split_kernel, dict(HQ=24, GROUP=6, D=256, BM=32, BN=BN, FIRST=first,
                                                                    SPLIT=split), {}, warps, stages
+    BM, BN, warps, stages = attention.prefill_attention_config(256, 2, plan)
+    yield "prefill attention", attention._prefill_attn_kernel, dict(GROUP=6, D=256, BD=256, BM=BM, BN=BN), \
+        dict(k="*bf16", v="*bf16", o="*bf16", scale2="fp32"), warps, stages
 
 
 for cap in (90, 80, 86, 89):
@@ -69,7 +72,7 @@ for cap in (90, 80, 86, 89):
         consts = dict(consts, PDL=cap >= 90)
         sig = {a: types.get(a, TYPES.get(a, "i32")) for a in fn.arg_names if a not in consts}
         # as a launch specialises them: pointers, shapes and strides 16-divisible (T, eps, scale aside)
-        aligned = {a for a in sig if a not in ("T", "eps", "scale") and sig[a] != "fp32"}
+        aligned = {a for a in sig if a not in ("T", "n", "eps", "scale") and sig[a] != "fp32"}
         compile_checked(fn, consts, sig, cap, warps, stages, f"{name} sm_{cap}", aligned)
 """
 
@@ -77,5 +80,6 @@ for cap in (90, 80, 86, 89):
 def test_products_compile_within_each_targets_shared_memory():
     """In a process of its own (compile_checks.run_children): this one may run Triton's interpreter."""
     stdout = run_children(COMPILE)
-    # bf16: plain, SwiGLU, split, 4 expert kernels and attention on 4 targets; FP8's 7 on sm_89 and sm_90
-    assert stdout.count("ok ") == 8 * 4 + 7 * 2, stdout[-2000:]
+    # bf16: plain, SwiGLU, split, 4 expert kernels, decode and prefill attention on 4 targets; FP8's 7
+    # on sm_89 and sm_90
+    assert stdout.count("ok ") == 9 * 4 + 7 * 2, stdout[-2000:]
