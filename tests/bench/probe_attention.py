@@ -11,7 +11,10 @@ bottom right (query t sees keys up to n - T + t). Forms:
 - cuDNN split: the keys before the chunk (no mask) and the chunk's own keys (causal, square) in
   two calls that return their log-sum-exp, merged in float32; the kv heads as they are, or
   repeated to the query heads where cuDNN refuses them;
-- efficient: the memory-efficient kernel with the lower-right causal bias.
+- efficient: the memory-efficient kernel with the lower-right causal bias;
+- triton: our kernel (kernels/attention.py prefill_attention_triton, KernelPlan.prefill_attention
+  "triton") on its default tiles, and `--tiles` "BM,BN,warps,stages;..." beside them, over keys
+  laid out as the cache holds them ([n, Hkv, D]).
 Each row checks its output against flash's (max |difference|, relative to the largest |output|).
 Times: CUDA events around 10 launches after a warm-up, the median of 5. "first call": the
 wall time of one call at a key length not seen before (a cuDNN graph is built per shape).
@@ -26,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
+
+from mtpchat.kernels import attention
 
 HQ, HKV, HD = 24, 4, 256
 
@@ -65,6 +70,14 @@ def efficient(q, k, v, scale):
                                               attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale)
 
 
+def ours(config=None):
+    """Our kernel over [1, H, n, D] inputs (q's and the cache's rows as views), [1, Hq, T, D] out."""
+    def run(q, k, v, scale):
+        rows = lambda t: t[0].transpose(0, 1)
+        return attention.prefill_attention_triton(rows(q), rows(k), rows(v), scale, config).transpose(0, 1)[None]
+    return run
+
+
 def timed(fn, reps: int = 10) -> float:
     fn()
     torch.cuda.synchronize()
@@ -92,12 +105,15 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--forms", default="flash,cuDNN split,efficient,triton", help="which forms, comma-separated")
+    p.add_argument("--tiles", default="", help="our kernel's tiles beside its default: 'BM,BN,warps,stages;...'")
     a = p.parse_args()
     T, N = a.tokens, a.context
     torch.manual_seed(0)
     bf16 = dict(dtype=torch.bfloat16, device="cuda")
     scale = HD ** -0.5
-    k_all, v_all = torch.randn(1, HKV, N, HD, **bf16), torch.randn(1, HKV, N, HD, **bf16)
+    # the keys and values laid out as the cache holds them, [N, Hkv, D], seen as [1, Hkv, N, D]
+    k_all, v_all = (torch.randn(N, HKV, HD, **bf16).transpose(0, 1)[None] for _ in range(2))
     try:
         cudnn(torch.randn(1, HQ, 64, HD, **bf16), k_all[:, :, :64], v_all[:, :, :64], True, scale)
     except RuntimeError as e:
@@ -105,10 +121,13 @@ def main():
         print(f"cuDNN refuses the kv heads as they are ({str(e).splitlines()[0][:100]}); it gets them repeated")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"T {T}, head dim {HD}, {HQ} / {HKV} heads")
-    forms = {"flash": flash, "cuDNN split": cudnn_split, "efficient": efficient}
+    forms = {"flash": flash, "cuDNN split": cudnn_split, "efficient": efficient, "triton": ours()}
+    forms = {name: fn for name, fn in forms.items() if name in a.forms.split(",")}
+    for tile in filter(None, a.tiles.split(";")):
+        forms[f"triton {tile}"] = ours(tuple(int(x) for x in tile.split(",")))
     for n in range(T, N + 1, T):
         q = torch.randn(1, HQ, T, HD, **bf16)
-        k, v = k_all[:, :, :n].contiguous(), v_all[:, :, :n].contiguous()
+        k, v = k_all[:, :, :n], v_all[:, :, :n]
         flops = 4 * HQ * HD * (T * (n - T) + T * T / 2)
         ref = flash(q, k, v, scale).float()
         base = None
