@@ -227,15 +227,21 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 
 @triton.jit
 def _prefill_attn_block(b_q, k, v, j, o_n, o_d, m_d, i_kh, s_kn, s_kh, s_vn, s_vh, b_m, b_l, b_acc, o_m, last,
-                        scale2, MASKED: tl.constexpr):
+                        scale2, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
     """One block of BN keys from key j into a row block's online softmax (base 2; scale2 = the
     softmax scale times log2 e). MASKED: the block holds keys past some rows' last (the causal
-    diagonal, or the keys' end), which those rows do not see."""
+    diagonal, or the keys' end), which those rows do not see. EVEN_D: the head dim fills its
+    tile, and a block every row sees loads unmasked (whole 16-byte copies)."""
     o_j = j + o_n
-    m_k = m_d[None, :]
-    if MASKED:
-        m_k = m_k & (o_j <= last)[:, None]
-    b_k = tl.load(k + o_j[:, None] * s_kn + i_kh * s_kh + o_d[None, :], mask=m_k, other=0.)
+    m_k = (o_j <= last)[:, None] if MASKED else None
+    if not EVEN_D:
+        m_k = m_d[None, :] if m_k is None else m_k & m_d[None, :]
+    p_k = k + o_j[:, None] * s_kn + i_kh * s_kh + o_d[None, :]
+    p_v = v + o_j[:, None] * s_vn + i_kh * s_vh + o_d[None, :]
+    if m_k is None:
+        b_k = tl.load(p_k)
+    else:
+        b_k = tl.load(p_k, mask=m_k, other=0.)
     # "ieee": float32 inputs exact (bf16 ones take the tensor cores regardless)
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale2           # [BM, BN]
     if MASKED:
@@ -244,7 +250,10 @@ def _prefill_attn_block(b_q, k, v, j, o_n, o_d, m_d, i_kh, s_kn, s_kh, s_vn, s_v
     b_p = tl.exp2(b_s - b_mn[:, None])
     b_alpha = tl.exp2(b_m - b_mn)
     b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-    b_v = tl.load(v + o_j[:, None] * s_vn + i_kh * s_vh + o_d[None, :], mask=m_k, other=0.)
+    if m_k is None:
+        b_v = tl.load(p_v)
+    else:
+        b_v = tl.load(p_v, mask=m_k, other=0.)
     b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], input_precision="ieee")
     return b_mn, b_l, b_acc
 
@@ -255,7 +264,8 @@ def _prefill_attn_kernel(q, k, v, o, T, n, scale2, s_qt, s_qh, s_kn, s_kh, s_vn,
                          BN: tl.constexpr):
     # program (i_m, i_h): query rows i_m BM .. + BM of head i_h; row t sees keys 0 .. n - T + t.
     # The key blocks every row of the block sees whole run unmasked, the rest (the diagonal) masked.
-    i_m, i_h = tl.program_id(0), tl.program_id(1)
+    # The last row blocks, which see the most keys, go first.
+    i_m, i_h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
     i_kh = i_h // GROUP
     o_t = i_m * BM + tl.arange(0, BM)
     o_n, o_d = tl.arange(0, BN), tl.arange(0, BD)
@@ -269,26 +279,28 @@ def _prefill_attn_kernel(q, k, v, o, T, n, scale2, s_qt, s_qh, s_kn, s_kh, s_vn,
     b_acc = tl.zeros([BM, BD], tl.float32)
     for j in range(0, whole, BN):
         b_m, b_l, b_acc = _prefill_attn_block(b_q, k, v, j, o_n, o_d, m_d, i_kh, s_kn, s_kh, s_vn, s_vh, b_m, b_l,
-                                              b_acc, o_m, last, scale2, False)
+                                              b_acc, o_m, last, scale2, False, BD == D)
     for j in range(whole, last + 1, BN):
         b_m, b_l, b_acc = _prefill_attn_block(b_q, k, v, j, o_n, o_d, m_d, i_kh, s_kn, s_kh, s_vn, s_vh, b_m, b_l,
-                                              b_acc, o_m, last, scale2, True)
+                                              b_acc, o_m, last, scale2, True, BD == D)
     b_o = b_acc / b_l[:, None]
     tl.store(o + o_t[:, None] * s_ot + i_h * s_oh + o_d[None, :], b_o.to(o.dtype.element_ty),
              mask=m_t[:, None] & m_d[None, :])
 
 
 def prefill_attention_config(D: int, itemsize: int = 2, plan: ProductPlan | None = None) -> tuple[int, int, int, int]:
-    """(BM query rows, BN keys, warps, stages) of the prefill kernel for head_dim D: 128 x 64 on 8
-    warps two deep at head_dim 256 where a program has the shared memory (q's tile and two of K and
-    V: 128 KB on an H100), else 64 x 32 on 4 warps (a 99 KB card: 64 KB). Candidate
-    tiles, not yet timed (tests/bench/probe_attention.py)."""
+    """(BM query rows, BN keys, warps, stages) of the prefill kernel for head_dim D: the first of
+    128 x 64 on 8 warps, 64 x 64 and 64 x 32 on 4, two deep, then 64 x 32 one deep, whose q tile
+    and `stages` K and V tiles fit a program's shared memory (compiled for sm_90 at head_dim 256:
+    196,608, 163,840, 98,304 and 49,152 bytes; sm_86 takes less). So an H100 takes 128 x 64, an
+    A100 64 x 32 two deep, a 99 KB card (RTX 30/40/50, A10, L4) one deep. Candidate tiles, not yet
+    timed (tests/bench/probe_attention.py)."""
     room = (plan or ProductPlan(programs=1)).shared_memory - PIPELINE_SLACK
     BD = triton.next_power_of_2(D)
-    for BM, BN, warps, stages in ((128, 64, 8, 2), (64, 32, 4, 2)):
-        if (stages - 1) * 2 * BN * BD * itemsize + BM * BD * itemsize <= room:
+    for BM, BN, warps, stages in ((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)):
+        if (BM + 2 * stages * BN) * BD * itemsize <= room:
             return BM, BN, warps, stages
-    return 32, 16, 4, 1
+    return 64, 32, 4, 1
 
 
 def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

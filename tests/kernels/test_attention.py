@@ -161,6 +161,9 @@ def test_prefill_attention_reads_the_cache_as_it_lies(device):
 
 
 def test_prefill_attention_tiles_follow_shared_memory():
-    # 128 x 64 on 8 warps where a program has the room (an H100), 64 x 32 on a 99 KB card
-    assert attention.prefill_attention_config(256, 2, ProductPlan(programs=1)) == (128, 64, 8, 2)
-    assert attention.prefill_attention_config(256, 2, ProductPlan(programs=1, shared_memory=101376)) == (64, 32, 4, 2)
+    # 128 x 64 on 8 warps where a program has the room (an H100), 64 x 32 on an A100, one deep on
+    # a 99 KB card
+    tiles = lambda room: attention.prefill_attention_config(256, 2, ProductPlan(programs=1, shared_memory=room))
+    assert tiles(232448) == (128, 64, 8, 2)
+    assert tiles(166912) == (64, 32, 4, 2)
+    assert tiles(101376) == (64, 32, 4, 1)
