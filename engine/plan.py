@@ -96,7 +96,8 @@ class KernelPlan:
     # the GPU): torch's flash kernel ("flash"; 219-292 TFLOP/s at the 27B's head_dim of 256, 59 ms of
     # the 27B FP8's 8K prompt, an H100, 2026-11-27) or our Triton kernel ("triton":
     # kernels/attention.py prefill_attention_triton; its output [T, Hq, D] straight, no transposed
-    # copies). Candidate, untimed: compiled for sm_80/86/89/90 (wgmma on sm_90, no spills), tested
+    # copies; a kv head's query heads read its keys once). Candidate, untimed: compiled for
+    # sm_80/86/89/90 (wgmma on sm_90; 255 registers, Triton 3.9's ptxas spills 16-32 bytes), tested
     # against the float32 reference under the interpreter.
     prefill_attention: str = "flash"
     # The GDN's chunked form (kernels/gdn_chunk.py) with its output written by the scan
@@ -139,6 +140,10 @@ class KernelPlan:
     # every channel a program reads costs more than the launch it saves (an H200,
     # tests/bench/ab_step.py --plans conv; docs/PERFORMANCE.md 2026-11-27).
     conv_in_recurrence: int = 1
+
+    def __post_init__(self):
+        if self.prefill_attention not in ("flash", "triton"):
+            raise ValueError(f"prefill_attention is 'flash' or 'triton', not {self.prefill_attention!r}")
 
     @classmethod
     def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool, int4: bool = False) -> "KernelPlan":

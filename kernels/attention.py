@@ -1,7 +1,8 @@
 """Attention over the KV cache for decode and verify: q_len 1..k+1 new tokens, GQA, causal among
-the new tokens; and a prefill chunk's (`prefill_attention_triton`, a candidate of the plan's
-prefill_attention beside torch's flash kernel), and the output gate of prefill. The float32 torch reference, the Triton kernels beside it, and `decode_attention`,
-which takes the kernels for CUDA tensors and the reference otherwise.
+the new tokens. The float32 torch reference, the Triton kernels beside it, and `decode_attention`,
+which takes the kernels for CUDA tensors and the reference otherwise. Below them a prefill chunk's
+attention (`prefill_attention_triton`, a candidate of the plan's prefill_attention beside torch's
+flash kernel) and prefill's output gate.
 
 q [T, Hq, D] holds the new tokens at positions start..start+T-1, whose keys and values are already
 in the cache; k_cache, v_cache [L, Hkv, D]. Query head h reads kv head h // (Hq // Hkv).
@@ -226,12 +227,14 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 
 
 @triton.jit
-def _prefill_attn_block(b_q, k, v, j, o_n, o_d, m_d, i_kh, s_kn, s_kh, s_vn, s_vh, b_m, b_l, b_acc, o_m, last,
+def _prefill_attn_block(b_q, k, v, j, o_n, o_d, m_d, i_kh, s_kn, s_kh, s_vn, s_vh, b_m, b_l, b_acc, o_last, last,
                         scale2, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
     """One block of BN keys from key j into a row block's online softmax (base 2; scale2 = the
     softmax scale times log2 e). MASKED: the block holds keys past some rows' last (the causal
     diagonal, or the keys' end), which those rows do not see. EVEN_D: the head dim fills its
-    tile, and a block every row sees loads unmasked (whole 16-byte copies)."""
+    tile, and a block every row sees loads unmasked (whole 16-byte copies). No row meets a masked
+    block before its first: key 0, the first block's, is every row's, so a row's max is finite
+    from then on and a block it sees none of adds exact zeros."""
     o_j = j + o_n
     m_k = (o_j <= last)[:, None] if MASKED else None
     if not EVEN_D:
@@ -245,7 +248,7 @@ def _prefill_attn_block(b_q, k, v, j, o_n, o_d, m_d, i_kh, s_kn, s_kh, s_vn, s_v
     # "ieee": float32 inputs exact (bf16 ones take the tensor cores regardless)
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale2           # [BM, BN]
     if MASKED:
-        b_s = tl.where(o_j[None, :] <= o_m[:, None], b_s, float("-inf"))
+        b_s = tl.where(o_j[None, :] <= o_last[:, None], b_s, float("-inf"))
     b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
     b_p = tl.exp2(b_s - b_mn[:, None])
     b_alpha = tl.exp2(b_m - b_mn)
@@ -262,29 +265,32 @@ def _prefill_attn_block(b_q, k, v, j, o_n, o_d, m_d, i_kh, s_kn, s_kh, s_vn, s_v
 def _prefill_attn_kernel(q, k, v, o, T, n, scale2, s_qt, s_qh, s_kn, s_kh, s_vn, s_vh, s_ot, s_oh,
                          GROUP: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr):
-    # program (i_m, i_h): query rows i_m BM .. + BM of head i_h; row t sees keys 0 .. n - T + t.
-    # The key blocks every row of the block sees whole run unmasked, the rest (the diagonal) masked.
-    # The last row blocks, which see the most keys, go first.
-    i_m, i_h = tl.num_programs(0) - 1 - tl.program_id(0), tl.program_id(1)
-    i_kh = i_h // GROUP
-    o_t = i_m * BM + tl.arange(0, BM)
+    # program (i_kh, i_m): rows i_m BM .. + BM of kv head i_kh's GROUP query heads, rows token-major
+    # (row r: token r // GROUP, head i_kh GROUP + r % GROUP), so the group reads K and V once; row t
+    # sees keys 0 .. n - T + t. The key blocks every row of the block sees whole run unmasked, the
+    # rest (the diagonal) masked. Axis 0 runs fastest: the last row blocks, which see the most
+    # keys, go first, every kv head's side by side.
+    i_kh, i_m = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
+    o_r = i_m * BM + tl.arange(0, BM)
+    o_t, o_h = o_r // GROUP, i_kh * GROUP + o_r % GROUP
     o_n, o_d = tl.arange(0, BN), tl.arange(0, BD)
     m_t, m_d = o_t < T, o_d < D
-    b_q = tl.load(q + o_t[:, None] * s_qt + i_h * s_qh + o_d[None, :], mask=m_t[:, None] & m_d[None, :], other=0.)
-    o_m = n - T + o_t                      # each row's last key (padding rows': past n, masked by `last`)
-    last = n - T + tl.minimum(i_m * BM + BM, T) - 1                # the block's last key
-    whole = (n - T + i_m * BM + 1) // BN * BN                      # keys before this every row sees
+    b_q = tl.load(q + o_t[:, None] * s_qt + o_h[:, None] * s_qh + o_d[None, :], mask=m_t[:, None] & m_d[None, :],
+                  other=0.)
+    o_last = n - T + o_t                     # each row's last key (padding rows': past n, masked by `last`)
+    last = n - T + tl.minimum((i_m * BM + BM - 1) // GROUP, T - 1)     # the block's last key
+    whole = (n - T + i_m * BM // GROUP + 1) // BN * BN                  # keys before this every row sees
     b_m = tl.full([BM], float("-inf"), tl.float32)
     b_l = tl.zeros([BM], tl.float32)
     b_acc = tl.zeros([BM, BD], tl.float32)
     for j in range(0, whole, BN):
         b_m, b_l, b_acc = _prefill_attn_block(b_q, k, v, j, o_n, o_d, m_d, i_kh, s_kn, s_kh, s_vn, s_vh, b_m, b_l,
-                                              b_acc, o_m, last, scale2, False, BD == D)
+                                              b_acc, o_last, last, scale2, False, BD == D)
     for j in range(whole, last + 1, BN):
         b_m, b_l, b_acc = _prefill_attn_block(b_q, k, v, j, o_n, o_d, m_d, i_kh, s_kn, s_kh, s_vn, s_vh, b_m, b_l,
-                                              b_acc, o_m, last, scale2, True, BD == D)
+                                              b_acc, o_last, last, scale2, True, BD == D)
     b_o = b_acc / b_l[:, None]
-    tl.store(o + o_t[:, None] * s_ot + i_h * s_oh + o_d[None, :], b_o.to(o.dtype.element_ty),
+    tl.store(o + o_t[:, None] * s_ot + o_h[:, None] * s_oh + o_d[None, :], b_o.to(o.dtype.element_ty),
              mask=m_t[:, None] & m_d[None, :])
 
 
@@ -293,10 +299,11 @@ def prefill_attention_config(D: int, itemsize: int = 2, plan: ProductPlan | None
     128 x 64 on 8 warps, 64 x 64 and 64 x 32 on 4, two deep, then 64 x 32 one deep, whose q tile
     and `stages` K and V tiles fit a program's shared memory (compiled for sm_90 at head_dim 256:
     196,608, 163,840, 98,304 and 49,152 bytes; sm_86 takes less). So an H100 takes 128 x 64, an
-    A100 64 x 32 two deep, a 99 KB card (RTX 30/40/50, A10, L4) one deep. Candidate tiles, not yet
-    timed (tests/bench/probe_attention.py)."""
+    A100 64 x 32 two deep, a 99 KB card (RTX 30/40/50, A10, L4) one deep. The sizes are sm_90's
+    for every target, which on sm_8x (106,496 and 69,632 bytes for the second and third there)
+    errs on the safe side by a tile. Candidate tiles, not yet timed (tests/bench/probe_attention.py)."""
     room = (plan or ProductPlan(programs=1)).shared_memory - PIPELINE_SLACK
-    BD = triton.next_power_of_2(D)
+    BD = _head_tile(D)
     for BM, BN, warps, stages in ((128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)):
         if (BM + 2 * stages * BN) * BD * itemsize <= room:
             return BM, BN, warps, stages
@@ -320,11 +327,17 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     o = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     if T == 0:
         return o
-    _prefill_attn_kernel[(triton.cdiv(T, BM), Hq)](
+    group = Hq // Hkv
+    _prefill_attn_kernel[(Hkv, triton.cdiv(T * group, BM))](
         q, k, v, o, T, n, scale * 1.4426950408889634, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), o.stride(0), o.stride(1), GROUP=Hq // Hkv, D=D, BD=triton.next_power_of_2(D),
-        BM=BM, BN=BN, num_warps=warps, num_stages=stages)
+        v.stride(0), v.stride(1), o.stride(0), o.stride(1), GROUP=group, D=D, BD=_head_tile(D), BM=BM, BN=BN,
+        num_warps=warps, num_stages=stages)
     return o
+
+
+def _head_tile(D: int) -> int:
+    """The prefill kernel's tile of head dims: a power of two, 16 at least (a tensor-core product's K)."""
+    return max(16, triton.next_power_of_2(D))
 
 
 # --- prefill's output gate --------------------------------------------------------------------------

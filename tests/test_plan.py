@@ -145,13 +145,18 @@ def test_the_prefill_attention_candidate_reaches_its_kernel(gqa3, monkeypatch):
     engine = Engine.load(gqa3, dtype=torch.bfloat16, max_context=256, prefill_chunk=16)
     ids = list(range(5, 45))
     flash = engine.logits(ids).float()
-    monkeypatch.setattr(model, "use_triton", lambda *t: True)
     monkeypatch.setattr(attention, "prefill_attention_triton", kernel)
-    assert not calls and engine.plan.prefill_attention == "flash"
-    assert torch.equal(engine.logits(ids).float(), flash)              # the default never calls it
-    engine.plan = engine.decoder.plan = engine.plan.replace(prefill_attention="triton")
+    default = engine.plan
+    engine.plan = engine.decoder.plan = default.replace(prefill_attention="triton")
+    assert torch.equal(engine.logits(ids).float(), flash) and not calls   # where the kernels do not run
+    monkeypatch.setattr(model, "use_triton", lambda *t: True)
+    engine.plan = engine.decoder.plan = default
+    assert torch.equal(engine.logits(ids).float(), flash) and not calls   # the default never calls it
+    engine.plan = engine.decoder.plan = default.replace(prefill_attention="triton")
     got = engine.logits(ids).float()
     layers = sum(kind == "full_attention" for kind in engine.config.layer_types)
     # each attention layer in each chunk: 16 rows over 16 keys, 16 over 32, the last 8 over 40
     assert layers and sorted(calls) == sorted([(16, 16, 16), (16, 32, 32), (8, 40, 40)] * layers), calls
     assert (got - flash).abs().max() <= 0.05 * flash.abs().max()
+    with pytest.raises(ValueError, match="prefill_attention"):
+        default.replace(prefill_attention="Triton")

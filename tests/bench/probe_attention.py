@@ -14,7 +14,8 @@ bottom right (query t sees keys up to n - T + t). Forms:
 - efficient: the memory-efficient kernel with the lower-right causal bias;
 - triton: our kernel (kernels/attention.py prefill_attention_triton, KernelPlan.prefill_attention
   "triton") on its default tiles, and `--tiles` "BM,BN,warps,stages;..." beside them, over keys
-  laid out as the cache holds them ([n, Hkv, D]).
+  laid out as the cache holds them ([n, Hkv, D]; every form reads them so since 2026-11-28, the
+  rows before it took contiguous [1, Hkv, n, D] copies).
 Each row checks its output against flash's (max |difference|, relative to the largest |output|).
 Times: CUDA events around 10 launches after a warm-up, the median of 5. "first call": the
 wall time of one call at a key length not seen before (a cuDNN graph is built per shape).
@@ -122,11 +123,13 @@ def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"T {T}, head dim {HD}, {HQ} / {HKV} heads")
     forms = {"flash": flash, "cuDNN split": cudnn_split, "efficient": efficient, "triton": ours()}
+    unknown = set(a.forms.split(",")) - set(forms)
+    assert not unknown, f"forms are {', '.join(forms)}, not {', '.join(sorted(unknown))}"
     forms = {name: fn for name, fn in forms.items() if name in a.forms.split(",")}
     for tile in filter(None, a.tiles.split(";")):
         forms[f"triton {tile}"] = ours(tuple(int(x) for x in tile.split(",")))
     for n in range(T, N + 1, T):
-        q = torch.randn(1, HQ, T, HD, **bf16)
+        q = torch.randn(T, HQ, HD, **bf16).transpose(0, 1)[None]        # laid out as the engine has it
         k, v = k_all[:, :, :n], v_all[:, :, :n]
         flops = 4 * HQ * HD * (T * (n - T) + T * T / 2)
         ref = flash(q, k, v, scale).float()
@@ -139,14 +142,14 @@ def main():
                 print(f"  n {n:6d} {name:12s} refused: {str(e).splitlines()[0][:120]}")
                 continue
             base = base or us
-            print(f"  n {n:6d} {name:12s} {us:9.1f} us  {flops / us / 1e6:6.1f} TFLOP/s  {us / base:.3f} x flash"
+            print(f"  n {n:6d} {name:12s} {us:9.1f} us  {flops / us / 1e6:6.1f} TFLOP/s  {us / base:.3f} x the first form"
                   f"  max diff {err:.2e}", flush=True)
     # what a key length not seen before costs the first time
     for name, fn in forms.items():
         walls = []
         for i in range(3):
             n = N - 64 * (i + 1) - 7
-            q = torch.randn(1, HQ, T, HD, **bf16)
+            q = torch.randn(T, HQ, HD, **bf16).transpose(0, 1)[None]        # laid out as the engine has it
             try:
                 walls.append(first_call(lambda: fn(q, k_all[:, :, :n], v_all[:, :, :n], scale)))
                 again = first_call(lambda: fn(q, k_all[:, :, :n], v_all[:, :, :n], scale))

@@ -130,6 +130,8 @@ def test_decode_attention_runs_shallower_where_shared_memory_is_short():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,before,Hq,Hkv,D,config", [
     (1, 0, 2, 1, 16, (16, 16, 4, 1)),        # one token, the first
+    (100, 0, 2, 1, 16, (16, 16, 4, 1)),      # the first chunk over many row blocks
+    (9, 3, 2, 1, 8, (16, 16, 4, 1)),         # a head dim below the tensor cores' 16
     (5, 0, 6, 2, 32, (16, 16, 4, 1)),        # the first chunk, fewer rows than a block
     (63, 1, 3, 3, 40, (32, 16, 4, 1)),       # no GQA, head dim not a power of two, one key before
     (130, 77, 4, 1, 16, (32, 32, 4, 2)),     # rows over several blocks, keys before not a block's multiple
@@ -142,6 +144,19 @@ def test_prefill_attention(device, dtype, T, before, Hq, Hkv, D, config):
     k, v = (randn(before + T, Hkv, D, dtype=dtype, device=device, gen=g) for _ in range(2))
     out = attention.prefill_attention_triton(q, k, v, D ** -0.5, config)
     check(out, attention.prefill_attention_ref(q, k, v, D ** -0.5), TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,before,config", [(300, 1000, None), (300, 1000, (64, 32, 4, 2)), (700, 0, None)])
+def test_prefill_attention_27b_shapes(dtype, T, before, config):
+    # the 27B's heads (24 query, 4 kv, 256 dims) on the tiles the engine takes (and an A100's):
+    # the paths only compiled elsewhere, wgmma on an H100
+    g = torch.Generator().manual_seed(T + before)
+    q = randn(T, 24, 256, dtype=dtype, device="cuda", gen=g)
+    k, v = (randn(before + T, 4, 256, dtype=dtype, device="cuda", gen=g) for _ in range(2))
+    out = attention.prefill_attention_triton(q, k, v, 256 ** -0.5, config)
+    check(out, attention.prefill_attention_ref(q, k, v, 256 ** -0.5), TOL[torch.bfloat16])
 
 
 def test_prefill_attention_reads_the_cache_as_it_lies(device):
