@@ -125,8 +125,9 @@ class KernelPlan:
     chunk_terms: str = "bfloat16"
     chunk_products: str = "bf16"
     chunk_normed: bool = True
-    # The chunk's prep takes its products of keys and queries (A, w, u and, fused, the output's
-    # scores) on bf16 operands, as fla's ("tf32": float32 operands in tf32). One 2,048-token chunk
+    # The chunk's prep takes all its products (the keys' A, the blocked solve's merges and diagonal
+    # inverses, w, u and, fused, the output's scores) on bf16 operands ("tf32": float32 operands in
+    # tf32); fla's products of keys are bf16 too, its solve's merges not. One 2,048-token chunk
     # of the 27B on an H100 (probe_prefill_kernels.py --sections prep, 2026-11-28): 290.8 -> 256.3
     # us (the prep 186.5 -> 148.7), from the float32 reference the output 3.50e-3 -> 4.18e-3 and the
     # state 3.08e-3 -> 3.12e-3; the 27B FP8's 8K prompt (probe_prefill_chunk.py, three rounds in one

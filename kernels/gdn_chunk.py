@@ -419,7 +419,8 @@ def chunk(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int = 64, f
     """chunk_ref's contract; the Triton kernels for CUDA tensors (the fused form with `fused_out`,
     what they hand each other in the dtypes `solved` and `terms`, the scan's and the output's
     products on `products` ("tf32" or "bf16") operands, the unit rows of q and k written once by
-    the prep where `normed`, the prep's products of keys and queries on `prep_products` operands:
+    the prep where `normed`, the prep's products (A, its solve, w and u, the scores) on
+    `prep_products` operands:
     chunk_triton; a float32 model only where the device is roomy), the final state into `out`
     where given: the reference returns a new tensor, which the caller copies where it wants it,
     and starts from a copy of the start state then, which a training forward's gradients may

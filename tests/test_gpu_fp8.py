@@ -98,9 +98,10 @@ def test_prefill_kernel_candidates(wide_heads):
     prefill_gate, chunk_fused_out, chunk_normed), each against all of them off: the
     fused quantization hands the products the codes they would have made, the conv's larger tiles
     and blocks make the same sums (the same logits, bit for bit); larger tiles of the norms, the
-    one-kernel output gate, the chunked GDN's fused output, unit rows written once and split prep
-    sum in another order at most; greedy MTP on == off.
-    The chunked GDN's precision (chunk_solved, chunk_terms, chunk_products) stays float32 and tf32
+    one-kernel output gate, the chunked GDN's fused output and unit rows written once sum in
+    another order at most; greedy MTP on == off.
+    The chunked GDN's precision (chunk_solved, chunk_terms, chunk_products, chunk_prep_products:
+    tests/helpers.FLOAT32_CHUNK) stays float32 and tf32
     in every row here: its bf16 forms are checked against the reference in
     tests/kernels/test_gdn_chunk.py and against a float32 model in tests/test_gpu_engine.py; on this
     random model, whose activations are quantized to FP8 (a code flip moves a value by 6-12 %),

@@ -1,7 +1,7 @@
 """The chunked GDN's kernels (kernels/gdn_chunk.py) through Triton's whole pipeline to a cubin, on a
 machine without a GPU, configured as chunk_triton configures them (gdn_chunk.chunk_config) for the
-engine's plan (KernelPlan.chunk_*), its candidates (the output by its own kernel, the prep split in
-two with bf16 products), the tf32 form and a float32 model's: for Hopper (sm_90) and for Ampere and
+engine's plan (KernelPlan.chunk_*), its other forms (the output by its own kernel, the prep's
+products in tf32), the tf32 form and a float32 model's: for Hopper (sm_90) and for Ampere and
 Ada (sm_80, sm_86, sm_89: the products on mma.sync, nothing of Hopper's), each within the target's
 shared memory on the tiles it takes there (a float32 model only where the device is roomy: the
 others run it on the torch reference). The interpreter, which runs test_gdn_chunk.py here, never
