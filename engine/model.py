@@ -178,7 +178,11 @@ class GatedAttention(nn.Module):
             o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale, gate)   # the gate fused in
         else:
             n = ctx.start + T
-            if ctx.plan.prefill_attention == "triton" and use_triton(q) and q.dtype != torch.float32:
+            # the plan's own kernel where its programs fill the GPU (attention.prefill_attention_fills);
+            # a short chunk's attention stays with flash, which splits the keys over more
+            if (ctx.plan.prefill_attention == "triton" and use_triton(q) and q.dtype != torch.float32 and
+                    attention.prefill_attention_fills(T, q.shape[1], k_cache.shape[1], c.head_dim, q.element_size(),
+                                                      ctx.plan.products)):
                 o = attention.prefill_attention_triton(q, k_cache[:n], v_cache[:n], scale)
             else:
                 # [1, H, T, D]: the fused SDPA kernels take 4-D inputs only (3-D falls back to the math path)

@@ -335,6 +335,14 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return o
 
 
+def prefill_attention_fills(T: int, Hq: int, Hkv: int, D: int, itemsize: int, plan: ProductPlan) -> bool:
+    """Whether the prefill kernel's programs for a chunk of T queries fill the GPU once (one an SM,
+    plan.programs): a short chunk makes few (a 50-token turn of the 27B: 3 row blocks x 4 kv heads),
+    each over every key, where torch's flash kernel splits the keys over more."""
+    BM = prefill_attention_config(D, itemsize, plan)[0]
+    return Hkv * triton.cdiv(T * (Hq // Hkv), BM) >= plan.programs
+
+
 def _head_tile(D: int) -> int:
     """The prefill kernel's tile of head dims: a power of two, 16 at least (a tensor-core product's K)."""
     return max(16, triton.next_power_of_2(D))

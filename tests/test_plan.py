@@ -152,7 +152,10 @@ def test_the_prefill_attention_candidate_reaches_its_kernel(gqa3, monkeypatch):
     monkeypatch.setattr(model, "use_triton", lambda *t: True)
     engine.plan = engine.decoder.plan = default
     assert torch.equal(engine.logits(ids).float(), flash) and not calls   # the default never calls it
-    engine.plan = engine.decoder.plan = default.replace(prefill_attention="triton")
+    # chunks too short to fill the device's programs stay with flash (prefill_attention_fills)
+    engine.plan = engine.decoder.plan = default.replace(prefill_attention="triton", programs=10_000)
+    assert torch.equal(engine.logits(ids).float(), flash) and not calls
+    engine.plan = engine.decoder.plan = default.replace(prefill_attention="triton", programs=1)
     got = engine.logits(ids).float()
     layers = sum(kind == "full_attention" for kind in engine.config.layer_types)
     # each attention layer in each chunk: 16 rows over 16 keys, 16 over 32, the last 8 over 40

@@ -175,6 +175,13 @@ def test_prefill_attention_reads_the_cache_as_it_lies(device):
     check(out, attention.prefill_attention_ref(q, k, v, 0.3), TOL[torch.float32])
 
 
+def test_prefill_attention_fills_the_gpu_with_long_chunks_only():
+    # the 27B's heads on an H100 (132 SMs, 128-row tiles): 4 kv heads x ceil(6 T / 128) programs
+    h100 = ProductPlan(programs=132)
+    fills = lambda T: attention.prefill_attention_fills(T, 24, 4, 256, 2, h100)
+    assert fills(2048) and fills(683) and not fills(682) and not fills(50)
+
+
 def test_prefill_attention_tiles_follow_shared_memory():
     # 128 x 64 on 8 warps where a program has the room (an H100), 64 x 32 on an A100, one deep on
     # a 99 KB card
