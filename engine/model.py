@@ -183,7 +183,7 @@ class GatedAttention(nn.Module):
             if (ctx.plan.prefill_attention == "triton" and use_triton(q) and q.dtype != torch.float32 and
                     attention.prefill_attention_fills(T, q.shape[1], k_cache.shape[1], c.head_dim, q.element_size(),
                                                       ctx.plan.products)):
-                o = attention.prefill_attention_triton(q, k_cache[:n], v_cache[:n], scale)
+                o = attention.prefill_attention_triton(q, k_cache[:n], v_cache[:n], scale, plan=ctx.plan.products)
             else:
                 # [1, H, T, D]: the fused SDPA kernels take 4-D inputs only (3-D falls back to the math path)
                 q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))

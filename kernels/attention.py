@@ -311,11 +311,11 @@ def prefill_attention_config(D: int, itemsize: int = 2, plan: ProductPlan | None
 
 
 def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                             config: tuple | None = None) -> torch.Tensor:
+                             config: tuple | None = None, plan: ProductPlan | None = None) -> torch.Tensor:
     """prefill_attention_ref's contract in one kernel, the softmax online over blocks of keys in
     float32, P rounded to the inputs' dtype for its product with V (as flash attention does). q, k, v
     views with contiguous head dims (k, v the cache's rows as they lie), the output [T, Hq, D] made
-    here. `config` overrides prefill_attention_config, for tuning."""
+    here. `config` overrides prefill_attention_config (on `plan`, None: the device's), for tuning."""
     T, Hq, D = q.shape
     n, Hkv = k.shape[0], k.shape[1]
     assert v.shape == k.shape and k.shape[2] == D and Hq % Hkv == 0, "k, v must be [n, Hkv, D] like q's heads"
@@ -323,7 +323,8 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     for t in (q, k, v):
         assert t.stride(2) == 1, "head dims must be contiguous"
     assert q.dtype == k.dtype == v.dtype, "q, k and v must share a dtype"
-    BM, BN, warps, stages = config or prefill_attention_config(D, q.element_size(), default_products(q.device))
+    BM, BN, warps, stages = config or prefill_attention_config(D, q.element_size(),
+                                                               plan or default_products(q.device))
     o = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     if T == 0:
         return o

@@ -137,27 +137,18 @@ def _gates(a, b, A_log, dt_bias, o_t, m_t, s_a, s_b, i_h):
     b_x = tl.load(a + o_t * s_a + i_h, mask=m_t, other=0.).to(tl.float32) + tl.load(dt_bias + i_h).to(tl.float32)
     b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))
     b_g = tl.where(m_t, -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * b_softplus, 0.)
-    return b_g, _betas(b, o_t, m_t, s_b, i_h)
-
-
-@triton.jit
-def _betas(b, o_t, m_t, s_b, i_h):
-    """Value head i_h's write strengths beta at tokens o_t (0 past T), float32."""
-    return tl.where(m_t, tl.sigmoid(tl.load(b + o_t * s_b + i_h, mask=m_t, other=0.).to(tl.float32)), 0.)
-
-
-@triton.jit
-def _causal(b_qk, b_G):
-    """e^{G_t - G_j} b_qk[t, j] for j <= t, 0 above (the exponent masked before exp: > 0 above)."""
-    o_r = tl.arange(0, b_G.shape[0])
-    m_causal = o_r[:, None] >= o_r[None, :]
-    return tl.where(m_causal, b_qk * tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.)), 0.)
+    b_beta = tl.where(m_t, tl.sigmoid(tl.load(b + o_t * s_b + i_h, mask=m_t, other=0.).to(tl.float32)), 0.)
+    return b_g, b_beta
 
 
 @triton.jit
 def _causal_scores(b_q, b_k, b_G, DOT: tl.constexpr):
-    """The chunk's (q kᵀ ∘ decay)[t, j] = e^{G_t - G_j} (q_t·k_j) for j <= t, 0 above: [BC, BC]."""
-    return _causal(_mm(b_q, tl.trans(b_k), DOT), b_G)
+    """The chunk's (q kᵀ ∘ decay)[t, j] = e^{G_t - G_j} (q_t·k_j) for j <= t, 0 above: [BC, BC]
+    (the exponent masked before exp: > 0 above)."""
+    o_r = tl.arange(0, b_G.shape[0])
+    m_causal = o_r[:, None] >= o_r[None, :]
+    b_decay = tl.exp(tl.where(m_causal, b_G[:, None] - b_G[None, :], 0.))
+    return tl.where(m_causal, _mm(b_q, tl.trans(b_k), DOT) * b_decay, 0.)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -348,8 +339,9 @@ def chunk_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, chunk: int 
     (None: the prep's "dot"; "bf16": operands rounded to bf16, as fla's), "normed" the unit rows
     of q and k written once by the prep (k in the "solved" dtype, q in the "terms" one) rather
     than normalised again by the scan and the output kernel; "dot" the precision of the prep's
-    products ("tf32", "bf16", "tf32x3"); the rest tiles, for tuning (bf16 products take BF16_TILES where `config`
-    names none; on a device without ROOMY shared memory a block the tf32 forms take SMALL_TILES).
+    products ("tf32", "bf16", "tf32x3"); the rest tiles, for tuning (bf16 products take
+    BF16_TILES where `config` names none; on a device without ROOMY shared memory a block the tf32
+    forms take SMALL_TILES).
     A float32 model (float32 v) keeps float32 between the kernels and tf32x3 products whatever
     `config` asks (chunk_config)."""
     T, Hk, DK = q.shape

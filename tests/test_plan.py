@@ -139,7 +139,8 @@ def test_the_prefill_attention_candidate_reaches_its_kernel(gqa3, monkeypatch):
     from mtpchat.kernels import attention
     calls = []
 
-    def kernel(q, k, v, scale):
+    def kernel(q, k, v, scale, plan):
+        assert plan is engine.plan.products          # its tiles from the plan that chose it
         calls.append((q.shape[0], k.shape[0], v.shape[0]))
         return attention.prefill_attention_ref(q, k, v, scale)
     engine = Engine.load(gqa3, dtype=torch.bfloat16, max_context=256, prefill_chunk=16)
