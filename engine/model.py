@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.dispatch import Ctx, Experts, Product, linear, weight
-from mtpchat.kernels import attention, conv, fp8_gemm, gdn, gdn_chunk, moe, moe_routing, norm
+from mtpchat.kernels import attention, attention_chunk, conv, fp8_gemm, gdn, gdn_chunk, moe, moe_routing, norm
 from mtpchat.kernels._triton import use_triton
 from mtpchat.kernels.forms import values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8
@@ -178,12 +178,12 @@ class GatedAttention(nn.Module):
             o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale, gate)   # the gate fused in
         else:
             n = ctx.start + T
-            # the plan's own kernel where its programs fill the GPU (attention.prefill_attention_fills);
+            # the plan's own kernel where its programs fill the GPU (attention_chunk.prefill_attention_fills);
             # a short chunk's attention stays with flash, which splits the keys over more
             if (ctx.plan.prefill_attention == "triton" and use_triton(q) and q.dtype != torch.float32 and
-                    attention.prefill_attention_fills(T, q.shape[1], k_cache.shape[1], c.head_dim, q.element_size(),
-                                                      ctx.plan.products)):
-                o = attention.prefill_attention_triton(q, k_cache[:n], v_cache[:n], scale, plan=ctx.plan.products)
+                    attention_chunk.prefill_attention_fills(T, q.shape[1], k_cache.shape[1], c.head_dim,
+                                                            q.element_size(), ctx.plan.products)):
+                o = attention_chunk.prefill_attention_triton(q, k_cache[:n], v_cache[:n], scale, plan=ctx.plan.products)
             else:
                 # [1, H, T, D]: the fused SDPA kernels take 4-D inputs only (3-D falls back to the math path)
                 q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))

@@ -95,13 +95,13 @@ class KernelPlan:
     # Prefill's attention (a bf16 or fp16 chunk's queries over the cache's keys before and in it, on
     # the GPU): torch's flash kernel ("flash"; 219-292 TFLOP/s at the 27B's head_dim of 256, 59 ms of
     # the 27B FP8's 8K prompt, an H100, 2026-11-27) or our Triton kernel ("triton":
-    # kernels/attention.py prefill_attention_triton; its output [T, Hq, D] straight, no transposed
+    # kernels/attention_chunk.py prefill_attention_triton; its output [T, Hq, D] straight, no transposed
     # copies; a kv head's query heads read its keys once). Candidate: a 2,048-token chunk of the
     # 27B's attention over 2,048 / 4,096 / 6,144 / 8,192 keys took 133.8 / 324.6 / 517.6 / 714.2 us
     # against flash's 239.1 / 575.3 / 884.0 / 1,202.6 (0.56-0.59 x, 385-505 TFLOP/s; an H100,
     # tests/bench/probe_attention.py, 2026-11-28), within bf16's reach of float32 in a model
     # (tests/test_gpu_engine.py); the whole prompt and a short turn after it not yet timed. A chunk
-    # too short to fill the GPU with its programs (attention.prefill_attention_fills: under
+    # too short to fill the GPU with its programs (attention_chunk.prefill_attention_fills: under
     # 683 tokens on the 27B and an H100) stays with flash, which splits its keys; untimed either way.
     prefill_attention: str = "flash"
     # The GDN's chunked form (kernels/gdn_chunk.py) with its output written by the scan

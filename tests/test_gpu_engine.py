@@ -8,7 +8,7 @@ from mtpchat.engine.memory import K_MAX
 from mtpchat.engine.model import prefill_attention
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.spec import ProfileDrafter
-from mtpchat.kernels import attention
+from mtpchat.kernels import attention_chunk
 from mtpchat.kernels.conv import window_columns
 from tools.tiny import write_tiny_checkpoint
 from helpers import FLOAT32_CHUNK, GPU_SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens, rel_err
@@ -71,11 +71,11 @@ def test_gdn_chunk_in_bf16_within_bf16s_reach_of_float32(ckpt):
 
 
 def test_triton_prefill_attention_within_bf16s_reach_of_float32(ckpt, monkeypatch):
-    # the plan's candidate prefill attention (kernels/attention.py) against torch's flash kernel in
+    # the plan's candidate prefill attention (kernels/attention_chunk.py) against torch's flash kernel in
     # the same bf16 engine, both against float32 on the CPU, over a prompt in several chunks (the
     # later ones over the keys before them); taken for every chunk, though the tiny model's are too
     # short to fill the GPU (prefill_attention_fills)
-    monkeypatch.setattr(attention, "prefill_attention_fills", lambda *args: True)
+    monkeypatch.setattr(attention_chunk, "prefill_attention_fills", lambda *args: True)
     cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
     ids = gpu_prompts(cpu, 4)[3] * 3
     want = cpu.logits(ids)

@@ -133,20 +133,20 @@ def test_products_default_for_a_device():
 
 def test_the_prefill_attention_candidate_reaches_its_kernel(gqa3, monkeypatch):
     # prefill_attention "triton" sends a prefill chunk's attention (bf16 rows where the kernels run)
-    # to kernels/attention.py's kernel with the cache's first n rows; here the kernel stands in as
+    # to kernels/attention_chunk.py's kernel with the cache's first n rows; here the kernel stands in as
     # its float32 reference, which the flash path agrees with to bf16's rounding
     from mtpchat.engine import model
-    from mtpchat.kernels import attention
+    from mtpchat.kernels import attention_chunk
     calls = []
 
     def kernel(q, k, v, scale, plan):
         assert plan is engine.plan.products          # its tiles from the plan that chose it
         calls.append((q.shape[0], k.shape[0], v.shape[0]))
-        return attention.prefill_attention_ref(q, k, v, scale)
+        return attention_chunk.prefill_attention_ref(q, k, v, scale)
     engine = Engine.load(gqa3, dtype=torch.bfloat16, max_context=256, prefill_chunk=16)
     ids = list(range(5, 45))
     flash = engine.logits(ids).float()
-    monkeypatch.setattr(attention, "prefill_attention_triton", kernel)
+    monkeypatch.setattr(attention_chunk, "prefill_attention_triton", kernel)
     default = engine.plan
     engine.plan = engine.decoder.plan = default.replace(prefill_attention="triton")
     assert torch.equal(engine.logits(ids).float(), flash) and not calls   # where the kernels do not run

@@ -12,7 +12,7 @@ bottom right (query t sees keys up to n - T + t). Forms:
   two calls that return their log-sum-exp, merged in float32; the kv heads as they are, or
   repeated to the query heads where cuDNN refuses them;
 - efficient: the memory-efficient kernel with the lower-right causal bias;
-- triton: our kernel (kernels/attention.py prefill_attention_triton, KernelPlan.prefill_attention
+- triton: our kernel (kernels/attention_chunk.py prefill_attention_triton, KernelPlan.prefill_attention
   "triton") on its default tiles, and `--tiles` "BM,BN,warps,stages;..." beside them, over keys
   laid out as the cache holds them ([n, Hkv, D]; every form reads them so since 2026-11-28, the
   rows before it took contiguous [1, Hkv, n, D] copies).
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from mtpchat.kernels import attention
+from mtpchat.kernels import attention_chunk
 
 HQ, HKV, HD = 24, 4, 256
 
@@ -75,7 +75,7 @@ def ours(config=None):
     """Our kernel over [1, H, n, D] inputs (q's and the cache's rows as views), [1, Hq, T, D] out."""
     def run(q, k, v, scale):
         rows = lambda t: t[0].transpose(0, 1)
-        return attention.prefill_attention_triton(rows(q), rows(k), rows(v), scale, config).transpose(0, 1)[None]
+        return attention_chunk.prefill_attention_triton(rows(q), rows(k), rows(v), scale, config).transpose(0, 1)[None]
     return run
 
 

@@ -1,5 +1,5 @@
 """The few-row products over bf16 and FP8 weights (kernels/matvec.py, matvec_parts.py), the MoE
-experts over them (kernels/moe.py) and decode's and prefill's attention (kernels/attention.py) through Triton's
+experts over them (kernels/moe.py) and decode's and prefill's attention (kernels/attention.py, attention_chunk.py) through Triton's
 whole pipeline to a cubin, on a machine without a GPU, on the tiles the engine takes on each target
 (ProductPlan.shared_memory: an RTX 3090 or 4090, an A10, an L4 or an L40S gives a program 99 KB,
 an A100 163 KB, an H100 227 KB): for sm_90, sm_80, sm_86 and sm_89 (FP8 from sm_89), each within
@@ -11,7 +11,7 @@ from compile_checks import run_children
 
 COMPILE = r"""
 from compile_checks import SHARED_MEMORY, compile_checked, ptxas_or_exit
-from mtpchat.kernels import attention, matvec, matvec_parts, moe, moe_layout
+from mtpchat.kernels import attention, attention_chunk, matvec, matvec_parts, moe, moe_layout
 from mtpchat.kernels.fp8 import fp8_run, widen_group
 from mtpchat.kernels.moe_layout import STEP_PAIRS, STEP_ROWS
 from mtpchat.kernels.plan import ProductPlan
@@ -62,8 +62,8 @@ def launches(cap):
     first, split, BN, warps, stages = attention._config(32768, 2, 256, plan)
     yield "decode attention", attention._attn_split_kernel, dict(HQ=24, GROUP=6, D=256, BM=32, BN=BN, FIRST=first,
                                                                    SPLIT=split), {}, warps, stages
-    BM, BN, warps, stages = attention.prefill_attention_config(256, 2, plan)
-    yield "prefill attention", attention._prefill_attn_kernel, dict(GROUP=6, D=256, BD=256, BM=BM, BN=BN), \
+    BM, BN, warps, stages = attention_chunk.prefill_attention_config(256, 2, plan)
+    yield "prefill attention", attention_chunk._prefill_attn_kernel, dict(GROUP=6, D=256, BD=256, BM=BM, BN=BN), \
         dict(k="*bf16", v="*bf16", o="*bf16", scale2="fp32"), warps, stages
 
 
