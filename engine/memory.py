@@ -35,12 +35,15 @@ from mtpchat.kernels.int4_gemm import dense_workspace
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 PREFILL_CHUNK = 2048         # tokens per prefill chunk on a GPU (the engine's default; the estimate's)
-# the chunks a prefill may take where memory allows, largest first, where fewer chunks pay: over
-# 4-bit products, each chunk dequantizes every weight once (kernels/int4_gemm.py), and in an MoE
-# each chunk reads every expert for the few rows routed to it. An 8,192-token prompt on an H100
-# (tests/bench/probe_prefill_chunk.py) in chunks of 2,048 / 4,096 / 8,192: the 27B int4 992 / 922 /
-# 881 ms, the 35B-A3B FP8 342 / 292 / 253 and bf16 372 / 295 / 256; a dense model's bf16 and FP8
-# products gain nothing (the 27B FP8 599 / 592 / 591, bf16 806 / 810 / 793) and keep PREFILL_CHUNK
+# the chunks a prefill may take where memory allows, largest first: fewer chunks pay everywhere.
+# Over 4-bit products each chunk dequantizes every weight once (kernels/int4_gemm.py), and in an MoE
+# each chunk reads every expert for the few rows routed to it: an 8,192-token prompt on an H100
+# (tests/bench/probe_prefill_chunk.py) in chunks of 2,048 / 4,096 / 8,192, the 27B int4 992 / 922 /
+# 881 ms, the 35B-A3B FP8 342 / 292 / 253 and bf16 372 / 295 / 256 (2026-11-26). A dense model's
+# bf16 and FP8 products gained little then (the 27B FP8 599 / 592 / 591); with prefill attention in
+# our kernel (KernelPlan.prefill_attention), whose programs fill the GPU better the longer the
+# chunk, the 27B FP8 502.7 / 501.0 / 486.5 and 504.6 / 494.8 / 488.2, bf16 716.8 / 710.8 / 706.6
+# and 723.9 / 716.7 / 708.6 (2026-11-28), for some 0.8-0.9 GiB more at the peak
 LARGE_PREFILL_CHUNKS = (8192, 4096)
 CONTEXT_STEP = 1024          # suggested context lengths are rounded down to this
 HEADROOM_FIXED = 256 << 20   # allocator slack and fragmentation: a fixed part ...
@@ -410,12 +413,10 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
 def prefill_chunk_that_fits(cfg: ModelConfig, free: int, max_context: int, k_max: int = K_MAX, dtype="bfloat16",
                             mtp: bool = True, cuda_graphs: bool = True, snapshots: int = DEFAULT_SNAPSHOTS,
                             weights: str | None = None, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> int:
-    """The prefill chunk of an engine that finds `free` bytes on its device before it loads:
-    PREFILL_CHUNK, or for an MoE model or 4-bit products the largest of LARGE_PREFILL_CHUNKS whose
-    plan fits in `free` (PREFILL_CHUNK where none does: the plan the CLI checked before loading).
-    A chunk that half of holds every prompt (max_context) is passed over for the next."""
-    if int4_format(cfg, weights) is None and not cfg.is_moe:
-        return PREFILL_CHUNK
+    """The prefill chunk of an engine that finds `free` bytes on its device before it loads: the
+    largest of LARGE_PREFILL_CHUNKS whose plan fits in `free`, else PREFILL_CHUNK (the plan the CLI
+    checked before loading). A chunk that half of holds every prompt (max_context) is passed over
+    for the next."""
     for chunk in LARGE_PREFILL_CHUNKS:
         if chunk // 2 < max_context and plan_memory(cfg, max_context, k_max, dtype, mtp, cuda_graphs, chunk,
                                                     snapshots, weights, draft_vocab).fits(free):

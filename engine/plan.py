@@ -93,17 +93,18 @@ class KernelPlan:
     # (probe_prefill_chunk.py, 2026-11-26, docs/PERFORMANCE.md).
     prefill_gate: bool = True
     # Prefill's attention (a bf16 or fp16 chunk's queries over the cache's keys before and in it, on
-    # the GPU): torch's flash kernel ("flash"; 219-292 TFLOP/s at the 27B's head_dim of 256, 59 ms of
-    # the 27B FP8's 8K prompt, an H100, 2026-11-27) or our Triton kernel ("triton":
-    # kernels/attention_chunk.py prefill_attention_triton; its output [T, Hq, D] straight, no transposed
-    # copies; a kv head's query heads read its keys once). Candidate: a 2,048-token chunk of the
-    # 27B's attention over 2,048 / 4,096 / 6,144 / 8,192 keys took 133.8 / 324.6 / 517.6 / 714.2 us
-    # against flash's 239.1 / 575.3 / 884.0 / 1,202.6 (0.56-0.59 x, 385-505 TFLOP/s; an H100,
-    # tests/bench/probe_attention.py, 2026-11-28), within bf16's reach of float32 in a model
-    # (tests/test_gpu_engine.py); the whole prompt and a short turn after it not yet timed. A chunk
-    # too short to fill the GPU with its programs (attention_chunk.prefill_attention_fills: under
-    # 683 tokens on the 27B and an H100) stays with flash, which splits its keys; untimed either way.
-    prefill_attention: str = "flash"
+    # the GPU): torch's flash kernel ("flash"; 219-292 TFLOP/s at the 27B's head_dim of 256) or our
+    # Triton kernel ("triton": kernels/attention_chunk.py prefill_attention_triton; its output
+    # [T, Hq, D] straight, no transposed copies; a kv head's query heads read its keys once). A
+    # 2,048-token chunk of the 27B's attention over 2,048 / 4,096 / 6,144 / 8,192 keys took 133.8 /
+    # 324.6 / 517.6 / 714.2 us against flash's 239.1 / 575.3 / 884.0 / 1,202.6 (0.56-0.59 x,
+    # tests/bench/probe_attention.py); the 27B's 8K prompt in 2,048-token chunks, FP8 513.6 /
+    # 521.5 / 521.3 -> 500.8 / 495.7 / 492.6 ms, bf16 748.6 / 733.5 / 736.8 -> 714.7 / 710.1 /
+    # 717.1 (tests/bench/probe_prefill_chunk.py; an H100, 2026-11-28). A chunk too short to fill
+    # the GPU with its programs (attention_chunk.prefill_attention_fills: under 683 tokens on the
+    # 27B and an H100) stays with flash, which splits its keys: 64 queries over 64 to 8,192 keys
+    # took ours 2-4 x flash's time.
+    prefill_attention: str = "triton"
     # The GDN's chunked form (kernels/gdn_chunk.py) with its output written by the scan
     # ("fused_out"): the chunks' start states and writes never go through memory, and a kernel
     # fewer. What its kernels hand each other: w and u of the prep's solve, from which the scan

@@ -216,10 +216,10 @@ def test_a_4bit_moe_checkpoint_names_each_expert():
         3 * 512 * 2048 * 2 - four_bit)
 
 
-def test_a_4bit_prefill_takes_the_largest_chunk_that_fits(c27):
-    """4-bit products dequantize every weight once a prefill chunk: the largest chunk whose plan
-    fits, down to the one the CLI checks before loading; a dense model's other formats keep
-    PREFILL_CHUNK, an MoE model's take the largest too (every chunk reads all its experts)."""
+def test_a_prefill_takes_the_largest_chunk_that_fits(c27):
+    """Fewer prefill chunks pay (4-bit products dequantize every weight once a chunk, an MoE reads
+    all its experts, prefill attention's programs fill the GPU better): the largest chunk whose
+    plan fits, down to the one the CLI checks before loading, in every format and model."""
     plan = lambda chunk, weights="int4", context=32768: memory.plan_memory(c27, context, prefill_chunk=chunk,
                                                                           weights=weights)
     chunk = lambda free, weights="int4", context=32768: memory.prefill_chunk_that_fits(c27, free, context,
@@ -232,7 +232,9 @@ def test_a_4bit_prefill_takes_the_largest_chunk_that_fits(c27):
     assert chunk(80 * GB, context=4096) == 4096 and chunk(80 * GB, context=3000) == 4096
     assert chunk(80 * GB, context=2048) == 2048
     for weights in ("fp8", "bf16", None):
-        assert chunk(200 * GB, weights) == memory.PREFILL_CHUNK
+        assert chunk(200 * GB, weights) == 8192
+        assert chunk(plan(8192, weights).needed - 1, weights) == 4096
+        assert chunk(plan(2048, weights).needed, weights) == memory.PREFILL_CHUNK
     moe = ModelConfig.load(CONFIGS / "qwen3.5-35b-a3b.json")
     for weights in ("fp8", "bf16", "int4"):
         big = memory.plan_memory(moe, 32768, prefill_chunk=8192, weights=weights).needed

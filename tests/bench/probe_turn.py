@@ -1,0 +1,83 @@
+"""Where a short prefill's time goes: a chat turn of a few tokens after a long history, its wall
+time against the GPU time of its kernels (CUPTI) and their count, so a turn that waits on the host
+(launches) shows as wall >> GPU. One engine, random weights of an official shape, eager prefill as
+the engine runs it.
+
+    cd tests/bench && python3 probe_turn.py [--model qwen3.6-27b] [--weights fp8] [--history 8192]
+                                            [--tokens 16,50,128,512] [--plans ";prefill_attention=flash"]
+                                            [--cprofile 40]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mtpchat.engine.bench import random_prompt
+from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.engine import Engine
+from ab_step import CONFIGS
+from probe_prefill_chunk import parse_changes
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3.6-27b")
+    p.add_argument("--weights", default="fp8")
+    p.add_argument("--history", type=int, default=8192)
+    p.add_argument("--tokens", default="16,50,128,512")
+    p.add_argument("--plans", default="", help="plans as changes to the engine's, ';'-separated")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cprofile", type=int, default=0, metavar="ROWS",
+                   help="also the host's time by function (cProfile) over one turn of each size, ROWS rows")
+    a = p.parse_args()
+    sizes = [int(t) for t in a.tokens.split(",")]
+    config = ModelConfig.load(CONFIGS / f"{a.model}.json")
+    engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=a.history + 2 * max(sizes) + 256,
+                    cuda_graphs=False, weights=a.weights)
+    dec, base = engine.decoder, engine.plan
+    history = random_prompt(engine, a.history, 0)
+    print(f"{torch.cuda.get_device_name()}, {a.model} {a.weights}, {a.history} tokens of history", flush=True)
+    for changes in [parse_changes(c) for c in a.plans.split(";")] if a.plans else [{}]:
+        engine.plan = dec.plan = base.replace(**changes)
+        for n in sizes:
+            turn = random_prompt(engine, n, 1 + n)
+            walls = []
+            for i in range(a.repeats + 1):
+                engine.reset()
+                dec.begin(history)
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                dec.prefill(turn)
+                torch.cuda.synchronize()
+                if i:                                 # the first compiles
+                    walls.append((time.perf_counter() - t) * 1e3)
+            engine.reset()
+            dec.begin(history)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                dec.prefill(turn)
+                torch.cuda.synchronize()
+            if a.cprofile:
+                engine.reset()
+                dec.begin(history)
+                torch.cuda.synchronize()
+                with cProfile.Profile() as host:
+                    dec.prefill(turn)
+                    torch.cuda.synchronize()
+                pstats.Stats(host).sort_stats("tottime").print_stats(a.cprofile)
+            kernels = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+            gpu = sum(ev.device_time_total for ev in kernels) / 1e3
+            wall = statistics.median(walls)
+            print(f"  plan {changes or 'as loaded'}, {n:4d} new tokens: wall {wall:7.2f} ms (min {min(walls):.2f}), "
+                  f"kernels {gpu:7.2f} ms in {len(kernels)} launches: {wall / gpu:.2f} x the GPU's time, "
+                  f"{(wall - gpu) / len(kernels) * 1e3:.1f} us a launch beyond it", flush=True)
+
+
+if __name__ == "__main__":
+    main()
