@@ -70,7 +70,8 @@ def main():
                 with cProfile.Profile() as host:
                     dec.prefill(turn)
                     torch.cuda.synchronize()
-                pstats.Stats(host).sort_stats("tottime").print_stats(a.cprofile)
+                for key in ("tottime", "cumulative"):
+                    pstats.Stats(host).sort_stats(key).print_stats(a.cprofile)
             kernels = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
             gpu = sum(ev.device_time_total for ev in kernels) / 1e3
             wall = statistics.median(walls)
