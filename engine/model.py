@@ -181,7 +181,7 @@ class GatedAttention(nn.Module):
             # the plan's own kernel where its programs fill the GPU (attention_chunk.prefill_attention_fills);
             # a short chunk's attention stays with flash, which splits the keys over more
             if (ctx.plan.prefill_attention == "triton" and use_triton(q) and q.dtype != torch.float32 and
-                    attention_chunk.prefill_attention_fills(T, q.shape[1], k_cache.shape[1], c.head_dim,
+                    attention_chunk.prefill_attention_fills(T, n, q.shape[1], k_cache.shape[1], c.head_dim,
                                                             q.element_size(), ctx.plan.products)):
                 o = attention_chunk.prefill_attention_triton(q, k_cache[:n], v_cache[:n], scale, plan=ctx.plan.products)
             else:

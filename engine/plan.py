@@ -100,10 +100,10 @@ class KernelPlan:
     # 324.6 / 517.6 / 714.2 us against flash's 239.1 / 575.3 / 884.0 / 1,202.6 (0.56-0.59 x,
     # tests/bench/probe_attention.py); the 27B's 8K prompt in 2,048-token chunks, FP8 513.6 /
     # 521.5 / 521.3 -> 500.8 / 495.7 / 492.6 ms, bf16 748.6 / 733.5 / 736.8 -> 714.7 / 710.1 /
-    # 717.1 (tests/bench/probe_prefill_chunk.py; an H100, 2026-11-28). A chunk too short to fill
-    # the GPU with its programs (attention_chunk.prefill_attention_fills: under 683 tokens on the
-    # 27B and an H100) stays with flash, which splits its keys: 64 queries over 64 to 8,192 keys
-    # took ours 2-4 x flash's time.
+    # 717.1 (tests/bench/probe_prefill_chunk.py; an H100, 2026-11-28). A chunk too short for its
+    # programs to fill the GPU twice, or once over keys twice its own before it, stays with flash,
+    # which splits its keys (attention_chunk.prefill_attention_fills: on the 27B and an H100, under
+    # 1,387 tokens, or 683 after a history of twice the chunk).
     prefill_attention: str = "triton"
     # The GDN's chunked form (kernels/gdn_chunk.py) with its output written by the scan
     # ("fused_out"): the chunks' start states and writes never go through memory, and a kernel

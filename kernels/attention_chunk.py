@@ -141,12 +141,16 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return o
 
 
-def prefill_attention_fills(T: int, Hq: int, Hkv: int, D: int, itemsize: int, plan: ProductPlan) -> bool:
-    """Whether the prefill kernel's programs for a chunk of T queries fill the GPU once (one an SM,
-    plan.programs): a short chunk makes few (a 50-token turn of the 27B: 3 row blocks x 4 kv heads),
-    each over every key, where torch's flash kernel splits the keys over more."""
+def prefill_attention_fills(T: int, n: int, Hq: int, Hkv: int, D: int, itemsize: int, plan: ProductPlan) -> bool:
+    """Whether the prefill kernel suits a chunk of T queries over n keys: its programs fill the GPU
+    twice (plan.programs, one an SM), or once where the keys before the chunk are twice its own or
+    more. Fewer programs each walk all their keys, where torch's flash kernel splits them over more:
+    64 queries of the 27B (12 programs) took ours 2-4 x flash's time over 64 to 8,192 keys, and 700
+    (132 programs, one wave on an H100) 2.4 x over 700 keys, 1.4 x over 1,400, 0.95 x over 2,100 and
+    0.67-0.75 x over 2,800 to 7,700 (tests/bench/probe_attention.py, an H100, 2026-11-28)."""
     BM = prefill_attention_config(D, itemsize, plan)[0]
-    return Hkv * triton.cdiv(T * (Hq // Hkv), BM) >= plan.programs
+    programs = Hkv * triton.cdiv(T * (Hq // Hkv), BM)
+    return programs >= 2 * plan.programs or (programs >= plan.programs and n >= 3 * T)
 
 
 def _head_tile(D: int) -> int:

@@ -131,8 +131,8 @@ def test_products_default_for_a_device():
         assert default_products("cuda").programs == sms
 
 
-def test_the_prefill_attention_candidate_reaches_its_kernel(gqa3, monkeypatch):
-    # prefill_attention "triton" sends a prefill chunk's attention (bf16 rows where the kernels run)
+def test_prefill_attention_reaches_its_kernel(gqa3, monkeypatch):
+    # prefill_attention "triton" (the default) sends a prefill chunk's attention (bf16 rows where the kernels run)
     # to kernels/attention_chunk.py's kernel with the cache's first n rows; here the kernel stands in as
     # its float32 reference, which the flash path agrees with to bf16's rounding
     from mtpchat.engine import model
@@ -148,11 +148,12 @@ def test_the_prefill_attention_candidate_reaches_its_kernel(gqa3, monkeypatch):
     flash = engine.logits(ids).float()
     monkeypatch.setattr(attention_chunk, "prefill_attention_triton", kernel)
     default = engine.plan
-    engine.plan = engine.decoder.plan = default.replace(prefill_attention="triton")
+    assert default.prefill_attention == "triton"                          # the default (measured)
+    engine.plan = engine.decoder.plan = default.replace(programs=1)
     assert torch.equal(engine.logits(ids).float(), flash) and not calls   # where the kernels do not run
     monkeypatch.setattr(model, "use_triton", lambda *t: True)
-    engine.plan = engine.decoder.plan = default
-    assert torch.equal(engine.logits(ids).float(), flash) and not calls   # the default never calls it
+    engine.plan = engine.decoder.plan = default.replace(prefill_attention="flash", programs=1)
+    assert torch.equal(engine.logits(ids).float(), flash) and not calls   # "flash" never calls it
     # chunks too short to fill the device's programs stay with flash (prefill_attention_fills)
     engine.plan = engine.decoder.plan = default.replace(prefill_attention="triton", programs=10_000)
     assert torch.equal(engine.logits(ids).float(), flash) and not calls

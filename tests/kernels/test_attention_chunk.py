@@ -63,10 +63,13 @@ def test_prefill_attention_reads_the_cache_as_it_lies(device):
 
 
 def test_prefill_attention_fills_the_gpu_with_long_chunks_only():
-    # the 27B's heads on an H100 (132 SMs, 128-row tiles): 4 kv heads x ceil(6 T / 128) programs
+    # the 27B's heads on an H100 (132 SMs, 128-row tiles): 4 kv heads x ceil(6 T / 128) programs,
+    # two waves from 1,387 queries, one from 683 where the keys before the chunk are twice its own
     h100 = ProductPlan(programs=132)
-    fills = lambda T: attention_chunk.prefill_attention_fills(T, 24, 4, 256, 2, h100)
-    assert fills(2048) and fills(683) and not fills(682) and not fills(50)
+    fills = lambda T, n: attention_chunk.prefill_attention_fills(T, n, 24, 4, 256, 2, h100)
+    assert fills(2048, 2048) and fills(8192, 8192) and fills(1387, 1387) and not fills(1386, 1386)
+    assert fills(700, 2100) and not fills(700, 2099) and not fills(700, 1400) and not fills(700, 700)
+    assert fills(683, 2049) and not fills(682, 8192) and not fills(50, 8192)
 
 
 def test_prefill_attention_tiles_follow_shared_memory():
