@@ -215,8 +215,9 @@ class Decoder:
         next token is known. Returns the last hidden, or every hidden with keep_all."""
         self._flush_pending(keep_last=False)
         kept = []
-        for s in range(0, len(ids), self.prefill_chunk):
-            chunk, L = ids[s:s + self.prefill_chunk], self.state.length
+        size = chunk_size(len(ids), self.prefill_chunk)
+        for s in range(0, len(ids), size):
+            chunk, L = ids[s:s + size], self.state.length
             h = self.model(torch.tensor(chunk, device=self.device), self.state.layers, self._ctx(L, len(chunk), False))
             self.state.fold.zero_()                                # the GDN layers folded the last step in
             self.state.commit_prefill(len(chunk))
@@ -406,6 +407,17 @@ class Decoder:
 
 
 _clock = time.perf_counter
+
+
+def chunk_size(n: int, most: int) -> int:
+    """The chunk a prefill of n tokens takes: as few chunks as `most` tokens each allow, of equal
+    size rounded up to the chunked GDN's 64 (the last takes the rest). A short last chunk costs
+    what the host takes to launch a whole forward (some 50 ms on the 27B, docs/PERFORMANCE.md
+    2026-11-28): 8,195 tokens go as 4,160 + 4,035, not 8,192 + 3."""
+    if n <= most:
+        return most
+    per = -(-n // -(-n // most))                      # n over the fewest chunks, rounded up
+    return min(most, -(-per // 64) * 64)
 
 
 def _eager(key, fn) -> float:

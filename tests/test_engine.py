@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine.decoder import chunk_size
 from mtpchat.engine.events import Finished, Prefilled, Step
 from tools.tiny import write_tiny_checkpoint
 from helpers import random_ids, rel_err
@@ -31,6 +32,32 @@ def test_prefill_logits_match_transformers(ckpt, n):
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
     assert rel_err(engine.logits(ids), expected) < 1e-4
+
+
+def test_prefill_chunks_are_equal_and_aligned():
+    # as few chunks as the most a chunk takes allows, equal, rounded up to the GDN's 64
+    assert chunk_size(8195, 8192) == 4160 and chunk_size(8192, 8192) == 8192 and chunk_size(100, 8192) == 8192
+    assert chunk_size(16385, 8192) == 5504 and chunk_size(260, 256) == 192 and chunk_size(40, 16) == 16
+    for n, most in [(8195, 8192), (131077, 8192), (600, 512), (97, 48), (1, 48)]:
+        size = chunk_size(n, most)
+        assert size <= most and -(-n // size) == -(-n // most)
+
+
+def test_a_prompt_just_past_a_chunk_goes_in_equal_chunks(ckpt):
+    # 200 tokens under chunks of 192 go as 128 + 72, not 192 + 8, and the logits stay transformers'
+    engine, ref = ckpt
+    ids = random_ids(200, 200, engine.config.vocab_size)
+    sizes = []
+    hook = engine.model.register_forward_pre_hook(lambda module, args: sizes.append(args[0].shape[0]))
+    engine.decoder.prefill_chunk = 192
+    try:
+        got = engine.logits(ids)
+    finally:
+        engine.decoder.prefill_chunk = PREFILL_CHUNK
+        hook.remove()
+    assert sizes == [128, 72]
+    with torch.no_grad():
+        assert rel_err(got, ref(torch.tensor([ids])).logits[0]) < 1e-4
 
 
 def test_tied_head_is_the_embedding(ckpt):
