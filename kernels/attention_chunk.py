@@ -1,8 +1,8 @@
 """Attention of a prefill chunk: its T queries over the n keys and values before and in it, the
 cache's first n rows, GQA, causal aligned to the bottom right (query t sees keys 0 .. n - T + t).
-The float32 torch reference and the Triton kernel beside it (`prefill_attention_triton`, a
-candidate of the plan's prefill_attention beside torch's flash kernel, engine/model.py), the way
-gdn_chunk.py holds the GDN's chunked form beside gdn.py's steps.
+The float32 torch reference and the Triton kernel beside it (`prefill_attention_triton`, the plan's
+prefill_attention "triton", the default; torch's flash kernel the other form, engine/model.py), the
+way gdn_chunk.py holds the GDN's chunked form beside gdn.py's steps.
 
 One program takes a block of rows of one kv head's query heads, token-major, so a group reads its
 keys and values once, and walks the keys in blocks with the softmax online (base 2, float32; P
