@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpchat.engine.config import ModelConfig
+from mtpchat.kernels.attention_chunk import prefill_attention_config
 from mtpchat.kernels.fp8 import fp8_runs_on
 from mtpchat.kernels.int4_gemm import fp8_form_runs_on
 from mtpchat.kernels.plan import ProductPlan, default_products
@@ -103,7 +104,9 @@ class KernelPlan:
     # 717.1 (tests/bench/probe_prefill_chunk.py; an H100, 2026-11-28). A chunk too short for its
     # programs to fill the GPU twice, or once over keys twice its own before it, stays with flash,
     # which splits its keys (attention_chunk.prefill_attention_fills: on the 27B and an H100, under
-    # 1,387 tokens, or 683 after a history of twice the chunk).
+    # 1,387 tokens, or 683 after a history of twice the chunk). Only the H100's tiles (128 x 64, two
+    # deep) were timed: a device with less shared memory a program (an A100, the 99 KB cards) takes
+    # flash until its smaller tiles are (KernelPlan.choose).
     prefill_attention: str = "triton"
     # The GDN's chunked form (kernels/gdn_chunk.py) with its output written by the scan
     # ("fused_out"): the chunks' start states and writes never go through memory, and a kernel
@@ -163,7 +166,8 @@ class KernelPlan:
         run time, where it is stored as they are: SparseMoE). The other forms won or tied on
         every model measured (27B and 35B-A3B, bf16 and FP8; the small split on the 35B-A3B in bf16
         measured 0.986 x, 1.000 x and 1.006 x on three H100s: kept, a tie). Prefill's 4-bit products
-        take the fp8 form on Hopper (int4_gemm.py; the dense form elsewhere)."""
+        take the fp8 form on Hopper (int4_gemm.py; the dense form elsewhere). Prefill attention takes
+        our kernel where a program has the shared memory of its H100 tiles, flash elsewhere."""
         device = torch.device(device)
         products = default_products(device)
         bits = fp8 and device.type == "cuda" and fp8_runs_on(device)
@@ -178,8 +182,11 @@ class KernelPlan:
         # measured 1.009 x (--weights int4), and a 4-bit checkpoint's (its shared expert in bf16,
         # apart from the 4-bit routed ones) is neither timed nor tested with it on the GPU
         normed = config.is_moe and not int4 and config.quantization != "int4"
+        # prefill attention in our kernel where it gets the tiles timed on an H100 (128 x 64)
+        timed = prefill_attention_config(config.head_dim, 2, products)[:2] == (128, 64)
         return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late, int4_prefill=prefill),
-                   shared_as_expert=config.is_moe and alike, moe_normed=normed)
+                   shared_as_expert=config.is_moe and alike, moe_normed=normed,
+                   prefill_attention="triton" if timed else "flash")
 
     def replace(self, **changes) -> "KernelPlan":
         """This plan with some choices changed; products' fields may be given by name too."""

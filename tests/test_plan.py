@@ -39,6 +39,18 @@ def test_fp8_and_4_bit_products_place_the_next_kernel_late_on_a_gpu(gqa3, monkey
     assert not KernelPlan.choose("cpu", config, fp8, int4).products.late_release   # no PDL on the CPU
 
 
+@pytest.mark.parametrize("room, form", [(232448, "triton"), (166912, "flash"), (101376, "flash")])
+def test_prefill_attention_takes_our_kernel_where_its_timed_tiles_fit(monkeypatch, room, form):
+    # timed on an H100 (128 x 64 tiles two deep, 192 KB at head_dim 256): an A100 (163 KB a program)
+    # and the 99 KB cards would take smaller, untimed tiles, and keep flash
+    from pathlib import Path
+    from mtpchat.engine import plan as plan_module
+    monkeypatch.setattr(plan_module, "default_products", lambda device: ProductPlan(programs=108, shared_memory=room))
+    monkeypatch.setattr(plan_module, "fp8_form_runs_on", lambda device: False)
+    config = ModelConfig.load(Path(__file__).resolve().parents[1] / "engine" / "configs" / "qwen3.6-27b.json")
+    assert KernelPlan.choose("cuda", config, fp8=False).prefill_attention == form
+
+
 @pytest.mark.parametrize("hopper", [True, False])
 def test_4_bit_prefill_takes_the_fp8_tensor_cores_where_they_serve(gqa3, monkeypatch, hopper):
     # measured on an H100 (kernels/int4_gemm.py): the 27B int4's 8K prompt 606 against 814 ms
