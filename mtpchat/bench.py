@@ -31,8 +31,8 @@ def add_arguments(p):
                    help="JSON lines of {\"prompt\": text}: the real MTP head is measured on these "
                         "(raw text, no chat template) instead of a random prompt")
     p.add_argument("--prefill-chunk", type=int, metavar="N",
-                   help="prompt tokens per prefill forward (default: the engine's: 2048 on a GPU; for 4-bit "
-                        "products and MoE models up to 8192 where memory allows)")
+                   help="prompt tokens per prefill forward at most (default: the engine's: on a GPU the largest "
+                        "of 8192 / 4096 / 2048 that memory allows, 512 on the CPU)")
     p.add_argument("--long-context", type=int, metavar="N",
                    help=f"prompt tokens of the long-context row: decode and MTP k=3 after them against the "
                         f"--context prompt, and their time to first token (default {LONG_CONTEXT:,} on a GPU "
