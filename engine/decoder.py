@@ -184,7 +184,7 @@ class Decoder:
                 if self.pending:
                     self.pend_tokens[0] = prompt[cut]
             start = cut
-        self.last_logits = self.logits(h)
+        self.last_logits = self.logits(h) if self.prefill_logits is None else self.prefill_logits.clone()
         return L
 
     def _pending_one(self):
@@ -211,16 +211,24 @@ class Decoder:
 
     # --- prefill (eager: its shapes vary) ------------------------------------------------------
     def prefill(self, ids: list[int], keep_all: bool = False) -> torch.Tensor:
-        """Feed `ids` after the committed tokens, in chunks; the head follows over every row whose
-        next token is known. Returns the last hidden, or every hidden with keep_all."""
+        """Feed `ids` after the committed tokens, in chunks, or, where they are few (the plan's
+        step_prefill), in pieces of a step's rows through the verify phase; the head follows over
+        every row whose next token is known. Returns the last hidden, or every hidden with keep_all.
+        `prefill_logits`: the last row's logits where the step form computed them, else None."""
         self._flush_pending(keep_last=False)
         kept = []
-        size = chunk_size(len(ids), self.prefill_chunk)
+        self.prefill_logits = None
+        step = len(ids) <= self.plan.step_prefill * self.R
+        size = chunk_size(len(ids), self.R, 1) if step else chunk_size(len(ids), self.prefill_chunk)
         for s in range(0, len(ids), size):
             chunk, L = ids[s:s + size], self.state.length
-            h = self.model(torch.tensor(chunk, device=self.device), self.state.layers, self._ctx(L, len(chunk), False))
-            self.state.fold.zero_()                                # the GDN layers folded the last step in
-            self.state.commit_prefill(len(chunk))
+            if step:
+                h = self._prefill_step(chunk)
+            else:
+                h = self.model(torch.tensor(chunk, device=self.device), self.state.layers,
+                               self._ctx(L, len(chunk), False))
+                self.state.fold.zero_()                            # the GDN layers folded the last step in
+                self.state.commit_prefill(len(chunk))
             self.tokens += chunk
             nxt = ids[s + 1:s + len(chunk) + 1]                    # x_{p+1} of each row, where known
             if self.head is not None and nxt:
@@ -228,6 +236,25 @@ class Decoder:
             kept.append(h if keep_all else h[-1:])
         self.pos.fill_(self.state.length)
         return torch.cat(kept) if keep_all else kept[-1]
+
+    def _prefill_step(self, chunk: list[int]) -> torch.Tensor:
+        """A piece of a short prefill: the verify of its T <= R tokens at the committed length (its
+        graph where captured), every row kept as an acceptance of T tokens keeps them, but for the
+        step's own bookkeeping (emitted tokens, room, pending rows), which a prefill does not touch.
+        Returns the T hiddens (a copy: the next verify overwrites its buffer)."""
+        T = len(chunk)
+        self.fed[:T] = torch.tensor(chunk, device=self.device)
+        self.pos.fill_(self.state.length)
+        self.room.fill_(1)                     # the step kernels write the state only while room > 0
+        before = self.expert_reads.clone() if self.expert_reads is not None else None
+        run = self.runner.run if self.runner is not None else _eager
+        run(("verify", T - 1), lambda: self.verify(T - 1))
+        if before is not None:
+            self.expert_reads.copy_(before)    # the experts a prefill reads are no step's
+        self.room.zero_()                      # nothing is emitted until the generation's limit()
+        self.state.commit_step(T)
+        self.prefill_logits = self.v_logits[T - 1:T]
+        return self.v_hidden[:T].clone()
 
     def first_token(self, params: SamplingParams, generator) -> int:
         tok = self._sample(self.last_logits, params, generator, self.drafts[:0])
@@ -409,15 +436,15 @@ class Decoder:
 _clock = time.perf_counter
 
 
-def chunk_size(n: int, most: int) -> int:
+def chunk_size(n: int, most: int, multiple: int = 64) -> int:
     """The chunk a prefill of n tokens takes: as few chunks as `most` tokens each allow, of equal
-    size rounded up to the chunked GDN's 64 (the last takes the rest). A short last chunk costs
-    what the host takes to launch a whole forward (some 50 ms on the 27B, docs/PERFORMANCE.md
-    2026-11-28): 8,195 tokens go as 4,160 + 4,035, not 8,192 + 3."""
+    size rounded up to `multiple` (the chunked GDN's 64; the last takes the rest). A short last
+    chunk costs what the host takes to launch a whole forward (some 50 ms on the 27B,
+    docs/PERFORMANCE.md 2026-11-28): 8,195 tokens go as 4,160 + 4,035, not 8,192 + 3."""
     if n <= most:
         return most
     per = -(-n // -(-n // most))                      # n over the fewest chunks, rounded up
-    return min(most, -(-per // 64) * 64)
+    return min(most, -(-per // multiple) * multiple)
 
 
 def _eager(key, fn) -> float:

@@ -149,6 +149,17 @@ class KernelPlan:
     # every channel a program reads costs more than the launch it saves (an H200,
     # tests/bench/ab_step.py --plans conv; docs/PERFORMANCE.md 2026-11-27).
     conv_in_recurrence: int = 1
+    # A prefill of at most this many pieces of a step's rows (CAPTURED_K + 1 tokens each,
+    # engine/memory.py) runs in the step form, each piece a verify of its tokens (its captured
+    # graph) all kept as an acceptance keeps them, rather than chunked and eager: a chat turn's
+    # generation prompt (3-8 tokens after the snapshot at the end of the user's message) and a
+    # short message. Eager, such a prefill waits on the host's launches: 16 tokens of the 27B FP8
+    # after an 8K history took 61-71 ms of wall time for 24.6 ms of kernels in 924 launches (an
+    # H100, tests/bench/probe_turn.py, 2026-11-28), where a verify of 5 rows is one graph replay of
+    # about a decode step. The step form's kernels give a row the same bits whatever the rows beside
+    # it (MTP's exactness rests on it), so greedy MTP on == off holds through it. 0: every prefill
+    # chunked (a CPU, where no graph saves the launches).
+    step_prefill: int = 0
 
     def __post_init__(self):
         if self.prefill_attention not in ("flash", "triton"):
@@ -167,7 +178,8 @@ class KernelPlan:
         every model measured (27B and 35B-A3B, bf16 and FP8; the small split on the 35B-A3B in bf16
         measured 0.986 x, 1.000 x and 1.006 x on three H100s: kept, a tie). Prefill's 4-bit products
         take the fp8 form on Hopper (int4_gemm.py; the dense form elsewhere). Prefill attention takes
-        our kernel where a program has the shared memory of its H100 tiles, flash elsewhere."""
+        our kernel where a program has the shared memory of its H100 tiles, flash elsewhere. A GPU
+        prefills a few tokens in the step form (step_prefill), through the step graphs."""
         device = torch.device(device)
         products = default_products(device)
         bits = fp8 and device.type == "cuda" and fp8_runs_on(device)
@@ -186,7 +198,8 @@ class KernelPlan:
         timed = prefill_attention_config(config.head_dim, 2, products)[:2] == (128, 64)
         return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late, int4_prefill=prefill),
                    shared_as_expert=config.is_moe and alike, moe_normed=normed,
-                   prefill_attention="triton" if timed else "flash")
+                   prefill_attention="triton" if timed else "flash",
+                   step_prefill=2 if device.type == "cuda" else 0)
 
     def replace(self, **changes) -> "KernelPlan":
         """This plan with some choices changed; products' fields may be given by name too."""

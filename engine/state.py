@@ -68,6 +68,18 @@ class DecodeState:
         self.conv_off.add_(T)
         self.length += T
 
+    def commit_step(self, T: int):
+        """After a forward of T tokens in the step form that keeps them all (a short prefill,
+        engine/decoder.py): what an acceptance of T tokens commits (kernels/accept.py commit_ref),
+        a decode's one token folded by its own kernel, a verify's by the next forward."""
+        self.conv_off.add_(T)
+        if T > 1:
+            self.fold.fill_(T)
+            self.parity.copy_(1 - self.parity)
+        else:
+            self.fold.zero_()
+        self.length += T
+
     def nbytes(self) -> dict[str, int]:
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
         return {"kv": size(t for pair in self.kv_layers for t in pair),

@@ -60,6 +60,58 @@ def test_a_prompt_just_past_a_chunk_goes_in_equal_chunks(ckpt):
         assert rel_err(got, ref(torch.tensor([ids])).logits[0]) < 1e-4
 
 
+@pytest.mark.parametrize("n", [1, 4, 5, 7, 10])
+def test_a_short_prefill_in_the_step_form_matches_transformers(ckpt, n):
+    # a GPU's plan: a prompt of at most two pieces of a step's rows (CAPTURED_K + 1 = 5) goes as
+    # verifies of equal pieces that keep every row; each piece folds the one before into the state
+    engine, ref = ckpt
+    ids = random_ids(n, 300 + n, engine.config.vocab_size)
+    forms = []
+    hook = engine.model.register_forward_pre_hook(lambda m, args: forms.append((args[0].shape[0], args[2].step)))
+    plan, engine.plan = engine.plan, engine.plan.replace(step_prefill=2)
+    try:
+        got = engine.logits(ids)
+    finally:
+        engine.plan = plan
+        hook.remove()
+    pieces = -(-n // 5)
+    assert forms == [(n // pieces + (i < n % pieces), True) for i in range(pieces)]
+    with torch.no_grad():
+        assert rel_err(got, ref(torch.tensor([ids])).logits[0]) < 1e-4
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 11])
+def test_a_short_turn_in_the_step_form_goes_on_from_the_state(ckpt, n):
+    # after a chunked history, a turn of n tokens in the step form (11: past two pieces, chunked)
+    # leaves the state a chunked prefill leaves, and the logits of the whole sequence
+    engine, ref = ckpt
+    dec, V = engine.decoder, engine.config.vocab_size
+    history, turn = random_ids(70, 70, V), random_ids(n, 400 + n, V)
+    ends, forms = {}, []
+    hook = engine.model.register_forward_pre_hook(lambda m, args: forms.append(args[2].step))
+    try:
+        for pieces in (0, 2):
+            dec.plan = engine.plan.replace(step_prefill=pieces)
+            engine.reset()
+            dec.begin(history)
+            forms.clear()
+            dec.begin(history + turn)
+            assert set(forms) == {pieces > 0 and n <= 10}
+            committed = dec.state.gdn_committed(engine.model)
+            kv = [k[:dec.length].clone() for k, _ in dec.state.kv_layers]
+            ends[pieces] = dec.last_logits.clone(), committed, kv, dec.length, int(dec.pos)
+    finally:
+        dec.plan = engine.plan
+        hook.remove()
+        engine.reset()
+    (chunked, s0, kv0, n0, p0), (stepped, s1, kv1, n1, p1) = ends[0], ends[2]
+    assert n0 == n1 == p0 == p1 == len(history) + n
+    assert all(rel_err(a, b) < 1e-4 for a, b in zip(s0 + kv0, s1 + kv1))
+    with torch.no_grad():
+        expected = ref(torch.tensor([history + turn])).logits[0, -1:]
+    assert rel_err(chunked, expected) < 1e-4 and rel_err(stepped, expected) < 1e-4
+
+
 def test_tied_head_is_the_embedding(ckpt):
     engine, _ = ckpt
     c = engine.config

@@ -11,7 +11,7 @@ from mtpchat.engine.spec import ProfileDrafter
 from mtpchat.kernels import attention_chunk
 from mtpchat.kernels.conv import window_columns
 from tools.tiny import write_tiny_checkpoint
-from helpers import FLOAT32_CHUNK, GPU_SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens, rel_err
+from helpers import FLOAT32_CHUNK, GPU_SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens, random_ids, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -190,3 +190,36 @@ def test_conv_in_recurrence_changes_no_token(ckpt):
         del engine
     tokens = [[list(done.token_ids) for done in run] for run in runs]
     assert tokens[0] == tokens[1] == tokens[2]
+
+
+def test_a_short_turn_through_the_step_graphs(ckpt):
+    # a GPU's plan prefills at most two pieces of a step's rows (5 tokens each) as verifies through
+    # the captured graphs: after a history, a turn's last logits as close to float32 on the CPU as
+    # the chunked form's, and greedy MTP on == off from prompts that short
+    cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
+    gpu = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512)
+    dec = gpu.decoder
+    assert gpu.plan.step_prefill == 2 and dec.runner is not None
+    keys, run = [], dec.runner.run
+    dec.runner.run = lambda key, fn: (keys.append(key), run(key, fn))[1]
+    history, V = gpu_prompts(cpu, 3)[2], gpu.config.vocab_size - 64
+    try:
+        for n in (1, 3, 7, 10):
+            turn = random_ids(n, n, V)
+            want = cpu.logits(history + turn)[-1:]
+            errs = {}
+            for pieces in (0, 2):
+                dec.plan = gpu.plan.replace(step_prefill=pieces)
+                gpu.reset()
+                dec.begin(history)
+                keys.clear()
+                dec.begin(history + turn)
+                size = -(-n // -(-n // 5))
+                assert keys == ([("verify", min(size, n - i) - 1) for i in range(0, n, size)] if pieces else [])
+                assert dec.runner.graphs.keys() >= set(keys)
+                errs[pieces] = rel_err(dec.last_logits.float().cpu(), want, ord=2)
+            assert errs[2] < 1.5 * errs[0] + 1e-3, (n, errs)
+    finally:
+        dec.runner.run = run
+        dec.plan = gpu.plan
+    assert_mtp_on_equals_off(gpu, [random_ids(n, 50 + n, V) for n in (2, 7, 10)], 64, ks=(1, 3), profile_ks=(2, 4))

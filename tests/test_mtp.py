@@ -275,3 +275,16 @@ def test_k_past_the_captured_ones_is_exact(gqa3):
     events = generate(e, prompts[0], SamplingParams(max_tokens=40, stop_token_ids=()))
     e.drafter = None
     assert list(events[-1].token_ids) == ref and events[-1].stats.k_histogram.get(K_MAX, 0) >= 3
+
+
+def test_greedy_exact_with_short_prompts_in_the_step_form(gqa3, greedy_refs):
+    # a GPU's plan: prompts of at most two pieces of a step's rows are prefilled in the step form
+    # (engine/decoder.py); MTP on and off still emit what MTP off emits after a chunked prefill
+    plan = KernelPlan.choose("cpu", ModelConfig.load(gqa3), fp8=False).replace(step_prefill=2)
+    e = load(gqa3, draft_tokens=3, plan=plan)
+    short = [(ids, ref) for ids, ref in zip(*greedy_refs) if len(ids) <= 2 * (min(e.k_max, 4) + 1)]
+    assert len(short) >= 4
+    for ids, ref in short:
+        for mtp in (False, True):
+            e.mtp = mtp
+            assert list(generate(e, ids)[-1].token_ids) == ref

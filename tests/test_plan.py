@@ -51,6 +51,16 @@ def test_prefill_attention_takes_our_kernel_where_its_timed_tiles_fit(monkeypatc
     assert KernelPlan.choose("cuda", config, fp8=False).prefill_attention == form
 
 
+def test_a_gpu_prefills_a_few_tokens_through_the_step_graphs(gqa3, monkeypatch):
+    # on a GPU the graphs save a short prefill's eager launches; a CPU has no graphs to replay
+    from mtpchat.engine import plan as plan_module
+    monkeypatch.setattr(plan_module, "default_products", lambda device: ProductPlan(programs=132))
+    monkeypatch.setattr(plan_module, "fp8_form_runs_on", lambda device: False)
+    config = ModelConfig.load(gqa3)
+    assert KernelPlan.choose("cuda", config, fp8=False).step_prefill == 2
+    assert KernelPlan.choose("cpu", config, fp8=False).step_prefill == 0
+
+
 @pytest.mark.parametrize("hopper", [True, False])
 def test_4_bit_prefill_takes_the_fp8_tensor_cores_where_they_serve(gqa3, monkeypatch, hopper):
     # measured on an H100 (kernels/int4_gemm.py): the 27B int4's 8K prompt 606 against 814 ms

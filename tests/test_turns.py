@@ -81,12 +81,18 @@ def fresh_tokens(folder, ids, mtp: bool, k: int = 3) -> list[int]:
 
 
 @pytest.mark.parametrize("mtp", [False, True])
-def test_three_turns_prefill_only_what_follows_the_snapshot(official, mtp):
+@pytest.mark.parametrize("step_prefill", [0, 2])
+def test_three_turns_prefill_only_what_follows_the_snapshot(official, mtp, step_prefill):
+    # step_prefill 2 (a GPU's plan): the generation prompt after the snapshot goes in the step form
     engine = Engine.load(official, device="cpu", dtype=torch.float32, max_context=2048, mtp=mtp)
+    engine.decoder.plan = engine.plan = engine.plan.replace(step_prefill=step_prefill)
     assert engine.decoder.snapshots.count == memory.DEFAULT_SNAPSHOTS
-    fed = []                                     # the tokens each prefill call feeds
+    forms = []                                   # each target forward: (tokens, step form)
+    hook = engine.model.register_forward_pre_hook(lambda m, args: forms.append((args[0].shape[0], args[2].step)))
+    fed = []                                     # the tokens each prefill call feeds, its forwards' forms
     prefill = engine.decoder.prefill
-    engine.decoder.prefill = lambda ids, **kw: (fed.append(len(ids)), prefill(ids, **kw))[1]
+    engine.decoder.prefill = lambda ids, **kw: (fed.append(len(ids)), forms.clear(), prefill(ids, **kw),
+                                                fed.append(list(forms)))[2]
     messages, history_before = [], None
     for turn, question in enumerate(QUESTIONS):
         fed.clear()
@@ -104,10 +110,14 @@ def test_three_turns_prefill_only_what_follows_the_snapshot(official, mtp):
             assert prefilled.cached_tokens == done.stats.reused_tokens == history_before
             assert ids[:history_before] == engine.tokenizer.apply_chat_template(messages[:-2],
                                                                                 add_generation_prompt=False)
-        assert sum(fed) == len(ids) - prefilled.cached_tokens      # prefilled: what follows, no more
+        sizes, tail = fed[::2], fed[-1]
+        assert sum(sizes) == len(ids) - prefilled.cached_tokens    # prefilled: what follows, no more
+        # the generation prompt (10 tokens of this tokenizer): two pieces of 5 in the step form
+        assert tail == ([(5, True), (5, True)] if step_prefill else [(10, False)]), tail
         assert list(done.token_ids) == fresh_tokens(official, ids, mtp), turn
         messages.append(reply_message(engine, done.token_ids))
         history_before = len(history)
+    hook.remove()
     assert len(engine.decoder.snapshots.held) <= engine.decoder.snapshots.count
 
 

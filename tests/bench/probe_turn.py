@@ -3,9 +3,13 @@ time against the GPU time of its kernels (CUPTI) and their count, so a turn that
 (launches) shows as wall >> GPU. One engine, random weights of an official shape, eager prefill as
 the engine runs it.
 
+With --generation-prompt G (and --graphs, as the app runs), a turn is what a chat turn prefills:
+the new message, a snapshot where it ends, then a G-token generation prompt (Decoder.begin with
+snapshot_at), so the plan's step_prefill shows on the pieces short enough for it.
+
     cd tests/bench && python3 probe_turn.py [--model qwen3.6-27b] [--weights fp8] [--history 8192]
                                             [--tokens 16,50,128,512] [--plans ";prefill_attention=flash"]
-                                            [--cprofile 40]
+                                            [--cprofile 40] [--graphs] [--generation-prompt 5]
 """
 from __future__ import annotations
 
@@ -35,14 +39,27 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--cprofile", type=int, default=0, metavar="ROWS",
                    help="also the host's time by function (cProfile) over one turn of each size, ROWS rows")
+    p.add_argument("--graphs", action="store_true", help="capture the step graphs, as the app does")
+    p.add_argument("--generation-prompt", type=int, default=0, metavar="G",
+                   help="a chat turn: the message, a snapshot, then G tokens of generation prompt")
     a = p.parse_args()
     sizes = [int(t) for t in a.tokens.split(",")]
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
-    engine = Engine(config, device="cuda", dtype=torch.bfloat16, max_context=a.history + 2 * max(sizes) + 256,
-                    cuda_graphs=False, weights=a.weights)
+    engine = Engine(config, device="cuda", dtype=torch.bfloat16,
+                    max_context=a.history + 2 * max(sizes) + a.generation_prompt + 256,
+                    cuda_graphs=a.graphs, weights=a.weights, snapshots=2 if a.generation_prompt else 0)
     dec, base = engine.decoder, engine.plan
     history = random_prompt(engine, a.history, 0)
-    print(f"{torch.cuda.get_device_name()}, {a.model} {a.weights}, {a.history} tokens of history", flush=True)
+    gen = random_prompt(engine, a.generation_prompt, 99)
+    print(f"{torch.cuda.get_device_name()}, {a.model} {a.weights}, {a.history} tokens of history, "
+          f"graphs {'on' if a.graphs else 'off'}, a generation prompt of {a.generation_prompt}", flush=True)
+
+    def turn_of(ids):
+        if a.generation_prompt:
+            dec.begin(history + ids + gen, snapshot_at=(a.history + len(ids),))
+        else:
+            dec.prefill(ids)
+
     for changes in [parse_changes(c) for c in a.plans.split(";")] if a.plans else [{}]:
         engine.plan = dec.plan = base.replace(**changes)
         for n in sizes:
@@ -53,7 +70,7 @@ def main():
                 dec.begin(history)
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                dec.prefill(turn)
+                turn_of(turn)
                 torch.cuda.synchronize()
                 if i:                                 # the first compiles
                     walls.append((time.perf_counter() - t) * 1e3)
@@ -61,14 +78,14 @@ def main():
             dec.begin(history)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                dec.prefill(turn)
+                turn_of(turn)
                 torch.cuda.synchronize()
             if a.cprofile:
                 engine.reset()
                 dec.begin(history)
                 torch.cuda.synchronize()
                 with cProfile.Profile() as host:
-                    dec.prefill(turn)
+                    turn_of(turn)
                     torch.cuda.synchronize()
                 for key in ("tottime", "cumulative"):
                     pstats.Stats(host).sort_stats(key).print_stats(a.cprofile)
