@@ -92,6 +92,10 @@ class Decoder:
         self.pend_hidden = torch.zeros(rows, c.hidden_size, device=dev, dtype=model.embed.dtype)
         self.pend_tokens = long(rows)
         self.v_hidden = torch.zeros(K1, c.hidden_size, device=dev, dtype=model.embed.dtype)
+        # a short prefill's chunks replayed as graphs (the plan's prefill_graphs): their tokens, hiddens
+        most = max(plan.prefill_graphs, default=0)
+        self.chunk_ids = long(most)
+        self.chunk_hidden = torch.zeros(most, c.hidden_size, device=dev, dtype=model.embed.dtype)
         self.v_logits = torch.zeros(K1, c.vocab_size, device=dev)
         self.result = long(K1 + 2)            # [n, a, tokens...]: the one device-to-host copy
         # a few pinned copies of it, used in turn, so a step's result is never overwritten unread
@@ -125,7 +129,7 @@ class Decoder:
 
     def nbytes(self) -> int:
         bufs = (self.pend_hidden, self.pend_tokens, self.v_hidden, self.v_logits, self.seen, self.fed, self.steps,
-                self.is_stop, self.draft_row, *self.partials)
+                self.is_stop, self.draft_row, self.chunk_ids, self.chunk_hidden, *self.partials)
         return sum(t.numel() * t.element_size() for t in bufs)
 
     @property
@@ -211,31 +215,55 @@ class Decoder:
 
     # --- prefill (eager: its shapes vary) ------------------------------------------------------
     def prefill(self, ids: list[int], keep_all: bool = False) -> torch.Tensor:
-        """Feed `ids` after the committed tokens, in chunks, or, where they are few (the plan's
-        step_prefill), in pieces of a step's rows through the verify phase; the head follows over
-        every row whose next token is known. Returns the last hidden, or every hidden with keep_all.
-        `prefill_logits`: the last row's logits where the step form computed them, else None."""
+        """Feed `ids` after the committed tokens, in chunks; where they are few, in the pieces of
+        `prefill_pieces` (the plan's): chunks of the sizes captured as graphs and pieces of a step's
+        rows through the verify phase. The head follows over every row whose next token is known.
+        Returns the last hidden, or every hidden with keep_all. `prefill_logits`: the last row's
+        logits where the step form computed them, else None."""
         self._flush_pending(keep_last=False)
         kept = []
         self.prefill_logits = None
-        step = len(ids) <= self.plan.step_prefill * self.R
-        size = chunk_size(len(ids), self.R, 1) if step else chunk_size(len(ids), self.prefill_chunk)
-        for s in range(0, len(ids), size):
-            chunk, L = ids[s:s + size], self.state.length
-            if step:
+        p = self.plan
+        pieces = prefill_pieces(len(ids), self.R, p.step_prefill, p.prefill_graphs, p.prefill_pieces)
+        if pieces is None:
+            size = chunk_size(len(ids), self.prefill_chunk)
+            pieces = [(min(size, len(ids) - s), None) for s in range(0, len(ids), size)]
+        s = 0
+        for T, form in pieces:
+            chunk, L = ids[s:s + T], self.state.length
+            s += T
+            if form == "step":
                 h = self._prefill_step(chunk)
             else:
-                h = self.model(torch.tensor(chunk, device=self.device), self.state.layers,
-                               self._ctx(L, len(chunk), False))
+                if form == "graph":
+                    h = self._prefill_graphed(chunk)
+                else:
+                    h = self.model(torch.tensor(chunk, device=self.device), self.state.layers, self._ctx(L, T, False))
                 self.state.fold.zero_()                            # the GDN layers folded the last step in
-                self.state.commit_prefill(len(chunk))
+                self.state.commit_prefill(T)
+                self.prefill_logits = None
             self.tokens += chunk
-            nxt = ids[s + 1:s + len(chunk) + 1]                    # x_{p+1} of each row, where known
+            nxt = ids[s - T + 1:s + 1]                             # x_{p+1} of each row, where known
             if self.head is not None and nxt:
                 self._run_head(torch.tensor(nxt, device=self.device), h[:len(nxt)], L)
             kept.append(h if keep_all else h[-1:])
         self.pos.fill_(self.state.length)
         return torch.cat(kept) if keep_all else kept[-1]
+
+    def _prefill_graphed(self, chunk: list[int]) -> torch.Tensor:
+        """A chunk of a short prefill in one of the sizes captured at load: its graph's replay
+        (eagerly where none is), its start read on the device. Returns the T hiddens (a copy)."""
+        T = len(chunk)
+        self.chunk_ids[:T] = torch.tensor(chunk, device=self.device)
+        self.pos.fill_(self.state.length)
+        run = self.runner.run if self.runner is not None else _eager
+        run(("prefill", T), lambda: self.prefill_chunk_forward(T))
+        return self.chunk_hidden[:T].clone()
+
+    def prefill_chunk_forward(self, T: int):
+        """The target over chunk_ids[:T] at the device position `pos`, in the prefill form, into
+        chunk_hidden: a pure function of the buffers, so engine/runner.py captures it per size."""
+        self.model(self.chunk_ids[:T], self.state.layers, self._ctx(self.pos, T, False), out=self.chunk_hidden[:T])
 
     def _prefill_step(self, chunk: list[int]) -> torch.Tensor:
         """A piece of a short prefill: the verify of its T <= R tokens at the committed length (its
@@ -445,6 +473,25 @@ def chunk_size(n: int, most: int, multiple: int = 64) -> int:
         return most
     per = -(-n // -(-n // most))                      # n over the fewest chunks, rounded up
     return min(most, -(-per // multiple) * multiple)
+
+
+def prefill_pieces(n: int, rows: int, step_pieces: int, sizes: tuple[int, ...], most: int) -> list | None:
+    """How a short prefill of n tokens goes: [(tokens, "step" | "graph"), ...], or None (in chunks,
+    eagerly). At most `step_pieces` pieces of at most `rows` tokens (a step's), equal, in the step
+    form; else the largest of the graphs' `sizes` that fit in turn, the rest (fewer than the
+    smallest size) in step pieces, where that makes at most `most` pieces in all."""
+    if n <= step_pieces * rows:
+        size = chunk_size(n, rows, 1)
+        return [(min(size, n - s), "step") for s in range(0, n, size)]
+    out, rest = [], n
+    for size in sorted(sizes, reverse=True):
+        while rest >= size and len(out) < most:
+            out.append((size, "graph"))
+            rest -= size
+    if rest > step_pieces * rows or (sizes and rest >= min(sizes)):
+        return None
+    tail = prefill_pieces(rest, rows, step_pieces, (), 0) if rest else []
+    return out + tail if out and len(out) + len(tail) <= most else None
 
 
 def _eager(key, fn) -> float:

@@ -18,7 +18,8 @@ What each part counts (27B numbers in bf16, see qwen35-model.md §9):
   gdn_state  per GDN layer a conv window of K-1 + k_max+1 columns in the model dtype, a float32
              recurrent state, and the tokens of the last step as the recurrence used them (two
              halves of k_max+1 tokens x Hv x (dk + dv + 2) floats); 146.8 MiB for the state alone
-  graph_pool activations of the captured decode / verify / draft steps (an estimate)
+  graph_pool activations of the captured decode / verify / draft steps and short prefill chunks
+             (an estimate)
   workspace  prefill activations for one chunk and the float32 logits of a verify step (an estimate);
              with 4-bit weights also what prefill's dense products take (a slab of dequantized weight)
   snapshots  the decode-state snapshots kept for chat turns (engine/snapshots.py): each the GDN state
@@ -369,6 +370,10 @@ K_MAX = 8
 # head catches up over CAPTURED_K+1 rows inside the step. Larger k run eagerly (no graph), the head
 # catching up first where more rows wait: load time, graph memory and the usual step stay as for k 4.
 CAPTURED_K = 4
+# A short prefill goes as chunks of these sizes, each replayed from a CUDA graph captured at load
+# (with pieces of a step's rows for the rest; engine/decoder.py prefill_pieces), where a GPU's plan
+# takes them (KernelPlan.prefill_graphs).
+PREFILL_GRAPHS = (8, 16, 24, 32, 40, 48, 56, 64, 96, 128)
 
 
 def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:
@@ -393,7 +398,8 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
     fp8, int4 = _is_fp8(cfg, weights), int4_format(cfg, weights)
     act = _activation_bytes_per_token(cfg, dtype)
     drafts = range(1, min(k_max, CAPTURED_K) + 1) if mtp else range(0)
-    # one captured graph per step shape: decode (1 token), then verify (k+1) and draft (k) per k
+    # one captured graph per step shape: decode (1 token), then verify (k+1) and draft (k) per k, and
+    # per short prefill chunk (a GPU's plan; no logits)
     shapes = [1] + [k + 1 for k in drafts] + list(drafts)
     per_token = kv_bytes_per_token(cfg, dtype) + (mtp_kv_bytes_per_token(cfg, dtype) if mtp else 0)
     rows = max_context + k_max + 1   # a verify step may write k_max+1 rows past the last position
@@ -402,7 +408,8 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
         kv=kv_bytes_per_token(cfg, dtype) * rows,
         mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * rows if mtp else 0,
         gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
-        graph_pool=sum(rows * act + _logits_bytes(cfg, rows) for rows in shapes) if cuda_graphs else 0,
+        graph_pool=sum(rows * act + _logits_bytes(cfg, rows) for rows in shapes) + sum(PREFILL_GRAPHS) * act
+        if cuda_graphs else 0,
         workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes))
         + (_int4_prefill_bytes(cfg, min(prefill_chunk, max_context), dtype_bytes(dtype)) if int4 else 0),
         snapshots=snapshots * snapshot_bytes(cfg, dtype),

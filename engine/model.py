@@ -177,17 +177,12 @@ class GatedAttention(nn.Module):
         if ctx.step:
             o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale, gate)   # the gate fused in
         else:
-            n = ctx.start + T
-            # the plan's own kernel where its programs fill the GPU (attention_chunk.prefill_attention_fills);
-            # a short chunk's attention stays with flash, which splits the keys over more
-            if (ctx.plan.prefill_attention == "triton" and use_triton(q) and q.dtype != torch.float32 and
-                    attention_chunk.prefill_attention_fills(T, n, q.shape[1], k_cache.shape[1], c.head_dim,
-                                                            q.element_size(), ctx.plan.products)):
-                o = attention_chunk.prefill_attention_triton(q, k_cache[:n], v_cache[:n], scale, plan=ctx.plan.products)
+            if isinstance(ctx.start, torch.Tensor):
+                # a prefill chunk replayed as a graph (engine/decoder.py): its start on the device,
+                # read there by the steps' kernel, which splits the keys over the SMs
+                o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale)
             else:
-                # [1, H, T, D]: the fused SDPA kernels take 4-D inputs only (3-D falls back to the math path)
-                q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))
-                o = prefill_attention(q4, keys, values, ctx.start == 0, scale)[0].transpose(0, 1)
+                o = self._prefill_attention(q, k_cache, v_cache, scale, ctx)
             if ctx.plan.prefill_gate and c.head_dim & (c.head_dim - 1) == 0:
                 # the gate and the rows in one kernel; straight to FP8 where o_proj takes them so
                 o_proj = weight(self, "o_proj")
@@ -195,6 +190,19 @@ class GatedAttention(nn.Module):
                 return ctx.out_linear(attention.gate_rows(o, gate, quantize), o_proj)
             o = o * torch.sigmoid(gate)
         return ctx.out_linear(o.reshape(T, c.q_dim), weight(self, "o_proj"))
+
+    def _prefill_attention(self, q, k_cache, v_cache, scale: float, ctx: Ctx) -> torch.Tensor:
+        """A prefill chunk's T queries over the cache's first start + T rows (the start on the host)."""
+        T, n = q.shape[0], ctx.start + q.shape[0]
+        # the plan's own kernel where its programs fill the GPU (attention_chunk.prefill_attention_fills);
+        # a short chunk's attention stays with flash, which splits the keys over more
+        if (ctx.plan.prefill_attention == "triton" and use_triton(q) and q.dtype != torch.float32 and
+                attention_chunk.prefill_attention_fills(T, n, q.shape[1], k_cache.shape[1], self.c.head_dim,
+                                                        q.element_size(), ctx.plan.products)):
+            return attention_chunk.prefill_attention_triton(q, k_cache[:n], v_cache[:n], scale, plan=ctx.plan.products)
+        # [1, H, T, D]: the fused SDPA kernels take 4-D inputs only (3-D falls back to the math path)
+        q4, keys, values = (t.transpose(0, 1)[None] for t in (q, k_cache[:n], v_cache[:n]))
+        return prefill_attention(q4, keys, values, ctx.start == 0, scale)[0].transpose(0, 1)
 
 
 class GatedDeltaNet(nn.Module):

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.memory import PREFILL_GRAPHS
 from mtpchat.kernels.attention_chunk import prefill_attention_config
 from mtpchat.kernels.fp8 import fp8_runs_on
 from mtpchat.kernels.int4_gemm import fp8_form_runs_on
@@ -149,17 +150,25 @@ class KernelPlan:
     # every channel a program reads costs more than the launch it saves (an H200,
     # tests/bench/ab_step.py --plans conv; docs/PERFORMANCE.md 2026-11-27).
     conv_in_recurrence: int = 1
-    # A prefill of at most this many pieces of a step's rows (CAPTURED_K + 1 tokens each,
-    # engine/memory.py) runs in the step form, each piece a verify of its tokens (its captured
-    # graph) all kept as an acceptance keeps them, rather than chunked and eager: a chat turn's
-    # generation prompt (3-8 tokens after the snapshot at the end of the user's message) and a
-    # short message. Eager, such a prefill waits on the host's launches: 16 tokens of the 27B FP8
-    # after an 8K history took 61-71 ms of wall time for 24.6 ms of kernels in 924 launches (an
-    # H100, tests/bench/probe_turn.py, 2026-11-28), where a verify of 5 rows is one graph replay of
-    # about a decode step. The step form's kernels give a row the same bits whatever the rows beside
-    # it (MTP's exactness rests on it), so greedy MTP on == off holds through it. 0: every prefill
-    # chunked (a CPU, where no graph saves the launches).
+    # Short prefills through CUDA graphs rather than eager forwards, whose time the host's launches
+    # set: 16 tokens of the 27B FP8 after an 8K history took 61-71 ms of wall time for 24.6 ms of
+    # kernels in 924 launches (an H100, tests/bench/probe_turn.py, 2026-11-28).
+    # - step_prefill: a prefill of at most this many pieces of a step's rows (CAPTURED_K + 1 tokens
+    #   each, engine/memory.py) runs in the step form, each piece a verify of its tokens (its
+    #   captured graph) all kept as an acceptance keeps them: a chat turn's generation prompt (3-8
+    #   tokens after the snapshot at the end of the user's message) and a short message. The step
+    #   form's kernels give a row the same bits whatever the rows beside it (MTP's exactness rests
+    #   on it), so greedy MTP on == off holds through it. A turn of 4 new tokens and a 5-token
+    #   generation prompt after 8K, the 27B FP8: 187.7 -> 36.7 ms (an H200, probe_turn.py
+    #   --generation-prompt 5, 2026-11-28).
+    # - prefill_graphs: chunk sizes whose prefill forward is captured at load (memory.PREFILL_GRAPHS),
+    #   its start read on the device (attention by the steps' kernel, which splits the keys); a
+    #   longer prefill goes as the largest of them that fit, then step pieces for the rest, where
+    #   that takes at most prefill_pieces replays (decoder.prefill_pieces).
+    # 0 / () : every prefill chunked (a CPU, where no graph saves the launches).
     step_prefill: int = 0
+    prefill_graphs: tuple = ()
+    prefill_pieces: int = 4
 
     def __post_init__(self):
         if self.prefill_attention not in ("flash", "triton"):
@@ -199,7 +208,8 @@ class KernelPlan:
         return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late, int4_prefill=prefill),
                    shared_as_expert=config.is_moe and alike, moe_normed=normed,
                    prefill_attention="triton" if timed else "flash",
-                   step_prefill=2 if device.type == "cuda" else 0)
+                   step_prefill=2 if device.type == "cuda" else 0,
+                   prefill_graphs=PREFILL_GRAPHS if device.type == "cuda" else ())
 
     def replace(self, **changes) -> "KernelPlan":
         """This plan with some choices changed; products' fields may be given by name too."""

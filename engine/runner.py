@@ -35,9 +35,10 @@ class Runner:
         return start, end
 
     def capture(self, k_max: int, has_head: bool, sampling_params, progress=None):
-        """Warm up and capture draft / verify / greedy accept for k = 0..k_max. The warm-up runs
-        change the state, so the decoder is reset afterwards. `progress` gets a LoadProgress after
-        each phase warmed up and each graph captured (two counts per graph)."""
+        """Warm up and capture draft / verify / greedy accept for k = 0..k_max, and the prefill
+        chunks of the plan's prefill_graphs sizes that the cache holds. The warm-up runs change the
+        state, so the decoder is reset afterwards. `progress` gets a LoadProgress after each phase
+        warmed up and each graph captured (two counts per graph)."""
         if not self.graphs_on:
             return
         # capture empties the allocator's cache (torch.cuda.graph): emptied here first and again at
@@ -54,6 +55,9 @@ class Runner:
                 phases.append((("draft", k), lambda k=k: d.draft(k)))
             phases.append((("verify", k), lambda k=k: d.verify(k)))
             phases.append((("accept", k), lambda k=k: d.accept(k, sampling_params, None)))
+        for T in d.plan.prefill_graphs:
+            if T + 1 <= d.state.rows:                # warmed up at position 1
+                phases.append((("prefill", T), lambda T=T: d.prefill_chunk_forward(T)))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         total = 2 * len(phases)

@@ -24,7 +24,8 @@ class DecodeState:
     def __init__(self, c: ModelConfig, max_context: int, k_max: int, device, dtype, mtp: bool):
         self.k_max = k_max
         self.conv_width = c.linear_conv_kernel_dim - 1 + k_max + 1
-        rows = max_context + k_max + 1    # a step may write up to k_max+1 rows past the last position
+        # rows of the KV caches: a step may write up to k_max+1 rows past the last position
+        self.rows = rows = max_context + k_max + 1
         kv = lambda: (torch.zeros(rows, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype),
                       torch.zeros(rows, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype))
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim

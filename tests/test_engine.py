@@ -3,7 +3,9 @@ import pytest
 import torch
 
 from mtpchat.engine import Engine, SamplingParams
-from mtpchat.engine.decoder import chunk_size
+from mtpchat.engine.decoder import Decoder, chunk_size, prefill_pieces
+from mtpchat.engine.memory import PREFILL_GRAPHS
+from mtpchat.engine.state import DecodeState
 from mtpchat.engine.events import Finished, Prefilled, Step
 from tools.tiny import write_tiny_checkpoint
 from helpers import random_ids, rel_err
@@ -76,6 +78,45 @@ def test_a_short_prefill_in_the_step_form_matches_transformers(ckpt, n):
         hook.remove()
     pieces = -(-n // 5)
     assert forms == [(n // pieces + (i < n % pieces), True) for i in range(pieces)]
+    with torch.no_grad():
+        assert rel_err(got, ref(torch.tensor([ids])).logits[0]) < 1e-4
+
+
+def test_a_short_prefill_goes_in_graph_sized_chunks_and_step_pieces():
+    # the GPU's sizes: as few replays as the largest chunks that fit make, the rest in step pieces
+    sizes = PREFILL_GRAPHS
+    assert prefill_pieces(3, 5, 2, sizes, 4) == [(3, "step")]
+    assert prefill_pieces(10, 5, 2, sizes, 4) == [(5, "step"), (5, "step")]
+    assert prefill_pieces(11, 5, 2, sizes, 4) == [(8, "graph"), (3, "step")]
+    assert prefill_pieces(63, 5, 2, sizes, 4) == [(56, "graph"), (4, "step"), (3, "step")]
+    assert prefill_pieces(300, 5, 2, sizes, 4) == [(128, "graph"), (128, "graph"), (40, "graph"), (4, "step")]
+    assert prefill_pieces(310, 5, 2, sizes, 4) is None               # five pieces: one eager forward
+    assert prefill_pieces(1000, 5, 2, sizes, 4) is None
+    assert prefill_pieces(62, 5, 2, (8, 16, 32), 4) is None          # 32 + 16 + 8 + 3 + 3
+    assert prefill_pieces(56, 5, 2, (8, 16, 32), 4) == [(32, "graph"), (16, "graph"), (8, "graph")]
+    assert prefill_pieces(37, 5, 2, sizes, 0) is None and prefill_pieces(37, 5, 0, sizes, 4) is None
+    assert prefill_pieces(40, 5, 0, sizes, 4) == [(40, "graph")]
+    assert prefill_pieces(8, 5, 0, (), 4) is None
+
+
+@pytest.mark.parametrize("n", [11, 37, 56, 88])
+def test_a_short_prefill_in_graph_sized_chunks_matches_transformers(ckpt, n):
+    # a GPU's plan on the CPU (eager, no graphs): chunks of the captured sizes, their start read on
+    # the device (attention by the steps' form), then step pieces; logits still transformers'
+    engine, ref = ckpt
+    plan = engine.plan.replace(step_prefill=2, prefill_graphs=(8, 16, 32), prefill_pieces=4)
+    dec = Decoder(engine.model, None, DecodeState(engine.config, n, engine.k_max, "cpu", torch.float32, False),
+                  plan, PREFILL_CHUNK)
+    ids = random_ids(n, 500 + n, engine.config.vocab_size)
+    forms = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda m, args: forms.append((args[0].shape[0], "step" if args[2].step else
+                                      "graph" if isinstance(args[2].start, torch.Tensor) else None)))
+    try:
+        got = dec.logits(dec.prefill(ids, keep_all=True), rowwise=False)
+    finally:
+        hook.remove()
+    assert forms == prefill_pieces(n, dec.R, 2, (8, 16, 32), 4) and any(f == "graph" for _, f in forms)
     with torch.no_grad():
         assert rel_err(got, ref(torch.tensor([ids])).logits[0]) < 1e-4
 

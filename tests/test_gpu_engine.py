@@ -4,6 +4,7 @@ import torch
 
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.decoder import prefill_pieces
 from mtpchat.engine.memory import K_MAX
 from mtpchat.engine.model import prefill_attention
 from mtpchat.engine.plan import KernelPlan
@@ -192,34 +193,41 @@ def test_conv_in_recurrence_changes_no_token(ckpt):
     assert tokens[0] == tokens[1] == tokens[2]
 
 
-def test_a_short_turn_through_the_step_graphs(ckpt):
-    # a GPU's plan prefills at most two pieces of a step's rows (5 tokens each) as verifies through
-    # the captured graphs: after a history, a turn's last logits as close to float32 on the CPU as
-    # the chunked form's, and greedy MTP on == off from prompts that short
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_short_turn_through_the_graphs(ckpt, graphs):
+    # a GPU's plan prefills a few tokens as verifies (step pieces of at most 5) and a few more as
+    # chunks of the sizes captured at load, then step pieces: after a history, a turn's last logits
+    # as close to float32 on the CPU as the chunked form's; the same replayed or eager; greedy MTP
+    # on == off from prompts that short
     cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
-    gpu = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512)
-    dec = gpu.decoder
-    assert gpu.plan.step_prefill == 2 and dec.runner is not None
-    keys, run = [], dec.runner.run
-    dec.runner.run = lambda key, fn: (keys.append(key), run(key, fn))[1]
+    gpu = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512, cuda_graphs=graphs)
+    dec, plan = gpu.decoder, gpu.plan
+    assert plan.step_prefill == 2 and plan.prefill_graphs and (dec.runner is not None) == graphs
+    if graphs:
+        keys, run = [], dec.runner.run
+        dec.runner.run = lambda key, fn: (keys.append(key), run(key, fn))[1]
+        assert {("prefill", T) for T in plan.prefill_graphs} <= dec.runner.graphs.keys()
     history, V = gpu_prompts(cpu, 3)[2], gpu.config.vocab_size - 64
     try:
-        for n in (1, 3, 7, 10):
+        for n in (1, 3, 7, 10, 11, 37, 63, 130):
             turn = random_ids(n, n, V)
             want = cpu.logits(history + turn)[-1:]
+            pieces = prefill_pieces(n, dec.R, 2, plan.prefill_graphs, plan.prefill_pieces)
             errs = {}
-            for pieces in (0, 2):
-                dec.plan = gpu.plan.replace(step_prefill=pieces)
+            for short in (False, True):
+                dec.plan = plan if short else plan.replace(step_prefill=0, prefill_pieces=0)
                 gpu.reset()
                 dec.begin(history)
-                keys.clear()
+                if graphs:
+                    keys.clear()
                 dec.begin(history + turn)
-                size = -(-n // -(-n // 5))
-                assert keys == ([("verify", min(size, n - i) - 1) for i in range(0, n, size)] if pieces else [])
-                assert dec.runner.graphs.keys() >= set(keys)
-                errs[pieces] = rel_err(dec.last_logits.float().cpu(), want, ord=2)
-            assert errs[2] < 1.5 * errs[0] + 1e-3, (n, errs)
+                if graphs:
+                    assert keys == ([("verify" if f == "step" else "prefill", T - (f == "step")) for T, f in pieces]
+                                    if short else [])
+                errs[short] = rel_err(dec.last_logits.float().cpu(), want, ord=2)
+            assert errs[True] < 1.5 * errs[False] + 1e-3, (n, errs)
     finally:
-        dec.runner.run = run
-        dec.plan = gpu.plan
-    assert_mtp_on_equals_off(gpu, [random_ids(n, 50 + n, V) for n in (2, 7, 10)], 64, ks=(1, 3), profile_ks=(2, 4))
+        if graphs:
+            dec.runner.run = run
+        dec.plan = plan
+    assert_mtp_on_equals_off(gpu, [random_ids(n, 50 + n, V) for n in (2, 10, 37, 63)], 48, ks=(1, 3), profile_ks=(2, 4))

@@ -13,6 +13,7 @@ import torch
 
 from mtpchat.engine import SamplingParams
 from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.decoder import prefill_pieces
 from mtpchat.engine.events import Prefilled, Step
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.spec import ProfileDrafter
@@ -277,13 +278,16 @@ def test_k_past_the_captured_ones_is_exact(gqa3):
     assert list(events[-1].token_ids) == ref and events[-1].stats.k_histogram.get(K_MAX, 0) >= 3
 
 
-def test_greedy_exact_with_short_prompts_in_the_step_form(gqa3, greedy_refs):
-    # a GPU's plan: prompts of at most two pieces of a step's rows are prefilled in the step form
-    # (engine/decoder.py); MTP on and off still emit what MTP off emits after a chunked prefill
-    plan = KernelPlan.choose("cpu", ModelConfig.load(gqa3), fp8=False).replace(step_prefill=2)
+@pytest.mark.parametrize("graphs", [(), (8, 16, 32)])
+def test_greedy_exact_with_short_prompts_in_pieces(gqa3, greedy_refs, graphs):
+    # a GPU's plan: short prompts are prefilled in step pieces, or in chunks of the graphs' sizes and
+    # step pieces (engine/decoder.py prefill_pieces); MTP on and off still emit what MTP off emits
+    # after a chunked prefill
+    plan = KernelPlan.choose("cpu", ModelConfig.load(gqa3), fp8=False).replace(step_prefill=2, prefill_graphs=graphs)
     e = load(gqa3, draft_tokens=3, plan=plan)
-    short = [(ids, ref) for ids, ref in zip(*greedy_refs) if len(ids) <= 2 * (min(e.k_max, 4) + 1)]
-    assert len(short) >= 4
+    short = [(ids, ref) for ids, ref in zip(*greedy_refs)
+             if prefill_pieces(len(ids), e.decoder.R, 2, graphs, plan.prefill_pieces) is not None]
+    assert len(short) >= (8 if graphs else 4)
     for ids, ref in short:
         for mtp in (False, True):
             e.mtp = mtp

@@ -9,6 +9,9 @@ import torch
 
 from mtpchat.chat.prompt import build_prompt, offers_preserve_thinking
 from mtpchat.engine import Engine, SamplingParams, memory
+from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.decoder import prefill_pieces
+from mtpchat.engine.plan import KernelPlan
 
 # In the form of Qwen3.6's own template (ChatML; the last real user query found from the end, past
 # tool responses; reasoning rendered for the turns after it, or for all with preserve_thinking).
@@ -83,12 +86,15 @@ def fresh_tokens(folder, ids, mtp: bool, k: int = 3) -> list[int]:
 @pytest.mark.parametrize("mtp", [False, True])
 @pytest.mark.parametrize("step_prefill", [0, 2])
 def test_three_turns_prefill_only_what_follows_the_snapshot(official, mtp, step_prefill):
-    # step_prefill 2 (a GPU's plan): the generation prompt after the snapshot goes in the step form
-    engine = Engine.load(official, device="cpu", dtype=torch.float32, max_context=2048, mtp=mtp)
-    engine.decoder.plan = engine.plan = engine.plan.replace(step_prefill=step_prefill)
+    # step_prefill 2 and graph-sized chunks (a GPU's plan): the generation prompt after the snapshot
+    # goes in the step form, a short message in chunks of the graphs' sizes
+    plan = KernelPlan.choose("cpu", ModelConfig.load(official), fp8=False)
+    if step_prefill:
+        plan = plan.replace(step_prefill=step_prefill, prefill_graphs=(8, 16, 32))
+    engine = Engine.load(official, device="cpu", dtype=torch.float32, max_context=2048, mtp=mtp, plan=plan)
     assert engine.decoder.snapshots.count == memory.DEFAULT_SNAPSHOTS
-    forms = []                                   # each target forward: (tokens, step form)
-    hook = engine.model.register_forward_pre_hook(lambda m, args: forms.append((args[0].shape[0], args[2].step)))
+    forms = []                                   # each target forward: (tokens, form)
+    hook = engine.model.register_forward_pre_hook(lambda m, args: forms.append((args[0].shape[0], form_of(args[2]))))
     fed = []                                     # the tokens each prefill call feeds, its forwards' forms
     prefill = engine.decoder.prefill
     engine.decoder.prefill = lambda ids, **kw: (fed.append(len(ids)), forms.clear(), prefill(ids, **kw),
@@ -113,12 +119,20 @@ def test_three_turns_prefill_only_what_follows_the_snapshot(official, mtp, step_
         sizes, tail = fed[::2], fed[-1]
         assert sum(sizes) == len(ids) - prefilled.cached_tokens    # prefilled: what follows, no more
         # the generation prompt (10 tokens of this tokenizer): two pieces of 5 in the step form
-        assert tail == ([(5, True), (5, True)] if step_prefill else [(10, False)]), tail
+        assert tail == ([(5, "step"), (5, "step")] if step_prefill else [(10, None)]), tail
+        if turn and step_prefill:                # the message: chunks of the graphs' sizes, step pieces
+            assert fed[-3] == prefill_pieces(sizes[-2], engine.decoder.R, 2, (8, 16, 32), 4), fed
         assert list(done.token_ids) == fresh_tokens(official, ids, mtp), turn
         messages.append(reply_message(engine, done.token_ids))
         history_before = len(history)
     hook.remove()
     assert len(engine.decoder.snapshots.held) <= engine.decoder.snapshots.count
+
+
+def form_of(ctx) -> str | None:
+    """How a target forward runs: a step ("step"), a prefill chunk started on the device ("graph"),
+    or an eager prefill chunk (None)."""
+    return "step" if ctx.step else "graph" if isinstance(ctx.start, torch.Tensor) else None
 
 
 def test_regenerate_resumes_at_the_end_of_the_conversation(official):
