@@ -477,21 +477,18 @@ def chunk_size(n: int, most: int, multiple: int = 64) -> int:
 
 def prefill_pieces(n: int, rows: int, step_pieces: int, sizes: tuple[int, ...], most: int) -> list | None:
     """How a short prefill of n tokens goes: [(tokens, "step" | "graph"), ...], or None (in chunks,
-    eagerly). At most `step_pieces` pieces of at most `rows` tokens (a step's), equal, in the step
-    form; else the largest of the graphs' `sizes` that fit in turn, the rest (fewer than the
-    smallest size) in step pieces, where that makes at most `most` pieces in all."""
-    if n <= step_pieces * rows:
-        size = chunk_size(n, rows, 1)
-        return [(min(size, n - s), "step") for s in range(0, n, size)]
+    eagerly): at most `step_pieces` equal pieces of at most `rows` tokens (a step's) in the step
+    form, each about a decode step's time; else at most `most` chunks of the graphs' `sizes`, the
+    largest that fit in turn (on the 27B some 2.5 steps' time each), then the rest in step pieces."""
     out, rest = [], n
-    for size in sorted(sizes, reverse=True):
+    for size in sorted(sizes, reverse=True) if n > step_pieces * rows else ():
         while rest >= size and len(out) < most:
             out.append((size, "graph"))
             rest -= size
-    if rest > step_pieces * rows or (sizes and rest >= min(sizes)):
+    if rest > step_pieces * rows:
         return None
-    tail = prefill_pieces(rest, rows, step_pieces, (), 0) if rest else []
-    return out + tail if out and len(out) + len(tail) <= most else None
+    size = chunk_size(rest, rows, 1)
+    return out + [(min(size, rest - s), "step") for s in range(0, rest, size)]
 
 
 def _eager(key, fn) -> float:

@@ -376,6 +376,14 @@ CAPTURED_K = 4
 PREFILL_GRAPHS = (8, 16, 24, 32, 40, 48, 56, 64, 96, 128)
 
 
+def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool) -> tuple[int, ...]:
+    """The prefill chunks a GPU captures as graphs: a dense model's in bf16 or FP8. An MoE layer's
+    prefill layout is sized on the host (kernels/moe_layout.py layout_ref), which a capture cannot
+    wait for; 4-bit prefill is not captured yet (what its dequantized slabs would keep in the
+    graphs' pool is unmeasured)."""
+    return () if cfg.is_moe or four_bit else PREFILL_GRAPHS
+
+
 def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:
     """What prefill's dense 4-bit products take beside their outputs (kernels/int4_gemm.py): the
     products' columns run from the hidden size up to the widest input (the MLP's, the GDN's values,
@@ -408,8 +416,8 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
         kv=kv_bytes_per_token(cfg, dtype) * rows,
         mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * rows if mtp else 0,
         gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
-        graph_pool=sum(rows * act + _logits_bytes(cfg, rows) for rows in shapes) + sum(PREFILL_GRAPHS) * act
-        if cuda_graphs else 0,
+        graph_pool=sum(rows * act + _logits_bytes(cfg, rows) for rows in shapes)
+        + sum(prefill_graph_sizes(cfg, bool(int4))) * act if cuda_graphs else 0,
         workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes))
         + (_int4_prefill_bytes(cfg, min(prefill_chunk, max_context), dtype_bytes(dtype)) if int4 else 0),
         snapshots=snapshots * snapshot_bytes(cfg, dtype),

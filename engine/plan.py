@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.memory import PREFILL_GRAPHS
+from mtpchat.engine.memory import prefill_graph_sizes
 from mtpchat.kernels.attention_chunk import prefill_attention_config
 from mtpchat.kernels.fp8 import fp8_runs_on
 from mtpchat.kernels.int4_gemm import fp8_form_runs_on
@@ -163,12 +163,12 @@ class KernelPlan:
     #   --generation-prompt 5, 2026-11-28).
     # - prefill_graphs: chunk sizes whose prefill forward is captured at load (memory.PREFILL_GRAPHS),
     #   its start read on the device (attention by the steps' kernel, which splits the keys); a
-    #   longer prefill goes as the largest of them that fit, then step pieces for the rest, where
-    #   that takes at most prefill_pieces replays (decoder.prefill_pieces).
+    #   longer prefill goes as at most prefill_pieces of them, the largest that fit, then at most
+    #   step_prefill step pieces for the rest (decoder.prefill_pieces).
     # 0 / () : every prefill chunked (a CPU, where no graph saves the launches).
     step_prefill: int = 0
     prefill_graphs: tuple = ()
-    prefill_pieces: int = 4
+    prefill_pieces: int = 2
 
     def __post_init__(self):
         if self.prefill_attention not in ("flash", "triton"):
@@ -188,7 +188,8 @@ class KernelPlan:
         measured 0.986 x, 1.000 x and 1.006 x on three H100s: kept, a tie). Prefill's 4-bit products
         take the fp8 form on Hopper (int4_gemm.py; the dense form elsewhere). Prefill attention takes
         our kernel where a program has the shared memory of its H100 tiles, flash elsewhere. A GPU
-        prefills a few tokens in the step form (step_prefill), through the step graphs."""
+        prefills a few tokens in the step form (step_prefill), through the step graphs, and a dense
+        bf16 or FP8 model a few more in chunks captured as graphs (prefill_graphs)."""
         device = torch.device(device)
         products = default_products(device)
         bits = fp8 and device.type == "cuda" and fp8_runs_on(device)
@@ -209,7 +210,8 @@ class KernelPlan:
                    shared_as_expert=config.is_moe and alike, moe_normed=normed,
                    prefill_attention="triton" if timed else "flash",
                    step_prefill=2 if device.type == "cuda" else 0,
-                   prefill_graphs=PREFILL_GRAPHS if device.type == "cuda" else ())
+                   prefill_graphs=prefill_graph_sizes(config, int4 or config.quantization == "int4")
+                   if device.type == "cuda" else ())
 
     def replace(self, **changes) -> "KernelPlan":
         """This plan with some choices changed; products' fields may be given by name too."""

@@ -10,6 +10,7 @@ import torch
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.dispatch import Ctx
+from mtpchat.engine.memory import PREFILL_GRAPHS
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.kernels.plan import CPU_PROGRAMS, ProductPlan
 from tools.tiny import write_tiny_checkpoint
@@ -56,9 +57,18 @@ def test_a_gpu_prefills_a_few_tokens_through_the_step_graphs(gqa3, monkeypatch):
     from mtpchat.engine import plan as plan_module
     monkeypatch.setattr(plan_module, "default_products", lambda device: ProductPlan(programs=132))
     monkeypatch.setattr(plan_module, "fp8_form_runs_on", lambda device: False)
+    monkeypatch.setattr(plan_module, "fp8_runs_on", lambda device: True)
     config = ModelConfig.load(gqa3)
-    assert KernelPlan.choose("cuda", config, fp8=False).step_prefill == 2
-    assert KernelPlan.choose("cpu", config, fp8=False).step_prefill == 0
+    gpu, cpu = KernelPlan.choose("cuda", config, fp8=False), KernelPlan.choose("cpu", config, fp8=False)
+    assert (gpu.step_prefill, gpu.prefill_graphs, gpu.prefill_pieces) == (2, PREFILL_GRAPHS, 2)
+    assert (cpu.step_prefill, cpu.prefill_graphs) == (0, ())
+    # the chunks captured as graphs: a dense model's in bf16 or FP8, not an MoE's nor 4-bit ones
+    assert KernelPlan.choose("cuda", config, fp8=True).prefill_graphs == PREFILL_GRAPHS
+    assert KernelPlan.choose("cuda", config, fp8=False, int4=True).prefill_graphs == ()
+    moe = dataclasses.replace(config, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32)
+    assert moe.is_moe and KernelPlan.choose("cuda", moe, fp8=False).prefill_graphs == ()
+    assert KernelPlan.choose("cuda", moe, fp8=False).step_prefill == 2
 
 
 @pytest.mark.parametrize("hopper", [True, False])
