@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from mtpchat.engine.config import Int4Format, ModelConfig, rtn_format
 from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocab_bytes
 from mtpchat.engine.units import fmt_bytes
+from mtpchat.kernels.attention import split_workspace_bytes
 from mtpchat.kernels.int4_gemm import dense_workspace
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
@@ -373,7 +374,15 @@ CAPTURED_K = 4
 # A short prefill goes as chunks of these sizes, each replayed from a CUDA graph captured at load
 # (with pieces of a step's rows for the rest; engine/decoder.py prefill_pieces), where a GPU's plan
 # takes them (KernelPlan.prefill_graphs).
-PREFILL_GRAPHS = (8, 16, 24, 32, 40, 48, 56, 64, 96, 128)
+PREFILL_GRAPHS = (8, 16, 24, 32, 40, 48, 56, 64)
+
+
+def prefill_graph_bytes(cfg: ModelConfig, T: int, cache_rows: int, dtype, act: int) -> int:
+    """What the graph of a T-token prefill chunk keeps in the graphs' pool: its activations and its
+    attention's split partials over the cache (kernels/attention.py split_workspace_bytes). The
+    27B FP8 with a cache of 8,657 rows and chunks of 8..64 by 8, 96 and 128 (512 tokens in all)
+    grew the pool by 949 MiB where its partials come to 919 (an H200, mtpchat bench, 2026-11-28)."""
+    return T * act + split_workspace_bytes(T, cfg.num_attention_heads, cfg.head_dim, cache_rows, dtype_bytes(dtype))
 
 
 def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool) -> tuple[int, ...]:
@@ -417,7 +426,8 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
         mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * rows if mtp else 0,
         gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
         graph_pool=sum(rows * act + _logits_bytes(cfg, rows) for rows in shapes)
-        + sum(prefill_graph_sizes(cfg, bool(int4))) * act if cuda_graphs else 0,
+        + sum(prefill_graph_bytes(cfg, T, rows, dtype, act) for T in prefill_graph_sizes(cfg, bool(int4)))
+        if cuda_graphs else 0,
         workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes))
         + (_int4_prefill_bytes(cfg, min(prefill_chunk, max_context), dtype_bytes(dtype)) if int4 else 0),
         snapshots=snapshots * snapshot_bytes(cfg, dtype),

@@ -55,7 +55,9 @@ class Runner:
                 phases.append((("draft", k), lambda k=k: d.draft(k)))
             phases.append((("verify", k), lambda k=k: d.verify(k)))
             phases.append((("accept", k), lambda k=k: d.accept(k, sampling_params, None)))
-        for T in d.plan.prefill_graphs:
+        # the largest first: the smaller ones may then take what it freed in the pool (attention's
+        # split partials grow with T: kernels/attention.py split_workspace_bytes)
+        for T in sorted(d.plan.prefill_graphs, reverse=True):
             if T + 1 <= d.state.rows:                # warmed up at position 1
                 phases.append((("prefill", T), lambda T=T: d.prefill_chunk_forward(T)))
         side = torch.cuda.Stream()

@@ -156,6 +156,19 @@ def _config(L: int, itemsize: int = 2, D: int = 256, plan: ProductPlan | None = 
     return 16, max(2 * BN, triton.next_power_of_2(triton.cdiv(L, MAX_SPANS))), BN, 4, stages
 
 
+def _spans(L: int, first: int, split: int, BN: int) -> int:
+    """The key spans of a cache of L rows: `first` of BN keys, the rest of `split`."""
+    return min(first, triton.cdiv(L, BN)) + triton.cdiv(max(0, L - first * BN), split)
+
+
+def split_workspace_bytes(T: int, Hq: int, D: int, L: int, itemsize: int = 2) -> int:
+    """The float32 partials (each span's maxima, sums and outputs) decode_attention_triton keeps
+    for T rows of Hq heads over a cache of L rows: what a prefill chunk replayed as a graph holds in
+    the graphs' pool (engine/memory.py)."""
+    first, split, BN, _, _ = _config(L, itemsize, D)
+    return _spans(L, first, split, BN) * T * Hq * (D + 2) * 4
+
+
 def _combine_config() -> tuple[int, int]:
     """(spans folded at a time, warps) of the combining kernel: 32 or 64 spans, 4 or 8 warps were
     no faster in a 27B decode step (tests/bench/ab_step.py, its since removed --plans attention)."""
@@ -180,7 +193,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group, BM = Hq // Hkv, 32
     first, split, BN, warps, stages = config or _config(L, q.element_size(), D, default_products(q.device), BM)
     assert split % BN == 0, "a span is whole tiles"
-    spans = min(first, triton.cdiv(L, BN)) + triton.cdiv(max(0, L - first * BN), split)
+    spans = _spans(L, first, split, BN)
     ws_m = torch.empty(spans, T, Hq, dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)
     ws_o = torch.empty(spans, T, Hq, D, dtype=torch.float32, device=q.device)

@@ -326,7 +326,7 @@ def test_not_enough_memory_suggests_a_smaller_model(capsys, big, monkeypatch):
     _gpu_with(monkeypatch, 40 * GiB)
     code, _, err = run(capsys, "run", "--model", big, "--prompt", "x")
     assert code == 1
-    assert "does not fit: it needs 53." in err and "but 40.0 GiB is free on the GPU" in err
+    assert "does not fit: it needs 54." in err and "but 40.0 GiB is free on the GPU" in err
     assert "what fits: --weights fp8, or --model Qwen3.5-9B" in err     # the 27B in FP8 fits 40 GiB
 
 

@@ -89,9 +89,10 @@ def test_a_short_prefill_goes_in_graph_sized_chunks_and_step_pieces():
     assert prefill_pieces(10, 5, 2, sizes, 4) == [(5, "step"), (5, "step")]
     assert prefill_pieces(11, 5, 2, sizes, 4) == [(8, "graph"), (3, "step")]
     assert prefill_pieces(63, 5, 2, sizes, 2) == [(56, "graph"), (4, "step"), (3, "step")]
-    assert prefill_pieces(120, 5, 2, sizes, 2) == [(96, "graph"), (24, "graph")]
-    assert prefill_pieces(300, 5, 2, sizes, 4) == [(128, "graph"), (128, "graph"), (40, "graph"), (4, "step")]
-    assert prefill_pieces(300, 5, 2, sizes, 2) is None               # more chunks: one eager forward
+    assert prefill_pieces(120, 5, 2, sizes, 2) == [(64, "graph"), (56, "graph")]
+    assert prefill_pieces(138, 5, 2, sizes, 2) == [(64, "graph"), (64, "graph"), (5, "step"), (5, "step")]
+    assert prefill_pieces(139, 5, 2, sizes, 2) is None               # more chunks: one eager forward
+    assert prefill_pieces(200, 5, 2, sizes, 4) == [(64, "graph")] * 3 + [(8, "graph")]
     assert prefill_pieces(512, 5, 2, sizes, 2) is None and prefill_pieces(1000, 5, 2, sizes, 4) is None
     assert prefill_pieces(62, 5, 2, (8, 16, 32), 4) == [(32, "graph"), (16, "graph"), (8, "graph"),
                                                         (3, "step"), (3, "step")]
