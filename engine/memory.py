@@ -380,8 +380,8 @@ PREFILL_GRAPHS = (8, 16, 24, 32, 40, 48, 56, 64)
 def prefill_graph_bytes(cfg: ModelConfig, T: int, cache_rows: int, dtype, act: int) -> int:
     """What the graph of a T-token prefill chunk keeps in the graphs' pool: its activations and its
     attention's split partials over the cache (kernels/attention.py split_workspace_bytes). The
-    27B FP8 with a cache of 8,657 rows and chunks of 8..64 by 8, 96 and 128 (512 tokens in all)
-    grew the pool by 949 MiB where its partials come to 919 (an H200, mtpchat bench, 2026-11-28)."""
+    27B FP8 with a cache of 8,329 rows and chunks of 8..64 by 8, 96 and 128 (512 tokens in all)
+    grew the pool by 950 MiB where their partials come to 895 (an H200, mtpchat bench, 2026-11-28)."""
     return T * act + split_workspace_bytes(T, cfg.num_attention_heads, cfg.head_dim, cache_rows, dtype_bytes(dtype))
 
 

@@ -161,10 +161,15 @@ class KernelPlan:
     #   on it), so greedy MTP on == off holds through it. A turn of 4 new tokens and a 5-token
     #   generation prompt after 8K, the 27B FP8: 187.7 -> 36.7 ms (an H200, probe_turn.py
     #   --generation-prompt 5, 2026-11-28).
-    # - prefill_graphs: chunk sizes whose prefill forward is captured at load (memory.PREFILL_GRAPHS),
-    #   its start read on the device (attention by the steps' kernel, which splits the keys); a
-    #   longer prefill goes as at most prefill_pieces of them, the largest that fit, then at most
-    #   step_prefill step pieces for the rest (decoder.prefill_pieces).
+    # - prefill_graphs: chunk sizes whose prefill forward is captured at load (memory.PREFILL_GRAPHS;
+    #   a dense bf16 or FP8 model's: memory.prefill_graph_sizes), its start read on the device
+    #   (attention by the steps' kernel, which splits the keys); a longer prefill goes as at most
+    #   prefill_pieces of them, the largest that fit, then at most step_prefill step pieces for the
+    #   rest (decoder.prefill_pieces). Such a turn of 16 / 50 / 120 tokens then the generation
+    #   prompt: 249.4 / 276.0 / 266.6 ms eager, 120.7 / 158.1 / 142.4 with step pieces alone, 55.0 /
+    #   73.2 / 102.4 with graph chunks too (the same H200 instance). A chunk's kernels take some
+    #   27-30 ms of the 27B FP8 at 16-96 tokens (a step piece 12), so two at most: four 128-token
+    #   replays took a 512-token prompt 134.8 ms to its first token, one eager chunk 78.3.
     # 0 / () : every prefill chunked (a CPU, where no graph saves the launches).
     step_prefill: int = 0
     prefill_graphs: tuple = ()
