@@ -189,12 +189,15 @@ class Engine:
         the adaptive policy weighs drafts by what they cost on this device from its first step (a
         verify of k+1 rows costs about one decode step on a GPU, several on a CPU). The median of
         `steps` greedy steps each, after one untimed; the decode state is empty again after. (A
-        larger k, eager, is timed by the policy when it first runs.)"""
+        larger k, eager, is timed by the policy when it first runs.) Its prompt of 16 tokens is
+        longer than a GPU's step pieces take (decoder.prefill_pieces), so where no graph chunk takes
+        it (an MoE or 4-bit model) the chunked prefill's kernels are compiled here, not in the
+        first turn."""
         top = min(self.k_max, CAPTURED_K)
-        need = (top + 1) * (steps + 1) + 16
+        need = (top + 1) * (steps + 1) + 32
         if self.head is None or need >= self.max_context:
             return {}
-        prompt = torch.randint(0, self.config.vocab_size, (8,), generator=torch.Generator().manual_seed(0)).tolist()
+        prompt = torch.randint(0, self.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
         params, dec = SamplingParams(max_tokens=need, stop_token_ids=()), self.decoder
         with torch.inference_mode():
             for k in range(top + 1):
