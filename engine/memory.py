@@ -386,10 +386,12 @@ def prefill_graph_bytes(cfg: ModelConfig, T: int, cache_rows: int, dtype, act: i
 
 
 def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool) -> tuple[int, ...]:
-    """The prefill chunks a GPU captures as graphs: a dense model's in bf16 or FP8. An MoE layer's
-    prefill layout is sized on the host (kernels/moe_layout.py layout_ref), which a capture cannot
-    wait for; 4-bit prefill is not captured yet (what its dequantized slabs would keep in the
-    graphs' pool is unmeasured)."""
+    """The prefill chunks a GPU captures as graphs: a dense model's in bf16 or FP8. An MoE's are a
+    candidate, untimed: its layer's prefill layout, once sized on the host (which a capture cannot
+    wait for), now takes as many blocks as its pairs could need (kernels/moe_layout.py
+    most_blocks), and tests/test_gpu_moe.py captures it (tests/bench/probe_turn.py
+    --prefill-graphs times it). 4-bit prefill is not captured yet (what its dequantized slabs
+    would keep in the graphs' pool is unmeasured)."""
     return () if cfg.is_moe or four_bit else PREFILL_GRAPHS
 
 

@@ -36,9 +36,18 @@ class Layout(NamedTuple):
     pairs: torch.Tensor     # [NB, BM] int32: pair ids row * k + j, -1 for an empty place
 
 
+def most_blocks(pairs: int, n_experts: int, bm: int) -> int:
+    """The most blocks of bm a layout of `pairs` pairs over n_experts can take: each expert's
+    ceil(count / bm) adds at most one block to ceil(pairs / bm), and at most min(n_experts, pairs)
+    experts are chosen."""
+    return -(-pairs // bm) + min(n_experts, pairs)
+
+
 def layout_ref(ids: torch.Tensor, n_experts: int, bm: int, blocks: int | None = None) -> Layout:
     """The pairs of ids [T, k] grouped by expert, ascending, each expert's pairs in order over
-    ceil(count / bm) blocks of bm; padded with empty blocks to `blocks` when given."""
+    ceil(count / bm) blocks of bm; padded with empty blocks to `blocks` when given (at least what
+    the layout takes: most_blocks bounds it), and then made with no wait for the device, so that a
+    CUDA graph can capture it (a prefill chunk's, engine/decoder.py)."""
     T, k = ids.shape
     flat = ids.flatten().long()
     order = torch.sort(flat, stable=True).indices                     # pair ids, grouped by expert
@@ -47,11 +56,14 @@ def layout_ref(ids: torch.Tensor, n_experts: int, bm: int, blocks: int | None = 
     per_expert = (counts + bm - 1) // bm                               # blocks each expert takes
     first_block = torch.cumsum(per_expert, 0) - per_expert
     first_pair = torch.cumsum(counts, 0) - counts
-    n = int(per_expert.sum())
-    blocks = n if blocks is None else blocks
-    assert n <= blocks, f"{n} blocks needed, {blocks} given"
-    expert = torch.full((blocks,), -1, dtype=torch.int32, device=ids.device)
-    expert[:n] = torch.repeat_interleave(torch.arange(n_experts, device=ids.device), per_expert).to(torch.int32)
+    experts = torch.arange(-1, n_experts, device=ids.device)          # -1: the empty blocks after the rest
+    if blocks is None:
+        blocks = int(per_expert.sum())
+        empty = torch.zeros(1, dtype=torch.long, device=ids.device)
+    else:
+        empty = (blocks - per_expert.sum()).view(1)                    # on the device: >= 0 by the bound
+    expert = torch.repeat_interleave(experts.roll(-1), torch.cat([per_expert, empty]), output_size=blocks)
+    expert = expert.to(torch.int32)
     e_sorted = flat[order]
     rank = torch.arange(T * k, device=ids.device) - first_pair[e_sorted]   # place among its expert's pairs
     pairs = torch.full((blocks, bm), -1, dtype=torch.int32, device=ids.device)

@@ -12,7 +12,7 @@ import torch
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.matvec import arrival_counts
-from mtpchat.kernels.moe_layout import PREFILL_ROWS, STEP_ROWS, StepLayout, layout_ref, write_step_layout
+from mtpchat.kernels.moe_layout import PREFILL_ROWS, STEP_ROWS, StepLayout, layout_ref, most_blocks, write_step_layout
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
@@ -148,4 +148,8 @@ def route(logits: torch.Tensor, top_k: int, n_experts: int, step: bool, shared: 
         plan = plan or default_products(logits.device)
         return route_step(logits, top_k, n_experts, shared, rows, plan.routed_layout)
     ids, weights, gate = route_ref(stale_rows(logits, rows), top_k, n_experts, shared)
-    return ids, weights, gate, layout_ref(ids, n_experts + shared, STEP_ROWS if step else PREFILL_ROWS)
+    if step:
+        return ids, weights, gate, layout_ref(ids, n_experts + shared, STEP_ROWS)
+    # a prefill's blocks as many as its pairs could take, so no count waits for the device
+    blocks = most_blocks(ids.numel(), n_experts + shared, PREFILL_ROWS) if logits.is_cuda else None
+    return ids, weights, gate, layout_ref(ids, n_experts + shared, PREFILL_ROWS, blocks)

@@ -10,6 +10,7 @@ snapshot_at), so the plan's step_prefill shows on the pieces short enough for it
     cd tests/bench && python3 probe_turn.py [--model qwen3.6-27b] [--weights fp8] [--history 8192]
                                             [--tokens 16,50,128,512] [--plans ";prefill_attention=flash"]
                                             [--cprofile 40] [--graphs] [--generation-prompt 5]
+                                            [--prefill-graphs 8,16,24,32,40,48,56,64]
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from mtpchat.engine.bench import random_prompt
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.engine import Engine
+from mtpchat.engine.plan import KernelPlan
 from ab_step import CONFIGS
 from probe_prefill_chunk import parse_changes
 
@@ -42,12 +44,18 @@ def main():
     p.add_argument("--graphs", action="store_true", help="capture the step graphs, as the app does")
     p.add_argument("--generation-prompt", type=int, default=0, metavar="G",
                    help="a chat turn: the message, a snapshot, then G tokens of generation prompt")
+    p.add_argument("--prefill-graphs", metavar="SIZES",
+                   help="the prefill chunks captured at load, e.g. 8,16,24 (default: the plan's; an MoE takes none)")
     a = p.parse_args()
     sizes = [int(t) for t in a.tokens.split(",")]
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
+    plan = None
+    if a.prefill_graphs:
+        plan = KernelPlan.choose(torch.device("cuda"), config, a.weights == "fp8", a.weights == "int4")
+        plan = plan.replace(prefill_graphs=tuple(int(t) for t in a.prefill_graphs.split(",")))
     engine = Engine(config, device="cuda", dtype=torch.bfloat16,
                     max_context=a.history + 2 * max(sizes) + a.generation_prompt + 256,
-                    cuda_graphs=a.graphs, weights=a.weights, snapshots=2 if a.generation_prompt else 0)
+                    cuda_graphs=a.graphs, weights=a.weights, snapshots=2 if a.generation_prompt else 0, plan=plan)
     dec, base = engine.decoder, engine.plan
     history = random_prompt(engine, a.history, 0)
     gen = random_prompt(engine, a.generation_prompt, 99)

@@ -90,6 +90,22 @@ def test_layout_groups_every_pair_once():
     assert padded.expert.tolist()[8:] == [-1] * 4 and (padded.pairs[8:] == -1).all()
 
 
+@pytest.mark.parametrize("T,E,k,bm", [(1, 6, 3, 64), (37, 9, 4, 8), (64, 257, 9, 64), (200, 5, 2, 16)])
+def test_a_layout_bounded_ahead_is_the_layout_then_empty_blocks(T, E, k, bm):
+    # a prefill's layout on the GPU takes most_blocks blocks, known before the routing (no count
+    # waits for the device, so a graph can capture it): the same blocks, then empty ones
+    g = torch.Generator().manual_seed(T * E)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    skewed = torch.where(torch.rand(T, k, generator=g) < 0.5, ids[:1].expand(T, k), ids)   # some experts crowded
+    for chosen in (ids, skewed):
+        exact = moe_layout.layout_ref(chosen, E, bm)
+        n = exact.expert.numel()
+        bounded = moe_layout.layout_ref(chosen, E, bm, moe_layout.most_blocks(T * k, E, bm))
+        assert n <= bounded.expert.numel() == moe_layout.most_blocks(T * k, E, bm)
+        assert torch.equal(bounded.expert[:n], exact.expert) and torch.equal(bounded.pairs[:n], exact.pairs)
+        assert (bounded.expert[n:] == -1).all() and (bounded.pairs[n:] == -1).all()
+
+
 def routed(T, E, k, device, seed):
     ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(seed + r))[:k] for r in range(T)])
     return ids.to(torch.int32)
