@@ -30,12 +30,13 @@ snapshots, and the trimmed draft head's rows (engine/draft_vocab.py: DraftRows).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
-from mtpchat.engine.memory import CAPTURED_K
+from mtpchat.engine.memory import CAPTURED_K, PREFILL_GRAPHS
 from mtpchat.engine.dispatch import Ctx, linear
 from mtpchat.engine.draft_vocab import DraftRows
 from mtpchat.engine.events import PhaseTimes
@@ -45,6 +46,7 @@ from mtpchat.engine.runner import elapsed_ms
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
 from mtpchat.engine.snapshots import Snapshots, begins
 from mtpchat.engine.spec import accept_sampled, seen_rows
+from mtpchat.kernels import attention
 from mtpchat.kernels.accept import AcceptBuffers, accept_greedy, argmax_partials_buffers, commit_ref, pick_argmax
 
 
@@ -71,7 +73,8 @@ class Launched:
 class Decoder:
     """One sequence's decode loop."""
 
-    def __init__(self, model, head, state, plan: KernelPlan, prefill_chunk: int, snapshots: int = 0):
+    def __init__(self, model, head, state, plan: KernelPlan, prefill_chunk: int, snapshots: int = 0,
+                 count_experts: bool = True):
         self.model, self.head, self.state, self.prefill_chunk = model, head, state, prefill_chunk
         self.plan = plan
         self.snapshots = Snapshots(model.c, snapshots, state.fold.device, model.embed.dtype)
@@ -93,9 +96,17 @@ class Decoder:
         self.pend_tokens = long(rows)
         self.v_hidden = torch.zeros(K1, c.hidden_size, device=dev, dtype=model.embed.dtype)
         # a short prefill's chunks replayed as graphs (the plan's prefill_graphs): their tokens, hiddens
-        most = max(plan.prefill_graphs, default=0)
+        # (as large as the memory plan's sizes whatever this plan's, so a plan swapped in may take them)
+        most = max(*PREFILL_GRAPHS, *plan.prefill_graphs)
         self.chunk_ids = long(most)
         self.chunk_hidden = torch.zeros(most, c.hidden_size, device=dev, dtype=model.embed.dtype)
+        # and their attention's partials, one workspace for every size (rather than one each in the
+        # graphs' pool: 895 MiB for sizes of 8..128 on the 27B at 8K, docs/PERFORMANCE.md 2026-11-28)
+        self.chunk_attention = None
+        if plan.prefill_graphs and dev.type == "cuda":
+            floats = attention.split_workspace_floats(most, c.num_attention_heads, c.head_dim, state.rows,
+                                                      model.embed.element_size())
+            self.chunk_attention = torch.empty(floats, dtype=torch.float32, device=dev)
         self.v_logits = torch.zeros(K1, c.vocab_size, device=dev)
         self.result = long(K1 + 2)            # [n, a, tokens...]: the one device-to-host copy
         # a few pinned copies of it, used in turn, so a step's result is never overwritten unread
@@ -111,7 +122,7 @@ class Decoder:
         # an MoE model's layers count the distinct experts a step reads (kernels/moe.py): the
         # target's and the head's counters, copied to the host with each step's result
         self.expert_reads = None
-        if c.is_moe:
+        if c.is_moe and count_experts:     # (a scratch decoder leaves the engine's counters bound)
             self.expert_reads = long(2)
             for i, part in enumerate((model, head)):
                 for m in (part.modules() if part is not None else ()):
@@ -129,7 +140,8 @@ class Decoder:
 
     def nbytes(self) -> int:
         bufs = (self.pend_hidden, self.pend_tokens, self.v_hidden, self.v_logits, self.seen, self.fed, self.steps,
-                self.is_stop, self.draft_row, self.chunk_ids, self.chunk_hidden, *self.partials)
+                self.is_stop, self.draft_row, self.chunk_ids, self.chunk_hidden, *self.partials,
+                *((self.chunk_attention,) if self.chunk_attention is not None else ()))
         return sum(t.numel() * t.element_size() for t in bufs)
 
     @property
@@ -213,7 +225,7 @@ class Decoder:
         self.pos.fill_(self.state.length)
         self._pending_one()
 
-    # --- prefill (eager: its shapes vary) ------------------------------------------------------
+    # --- prefill (eager chunks, or short ones through the step and chunk graphs) -----------------
     def prefill(self, ids: list[int], keep_all: bool = False) -> torch.Tensor:
         """Feed `ids` after the committed tokens, in chunks; where they are few, in the pieces of
         `prefill_pieces` (the plan's): chunks of the sizes captured as graphs and pieces of a step's
@@ -263,12 +275,14 @@ class Decoder:
     def prefill_chunk_forward(self, T: int):
         """The target over chunk_ids[:T] at the device position `pos`, in the prefill form, into
         chunk_hidden: a pure function of the buffers, so engine/runner.py captures it per size."""
-        self.model(self.chunk_ids[:T], self.state.layers, self._ctx(self.pos, T, False), out=self.chunk_hidden[:T])
+        ctx = dataclasses.replace(self._ctx(self.pos, T, False), attention_workspace=self.chunk_attention)
+        self.model(self.chunk_ids[:T], self.state.layers, ctx, out=self.chunk_hidden[:T])
 
     def _prefill_step(self, chunk: list[int]) -> torch.Tensor:
         """A piece of a short prefill: the verify of its T <= R tokens at the committed length (its
         graph where captured), every row kept as an acceptance of T tokens keeps them, but for the
-        step's own bookkeeping (emitted tokens, room, pending rows), which a prefill does not touch.
+        step's own bookkeeping (emitted tokens, pending rows), which a prefill does not touch; `room`
+        is 1 while the step kernels run (they write the state only then), 0 after, until limit().
         Returns the T hiddens (a copy: the next verify overwrites its buffer)."""
         T = len(chunk)
         self.fed[:T] = torch.tensor(chunk, device=self.device)

@@ -47,6 +47,8 @@ class Ctx:
     live: torch.Tensor | None = None   # [1] long, steps: 0 once the generation has ended (write no state)
     rows: torch.Tensor | None = None   # [1] long: the rows that count (the MTP head's catch-up); the
                                        # rest are stale, and an MoE routes them as the last that counts
+    attention_workspace: torch.Tensor | None = None   # float32: a prefill chunk's attention partials
+                                                      # with its start on the device (engine/decoder.py)
 
     @property
     def products(self) -> ProductPlan:

@@ -287,7 +287,9 @@ class Engine:
     def logits(self, ids: list[int]) -> torch.Tensor:
         """A full forward from an empty state, separate from the conversation: [T, vocab] float32."""
         scratch = DecodeState(self.config, len(ids), self.k_max, self.device, self.dtype, mtp=False)
-        decoder = Decoder(self.model, None, scratch, self.plan, self.decoder.prefill_chunk)
+        # eager chunks (no graphs of its own to replay), the engine's expert counters left alone
+        plan = self.plan.replace(step_prefill=0, prefill_graphs=())
+        decoder = Decoder(self.model, None, scratch, plan, self.decoder.prefill_chunk, count_experts=False)
         return decoder.logits(decoder.prefill(ids, keep_all=True), rowwise=False)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,

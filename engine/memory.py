@@ -20,7 +20,8 @@ What each part counts (27B numbers in bf16, see qwen35-model.md §9):
              halves of k_max+1 tokens x Hv x (dk + dv + 2) floats); 146.8 MiB for the state alone
   graph_pool activations of the captured decode / verify / draft steps and short prefill chunks
              (an estimate)
-  workspace  prefill activations for one chunk and the float32 logits of a verify step (an estimate);
+  workspace  prefill activations for one chunk, the float32 logits of a verify step and the short
+             prefill chunks' attention partials (an estimate);
              with 4-bit weights also what prefill's dense products take (a slab of dequantized weight)
   snapshots  the decode-state snapshots kept for chat turns (engine/snapshots.py): each the GDN state
              as the model defines it plus one hidden row; 4 x 146.8 MiB for the 27B
@@ -32,7 +33,7 @@ from dataclasses import asdict, dataclass
 from mtpchat.engine.config import Int4Format, ModelConfig, rtn_format
 from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocab_bytes
 from mtpchat.engine.units import fmt_bytes
-from mtpchat.kernels.attention import split_workspace_bytes
+from mtpchat.kernels.attention import split_workspace_floats
 from mtpchat.kernels.int4_gemm import dense_workspace
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
@@ -377,12 +378,16 @@ CAPTURED_K = 4
 PREFILL_GRAPHS = (8, 16, 24, 32, 40, 48, 56, 64)
 
 
-def prefill_graph_bytes(cfg: ModelConfig, T: int, cache_rows: int, dtype, act: int) -> int:
-    """What the graph of a T-token prefill chunk keeps in the graphs' pool: its activations and its
-    attention's split partials over the cache (kernels/attention.py split_workspace_bytes). The
-    27B FP8 with a cache of 8,329 rows and chunks of 8..64 by 8, 96 and 128 (512 tokens in all)
-    grew the pool by 950 MiB where their partials come to 895 (an H200, mtpchat bench, 2026-11-28)."""
-    return T * act + split_workspace_bytes(T, cfg.num_attention_heads, cfg.head_dim, cache_rows, dtype_bytes(dtype))
+def chunk_attention_bytes(cfg: ModelConfig, sizes: tuple[int, ...], cache_rows: int, dtype) -> int:
+    """The decoder's one attention workspace for the prefill chunks replayed as graphs (engine/
+    decoder.py): the partials of the largest over the cache, counted at the most spans of any cache
+    up to its size so that the plan never shrinks as the context grows (at 32K: 140 spans counted,
+    79 taken). Kept apart, the graphs of chunks of 8..64 by 8, 96 and 128 grew the 27B FP8's pool
+    by 950 MiB over a cache of 8,329 rows, their partials 895 (an H200, mtpchat bench, 2026-11-28)."""
+    if not sizes:
+        return 0
+    return 4 * split_workspace_floats(max(sizes), cfg.num_attention_heads, cfg.head_dim, cache_rows,
+                                      dtype_bytes(dtype), most=True)
 
 
 def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool) -> tuple[int, ...]:
@@ -422,15 +427,16 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
     shapes = [1] + [k + 1 for k in drafts] + list(drafts)
     per_token = kv_bytes_per_token(cfg, dtype) + (mtp_kv_bytes_per_token(cfg, dtype) if mtp else 0)
     rows = max_context + k_max + 1   # a verify step may write k_max+1 rows past the last position
+    four_bit = bool(int4) or cfg.quantization == "int4"
     return MemoryPlan(
         weights=weight_bytes(cfg, dtype, mtp, fp8, draft_vocab, int4),
         kv=kv_bytes_per_token(cfg, dtype) * rows,
         mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * rows if mtp else 0,
         gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
-        graph_pool=sum(rows * act + _logits_bytes(cfg, rows) for rows in shapes)
-        + sum(prefill_graph_bytes(cfg, T, rows, dtype, act) for T in prefill_graph_sizes(cfg, bool(int4)))
-        if cuda_graphs else 0,
+        graph_pool=sum(n * act + _logits_bytes(cfg, n) for n in shapes)
+        + sum(prefill_graph_sizes(cfg, four_bit)) * act if cuda_graphs else 0,
         workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes))
+        + chunk_attention_bytes(cfg, prefill_graph_sizes(cfg, four_bit), rows, dtype)
         + (_int4_prefill_bytes(cfg, min(prefill_chunk, max_context), dtype_bytes(dtype)) if int4 else 0),
         snapshots=snapshots * snapshot_bytes(cfg, dtype),
         max_context=max_context, k_max=k_max, mtp=mtp, dtype=str(dtype).removeprefix("torch."),

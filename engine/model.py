@@ -180,7 +180,8 @@ class GatedAttention(nn.Module):
             if isinstance(ctx.start, torch.Tensor):
                 # a prefill chunk replayed as a graph (engine/decoder.py): its start on the device,
                 # read there by the steps' kernel, which splits the keys over the SMs
-                o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale)
+                o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale,
+                                               workspace=ctx.attention_workspace)
             else:
                 o = self._prefill_attention(q, k_cache, v_cache, scale, ctx)
             if ctx.plan.prefill_gate and c.head_dim & (c.head_dim - 1) == 0:

@@ -1,10 +1,12 @@
-"""CUDA graphs for the step phases, and their timing with CUDA events.
+"""CUDA graphs for the step phases and short prefill chunks, and their timing with CUDA events.
 
 Each phase of a step (draft k, verify k, accept k; engine/decoder.py) is a pure function of
-preallocated buffers. At load the runner warms each one up (compiling the Triton kernels) and
-captures it once per k into one shared memory pool; a step then replays three graphs and records
-an event between them, so phase times cost no synchronisation: they are read after the step's one
-device-to-host copy. With graphs off the same functions run eagerly between the same events.
+preallocated buffers, and so is a prefill chunk of each of the plan's prefill_graphs sizes (its
+start read on the device). At load the runner warms each one up (compiling the Triton kernels) and
+captures it once per k (per size) into one shared memory pool; a step then replays three graphs and
+records an event between them, so phase times cost no synchronisation: they are read after the
+step's one device-to-host copy. With graphs off the same functions run eagerly between the same
+events.
 """
 from __future__ import annotations
 
@@ -55,8 +57,7 @@ class Runner:
                 phases.append((("draft", k), lambda k=k: d.draft(k)))
             phases.append((("verify", k), lambda k=k: d.verify(k)))
             phases.append((("accept", k), lambda k=k: d.accept(k, sampling_params, None)))
-        # the largest first: the smaller ones may then take what it freed in the pool (attention's
-        # split partials grow with T: kernels/attention.py split_workspace_bytes)
+        # the largest first: the smaller ones may then take what it freed in the pool
         for T in sorted(d.plan.prefill_graphs, reverse=True):
             if T + 1 <= d.state.rows:                # warmed up at position 1
                 phases.append((("prefill", T), lambda T=T: d.prefill_chunk_forward(T)))

@@ -161,12 +161,18 @@ def _spans(L: int, first: int, split: int, BN: int) -> int:
     return min(first, triton.cdiv(L, BN)) + triton.cdiv(max(0, L - first * BN), split)
 
 
-def split_workspace_bytes(T: int, Hq: int, D: int, L: int, itemsize: int = 2) -> int:
+def split_workspace_floats(T: int, Hq: int, D: int, L: int, itemsize: int = 2, most: bool = False) -> int:
     """The float32 partials (each span's maxima, sums and outputs) decode_attention_triton keeps
-    for T rows of Hq heads over a cache of L rows: what a prefill chunk replayed as a graph holds in
-    the graphs' pool (engine/memory.py)."""
+    for T rows of Hq heads over a cache of L rows: the `workspace` a caller may hand it (the
+    decoder's, for its prefill chunks replayed as graphs). `most`: those of the cache up to L with
+    the most spans, which never shrinks as L grows (the spans' length doubles at powers of two,
+    their count dropping there), as engine/memory.py's search for the longest context needs."""
     first, split, BN, _, _ = _config(L, itemsize, D)
-    return _spans(L, first, split, BN) * T * Hq * (D + 2) * 4
+    spans = _spans(L, first, split, BN)
+    if most:
+        sizes = [b - 1 for b in (BN * MAX_SPANS << j for j in range(32)) if b - 1 <= L]
+        spans = max([spans] + [_spans(n, first, _config(n, itemsize, D)[1], BN) for n in sizes])
+    return spans * T * Hq * (D + 2)
 
 
 def _combine_config() -> tuple[int, int]:
@@ -177,9 +183,10 @@ def _combine_config() -> tuple[int, int]:
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             start: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
-                            config: tuple | None = None) -> torch.Tensor:
+                            config: tuple | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """decode_attention_ref's contract with `start` a 1-element long tensor on q's device.
-    `config` overrides _config(L), for tuning."""
+    `config` overrides _config(L), for tuning. `workspace`: float32 memory for the spans' partials
+    (at least split_workspace_floats of them), else allocated here."""
     T, Hq, D = q.shape
     L, Hkv = k_cache.shape[0], k_cache.shape[1]
     assert v_cache.shape == k_cache.shape == (L, Hkv, D) and Hq % Hkv == 0, "caches must be [L, Hkv, D]"
@@ -194,9 +201,13 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     first, split, BN, warps, stages = config or _config(L, q.element_size(), D, default_products(q.device), BM)
     assert split % BN == 0, "a span is whole tiles"
     spans = _spans(L, first, split, BN)
-    ws_m = torch.empty(spans, T, Hq, dtype=torch.float32, device=q.device)
-    ws_l = torch.empty_like(ws_m)
-    ws_o = torch.empty(spans, T, Hq, D, dtype=torch.float32, device=q.device)
+    n = spans * T * Hq
+    if workspace is None:
+        workspace = torch.empty(n * (D + 2), dtype=torch.float32, device=q.device)
+    assert workspace.dtype == torch.float32 and workspace.is_contiguous() and workspace.numel() >= n * (D + 2), \
+        "the workspace must be contiguous float32 of split_workspace_floats at least"
+    ws_m, ws_l = workspace[:n].view(spans, T, Hq), workspace[n:2 * n].view(spans, T, Hq)
+    ws_o = workspace[2 * n:n * (D + 2)].view(spans, T, Hq, D)
     _attn_split_kernel[(spans, Hkv, triton.cdiv(T * group, BM))](
         q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -212,13 +223,14 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     start: int | torch.Tensor, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
+                     start: int | torch.Tensor, scale: float, gate: torch.Tensor | None = None,
+                     workspace: torch.Tensor | None = None) -> torch.Tensor:
     """decode_attention_ref's contract; the Triton kernels for CUDA tensors, where `start` is best
-    a device tensor (an int is accepted and copied over)."""
+    a device tensor (an int is accepted and copied over), their partials in `workspace` if given."""
     if use_triton(q, k_cache, v_cache):
         if not isinstance(start, torch.Tensor):
             start = torch.tensor([start], dtype=torch.long, device=q.device)
-        return decode_attention_triton(q, k_cache, v_cache, start, scale, gate)
+        return decode_attention_triton(q, k_cache, v_cache, start, scale, gate, workspace=workspace)
     return decode_attention_ref(q, k_cache, v_cache, int(start), scale, gate)
 
 

@@ -62,6 +62,10 @@ def layout_ref(ids: torch.Tensor, n_experts: int, bm: int, blocks: int | None = 
         empty = torch.zeros(1, dtype=torch.long, device=ids.device)
     else:
         empty = (blocks - per_expert.sum()).view(1)                    # on the device: >= 0 by the bound
+        if ids.is_cuda:
+            torch._assert_async(empty[0] >= 0, "a layout given fewer blocks than its pairs take")
+        else:
+            assert int(empty) >= 0, f"{int(per_expert.sum())} blocks needed, {blocks} given"
     expert = torch.repeat_interleave(experts.roll(-1), torch.cat([per_expert, empty]), output_size=blocks)
     expert = expert.to(torch.int32)
     e_sorted = flat[order]

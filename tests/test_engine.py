@@ -68,13 +68,13 @@ def test_a_short_prefill_in_the_step_form_matches_transformers(ckpt, n):
     # verifies of equal pieces that keep every row; each piece folds the one before into the state
     engine, ref = ckpt
     ids = random_ids(n, 300 + n, engine.config.vocab_size)
+    dec = Decoder(engine.model, None, DecodeState(engine.config, n, engine.k_max, "cpu", torch.float32, False),
+                  engine.plan.replace(step_prefill=2), PREFILL_CHUNK)
     forms = []
     hook = engine.model.register_forward_pre_hook(lambda m, args: forms.append((args[0].shape[0], args[2].step)))
-    plan, engine.plan = engine.plan, engine.plan.replace(step_prefill=2)
     try:
-        got = engine.logits(ids)
+        got = dec.logits(dec.prefill(ids, keep_all=True), rowwise=False)
     finally:
-        engine.plan = plan
         hook.remove()
     pieces = -(-n // 5)
     assert forms == [(n // pieces + (i < n % pieces), True) for i in range(pieces)]
@@ -155,6 +155,17 @@ def test_a_short_turn_in_the_step_form_goes_on_from_the_state(ckpt, n):
     with torch.no_grad():
         expected = ref(torch.tensor([history + turn])).logits[0, -1:]
     assert rel_err(chunked, expected) < 1e-4 and rel_err(stepped, expected) < 1e-4
+
+
+def test_the_plan_never_shrinks_as_the_context_grows():
+    # the graphs' attention partials counted at the most spans of any cache up to the size, so the
+    # search for the longest context that fits may bisect (memory.max_context_that_fits)
+    from pathlib import Path
+    from mtpchat.engine import memory
+    from mtpchat.engine.config import ModelConfig
+    config = ModelConfig.load(Path(__file__).resolve().parents[1] / "engine" / "configs" / "qwen3.6-27b.json")
+    totals = [memory.plan_memory(config, n, weights="fp8").total for n in range(4096, 140_000, 1024)]
+    assert all(a <= b for a, b in zip(totals, totals[1:]))
 
 
 def test_tied_head_is_the_embedding(ckpt):

@@ -150,6 +150,7 @@ def test_experts_read_per_step(ckpts):
     engine = Engine.load(ckpts[STACKED], max_context=300)
     c = engine.config
     ids = random_ids(12, 3, c.vocab_size)
+    engine.logits(ids)          # a forward apart from the conversation leaves the step's counters bound
     engine.mtp = False
     off = [e for e in engine.generate(ids, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=()))]
     assert all(e.experts_read == c.num_hidden_layers * c.num_experts_per_tok for e in off[2:-1])   # one row: k each

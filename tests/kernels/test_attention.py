@@ -37,6 +37,28 @@ def test_decode_attention(device, dtype, T, Hq, Hkv, D, L, start):
     check(out, attention.decode_attention_ref(q, kc, vc, start, D ** -0.5), TOL[dtype])
 
 
+@pytest.mark.parametrize("T,start", [(24, 0), (24, 500), (9, 2570)])
+def test_decode_attention_in_a_workspace_of_the_callers(device, T, start):
+    # a prefill chunk's rows (start on the device) with their partials in one workspace sized for a
+    # larger chunk and left dirty: the same bits as in memory of their own
+    q, kc, vc = _case(T, 6, 2, 32, 2700, torch.float32, device, seed=T + start)
+    at = torch.tensor([start], device=device)
+    floats = attention.split_workspace_floats(64, 6, 32, 2700, 4)
+    assert floats > attention.split_workspace_floats(T, 6, 32, 2700, 4)
+    workspace = torch.full((floats,), float("nan"), device=device)
+    out = attention.decode_attention_triton(q, kc, vc, at, 32 ** -0.5, workspace=workspace)
+    assert torch.equal(out, attention.decode_attention_triton(q, kc, vc, at, 32 ** -0.5))
+    check(out, attention.decode_attention_ref(q, kc, vc, start, 32 ** -0.5), TOL[torch.float32])
+    with pytest.raises(AssertionError, match="workspace"):
+        attention.decode_attention_triton(q, kc, vc, at, 32 ** -0.5, workspace=workspace[:10])
+
+
+def test_the_workspace_counted_for_a_cache_never_shrinks_as_it_grows():
+    counts = [attention.split_workspace_floats(64, 24, 256, L, 2, most=True) for L in range(1000, 300_000, 211)]
+    assert all(a <= b for a, b in zip(counts, counts[1:]))
+    assert attention.split_workspace_floats(64, 24, 256, 8329, 2) == 74 * 64 * 24 * 258
+
+
 def test_decode_attention_ignores_keys_past_the_new_tokens(device):
     # keys past start + T (stale drafts, unwritten cache) must not leak in, even if they are huge
     q, kc, vc = _case(3, 4, 2, 16, 256, torch.float32, device, seed=1)
