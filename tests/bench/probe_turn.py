@@ -10,7 +10,7 @@ snapshot_at), so the plan's step_prefill shows on the pieces short enough for it
     cd tests/bench && python3 probe_turn.py [--model qwen3.6-27b] [--weights fp8] [--history 8192]
                                             [--tokens 16,50,128,512] [--plans ";prefill_attention=flash"]
                                             [--cprofile 40] [--graphs] [--generation-prompt 5]
-                                            [--prefill-graphs 8,16,24,32,40,48,56,64]
+                                            [--prefill-graphs 8,16,24,32,40,48,56,64] [--kernels 25]
 """
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ def main():
     p.add_argument("--graphs", action="store_true", help="capture the step graphs, as the app does")
     p.add_argument("--generation-prompt", type=int, default=0, metavar="G",
                    help="a chat turn: the message, a snapshot, then G tokens of generation prompt")
+    p.add_argument("--kernels", type=int, default=0, metavar="ROWS",
+                   help="also each turn's kernels by name, the ROWS that took the most GPU time")
     p.add_argument("--prefill-graphs", metavar="SIZES",
                    help="the prefill chunks captured at load, e.g. 8,16,24 (default: the plan's; an MoE takes none)")
     a = p.parse_args()
@@ -103,6 +105,13 @@ def main():
             print(f"  plan {changes or 'as loaded'}, {n:4d} new tokens: wall {wall:7.2f} ms (min {min(walls):.2f}), "
                   f"kernels {gpu:7.2f} ms in {len(kernels)} launches: {wall / gpu:.2f} x the GPU's time, "
                   f"{(wall - gpu) / len(kernels) * 1e3:.1f} us a launch beyond it", flush=True)
+            if a.kernels:
+                by_name: dict = {}
+                for ev in kernels:
+                    t, count = by_name.get(ev.name, (0.0, 0))
+                    by_name[ev.name] = (t + ev.device_time_total / 1e3, count + 1)
+                for name, (t, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:a.kernels]:
+                    print(f"      {t:8.3f} ms {count:5d} x  {name[:110]}")
 
 
 if __name__ == "__main__":
