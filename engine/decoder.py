@@ -247,13 +247,11 @@ class Decoder:
             if form == "step":
                 h = self._prefill_step(chunk)
             else:
-                if form == "graph":
-                    h = self._prefill_graphed(chunk)
-                else:
-                    h = self.model(torch.tensor(chunk, device=self.device), self.state.layers, self._ctx(L, T, False))
+                h = (self._prefill_graphed(chunk) if form == "graph" else
+                     self.model(torch.tensor(chunk, device=self.device), self.state.layers, self._ctx(L, T, False)))
                 self.state.fold.zero_()                            # the GDN layers folded the last step in
                 self.state.commit_prefill(T)
-                self.prefill_logits = None
+            self.prefill_logits = self.v_logits[T - 1:T] if form == "step" else None
             self.tokens += chunk
             nxt = ids[s - T + 1:s + 1]                             # x_{p+1} of each row, where known
             if self.head is not None and nxt:
@@ -268,8 +266,7 @@ class Decoder:
         T = len(chunk)
         self.chunk_ids[:T] = torch.tensor(chunk, device=self.device)
         self.pos.fill_(self.state.length)
-        run = self.runner.run if self.runner is not None else _eager
-        run(("prefill", T), lambda: self.prefill_chunk_forward(T))
+        self._run(("prefill", T), lambda: self.prefill_chunk_forward(T))
         return self.chunk_hidden[:T].clone()
 
     def prefill_chunk_forward(self, T: int):
@@ -289,14 +286,17 @@ class Decoder:
         self.pos.fill_(self.state.length)
         self.room.fill_(1)                     # the step kernels write the state only while room > 0
         before = self.expert_reads.clone() if self.expert_reads is not None else None
-        run = self.runner.run if self.runner is not None else _eager
-        run(("verify", T - 1), lambda: self.verify(T - 1))
+        self._run(("verify", T - 1), lambda: self.verify(T - 1))
         if before is not None:
             self.expert_reads.copy_(before)    # the experts a prefill reads are no step's
         self.room.zero_()                      # nothing is emitted until the generation's limit()
         self.state.commit_step(T)
-        self.prefill_logits = self.v_logits[T - 1:T]
         return self.v_hidden[:T].clone()
+
+    def _run(self, key, fn):
+        """A phase or a prefill chunk: its graph where the runner captured one (CUDA), else eagerly;
+        a pair of CUDA events or a time in ms (runner.elapsed_ms reads either)."""
+        return self.runner.run(key, fn) if self.runner is not None else _eager(key, fn)
 
     def first_token(self, params: SamplingParams, generator) -> int:
         tok = self._sample(self.last_logits, params, generator, self.drafts[:0])
@@ -423,17 +423,16 @@ class Decoder:
         of the pending rows needs the host's count exact, so it must come with nothing in flight."""
         if self.needs_flush(k):
             self._flush_pending(keep_last=True)
-        run = self.runner.run if self.runner is not None else _eager
         times = [0.0, 0.0, 0.0]
         if k:
-            times[0] = run(("draft", k), lambda: self.draft(k))
+            times[0] = self._run(("draft", k), lambda: self.draft(k))
             if self.drafter is not None:
                 where = self.gen if getattr(self.drafter, "on_device", False) else self.generated
                 self.drafts[:k] = self.drafter(where, self.drafts[:k])
-        times[1] = run(("verify", k), lambda: self.verify(k))
+        times[1] = self._run(("verify", k), lambda: self.verify(k))
         # greedy acceptance is captured per k; sampling runs eagerly (its parameters vary per request)
-        times[2] = run(("accept", k) if params.greedy else ("accept, sampled", k),
-                       lambda: self.accept(k, params, generator))
+        times[2] = self._run(("accept", k) if params.greedy else ("accept, sampled", k),
+                             lambda: self.accept(k, params, generator))
         slot = self.launched % len(self.host_results)
         out = self.host_results[slot][:k + 3]
         reads = self.host_reads[slot] if self.expert_reads is not None else None

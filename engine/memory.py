@@ -427,16 +427,16 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
     shapes = [1] + [k + 1 for k in drafts] + list(drafts)
     per_token = kv_bytes_per_token(cfg, dtype) + (mtp_kv_bytes_per_token(cfg, dtype) if mtp else 0)
     rows = max_context + k_max + 1   # a verify step may write k_max+1 rows past the last position
-    four_bit = bool(int4) or cfg.quantization == "int4"
+    chunks = prefill_graph_sizes(cfg, bool(int4) or cfg.quantization == "int4")
     return MemoryPlan(
         weights=weight_bytes(cfg, dtype, mtp, fp8, draft_vocab, int4),
         kv=kv_bytes_per_token(cfg, dtype) * rows,
         mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * rows if mtp else 0,
         gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
         graph_pool=sum(n * act + _logits_bytes(cfg, n) for n in shapes)
-        + sum(prefill_graph_sizes(cfg, four_bit)) * act if cuda_graphs else 0,
+        + sum(chunks) * act if cuda_graphs else 0,
         workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes))
-        + chunk_attention_bytes(cfg, prefill_graph_sizes(cfg, four_bit), rows, dtype)
+        + chunk_attention_bytes(cfg, chunks, rows, dtype)
         + (_int4_prefill_bytes(cfg, min(prefill_chunk, max_context), dtype_bytes(dtype)) if int4 else 0),
         snapshots=snapshots * snapshot_bytes(cfg, dtype),
         max_context=max_context, k_max=k_max, mtp=mtp, dtype=str(dtype).removeprefix("torch."),

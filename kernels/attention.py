@@ -169,8 +169,8 @@ def split_workspace_floats(T: int, Hq: int, D: int, L: int, itemsize: int = 2, m
     their count dropping there), as engine/memory.py's search for the longest context needs."""
     first, split, BN, _, _ = _config(L, itemsize, D)
     spans = _spans(L, first, split, BN)
-    if most:
-        sizes = [b - 1 for b in (BN * MAX_SPANS << j for j in range(32)) if b - 1 <= L]
+    if most:      # the most spans come at the last size before each doubling of `split`
+        sizes = [MAX_SPANS * s for s in (2 * BN << j for j in range(32)) if MAX_SPANS * s <= L]
         spans = max([spans] + [_spans(n, first, _config(n, itemsize, D)[1], BN) for n in sizes])
     return spans * T * Hq * (D + 2)
 

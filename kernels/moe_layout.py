@@ -56,7 +56,6 @@ def layout_ref(ids: torch.Tensor, n_experts: int, bm: int, blocks: int | None = 
     per_expert = (counts + bm - 1) // bm                               # blocks each expert takes
     first_block = torch.cumsum(per_expert, 0) - per_expert
     first_pair = torch.cumsum(counts, 0) - counts
-    experts = torch.arange(-1, n_experts, device=ids.device)          # -1: the empty blocks after the rest
     if blocks is None:
         blocks = int(per_expert.sum())
         empty = torch.zeros(1, dtype=torch.long, device=ids.device)
@@ -66,8 +65,9 @@ def layout_ref(ids: torch.Tensor, n_experts: int, bm: int, blocks: int | None = 
             torch._assert_async(empty[0] >= 0, "a layout given fewer blocks than its pairs take")
         else:
             assert int(empty) >= 0, f"{int(per_expert.sum())} blocks needed, {blocks} given"
-    expert = torch.repeat_interleave(experts.roll(-1), torch.cat([per_expert, empty]), output_size=blocks)
-    expert = expert.to(torch.int32)
+    experts = torch.arange(n_experts + 1, dtype=torch.int32, device=ids.device)
+    experts[-1] = -1                                                   # the empty blocks, after the rest
+    expert = torch.repeat_interleave(experts, torch.cat([per_expert, empty]), output_size=blocks)
     e_sorted = flat[order]
     rank = torch.arange(T * k, device=ids.device) - first_pair[e_sorted]   # place among its expert's pairs
     pairs = torch.full((blocks, bm), -1, dtype=torch.int32, device=ids.device)

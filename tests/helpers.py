@@ -57,6 +57,17 @@ def rel_err(got: torch.Tensor, want: torch.Tensor, ord: float = math.inf) -> flo
     return (norm(got - want) / norm(want).clamp_min(1e-300)).item()
 
 
+def record_forms(model, into: list):
+    """Hook the target `model` so that each forward appends (tokens, form) to `into`: "step" (a
+    decode or verify), "graph" (a prefill chunk started on the device, engine/decoder.py) or None
+    (an eager prefill chunk). Returns the hook's handle."""
+    def hook(module, args):
+        ctx = args[2]
+        into.append((args[0].shape[0], "step" if ctx.step else
+                     "graph" if isinstance(ctx.start, torch.Tensor) else None))
+    return model.register_forward_pre_hook(hook)
+
+
 def first_diff(a, b) -> int:
     """The first index where two token lists differ (the shorter one's length if one is a prefix)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

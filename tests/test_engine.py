@@ -8,7 +8,7 @@ from mtpchat.engine.memory import PREFILL_GRAPHS
 from mtpchat.engine.state import DecodeState
 from mtpchat.engine.events import Finished, Prefilled, Step
 from tools.tiny import write_tiny_checkpoint
-from helpers import random_ids, rel_err
+from helpers import random_ids, record_forms, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,13 +71,13 @@ def test_a_short_prefill_in_the_step_form_matches_transformers(ckpt, n):
     dec = Decoder(engine.model, None, DecodeState(engine.config, n, engine.k_max, "cpu", torch.float32, False),
                   engine.plan.replace(step_prefill=2), PREFILL_CHUNK)
     forms = []
-    hook = engine.model.register_forward_pre_hook(lambda m, args: forms.append((args[0].shape[0], args[2].step)))
+    hook = record_forms(engine.model, forms)
     try:
         got = dec.logits(dec.prefill(ids, keep_all=True), rowwise=False)
     finally:
         hook.remove()
     pieces = -(-n // 5)
-    assert forms == [(n // pieces + (i < n % pieces), True) for i in range(pieces)]
+    assert forms == [(n // pieces + (i < n % pieces), "step") for i in range(pieces)]
     with torch.no_grad():
         assert rel_err(got, ref(torch.tensor([ids])).logits[0]) < 1e-4
 
@@ -113,9 +113,7 @@ def test_a_short_prefill_in_graph_sized_chunks_matches_transformers(ckpt, n):
                   plan, PREFILL_CHUNK)
     ids = random_ids(n, 500 + n, engine.config.vocab_size)
     forms = []
-    hook = engine.model.register_forward_pre_hook(
-        lambda m, args: forms.append((args[0].shape[0], "step" if args[2].step else
-                                      "graph" if isinstance(args[2].start, torch.Tensor) else None)))
+    hook = record_forms(engine.model, forms)
     try:
         got = dec.logits(dec.prefill(ids, keep_all=True), rowwise=False)
     finally:
@@ -133,7 +131,7 @@ def test_a_short_turn_in_the_step_form_goes_on_from_the_state(ckpt, n):
     dec, V = engine.decoder, engine.config.vocab_size
     history, turn = random_ids(70, 70, V), random_ids(n, 400 + n, V)
     ends, forms = {}, []
-    hook = engine.model.register_forward_pre_hook(lambda m, args: forms.append(args[2].step))
+    hook = record_forms(engine.model, forms)
     try:
         for pieces in (0, 2):
             dec.plan = engine.plan.replace(step_prefill=pieces)
@@ -141,7 +139,7 @@ def test_a_short_turn_in_the_step_form_goes_on_from_the_state(ckpt, n):
             dec.begin(history)
             forms.clear()
             dec.begin(history + turn)
-            assert set(forms) == {pieces > 0 and n <= 10}
+            assert {form for _, form in forms} == {"step" if pieces and n <= 10 else None}
             committed = dec.state.gdn_committed(engine.model)
             kv = [k[:dec.length].clone() for k, _ in dec.state.kv_layers]
             ends[pieces] = dec.last_logits.clone(), committed, kv, dec.length, int(dec.pos)

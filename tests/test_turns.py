@@ -12,6 +12,7 @@ from mtpchat.engine import Engine, SamplingParams, memory
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.decoder import prefill_pieces
 from mtpchat.engine.plan import KernelPlan
+from helpers import record_forms
 
 # In the form of Qwen3.6's own template (ChatML; the last real user query found from the end, past
 # tool responses; reasoning rendered for the turns after it, or for all with preserve_thinking).
@@ -93,15 +94,20 @@ def test_three_turns_prefill_only_what_follows_the_snapshot(official, mtp, step_
         plan = plan.replace(step_prefill=step_prefill, prefill_graphs=(8, 16, 32))
     engine = Engine.load(official, device="cpu", dtype=torch.float32, max_context=2048, mtp=mtp, plan=plan)
     assert engine.decoder.snapshots.count == memory.DEFAULT_SNAPSHOTS
-    forms = []                                   # each target forward: (tokens, form)
-    hook = engine.model.register_forward_pre_hook(lambda m, args: forms.append((args[0].shape[0], form_of(args[2]))))
-    fed = []                                     # the tokens each prefill call feeds, its forwards' forms
+    forms, calls = [], []                        # each target forward's (tokens, form); each prefill's
+    hook = record_forms(engine.model, forms)     # (tokens fed, its forwards' forms)
     prefill = engine.decoder.prefill
-    engine.decoder.prefill = lambda ids, **kw: (fed.append(len(ids)), forms.clear(), prefill(ids, **kw),
-                                                fed.append(list(forms)))[2]
-    messages, history_before = [], None
+
+    def recorded(ids, **kw):
+        forms.clear()
+        h = prefill(ids, **kw)
+        calls.append((len(ids), list(forms)))
+        return h
+
+    engine.decoder.prefill = recorded
+    messages, history_before, graphed = [], None, 0
     for turn, question in enumerate(QUESTIONS):
-        fed.clear()
+        calls.clear()
         messages.append({"role": "user", "content": question})
         ids, keep_at = build_prompt(engine.tokenizer, messages, think=True)
         history = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
@@ -116,23 +122,19 @@ def test_three_turns_prefill_only_what_follows_the_snapshot(official, mtp, step_
             assert prefilled.cached_tokens == done.stats.reused_tokens == history_before
             assert ids[:history_before] == engine.tokenizer.apply_chat_template(messages[:-2],
                                                                                 add_generation_prompt=False)
-        sizes, tail = fed[::2], fed[-1]
-        assert sum(sizes) == len(ids) - prefilled.cached_tokens    # prefilled: what follows, no more
+        assert sum(n for n, _ in calls) == len(ids) - prefilled.cached_tokens   # what follows, no more
         # the generation prompt (10 tokens of this tokenizer): two pieces of 5 in the step form
-        assert tail == ([(5, "step"), (5, "step")] if step_prefill else [(10, None)]), tail
+        assert calls[-1][1] == ([(5, "step"), (5, "step")] if step_prefill else [(10, None)]), calls
         if turn and step_prefill:                # the message: chunks of the graphs' sizes, step pieces
-            assert fed[-3] == prefill_pieces(sizes[-2], engine.decoder.R, 2, (8, 16, 32), 4), fed
+            n, message = calls[-2]
+            assert message == prefill_pieces(n, engine.decoder.R, 2, (8, 16, 32), plan.prefill_pieces), calls
+            graphed += any(form == "graph" for _, form in message)
         assert list(done.token_ids) == fresh_tokens(official, ids, mtp), turn
         messages.append(reply_message(engine, done.token_ids))
         history_before = len(history)
     hook.remove()
+    assert graphed == (2 if step_prefill else 0)     # both later messages took a graph-sized chunk
     assert len(engine.decoder.snapshots.held) <= engine.decoder.snapshots.count
-
-
-def form_of(ctx) -> str | None:
-    """How a target forward runs: a step ("step"), a prefill chunk started on the device ("graph"),
-    or an eager prefill chunk (None)."""
-    return "step" if ctx.step else "graph" if isinstance(ctx.start, torch.Tensor) else None
 
 
 def test_regenerate_resumes_at_the_end_of_the_conversation(official):
