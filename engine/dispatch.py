@@ -110,12 +110,12 @@ def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
     dequantized slab and torch's matmul, or the tiles widened in registers); on the CPU it is the
     product of the dequantized weight."""
     if isinstance(x, QuantizedRows):
-        return fp8_gemm.gemm(x, w) if isinstance(w, BlockFP8) else int4_gemm.gemm(x, w, plan=products)
+        return fp8_gemm.gemm(x, w, products) if isinstance(w, BlockFP8) else int4_gemm.gemm(x, w, plan=products)
     if _few_rows(x, rowwise):
         return matvec(x, w, plan=products)
     if not rowwise and use_triton(x, values_of(w)):
         if isinstance(w, BlockFP8):
-            return fp8_gemm.gemm(x, w)
+            return fp8_gemm.gemm(x, w, products)
         if isinstance(w, GroupInt4):
             return int4_gemm.gemm(x, w, plan=products)
     w = dense_ref(w, x.dtype)

@@ -391,13 +391,13 @@ def chunk_attention_bytes(cfg: ModelConfig, sizes: tuple[int, ...], cache_rows: 
 
 
 def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool) -> tuple[int, ...]:
-    """The prefill chunks a GPU captures as graphs: a dense model's in bf16 or FP8. An MoE's are a
-    candidate, untimed: its layer's prefill layout, once sized on the host (which a capture cannot
-    wait for), now takes as many blocks as its pairs could need (kernels/moe_layout.py
-    most_blocks), and tests/test_gpu_moe.py captures it (tests/bench/probe_turn.py
-    --prefill-graphs times it). 4-bit prefill is not captured yet (what its dequantized slabs
-    would keep in the graphs' pool is unmeasured)."""
-    return () if cfg.is_moe or four_bit else PREFILL_GRAPHS
+    """The prefill chunks a GPU captures as graphs: a model's in bf16 or FP8, dense or MoE (an MoE
+    layer's prefill layout takes as many blocks as its pairs could need, so no count waits for the
+    host: kernels/moe_layout.py most_blocks). The 35B-A3B FP8's turn of 16 / 50 / 128 tokens after
+    8K took 0.37 / 0.39 / 0.59 x the wall time of eager chunks (an H200, tests/bench/probe_turn.py).
+    4-bit prefill is not captured yet (what its dequantized slabs would keep in the graphs' pool is
+    unmeasured)."""
+    return () if four_bit else PREFILL_GRAPHS
 
 
 def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:

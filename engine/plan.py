@@ -162,14 +162,17 @@ class KernelPlan:
     #   generation prompt after 8K, the 27B FP8: 187.7 -> 36.7 ms (an H200, probe_turn.py
     #   --generation-prompt 5, 2026-11-28).
     # - prefill_graphs: chunk sizes whose prefill forward is captured at load (memory.PREFILL_GRAPHS;
-    #   a dense bf16 or FP8 model's: memory.prefill_graph_sizes), its start read on the device
+    #   a bf16 or FP8 model's, dense or MoE: memory.prefill_graph_sizes), its start read on the device
     #   (attention by the steps' kernel, which splits the keys); a longer prefill goes as at most
     #   prefill_pieces of them, the largest that fit, then at most step_prefill step pieces for the
     #   rest (decoder.prefill_pieces). Such a turn of 16 / 50 / 120 tokens then the generation
     #   prompt: 249.4 / 276.0 / 266.6 ms eager, 120.7 / 158.1 / 142.4 with step pieces alone, 55.0 /
     #   73.2 / 102.4 with graph chunks too (the same H200 instance). A chunk's kernels take some
     #   27-30 ms of the 27B FP8 at 16-96 tokens (a step piece 12), so two at most: four 128-token
-    #   replays took a 512-token prompt 134.8 ms to its first token, one eager chunk 78.3.
+    #   replays took a 512-token prompt 134.8 ms to its first token, one eager chunk 78.3. (Since
+    #   then the FP8 products of a few rows run in cuBLAS: ProductPlan.fp8_cublas_rows.) The 35B-A3B
+    #   FP8's turns of 16 / 50 / 128 tokens: 95.8 / 126.6 / 121.1 ms eager, 35.4 / 49.7 / 71.4
+    #   through graph chunks (an H200).
     # 0 / () : every prefill chunked (a CPU, where no graph saves the launches).
     step_prefill: int = 0
     prefill_graphs: tuple = ()
@@ -193,8 +196,8 @@ class KernelPlan:
         measured 0.986 x, 1.000 x and 1.006 x on three H100s: kept, a tie). Prefill's 4-bit products
         take the fp8 form on Hopper (int4_gemm.py; the dense form elsewhere). Prefill attention takes
         our kernel where a program has the shared memory of its H100 tiles, flash elsewhere. A GPU
-        prefills a few tokens in the step form (step_prefill), through the step graphs, and a dense
-        bf16 or FP8 model a few more in chunks captured as graphs (prefill_graphs)."""
+        prefills a few tokens in the step form (step_prefill), through the step graphs, and a bf16
+        or FP8 model (dense or MoE) a few more in chunks captured as graphs (prefill_graphs)."""
         device = torch.device(device)
         products = default_products(device)
         bits = fp8 and device.type == "cuda" and fp8_runs_on(device)

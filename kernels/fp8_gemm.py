@@ -27,6 +27,7 @@ import torch
 
 from mtpchat.kernels._triton import interpreting, tl, triton, use_triton
 from mtpchat.kernels.fp8 import BLOCK, FP8, FP8_MAX, BlockFP8, dequantize_ref, scale_shape
+from mtpchat.kernels.plan import ProductPlan
 
 
 def quantize_rows_ref(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,11 +171,15 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _gemm_kernel(a, a_s, b, b_s, y, M, N, K, s_a, s_asm, s_ask, s_b, s_bs, s_y,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                 SWAP: tl.constexpr):
     # Tiles in groups of GROUP_M row blocks: consecutive programs take the group's row blocks of
     # one column block, then of the next, so a wave of programs shares its weight tiles and its
-    # rows of x in L2. BN = BK = 128, the weight's scale block: the tile's column block i_n is its
-    # scale row, the K step i_k its scale column.
+    # rows of x in L2. BK = 128 and BN divides 128, the weight's scale block: the tile's K step
+    # i_k is its scale column, and its columns share the scale row i_n * BN // 128.
+    # SWAP (a few rows): the tile is computed transposed, yᵀ [BN, BM] = w [BN, BK] @ xᵀ, so that the
+    # weight's columns fill the matrix instruction's long side (64 a warpgroup on Hopper) and the
+    # rows its short one (as few as 8); the same K steps in the same order.
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     in_group = GROUP_M * n_n
@@ -185,29 +190,66 @@ def _gemm_kernel(a, a_s, b, b_s, y, M, N, K, s_a, s_asm, s_ask, s_b, s_bs, s_y,
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
     m_m, m_n = o_m < M, o_n < N
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    p_bs = b_s + (i_n * BN // 128) * s_bs
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         b_a = tl.load(a + o_m[:, None] * s_a + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.)
         b_b = tl.load(b + o_n[:, None] * s_b + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.)
         b_as = tl.load(a_s + o_m * s_asm + i_k * s_ask, mask=m_m, other=0.)
-        b_bs = tl.load(b_s + i_n * s_bs + i_k)
+        b_bs = tl.load(p_bs + i_k)
         # fp8 x fp8 -> float32 on the tensor cores; b [BN, BK] rows are K-contiguous, so its
-        # transpose is the K-major operand that Hopper's fp8 wgmma takes. (Triton's interpreter
-        # runs the same dot: it widens fp8 to float16, exactly, and multiplies in float32.)
-        acc += tl.dot(b_a, tl.trans(b_b)) * (b_as * b_bs)[:, None]
-    tl.store(y + o_m[:, None] * s_y + o_n[None, :], acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+        # transpose is the K-major operand that Hopper's fp8 wgmma takes (and under SWAP, a's).
+        # (Triton's interpreter runs the same dot: it widens fp8 to float16, exactly, and
+        # multiplies in float32.)
+        if SWAP:
+            acc += tl.dot(b_b, tl.trans(b_a)) * (b_as * b_bs)[None, :]
+        else:
+            acc += tl.dot(b_a, tl.trans(b_b)) * (b_as * b_bs)[:, None]
+    if SWAP:
+        tl.store(y + o_m[None, :] * s_y + o_n[:, None], acc.to(y.dtype.element_ty),
+                 mask=m_m[None, :] & m_n[:, None])
+    else:
+        tl.store(y + o_m[:, None] * s_y + o_n[None, :], acc.to(y.dtype.element_ty),
+                 mask=m_m[:, None] & m_n[None, :])
+
+
+class GemmTiles(NamedTuple):
+    """A tile of the prefill product: BM rows x BN weight columns (BN divides 128), K steps of 128
+    (the weight's scale block), `warps`, `stages` deep, computed transposed where `swap`."""
+    BM: int
+    BN: int
+    warps: int
+    stages: int
+    swap: bool = False
 
 
 # Tiles for an H100: 128 x 128 outputs, K steps of 128 (the weight's scale block), two warpgroups
 # (each 64 rows of the tile), 4 stages of 32 KB of fp8 operands in shared memory.
 BM, BN, BK, GROUP_M, WARPS, STAGES = 128, BLOCK, BLOCK, 8, 8, 4
+WIDE = GemmTiles(BM, BN, WARPS, STAGES)
+# For a few rows: 64 weight rows a program, one warpgroup, 4 deep (the rows' block 16 to 64, the
+# rows rounded up to a power of two): the wide tile's 40 programs for a product of 5,120 columns
+# become 80 (tests/bench/probe_small_gemm.py)
+SMALL = GemmTiles(64, 64, 4, 4)
 
 
-def gemm_quantized_triton(xq: torch.Tensor, xs: torch.Tensor, q: BlockFP8, out_dtype: torch.dtype) -> torch.Tensor:
+def gemm_tiles(M: int, small: GemmTiles | None = None, small_rows: int = 0) -> GemmTiles:
+    """The tile for M rows: `small` (its BM rounded down to the rows' power of two, 16 at least) up
+    to `small_rows` rows, the wide tile beyond."""
+    if small is None or M > small_rows:
+        return WIDE
+    return small._replace(BM=min(small.BM, max(16, triton.next_power_of_2(M))))
+
+
+def gemm_quantized_triton(xq: torch.Tensor, xs: torch.Tensor, q: BlockFP8, out_dtype: torch.dtype,
+                          tiles: GemmTiles = WIDE) -> torch.Tensor:
     """The product of rows already quantized (quantize_rows) with q: y [M, N] in out_dtype, what
-    gemm_ref computes."""
+    gemm_ref computes, in `tiles`."""
     N, K = q.w.shape
     assert xq.dim() == 2 and xq.shape[1] == K, f"xq {tuple(xq.shape)} must be [M, {K}]"
     M = xq.shape[0]
@@ -218,13 +260,14 @@ def gemm_quantized_triton(xq: torch.Tensor, xs: torch.Tensor, q: BlockFP8, out_d
     assert q.scale.dtype == torch.float32 and q.scale.shape == scale_shape(N, K) and q.scale.is_contiguous(), \
         f"the weight's scale must be contiguous float32 {scale_shape(N, K)}"
     assert out_dtype in (torch.float32, torch.bfloat16, torch.float16), f"out_dtype {out_dtype}"
+    assert BLOCK % tiles.BN == 0, f"a tile's columns ({tiles.BN}) must divide the scale block {BLOCK}"
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     if M == 0:
         return y
-    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+    grid = (triton.cdiv(M, tiles.BM) * triton.cdiv(N, tiles.BN),)
     _gemm_kernel[grid](xq, xs, q.w, q.scale, y, M, N, K, xq.stride(0), xs.stride(0), xs.stride(1), q.w.stride(0),
-                       q.scale.stride(0), y.stride(0), BM=BM, BN=BN, BK=BK, GROUP_M=GROUP_M, num_warps=WARPS,
-                       num_stages=STAGES)
+                       q.scale.stride(0), y.stride(0), BM=tiles.BM, BN=tiles.BN, BK=BK, GROUP_M=GROUP_M,
+                       SWAP=tiles.swap, num_warps=tiles.warps, num_stages=tiles.stages)
     return y
 
 
@@ -244,7 +287,8 @@ def gemm_cublas(xq: torch.Tensor, xs: torch.Tensor, q: BlockFP8, out_dtype: torc
     return torch._scaled_mm(xq, q.w.T, scale_a=xs, scale_b=q.scale.T, out_dtype=out_dtype)
 
 
-CUBLAS_MIN_ROWS = 256         # fewer rows go to the Triton kernel
+CUBLAS_MIN_ROWS = 256         # the 4-bit weights' fp8 form takes no fewer rows (int4_gemm.fp8_serves); an FP8
+                              # weight's product takes cuBLAS from the plan's fp8_cublas_rows
 # cuBLAS's rows in multiples of this (the rows' 1 x 128 scales are M-major; an H100, CUDA 13, with
 # 1 x 128 scales on both operands: 257 and 2,047 rows refused with CUBLAS_STATUS_NOT_SUPPORTED)
 CUBLAS_ROWS = 16
@@ -271,47 +315,48 @@ TRIAL_ROWS = 1024     # the most rows a trial takes (its float32 products of a s
 
 def cublas_serves(q: BlockFP8, dtype: torch.dtype, M: int) -> bool:
     """Whether cuBLAS serves weights of q's shape for M rows: tried once for each power of two of
-    rows up to TRIAL_ROWS (more rows are trusted as that many were: a long prompt's first chunk
+    rows from CUBLAS_ROWS up to TRIAL_ROWS (more rows are trusted as that many were: a long prompt's first chunk
     must not need some 1 GB more than its plan for the trial) against the Triton kernel
     (cublas_trusted)."""
     N, K = q.w.shape
-    rows = min(triton.next_power_of_2(M), TRIAL_ROWS)
+    rows = min(max(triton.next_power_of_2(M), CUBLAS_ROWS), TRIAL_ROWS)
 
     def trial():
         g = torch.Generator(device=q.w.device).manual_seed(0)
-        xq, xs = quantize_rows_triton(torch.randn(rows, K, device=q.w.device, generator=g, dtype=dtype))
+        x = torch.randn(rows, K, device=q.w.device, generator=g, dtype=dtype)
+        xq, xs = quantize_rows_triton(x, CUBLAS_ROWS)
         got = gemm_cublas(xq, xs, q, torch.float32)
         want = gemm_quantized_triton(xq, xs, q, torch.float32)
         return ((got - want).norm() / want.norm()) < 1e-2
     return cublas_trusted(("block", q.w.device, N, K, dtype, rows), trial)
 
 
-def gemm(x: torch.Tensor | QuantizedRows, q: BlockFP8) -> torch.Tensor:
-    """x [M, K] @ dequant(q)ᵀ: fp8 activations and tensor cores for CUDA tensors (cuBLAS for the
-    shapes it was seen to compute right, its rows padded to CUBLAS_ROWS, else the Triton kernel),
-    the exact float32 product of the dequantized weights otherwise (see the module's docstring).
-    x may come quantized already (QuantizedRows, CUDA only)."""
+def gemm(x: torch.Tensor | QuantizedRows, q: BlockFP8, plan: ProductPlan | None = None) -> torch.Tensor:
+    """x [M, K] @ dequant(q)ᵀ: fp8 activations and tensor cores for CUDA tensors (cuBLAS from the
+    plan's fp8_cublas_rows rows, for the shapes it was seen to compute right, its rows padded to
+    CUBLAS_ROWS; else the Triton kernel, on the plan's tile for the rows), the exact float32
+    product of the dequantized weights otherwise (see the module's docstring). x may come
+    quantized already (QuantizedRows, CUDA only)."""
+    plan = plan if plan is not None else ProductPlan(programs=0)
     if isinstance(x, QuantizedRows):
         M = x.rows
         assert x.q.shape[1] == q.w.shape[1] and x.q.shape[0] % CUBLAS_ROWS == 0, \
             f"quantized rows {tuple(x.q.shape)} for the weight {tuple(q.w.shape)}, padded to {CUBLAS_ROWS}"
-        if M >= CUBLAS_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16) and cublas_serves(q, x.dtype, M):
+        if M >= plan.fp8_cublas_rows and x.dtype in (torch.bfloat16, torch.float16) and cublas_serves(q, x.dtype, M):
             try:
                 return gemm_cublas(x.q, x.scale, q, x.dtype)[:M]
             except RuntimeError:
                 pass
-        return gemm_quantized_triton(x.q, x.scale, q, x.dtype)[:M]
+        return gemm_quantized_triton(x.q, x.scale, q, x.dtype, gemm_tiles(M, SMALL, plan.fp8_small_rows))[:M]
     if not use_triton(x, q.w):
         return (x.float() @ dequantize_ref(q).T).to(x.dtype)
     assert x.dim() == 2 and x.shape[1] == q.w.shape[1], f"x {tuple(x.shape)} and the weight {tuple(q.w.shape)} disagree"
-    # a few rows are no work for either; cuBLAS has no algorithm for some row counts (1 and 130
-    # seen), and finding that out costs more than the Triton kernel's whole product
     M = x.shape[0]
-    if M >= CUBLAS_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16) and cublas_serves(q, x.dtype, M):
+    if M >= plan.fp8_cublas_rows and x.dtype in (torch.bfloat16, torch.float16) and cublas_serves(q, x.dtype, M):
         xq, xs = quantize_rows_triton(x, CUBLAS_ROWS)
         try:
             return gemm_cublas(xq, xs, q, x.dtype)[:M]
         except RuntimeError:
             pass
     xq, xs = quantize_rows_triton(x)
-    return gemm_quantized_triton(xq, xs, q, x.dtype)
+    return gemm_quantized_triton(xq, xs, q, x.dtype, gemm_tiles(M, SMALL, plan.fp8_small_rows))

@@ -66,7 +66,7 @@ def layout_ref(ids: torch.Tensor, n_experts: int, bm: int, blocks: int | None = 
         else:
             assert int(empty) >= 0, f"{int(per_expert.sum())} blocks needed, {blocks} given"
     experts = torch.arange(n_experts + 1, dtype=torch.int32, device=ids.device)
-    experts[-1] = -1                                                   # the empty blocks, after the rest
+    experts[-1:].fill_(-1)             # the empty blocks, after the rest (a fill: no host copy to capture)
     expert = torch.repeat_interleave(experts, torch.cat([per_expert, empty]), output_size=blocks)
     e_sorted = flat[order]
     rank = torch.arange(T * k, device=ids.device) - first_pair[e_sorted]   # place among its expert's pairs

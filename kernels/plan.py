@@ -102,6 +102,16 @@ class ProductPlan:
     permute_x: bool = True          # a 4-bit weight's perm (GPTQ desc_act) applied to x once per few-row product,
                                     # not in every tile (the same sums; with its gather 0.57-0.92 x the time on
                                     # the 27B's products at 1 and 4 rows, H100: tests/bench/bench_int4.py)
+    fp8_cublas_rows: int = 1        # a prefill's product over FP8 weights of at least this many rows runs in cuBLAS's
+                                    # block-scaled product (its rows padded to 16) where cuBLAS was seen to compute
+                                    # the shape right (fp8_gemm.cublas_serves), fewer in the Triton kernel. cuBLAS
+                                    # splits the 27B's 5,120-column products over K: a chunk of 16 / 64 / 256 tokens'
+                                    # products 8.6 / 9.9 / 12.5 ms against the Triton kernel's 20.0 / 22.1 / 33.4, and
+                                    # a chat turn of 16 / 50 / 128 tokens after 8K 0.80 / 0.83 / 0.73 x the wall time of
+                                    # cuBLAS from 256 rows (H200, tests/bench/probe_small_gemm.py, probe_turn.py)
+    fp8_small_rows: int = 256       # the Triton kernel's tile for at most this many rows is fp8_gemm.SMALL (64 weight
+                                    # rows, 4 warps: twice the wide tile's programs), the wide tile beyond: 0.54-0.61 x
+                                    # its time at 16-256 rows (same probe)
     int4_prefill: str = "dense"     # prefill's 4-bit products (kernels/int4_gemm.py): "dense" (a dequantized
                                     # slab, then torch's matmul: 1.27-1.34 x bf16 at 2048 rows, H100), "fp8" (a
                                     # slab requantized to FP8 blocks, x's rows in FP8, cuBLAS's block-scaled product;

@@ -74,7 +74,7 @@ def test_fp8_steps_follow_the_cpu_as_bf16_does(ckpt, tmp_path, monkeypatch):
     from tools.tiny import write_dequantized_twin
     from mtpchat.kernels import fp8_gemm
     from mtpchat.kernels.fp8 import dequantize_ref
-    monkeypatch.setattr(fp8_gemm, "gemm", lambda x, q: (x.float() @ dequantize_ref(q).T).to(x.dtype))
+    monkeypatch.setattr(fp8_gemm, "gemm", lambda x, q, plan=None: (x.float() @ dequantize_ref(q).T).to(x.dtype))
     cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=512)
     ids = gpu_prompts(cpu, 3)[2][:40]
     plan = KernelPlan.choose("cuda", cpu.config, fp8=True).replace(prefill_quant=False)   # bf16 rows for it

@@ -106,10 +106,9 @@ def test_35b_a3b_shapes_mtp_on_equals_off_over_either_layout(weights, routed):
 
 @pytest.mark.parametrize("layout", [STACKED, PER_EXPERT])
 def test_prefill_graph_chunks_on_an_moe(ckpts, layout):
-    """A candidate (memory.prefill_graph_sizes leaves MoE models out until it is timed): an MoE's
-    prefill chunks captured as graphs, its layout's blocks bounded ahead (moe_layout.most_blocks).
-    The capture works, a chunk's replay gives the eager run's logits bit for bit, and greedy MTP
-    on == off from prompts that take such chunks."""
+    """An MoE's prefill chunks captured as graphs (memory.prefill_graph_sizes), its layout's blocks
+    bounded ahead (moe_layout.most_blocks). The capture works, a chunk's replay gives the eager
+    run's logits bit for bit, and greedy MTP on == off from prompts that take such chunks."""
     base = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024)
     plan = base.plan.replace(prefill_graphs=(8, 16, 24))
     del base

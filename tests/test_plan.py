@@ -62,12 +62,13 @@ def test_a_gpu_prefills_a_few_tokens_through_the_step_graphs(gqa3, monkeypatch):
     gpu, cpu = KernelPlan.choose("cuda", config, fp8=False), KernelPlan.choose("cpu", config, fp8=False)
     assert (gpu.step_prefill, gpu.prefill_graphs, gpu.prefill_pieces) == (2, PREFILL_GRAPHS, 2)
     assert (cpu.step_prefill, cpu.prefill_graphs) == (0, ())
-    # the chunks captured as graphs: a dense model's in bf16 or FP8, not an MoE's nor 4-bit ones
+    # the chunks captured as graphs: a model's in bf16 or FP8, dense or MoE, not 4-bit ones
     assert KernelPlan.choose("cuda", config, fp8=True).prefill_graphs == PREFILL_GRAPHS
     assert KernelPlan.choose("cuda", config, fp8=False, int4=True).prefill_graphs == ()
     moe = dataclasses.replace(config, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                               shared_expert_intermediate_size=32)
-    assert moe.is_moe and KernelPlan.choose("cuda", moe, fp8=False).prefill_graphs == ()
+    assert moe.is_moe and KernelPlan.choose("cuda", moe, fp8=False).prefill_graphs == PREFILL_GRAPHS
+    assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_graphs == ()
     assert KernelPlan.choose("cuda", moe, fp8=False).step_prefill == 2
 
 

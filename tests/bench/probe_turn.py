@@ -26,7 +26,9 @@ from torch.profiler import ProfilerActivity, profile
 from mtpchat.engine.bench import random_prompt
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.engine import Engine
+from mtpchat.engine.memory import CAPTURED_K
 from mtpchat.engine.plan import KernelPlan
+from mtpchat.engine.sampling import SamplingParams
 from ab_step import CONFIGS
 from probe_prefill_chunk import parse_changes
 
@@ -46,8 +48,10 @@ def main():
                    help="a chat turn: the message, a snapshot, then G tokens of generation prompt")
     p.add_argument("--kernels", type=int, default=0, metavar="ROWS",
                    help="also each turn's kernels by name, the ROWS that took the most GPU time")
+    p.add_argument("--recapture", action="store_true",
+                   help="capture the graphs again under each plan of --plans (a graph keeps the plan it was captured under)")
     p.add_argument("--prefill-graphs", metavar="SIZES",
-                   help="the prefill chunks captured at load, e.g. 8,16,24 (default: the plan's; an MoE takes none)")
+                   help="the prefill chunks captured at load, e.g. 8,16,24 (default: the plan's)")
     a = p.parse_args()
     sizes = [int(t) for t in a.tokens.split(",")]
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
@@ -72,6 +76,11 @@ def main():
 
     for changes in [parse_changes(c) for c in a.plans.split(";")] if a.plans else [{}]:
         engine.plan = dec.plan = base.replace(**changes)
+        if a.recapture and engine.runner is not None and engine.runner.graphs_on:
+            engine.runner.graphs.clear()
+            engine.runner.pool = torch.cuda.graph_pool_handle()   # a pool is not captured into twice
+            with torch.inference_mode():
+                engine.runner.capture(min(engine.state.k_max, CAPTURED_K), engine.head is not None, SamplingParams())
         for n in sizes:
             turn = random_prompt(engine, n, 1 + n)
             walls = []

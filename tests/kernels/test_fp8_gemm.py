@@ -3,6 +3,8 @@ reference, the fp8 GEMM against gemm_ref on the same quantized rows, the whole p
 exact one within fp8's precision; the 27B's prefill shapes on the GPU."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_checks import INTERPRETED, TOL, check, randn
@@ -10,6 +12,7 @@ from kernel_checks import INTERPRETED, TOL, check, randn
 from mtpchat.kernels import fp8_gemm
 from mtpchat.kernels.fp8 import FP8, BlockFP8, dequantize_ref, quantize_ref
 from mtpchat.kernels.matvec import silu_mul_ref, silu_mul_triton
+from mtpchat.kernels.plan import ProductPlan
 
 # the exact product against the one with fp8 activations: e4m3 keeps 3 bits of mantissa
 FP8_TOL = 5e-2
@@ -150,6 +153,37 @@ def test_gemm_kernel(device, dtype, M, N, K):
     check(y, fp8_gemm.gemm_ref(xq, xs, q, torch.float32), GEMM_TOL)
 
 
+# the few-row tiles: the plan's SMALL, the same computed transposed, 32 weight rows a program
+FEW_ROW_TILES = [fp8_gemm.SMALL, fp8_gemm.SMALL._replace(swap=True), fp8_gemm.GemmTiles(16, 32, 2, 3)]
+
+
+@pytest.mark.parametrize("tiles", FEW_ROW_TILES, ids=["small", "swapped", "32-columns"])
+@pytest.mark.parametrize("M,N,K", [(1, 64, 128), (5, 300, 200), (17, 200, 384), (40, 129, 300)])
+def test_gemm_kernel_few_row_tiles(device, tiles, M, N, K):
+    # a tile of 16-64 rows, one scale block's columns or fewer: outputs against gemm_ref, a weight
+    # scale row shared by the tiles of one 128-row block, the transposed tile's store by columns
+    g = torch.Generator().manual_seed(M * 7 + N + K)
+    x, q = rows(M, K, torch.float32, device, g), weight(N, K, device, g)
+    xq, xs = fp8_gemm.quantize_rows_ref(x)
+    t = fp8_gemm.gemm_tiles(M, tiles, 64)
+    assert t.BM == max(16, min(tiles.BM, 1 << (M - 1).bit_length()))
+    y = fp8_gemm.gemm_quantized_triton(xq, xs, q, torch.float32, t)
+    check(y, fp8_gemm.gemm_ref(xq, xs, q, torch.float32), GEMM_TOL)
+
+
+def test_gemm_tiles_rule():
+    assert fp8_gemm.gemm_tiles(5) == fp8_gemm.WIDE                            # no small tile given
+    assert fp8_gemm.gemm_tiles(300, fp8_gemm.SMALL, 256) == fp8_gemm.WIDE     # more rows than it takes
+    assert fp8_gemm.gemm_tiles(256, fp8_gemm.SMALL, 256) == fp8_gemm.SMALL
+    assert fp8_gemm.gemm_tiles(20, fp8_gemm.SMALL, 256).BM == 32
+    assert fp8_gemm.gemm_tiles(1, fp8_gemm.SMALL, 256).BM == 16
+    with pytest.raises(AssertionError, match="divide the scale block"):
+        g = torch.Generator().manual_seed(1)
+        x, q = rows(3, 128, torch.float32, "cpu", g), weight(64, 128, "cpu", g)
+        fp8_gemm.gemm_quantized_triton(*fp8_gemm.quantize_rows_ref(x), q, torch.float32,
+                                       fp8_gemm.GemmTiles(16, 96, 4, 2))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,N,K", GEMM_SHAPES[1:4])
 def test_gemm_triton(device, dtype, M, N, K):
@@ -203,6 +237,24 @@ def test_cublas_and_triton_agree(M, N, K):
     if M == 2048:
         m_major = xs.T.contiguous().T          # cuBLAS takes the rows' scales M-major, as quantize_rows lays them
         check(fp8_gemm.gemm_cublas(xq, m_major, q, torch.bfloat16), want.to(torch.bfloat16), 4e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 5, 16, 40, 64, 200])
+@pytest.mark.parametrize("N,K", [(5120, 6144), (640, 384)])
+def test_gemm_few_rows_under_the_plan(M, N, K):
+    # a short prefill chunk's product under the plan's defaults (cuBLAS for any rows, padded to 16,
+    # where its trial agreed; 640 x 384 it once computed wrong) and with cuBLAS off (the Triton
+    # kernel on the small tile): both within fp8 accumulation of gemm_ref
+    g = torch.Generator().manual_seed(M + N)
+    x, q = rows(M, K, torch.bfloat16, "cuda", g), weight(N, K, "cuda", g)
+    want = fp8_gemm.gemm_ref(*quantized_ref(x), q, torch.float32).to(torch.bfloat16)
+    plan = ProductPlan(programs=132)
+    assert plan.fp8_cublas_rows <= 1 and plan.fp8_small_rows >= 200
+    for p in (plan, dataclasses.replace(plan, fp8_cublas_rows=1 << 20), dataclasses.replace(plan, fp8_small_rows=0)):
+        y = fp8_gemm.gemm(x, q, p)
+        assert y.shape == (M, N) and y.dtype == torch.bfloat16
+        check(y, want, 4e-3)
 
 
 @pytest.mark.gpu
