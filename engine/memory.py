@@ -374,8 +374,12 @@ K_MAX = 8
 CAPTURED_K = 4
 # A short prefill goes as chunks of these sizes, each replayed from a CUDA graph captured at load
 # (with pieces of a step's rows for the rest; engine/decoder.py prefill_pieces), where a GPU's plan
-# takes them (KernelPlan.prefill_graphs).
-PREFILL_GRAPHS = (8, 16, 24, 32, 40, 48, 56, 64)
+# takes them (KernelPlan.prefill_graphs). 96 and 128 since the few-row FP8 products run in cuBLAS:
+# the 27B FP8's turns of 100 / 128 / 200 / 256 tokens after 8K in 71.2 / 58.7 / 98.8 / 74.7 ms against
+# 88.3 / 71.7 / 165.2 / 147.7 with chunks of 64 at most (the last two then eager), the graphs' pool
+# unchanged (98 MiB: the largest is captured first and the others reuse its memory), the chunks'
+# shared attention workspace twice as large (224 MiB at 8K; an H200, tests/bench/probe_turn.py).
+PREFILL_GRAPHS = (8, 16, 24, 32, 40, 48, 56, 64, 96, 128)
 
 
 def chunk_attention_bytes(cfg: ModelConfig, sizes: tuple[int, ...], cache_rows: int, dtype) -> int:

@@ -232,18 +232,19 @@ class GemmTiles(NamedTuple):
 # (each 64 rows of the tile), 4 stages of 32 KB of fp8 operands in shared memory.
 BM, BN, BK, GROUP_M, WARPS, STAGES = 128, BLOCK, BLOCK, 8, 8, 4
 WIDE = GemmTiles(BM, BN, WARPS, STAGES)
-# For a few rows: 64 weight rows a program, one warpgroup, 4 deep (the rows' block 16 to 64, the
-# rows rounded up to a power of two): the wide tile's 40 programs for a product of 5,120 columns
-# become 80 (tests/bench/probe_small_gemm.py)
+# For a few rows: 64 weight rows a program, one warpgroup, 4 deep (blocks of 64 rows, 16 for 16 or
+# fewer: gemm_tiles): the wide tile's 40 programs for a product of 5,120 columns become 80, the 27B's
+# products of a chunk of 16-256 rows 0.54-0.61 x the wide tile's time (tests/bench/probe_small_gemm.py)
 SMALL = GemmTiles(64, 64, 4, 4)
 
 
 def gemm_tiles(M: int, small: GemmTiles | None = None, small_rows: int = 0) -> GemmTiles:
-    """The tile for M rows: `small` (its BM rounded down to the rows' power of two, 16 at least) up
-    to `small_rows` rows, the wide tile beyond."""
+    """The tile for M rows: `small` up to `small_rows` rows (16 rows a block for at most 16, which
+    took SMALL's products 0.95 x the time of 64 there; 32 rows a block took them 1.46 x at 32 rows,
+    so its own BM beyond), the wide tile beyond (tests/bench/probe_small_gemm.py, an H200)."""
     if small is None or M > small_rows:
         return WIDE
-    return small._replace(BM=min(small.BM, max(16, triton.next_power_of_2(M))))
+    return small._replace(BM=16) if M <= 16 else small
 
 
 def gemm_quantized_triton(xq: torch.Tensor, xs: torch.Tensor, q: BlockFP8, out_dtype: torch.dtype,

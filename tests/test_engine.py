@@ -83,8 +83,8 @@ def test_a_short_prefill_in_the_step_form_matches_transformers(ckpt, n):
 
 
 def test_a_short_prefill_goes_in_graph_sized_chunks_and_step_pieces():
-    # the GPU's sizes: as few replays as the largest chunks that fit make, the rest in step pieces
-    sizes = PREFILL_GRAPHS
+    # as few replays as the largest chunks that fit make, the rest in step pieces
+    sizes = (8, 16, 24, 32, 40, 48, 56, 64)
     assert prefill_pieces(3, 5, 2, sizes, 4) == [(3, "step")]
     assert prefill_pieces(10, 5, 2, sizes, 4) == [(5, "step"), (5, "step")]
     assert prefill_pieces(11, 5, 2, sizes, 4) == [(8, "graph"), (3, "step")]
@@ -98,6 +98,12 @@ def test_a_short_prefill_goes_in_graph_sized_chunks_and_step_pieces():
                                                         (3, "step"), (3, "step")]
     assert prefill_pieces(63, 5, 2, (16, 32), 4) is None             # 32 + 16 + 15: three steps' rows
     assert prefill_pieces(56, 5, 2, (8, 16, 32), 4) == [(32, "graph"), (16, "graph"), (8, "graph")]
+    # the GPU's sizes
+    assert PREFILL_GRAPHS[-2:] == (96, 128)
+    assert prefill_pieces(200, 5, 2, PREFILL_GRAPHS, 2) == [(128, "graph"), (64, "graph"), (4, "step"), (4, "step")]
+    assert prefill_pieces(100, 5, 2, PREFILL_GRAPHS, 2) == [(96, "graph"), (4, "step")]
+    assert prefill_pieces(266, 5, 2, PREFILL_GRAPHS, 2) == [(128, "graph")] * 2 + [(5, "step")] * 2
+    assert prefill_pieces(267, 5, 2, PREFILL_GRAPHS, 2) is None
     assert prefill_pieces(37, 5, 2, sizes, 0) is None and prefill_pieces(37, 5, 0, sizes, 4) is None
     assert prefill_pieces(40, 5, 0, sizes, 4) == [(40, "graph")]
     assert prefill_pieces(8, 5, 0, (), 4) is None

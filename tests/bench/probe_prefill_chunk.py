@@ -59,11 +59,13 @@ def main():
 
 
 def parse_changes(text: str) -> dict:
-    """"prefill_rows=16,int4_prefill=fp8" -> {"prefill_rows": 16, "int4_prefill": "fp8"} (ints, booleans, words)."""
+    """"prefill_rows=16,int4_prefill=fp8,prefill_graphs=8/16" -> {"prefill_rows": 16, "int4_prefill":
+    "fp8", "prefill_graphs": (8, 16)} (ints, booleans, words, tuples of ints split by '/')."""
     out = {}
     for pair in filter(None, (t.strip() for t in text.split(","))):
         key, value = pair.split("=")
         out[key] = (int(value) if value.lstrip("-").isdigit() else
+                    tuple(int(v) for v in value.split("/") if v) if "/" in value else
                     {"true": True, "false": False}.get(value.lower(), value))
     return out
 

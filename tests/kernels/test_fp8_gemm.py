@@ -166,7 +166,7 @@ def test_gemm_kernel_few_row_tiles(device, tiles, M, N, K):
     x, q = rows(M, K, torch.float32, device, g), weight(N, K, device, g)
     xq, xs = fp8_gemm.quantize_rows_ref(x)
     t = fp8_gemm.gemm_tiles(M, tiles, 64)
-    assert t.BM == max(16, min(tiles.BM, 1 << (M - 1).bit_length()))
+    assert t.BM == (16 if M <= 16 else tiles.BM)
     y = fp8_gemm.gemm_quantized_triton(xq, xs, q, torch.float32, t)
     check(y, fp8_gemm.gemm_ref(xq, xs, q, torch.float32), GEMM_TOL)
 
@@ -175,8 +175,8 @@ def test_gemm_tiles_rule():
     assert fp8_gemm.gemm_tiles(5) == fp8_gemm.WIDE                            # no small tile given
     assert fp8_gemm.gemm_tiles(300, fp8_gemm.SMALL, 256) == fp8_gemm.WIDE     # more rows than it takes
     assert fp8_gemm.gemm_tiles(256, fp8_gemm.SMALL, 256) == fp8_gemm.SMALL
-    assert fp8_gemm.gemm_tiles(20, fp8_gemm.SMALL, 256).BM == 32
-    assert fp8_gemm.gemm_tiles(1, fp8_gemm.SMALL, 256).BM == 16
+    assert fp8_gemm.gemm_tiles(20, fp8_gemm.SMALL, 256).BM == 64
+    assert fp8_gemm.gemm_tiles(16, fp8_gemm.SMALL, 256).BM == fp8_gemm.gemm_tiles(1, fp8_gemm.SMALL, 256).BM == 16
     with pytest.raises(AssertionError, match="divide the scale block"):
         g = torch.Generator().manual_seed(1)
         x, q = rows(3, 128, torch.float32, "cpu", g), weight(64, 128, "cpu", g)
