@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpchat.engine.memory import CAPTURED_K, PREFILL_GRAPHS
+from mtpchat.engine.memory import CAPTURED_K, prefill_graph_sizes
 from mtpchat.engine.dispatch import Ctx, linear
 from mtpchat.engine.draft_vocab import DraftRows
 from mtpchat.engine.events import PhaseTimes
@@ -96,8 +96,9 @@ class Decoder:
         self.pend_tokens = long(rows)
         self.v_hidden = torch.zeros(K1, c.hidden_size, device=dev, dtype=model.embed.dtype)
         # a short prefill's chunks replayed as graphs (the plan's prefill_graphs): their tokens, hiddens
-        # (as large as the memory plan's sizes whatever this plan's, so a plan swapped in may take them)
-        most = max(*PREFILL_GRAPHS, *plan.prefill_graphs)
+        # (as large as the memory plan's sizes for this model whatever this plan's, so a plan swapped
+        # in may take them; larger where this plan's are)
+        most = max(*prefill_graph_sizes(c, False), *plan.prefill_graphs, 1)
         self.chunk_ids = long(most)
         self.chunk_hidden = torch.zeros(most, c.hidden_size, device=dev, dtype=model.embed.dtype)
         # and their attention's partials, one workspace for every size (rather than one each in the

@@ -191,8 +191,7 @@ class Engine:
         `steps` greedy steps each, after one untimed; the decode state is empty again after. (A
         larger k, eager, is timed by the policy when it first runs.) Its prompt of 16 tokens is
         longer than a GPU's step pieces take (decoder.prefill_pieces), so where no graph chunk takes
-        it (an MoE or 4-bit model) the chunked prefill's kernels are compiled here, not in the
-        first turn."""
+        it (a 4-bit model) the chunked prefill's kernels are compiled here, not in the first turn."""
         top = min(self.k_max, CAPTURED_K)
         need = (top + 1) * (steps + 1) + 32
         if self.head is None or need >= self.max_context:

@@ -398,10 +398,13 @@ def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool) -> tuple[int, ...]:
     """The prefill chunks a GPU captures as graphs: a model's in bf16 or FP8, dense or MoE (an MoE
     layer's prefill layout takes as many blocks as its pairs could need, so no count waits for the
     host: kernels/moe_layout.py most_blocks). The 35B-A3B FP8's turn of 16 / 50 / 128 tokens after
-    8K took 0.37 / 0.39 / 0.59 x the wall time of eager chunks (an H200, tests/bench/probe_turn.py).
+    8K took 0.37 / 0.39 / 0.59 x the wall time of eager chunks (an H200, tests/bench/probe_turn.py),
+    with chunks of up to 64 tokens: an MoE's stop there until its chunks of 96 and 128 are timed.
     4-bit prefill is not captured yet (what its dequantized slabs would keep in the graphs' pool is
     unmeasured)."""
-    return () if four_bit else PREFILL_GRAPHS
+    if four_bit:
+        return ()
+    return tuple(T for T in PREFILL_GRAPHS if T <= 64) if cfg.is_moe else PREFILL_GRAPHS
 
 
 def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:

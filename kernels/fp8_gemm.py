@@ -8,7 +8,9 @@ is rounded to float8_e4m3fn (`quantize_rows`). The product then runs fp8 x fp8:
 one program per BM x BN tile of y walks K in steps of BK = 128, one 128 x 128 weight-scale block a
 step, and adds each step's dot, scaled by its token scales and its weight scale, to a float32 sum:
     acc += dot(xq[:, k-block], wq[n-block, k-block]ᵀ) * xs[:, k-block] * ws[n-block, k-block]
-With BN = BK = 128 = the weight's block, one weight scale serves a whole step of a tile. Each dot
+With BK = 128 and BN dividing 128 (the weight's block), one weight scale serves a whole step of a
+tile. (A product of a few rows, a short prefill chunk's, runs in cuBLAS where its trial agreed, or
+on a tile of 64 weight rows: `gemm_tiles`.) Each dot
 covers 128 products of K, so the tensor cores' reduced-precision fp8 accumulation (Triton's default
 on sm_90) never runs longer than that before the float32 sum takes over: the recipe's "promotion
 every 128".
@@ -234,7 +236,7 @@ BM, BN, BK, GROUP_M, WARPS, STAGES = 128, BLOCK, BLOCK, 8, 8, 4
 WIDE = GemmTiles(BM, BN, WARPS, STAGES)
 # For a few rows: 64 weight rows a program, one warpgroup, 4 deep (blocks of 64 rows, 16 for 16 or
 # fewer: gemm_tiles): the wide tile's 40 programs for a product of 5,120 columns become 80, the 27B's
-# products of a chunk of 16-256 rows 0.54-0.61 x the wide tile's time (tests/bench/probe_small_gemm.py)
+# products of a chunk of 16-256 rows 0.53-0.61 x the wide tile's time (tests/bench/probe_small_gemm.py)
 SMALL = GemmTiles(64, 64, 4, 4)
 
 

@@ -110,7 +110,7 @@ class ProductPlan:
                                     # a chat turn of 16 / 50 / 128 tokens after 8K 0.80 / 0.83 / 0.73 x the wall time of
                                     # cuBLAS from 256 rows (H200, tests/bench/probe_small_gemm.py, probe_turn.py)
     fp8_small_rows: int = 256       # the Triton kernel's tile for at most this many rows is fp8_gemm.SMALL (64 weight
-                                    # rows, 4 warps: twice the wide tile's programs), the wide tile beyond: 0.54-0.61 x
+                                    # rows, 4 warps: twice the wide tile's programs), the wide tile beyond: 0.53-0.61 x
                                     # its time at 16-256 rows (same probe)
     int4_prefill: str = "dense"     # prefill's 4-bit products (kernels/int4_gemm.py): "dense" (a dequantized
                                     # slab, then torch's matmul: 1.27-1.34 x bf16 at 2048 rows, H100), "fp8" (a

@@ -102,9 +102,13 @@ def test_gemm_takes_quantized_rows(device, M, N, K):
     g = torch.Generator().manual_seed(M * K)
     x, q = rows(M, K, torch.bfloat16, device, g), weight(N, K, device, g)
     xq, xs = fp8_gemm.quantize_rows_triton(x, fp8_gemm.CUBLAS_ROWS)
-    got = fp8_gemm.gemm(fp8_gemm.QuantizedRows(xq, xs, M, x.dtype), q)
+    plan = ProductPlan(programs=132, fp8_cublas_rows=1 << 20)            # the Triton kernel's path
+    got = fp8_gemm.gemm(fp8_gemm.QuantizedRows(xq, xs, M, x.dtype), q, plan)
     assert got.shape == (M, N) and got.dtype == x.dtype
-    assert torch.equal(got, fp8_gemm.gemm_quantized_triton(*fp8_gemm.quantize_rows_triton(x), q, x.dtype))
+    tiles = fp8_gemm.gemm_tiles(M, fp8_gemm.SMALL, plan.fp8_small_rows)
+    assert torch.equal(got, fp8_gemm.gemm_quantized_triton(*fp8_gemm.quantize_rows_triton(x), q, x.dtype, tiles))
+    if x.is_cuda:        # (on the CPU gemm of a tensor is the exact product)
+        assert torch.equal(got, fp8_gemm.gemm(x, q, plan))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in divide")   # 1 / xs overflows: the point
@@ -251,10 +255,14 @@ def test_gemm_few_rows_under_the_plan(M, N, K):
     want = fp8_gemm.gemm_ref(*quantized_ref(x), q, torch.float32).to(torch.bfloat16)
     plan = ProductPlan(programs=132)
     assert plan.fp8_cublas_rows <= 1 and plan.fp8_small_rows >= 200
-    for p in (plan, dataclasses.replace(plan, fp8_cublas_rows=1 << 20), dataclasses.replace(plan, fp8_small_rows=0)):
+    triton_only = dataclasses.replace(plan, fp8_cublas_rows=1 << 20)
+    for p in (plan, triton_only, dataclasses.replace(triton_only, fp8_small_rows=0)):   # cuBLAS, SMALL, WIDE
         y = fp8_gemm.gemm(x, q, p)
         assert y.shape == (M, N) and y.dtype == torch.bfloat16
         check(y, want, 4e-3)
+    if N == 5120:        # a 27B shape: cuBLAS was tried at these rows and took them
+        key = ("block", q.w.device, N, K, torch.bfloat16, max(16, 1 << (M - 1).bit_length()))
+        assert fp8_gemm._cublas_trusted.get(key) is True
 
 
 @pytest.mark.gpu
