@@ -27,7 +27,7 @@ from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BlockFP8
 from mtpchat.kernels.fp8_gemm import QuantizedRows
 from mtpchat.kernels.int4 import GroupInt4
-from mtpchat.kernels.matvec import Normed, matvec, matvec_rider, rides
+from mtpchat.kernels.matvec import Normed, matvec, matvec_prefill, matvec_rider, rides
 from mtpchat.kernels.matvec_parts import matvec_parts, matvec_parts_triton
 from mtpchat.kernels.plan import ProductPlan
 
@@ -107,12 +107,16 @@ def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
     in the plan's form (it also takes a Normed x, see add_norm, and FP8 or 4-bit weights, scaled in
     registers), one product per row on the CPU. A prefill over FP8 weights on the GPU runs on the
     FP8 tensor cores (fp8_gemm.py), over 4-bit ones in int4_gemm.py (the plan's int4_prefill: a
-    dequantized slab and torch's matmul, or the tiles widened in registers); on the CPU it is the
-    product of the dequantized weight."""
+    dequantized slab and torch's matmul, or the tiles widened in registers), or for at most the
+    plan's int4_prefill_rows rows in the few-row kernel (matvec.matvec_prefill); on the CPU it is
+    the product of the dequantized weight."""
     if isinstance(x, QuantizedRows):
         return fp8_gemm.gemm(x, w, products) if isinstance(w, BlockFP8) else int4_gemm.gemm(x, w, plan=products)
     if _few_rows(x, rowwise):
         return matvec(x, w, plan=products)
+    if (not rowwise and isinstance(w, GroupInt4) and x.shape[0] <= products.int4_prefill_rows
+            and use_triton(x, w.w)):
+        return matvec_prefill(x, w, products)        # a short prefill chunk's: the weight streamed once
     if not rowwise and use_triton(x, values_of(w)):
         if isinstance(w, BlockFP8):
             return fp8_gemm.gemm(x, w, products)

@@ -218,7 +218,8 @@ class KernelPlan:
                    shared_as_expert=config.is_moe and alike, moe_normed=normed,
                    prefill_attention="triton" if timed else "flash",
                    step_prefill=2 if device.type == "cuda" else 0,
-                   prefill_graphs=prefill_graph_sizes(config, int4 or config.quantization == "int4")
+                   prefill_graphs=prefill_graph_sizes(config, int4 or config.quantization == "int4",
+                                                      products.int4_prefill_rows)
                    if device.type == "cuda" else ())
 
     def replace(self, **changes) -> "KernelPlan":

@@ -45,6 +45,7 @@ from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, for
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 MAX_ROWS = 16
+PREFILL_ROWS = 64      # the most rows of a prefill's few-row product over 4-bit weights (matvec_prefill)
 
 
 class Normed(NamedTuple):
@@ -362,7 +363,7 @@ def check_product(x: torch.Tensor, w, K: int, rows: int) -> tuple[torch.Tensor, 
     most `rows` (the plan's row tile); returns (w's values, its scales or w again, the format's
     launch arguments: FP8, and for 4-bit weights the group G, the zeros and perm; kernels/int4.py)."""
     T = x.shape[0]
-    assert 1 <= T <= rows <= MAX_ROWS, f"this plan's products take 1..{rows} rows, got {T}"
+    assert 1 <= T <= rows <= PREFILL_ROWS, f"this plan's products take 1..{rows} rows, got {T}"
     assert x.shape[1] == K == w.shape[1], f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
     if isinstance(w, GroupInt4):
         check_int4(w, K, interleaved=True)
@@ -502,6 +503,33 @@ def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | Non
     BN, BK, warps, stages = tiles(N, K, x.element_size(), fp8=fp8["FP8"], plan=plan, group=fp8.get("G", 0),
                                   interleaved=w.dtype == torch.int16)
     return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, False, plan, BT)
+
+
+def prefill_tile(w: GroupInt4, BT: int, itemsize: int, plan: ProductPlan) -> tuple[int, int, int, int]:
+    """(BN, BK, warps, stages) of matvec_prefill over w for a row tile of BT: the plan's
+    int4_prefill_tile, BK rounded up to whole groups, its depth cut until stages - 1 buffers of w's
+    tile and x's [BK, BT] fit the device's shared memory a program."""
+    BN, BK, warps, stages = plan.int4_prefill_tile
+    BK = triton.cdiv(BK, w.group) * w.group
+    return BN, BK, warps, plan.depth(stages, BN * BK // 2 + BK * BT * itemsize)
+
+
+def matvec_prefill(x: torch.Tensor, w: GroupInt4, plan: ProductPlan) -> torch.Tensor:
+    """A prefill's product of a few rows (1..PREFILL_ROWS) over 4-bit weights (the plan's
+    int4_prefill_rows): the few-row kernel, its row tile T rounded up to a power of two (16 at
+    least), on the plan's int4_prefill_tile, so the weight streams through once, unpacked in
+    registers, where the slab forms of kernels/int4_gemm.py write and read a dense copy of it all.
+    A prefill's rows need not be batch-invariant; each is still what matvec_ref computes, within
+    rounding."""
+    T, K = x.shape
+    N = w.shape[0]
+    assert 1 <= T <= PREFILL_ROWS, f"matvec_prefill takes 1..{PREFILL_ROWS} rows, got {T}"
+    BT = max(16, triton.next_power_of_2(T))
+    x, w = permuted_once(x, w, plan)
+    wv, sw, fmt = check_product(x, w, K, BT)
+    BN, BK, warps, stages = prefill_tile(w, BT, x.element_size(), plan)
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    return _launch(x, wv, sw, y, N, K, BN, BK, warps, stages, _scale_args(x, K)[1], fmt, False, plan, BT)
 
 
 # A rider's tile: (rows, bytes of K) a program and step. Its programs run the launch's warps and

@@ -102,6 +102,14 @@ class ProductPlan:
     permute_x: bool = True          # a 4-bit weight's perm (GPTQ desc_act) applied to x once per few-row product,
                                     # not in every tile (the same sums; with its gather 0.57-0.92 x the time on
                                     # the 27B's products at 1 and 4 rows, H100: tests/bench/bench_int4.py)
+    int4_prefill_rows: int = 0      # a prefill's product over 4-bit weights of at most this many rows (a short chunk's)
+                                    # runs in the few-row kernel (matvec.matvec_prefill: the weight streamed once, the rows
+                                    # padded to a power of two from 16 to 64) where the slab forms write and read a dense
+                                    # copy of all of it (kernels/int4_gemm.py); 0: never. A candidate, not yet timed
+                                    # (tests/bench/probe_small_gemm.py --weights int4); with it a 4-bit model's prefill
+                                    # chunks of up to this many tokens are captured as graphs (memory.prefill_graph_sizes)
+    int4_prefill_tile: tuple[int, int, int, int] = (64, 128, 4, 4)   # its tile: BN, BK (weights: whole groups, rounded
+                                    # up to them), warps, stages (cut to fit the x tile of 64 rows: ProductPlan.depth)
     fp8_cublas_rows: int = 1        # a prefill's product over FP8 weights of at least this many rows runs in cuBLAS's
                                     # block-scaled product (its rows padded to 16) where cuBLAS was seen to compute
                                     # the shape right (fp8_gemm.cublas_serves), fewer in the Triton kernel. cuBLAS

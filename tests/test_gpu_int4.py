@@ -64,3 +64,35 @@ def test_int4_checkpoints_on_the_gpu(form, tmp_path):
     assert rel_err(gpu.logits(ids).float().cpu(), cpu.logits(ids), ord=2) < bound
     gpu.plan = gpu.decoder.plan = default
     assert_mtp_on_equals_off(gpu, gpu_prompts(gpu, 2), 64, profile_ks=(2, 4), ks=(3,))
+
+
+@pytest.mark.parametrize("form", ["on-load", "gptq-desc-act", "gptq-moe-desc-act"])
+def test_int4_prefill_chunks_in_the_few_row_kernel_and_graphs(ckpt, form, tmp_path):
+    """A candidate (ProductPlan.int4_prefill_rows): a short prefill's 4-bit products in the few-row
+    kernel (matvec.matvec_prefill), its chunks captured as graphs. A chunk's replay gives the eager
+    run's logits bit for bit, near the slab form's; greedy MTP on == off from prompts that take such
+    chunks."""
+    load = dict(weights="int4") if form == "on-load" else {}
+    folder = ckpt if form == "on-load" else FORMATS[form](tmp_path)[0]
+    base = Engine.load(folder, device="cuda", dtype=torch.bfloat16, max_context=1024, **load)
+    assert base.plan.prefill_graphs == ()                          # off by default
+    ids = gpu_prompts(base, 2)[1][:28]                              # 24, then a step piece of 4
+    base.reset()
+    base.decoder.begin(ids)
+    slab = base.decoder.last_logits.float().cpu()
+    plan = base.plan.replace(int4_prefill_rows=64, prefill_graphs=(8, 16, 24))
+    del base
+    runs = {}
+    for graphs in (True, False):
+        engine = Engine.load(folder, device="cuda", dtype=torch.bfloat16, max_context=1024, cuda_graphs=graphs,
+                             plan=plan, **load)
+        assert not graphs or {("prefill", T) for T in (8, 16, 24)} <= engine.decoder.runner.graphs.keys()
+        engine.reset()
+        engine.decoder.begin(ids)
+        runs[graphs] = engine.decoder.last_logits.float().cpu()
+        if graphs:
+            prompts = [p[:n] for p, n in zip(gpu_prompts(engine, 4)[1:], (11, 20, 33))]
+            assert_mtp_on_equals_off(engine, prompts, 48, profile_ks=(2, 4), ks=(3,))
+        del engine
+    assert torch.equal(runs[True], runs[False])
+    assert rel_err(runs[True], slab) < 0.02, "the few-row kernel's prefill against the slab form's"

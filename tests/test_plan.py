@@ -73,6 +73,46 @@ def test_a_gpu_prefills_a_few_tokens_through_the_step_graphs(gqa3, monkeypatch):
     assert KernelPlan.choose("cuda", moe, fp8=False).step_prefill == 2
 
 
+def test_4_bit_prefill_chunks_in_the_few_row_kernel_are_a_candidate(gqa3, monkeypatch):
+    # ProductPlan.int4_prefill_rows: a 4-bit model's graph chunks up to that many tokens (its
+    # products in the few-row kernel), none by default; an MoE's stop at 64 whatever it says
+    from mtpchat.engine import plan as plan_module
+    from mtpchat.engine.memory import prefill_graph_sizes
+    monkeypatch.setattr(plan_module, "fp8_runs_on", lambda device: True)
+    monkeypatch.setattr(plan_module, "fp8_form_runs_on", lambda device: False)
+    config = ModelConfig.load(gqa3)
+    moe = dataclasses.replace(config, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32)
+    assert ProductPlan.int4_prefill_rows == 0 and prefill_graph_sizes(config, True) == ()
+    for rows, dense, experts in [(64, PREFILL_GRAPHS[:-2], PREFILL_GRAPHS[:-2]), (24, (8, 16, 24), (8, 16, 24)),
+                                 (128, PREFILL_GRAPHS, PREFILL_GRAPHS[:-2]), (7, (), ())]:
+        monkeypatch.setattr(plan_module, "default_products",
+                            lambda device, rows=rows: ProductPlan(programs=132, int4_prefill_rows=rows))
+        assert KernelPlan.choose("cuda", config, fp8=False, int4=True).prefill_graphs == dense
+        assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_graphs == experts
+        assert KernelPlan.choose("cuda", config, fp8=True).prefill_graphs == PREFILL_GRAPHS    # not 4 bits
+
+
+def test_a_short_4_bit_prefill_takes_the_few_row_kernel(monkeypatch):
+    # engine/dispatch.linear: a prefill (not rowwise) of at most int4_prefill_rows rows over a 4-bit
+    # weight on the GPU; more rows, a step's rows, other weights and the CPU as before
+    from mtpchat.engine import dispatch
+    from mtpchat.kernels import int4
+    calls = []
+    monkeypatch.setattr(dispatch, "matvec_prefill", lambda x, w, plan: calls.append(("few", x.shape[0])) or "few")
+    monkeypatch.setattr(dispatch.int4_gemm, "gemm", lambda x, w, plan=None: calls.append(("slab", x.shape[0])) or "slab")
+    monkeypatch.setattr(dispatch, "matvec", lambda x, w, plan=None: calls.append(("step", x.shape[0])) or "step")
+    monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
+    w = int4.quantize_ref(torch.randn(64, 128))
+    plan = ProductPlan(programs=132, int4_prefill_rows=32)
+    x = lambda T: type("Rows", (), {"shape": (T, 128), "is_cuda": True})()
+    assert dispatch.linear(x(32), w, False, plan) == "few"
+    assert dispatch.linear(x(33), w, False, plan) == "slab"
+    assert dispatch.linear(x(5), w, True, plan) == "step"
+    assert dispatch.linear(x(5), w, False, dataclasses.replace(plan, int4_prefill_rows=0)) == "slab"
+    assert calls == [("few", 32), ("slab", 33), ("step", 5), ("slab", 5)]
+
+
 @pytest.mark.parametrize("hopper", [True, False])
 def test_4_bit_prefill_takes_the_fp8_tensor_cores_where_they_serve(gqa3, monkeypatch, hopper):
     # measured on an H100 (kernels/int4_gemm.py): the 27B int4's 8K prompt 606 against 814 ms

@@ -48,6 +48,8 @@ def main():
                    help="a chat turn: the message, a snapshot, then G tokens of generation prompt")
     p.add_argument("--kernels", type=int, default=0, metavar="ROWS",
                    help="also each turn's kernels by name, the ROWS that took the most GPU time")
+    p.add_argument("--load-plan", default="", metavar="CHANGES",
+                   help="changes to the plan the engine loads and captures under, e.g. int4_prefill_rows=64")
     p.add_argument("--recapture", action="store_true",
                    help="capture the graphs again under each plan of --plans (a graph keeps the plan it was captured under)")
     p.add_argument("--prefill-graphs", metavar="SIZES",
@@ -56,8 +58,10 @@ def main():
     sizes = [int(t) for t in a.tokens.split(",")]
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
     plan = None
-    if a.prefill_graphs:
+    if a.prefill_graphs or a.load_plan:
         plan = KernelPlan.choose(torch.device("cuda"), config, a.weights == "fp8", a.weights == "int4")
+        plan = plan.replace(**parse_changes(a.load_plan))
+    if a.prefill_graphs:
         plan = plan.replace(prefill_graphs=tuple(int(t) for t in a.prefill_graphs.split(",")))
     engine = Engine(config, device="cuda", dtype=torch.bfloat16,
                     max_context=a.history + 2 * max(sizes) + a.generation_prompt + 256,

@@ -277,6 +277,38 @@ def test_interleaved_products(device, dtype, T, N, K, group, symmetric):
     rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=plan).transpose(0, 1), x)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,N,K,group,symmetric,perm,interleaved", [
+    (1, 70, 256, 128, True, False, False), (17, 100, 384, 128, False, True, False),
+    (40, 34, 256, 64, False, False, True), (64, 66, 512, 32, True, True, False), (23, 130, 256, 128, True, False, True)])
+def test_int4_prefill_products(device, dtype, T, N, K, group, symmetric, perm, interleaved):
+    """A short prefill's 4-bit product in the few-row kernel (matvec_prefill: rows padded to 16, 32
+    or 64, the plan's int4_prefill_tile, groups of 32 taking BK up to whole groups) against the
+    reference of the weight it came from; natural words with zeros and a perm, interleaved ones."""
+    w = int4_weight(N, K, device, T + N, group, symmetric, perm)
+    wv = int4.interleave_ref(w) if interleaved else w
+    x = randn(T, K, dtype=dtype, device=device, seed=T)
+    plan = ProductPlan(programs=6, int4_prefill_rows=64)
+    check(matvec.matvec_prefill(x, wv, plan), matvec.matvec_ref(x, w), TOL[dtype])
+    other = dataclasses.replace(plan, int4_prefill_tile=(32, 256, 2, 3), permute_x=False)
+    check(matvec.matvec_prefill(x, wv, other), matvec.matvec_ref(x, w), TOL[dtype], "another tile, perm in the tiles")
+    with pytest.raises(AssertionError, match="1..64 rows"):
+        matvec.matvec_prefill(randn(65, K, dtype=dtype, device=device, seed=1), wv, plan)
+
+
+def test_int4_prefill_tile_fits_the_shared_memory():
+    # x's tile of 64 rows by BK weights is the large buffer: a 99 KB device runs it shallower
+    w = int4_weight(64, 256, "cpu", 1, 32)
+    plan = ProductPlan(programs=6, int4_prefill_tile=(64, 100, 4, 4))
+    assert matvec.prefill_tile(w, 64, 2, plan) == (64, 128, 4, 4)                  # BK up to whole groups
+    small = dataclasses.replace(plan, shared_memory=101376)
+    BN, BK, warps, stages = matvec.prefill_tile(w, 64, 2, small)
+    assert stages == 4 and (stages - 1) * (BN * BK // 2 + BK * 64 * 2) <= 101376
+    assert matvec.prefill_tile(w, 64, 2, dataclasses.replace(small, int4_prefill_tile=(64, 256, 4, 4)))[3] == 3
+    assert matvec.prefill_tile(w, 64, 2, dataclasses.replace(small, int4_prefill_tile=(64, 512, 4, 4)))[3] == 2
+    assert matvec.prefill_tile(w, 64, 2, dataclasses.replace(plan, int4_prefill_tile=(64, 512, 4, 4)))[3] == 3
+
+
 # --- the 27B's shapes on the GPU --------------------------------------------------------------------
 
 # GDN in_proj [qkv | z], attention q|gate|k|v, GDN out_proj and attention o_proj, MLP down
