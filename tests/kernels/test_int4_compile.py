@@ -5,8 +5,9 @@ the other kernel tests here and never compiles: a kernel can pass them all and s
 (a branch the interpreter takes in Python that Triton must type, a None among the values a
 function returns). The few-row products (plain, SwiGLU, split over K, a Normed input), the split
 parts with and without the norm, the MoE expert products (SwiGLU and down, a step's layout with
-the shared expert and a prefill's without, on the tiles the engine takes for them) and prefill's
-product, each with zeros and perm and with neither, in each unpack form (ProductPlan.int4_form;
+the shared expert and a prefill's without, on the tiles the engine takes for them), prefill's
+products (the fused form's, and the few-row kernel's for 64 rows: matvec.matvec_prefill), each with
+zeros and perm and with neither, in each unpack form (ProductPlan.int4_form;
 the pairs form's inline assembly assembled for each target), each within the target's shared
 memory; and over interleaved weights, the products and experts on their own tiles."""
 from __future__ import annotations
@@ -83,6 +84,10 @@ def variants():
         yield f"expert down step={step} shared={shared}", moe._down_kernel, dict(
             BN=BN, BK=BK, SHARED=shared, **lay, **i4), {"y": "*fp32"}, (warps, stages)
     yield "gemm", int4_gemm._gemm_kernel, dict(BM=64, BN=128, BK=128, G=128, BG=128), {}
+    # a short prefill chunk's products in the few-row kernel (matvec.matvec_prefill), 64 rows
+    BN, BK, warps, stages = ProductPlan(programs=132).int4_prefill_tile
+    yield "matvec prefill 64 rows", mv, dict(BT=64, BN=BN, BK=BK, NBP=0, SWIGLU=False, SPLIT=True, **i4), \
+        {"ws": "*fp32"}, (warps, stages)
 
 
 # Each variant compiles in each form for all four targets (the slices form for sm_90 and sm_80),
@@ -121,6 +126,7 @@ BT = ProductPlan(programs=132).int4_rows
 (BN, BK, warps, stages), _ = int4.measured("plain", 16384, 5120, True)
 (SN, SK, swarps, sstages), _ = int4.measured("swiglu", 17408, 5120, True)
 (PS, PN, PK, pwarps, pstages), _ = int4.measured("split", 5120, 17408, True)     # the 27B's down: with its parts
+(QN, QK, qwarps, qstages) = ProductPlan(programs=132).int4_prefill_tile           # a short prefill's (matvec_prefill)
 step = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS, SHARED=True, zw2=None, perm2=None)
 (EN, EK, ewarps, estages) = moe.tiles("swiglu", True, False, 2, None, (1024, 2048, 128), True)
 (DN, DK, dwarps, dstages) = moe.tiles("down", True, False, 2, None, (2048, 512, 128), True)
@@ -134,6 +140,8 @@ inter = [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGL
          # the SwiGLU's gate and up tiles apart (ProductPlan.int4_expert_stacked off), on their own tile
          ("expert swiglu apart", moe._swiglu_kernel, dict(TOPK=8, BN=64, BK=256, COUNT=True, STACKED=False, **step, **il),
           i16, (4, 4)),
+         ("prefill", matvec._matvec_kernel, dict(BT=64, BN=QN, BK=QK, NBP=0, SWIGLU=False, SPLIT=True, **il),
+          {"ws": "*fp32"}, (qwarps, qstages)),
          ("dequantize", int4_gemm._dequantize_kernel, dict(G=128, BN=16, BK=1024, zw=None, INTERLEAVED=True), {"out": "*bf16"}, (4, 1))]
 for name, fn, consts, types, (warps, stages) in inter:
     for cap in (90, 80, 86, 89):
@@ -161,4 +169,4 @@ def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
     shards = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
     stdout = run_children(COMPILE, shards, timeout=900)
     assert stdout.count("ok ") >= 80, stdout[-2000:]
-    assert "pairs" in stdout and stdout.count("ok interleaved") == 7 * 4, stdout[-2000:]     # 7 kernels x 4 targets
+    assert "pairs" in stdout and stdout.count("ok interleaved") == 8 * 4, stdout[-2000:]     # 8 kernels x 4 targets
