@@ -74,7 +74,7 @@ class Decoder:
     """One sequence's decode loop."""
 
     def __init__(self, model, head, state, plan: KernelPlan, prefill_chunk: int, snapshots: int = 0,
-                 count_experts: bool = True):
+                 count_experts: bool = True, four_bit: bool = False):
         self.model, self.head, self.state, self.prefill_chunk = model, head, state, prefill_chunk
         self.plan = plan
         self.snapshots = Snapshots(model.c, snapshots, state.fold.device, model.embed.dtype)
@@ -97,8 +97,8 @@ class Decoder:
         self.v_hidden = torch.zeros(K1, c.hidden_size, device=dev, dtype=model.embed.dtype)
         # a short prefill's chunks replayed as graphs (the plan's prefill_graphs): their tokens, hiddens
         # (as large as the memory plan's sizes for this model whatever this plan's, so a plan swapped
-        # in may take them; larger where this plan's are)
-        most = max(*prefill_graph_sizes(c, False), *plan.prefill_graphs, 1)
+        # in may take them; larger where this plan's are; `four_bit`: the model's products are 4-bit)
+        most = max((*prefill_graph_sizes(c, four_bit, plan.products.int4_prefill_rows), *plan.prefill_graphs), default=1)
         self.chunk_ids = long(most)
         self.chunk_hidden = torch.zeros(most, c.hidden_size, device=dev, dtype=model.embed.dtype)
         # and their attention's partials, one workspace for every size (rather than one each in the

@@ -166,7 +166,8 @@ class Engine:
                 self.config, free, max_context, k_max, self.dtype, self.head is not None, cuda_graphs, snapshots,
                 stored, draft_vocab)
         prefill_chunk = prefill_chunk or 512
-        self.decoder = Decoder(self.model, self.head, self.state, self.plan, prefill_chunk, snapshots)
+        self.decoder = Decoder(self.model, self.head, self.state, self.plan, prefill_chunk, snapshots,
+                               four_bit=self.int4 is not None)
         self.draft_vocab = draft_vocab_size(self.config.vocab_size, draft_vocab) if self.head is not None else 0
         if self.draft_vocab:
             ids = draft_token_ids(self.tokenizer, self.config.vocab_size, self.draft_vocab)

@@ -358,12 +358,13 @@ def _measured_tile(K: int, itemsize: int, swiglu: bool, fp8: bool,
     return 64, 512 // itemsize, 4, 4
 
 
-def check_product(x: torch.Tensor, w, K: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def check_product(x: torch.Tensor, w, K: int, rows: int, most: int = MAX_ROWS) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """x [T, K] and w [N, K] as every product kernel takes them (here and in matvec_parts.py), T at
-    most `rows` (the plan's row tile); returns (w's values, its scales or w again, the format's
-    launch arguments: FP8, and for 4-bit weights the group G, the zeros and perm; kernels/int4.py)."""
+    most `rows` (the plan's row tile, at most `most`: a step's MAX_ROWS, a prefill's PREFILL_ROWS);
+    returns (w's values, its scales or w again, the format's launch arguments: FP8, and for 4-bit
+    weights the group G, the zeros and perm; kernels/int4.py)."""
     T = x.shape[0]
-    assert 1 <= T <= rows <= PREFILL_ROWS, f"this plan's products take 1..{rows} rows, got {T}"
+    assert 1 <= T <= rows <= most, f"this plan's products take 1..{rows} rows (at most {most}), got {T}"
     assert x.shape[1] == K == w.shape[1], f"x [T, K] and w [N, K] disagree: {tuple(x.shape)}, {tuple(w.shape)}"
     if isinstance(w, GroupInt4):
         check_int4(w, K, interleaved=True)
@@ -521,12 +522,13 @@ def matvec_prefill(x: torch.Tensor, w: GroupInt4, plan: ProductPlan) -> torch.Te
     registers, where the slab forms of kernels/int4_gemm.py write and read a dense copy of it all.
     A prefill's rows need not be batch-invariant; each is still what matvec_ref computes, within
     rounding."""
+    assert isinstance(x, torch.Tensor) and isinstance(w, GroupInt4), "matvec_prefill takes rows and a 4-bit weight"
     T, K = x.shape
     N = w.shape[0]
     assert 1 <= T <= PREFILL_ROWS, f"matvec_prefill takes 1..{PREFILL_ROWS} rows, got {T}"
     BT = max(16, triton.next_power_of_2(T))
     x, w = permuted_once(x, w, plan)
-    wv, sw, fmt = check_product(x, w, K, BT)
+    wv, sw, fmt = check_product(x, w, K, BT, PREFILL_ROWS)
     BN, BK, warps, stages = prefill_tile(w, BT, x.element_size(), plan)
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     return _launch(x, wv, sw, y, N, K, BN, BK, warps, stages, _scale_args(x, K)[1], fmt, False, plan, BT)

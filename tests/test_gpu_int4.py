@@ -67,11 +67,15 @@ def test_int4_checkpoints_on_the_gpu(form, tmp_path):
 
 
 @pytest.mark.parametrize("form", ["on-load", "gptq-desc-act", "gptq-moe-desc-act"])
-def test_int4_prefill_chunks_in_the_few_row_kernel_and_graphs(ckpt, form, tmp_path):
+def test_int4_prefill_chunks_in_the_few_row_kernel_and_graphs(ckpt, form, tmp_path, monkeypatch):
     """A candidate (ProductPlan.int4_prefill_rows): a short prefill's 4-bit products in the few-row
     kernel (matvec.matvec_prefill), its chunks captured as graphs. A chunk's replay gives the eager
     run's logits bit for bit, near the slab form's; greedy MTP on == off from prompts that take such
     chunks."""
+    from mtpchat.engine import dispatch
+    ran = []
+    real = dispatch.matvec_prefill
+    monkeypatch.setattr(dispatch, "matvec_prefill", lambda x, w, plan: ran.append(x.shape[0]) or real(x, w, plan))
     load = dict(weights="int4") if form == "on-load" else {}
     folder = ckpt if form == "on-load" else FORMATS[form](tmp_path)[0]
     base = Engine.load(folder, device="cuda", dtype=torch.bfloat16, max_context=1024, **load)
@@ -80,6 +84,7 @@ def test_int4_prefill_chunks_in_the_few_row_kernel_and_graphs(ckpt, form, tmp_pa
     base.reset()
     base.decoder.begin(ids)
     slab = base.decoder.last_logits.float().cpu()
+    assert not ran, "the default plan takes the slab forms"
     plan = base.plan.replace(int4_prefill_rows=64, prefill_graphs=(8, 16, 24))
     del base
     runs = {}
@@ -87,12 +92,15 @@ def test_int4_prefill_chunks_in_the_few_row_kernel_and_graphs(ckpt, form, tmp_pa
         engine = Engine.load(folder, device="cuda", dtype=torch.bfloat16, max_context=1024, cuda_graphs=graphs,
                              plan=plan, **load)
         assert not graphs or {("prefill", T) for T in (8, 16, 24)} <= engine.decoder.runner.graphs.keys()
+        ran.clear()
         engine.reset()
         engine.decoder.begin(ids)
         runs[graphs] = engine.decoder.last_logits.float().cpu()
+        assert graphs or 24 in ran, "the eager chunk of 24 took the few-row kernel"   # (a replay calls nothing)
         if graphs:
             prompts = [p[:n] for p, n in zip(gpu_prompts(engine, 4)[1:], (11, 20, 33))]
             assert_mtp_on_equals_off(engine, prompts, 48, profile_ks=(2, 4), ks=(3,))
         del engine
     assert torch.equal(runs[True], runs[False])
-    assert rel_err(runs[True], slab) < 0.02, "the few-row kernel's prefill against the slab form's"
+    # both bf16 products of the same 4-bit weights, in other orders: an MoE may flip a router's near tie
+    assert rel_err(runs[True], slab, 2) < (0.08 if "moe" in form else 0.05), "the few-row kernel against the slab form"
