@@ -1,5 +1,6 @@
 """The few-row products over bf16 and FP8 weights (kernels/matvec.py, matvec_parts.py), the MoE
-experts over them (kernels/moe.py) and decode's and prefill's attention (kernels/attention.py, attention_chunk.py) through Triton's
+experts over them (kernels/moe.py), decode's and prefill's attention (kernels/attention.py, attention_chunk.py) and
+prefill's FP8 product where cuBLAS does not serve it (kernels/fp8_gemm.py) through Triton's
 whole pipeline to a cubin, on a machine without a GPU, on the tiles the engine takes on each target
 (ProductPlan.shared_memory: an RTX 3090 or 4090, an A10, an L4 or an L40S gives a program 99 KB,
 an A100 163 KB, an H100 227 KB): for sm_90, sm_80, sm_86 and sm_89 (FP8 from sm_89), each within
@@ -11,7 +12,7 @@ from compile_checks import run_children
 
 COMPILE = r"""
 from compile_checks import SHARED_MEMORY, compile_checked, ptxas_or_exit
-from mtpchat.kernels import attention, attention_chunk, matvec, matvec_parts, moe, moe_layout
+from mtpchat.kernels import attention, attention_chunk, fp8_gemm, matvec, matvec_parts, moe, moe_layout
 from mtpchat.kernels.fp8 import fp8_run, widen_group
 from mtpchat.kernels.moe_layout import STEP_PAIRS, STEP_ROWS
 from mtpchat.kernels.plan import ProductPlan
@@ -62,6 +63,11 @@ def launches(cap):
     first, split, BN, warps, stages = attention._config(32768, 2, 256, plan)
     yield "decode attention", attention._attn_split_kernel, dict(HQ=24, GROUP=6, D=256, BM=32, BN=BN, FIRST=first,
                                                                    SPLIT=split), {}, warps, stages
+    if cap >= 89:     # prefill's FP8 product where cuBLAS does not serve: the wide tile and the few-row ones
+        for tname, t in (("wide", fp8_gemm.WIDE), ("small", fp8_gemm.SMALL), ("small 16", fp8_gemm.gemm_tiles(16, fp8_gemm.SMALL, 16))):
+            yield f"fp8 gemm {tname}", fp8_gemm._gemm_kernel, dict(BM=t.BM, BN=t.BN, BK=fp8_gemm.BK,
+                                                                    GROUP_M=fp8_gemm.GROUP_M, SWAP=t.swap), \
+                dict(a="*fp8e4nv", a_s="*fp32", b="*fp8e4nv", b_s="*fp32"), t.warps, t.stages
     BM, BN, warps, stages = attention_chunk.prefill_attention_config(256, 2, plan)
     yield "prefill attention", attention_chunk._prefill_attn_kernel, dict(GROUP=6, D=256, BD=256, BM=BM, BN=BN), \
         dict(k="*bf16", v="*bf16", o="*bf16", scale2="fp32"), warps, stages
@@ -72,7 +78,7 @@ for cap in (90, 80, 86, 89):
         consts = dict(consts, PDL=cap >= 90)
         sig = {a: types.get(a, TYPES.get(a, "i32")) for a in fn.arg_names if a not in consts}
         # as a launch specialises them: pointers, shapes and strides 16-divisible (T, eps, scale aside)
-        aligned = {a for a in sig if a not in ("T", "n", "eps", "scale") and sig[a] != "fp32"}
+        aligned = {a for a in sig if a not in ("T", "n", "M", "eps", "scale") and sig[a] != "fp32"}
         compile_checked(fn, consts, sig, cap, warps, stages, f"{name} sm_{cap}", aligned)
 """
 
@@ -81,5 +87,5 @@ def test_products_compile_within_each_targets_shared_memory():
     """In a process of its own (compile_checks.run_children): this one may run Triton's interpreter."""
     stdout = run_children(COMPILE)
     # bf16: plain, SwiGLU, split, 4 expert kernels, decode and prefill attention on 4 targets; FP8's 7
-    # on sm_89 and sm_90
-    assert stdout.count("ok ") == 9 * 4 + 7 * 2, stdout[-2000:]
+    # and prefill's FP8 product on 3 tiles on sm_89 and sm_90
+    assert stdout.count("ok ") == 9 * 4 + (7 + 3) * 2, stdout[-2000:]
