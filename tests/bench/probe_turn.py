@@ -72,7 +72,8 @@ def main():
     gen = random_prompt(engine, a.generation_prompt, 99)
     print(f"{torch.cuda.get_device_name()}, {a.model} {a.weights}, {a.history} tokens of history, "
           f"graphs {'on' if a.graphs else 'off'}, a generation prompt of {a.generation_prompt}, prefill graphs "
-          f"{base.prefill_graphs}, graph pool {engine.runner.pool_bytes / 2**20 if engine.runner else 0:.0f} MiB", flush=True)
+          f"{base.prefill_graphs}, graph pool {engine.runner.pool_bytes / 2**20 if engine.runner else 0:.0f} MiB, "
+          f"capture {engine.runner.capture_s if engine.runner else 0:.1f} s", flush=True)
 
     def turn_of(ids):
         if a.generation_prompt:
