@@ -505,6 +505,13 @@ def prefill_pieces(n: int, rows: int, step_pieces: int, sizes: tuple[int, ...], 
     return out + [(min(size, rest - s), "step") for s in range(0, rest, size)]
 
 
+def eager_prefill_length(rows: int, step_pieces: int, sizes: tuple[int, ...], most: int) -> int:
+    """A prefill length that no route through the graphs takes (prefill_pieces gives None): `most`
+    chunks of the largest size and one token more than the step pieces hold, so it goes as eager
+    chunks, whose own kernels (prefill attention's) a warm-up then compiles."""
+    return most * max(sizes, default=0) + step_pieces * rows + 1
+
+
 def _eager(key, fn) -> float:
     t = _clock()
     fn()

@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 
 from mtpchat.engine.config import GenerationConfig, Int4Format, ModelConfig, UnsupportedFormat, rtn_format
-from mtpchat.engine.decoder import Decoder
+from mtpchat.engine.decoder import Decoder, eager_prefill_length
 from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, context_rows, draft_token_ids, draft_vocab_size
 from mtpchat.engine.events import Finished, PhaseTimes, Prefilled, Stats, Step, TokenLogprob
 from mtpchat.engine.memory import CAPTURED_K, DEFAULT_SNAPSHOTS, K_MAX, prefill_chunk_that_fits
@@ -190,15 +190,23 @@ class Engine:
         the adaptive policy weighs drafts by what they cost on this device from its first step (a
         verify of k+1 rows costs about one decode step on a GPU, several on a CPU). The median of
         `steps` greedy steps each, after one untimed; the decode state is empty again after. (A
-        larger k, eager, is timed by the policy when it first runs.) Its prompt of 16 tokens is
-        longer than a GPU's step pieces take (decoder.prefill_pieces), so where no graph chunk takes
-        it (a 4-bit model) the chunked prefill's kernels are compiled here, not in the first turn."""
+        larger k, eager, is timed by the policy when it first runs.) On a GPU a prompt that no graph
+        route takes is prefilled first (decoder.eager_prefill_length: 267 tokens on a dense bf16 or
+        FP8 model, 139 on an MoE, 11 on a 4-bit one), so the eager chunks' own kernels (prefill
+        attention's) compile here, not in the first long turn."""
         top = min(self.k_max, CAPTURED_K)
         need = (top + 1) * (steps + 1) + 32
         if self.head is None or need >= self.max_context:
             return {}
-        prompt = torch.randint(0, self.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
         params, dec = SamplingParams(max_tokens=need, stop_token_ids=()), self.decoder
+        p = self.plan
+        eager = eager_prefill_length(dec.R, p.step_prefill, p.prefill_graphs, p.prefill_pieces)
+        if self.device.type == "cuda" and eager < self.max_context:
+            with torch.inference_mode():
+                dec.reset()
+                dec.begin(torch.randint(0, self.config.vocab_size, (eager,),
+                                        generator=torch.Generator().manual_seed(1)).tolist())
+        prompt = torch.randint(0, self.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
         with torch.inference_mode():
             for k in range(top + 1):
                 dec.reset()
