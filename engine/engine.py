@@ -201,13 +201,12 @@ class Engine:
         params, dec = SamplingParams(max_tokens=need, stop_token_ids=()), self.decoder
         p = self.plan
         eager = eager_prefill_length(dec.R, p.step_prefill, p.prefill_graphs, p.prefill_pieces)
-        if self.device.type == "cuda" and eager < self.max_context:
-            with torch.inference_mode():
+        prompt = torch.randint(0, self.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+        with torch.inference_mode():
+            if self.device.type == "cuda" and eager < self.max_context:
                 dec.reset()
                 dec.begin(torch.randint(0, self.config.vocab_size, (eager,),
                                         generator=torch.Generator().manual_seed(1)).tolist())
-        prompt = torch.randint(0, self.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
-        with torch.inference_mode():
             for k in range(top + 1):
                 dec.reset()
                 dec.begin(prompt)             # (no draft_context: the warm-up's tokens take no context rows)

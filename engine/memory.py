@@ -35,7 +35,6 @@ from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocab_bytes
 from mtpchat.engine.units import fmt_bytes
 from mtpchat.kernels.attention import split_workspace_floats
 from mtpchat.kernels.int4_gemm import dense_workspace
-from mtpchat.kernels.matvec import PREFILL_ROWS
 from mtpchat.kernels.plan import ProductPlan
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
@@ -403,11 +402,11 @@ def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool, four_bit_rows: int = P
     host: kernels/moe_layout.py most_blocks). The 35B-A3B FP8's turn of 16 / 50 / 128 tokens after
     8K took 0.37 / 0.39 / 0.59 x the wall time of eager chunks (an H200, tests/bench/probe_turn.py),
     with chunks of up to 64 tokens: an MoE's stop there until its chunks of 96 and 128 are timed.
-    A 4-bit model's chunks are captured up to `four_bit_rows` tokens (the plan's int4_prefill_rows,
-    PREFILL_ROWS at most: those products stream the weight in the few-row kernel; what the slab
-    forms would keep in the graphs' pool is unmeasured), none by default."""
+    A 4-bit model's chunks are captured up to `four_bit_rows` tokens (the plan's int4_prefill_rows:
+    those products stream the weight in the few-row kernel; what the slab forms would keep in the
+    graphs' pool is unmeasured), none by default."""
     sizes = tuple(T for T in PREFILL_GRAPHS if T <= 64) if cfg.is_moe else PREFILL_GRAPHS
-    return tuple(T for T in sizes if T <= min(four_bit_rows, PREFILL_ROWS)) if four_bit else sizes
+    return tuple(T for T in sizes if T <= four_bit_rows) if four_bit else sizes
 
 
 def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:

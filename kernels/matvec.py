@@ -42,10 +42,9 @@ from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
-from mtpchat.kernels.plan import ProductPlan, default_products
+from mtpchat.kernels.plan import PREFILL_ROWS, ProductPlan, default_products
 
 MAX_ROWS = 16
-PREFILL_ROWS = 64      # the most rows of a prefill's few-row product over 4-bit weights (matvec_prefill)
 
 
 class Normed(NamedTuple):

@@ -21,6 +21,7 @@ from mtpchat.kernels.int4 import GroupInt4
 
 CPU_PROGRAMS = 6       # the "SMs" under Triton's interpreter, where products split as on a small GPU
 PIPELINE_SLACK = 4096  # what Triton's pipeline keeps beside its buffers (barriers, the epilogue's layout changes)
+PREFILL_ROWS = 64      # the most rows of a prefill's few-row product over 4-bit weights (matvec.matvec_prefill)
 
 # (N, K, itemsize, swiglu, fp8) -> (BN, BK, warps, stages), or None for the default tile (matvec.tiles)
 TileRule = Callable[[int, int, int, bool, bool], "tuple[int, int, int, int] | None"]
@@ -102,7 +103,7 @@ class ProductPlan:
     permute_x: bool = True          # a 4-bit weight's perm (GPTQ desc_act) applied to x once per few-row product,
                                     # not in every tile (the same sums; with its gather 0.57-0.92 x the time on
                                     # the 27B's products at 1 and 4 rows, H100: tests/bench/bench_int4.py)
-    int4_prefill_rows: int = 0      # a prefill's product over 4-bit weights of at most this many rows (a short chunk's)
+    int4_prefill_rows: int = 0      # a prefill's product over 4-bit weights of at most this many (PREFILL_ROWS) rows
                                     # runs in the few-row kernel (matvec.matvec_prefill: the weight streamed once, the rows
                                     # padded to a power of two from 16 to 64) where the slab forms write and read a dense
                                     # copy of all of it (kernels/int4_gemm.py); 0: never. A candidate, not yet timed
@@ -125,6 +126,10 @@ class ProductPlan:
                                     # slab requantized to FP8 blocks, x's rows in FP8, cuBLAS's block-scaled product;
                                     # Hopper, groups of 128, else dense) or "fused" (unpacked in the dot's registers:
                                     # 5.3 x; tests/bench/bench_int4.py)
+
+    def __post_init__(self):
+        if not 0 <= self.int4_prefill_rows <= PREFILL_ROWS:
+            raise ValueError(f"int4_prefill_rows is 0 (off) to {PREFILL_ROWS}, not {self.int4_prefill_rows}")
 
     def depth(self, stages: int, stage_bytes: int, fixed: int = 0) -> int:
         """A tile's pipeline depth `stages`, cut (to 2 at least) until the stages - 1 buffers Triton

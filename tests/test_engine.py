@@ -62,20 +62,25 @@ def test_a_prompt_just_past_a_chunk_goes_in_equal_chunks(ckpt):
         assert rel_err(got, ref(torch.tensor([ids])).logits[0]) < 1e-4
 
 
+def prefill_with_forms(engine, plan, ids: list[int]):
+    """A decoder of its own under `plan` prefills ids: (every row's logits, the forwards' forms)."""
+    dec = Decoder(engine.model, None, DecodeState(engine.config, len(ids), engine.k_max, "cpu", torch.float32, False),
+                  plan, PREFILL_CHUNK)
+    forms = []
+    hook = record_forms(engine.model, forms)
+    try:
+        return dec.logits(dec.prefill(ids, keep_all=True), rowwise=False), forms
+    finally:
+        hook.remove()
+
+
 @pytest.mark.parametrize("n", [1, 4, 5, 7, 10])
 def test_a_short_prefill_in_the_step_form_matches_transformers(ckpt, n):
     # a GPU's plan: a prompt of at most two pieces of a step's rows (CAPTURED_K + 1 = 5) goes as
     # verifies of equal pieces that keep every row; each piece folds the one before into the state
     engine, ref = ckpt
     ids = random_ids(n, 300 + n, engine.config.vocab_size)
-    dec = Decoder(engine.model, None, DecodeState(engine.config, n, engine.k_max, "cpu", torch.float32, False),
-                  engine.plan.replace(step_prefill=2), PREFILL_CHUNK)
-    forms = []
-    hook = record_forms(engine.model, forms)
-    try:
-        got = dec.logits(dec.prefill(ids, keep_all=True), rowwise=False)
-    finally:
-        hook.remove()
+    got, forms = prefill_with_forms(engine, engine.plan.replace(step_prefill=2), ids)
     pieces = -(-n // 5)
     assert forms == [(n // pieces + (i < n % pieces), "step") for i in range(pieces)]
     with torch.no_grad():
@@ -121,16 +126,9 @@ def test_a_short_prefill_in_graph_sized_chunks_matches_transformers(ckpt, n):
     # the device (attention by the steps' form), then step pieces; logits still transformers'
     engine, ref = ckpt
     plan = engine.plan.replace(step_prefill=2, prefill_graphs=(8, 16, 32), prefill_pieces=4)
-    dec = Decoder(engine.model, None, DecodeState(engine.config, n, engine.k_max, "cpu", torch.float32, False),
-                  plan, PREFILL_CHUNK)
     ids = random_ids(n, 500 + n, engine.config.vocab_size)
-    forms = []
-    hook = record_forms(engine.model, forms)
-    try:
-        got = dec.logits(dec.prefill(ids, keep_all=True), rowwise=False)
-    finally:
-        hook.remove()
-    assert forms == prefill_pieces(n, dec.R, 2, (8, 16, 32), 4) and any(f == "graph" for _, f in forms)
+    got, forms = prefill_with_forms(engine, plan, ids)
+    assert forms == prefill_pieces(n, engine.decoder.R, 2, (8, 16, 32), 4) and any(f == "graph" for _, f in forms)
     with torch.no_grad():
         assert rel_err(got, ref(torch.tensor([ids])).logits[0]) < 1e-4
 

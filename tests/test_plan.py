@@ -85,7 +85,7 @@ def test_4_bit_prefill_chunks_in_the_few_row_kernel_are_a_candidate(gqa3, monkey
                               shared_expert_intermediate_size=32)
     assert ProductPlan.int4_prefill_rows == 0 and prefill_graph_sizes(config, True) == ()
     for rows, dense, experts in [(64, PREFILL_GRAPHS[:-2], PREFILL_GRAPHS[:-2]), (24, (8, 16, 24), (8, 16, 24)),
-                                 (128, PREFILL_GRAPHS[:-2], PREFILL_GRAPHS[:-2]), (7, (), ())]:   # 64 at most
+                                 (7, (), ())]:
         monkeypatch.setattr(plan_module, "default_products",
                             lambda device, rows=rows: ProductPlan(programs=132, int4_prefill_rows=rows))
         assert KernelPlan.choose("cuda", config, fp8=False, int4=True).prefill_graphs == dense
@@ -110,9 +110,12 @@ def test_a_short_4_bit_prefill_takes_the_few_row_kernel(monkeypatch):
     assert dispatch.linear(x(33), w, False, plan) == "slab"
     assert dispatch.linear(x(5), w, True, plan) == "step"
     assert dispatch.linear(x(5), w, False, dataclasses.replace(plan, int4_prefill_rows=0)) == "slab"
-    more = dataclasses.replace(plan, int4_prefill_rows=128)          # matvec_prefill takes 64 rows at most
-    assert dispatch.linear(x(64), w, False, more) == "few" and dispatch.linear(x(65), w, False, more) == "slab"
+    most = dataclasses.replace(plan, int4_prefill_rows=64)           # matvec_prefill takes 64 rows at most
+    assert dispatch.linear(x(64), w, False, most) == "few" and dispatch.linear(x(65), w, False, most) == "slab"
     assert calls == [("few", 32), ("slab", 33), ("step", 5), ("slab", 5), ("few", 64), ("slab", 65)]
+    for bad in (65, 128, -1):                                         # refused where the plan is made
+        with pytest.raises(ValueError, match="int4_prefill_rows is 0"):
+            dataclasses.replace(plan, int4_prefill_rows=bad)
 
 
 @pytest.mark.parametrize("hopper", [True, False])
