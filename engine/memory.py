@@ -397,16 +397,16 @@ def chunk_attention_bytes(cfg: ModelConfig, sizes: tuple[int, ...], cache_rows: 
 
 def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool, four_bit_rows: int = ProductPlan.int4_prefill_rows
                         ) -> tuple[int, ...]:
-    """The prefill chunks a GPU captures as graphs: a model's in bf16 or FP8, dense or MoE (an MoE
-    layer's prefill layout takes as many blocks as its pairs could need, so no count waits for the
-    host: kernels/moe_layout.py most_blocks). The 35B-A3B FP8's turn of 16 / 50 / 128 tokens after
-    8K took 0.37 / 0.39 / 0.59 x the wall time of eager chunks (an H200, tests/bench/probe_turn.py),
-    with chunks of up to 64 tokens: an MoE's stop there until its chunks of 96 and 128 are timed.
-    A 4-bit model's chunks are captured up to `four_bit_rows` tokens (the plan's int4_prefill_rows:
-    those products stream the weight in the few-row kernel; what the slab forms would keep in the
-    graphs' pool is unmeasured), none by default."""
-    sizes = tuple(T for T in PREFILL_GRAPHS if T <= 64) if cfg.is_moe else PREFILL_GRAPHS
-    return tuple(T for T in sizes if T <= four_bit_rows) if four_bit else sizes
+    """The prefill chunks a GPU captures as graphs: every PREFILL_GRAPHS size for a model in bf16 or
+    FP8, dense or MoE (an MoE layer's prefill layout takes as many blocks as its pairs could need,
+    so no count waits for the host: kernels/moe_layout.py most_blocks). The 35B-A3B FP8's turn of
+    16 / 50 / 128 tokens after 8K took 0.37 / 0.39 / 0.59 x the wall time of eager chunks with
+    chunks of up to 64 tokens, and with chunks of 96 and 128 too its turns of 128 / 200 tokens 50.8
+    / 99.7 ms against 76.8 / 159.5 (an H200, tests/bench/probe_turn.py). A 4-bit model's chunks
+    are captured up to `four_bit_rows` tokens (the plan's int4_prefill_rows: those products stream
+    the weight in the few-row kernel, where the slab forms would keep a dense copy of it in the
+    graphs' pool); none where that is 0."""
+    return tuple(T for T in PREFILL_GRAPHS if T <= four_bit_rows) if four_bit else PREFILL_GRAPHS
 
 
 def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:

@@ -172,11 +172,13 @@ class KernelPlan:
     #   replays took a 512-token prompt 134.8 ms to its first token, one eager chunk 78.3. (Since
     #   then the FP8 products of a few rows run in cuBLAS: ProductPlan.fp8_cublas_rows.) The 35B-A3B
     #   FP8's turns of 16 / 50 / 128 tokens: 95.8 / 126.6 / 121.1 ms eager, 35.4 / 49.7 / 71.4
-    #   through graph chunks (an H200).
+    #   through graph chunks (an H200). Three chunks, now that they are cheaper: the 27B FP8's turn
+    #   of 200 tokens (128 + 64 + 8) 83.0 ms against 97.7 as 128 + 64 and step pieces; 150 and 230
+    #   tokens went the same way under both (an H200, probe_turn.py --plans ";prefill_pieces=3").
     # 0 / () : every prefill chunked (a CPU, where no graph saves the launches).
     step_prefill: int = 0
     prefill_graphs: tuple = ()
-    prefill_pieces: int = 2
+    prefill_pieces: int = 3
 
     def __post_init__(self):
         if self.prefill_attention not in ("flash", "triton"):

@@ -103,14 +103,19 @@ class ProductPlan:
     permute_x: bool = True          # a 4-bit weight's perm (GPTQ desc_act) applied to x once per few-row product,
                                     # not in every tile (the same sums; with its gather 0.57-0.92 x the time on
                                     # the 27B's products at 1 and 4 rows, H100: tests/bench/bench_int4.py)
-    int4_prefill_rows: int = 0      # a prefill's product over 4-bit weights of at most this many (PREFILL_ROWS) rows
+    int4_prefill_rows: int = 64     # a prefill's product over 4-bit weights of at most this many (PREFILL_ROWS) rows
                                     # runs in the few-row kernel (matvec.matvec_prefill: the weight streamed once, the rows
                                     # padded to a power of two from 16 to 64) where the slab forms write and read a dense
-                                    # copy of all of it (kernels/int4_gemm.py); 0: never. A candidate, not yet timed
-                                    # (tests/bench/probe_small_gemm.py --weights int4); with it a 4-bit model's prefill
-                                    # chunks of up to this many tokens are captured as graphs (memory.prefill_graph_sizes)
-    int4_prefill_tile: tuple[int, int, int, int] = (64, 128, 4, 4)   # its tile: BN, BK (weights: whole groups, rounded
-                                    # up to them), warps, stages (cut to fit the x tile of 64 rows: ProductPlan.depth)
+                                    # copy of all of it (kernels/int4_gemm.py); 0: never. The 27B's six products of a
+                                    # chunk of 16 / 64 rows: 11.1 / 16.0 ms against the fp8 slab's 28.9 / 31.0 and the
+                                    # dense slab's 44.0 / 44.7 (H200, tests/bench/probe_small_gemm.py --weights int4).
+                                    # With it a 4-bit model's prefill chunks of up to this many tokens are captured as
+                                    # graphs (memory.prefill_graph_sizes): the 27B int4's chat turn of 16 / 50 tokens
+                                    # after 8K 126.7 / 135.4 -> 39.5 / 58.4 ms (tests/bench/probe_turn.py, H200)
+    int4_prefill_tile: tuple[int, int, int, int] = (64, 256, 4, 3)   # its tile: BN, BK (weights: whole groups, rounded
+                                    # up to them), warps, stages (cut to fit the x tile of 64 rows: ProductPlan.depth);
+                                    # at 8 / 16 / 32 / 64 rows 10.6 / 11.1 / 12.3 / 16.0 ms a chunk's products against
+                                    # 64 x 128, 4 deep's 12.9 / 13.5 / 12.5 / 15.5 (the same probe)
     fp8_cublas_rows: int = 1        # a prefill's product over FP8 weights of at least this many rows runs in cuBLAS's
                                     # block-scaled product (its rows padded to 16) where cuBLAS was seen to compute
                                     # the shape right (fp8_gemm.cublas_serves), fewer in the Triton kernel. cuBLAS

@@ -60,22 +60,23 @@ def test_a_gpu_prefills_a_few_tokens_through_the_step_graphs(gqa3, monkeypatch):
     monkeypatch.setattr(plan_module, "fp8_runs_on", lambda device: True)
     config = ModelConfig.load(gqa3)
     gpu, cpu = KernelPlan.choose("cuda", config, fp8=False), KernelPlan.choose("cpu", config, fp8=False)
-    assert (gpu.step_prefill, gpu.prefill_graphs, gpu.prefill_pieces) == (2, PREFILL_GRAPHS, 2)
+    assert (gpu.step_prefill, gpu.prefill_graphs, gpu.prefill_pieces) == (2, PREFILL_GRAPHS, 3)
     assert (cpu.step_prefill, cpu.prefill_graphs) == (0, ())
-    # the chunks captured as graphs: a model's in bf16 or FP8, dense or MoE, not 4-bit ones
+    # the chunks captured as graphs: every size for a model in bf16 or FP8, dense or MoE; a 4-bit
+    # model's up to the plan's int4_prefill_rows (64)
     assert KernelPlan.choose("cuda", config, fp8=True).prefill_graphs == PREFILL_GRAPHS
-    assert KernelPlan.choose("cuda", config, fp8=False, int4=True).prefill_graphs == ()
+    assert KernelPlan.choose("cuda", config, fp8=False, int4=True).prefill_graphs == PREFILL_GRAPHS[:-2]
+    assert PREFILL_GRAPHS[-3:] == (64, 96, 128)
     moe = dataclasses.replace(config, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                               shared_expert_intermediate_size=32)
-    assert moe.is_moe and KernelPlan.choose("cuda", moe, fp8=False).prefill_graphs == PREFILL_GRAPHS[:-2]
-    assert PREFILL_GRAPHS[-2:] == (96, 128)          # an MoE's chunks stop at 64 until those are timed
-    assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_graphs == ()
+    assert moe.is_moe and KernelPlan.choose("cuda", moe, fp8=False).prefill_graphs == PREFILL_GRAPHS
+    assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_graphs == PREFILL_GRAPHS[:-2]
     assert KernelPlan.choose("cuda", moe, fp8=False).step_prefill == 2
 
 
-def test_4_bit_prefill_chunks_in_the_few_row_kernel_are_a_candidate(gqa3, monkeypatch):
+def test_4_bit_prefill_chunks_follow_the_few_row_kernels_rows(gqa3, monkeypatch):
     # ProductPlan.int4_prefill_rows: a 4-bit model's graph chunks up to that many tokens (its
-    # products in the few-row kernel), none by default; an MoE's stop at 64 whatever it says
+    # products in the few-row kernel), dense or MoE; none where it is 0
     from mtpchat.engine import plan as plan_module
     from mtpchat.engine.memory import prefill_graph_sizes
     monkeypatch.setattr(plan_module, "fp8_runs_on", lambda device: True)
@@ -83,14 +84,15 @@ def test_4_bit_prefill_chunks_in_the_few_row_kernel_are_a_candidate(gqa3, monkey
     config = ModelConfig.load(gqa3)
     moe = dataclasses.replace(config, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                               shared_expert_intermediate_size=32)
-    assert ProductPlan.int4_prefill_rows == 0 and prefill_graph_sizes(config, True) == ()
-    for rows, dense, experts in [(64, PREFILL_GRAPHS[:-2], PREFILL_GRAPHS[:-2]), (24, (8, 16, 24), (8, 16, 24)),
-                                 (7, (), ())]:
+    assert ProductPlan.int4_prefill_rows == 64 and prefill_graph_sizes(config, True) == PREFILL_GRAPHS[:-2]
+    assert prefill_graph_sizes(config, True, 0) == ()
+    for rows, chunks in [(64, PREFILL_GRAPHS[:-2]), (24, (8, 16, 24)), (7, ()), (0, ())]:
         monkeypatch.setattr(plan_module, "default_products",
                             lambda device, rows=rows: ProductPlan(programs=132, int4_prefill_rows=rows))
-        assert KernelPlan.choose("cuda", config, fp8=False, int4=True).prefill_graphs == dense
-        assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_graphs == experts
+        assert KernelPlan.choose("cuda", config, fp8=False, int4=True).prefill_graphs == chunks
+        assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_graphs == chunks
         assert KernelPlan.choose("cuda", config, fp8=True).prefill_graphs == PREFILL_GRAPHS    # not 4 bits
+        assert KernelPlan.choose("cuda", moe, fp8=True).prefill_graphs == PREFILL_GRAPHS
 
 
 def test_a_short_4_bit_prefill_takes_the_few_row_kernel(monkeypatch):
