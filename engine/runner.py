@@ -10,6 +10,7 @@ events.
 """
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -72,12 +73,23 @@ class Runner:
                 d.pend_n.fill_(1)
                 report(i + 1)
         torch.cuda.current_stream().wait_stream(side)
-        for i, (key, fn) in enumerate(phases):      # capture records the kernels without running them
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                fn()
-            self.graphs[key] = graph
-            report(len(phases) + i + 1)
+        # No garbage collection inside a capture: an unreachable engine's tensors freed there (a
+        # pinned host buffer's free queries the events of its copies) invalidate it, and the capture
+        # fails at its next launch ("operation failed due to a previous error during capture"), as
+        # a GPU test did loading one model after others. What is unreachable goes first.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for i, (key, fn) in enumerate(phases):  # capture records the kernels without running them
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    fn()
+                self.graphs[key] = graph
+                report(len(phases) + i + 1)
+        finally:
+            if collecting:
+                gc.enable()
         # the first launch of a graph also uploads it to the device (about 0.4 ms a token over a
         # 128-token reply on a 27B model): done here, once
         for graph in self.graphs.values():

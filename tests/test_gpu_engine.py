@@ -229,3 +229,28 @@ def test_a_short_turn_through_the_graphs(ckpt, graphs):
         dec.runner.run = run
         dec.plan = plan
     assert_mtp_on_equals_off(gpu, [random_ids(n, 50 + n, V) for n in (2, 10, 37, 63)], 48, ks=(1, 3), profile_ks=(2, 4))
+
+
+def test_a_capture_with_dropped_engines_around(ckpt):
+    # Engines dropped in the same process (a model switched, or earlier tests) are freed by the
+    # garbage collector whenever it runs: never inside a graph's capture (runner.Runner.capture),
+    # where a pinned buffer's free would invalidate it. With the collector running at nearly every
+    # allocation, loading after dropped engines still captures, and the new engine answers as one
+    # loaded alone.
+    import gc
+    first = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256)
+    ids = gpu_prompts(first, 2)[1]
+    want = greedy_tokens(first, ids, 24)
+    for _ in range(2):
+        dropped = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256)
+        greedy_tokens(dropped, ids, 8, mtp=True, k=2)          # its pinned buffers used by copies
+        dropped.cycle = dropped                                 # unreachable once dropped, until collected
+        del dropped
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256)
+    finally:
+        gc.set_threshold(*threshold)
+    assert engine.decoder.runner.graphs and gc.isenabled()
+    assert greedy_tokens(engine, ids, 24) == want
