@@ -198,8 +198,9 @@ class KernelPlan:
         measured 0.986 x, 1.000 x and 1.006 x on three H100s: kept, a tie). Prefill's 4-bit products
         take the fp8 form on Hopper (int4_gemm.py; the dense form elsewhere). Prefill attention takes
         our kernel where a program has the shared memory of its H100 tiles, flash elsewhere. A GPU
-        prefills a few tokens in the step form (step_prefill), through the step graphs, and a bf16
-        or FP8 model (dense or MoE) a few more in chunks captured as graphs (prefill_graphs)."""
+        prefills a few tokens in the step form (step_prefill), through the step graphs, and a few
+        more in chunks captured as graphs (prefill_graphs): three at most, one on a 4-bit MoE model
+        (prefill_pieces)."""
         device = torch.device(device)
         products = default_products(device)
         bits = fp8 and device.type == "cuda" and fp8_runs_on(device)
@@ -216,13 +217,19 @@ class KernelPlan:
         normed = config.is_moe and not int4 and config.quantization != "int4"
         # prefill attention in our kernel where it gets the tiles timed on an H100 (128 x 64)
         timed = prefill_attention_config(config.head_dim, 2, products)[:2] == (128, 64)
+        # a 4-bit MoE model's graph chunk costs more GPU time than the eager one it replaces (its
+        # expert kernels over the bounded layout): its turns of 16 / 50 tokens after 8K 134.3 / 167.8
+        # -> 55.1 / 87.3 ms, but 128 tokens as two chunks 169.7 against 147.8 eager, so one chunk
+        # (128 tokens then eager: 123.5); the 27B int4's turns of 96 / 128 / 192 tokens in up to three
+        # 111.3 / 115.5 / 116.7 -> 67.7 / 74.4 / 102.2 (an H200, tests/bench/probe_turn.py)
+        four_bit = int4 or config.quantization == "int4"
         return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late, int4_prefill=prefill),
                    shared_as_expert=config.is_moe and alike, moe_normed=normed,
                    prefill_attention="triton" if timed else "flash",
                    step_prefill=2 if device.type == "cuda" else 0,
-                   prefill_graphs=prefill_graph_sizes(config, int4 or config.quantization == "int4",
-                                                      products.int4_prefill_rows)
-                   if device.type == "cuda" else ())
+                   prefill_graphs=prefill_graph_sizes(config, four_bit, products.int4_prefill_rows)
+                   if device.type == "cuda" else (),
+                   prefill_pieces=1 if four_bit and config.is_moe else cls.prefill_pieces)
 
     def replace(self, **changes) -> "KernelPlan":
         """This plan with some choices changed; products' fields may be given by name too."""

@@ -73,10 +73,12 @@ class Runner:
                 d.pend_n.fill_(1)
                 report(i + 1)
         torch.cuda.current_stream().wait_stream(side)
-        # No garbage collection inside a capture: an unreachable engine's tensors freed there (a
-        # pinned host buffer's free queries the events of its copies) invalidate it, and the capture
-        # fails at its next launch ("operation failed due to a previous error during capture"), as
-        # a GPU test did loading one model after others. What is unreachable goes first.
+        # No garbage collection inside a capture, where freeing an unreachable engine's tensors (a
+        # model switched; a pinned host buffer's free queries the events of its copies) could
+        # invalidate it: what is unreachable goes first. (A GPU test's capture failed once at its
+        # next launch, "operation failed due to a previous error during capture", loading a model
+        # after others in one process; neither its rerun nor a probe without this guard, the
+        # collector running at nearly every allocation, reproduced it, so the cause is not known.)
         gc.collect()
         collecting = gc.isenabled()
         gc.disable()

@@ -232,11 +232,10 @@ def test_a_short_turn_through_the_graphs(ckpt, graphs):
 
 
 def test_a_capture_with_dropped_engines_around(ckpt):
-    # Engines dropped in the same process (a model switched, or earlier tests) are freed by the
-    # garbage collector whenever it runs: never inside a graph's capture (runner.Runner.capture),
-    # where a pinned buffer's free would invalidate it. With the collector running at nearly every
-    # allocation, loading after dropped engines still captures, and the new engine answers as one
-    # loaded alone.
+    # A model switched: engines dropped in the same process are freed by the garbage collector
+    # whenever it runs (runner.Runner.capture keeps it out of the captures). With the collector
+    # running at nearly every allocation, loading after dropped engines still captures every graph,
+    # and the new engine answers as the first one did.
     import gc
     first = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256)
     ids = gpu_prompts(first, 2)[1]

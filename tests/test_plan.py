@@ -93,6 +93,12 @@ def test_4_bit_prefill_chunks_follow_the_few_row_kernels_rows(gqa3, monkeypatch)
         assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_graphs == chunks
         assert KernelPlan.choose("cuda", config, fp8=True).prefill_graphs == PREFILL_GRAPHS    # not 4 bits
         assert KernelPlan.choose("cuda", moe, fp8=True).prefill_graphs == PREFILL_GRAPHS
+    # a 4-bit MoE model's prefill takes one graph chunk at most (its chunks cost more GPU time than
+    # eager ones); every other model's three
+    assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_pieces == 1
+    assert KernelPlan.choose("cuda", dataclasses.replace(moe, quantization="int4"), fp8=False).prefill_pieces == 1
+    for model, fp8, int4 in [(config, False, True), (config, True, False), (moe, True, False), (moe, False, False)]:
+        assert KernelPlan.choose("cuda", model, fp8=fp8, int4=int4).prefill_pieces == 3
 
 
 def test_a_short_4_bit_prefill_takes_the_few_row_kernel(monkeypatch):
