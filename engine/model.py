@@ -229,18 +229,13 @@ class GatedDeltaNet(nn.Module):
             mz, ba = ctx.linears(x, weight(self, "in_proj"), self.in_proj_ba)
             mixed, z = mz.split([c.conv_dim, c.value_dim], dim=-1)
             b, a = ba.split([hv, hv], dim=-1)
-        # a step's recurrence kernel may run the gated norm after it too (the plan's norm_in_recurrence)
-        gated = (z.view(T, hv, dv), self.norm_weight, c.rms_norm_eps) if ctx.step and ctx.plan.norm_in_recurrence \
-            else None
         if ctx.step and T <= ctx.plan.conv_in_recurrence:
             # the recurrence kernel computes the conv of the channels each of its programs reads
             o = gdn.conv_recurrent(mixed, conv_buf, ctx.conv_off, self.conv_weight, a, b, self.A_log, self.dt_bias,
-                                   state, pend, ctx.fold, ctx.parity, ctx.live, c.linear_num_key_heads, gated)
+                                   state, pend, ctx.fold, ctx.parity, ctx.live, c.linear_num_key_heads)
         else:
-            o = self._conv_then_recurrence(mixed, a, b, cache, ctx, gated)
+            o = self._conv_then_recurrence(mixed, a, b, cache, ctx)
         out_proj = weight(self, "out_proj")
-        if gated is not None:
-            return ctx.out_linear(o.reshape(T, c.value_dim), out_proj)
         o = o.to(x.dtype)
         # prefill: the normed rows straight to FP8 (a head one group of 128) where out_proj takes them so
         quantize = dv == BLOCK and ctx.quantized_rows_for(out_proj, o)
@@ -248,9 +243,8 @@ class GatedDeltaNet(nn.Module):
                                rows=1 if ctx.step else ctx.plan.prefill_rows, quantize=quantize)
         return ctx.out_linear(o if quantize else o.reshape(T, c.value_dim), out_proj)
 
-    def _conv_then_recurrence(self, mixed, a, b, cache, ctx: Ctx, gated: tuple | None = None):
-        """The conv kernel, then the recurrence (a step, with the gated norm after it where `gated`
-        gives its z, weight and eps) or the chunked form (a prefill)."""
+    def _conv_then_recurrence(self, mixed, a, b, cache, ctx: Ctx):
+        """The conv kernel, then the recurrence (a step) or the chunked form (a prefill)."""
         c, T = self.c, mixed.shape[0]
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         conv_buf, state, pend = cache
@@ -260,8 +254,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
         if ctx.step:
-            return gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, state, pend, ctx.fold, ctx.parity, ctx.live,
-                                 gated)
+            return gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, state, pend, ctx.fold, ctx.parity, ctx.live)
         # the last step's accepted tokens first (the decoder zeroes ctx.fold after the first chunk;
         # decode state, no gradient); the kernels write the end state over the start state, the
         # reference returns it (from a copy of the start state, which a training forward's

@@ -150,12 +150,6 @@ class KernelPlan:
     # every channel a program reads costs more than the launch it saves (an H200,
     # tests/bench/ab_step.py --plans conv; docs/PERFORMANCE.md 2026-11-27).
     conv_in_recurrence: int = 1
-    # A step's GDN gated RMSNorm run by the recurrence kernel (kernels/gdn.py `norm`: the last of a
-    # value head's programs normalises the head's rows), one launch a GDN layer fewer in every step
-    # (48 on the 27B, 30 on the 35B-A3B): a candidate, not yet timed (tests/bench/ab_step.py --plans
-    # gatednorm). Its sums' order differs from the norm kernel's, so its logits may differ in the
-    # last bits from the default's; MTP on == off holds either way.
-    norm_in_recurrence: bool = False
     # Short prefills through CUDA graphs rather than eager forwards, whose time the host's launches
     # set: 16 tokens of the 27B FP8 after an 8K history took 61-71 ms of wall time for 24.6 ms of
     # kernels in 924 launches (an H100, tests/bench/probe_turn.py, 2026-11-28).

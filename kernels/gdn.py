@@ -12,10 +12,7 @@ A step may also hand the kernel q, k and v before the causal conv (`conv_recurre
 then first computes the conv and silu of the channels it reads, for the step's tokens, as
 kernels/conv.py's kernel does (the same sums, the same rounding), writes them into the rows it then
 reads as the plain kernel reads them, and writes the step's inputs into the conv's window: one
-kernel a GDN layer fewer in every step, and the same loop, so the same bits. With `norm` (z, the
-norm's weight, eps) a step's kernel also runs the gated RMSNorm after the recurrence
-(norm.gated_rmsnorm_ref of o): the last of a value head's programs to end normalises the head's
-rows, and returns them in place of o: another kernel a GDN layer fewer.
+kernel a GDN layer fewer in every step, and the same loop, so the same bits.
 """
 from __future__ import annotations
 
@@ -24,8 +21,6 @@ import torch.nn.functional as F
 
 from mtpchat.kernels import conv
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
-from mtpchat.kernels.matvec import arrival_counts
-from mtpchat.kernels.norm import gated_rmsnorm_ref
 
 
 def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
@@ -75,8 +70,7 @@ def _fold(state, pend, fold, parity, A_log, dt_bias):
 
 
 def recurrent_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
-                  fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                  norm: tuple | None = None) -> torch.Tensor:
+                  fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
     """T = 1..R tokens through the recurrence, the last step's accepted tokens folded in first.
 
     state [Hv, dk, dv] float32: the state before the last step's tokens. pend [2, R, Hv, dk+dv+2]
@@ -89,8 +83,7 @@ def recurrent_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torc
     goes through the same code as when its step ran it, so the state has the same bits whatever
     steps built it. fold, parity: 1-element long tensors. `live` (optional 1-element long tensor): when 0, nothing is written (a
     step launched after its generation ended must not touch the state). Returns o [T, Hv, dv] in
-    v's dtype, or with `norm` = (z [T, Hv, dv], weight [dv], eps) the gated RMSNorm of o
-    (gated_rmsnorm_ref(o, z, weight, eps)).
+    v's dtype.
     """
     T, R, Hv = q.shape[0], pend.shape[1], v.shape[1]
     assert state.dtype == pend.dtype == torch.float32 and T <= R, "float32 state and pend with >= T rows"
@@ -110,8 +103,7 @@ def recurrent_ref(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torc
     else:
         kept = pend.index_select(0, 1 - parity)[0]
         pend.index_copy_(0, 1 - parity, torch.where(on, torch.cat([new, kept[T:]]), kept)[None])
-    o = torch.stack(out).to(v.dtype if v.dtype != torch.float32 else torch.float32)
-    return o if norm is None else gated_rmsnorm_ref(o, *norm)
+    return torch.stack(out).to(v.dtype if v.dtype != torch.float32 else torch.float32)
 
 
 def fold_pending_ref(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
@@ -122,15 +114,15 @@ def fold_pending_ref(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor
 
 def conv_recurrent_ref(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
                        fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                       key_heads: int = 1, norm: tuple | None = None) -> torch.Tensor:
+                       key_heads: int = 1) -> torch.Tensor:
     """The causal conv of a step's inputs x [T, 2 Hk dk + Hv dv] (q | k | v before the conv; buf, off
     and weight as kernels/conv.py takes them, `key_heads` = Hk), then the recurrence of its output
-    (recurrent_ref's contract for the rest, `norm` too). Returns o [T, Hv, dv]."""
+    (recurrent_ref's contract for the rest). Returns o [T, Hv, dv]."""
     T, (Hv, dk, dv) = x.shape[0], state.shape
     y = conv.conv_update_ref(x, buf, off, weight, live)
     q, k, v = y.split([key_heads * dk, key_heads * dk, Hv * dv], dim=-1)
     return recurrent_ref(q.view(T, key_heads, dk), k.view(T, key_heads, dk), v.view(T, Hv, dv), a, b, A_log,
-                         dt_bias, state, pend, fold, parity, live, norm)
+                         dt_bias, state, pend, fold, parity, live)
 
 
 @triton.jit
@@ -167,9 +159,7 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
                       s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt,
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                       HAS_LIVE: tl.constexpr, PDL: tl.constexpr, xc=None, buf=None, off=None, cw=None, s_xc=0,
-                      s_buf=0, WIDTH=1, KEY=0, KC: tl.constexpr = 0, TP: tl.constexpr = 1,
-                      NORM: tl.constexpr = False, z=None, nw=None, y=None, count=None, s_z=0, s_y=0, eps=0.,
-                      NV=1, DVP: tl.constexpr = 1):
+                      s_buf=0, WIDTH=1, KEY=0, KC: tl.constexpr = 0, TP: tl.constexpr = 1):
     # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
     # stays in registers through the last step's accepted tokens (read back from pend) and this
     # step's T; one loop body runs both, so a token gives the same bits folded in later as when
@@ -246,26 +236,6 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
         tl.store(p_out + t * s_pt + DK + o_v, b_v, mask=m_v & ((tl.zeros([BV], dtype=tl.int64) + b_live * b_keep) > 0))
         tl.store(p_out + t * s_pt + o_k, b_k, mask=(tl.zeros([DK], dtype=tl.int64) + b_head * b_keep) > 0)
         tl.store(p_out + t * s_pt + DK + DV + o_g, b_ab, mask=(tl.zeros([2], dtype=tl.int64) + b_head * b_keep) > 0)
-    if NORM:
-        # The last of the head's NV programs to end runs the gated RMSNorm of the head's T rows
-        # (norm.py's gated kernel, a row at a time: o normalised over its DV values and rounded,
-        # times the weight and rounded, times silu(z)), reading the other programs' o from L2: its
-        # acq_rel add, after every thread of the program has stored, orders their stores before its
-        # reads. It then sets the head's count back to 0.
-        tl.debug_barrier()
-        if tl.atomic_add(count + i_h, 1, sem="acq_rel", scope="gpu") == NV - 1:
-            o_d = tl.arange(0, DVP)
-            m_d = o_d < DV
-            b_w = tl.load(nw + o_d, mask=m_d, other=0.).to(tl.float32)
-            for t in range(T):
-                b_x = tl.load(o + t * s_o + i_h * DV + o_d, mask=m_d, other=0., cache_modifier=".cg").to(tl.float32)
-                b_rstd = tl.rsqrt(tl.sum(b_x * b_x, axis=0) / DV + eps)
-                b_n = (b_x * b_rstd).to(o.dtype.element_ty).to(tl.float32)
-                b_wn = (b_w * b_n).to(o.dtype.element_ty).to(tl.float32)
-                b_z = tl.load(z + t * s_z + i_h * DV + o_d, mask=m_d, other=0.).to(tl.float32)
-                tl.store(y + t * s_y + i_h * DV + o_d, (b_wn * (b_z * tl.sigmoid(b_z))).to(y.dtype.element_ty),
-                         mask=m_d)
-            tl.atomic_xchg(count + i_h, 0)
 
 
 def _tile(DV: int) -> tuple[int, int]:
@@ -285,17 +255,15 @@ def _check_state(state, pend, fold, parity, Hv, DK, DV):
 
 
 def recurrent_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
-                     fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                     norm: tuple | None = None) -> torch.Tensor:
+                     fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_ref's contract. q, k, v may be row-strided views (of the conv output) with each
-    token's heads contiguous; a, b likewise [T, Hv] views; norm's z a [T, Hv, dv] view whose heads
-    are contiguous."""
-    return _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, {}, norm)
+    token's heads contiguous; a, b likewise [T, Hv] views."""
+    return _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, {})
 
 
 def conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
                           fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                          key_heads: int = 1, norm: tuple | None = None) -> torch.Tensor:
+                          key_heads: int = 1) -> torch.Tensor:
     """conv_recurrent_ref's contract in one kernel: the recurrence's, each program first computing
     the conv of the channels it reads. x [T, C] may be a row-strided view (of the in_proj output)."""
     T, C = x.shape
@@ -311,25 +279,11 @@ def conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state: torc
     q, k, v = torch.empty(T, C, dtype=x.dtype, device=x.device).split([KEY, KEY, Hv * DV], dim=-1)
     return _step(q.view(T, key_heads, DK), k.view(T, key_heads, DK), v.view(T, Hv, DV), a, b, A_log, dt_bias, state,
                  pend, fold, parity, live, dict(xc=x, buf=buf, off=off, cw=weight, s_xc=x.stride(0), s_buf=buf.stride(0),
-                                                WIDTH=WIDTH, KEY=KEY, KC=KC, TP=triton.next_power_of_2(T)), norm)
+                                                WIDTH=WIDTH, KEY=KEY, KC=KC, TP=triton.next_power_of_2(T)))
 
 
-def _norm_args(norm: tuple | None, T: int, Hv: int, DV: int, BV: int, like: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
-    """The gated norm's output and launch arguments (none without `norm`: recurrent_ref's)."""
-    if norm is None:
-        return None, {}
-    z, w, eps = norm
-    assert z.shape == (T, Hv, DV) and z.stride(2) == 1 and z.stride(1) == DV, f"z must be [{T}, {Hv}, {DV}], heads contiguous"
-    assert w.shape == (DV,) and w.is_contiguous() and w.dtype == like.dtype, f"the norm's weight must be [{DV}] like v"
-    y = torch.empty(T, Hv, DV, dtype=like.dtype, device=like.device)
-    return y, dict(NORM=True, z=z, nw=w, y=y, count=arrival_counts(like.device, Hv, "gated norm"), s_z=z.stride(0),
-                   s_y=y.stride(0), eps=eps, NV=triton.cdiv(DV, BV), DVP=triton.next_power_of_2(DV))
-
-
-def _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, conv_args: dict,
-          norm: tuple | None = None) -> torch.Tensor:
-    """A step's launch of the recurrence kernel (conv_args: the conv form's, or none; `norm`: the
-    gated norm's z, weight and eps, or none)."""
+def _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, conv_args: dict) -> torch.Tensor:
+    """A step's launch of the recurrence kernel (conv_args: the conv form's, or none)."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert k.shape == q.shape and v.shape[0] == T and Hv % Hk == 0, "q, k [T, Hk, dk], v [T, Hv, dv]"
@@ -343,13 +297,12 @@ def _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, conv_a
     assert live is None or (live.numel() == 1 and live.dtype == torch.long), "live must be a 1-element long tensor"
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=v.device)
     BV, warps = _tile(DV)
-    y, norm_args = _norm_args(norm, T, Hv, DV, BV, v)
     _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
         q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live if live is not None else fold, o, T,
         DK ** -0.5, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), o.stride(0),
         pend.stride(0), pend.stride(1), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV,
-        HAS_LIVE=live is not None, num_warps=warps, **pdl(q), **conv_args, **norm_args)
-    return o if y is None else y
+        HAS_LIVE=live is not None, num_warps=warps, **pdl(q), **conv_args)
+    return o
 
 
 def fold_pending_triton(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
@@ -365,22 +318,21 @@ def fold_pending_triton(state: torch.Tensor, pend: torch.Tensor, fold: torch.Ten
 
 
 def recurrent(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor,
-              parity: torch.Tensor, live: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
+              parity: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
     """recurrent_ref's contract; the Triton kernel for CUDA tensors."""
     if use_triton(q, k, v, a, b):
-        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, norm)
-    return recurrent_ref(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, norm)
+        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live)
+    return recurrent_ref(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live)
 
 
 def conv_recurrent(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
                    fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                   key_heads: int = 1, norm: tuple | None = None) -> torch.Tensor:
+                   key_heads: int = 1) -> torch.Tensor:
     """conv_recurrent_ref's contract; the one kernel for CUDA tensors."""
     if use_triton(x, a, b):
         return conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state, pend, fold, parity, live,
-                                     key_heads, norm)
-    return conv_recurrent_ref(x, buf, off, weight, a, b, A_log, dt_bias, state, pend, fold, parity, live, key_heads,
-                              norm)
+                                     key_heads)
+    return conv_recurrent_ref(x, buf, off, weight, a, b, A_log, dt_bias, state, pend, fold, parity, live, key_heads)
 
 
 def fold_pending(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,

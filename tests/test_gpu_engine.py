@@ -193,23 +193,6 @@ def test_conv_in_recurrence_changes_no_token(ckpt):
     assert tokens[0] == tokens[1] == tokens[2]
 
 
-def test_gated_norm_in_recurrence_keeps_mtp_exact(ckpt):
-    # a step's gated norm run by the recurrence kernel (KernelPlan.norm_in_recurrence), its sums in
-    # another order than the norm kernel's: greedy MTP on == off under it, the logits of a prefill
-    # whose last tokens go as a step within bf16's reach of the default plan's
-    logits = []
-    for on in (False, True):
-        plan = KernelPlan.choose("cuda", ModelConfig.load(ckpt), fp8=False).replace(norm_in_recurrence=on)
-        engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, plan=plan)
-        if on:
-            assert_mtp_on_equals_off(engine, gpu_prompts(engine, 3)[1:], 96, profile_ks=(1, 3), ks=(2,))
-        engine.reset()
-        engine.decoder.begin(gpu_prompts(engine, 2)[1])      # 24 tokens in a chunk, the last 4 as a step's
-        logits.append(engine.decoder.last_logits.float().cpu())
-        del engine
-    assert rel_err(logits[1], logits[0], 2) < 2e-2
-
-
 @pytest.mark.parametrize("graphs", [True, False])
 def test_a_short_turn_through_the_graphs(ckpt, graphs):
     # a GPU's plan prefills a few tokens as verifies (step pieces of at most 5) and a few more as

@@ -120,19 +120,6 @@ def test_greedy_exact_with_the_conv_in_the_recurrence(gqa3, greedy_refs, tokens)
             assert list(generate(e, ids)[-1].token_ids) == ref
 
 
-@pytest.mark.parametrize("tokens", [0, 1 << 10])
-def test_greedy_exact_with_the_gated_norm_in_the_recurrence(gqa3, greedy_refs, tokens):
-    # a step's gated norm taken by the recurrence's call (KernelPlan.norm_in_recurrence), with the
-    # conv as a call of its own or in it too: MTP on and off emit MTP off's tokens of the default plan
-    plan = KernelPlan.choose("cpu", ModelConfig.load(gqa3), fp8=False).replace(norm_in_recurrence=True,
-                                                                              conv_in_recurrence=tokens)
-    e = load(gqa3, draft_tokens=3, plan=plan)
-    for ids, ref in list(zip(*greedy_refs))[:3]:
-        for mtp in (False, True):
-            e.mtp = mtp
-            assert list(generate(e, ids)[-1].token_ids) == ref
-
-
 # --- 2. rollback leaves exactly the state of one-at-a-time feeding ---------------------------------
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 @pytest.mark.parametrize("ckpt", ["gqa3", "tied"])

@@ -21,7 +21,6 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans moefold --model qwen3.5-35b-a3b --weights fp8   # the MoE layer between Normeds, folded
     python3 ab_step.py --plans rides --weights fp8    # the GDN's b|a riding in the in_proj's launch, or apart
     python3 ab_step.py --plans int4stacked --model qwen3.5-35b-a3b --weights int4   # the 4-bit experts' SwiGLU stacked
-    python3 ab_step.py --plans gatednorm --weights fp8   # a step's GDN gated norm run by the recurrence kernel
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed (the families
 are in step_plans.py). One engine is

@@ -257,13 +257,6 @@ def conv_plans(base: KernelPlan) -> dict:
             "in every step": base.replace(conv_in_recurrence=1 << 10)}
 
 
-def gated_norm_plans(base: KernelPlan) -> dict:
-    """A step's GDN gated RMSNorm as a kernel of its own after the recurrence, or run by the
-    recurrence kernel (KernelPlan.norm_in_recurrence: one launch a GDN layer fewer). The logits may
-    differ in the last bits (the norm's sums in another order)."""
-    return {"norm kernel": base.replace(norm_in_recurrence=False), "in the recurrence": base.replace(norm_in_recurrence=True)}
-
-
 def stacked_plans(base: KernelPlan) -> dict:
     """The MoE expert SwiGLU's gate and up tiles apart (two dots a K step) or stacked
     (ProductPlan.expert_stacked, the default: one dot of 2 BN rows), the stacked on 4 warps (one chain of
@@ -341,4 +334,4 @@ FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
             "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans,
-            "rides": rider_plans, "int4stacked": int4_stacked_plans, "gatednorm": gated_norm_plans}
+            "rides": rider_plans, "int4stacked": int4_stacked_plans}

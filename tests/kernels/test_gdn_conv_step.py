@@ -1,15 +1,14 @@
 """The GDN step with its causal conv inside the recurrence kernel (gdn.conv_recurrent) against its
 float32 reference (conv.py's reference, then the recurrence's): outputs, the state, the kept tokens
 and the conv's window buffer, for decode and verify, folds, a window wrapped around its ring, GQA
-ratios 1-3 and ended steps, the gated norm after it (`norm`); on the GPU, bit for bit the two
-kernels it replaces."""
+ratios 1-3 and ended steps; on the GPU, bit for bit the two kernels it replaces."""
 from __future__ import annotations
 
 import pytest
 import torch
 from kernel_checks import TOL, check, randn
 
-from mtpchat.kernels import conv, gdn, norm
+from mtpchat.kernels import conv, gdn
 
 R = 5            # tokens a step may hold (k_max + 1)
 KC = 4           # the conv's taps
@@ -42,26 +41,6 @@ def _run(fn, x, a, b, weights, kept, off, fold, parity, live, Hk):
     cw, A_log, dt_bias = weights
     o = fn(x, buf, off, cw, a, b, A_log, dt_bias, state, pend, fold, parity, live, Hk)
     return o, buf, state, pend
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,fold", [(1, 2), (3, 1)])
-def test_conv_recurrent_with_gated_norm(device, dtype, T, fold):
-    # the conv form with the gated norm after it: the reference's conv, recurrence and norm; the
-    # window, the state and the kept tokens as without it
-    Hk, Hv, dk, dv = 1, 3, 32, 48
-    x, a, b, weights, kept = _inputs(T, Hk, Hv, dk, dv, dtype, device, seed=11 + T)
-    g = torch.Generator().manual_seed(T)
-    z = randn(T, Hv * dv + 5, dtype=dtype, device=device, gen=g)[:, 5:].view(T, Hv, dv)
-    gated = (z, 1.0 + randn(dv, dtype=dtype, device=device, gen=g, scale=0.3), 1e-6)
-    args = (_long(2, device), _long(fold, device), _long(0, device), None, Hk)
-    fused = lambda *a_: gdn.conv_recurrent_triton(*a_, norm=gated)
-    ref = lambda *a_: gdn.conv_recurrent_ref(*a_, norm=gated)
-    got, want = _run(fused, x, a, b, weights, kept, *args), _run(ref, x, a, b, weights, kept, *args)
-    _compare(got, want, dtype)
-    plain = _run(gdn.conv_recurrent_triton, x, a, b, weights, kept, *args)
-    assert all(torch.equal(p_, g_) for p_, g_ in zip(plain[1:], got[1:])), "the norm changes no state"
-    check(got[0], norm.gated_rmsnorm_ref(plain[0], *gated), TOL[dtype], "the norm of the plain form's o")
 
 
 def _compare(got, want, dtype):

@@ -1,14 +1,13 @@
 """Gated DeltaNet recurrent step (gates and q/k l2norm fused; the last step's accepted tokens
 folded into the state first) against recurrent_ref: outputs, the state and the kept tokens, for
-decode (T = 1), verify (T = k+1), GQA ratios 1-3, rollback, ended steps and the fold alone; with
-the gated RMSNorm after it in the same kernel (`norm`)."""
+decode (T = 1), verify (T = k+1), GQA ratios 1-3, rollback, ended steps and the fold alone."""
 from __future__ import annotations
 
 import pytest
 import torch
 from kernel_checks import TOL, check, randn
 
-from mtpchat.kernels import gdn, norm
+from mtpchat.kernels import gdn
 
 R = 5        # tokens a step may hold (k_max + 1)
 
@@ -54,39 +53,6 @@ def test_recurrent(device, dtype, T, fold, Hk, Hv, dk, dv):
     assert torch.equal(p[1], pend[1]), "the half being folded is only read"
     assert torch.equal(p[0, T:], pend[0, T:]), "rows past T are untouched"
 
-
-
-def _gated(T, Hv, dv, dtype, device, seed):
-    """The gated norm's inputs: z a [T, Hv, dv] view of a wider projection row (its heads
-    contiguous), the norm's weight, eps."""
-    g = torch.Generator().manual_seed(seed)
-    z = randn(T, Hv * dv + 7, dtype=dtype, device=device, gen=g)[:, 3:3 + Hv * dv].view(T, Hv, dv)
-    return z, 1.0 + randn(dv, dtype=dtype, device=device, gen=g, scale=0.3), 1e-6
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,fold", [(1, 1), (2, 0), (5, 3)])
-@pytest.mark.parametrize("Hk,Hv,dk,dv", [(2, 2, 32, 24), (2, 4, 16, 40), (1, 3, 32, 48)])
-def test_recurrent_with_gated_norm(device, dtype, T, fold, Hk, Hv, dk, dv):
-    # the last of each value head's programs (dv / 16 of them, 24 and 40: a short last one) runs the
-    # head's gated norm: the reference's norm of its o; the state and the kept tokens as without it
-    args, state, pend = _inputs(T, Hk, Hv, dk, dv, dtype, device, seed=T * 5 + Hv)
-    gated = _gated(T, Hv, dv, dtype, device, seed=T + dv)
-    f, par = _long(fold, device), _long(1, device)
-    runs = []
-    for _ in range(2):                  # the heads' arrival counts are back at 0 after a launch
-        got = (state.clone(), pend.clone())
-        runs.append(gdn.recurrent_triton(*args, *got, f, par, None, gated))
-    want = (state.clone(), pend.clone())
-    y_ref = gdn.recurrent_ref(*args, *want, f, par, None, gated)
-    assert y_ref.dtype == dtype and torch.equal(runs[0], runs[1])
-    check(runs[0], y_ref, TOL[dtype])
-    check(got[0], want[0], TOL[torch.float32], "state")
-    check(got[1], want[1], TOL[torch.float32], "kept tokens")
-    plain = (state.clone(), pend.clone())
-    o = gdn.recurrent_triton(*args, *plain, f, par)
-    assert torch.equal(plain[0], got[0]) and torch.equal(plain[1], got[1]), "the norm changes no state"
-    check(runs[0], norm.gated_rmsnorm_ref(o, *gated), TOL[dtype], "the norm of the plain kernel's o")
 
 def test_recurrent_large_gates(device):
     # a + dt_bias past softplus' threshold (20) and far below it
@@ -142,20 +108,6 @@ def test_recurrent_27b_shapes(T):
     check(o, o_ref, 1e-2)
     check(s, s_ref, 1e-5, "state")
     check(p, p_ref, 1e-5, "kept tokens")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 2, 5])
-def test_recurrent_with_gated_norm_27b_shapes(T):
-    # the norm kernel after the recurrence against the norm in it: its own sums' order, so within
-    # bf16's rounding rather than bit for bit; the state bit for bit
-    args, state, pend = _inputs(T, 16, 48, 128, 128, torch.bfloat16, "cuda", seed=T)
-    gated = _gated(T, 48, 128, torch.bfloat16, "cuda", seed=T)
-    f, par = _long(T - 1, "cuda"), _long(T % 2, "cuda")
-    apart, fused = (state.clone(), pend.clone()), (state.clone(), pend.clone())
-    y = norm.gated_rmsnorm(gdn.recurrent_triton(*args, *apart, f, par), *gated)
-    check(gdn.recurrent_triton(*args, *fused, f, par, None, gated), y, 1e-2)
-    assert torch.equal(apart[0], fused[0]) and torch.equal(apart[1], fused[1])
 
 
 def test_one_token_step_writes_its_token(device):
