@@ -217,11 +217,12 @@ class KernelPlan:
         normed = config.is_moe and not int4 and config.quantization != "int4"
         # prefill attention in our kernel where it gets the tiles timed on an H100 (128 x 64)
         timed = prefill_attention_config(config.head_dim, 2, products)[:2] == (128, 64)
-        # a 4-bit MoE model's graph chunk costs more GPU time than the eager one it replaces (its
-        # expert kernels over the bounded layout): its turns of 16 / 50 tokens after 8K 134.3 / 167.8
-        # -> 55.1 / 87.3 ms, but 128 tokens as two chunks 169.7 against 147.8 eager, so one chunk
-        # (128 tokens then eager: 123.5); the 27B int4's turns of 96 / 128 / 192 tokens in up to three
-        # 111.3 / 115.5 / 116.7 -> 67.7 / 74.4 / 102.2 (an H200, tests/bench/probe_turn.py)
+        # an MoE chunk reads most of the experts whatever its size (64 tokens some 221 of 256 a layer,
+        # 128 some 251), so two chunks read them twice: a 4-bit MoE's chunks stop at 64
+        # (int4_prefill_rows), and its turns of 16 / 50 tokens after 8K took 134.3 / 167.8 -> 55.1 /
+        # 87.3 ms through graph chunks, but 128 tokens as two chunks 169.7 against 147.8 eager, so
+        # one chunk (128 tokens then eager: 123.5); the 27B int4's turns of 96 / 128 / 192 tokens in
+        # up to three 111.3 / 115.5 / 116.7 -> 67.7 / 74.4 / 102.2 (an H200, tests/bench/probe_turn.py)
         four_bit = int4 or config.quantization == "int4"
         return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late, int4_prefill=prefill),
                    shared_as_expert=config.is_moe and alike, moe_normed=normed,
