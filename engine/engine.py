@@ -139,7 +139,8 @@ class Engine:
             cap = ".".join(map(str, torch.cuda.get_device_capability(self.device)))
             raise UnsupportedFormat(f"FP8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
                                     f"this one has {cap}: load without weights='fp8'")
-        self.plan = plan or KernelPlan.choose(self.device, self.config, self.fp8, weights == "int4")
+        self.plan = plan or KernelPlan.choose(self.device, self.config, self.fp8, weights == "int4",
+                                              four_bit=self.int4 is not None)
         # an FP8 or 4-bit model keeps the GDN's bf16 [b | a] apart from its quantized [qkv | z]
         split_ba = self.fp8 or self.int4 is not None
         self.model = Model(self.config, split_ba=split_ba)
@@ -192,8 +193,8 @@ class Engine:
         `steps` greedy steps each, after one untimed; the decode state is empty again after. (A
         larger k, eager, is timed by the policy when it first runs.) On a GPU a prompt that no graph
         route takes is prefilled first (decoder.eager_prefill_length: 395 tokens on a bf16 or FP8
-        model, 203 on a 4-bit one), so the eager chunks' own kernels (prefill attention's) compile
-        here, not in the first long turn."""
+        model, 203 on a dense 4-bit one, 75 on a 4-bit MoE), so the eager chunks' own kernels
+        (prefill attention's) compile here, not in the first long turn."""
         top = min(self.k_max, CAPTURED_K)
         need = (top + 1) * (steps + 1) + 32
         if self.head is None or need >= self.max_context:

@@ -436,7 +436,7 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
     shapes = [1] + [k + 1 for k in drafts] + list(drafts)
     per_token = kv_bytes_per_token(cfg, dtype) + (mtp_kv_bytes_per_token(cfg, dtype) if mtp else 0)
     rows = max_context + k_max + 1   # a verify step may write k_max+1 rows past the last position
-    chunks = prefill_graph_sizes(cfg, bool(int4) or cfg.quantization == "int4")
+    chunks = prefill_graph_sizes(cfg, bool(int4))       # (a 4-bit checkpoint may load dequantized)
     return MemoryPlan(
         weights=weight_bytes(cfg, dtype, mtp, fp8, draft_vocab, int4),
         kv=kv_bytes_per_token(cfg, dtype) * rows,

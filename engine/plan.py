@@ -162,13 +162,14 @@ class KernelPlan:
     #   generation prompt after 8K, the 27B FP8: 187.7 -> 36.7 ms (an H200, probe_turn.py
     #   --generation-prompt 5, 2026-11-28).
     # - prefill_graphs: chunk sizes whose prefill forward is captured at load (memory.PREFILL_GRAPHS;
-    #   a bf16 or FP8 model's, dense or MoE: memory.prefill_graph_sizes), its start read on the device
+    #   every size for a bf16 or FP8 model, dense or MoE, a 4-bit model's up to its plan's
+    #   int4_prefill_rows: memory.prefill_graph_sizes), its start read on the device
     #   (attention by the steps' kernel, which splits the keys); a longer prefill goes as at most
     #   prefill_pieces of them, the largest that fit, then at most step_prefill step pieces for the
     #   rest (decoder.prefill_pieces). Such a turn of 16 / 50 / 120 tokens then the generation
     #   prompt: 249.4 / 276.0 / 266.6 ms eager, 120.7 / 158.1 / 142.4 with step pieces alone, 55.0 /
     #   73.2 / 102.4 with graph chunks too (the same H200 instance). A chunk's kernels take some
-    #   27-30 ms of the 27B FP8 at 16-96 tokens (a step piece 12), so two at most: four 128-token
+    #   27-30 ms of the 27B FP8 at 16-96 tokens (a step piece 12), so two at most then: four 128-token
     #   replays took a 512-token prompt 134.8 ms to its first token, one eager chunk 78.3. (Since
     #   then the FP8 products of a few rows run in cuBLAS: ProductPlan.fp8_cublas_rows.) The 35B-A3B
     #   FP8's turns of 16 / 50 / 128 tokens: 95.8 / 126.6 / 121.1 ms eager, 35.4 / 49.7 / 71.4
@@ -185,10 +186,12 @@ class KernelPlan:
             raise ValueError(f"prefill_attention is 'flash' or 'triton', not {self.prefill_attention!r}")
 
     @classmethod
-    def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool, int4: bool = False) -> "KernelPlan":
+    def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool, int4: bool = False,
+               four_bit: bool | None = None) -> "KernelPlan":
         """The measured forms for this device, model and weight format (`fp8`: the big products in
         block-scaled FP8; `int4`: every product in 4 bits, --weights int4; 4-bit products take the
-        same plan, their tiles in products.int4_tiles). FP8 and 4-bit products place the next kernel
+        same plan, their tiles in products.int4_tiles; `four_bit`: whether the products are kept in 4
+        bits, by default with `int4` or a 4-bit checkpoint, which may also load dequantized). FP8 and 4-bit products place the next kernel
         late (products.late_release: the 35B-A3B's FP8 decode step 0.881 x, int4 0.951 x, the 27B's
         int4 0.990 x, its FP8 1.00 x; bf16 1.00 x on the 27B, verify 3 1.044 x on the 35B-A3B: off).
         FP8 tiles are widened by moving bits where the GPU runs FP8 at all; the products split by
@@ -223,7 +226,7 @@ class KernelPlan:
         # 87.3 ms through graph chunks, but 128 tokens as two chunks 169.7 against 147.8 eager, so
         # one chunk (128 tokens then eager: 123.5); the 27B int4's turns of 96 / 128 / 192 tokens in
         # up to three 111.3 / 115.5 / 116.7 -> 67.7 / 74.4 / 102.2 (an H200, tests/bench/probe_turn.py)
-        four_bit = int4 or config.quantization == "int4"
+        four_bit = (int4 or config.quantization == "int4") if four_bit is None else four_bit
         return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late, int4_prefill=prefill),
                    shared_as_expert=config.is_moe and alike, moe_normed=normed,
                    prefill_attention="triton" if timed else "flash",

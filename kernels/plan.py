@@ -5,8 +5,9 @@ module-level switch, so two engines in one process can differ, and a CUDA graph 
 plan keeps it.
 
 The defaults are the forms measured fastest on an H100 (docs/PERFORMANCE.md), and on an H200 where
-they differ (fp8_two_blocks). None of them is a function of the number of rows, so a row's result
-never depends on how many rows a call holds.
+they differ (fp8_two_blocks). None of a step's forms is a function of the number of rows, so a
+row's result never depends on how many rows a call holds; a prefill's need not hold to that (its
+4-bit few-row product pads its rows to 16, 32 or 64: int4_prefill_rows).
 """
 from __future__ import annotations
 

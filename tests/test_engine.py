@@ -104,10 +104,14 @@ def test_a_short_prefill_goes_in_graph_sized_chunks_and_step_pieces():
     assert prefill_pieces(63, 5, 2, (16, 32), 4) is None             # 32 + 16 + 15: three steps' rows
     assert prefill_pieces(56, 5, 2, (8, 16, 32), 4) == [(32, "graph"), (16, "graph"), (8, "graph")]
     # a length no graph route takes, which the load's warm-up prefills on a GPU (Engine.time_steps)
-    for sizes_, most in ((PREFILL_GRAPHS, 2), (PREFILL_GRAPHS[:-2], 2), ((), 2), ((8, 16, 32), 4)):
+    for sizes_, most in ((PREFILL_GRAPHS, 2), (PREFILL_GRAPHS[:-2], 2), ((), 2), ((8, 16, 32), 4),
+                         (PREFILL_GRAPHS, 3), (PREFILL_GRAPHS[:-2], 3), (PREFILL_GRAPHS[:-2], 1)):
         n = eager_prefill_length(5, 2, sizes_, most)
         assert prefill_pieces(n, 5, 2, sizes_, most) is None and prefill_pieces(n - 1, 5, 2, sizes_, most) is not None
     assert [eager_prefill_length(5, 2, s_, 2) for s_ in (PREFILL_GRAPHS, PREFILL_GRAPHS[:-2], ())] == [267, 139, 11]
+    # the GPU plans' (KernelPlan.choose): a bf16 or FP8 model, a dense 4-bit one, a 4-bit MoE
+    assert [eager_prefill_length(5, 2, s_, m) for s_, m in ((PREFILL_GRAPHS, 3), (PREFILL_GRAPHS[:-2], 3),
+                                                             (PREFILL_GRAPHS[:-2], 1))] == [395, 203, 75]
     assert eager_prefill_length(5, 0, (), 2) == 1                     # the CPU's plan: every prefill eager
     # the GPU's sizes
     assert PREFILL_GRAPHS[-2:] == (96, 128)

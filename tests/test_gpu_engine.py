@@ -231,11 +231,12 @@ def test_a_short_turn_through_the_graphs(ckpt, graphs):
     assert_mtp_on_equals_off(gpu, [random_ids(n, 50 + n, V) for n in (2, 10, 37, 63)], 48, ks=(1, 3), profile_ks=(2, 4))
 
 
-def test_a_capture_with_dropped_engines_around(ckpt):
+def test_no_garbage_collection_inside_a_capture(ckpt):
     # A model switched: engines dropped in the same process are freed by the garbage collector
-    # whenever it runs (runner.Runner.capture keeps it out of the captures). With the collector
-    # running at nearly every allocation, loading after dropped engines still captures every graph,
-    # and the new engine answers as the first one did.
+    # whenever it runs, and a pinned buffer freed inside a graph's capture could invalidate it, so
+    # runner.Runner.capture keeps the collector out of its captures. With the collector running at
+    # nearly every allocation, none runs while a capture is under way, every graph is captured, and
+    # the new engine answers as the first one did.
     import gc
     first = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256)
     ids = gpu_prompts(first, 2)[1]
@@ -245,11 +246,16 @@ def test_a_capture_with_dropped_engines_around(ckpt):
         greedy_tokens(dropped, ids, 8, mtp=True, k=2)          # its pinned buffers used by copies
         dropped.cycle = dropped                                 # unreachable once dropped, until collected
         del dropped
+    capturing = []
+    watch = lambda phase, info: capturing.append(torch.cuda.is_current_stream_capturing()) if phase == "start" else None
     threshold = gc.get_threshold()
     gc.set_threshold(1, 1, 1)
+    gc.callbacks.append(watch)
     try:
         engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256)
     finally:
+        gc.callbacks.remove(watch)
         gc.set_threshold(*threshold)
+    assert capturing and not any(capturing), "a collection ran inside a capture"
     assert engine.decoder.runner.graphs and gc.isenabled()
     assert greedy_tokens(engine, ids, 24) == want

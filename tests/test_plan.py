@@ -101,6 +101,28 @@ def test_4_bit_prefill_chunks_follow_the_few_row_kernels_rows(gqa3, monkeypatch)
         assert KernelPlan.choose("cuda", model, fp8=fp8, int4=int4).prefill_pieces == 3
 
 
+def test_a_4_bit_checkpoint_loaded_dequantized_plans_as_bf16(gqa3, monkeypatch):
+    # a 4-bit checkpoint loaded with weights "bf16" keeps its products in bf16: the plan's chunks
+    # and pieces are a bf16 model's (KernelPlan.choose's four_bit, as the engine passes it), and the
+    # memory plan counts the chunks the decoder then sizes its buffers for (the largest, 128)
+    from mtpchat.engine import plan as plan_module
+    from mtpchat.engine.memory import plan_memory
+    monkeypatch.setattr(plan_module, "fp8_runs_on", lambda device: True)
+    monkeypatch.setattr(plan_module, "fp8_form_runs_on", lambda device: False)
+    monkeypatch.setattr(plan_module, "default_products", lambda device: ProductPlan(programs=132))
+    config = ModelConfig.load(gqa3)
+    moe = dataclasses.replace(config, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32)
+    for model in (config, moe):
+        stored = dataclasses.replace(model, quantization="int4")
+        kept = KernelPlan.choose("cuda", stored, fp8=False)
+        loaded = KernelPlan.choose("cuda", stored, fp8=False, four_bit=False)
+        assert kept.prefill_graphs == PREFILL_GRAPHS[:-2] and kept.prefill_pieces == (1 if model.is_moe else 3)
+        assert (loaded.prefill_graphs, loaded.prefill_pieces) == (PREFILL_GRAPHS, 3)
+        assert plan_memory(stored, 4096, weights="bf16").workspace == plan_memory(model, 4096).workspace
+        assert plan_memory(stored, 4096, weights="int4").workspace != plan_memory(model, 4096).workspace
+
+
 def test_a_short_4_bit_prefill_takes_the_few_row_kernel(monkeypatch):
     # engine/dispatch.linear: a prefill (not rowwise) of at most int4_prefill_rows rows over a 4-bit
     # weight on the GPU; more rows, a step's rows, other weights and the CPU as before

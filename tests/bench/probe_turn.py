@@ -49,8 +49,8 @@ def main():
     p.add_argument("--kernels", type=int, default=0, metavar="ROWS",
                    help="also each turn's kernels by name, the ROWS that took the most GPU time")
     p.add_argument("--load-plan", default="", metavar="CHANGES",
-                   help="changes to the plan the engine loads and captures under, e.g. int4_prefill_rows=64 "
-                        "(its prefill_graphs stay as chosen before them: give --prefill-graphs for a 4-bit model's)")
+                   help="changes to the plan the engine loads and captures under, e.g. prefill_pieces=1 "
+                        "(its prefill_graphs stay as chosen before them: give --prefill-graphs to change those)")
     p.add_argument("--recapture", action="store_true",
                    help="capture the graphs again under each plan of --plans (a graph keeps the plan it was captured under)")
     p.add_argument("--prefill-graphs", metavar="SIZES",
