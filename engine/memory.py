@@ -402,7 +402,9 @@ def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool, four_bit_rows: int = P
     so no count waits for the host: kernels/moe_layout.py most_blocks). The 35B-A3B FP8's turn of
     16 / 50 / 128 tokens after 8K took 0.37 / 0.39 / 0.59 x the wall time of eager chunks with
     chunks of up to 64 tokens, and with chunks of 96 and 128 too its turns of 128 / 200 tokens 50.8
-    / 99.7 ms against 76.8 / 159.5 (an H200, tests/bench/probe_turn.py). A 4-bit model's chunks
+    / 99.7 ms against 76.8 / 159.5 (an H200, tests/bench/probe_turn.py; the 200 tokens' GPU time
+    grew, 35.1 -> 75.8 ms, since each chunk reads most of the experts: the gain is the host's
+    launches). A 4-bit model's chunks
     are captured up to `four_bit_rows` tokens (the plan's int4_prefill_rows: those products stream
     the weight in the few-row kernel, where the slab forms would keep a dense copy of it in the
     graphs' pool); none where that is 0."""
