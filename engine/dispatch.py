@@ -27,7 +27,7 @@ from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BlockFP8
 from mtpchat.kernels.fp8_gemm import QuantizedRows
 from mtpchat.kernels.int4 import GroupInt4
-from mtpchat.kernels.matvec import Normed, matvec, matvec_prefill, matvec_rider, rides
+from mtpchat.kernels.matvec import Normed, matvec, matvec_prefill, matvec_rider, prefill_fits, rides
 from mtpchat.kernels.matvec_parts import matvec_parts, matvec_parts_triton
 from mtpchat.kernels.plan import ProductPlan
 
@@ -114,7 +114,8 @@ def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
         return fp8_gemm.gemm(x, w, products) if isinstance(w, BlockFP8) else int4_gemm.gemm(x, w, plan=products)
     if _few_rows(x, rowwise):
         return matvec(x, w, plan=products)
-    if not rowwise and isinstance(w, GroupInt4) and x.shape[0] <= products.int4_prefill_rows and use_triton(x, w.w):
+    if (not rowwise and isinstance(w, GroupInt4) and x.shape[0] <= products.int4_prefill_rows and use_triton(x, w.w)
+            and prefill_fits(x.shape[0], w, x.element_size(), products)):
         return matvec_prefill(x, w, products)        # a short prefill chunk's: the weight streamed once
     if not rowwise and use_triton(x, values_of(w)):
         if isinstance(w, BlockFP8):

@@ -42,7 +42,7 @@ from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
-from mtpchat.kernels.plan import PREFILL_ROWS, ProductPlan, default_products
+from mtpchat.kernels.plan import PIPELINE_SLACK, PREFILL_ROWS, ProductPlan, default_products
 
 MAX_ROWS = 16
 
@@ -512,6 +512,15 @@ def prefill_tile(w: GroupInt4, BT: int, itemsize: int, plan: ProductPlan) -> tup
     BN, BK, warps, stages = plan.int4_prefill_tile
     BK = triton.cdiv(BK, w.group) * w.group
     return BN, BK, warps, plan.depth(stages, BN * BK // 2 + BK * BT * itemsize)
+
+
+def prefill_fits(T: int, w: GroupInt4, itemsize: int, plan: ProductPlan) -> bool:
+    """Whether matvec_prefill's tile for T rows fits the device's shared memory a program at its
+    least depth (one buffer of w's tile and x's): BK holds whole groups, so groups of 1,024 columns
+    do not on a 99 KB GPU in bf16 (the slab forms then take the product)."""
+    BT = max(16, triton.next_power_of_2(T))
+    BN, BK, _, stages = prefill_tile(w, BT, itemsize, plan)
+    return (stages - 1) * (BN * BK // 2 + BK * BT * itemsize) <= plan.shared_memory - PIPELINE_SLACK
 
 
 def matvec_prefill(x: torch.Tensor, w: GroupInt4, plan: ProductPlan) -> torch.Tensor:

@@ -135,14 +135,21 @@ def test_a_short_4_bit_prefill_takes_the_few_row_kernel(monkeypatch):
     monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
     w = int4.quantize_ref(torch.randn(64, 128))
     plan = ProductPlan(programs=132, int4_prefill_rows=32)
-    x = lambda T: type("Rows", (), {"shape": (T, 128), "is_cuda": True})()
+    x = lambda T, K=128: type("Rows", (), {"shape": (T, K), "is_cuda": True, "element_size": lambda self: 2})()
     assert dispatch.linear(x(32), w, False, plan) == "few"
     assert dispatch.linear(x(33), w, False, plan) == "slab"
     assert dispatch.linear(x(5), w, True, plan) == "step"
     assert dispatch.linear(x(5), w, False, dataclasses.replace(plan, int4_prefill_rows=0)) == "slab"
     most = dataclasses.replace(plan, int4_prefill_rows=64)           # matvec_prefill takes 64 rows at most
     assert dispatch.linear(x(64), w, False, most) == "few" and dispatch.linear(x(65), w, False, most) == "slab"
-    assert calls == [("few", 32), ("slab", 33), ("step", 5), ("slab", 5), ("few", 64), ("slab", 65)]
+    # groups whose tile does not fit the device's shared memory even one buffer deep: the slab forms
+    wide = int4.quantize_ref(torch.randn(64, 2048), group=1024)
+    small = dataclasses.replace(most, shared_memory=101376)         # an RTX 4090's
+    assert dispatch.linear(x(64, 2048), wide, False, most) == "few"
+    assert dispatch.linear(x(64, 2048), wide, False, small) == "slab"
+    assert dispatch.linear(x(16, 2048), wide, False, small) == "few"    # x's tile of 16 rows leaves room
+    assert calls == [("few", 32), ("slab", 33), ("step", 5), ("slab", 5), ("few", 64), ("slab", 65),
+                     ("few", 64), ("slab", 64), ("few", 16)]
     for bad in (65, 128, -1):                                         # refused where the plan is made
         with pytest.raises(ValueError, match="int4_prefill_rows is 0"):
             dataclasses.replace(plan, int4_prefill_rows=bad)

@@ -296,6 +296,17 @@ def test_int4_prefill_products(device, dtype, T, N, K, group, symmetric, perm, i
         matvec.matvec_prefill(randn(65, K, dtype=dtype, device=device, seed=1), wv, plan)
 
 
+def test_int4_prefill_fits_says_where_one_buffer_is_too_many():
+    # matvec.prefill_fits: BK holds whole groups, so wide groups outgrow a small device's shared memory
+    plan = ProductPlan(programs=6)
+    small = dataclasses.replace(plan, shared_memory=101376)
+    for group, fits_small in ((128, True), (512, True), (1024, False)):
+        w = int4_weight(64, 2048, "cpu", 1, group)
+        assert matvec.prefill_fits(64, w, 2, plan) and matvec.prefill_fits(64, w, 2, small) == fits_small
+        assert matvec.prefill_fits(8, w, 2, small)           # x's tile of 16 rows: 64 KB with groups of 1,024
+    assert not matvec.prefill_fits(8, int4_weight(64, 4096, "cpu", 1, 2048), 2, small)
+
+
 def test_int4_prefill_tile_fits_the_shared_memory():
     # x's tile of 64 rows by BK weights is the large buffer: a 99 KB device runs it shallower
     w = int4_weight(64, 256, "cpu", 1, 32)
