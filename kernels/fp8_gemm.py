@@ -173,15 +173,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _gemm_kernel(a, a_s, b, b_s, y, M, N, K, s_a, s_asm, s_ask, s_b, s_bs, s_y,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 SWAP: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     # Tiles in groups of GROUP_M row blocks: consecutive programs take the group's row blocks of
     # one column block, then of the next, so a wave of programs shares its weight tiles and its
     # rows of x in L2. BK = 128 and BN divides 128, the weight's scale block: the tile's K step
     # i_k is its scale column, and its columns share the scale row i_n * BN // 128.
-    # SWAP (a few rows): the tile is computed transposed, yᵀ [BN, BM] = w [BN, BK] @ xᵀ, so that the
-    # weight's columns fill the matrix instruction's long side (64 a warpgroup on Hopper) and the
-    # rows its short one (as few as 8); the same K steps in the same order.
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     in_group = GROUP_M * n_n
@@ -192,10 +188,7 @@ def _gemm_kernel(a, a_s, b, b_s, y, M, N, K, s_a, s_asm, s_ask, s_b, s_bs, s_y,
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
     m_m, m_n = o_m < M, o_n < N
-    if SWAP:
-        acc = tl.zeros([BN, BM], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
     p_bs = b_s + (i_n * BN // 128) * s_bs
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -205,29 +198,19 @@ def _gemm_kernel(a, a_s, b, b_s, y, M, N, K, s_a, s_asm, s_ask, s_b, s_bs, s_y,
         b_as = tl.load(a_s + o_m * s_asm + i_k * s_ask, mask=m_m, other=0.)
         b_bs = tl.load(p_bs + i_k)
         # fp8 x fp8 -> float32 on the tensor cores; b [BN, BK] rows are K-contiguous, so its
-        # transpose is the K-major operand that Hopper's fp8 wgmma takes (and under SWAP, a's).
-        # (Triton's interpreter runs the same dot: it widens fp8 to float16, exactly, and
-        # multiplies in float32.)
-        if SWAP:
-            acc += tl.dot(b_b, tl.trans(b_a)) * (b_as * b_bs)[None, :]
-        else:
-            acc += tl.dot(b_a, tl.trans(b_b)) * (b_as * b_bs)[:, None]
-    if SWAP:
-        tl.store(y + o_m[None, :] * s_y + o_n[:, None], acc.to(y.dtype.element_ty),
-                 mask=m_m[None, :] & m_n[:, None])
-    else:
-        tl.store(y + o_m[:, None] * s_y + o_n[None, :], acc.to(y.dtype.element_ty),
-                 mask=m_m[:, None] & m_n[None, :])
+        # transpose is the K-major operand that Hopper's fp8 wgmma takes. (Triton's interpreter
+        # runs the same dot: it widens fp8 to float16, exactly, and multiplies in float32.)
+        acc += tl.dot(b_a, tl.trans(b_b)) * (b_as * b_bs)[:, None]
+    tl.store(y + o_m[:, None] * s_y + o_n[None, :], acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
 class GemmTiles(NamedTuple):
     """A tile of the prefill product: BM rows x BN weight columns (BN divides 128), K steps of 128
-    (the weight's scale block), `warps`, `stages` deep, computed transposed where `swap`."""
+    (the weight's scale block), `warps`, `stages` deep."""
     BM: int
     BN: int
     warps: int
     stages: int
-    swap: bool = False
 
 
 # Tiles for an H100: 128 x 128 outputs, K steps of 128 (the weight's scale block), two warpgroups
@@ -270,7 +253,7 @@ def gemm_quantized_triton(xq: torch.Tensor, xs: torch.Tensor, q: BlockFP8, out_d
     grid = (triton.cdiv(M, tiles.BM) * triton.cdiv(N, tiles.BN),)
     _gemm_kernel[grid](xq, xs, q.w, q.scale, y, M, N, K, xq.stride(0), xs.stride(0), xs.stride(1), q.w.stride(0),
                        q.scale.stride(0), y.stride(0), BM=tiles.BM, BN=tiles.BN, BK=BK, GROUP_M=GROUP_M,
-                       SWAP=tiles.swap, num_warps=tiles.warps, num_stages=tiles.stages)
+                       num_warps=tiles.warps, num_stages=tiles.stages)
     return y
 
 

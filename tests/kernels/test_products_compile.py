@@ -66,7 +66,7 @@ def launches(cap):
     if cap >= 89:     # prefill's FP8 product where cuBLAS does not serve: the wide tile and the few-row ones
         for tname, t in (("wide", fp8_gemm.WIDE), ("small", fp8_gemm.SMALL), ("small 16", fp8_gemm.gemm_tiles(16, fp8_gemm.SMALL, 16))):
             yield f"fp8 gemm {tname}", fp8_gemm._gemm_kernel, dict(BM=t.BM, BN=t.BN, BK=fp8_gemm.BK,
-                                                                    GROUP_M=fp8_gemm.GROUP_M, SWAP=t.swap), \
+                                                                    GROUP_M=fp8_gemm.GROUP_M), \
                 dict(a="*fp8e4nv", a_s="*fp32", b="*fp8e4nv", b_s="*fp32"), t.warps, t.stages
     BM, BN, warps, stages = attention_chunk.prefill_attention_config(256, 2, plan)
     yield "prefill attention", attention_chunk._prefill_attn_kernel, dict(GROUP=6, D=256, BD=256, BM=BM, BN=BN), \
