@@ -293,6 +293,21 @@ def test_weights_bf16_dequantizes_a_4bit_checkpoint(ckpts):
         Engine.load(quantized, weights="fp8")
 
 
+def test_the_plan_follows_the_format_the_products_are_kept_in(ckpts, monkeypatch):
+    # KernelPlan.choose hears whether the products are kept in 4 bits: a 4-bit checkpoint as it is,
+    # or dequantized by weights "bf16" (whose plan is then a bf16 model's: its chunks, its pieces)
+    from mtpchat.engine.plan import KernelPlan
+    choose, heard = KernelPlan.choose.__func__, []
+    monkeypatch.setattr(KernelPlan, "choose", classmethod(
+        lambda cls, *args, **kw: heard.append(kw.get("four_bit")) or choose(cls, *args, **kw)))
+    quantized, twin = ckpts("ct-sym")
+    for weights, four_bit in ((None, True), ("int4", True), ("bf16", False)):
+        Engine.load(quantized, weights=weights)
+        assert heard[-1] is four_bit, weights
+    Engine.load(twin, weights="int4")
+    assert heard[-1] is True
+
+
 # --- what cannot be read ----------------------------------------------------------------------------
 def with_config(src: Path, dst: Path, **quant) -> Path:
     folder = Path(shutil.copytree(src, dst))
