@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpchat.engine.memory import CAPTURED_K, prefill_graph_sizes
+from mtpchat.engine.memory import CAPTURED_K, prefill_early_sizes, prefill_graph_sizes
 from mtpchat.engine.dispatch import Ctx, linear
 from mtpchat.engine.draft_vocab import DraftRows
 from mtpchat.engine.events import PhaseTimes
@@ -98,15 +98,19 @@ class Decoder:
         # a short prefill's chunks replayed as graphs (the plan's prefill_graphs): their tokens, hiddens
         # (as large as the memory plan's sizes for this model whatever this plan's, so a plan swapped
         # in may take them; larger where this plan's are; `four_bit`: the model's products are 4-bit)
-        most = max((*prefill_graph_sizes(c, four_bit, plan.products.int4_prefill_rows), *plan.prefill_graphs), default=1)
+        sizes = (*prefill_graph_sizes(c, four_bit, plan.products.int4_prefill_rows), *plan.prefill_graphs)
+        early = (*prefill_early_sizes(four_bit), *plan.prefill_early)
+        most = max((*sizes, *early), default=1)
         self.chunk_ids = long(most)
         self.chunk_hidden = torch.zeros(most, c.hidden_size, device=dev, dtype=model.embed.dtype)
         # and their attention's partials, one workspace for every size (rather than one each in the
-        # graphs' pool: 895 MiB for sizes of 8..128 on the 27B at 8K, docs/PERFORMANCE.md 2026-11-28)
+        # graphs' pool: 895 MiB for sizes of 8..128 on the 27B at 8K, docs/PERFORMANCE.md 2026-11-28);
+        # the early chunks' over the cache's first rows alone
         self.chunk_attention = None
-        if plan.prefill_graphs and dev.type == "cuda":
-            floats = attention.split_workspace_floats(most, c.num_attention_heads, c.head_dim, state.rows,
-                                                      model.embed.element_size())
+        if (plan.prefill_graphs or plan.prefill_early) and dev.type == "cuda":
+            floats = max(attention.split_workspace_floats(max(s), c.num_attention_heads, c.head_dim, rows,
+                                                          model.embed.element_size())
+                         for s, rows in ((sizes, state.rows), (early, min(plan.prefill_early_rows, state.rows))) if s)
             self.chunk_attention = torch.empty(floats, dtype=torch.float32, device=dev)
         self.v_logits = torch.zeros(K1, c.vocab_size, device=dev)
         self.result = long(K1 + 2)            # [n, a, tokens...]: the one device-to-host copy
@@ -237,7 +241,8 @@ class Decoder:
         kept = []
         self.prefill_logits = None
         p = self.plan
-        pieces = prefill_pieces(len(ids), self.R, p.step_prefill, p.prefill_graphs, p.prefill_pieces)
+        pieces = prefill_pieces(len(ids), self.R, p.step_prefill, p.prefill_graphs, p.prefill_pieces,
+                                self.state.length, p.prefill_early, p.prefill_early_rows)
         if pieces is None:
             size = chunk_size(len(ids), self.prefill_chunk)
             pieces = [(min(size, len(ids) - s), None) for s in range(0, len(ids), size)]
@@ -272,8 +277,12 @@ class Decoder:
 
     def prefill_chunk_forward(self, T: int):
         """The target over chunk_ids[:T] at the device position `pos`, in the prefill form, into
-        chunk_hidden: a pure function of the buffers, so engine/runner.py captures it per size."""
-        ctx = dataclasses.replace(self._ctx(self.pos, T, False), attention_workspace=self.chunk_attention)
+        chunk_hidden: a pure function of the buffers, so engine/runner.py captures it per size. An
+        early size's attention reads the caches' first prefill_early_rows rows alone (prefill_pieces
+        takes it only where the chunk ends within them)."""
+        rows = self.plan.prefill_early_rows if T in self.plan.prefill_early else None
+        ctx = dataclasses.replace(self._ctx(self.pos, T, False), attention_workspace=self.chunk_attention,
+                                  attention_rows=rows)
         self.model(self.chunk_ids[:T], self.state.layers, ctx, out=self.chunk_hidden[:T])
 
     def _prefill_step(self, chunk: list[int]) -> torch.Tensor:
@@ -489,14 +498,16 @@ def chunk_size(n: int, most: int, multiple: int = 64) -> int:
     return min(most, -(-per // multiple) * multiple)
 
 
-def prefill_pieces(n: int, rows: int, step_pieces: int, sizes: tuple[int, ...], most: int) -> list | None:
-    """How a short prefill of n tokens goes: [(tokens, "step" | "graph"), ...], or None (in chunks,
-    eagerly): at most `step_pieces` equal pieces of at most `rows` tokens (a step's) in the step
-    form, each about a decode step's time; else at most `most` chunks of the graphs' `sizes`, the
-    largest that fit in turn (on the 27B some 2.5 steps' time each), then the rest in step pieces."""
+def prefill_pieces(n: int, rows: int, step_pieces: int, sizes: tuple[int, ...], most: int, start: int = 0,
+                   early: tuple[int, ...] = (), early_rows: int = 0) -> list | None:
+    """How a short prefill of n tokens after `start` goes: [(tokens, "step" | "graph"), ...], or
+    None (in chunks, eagerly): at most `step_pieces` equal pieces of at most `rows` tokens (a step's)
+    in the step form, each about a decode step's time; else at most `most` chunks of the graphs'
+    sizes, the largest that fit in turn (on the 27B some 2.5 steps' time each), those of `early` only
+    where the chunk ends within the first `early_rows` positions; then the rest in step pieces."""
     out, rest = [], n
-    for size in sorted(sizes, reverse=True) if n > step_pieces * rows else ():
-        while rest >= size and len(out) < most:
+    for size in sorted({*sizes, *early}, reverse=True) if n > step_pieces * rows else ():
+        while rest >= size and len(out) < most and (size in sizes or start + n - rest + size <= early_rows):
             out.append((size, "graph"))
             rest -= size
     if rest > step_pieces * rows:
@@ -505,11 +516,16 @@ def prefill_pieces(n: int, rows: int, step_pieces: int, sizes: tuple[int, ...], 
     return out + [(min(size, rest - s), "step") for s in range(0, rest, size)]
 
 
-def eager_prefill_length(rows: int, step_pieces: int, sizes: tuple[int, ...], most: int) -> int:
-    """A prefill length that no route through the graphs takes (prefill_pieces gives None): `most`
-    chunks of the largest size and one token more than the step pieces hold, so it goes as eager
-    chunks, whose own kernels (prefill attention's) a warm-up then compiles."""
-    return most * max(sizes, default=0) + step_pieces * rows + 1
+def eager_prefill_length(rows: int, step_pieces: int, sizes: tuple[int, ...], most: int,
+                         early: tuple[int, ...] = (), early_rows: int = 0) -> int:
+    """A prefill length that no route through the graphs takes from an empty cache (prefill_pieces
+    gives None): the early chunks' rows, `most` chunks of the largest size and one token more than
+    the step pieces hold, so it goes as eager chunks, whose own kernels (prefill attention's) a
+    warm-up then compiles."""
+    n = most * max(sizes, default=0) + step_pieces * rows + 1
+    while prefill_pieces(n, rows, step_pieces, sizes, most, 0, early, early_rows) is not None:
+        n += 1
+    return n
 
 
 def _eager(key, fn) -> float:

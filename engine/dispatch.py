@@ -49,6 +49,8 @@ class Ctx:
                                        # rest are stale, and an MoE routes them as the last that counts
     attention_workspace: torch.Tensor | None = None   # float32: a prefill chunk's attention partials
                                                       # with its start on the device (engine/decoder.py)
+    attention_rows: int | None = None  # such a chunk's attention reads the caches' first rows alone
+                                       # (an early chunk's: KernelPlan.prefill_early)
 
     @property
     def products(self) -> ProductPlan:

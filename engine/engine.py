@@ -201,7 +201,8 @@ class Engine:
             return {}
         params, dec = SamplingParams(max_tokens=need, stop_token_ids=()), self.decoder
         p = self.plan
-        eager = eager_prefill_length(dec.R, p.step_prefill, p.prefill_graphs, p.prefill_pieces)
+        eager = eager_prefill_length(dec.R, p.step_prefill, p.prefill_graphs, p.prefill_pieces, p.prefill_early,
+                                     p.prefill_early_rows)
         prompt = torch.randint(0, self.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
         with torch.inference_mode():
             if self.device.type == "cuda" and eager < self.max_context:
@@ -296,7 +297,7 @@ class Engine:
         """A full forward from an empty state, separate from the conversation: [T, vocab] float32."""
         scratch = DecodeState(self.config, len(ids), self.k_max, self.device, self.dtype, mtp=False)
         # eager chunks (no graphs of its own to replay), the engine's expert counters left alone
-        plan = self.plan.replace(step_prefill=0, prefill_graphs=())
+        plan = self.plan.replace(step_prefill=0, prefill_graphs=(), prefill_early=())
         decoder = Decoder(self.model, None, scratch, plan, self.decoder.prefill_chunk, count_experts=False)
         return decoder.logits(decoder.prefill(ids, keep_all=True), rowwise=False)
 

@@ -381,18 +381,26 @@ CAPTURED_K = 4
 # unchanged (98 MiB: the largest is captured first and the others reuse its memory), the chunks'
 # shared attention workspace twice as large (224 MiB at 8K; an H200, tests/bench/probe_turn.py).
 PREFILL_GRAPHS = (8, 16, 24, 32, 40, 48, 56, 64, 96, 128)
+# Larger chunks captured too, replayed only where they end within the cache's first EARLY_ROWS rows
+# (KernelPlan.prefill_early): a conversation's first prompt of a few hundred tokens, which an eager
+# chunk's launches would hold on the host. Their attention reads those rows alone, so their partials
+# (the 27B's: 194 MiB for 512 tokens) stay under the 128-token chunk's over an 8K cache (224 MiB).
+EARLY_GRAPHS = (256, 512)
+EARLY_ROWS = 1024
 
 
-def chunk_attention_bytes(cfg: ModelConfig, sizes: tuple[int, ...], cache_rows: int, dtype) -> int:
+def chunk_attention_bytes(cfg: ModelConfig, sizes: tuple[int, ...], cache_rows: int, dtype,
+                          early: tuple[int, ...] = (), early_rows: int = EARLY_ROWS) -> int:
     """The decoder's one attention workspace for the prefill chunks replayed as graphs (engine/
     decoder.py): the partials of the largest over the cache, counted at the most spans of any cache
     up to its size so that the plan never shrinks as the context grows (at 32K: 140 spans counted,
     79 taken). Kept apart, the graphs of chunks of 8..64 by 8, 96 and 128 grew the 27B FP8's pool
-    by 950 MiB over a cache of 8,329 rows, their partials 895 (an H200, mtpchat bench, 2026-11-28)."""
-    if not sizes:
-        return 0
-    return 4 * split_workspace_floats(max(sizes), cfg.num_attention_heads, cfg.head_dim, cache_rows,
-                                      dtype_bytes(dtype), most=True)
+    by 950 MiB over a cache of 8,329 rows, their partials 895 (an H200, mtpchat bench, 2026-11-28).
+    `early`: the larger chunks that read the first `early_rows` rows alone (EARLY_GRAPHS); the one
+    workspace is the larger of the two."""
+    floats = [split_workspace_floats(max(s), cfg.num_attention_heads, cfg.head_dim, rows, dtype_bytes(dtype), most=True)
+              for s, rows in ((sizes, cache_rows), (early, min(early_rows, cache_rows))) if s]
+    return 4 * max(floats, default=0)
 
 
 def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool, four_bit_rows: int = ProductPlan.int4_prefill_rows
@@ -409,6 +417,13 @@ def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool, four_bit_rows: int = P
     the weight in the few-row kernel, where the slab forms would keep a dense copy of it in the
     graphs' pool); none where that is 0."""
     return tuple(T for T in PREFILL_GRAPHS if T <= four_bit_rows) if four_bit else PREFILL_GRAPHS
+
+
+def prefill_early_sizes(four_bit: bool) -> tuple[int, ...]:
+    """The larger chunks a GPU captures for a first prompt (EARLY_GRAPHS): none for a model whose
+    products are 4-bit, whose products of that many rows take the slab forms (a dense copy of each
+    weight in turn, which the graphs' pool would keep)."""
+    return () if four_bit else EARLY_GRAPHS
 
 
 def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:
@@ -439,15 +454,16 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
     per_token = kv_bytes_per_token(cfg, dtype) + (mtp_kv_bytes_per_token(cfg, dtype) if mtp else 0)
     rows = max_context + k_max + 1   # a verify step may write k_max+1 rows past the last position
     chunks = prefill_graph_sizes(cfg, bool(int4))       # (a 4-bit checkpoint may load dequantized)
+    early = prefill_early_sizes(bool(int4))
     return MemoryPlan(
         weights=weight_bytes(cfg, dtype, mtp, fp8, draft_vocab, int4),
         kv=kv_bytes_per_token(cfg, dtype) * rows,
         mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * rows if mtp else 0,
         gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
         graph_pool=sum(n * act + _logits_bytes(cfg, n) for n in shapes)
-        + sum(chunks) * act if cuda_graphs else 0,
+        + sum(chunks + early) * act if cuda_graphs else 0,
         workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes))
-        + chunk_attention_bytes(cfg, chunks, rows, dtype)
+        + chunk_attention_bytes(cfg, chunks, rows, dtype, early)
         + (_int4_prefill_bytes(cfg, min(prefill_chunk, max_context), dtype_bytes(dtype)) if int4 else 0),
         snapshots=snapshots * snapshot_bytes(cfg, dtype),
         max_context=max_context, k_max=k_max, mtp=mtp, dtype=str(dtype).removeprefix("torch."),

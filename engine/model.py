@@ -179,8 +179,10 @@ class GatedAttention(nn.Module):
         else:
             if isinstance(ctx.start, torch.Tensor):
                 # a prefill chunk replayed as a graph (engine/decoder.py): its start on the device,
-                # read there by the steps' kernel, which splits the keys over the SMs
-                o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale,
+                # read there by the steps' kernel, which splits the keys over the SMs (an early
+                # chunk's over the first rows alone: fewer spans, fewer partials)
+                rows = ctx.attention_rows or k_cache.shape[0]
+                o = attention.decode_attention(q, k_cache[:rows], v_cache[:rows], ctx.start, scale,
                                                workspace=ctx.attention_workspace)
             else:
                 o = self._prefill_attention(q, k_cache, v_cache, scale, ctx)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.memory import prefill_graph_sizes
+from mtpchat.engine.memory import EARLY_ROWS, prefill_early_sizes, prefill_graph_sizes
 from mtpchat.kernels.attention_chunk import prefill_attention_config
 from mtpchat.kernels.fp8 import fp8_runs_on
 from mtpchat.kernels.int4_gemm import fp8_form_runs_on
@@ -176,14 +176,28 @@ class KernelPlan:
     #   through graph chunks (an H200). Three chunks, now that they are cheaper: the 27B FP8's turn
     #   of 200 tokens (128 + 64 + 8) 83.0 ms against 97.7 as 128 + 64 and step pieces; 150 and 230
     #   tokens went the same way under both (an H200, probe_turn.py --plans ";prefill_pieces=3").
+    # - prefill_early: larger chunks captured too (memory.EARLY_GRAPHS), replayed only where the
+    #   chunk ends within the cache's first prefill_early_rows rows (a conversation's first prompt
+    #   or two), their attention over those rows alone, so that the keys' partials stay as small as
+    #   the 128-token chunk's over an 8K cache. An eager chunk waits on the host's launches (some
+    #   1,050 a chunk of the 27B): on an H200's host its 400 / 512-token prompts took 135.8 / 138.9 ms
+    #   of wall time for 31.9 / 33.0 ms of kernels, the 27B int4's 248.2 / 233.6 for 52.1 / 53.7
+    #   (tests/bench/probe_turn.py --history 8, 2026-11-28). They take no regular chunk's place in
+    #   prefill_pieces' count. Not on a 4-bit model: its products of more than int4_prefill_rows
+    #   rows keep a dense slab of the weight (memory.prefill_graph_sizes).
     # 0 / () : every prefill chunked (a CPU, where no graph saves the launches).
     step_prefill: int = 0
     prefill_graphs: tuple = ()
     prefill_pieces: int = 3
+    prefill_early: tuple = ()
+    prefill_early_rows: int = EARLY_ROWS
 
     def __post_init__(self):
         if self.prefill_attention not in ("flash", "triton"):
             raise ValueError(f"prefill_attention is 'flash' or 'triton', not {self.prefill_attention!r}")
+        if set(self.prefill_early) & set(self.prefill_graphs):
+            # an early size's graph reads the caches' first rows alone: never a later chunk's
+            raise ValueError(f"prefill_early {self.prefill_early} and prefill_graphs {self.prefill_graphs} share sizes")
 
     @classmethod
     def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool, int4: bool = False,
@@ -233,6 +247,7 @@ class KernelPlan:
                    step_prefill=2 if device.type == "cuda" else 0,
                    prefill_graphs=prefill_graph_sizes(config, four_bit, products.int4_prefill_rows)
                    if device.type == "cuda" else (),
+                   prefill_early=prefill_early_sizes(four_bit) if device.type == "cuda" else (),
                    prefill_pieces=1 if four_bit and config.is_moe else cls.prefill_pieces)
 
     def replace(self, **changes) -> "KernelPlan":

@@ -59,7 +59,7 @@ class Runner:
             phases.append((("verify", k), lambda k=k: d.verify(k)))
             phases.append((("accept", k), lambda k=k: d.accept(k, sampling_params, None)))
         # the largest first: the smaller ones may then take what it freed in the pool
-        for T in sorted(d.plan.prefill_graphs, reverse=True):
+        for T in sorted((*d.plan.prefill_graphs, *d.plan.prefill_early), reverse=True):
             if T + 1 <= d.state.rows:                # warmed up at position 1
                 phases.append((("prefill", T), lambda T=T: d.prefill_chunk_forward(T)))
         side = torch.cuda.Stream()

@@ -4,8 +4,9 @@ import torch
 
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.decoder import Decoder, chunk_size, eager_prefill_length, prefill_pieces
-from mtpchat.engine.memory import PREFILL_GRAPHS
+from mtpchat.engine.memory import EARLY_GRAPHS, EARLY_ROWS, PREFILL_GRAPHS
 from mtpchat.engine.state import DecodeState
+from mtpchat.kernels import attention
 from mtpchat.engine.events import Finished, Prefilled, Step
 from tools.tiny import write_tiny_checkpoint
 from helpers import random_ids, record_forms, rel_err
@@ -109,9 +110,12 @@ def test_a_short_prefill_goes_in_graph_sized_chunks_and_step_pieces():
         n = eager_prefill_length(5, 2, sizes_, most)
         assert prefill_pieces(n, 5, 2, sizes_, most) is None and prefill_pieces(n - 1, 5, 2, sizes_, most) is not None
     assert [eager_prefill_length(5, 2, s_, 2) for s_ in (PREFILL_GRAPHS, PREFILL_GRAPHS[:-2], ())] == [267, 139, 11]
-    # the GPU plans' (KernelPlan.choose): a bf16 or FP8 model, a dense 4-bit one, a 4-bit MoE
-    assert [eager_prefill_length(5, 2, s_, m) for s_, m in ((PREFILL_GRAPHS, 3), (PREFILL_GRAPHS[:-2], 3),
-                                                             (PREFILL_GRAPHS[:-2], 1))] == [395, 203, 75]
+    # the GPU plans' (KernelPlan.choose): a dense 4-bit model, a 4-bit MoE (no early chunks); a bf16
+    # or FP8 model's without its early chunks, then with them (a prompt from an empty cache)
+    assert [eager_prefill_length(5, 2, s_, m) for s_, m in ((PREFILL_GRAPHS[:-2], 3), (PREFILL_GRAPHS[:-2], 1),
+                                                             (PREFILL_GRAPHS, 3))] == [203, 75, 395]
+    n = eager_prefill_length(5, 2, PREFILL_GRAPHS, 3, EARLY_GRAPHS, EARLY_ROWS)
+    assert n == 459 and prefill_pieces(n, 5, 2, PREFILL_GRAPHS, 3, 0, EARLY_GRAPHS, EARLY_ROWS) is None
     assert eager_prefill_length(5, 0, (), 2) == 1                     # the CPU's plan: every prefill eager
     # the GPU's sizes
     assert PREFILL_GRAPHS[-2:] == (96, 128)
@@ -122,6 +126,65 @@ def test_a_short_prefill_goes_in_graph_sized_chunks_and_step_pieces():
     assert prefill_pieces(37, 5, 2, sizes, 0) is None and prefill_pieces(37, 5, 0, sizes, 4) is None
     assert prefill_pieces(40, 5, 0, sizes, 4) == [(40, "graph")]
     assert prefill_pieces(8, 5, 0, (), 4) is None
+
+
+def test_a_first_prompt_goes_in_the_early_chunks():
+    # the larger sizes only where the chunk ends within the first EARLY_ROWS positions, counted with
+    # the others (three chunks at most), the largest that fit first
+    assert EARLY_GRAPHS == (256, 512) and EARLY_ROWS == 1024
+    pieces = lambda n, start: prefill_pieces(n, 5, 2, PREFILL_GRAPHS, 3, start, EARLY_GRAPHS, EARLY_ROWS)
+    assert pieces(512, 0) == [(512, "graph")]
+    assert pieces(300, 0) == [(256, "graph"), (40, "graph"), (4, "step")]
+    assert pieces(400, 0) == [(256, "graph"), (128, "graph"), (16, "graph")]
+    assert pieces(700, 0) == [(512, "graph"), (128, "graph"), (56, "graph"), (4, "step")]
+    assert pieces(1034, 0) == [(512, "graph"), (512, "graph"), (8, "graph"), (2, "step")]
+    assert pieces(1000, 0) is None                                 # 512 + 256 + 128 leave 104: eager
+    assert pieces(100, 0) == prefill_pieces(100, 5, 2, PREFILL_GRAPHS, 3)   # short: as before
+    # after a history: an early chunk only as far as the first 1,024 rows
+    assert pieces(300, 768) == [(256, "graph"), (40, "graph"), (4, "step")]    # ends at 1,024
+    assert pieces(300, 769) == [(128, "graph"), (128, "graph"), (40, "graph"), (4, "step")]
+    assert pieces(512, 600) == [(256, "graph"), (128, "graph"), (128, "graph")]
+    assert pieces(512, 8192) is None and pieces(200, 8192) == prefill_pieces(200, 5, 2, PREFILL_GRAPHS, 3)
+
+
+@pytest.mark.parametrize("history", [0, 70])
+def test_early_chunks_read_the_first_rows_and_match_transformers(ckpt, history, monkeypatch):
+    # a GPU's plan on the CPU (eager, no graphs) with early sizes of 48 and 64 over the first 128
+    # rows: a first prompt's chunks take them, their attention over those rows alone, and the logits
+    # stay transformers'; after a history of 70 the 64 no longer fits below 128 rows
+    engine, ref = ckpt
+    plan = engine.plan.replace(step_prefill=2, prefill_graphs=(8, 16, 32), prefill_pieces=3,
+                               prefill_early=(48, 64), prefill_early_rows=128)
+    ids = random_ids(history + 100, 900 + history, engine.config.vocab_size)
+    dec = Decoder(engine.model, None, DecodeState(engine.config, 256, engine.k_max, "cpu", torch.float32, False),
+                  plan, PREFILL_CHUNK)
+    assert dec.state.rows > 256
+    cache_rows, attend = [], attention.decode_attention
+
+    def watched(q, k_cache, *args, **kw):
+        cache_rows.append((q.shape[0], k_cache.shape[0]))
+        return attend(q, k_cache, *args, **kw)
+
+    forms = []
+    hook = record_forms(engine.model, forms)
+    monkeypatch.setattr(attention, "decode_attention", watched)
+    try:
+        kept = [dec.prefill(ids[:history], keep_all=True)] if history else []
+        forms.clear()
+        cache_rows.clear()
+        kept.append(dec.prefill(ids[history:], keep_all=True))
+        got = dec.logits(torch.cat(kept), rowwise=False)
+    finally:
+        hook.remove()
+    want = [(64, "graph"), (32, "graph"), (4, "step")] if not history else \
+        [(48, "graph"), (32, "graph"), (16, "graph"), (4, "step")]
+    assert forms == want == prefill_pieces(100, dec.R, 2, (8, 16, 32), 3, history, (48, 64), 128)
+    early = {T for T, f in want if T in (48, 64)}
+    attention_layers = sum(1 for t in engine.config.layer_types if t == "full_attention")
+    assert sorted(rows for T, rows in cache_rows if T in early) == [128] * attention_layers
+    assert all(rows == dec.state.rows for T, rows in cache_rows if T not in early and T > 5)
+    with torch.no_grad():
+        assert rel_err(got, ref(torch.tensor([ids])).logits[0]) < 1e-4
 
 
 @pytest.mark.parametrize("n", [11, 37, 56, 88])

@@ -231,6 +231,44 @@ def test_a_short_turn_through_the_graphs(ckpt, graphs):
     assert_mtp_on_equals_off(gpu, [random_ids(n, 50 + n, V) for n in (2, 10, 37, 63)], 48, ks=(1, 3), profile_ks=(2, 4))
 
 
+def test_a_first_prompt_through_the_early_chunks(ckpt):
+    # a first prompt of a few hundred tokens goes as graph chunks of 256 / 512 (KernelPlan.
+    # prefill_early), their attention over the cache's first 1,024 rows alone: its last logits as
+    # close to float32 on the CPU as eager chunks'; after a history past those rows, none of them;
+    # greedy MTP on == off from such prompts
+    cpu = Engine.load(ckpt, device="cpu", dtype=torch.float32, max_context=2048)
+    gpu = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=2048)
+    dec, plan = gpu.decoder, gpu.plan
+    assert plan.prefill_early == (256, 512) and plan.prefill_early_rows == 1024
+    assert {("prefill", 256), ("prefill", 512)} <= dec.runner.graphs.keys()
+    keys, run = [], dec.runner.run
+    dec.runner.run = lambda key, fn: (keys.append(key), run(key, fn))[1]
+    V = gpu.config.vocab_size - 64
+    try:
+        for history, n in ((0, 300), (0, 512), (0, 700), (200, 520), (900, 300)):
+            ids = random_ids(history + n, 7 * n + history, V)
+            want = cpu.logits(ids)[-1:]
+            pieces = prefill_pieces(n, dec.R, 2, plan.prefill_graphs, plan.prefill_pieces, history,
+                                    plan.prefill_early, plan.prefill_early_rows)
+            assert pieces is not None and any(T in plan.prefill_early for T, _ in pieces) == (history + 256 <= 1024)
+            errs = {}
+            for graphed in (False, True):
+                dec.plan = plan if graphed else plan.replace(step_prefill=0, prefill_pieces=0)
+                gpu.reset()
+                if history:
+                    dec.begin(ids[:history])
+                keys.clear()
+                dec.begin(ids)
+                assert keys == ([("verify" if f == "step" else "prefill", T - (f == "step")) for T, f in pieces]
+                                if graphed else [])
+                errs[graphed] = rel_err(dec.last_logits.float().cpu(), want, ord=2)
+            assert errs[True] < max(3 * errs[False], 0.1), (history, n, errs)
+    finally:
+        dec.runner.run = run
+        dec.plan = plan
+    assert_mtp_on_equals_off(gpu, [random_ids(n, 90 + n, V) for n in (300, 520)], 48, ks=(1, 3), profile_ks=(2,))
+
+
 def test_no_garbage_collection_inside_a_capture(ckpt):
     # A model switched: engines dropped in the same process are freed by the garbage collector
     # whenever it runs, and a pinned buffer freed inside a graph's capture could invalidate it, so

@@ -253,3 +253,22 @@ def test_the_prefill_workspace_covers_what_was_measured(name, chunk, weights, me
     config = ModelConfig.load(CONFIGS / f"{name}.json")
     plan = memory.plan_memory(config, 8448, prefill_chunk=chunk, weights=weights, cuda_graphs=False)
     assert plan.workspace + memory.HEADROOM_FIXED >= measured * GiB
+
+
+def test_the_plan_counts_a_first_prompts_early_chunks(c27):
+    # a bf16 or FP8 model's graphs of 256 and 512 tokens (KernelPlan.prefill_early) in the pool, their
+    # attention's partials over the first EARLY_ROWS rows in the one workspace, which is the larger of
+    # theirs and the 128-token chunk's over the whole cache; a 4-bit model captures none
+    from mtpchat.engine.memory import EARLY_GRAPHS, EARLY_ROWS, PREFILL_GRAPHS, chunk_attention_bytes
+    act = memory._activation_bytes_per_token(c27, "bfloat16")
+    assert EARLY_GRAPHS == (256, 512) and memory.prefill_early_sizes(True) == ()
+    pools = {w: memory.plan_memory(c27, 32768, weights=w).graph_pool for w in ("bf16", "fp8", "int4")}
+    assert pools["bf16"] == pools["fp8"]
+    assert pools["bf16"] - pools["int4"] == (sum(PREFILL_GRAPHS) + 256 + 512 - sum(PREFILL_GRAPHS[:-2])) * act
+    rows = 32768 + memory.K_MAX + 1
+    both = chunk_attention_bytes(c27, PREFILL_GRAPHS, rows, "bfloat16", EARLY_GRAPHS)
+    assert both == chunk_attention_bytes(c27, PREFILL_GRAPHS, rows, "bfloat16")          # 128 over 32K is larger
+    small = chunk_attention_bytes(c27, PREFILL_GRAPHS, 2048, "bfloat16", EARLY_GRAPHS)  # a short cache: 512 over 1K
+    assert small == chunk_attention_bytes(c27, (), EARLY_ROWS, "bfloat16", (512,)) > \
+        chunk_attention_bytes(c27, PREFILL_GRAPHS, 2048, "bfloat16")
+    assert round(small / MiB, 1) == 193.5 and chunk_attention_bytes(c27, (), 4096, "bfloat16") == 0

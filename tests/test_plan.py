@@ -10,7 +10,7 @@ import torch
 from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.dispatch import Ctx
-from mtpchat.engine.memory import PREFILL_GRAPHS
+from mtpchat.engine.memory import EARLY_GRAPHS, EARLY_ROWS, PREFILL_GRAPHS
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.kernels.plan import CPU_PROGRAMS, ProductPlan
 from tools.tiny import write_tiny_checkpoint
@@ -72,6 +72,15 @@ def test_a_gpu_prefills_a_few_tokens_through_the_step_graphs(gqa3, monkeypatch):
     assert moe.is_moe and KernelPlan.choose("cuda", moe, fp8=False).prefill_graphs == PREFILL_GRAPHS
     assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_graphs == PREFILL_GRAPHS[:-2]
     assert KernelPlan.choose("cuda", moe, fp8=False).step_prefill == 2
+    # and a first prompt's larger chunks, but for a model whose products are 4-bit; none on a CPU
+    assert gpu.prefill_early == EARLY_GRAPHS == (256, 512) and gpu.prefill_early_rows == EARLY_ROWS == 1024
+    assert cpu.prefill_early == ()
+    for model, fp8, int4, early in [(config, True, False, EARLY_GRAPHS), (moe, False, False, EARLY_GRAPHS),
+                                    (moe, True, False, EARLY_GRAPHS), (config, False, True, ()), (moe, False, True, ())]:
+        assert KernelPlan.choose("cuda", model, fp8=fp8, int4=int4).prefill_early == early
+    # an early size's graph reads the first rows alone: no size may be both
+    with pytest.raises(ValueError, match="share sizes"):
+        gpu.replace(prefill_early=(128, 256))
 
 
 def test_4_bit_prefill_chunks_follow_the_few_row_kernels_rows(gqa3, monkeypatch):
@@ -119,6 +128,7 @@ def test_a_4_bit_checkpoint_loaded_dequantized_plans_as_bf16(gqa3, monkeypatch):
         loaded = KernelPlan.choose("cuda", stored, fp8=False, four_bit=False)
         assert kept.prefill_graphs == PREFILL_GRAPHS[:-2] and kept.prefill_pieces == (1 if model.is_moe else 3)
         assert (loaded.prefill_graphs, loaded.prefill_pieces) == (PREFILL_GRAPHS, 3)
+        assert (kept.prefill_early, loaded.prefill_early) == ((), EARLY_GRAPHS)
         assert plan_memory(stored, 4096, weights="bf16").workspace == plan_memory(model, 4096).workspace
         assert plan_memory(stored, 4096, weights="int4").workspace != plan_memory(model, 4096).workspace
 
