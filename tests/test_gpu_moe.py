@@ -13,7 +13,7 @@ from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.plan import KernelPlan
 from tools.tiny import write_tiny_checkpoint
 from mtpchat.engine.weights import PER_EXPERT, STACKED
-from helpers import GPU_MOE_SHAPE as SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens
+from helpers import GPU_MOE_SHAPE as SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens, random_ids
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -108,21 +108,28 @@ def test_35b_a3b_shapes_mtp_on_equals_off_over_either_layout(weights, routed):
 def test_prefill_graph_chunks_on_an_moe(ckpts, layout):
     """An MoE's prefill chunks captured as graphs (memory.prefill_graph_sizes), its layout's blocks
     bounded ahead (moe_layout.most_blocks). The capture works, a chunk's replay gives the eager
-    run's logits bit for bit, and greedy MTP on == off from prompts that take such chunks."""
+    run's logits bit for bit, and greedy MTP on == off from prompts that take such chunks; a first
+    prompt of 300 tokens likewise through the early chunk of 256 (KernelPlan.prefill_early)."""
     base = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024)
     plan = base.plan.replace(prefill_graphs=(8, 16, 24))
+    assert plan.prefill_early == (256, 512)
     del base
     runs = {}
     for graphs in (True, False):
         engine = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024,
                              cuda_graphs=graphs, plan=plan)
-        assert not graphs or {("prefill", T) for T in (8, 16, 24)} <= engine.decoder.runner.graphs.keys()
+        assert not graphs or {("prefill", T) for T in (8, 16, 24, 256, 512)} <= engine.decoder.runner.graphs.keys()
         ids = gpu_prompts(engine, 2)[1]                     # 28 tokens: 24, then a step piece of 4
         engine.reset()
         engine.decoder.begin(ids)
         runs[graphs] = engine.decoder.last_logits.cpu()
+        first = random_ids(300, 3, engine.config.vocab_size - 64)   # 256, then 24, 16 and a step piece of 4
+        engine.reset()
+        engine.decoder.begin(first)
+        runs[graphs, "early"] = engine.decoder.last_logits.cpu()
         if graphs:
             prompts = [p[:n] for p, n in zip(gpu_prompts(engine, 4)[1:], (11, 20, 33))]
             assert_mtp_on_equals_off(engine, prompts, 48, profile_ks=(2, 4), ks=(3,))
         del engine
     assert torch.equal(runs[True], runs[False])
+    assert torch.equal(runs[True, "early"], runs[False, "early"])
