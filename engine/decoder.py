@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpchat.engine.memory import CAPTURED_K, prefill_early_sizes, prefill_graph_sizes
+from mtpchat.engine.memory import CAPTURED_K, EARLY_GRAPHS, prefill_graph_sizes
 from mtpchat.engine.dispatch import Ctx, linear
 from mtpchat.engine.draft_vocab import DraftRows
 from mtpchat.engine.events import PhaseTimes
@@ -99,7 +99,7 @@ class Decoder:
         # (as large as the memory plan's sizes for this model whatever this plan's, so a plan swapped
         # in may take them; larger where this plan's are; `four_bit`: the model's products are 4-bit)
         sizes = (*prefill_graph_sizes(c, four_bit, plan.products.int4_prefill_rows), *plan.prefill_graphs)
-        early = (*prefill_early_sizes(four_bit), *plan.prefill_early)
+        early = (*EARLY_GRAPHS, *plan.prefill_early)
         most = max((*sizes, *early), default=1)
         self.chunk_ids = long(most)
         self.chunk_hidden = torch.zeros(most, c.hidden_size, device=dev, dtype=model.embed.dtype)

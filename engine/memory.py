@@ -385,6 +385,8 @@ PREFILL_GRAPHS = (8, 16, 24, 32, 40, 48, 56, 64, 96, 128)
 # (KernelPlan.prefill_early): a conversation's first prompt of a few hundred tokens, which an eager
 # chunk's launches would hold on the host. Their attention reads those rows alone, so their partials
 # (the 27B's: 194 MiB for 512 tokens) stay under the 128-token chunk's over an 8K cache (224 MiB).
+# Every model's, 4-bit too: the 27B int4's 512-token first prompt 154.5 -> 59.8 ms, its graphs' pool
+# 96 -> 242 MiB (an H200, tests/bench/probe_turn.py --history 8, 2026-11-28).
 EARLY_GRAPHS = (256, 512)
 EARLY_ROWS = 1024
 
@@ -419,12 +421,6 @@ def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool, four_bit_rows: int = P
     return tuple(T for T in PREFILL_GRAPHS if T <= four_bit_rows) if four_bit else PREFILL_GRAPHS
 
 
-def prefill_early_sizes(four_bit: bool) -> tuple[int, ...]:
-    """The larger chunks a GPU captures for a first prompt (EARLY_GRAPHS): none for a model whose
-    products are 4-bit, whose products of that many rows take the slab forms (a dense copy of each
-    weight in turn, which the graphs' pool would keep)."""
-    return () if four_bit else EARLY_GRAPHS
-
 
 def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:
     """What prefill's dense 4-bit products take beside their outputs (kernels/int4_gemm.py): the
@@ -454,16 +450,15 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
     per_token = kv_bytes_per_token(cfg, dtype) + (mtp_kv_bytes_per_token(cfg, dtype) if mtp else 0)
     rows = max_context + k_max + 1   # a verify step may write k_max+1 rows past the last position
     chunks = prefill_graph_sizes(cfg, bool(int4))       # (a 4-bit checkpoint may load dequantized)
-    early = prefill_early_sizes(bool(int4))
     return MemoryPlan(
         weights=weight_bytes(cfg, dtype, mtp, fp8, draft_vocab, int4),
         kv=kv_bytes_per_token(cfg, dtype) * rows,
         mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * rows if mtp else 0,
         gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
         graph_pool=sum(n * act + _logits_bytes(cfg, n) for n in shapes)
-        + sum(chunks + early) * act if cuda_graphs else 0,
+        + sum(chunks + EARLY_GRAPHS) * act if cuda_graphs else 0,
         workspace=min(prefill_chunk, max_context) * act + _logits_bytes(cfg, max(shapes))
-        + chunk_attention_bytes(cfg, chunks, rows, dtype, early)
+        + chunk_attention_bytes(cfg, chunks, rows, dtype, EARLY_GRAPHS)
         + (_int4_prefill_bytes(cfg, min(prefill_chunk, max_context), dtype_bytes(dtype)) if int4 else 0),
         snapshots=snapshots * snapshot_bytes(cfg, dtype),
         max_context=max_context, k_max=k_max, mtp=mtp, dtype=str(dtype).removeprefix("torch."),

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.memory import EARLY_ROWS, prefill_early_sizes, prefill_graph_sizes
+from mtpchat.engine.memory import EARLY_GRAPHS, EARLY_ROWS, prefill_graph_sizes
 from mtpchat.kernels.attention_chunk import prefill_attention_config
 from mtpchat.kernels.fp8 import fp8_runs_on
 from mtpchat.kernels.int4_gemm import fp8_form_runs_on
@@ -182,9 +182,10 @@ class KernelPlan:
     #   the 128-token chunk's over an 8K cache. An eager chunk waits on the host's launches (some
     #   1,050 a chunk of the 27B): on an H200's host its 400 / 512-token prompts took 135.8 / 138.9 ms
     #   of wall time for 31.9 / 33.0 ms of kernels, the 27B int4's 248.2 / 233.6 for 52.1 / 53.7
-    #   (tests/bench/probe_turn.py --history 8, 2026-11-28). They take no regular chunk's place in
-    #   prefill_pieces' count. Not on a 4-bit model: its products of more than int4_prefill_rows
-    #   rows keep a dense slab of the weight (memory.prefill_graph_sizes).
+    #   (tests/bench/probe_turn.py --history 8, 2026-11-28). With them 512 tokens took the 27B FP8
+    #   36.5 ms, its int4 59.8 (154.5 eager in that run; its products of 512 rows in the slab form
+    #   inside the graph), the 35B-A3B FP8 36.5 (129.2), its int4 73.2 (184.2). They count among
+    #   prefill_pieces' chunks.
     # 0 / () : every prefill chunked (a CPU, where no graph saves the launches).
     step_prefill: int = 0
     prefill_graphs: tuple = ()
@@ -217,7 +218,7 @@ class KernelPlan:
         our kernel where a program has the shared memory of its H100 tiles, flash elsewhere. A GPU
         prefills a few tokens in the step form (step_prefill), through the step graphs, and a few
         more in chunks captured as graphs (prefill_graphs): three at most, one on a 4-bit MoE model
-        (prefill_pieces)."""
+        (prefill_pieces), a first prompt's larger ones among them (prefill_early)."""
         device = torch.device(device)
         products = default_products(device)
         bits = fp8 and device.type == "cuda" and fp8_runs_on(device)
@@ -247,7 +248,7 @@ class KernelPlan:
                    step_prefill=2 if device.type == "cuda" else 0,
                    prefill_graphs=prefill_graph_sizes(config, four_bit, products.int4_prefill_rows)
                    if device.type == "cuda" else (),
-                   prefill_early=prefill_early_sizes(four_bit) if device.type == "cuda" else (),
+                   prefill_early=EARLY_GRAPHS if device.type == "cuda" else (),
                    prefill_pieces=1 if four_bit and config.is_moe else cls.prefill_pieces)
 
     def replace(self, **changes) -> "KernelPlan":

@@ -110,12 +110,15 @@ def test_a_short_prefill_goes_in_graph_sized_chunks_and_step_pieces():
         n = eager_prefill_length(5, 2, sizes_, most)
         assert prefill_pieces(n, 5, 2, sizes_, most) is None and prefill_pieces(n - 1, 5, 2, sizes_, most) is not None
     assert [eager_prefill_length(5, 2, s_, 2) for s_ in (PREFILL_GRAPHS, PREFILL_GRAPHS[:-2], ())] == [267, 139, 11]
-    # the GPU plans' (KernelPlan.choose): a dense 4-bit model, a 4-bit MoE (no early chunks); a bf16
-    # or FP8 model's without its early chunks, then with them (a prompt from an empty cache)
-    assert [eager_prefill_length(5, 2, s_, m) for s_, m in ((PREFILL_GRAPHS[:-2], 3), (PREFILL_GRAPHS[:-2], 1),
-                                                             (PREFILL_GRAPHS, 3))] == [203, 75, 395]
-    n = eager_prefill_length(5, 2, PREFILL_GRAPHS, 3, EARLY_GRAPHS, EARLY_ROWS)
-    assert n == 459 and prefill_pieces(n, 5, 2, PREFILL_GRAPHS, 3, 0, EARLY_GRAPHS, EARLY_ROWS) is None
+    # the GPU plans' (KernelPlan.choose) without their early chunks: a bf16 or FP8 model, a dense 4-bit
+    # one, a 4-bit MoE; then with them (a prompt from an empty cache may take them)
+    assert [eager_prefill_length(5, 2, s_, m) for s_, m in ((PREFILL_GRAPHS, 3), (PREFILL_GRAPHS[:-2], 3),
+                                                             (PREFILL_GRAPHS[:-2], 1))] == [395, 203, 75]
+    early = [eager_prefill_length(5, 2, s_, m, EARLY_GRAPHS, EARLY_ROWS)
+             for s_, m in ((PREFILL_GRAPHS, 3), (PREFILL_GRAPHS[:-2], 3), (PREFILL_GRAPHS[:-2], 1))]
+    assert early == [459, 203, 75]
+    for n, (s_, m) in zip(early, ((PREFILL_GRAPHS, 3), (PREFILL_GRAPHS[:-2], 3), (PREFILL_GRAPHS[:-2], 1))):
+        assert prefill_pieces(n, 5, 2, s_, m, 0, EARLY_GRAPHS, EARLY_ROWS) is None
     assert eager_prefill_length(5, 0, (), 2) == 1                     # the CPU's plan: every prefill eager
     # the GPU's sizes
     assert PREFILL_GRAPHS[-2:] == (96, 128)

@@ -256,15 +256,19 @@ def test_the_prefill_workspace_covers_what_was_measured(name, chunk, weights, me
 
 
 def test_the_plan_counts_a_first_prompts_early_chunks(c27):
-    # a bf16 or FP8 model's graphs of 256 and 512 tokens (KernelPlan.prefill_early) in the pool, their
+    # every model's graphs of 256 and 512 tokens (KernelPlan.prefill_early) in the pool, their
     # attention's partials over the first EARLY_ROWS rows in the one workspace, which is the larger of
-    # theirs and the 128-token chunk's over the whole cache; a 4-bit model captures none
+    # theirs and the 128-token chunk's over the whole cache
     from mtpchat.engine.memory import EARLY_GRAPHS, EARLY_ROWS, PREFILL_GRAPHS, chunk_attention_bytes
     act = memory._activation_bytes_per_token(c27, "bfloat16")
-    assert EARLY_GRAPHS == (256, 512) and memory.prefill_early_sizes(True) == ()
+    assert EARLY_GRAPHS == (256, 512)
     pools = {w: memory.plan_memory(c27, 32768, weights=w).graph_pool for w in ("bf16", "fp8", "int4")}
     assert pools["bf16"] == pools["fp8"]
-    assert pools["bf16"] - pools["int4"] == (sum(PREFILL_GRAPHS) + 256 + 512 - sum(PREFILL_GRAPHS[:-2])) * act
+    assert pools["bf16"] - pools["int4"] == (sum(PREFILL_GRAPHS) - sum(PREFILL_GRAPHS[:-2])) * act
+    steps = memory.plan_memory(c27, 32768, weights="bf16", cuda_graphs=False)
+    assert steps.graph_pool == 0 and steps.workspace == memory.plan_memory(c27, 32768, weights="bf16").workspace
+    assert pools["bf16"] == sum(n * act + memory._logits_bytes(c27, n) for n in [1] + [k + 1 for k in range(1, 5)]
+                                + list(range(1, 5))) + sum(PREFILL_GRAPHS + EARLY_GRAPHS) * act
     rows = 32768 + memory.K_MAX + 1
     both = chunk_attention_bytes(c27, PREFILL_GRAPHS, rows, "bfloat16", EARLY_GRAPHS)
     assert both == chunk_attention_bytes(c27, PREFILL_GRAPHS, rows, "bfloat16")          # 128 over 32K is larger

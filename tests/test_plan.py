@@ -72,12 +72,12 @@ def test_a_gpu_prefills_a_few_tokens_through_the_step_graphs(gqa3, monkeypatch):
     assert moe.is_moe and KernelPlan.choose("cuda", moe, fp8=False).prefill_graphs == PREFILL_GRAPHS
     assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_graphs == PREFILL_GRAPHS[:-2]
     assert KernelPlan.choose("cuda", moe, fp8=False).step_prefill == 2
-    # and a first prompt's larger chunks, but for a model whose products are 4-bit; none on a CPU
+    # and a first prompt's larger chunks, every model's; none on a CPU
     assert gpu.prefill_early == EARLY_GRAPHS == (256, 512) and gpu.prefill_early_rows == EARLY_ROWS == 1024
     assert cpu.prefill_early == ()
-    for model, fp8, int4, early in [(config, True, False, EARLY_GRAPHS), (moe, False, False, EARLY_GRAPHS),
-                                    (moe, True, False, EARLY_GRAPHS), (config, False, True, ()), (moe, False, True, ())]:
-        assert KernelPlan.choose("cuda", model, fp8=fp8, int4=int4).prefill_early == early
+    for model, fp8, int4 in [(config, True, False), (moe, False, False), (moe, True, False), (config, False, True),
+                             (moe, False, True)]:
+        assert KernelPlan.choose("cuda", model, fp8=fp8, int4=int4).prefill_early == EARLY_GRAPHS
     # an early size's graph reads the first rows alone: no size may be both
     with pytest.raises(ValueError, match="share sizes"):
         gpu.replace(prefill_early=(128, 256))
@@ -128,7 +128,7 @@ def test_a_4_bit_checkpoint_loaded_dequantized_plans_as_bf16(gqa3, monkeypatch):
         loaded = KernelPlan.choose("cuda", stored, fp8=False, four_bit=False)
         assert kept.prefill_graphs == PREFILL_GRAPHS[:-2] and kept.prefill_pieces == (1 if model.is_moe else 3)
         assert (loaded.prefill_graphs, loaded.prefill_pieces) == (PREFILL_GRAPHS, 3)
-        assert (kept.prefill_early, loaded.prefill_early) == ((), EARLY_GRAPHS)
+        assert kept.prefill_early == loaded.prefill_early == EARLY_GRAPHS
         assert plan_memory(stored, 4096, weights="bf16").workspace == plan_memory(model, 4096).workspace
         assert plan_memory(stored, 4096, weights="int4").workspace != plan_memory(model, 4096).workspace
 
