@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpchat.engine.memory import CAPTURED_K, EARLY_GRAPHS, prefill_graph_sizes
+from mtpchat.engine.memory import CAPTURED_K, EARLY_GRAPHS, chunk_attention_floats, prefill_graph_sizes
 from mtpchat.engine.dispatch import Ctx, linear
 from mtpchat.engine.draft_vocab import DraftRows
 from mtpchat.engine.events import PhaseTimes
@@ -46,7 +46,6 @@ from mtpchat.engine.runner import elapsed_ms
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
 from mtpchat.engine.snapshots import Snapshots, begins
 from mtpchat.engine.spec import accept_sampled, seen_rows
-from mtpchat.kernels import attention
 from mtpchat.kernels.accept import AcceptBuffers, accept_greedy, argmax_partials_buffers, commit_ref, pick_argmax
 
 
@@ -108,9 +107,8 @@ class Decoder:
         # the early chunks' over the cache's first rows alone
         self.chunk_attention = None
         if (plan.prefill_graphs or plan.prefill_early) and dev.type == "cuda":
-            floats = max(attention.split_workspace_floats(max(s), c.num_attention_heads, c.head_dim, rows,
-                                                          model.embed.element_size())
-                         for s, rows in ((sizes, state.rows), (early, min(plan.prefill_early_rows, state.rows))) if s)
+            floats = chunk_attention_floats(c, sizes, state.rows, model.embed.element_size(), early,
+                                            plan.prefill_early_rows)
             self.chunk_attention = torch.empty(floats, dtype=torch.float32, device=dev)
         self.v_logits = torch.zeros(K1, c.vocab_size, device=dev)
         self.result = long(K1 + 2)            # [n, a, tokens...]: the one device-to-host copy
@@ -272,8 +270,15 @@ class Decoder:
         T = len(chunk)
         self.chunk_ids[:T] = torch.tensor(chunk, device=self.device)
         self.pos.fill_(self.state.length)
-        self._run(("prefill", T), lambda: self.prefill_chunk_forward(T))
+        self._run(self.chunk_key(T), lambda: self.prefill_chunk_forward(T))
         return self.chunk_hidden[:T].clone()
+
+    def chunk_key(self, T: int) -> tuple:
+        """A prefill chunk's graph: ("prefill", T); an early size's names the rows its attention
+        reads too, so that a plan swapped in with other rows (a benchmark's) finds no graph and
+        runs the chunk eagerly rather than replaying one that reads too few."""
+        p = self.plan
+        return ("prefill", T, p.prefill_early_rows) if T in p.prefill_early else ("prefill", T)
 
     def prefill_chunk_forward(self, T: int):
         """The target over chunk_ids[:T] at the device position `pos`, in the prefill form, into

@@ -399,10 +399,17 @@ def chunk_attention_bytes(cfg: ModelConfig, sizes: tuple[int, ...], cache_rows: 
     79 taken). Kept apart, the graphs of chunks of 8..64 by 8, 96 and 128 grew the 27B FP8's pool
     by 950 MiB over a cache of 8,329 rows, their partials 895 (an H200, mtpchat bench, 2026-11-28).
     `early`: the larger chunks that read the first `early_rows` rows alone (EARLY_GRAPHS); the one
-    workspace is the larger of the two."""
-    floats = [split_workspace_floats(max(s), cfg.num_attention_heads, cfg.head_dim, rows, dtype_bytes(dtype), most=True)
-              for s, rows in ((sizes, cache_rows), (early, min(early_rows, cache_rows))) if s]
-    return 4 * max(floats, default=0)
+    workspace is the larger of the two (from about 8K up the regular chunks'; below it the early
+    ones': on the 27B at 2K 194 MiB against 76)."""
+    return 4 * chunk_attention_floats(cfg, sizes, cache_rows, dtype_bytes(dtype), early, early_rows, most=True)
+
+
+def chunk_attention_floats(cfg: ModelConfig, sizes: tuple[int, ...], cache_rows: int, itemsize: int,
+                           early: tuple[int, ...] = (), early_rows: int = EARLY_ROWS, most: bool = False) -> int:
+    """The float32 partials of that workspace: the decoder's own over its cache (`most` False), the
+    plan's at the most spans of any cache up to cache_rows."""
+    return max((split_workspace_floats(max(s), cfg.num_attention_heads, cfg.head_dim, rows, itemsize, most=most)
+                for s, rows in ((sizes, cache_rows), (early, min(early_rows, cache_rows))) if s), default=0)
 
 
 def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool, four_bit_rows: int = ProductPlan.int4_prefill_rows

@@ -199,6 +199,9 @@ class KernelPlan:
         if set(self.prefill_early) & set(self.prefill_graphs):
             # an early size's graph reads the caches' first rows alone: never a later chunk's
             raise ValueError(f"prefill_early {self.prefill_early} and prefill_graphs {self.prefill_graphs} share sizes")
+        if self.prefill_early and self.prefill_early_rows < max(self.prefill_early):
+            raise ValueError(f"prefill_early_rows {self.prefill_early_rows} must hold the largest early chunk, "
+                             f"{max(self.prefill_early)}")
 
     @classmethod
     def choose(cls, device: torch.device | str, config: ModelConfig, fp8: bool, int4: bool = False,

@@ -61,7 +61,7 @@ class Runner:
         # the largest first: the smaller ones may then take what it freed in the pool
         for T in sorted((*d.plan.prefill_graphs, *d.plan.prefill_early), reverse=True):
             if T + 1 <= d.state.rows:                # warmed up at position 1
-                phases.append((("prefill", T), lambda T=T: d.prefill_chunk_forward(T)))
+                phases.append((d.chunk_key(T), lambda T=T: d.prefill_chunk_forward(T)))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         total = 2 * len(phases)

@@ -186,6 +186,10 @@ def test_early_chunks_read_the_first_rows_and_match_transformers(ckpt, history, 
     attention_layers = sum(1 for t in engine.config.layer_types if t == "full_attention")
     assert sorted(rows for T, rows in cache_rows if T in early) == [128] * attention_layers
     assert all(rows == dec.state.rows for T, rows in cache_rows if T not in early and T > 5)
+    # an early size's graph names its rows: a plan swapped in with other rows finds none to replay
+    assert [dec.chunk_key(T) for T in (32, 48, 64)] == [("prefill", 32), ("prefill", 48, 128), ("prefill", 64, 128)]
+    dec.plan = plan.replace(prefill_early_rows=256)
+    assert dec.chunk_key(64) == ("prefill", 64, 256) and dec.chunk_key(32) == ("prefill", 32)
     with torch.no_grad():
         assert rel_err(got, ref(torch.tensor([ids])).logits[0]) < 1e-4
 

@@ -81,6 +81,9 @@ def test_a_gpu_prefills_a_few_tokens_through_the_step_graphs(gqa3, monkeypatch):
     # an early size's graph reads the first rows alone: no size may be both
     with pytest.raises(ValueError, match="share sizes"):
         gpu.replace(prefill_early=(128, 256))
+    with pytest.raises(ValueError, match="must hold the largest early chunk"):
+        gpu.replace(prefill_early_rows=256)                   # 512 could never end within it
+    assert gpu.replace(prefill_early=(), prefill_early_rows=0).prefill_early == ()
 
 
 def test_4_bit_prefill_chunks_follow_the_few_row_kernels_rows(gqa3, monkeypatch):

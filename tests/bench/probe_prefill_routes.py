@@ -49,7 +49,7 @@ def main():
     cpu.decoder.begin(ids)
     truth = cpu.decoder.last_logits.float().cpu()
     base = Engine.load(folder, device="cuda", dtype=torch.bfloat16, max_context=1024, cuda_graphs=False, **load)
-    plan = base.plan.replace(int4_prefill_rows=0, prefill_graphs=())
+    plan = base.plan.replace(int4_prefill_rows=0, prefill_graphs=(), prefill_early=())
     plans = {"eager chunk, slab forms": plan,
              "graph-chunk route (eagerly), slab forms": plan.replace(prefill_graphs=(8, 16, 24)),
              "eager chunk, few-row kernel": plan.replace(int4_prefill_rows=64),
