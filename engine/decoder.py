@@ -240,7 +240,7 @@ class Decoder:
         self.prefill_logits = None
         p = self.plan
         pieces = prefill_pieces(len(ids), self.R, p.step_prefill, p.prefill_graphs, p.prefill_pieces,
-                                self.state.length, p.prefill_early, p.prefill_early_rows)
+                                self.state.length, p.prefill_early, p.prefill_early_rows, p.prefill_early_beside)
         if pieces is None:
             size = chunk_size(len(ids), self.prefill_chunk)
             pieces = [(min(size, len(ids) - s), None) for s in range(0, len(ids), size)]
@@ -504,17 +504,21 @@ def chunk_size(n: int, most: int, multiple: int = 64) -> int:
 
 
 def prefill_pieces(n: int, rows: int, step_pieces: int, sizes: tuple[int, ...], most: int, start: int = 0,
-                   early: tuple[int, ...] = (), early_rows: int = 0) -> list | None:
+                   early: tuple[int, ...] = (), early_rows: int = 0, beside: int = 0) -> list | None:
     """How a short prefill of n tokens after `start` goes: [(tokens, "step" | "graph"), ...], or
     None (in chunks, eagerly): at most `step_pieces` equal pieces of at most `rows` tokens (a step's)
     in the step form, each about a decode step's time; else at most `most` chunks of the graphs'
     sizes, the largest that fit in turn (on the 27B some 2.5 steps' time each), those of `early` only
-    where the chunk ends within the first `early_rows` positions; then the rest in step pieces."""
-    out, rest = [], n
+    where the chunk ends within the first `early_rows` positions, up to `beside` of them beside the
+    `most` rather than among them; then the rest in step pieces."""
+    out, rest, taken = [], n, 0
     for size in sorted({*sizes, *early}, reverse=True) if n > step_pieces * rows else ():
-        while rest >= size and len(out) < most and (size in sizes or start + n - rest + size <= early_rows):
+        is_early = size in early
+        while rest >= size and len(out) < most + min(beside, taken + is_early) and \
+                (not is_early or start + n - rest + size <= early_rows):
             out.append((size, "graph"))
             rest -= size
+            taken += is_early
     if rest > step_pieces * rows:
         return None
     size = chunk_size(rest, rows, 1)
@@ -522,13 +526,13 @@ def prefill_pieces(n: int, rows: int, step_pieces: int, sizes: tuple[int, ...], 
 
 
 def eager_prefill_length(rows: int, step_pieces: int, sizes: tuple[int, ...], most: int,
-                         early: tuple[int, ...] = (), early_rows: int = 0) -> int:
+                         early: tuple[int, ...] = (), early_rows: int = 0, beside: int = 0) -> int:
     """A prefill length that no route through the graphs takes from an empty cache (prefill_pieces
     gives None): the early chunks' rows, `most` chunks of the largest size and one token more than
     the step pieces hold, so it goes as eager chunks, whose own kernels (prefill attention's) a
     warm-up then compiles."""
     n = most * max(sizes, default=0) + step_pieces * rows + 1
-    while prefill_pieces(n, rows, step_pieces, sizes, most, 0, early, early_rows) is not None:
+    while prefill_pieces(n, rows, step_pieces, sizes, most, 0, early, early_rows, beside) is not None:
         n += 1
     return n
 

@@ -202,7 +202,7 @@ class Engine:
         params, dec = SamplingParams(max_tokens=need, stop_token_ids=()), self.decoder
         p = self.plan
         eager = eager_prefill_length(dec.R, p.step_prefill, p.prefill_graphs, p.prefill_pieces, p.prefill_early,
-                                     p.prefill_early_rows)
+                                     p.prefill_early_rows, p.prefill_early_beside)
         prompt = torch.randint(0, self.config.vocab_size, (16,), generator=torch.Generator().manual_seed(0)).tolist()
         with torch.inference_mode():
             if self.device.type == "cuda" and eager < self.max_context:

@@ -185,13 +185,19 @@ class KernelPlan:
     #   (tests/bench/probe_turn.py --history 8, 2026-11-28). With them 512 tokens took the 27B FP8
     #   36.5 ms, its int4 59.8 (154.5 eager in that run; its products of 512 rows in the slab form
     #   inside the graph), the 35B-A3B FP8 36.5 (129.2), its int4 73.2 (184.2). They count among
-    #   prefill_pieces' chunks.
+    #   prefill_pieces' chunks, so a first prompt of 459-511, 715-735, 747-767 or 843 tokens and more
+    #   goes eager (512 + 128 + 96 would leave 15 of 751).
+    # - prefill_early_beside (a candidate, 0: off): that many early chunks beside prefill_pieces
+    #   rather than among them (1: a first prompt of 11..1,034 tokens through graphs but for 42
+    #   lengths from 971, four chunks at most). Not timed: whether a fourth chunk beats one eager chunk depends on the host's
+    #   launch time (some 100 us on an H200's, less on a desktop's).
     # 0 / () : every prefill chunked (a CPU, where no graph saves the launches).
     step_prefill: int = 0
     prefill_graphs: tuple = ()
     prefill_pieces: int = 3
     prefill_early: tuple = ()
     prefill_early_rows: int = EARLY_ROWS
+    prefill_early_beside: int = 0
 
     def __post_init__(self):
         if self.prefill_attention not in ("flash", "triton"):
@@ -199,6 +205,8 @@ class KernelPlan:
         if set(self.prefill_early) & set(self.prefill_graphs):
             # an early size's graph reads the caches' first rows alone: never a later chunk's
             raise ValueError(f"prefill_early {self.prefill_early} and prefill_graphs {self.prefill_graphs} share sizes")
+        if self.prefill_early_beside < 0:
+            raise ValueError(f"prefill_early_beside counts chunks: 0 or more, not {self.prefill_early_beside}")
         if self.prefill_early and self.prefill_early_rows < max(self.prefill_early):
             raise ValueError(f"prefill_early_rows {self.prefill_early_rows} must hold the largest early chunk, "
                              f"{max(self.prefill_early)}")

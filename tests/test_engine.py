@@ -148,6 +148,17 @@ def test_a_first_prompt_goes_in_the_early_chunks():
     assert pieces(300, 769) == [(128, "graph"), (128, "graph"), (40, "graph"), (4, "step")]
     assert pieces(512, 600) == [(256, "graph"), (128, "graph"), (128, "graph")]
     assert pieces(512, 8192) is None and pieces(200, 8192) == prefill_pieces(200, 5, 2, PREFILL_GRAPHS, 3)
+    eager = [n for n in range(11, 1035) if pieces(n, 0) is None]
+    assert len(eager) == 243 and eager[:2] == [459, 460] and 512 not in eager
+    # the candidate prefill_early_beside: one early chunk beside the three others, so that only
+    # 971-991 and 1,003-1,023 of them go eager, in four chunks at most; after a long history nothing changes
+    beside = lambda n, start: prefill_pieces(n, 5, 2, PREFILL_GRAPHS, 3, start, EARLY_GRAPHS, EARLY_ROWS, 1)
+    assert beside(500, 0) == [(256, "graph"), (128, "graph"), (96, "graph"), (16, "graph"), (4, "step")]
+    assert beside(1034, 0) == pieces(1034, 0) and beside(300, 0) == pieces(300, 0)
+    assert [n for n in range(11, 1035) if beside(n, 0) is None] == [*range(971, 992), *range(1003, 1024)]
+    assert max(sum(f == "graph" for _, f in beside(n, 0)) for n in range(11, 971)) == 4
+    assert all(beside(n, 8192) == pieces(n, 8192) for n in range(1, 600, 7))
+    assert eager_prefill_length(5, 2, PREFILL_GRAPHS, 3, EARLY_GRAPHS, EARLY_ROWS, 1) == 971
 
 
 @pytest.mark.parametrize("history", [0, 70])

@@ -84,6 +84,9 @@ def test_a_gpu_prefills_a_few_tokens_through_the_step_graphs(gqa3, monkeypatch):
     with pytest.raises(ValueError, match="must hold the largest early chunk"):
         gpu.replace(prefill_early_rows=256)                   # 512 could never end within it
     assert gpu.replace(prefill_early=(), prefill_early_rows=0).prefill_early == ()
+    assert gpu.prefill_early_beside == 0                      # a candidate, off until timed
+    with pytest.raises(ValueError, match="prefill_early_beside"):
+        gpu.replace(prefill_early_beside=-1)
 
 
 def test_4_bit_prefill_chunks_follow_the_few_row_kernels_rows(gqa3, monkeypatch):
