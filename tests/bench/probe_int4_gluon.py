@@ -1,0 +1,231 @@
+"""A 4-bit product of a few rows written in Gluon (Triton's layout-explicit language), where the
+words go from global memory straight into the registers of the matrix instruction's operand: no
+shared memory, no `ldmatrix`, no layout conversion, so the unpacking of one step overlaps the
+loads of the others through the warps an SM holds rather than through a copy pipeline. A probe of
+the lead named in docs/PERFORMANCE.md (2026-11-27 (late), "Where the SwiGLU waits"): the
+engine's Triton products spend their time with the copies and the unpacking in turn.
+
+The form (`w4_gemv`): y [T, N] = x [T, K] @ w [N, K]ᵀ for T <= 8, w symmetric 4-bit in groups of
+128 with float32 scales. A warp takes 16 weight rows (the M of mma.m16n8k16), the tokens are its
+N (8), and a program of W warps loops over K in steps of 128 (one group: each step's sum is scaled
+once in float32). The words are stored in the operand's order (`pack`): lane (g, q) of a warp
+holds, for rows g and g + 8 of its 16, the eight k of a 32-wide span that mma's A operand gives it
+(2q, 2q + 1, 2q + 8, 2q + 9, 2q + 16, ...), a nibble pair (k, k + 1) at bits s and s + 16 of one
+word, so two instructions (a lop3 into the mantissa of 128.0, an fma taking 136 away) widen a pair
+to bf16x2. R = 4 spans a step make one 16-byte load a row half. Compiled for sm_90 with Triton 3.6
+(no GPU needed): 56 registers at W = 4, no shared memory, per step 2 LDG.128, 32 LOP3 + 32 HFMA2,
+8 HMMA; Gluon checks that the unpacked tile is already in the operand's layout (assert_trivial).
+
+    cd tests/bench && python3 probe_int4_gluon.py                  # GPU: against float32, then timed
+    cd tests/bench && python3 probe_int4_gluon.py --compile-only   # no GPU: shared memory and PTX counts, sm_90 and sm_80
+
+Checked on the GPU: the product against float32 of the dequantized weight, and row 0's bits the
+same at T = 1 and T = 8 (MTP's exactness needs a row's result independent of the rows beside it).
+Timed as probe_int4_libraries.py times (graph replays over weights rotated past L2), beside the
+engine's plain product over the same shapes and the copy rate's floor. Not wired into the engine:
+a probe until it wins.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except ImportError as e:            # a Triton without Gluon (before 3.5)
+    sys.exit(f"this probe needs Triton's Gluon (triton.experimental.gluon): {e}")
+
+G = 128          # the group, and the K of a step
+GROUP = gl.constexpr(G)
+ROWS = 8         # the most tokens (mma's N)
+
+
+def layouts(W: int, R: int):
+    """The MMA accumulator, its A and B operands, and the words' layout [W, 8, R, 4]: lanes (q, g),
+    the R spans of a row half in a thread's registers, a warp's 16 rows a warp."""
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
+    a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    words = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1 << i, 0] for i in range((R - 1).bit_length())],
+        lane_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
+        warp_bases=[[1 << i, 0, 0, 0] for i in range((W - 1).bit_length())], block_bases=[], shape=[W, 8, R, 4])
+    return mma, a, b, words
+
+
+@gluon.jit
+def _half(words):
+    # bits 16 j0 + 4 (j1 + 2 j2) of a word hold k = 2q + j0 + 8 j1 + 16 j2 of its span: shifted so
+    # that a pair's nibbles sit at bits 0 and 16, joined over j2 then j1 (the pair joins last)
+    return gl.join(gl.join(words, words >> 8), gl.join(words >> 4, words >> 12))     # [..., j2, j1]
+
+
+@gluon.jit
+def _widen(z):
+    # a pair of equal words -> bf16x2 (n0 - 8, n1 - 8) of the nibbles at bits 0 and 16: or-ed into
+    # the mantissa of 128.0, then 136 taken away, exact in bf16 (fma.rn.bf16x2: sm_80 and later)
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 t, one, c; mov.b32 one, 0x3F803F80; mov.b32 c, 0xC308C308; "
+        "lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 $0, t, one, c; }",
+        "=r,r,r", [z], dtype=gl.bfloat16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _tile(p_lo, p_hi, kc):
+    return gl.load(p_lo + kc), gl.load(p_hi + kc)
+
+
+@gluon.jit
+def _operand(lo, hi, BM: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr):
+    m = gl.join(_half(lo), _half(hi))                        # [W, 8, R, 4, j2, j1, m3]
+    z = _widen(gl.join(m, m))                                 # [..., m3, j0]
+    z = gl.permute(z, (0, 6, 1, 2, 4, 5, 3, 7))               # [W, m3, 8, R, j2, j1, 4, j0]
+    return gl.convert_layout(gl.reshape(z, [BM, BK]), LA, assert_trivial=True)
+
+
+@gluon.jit
+def w4_gemv(x, w, s, y, T, N, K, KC, s_x, s_y, W: gl.constexpr, R: gl.constexpr, PREFETCH: gl.constexpr,
+            MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr):
+    BM: gl.constexpr = 16 * W
+    BK: gl.constexpr = 32 * R
+    pid = gl.program_id(0)
+    # the words, pack()'s P[nt, h, g, q, kc]: a warp's rows 0..7 (h 0) and 8..15 (h 1)
+    wi = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LW))))
+    gi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LW))))
+    ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LW))))
+    qi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LW))))
+    nt = pid * W + wi
+    row = (nt[:, None, None, None] * 16 + gi[None, :, None, None]) * 4 + qi[None, None, None, :]
+    p_lo = w + row * KC + ri[None, None, :, None]
+    p_hi = p_lo + 32 * KC
+    # x as the B operand [BK, 8], straight from memory in its layout
+    kx = gl.arange(0, BK, layout=gl.SliceLayout(1, LB))
+    tx = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
+    p_x = x + tx[None, :] * s_x + kx[:, None]
+    m_x = (tx[None, :] < T) & (kx[:, None] >= 0)
+    ns = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+    acc = gl.zeros([BM, 8], gl.float32, MMA)
+    lo, hi = _tile(p_lo, p_hi, 0)
+    for k0 in range(0, K, BK):
+        if PREFETCH:      # the next step's words in flight while this one's are unpacked
+            nxt = gl.minimum(k0 + BK, K - BK) // 32
+            lo2, hi2 = _tile(p_lo, p_hi, nxt)
+        else:
+            lo, hi = _tile(p_lo, p_hi, k0 // 32)
+        a = _operand(lo, hi, BM, BK, LA)
+        b = gl.load(p_x + k0, mask=m_x, other=0.)
+        part = mma_v2(a, b, gl.zeros([BM, 8], gl.float32, MMA))
+        acc += part * gl.load(s + ns * (K // GROUP) + k0 // GROUP)[:, None]
+        if PREFETCH:
+            lo, hi = lo2, hi2
+    ty = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    gl.store(y + ty[None, :] * s_y + ns[:, None], acc.to(y.dtype.element_ty),
+             mask=(ty[None, :] < T) & (ns[:, None] < N))
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """Values q [N, K] in 0..15 (weight = (q - 8) * scale) -> the words P [N/16, 2, 8, 4, K/32] int32
+    in the operand's order: row n = 16 nt + 8 h + g, k = 32 kc + 16 j2 + 8 j1 + 2 q + j0 at bits
+    16 j0 + 4 (j1 + 2 j2) of word [nt, h, g, q, kc]."""
+    N, K = q.shape
+    assert N % 16 == 0 and K % 32 == 0, "N a multiple of 16, K of 32"
+    v = q.to(torch.int64).view(N // 16, 2, 8, K // 32, 2, 2, 4, 2)        # nt, h, g, kc, j2, j1, q, j0
+    v = v.permute(0, 1, 2, 6, 3, 7, 4, 5)                                  # nt, h, g, q, kc, j0, j2, j1
+    shifts = 4 * torch.arange(8, device=q.device)                           # slot 4 j0 + 2 j2 + j1
+    words = (v.reshape(*v.shape[:5], 8) << shifts).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).contiguous()
+
+
+def unpack(P: torch.Tensor) -> torch.Tensor:
+    """pack's inverse: [N, K] values."""
+    NT, _, _, _, KC = P.shape
+    shifts = 4 * torch.arange(8, device=P.device)
+    v = (P.to(torch.int64)[..., None] >> shifts) & 15                       # nt, h, g, q, kc, slot
+    v = v.view(NT, 2, 8, 4, KC, 2, 2, 2).permute(0, 1, 2, 4, 6, 7, 3, 5)   # nt, h, g, kc, j2, j1, q, j0
+    return v.reshape(NT * 16, KC * 32)
+
+
+def run(x: torch.Tensor, P: torch.Tensor, scale: torch.Tensor, W: int = 4, R: int = 4, prefetch: bool = False,
+        out: torch.Tensor | None = None) -> torch.Tensor:
+    T, K = x.shape
+    N = P.shape[0] * 16
+    assert T <= ROWS and K % (32 * R) == 0 and R * 32 == G and N % (16 * W) == 0 and x.stride(1) == 1
+    y = out if out is not None else torch.empty(T, N, dtype=x.dtype, device=x.device)
+    mma, a, b, lw = layouts(W, R)
+    w4_gemv[(N // (16 * W),)](x, P, scale, y, T, N, K, K // 32, x.stride(0), y.stride(0), W=W, R=R,
+                              PREFETCH=prefetch, MMA=mma, LA=a, LB=b, LW=lw, num_warps=W)
+    return y
+
+
+def compile_only(variants):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    for cap in (90, 80):
+        for W, R, prefetch in variants:
+            mma, a, b, lw = layouts(W, R)
+            cons = {"W": W, "R": R, "PREFETCH": prefetch, "MMA": mma, "LA": a, "LB": b, "LW": lw}
+            sig = {"x": "*bf16", "w": "*i32", "s": "*fp32", "y": "*bf16", "T": "i32", "N": "i32", "K": "i32",
+                   "KC": "i32", "s_x": "i32", "s_y": "i32", **{k: "constexpr" for k in cons}}
+            src = GluonASTSource(fn=w4_gemv, signature=sig, constexprs=cons,
+                                 attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 7, 8)})
+            k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=W))
+            ptx = k.asm["ptx"]
+            ops = {op: ptx.count(op) for op in ("ld.global.v4", "lop3.b32", "fma.rn.bf16x2", "mma.sync", "ld.shared", "shfl")}
+            print(f"sm_{cap} W={W} R={R} prefetch={prefetch}: shared {k.metadata.shared} B, PTX {ops}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--variants", default="4x4,4x4p,2x4,2x4p,8x4p", help="W x R, p: prefetch")
+    a = p.parse_args()
+    variants = [(int(v.rstrip("p").split("x")[0]), int(v.rstrip("p").split("x")[1]), v.endswith("p"))
+                for v in a.variants.split(",")]
+    if a.compile_only:
+        return compile_only(variants)
+    from graph_timing import graph_time
+    from probe_int4_libraries import SHAPES, copies_for
+    from mtpchat.engine.bench import copy_bandwidth
+    from mtpchat.kernels import int4, matvec
+    from mtpchat.kernels.plan import default_products
+    bw = copy_bandwidth("cuda")
+    plan = default_products("cuda")
+    print(f"{torch.cuda.get_device_name()}, copy {bw / 1e12:.3f} TB/s; us at T rows (x the bytes at the copy rate)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, N, K, _ in SHAPES:
+        q = torch.randint(0, 16, (N, K), device="cuda", generator=gen, dtype=torch.int32)
+        scale = torch.rand(N, K // G, device="cuda", generator=gen) * 0.02 + 0.005
+        P = pack(q)
+        assert torch.equal(unpack(P), q.to(torch.int64)), "pack / unpack"
+        dense = ((q - 8).float().view(N, K // G, G) * scale[..., None]).view(N, K)
+        x = torch.randn(ROWS, K, device="cuda", generator=gen).to(torch.bfloat16)
+        want = x.float() @ dense.T
+        nbytes = P.nbytes + scale.nbytes
+        copies = copies_for(nbytes)
+        Ps = [P] + [torch.randint_like(P, -2 ** 31, 2 ** 31 - 1) for _ in range(copies - 1)]
+        ours = int4.interleave_ref(int4.quantize_ref(dense))
+        ws = [ours] + [int4.GroupInt4(torch.randint_like(ours.w, -2 ** 15, 2 ** 15), ours.scale.clone(), *ours[2:])
+                       for _ in range(copies - 1)]
+        floor = nbytes / bw * 1e6
+        line = [f"{name} [{N} x {K}] floor {floor:.1f}"]
+        for T in (1, 4, 8):
+            xt = x[:T].contiguous()
+            t_ours = min(graph_time(lambda i: matvec.matvec(xt, ws[i % len(ws)], plan=plan), len(ws)) for _ in range(3))
+            line.append(f"T={T} ours {t_ours:.1f}")
+            for W, R, prefetch in variants:
+                got = run(xt, P, scale, W, R, prefetch)
+                err = ((got.float() - want[:T]).norm() / want[:T].norm()).item()
+                same = torch.equal(run(x[:1].contiguous(), P, scale, W, R, prefetch)[0], run(x, P, scale, W, R, prefetch)[0])
+                t = min(graph_time(lambda i: run(xt, Ps[i % len(Ps)], scale, W, R, prefetch), len(Ps)) for _ in range(3))
+                line.append(f"{W}x{R}{'p' if prefetch else ''} {t:.1f} ({t / floor:.2f} x, err {err:.1e}"
+                            f"{'' if same else ', ROW 0 CHANGES WITH T'})")
+        print("  " + "\n    ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
