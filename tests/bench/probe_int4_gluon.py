@@ -14,7 +14,7 @@ holds, for rows g and g + 8 of its 16, the eight k of a 32-wide span that mma's 
 word, so two instructions (a lop3 into the mantissa of 128.0, an fma taking 136 away) widen a pair
 to bf16x2. R = 4 spans a step make one 16-byte load a row half. Compiled for sm_90 with Triton 3.6
 (no GPU needed): 56 registers at W = 4, no shared memory, per step 2 LDG.128, 32 LOP3 + 32 HFMA2,
-8 HMMA; Gluon checks that the unpacked tile is already in the operand's layout (assert_trivial).
+8 HMMA (the prefetching variant two more LDG.128 before its loop); Gluon checks that the unpacked tile is already in the operand's layout (assert_trivial).
 
     cd tests/bench && python3 probe_int4_gluon.py                  # GPU: against float32, then timed
     cd tests/bench && python3 probe_int4_gluon.py --compile-only   # no GPU: shared memory and PTX counts, sm_90 and sm_80
@@ -112,7 +112,7 @@ def w4_gemv(x, w, s, y, T, N, K, KC, s_x, s_y, W: gl.constexpr, R: gl.constexpr,
     lo, hi = _tile(p_lo, p_hi, 0)
     for k0 in range(0, K, BK):
         if PREFETCH:      # the next step's words in flight while this one's are unpacked
-            nxt = gl.minimum(k0 + BK, K - BK) // 32
+            nxt = gl.multiple_of(gl.minimum(k0 + BK, K - BK) // 32, R)      # (keeps the 16-byte loads)
             lo2, hi2 = _tile(p_lo, p_hi, nxt)
         else:
             lo, hi = _tile(p_lo, p_hi, k0 // 32)
@@ -175,7 +175,7 @@ def compile_only(variants):
                                  attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 7, 8)})
             k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=W))
             ptx = k.asm["ptx"]
-            ops = {op: ptx.count(op) for op in ("ld.global.v4", "lop3.b32", "fma.rn.bf16x2", "mma.sync", "ld.shared", "shfl")}
+            ops = {op: ptx.count(op) for op in ("ld.global.v4", "ld.global.b32", "lop3.b32", "fma.rn.bf16x2", "mma.sync", "ld.shared", "shfl")}
             print(f"sm_{cap} W={W} R={R} prefetch={prefetch}: shared {k.metadata.shared} B, PTX {ops}")
 
 
@@ -208,6 +208,7 @@ def main():
         nbytes = P.nbytes + scale.nbytes
         copies = copies_for(nbytes)
         Ps = [P] + [torch.randint_like(P, -2 ** 31, 2 ** 31 - 1) for _ in range(copies - 1)]
+        Ss = [scale] + [scale.clone() for _ in range(copies - 1)]       # the scales past L2 too
         ours = int4.interleave_ref(int4.quantize_ref(dense))
         ws = [ours] + [int4.GroupInt4(torch.randint_like(ours.w, -2 ** 15, 2 ** 15), ours.scale.clone(), *ours[2:])
                        for _ in range(copies - 1)]
@@ -221,7 +222,8 @@ def main():
                 got = run(xt, P, scale, W, R, prefetch)
                 err = ((got.float() - want[:T]).norm() / want[:T].norm()).item()
                 same = torch.equal(run(x[:1].contiguous(), P, scale, W, R, prefetch)[0], run(x, P, scale, W, R, prefetch)[0])
-                t = min(graph_time(lambda i: run(xt, Ps[i % len(Ps)], scale, W, R, prefetch), len(Ps)) for _ in range(3))
+                t = min(graph_time(lambda i: run(xt, Ps[i % len(Ps)], Ss[i % len(Ss)], W, R, prefetch), len(Ps))
+                        for _ in range(3))
                 line.append(f"{W}x{R}{'p' if prefetch else ''} {t:.1f} ({t / floor:.2f} x, err {err:.1e}"
                             f"{'' if same else ', ROW 0 CHANGES WITH T'})")
         print("  " + "\n    ".join(line), flush=True)
