@@ -1,0 +1,211 @@
+"""probe_int4_gluon.py's form for block-scaled FP8 weights (kernels/fp8.py BlockFP8): an FP8 product
+of a few rows in Gluon whose weight bytes load straight into the registers of mma.m16n8k16's A
+operand, widened there to bf16 by the engine's bit form (kernels/fp8.py: sign to bit 15, exponent
+and mantissa to bits 4..10, times 2^120), with no shared memory. The lead of docs/PERFORMANCE.md's
+FP8 sections: the engine's Triton FP8 products run at 1.2-1.6 x their bytes on the 27B.
+
+The words (`pack`): lane (g, q) of a warp holds, for each 32-wide span of K, the bytes of rows g
+and g + 8 of its 16 at k = 2q + j0 + 8 j1 + 16 j2, four words: word (j2, j1) holds bytes (row g,
+k), (row g, k + 1), (row g + 8, k), (row g + 8, k + 1), which are the operand's a0 a1 / a2 a3
+registers. R = 4 spans a step (128 columns: one scale block) are 64 contiguous bytes a thread.
+A program of W warps (16 rows each, W <= 8 so that its rows share one 128-row scale block) loops
+over K; each step's sum is scaled once in float32 by its block's scale.
+
+    cd tests/bench && python3 probe_fp8_gluon.py                  # GPU: against float32, then timed
+    cd tests/bench && python3 probe_fp8_gluon.py --compile-only   # no GPU: shared memory, PTX counts
+
+Checked on the GPU as the 4-bit probe checks (float32 of the dequantized weight; row 0's bits at T
+= 1 and 8), timed beside the engine's FP8 plain product (matvec.matvec over BlockFP8) at the 27B's
+shapes. Not wired into the engine: a probe until it wins. Not yet run on a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except ImportError as e:            # a Triton without Gluon (before 3.5)
+    sys.exit(f"this probe needs Triton's Gluon (triton.experimental.gluon): {e}")
+
+BLOCK = 128      # the scale block, and the K of a step
+SCALE_BLOCK = gl.constexpr(BLOCK)
+ROWS = 8         # the most tokens (mma's N)
+
+
+def layouts(W: int, R: int):
+    """The MMA accumulator, its operands, and the words' layout [W, 8, R, 4 (q), 4 (j2 j1)]: the four
+    words of a span and the R spans in a thread's registers (j1, j2, then the spans), lanes (q, g)."""
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
+    a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    words = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2]] + [[0, 0, 1 << i, 0, 0] for i in range((R - 1).bit_length())],
+        lane_bases=[[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 4, 0, 0, 0]],
+        warp_bases=[[1 << i, 0, 0, 0, 0] for i in range((W - 1).bit_length())], block_bases=[],
+        shape=[W, 8, R, 4, 4])
+    return mma, a, b, words
+
+
+@gluon.jit
+def _widen(z):
+    # a pair of equal words -> bf16x2 of its bytes 0 and 1 (kernels/fp8.py's bit form, as its _x2)
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 a, b, k, z; mov.b32 k, 0x7B807B80; mov.b32 z, 0x80008000; "
+        "prmt.b32 a, $1, 0, 0x1404; and.b32 b, a, 0x7FFF7FFF; shr.b32 b, b, 4; "
+        "lop3.b32 b, b, 0x80008000, a, 0xF8; fma.rn.bf16x2 $0, b, k, z; }",
+        "=r,r,r", [z], dtype=gl.bfloat16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _operand(words, W: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr):
+    m = gl.join(words, words >> 16)                           # [W, 8, R, 4, (j2 j1), m3]: rows g, g + 8
+    z = _widen(gl.join(m, m))                                 # [..., m3, j0]
+    z = gl.reshape(z, [W, 8, R, 4, 2, 2, 2, 2])               # (j2 j1) -> j2, j1
+    z = gl.permute(z, (0, 6, 1, 2, 4, 5, 3, 7))               # [W, m3, 8, R, j2, j1, 4, j0]
+    return gl.convert_layout(gl.reshape(z, [BM, BK]), LA, assert_trivial=True)
+
+
+@gluon.jit
+def fp8_gemv(x, w, s, y, T, N, K, KC, s_x, s_y, s_s, W: gl.constexpr, R: gl.constexpr, PREFETCH: gl.constexpr,
+             MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr):
+    BM: gl.constexpr = 16 * W
+    BK: gl.constexpr = 32 * R
+    pid = gl.program_id(0)
+    # pack()'s P[nt, g, q, kc, (j2 j1)]
+    L4: gl.constexpr = gl.SliceLayout(4, LW)
+    wi = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    gi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
+    qi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    ji = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LW)))))
+    nt = pid * W + wi
+    row = (nt[:, None, None, None] * 8 + gi[None, :, None, None]) * 4 + qi[None, None, None, :]
+    p_w = w + (row * KC + ri[None, None, :, None])[:, :, :, :, None] * 4 + ji[None, None, None, None, :]
+    kx = gl.arange(0, BK, layout=gl.SliceLayout(1, LB))
+    tx = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
+    p_x = x + tx[None, :] * s_x + kx[:, None]
+    m_x = (tx[None, :] < T) & (kx[:, None] >= 0)
+    ns = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+    p_s = s + (ns // SCALE_BLOCK) * s_s
+    acc = gl.zeros([BM, 8], gl.float32, MMA)
+    words = gl.load(p_w)
+    for k0 in range(0, K, BK):
+        if PREFETCH:      # the next step's words in flight while this one's are widened
+            nxt = gl.multiple_of(gl.minimum(k0 + BK, K - BK) // 32 * 4, 4 * R)
+            words2 = gl.load(p_w + nxt)
+        else:
+            words = gl.load(p_w + k0 // 32 * 4)
+        a = _operand(words, W, R, BM, BK, LA)
+        b = gl.load(p_x + k0, mask=m_x, other=0.)
+        part = mma_v2(a, b, gl.zeros([BM, 8], gl.float32, MMA))
+        acc += part * gl.load(p_s + k0 // SCALE_BLOCK)[:, None]
+        if PREFETCH:
+            words = words2
+    ty = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    gl.store(y + ty[None, :] * s_y + ns[:, None], acc.to(y.dtype.element_ty),
+             mask=(ty[None, :] < T) & (ns[:, None] < N))
+
+
+def pack(w8: torch.Tensor) -> torch.Tensor:
+    """e4m3 weights [N, K] -> the words P [N/16, 8, 4, K/32, 4] int32: byte 2 h + j0 of word
+    [nt, g, q, kc, 2 j2 + j1] is row 16 nt + 8 h + g, k = 32 kc + 16 j2 + 8 j1 + 2 q + j0."""
+    N, K = w8.shape
+    assert N % 16 == 0 and K % 32 == 0, "N a multiple of 16, K of 32"
+    b = w8.view(torch.uint8).view(N // 16, 2, 8, K // 32, 2, 2, 4, 2)      # nt, h, g, kc, j2, j1, q, j0
+    b = b.permute(0, 2, 6, 3, 4, 5, 1, 7).contiguous()                      # nt, g, q, kc, j2, j1, h, j0
+    return b.view(N // 16, 8, 4, K // 32, 4, 4).view(torch.int32).view(N // 16, 8, 4, K // 32, 4)
+
+
+def unpack(P: torch.Tensor) -> torch.Tensor:
+    """pack's inverse: the bytes [N, K] as uint8."""
+    NT, _, _, KC, _ = P.shape
+    b = P.contiguous().view(torch.uint8).view(NT, 8, 4, KC, 2, 2, 2, 2)    # nt, g, q, kc, j2, j1, h, j0
+    return b.permute(0, 6, 1, 3, 4, 5, 2, 7).reshape(NT * 16, KC * 32)
+
+
+def run(x: torch.Tensor, P: torch.Tensor, scale: torch.Tensor, W: int = 4, R: int = 4, prefetch: bool = False,
+        out: torch.Tensor | None = None) -> torch.Tensor:
+    T, K = x.shape
+    N = P.shape[0] * 16
+    assert T <= ROWS and R * 32 == BLOCK and K % BLOCK == 0 and N % (16 * W) == 0 and 16 * W <= BLOCK
+    assert x.stride(1) == 1 and scale.stride(1) == 1
+    y = out if out is not None else torch.empty(T, N, dtype=x.dtype, device=x.device)
+    mma, a, b, lw = layouts(W, R)
+    fp8_gemv[(N // (16 * W),)](x, P, scale, y, T, N, K, K // 32, x.stride(0), y.stride(0), scale.stride(0),
+                               W=W, R=R, PREFETCH=prefetch, MMA=mma, LA=a, LB=b, LW=lw, num_warps=W)
+    return y
+
+
+def compile_only(variants):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    for cap in (90, 89):
+        for W, R, prefetch in variants:
+            mma, a, b, lw = layouts(W, R)
+            cons = {"W": W, "R": R, "PREFETCH": prefetch, "MMA": mma, "LA": a, "LB": b, "LW": lw}
+            sig = {"x": "*bf16", "w": "*i32", "s": "*fp32", "y": "*bf16", "T": "i32", "N": "i32", "K": "i32",
+                   "KC": "i32", "s_x": "i32", "s_y": "i32", "s_s": "i32", **{k: "constexpr" for k in cons}}
+            src = GluonASTSource(fn=fp8_gemv, signature=sig, constexprs=cons,
+                                 attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 6, 7, 8, 9)})
+            k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=W))
+            ptx = k.asm["ptx"]
+            ops = {op: ptx.count(op) for op in ("ld.global.v4", "ld.global.b32", "prmt.b32", "fma.rn.bf16x2",
+                                                "mma.sync", "ld.shared", "shfl")}
+            print(f"sm_{cap} W={W} R={R} prefetch={prefetch}: shared {k.metadata.shared} B, PTX {ops}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--variants", default="4x4,4x4p,2x4,2x4p,8x4p", help="W x R, p: prefetch")
+    a = p.parse_args()
+    variants = [(int(v.rstrip("p").split("x")[0]), int(v.rstrip("p").split("x")[1]), v.endswith("p"))
+                for v in a.variants.split(",")]
+    if a.compile_only:
+        return compile_only(variants)
+    from graph_timing import graph_time
+    from probe_int4_libraries import SHAPES, copies_for
+    from mtpchat.engine.bench import copy_bandwidth
+    from mtpchat.kernels import fp8, matvec
+    from mtpchat.kernels.plan import default_products
+    bw = copy_bandwidth("cuda")
+    plan = default_products("cuda")
+    print(f"{torch.cuda.get_device_name()}, copy {bw / 1e12:.3f} TB/s; us at T rows (x the bytes at the copy rate)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, N, K, _ in SHAPES:
+        q = fp8.quantize_ref(torch.randn(N, K, device="cuda", generator=gen) * 0.02)
+        P = pack(q.w)
+        assert torch.equal(unpack(P), q.w.view(torch.uint8)), "pack / unpack"
+        want_w = fp8.dequantize_ref(q)
+        x = torch.randn(ROWS, K, device="cuda", generator=gen).to(torch.bfloat16)
+        want = x.float() @ want_w.T
+        nbytes = P.nbytes + q.scale.nbytes
+        copies = copies_for(nbytes)
+        Ps = [P] + [torch.randint_like(P, -2 ** 31, 2 ** 31 - 1) & 0x7E7E7E7E for _ in range(copies - 1)]   # no NaN bytes
+        Ss = [q.scale] + [q.scale.clone() for _ in range(copies - 1)]
+        ws = [q] + [fp8.BlockFP8(Pi.view(torch.uint8).view(N, K).view(fp8.FP8), q.scale.clone()) for Pi in Ps[1:]]
+        floor = nbytes / bw * 1e6
+        line = [f"{name} [{N} x {K}] floor {floor:.1f}"]
+        for T in (1, 4, 8):
+            xt = x[:T].contiguous()
+            t_ours = min(graph_time(lambda i: matvec.matvec(xt, ws[i % len(ws)], plan=plan), len(ws)) for _ in range(3))
+            line.append(f"T={T} ours {t_ours:.1f} ({t_ours / floor:.2f} x)")
+            for W, R, prefetch in variants:
+                got = run(xt, P, q.scale, W, R, prefetch)
+                err = ((got.float() - want[:T]).norm() / want[:T].norm()).item()
+                same = torch.equal(run(x[:1].contiguous(), P, q.scale, W, R, prefetch)[0], run(x, P, q.scale, W, R, prefetch)[0])
+                t = min(graph_time(lambda i: run(xt, Ps[i % len(Ps)], Ss[i % len(Ss)], W, R, prefetch), len(Ps))
+                        for _ in range(3))
+                line.append(f"{W}x{R}{'p' if prefetch else ''} {t:.1f} ({t / floor:.2f} x, err {err:.1e}"
+                            f"{'' if same else ', ROW 0 CHANGES WITH T'})")
+        print("  " + "\n    ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
