@@ -20,10 +20,10 @@ shapes. Not wired into the engine: a probe until it wins. Not yet run on a GPU.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
+from probe_int4_gluon import SIGNATURE, compile_variants, gpu_setup, parse_args, time_shape
 
 try:
     from triton.experimental import gluon
@@ -141,70 +141,29 @@ def run(x: torch.Tensor, P: torch.Tensor, scale: torch.Tensor, W: int = 4, R: in
     return y
 
 
-def compile_only(variants):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    for cap in (90, 89):
-        for W, R, prefetch in variants:
-            mma, a, b, lw = layouts(W, R)
-            cons = {"W": W, "R": R, "PREFETCH": prefetch, "MMA": mma, "LA": a, "LB": b, "LW": lw}
-            sig = {"x": "*bf16", "w": "*i32", "s": "*fp32", "y": "*bf16", "T": "i32", "N": "i32", "K": "i32",
-                   "KC": "i32", "s_x": "i32", "s_y": "i32", "s_s": "i32", **{k: "constexpr" for k in cons}}
-            src = GluonASTSource(fn=fp8_gemv, signature=sig, constexprs=cons,
-                                 attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 6, 7, 8, 9)})
-            k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=W))
-            ptx = k.asm["ptx"]
-            ops = {op: ptx.count(op) for op in ("ld.global.v4", "ld.global.b32", "prmt.b32", "fma.rn.bf16x2",
-                                                "mma.sync", "ld.shared", "shfl")}
-            print(f"sm_{cap} W={W} R={R} prefetch={prefetch}: shared {k.metadata.shared} B, PTX {ops}")
-
-
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--compile-only", action="store_true")
-    p.add_argument("--variants", default="4x4,4x4p,2x4,2x4p,8x4p", help="W x R, p: prefetch")
-    a = p.parse_args()
-    variants = [(int(v.rstrip("p").split("x")[0]), int(v.rstrip("p").split("x")[1]), v.endswith("p"))
-                for v in a.variants.split(",")]
-    if a.compile_only:
-        return compile_only(variants)
-    from graph_timing import graph_time
+    compile_only, variants = parse_args()
+    if compile_only:
+        return compile_variants(fp8_gemv, layouts, {**SIGNATURE, "s_s": "i32"},
+                                ("x", "w", "s", "y", "KC", "s_x", "s_y", "s_s"), (90, 89),
+                                ("ld.global.v4", "ld.global.b32", "prmt.b32", "fma.rn.bf16x2", "mma.sync", "ld.shared",
+                                 "shfl"), variants)
     from probe_int4_libraries import SHAPES, copies_for
-    from mtpchat.engine.bench import copy_bandwidth
     from mtpchat.kernels import fp8, matvec
-    from mtpchat.kernels.plan import default_products
-    bw = copy_bandwidth("cuda")
-    plan = default_products("cuda")
-    print(f"{torch.cuda.get_device_name()}, copy {bw / 1e12:.3f} TB/s; us at T rows (x the bytes at the copy rate)")
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    bw, plan, gen = gpu_setup()
     for name, N, K, _ in SHAPES:
         q = fp8.quantize_ref(torch.randn(N, K, device="cuda", generator=gen) * 0.02)
         P = pack(q.w)
         assert torch.equal(unpack(P), q.w.view(torch.uint8)), "pack / unpack"
-        want_w = fp8.dequantize_ref(q)
         x = torch.randn(ROWS, K, device="cuda", generator=gen).to(torch.bfloat16)
-        want = x.float() @ want_w.T
         nbytes = P.nbytes + q.scale.nbytes
         copies = copies_for(nbytes)
         Ps = [P] + [torch.randint_like(P, -2 ** 31, 2 ** 31 - 1) & 0x7E7E7E7E for _ in range(copies - 1)]   # no NaN bytes
         Ss = [q.scale] + [q.scale.clone() for _ in range(copies - 1)]
-        ws = [q] + [fp8.BlockFP8(Pi.view(torch.uint8).view(N, K).view(fp8.FP8), q.scale.clone()) for Pi in Ps[1:]]
-        floor = nbytes / bw * 1e6
-        line = [f"{name} [{N} x {K}] floor {floor:.1f}"]
-        for T in (1, 4, 8):
-            xt = x[:T].contiguous()
-            t_ours = min(graph_time(lambda i: matvec.matvec(xt, ws[i % len(ws)], plan=plan), len(ws)) for _ in range(3))
-            line.append(f"T={T} ours {t_ours:.1f} ({t_ours / floor:.2f} x)")
-            for W, R, prefetch in variants:
-                got = run(xt, P, q.scale, W, R, prefetch)
-                err = ((got.float() - want[:T]).norm() / want[:T].norm()).item()
-                same = torch.equal(run(x[:1].contiguous(), P, q.scale, W, R, prefetch)[0], run(x, P, q.scale, W, R, prefetch)[0])
-                t = min(graph_time(lambda i: run(xt, Ps[i % len(Ps)], Ss[i % len(Ss)], W, R, prefetch), len(Ps))
-                        for _ in range(3))
-                line.append(f"{W}x{R}{'p' if prefetch else ''} {t:.1f} ({t / floor:.2f} x, err {err:.1e}"
-                            f"{'' if same else ', ROW 0 CHANGES WITH T'})")
-        print("  " + "\n    ".join(line), flush=True)
+        ws = [q] + [fp8.BlockFP8(Pi.view(torch.uint8).view(N, K).view(fp8.FP8), Si) for Pi, Si in zip(Ps[1:], Ss[1:])]
+        time_shape(f"{name} [{N} x {K}]", nbytes / bw * 1e6, lambda xt, i: matvec.matvec(xt, ws[i], plan=plan),
+                   lambda xt, i, W, R, pre: run(xt, Ps[i], Ss[i], W, R, pre), x.float() @ fp8.dequantize_ref(q).T, x,
+                   copies, variants)
 
 
 if __name__ == "__main__":

@@ -161,42 +161,77 @@ def run(x: torch.Tensor, P: torch.Tensor, scale: torch.Tensor, W: int = 4, R: in
     return y
 
 
-def compile_only(variants):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    for cap in (90, 80):
-        for W, R, prefetch in variants:
-            mma, a, b, lw = layouts(W, R)
-            cons = {"W": W, "R": R, "PREFETCH": prefetch, "MMA": mma, "LA": a, "LB": b, "LW": lw}
-            sig = {"x": "*bf16", "w": "*i32", "s": "*fp32", "y": "*bf16", "T": "i32", "N": "i32", "K": "i32",
-                   "KC": "i32", "s_x": "i32", "s_y": "i32", **{k: "constexpr" for k in cons}}
-            src = GluonASTSource(fn=w4_gemv, signature=sig, constexprs=cons,
-                                 attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 7, 8)})
-            k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=W))
-            ptx = k.asm["ptx"]
-            ops = {op: ptx.count(op) for op in ("ld.global.v4", "ld.global.b32", "lop3.b32", "fma.rn.bf16x2", "mma.sync", "ld.shared", "shfl")}
-            print(f"sm_{cap} W={W} R={R} prefetch={prefetch}: shared {k.metadata.shared} B, PTX {ops}")
+SIGNATURE = {"x": "*bf16", "w": "*i32", "s": "*fp32", "y": "*bf16", "T": "i32", "N": "i32", "K": "i32", "KC": "i32",
+             "s_x": "i32", "s_y": "i32"}
 
 
-def main():
+def parse_args() -> tuple[bool, list]:
+    """--compile-only, and the variants: [(W, R, prefetch)]."""
     p = argparse.ArgumentParser()
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--variants", default="4x4,4x4p,2x4,2x4p,8x4p", help="W x R, p: prefetch")
     a = p.parse_args()
-    variants = [(int(v.rstrip("p").split("x")[0]), int(v.rstrip("p").split("x")[1]), v.endswith("p"))
-                for v in a.variants.split(",")]
-    if a.compile_only:
-        return compile_only(variants)
-    from graph_timing import graph_time
-    from probe_int4_libraries import SHAPES, copies_for
+    return a.compile_only, [(int(v.rstrip("p").split("x")[0]), int(v.rstrip("p").split("x")[1]), v.endswith("p"))
+                            for v in a.variants.split(",")]
+
+
+def compile_variants(fn, layouts_of, signature: dict, aligned: tuple, caps: tuple, ops: tuple, variants):
+    """Each variant of a probe's kernel compiled for each sm_<cap> without a GPU (`layouts_of(W, R)`:
+    its layouts; `aligned`: the arguments a launch marks 16-divisible): its shared memory and the
+    counts of `ops` in its PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    for cap in caps:
+        for W, R, prefetch in variants:
+            mma, a, b, lw = layouts_of(W, R)
+            cons = {"W": W, "R": R, "PREFETCH": prefetch, "MMA": mma, "LA": a, "LB": b, "LW": lw}
+            src = GluonASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in cons}}, constexprs=cons,
+                                 attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+            k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=W))
+            counts = {op: k.asm["ptx"].count(op) for op in ops}
+            print(f"sm_{cap} W={W} R={R} prefetch={prefetch}: shared {k.metadata.shared} B, PTX {counts}")
+
+
+def gpu_setup():
+    """The copy rate (bytes a second), the engine's product plan for this GPU and a seeded generator,
+    after a header line."""
     from mtpchat.engine.bench import copy_bandwidth
-    from mtpchat.kernels import int4, matvec
     from mtpchat.kernels.plan import default_products
     bw = copy_bandwidth("cuda")
-    plan = default_products("cuda")
     print(f"{torch.cuda.get_device_name()}, copy {bw / 1e12:.3f} TB/s; us at T rows (x the bytes at the copy rate)")
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    return bw, default_products("cuda"), torch.Generator(device="cuda").manual_seed(0)
+
+
+def time_shape(head: str, floor: float, ours, run_variant, want: torch.Tensor, x: torch.Tensor, copies: int, variants):
+    """One shape's line: at T = 1, 4, 8 rows the engine's product `ours(x, i)` and each variant's
+    `run_variant(x, i, W, R, prefetch)` over weight copy i (0: the checked one) in us, against
+    `floor`, with the variant's error against float32 `want` and whether row 0 keeps its bits."""
+    from graph_timing import graph_time
+    line = [f"{head} floor {floor:.1f}"]
+    for T in (1, 4, 8):
+        xt = x[:T].contiguous()
+        t = min(graph_time(lambda i: ours(xt, i), copies) for _ in range(3))
+        line.append(f"T={T} ours {t:.1f} ({t / floor:.2f} x)")
+        for W, R, prefetch in variants:
+            got = run_variant(xt, 0, W, R, prefetch)
+            err = ((got.float() - want[:T]).norm() / want[:T].norm()).item()
+            same = torch.equal(run_variant(x[:1].contiguous(), 0, W, R, prefetch)[0], run_variant(x, 0, W, R, prefetch)[0])
+            t = min(graph_time(lambda i: run_variant(xt, i, W, R, prefetch), copies) for _ in range(3))
+            line.append(f"{W}x{R}{'p' if prefetch else ''} {t:.1f} ({t / floor:.2f} x, err {err:.1e}"
+                        f"{'' if same else ', ROW 0 CHANGES WITH T'})")
+    print("  " + "\n    ".join(line), flush=True)
+
+
+def main():
+    compile_only, variants = parse_args()
+    if compile_only:
+        return compile_variants(w4_gemv, layouts, SIGNATURE, ("x", "w", "s", "y", "KC", "s_x"), (90, 80),
+                                ("ld.global.v4", "ld.global.b32", "lop3.b32", "fma.rn.bf16x2", "mma.sync", "ld.shared",
+                                 "shfl"), variants)
+    from probe_int4_libraries import SHAPES, copies_for
+    from mtpchat.kernels import int4, matvec
+    bw, plan, gen = gpu_setup()
     for name, N, K, _ in SHAPES:
         q = torch.randint(0, 16, (N, K), device="cuda", generator=gen, dtype=torch.int32)
         scale = torch.rand(N, K // G, device="cuda", generator=gen) * 0.02 + 0.005
@@ -204,7 +239,6 @@ def main():
         assert torch.equal(unpack(P), q.to(torch.int64)), "pack / unpack"
         dense = ((q - 8).float().view(N, K // G, G) * scale[..., None]).view(N, K)
         x = torch.randn(ROWS, K, device="cuda", generator=gen).to(torch.bfloat16)
-        want = x.float() @ dense.T
         nbytes = P.nbytes + scale.nbytes
         copies = copies_for(nbytes)
         Ps = [P] + [torch.randint_like(P, -2 ** 31, 2 ** 31 - 1) for _ in range(copies - 1)]
@@ -212,21 +246,8 @@ def main():
         ours = int4.interleave_ref(int4.quantize_ref(dense))
         ws = [ours] + [int4.GroupInt4(torch.randint_like(ours.w, -2 ** 15, 2 ** 15), ours.scale.clone(), *ours[2:])
                        for _ in range(copies - 1)]
-        floor = nbytes / bw * 1e6
-        line = [f"{name} [{N} x {K}] floor {floor:.1f}"]
-        for T in (1, 4, 8):
-            xt = x[:T].contiguous()
-            t_ours = min(graph_time(lambda i: matvec.matvec(xt, ws[i % len(ws)], plan=plan), len(ws)) for _ in range(3))
-            line.append(f"T={T} ours {t_ours:.1f}")
-            for W, R, prefetch in variants:
-                got = run(xt, P, scale, W, R, prefetch)
-                err = ((got.float() - want[:T]).norm() / want[:T].norm()).item()
-                same = torch.equal(run(x[:1].contiguous(), P, scale, W, R, prefetch)[0], run(x, P, scale, W, R, prefetch)[0])
-                t = min(graph_time(lambda i: run(xt, Ps[i % len(Ps)], Ss[i % len(Ss)], W, R, prefetch), len(Ps))
-                        for _ in range(3))
-                line.append(f"{W}x{R}{'p' if prefetch else ''} {t:.1f} ({t / floor:.2f} x, err {err:.1e}"
-                            f"{'' if same else ', ROW 0 CHANGES WITH T'})")
-        print("  " + "\n    ".join(line), flush=True)
+        time_shape(f"{name} [{N} x {K}]", nbytes / bw * 1e6, lambda xt, i: matvec.matvec(xt, ws[i], plan=plan),
+                   lambda xt, i, W, R, pre: run(xt, Ps[i], Ss[i], W, R, pre), x.float() @ dense.T, x, copies, variants)
 
 
 if __name__ == "__main__":
