@@ -273,21 +273,23 @@ class Decoder:
         self._run(self.chunk_key(T), lambda: self.prefill_chunk_forward(T))
         return self.chunk_hidden[:T].clone()
 
+    def _attention_rows(self, T: int) -> int | None:
+        """The caches' rows a chunk of T tokens attends over: an early size's first
+        prefill_early_rows (prefill_pieces takes it only where the chunk ends within them), else all."""
+        return self.plan.prefill_early_rows if T in self.plan.prefill_early else None
+
     def chunk_key(self, T: int) -> tuple:
         """A prefill chunk's graph: ("prefill", T); an early size's names the rows its attention
         reads too, so that a plan swapped in with other rows (a benchmark's) finds no graph and
         runs the chunk eagerly rather than replaying one that reads too few."""
-        p = self.plan
-        return ("prefill", T, p.prefill_early_rows) if T in p.prefill_early else ("prefill", T)
+        rows = self._attention_rows(T)
+        return ("prefill", T) if rows is None else ("prefill", T, rows)
 
     def prefill_chunk_forward(self, T: int):
         """The target over chunk_ids[:T] at the device position `pos`, in the prefill form, into
-        chunk_hidden: a pure function of the buffers, so engine/runner.py captures it per size. An
-        early size's attention reads the caches' first prefill_early_rows rows alone (prefill_pieces
-        takes it only where the chunk ends within them)."""
-        rows = self.plan.prefill_early_rows if T in self.plan.prefill_early else None
+        chunk_hidden: a pure function of the buffers, so engine/runner.py captures it per size."""
         ctx = dataclasses.replace(self._ctx(self.pos, T, False), attention_workspace=self.chunk_attention,
-                                  attention_rows=rows)
+                                  attention_rows=self._attention_rows(T))
         self.model(self.chunk_ids[:T], self.state.layers, ctx, out=self.chunk_hidden[:T])
 
     def _prefill_step(self, chunk: list[int]) -> torch.Tensor:

@@ -421,12 +421,10 @@ def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool, four_bit_rows: int = P
     chunks of up to 64 tokens, and with chunks of 96 and 128 too its turns of 128 / 200 tokens 50.8
     / 99.7 ms against 76.8 / 159.5 (an H200, tests/bench/probe_turn.py; the 200 tokens' GPU time
     grew, 35.1 -> 75.8 ms, since each chunk reads most of the experts: the gain is the host's
-    launches). A 4-bit model's chunks
-    are captured up to `four_bit_rows` tokens (the plan's int4_prefill_rows: those products stream
-    the weight in the few-row kernel, where the slab forms would keep a dense copy of it in the
-    graphs' pool); none where that is 0."""
+    launches). A 4-bit model's chunks are captured up to `four_bit_rows` tokens (the plan's
+    int4_prefill_rows: those products stream the weight in the few-row kernel, where the slab forms
+    would keep a dense copy of it in the graphs' pool); none where that is 0."""
     return tuple(T for T in PREFILL_GRAPHS if T <= four_bit_rows) if four_bit else PREFILL_GRAPHS
-
 
 
 def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:

@@ -189,8 +189,8 @@ class KernelPlan:
     #   goes eager (512 + 128 + 96 would leave 15 of 751).
     # - prefill_early_beside (a candidate, 0: off): that many early chunks beside prefill_pieces
     #   rather than among them (1: a first prompt of 11..1,034 tokens through graphs but for 42
-    #   lengths from 971, four chunks at most). Not timed: whether a fourth chunk beats one eager chunk depends on the host's
-    #   launch time (some 100 us on an H200's, less on a desktop's).
+    #   lengths from 971, four chunks at most). Not timed: whether a fourth chunk beats one eager
+    #   chunk depends on the host's launch time (some 100 us on an H200's, less on a desktop's).
     # 0 / () : every prefill chunked (a CPU, where no graph saves the launches).
     step_prefill: int = 0
     prefill_graphs: tuple = ()
@@ -217,9 +217,10 @@ class KernelPlan:
         """The measured forms for this device, model and weight format (`fp8`: the big products in
         block-scaled FP8; `int4`: every product in 4 bits, --weights int4; 4-bit products take the
         same plan, their tiles in products.int4_tiles; `four_bit`: whether the products are kept in 4
-        bits, by default with `int4` or a 4-bit checkpoint, which may also load dequantized). FP8 and 4-bit products place the next kernel
-        late (products.late_release: the 35B-A3B's FP8 decode step 0.881 x, int4 0.951 x, the 27B's
-        int4 0.990 x, its FP8 1.00 x; bf16 1.00 x on the 27B, verify 3 1.044 x on the 35B-A3B: off).
+        bits, by default with `int4` or a 4-bit checkpoint, which may also load dequantized). FP8
+        and 4-bit products place the next kernel late (products.late_release: the 35B-A3B's FP8
+        decode step 0.881 x, int4 0.951 x, the 27B's int4 0.990 x, its FP8 1.00 x; bf16 1.00 x on
+        the 27B, verify 3 1.044 x on the 35B-A3B: off).
         FP8 tiles are widened by moving bits where the GPU runs FP8 at all; the products split by
         the device's SMs; the shared expert among the routed ones where the shapes allow (and, at
         run time, where it is stored as they are: SparseMoE). The other forms won or tied on

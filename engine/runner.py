@@ -2,11 +2,11 @@
 
 Each phase of a step (draft k, verify k, accept k; engine/decoder.py) is a pure function of
 preallocated buffers, and so is a prefill chunk of each of the plan's prefill_graphs and
-prefill_early sizes (its start read on the device). At load the runner warms each one up (compiling the Triton kernels) and
-captures it once per k (per size) into one shared memory pool; a step then replays three graphs and
-records an event between them, so phase times cost no synchronisation: they are read after the
-step's one device-to-host copy. With graphs off the same functions run eagerly between the same
-events.
+prefill_early sizes (its start read on the device). At load the runner warms each one up
+(compiling the Triton kernels) and captures it once per k (per size) into one shared memory pool;
+a step then replays three graphs and records an event between them, so phase times cost no
+synchronisation: they are read after the step's one device-to-host copy. With graphs off the same
+functions run eagerly between the same events.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ class Runner:
 
     def capture(self, k_max: int, has_head: bool, sampling_params, progress=None):
         """Warm up and capture draft / verify / greedy accept for k = 0..k_max, and the prefill
-        chunks of the plan's prefill_graphs and prefill_early sizes that the cache holds. The warm-up runs change the
-        state, so the decoder is reset afterwards. `progress` gets a LoadProgress after each phase
+        chunks of the plan's prefill_graphs and prefill_early sizes that the cache holds. The warm-up
+        runs change the state, so the decoder is reset afterwards. `progress` gets a LoadProgress after each phase
         warmed up and each graph captured (two counts per graph)."""
         if not self.graphs_on:
             return

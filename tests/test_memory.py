@@ -281,10 +281,10 @@ def test_the_plan_counts_a_first_prompts_early_chunks(c27):
 def test_the_decoder_sizes_the_chunks_workspace_as_the_plan_counts_it(c27):
     # one formula: the decoder's partials over its own cache (memory.chunk_attention_floats) never
     # exceed what the plan counts at the most spans of any cache up to its size
-    from mtpchat.engine.memory import EARLY_GRAPHS, EARLY_ROWS, PREFILL_GRAPHS, chunk_attention_bytes, chunk_attention_floats
+    from mtpchat.engine.memory import (EARLY_GRAPHS, EARLY_ROWS, PREFILL_GRAPHS, chunk_attention_bytes,
+                                       chunk_attention_floats)
     for context in (100, 600, 2048, 5000, 8192, 32768, 131072):
         rows = context + memory.K_MAX + 1
         for sizes in (PREFILL_GRAPHS, PREFILL_GRAPHS[:-2]):
             own = chunk_attention_floats(c27, sizes, rows, 2, EARLY_GRAPHS, EARLY_ROWS)
             assert 0 < 4 * own <= chunk_attention_bytes(c27, sizes, rows, "bfloat16", EARLY_GRAPHS)
-            assert own >= chunk_attention_floats(c27, sizes, rows, 2)           # the early ones never shrink it
