@@ -23,7 +23,8 @@ from __future__ import annotations
 import sys
 
 import torch
-from probe_int4_gluon import SIGNATURE, compile_variants, gpu_setup, parse_args, time_shape
+from probe_int4_gluon import (SIGNATURE, _finish, compile_variants, engine_product, gpu_setup, parse_args, split,
+                              time_shape, workspace)
 
 try:
     from triton.experimental import gluon
@@ -71,11 +72,31 @@ def _operand(words, W: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, BK: gl.c
 
 
 @gluon.jit
-def fp8_gemv(x, w, s, y, T, N, K, KC, s_x, s_y, s_s, W: gl.constexpr, R: gl.constexpr, PREFETCH: gl.constexpr,
-             MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr):
+def _step(p_w, p_x, m_x, p_s, k, R: gl.constexpr):
+    # a step's operands at column k: the words, x's tile (the B operand) and the rows' scales
+    return (gl.load(p_w + gl.multiple_of(k // 32 * 4, 4 * R)), gl.load(p_x + k, mask=m_x, other=0.),
+            gl.load(p_s + k // SCALE_BLOCK))
+
+
+@gluon.jit
+def _mma_step(acc, words, b, sc, W: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+              MMA: gl.constexpr, LA: gl.constexpr):
+    part = mma_v2(_operand(words, W, R, BM, BK, LA), b, gl.zeros([BM, 8], gl.float32, MMA))
+    return acc + part * sc[:, None]
+
+
+@gluon.jit
+def fp8_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, s_s, W: gl.constexpr, R: gl.constexpr,
+             DEPTH: gl.constexpr, S: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
+             LW: gl.constexpr):
+    # the programs, the split and the steps in flight as probe_int4_gluon.w4_gemv's
     BM: gl.constexpr = 16 * W
     BK: gl.constexpr = 32 * R
     pid = gl.program_id(0)
+    i_n = pid // S
+    k_lo = (pid % S) * KS
+    k_hi = gl.minimum(k_lo + KS, K)
+    last = k_hi - BK
     # pack()'s P[nt, g, q, kc, (j2 j1)]
     L4: gl.constexpr = gl.SliceLayout(4, LW)
     wi = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
@@ -83,32 +104,35 @@ def fp8_gemv(x, w, s, y, T, N, K, KC, s_x, s_y, s_s, W: gl.constexpr, R: gl.cons
     ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
     qi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
     ji = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LW)))))
-    nt = pid * W + wi
+    nt = i_n * W + wi
     row = (nt[:, None, None, None] * 8 + gi[None, :, None, None]) * 4 + qi[None, None, None, :]
     p_w = w + (row * KC + ri[None, None, :, None])[:, :, :, :, None] * 4 + ji[None, None, None, None, :]
     kx = gl.arange(0, BK, layout=gl.SliceLayout(1, LB))
     tx = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
     p_x = x + tx[None, :] * s_x + kx[:, None]
     m_x = (tx[None, :] < T) & (kx[:, None] >= 0)
-    ns = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+    ns = i_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     p_s = s + (ns // SCALE_BLOCK) * s_s
     acc = gl.zeros([BM, 8], gl.float32, MMA)
-    words = gl.load(p_w)
-    for k0 in range(0, K, BK):
-        if PREFETCH:      # the next step's words in flight while this one's are widened
-            nxt = gl.multiple_of(gl.minimum(k0 + BK, K - BK) // 32 * 4, 4 * R)
-            words2 = gl.load(p_w + nxt)
-        else:
-            words = gl.load(p_w + k0 // 32 * 4)
-        a = _operand(words, W, R, BM, BK, LA)
-        b = gl.load(p_x + k0, mask=m_x, other=0.)
-        part = mma_v2(a, b, gl.zeros([BM, 8], gl.float32, MMA))
-        acc += part * gl.load(p_s + k0 // SCALE_BLOCK)[:, None]
-        if PREFETCH:
-            words = words2
-    ty = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    gl.store(y + ty[None, :] * s_y + ns[:, None], acc.to(y.dtype.element_ty),
-             mask=(ty[None, :] < T) & (ns[:, None] < N))
+    if DEPTH == 0:
+        for k0 in range(k_lo, k_hi, BK):
+            words, b, sc = _step(p_w, p_x, m_x, p_s, k0, R)
+            acc = _mma_step(acc, words, b, sc, W, R, BM, BK, MMA, LA)
+    elif DEPTH == 1:
+        words, b, sc = _step(p_w, p_x, m_x, p_s, k_lo, R)
+        for k0 in range(k_lo, k_hi, BK):
+            words1, b1, sc1 = _step(p_w, p_x, m_x, p_s, gl.minimum(k0 + BK, last), R)
+            acc = _mma_step(acc, words, b, sc, W, R, BM, BK, MMA, LA)
+            words, b, sc = words1, b1, sc1
+    else:
+        words, b, sc = _step(p_w, p_x, m_x, p_s, k_lo, R)
+        words1, b1, sc1 = _step(p_w, p_x, m_x, p_s, gl.minimum(k_lo + BK, last), R)
+        for k0 in range(k_lo, k_hi, BK):
+            words2, b2, sc2 = _step(p_w, p_x, m_x, p_s, gl.minimum(k0 + 2 * BK, last), R)
+            acc = _mma_step(acc, words, b, sc, W, R, BM, BK, MMA, LA)
+            words, b, sc = words1, b1, sc1
+            words1, b1, sc1 = words2, b2, sc2
+    _finish(acc, y, ws, count, pid, i_n, T, N, s_y, ns, BM, S, MMA)
 
 
 def pack(w8: torch.Tensor) -> torch.Tensor:
@@ -128,16 +152,20 @@ def unpack(P: torch.Tensor) -> torch.Tensor:
     return b.permute(0, 6, 1, 3, 4, 5, 2, 7).reshape(NT * 16, KC * 32)
 
 
-def run(x: torch.Tensor, P: torch.Tensor, scale: torch.Tensor, W: int = 4, R: int = 4, prefetch: bool = False,
-        out: torch.Tensor | None = None) -> torch.Tensor:
+def run(x: torch.Tensor, P: torch.Tensor, scale: torch.Tensor, variant: tuple, out: torch.Tensor | None = None
+        ) -> torch.Tensor:
+    W, R, depth, per_sm = variant
     T, K = x.shape
     N = P.shape[0] * 16
     assert T <= ROWS and R * 32 == BLOCK and K % BLOCK == 0 and N % (16 * W) == 0 and 16 * W <= BLOCK
     assert x.stride(1) == 1 and scale.stride(1) == 1
     y = out if out is not None else torch.empty(T, N, dtype=x.dtype, device=x.device)
+    blocks = N // (16 * W)
+    S, KS = split(blocks, K // BLOCK, W, per_sm)
+    ws, count = workspace(x.device, blocks * S * 16 * W * 8, blocks)
     mma, a, b, lw = layouts(W, R)
-    fp8_gemv[(N // (16 * W),)](x, P, scale, y, T, N, K, K // 32, x.stride(0), y.stride(0), scale.stride(0),
-                               W=W, R=R, PREFETCH=prefetch, MMA=mma, LA=a, LB=b, LW=lw, num_warps=W)
+    fp8_gemv[(blocks * S,)](x, P, scale, y, ws, count, T, N, K, K // 32, KS * BLOCK, x.stride(0), y.stride(0),
+                            scale.stride(0), W=W, R=R, DEPTH=depth, S=S, MMA=mma, LA=a, LB=b, LW=lw, num_warps=W)
     return y
 
 
@@ -145,13 +173,15 @@ def main():
     compile_only, variants = parse_args()
     if compile_only:
         return compile_variants(fp8_gemv, layouts, {**SIGNATURE, "s_s": "i32"},
-                                ("x", "w", "s", "y", "KC", "s_x", "s_y", "s_s"), (90, 89),
+                                ("x", "w", "s", "y", "ws", "KC", "KS", "s_x", "s_y", "s_s"), (90, 89),
                                 ("ld.global.v4", "ld.global.b32", "prmt.b32", "fma.rn.bf16x2", "mma.sync", "ld.shared",
-                                 "shfl"), variants)
+                                 "shfl", "atom"), variants)
     from probe_int4_libraries import SHAPES, copies_for
-    from mtpchat.kernels import fp8, matvec
+    import probe_int4_gluon
+    from mtpchat.kernels import fp8
     bw, plan, gen = gpu_setup()
-    for name, N, K, _ in SHAPES:
+    probe_int4_gluon.SMS = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, N, K, kind in SHAPES:
         q = fp8.quantize_ref(torch.randn(N, K, device="cuda", generator=gen) * 0.02)
         P = pack(q.w)
         assert torch.equal(unpack(P), q.w.view(torch.uint8)), "pack / unpack"
@@ -161,9 +191,9 @@ def main():
         Ps = [P] + [torch.randint_like(P, -2 ** 31, 2 ** 31 - 1) & 0x7E7E7E7E for _ in range(copies - 1)]   # no NaN bytes
         Ss = [q.scale] + [q.scale.clone() for _ in range(copies - 1)]
         ws = [q] + [fp8.BlockFP8(Pi.view(torch.uint8).view(N, K).view(fp8.FP8), Si) for Pi, Si in zip(Ps[1:], Ss[1:])]
-        time_shape(f"{name} [{N} x {K}]", nbytes / bw * 1e6, lambda xt, i: matvec.matvec(xt, ws[i], plan=plan),
-                   lambda xt, i, W, R, pre: run(xt, Ps[i], Ss[i], W, R, pre), x.float() @ fp8.dequantize_ref(q).T, x,
-                   copies, variants)
+        product = engine_product(kind, plan)
+        time_shape(f"{name} [{N} x {K}] (ours: {kind})", nbytes / bw * 1e6, lambda xt, i: product(xt, ws[i]),
+                   lambda xt, i, v: run(xt, Ps[i], Ss[i], v), x.float() @ fp8.dequantize_ref(q).T, x, copies, variants)
 
 
 if __name__ == "__main__":

@@ -75,11 +75,6 @@ def _widen(z):
 
 
 @gluon.jit
-def _tile(p_lo, p_hi, kc):
-    return gl.load(p_lo + kc), gl.load(p_hi + kc)
-
-
-@gluon.jit
 def _operand(lo, hi, BM: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr):
     m = gl.join(_half(lo), _half(hi))                        # [W, 8, R, 4, j2, j1, m3]
     z = _widen(gl.join(m, m))                                 # [..., m3, j0]
@@ -88,17 +83,39 @@ def _operand(lo, hi, BM: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr):
 
 
 @gluon.jit
-def w4_gemv(x, w, s, y, T, N, K, KC, s_x, s_y, W: gl.constexpr, R: gl.constexpr, PREFETCH: gl.constexpr,
-            MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr, LW: gl.constexpr):
+def _step(p_lo, p_hi, p_x, m_x, p_s, k, R: gl.constexpr):
+    # a step's operands at column k: the words, x's tile (the B operand) and the rows' scales
+    kc = gl.multiple_of(k // 32, R)                                   # (keeps the 16-byte loads)
+    return gl.load(p_lo + kc), gl.load(p_hi + kc), gl.load(p_x + k, mask=m_x, other=0.), gl.load(p_s + k // GROUP)
+
+
+@gluon.jit
+def _mma_step(acc, lo, hi, b, sc, BM: gl.constexpr, BK: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr):
+    part = mma_v2(_operand(lo, hi, BM, BK, LA), b, gl.zeros([BM, 8], gl.float32, MMA))
+    return acc + part * sc[:, None]
+
+
+@gluon.jit
+def w4_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, W: gl.constexpr, R: gl.constexpr,
+            DEPTH: gl.constexpr, S: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
+            LW: gl.constexpr):
+    # program pid: rows of block pid // S, K from (pid % S) KS to the lesser of that + KS and K;
+    # DEPTH steps' operands (words, x, scales) in flight ahead of the one multiplied; with S > 1 each
+    # part leaves its float32 sums in ws[pid] and the last of a block's S parts to arrive adds them
+    # in order (its acq_rel add, after every thread has stored, orders the parts before its reads)
     BM: gl.constexpr = 16 * W
     BK: gl.constexpr = 32 * R
     pid = gl.program_id(0)
+    i_n = pid // S
+    k_lo = (pid % S) * KS
+    k_hi = gl.minimum(k_lo + KS, K)
+    last = k_hi - BK
     # the words, pack()'s P[nt, h, g, q, kc]: a warp's rows 0..7 (h 0) and 8..15 (h 1)
     wi = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LW))))
     gi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LW))))
     ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LW))))
     qi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LW))))
-    nt = pid * W + wi
+    nt = i_n * W + wi
     row = (nt[:, None, None, None] * 16 + gi[None, :, None, None]) * 4 + qi[None, None, None, :]
     p_lo = w + row * KC + ri[None, None, :, None]
     p_hi = p_lo + 32 * KC
@@ -107,24 +124,48 @@ def w4_gemv(x, w, s, y, T, N, K, KC, s_x, s_y, W: gl.constexpr, R: gl.constexpr,
     tx = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
     p_x = x + tx[None, :] * s_x + kx[:, None]
     m_x = (tx[None, :] < T) & (kx[:, None] >= 0)
-    ns = pid * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+    ns = i_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
+    p_s = s + ns * (K // GROUP)
     acc = gl.zeros([BM, 8], gl.float32, MMA)
-    lo, hi = _tile(p_lo, p_hi, 0)
-    for k0 in range(0, K, BK):
-        if PREFETCH:      # the next step's words in flight while this one's are unpacked
-            nxt = gl.multiple_of(gl.minimum(k0 + BK, K - BK) // 32, R)      # (keeps the 16-byte loads)
-            lo2, hi2 = _tile(p_lo, p_hi, nxt)
-        else:
-            lo, hi = _tile(p_lo, p_hi, k0 // 32)
-        a = _operand(lo, hi, BM, BK, LA)
-        b = gl.load(p_x + k0, mask=m_x, other=0.)
-        part = mma_v2(a, b, gl.zeros([BM, 8], gl.float32, MMA))
-        acc += part * gl.load(s + ns * (K // GROUP) + k0 // GROUP)[:, None]
-        if PREFETCH:
-            lo, hi = lo2, hi2
+    if DEPTH == 0:
+        for k0 in range(k_lo, k_hi, BK):
+            lo, hi, b, sc = _step(p_lo, p_hi, p_x, m_x, p_s, k0, R)
+            acc = _mma_step(acc, lo, hi, b, sc, BM, BK, MMA, LA)
+    elif DEPTH == 1:
+        lo, hi, b, sc = _step(p_lo, p_hi, p_x, m_x, p_s, k_lo, R)
+        for k0 in range(k_lo, k_hi, BK):
+            lo1, hi1, b1, sc1 = _step(p_lo, p_hi, p_x, m_x, p_s, gl.minimum(k0 + BK, last), R)
+            acc = _mma_step(acc, lo, hi, b, sc, BM, BK, MMA, LA)
+            lo, hi, b, sc = lo1, hi1, b1, sc1
+    else:
+        lo, hi, b, sc = _step(p_lo, p_hi, p_x, m_x, p_s, k_lo, R)
+        lo1, hi1, b1, sc1 = _step(p_lo, p_hi, p_x, m_x, p_s, gl.minimum(k_lo + BK, last), R)
+        for k0 in range(k_lo, k_hi, BK):
+            lo2, hi2, b2, sc2 = _step(p_lo, p_hi, p_x, m_x, p_s, gl.minimum(k0 + 2 * BK, last), R)
+            acc = _mma_step(acc, lo, hi, b, sc, BM, BK, MMA, LA)
+            lo, hi, b, sc = lo1, hi1, b1, sc1
+            lo1, hi1, b1, sc1 = lo2, hi2, b2, sc2
+    _finish(acc, y, ws, count, pid, i_n, T, N, s_y, ns, BM, S, MMA)
+
+
+@gluon.jit
+def _finish(acc, y, ws, count, pid, i_n, T, N, s_y, ns, BM: gl.constexpr, S: gl.constexpr, MMA: gl.constexpr):
     ty = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    gl.store(y + ty[None, :] * s_y + ns[:, None], acc.to(y.dtype.element_ty),
-             mask=(ty[None, :] < T) & (ns[:, None] < N))
+    m_y = (ty[None, :] < T) & (ns[:, None] < N)
+    p_y = y + ty[None, :] * s_y + ns[:, None]
+    if S == 1:
+        gl.store(p_y, acc.to(y.dtype.element_ty), mask=m_y)
+    else:
+        o_ws = gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))[:, None] * 8 + ty[None, :]
+        gl.store(ws + pid * (BM * 8) + o_ws, acc)
+        gl.thread_barrier()
+        if gl.atomic_add(count + i_n, 1, sem="acq_rel", scope="gpu") == S - 1:
+            p_0 = ws + i_n * S * (BM * 8) + o_ws
+            total = gl.load(p_0, cache_modifier=".cg")
+            for i_p in range(1, S):
+                total += gl.load(p_0 + i_p * (BM * 8), cache_modifier=".cg")
+            gl.store(p_y, total.to(y.dtype.element_ty), mask=m_y)
+            gl.atomic_xchg(count + i_n, 0)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -149,48 +190,104 @@ def unpack(P: torch.Tensor) -> torch.Tensor:
     return v.reshape(NT * 16, KC * 32)
 
 
-def run(x: torch.Tensor, P: torch.Tensor, scale: torch.Tensor, W: int = 4, R: int = 4, prefetch: bool = False,
-        out: torch.Tensor | None = None) -> torch.Tensor:
+SMS = 132         # the SMs a split aims its programs at (an H100's, an H200's)
+
+
+def split(blocks: int, KI: int, W: int, per_sm: int) -> tuple[int, int]:
+    """(parts a block, K steps a part) putting about per_sm warps on each SM (0: no split)."""
+    if per_sm == 0:
+        return 1, KI
+    KS = -(-KI // min(KI, max(1, round(SMS * per_sm / (blocks * W)))))
+    return -(-KI // KS), KS
+
+
+def run(x: torch.Tensor, P: torch.Tensor, scale: torch.Tensor, variant: tuple, out: torch.Tensor | None = None
+        ) -> torch.Tensor:
+    W, R, depth, per_sm = variant
     T, K = x.shape
     N = P.shape[0] * 16
     assert T <= ROWS and K % (32 * R) == 0 and R * 32 == G and N % (16 * W) == 0 and x.stride(1) == 1
     y = out if out is not None else torch.empty(T, N, dtype=x.dtype, device=x.device)
+    blocks = N // (16 * W)
+    S, KS = split(blocks, K // G, W, per_sm)
+    ws, count = workspace(x.device, blocks * S * 16 * W * 8, blocks)
     mma, a, b, lw = layouts(W, R)
-    w4_gemv[(N // (16 * W),)](x, P, scale, y, T, N, K, K // 32, x.stride(0), y.stride(0), W=W, R=R,
-                              PREFETCH=prefetch, MMA=mma, LA=a, LB=b, LW=lw, num_warps=W)
+    w4_gemv[(blocks * S,)](x, P, scale, y, ws, count, T, N, K, K // 32, KS * G, x.stride(0), y.stride(0), W=W, R=R,
+                           DEPTH=depth, S=S, MMA=mma, LA=a, LB=b, LW=lw, num_warps=W)
     return y
 
 
-SIGNATURE = {"x": "*bf16", "w": "*i32", "s": "*fp32", "y": "*bf16", "T": "i32", "N": "i32", "K": "i32", "KC": "i32",
-             "s_x": "i32", "s_y": "i32"}
+_spaces: dict = {}
+
+
+def workspace(device, floats: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts' float32 sums and the blocks' arrival counts (left at 0 by every launch), made once
+    outside graph capture and grown as needed."""
+    ws, count = _spaces.get(device, (None, None))
+    if ws is None or ws.numel() < floats or count.numel() < blocks:
+        ws = torch.empty(max(floats, 1 << 20), dtype=torch.float32, device=device)
+        count = torch.zeros(max(blocks, 4096), dtype=torch.int32, device=device)
+        _spaces[device] = ws, count
+    return ws, count
+
+
+SIGNATURE = {"x": "*bf16", "w": "*i32", "s": "*fp32", "y": "*bf16", "ws": "*fp32", "count": "*i32", "T": "i32",
+             "N": "i32", "K": "i32", "KC": "i32", "KS": "i32", "s_x": "i32", "s_y": "i32"}
+
+
+def label(variant: tuple) -> str:
+    W, R, depth, per_sm = variant
+    return f"{W}x{R}{'p' * depth}" + (f"/{per_sm}" if per_sm else "")
 
 
 def parse_args() -> tuple[bool, list]:
-    """--compile-only, and the variants: [(W, R, prefetch)]."""
+    """--compile-only, and the variants [(W, R, depth, warps an SM)] from labels W x R, a p for each
+    step in flight ahead (at most 2), / the warps an SM a split over K aims at (none: no split)."""
     p = argparse.ArgumentParser()
     p.add_argument("--compile-only", action="store_true")
-    p.add_argument("--variants", default="4x4,4x4p,2x4,2x4p,8x4p", help="W x R, p: prefetch")
+    p.add_argument("--variants", default="4x4,4x4p,4x4pp,4x4p/32,4x4pp/24,2x4pp/24,8x4p/32")
     a = p.parse_args()
-    return a.compile_only, [(int(v.rstrip("p").split("x")[0]), int(v.rstrip("p").split("x")[1]), v.endswith("p"))
-                            for v in a.variants.split(",")]
+    variants = []
+    for v in a.variants.split(","):
+        head, _, per_sm = v.partition("/")
+        W, R = head.rstrip("p").split("x")
+        variants.append((int(W), int(R), len(head) - len(head.rstrip("p")), int(per_sm or 0)))
+    return a.compile_only, variants
+
+
+def registers(ptx: str, cap: int) -> str:
+    """The registers a thread of the kernel takes, as Triton's own ptxas reports them."""
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        r = subprocess.run([get_ptxas(cap).path, "-v", f"-arch=sm_{cap}{'a' if cap == 90 else ''}", f.name, "-o", "/dev/null"],
+                           capture_output=True, text=True)
+    m = re.search(r"Used (\d+) registers", r.stderr)
+    return m.group(1) if m else "?"
 
 
 def compile_variants(fn, layouts_of, signature: dict, aligned: tuple, caps: tuple, ops: tuple, variants):
     """Each variant of a probe's kernel compiled for each sm_<cap> without a GPU (`layouts_of(W, R)`:
-    its layouts; `aligned`: the arguments a launch marks 16-divisible): its shared memory and the
-    counts of `ops` in its PTX."""
+    its layouts; `aligned`: the arguments a launch marks 16-divisible; S 2 where the variant splits):
+    its shared memory, registers where ptxas says, and the counts of `ops` in its PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     for cap in caps:
-        for W, R, prefetch in variants:
+        for variant in variants:
+            W, R, depth, per_sm = variant
             mma, a, b, lw = layouts_of(W, R)
-            cons = {"W": W, "R": R, "PREFETCH": prefetch, "MMA": mma, "LA": a, "LB": b, "LW": lw}
+            cons = {"W": W, "R": R, "DEPTH": depth, "S": 2 if per_sm else 1, "MMA": mma, "LA": a, "LB": b, "LW": lw}
             src = GluonASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in cons}}, constexprs=cons,
                                  attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
             k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=W))
             counts = {op: k.asm["ptx"].count(op) for op in ops}
-            print(f"sm_{cap} W={W} R={R} prefetch={prefetch}: shared {k.metadata.shared} B, PTX {counts}")
+            regs = registers(k.asm["ptx"], cap)
+            print(f"sm_{cap} {label(variant)}: shared {k.metadata.shared} B, regs {regs}, PTX {counts}", flush=True)
 
 
 def gpu_setup():
@@ -205,34 +302,46 @@ def gpu_setup():
 
 def time_shape(head: str, floor: float, ours, run_variant, want: torch.Tensor, x: torch.Tensor, copies: int, variants):
     """One shape's line: at T = 1, 4, 8 rows the engine's product `ours(x, i)` and each variant's
-    `run_variant(x, i, W, R, prefetch)` over weight copy i (0: the checked one) in us, against
-    `floor`, with the variant's error against float32 `want` and whether row 0 keeps its bits."""
+    `run_variant(x, i, variant)` over weight copy i (0: the checked one) in us, against `floor`, with
+    the variant's error against float32 `want` and whether row 0 keeps its bits."""
     from graph_timing import graph_time
     line = [f"{head} floor {floor:.1f}"]
     for T in (1, 4, 8):
         xt = x[:T].contiguous()
         t = min(graph_time(lambda i: ours(xt, i), copies) for _ in range(3))
         line.append(f"T={T} ours {t:.1f} ({t / floor:.2f} x)")
-        for W, R, prefetch in variants:
-            got = run_variant(xt, 0, W, R, prefetch)
+        for v in variants:
+            got = run_variant(xt, 0, v)
             err = ((got.float() - want[:T]).norm() / want[:T].norm()).item()
-            same = torch.equal(run_variant(x[:1].contiguous(), 0, W, R, prefetch)[0], run_variant(x, 0, W, R, prefetch)[0])
-            t = min(graph_time(lambda i: run_variant(xt, i, W, R, prefetch), copies) for _ in range(3))
-            line.append(f"{W}x{R}{'p' if prefetch else ''} {t:.1f} ({t / floor:.2f} x, err {err:.1e}"
-                        f"{'' if same else ', ROW 0 CHANGES WITH T'})")
+            one = run_variant(x[:1].contiguous(), 0, v)[0]
+            same = torch.equal(one, run_variant(x, 0, v)[0]) and torch.equal(one, run_variant(x[:1].contiguous(), 0, v)[0])
+            t = min(graph_time(lambda i: run_variant(xt, i, v), copies) for _ in range(3))
+            line.append(f"{label(v)} {t:.1f} ({t / floor:.2f} x, err {err:.1e}{'' if same else ', ROW 0 CHANGES'})")
     print("  " + "\n    ".join(line), flush=True)
+
+
+def engine_product(kind: str, plan):
+    """The engine's product for a shape of probe_int4_libraries.SHAPES (its kind: plain, swiglu or split)
+    as the model runs it; a SwiGLU's gate|up timed as the plain product over the same bytes when the
+    probe's output is the plain one would be unfair to neither (both read every weight once)."""
+    from mtpchat.kernels import matvec, matvec_parts
+    return {"plain": lambda x, w: matvec.matvec(x, w, plan=plan),
+            "swiglu": lambda x, w: matvec.matvec_swiglu(x, w, plan),
+            "split": lambda x, w: matvec_parts.matvec_parts(x, w, plan)}[kind]
 
 
 def main():
     compile_only, variants = parse_args()
     if compile_only:
-        return compile_variants(w4_gemv, layouts, SIGNATURE, ("x", "w", "s", "y", "KC", "s_x"), (90, 80),
+        return compile_variants(w4_gemv, layouts, SIGNATURE, ("x", "w", "s", "y", "ws", "KC", "KS", "s_x"), (90, 80),
                                 ("ld.global.v4", "ld.global.b32", "lop3.b32", "fma.rn.bf16x2", "mma.sync", "ld.shared",
-                                 "shfl"), variants)
+                                 "shfl", "atom"), variants)
     from probe_int4_libraries import SHAPES, copies_for
-    from mtpchat.kernels import int4, matvec
+    from mtpchat.kernels import int4
     bw, plan, gen = gpu_setup()
-    for name, N, K, _ in SHAPES:
+    global SMS
+    SMS = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, N, K, kind in SHAPES:
         q = torch.randint(0, 16, (N, K), device="cuda", generator=gen, dtype=torch.int32)
         scale = torch.rand(N, K // G, device="cuda", generator=gen) * 0.02 + 0.005
         P = pack(q)
@@ -244,10 +353,11 @@ def main():
         Ps = [P] + [torch.randint_like(P, -2 ** 31, 2 ** 31 - 1) for _ in range(copies - 1)]
         Ss = [scale] + [scale.clone() for _ in range(copies - 1)]       # the scales past L2 too
         ours = int4.interleave_ref(int4.quantize_ref(dense))
-        ws = [ours] + [int4.GroupInt4(torch.randint_like(ours.w, -2 ** 15, 2 ** 15), ours.scale.clone(), *ours[2:])
+        wq = [ours] + [int4.GroupInt4(torch.randint_like(ours.w, -2 ** 15, 2 ** 15), ours.scale.clone(), *ours[2:])
                        for _ in range(copies - 1)]
-        time_shape(f"{name} [{N} x {K}]", nbytes / bw * 1e6, lambda xt, i: matvec.matvec(xt, ws[i], plan=plan),
-                   lambda xt, i, W, R, pre: run(xt, Ps[i], Ss[i], W, R, pre), x.float() @ dense.T, x, copies, variants)
+        product = engine_product(kind, plan)
+        time_shape(f"{name} [{N} x {K}] (ours: {kind})", nbytes / bw * 1e6, lambda xt, i: product(xt, wq[i]),
+                   lambda xt, i, v: run(xt, Ps[i], Ss[i], v), x.float() @ dense.T, x, copies, variants)
 
 
 if __name__ == "__main__":
