@@ -23,8 +23,8 @@ from __future__ import annotations
 import sys
 
 import torch
-from probe_int4_gluon import (SIGNATURE, _finish, compile_variants, engine_product, gpu_setup, parse_args, split,
-                              time_shape, workspace)
+from probe_int4_gluon import (SIGNATURE, _finish, _x_operand, compile_variants, engine_product, gpu_setup, parse_args,
+                              slots, split, time_shape, workspace, x_layout)
 
 try:
     from triton.experimental import gluon
@@ -38,18 +38,20 @@ SCALE_BLOCK = gl.constexpr(BLOCK)
 ROWS = 8         # the most tokens (mma's N)
 
 
-def layouts(W: int, R: int):
-    """The MMA accumulator, its operands, and the words' layout [W, 8, R, 4 (q), 4 (j2 j1)]: the four
-    words of a span and the R spans in a thread's registers (j1, j2, then the spans), lanes (q, g)."""
+def layouts(W: int, R: int, MT: int = 1):
+    """The MMA accumulator, its operands, x's tile as loaded (probe_int4_gluon.x_layout) and the words'
+    layout [MT, W, 8, R, 4 (q), 4 (j2 j1)]: the four words of a span, the R spans and a warp's MT
+    tiles of 16 rows (tile r W + w for warp w) in a thread's registers, lanes (q, g)."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
     a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     words = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2]] + [[0, 0, 1 << i, 0, 0] for i in range((R - 1).bit_length())],
-        lane_bases=[[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 4, 0, 0, 0]],
-        warp_bases=[[1 << i, 0, 0, 0, 0] for i in range((W - 1).bit_length())], block_bases=[],
-        shape=[W, 8, R, 4, 4])
-    return mma, a, b, words
+        reg_bases=[[0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 2]] + [[0, 0, 0, 1 << i, 0, 0] for i in range((R - 1).bit_length())]
+        + [[1 << i, 0, 0, 0, 0, 0] for i in range((MT - 1).bit_length())],
+        lane_bases=[[0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 2, 0], [0, 0, 1, 0, 0, 0], [0, 0, 2, 0, 0, 0], [0, 0, 4, 0, 0, 0]],
+        warp_bases=[[0, 1 << i, 0, 0, 0, 0] for i in range((W - 1).bit_length())], block_bases=[],
+        shape=[MT, W, 8, R, 4, 4])
+    return mma, a, b, x_layout(W), words
 
 
 @gluon.jit
@@ -63,34 +65,35 @@ def _widen(z):
 
 
 @gluon.jit
-def _operand(words, W: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr):
-    m = gl.join(words, words >> 16)                           # [W, 8, R, 4, (j2 j1), m3]: rows g, g + 8
+def _operand(words, W: gl.constexpr, R: gl.constexpr, MT: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
+             LA: gl.constexpr):
+    m = gl.join(words, words >> 16)                           # [MT, W, 8, R, 4, (j2 j1), m3]: rows g, g + 8
     z = _widen(gl.join(m, m))                                 # [..., m3, j0]
-    z = gl.reshape(z, [W, 8, R, 4, 2, 2, 2, 2])               # (j2 j1) -> j2, j1
-    z = gl.permute(z, (0, 6, 1, 2, 4, 5, 3, 7))               # [W, m3, 8, R, j2, j1, 4, j0]
+    z = gl.reshape(z, [MT, W, 8, R, 4, 2, 2, 2, 2])           # (j2 j1) -> j2, j1
+    z = gl.permute(z, (0, 1, 7, 2, 3, 5, 6, 4, 8))            # [MT, W, m3, 8, R, j2, j1, 4, j0]
     return gl.convert_layout(gl.reshape(z, [BM, BK]), LA, assert_trivial=True)
 
 
 @gluon.jit
 def _step(p_w, p_x, m_x, p_s, k, R: gl.constexpr):
     # a step's operands at column k: the words, x's tile (the B operand) and the rows' scales
-    return (gl.load(p_w + gl.multiple_of(k // 32 * 4, 4 * R)), gl.load(p_x + k, mask=m_x, other=0.),
+    return (gl.load(p_w + gl.multiple_of(k // 32 * 4, 4 * R)), gl.load(p_x + gl.multiple_of(k, 128), mask=m_x, other=0.),
             gl.load(p_s + k // SCALE_BLOCK))
 
 
 @gluon.jit
-def _mma_step(acc, words, b, sc, W: gl.constexpr, R: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr,
-              MMA: gl.constexpr, LA: gl.constexpr):
-    part = mma_v2(_operand(words, W, R, BM, BK, LA), b, gl.zeros([BM, 8], gl.float32, MMA))
+def _mma_step(acc, words, b, sc, W: gl.constexpr, R: gl.constexpr, MT: gl.constexpr, BM: gl.constexpr,
+              BK: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr):
+    part = mma_v2(_operand(words, W, R, MT, BM, BK, LA), _x_operand(b, BK, LB), gl.zeros([BM, 8], gl.float32, MMA))
     return acc + part * sc[:, None]
 
 
 @gluon.jit
 def fp8_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, s_s, W: gl.constexpr, R: gl.constexpr,
-             DEPTH: gl.constexpr, S: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
-             LW: gl.constexpr):
+             MT: gl.constexpr, DEPTH: gl.constexpr, S: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr,
+             LB: gl.constexpr, LX: gl.constexpr, LW: gl.constexpr):
     # the programs, the split and the steps in flight as probe_int4_gluon.w4_gemv's
-    BM: gl.constexpr = 16 * W
+    BM: gl.constexpr = 16 * W * MT
     BK: gl.constexpr = 32 * R
     pid = gl.program_id(0)
     i_n = pid // S
@@ -98,38 +101,43 @@ def fp8_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, s_s, W: gl.conste
     k_hi = gl.minimum(k_lo + KS, K)
     last = k_hi - BK
     # pack()'s P[nt, g, q, kc, (j2 j1)]
-    L4: gl.constexpr = gl.SliceLayout(4, LW)
-    wi = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
-    gi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
-    ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
-    qi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
-    ji = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LW)))))
-    nt = i_n * W + wi
-    row = (nt[:, None, None, None] * 8 + gi[None, :, None, None]) * 4 + qi[None, None, None, :]
-    p_w = w + (row * KC + ri[None, None, :, None])[:, :, :, :, None] * 4 + ji[None, None, None, None, :]
-    kx = gl.arange(0, BK, layout=gl.SliceLayout(1, LB))
-    tx = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
-    p_x = x + tx[None, :] * s_x + kx[:, None]
-    m_x = (tx[None, :] < T) & (kx[:, None] >= 0)
+    L5: gl.constexpr = gl.SliceLayout(5, LW)
+    L4: gl.constexpr = gl.SliceLayout(4, L5)
+    mi = gl.arange(0, MT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    wi = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    gi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
+    ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    qi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L5)))))
+    ji = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LW))))))
+    nt = (i_n * MT + mi[:, None]) * W + wi[None, :]                                   # [MT, W]
+    row = (nt[:, :, None] * 8 + gi[None, None, :]) * 4                                # [MT, W, 8]
+    o_w = (row[:, :, :, None] * KC + ri[None, None, None, :] * 4)[:, :, :, :, None] + qi[None, None, None, None, :] * (KC * 4)
+    p_w = w + o_w[:, :, :, :, :, None] + ji[None, None, None, None, None, :]
+    # x's tile, a lane's 32 columns contiguous (probe_int4_gluon.x_layout)
+    tx = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
+    qx = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))
+    ix = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX)))
+    p_x = x + (tx[:, None] * s_x + qx[None, :] * 32)[:, :, None] + ix[None, None, :]
+    m_x = (tx[:, None, None] < T) & (ix[None, None, :] >= 0)
     ns = i_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     p_s = s + (ns // SCALE_BLOCK) * s_s
     acc = gl.zeros([BM, 8], gl.float32, MMA)
     if DEPTH == 0:
         for k0 in range(k_lo, k_hi, BK):
             words, b, sc = _step(p_w, p_x, m_x, p_s, k0, R)
-            acc = _mma_step(acc, words, b, sc, W, R, BM, BK, MMA, LA)
+            acc = _mma_step(acc, words, b, sc, W, R, MT, BM, BK, MMA, LA, LB)
     elif DEPTH == 1:
         words, b, sc = _step(p_w, p_x, m_x, p_s, k_lo, R)
         for k0 in range(k_lo, k_hi, BK):
             words1, b1, sc1 = _step(p_w, p_x, m_x, p_s, gl.minimum(k0 + BK, last), R)
-            acc = _mma_step(acc, words, b, sc, W, R, BM, BK, MMA, LA)
+            acc = _mma_step(acc, words, b, sc, W, R, MT, BM, BK, MMA, LA, LB)
             words, b, sc = words1, b1, sc1
     else:
         words, b, sc = _step(p_w, p_x, m_x, p_s, k_lo, R)
         words1, b1, sc1 = _step(p_w, p_x, m_x, p_s, gl.minimum(k_lo + BK, last), R)
         for k0 in range(k_lo, k_hi, BK):
             words2, b2, sc2 = _step(p_w, p_x, m_x, p_s, gl.minimum(k0 + 2 * BK, last), R)
-            acc = _mma_step(acc, words, b, sc, W, R, BM, BK, MMA, LA)
+            acc = _mma_step(acc, words, b, sc, W, R, MT, BM, BK, MMA, LA, LB)
             words, b, sc = words1, b1, sc1
             words1, b1, sc1 = words2, b2, sc2
     _finish(acc, y, ws, count, pid, i_n, T, N, s_y, ns, BM, S, MMA)
@@ -137,10 +145,11 @@ def fp8_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, s_s, W: gl.conste
 
 def pack(w8: torch.Tensor) -> torch.Tensor:
     """e4m3 weights [N, K] -> the words P [N/16, 8, 4, K/32, 4] int32: byte 2 h + j0 of word
-    [nt, g, q, kc, 2 j2 + j1] is row 16 nt + 8 h + g, k = 32 kc + 16 j2 + 8 j1 + 2 q + j0."""
+    [nt, g, q, kc, 2 j2 + j1] is row 16 nt + 8 h + g, slot k = 32 kc + 16 j2 + 8 j1 + 2 q + j0, which
+    holds column slots(K)[k] (probe_int4_gluon.slots: a lane's x columns contiguous)."""
     N, K = w8.shape
-    assert N % 16 == 0 and K % 32 == 0, "N a multiple of 16, K of 32"
-    b = w8.view(torch.uint8).view(N // 16, 2, 8, K // 32, 2, 2, 4, 2)      # nt, h, g, kc, j2, j1, q, j0
+    assert N % 16 == 0 and K % BLOCK == 0, "N a multiple of 16, K of 128"
+    b = w8.view(torch.uint8)[:, slots(K, w8.device)].reshape(N // 16, 2, 8, K // 32, 2, 2, 4, 2)      # nt, h, g, kc, j2, j1, q, j0
     b = b.permute(0, 2, 6, 3, 4, 5, 1, 7).contiguous()                      # nt, g, q, kc, j2, j1, h, j0
     return b.view(N // 16, 8, 4, K // 32, 4, 4).view(torch.int32).view(N // 16, 8, 4, K // 32, 4)
 
@@ -149,23 +158,27 @@ def unpack(P: torch.Tensor) -> torch.Tensor:
     """pack's inverse: the bytes [N, K] as uint8."""
     NT, _, _, KC, _ = P.shape
     b = P.contiguous().view(torch.uint8).view(NT, 8, 4, KC, 2, 2, 2, 2)    # nt, g, q, kc, j2, j1, h, j0
-    return b.permute(0, 6, 1, 3, 4, 5, 2, 7).reshape(NT * 16, KC * 32)
+    b = b.permute(0, 6, 1, 3, 4, 5, 2, 7).reshape(NT * 16, KC * 32)
+    out = torch.empty_like(b)
+    out[:, slots(KC * 32, P.device)] = b
+    return out
 
 
 def run(x: torch.Tensor, P: torch.Tensor, scale: torch.Tensor, variant: tuple, out: torch.Tensor | None = None
         ) -> torch.Tensor:
-    W, R, depth, per_sm = variant
+    W, R, MT, depth, per_sm = variant
     T, K = x.shape
     N = P.shape[0] * 16
-    assert T <= ROWS and R * 32 == BLOCK and K % BLOCK == 0 and N % (16 * W) == 0 and 16 * W <= BLOCK
+    assert T <= ROWS and R * 32 == BLOCK and K % BLOCK == 0 and N % (16 * W * MT) == 0
     assert x.stride(1) == 1 and scale.stride(1) == 1
     y = out if out is not None else torch.empty(T, N, dtype=x.dtype, device=x.device)
-    blocks = N // (16 * W)
+    blocks = N // (16 * W * MT)
     S, KS = split(blocks, K // BLOCK, W, per_sm)
-    ws, count = workspace(x.device, blocks * S * 16 * W * 8, blocks)
-    mma, a, b, lw = layouts(W, R)
+    ws, count = workspace(x.device, blocks * S * 16 * W * MT * 8, blocks)
+    mma, a, b, lx, lw = layouts(W, R, MT)
     fp8_gemv[(blocks * S,)](x, P, scale, y, ws, count, T, N, K, K // 32, KS * BLOCK, x.stride(0), y.stride(0),
-                            scale.stride(0), W=W, R=R, DEPTH=depth, S=S, MMA=mma, LA=a, LB=b, LW=lw, num_warps=W)
+                            scale.stride(0), W=W, R=R, MT=MT, DEPTH=depth, S=S, MMA=mma, LA=a, LB=b, LX=lx, LW=lw,
+                            num_warps=W)
     return y
 
 

@@ -44,17 +44,37 @@ GROUP = gl.constexpr(G)
 ROWS = 8         # the most tokens (mma's N)
 
 
-def layouts(W: int, R: int):
-    """The MMA accumulator, its A and B operands, and the words' layout [W, 8, R, 4]: lanes (q, g),
-    the R spans of a row half in a thread's registers, a warp's 16 rows a warp."""
+def layouts(W: int, R: int, MT: int = 1):
+    """The MMA accumulator, its A and B operands, and the words' layout [MT, W, 8, R, 4]: lanes (q,
+    g), the R spans of a row half and a warp's MT tiles of 16 rows (tile r W + w for warp w) in a
+    thread's registers."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
     a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    words = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1 << i, 0] for i in range((R - 1).bit_length())],
-        lane_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
-        warp_bases=[[1 << i, 0, 0, 0] for i in range((W - 1).bit_length())], block_bases=[], shape=[W, 8, R, 4])
-    return mma, a, b, words
+    return mma, a, b, x_layout(W), gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1 << i, 0] for i in range((R - 1).bit_length())]
+        + [[1 << i, 0, 0, 0, 0] for i in range((MT - 1).bit_length())],
+        lane_bases=[[0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [0, 0, 4, 0, 0]],
+        warp_bases=[[0, 1 << i, 0, 0, 0] for i in range((W - 1).bit_length())], block_bases=[],
+        shape=[MT, W, 8, R, 4])
+
+
+def x_layout(W: int):
+    """x's tile as a thread loads it, [8 (n), 4 (q), 32]: lane (g, q) holds row g's 32 contiguous
+    columns 32 q + 4 c + 2 h + j, which are the B operand's k = 16 c + 8 h + 2 q + j (the words are
+    packed with their columns in that order: `slots`); every warp the same."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[0, 0, 0]] * (W - 1).bit_length(), block_bases=[], shape=[8, 4, 32])
+
+
+def slots(K: int, device=None) -> torch.Tensor:
+    """The column each slot of the operand's k takes in a group of 128: slot 16 c + 8 h + 2 q + j holds
+    column 32 q + 4 c + 2 h + j, so that a lane's 32 columns of x are contiguous (x_layout)."""
+    c, h, q, j = torch.meshgrid(*(torch.arange(n, device=device) for n in (8, 2, 4, 2)), indexing="ij")
+    within = (32 * q + 4 * c + 2 * h + j).flatten()
+    return (torch.arange(0, K, 128, device=device)[:, None] + within[None, :]).flatten()
 
 
 @gluon.jit
@@ -76,73 +96,86 @@ def _widen(z):
 
 @gluon.jit
 def _operand(lo, hi, BM: gl.constexpr, BK: gl.constexpr, LA: gl.constexpr):
-    m = gl.join(_half(lo), _half(hi))                        # [W, 8, R, 4, j2, j1, m3]
+    m = gl.join(_half(lo), _half(hi))                        # [MT, W, 8, R, 4, j2, j1, m3]
     z = _widen(gl.join(m, m))                                 # [..., m3, j0]
-    z = gl.permute(z, (0, 6, 1, 2, 4, 5, 3, 7))               # [W, m3, 8, R, j2, j1, 4, j0]
+    z = gl.permute(z, (0, 1, 7, 2, 3, 5, 6, 4, 8))            # [MT, W, m3, 8, R, j2, j1, 4, j0]
     return gl.convert_layout(gl.reshape(z, [BM, BK]), LA, assert_trivial=True)
 
 
 @gluon.jit
-def _step(p_lo, p_hi, p_x, m_x, p_s, k, R: gl.constexpr):
-    # a step's operands at column k: the words, x's tile (the B operand) and the rows' scales
-    kc = gl.multiple_of(k // 32, R)                                   # (keeps the 16-byte loads)
-    return gl.load(p_lo + kc), gl.load(p_hi + kc), gl.load(p_x + k, mask=m_x, other=0.), gl.load(p_s + k // GROUP)
+def _x_operand(x, BK: gl.constexpr, LB: gl.constexpr):
+    # x_layout's tile -> the B operand [BK, 8], rows k = 16 c + 8 h + 2 q + j
+    z = gl.permute(gl.reshape(x, [8, 4, 8, 2, 2]), (2, 3, 1, 4, 0))
+    return gl.convert_layout(gl.reshape(z, [BK, 8]), LB, assert_trivial=True)
 
 
 @gluon.jit
-def _mma_step(acc, lo, hi, b, sc, BM: gl.constexpr, BK: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr):
-    part = mma_v2(_operand(lo, hi, BM, BK, LA), b, gl.zeros([BM, 8], gl.float32, MMA))
+def _step(p_lo, p_hi, p_x, m_x, p_s, k, R: gl.constexpr):
+    # a step's operands at column k: the words, x's tile and the rows' scales
+    kc = gl.multiple_of(k // 32, R)                                   # (keeps the 16-byte loads)
+    return (gl.load(p_lo + kc), gl.load(p_hi + kc), gl.load(p_x + gl.multiple_of(k, 128), mask=m_x, other=0.),
+            gl.load(p_s + k // GROUP))
+
+
+@gluon.jit
+def _mma_step(acc, lo, hi, b, sc, BM: gl.constexpr, BK: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr,
+              LB: gl.constexpr):
+    part = mma_v2(_operand(lo, hi, BM, BK, LA), _x_operand(b, BK, LB), gl.zeros([BM, 8], gl.float32, MMA))
     return acc + part * sc[:, None]
 
 
 @gluon.jit
 def w4_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, W: gl.constexpr, R: gl.constexpr,
-            DEPTH: gl.constexpr, S: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr,
-            LW: gl.constexpr):
+            MT: gl.constexpr, DEPTH: gl.constexpr, S: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr,
+            LB: gl.constexpr, LX: gl.constexpr, LW: gl.constexpr):
     # program pid: rows of block pid // S, K from (pid % S) KS to the lesser of that + KS and K;
-    # DEPTH steps' operands (words, x, scales) in flight ahead of the one multiplied; with S > 1 each
+    # a warp MT tiles of 16 rows beside one x tile; DEPTH steps' operands (words, x, scales) in
+    # flight ahead of the one multiplied; with S > 1 each
     # part leaves its float32 sums in ws[pid] and the last of a block's S parts to arrive adds them
     # in order (its acq_rel add, after every thread has stored, orders the parts before its reads)
-    BM: gl.constexpr = 16 * W
+    BM: gl.constexpr = 16 * W * MT
     BK: gl.constexpr = 32 * R
     pid = gl.program_id(0)
     i_n = pid // S
     k_lo = (pid % S) * KS
     k_hi = gl.minimum(k_lo + KS, K)
     last = k_hi - BK
-    # the words, pack()'s P[nt, h, g, q, kc]: a warp's rows 0..7 (h 0) and 8..15 (h 1)
-    wi = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LW))))
-    gi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LW))))
-    ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, LW))))
-    qi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, LW))))
-    nt = i_n * W + wi
-    row = (nt[:, None, None, None] * 16 + gi[None, :, None, None]) * 4 + qi[None, None, None, :]
-    p_lo = w + row * KC + ri[None, None, :, None]
+    # the words, pack()'s P[nt, h, g, q, kc]: a tile's rows 0..7 (h 0) and 8..15 (h 1)
+    L4: gl.constexpr = gl.SliceLayout(4, LW)
+    mi = gl.arange(0, MT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    wi = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    gi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
+    ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    qi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LW)))))
+    nt = (i_n * MT + mi[:, None]) * W + wi[None, :]                                   # [MT, W]
+    row = (nt[:, :, None] * 16 + gi[None, None, :]) * 4                               # [MT, W, 8]
+    p_lo = w + (row[:, :, :, None] * KC + ri[None, None, None, :])[:, :, :, :, None] + qi[None, None, None, None, :] * KC
     p_hi = p_lo + 32 * KC
-    # x as the B operand [BK, 8], straight from memory in its layout
-    kx = gl.arange(0, BK, layout=gl.SliceLayout(1, LB))
-    tx = gl.arange(0, 8, layout=gl.SliceLayout(0, LB))
-    p_x = x + tx[None, :] * s_x + kx[:, None]
-    m_x = (tx[None, :] < T) & (kx[:, None] >= 0)
+    # x's tile, a lane's 32 columns contiguous (x_layout)
+    tx = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
+    qx = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))
+    ix = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX)))
+    p_x = x + (tx[:, None] * s_x + qx[None, :] * 32)[:, :, None] + ix[None, None, :]
+    m_x = (tx[:, None, None] < T) & (ix[None, None, :] >= 0)
     ns = i_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     p_s = s + ns * (K // GROUP)
     acc = gl.zeros([BM, 8], gl.float32, MMA)
     if DEPTH == 0:
         for k0 in range(k_lo, k_hi, BK):
             lo, hi, b, sc = _step(p_lo, p_hi, p_x, m_x, p_s, k0, R)
-            acc = _mma_step(acc, lo, hi, b, sc, BM, BK, MMA, LA)
+            acc = _mma_step(acc, lo, hi, b, sc, BM, BK, MMA, LA, LB)
     elif DEPTH == 1:
         lo, hi, b, sc = _step(p_lo, p_hi, p_x, m_x, p_s, k_lo, R)
         for k0 in range(k_lo, k_hi, BK):
             lo1, hi1, b1, sc1 = _step(p_lo, p_hi, p_x, m_x, p_s, gl.minimum(k0 + BK, last), R)
-            acc = _mma_step(acc, lo, hi, b, sc, BM, BK, MMA, LA)
+            acc = _mma_step(acc, lo, hi, b, sc, BM, BK, MMA, LA, LB)
             lo, hi, b, sc = lo1, hi1, b1, sc1
     else:
         lo, hi, b, sc = _step(p_lo, p_hi, p_x, m_x, p_s, k_lo, R)
         lo1, hi1, b1, sc1 = _step(p_lo, p_hi, p_x, m_x, p_s, gl.minimum(k_lo + BK, last), R)
         for k0 in range(k_lo, k_hi, BK):
             lo2, hi2, b2, sc2 = _step(p_lo, p_hi, p_x, m_x, p_s, gl.minimum(k0 + 2 * BK, last), R)
-            acc = _mma_step(acc, lo, hi, b, sc, BM, BK, MMA, LA)
+            acc = _mma_step(acc, lo, hi, b, sc, BM, BK, MMA, LA, LB)
             lo, hi, b, sc = lo1, hi1, b1, sc1
             lo1, hi1, b1, sc1 = lo2, hi2, b2, sc2
     _finish(acc, y, ws, count, pid, i_n, T, N, s_y, ns, BM, S, MMA)
@@ -170,11 +203,11 @@ def _finish(acc, y, ws, count, pid, i_n, T, N, s_y, ns, BM: gl.constexpr, S: gl.
 
 def pack(q: torch.Tensor) -> torch.Tensor:
     """Values q [N, K] in 0..15 (weight = (q - 8) * scale) -> the words P [N/16, 2, 8, 4, K/32] int32
-    in the operand's order: row n = 16 nt + 8 h + g, k = 32 kc + 16 j2 + 8 j1 + 2 q + j0 at bits
-    16 j0 + 4 (j1 + 2 j2) of word [nt, h, g, q, kc]."""
+    in the operand's order: row n = 16 nt + 8 h + g, slot k = 32 kc + 16 j2 + 8 j1 + 2 q + j0 at bits
+    16 j0 + 4 (j1 + 2 j2) of word [nt, h, g, q, kc]; slot k holds column slots(K)[k]."""
     N, K = q.shape
-    assert N % 16 == 0 and K % 32 == 0, "N a multiple of 16, K of 32"
-    v = q.to(torch.int64).view(N // 16, 2, 8, K // 32, 2, 2, 4, 2)        # nt, h, g, kc, j2, j1, q, j0
+    assert N % 16 == 0 and K % G == 0, "N a multiple of 16, K of 128"
+    v = q[:, slots(K, q.device)].to(torch.int64).view(N // 16, 2, 8, K // 32, 2, 2, 4, 2)        # nt, h, g, kc, j2, j1, q, j0
     v = v.permute(0, 1, 2, 6, 3, 7, 4, 5)                                  # nt, h, g, q, kc, j0, j2, j1
     shifts = 4 * torch.arange(8, device=q.device)                           # slot 4 j0 + 2 j2 + j1
     words = (v.reshape(*v.shape[:5], 8) << shifts).sum(-1)
@@ -187,7 +220,10 @@ def unpack(P: torch.Tensor) -> torch.Tensor:
     shifts = 4 * torch.arange(8, device=P.device)
     v = (P.to(torch.int64)[..., None] >> shifts) & 15                       # nt, h, g, q, kc, slot
     v = v.view(NT, 2, 8, 4, KC, 2, 2, 2).permute(0, 1, 2, 4, 6, 7, 3, 5)   # nt, h, g, kc, j2, j1, q, j0
-    return v.reshape(NT * 16, KC * 32)
+    v = v.reshape(NT * 16, KC * 32)
+    out = torch.empty_like(v)
+    out[:, slots(KC * 32, P.device)] = v
+    return out
 
 
 SMS = 132         # the SMs a split aims its programs at (an H100's, an H200's)
@@ -203,17 +239,17 @@ def split(blocks: int, KI: int, W: int, per_sm: int) -> tuple[int, int]:
 
 def run(x: torch.Tensor, P: torch.Tensor, scale: torch.Tensor, variant: tuple, out: torch.Tensor | None = None
         ) -> torch.Tensor:
-    W, R, depth, per_sm = variant
+    W, R, MT, depth, per_sm = variant
     T, K = x.shape
     N = P.shape[0] * 16
-    assert T <= ROWS and K % (32 * R) == 0 and R * 32 == G and N % (16 * W) == 0 and x.stride(1) == 1
+    assert T <= ROWS and K % (32 * R) == 0 and R * 32 == G and N % (16 * W * MT) == 0 and x.stride(1) == 1
     y = out if out is not None else torch.empty(T, N, dtype=x.dtype, device=x.device)
-    blocks = N // (16 * W)
+    blocks = N // (16 * W * MT)
     S, KS = split(blocks, K // G, W, per_sm)
-    ws, count = workspace(x.device, blocks * S * 16 * W * 8, blocks)
-    mma, a, b, lw = layouts(W, R)
+    ws, count = workspace(x.device, blocks * S * 16 * W * MT * 8, blocks)
+    mma, a, b, lx, lw = layouts(W, R, MT)
     w4_gemv[(blocks * S,)](x, P, scale, y, ws, count, T, N, K, K // 32, KS * G, x.stride(0), y.stride(0), W=W, R=R,
-                           DEPTH=depth, S=S, MMA=mma, LA=a, LB=b, LW=lw, num_warps=W)
+                           MT=MT, DEPTH=depth, S=S, MMA=mma, LA=a, LB=b, LX=lx, LW=lw, num_warps=W)
     return y
 
 
@@ -236,22 +272,24 @@ SIGNATURE = {"x": "*bf16", "w": "*i32", "s": "*fp32", "y": "*bf16", "ws": "*fp32
 
 
 def label(variant: tuple) -> str:
-    W, R, depth, per_sm = variant
-    return f"{W}x{R}{'p' * depth}" + (f"/{per_sm}" if per_sm else "")
+    W, R, MT, depth, per_sm = variant
+    return f"{W}x{R}" + (f"m{MT}" if MT > 1 else "") + "p" * depth + (f"/{per_sm}" if per_sm else "")
 
 
 def parse_args() -> tuple[bool, list]:
-    """--compile-only, and the variants [(W, R, depth, warps an SM)] from labels W x R, a p for each
-    step in flight ahead (at most 2), / the warps an SM a split over K aims at (none: no split)."""
+    """--compile-only, and the variants [(W, R, MT, depth, warps an SM)] from labels W x R, m and the
+    tiles of 16 rows a warp takes (1 without), a p for each step in flight ahead (at most 2), / the
+    warps an SM a split over K aims at (none: no split)."""
+    import re
     p = argparse.ArgumentParser()
     p.add_argument("--compile-only", action="store_true")
-    p.add_argument("--variants", default="4x4,4x4p,4x4pp,4x4p/32,4x4pp/24,2x4pp/24,8x4p/32")
+    p.add_argument("--variants", default="4x4p/32,8x4p/32,4x4m2p/32,8x4m2p/24,4x4m2pp/24,2x4m4p/16")
     a = p.parse_args()
     variants = []
     for v in a.variants.split(","):
-        head, _, per_sm = v.partition("/")
-        W, R = head.rstrip("p").split("x")
-        variants.append((int(W), int(R), len(head) - len(head.rstrip("p")), int(per_sm or 0)))
+        m = re.fullmatch(r"(\d+)x(\d+)(?:m(\d+))?(p{0,2})(?:/(\d+))?", v)
+        assert m, f"a variant is W x R [m MT] [p | pp] [/ warps an SM]: {v}"
+        variants.append((int(m[1]), int(m[2]), int(m[3] or 1), len(m[4]), int(m[5] or 0)))
     return a.compile_only, variants
 
 
@@ -279,9 +317,10 @@ def compile_variants(fn, layouts_of, signature: dict, aligned: tuple, caps: tupl
     from triton.experimental.gluon._runtime import GluonASTSource
     for cap in caps:
         for variant in variants:
-            W, R, depth, per_sm = variant
-            mma, a, b, lw = layouts_of(W, R)
-            cons = {"W": W, "R": R, "DEPTH": depth, "S": 2 if per_sm else 1, "MMA": mma, "LA": a, "LB": b, "LW": lw}
+            W, R, MT, depth, per_sm = variant
+            mma, a, b, lx, lw = layouts_of(W, R, MT)
+            cons = {"W": W, "R": R, "MT": MT, "DEPTH": depth, "S": 2 if per_sm else 1, "MMA": mma, "LA": a, "LB": b,
+                    "LX": lx, "LW": lw}
             src = GluonASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in cons}}, constexprs=cons,
                                  attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
             k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=W))
