@@ -42,7 +42,7 @@ from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
 from mtpchat.kernels.matvec import Normed, _scale_args, arrival_counts
 from mtpchat.kernels.plan import ProductPlan, default_products
-from mtpchat.kernels.moe_layout import STEP_ROWS, Layout, StepLayout, _block, _layout_args, count_reads
+from mtpchat.kernels.moe_layout import PREFILL_ROWS, STEP_ROWS, Layout, StepLayout, _block, _layout_args, count_reads
 
 
 # --- float32 references ------------------------------------------------------------------------
@@ -428,7 +428,8 @@ def _combine_kernel(y, weights, shared, gate, out, H, s_y, s_s, s_o,
 
 
 def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductPlan | None = None,
-          int4: tuple[int, int, int] | None = None, interleaved: bool = False) -> tuple[int, int, int, int]:
+          int4: tuple[int, int, int] | None = None, interleaved: bool = False,
+          rows: int = PREFILL_ROWS) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages) of an expert product: the plan's expert_tiles rule where it gives one,
     else a function of the product, the phase, the weight format and the activations' width, never
     of the number of rows (tests/bench/bench_moe.py measured the step's at the 35B-A3B's shapes on
@@ -436,18 +437,22 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
     block at a time: fp8.fp8_run; a rule's only); float32 tiles are smaller, to fit
     in shared memory. 4-bit experts, int4 = (N, K, group) of one expert's product: the plan's
     int4_tiles rule ("expert_swiglu", "expert_down"), else in a step the measured tile
-    (int4.measured; interleaved experts: their own) and in a prefill 64 x 128 weights
-    (unmeasured; it fits shared memory). A step's FP8 SwiGLU stacked (ProductPlan.expert_stacked)
+    (int4.measured; interleaved experts: their own) and in a prefill one for its blocks of `rows`
+    pairs (ProductPlan.prefill_block_rows): blocks of 16 the SwiGLU 64 x 256 and the down 64 x 128
+    weights, 4 warps; of 32 or 64 both 128 x 128, 8 warps (tests/bench/probe_moe_prefill.py, the
+    35B-A3B on an H200: a 128-token chunk's two products 163 us against 1,600 for 64 x 128 over
+    blocks of 64; a 2,048-token one's 550 against 1,046), the depth cut to the device's shared
+    memory. A step's FP8 SwiGLU stacked (ProductPlan.expert_stacked)
     takes 32 columns (bench_moe.py --stacked both, H100, 2026-11-27, a decode's 8 experts: 16.6 us
     against 16.9 for the 64 apart, 22.8 for 32 apart; a verify's 30: 28.6 against 32.1)."""
     if int4 is not None:
         rule4 = plan.int4_tiles if plan is not None else None
         chosen = rule4("expert_" + product, *int4) if rule4 is not None else None
         if chosen is None and not step:
-            # a prefill's blocks take PREFILL_ROWS pairs: x's tile is 64 rows, and with the step's
-            # down tile (BK 512) x's pipelined loads alone take 3 x 64 KB of shared memory (233,472
-            # bytes in all under Triton 3.6 at groups of 32: more than an SM has)
-            return 64, 128, 4, 3
+            # (the step's down tile, BK 512, would take 3 x 64 KB of x's loads alone over 64 rows)
+            BN, BK, warps = ((64, 256 if product == "swiglu" else 128, 4) if rows <= 16 else (128, 128, 8))
+            stage = (2 if product == "swiglu" else 1) * BN * BK // 2 + rows * BK * itemsize
+            return BN, BK, warps, (plan or ProductPlan(programs=1)).depth(3, stage)
         return chosen or measured("expert_" + product, *int4[:2], interleaved)[0]
     rule = plan.expert_tiles if plan is not None else None
     chosen = rule(product, step, fp8, itemsize) if rule is not None else None
@@ -547,7 +552,7 @@ def expert_swiglu_triton(x, w_gate_up, layout, top_k: int, n_experts: int,
     plan = plan or default_products(x.device)
     int4 = (2 * Fi, H, w_gate_up.group) if isinstance(w_gate_up, GroupInt4) else None
     BN, BK, warps, stages = tiles("swiglu", step, fp8, x.element_size(), plan, int4,
-                                  int4 is not None and w_gate_up.interleaved)
+                                  int4 is not None and w_gate_up.interleaved, bm)
     if fp8:
         BN, BK, warps, stages = fp8_fit((BN, BK, warps, stages), H)
     h = torch.empty(T * top_k, Fi, dtype=x.dtype, device=x.device)
@@ -579,7 +584,8 @@ def expert_down_triton(h, w_down, layout, n_experts: int, shared=None, plan: Pro
     expert, pairs, P, bm, blocks, step, bp, laid = _layout_args(layout)
     plan = plan or default_products(h.device)
     int4 = (H, Fi, w_down.group) if isinstance(w_down, GroupInt4) else None
-    BN, BK, warps, stages = tiles("down", step, fp8, h.element_size(), plan, int4, int4 is not None and w_down.interleaved)
+    BN, BK, warps, stages = tiles("down", step, fp8, h.element_size(), plan, int4, int4 is not None and w_down.interleaved,
+                                  bm)
     if fp8:
         BN, BK, warps, stages = fp8_fit((BN, BK, warps, stages), Fi)
     y = torch.empty(P_, H, dtype=torch.float32, device=h.device)

@@ -27,7 +27,7 @@ STEP_ROWS = 16          # the pairs a step's block takes: one per row, for each 
 STEP_PAIRS = 64         # the pairs the expert kernels' bookkeeping holds at least (8 rows of 8 choices);
                         # more (9 rows of 9 with 8 drafts and the shared expert) take the next power of 2
                         # (the routing's own is as wide as the step's pairs: moe_routing.route_step)
-PREFILL_ROWS = 64       # the pairs a block takes in a prefill
+PREFILL_ROWS = 64       # the most pairs a block takes in a prefill (ProductPlan.prefill_block_rows: 16 to 64)
 
 
 class Layout(NamedTuple):

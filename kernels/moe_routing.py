@@ -12,7 +12,7 @@ import torch
 
 from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.matvec import arrival_counts
-from mtpchat.kernels.moe_layout import PREFILL_ROWS, STEP_ROWS, StepLayout, layout_ref, most_blocks, write_step_layout
+from mtpchat.kernels.moe_layout import STEP_ROWS, StepLayout, layout_ref, most_blocks, write_step_layout
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
@@ -138,18 +138,20 @@ def route_step(logits: torch.Tensor, top_k: int, n_experts: int, shared: bool = 
 
 
 def route(logits: torch.Tensor, top_k: int, n_experts: int, step: bool, shared: bool = False,
-          rows: torch.Tensor | None = None, plan: ProductPlan | None = None):
+          rows: torch.Tensor | None = None, plan: ProductPlan | None = None, four_bit: bool = False):
     """(ids, weights, gate, layout). A step on the GPU routes its rows in one kernel, which writes the
     layout too under the plan's routed_layout, or leaves it to the expert kernels (StepLayout); a
-    prefill groups its pairs into blocks of PREFILL_ROWS. `shared`: the shared expert as every
-    row's last choice, expert E (route_ref). `rows`: the rows that count, the rest routed as the
-    last of them (stale_rows)."""
+    prefill groups its pairs into blocks of 16, 32 or 64, as the plan gives the chunk's
+    pairs an expert (ProductPlan.prefill_block_rows; `four_bit`: the experts' weights are).
+    `shared`: the shared expert as every row's last choice, expert E (route_ref). `rows`: the rows
+    that count, the rest routed as the last of them (stale_rows)."""
+    plan = plan or default_products(logits.device)
     if step and use_triton(logits):
-        plan = plan or default_products(logits.device)
         return route_step(logits, top_k, n_experts, shared, rows, plan.routed_layout)
     ids, weights, gate = route_ref(stale_rows(logits, rows), top_k, n_experts, shared)
     if step:
         return ids, weights, gate, layout_ref(ids, n_experts + shared, STEP_ROWS)
+    bm = plan.prefill_block_rows(ids.numel(), n_experts + shared, four_bit)
     # a prefill's blocks as many as its pairs could take, so no count waits for the device
-    blocks = most_blocks(ids.numel(), n_experts + shared, PREFILL_ROWS) if logits.is_cuda else None
-    return ids, weights, gate, layout_ref(ids, n_experts + shared, PREFILL_ROWS, blocks)
+    blocks = most_blocks(ids.numel(), n_experts + shared, bm) if logits.is_cuda else None
+    return ids, weights, gate, layout_ref(ids, n_experts + shared, bm, blocks)

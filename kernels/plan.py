@@ -127,6 +127,16 @@ class ProductPlan:
     fp8_small_rows: int = 256       # the Triton kernel's tile for at most this many rows is fp8_gemm.SMALL (64 weight
                                     # rows, 4 warps: twice the wide tile's programs), the wide tile beyond: 0.53-0.61 x
                                     # its time at 16-256 rows (same probe)
+    moe_prefill_blocks: tuple[int, int] = (16, 32)   # a prefill's expert blocks (kernels/moe_layout.py) take 16
+                                    # pairs, 32 from this mean of pairs an expert, 64 from that: a chunk of 16 / 128 /
+                                    # 512 / 2,048 tokens (0.6 / 4.5 / 18 / 72 pairs an expert on the 35B-A3B) in one
+                                    # layer's SwiGLU and down, FP8 105 / 238 / 314 / 633 us against blocks of 64's 163 /
+                                    # 369 / 382 / 633, bf16 160 / 379 / 404 / 592 against 182 / 403 / 420 / 592 (H200,
+                                    # tests/bench/probe_moe_prefill.py)
+    int4_moe_prefill_blocks: tuple[int, int] = (32, 128)   # the same over 4-bit experts, whose blocks of 64 took
+                                    # 4-7 x the time of 16 up to 512 tokens: 16 / 128 / 512 / 1,024 / 2,048 / 8,192
+                                    # tokens 88 / 180 / 229 / 323 / 550 / 1,535 us against 518 / 1,600 / 1,340 / 591 /
+                                    # 696 / 1,535 (each block size with its tile: moe.tiles)
     int4_prefill: str = "dense"     # prefill's 4-bit products (kernels/int4_gemm.py): "dense" (a dequantized
                                     # slab, then torch's matmul: 1.27-1.34 x bf16 at 2048 rows, H100), "fp8" (a
                                     # slab requantized to FP8 blocks, x's rows in FP8, cuBLAS's block-scaled product;
@@ -136,6 +146,11 @@ class ProductPlan:
     def __post_init__(self):
         if not 0 <= self.int4_prefill_rows <= PREFILL_ROWS:
             raise ValueError(f"int4_prefill_rows is 0 (off) to {PREFILL_ROWS}, not {self.int4_prefill_rows}")
+        for name in ("moe_prefill_blocks", "int4_moe_prefill_blocks"):
+            lo, hi = getattr(self, name)
+            if not 0 <= lo <= hi:
+                raise ValueError(f"{name} are two means of pairs an expert, 0 <= the first <= the second "
+                                 f"(0, 0: blocks of 64 always): {lo}, {hi}")
 
     def depth(self, stages: int, stage_bytes: int, fixed: int = 0) -> int:
         """A tile's pipeline depth `stages`, cut (to 2 at least) until the stages - 1 buffers Triton
@@ -145,6 +160,14 @@ class ProductPlan:
         while stages > 2 and (stages - 1) * stage_bytes + fixed > self.shared_memory - PIPELINE_SLACK:
             stages -= 1
         return stages
+
+    def prefill_block_rows(self, pairs: int, experts: int, four_bit: bool) -> int:
+        """The pairs a block of a prefill's expert products takes (16, 32 or 64), from the mean number
+        of pairs an expert gets: few pairs an expert leave most of a block of 64 empty. A function of
+        the chunk's size, never of its routing."""
+        lo, hi = self.int4_moe_prefill_blocks if four_bit else self.moe_prefill_blocks
+        mean = pairs / max(experts, 1)
+        return 16 if mean < lo else 32 if mean < hi else 64
 
     def rows_of(self, w) -> int:
         """The row tile of a product over w (rows, or int4_rows for a 4-bit weight)."""

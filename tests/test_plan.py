@@ -232,6 +232,21 @@ def test_replace_and_describe(gqa3):
     assert d["fc_split"] is True and d["products"]["programs"] == CPU_PROGRAMS
 
 
+def test_a_prefills_expert_blocks_follow_its_pairs_an_expert():
+    """ProductPlan.prefill_block_rows: 16 pairs a block below the first mean of pairs an expert, 32
+    below the second, 64 beyond; 4-bit experts on their own means; thresholds out of order refused."""
+    plan = ProductPlan(programs=132)
+    E = 257                                               # the 35B-A3B's experts and its shared one
+    assert [plan.prefill_block_rows(9 * T, E, False) for T in (16, 128, 512, 2048)] == [16, 16, 32, 64]
+    assert [plan.prefill_block_rows(9 * T, E, True) for T in (16, 512, 1024, 2048, 8192)] == [16, 16, 32, 32, 64]
+    assert dataclasses.replace(plan, moe_prefill_blocks=(1, 1)).prefill_block_rows(E, E, False) == 64
+    with pytest.raises(ValueError, match="moe_prefill_blocks"):
+        ProductPlan(programs=1, moe_prefill_blocks=(32, 16))
+    with pytest.raises(ValueError, match="int4_moe_prefill_blocks"):
+        ProductPlan(programs=1, int4_moe_prefill_blocks=(-1, 16))
+    assert ProductPlan(programs=1, int4_moe_prefill_blocks=(0, 0)).prefill_block_rows(1, E, True) == 64
+
+
 def test_two_engines_in_one_process_keep_their_own_plans(gqa3, monkeypatch):
     config = ModelConfig.load(gqa3)
     small = KernelPlan.choose("cpu", config, False).replace(pending_rows=8, split_norm=False)

@@ -111,7 +111,7 @@ def fp8_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, s_s, W: gl.conste
     ji = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LW))))))
     nt = (i_n * MT + mi[:, None]) * W + wi[None, :]                                   # [MT, W]
     row = (nt[:, :, None] * 8 + gi[None, None, :]) * 4                                # [MT, W, 8]
-    o_w = (row[:, :, :, None] * KC + ri[None, None, None, :] * 4)[:, :, :, :, None] + qi[None, None, None, None, :] * (KC * 4)
+    o_w = (row[:, :, :, None] * (KC * 4) + ri[None, None, None, :] * 4)[:, :, :, :, None] + qi[None, None, None, None, :] * (KC * 4)
     p_w = w + o_w[:, :, :, :, :, None] + ji[None, None, None, None, None, :]
     # x's tile, a lane's 32 columns contiguous (probe_int4_gluon.x_layout)
     tx = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))

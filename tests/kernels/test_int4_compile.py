@@ -131,7 +131,17 @@ step = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS, SHARED=True, zw2=None, perm2
 (EN, EK, ewarps, estages) = moe.tiles("swiglu", True, False, 2, None, (1024, 2048, 128), True)
 (DN, DK, dwarps, dstages) = moe.tiles("down", True, False, 2, None, (2048, 512, 128), True)
 i16 = {"w2": "*i16"}
-inter = [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGLU=False, SPLIT=True, **il), {"ws": "*fp32"}, (warps, stages)),
+# a prefill's expert products over blocks of 16 and of 64 pairs, each on its tiles (moe.tiles)
+prefill = []
+for bm in (16, moe_layout.PREFILL_ROWS):
+    lay = dict(BM=bm, STEP=False, BP=16, SHARED=True, zw2=None, perm2=None)
+    (FN, FK, fwarps, fstages) = moe.tiles("swiglu", False, False, 2, None, (1024, 2048, 128), True, bm)
+    prefill.append((f"expert swiglu prefill {bm}", moe._swiglu_kernel,
+                    dict(TOPK=9, BN=FN, BK=FK, COUNT=False, STACKED=False, **lay, **il), i16, (fwarps, fstages)))
+    (FN, FK, fwarps, fstages) = moe.tiles("down", False, False, 2, None, (2048, 512, 128), True, bm)
+    prefill.append((f"expert down prefill {bm}", moe._down_kernel, dict(BN=FN, BK=FK, **lay, **il), dict(i16, y="*fp32"),
+                    (fwarps, fstages)))
+inter = prefill + [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGLU=False, SPLIT=True, **il), {"ws": "*fp32"}, (warps, stages)),
          ("swiglu", matvec._matvec_kernel, dict(BT=BT, BN=SN, BK=SK, NBP=0, SWIGLU=True, SPLIT=False, **il), {"ws": "*fp32"}, (swarps, sstages)),
          ("parts", matvec_parts._matvec_parts_kernel, dict(BT=BT, BN=PN, BK=PK, S=PS, NORM=True, RESIDUAL=True, **il), {"y": "*fp32"}, (pwarps, pstages)),
          ("expert swiglu", moe._swiglu_kernel, dict(TOPK=8, BN=EN, BK=EK, COUNT=True, STACKED=True, **step, **il), i16,
@@ -169,4 +179,4 @@ def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
     shards = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
     stdout = run_children(COMPILE, shards, timeout=900)
     assert stdout.count("ok ") >= 80, stdout[-2000:]
-    assert "pairs" in stdout and stdout.count("ok interleaved") == 8 * 4, stdout[-2000:]     # 8 kernels x 4 targets
+    assert "pairs" in stdout and stdout.count("ok interleaved") == 12 * 4, stdout[-2000:]     # 12 kernels x 4 targets

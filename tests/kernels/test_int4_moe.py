@@ -148,6 +148,25 @@ def test_int4_interleaved_experts(device, step, shared, group):
             moe.expert_swiglu_triton(x, int4.interleave_ref(wgu), lay, k + shared, E, shared=sgu)
 
 
+@pytest.mark.parametrize("bm", [16, 32, 64])
+def test_int4_prefill_blocks_of_each_size_on_their_tiles(device, bm):
+    """A prefill's interleaved experts (the engine's form) over blocks of 16, 32 and 64 pairs
+    (ProductPlan.prefill_block_rows), each on the tiles moe.tiles gives that size (64 x 256 / 64 x 128
+    weights under 16, 128 x 128 from 32), the shared expert among them: against the references; H
+    384 leaves part of the SwiGLU's last K tile empty."""
+    T, E, k, F, H = 5, 4, 2, 256, 384
+    wgu, wd = experts(E, F, H, device, 71, 128, False, False)
+    sgu, sd = int4_weight(2 * F, H, device, 73, 128, False, False), int4_weight(H, F, device, 74, 128, False, False)
+    ids = torch.cat([routed(T, E, k, 75), torch.full((T, 1), E, dtype=torch.int32)], 1)
+    lay_cpu = moe_layout.layout_ref(ids, E + 1, bm)
+    lay = moe_layout.Layout(lay_cpu.expert.to(device), lay_cpu.pairs.to(device))
+    assert moe.tiles("swiglu", False, False, 2, None, (2 * F, H, 128), True, bm)[:3] == \
+        ((64, 256, 4) if bm == 16 else (128, 128, 8))
+    assert moe.tiles("down", False, False, 2, None, (H, F, 128), True, bm)[:3] == ((64, 128, 4) if bm == 16 else (128, 128, 8))
+    x = randn(T, H, device=device, seed=76)
+    products_match(x, wgu, wd, sgu, sd, lay_cpu, lay, k + 1, E, form=int4.interleave_ref)
+
+
 def stacked_plan(tile=(32, 128, 4, 2)) -> ProductPlan:
     """4-bit experts' SwiGLU stacked (ProductPlan.int4_expert_stacked) on `tile`."""
     return ProductPlan(programs=6, int4_expert_stacked=True,
