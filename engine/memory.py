@@ -421,10 +421,15 @@ def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool, four_bit_rows: int = P
     chunks of up to 64 tokens, and with chunks of 96 and 128 too its turns of 128 / 200 tokens 50.8
     / 99.7 ms against 76.8 / 159.5 (an H200, tests/bench/probe_turn.py; the 200 tokens' GPU time
     grew, 35.1 -> 75.8 ms, since each chunk reads most of the experts: the gain is the host's
-    launches). A 4-bit model's chunks are captured up to `four_bit_rows` tokens (the plan's
+    launches). A dense 4-bit model's chunks are captured up to `four_bit_rows` tokens (the plan's
     int4_prefill_rows: those products stream the weight in the few-row kernel, where the slab forms
-    would keep a dense copy of it in the graphs' pool); none where that is 0."""
-    return tuple(T for T in PREFILL_GRAPHS if T <= four_bit_rows) if four_bit else PREFILL_GRAPHS
+    would keep a dense copy of it in the graphs' pool); a 4-bit MoE's all of them, its dense products
+    being a small part of it (the 35B-A3B int4's pool 180 -> 228 MiB, and its turn of 128 / 200
+    tokens after 8K 121.4 / 112.8 ms eager -> 39.0 / 69.8 through chunks of 128 and 128 + 64 + 8,
+    an H200, probe_turn.py); none where four_bit_rows is 0."""
+    if not four_bit:
+        return PREFILL_GRAPHS
+    return tuple(T for T in PREFILL_GRAPHS if T <= four_bit_rows or (cfg.is_moe and four_bit_rows > 0))
 
 
 def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:

@@ -229,8 +229,8 @@ class KernelPlan:
         take the fp8 form on Hopper (int4_gemm.py; the dense form elsewhere). Prefill attention takes
         our kernel where a program has the shared memory of its H100 tiles, flash elsewhere. A GPU
         prefills a few tokens in the step form (step_prefill), through the step graphs, and a few
-        more in chunks captured as graphs (prefill_graphs): three at most, one on a 4-bit MoE model
-        (prefill_pieces), a first prompt's larger ones among them (prefill_early)."""
+        more in chunks captured as graphs (prefill_graphs): three at most (prefill_pieces), a first
+        prompt's larger ones among them (prefill_early)."""
         device = torch.device(device)
         products = default_products(device)
         bits = fp8 and device.type == "cuda" and fp8_runs_on(device)
@@ -248,11 +248,12 @@ class KernelPlan:
         # prefill attention in our kernel where it gets the tiles timed on an H100 (128 x 64)
         timed = prefill_attention_config(config.head_dim, 2, products)[:2] == (128, 64)
         # an MoE chunk reads most of the experts whatever its size (64 tokens some 221 of 256 a layer,
-        # 128 some 251), so two chunks read them twice: a 4-bit MoE's chunks stop at 64
-        # (int4_prefill_rows), and its turns of 16 / 50 tokens after 8K took 134.3 / 167.8 -> 55.1 /
-        # 87.3 ms through graph chunks, but 128 tokens as two chunks 169.7 against 147.8 eager, so
-        # one chunk (128 tokens then eager: 123.5); the 27B int4's turns of 96 / 128 / 192 tokens in
-        # up to three 111.3 / 115.5 / 116.7 -> 67.7 / 74.4 / 102.2 (an H200, tests/bench/probe_turn.py)
+        # 128 some 251), so two chunks read them twice: when a 4-bit MoE's chunks stopped at 64 its
+        # 128 tokens as two chunks took 169.7 ms against 147.8 eager, and its prefill one chunk; since
+        # its expert blocks follow the chunk (ProductPlan.prefill_block_rows) and its chunks go to 128
+        # (memory.prefill_graph_sizes), three like every model's: its turns of 128 / 200 tokens after
+        # 8K 121.4 / 112.8 ms eager -> 39.0 / 69.8. The 27B int4's turns of 96 / 128 / 192 tokens in up
+        # to three 111.3 / 115.5 / 116.7 -> 67.7 / 74.4 / 102.2 (an H200, tests/bench/probe_turn.py)
         four_bit = (int4 or config.quantization == "int4") if four_bit is None else four_bit
         return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late, int4_prefill=prefill),
                    shared_as_expert=config.is_moe and alike, moe_normed=normed,
@@ -260,8 +261,7 @@ class KernelPlan:
                    step_prefill=2 if device.type == "cuda" else 0,
                    prefill_graphs=prefill_graph_sizes(config, four_bit, products.int4_prefill_rows)
                    if device.type == "cuda" else (),
-                   prefill_early=EARLY_GRAPHS if device.type == "cuda" else (),
-                   prefill_pieces=1 if four_bit and config.is_moe else cls.prefill_pieces)
+                   prefill_early=EARLY_GRAPHS if device.type == "cuda" else ())
 
     def replace(self, **changes) -> "KernelPlan":
         """This plan with some choices changed; products' fields may be given by name too."""

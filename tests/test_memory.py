@@ -265,6 +265,10 @@ def test_the_plan_counts_a_first_prompts_early_chunks(c27):
     pools = {w: memory.plan_memory(c27, 32768, weights=w).graph_pool for w in ("bf16", "fp8", "int4")}
     assert pools["bf16"] == pools["fp8"]
     assert pools["bf16"] - pools["int4"] == (sum(PREFILL_GRAPHS) - sum(PREFILL_GRAPHS[:-2])) * act
+    # a 4-bit MoE's pool holds its chunks of 96 and 128 too (memory.prefill_graph_sizes)
+    c35 = ModelConfig.load(CONFIGS / "qwen3.5-35b-a3b.json")
+    moe_pools = {w: memory.plan_memory(c35, 16384, weights=w).graph_pool for w in ("bf16", "int4")}
+    assert moe_pools["int4"] == moe_pools["bf16"] > 0
     steps = memory.plan_memory(c27, 32768, weights="bf16", cuda_graphs=False)
     assert steps.graph_pool == 0 and steps.workspace == memory.plan_memory(c27, 32768, weights="bf16").workspace
     assert pools["bf16"] == sum(n * act + memory._logits_bytes(c27, n) for n in [1] + [k + 1 for k in range(1, 5)]

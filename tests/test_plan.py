@@ -62,15 +62,15 @@ def test_a_gpu_prefills_a_few_tokens_through_the_step_graphs(gqa3, monkeypatch):
     gpu, cpu = KernelPlan.choose("cuda", config, fp8=False), KernelPlan.choose("cpu", config, fp8=False)
     assert (gpu.step_prefill, gpu.prefill_graphs, gpu.prefill_pieces) == (2, PREFILL_GRAPHS, 3)
     assert (cpu.step_prefill, cpu.prefill_graphs) == (0, ())
-    # the chunks captured as graphs: every size for a model in bf16 or FP8, dense or MoE; a 4-bit
-    # model's up to the plan's int4_prefill_rows (64)
+    # the chunks captured as graphs: every size for a model in bf16 or FP8, dense or MoE, and for a
+    # 4-bit MoE; a dense 4-bit model's up to the plan's int4_prefill_rows (64)
     assert KernelPlan.choose("cuda", config, fp8=True).prefill_graphs == PREFILL_GRAPHS
     assert KernelPlan.choose("cuda", config, fp8=False, int4=True).prefill_graphs == PREFILL_GRAPHS[:-2]
     assert PREFILL_GRAPHS[-3:] == (64, 96, 128)
     moe = dataclasses.replace(config, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                               shared_expert_intermediate_size=32)
     assert moe.is_moe and KernelPlan.choose("cuda", moe, fp8=False).prefill_graphs == PREFILL_GRAPHS
-    assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_graphs == PREFILL_GRAPHS[:-2]
+    assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_graphs == PREFILL_GRAPHS
     assert KernelPlan.choose("cuda", moe, fp8=False).step_prefill == 2
     # and a first prompt's larger chunks, every model's; none on a CPU
     assert gpu.prefill_early == EARLY_GRAPHS == (256, 512) and gpu.prefill_early_rows == EARLY_ROWS == 1024
@@ -90,8 +90,9 @@ def test_a_gpu_prefills_a_few_tokens_through_the_step_graphs(gqa3, monkeypatch):
 
 
 def test_4_bit_prefill_chunks_follow_the_few_row_kernels_rows(gqa3, monkeypatch):
-    # ProductPlan.int4_prefill_rows: a 4-bit model's graph chunks up to that many tokens (its
-    # products in the few-row kernel), dense or MoE; none where it is 0
+    # ProductPlan.int4_prefill_rows: a dense 4-bit model's graph chunks up to that many tokens (its
+    # products in the few-row kernel), a 4-bit MoE's all of them (its dense products a small part);
+    # none where it is 0
     from mtpchat.engine import plan as plan_module
     from mtpchat.engine.memory import prefill_graph_sizes
     monkeypatch.setattr(plan_module, "fp8_runs_on", lambda device: True)
@@ -100,20 +101,21 @@ def test_4_bit_prefill_chunks_follow_the_few_row_kernels_rows(gqa3, monkeypatch)
     moe = dataclasses.replace(config, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                               shared_expert_intermediate_size=32)
     assert ProductPlan.int4_prefill_rows == 64 and prefill_graph_sizes(config, True) == PREFILL_GRAPHS[:-2]
-    assert prefill_graph_sizes(config, True, 0) == ()
+    assert prefill_graph_sizes(moe, True) == PREFILL_GRAPHS and PREFILL_GRAPHS[-2:] == (96, 128)
+    assert prefill_graph_sizes(config, True, 0) == prefill_graph_sizes(moe, True, 0) == ()
     for rows, chunks in [(64, PREFILL_GRAPHS[:-2]), (24, (8, 16, 24)), (7, ()), (0, ())]:
         monkeypatch.setattr(plan_module, "default_products",
                             lambda device, rows=rows: ProductPlan(programs=132, int4_prefill_rows=rows))
         assert KernelPlan.choose("cuda", config, fp8=False, int4=True).prefill_graphs == chunks
-        assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_graphs == chunks
+        assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_graphs == (PREFILL_GRAPHS if rows else ())
         assert KernelPlan.choose("cuda", config, fp8=True).prefill_graphs == PREFILL_GRAPHS    # not 4 bits
         assert KernelPlan.choose("cuda", moe, fp8=True).prefill_graphs == PREFILL_GRAPHS
-    # a 4-bit MoE model's prefill takes one graph chunk at most (its chunks cost more GPU time than
-    # eager ones); every other model's three
-    assert KernelPlan.choose("cuda", moe, fp8=False, int4=True).prefill_pieces == 1
-    assert KernelPlan.choose("cuda", dataclasses.replace(moe, quantization="int4"), fp8=False).prefill_pieces == 1
-    for model, fp8, int4 in [(config, False, True), (config, True, False), (moe, True, False), (moe, False, False)]:
+    # every model's prefill takes three graph chunks at most, a 4-bit MoE's too (its expert blocks
+    # as wide as a chunk's pairs an expert: ProductPlan.prefill_block_rows)
+    for model, fp8, int4 in [(config, False, True), (config, True, False), (moe, True, False), (moe, False, False),
+                             (moe, False, True)]:
         assert KernelPlan.choose("cuda", model, fp8=fp8, int4=int4).prefill_pieces == 3
+    assert KernelPlan.choose("cuda", dataclasses.replace(moe, quantization="int4"), fp8=False).prefill_pieces == 3
 
 
 def test_a_4_bit_checkpoint_loaded_dequantized_plans_as_bf16(gqa3, monkeypatch):
@@ -132,7 +134,7 @@ def test_a_4_bit_checkpoint_loaded_dequantized_plans_as_bf16(gqa3, monkeypatch):
         stored = dataclasses.replace(model, quantization="int4")
         kept = KernelPlan.choose("cuda", stored, fp8=False)
         loaded = KernelPlan.choose("cuda", stored, fp8=False, four_bit=False)
-        assert kept.prefill_graphs == PREFILL_GRAPHS[:-2] and kept.prefill_pieces == (1 if model.is_moe else 3)
+        assert kept.prefill_graphs == (PREFILL_GRAPHS if model.is_moe else PREFILL_GRAPHS[:-2]) and kept.prefill_pieces == 3
         assert (loaded.prefill_graphs, loaded.prefill_pieces) == (PREFILL_GRAPHS, 3)
         assert kept.prefill_early == loaded.prefill_early == EARLY_GRAPHS
         assert plan_memory(stored, 4096, weights="bf16").workspace == plan_memory(model, 4096).workspace
