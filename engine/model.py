@@ -113,15 +113,16 @@ class SparseMoE(nn.Module):
         gate_up, down = weight(self, "experts_gate_up"), weight(self, "experts_down")
         logits = ctx.linear(x, self.router)
         reads = self.reads if ctx.step else None
+        four_bit = isinstance(gate_up, GroupInt4) or isinstance(down, GroupInt4)     # a prefill's blocks follow it
         if self._shared_as_expert(gate_up, x, ctx):
             # the shared expert as every row's last choice, expert E: two launches fewer a layer
             sgu, sd = weight(self.shared, "gate_up"), weight(self.shared, "down")
             _, weights, _, layout = moe_routing.route(logits, k, E, ctx.step, shared=True, rows=ctx.rows,
-                                                      plan=ctx.products, four_bit=isinstance(down, GroupInt4))
+                                                      plan=ctx.products, four_bit=four_bit)
             h = moe.expert_swiglu(x, gate_up, layout, k + 1, E, ctx.step, reads, shared=sgu, plan=ctx.products)
             return self._finish(Experts(h, down, layout, E, sd, weights, None, None), x, ctx)
         _, weights, gate, layout = moe_routing.route(logits, k, E, ctx.step, rows=ctx.rows, plan=ctx.products,
-                                                     four_bit=isinstance(down, GroupInt4))
+                                                     four_bit=four_bit)
         h = moe.expert_swiglu(x, gate_up, layout, k, E, ctx.step, reads, plan=ctx.products)
         shared = self.shared(x, ctx, whole=True) if self.shared is not None else None
         return self._finish(Experts(h, down, layout, E, None, weights, shared, gate), x, ctx)

@@ -16,6 +16,9 @@ under a plan without routed_layout, the expert kernels derive it; moe_layout.py)
 kernels launched for the worst case so the step can be a CUDA graph. Each pair's products
 are accumulated in the same order whatever shares its block, and the combine sums a row's k
 choices in order, so a row's result does not depend on the other rows (greedy MTP on == off).
+A prefill's blocks take 16, 32 or 64 pairs by its chunk's size (ProductPlan.prefill_block_rows),
+with tiles to match over 4-bit experts: its results may depend on the chunk's size, as a
+prefill's do through its chunking anyway, never on its routing.
 
 Two forms of a step (engine/plan.py: moe_normed, a default over bf16 and FP8 experts, and
 moe_fold, a candidate): the SwiGLU may read x as a Normed (the norm before the layer in two
@@ -431,8 +434,8 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
           int4: tuple[int, int, int] | None = None, interleaved: bool = False,
           rows: int = PREFILL_ROWS) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages) of an expert product: the plan's expert_tiles rule where it gives one,
-    else a function of the product, the phase, the weight format and the activations' width, never
-    of the number of rows (tests/bench/bench_moe.py measured the step's at the 35B-A3B's shapes on
+    else a function of the product, the phase, the weight format and the activations' width, in a
+    step never of the number of rows (a 4-bit prefill's: of its blocks' `rows`; tests/bench/bench_moe.py measured the step's at the 35B-A3B's shapes on
     an H100). FP8 tiles lie inside one 128 x 128 block of scales, or span two along K (BK 256, taken a
     block at a time: fp8.fp8_run; a rule's only); float32 tiles are smaller, to fit
     in shared memory. 4-bit experts, int4 = (N, K, group) of one expert's product: the plan's
@@ -441,17 +444,21 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
     pairs (ProductPlan.prefill_block_rows): blocks of 16 the SwiGLU 64 x 256 and the down 64 x 128
     weights, 4 warps; of 32 or 64 both 128 x 128, 8 warps (tests/bench/probe_moe_prefill.py, the
     35B-A3B on an H200: a 128-token chunk's two products 163 us against 1,600 for 64 x 128 over
-    blocks of 64; a 2,048-token one's 550 against 1,046), the depth cut to the device's shared
-    memory. A step's FP8 SwiGLU stacked (ProductPlan.expert_stacked)
+    blocks of 64; a 2,048-token one's 550 against 1,046), the depth cut by an estimate of what a
+    stage takes (ProductPlan.depth; an unpack form's own buffers are not counted). A step's FP8 SwiGLU stacked (ProductPlan.expert_stacked)
     takes 32 columns (bench_moe.py --stacked both, H100, 2026-11-27, a decode's 8 experts: 16.6 us
     against 16.9 for the 64 apart, 22.8 for 32 apart; a verify's 30: 28.6 against 32.1)."""
     if int4 is not None:
         rule4 = plan.int4_tiles if plan is not None else None
         chosen = rule4("expert_" + product, *int4) if rule4 is not None else None
         if chosen is None and not step:
-            # (the step's down tile, BK 512, would take 3 x 64 KB of x's loads alone over 64 rows)
-            BN, BK, warps = ((64, 256 if product == "swiglu" else 128, 4) if rows <= 16 else (128, 128, 8))
-            stage = (2 if product == "swiglu" else 1) * BN * BK // 2 + rows * BK * itemsize
+            # (the step's down tile, BK 512, would take 3 x 64 KB of x's loads alone over 64 rows).
+            # The SwiGLU's K tile of 256 only where the group is at most 128, so a dot's width (the
+            # lesser of BK and the group: int4.sub_tile) and with it a row's sums are the same at any
+            # block size; a stage counted with x's tile once per dot (the SwiGLU's two take it twice)
+            wide = product == "swiglu" and rows <= 16 and int4[2] <= 128
+            BN, BK, warps = (64, 256 if wide else 128, 4) if rows <= 16 else (128, 128, 8)
+            stage = (2 if product == "swiglu" else 1) * (BN * BK // 2 + rows * BK * itemsize)
             return BN, BK, warps, (plan or ProductPlan(programs=1)).depth(3, stage)
         return chosen or measured("expert_" + product, *int4[:2], interleaved)[0]
     rule = plan.expert_tiles if plan is not None else None

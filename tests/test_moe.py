@@ -146,6 +146,21 @@ def test_greedy_mtp_on_equals_off(ckpts, layout):
     assert all(done.stats.verify_steps > 0 for done in runs)
 
 
+@pytest.mark.parametrize("four_bit", [True, False])
+def test_a_prefill_routes_for_its_experts_format(ckpts, tmp_path, monkeypatch, four_bit):
+    """The MoE layer tells the routing whether its experts are 4-bit (their prefill blocks follow
+    other thresholds: ProductPlan.int4_moe_prefill_blocks); a step's routing is told too and ignores it."""
+    from tools.int4 import write_compressed_checkpoint
+    seen = []
+    real = moe_routing.route
+    monkeypatch.setattr(moe_routing, "route", lambda *a, **kw: seen.append((a[3], kw["four_bit"])) or real(*a, **kw))
+    folder = write_compressed_checkpoint(tmp_path, moe=True, group=32)[0] if four_bit else ckpts[STACKED]
+    engine = Engine.load(folder, max_context=300)
+    engine.logits(random_ids(13, 30, engine.config.vocab_size))
+    prefills = {four for step, four in seen if not step}
+    assert prefills == {four_bit}, seen
+
+
 def test_experts_read_per_step(ckpts):
     engine = Engine.load(ckpts[STACKED], max_context=300)
     c = engine.config

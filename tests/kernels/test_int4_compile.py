@@ -74,14 +74,15 @@ def variants():
         yield f"parts norm={norm}", mp, dict(BT=BT, BN=BN, BK=BK, S=3, NORM=norm, RESIDUAL=norm, **i4), {"y": "*fp32"}, \
             (warps, stages)
     yield "parts 64 x 256", mp, dict(BT=16, BN=64, BK=256, S=3, NORM=True, RESIDUAL=True, **i4), {"y": "*fp32"}
-    for step, shared in ((True, True), (False, False)):      # a step with the shared expert, a prefill without
+    # a step with the shared expert, a prefill without over blocks of 64 and of 16 pairs (each on its tiles)
+    for step, shared, bm in ((True, True, STEP_ROWS), (False, False, moe_layout.PREFILL_ROWS), (False, False, 16)):
         # the tiles the engine takes for the 35B-A3B's experts (gate|up 1024 x 2048, down 2048 x 512)
-        lay = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS) if step else dict(BM=moe_layout.PREFILL_ROWS, STEP=False, BP=16)
-        BN, BK, warps, stages = moe.tiles("swiglu", step, False, 2, None, (1024, 2048, 128))
-        yield f"expert swiglu step={step} shared={shared}", moe._swiglu_kernel, dict(
+        lay = dict(BM=bm, STEP=True, BP=STEP_PAIRS) if step else dict(BM=bm, STEP=False, BP=16)
+        BN, BK, warps, stages = moe.tiles("swiglu", step, False, 2, None, (1024, 2048, 128), rows=bm)
+        yield f"expert swiglu step={step} shared={shared} rows={bm}", moe._swiglu_kernel, dict(
             TOPK=8, BN=BN, BK=BK, COUNT=step, SHARED=shared, **lay, **i4), {}, (warps, stages)
-        BN, BK, warps, stages = moe.tiles("down", step, False, 2, None, (2048, 512, 128))
-        yield f"expert down step={step} shared={shared}", moe._down_kernel, dict(
+        BN, BK, warps, stages = moe.tiles("down", step, False, 2, None, (2048, 512, 128), rows=bm)
+        yield f"expert down step={step} shared={shared} rows={bm}", moe._down_kernel, dict(
             BN=BN, BK=BK, SHARED=shared, **lay, **i4), {"y": "*fp32"}, (warps, stages)
     yield "gemm", int4_gemm._gemm_kernel, dict(BM=64, BN=128, BK=128, G=128, BG=128), {}
     # a short prefill chunk's products in the few-row kernel (matvec.matvec_prefill), 64 rows
@@ -131,9 +132,9 @@ step = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS, SHARED=True, zw2=None, perm2
 (EN, EK, ewarps, estages) = moe.tiles("swiglu", True, False, 2, None, (1024, 2048, 128), True)
 (DN, DK, dwarps, dstages) = moe.tiles("down", True, False, 2, None, (2048, 512, 128), True)
 i16 = {"w2": "*i16"}
-# a prefill's expert products over blocks of 16 and of 64 pairs, each on its tiles (moe.tiles)
+# a prefill's expert products over blocks of 16, 32 and 64 pairs, each on its tiles (moe.tiles)
 prefill = []
-for bm in (16, moe_layout.PREFILL_ROWS):
+for bm in (16, 32, moe_layout.PREFILL_ROWS):
     lay = dict(BM=bm, STEP=False, BP=16, SHARED=True, zw2=None, perm2=None)
     (FN, FK, fwarps, fstages) = moe.tiles("swiglu", False, False, 2, None, (1024, 2048, 128), True, bm)
     prefill.append((f"expert swiglu prefill {bm}", moe._swiglu_kernel,
@@ -179,4 +180,4 @@ def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
     shards = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
     stdout = run_children(COMPILE, shards, timeout=900)
     assert stdout.count("ok ") >= 80, stdout[-2000:]
-    assert "pairs" in stdout and stdout.count("ok interleaved") == 12 * 4, stdout[-2000:]     # 12 kernels x 4 targets
+    assert "pairs" in stdout and stdout.count("ok interleaved") == 14 * 4, stdout[-2000:]     # 14 kernels x 4 targets

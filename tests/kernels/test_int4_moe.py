@@ -163,6 +163,9 @@ def test_int4_prefill_blocks_of_each_size_on_their_tiles(device, bm):
     assert moe.tiles("swiglu", False, False, 2, None, (2 * F, H, 128), True, bm)[:3] == \
         ((64, 256, 4) if bm == 16 else (128, 128, 8))
     assert moe.tiles("down", False, False, 2, None, (H, F, 128), True, bm)[:3] == ((64, 128, 4) if bm == 16 else (128, 128, 8))
+    # groups wider than 128 keep the SwiGLU's K tile at 128 under 16 pairs too: a dot as wide at every
+    # block size (int4.sub_tile), so a row's sums do not change with the chunk's size
+    assert moe.tiles("swiglu", False, False, 2, None, (2 * F, H, 256), False, bm)[1] == 128
     x = randn(T, H, device=device, seed=76)
     products_match(x, wgu, wd, sgu, sd, lay_cpu, lay, k + 1, E, form=int4.interleave_ref)
 

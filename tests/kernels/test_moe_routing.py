@@ -112,21 +112,25 @@ def test_ties_take_the_smaller_expert_first():
 
 
 @pytest.mark.parametrize("four_bit", [False, True])
-def test_a_prefill_takes_blocks_as_wide_as_its_pairs_an_expert(four_bit):
+def test_a_prefill_takes_blocks_as_wide_as_its_pairs_an_expert(device, four_bit):
     """A prefill's layout groups its pairs in blocks of 16, 32 or 64 (ProductPlan.prefill_block_rows,
     from the mean of pairs an expert: a short chunk's blocks of 64 stood mostly empty), 4-bit experts
-    on their own thresholds; each block's pairs are those of layout_ref over the same size."""
+    on their own thresholds; on the GPU launched for the most blocks those pairs could take at that
+    size (most_blocks: a graph's chunk waits on no count), the blocks past the layout's own empty."""
     from mtpchat.kernels.plan import ProductPlan
     plan = ProductPlan(programs=6)
     lo, hi = plan.int4_moe_prefill_blocks if four_bit else plan.moe_prefill_blocks
     E, k = 8, 2
     for T, want in ((1, 16), (lo * E // k - 1, 16), (lo * E // k, 32), (hi * E // k, 64)):
-        logits = randn(T, E, seed=T, scale=2.0)
+        logits = randn(T, E, seed=T, scale=2.0).to(device)
         ids, _, _, lay = moe_routing.route(logits, k, E, step=False, plan=plan, four_bit=four_bit)
         assert lay.pairs.shape[1] == want == plan.prefill_block_rows(T * k, E, four_bit), (T, want)
-        ref = moe_layout.layout_ref(ids, E, want)
-        assert torch.equal(lay.pairs, ref.pairs) and torch.equal(lay.expert, ref.expert)
+        ref = moe_layout.layout_ref(ids.cpu(), E, want)
+        n = ref.expert.shape[0]
+        assert torch.equal(lay.pairs[:n].cpu(), ref.pairs) and torch.equal(lay.expert[:n].cpu(), ref.expert)
+        assert lay.expert.shape[0] == (moe_layout.most_blocks(T * k, E, want) if device == "cuda" else n)
+        assert bool((lay.expert[n:] == -1).all())
     # a plan of other thresholds takes other blocks
-    ids, _, _, lay = moe_routing.route(randn(8, E, seed=9, scale=2.0), k, E, step=False, four_bit=four_bit,
+    ids, _, _, lay = moe_routing.route(randn(8, E, seed=9, scale=2.0).to(device), k, E, step=False, four_bit=four_bit,
                                        plan=ProductPlan(programs=6, moe_prefill_blocks=(1, 2), int4_moe_prefill_blocks=(1, 2)))
     assert lay.pairs.shape[1] == 64
