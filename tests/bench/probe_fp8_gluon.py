@@ -7,23 +7,25 @@ FP8 sections: the engine's Triton FP8 products run at 1.2-1.6 x their bytes on t
 The words (`pack`): lane (g, q) of a warp holds, for each 32-wide span of K, the bytes of rows g
 and g + 8 of its 16 at k = 2q + j0 + 8 j1 + 16 j2, four words: word (j2, j1) holds bytes (row g,
 k), (row g, k + 1), (row g + 8, k), (row g + 8, k + 1), which are the operand's a0 a1 / a2 a3
-registers. R = 4 spans a step (128 columns: one scale block) are 64 contiguous bytes a thread.
-A program of W warps (16 rows each, W <= 8 so that its rows share one 128-row scale block) loops
-over K; each step's sum is scaled once in float32 by its block's scale.
+registers. R = 4 spans a step (128 columns: one scale block) are 64 contiguous bytes a thread,
+the columns in probe_int4_gluon's `slots` order. The programs, the split, the steps in flight and
+the variants are the 4-bit probe's; each step's sum is scaled once in float32 by each row's block
+scale.
 
     cd tests/bench && python3 probe_fp8_gluon.py                  # GPU: against float32, then timed
     cd tests/bench && python3 probe_fp8_gluon.py --compile-only   # no GPU: shared memory, PTX counts
 
 Checked on the GPU as the 4-bit probe checks (float32 of the dequantized weight; row 0's bits at T
-= 1 and 8), timed beside the engine's FP8 plain product (matvec.matvec over BlockFP8) at the 27B's
-shapes. Not wired into the engine: a probe until it wins. Not yet run on a GPU.
+= 1 and 8), timed beside the engine's FP8 product of each of the 27B's shapes. Measured on an H200
+(docs/PERFORMANCE.md, 2026-11-28 (eighth)): 1.3-1.7 x the engine's at every shape; kept as the
+record of that form.
 """
 from __future__ import annotations
 
 import sys
 
 import torch
-from probe_int4_gluon import (SIGNATURE, _finish, _x_operand, compile_variants, engine_product, gpu_setup, parse_args,
+from probe_int4_gluon import (SIGNATURE, _finish, _part, _x_operand, _x_pointers, compile_variants, engine_product, gpu_setup, parse_args,
                               slots, split, time_shape, workspace, x_layout)
 
 try:
@@ -95,11 +97,7 @@ def fp8_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, s_s, W: gl.conste
     # the programs, the split and the steps in flight as probe_int4_gluon.w4_gemv's
     BM: gl.constexpr = 16 * W * MT
     BK: gl.constexpr = 32 * R
-    pid = gl.program_id(0)
-    i_n = pid // S
-    k_lo = (pid % S) * KS
-    k_hi = gl.minimum(k_lo + KS, K)
-    last = k_hi - BK
+    pid, i_n, k_lo, k_hi, last = _part(K, KS, S, BK)
     # pack()'s P[nt, g, q, kc, (j2 j1)]
     L5: gl.constexpr = gl.SliceLayout(5, LW)
     L4: gl.constexpr = gl.SliceLayout(4, L5)
@@ -114,11 +112,7 @@ def fp8_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, s_s, W: gl.conste
     o_w = (row[:, :, :, None] * (KC * 4) + ri[None, None, None, :] * 4)[:, :, :, :, None] + qi[None, None, None, None, :] * (KC * 4)
     p_w = w + o_w[:, :, :, :, :, None] + ji[None, None, None, None, None, :]
     # x's tile, a lane's 32 columns contiguous (probe_int4_gluon.x_layout)
-    tx = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
-    qx = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))
-    ix = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX)))
-    p_x = x + (tx[:, None] * s_x + qx[None, :] * 32)[:, :, None] + ix[None, None, :]
-    m_x = (tx[:, None, None] < T) & (ix[None, None, :] >= 0)
+    p_x, m_x = _x_pointers(x, T, s_x, LX)
     ns = i_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     p_s = s + (ns // SCALE_BLOCK) * s_s
     acc = gl.zeros([BM, 8], gl.float32, MMA)

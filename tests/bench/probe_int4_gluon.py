@@ -6,24 +6,29 @@ the lead named in docs/PERFORMANCE.md (2026-11-27 (late), "Where the SwiGLU wait
 engine's Triton products spend their time with the copies and the unpacking in turn.
 
 The form (`w4_gemv`): y [T, N] = x [T, K] @ w [N, K]ᵀ for T <= 8, w symmetric 4-bit in groups of
-128 with float32 scales. A warp takes 16 weight rows (the M of mma.m16n8k16), the tokens are its
-N (8), and a program of W warps loops over K in steps of 128 (one group: each step's sum is scaled
-once in float32). The words are stored in the operand's order (`pack`): lane (g, q) of a warp
-holds, for rows g and g + 8 of its 16, the eight k of a 32-wide span that mma's A operand gives it
-(2q, 2q + 1, 2q + 8, 2q + 9, 2q + 16, ...), a nibble pair (k, k + 1) at bits s and s + 16 of one
-word, so two instructions (a lop3 into the mantissa of 128.0, an fma taking 136 away) widen a pair
-to bf16x2. R = 4 spans a step make one 16-byte load a row half. Compiled for sm_90 with Triton 3.6
-(no GPU needed): 56 registers at W = 4, no shared memory, per step 2 LDG.128, 32 LOP3 + 32 HFMA2,
-8 HMMA (the prefetching variant two more LDG.128 before its loop); Gluon checks that the unpacked tile is already in the operand's layout (assert_trivial).
+128 with float32 scales. A warp takes MT tiles of 16 weight rows (the M of mma.m16n8k16), the
+tokens are its N (8), and a program of W warps loops over its part of K (a split over S parts, the
+last to arrive adding them in order) in steps of 128 (one group: each step's sum is scaled once in
+float32), DEPTH steps' operands in flight ahead. The words are stored in the operand's order
+(`pack`): lane (g, q) of a warp holds, for rows g and g + 8 of a tile, the eight k of a 32-wide span
+that mma's A operand gives it (2q, 2q + 1, 2q + 8, 2q + 9, 2q + 16, ...), a nibble pair (k, k + 1)
+at bits s and s + 16 of one word, so two instructions (a lop3 into the mantissa of 128.0, an fma
+taking 136 away) widen a pair to bf16x2; the columns are packed in the order (`slots`) that makes a
+lane's 32 columns of x contiguous, so x's tile comes in 16-byte loads too. Gluon checks that the
+unpacked tile is already in the operand's layout (assert_trivial). Variants: W x R [m MT] [p | pp]
+[/ the warps an SM a split aims at].
 
+Measured on an H200 (docs/PERFORMANCE.md, 2026-11-28 (eighth)): 1.3-2 x the engine's Triton
+products at every shape of the 27B and every variant, the wide products included; the bytes in
+flight live in registers (97-168 a thread), which bounds the warps an SM holds. Kept as the record
+of that form.
     cd tests/bench && python3 probe_int4_gluon.py                  # GPU: against float32, then timed
     cd tests/bench && python3 probe_int4_gluon.py --compile-only   # no GPU: shared memory and PTX counts, sm_90 and sm_80
 
 Checked on the GPU: the product against float32 of the dequantized weight, and row 0's bits the
 same at T = 1 and T = 8 (MTP's exactness needs a row's result independent of the rows beside it).
 Timed as probe_int4_libraries.py times (graph replays over weights rotated past L2), beside the
-engine's plain product over the same shapes and the copy rate's floor. Not wired into the engine:
-a probe until it wins.
+engine's product of each shape (plain, SwiGLU or split) and the copy rate's floor.
 """
 from __future__ import annotations
 
@@ -110,6 +115,26 @@ def _x_operand(x, BK: gl.constexpr, LB: gl.constexpr):
 
 
 @gluon.jit
+def _part(K, KS, S: gl.constexpr, BK: gl.constexpr):
+    # program pid's column block and its part of K (the first and last step's columns, the end)
+    pid = gl.program_id(0)
+    k_lo = (pid % S) * KS
+    k_hi = gl.minimum(k_lo + KS, K)
+    return pid, pid // S, k_lo, k_hi, k_hi - BK
+
+
+@gluon.jit
+def _x_pointers(x, T, s_x, LX: gl.constexpr):
+    # x's tile as x_layout loads it (lane (g, q): row g's columns 32 q .. 32 q + 31 of a step), rows
+    # past T masked
+    tx = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
+    qx = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))
+    ix = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX)))
+    return (x + (tx[:, None] * s_x + qx[None, :] * 32)[:, :, None] + ix[None, None, :],
+            (tx[:, None, None] < T) & (ix[None, None, :] >= 0))
+
+
+@gluon.jit
 def _step(p_lo, p_hi, p_x, m_x, p_s, k, R: gl.constexpr):
     # a step's operands at column k: the words, x's tile and the rows' scales
     kc = gl.multiple_of(k // 32, R)                                   # (keeps the 16-byte loads)
@@ -135,11 +160,7 @@ def w4_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, W: gl.constexpr, R
     # in order (its acq_rel add, after every thread has stored, orders the parts before its reads)
     BM: gl.constexpr = 16 * W * MT
     BK: gl.constexpr = 32 * R
-    pid = gl.program_id(0)
-    i_n = pid // S
-    k_lo = (pid % S) * KS
-    k_hi = gl.minimum(k_lo + KS, K)
-    last = k_hi - BK
+    pid, i_n, k_lo, k_hi, last = _part(K, KS, S, BK)
     # the words, pack()'s P[nt, h, g, q, kc]: a tile's rows 0..7 (h 0) and 8..15 (h 1)
     L4: gl.constexpr = gl.SliceLayout(4, LW)
     mi = gl.arange(0, MT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
@@ -152,11 +173,7 @@ def w4_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, W: gl.constexpr, R
     p_lo = w + (row[:, :, :, None] * KC + ri[None, None, None, :])[:, :, :, :, None] + qi[None, None, None, None, :] * KC
     p_hi = p_lo + 32 * KC
     # x's tile, a lane's 32 columns contiguous (x_layout)
-    tx = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
-    qx = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))
-    ix = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX)))
-    p_x = x + (tx[:, None] * s_x + qx[None, :] * 32)[:, :, None] + ix[None, None, :]
-    m_x = (tx[:, None, None] < T) & (ix[None, None, :] >= 0)
+    p_x, m_x = _x_pointers(x, T, s_x, LX)
     ns = i_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     p_s = s + ns * (K // GROUP)
     acc = gl.zeros([BM, 8], gl.float32, MMA)
