@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from probe_int4_gluon import (SIGNATURE, _finish, _part, _x_operand, _x_pointers, compile_variants, engine_product, gpu_setup, parse_args,
+from probe_int4_gluon import (SIGNATURE, _finish, _part, _tiles, _x_operand, _x_pointers, compile_variants, engine_product, gpu_setup, parse_args,
                               slots, split, time_shape, workspace, x_layout)
 
 try:
@@ -101,13 +101,9 @@ def fp8_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, s_s, W: gl.conste
     # pack()'s P[nt, g, q, kc, (j2 j1)]
     L5: gl.constexpr = gl.SliceLayout(5, LW)
     L4: gl.constexpr = gl.SliceLayout(4, L5)
-    mi = gl.arange(0, MT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
-    wi = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
-    gi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
-    ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
     qi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L5)))))
     ji = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, LW))))))
-    nt = (i_n * MT + mi[:, None]) * W + wi[None, :]                                   # [MT, W]
+    nt, gi, ri = _tiles(i_n, L4, MT, W, R)                                        # nt [MT, W]
     row = (nt[:, :, None] * 8 + gi[None, None, :]) * 4                                # [MT, W, 8]
     o_w = (row[:, :, :, None] * (KC * 4) + ri[None, None, None, :] * 4)[:, :, :, :, None] + qi[None, None, None, None, :] * (KC * 4)
     p_w = w + o_w[:, :, :, :, :, None] + ji[None, None, None, None, None, :]

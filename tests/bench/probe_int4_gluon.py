@@ -115,6 +115,17 @@ def _x_operand(x, BK: gl.constexpr, LB: gl.constexpr):
 
 
 @gluon.jit
+def _tiles(i_n, L4: gl.constexpr, MT: gl.constexpr, W: gl.constexpr, R: gl.constexpr):
+    # over the words' first four axes [MT, W, 8, R] (layout L4): block i_n's tiles of 16 rows nt
+    # [MT, W] (warp w's r-th: r W + w), and the aranges of g and of the spans
+    mi = gl.arange(0, MT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    wi = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
+    gi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
+    ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    return (i_n * MT + mi[:, None]) * W + wi[None, :], gi, ri
+
+
+@gluon.jit
 def _part(K, KS, S: gl.constexpr, BK: gl.constexpr):
     # program pid's column block and its part of K (the first and last step's columns, the end)
     pid = gl.program_id(0)
@@ -153,22 +164,18 @@ def _mma_step(acc, lo, hi, b, sc, BM: gl.constexpr, BK: gl.constexpr, MMA: gl.co
 def w4_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, W: gl.constexpr, R: gl.constexpr,
             MT: gl.constexpr, DEPTH: gl.constexpr, S: gl.constexpr, MMA: gl.constexpr, LA: gl.constexpr,
             LB: gl.constexpr, LX: gl.constexpr, LW: gl.constexpr):
-    # program pid: rows of block pid // S, K from (pid % S) KS to the lesser of that + KS and K;
-    # a warp MT tiles of 16 rows beside one x tile; DEPTH steps' operands (words, x, scales) in
-    # flight ahead of the one multiplied; with S > 1 each
-    # part leaves its float32 sums in ws[pid] and the last of a block's S parts to arrive adds them
-    # in order (its acq_rel add, after every thread has stored, orders the parts before its reads)
+    # program pid: rows of block pid // S, K from (pid % S) KS to the lesser of that + KS and K; a
+    # warp MT tiles of 16 rows beside one x tile; DEPTH steps' operands (words, x, scales) in flight
+    # ahead of the one multiplied; with S > 1 each part leaves its float32 sums in ws[pid] and the
+    # last of a block's S parts to arrive adds them in order (its acq_rel add, after every thread
+    # has stored, orders the parts before its reads: _finish)
     BM: gl.constexpr = 16 * W * MT
     BK: gl.constexpr = 32 * R
     pid, i_n, k_lo, k_hi, last = _part(K, KS, S, BK)
     # the words, pack()'s P[nt, h, g, q, kc]: a tile's rows 0..7 (h 0) and 8..15 (h 1)
     L4: gl.constexpr = gl.SliceLayout(4, LW)
-    mi = gl.arange(0, MT, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
-    wi = gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
-    gi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
-    ri = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
     qi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, LW)))))
-    nt = (i_n * MT + mi[:, None]) * W + wi[None, :]                                   # [MT, W]
+    nt, gi, ri = _tiles(i_n, L4, MT, W, R)                                        # nt [MT, W]
     row = (nt[:, :, None] * 16 + gi[None, None, :]) * 4                               # [MT, W, 8]
     p_lo = w + (row[:, :, :, None] * KC + ri[None, None, None, :])[:, :, :, :, None] + qi[None, None, None, None, :] * KC
     p_hi = p_lo + 32 * KC
