@@ -435,19 +435,20 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
           rows: int = PREFILL_ROWS) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages) of an expert product: the plan's expert_tiles rule where it gives one,
     else a function of the product, the phase, the weight format and the activations' width, in a
-    step never of the number of rows (a 4-bit prefill's: of its blocks' `rows`; tests/bench/bench_moe.py measured the step's at the 35B-A3B's shapes on
-    an H100). FP8 tiles lie inside one 128 x 128 block of scales, or span two along K (BK 256, taken a
-    block at a time: fp8.fp8_run; a rule's only); float32 tiles are smaller, to fit
-    in shared memory. 4-bit experts, int4 = (N, K, group) of one expert's product: the plan's
-    int4_tiles rule ("expert_swiglu", "expert_down"), else in a step the measured tile
-    (int4.measured; interleaved experts: their own) and in a prefill one for its blocks of `rows`
-    pairs (ProductPlan.prefill_block_rows): blocks of 16 the SwiGLU 64 x 256 and the down 64 x 128
-    weights, 4 warps; of 32 or 64 both 128 x 128, 8 warps (tests/bench/probe_moe_prefill.py, the
-    35B-A3B on an H200: a 128-token chunk's two products 163 us against 1,600 for 64 x 128 over
-    blocks of 64; a 2,048-token one's 550 against 1,046), the depth cut by an estimate of what a
-    stage takes (ProductPlan.depth; an unpack form's own buffers are not counted). A step's FP8 SwiGLU stacked (ProductPlan.expert_stacked)
-    takes 32 columns (bench_moe.py --stacked both, H100, 2026-11-27, a decode's 8 experts: 16.6 us
-    against 16.9 for the 64 apart, 22.8 for 32 apart; a verify's 30: 28.6 against 32.1)."""
+    step never of the number of rows (a 4-bit prefill's: of its blocks' `rows`). tests/bench/
+    bench_moe.py measured the step's at the 35B-A3B's shapes on an H100. FP8 tiles lie inside one
+    128 x 128 block of scales, or span two along K (BK 256, taken a block at a time: fp8.fp8_run; a
+    rule's only); float32 tiles are smaller, to fit in shared memory. 4-bit experts, int4 = (N, K,
+    group) of one expert's product: the plan's int4_tiles rule ("expert_swiglu", "expert_down"),
+    else in a step the measured tile (int4.measured; interleaved experts: their own) and in a
+    prefill one for its blocks of `rows` pairs (ProductPlan.prefill_block_rows): blocks of 16 the
+    SwiGLU 64 x 256 and the down 64 x 128 weights, 4 warps; of 32 or 64 both 128 x 128, 8 warps
+    (tests/bench/probe_moe_prefill.py, the 35B-A3B on an H200: a 128-token chunk's two products 153
+    us against 1,600 for 64 x 128 over blocks of 64; a 2,048-token one's 550 against 1,046), the
+    depth cut by an estimate of what a stage takes (ProductPlan.depth; an unpack form's own buffers
+    are not counted). A step's FP8 SwiGLU stacked (ProductPlan.expert_stacked) takes 32 columns
+    (bench_moe.py --stacked both, H100, 2026-11-27, a decode's 8 experts: 16.6 us against 16.9 for
+    the 64 apart, 22.8 for 32 apart; a verify's 30: 28.6 against 32.1)."""
     if int4 is not None:
         rule4 = plan.int4_tiles if plan is not None else None
         chosen = rule4("expert_" + product, *int4) if rule4 is not None else None

@@ -133,10 +133,10 @@ class ProductPlan:
                                     # layer's SwiGLU and down, FP8 105 / 238 / 314 / 633 us against blocks of 64's 163 /
                                     # 369 / 382 / 633, bf16 160 / 379 / 404 / 592 against 182 / 403 / 420 / 592 (H200,
                                     # tests/bench/probe_moe_prefill.py)
-    int4_moe_prefill_blocks: tuple[int, int] = (32, 128)   # the same over 4-bit experts, whose blocks of 64 took
-                                    # 4-7 x the time of 16 up to 512 tokens: 16 / 128 / 512 / 1,024 / 2,048 / 8,192
-                                    # tokens 88 / 180 / 229 / 323 / 550 / 1,535 us against 518 / 1,600 / 1,340 / 591 /
-                                    # 696 / 1,535 (each block size with its tile: moe.tiles)
+    int4_moe_prefill_blocks: tuple[int, int] = (32, 128)   # the same over 4-bit experts, each block size on its
+                                    # tiles (moe.tiles): 16 / 128 / 512 / 1,024 / 2,048 / 8,192 tokens 70 / 153 / 229 /
+                                    # 323 / 550 / 1,535 us against blocks of 64 on the earlier 64 x 128 tile's 518 /
+                                    # 1,600 / 1,340 / 961 / 1,046 / 2,033 (the same probe)
     int4_prefill: str = "dense"     # prefill's 4-bit products (kernels/int4_gemm.py): "dense" (a dequantized
                                     # slab, then torch's matmul: 1.27-1.34 x bf16 at 2048 rows, H100), "fp8" (a
                                     # slab requantized to FP8 blocks, x's rows in FP8, cuBLAS's block-scaled product;
