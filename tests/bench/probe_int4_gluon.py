@@ -18,8 +18,8 @@ lane's 32 columns of x contiguous, so x's tile comes in 16-byte loads too. Gluon
 unpacked tile is already in the operand's layout (assert_trivial). Variants: W x R [m MT] [p | pp]
 [/ the warps an SM a split aims at].
 
-Measured on an H200 (docs/PERFORMANCE.md, 2026-11-28 (eighth)): 1.3-2 x the engine's Triton
-products at every shape of the 27B and every variant, the wide products included; the bytes in
+Measured on an H200 (docs/PERFORMANCE.md, 2026-11-28 (eighth)): its best variants 1.5-1.8 x the
+time of the engine's Triton products at every shape of the 27B, the wide products included; the bytes in
 flight live in registers (97-168 a thread), which bounds the warps an SM holds. Kept as the record
 of that form.
     cd tests/bench && python3 probe_int4_gluon.py                  # GPU: against float32, then timed
