@@ -18,8 +18,7 @@ scale.
 Checked on the GPU as the 4-bit probe checks (float32 of the dequantized weight; row 0's bits at T
 = 1 and 8), timed beside the engine's FP8 product of each of the 27B's shapes. Measured on an H200
 (docs/PERFORMANCE.md, 2026-11-28 (eighth)): its best variants 1.2-1.7 x the engine's time at
-every shape; kept as the
-record of that form.
+every shape; kept as the record of that form.
 """
 from __future__ import annotations
 
