@@ -8,7 +8,7 @@ The words (`pack`): lane (g, q) of a warp holds, for each 32-wide span of K, the
 and g + 8 of its 16 at k = 2q + j0 + 8 j1 + 16 j2, four words: word (j2, j1) holds bytes (row g,
 k), (row g, k + 1), (row g + 8, k), (row g + 8, k + 1), which are the operand's a0 a1 / a2 a3
 registers. R = 4 spans a step (128 columns: one scale block) are 64 contiguous bytes a thread,
-the columns in probe_int4_gluon's `slots` order. The programs, the split, the steps in flight and
+the columns in gluon_gemv.slots order. The programs, the split, the steps in flight and
 the variants are the 4-bit probe's; each step's sum is scaled once in float32 by each row's block
 scale.
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 import sys
 
 import torch
-from probe_int4_gluon import (SIGNATURE, _finish, _part, _tiles, _x_operand, _x_pointers, compile_variants, engine_product, gpu_setup, parse_args,
-                              slots, split, time_shape, workspace, x_layout)
+from gluon_gemv import (SIGNATURE, _finish, _part, _tiles, _x_operand, _x_pointers, compile_variants, engine_product,
+                        gpu_setup, parse_args, slots, split, time_shape, workspace, x_layout)
 
 try:
     from triton.experimental import gluon
@@ -41,7 +41,7 @@ ROWS = 8         # the most tokens (mma's N)
 
 
 def layouts(W: int, R: int, MT: int = 1):
-    """The MMA accumulator, its operands, x's tile as loaded (probe_int4_gluon.x_layout) and the words'
+    """The MMA accumulator, its operands, x's tile as loaded (gluon_gemv.x_layout) and the words'
     layout [MT, W, 8, R, 4 (q), 4 (j2 j1)]: the four words of a span, the R spans and a warp's MT
     tiles of 16 rows (tile r W + w for warp w) in a thread's registers, lanes (q, g)."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
@@ -107,7 +107,7 @@ def fp8_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, s_s, W: gl.conste
     row = (nt[:, :, None] * 8 + gi[None, None, :]) * 4                                # [MT, W, 8]
     o_w = (row[:, :, :, None] * (KC * 4) + ri[None, None, None, :] * 4)[:, :, :, :, None] + qi[None, None, None, None, :] * (KC * 4)
     p_w = w + o_w[:, :, :, :, :, None] + ji[None, None, None, None, None, :]
-    # x's tile, a lane's 32 columns contiguous (probe_int4_gluon.x_layout)
+    # x's tile, a lane's 32 columns contiguous (gluon_gemv.x_layout)
     p_x, m_x = _x_pointers(x, T, s_x, LX)
     ns = i_n * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, MMA))
     p_s = s + (ns // SCALE_BLOCK) * s_s
@@ -136,7 +136,7 @@ def fp8_gemv(x, w, s, y, ws, count, T, N, K, KC, KS, s_x, s_y, s_s, W: gl.conste
 def pack(w8: torch.Tensor) -> torch.Tensor:
     """e4m3 weights [N, K] -> the words P [N/16, 8, 4, K/32, 4] int32: byte 2 h + j0 of word
     [nt, g, q, kc, 2 j2 + j1] is row 16 nt + 8 h + g, slot k = 32 kc + 16 j2 + 8 j1 + 2 q + j0, which
-    holds column slots(K)[k] (probe_int4_gluon.slots: a lane's x columns contiguous)."""
+    holds column slots(K)[k] (gluon_gemv.slots: a lane's x columns contiguous)."""
     N, K = w8.shape
     assert N % 16 == 0 and K % BLOCK == 0, "N a multiple of 16, K of 128"
     b = w8.view(torch.uint8)[:, slots(K, w8.device)].reshape(N // 16, 2, 8, K // 32, 2, 2, 4, 2)      # nt, h, g, kc, j2, j1, q, j0
@@ -180,10 +180,8 @@ def main():
                                 ("ld.global.v4", "ld.global.b32", "prmt.b32", "fma.rn.bf16x2", "mma.sync", "ld.shared",
                                  "shfl", "atom"), variants)
     from probe_int4_libraries import SHAPES, copies_for
-    import probe_int4_gluon
     from mtpchat.kernels import fp8
     bw, plan, gen = gpu_setup()
-    probe_int4_gluon.SMS = torch.cuda.get_device_properties(0).multi_processor_count
     for name, N, K, kind in SHAPES:
         q = fp8.quantize_ref(torch.randn(N, K, device="cuda", generator=gen) * 0.02)
         P = pack(q.w)
