@@ -192,10 +192,9 @@ class Engine:
         verify of k+1 rows costs about one decode step on a GPU, several on a CPU). The median of
         `steps` greedy steps each, after one untimed; the decode state is empty again after. (A
         larger k, eager, is timed by the policy when it first runs.) On a GPU a prompt that no graph
-        route takes is prefilled first (decoder.eager_prefill_length: 459 tokens on a bf16 or FP8
-        model, whose first prompt may take the early chunks, 203 on a dense 4-bit one, 75 on a 4-bit
-        MoE), so the eager chunks' own kernels (prefill attention's) compile here, not in the first
-        long turn."""
+        route takes is prefilled first (decoder.eager_prefill_length: 459 tokens on a bf16, FP8 or
+        4-bit MoE model, whose first prompt may take the early chunks, 203 on a dense 4-bit one), so
+        the eager chunks' own kernels (prefill attention's) compile here, not in the first long turn."""
         top = min(self.k_max, CAPTURED_K)
         need = (top + 1) * (steps + 1) + 32
         if self.head is None or need >= self.max_context:

@@ -427,9 +427,9 @@ def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool, four_bit_rows: int = P
     being a small part of it (the 35B-A3B int4's pool 180 -> 228 MiB, and its turn of 128 / 200
     tokens after 8K 121.4 / 112.8 ms eager -> 39.0 / 69.8 through chunks of 128 and 128 + 64 + 8,
     an H200, probe_turn.py); none where four_bit_rows is 0."""
-    if not four_bit:
+    if not four_bit or (cfg.is_moe and four_bit_rows > 0):
         return PREFILL_GRAPHS
-    return tuple(T for T in PREFILL_GRAPHS if T <= four_bit_rows or (cfg.is_moe and four_bit_rows > 0))
+    return tuple(T for T in PREFILL_GRAPHS if T <= four_bit_rows)
 
 
 def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:

@@ -162,8 +162,8 @@ class KernelPlan:
     #   generation prompt after 8K, the 27B FP8: 187.7 -> 36.7 ms (an H200, probe_turn.py
     #   --generation-prompt 5, 2026-11-28).
     # - prefill_graphs: chunk sizes whose prefill forward is captured at load (memory.PREFILL_GRAPHS;
-    #   every size for a bf16 or FP8 model, dense or MoE, a 4-bit model's up to its plan's
-    #   int4_prefill_rows: memory.prefill_graph_sizes), its start read on the device
+    #   every size for a bf16 or FP8 model, dense or MoE, and for a 4-bit MoE; a dense 4-bit
+    #   model's up to its plan's int4_prefill_rows: memory.prefill_graph_sizes), its start read on the device
     #   (attention by the steps' kernel, which splits the keys); a longer prefill goes as at most
     #   prefill_pieces of them, the largest that fit, then at most step_prefill step pieces for the
     #   rest (decoder.prefill_pieces). Such a turn of 16 / 50 / 120 tokens then the generation
@@ -189,8 +189,10 @@ class KernelPlan:
     #   goes eager (512 + 128 + 96 would leave 15 of 751).
     # - prefill_early_beside (a candidate, 0: off): that many early chunks beside prefill_pieces
     #   rather than among them (1: a first prompt of 11..1,034 tokens through graphs but for 42
-    #   lengths from 971, four chunks at most). Not timed: whether a fourth chunk beats one eager
-    #   chunk depends on the host's launch time (some 100 us on an H200's, less on a desktop's).
+    #   lengths from 971, four chunks at most). It lost where timed: the 27B FP8's first prompts of
+    #   470 / 500 / 740 / 800 tokens 92.0 / 83.8 / 87.6 / 77.9 ms against 59.0 / 67.2 / 83.0 / 74.3
+    #   (one eager chunk at 470 and 500: a fourth chunk reads every weight again), on an H200 whose
+    #   host launched at 26-33 us (tests/bench/probe_turn.py, 2026-11-28); a slower host might differ.
     # 0 / () : every prefill chunked (a CPU, where no graph saves the launches).
     step_prefill: int = 0
     prefill_graphs: tuple = ()

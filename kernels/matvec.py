@@ -505,8 +505,9 @@ def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | Non
     return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, False, plan, BT)
 
 
-def _prefill_buffer(BN: int, BK: int, BT: int, itemsize: int) -> int:
-    """The bytes of one pipelined buffer of matvec_prefill: w's tile (4 bits a weight) and x's [BK, BT]."""
+def int4_buffer(BN: int, BK: int, BT: int, itemsize: int) -> int:
+    """The bytes of one pipelined buffer of a product over 4-bit weights: w's [BN, BK] tile (4 bits a
+    weight) and x's [BK, BT] (matvec_prefill's; kernels/moe.py's prefill experts' a dot)."""
     return BN * BK // 2 + BK * BT * itemsize
 
 
@@ -516,7 +517,7 @@ def prefill_tile(w: GroupInt4, BT: int, itemsize: int, plan: ProductPlan) -> tup
     tile and x's [BK, BT] fit the device's shared memory a program."""
     BN, BK, warps, stages = plan.int4_prefill_tile
     BK = triton.cdiv(BK, w.group) * w.group
-    return BN, BK, warps, plan.depth(stages, _prefill_buffer(BN, BK, BT, itemsize))
+    return BN, BK, warps, plan.depth(stages, int4_buffer(BN, BK, BT, itemsize))
 
 
 def prefill_fits(T: int, w: GroupInt4, itemsize: int, plan: ProductPlan) -> bool:
@@ -525,7 +526,7 @@ def prefill_fits(T: int, w: GroupInt4, itemsize: int, plan: ProductPlan) -> bool
     do not on a 99 KB GPU in bf16 (the slab forms then take the product)."""
     BT = max(16, triton.next_power_of_2(T))
     BN, BK, _, stages = prefill_tile(w, BT, itemsize, plan)
-    return (stages - 1) * _prefill_buffer(BN, BK, BT, itemsize) <= plan.shared_memory - PIPELINE_SLACK
+    return (stages - 1) * int4_buffer(BN, BK, BT, itemsize) <= plan.shared_memory - PIPELINE_SLACK
 
 
 def matvec_prefill(x: torch.Tensor, w: GroupInt4, plan: ProductPlan) -> torch.Tensor:

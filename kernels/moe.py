@@ -43,7 +43,7 @@ from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
-from mtpchat.kernels.matvec import Normed, _scale_args, arrival_counts
+from mtpchat.kernels.matvec import Normed, _scale_args, arrival_counts, int4_buffer
 from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import PREFILL_ROWS, STEP_ROWS, Layout, StepLayout, _block, _layout_args, count_reads
 
@@ -459,7 +459,7 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
             # block size; a stage counted with x's tile once per dot (the SwiGLU's two take it twice)
             wide = product == "swiglu" and rows <= 16 and int4[2] <= 128
             BN, BK, warps = (64, 256 if wide else 128, 4) if rows <= 16 else (128, 128, 8)
-            stage = (2 if product == "swiglu" else 1) * (BN * BK // 2 + rows * BK * itemsize)
+            stage = (2 if product == "swiglu" else 1) * int4_buffer(BN, BK, rows, itemsize)
             return BN, BK, warps, (plan or ProductPlan(programs=1)).depth(3, stage)
         return chosen or measured("expert_" + product, *int4[:2], interleaved)[0]
     rule = plan.expert_tiles if plan is not None else None

@@ -110,14 +110,14 @@ def test_a_short_prefill_goes_in_graph_sized_chunks_and_step_pieces():
         n = eager_prefill_length(5, 2, sizes_, most)
         assert prefill_pieces(n, 5, 2, sizes_, most) is None and prefill_pieces(n - 1, 5, 2, sizes_, most) is not None
     assert [eager_prefill_length(5, 2, s_, 2) for s_ in (PREFILL_GRAPHS, PREFILL_GRAPHS[:-2], ())] == [267, 139, 11]
-    # the GPU plans' (KernelPlan.choose) without their early chunks: a bf16 or FP8 model, a dense 4-bit
-    # one, a 4-bit MoE; then with them (a prompt from an empty cache may take them)
-    assert [eager_prefill_length(5, 2, s_, m) for s_, m in ((PREFILL_GRAPHS, 3), (PREFILL_GRAPHS[:-2], 3),
-                                                             (PREFILL_GRAPHS[:-2], 1))] == [395, 203, 75]
-    early = [eager_prefill_length(5, 2, s_, m, EARLY_GRAPHS, EARLY_ROWS)
-             for s_, m in ((PREFILL_GRAPHS, 3), (PREFILL_GRAPHS[:-2], 3), (PREFILL_GRAPHS[:-2], 1))]
+    # the GPU plans' (KernelPlan.choose) without their early chunks: a bf16, FP8 or 4-bit MoE model, a
+    # dense 4-bit one, and a plan of one chunk at most; then with them (a prompt from an empty cache
+    # may take them)
+    gpu_plans = ((PREFILL_GRAPHS, 3), (PREFILL_GRAPHS[:-2], 3), (PREFILL_GRAPHS[:-2], 1))
+    assert [eager_prefill_length(5, 2, s_, m) for s_, m in gpu_plans] == [395, 203, 75]
+    early = [eager_prefill_length(5, 2, s_, m, EARLY_GRAPHS, EARLY_ROWS) for s_, m in gpu_plans]
     assert early == [459, 203, 75]
-    for n, (s_, m) in zip(early, ((PREFILL_GRAPHS, 3), (PREFILL_GRAPHS[:-2], 3), (PREFILL_GRAPHS[:-2], 1))):
+    for n, (s_, m) in zip(early, gpu_plans):
         assert prefill_pieces(n, 5, 2, s_, m, 0, EARLY_GRAPHS, EARLY_ROWS) is None
     assert eager_prefill_length(5, 0, (), 2) == 1                     # the CPU's plan: every prefill eager
     # the GPU's sizes
