@@ -105,6 +105,16 @@ def split(blocks: int, KI: int, W: int, per_sm: int) -> tuple[int, int]:
     return -(-KI // KS), KS
 
 
+def programs(N: int, K: int, variant: tuple, device) -> tuple:
+    """A launch of a probe's kernel over N rows and K columns: (grid, S, the columns a part takes,
+    the parts' sums, the blocks' arrival counts); a step is 32 R columns."""
+    W, R, MT, _, per_sm = variant
+    blocks = N // (16 * W * MT)
+    S, KS = split(blocks, K // (32 * R), W, per_sm)
+    ws, count = workspace(device, blocks * S * 16 * W * MT * 8, blocks)
+    return (blocks * S,), S, KS * 32 * R, ws, count
+
+
 _spaces: dict = {}
 
 

@@ -26,7 +26,7 @@ import sys
 
 import torch
 from gluon_gemv import (SIGNATURE, _finish, _part, _tiles, _x_operand, _x_pointers, compile_variants, engine_product,
-                        gpu_setup, parse_args, slots, split, time_shape, workspace, x_layout)
+                        gpu_setup, parse_args, programs, slots, time_shape, x_layout)
 
 try:
     from triton.experimental import gluon
@@ -156,19 +156,16 @@ def unpack(P: torch.Tensor) -> torch.Tensor:
 
 def run(x: torch.Tensor, P: torch.Tensor, scale: torch.Tensor, variant: tuple, out: torch.Tensor | None = None
         ) -> torch.Tensor:
-    W, R, MT, depth, per_sm = variant
+    W, R, MT, depth, _ = variant
     T, K = x.shape
     N = P.shape[0] * 16
     assert T <= ROWS and R * 32 == BLOCK and K % BLOCK == 0 and N % (16 * W * MT) == 0
     assert x.stride(1) == 1 and scale.stride(1) == 1
     y = out if out is not None else torch.empty(T, N, dtype=x.dtype, device=x.device)
-    blocks = N // (16 * W * MT)
-    S, KS = split(blocks, K // BLOCK, W, per_sm)
-    ws, count = workspace(x.device, blocks * S * 16 * W * MT * 8, blocks)
+    grid, S, KS, ws, count = programs(N, K, variant, x.device)
     mma, a, b, lx, lw = layouts(W, R, MT)
-    fp8_gemv[(blocks * S,)](x, P, scale, y, ws, count, T, N, K, K // 32, KS * BLOCK, x.stride(0), y.stride(0),
-                            scale.stride(0), W=W, R=R, MT=MT, DEPTH=depth, S=S, MMA=mma, LA=a, LB=b, LX=lx, LW=lw,
-                            num_warps=W)
+    fp8_gemv[grid](x, P, scale, y, ws, count, T, N, K, K // 32, KS, x.stride(0), y.stride(0), scale.stride(0), W=W,
+                   R=R, MT=MT, DEPTH=depth, S=S, MMA=mma, LA=a, LB=b, LX=lx, LW=lw, num_warps=W)
     return y
 
 
