@@ -36,6 +36,13 @@ def slots(K: int, device=None) -> torch.Tensor:
     return (torch.arange(0, K, 128, device=device)[:, None] + within[None, :]).flatten()
 
 
+def unslot(v: torch.Tensor) -> torch.Tensor:
+    """Columns [N, K] in slots order (v[:, k] = w[:, slots(K)[k]]) back in their own order."""
+    out = torch.empty_like(v)
+    out[:, slots(v.shape[1], v.device)] = v
+    return out
+
+
 @gluon.jit
 def _x_operand(x, BK: gl.constexpr, LB: gl.constexpr):
     # x_layout's tile -> the B operand [BK, 8], rows k = 16 c + 8 h + 2 q + j

@@ -26,7 +26,7 @@ import sys
 
 import torch
 from gluon_gemv import (SIGNATURE, _finish, _part, _tiles, _x_operand, _x_pointers, compile_variants, engine_product,
-                        gpu_setup, parse_args, programs, slots, time_shape, x_layout)
+                        gpu_setup, parse_args, programs, slots, time_shape, unslot, x_layout)
 
 try:
     from triton.experimental import gluon
@@ -148,10 +148,7 @@ def unpack(P: torch.Tensor) -> torch.Tensor:
     """pack's inverse: the bytes [N, K] as uint8."""
     NT, _, _, KC, _ = P.shape
     b = P.contiguous().view(torch.uint8).view(NT, 8, 4, KC, 2, 2, 2, 2)    # nt, g, q, kc, j2, j1, h, j0
-    b = b.permute(0, 6, 1, 3, 4, 5, 2, 7).reshape(NT * 16, KC * 32)
-    out = torch.empty_like(b)
-    out[:, slots(KC * 32, P.device)] = b
-    return out
+    return unslot(b.permute(0, 6, 1, 3, 4, 5, 2, 7).reshape(NT * 16, KC * 32))
 
 
 def run(x: torch.Tensor, P: torch.Tensor, scale: torch.Tensor, variant: tuple, out: torch.Tensor | None = None

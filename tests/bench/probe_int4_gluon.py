@@ -36,7 +36,7 @@ import sys
 
 import torch
 from gluon_gemv import (SIGNATURE, _finish, _part, _tiles, _x_operand, _x_pointers, compile_variants, engine_product,
-                        gpu_setup, parse_args, programs, slots, time_shape, x_layout)
+                        gpu_setup, parse_args, programs, slots, time_shape, unslot, x_layout)
 
 try:
     from triton.experimental import gluon
@@ -169,10 +169,7 @@ def unpack(P: torch.Tensor) -> torch.Tensor:
     shifts = 4 * torch.arange(8, device=P.device)
     v = (P.to(torch.int64)[..., None] >> shifts) & 15                       # nt, h, g, q, kc, slot
     v = v.view(NT, 2, 8, 4, KC, 2, 2, 2).permute(0, 1, 2, 4, 6, 7, 3, 5)   # nt, h, g, kc, j2, j1, q, j0
-    v = v.reshape(NT * 16, KC * 32)
-    out = torch.empty_like(v)
-    out[:, slots(KC * 32, P.device)] = v
-    return out
+    return unslot(v.reshape(NT * 16, KC * 32))
 
 
 def run(x: torch.Tensor, P: torch.Tensor, scale: torch.Tensor, variant: tuple, out: torch.Tensor | None = None
