@@ -314,10 +314,13 @@ def tiles(N: int, K: int, itemsize: int, swiglu: bool = False, fp8: bool = False
     tests/bench/bench_fp8.py, ab_step.py --plans fp8glu).
 
     4-bit weights in groups of `group` columns (kernels/int4.py; BK counts weights, 2 a byte), or
-    `interleaved` ones: the plan's int4_tiles rule, else the measured tiles (int4.measured)."""
+    `interleaved` ones: the plan's int4_tiles rule, else the measured tiles (int4.measured) but where
+    the plan names an interleaved SwiGLU's (int4_glu_tile: 3 deep on an H200)."""
     if group:
         product = "swiglu" if swiglu else "plain"
         chosen = plan.int4_tiles(product, N, K, group) if plan is not None and plan.int4_tiles is not None else None
+        if chosen is None and swiglu and interleaved and plan is not None:
+            chosen = plan.int4_glu_tile
         return chosen or measured(product, N, K, interleaved)[0]
     chosen = plan.tiles(N, K, itemsize, swiglu, fp8) if plan is not None and plan.tiles is not None else None
     if chosen is not None:

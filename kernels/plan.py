@@ -5,12 +5,14 @@ module-level switch, so two engines in one process can differ, and a CUDA graph 
 plan keeps it.
 
 The defaults are the forms measured fastest on an H100 (docs/PERFORMANCE.md), and on an H200 where
-they differ (fp8_two_blocks). None of a step's forms is a function of the number of rows, so a
-row's result never depends on how many rows a call holds; a prefill's need not hold to that (its
-4-bit few-row product pads its rows to 16, 32 or 64: int4_prefill_rows).
+they differ (_default: fp8_two_blocks, expert_glu_tile, int4_glu_tile). None of a step's forms is a
+function of the number of rows, so a row's result never depends on how many rows a call holds; a
+prefill's need not hold to that (its 4-bit few-row product pads its rows to 16, 32 or 64:
+int4_prefill_rows).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -74,6 +76,18 @@ class ProductPlan:
                                     # 27B's decode step 0.987 x on an H100 and 0.990 x on an H200 for the plain
                                     # ones; the SwiGLU 1.011 x on an H100 but 0.965 x on an H200, so there too
                                     # (default_products; tests/bench/ab_step.py --plans fp8tiles)
+    expert_glu_tile: tuple[int, int, int, int] = (32, 128, 4, 3)   # a step's FP8 expert SwiGLU stacked: (BN, BK,
+                                    # warps, stages), 32 columns (moe.tiles). On an H200 16 columns, 2 warps, 4 deep:
+                                    # 288 programs of a decode's 9 experts where 144 leave a second wave of 12 on 132
+                                    # SMs; the 35B-A3B FP8's decode step 0.979 x, verify 3 0.997 x, draft 3 0.989 x
+                                    # (twice; 3 deep 0.981 / 0.995 / 0.985, 8 deep 1.030 x, 1 warp 1.021 x, 16 x 256
+                                    # 1.023 x: tests/bench/ab_step.py --plans fp8tiles, 2026-11-28)
+    int4_glu_tile: tuple[int, int, int, int] | None = None    # a step's SwiGLU over interleaved 4-bit weights
+                                    # (matvec.tiles); None: int4.measured's, timed on an H100 (32 x 512, 2 warps, 2
+                                    # deep). On an H200 3 deep: the 27B's gate|up alone 35.3 us against 39.9
+                                    # (bench_int4.py --interleaved-only), its int4 decode step 0.977 x, verify 3
+                                    # 0.976 x, draft 3 0.988 x, the same logits (ab_step.py --plans int4tiles,
+                                    # 2026-11-28); on an H100 3 deep took the step 1.017 x
     expert_stacked: bool = True     # a step's MoE expert SwiGLU (bf16 and FP8 experts) takes a tile's gate and up
                                     # rows as one tile, one dot a K step (moe._swiglu_stacked): one chain of matrix
                                     # instructions a step where there were two, each waited for; the FP8 tile then
@@ -210,8 +224,12 @@ def default_products(device: torch.device | str) -> ProductPlan:
 @functools.cache
 def _default(kind: str, index: int | None) -> ProductPlan:
     device = torch.device(kind, index)
-    # the FP8 SwiGLU's runs of two scale blocks won on an H200 (HBM3e) and lost on an H100 (a GH200
-    # is neither: unmeasured, it keeps the H100's choice)
-    glu = kind == "cuda" and re.search(r"\bH200\b", torch.cuda.get_device_name(device)) is not None
-    return ProductPlan(programs=programs_on(device), shared_memory=block_shared_memory(device),
-                       fp8_two_blocks=("plain", "swiglu") if glu else ("plain",))
+    # on an H200 (HBM3e, 4.3 TB/s against an H100's 3.0, the same SMs) the SwiGLUs' tiles measured
+    # otherwise: the FP8 one's runs of two scale blocks (they lost on an H100), the FP8 experts' on 16
+    # columns, the 4-bit one's 3 deep (fields above). A GH200 is neither: unmeasured, it keeps the H100's
+    h200 = kind == "cuda" and re.search(r"\bH200\b", torch.cuda.get_device_name(device)) is not None
+    plan = ProductPlan(programs=programs_on(device), shared_memory=block_shared_memory(device))
+    if h200:
+        plan = dataclasses.replace(plan, fp8_two_blocks=("plain", "swiglu"), expert_glu_tile=(16, 128, 2, 4),
+                                   int4_glu_tile=(32, 512, 2, 3))
+    return plan

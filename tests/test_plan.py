@@ -186,17 +186,22 @@ def test_4_bit_prefill_takes_the_fp8_tensor_cores_where_they_serve(gqa3, monkeyp
 
 @pytest.mark.parametrize("name,glu", [("NVIDIA H200", True), ("NVIDIA H100 80GB HBM3", False),
                                       ("NVIDIA GH200 480GB", False)])
-def test_the_fp8_swiglu_takes_two_blocks_on_an_h200_only(monkeypatch, name, glu):
-    # measured (ab_step.py --plans fp8tiles): the SwiGLU's two scale blocks a step 0.965 x on an H200,
-    # 1.011 x on an H100; the plain products' everywhere; a GH200 (unmeasured) as an H100
+def test_the_swiglus_take_the_h200s_tiles_on_an_h200_only(monkeypatch, name, glu):
+    # measured (ab_step.py --plans fp8tiles / int4tiles): the FP8 SwiGLU's two scale blocks a step
+    # 0.965 x on an H200, 1.011 x on an H100; the plain products' everywhere; the FP8 experts' SwiGLU
+    # on 16 columns and the 4-bit SwiGLU 3 deep timed on an H200 alone; a GH200 (unmeasured) as an H100
     from mtpchat.kernels import plan as kplan
-    assert kplan.default_products("cpu").fp8_two_blocks == ("plain",)
+    cpu = kplan.default_products("cpu")
+    assert (cpu.fp8_two_blocks, cpu.expert_glu_tile, cpu.int4_glu_tile) == (("plain",), (32, 128, 4, 3), None)
     monkeypatch.setattr(kplan, "programs_on", lambda device: 132)
     monkeypatch.setattr(kplan, "block_shared_memory", lambda device: 232448)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     kplan._default.cache_clear()
     try:
-        assert kplan._default("cuda", 0).fp8_two_blocks == (("plain", "swiglu") if glu else ("plain",))
+        plan = kplan._default("cuda", 0)
+        assert plan.fp8_two_blocks == (("plain", "swiglu") if glu else ("plain",))
+        assert plan.expert_glu_tile == ((16, 128, 2, 4) if glu else (32, 128, 4, 3))
+        assert plan.int4_glu_tile == ((32, 512, 2, 3) if glu else None)
     finally:
         kplan._default.cache_clear()          # no plan made under the patches outlives the test
 

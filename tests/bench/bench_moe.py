@@ -1,28 +1,36 @@
-"""Times the MoE step kernels at the 35B-A3B's shapes (H 2048, 256 experts of 512, 8 a token) for a
-decode row and a verify step, against the bytes of the experts they read, over a few tile choices;
-FP8 experts widened by Triton's conversion and by moving bits (kernels/fp8.py widen) both. Each
-variant is a ProductPlan (kernels/plan.py) handed to the expert kernels: the device's measured plan
-with an expert_tiles rule and widen_bits off or on.
+"""Times the MoE step kernels at the 35B-A3B's shapes (H 2048, 256 experts of 512, 8 a token, the
+shared expert taken as expert 256 as the engine takes it) for a decode row and a verify step,
+against the bytes of the experts they read, over a few tile choices; FP8 experts widened by
+Triton's conversion and by moving bits (kernels/fp8.py widen) both. Each variant is a ProductPlan
+(kernels/plan.py) handed to the expert kernels: the device's measured plan with an expert_tiles
+rule and widen_bits off or on.
 
     python tests/bench/bench_moe.py [--weights fp8] [--bits on] [--stacked both] [--tiles "32,128,2,3 ..."]
 
-`--bits on`: FP8 tiles widened by moving bits only (the plan's default form); `--stacked`: the
-SwiGLU's gate and up tiles as one tile, one dot a K step (ProductPlan.expert_stacked), or apart
-(the default), or both; `--tiles`: these tiles instead of the grid.
+The 20 calls of a timed graph each take another routing (ROUTINGS of them, drawn at random), so
+each reads experts the calls before it did not, as a step's next layer does: with one routing the
+9 experts' 28 MB (FP8) stay in L2 from one call to the next, which flattered the deeper and wider
+tiles. `--bits on`: FP8 tiles widened by moving bits only (the plan's default form); `--stacked`:
+the SwiGLU's gate and up tiles as one tile, one dot a K step (ProductPlan.expert_stacked), or apart,
+or both; `--tiles`: these tiles instead of the grid; `--json`: the times by tile, and each product's
+fastest.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import itertools
+import json
 
 import torch
 
+from mtpchat.engine.bench import copy_bandwidth
 from mtpchat.kernels import fp8, moe, moe_routing
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
 STACKED = {"off": (False,), "on": (True,), "both": (False, True)}
+ROUTINGS = 20           # a graph's calls, each over its own routing
 
 
 def tile_plan(base: ProductPlan, cfg, bits: bool, stacked: bool = False) -> ProductPlan:
@@ -36,19 +44,20 @@ def tile_plan(base: ProductPlan, cfg, bits: bool, stacked: bool = False) -> Prod
 
 
 def timed(fn, reps=200) -> float:
-    for _ in range(5):
-        fn()
+    """us a call of fn(i), i = 0 .. ROUTINGS - 1 in a graph of ROUTINGS calls."""
+    for i in range(5):
+        fn(i)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(20):
-            fn()
+        for i in range(ROUTINGS):
+            fn(i)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(reps // 20):
+    for _ in range(reps // ROUTINGS):
         g.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / reps * 1e3      # us a call
+    return start.elapsed_time(end) / (reps // ROUTINGS * ROUTINGS) * 1e3
 
 
 def main():
@@ -58,28 +67,31 @@ def main():
     p.add_argument("--stacked", choices=tuple(STACKED), default="off",
                    help="the SwiGLU's gate and up tiles as one (ProductPlan.expert_stacked)")
     p.add_argument("--tiles", help='tiles to time instead of the grid: "BN,BK,warps,stages ..."')
+    p.add_argument("--json", metavar="FILE", help="write the times and each product's fastest tile there")
     a = p.parse_args()
     E, k, F, H = 256, 8, 512, 2048
-    bw = 3.0e12
+    bw = copy_bandwidth("cuda")             # the floors' rate: (read + written) / time of a copy
     base = default_products("cuda")
+    out = {"device": torch.cuda.get_device_name(), "read_bandwidth": bw, "us": {}, "best": {}}
+    torch.manual_seed(0)
     for weights in ("fp8", "bf16") if a.weights == "both" else (a.weights,):
         gu = torch.randn(E * 2 * F, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
         down = torch.randn(E * H, F, device="cuda", dtype=torch.bfloat16) / F ** 0.5
+        sgu = torch.randn(2 * F, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5
+        sdown = torch.randn(H, F, device="cuda", dtype=torch.bfloat16) / F ** 0.5
         if weights == "fp8":
-            gu, down = fp8.quantize_ref(gu), fp8.quantize_ref(down)
-        per_expert = (fp8.BlockFP8.nbytes(gu) if weights == "fp8" else gu.numel() * 2) // E, \
-                     (fp8.BlockFP8.nbytes(down) if weights == "fp8" else down.numel() * 2) // E
+            gu, down, sgu, sdown = (fp8.quantize_ref(t) for t in (gu, down, sgu, sdown))
+        nbytes = fp8.BlockFP8.nbytes if weights == "fp8" else (lambda t: t.numel() * 2)
+        per_expert = nbytes(gu) // E, nbytes(down) // E
         for T in (1, 4):
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-            logits = torch.randn(T, E + 1, device="cuda", dtype=torch.bfloat16) * 3
-            ids, w, g, lay = moe_routing.route_step(logits, k, E)
-            n = len(set(ids.flatten().tolist()))
-            h = moe.expert_swiglu_triton(x, gu, lay, k, E, plan=base)
-            y = moe.expert_down_triton(h, down, lay, E, plan=base)
-            shared = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-            t_route = timed(lambda: moe_routing.route_step(logits, k, E))
-            t_comb = timed(lambda: moe.combine_triton(y, w, shared, g, torch.bfloat16))
-            print(f"{weights} T={T}: {n} experts; route {t_route:.1f} us, combine {t_comb:.1f} us")
+            routes = [moe_routing.route_step(torch.randn(T, E + 1, device="cuda", dtype=torch.bfloat16) * 3, k, E,
+                                             shared=True, layout=base.routed_layout) for _ in range(ROUTINGS)]
+            lays = [r[3] for r in routes]
+            n = sum(len(set(r[0].flatten().tolist())) for r in routes) / ROUTINGS    # the shared one among them
+            hs = [moe.expert_swiglu_triton(x, gu, lay, k + 1, E, shared=sgu, plan=base) for lay in lays]
+            print(f"{weights} T={T}: {n:.1f} experts a call (the shared one too), "
+                  f"floor swiglu {n * per_expert[0] / bw * 1e6:.1f} us, down {n * per_expert[1] / bw * 1e6:.1f} us")
             grid = itertools.product((32, 64, 128), (128,), (2, 4, 8), (2, 3, 4, 6)) if weights == "fp8" else \
                 itertools.product((32, 64), (128, 256), (4,), (3, 4))
             if a.tiles:
@@ -91,14 +103,26 @@ def main():
                     for stacked in STACKED[a.stacked]:
                         plan = tile_plan(base, (BN, BK, warps, stages), bits, stacked)
                         try:
-                            t1 = timed(lambda: moe.expert_swiglu_triton(x, gu, lay, k, E, plan=plan))
-                            t2 = timed(lambda: moe.expert_down_triton(h, down, lay, E, plan=plan))
+                            t1 = timed(lambda i: moe.expert_swiglu_triton(x, gu, lays[i], k + 1, E, shared=sgu,
+                                                                          plan=plan))
+                            t2 = timed(lambda i: moe.expert_down_triton(hs[i], down, lays[i], E, shared=sdown,
+                                                                        plan=plan))
                         except Exception as e:      # a tile that does not compile (shared memory)
                             line.append(type(e).__name__)
                             continue
+                        key = f"{weights} T={T}{' bits' if bits else ''}{' stacked' if stacked else ''}"
+                        for product, t in (("swiglu", t1), ("down", t2)):
+                            out["us"].setdefault(f"{key} {product}", {})[f"{BN},{BK},{warps},{stages}"] = t
                         line.append(f"{'bits ' if bits else ''}{'stacked ' if stacked else ''}swiglu {t1:6.1f} us "
                                     f"({t1 / f1:.2f} x)  down {t2:6.1f} us ({t2 / f2:.2f} x)")
-                print(f"  BN {BN:>3} BK {BK:>3} warps {warps} stages {stages}: " + ";  ".join(line))
+                print(f"  BN {BN:>3} BK {BK:>3} warps {warps} stages {stages}: " + ";  ".join(line), flush=True)
+    for key, times in out["us"].items():
+        best = min(times, key=times.get)
+        out["best"][key] = [int(v) for v in best.split(",")]
+        print(f"{key}: fastest {best} {times[best]:.1f} us", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -277,6 +277,48 @@ def test_interleaved_products(device, dtype, T, N, K, group, symmetric):
     rows_equal(lambda x: matvec_parts.matvec_parts_triton(x, il, plan=plan).transpose(0, 1), x)
 
 
+def test_the_plan_names_the_interleaved_swiglu_tile():
+    """ProductPlan.int4_glu_tile (an H200's 3 deep) takes a step's SwiGLU over interleaved weights
+    only; None leaves int4.measured's, and a tile rule still comes first."""
+    deep = ProductPlan(programs=132, int4_glu_tile=(32, 512, 2, 3))
+    assert matvec.tiles(17408, 5120, 2, swiglu=True, plan=deep, group=128, interleaved=True) == (32, 512, 2, 3)
+    assert matvec.tiles(17408, 5120, 2, swiglu=True, plan=ProductPlan(programs=132), group=128,
+                        interleaved=True) == int4.measured("swiglu", 17408, 5120, True)[0]
+    assert matvec.tiles(17408, 5120, 2, swiglu=True, plan=deep, group=128) == int4.measured("swiglu", 17408, 5120)[0]
+    assert matvec.tiles(16384, 5120, 2, plan=deep, group=128, interleaved=True) == \
+        int4.measured("plain", 16384, 5120, True)[0]
+    ruled = dataclasses.replace(deep, int4_tiles=lambda product, N, K, group: (64, 256, 4, 4))
+    assert matvec.tiles(17408, 5120, 2, swiglu=True, plan=ruled, group=128, interleaved=True) == (64, 256, 4, 4)
+
+
+@pytest.mark.parametrize("glu_tile", [None, (32, 512, 2, 3)])
+def test_the_interleaved_swiglu_on_its_planned_tiles(device, glu_tile):
+    """The step SwiGLU over an interleaved weight on the measured tile and the H200's (3 deep), at
+    odd sizes: against the reference of the weight it came from, each row the same bits alone."""
+    T, N, K = 5, 70, 1152
+    w = int4_weight(2 * N, K, device, 17, 128, False)
+    il = int4.interleave_ref(w)
+    plan = ProductPlan(programs=6, int4_glu_tile=glu_tile)
+    x = randn(T, K, dtype=torch.float32, device=device, seed=18)
+    check(matvec.matvec_swiglu_triton(x, il, plan=plan), matvec.matvec_swiglu_ref(x, w), TOL[torch.float32])
+    rows_equal(lambda x: matvec.matvec_swiglu_triton(x, il, plan=plan), x)
+
+
+@pytest.mark.gpu
+def test_the_h200_interleaved_swiglu_tile_on_the_27b_shape():
+    """The 27B's gate|up on the H200's 3-deep tile: near the reference, the same bits as the
+    measured 2-deep tile (the same sums in the same order), a row the same alone."""
+    w = int4_weight(2 * 17408, 5120, "cuda", 1, 128, True)
+    il = int4.interleave_ref(w)
+    x = randn(matvec.MAX_ROWS, 5120, dtype=torch.bfloat16, device="cuda", seed=2)
+    deep = dataclasses.replace(default_products("cuda"), int4_glu_tile=(32, 512, 2, 3))
+    two = dataclasses.replace(default_products("cuda"), int4_glu_tile=None)
+    got = matvec.matvec_swiglu_triton(x[:4], il, plan=deep)
+    check(got, matvec.matvec_swiglu_ref(x[:4], w), 2e-2)
+    assert torch.equal(got, matvec.matvec_swiglu_triton(x[:4], il, plan=two))
+    rows_equal(lambda x: matvec.matvec_swiglu_triton(x, il, plan=deep), x)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,N,K,group,symmetric,perm,interleaved", [
     (1, 70, 256, 128, True, False, False), (17, 100, 384, 128, False, True, False),

@@ -218,7 +218,7 @@ def test_expert_swiglu_stacked(device, fp8_):
     ids, _, _, lay = moe_routing.route_step(logits, k, E, shared=True)
     h_ref = moe.expert_swiglu_ref(x.cpu(), cpu(gu), moe_layout.layout_ref(ids.cpu(), E + 1, 16), k + 1, E,
                                   shared=cpu(sgu))
-    for tiles in ((128, 128, 4, 2),) + (((64, 256, 4, 2),) if fp8_ else ((64, 64, 4, 2),)):
+    for tiles in ((128, 128, 4, 2),) + (((64, 256, 4, 2), (16, 128, 2, 4)) if fp8_ else ((64, 64, 4, 2),)):
         reads = torch.zeros(1, dtype=torch.int64, device=device)
         h = moe.expert_swiglu_triton(x, gu, lay, k + 1, E, reads=reads, shared=sgu, plan=_stacked(device, tiles))
         check(h.cpu(), h_ref, TOL[torch.float32], f"stacked on {tiles}")
@@ -248,6 +248,47 @@ def test_expert_swiglu_stacked_on_the_35b_shapes(fp8_, warps):
     if fp8_ and warps == 4:     # the default FP8 step tile, 32 columns stacked (64 rows a dot), against 64 apart
         assert torch.equal(h, moe.expert_swiglu_triton(x, wgu, lay, k, E, plan=_stacked("cuda", (32, 128, 4, 3))))
     moe_rows_equal("cuda", torch.bfloat16, E=E, k=k, F=F, H=H, plan=_stacked("cuda", tiles))
+
+
+def test_the_fp8_expert_swiglu_takes_the_plans_tile():
+    """A step's stacked FP8 expert SwiGLU takes ProductPlan.expert_glu_tile (an H200's 16 columns, 2
+    warps); unstacked, a prefill's, and a tile rule's choices are not its."""
+    h200 = dataclasses.replace(default_products("cpu"), expert_glu_tile=(16, 128, 2, 4))
+    assert moe.tiles("swiglu", True, True, plan=h200) == (16, 128, 2, 4)
+    assert moe.tiles("swiglu", True, True, plan=default_products("cpu")) == (32, 128, 4, 3)
+    assert moe.tiles("swiglu", True, True) == (32, 128, 4, 3)
+    assert moe.tiles("swiglu", True, True, plan=dataclasses.replace(h200, expert_stacked=False)) == (64, 128, 4, 3)
+    assert moe.tiles("swiglu", False, True, plan=h200) == (64, 128, 4, 3)
+    assert moe.tiles("down", True, True, plan=h200) == (64, 128, 4, 3)
+    ruled = dataclasses.replace(h200, expert_tiles=lambda product, step, fp8_, itemsize=2: (32, 256, 4, 4))
+    assert moe.tiles("swiglu", True, True, plan=ruled) == (32, 256, 4, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_the_h200_fp8_expert_swiglu_tile_on_the_35b_shapes(T):
+    """The 35B-A3B's FP8 experts with the shared one as expert E on the H200's stacked tile (16
+    columns, 2 warps, 4 deep): near the float32 reference, and each row the same bits alone as
+    among the others (MTP's exactness rests on it)."""
+    E, k, F, H = 256, 8, 512, 2048
+    wgu, _ = experts(E + 1, F, H, "cuda", torch.bfloat16, True, seed=81)
+    gu = fp8.BlockFP8(wgu.w[:-2 * F].contiguous(), wgu.scale[:-2 * F // 128].contiguous())
+    sgu = fp8.BlockFP8(wgu.w[-2 * F:].contiguous(), wgu.scale[-2 * F // 128:].contiguous())
+    plan = dataclasses.replace(default_products("cuda"), expert_glu_tile=(16, 128, 2, 4))
+    x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=82)
+    logits = randn(T, E + 1, seed=83, scale=3.0).cuda()
+
+    def swiglu(rows, logits):
+        ids, _, _, lay = moe_routing.route_step(logits, k, E, shared=True, layout=plan.routed_layout)
+        return ids, lay, moe.expert_swiglu_triton(rows, gu, lay, k + 1, E, shared=sgu, plan=plan)
+    ids, lay, h = swiglu(x, logits)
+    cpu = lambda q: fp8.BlockFP8(q.w.cpu(), q.scale.cpu())
+    want = moe.expert_swiglu_ref(x.float().cpu(), cpu(gu), moe_layout.layout_ref(ids.cpu(), E + 1, 16), k + 1, E,
+                                 shared=cpu(sgu))
+    check(h.float().cpu(), want, 2e-2)
+    h = h.view(T, k + 1, F)
+    for i in range(T):
+        assert torch.equal(swiglu(x[i:i + 1], logits[i:i + 1])[2].view(1, k + 1, F)[0], h[i]), f"row {i}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
