@@ -177,7 +177,8 @@ def int4_tile_plans(base: KernelPlan, found: dict) -> dict:
 def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan:
     """The plan with every FP8 product of a kind on one tile: tiles {"plain": (BN, BK, warps,
     stages), "swiglu": ..., "parts": (S, BN, BK, warps, stages), "expert_swiglu", "expert_down":
-    (BN, BK, warps, stages) of a step's MoE expert products}, each optional."""
+    (BN, BK, warps, stages) of a step's MoE expert products, FP8 ones, "bf16_expert_swiglu",
+    "bf16_expert_down" of bf16 ones}, each optional."""
     def tile(N, K, itemsize, swiglu=False, fp8=False):
         got = tiles.get("swiglu" if swiglu else "plain")
         return tuple(got) if fp8 and got else None
@@ -188,10 +189,10 @@ def fp8_tiles_everywhere(base: KernelPlan, name: str, tiles: dict) -> KernelPlan
     split.__name__ = f"fp8:{name}"
 
     def experts(product, step, fp8, itemsize=2):
-        got = tiles.get("expert_" + product)
-        return tuple(got) if fp8 and step and got else None
+        got = tiles.get(("" if fp8 else "bf16_") + "expert_" + product)
+        return tuple(got) if step and got and (fp8 or itemsize == 2) else None
     experts.__name__ = f"fp8:{name}"
-    experts_ruled = any(k.startswith("expert_") for k in tiles)
+    experts_ruled = any("expert_" in k for k in tiles)
     return base.replace(tiles=tile, split_tiles=split if "parts" in tiles else None,
                         expert_tiles=experts if experts_ruled else None)
 
