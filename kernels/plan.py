@@ -77,9 +77,9 @@ class ProductPlan:
                                     # ones; the SwiGLU 1.011 x on an H100 but 0.965 x on an H200, so there too
                                     # (default_products; tests/bench/ab_step.py --plans fp8tiles)
     expert_glu_tile: tuple[int, int, int, int] = (32, 128, 4, 3)   # a step's FP8 expert SwiGLU stacked: (BN, BK,
-                                    # warps, stages), 32 columns (moe.tiles). On an H200 16 columns, 2 warps, 4 deep:
-                                    # 288 programs of a decode's 9 experts where 144 leave a second wave of 12 on 132
-                                    # SMs; the 35B-A3B FP8's decode step 0.979 x, verify 3 0.997 x, draft 3 0.989 x
+                                    # warps, stages), 32 columns (moe.tiles). On an H200 16 columns, 2 warps, 4 deep
+                                    # (288 programs of 32 rows for a decode's 9 experts, not 144 of 64 on 4 warps):
+                                    # the 35B-A3B FP8's decode step 0.979 x, verify 3 0.997 x, draft 3 0.989 x
                                     # (twice; 3 deep 0.981 / 0.995 / 0.985, 8 deep 1.030 x, 1 warp 1.021 x, 16 x 256
                                     # 1.023 x: tests/bench/ab_step.py --plans fp8tiles, 2026-11-28)
     int4_glu_tile: tuple[int, int, int, int] | None = None    # a step's SwiGLU over interleaved 4-bit weights
