@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
-from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
+from mtpchat.kernels.int4 import (GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured,
+                                  sub_tile)
 from mtpchat.kernels.plan import PIPELINE_SLACK, PREFILL_ROWS, ProductPlan, default_products
 
 MAX_ROWS = 16
@@ -514,22 +515,39 @@ def int4_buffer(BN: int, BK: int, BT: int, itemsize: int) -> int:
     return BN * BK // 2 + BK * BT * itemsize
 
 
+def int4_widened(BN: int, BK: int, group: int, itemsize: int) -> int:
+    """The bytes a product over 4-bit weights keeps in shared memory beside its buffers: with float32
+    rows (itemsize 4) one dot's weights widened to float32, [BN, one dot's columns], which go to the
+    dot through shared memory; none with bf16 or fp16 rows. Compiled for sm_86 (Triton 3.9): the
+    few-row kernel over 64 rows on 64 x 256 weights took 106,496 bytes at 2 deep, its buffer 73,728
+    and this tile 32,768; bf16 took its buffers' alone (tests/kernels/test_int4_compile.py)."""
+    return BN * sub_tile(BK, group) * 4 if itemsize == 4 else 0
+
+
 def prefill_tile(w: GroupInt4, BT: int, itemsize: int, plan: ProductPlan) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages) of matvec_prefill over w for a row tile of BT: the plan's
-    int4_prefill_tile, BK rounded up to whole groups, its depth cut until stages - 1 buffers of w's
-    tile and x's [BK, BT] fit the device's shared memory a program."""
+    int4_prefill_tile, BK rounded up to whole groups; with float32 rows BN halved (to 16 at least)
+    while one buffer of w's tile and x's [BK, BT] and the widened tile beside it (int4_widened) would
+    not fit the device's shared memory a program; its depth then cut until stages - 1 buffers do (and
+    the widened tile)."""
     BN, BK, warps, stages = plan.int4_prefill_tile
     BK = triton.cdiv(BK, w.group) * w.group
-    return BN, BK, warps, plan.depth(stages, int4_buffer(BN, BK, BT, itemsize))
+    room = plan.shared_memory - PIPELINE_SLACK
+    widened = lambda BN: int4_widened(BN, BK, w.group, itemsize)
+    while widened(BN) and BN > 16 and int4_buffer(BN, BK, BT, itemsize) + widened(BN) > room:
+        BN //= 2
+    return BN, BK, warps, plan.depth(stages, int4_buffer(BN, BK, BT, itemsize), widened(BN))
 
 
 def prefill_fits(T: int, w: GroupInt4, itemsize: int, plan: ProductPlan) -> bool:
     """Whether matvec_prefill's tile for T rows fits the device's shared memory a program at its
-    least depth (one buffer of w's tile and x's): BK holds whole groups, so groups of 1,024 columns
-    do not on a 99 KB GPU in bf16 (the slab forms then take the product)."""
+    least depth (one buffer of w's tile and x's, and the float32 rows' widened tile): BK holds whole
+    groups, so groups of 1,024 columns do not on a 99 KB GPU in bf16 (the slab forms then take the
+    product)."""
     BT = max(16, triton.next_power_of_2(T))
     BN, BK, _, stages = prefill_tile(w, BT, itemsize, plan)
-    return (stages - 1) * int4_buffer(BN, BK, BT, itemsize) <= plan.shared_memory - PIPELINE_SLACK
+    need = (stages - 1) * int4_buffer(BN, BK, BT, itemsize) + int4_widened(BN, BK, w.group, itemsize)
+    return need <= plan.shared_memory - PIPELINE_SLACK
 
 
 def matvec_prefill(x: torch.Tensor, w: GroupInt4, plan: ProductPlan) -> torch.Tensor:

@@ -9,7 +9,8 @@ the shared expert and a prefill's without, on the tiles the engine takes for the
 products (the fused form's, and the few-row kernel's for 64 rows: matvec.matvec_prefill), each with
 zeros and perm and with neither, in each unpack form (ProductPlan.int4_form;
 the pairs form's inline assembly assembled for each target), each within the target's shared
-memory; and over interleaved weights, the products and experts on their own tiles."""
+memory; over interleaved weights, the products and experts on their own tiles; and with float32
+rows on a 99 KB GPU, where the widened weights take shared memory too."""
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ from compile_checks import run_children
 
 COMPILE = r"""
 import os
+import torch
 from compile_checks import SHARED_MEMORY, compile_checked, ptxas_or_exit
 from mtpchat.kernels import int4, int4_gemm, matvec, matvec_parts, moe, moe_layout
 from mtpchat.kernels.moe_layout import STEP_PAIRS, STEP_ROWS
@@ -144,6 +146,8 @@ for bm in (16, 32, moe_layout.PREFILL_ROWS):
                     (fwarps, fstages)))
 inter = prefill + [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NBP=8, SWIGLU=False, SPLIT=True, **il), {"ws": "*fp32"}, (warps, stages)),
          ("swiglu", matvec._matvec_kernel, dict(BT=BT, BN=SN, BK=SK, NBP=0, SWIGLU=True, SPLIT=False, **il), {"ws": "*fp32"}, (swarps, sstages)),
+         # an H200's plan takes the SwiGLU 3 deep (ProductPlan.int4_glu_tile)
+         ("swiglu h200", matvec._matvec_kernel, dict(BT=BT, BN=32, BK=512, NBP=0, SWIGLU=True, SPLIT=False, **il), {"ws": "*fp32"}, (2, 3)),
          ("parts", matvec_parts._matvec_parts_kernel, dict(BT=BT, BN=PN, BK=PK, S=PS, NORM=True, RESIDUAL=True, **il), {"y": "*fp32"}, (pwarps, pstages)),
          ("expert swiglu", moe._swiglu_kernel, dict(TOPK=8, BN=EN, BK=EK, COUNT=True, STACKED=True, **step, **il), i16,
           (ewarps, estages)),
@@ -168,6 +172,39 @@ for name, fn, consts, types, (warps, stages) in inter:
         # 8-byte copies, or none at all (matvec.py, matvec_parts.py: tl.multiple_of)
         assert name not in ("plain", "swiglu", "parts") or "cp.async.cg.shared.global" in k.asm["ptx"], \
             f"{what}: its weights load in copies of under 16 bytes"
+
+# float32 rows on a 99 KB GPU (sm_86, sm_89), where a dot's weights widened to float32 sit in shared
+# memory beside the buffers (matvec.int4_widened): a prefill's experts over blocks of 16, 32 and 64
+# pairs and its few-row products of 16, 32 and 64 rows on the tiles the engine takes there, and the
+# step's products on theirs
+small = ProductPlan(programs=84, shared_memory=SHARED_MEMORY[86])
+f32 = {"x": "*fp32", "y": "*fp32", "h": "*fp32", "hin": "*fp32", "r": "*fp32", "nw": "*fp32", "xn": "*fp32"}
+w = int4.GroupInt4(torch.zeros(1, 5120 // 4, dtype=torch.int16), torch.ones(1, 5120 // 128, dtype=torch.float16))
+float32 = []
+for bm in (16, 32, moe_layout.PREFILL_ROWS):
+    lay = dict(BM=bm, STEP=False, BP=16, SHARED=True, zw2=None, perm2=None)
+    (FN, FK, fwarps, fstages) = moe.tiles("swiglu", False, False, 4, small, (1024, 2048, 128), True, bm)
+    float32.append((f"expert swiglu prefill {bm}", moe._swiglu_kernel,
+                    dict(TOPK=9, BN=FN, BK=FK, COUNT=False, STACKED=False, **lay, **il), dict(i16, **f32), (fwarps, fstages)))
+    (FN, FK, fwarps, fstages) = moe.tiles("down", False, False, 4, small, (2048, 512, 128), True, bm)
+    float32.append((f"expert down prefill {bm}", moe._down_kernel, dict(BN=FN, BK=FK, **lay, **il), dict(i16, **f32),
+                    (fwarps, fstages)))
+    (QN, QK, qwarps, qstages) = matvec.prefill_tile(w, bm, 4, small)
+    float32.append((f"prefill {bm} rows", matvec._matvec_kernel, dict(BT=bm, BN=QN, BK=QK, NBP=0, SWIGLU=False, SPLIT=True,
+                                                                      **il), dict(f32, ws="*fp32"), (qwarps, qstages)))
+float32 += [(name, fn, consts, dict(types, **f32), launch) for name, fn, consts, types, launch in inter
+            if name in ("plain", "swiglu", "parts")]
+for product, fn, shape in (("swiglu", moe._swiglu_kernel, (1024, 2048, 128)), ("down", moe._down_kernel, (2048, 512, 128))):
+    (EN, EK, ewarps, estages) = moe.tiles(product, True, False, 4, small, shape, True)
+    extra = dict(TOPK=8, COUNT=True, STACKED=True) if product == "swiglu" else {}
+    float32.append((f"expert {product}", fn, dict(BN=EN, BK=EK, **extra, **step, **il), dict(i16, **f32), (ewarps, estages)))
+for name, fn, consts, types, (warps, stages) in float32:
+    for cap in (86, 89):
+        if not mine():
+            continue
+        c_ = constexprs(fn, dict(consts, PDL=False))
+        sig = {a: types.get(a, dict(POINTERS, w="*i16").get(a, "i32")) for a in fn.arg_names if a not in c_}
+        compile_checked(fn, c_, sig, cap, warps, stages, f"float32 {name} sm_{cap}", aligned(fn, c_, sig))
 """
 
 
@@ -180,4 +217,5 @@ def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
     shards = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
     stdout = run_children(COMPILE, shards, timeout=900)
     assert stdout.count("ok ") >= 80, stdout[-2000:]
-    assert "pairs" in stdout and stdout.count("ok interleaved") == 14 * 4, stdout[-2000:]     # 14 kernels x 4 targets
+    assert "pairs" in stdout and stdout.count("ok interleaved") == 15 * 4, stdout[-2000:]     # 15 kernels x 4 targets
+    assert stdout.count("ok float32") == 14 * 2, stdout[-2000:]                               # 14 kernels x 2 targets

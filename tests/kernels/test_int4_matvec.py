@@ -362,6 +362,27 @@ def test_int4_prefill_tile_fits_the_shared_memory():
     assert matvec.prefill_tile(w, 64, 2, dataclasses.replace(plan, int4_prefill_tile=(64, 512, 4, 4)))[3] == 3
 
 
+def test_float32_rows_count_the_widened_weights():
+    """With float32 rows a dot's weights widened to float32 sit in shared memory beside the buffers
+    (matvec.int4_widened): on a 99 KB device the prefill tile of 64 rows takes half its columns (one
+    buffer and that tile would not fit), 2 deep; bf16 rows and an H100's room keep the plan's tile."""
+    w = int4_weight(64, 2048, "cpu", 1, 128)
+    plan = ProductPlan(programs=6)
+    small = dataclasses.replace(plan, shared_memory=101376)
+    assert matvec.int4_widened(64, 256, 128, 4) == 64 * 128 * 4 and matvec.int4_widened(64, 256, 128, 2) == 0
+    assert matvec.prefill_tile(w, 64, 4, small) == (32, 256, 4, 2)
+    assert matvec.prefill_tile(w, 16, 4, small) == (64, 256, 4, 3)
+    assert matvec.prefill_tile(w, 64, 2, small) == plan.int4_prefill_tile
+    assert matvec.prefill_tile(w, 64, 4, plan) == plan.int4_prefill_tile
+    assert all(matvec.prefill_fits(T, w, 4, small) for T in (1, 16, 33, 64))
+    # the MoE prefill's experts alike (kernels/moe.py tiles): the down over blocks of 64 pairs
+    from mtpchat.kernels import moe
+    assert moe.tiles("down", False, False, 4, small, (2048, 512, 128), True, 64) == (64, 128, 8, 2)
+    assert moe.tiles("swiglu", False, False, 4, small, (1024, 2048, 128), True, 64) == (32, 128, 8, 2)
+    assert moe.tiles("down", False, False, 2, small, (2048, 512, 128), True, 64) == (128, 128, 8, 3)
+    assert moe.tiles("down", False, False, 4, plan, (2048, 512, 128), True, 64) == (128, 128, 8, 3)
+
+
 # --- the 27B's shapes on the GPU --------------------------------------------------------------------
 
 # GDN in_proj [qkv | z], attention q|gate|k|v, GDN out_proj and attention o_proj, MLP down
