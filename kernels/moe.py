@@ -445,9 +445,9 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
     SwiGLU 64 x 256 and the down 64 x 128 weights, 4 warps; of 32 or 64 both 128 x 128, 8 warps
     (tests/bench/probe_moe_prefill.py, the 35B-A3B on an H200: a 128-token chunk's two products 153
     us against 1,600 for 64 x 128 over blocks of 64; a 2,048-token one's 550 against 1,046), the
-    depth cut by an estimate of what a stage takes (ProductPlan.depth), with float32 rows a dot's
-    widened weights beside it (matvec.int4_widened; the columns halved where even 2 deep would not
-    fit). A step's FP8 SwiGLU stacked (ProductPlan.expert_stacked) takes 32 columns
+    depth cut by an estimate of what a stage takes (ProductPlan.depth; an unpack form's own buffers
+    are not counted), with float32 rows a dot's widened weights beside it (matvec.int4_widened; the
+    columns halved where even 2 deep would not fit, a step's measured tiles alike). A step's FP8 SwiGLU stacked (ProductPlan.expert_stacked) takes 32 columns
     (bench_moe.py --stacked both, H100, 2026-11-27, a decode's 8 experts: 16.6 us against 16.9 for
     the 64 apart, 22.8 for 32 apart; a verify's 30: 28.6 against 32.1), on an H200 16 columns, 2
     warps (ProductPlan.expert_glu_tile)."""
@@ -471,21 +471,27 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
             return BN, BK, warps, plan.depth(3, stage(BN), widened(BN))
         if chosen is not None:
             return chosen
-        # a step's measured tile, its depth cut to fit where float32 rows' widened weights sit beside
-        # its buffers (a 99 KB GPU: the stacked SwiGLU 4 deep took 106,496 bytes; the same sums at any
-        # depth). A SwiGLU program reads gate and up rows, 2 BN, with x's tile of STEP_ROWS once
+        # a step's measured tile, fitted where float32 rows' widened weights sit beside its buffers (a
+        # 99 KB GPU: the stacked SwiGLU 4 deep took 106,496 bytes): its columns halved where even 2
+        # deep would not fit, else its depth cut (the same sums at any depth or column count). A
+        # SwiGLU program reads gate and up rows, 2 BN, with x's tile once stacked (one dot), twice apart
         BN, BK, warps, stages = measured("expert_" + product, *int4[:2], interleaved)[0]
-        rows_w = (2 if product == "swiglu" else 1) * BN
-        stage = rows_w * BK // 2 + BK * STEP_ROWS * itemsize
-        return BN, BK, warps, (plan or ProductPlan(programs=1)).depth(stages, stage,
-                                                                      int4_widened(rows_w, BK, int4[2], itemsize))
+        plan = plan or ProductPlan(programs=1)
+        stacked = product == "swiglu" and interleaved and plan.int4_expert_stacked
+        xs = 2 if product == "swiglu" and not stacked else 1
+        stage = lambda BN: (2 if product == "swiglu" else 1) * BN * BK // 2 + xs * BK * STEP_ROWS * itemsize
+        widened = lambda BN: int4_widened(2 * BN if stacked else BN, BK, int4[2], itemsize)
+        while widened(BN) and BN > 16 and stage(BN) + widened(BN) > plan.shared_memory - PIPELINE_SLACK:
+            BN //= 2
+        return BN, BK, warps, plan.depth(stages, stage(BN), widened(BN))
     rule = plan.expert_tiles if plan is not None else None
     chosen = rule(product, step, fp8, itemsize) if rule is not None else None
     if chosen is not None:
         return chosen
     if fp8:
-        # a step's SwiGLU stacked on 32 columns: 144 programs for a decode's 9 experts, one chain of
-        # matrix instructions a K step each (apart, the 64-column tile is the faster)
+        # a step's SwiGLU stacked on the plan's expert_glu_tile (32 columns, 144 programs for a decode's
+        # 9 experts; an H200's 16, 288), one chain of matrix instructions a K step each (apart, the
+        # 64-column tile is the faster)
         stacked = product == "swiglu" and step and (plan or ProductPlan).expert_stacked    # (the class: the default)
         return (plan or ProductPlan).expert_glu_tile if stacked else (64, 128, 4, 3)
     if itemsize > 2:

@@ -8,7 +8,8 @@ rule and widen_bits off or on.
     python tests/bench/bench_moe.py [--weights fp8] [--bits on] [--stacked both] [--tiles "32,128,2,3 ..."]
 
 The 20 calls of a timed graph each take another routing (ROUTINGS of them, drawn at random), so
-each reads experts the calls before it did not, as a step's next layer does: with one routing the
+each reads routed experts the calls before it mostly did not, as a step's next layer does (the
+shared expert, one of the 9, is the same in every call and stays in L2): with one routing the
 9 experts' 28 MB (FP8) stay in L2 from one call to the next, which flattered the deeper and wider
 tiles. `--bits on`: FP8 tiles widened by moving bits only (the plan's default form); `--stacked`:
 the SwiGLU's gate and up tiles as one tile, one dot a K step (ProductPlan.expert_stacked), or apart,
@@ -72,7 +73,7 @@ def main():
     E, k, F, H = 256, 8, 512, 2048
     bw = copy_bandwidth("cuda")             # the floors' rate: (read + written) / time of a copy
     base = default_products("cuda")
-    out = {"device": torch.cuda.get_device_name(), "read_bandwidth": bw, "us": {}, "best": {}}
+    out = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bw, "us": {}, "best": {}}
     torch.manual_seed(0)
     for weights in ("fp8", "bf16") if a.weights == "both" else (a.weights,):
         gu = torch.randn(E * 2 * F, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5

@@ -381,6 +381,13 @@ def test_float32_rows_count_the_widened_weights():
     assert moe.tiles("swiglu", False, False, 4, small, (1024, 2048, 128), True, 64) == (32, 128, 8, 2)
     assert moe.tiles("down", False, False, 2, small, (2048, 512, 128), True, 64) == (128, 128, 8, 3)
     assert moe.tiles("down", False, False, 4, plan, (2048, 512, 128), True, 64) == (128, 128, 8, 3)
+    # a step's measured expert tiles: float32 on a 99 KB device shallower or narrower, bf16 as measured
+    assert moe.tiles("swiglu", True, False, 4, small, (1024, 2048, 128), True) == (32, 256, 4, 3)
+    assert moe.tiles("down", True, False, 4, small, (2048, 512, 128), True) == (64, 256, 8, 2)
+    for device_plan in (small, plan):
+        for product, shape in (("swiglu", (1024, 2048, 128)), ("down", (2048, 512, 128))):
+            assert moe.tiles(product, True, False, 2, device_plan, shape, True) == \
+                int4.measured("expert_" + product, *shape[:2], True)[0]
 
 
 # --- the 27B's shapes on the GPU --------------------------------------------------------------------
