@@ -524,6 +524,16 @@ def int4_widened(BN: int, BK: int, group: int, itemsize: int) -> int:
     return BN * sub_tile(BK, group) * 4 if itemsize == 4 else 0
 
 
+def fit_int4(BN: int, stages: int, stage, widened, plan: ProductPlan) -> tuple[int, int]:
+    """(BN, stages) of a tile over 4-bit weights fitted to the device's shared memory a program, from
+    the bytes of one of its buffers (stage(BN)) and of the widened weights beside them (widened(BN):
+    float32 rows only): BN halved (to 16 at least) while one buffer and that tile would not fit, then
+    the depth cut (ProductPlan.depth). The same sums at any depth or column count."""
+    while widened(BN) and BN > 16 and stage(BN) + widened(BN) > plan.shared_memory - PIPELINE_SLACK:
+        BN //= 2
+    return BN, plan.depth(stages, stage(BN), widened(BN))
+
+
 def prefill_tile(w: GroupInt4, BT: int, itemsize: int, plan: ProductPlan) -> tuple[int, int, int, int]:
     """(BN, BK, warps, stages) of matvec_prefill over w for a row tile of BT: the plan's
     int4_prefill_tile, BK rounded up to whole groups; with float32 rows BN halved (to 16 at least)
@@ -532,11 +542,9 @@ def prefill_tile(w: GroupInt4, BT: int, itemsize: int, plan: ProductPlan) -> tup
     the widened tile)."""
     BN, BK, warps, stages = plan.int4_prefill_tile
     BK = triton.cdiv(BK, w.group) * w.group
-    room = plan.shared_memory - PIPELINE_SLACK
-    widened = lambda BN: int4_widened(BN, BK, w.group, itemsize)
-    while widened(BN) and BN > 16 and int4_buffer(BN, BK, BT, itemsize) + widened(BN) > room:
-        BN //= 2
-    return BN, BK, warps, plan.depth(stages, int4_buffer(BN, BK, BT, itemsize), widened(BN))
+    BN, stages = fit_int4(BN, stages, lambda BN: int4_buffer(BN, BK, BT, itemsize),
+                          lambda BN: int4_widened(BN, BK, w.group, itemsize), plan)
+    return BN, BK, warps, stages
 
 
 def prefill_fits(T: int, w: GroupInt4, itemsize: int, plan: ProductPlan) -> bool:

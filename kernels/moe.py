@@ -43,8 +43,8 @@ from mtpchat.kernels._triton import pdl, pdl_start, tl, triton, use_triton
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
 from mtpchat.kernels.int4 import GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured
-from mtpchat.kernels.matvec import Normed, _scale_args, arrival_counts, int4_buffer, int4_widened
-from mtpchat.kernels.plan import PIPELINE_SLACK, ProductPlan, default_products
+from mtpchat.kernels.matvec import Normed, _scale_args, arrival_counts, fit_int4, int4_buffer, int4_widened
+from mtpchat.kernels.plan import ProductPlan, default_products
 from mtpchat.kernels.moe_layout import PREFILL_ROWS, STEP_ROWS, Layout, StepLayout, _block, _layout_args, count_reads
 
 
@@ -447,10 +447,11 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
     us against 1,600 for 64 x 128 over blocks of 64; a 2,048-token one's 550 against 1,046), the
     depth cut by an estimate of what a stage takes (ProductPlan.depth; an unpack form's own buffers
     are not counted), with float32 rows a dot's widened weights beside it (matvec.int4_widened; the
-    columns halved where even 2 deep would not fit, a step's measured tiles alike). A step's FP8 SwiGLU stacked (ProductPlan.expert_stacked) takes 32 columns
-    (bench_moe.py --stacked both, H100, 2026-11-27, a decode's 8 experts: 16.6 us against 16.9 for
-    the 64 apart, 22.8 for 32 apart; a verify's 30: 28.6 against 32.1), on an H200 16 columns, 2
-    warps (ProductPlan.expert_glu_tile)."""
+    columns halved where even 2 deep would not fit, a step's measured tiles alike: matvec.fit_int4).
+    A step's FP8 SwiGLU stacked (ProductPlan.expert_stacked) takes 32 columns (bench_moe.py
+    --stacked both, H100, 2026-11-27, a decode's 8 experts: 16.6 us against 16.9 for the 64 apart,
+    22.8 for 32 apart; a verify's 30: 28.6 against 32.1), on an H200 16 columns, 2 warps
+    (ProductPlan.expert_glu_tile)."""
     if int4 is not None:
         rule4 = plan.int4_tiles if plan is not None else None
         chosen = rule4("expert_" + product, *int4) if rule4 is not None else None
@@ -458,17 +459,15 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
             # (the step's down tile, BK 512, would take 3 x 64 KB of x's loads alone over 64 rows).
             # The SwiGLU's K tile of 256 only where the group is at most 128, so a dot's width (the
             # lesser of BK and the group: int4.sub_tile) and with it a row's sums are the same at any
-            # block size; a stage counted with x's tile once per dot (the SwiGLU's two take it twice)
-            # float32 rows keep a dot's weights widened beside (int4_widened): where a tile would not
+            # block size; a stage counted with x's tile once per dot (the SwiGLU's two take it twice).
+            # Float32 rows keep a dot's weights widened beside (int4_widened): where a tile would not
             # fit even 2 deep (a 99 KB GPU, blocks of 32 or 64 pairs) it takes half the columns
             wide = product == "swiglu" and rows <= 16 and int4[2] <= 128
             BN, BK, warps = (64, 256 if wide else 128, 4) if rows <= 16 else (128, 128, 8)
-            plan = plan or ProductPlan(programs=1)
-            stage = lambda BN: (2 if product == "swiglu" else 1) * int4_buffer(BN, BK, rows, itemsize)
-            widened = lambda BN: int4_widened(BN, BK, int4[2], itemsize)
-            while widened(BN) and BN > 16 and stage(BN) + widened(BN) > plan.shared_memory - PIPELINE_SLACK:
-                BN //= 2
-            return BN, BK, warps, plan.depth(3, stage(BN), widened(BN))
+            dots = 2 if product == "swiglu" else 1
+            BN, stages = fit_int4(BN, 3, lambda BN: dots * int4_buffer(BN, BK, rows, itemsize),
+                                  lambda BN: int4_widened(BN, BK, int4[2], itemsize), plan or ProductPlan(programs=1))
+            return BN, BK, warps, stages
         if chosen is not None:
             return chosen
         # a step's measured tile, fitted where float32 rows' widened weights sit beside its buffers (a
@@ -479,11 +478,10 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
         plan = plan or ProductPlan(programs=1)
         stacked = product == "swiglu" and interleaved and plan.int4_expert_stacked
         xs = 2 if product == "swiglu" and not stacked else 1
-        stage = lambda BN: (2 if product == "swiglu" else 1) * BN * BK // 2 + xs * BK * STEP_ROWS * itemsize
-        widened = lambda BN: int4_widened(2 * BN if stacked else BN, BK, int4[2], itemsize)
-        while widened(BN) and BN > 16 and stage(BN) + widened(BN) > plan.shared_memory - PIPELINE_SLACK:
-            BN //= 2
-        return BN, BK, warps, plan.depth(stages, stage(BN), widened(BN))
+        BN, stages = fit_int4(BN, stages, lambda BN: (2 if product == "swiglu" else 1) * BN * BK // 2
+                              + xs * BK * STEP_ROWS * itemsize,
+                              lambda BN: int4_widened(2 * BN if stacked else BN, BK, int4[2], itemsize), plan)
+        return BN, BK, warps, stages
     rule = plan.expert_tiles if plan is not None else None
     chosen = rule(product, step, fp8, itemsize) if rule is not None else None
     if chosen is not None:
