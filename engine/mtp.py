@@ -17,6 +17,7 @@ from torch import nn
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.dispatch import Ctx
 from mtpchat.engine.model import DecoderLayer, RMSNorm, empty
+from mtpchat.kernels import norm
 
 
 class MTPHead(nn.Module):
@@ -30,11 +31,14 @@ class MTPHead(nn.Module):
 
     def forward(self, embed: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor, cache, ctx: Ctx):
         """ids [T] (tokens x_{p+1}), hidden [T, H] (h_p) at ctx.positions p -> out [T, H]."""
-        e = self.pre_fc_norm_embedding(F.embedding(ids, embed))
-        h = self.pre_fc_norm_hidden(hidden)
+        if ctx.plan.head_input:     # the lookup, both norms and their concatenation in one launch
+            x = norm.head_input(ids, embed, hidden, self.pre_fc_norm_embedding.weight,
+                                self.pre_fc_norm_hidden.weight, self.pre_fc_norm_embedding.eps)
+        else:
+            x = torch.cat([self.pre_fc_norm_embedding(F.embedding(ids, embed)), self.pre_fc_norm_hidden(hidden)], dim=-1)
         # the plan's fc_split: in a step on the GPU the fc's rows (5120 for the 27B: 80 column blocks
         # on 132 SMs) run split over K and finished by the layer's input norm, as the blocks' last
         # products are, rather than one program a block and a norm kernel
-        u = (ctx.out_linear if ctx.plan.fc_split else ctx.linear)(torch.cat([e, h], dim=-1), self.fc)
+        u = (ctx.out_linear if ctx.plan.fc_split else ctx.linear)(x, self.fc)
         out, residual = self.layer(u, None, cache, ctx)
         return ctx.add_norm(out, residual, self.norm, whole=True)[0]

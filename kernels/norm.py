@@ -7,6 +7,9 @@ add_rmsnorm:   the residual add, h = x + residual in the stream's dtype, then rm
                as a split product's float32 parts (kernels/matvec_parts.py), added here.
 gated_rmsnorm: the GDN output norm, per head: normalise in float32, cast, times w (plain, not 1+w),
                times silu(z) in float32, cast.
+head_input:    the MTP head's input [T, 2 H]: its tokens' embedding rows and the hidden rows, each
+               rmsnorm'ed with its own weight, side by side (embedding first), in one launch where
+               the composition takes four (the lookup, two norms, the concatenation).
 Each row is normalised on its own (by one program, or one row of a program's tile), so a row's
 value does not depend on how many rows there are.
 """
@@ -42,6 +45,13 @@ def gated_rmsnorm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, ep
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (weight * y * F.silu(z.float())).to(x.dtype)
+
+
+def head_input_ref(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w_embed: torch.Tensor,
+                   w_hidden: torch.Tensor, eps: float) -> torch.Tensor:
+    """ids [T], embed [V, H], hidden [T, H] -> [T, 2 H]: rmsnorm(embed[ids], w_embed) beside
+    rmsnorm(hidden, w_hidden)."""
+    return torch.cat([rmsnorm_ref(F.embedding(ids, embed), w_embed, eps), rmsnorm_ref(hidden, w_hidden, eps)], -1)
 
 
 # Rows are addressed as [A, B, D] with element strides (s0, s1, 1): that covers a contiguous [T, D],
@@ -115,6 +125,27 @@ def _gated_rmsnorm_kernel(x, z, w, y, R, RP, B, D, eps, s_x0, s_x1, s_z0, s_z1, 
         tl.store(ys + i_a * s_sm + i_b * s_sk, b_s, mask=o_r < RP)
     else:
         tl.store(y + (i_a * s_y0 + i_b * s_y1)[:, None] + o_d[None, :], b_y, mask=m)
+
+
+@triton.jit
+def _head_input_kernel(ids, embed, hidden, w_e, w_h, y, D, eps, s_e, s_h, s_y, BD: tl.constexpr, PDL: tl.constexpr):
+    # Program (r, 0) normalises row r's embedding into y[r, :D], (r, 1) its hidden into y[r, D:],
+    # as _rmsnorm_kernel does a row (the same sum, the same BD and warps: the same bits). The ids
+    # are read after the wait: the draft before wrote them.
+    pdl_start(PDL)
+    r = tl.program_id(0)
+    half = tl.program_id(1)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    if half == 0:
+        i_v = tl.load(ids + r).to(tl.int64)
+        b_x = tl.load(embed + i_v * s_e + o_d, mask=m_d, other=0.).to(tl.float32)
+        b_w = 1. + tl.load(w_e + o_d, mask=m_d, other=0.).to(tl.float32)
+    else:
+        b_x = tl.load(hidden + r * s_h + o_d, mask=m_d, other=0.).to(tl.float32)
+        b_w = 1. + tl.load(w_h + o_d, mask=m_d, other=0.).to(tl.float32)
+    b_rstd = tl.rsqrt(tl.sum(b_x * b_x) / D + eps)
+    tl.store(y + r * s_y + half * D + o_d, (b_x * b_rstd * b_w).to(y.dtype.element_ty), mask=m_d)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -221,6 +252,31 @@ def gated_rmsnorm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
         out.scale if quantize else y, *s_scales, BR=rows, BD=BD, QUANT=quantize, INTERPRET=interpreting(),
         num_warps=warps, **pdl(x))
     return out
+
+
+def head_input_triton(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w_embed: torch.Tensor,
+                      w_hidden: torch.Tensor, eps: float) -> torch.Tensor:
+    """head_input_ref's contract in one launch; each half the bits rmsnorm_triton gives it."""
+    T, H = hidden.shape
+    assert ids.shape == (T,), f"ids must be [{T}], one a hidden row, got {tuple(ids.shape)}"
+    assert embed.dim() == 2 and embed.shape[1] == H, f"embed must be [V, {H}], got {tuple(embed.shape)}"
+    assert embed.dtype == hidden.dtype, f"embed ({embed.dtype}) and hidden ({hidden.dtype}) must share a dtype"
+    for w in (w_embed, w_hidden):
+        assert w.shape == (H,) and w.is_contiguous(), f"the norms' weights must be [{H}] contiguous"
+    assert embed.stride(1) == 1 and hidden.stride(1) == 1, "embed and hidden rows must be contiguous"
+    y = torch.empty(T, 2 * H, dtype=hidden.dtype, device=hidden.device)
+    BD, warps = _launch_params(H)
+    _head_input_kernel[(T, 2)](ids, embed, hidden, w_embed, w_hidden, y, H, eps, embed.stride(0), hidden.stride(0),
+                               y.stride(0), BD=BD, num_warps=warps, **pdl(hidden))
+    return y
+
+
+def head_input(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w_embed: torch.Tensor,
+               w_hidden: torch.Tensor, eps: float) -> torch.Tensor:
+    """head_input_ref's contract: the kernel for CUDA tensors, the reference otherwise."""
+    if use_triton(hidden, embed, w_embed, w_hidden):
+        return head_input_triton(ids, embed, hidden, w_embed, w_hidden, eps)
+    return head_input_ref(ids, embed, hidden, w_embed, w_hidden, eps)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -92,3 +92,31 @@ def test_draft_kernels_keep_mtp_on_equal_to_off(tmp_path, monkeypatch, moe):
             d.plan = torch_argmax
             d._greedy(h, want)
             assert torch.equal(picked, want), draft_vocab
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_head_input_in_one_kernel_gives_the_heads_bits(tmp_path, moe):
+    """The MTP head's input in one kernel (the plan's head_input) against the lookup, the two norms
+    and the concatenation: the head's output the same bits, in the step form (the catch-up's rows
+    and a chained draft's one, fc split or not) and the prefill form; greedy MTP on == off with it."""
+    ckpt = write_tiny_checkpoint(tmp_path / "m", moe=moe, **(GPU_MOE_SHAPE if moe else SHAPE))
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512)
+    d = engine.decoder
+    list(engine.generate(list(range(3, 60)), SamplingParams(max_tokens=4, stop_token_ids=())))
+    g = torch.Generator().manual_seed(int(moe))
+    H = engine.config.hidden_size
+    for T in (5, 1):
+        ids = torch.randint(0, engine.config.vocab_size, (T,), generator=g).cuda()
+        hidden = torch.randn(T, H, generator=g).to(device="cuda", dtype=torch.bfloat16)
+        start = d.state.length - T
+        for fc_split in (True, False):
+            outs = []
+            for on in (False, True):
+                d.plan = engine.plan.replace(head_input=on, fc_split=fc_split)
+                step = d.head(d.model.embed, ids, hidden, d.state.mtp, d._ctx(start, T, step=True))
+                outs.append((step, d._run_head(ids, hidden, start)))     # the same KV rows written again
+            assert torch.equal(outs[0][0], outs[1][0]), ("step", T, fc_split)
+            assert torch.equal(outs[0][1], outs[1][1]), ("prefill", T, fc_split)
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024,
+                         plan=engine.plan.replace(head_input=True))
+    assert_mtp_on_equals_off(engine, gpu_prompts(engine, 3), 96, ks=(1, 3))

@@ -82,7 +82,7 @@ def main():
     p.add_argument("--weights", choices=("bf16", "fp8", "int4"), default="bf16")
     p.add_argument("--json")
     p.add_argument("--sequence", type=int, default=0, metavar="N",
-                   help="also list N kernels of an eager decode step and verify 3 in launch order (after --skip)")
+                   help="also list N kernels of an eager decode step, verify 3 and the draft 3 graph in launch order (after --skip)")
     p.add_argument("--skip", type=int, default=0)
     a = p.parse_args()
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
@@ -111,10 +111,11 @@ def main():
         show(f"graph {key}", table, w)
     fn = lambda: (restore(), d.verify(0))
     if a.sequence:
-        for k in (0, 3):
-            seq = sequence(lambda k=k: (restore(), d.verify(k)), a.sequence, a.skip)
-            out[f"verify {k} eager sequence"] = seq
-            print(f"\n== eager verify {k}, kernels {a.skip} .. {a.skip + len(seq)} in launch order")
+        runs = [(f"eager verify {k}", lambda k=k: (restore(), d.verify(k))) for k in (0, 3)]
+        for title, run in runs + [("graph draft 3", lambda: (restore(), replay(("draft", 3))()))]:
+            seq = sequence(run, a.sequence, a.skip)
+            out[f"{title} sequence"] = seq
+            print(f"\n== {title}, kernels {a.skip} .. {a.skip + len(seq)} in launch order")
             for name, us in seq:
                 print(f"  {us:8.1f} us  {name}")
     table = kernel_table(fn, a.repeats)

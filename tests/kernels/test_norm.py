@@ -166,3 +166,34 @@ def test_add_rmsnorm_into_out(device):
     y2, _ = norm.add_rmsnorm(parts, r, w, EPS, out=buf[1:4])
     assert y2.data_ptr() == buf[1:4].data_ptr()
     check(y2, norm.add_rmsnorm_ref(parts, r, w, EPS)[0], TOL[torch.float32], "from parts")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H", [(1, 300), (5, 300), (3, 1000)])
+def test_head_input(device, dtype, T, H):
+    """The MTP head's input in one kernel: each row's embedding and hidden, each normalised with its
+    own weight, side by side, against the reference; the rows' own (repeated and out-of-order) ids;
+    the hidden rows strided; each half the bits of the norm kernel alone."""
+    g = torch.Generator().manual_seed(T * H)
+    embed = randn(37, H, dtype=dtype, device=device, gen=g) * 3
+    hidden = randn(T, H + 7, dtype=dtype, device=device, gen=g)[:, 3:3 + H]          # a strided view
+    w_e, w_h = randn(H, dtype=dtype, device=device, gen=g, scale=0.3), randn(H, dtype=dtype, device=device, gen=g, scale=0.3)
+    ids = torch.tensor([36, 0, 17, 17, 5][:T], device=device)
+    got = norm.head_input_triton(ids, embed, hidden, w_e, w_h, EPS)
+    ref = norm.head_input_ref(ids, embed, hidden, w_e, w_h, EPS)
+    assert got.shape == (T, 2 * H) and got.dtype == dtype
+    check(got[:, :H], ref[:, :H], TOL[dtype], "embedding half")
+    check(got[:, H:], ref[:, H:], TOL[dtype], "hidden half")
+    assert torch.equal(got[:, :H], norm.rmsnorm_triton(embed[ids], w_e, EPS))
+    assert torch.equal(got[:, H:], norm.rmsnorm_triton(hidden.contiguous(), w_h, EPS))
+    i32 = norm.head_input_triton(ids.to(torch.int32), embed, hidden, w_e, w_h, EPS)
+    assert torch.equal(i32, got), "int32 ids read as int64 ones"
+
+
+def test_head_input_checks_its_shapes(device):
+    embed, hidden, w = torch.ones(9, 64, device=device), torch.ones(2, 64, device=device), torch.ones(64, device=device)
+    with pytest.raises(AssertionError, match=r"ids must be \[2\]"):
+        norm.head_input_triton(torch.zeros(3, dtype=torch.long, device=device), embed, hidden, w, w, EPS)
+    with pytest.raises(AssertionError, match="share a dtype"):
+        norm.head_input_triton(torch.zeros(2, dtype=torch.long, device=device), embed.bfloat16(), hidden, w, w, EPS)
+    assert norm.head_input(torch.zeros(2, dtype=torch.long), embed.cpu(), hidden.cpu(), w.cpu(), w.cpu(), EPS).shape == (2, 128)
