@@ -17,8 +17,9 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
   0.97-0.99 x);
 - draft_pick: the draft's argmax and its map to a token id as two PDL kernels (draft 0.93-0.97 x);
 - head_input: the MTP head's input (its tokens' embedding rows and the hidden rows, each normalised,
-  side by side) in one PDL kernel, kernels/norm.py head_input, where the lookup, the two norms and
-  the concatenation took four launches, two of them torch's (without PDL) (candidate, measured below);
+  side by side) in one PDL kernel (kernels/norm.py head_input), where the lookup, the two norms and
+  the concatenation took four launches, two of them torch's, without PDL: draft 3 0.952 x on the
+  35B-A3B FP8, 0.968 x on the 27B int4, the same bits (an H200, tests/bench/ab_step.py --plans draft);
 - moe_normed (over bf16 and FP8 experts): a step's MoE layer reads the norm before it as a
   Normed (its router and shared expert as any product does, its expert SwiGLU scaling each pair by
   its row's 1 / rms), a launch a layer fewer. Over the layout the routing writes (ProductPlan.routed_layout),
@@ -61,7 +62,7 @@ class KernelPlan:
     moe_fold: bool = False
     fc_split: bool = True
     draft_pick: bool = True
-    head_input: bool = False
+    head_input: bool = True
     # The MTP head's rows kept while MTP is off (hidden_size x 2 bytes each: 5 MiB for the 27B), run
     # through it when MTP comes back on or when they fill up. A flush waits for the steps in flight
     # and runs the head eagerly: at 64 rows it cost a 27B decode some 2.5 ms every 63 tokens.

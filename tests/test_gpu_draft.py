@@ -117,6 +117,6 @@ def test_head_input_in_one_kernel_gives_the_heads_bits(tmp_path, moe):
                 outs.append((step, d._run_head(ids, hidden, start)))     # the same KV rows written again
             assert torch.equal(outs[0][0], outs[1][0]), ("step", T, fc_split)
             assert torch.equal(outs[0][1], outs[1][1]), ("prefill", T, fc_split)
-    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024,
-                         plan=engine.plan.replace(head_input=True))
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024)
+    assert engine.plan.head_input                    # the default
     assert_mtp_on_equals_off(engine, gpu_prompts(engine, 3), 96, ks=(1, 3))
