@@ -46,7 +46,8 @@ from mtpchat.engine.runner import elapsed_ms
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
 from mtpchat.engine.snapshots import Snapshots, begins
 from mtpchat.engine.spec import accept_sampled, seen_rows
-from mtpchat.kernels.accept import AcceptBuffers, accept_greedy, argmax_partials_buffers, commit_ref, pick_argmax
+from mtpchat.kernels.accept import (AcceptBuffers, accept_greedy, argmax_partials_buffers, chain_start, chain_start_ref,
+                                    commit_ref, pick_argmax)
 
 
 @dataclass
@@ -372,9 +373,12 @@ class Decoder:
         # rows past pend_n are stale: an MoE head routes them as the last live one, reading no more experts
         out = self.head(self.model.embed, self.pend_tokens[:R], self.pend_hidden[:R], self.state.mtp,
                         self._ctx(start, R, step=True, rows=self.pend_n))
-        out = out.index_select(0, self.pend_n - 1)                        # the row at position L-1
+        # the row at position L-1, and the chained drafts' positions L, L+1, ...
+        if self.plan.draft_chain:
+            out, chain = chain_start(out, self.pend_n, L, self.steps[:k - 1])
+        else:
+            out, chain = chain_start_ref(out, self.pend_n, L, self.steps[:k - 1])
         self._greedy(out, self.drafts[:1])
-        chain = L + self.steps[:k - 1]                                    # the chained drafts' positions
         for j in range(1, k):
             at = chain[j - 1:j]
             out = self.head(self.model.embed, self.drafts[j - 1:j], out, self.state.mtp, self._ctx(at, 1, step=True))

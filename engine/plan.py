@@ -32,6 +32,10 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
   the sums a block at a time (128 registers), not timed there.
 
 Candidates, off:
+- draft_chain: the hand-off from the head's catch-up to the chained drafts (its last live row and
+  their positions, kernels/accept.py chain_start) in one PDL kernel where torch takes three (a
+  subtraction, a row lookup, an addition), a window's last torch launches in the draft. Not yet timed;
+  measure with tests/bench/ab_step.py --plans draft.
 - moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the
   next norm's two pieces: kernels/moe.py Fold), two launches a layer fewer. With moe_normed,
   against moe_normed alone: the 35B-A3B's FP8 steps 0.994 / 0.995 / 1.002 x, int4 1.008 / 1.033 /
@@ -63,6 +67,7 @@ class KernelPlan:
     fc_split: bool = True
     draft_pick: bool = True
     head_input: bool = True
+    draft_chain: bool = False
     # The MTP head's rows kept while MTP is off (hidden_size x 2 bytes each: 5 MiB for the 27B), run
     # through it when MTP comes back on or when they fill up. A flush waits for the steps in flight
     # and runs the head eagerly: at 64 rows it cost a 27B decode some 2.5 ms every 63 tokens.

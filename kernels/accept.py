@@ -17,6 +17,11 @@ CUDA graph at Qwen3.5's V = 248320 and hidden 5120. Here it is two, 4.3 to 6.7 u
    first index attaining it, into buffers [R, P] that the decoder allocates once.
 2. `_accept_greedy_kernel`, one program: the argmax of each row from its chunks (ties go to the
    smallest index, so it is torch.argmax on the same logits), then everything above.
+
+The draft phase that follows reads these buffers: `pick_argmax` is its greedy token (the same two
+kernels over the head's logits) and `chain_start` hands the head's catch-up over to the chained
+drafts (its last live row, pend_n - 1, and their positions L, L + 1, ...) in one kernel where torch
+takes three.
 """
 from __future__ import annotations
 
@@ -290,3 +295,40 @@ def pick_argmax_triton(logits: torch.Tensor, ids: torch.Tensor | None, into: tor
                                     num_warps=4, **pdl(logits))
     _pick_kernel[(R,)](val, idx, val.stride(0), P, ids if ids is not None else into, into,
                        HAS_IDS=ids is not None, BP=triton.next_power_of_2(P), num_warps=1, **pdl(logits))
+
+
+def chain_start_ref(out: torch.Tensor, pend_n: torch.Tensor, pos: torch.Tensor, steps: torch.Tensor):
+    """The chained drafts' start after the head's catch-up over rows `out` [R, H]: its last live row
+    out[pend_n - 1] ([1, H]) and the positions pos + steps (steps: 0, 1, ..., one a chained draft)."""
+    return out.index_select(0, pend_n - 1), pos + steps
+
+
+@triton.jit
+def _chain_start_kernel(out, s_o, pend_n, pos, row, chain, H, C, BH: tl.constexpr, BC: tl.constexpr,
+                        PDL: tl.constexpr):
+    pdl_start(PDL)
+    r = tl.maximum(tl.load(pend_n) - 1, 0)
+    o_h = tl.arange(0, BH)
+    tl.store(row + o_h, tl.load(out + r * s_o + o_h, mask=o_h < H), mask=o_h < H)
+    o_c = tl.arange(0, BC)
+    tl.store(chain + o_c, tl.load(pos) + o_c, mask=o_c < C)
+
+
+def chain_start(out: torch.Tensor, pend_n: torch.Tensor, pos: torch.Tensor, steps: torch.Tensor):
+    """chain_start_ref's contract: one PDL kernel for CUDA tensors, the reference otherwise."""
+    if use_triton(out):
+        return chain_start_triton(out, pend_n, pos, steps)
+    return chain_start_ref(out, pend_n, pos, steps)
+
+
+def chain_start_triton(out: torch.Tensor, pend_n: torch.Tensor, pos: torch.Tensor, steps: torch.Tensor):
+    """chain_start_ref's contract in one kernel; `steps` must be 0 .. C - 1 (only its length is read)."""
+    R, H = out.shape
+    assert out.stride(1) == 1, "the head's rows must be contiguous"
+    assert pend_n.shape == pos.shape == (1,) and pend_n.dtype == pos.dtype == torch.long, "pend_n and pos: [1] long"
+    C = steps.shape[0]
+    row = torch.empty(1, H, dtype=out.dtype, device=out.device)
+    chain = torch.empty(C, dtype=torch.long, device=out.device)
+    _chain_start_kernel[(1,)](out, out.stride(0), pend_n, pos, row, chain, H, C, BH=triton.next_power_of_2(H),
+                              BC=triton.next_power_of_2(max(C, 1)), num_warps=4, **pdl(out))
+    return row, chain

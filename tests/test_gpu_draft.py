@@ -120,3 +120,24 @@ def test_head_input_in_one_kernel_gives_the_heads_bits(tmp_path, moe):
     engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024)
     assert engine.plan.head_input                    # the default
     assert_mtp_on_equals_off(engine, gpu_prompts(engine, 3), 96, ks=(1, 3))
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_draft_chain_in_one_kernel_keeps_the_drafts(tmp_path, moe):
+    """The catch-up's hand-off to the chained drafts in one kernel (the plan's draft_chain): the same
+    drafts as torch's three kernels from one state, and greedy MTP on == off with it, k = 1..4."""
+    from helpers import greedy
+    ckpt = write_tiny_checkpoint(tmp_path / "m", moe=moe, **(GPU_MOE_SHAPE if moe else SHAPE))
+    plan = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256).plan
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, plan=plan.replace(draft_chain=True))
+    prompts = gpu_prompts(engine, 3)
+    assert_mtp_on_equals_off(engine, prompts, 96, ks=(1, 2, 3, 4))
+    d = engine.decoder
+    for n in (17, 40):                          # stopped after a window of some accepted drafts
+        greedy(engine, prompts[0], n, mtp=True, k=4)
+        drafts = []
+        for on in (False, True):
+            d.plan = engine.plan.replace(draft_chain=on)
+            d.draft(4)                          # the same head KV rows written again
+            drafts.append(d.drafts[:4].clone())
+        assert torch.equal(drafts[0], drafts[1]), n

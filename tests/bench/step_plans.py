@@ -120,10 +120,13 @@ def bits_plans(base: KernelPlan) -> dict:
 def draft_plans(base: KernelPlan) -> dict:
     """The draft step's forms, each off alone and both off: the MTP head's fc split over K and
     finished by its layer's input norm (fc_split) and the draft's argmax and id map as two PDL
-    kernels (draft_pick); and the head's input in one kernel (head_input) flipped from the
-    default. Read the "draft 3" phase."""
+    kernels (draft_pick); the head's input in one kernel (head_input) and the catch-up's hand-off
+    to the chained drafts in one kernel (draft_chain), each flipped from the default. Read the
+    "draft 3" phase."""
     flip = ("-" if base.head_input else "+") + "head input"
+    chain = ("-" if base.draft_chain else "+") + "chain"
     return {"default": base, flip: base.replace(head_input=not base.head_input),
+            chain: base.replace(draft_chain=not base.draft_chain),
             "-fc split": base.replace(fc_split=False), "-pick": base.replace(draft_pick=False),
             "-both": base.replace(fc_split=False, draft_pick=False)}
 

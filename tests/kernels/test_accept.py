@@ -236,3 +236,19 @@ def test_pick_argmax_bf16_in_a_graph():
         graph.replay()
         accept.pick_argmax_ref(logits, ids, want)
         assert torch.equal(into, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R,H,n,C", [(5, 300, 3, 2), (5, 300, 5, 3), (4, 1000, 1, 0), (1, 64, 1, 1)])
+def test_chain_start(device, dtype, R, H, n, C):
+    """The catch-up's hand-off to the chained drafts in one kernel: the row pend_n - 1 of the head's
+    rows (strided), copied bit for bit, and the positions pos + 0 .. C - 1, against the reference."""
+    g = torch.Generator().manual_seed(R * H + n)
+    out = (torch.randn(R, H + 5, generator=g) * 3).to(device=device, dtype=dtype)[:, 2:2 + H]
+    pend_n = torch.tensor([n], device=device)
+    pos = torch.tensor([1234 + n], device=device)
+    steps = torch.arange(C, device=device)
+    row, chain = accept.chain_start_triton(out, pend_n, pos, steps)
+    want_row, want_chain = accept.chain_start_ref(out, pend_n, pos, steps)
+    assert row.shape == (1, H) and row.dtype == dtype and torch.equal(row, want_row)
+    assert chain.dtype == torch.long and torch.equal(chain, want_chain)
