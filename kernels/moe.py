@@ -451,7 +451,7 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
     A step's FP8 SwiGLU stacked (ProductPlan.expert_stacked) takes 32 columns (bench_moe.py
     --stacked both, H100, 2026-11-27, a decode's 8 experts: 16.6 us against 16.9 for the 64 apart,
     22.8 for 32 apart; a verify's 30: 28.6 against 32.1), on an H200 16 columns, 2 warps
-    (ProductPlan.expert_glu_tile)."""
+    (ProductPlan.fp8_expert_glu_tile)."""
     if int4 is not None:
         rule4 = plan.int4_tiles if plan is not None else None
         chosen = rule4("expert_" + product, *int4) if rule4 is not None else None
@@ -487,11 +487,11 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
     if chosen is not None:
         return chosen
     if fp8:
-        # a step's SwiGLU stacked on the plan's expert_glu_tile (32 columns, 144 programs for a decode's
+        # a step's SwiGLU stacked on the plan's fp8_expert_glu_tile (32 columns, 144 programs for a decode's
         # 9 experts; an H200's 16, 288), one chain of matrix instructions a K step each (apart, the
         # 64-column tile is the faster)
         stacked = product == "swiglu" and step and (plan or ProductPlan).expert_stacked    # (the class: the default)
-        return (plan or ProductPlan).expert_glu_tile if stacked else (64, 128, 4, 3)
+        return (plan or ProductPlan).fp8_expert_glu_tile if stacked else (64, 128, 4, 3)
     if itemsize > 2:
         return 32, 64, 4, 3
     if step:

@@ -5,7 +5,7 @@ module-level switch, so two engines in one process can differ, and a CUDA graph 
 plan keeps it.
 
 The defaults are the forms measured fastest on an H100 (docs/PERFORMANCE.md), and on an H200 where
-they differ (_default: fp8_two_blocks, expert_glu_tile, int4_glu_tile). None of a step's forms is a
+they differ (_default: fp8_two_blocks, fp8_expert_glu_tile, int4_glu_tile). None of a step's forms is a
 function of the number of rows, so a row's result never depends on how many rows a call holds; a
 prefill's need not hold to that (its 4-bit few-row product pads its rows to 16, 32 or 64:
 int4_prefill_rows).
@@ -76,7 +76,7 @@ class ProductPlan:
                                     # 27B's decode step 0.987 x on an H100 and 0.990 x on an H200 for the plain
                                     # ones; the SwiGLU 1.011 x on an H100 but 0.965 x on an H200, so there too
                                     # (default_products; tests/bench/ab_step.py --plans fp8tiles)
-    expert_glu_tile: tuple[int, int, int, int] = (32, 128, 4, 3)   # a step's FP8 expert SwiGLU stacked: (BN, BK,
+    fp8_expert_glu_tile: tuple[int, int, int, int] = (32, 128, 4, 3)   # a step's FP8 expert SwiGLU stacked: (BN, BK,
                                     # warps, stages), 32 columns (moe.tiles). On an H200 16 columns, 2 warps, 4 deep
                                     # (288 programs of 32 rows for a decode's 9 experts, not 144 of 64 on 4 warps):
                                     # the 35B-A3B FP8's decode step 0.979 x, verify 3 0.997 x, draft 3 0.989 x
@@ -230,6 +230,6 @@ def _default(kind: str, index: int | None) -> ProductPlan:
     h200 = kind == "cuda" and re.search(r"\bH200\b", torch.cuda.get_device_name(device)) is not None
     plan = ProductPlan(programs=programs_on(device), shared_memory=block_shared_memory(device))
     if h200:
-        plan = dataclasses.replace(plan, fp8_two_blocks=("plain", "swiglu"), expert_glu_tile=(16, 128, 2, 4),
+        plan = dataclasses.replace(plan, fp8_two_blocks=("plain", "swiglu"), fp8_expert_glu_tile=(16, 128, 2, 4),
                                    int4_glu_tile=(32, 512, 2, 3))
     return plan

@@ -192,7 +192,7 @@ def test_the_swiglus_take_the_h200s_tiles_on_an_h200_only(monkeypatch, name, glu
     # on 16 columns and the 4-bit SwiGLU 3 deep timed on an H200 alone; a GH200 (unmeasured) as an H100
     from mtpchat.kernels import plan as kplan
     cpu = kplan.default_products("cpu")
-    assert (cpu.fp8_two_blocks, cpu.expert_glu_tile, cpu.int4_glu_tile) == (("plain",), (32, 128, 4, 3), None)
+    assert (cpu.fp8_two_blocks, cpu.fp8_expert_glu_tile, cpu.int4_glu_tile) == (("plain",), (32, 128, 4, 3), None)
     monkeypatch.setattr(kplan, "programs_on", lambda device: 132)
     monkeypatch.setattr(kplan, "block_shared_memory", lambda device: 232448)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
@@ -200,7 +200,7 @@ def test_the_swiglus_take_the_h200s_tiles_on_an_h200_only(monkeypatch, name, glu
     try:
         plan = kplan._default("cuda", 0)
         assert plan.fp8_two_blocks == (("plain", "swiglu") if glu else ("plain",))
-        assert plan.expert_glu_tile == ((16, 128, 2, 4) if glu else (32, 128, 4, 3))
+        assert plan.fp8_expert_glu_tile == ((16, 128, 2, 4) if glu else (32, 128, 4, 3))
         assert plan.int4_glu_tile == ((32, 512, 2, 3) if glu else None)
     finally:
         kplan._default.cache_clear()          # no plan made under the patches outlives the test

@@ -251,9 +251,9 @@ def test_expert_swiglu_stacked_on_the_35b_shapes(fp8_, warps):
 
 
 def test_the_fp8_expert_swiglu_takes_the_plans_tile():
-    """A step's stacked FP8 expert SwiGLU takes ProductPlan.expert_glu_tile (an H200's 16 columns, 2
+    """A step's stacked FP8 expert SwiGLU takes ProductPlan.fp8_expert_glu_tile (an H200's 16 columns, 2
     warps); unstacked, a prefill's, and a tile rule's choices are not its."""
-    h200 = dataclasses.replace(default_products("cpu"), expert_glu_tile=(16, 128, 2, 4))
+    h200 = dataclasses.replace(default_products("cpu"), fp8_expert_glu_tile=(16, 128, 2, 4))
     assert moe.tiles("swiglu", True, True, plan=h200) == (16, 128, 2, 4)
     assert moe.tiles("swiglu", True, True, plan=default_products("cpu")) == (32, 128, 4, 3)
     assert moe.tiles("swiglu", True, True) == (32, 128, 4, 3)
@@ -274,7 +274,7 @@ def test_the_h200_fp8_expert_swiglu_tile_on_the_35b_shapes(T):
     wgu, _ = experts(E + 1, F, H, "cuda", torch.bfloat16, True, seed=81)
     gu = fp8.BlockFP8(wgu.w[:-2 * F].contiguous(), wgu.scale[:-2 * F // 128].contiguous())
     sgu = fp8.BlockFP8(wgu.w[-2 * F:].contiguous(), wgu.scale[-2 * F // 128:].contiguous())
-    plan = dataclasses.replace(default_products("cuda"), expert_glu_tile=(16, 128, 2, 4))
+    plan = dataclasses.replace(default_products("cuda"), fp8_expert_glu_tile=(16, 128, 2, 4))
     x = randn(T, H, dtype=torch.bfloat16, device="cuda", seed=82)
     logits = randn(T, E + 1, seed=83, scale=3.0).cuda()
 
