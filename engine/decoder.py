@@ -374,10 +374,8 @@ class Decoder:
         out = self.head(self.model.embed, self.pend_tokens[:R], self.pend_hidden[:R], self.state.mtp,
                         self._ctx(start, R, step=True, rows=self.pend_n))
         # the row at position L-1, and the chained drafts' positions L, L+1, ...
-        if self.plan.draft_chain:
-            out, chain = chain_start(out, self.pend_n, L, self.steps[:k - 1])
-        else:
-            out, chain = chain_start_ref(out, self.pend_n, L, self.steps[:k - 1])
+        hand_off = chain_start if self.plan.draft_chain else chain_start_ref
+        out, chain = hand_off(out, self.pend_n, L, self.steps[:k - 1])
         self._greedy(out, self.drafts[:1])
         for j in range(1, k):
             at = chain[j - 1:j]

@@ -35,7 +35,8 @@ class MTPHead(nn.Module):
             x = norm.head_input(ids, embed, hidden, self.pre_fc_norm_embedding.weight,
                                 self.pre_fc_norm_hidden.weight, self.pre_fc_norm_embedding.eps)
         else:
-            x = torch.cat([self.pre_fc_norm_embedding(F.embedding(ids, embed)), self.pre_fc_norm_hidden(hidden)], dim=-1)
+            e = self.pre_fc_norm_embedding(F.embedding(ids, embed))
+            x = torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1)
         # the plan's fc_split: in a step on the GPU the fc's rows (5120 for the 27B: 80 column blocks
         # on 132 SMs) run split over K and finished by the layer's input norm, as the blocks' last
         # products are, rather than one program a block and a norm kernel

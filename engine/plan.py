@@ -34,8 +34,9 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
 Candidates, off:
 - draft_chain: the hand-off from the head's catch-up to the chained drafts (its last live row and
   their positions, kernels/accept.py chain_start) in one PDL kernel where torch takes three (a
-  subtraction, a row lookup, an addition), a window's last torch launches in the draft. Not yet timed;
-  measure with tests/bench/ab_step.py --plans draft.
+  subtraction, a row lookup, an addition): three of the four torch launches left in a window's draft
+  (the fourth, the catch-up's start L - pend_n, runs before the head). Not yet timed; measure with
+  tests/bench/ab_step.py --plans draft.
 - moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the
   next norm's two pieces: kernels/moe.py Fold), two launches a layer fewer. With moe_normed,
   against moe_normed alone: the 35B-A3B's FP8 steps 0.994 / 0.995 / 1.002 x, int4 1.008 / 1.033 /

@@ -18,10 +18,10 @@ CUDA graph at Qwen3.5's V = 248320 and hidden 5120. Here it is two, 4.3 to 6.7 u
 2. `_accept_greedy_kernel`, one program: the argmax of each row from its chunks (ties go to the
    smallest index, so it is torch.argmax on the same logits), then everything above.
 
-The draft phase that follows reads these buffers: `pick_argmax` is its greedy token (the same two
-kernels over the head's logits) and `chain_start` hands the head's catch-up over to the chained
-drafts (its last live row, pend_n - 1, and their positions L, L + 1, ...) in one kernel where torch
-takes three.
+The draft phase that follows has two kernels here too: `pick_argmax`, its greedy token (the same
+two kernels over the head's logits), and `chain_start`, which hands the head's catch-up over to the
+chained drafts (its last live row, pend_n - 1, and their positions L, L + 1, ..., from the pos and
+pend_n the commit wrote) in one kernel where torch takes three.
 """
 from __future__ import annotations
 
@@ -304,12 +304,14 @@ def chain_start_ref(out: torch.Tensor, pend_n: torch.Tensor, pos: torch.Tensor, 
 
 
 @triton.jit
-def _chain_start_kernel(out, s_o, pend_n, pos, row, chain, H, C, BH: tl.constexpr, BC: tl.constexpr,
+def _chain_start_kernel(out, s_o, pend_n, pos, row, chain, R, H, C, BH: tl.constexpr, BC: tl.constexpr,
                         PDL: tl.constexpr):
+    # pend_n is 1 .. R wherever the decoder drafts; a count outside reads the nearest row, not
+    # another tensor's memory (the reference's lookup would fail)
     pdl_start(PDL)
-    r = tl.maximum(tl.load(pend_n) - 1, 0)
+    i_r = tl.minimum(tl.maximum(tl.load(pend_n) - 1, 0), R - 1)
     o_h = tl.arange(0, BH)
-    tl.store(row + o_h, tl.load(out + r * s_o + o_h, mask=o_h < H), mask=o_h < H)
+    tl.store(row + o_h, tl.load(out + i_r * s_o + o_h, mask=o_h < H), mask=o_h < H)
     o_c = tl.arange(0, BC)
     tl.store(chain + o_c, tl.load(pos) + o_c, mask=o_c < C)
 
@@ -322,13 +324,14 @@ def chain_start(out: torch.Tensor, pend_n: torch.Tensor, pos: torch.Tensor, step
 
 
 def chain_start_triton(out: torch.Tensor, pend_n: torch.Tensor, pos: torch.Tensor, steps: torch.Tensor):
-    """chain_start_ref's contract in one kernel; `steps` must be 0 .. C - 1 (only its length is read)."""
+    """chain_start_ref's contract in one kernel for pend_n in 1 .. R (the decoder's catch-up; a
+    count outside reads the nearest row); `steps` must be 0 .. C - 1 (only its length is read)."""
     R, H = out.shape
     assert out.stride(1) == 1, "the head's rows must be contiguous"
     assert pend_n.shape == pos.shape == (1,) and pend_n.dtype == pos.dtype == torch.long, "pend_n and pos: [1] long"
     C = steps.shape[0]
     row = torch.empty(1, H, dtype=out.dtype, device=out.device)
     chain = torch.empty(C, dtype=torch.long, device=out.device)
-    _chain_start_kernel[(1,)](out, out.stride(0), pend_n, pos, row, chain, H, C, BH=triton.next_power_of_2(H),
+    _chain_start_kernel[(1,)](out, out.stride(0), pend_n, pos, row, chain, R, H, C, BH=triton.next_power_of_2(H),
                               BC=triton.next_power_of_2(max(C, 1)), num_warps=4, **pdl(out))
     return row, chain

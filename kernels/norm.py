@@ -133,19 +133,19 @@ def _head_input_kernel(ids, embed, hidden, w_e, w_h, y, D, eps, s_e, s_h, s_y, B
     # as _rmsnorm_kernel does a row (the same sum, the same BD and warps: the same bits). The ids
     # are read after the wait: the draft before wrote them.
     pdl_start(PDL)
-    r = tl.program_id(0)
-    half = tl.program_id(1)
+    i_r = tl.program_id(0)
+    i_h = tl.program_id(1)          # the half: 0 the embedding's, 1 the hidden's
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    if half == 0:
-        i_v = tl.load(ids + r).to(tl.int64)
+    if i_h == 0:
+        i_v = tl.load(ids + i_r).to(tl.int64)
         b_x = tl.load(embed + i_v * s_e + o_d, mask=m_d, other=0.).to(tl.float32)
         b_w = 1. + tl.load(w_e + o_d, mask=m_d, other=0.).to(tl.float32)
     else:
-        b_x = tl.load(hidden + r * s_h + o_d, mask=m_d, other=0.).to(tl.float32)
+        b_x = tl.load(hidden + i_r * s_h + o_d, mask=m_d, other=0.).to(tl.float32)
         b_w = 1. + tl.load(w_h + o_d, mask=m_d, other=0.).to(tl.float32)
     b_rstd = tl.rsqrt(tl.sum(b_x * b_x) / D + eps)
-    tl.store(y + r * s_y + half * D + o_d, (b_x * b_rstd * b_w).to(y.dtype.element_ty), mask=m_d)
+    tl.store(y + i_r * s_y + i_h * D + o_d, (b_x * b_rstd * b_w).to(y.dtype.element_ty), mask=m_d)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -258,7 +258,8 @@ def head_input_triton(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tens
                       w_hidden: torch.Tensor, eps: float) -> torch.Tensor:
     """head_input_ref's contract in one launch; each half the bits rmsnorm_triton gives it."""
     T, H = hidden.shape
-    assert ids.shape == (T,), f"ids must be [{T}], one a hidden row, got {tuple(ids.shape)}"
+    assert ids.shape == (T,) and (ids.stride(0) == 1 or T == 1), \
+        f"ids must be [{T}] contiguous, one a hidden row, got {tuple(ids.shape)}"
     assert embed.dim() == 2 and embed.shape[1] == H, f"embed must be [V, {H}], got {tuple(embed.shape)}"
     assert embed.dtype == hidden.dtype, f"embed ({embed.dtype}) and hidden ({hidden.dtype}) must share a dtype"
     for w in (w_embed, w_hidden):

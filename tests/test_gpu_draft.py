@@ -5,10 +5,13 @@ import pytest
 import torch
 
 from mtpchat.engine import Engine, SamplingParams
+from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.policy import AdaptiveK
 from mtpchat.engine.spec import ProfileDrafter
 from tools.tiny import write_tiny_checkpoint
-from helpers import GPU_LIKE, GPU_MOE_SHAPE, GPU_SHAPE as SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens
+from helpers import (GPU_LIKE, GPU_MOE_SHAPE, GPU_SHAPE as SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy,
+                     greedy_tokens)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -95,10 +98,18 @@ def test_draft_kernels_keep_mtp_on_equal_to_off(tmp_path, monkeypatch, moe):
 
 
 @pytest.mark.parametrize("moe", [False, True])
-def test_head_input_in_one_kernel_gives_the_heads_bits(tmp_path, moe):
+def test_head_input_in_one_kernel_gives_the_heads_bits(tmp_path, monkeypatch, moe):
     """The MTP head's input in one kernel (the plan's head_input) against the lookup, the two norms
     and the concatenation: the head's output the same bits, in the step form (the catch-up's rows
-    and a chained draft's one, fc split or not) and the prefill form; greedy MTP on == off with it."""
+    and a chained draft's one, fc split or not) and the prefill form; greedy MTP on == off with it
+    (the kernel counted, so the plan really reached it)."""
+    from mtpchat.kernels import norm
+    calls, kernel = [0], norm.head_input_triton
+
+    def spy(*a):
+        calls[0] += 1
+        return kernel(*a)
+    monkeypatch.setattr(norm, "head_input_triton", spy)
     ckpt = write_tiny_checkpoint(tmp_path / "m", moe=moe, **(GPU_MOE_SHAPE if moe else SHAPE))
     engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=512)
     d = engine.decoder
@@ -113,25 +124,44 @@ def test_head_input_in_one_kernel_gives_the_heads_bits(tmp_path, moe):
             outs = []
             for on in (False, True):
                 d.plan = engine.plan.replace(head_input=on, fc_split=fc_split)
+                before = calls[0]
                 step = d.head(d.model.embed, ids, hidden, d.state.mtp, d._ctx(start, T, step=True))
                 outs.append((step, d._run_head(ids, hidden, start)))     # the same KV rows written again
+                assert calls[0] - before == 2 * on, (T, fc_split, on)
             assert torch.equal(outs[0][0], outs[1][0]), ("step", T, fc_split)
             assert torch.equal(outs[0][1], outs[1][1]), ("prefill", T, fc_split)
     engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024)
     assert engine.plan.head_input                    # the default
+    calls[0] = 0
     assert_mtp_on_equals_off(engine, gpu_prompts(engine, 3), 96, ks=(1, 3))
+    assert calls[0] > 0
 
 
 @pytest.mark.parametrize("moe", [False, True])
-def test_draft_chain_in_one_kernel_keeps_the_drafts(tmp_path, moe):
-    """The catch-up's hand-off to the chained drafts in one kernel (the plan's draft_chain): the same
-    drafts as torch's three kernels from one state, and greedy MTP on == off with it, k = 1..4."""
-    from helpers import greedy
+def test_draft_chain_in_one_kernel_keeps_the_drafts(tmp_path, monkeypatch, moe):
+    """The catch-up's hand-off to the chained drafts in one kernel (the plan's draft_chain): in the
+    engine's own drafts its row and positions are torch's three kernels' bit for bit (compared
+    where nothing is being captured), the drafts the same from one state, and greedy MTP on == off
+    with it, k = 1..4."""
+    from mtpchat.engine import decoder
+    from mtpchat.kernels.accept import chain_start_ref
+    calls, checked, kernel = [0], [0], decoder.chain_start
+
+    def spy(out, pend_n, pos, steps):
+        calls[0] += 1
+        got = kernel(out, pend_n, pos, steps)
+        if not torch.cuda.is_current_stream_capturing():
+            want = chain_start_ref(out, pend_n, pos, steps)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (pend_n, pos, steps)
+            checked[0] += 1
+        return got
+    monkeypatch.setattr(decoder, "chain_start", spy)
     ckpt = write_tiny_checkpoint(tmp_path / "m", moe=moe, **(GPU_MOE_SHAPE if moe else SHAPE))
-    plan = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256).plan
-    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, plan=plan.replace(draft_chain=True))
+    plan = KernelPlan.choose("cuda", ModelConfig.load(ckpt), False).replace(draft_chain=True)
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, plan=plan)
     prompts = gpu_prompts(engine, 3)
     assert_mtp_on_equals_off(engine, prompts, 96, ks=(1, 2, 3, 4))
+    assert calls[0] > 0
     d = engine.decoder
     for n in (17, 40):                          # stopped after a window of some accepted drafts
         greedy(engine, prompts[0], n, mtp=True, k=4)
@@ -141,3 +171,4 @@ def test_draft_chain_in_one_kernel_keeps_the_drafts(tmp_path, moe):
             d.draft(4)                          # the same head KV rows written again
             drafts.append(d.drafts[:4].clone())
         assert torch.equal(drafts[0], drafts[1]), n
+    assert checked[0] >= 2

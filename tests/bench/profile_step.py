@@ -82,7 +82,8 @@ def main():
     p.add_argument("--weights", choices=("bf16", "fp8", "int4"), default="bf16")
     p.add_argument("--json")
     p.add_argument("--sequence", type=int, default=0, metavar="N",
-                   help="also list N kernels of an eager decode step, verify 3 and the draft 3 graph in launch order (after --skip)")
+                   help="also list N kernels of an eager decode step, verify 3 and the draft 3 graph in launch "
+                        "order (after --skip)")
     p.add_argument("--skip", type=int, default=0)
     a = p.parse_args()
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")

@@ -252,3 +252,12 @@ def test_chain_start(device, dtype, R, H, n, C):
     want_row, want_chain = accept.chain_start_ref(out, pend_n, pos, steps)
     assert row.shape == (1, H) and row.dtype == dtype and torch.equal(row, want_row)
     assert chain.dtype == torch.long and torch.equal(chain, want_chain)
+
+
+def test_chain_start_clamps_a_count_outside_the_rows(device):
+    """A pend_n outside 1 .. R (never in the decoder) reads the nearest row, not memory past `out`."""
+    out = randn(3, 40, device=device, seed=5)
+    steps = torch.arange(2, device=device)
+    for n, want in ((0, 0), (3, 2), (9, 2)):
+        row, _ = accept.chain_start_triton(out, torch.tensor([n], device=device), torch.tensor([7], device=device), steps)
+        assert torch.equal(row[0], out[want]), n

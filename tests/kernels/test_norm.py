@@ -177,7 +177,7 @@ def test_head_input(device, dtype, T, H):
     g = torch.Generator().manual_seed(T * H)
     embed = randn(37, H, dtype=dtype, device=device, gen=g) * 3
     hidden = randn(T, H + 7, dtype=dtype, device=device, gen=g)[:, 3:3 + H]          # a strided view
-    w_e, w_h = randn(H, dtype=dtype, device=device, gen=g, scale=0.3), randn(H, dtype=dtype, device=device, gen=g, scale=0.3)
+    w_e, w_h = (randn(H, dtype=dtype, device=device, gen=g, scale=0.3) for _ in range(2))
     ids = torch.tensor([36, 0, 17, 17, 5][:T], device=device)
     got = norm.head_input_triton(ids, embed, hidden, w_e, w_h, EPS)
     ref = norm.head_input_ref(ids, embed, hidden, w_e, w_h, EPS)
@@ -196,4 +196,7 @@ def test_head_input_checks_its_shapes(device):
         norm.head_input_triton(torch.zeros(3, dtype=torch.long, device=device), embed, hidden, w, w, EPS)
     with pytest.raises(AssertionError, match="share a dtype"):
         norm.head_input_triton(torch.zeros(2, dtype=torch.long, device=device), embed.bfloat16(), hidden, w, w, EPS)
-    assert norm.head_input(torch.zeros(2, dtype=torch.long), embed.cpu(), hidden.cpu(), w.cpu(), w.cpu(), EPS).shape == (2, 128)
+    with pytest.raises(AssertionError, match="contiguous"):
+        norm.head_input_triton(torch.zeros(4, dtype=torch.long, device=device)[::2], embed, hidden, w, w, EPS)
+    cpu = norm.head_input(torch.zeros(2, dtype=torch.long), embed.cpu(), hidden.cpu(), w.cpu(), w.cpu(), EPS)
+    assert cpu.shape == (2, 128)
