@@ -473,14 +473,13 @@ def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductP
         # a step's measured tile, fitted where float32 rows' widened weights sit beside its buffers (a
         # 99 KB GPU: the stacked SwiGLU 4 deep took 106,496 bytes): its columns halved where even 2
         # deep would not fit, else its depth cut (the same sums at any depth or column count). A
-        # SwiGLU program reads gate and up rows, 2 BN, with x's tile once stacked (one dot), twice apart
+        # SwiGLU program reads gate and up rows, 2 BN: stacked in one dot, apart in two, each with x's tile
         BN, BK, warps, stages = measured("expert_" + product, *int4[:2], interleaved)[0]
         plan = plan or ProductPlan(programs=1)
         stacked = product == "swiglu" and interleaved and plan.int4_expert_stacked
-        xs = 2 if product == "swiglu" and not stacked else 1
-        BN, stages = fit_int4(BN, stages, lambda BN: (2 if product == "swiglu" else 1) * BN * BK // 2
-                              + xs * BK * STEP_ROWS * itemsize,
-                              lambda BN: int4_widened(2 * BN if stacked else BN, BK, int4[2], itemsize), plan)
+        tall, dots = (2, 1) if stacked else (1, 2 if product == "swiglu" else 1)    # a dot's rows (x BN), dots
+        BN, stages = fit_int4(BN, stages, lambda BN: dots * int4_buffer(tall * BN, BK, STEP_ROWS, itemsize),
+                              lambda BN: int4_widened(tall * BN, BK, int4[2], itemsize), plan)
         return BN, BK, warps, stages
     rule = plan.expert_tiles if plan is not None else None
     chosen = rule(product, step, fp8, itemsize) if rule is not None else None
