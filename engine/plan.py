@@ -20,6 +20,11 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
   side by side) in one PDL kernel (kernels/norm.py head_input), where the lookup, the two norms and
   the concatenation took four launches, two of them torch's, without PDL: draft 3 0.952 x on the
   35B-A3B FP8, 0.968 x on the 27B int4, the same bits (an H200, tests/bench/ab_step.py --plans draft);
+- draft_chain: the hand-off from the head's catch-up to the chained drafts (its last live row and
+  their positions, kernels/accept.py chain_start) in one PDL kernel where torch took three (a
+  subtraction, a row lookup, an addition; the fourth, the catch-up's start L - pend_n, runs before
+  the head): draft 3 0.986 x on the 35B-A3B FP8, 0.992 x on the 27B int4, decode and verify
+  unchanged, the same logits (an H200, tests/bench/ab_step.py --plans draft, 2026-11-29);
 - moe_normed (over bf16 and FP8 experts): a step's MoE layer reads the norm before it as a
   Normed (its router and shared expert as any product does, its expert SwiGLU scaling each pair by
   its row's 1 / rms), a launch a layer fewer. Over the layout the routing writes (ProductPlan.routed_layout),
@@ -32,11 +37,6 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
   the sums a block at a time (128 registers), not timed there.
 
 Candidates, off:
-- draft_chain: the hand-off from the head's catch-up to the chained drafts (its last live row and
-  their positions, kernels/accept.py chain_start) in one PDL kernel where torch takes three (a
-  subtraction, a row lookup, an addition): three of the four torch launches left in a window's draft
-  (the fourth, the catch-up's start L - pend_n, runs before the head). Not yet timed; measure with
-  tests/bench/ab_step.py --plans draft.
 - moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the
   next norm's two pieces: kernels/moe.py Fold), two launches a layer fewer. With moe_normed,
   against moe_normed alone: the 35B-A3B's FP8 steps 0.994 / 0.995 / 1.002 x, int4 1.008 / 1.033 /
@@ -68,7 +68,7 @@ class KernelPlan:
     fc_split: bool = True
     draft_pick: bool = True
     head_input: bool = True
-    draft_chain: bool = False
+    draft_chain: bool = True
     # The MTP head's rows kept while MTP is off (hidden_size x 2 bytes each: 5 MiB for the 27B), run
     # through it when MTP comes back on or when they fill up. A flush waits for the steps in flight
     # and runs the head eagerly: at 64 rows it cost a 27B decode some 2.5 ms every 63 tokens.

@@ -24,7 +24,7 @@ def test_choose_follows_the_weight_format(gqa3, fp8):
     assert plan.products.programs == CPU_PROGRAMS
     assert plan.products.small_split and plan.products.tail_split
     assert not plan.products.widen_bits                  # no FP8 product runs on the CPU
-    assert plan.split_norm and plan.fc_split and plan.draft_pick and plan.head_input and plan.pending_rows == 512
+    assert plan.split_norm and plan.fc_split and plan.draft_pick and plan.head_input and plan.draft_chain and plan.pending_rows == 512
     assert not plan.shared_as_expert                     # a dense model
 
 

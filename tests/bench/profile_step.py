@@ -110,7 +110,6 @@ def main():
         w = wall(fn, a.repeats)
         out[f"{key[0]} {key[1]}"] = {**table, "wall_us": w}
         show(f"graph {key}", table, w)
-    fn = lambda: (restore(), d.verify(0))
     if a.sequence:
         runs = [(f"eager verify {k}", lambda k=k: (restore(), d.verify(k))) for k in (0, 3)]
         for title, run in runs + [("graph draft 3", lambda: (restore(), replay(("draft", 3))()))]:
@@ -119,9 +118,10 @@ def main():
             print(f"\n== {title}, kernels {a.skip} .. {a.skip + len(seq)} in launch order")
             for name, us in seq:
                 print(f"  {us:8.1f} us  {name}")
-    table = kernel_table(fn, a.repeats)
-    out["verify 0 eager"] = table
-    show("eager verify 0", table)
+    for k in (0, 3):
+        table = kernel_table(lambda k=k: (restore(), d.verify(k)), a.repeats)
+        out[f"verify {k} eager"] = table
+        show(f"eager verify {k}", table)
 
     if a.prefill:
         prompt = random_prompt(engine, a.prefill, 2)

@@ -237,6 +237,7 @@ def fp8_tile_plans(base: KernelPlan, found: dict) -> dict:
 
 DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split=False),
                  "fc split": dict(fc_split=False), "pick": dict(draft_pick=False), "head input": dict(head_input=False),
+                 "chain": dict(draft_chain=False),
                  "routed layout": dict(routed_layout=False), "moe normed": dict(moe_normed=False),
                  "rides": dict(rides=False)}
 
