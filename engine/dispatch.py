@@ -23,6 +23,7 @@ from torch import nn
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.kernels import fp8_gemm, int4_gemm, moe, norm
 from mtpchat.kernels._triton import use_triton
+from mtpchat.kernels.conv import ConvStep, conv_step_ref
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BlockFP8
 from mtpchat.kernels.fp8_gemm import QuantizedRows
@@ -56,11 +57,11 @@ class Ctx:
     def products(self) -> ProductPlan:
         return self.plan.products
 
-    def linear(self, x, w) -> torch.Tensor:
-        return linear(x, w, self.step, self.plan.products)
+    def linear(self, x, w, conv: ConvStep | None = None) -> torch.Tensor:
+        return linear(x, w, self.step, self.plan.products, conv)
 
-    def linears(self, x, w, rider) -> tuple[torch.Tensor, torch.Tensor]:
-        return linears(x, w, rider, self.step, self.plan.products)
+    def linears(self, x, w, rider, conv: ConvStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return linears(x, w, rider, self.step, self.plan.products, conv)
 
     def quantized_rows_for(self, w, x: torch.Tensor) -> bool:
         """Whether the rows that x stands for (their count, device and dtype) go to the product over
@@ -103,7 +104,7 @@ def _few_rows(x, rowwise: bool) -> bool:
     return isinstance(x, Normed) or (rowwise and x.is_cuda)
 
 
-def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
+def linear(x, w, rowwise: bool, products: ProductPlan, conv: ConvStep | None = None) -> torch.Tensor:
     """x [T, K] @ w[N, K]ᵀ, w a tensor, a BlockFP8 or a GroupInt4. With `rowwise` (decode, verify,
     draft) each row's result is that of a 1-row call: the batch-invariant matvec kernel on the GPU,
     in the plan's form (it also takes a Normed x, see add_norm, and FP8 or 4-bit weights, scaled in
@@ -111,11 +112,14 @@ def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
     FP8 tensor cores (fp8_gemm.py), over 4-bit ones in int4_gemm.py (the plan's int4_prefill: a
     dequantized slab and torch's matmul, or the tiles widened in registers), or for at most the
     plan's int4_prefill_rows rows in the few-row kernel (matvec.matvec_prefill); on the CPU it is
-    the product of the dequantized weight."""
+    the product of the dequantized weight. `conv` (a step's, kernels/conv.py ConvStep): the first
+    conv.channels columns come out through the GDN's causal conv, in the matvec kernel on the GPU."""
+    if conv is not None and not _few_rows(x, rowwise):
+        return conv_step_ref(linear(x, w, rowwise, products), conv)
     if isinstance(x, QuantizedRows):
         return fp8_gemm.gemm(x, w, products) if isinstance(w, BlockFP8) else int4_gemm.gemm(x, w, plan=products)
     if _few_rows(x, rowwise):
-        return matvec(x, w, plan=products)
+        return matvec(x, w, plan=products, conv=conv)
     if (not rowwise and isinstance(w, GroupInt4) and x.shape[0] <= products.int4_prefill_rows and use_triton(x, w.w)
             and prefill_fits(x.shape[0], w, x.element_size(), products)):
         return matvec_prefill(x, w, products)        # a short prefill chunk's: the weight streamed once
@@ -130,13 +134,14 @@ def linear(x, w, rowwise: bool, products: ProductPlan) -> torch.Tensor:
     return torch.cat([F.linear(x[i:i + 1], w) for i in range(x.shape[0])]) if x.shape[0] > 1 else F.linear(x, w)
 
 
-def linears(x, w, rider, rowwise: bool, products: ProductPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x @ wᵀ, x @ riderᵀ), each as `linear` gives it: where a step's products run as the matvec
-    kernel and the plan's `rides` is on, the rider (a tensor, e.g. the GDN's bf16 b|a) takes the
-    first programs of w's launch (matvec_rider); otherwise two products."""
+def linears(x, w, rider, rowwise: bool, products: ProductPlan,
+            conv: ConvStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ wᵀ, x @ riderᵀ), each as `linear` gives it (`conv` w's): where a step's products run as
+    the matvec kernel and the plan's `rides` is on, the rider (a tensor, e.g. the GDN's bf16 b|a)
+    takes the first programs of w's launch (matvec_rider); otherwise two products."""
     if products.rides and _few_rows(x, rowwise) and rides(x, w, rider):
-        return matvec_rider(x, w, rider, plan=products)
-    return linear(x, w, rowwise, products), linear(x, rider, rowwise, products)
+        return matvec_rider(x, w, rider, plan=products, conv=conv)
+    return linear(x, w, rowwise, products, conv), linear(x, rider, rowwise, products)
 
 
 def takes_quantized_rows(x: torch.Tensor, w, products: ProductPlan) -> bool:

@@ -227,13 +227,21 @@ class GatedDeltaNet(nn.Module):
         c, T = self.c, x.shape[0]
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         conv_buf, state, pend = cache
+        # a step's conv in the in_proj's own kernel (the plan's conv_in_product), its columns then
+        # post-conv; or in the recurrence kernel (conv_in_recurrence); else in a kernel of its own
+        in_recurrence = ctx.step and T <= ctx.plan.conv_in_recurrence
+        in_product = None
+        if ctx.step and not in_recurrence and T <= ctx.plan.conv_in_product:
+            in_product = conv.ConvStep(conv_buf, ctx.conv_off, self.conv_weight, ctx.live, c.conv_dim)
         if self.in_proj_ba is None:
-            mixed, z, b, a = ctx.linear(x, self.in_proj).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+            mixed, z, b, a = ctx.linear(x, self.in_proj, in_product).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
         else:
-            mz, ba = ctx.linears(x, weight(self, "in_proj"), self.in_proj_ba)
+            mz, ba = ctx.linears(x, weight(self, "in_proj"), self.in_proj_ba, in_product)
             mixed, z = mz.split([c.conv_dim, c.value_dim], dim=-1)
             b, a = ba.split([hv, hv], dim=-1)
-        if ctx.step and T <= ctx.plan.conv_in_recurrence:
+        if in_product is not None:
+            o = self._recurrence(*self._heads(mixed), a, b, cache, ctx)
+        elif in_recurrence:
             # the recurrence kernel computes the conv of the channels each of its programs reads
             o = gdn.conv_recurrent(mixed, conv_buf, ctx.conv_off, self.conv_weight, a, b, self.A_log, self.dt_bias,
                                    state, pend, ctx.fold, ctx.parity, ctx.live, c.linear_num_key_heads)
@@ -247,18 +255,27 @@ class GatedDeltaNet(nn.Module):
                                rows=1 if ctx.step else ctx.plan.prefill_rows, quantize=quantize)
         return ctx.out_linear(o if quantize else o.reshape(T, c.value_dim), out_proj)
 
+    def _heads(self, mixed):
+        """Post-conv q | k | v [T, conv_dim] -> q, k [T, Hk, dk] and v [T, Hv, dv] (views)."""
+        c, T = self.c, mixed.shape[0]
+        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        return q.view(T, -1, c.linear_key_head_dim), k.view(T, -1, c.linear_key_head_dim), \
+            v.view(T, c.linear_num_value_heads, c.linear_value_head_dim)
+
+    def _recurrence(self, q, k, v, a, b, cache, ctx: Ctx):
+        """A step's recurrence over post-conv heads (the state and kept tokens in `cache`)."""
+        _, state, pend = cache
+        return gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, state, pend, ctx.fold, ctx.parity, ctx.live)
+
     def _conv_then_recurrence(self, mixed, a, b, cache, ctx: Ctx):
         """The conv kernel, then the recurrence (a step) or the chunked form (a prefill)."""
-        c, T = self.c, mixed.shape[0]
-        hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         conv_buf, state, pend = cache
         mixed = conv.conv_update(mixed, conv_buf, ctx.conv_off, self.conv_weight, ctx.live,   # pre-conv in, silu out
                                  tokens=16 if ctx.step else ctx.plan.prefill_conv_tokens,
                                  blocks=1 if ctx.step else ctx.plan.prefill_conv_blocks)
-        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
-        q, k, v = q.view(T, -1, dk), k.view(T, -1, dk), v.view(T, hv, dv)
+        q, k, v = self._heads(mixed)
         if ctx.step:
-            return gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, state, pend, ctx.fold, ctx.parity, ctx.live)
+            return self._recurrence(q, k, v, a, b, cache, ctx)
         # the last step's accepted tokens first (the decoder zeroes ctx.fold after the first chunk;
         # decode state, no gradient); the kernels write the end state over the start state, the
         # reference returns it (from a copy of the start state, which a training forward's

@@ -161,6 +161,13 @@ class KernelPlan:
     # every channel a program reads costs more than the launch it saves (an H200,
     # tests/bench/ab_step.py --plans conv; docs/PERFORMANCE.md 2026-11-27).
     conv_in_recurrence: int = 1
+    # A step of more tokens than that and at most this many has its conv computed by the product
+    # that makes its inputs, the GDN in_proj (kernels/conv.py ConvStep, in matvec's kernel): each
+    # column block's program, once it has stored the block's pre-conv values, reads them back with
+    # the window and writes silu(conv) over them, the same sums as the conv kernel's, so a token
+    # takes the same bits either way. A verify then runs no conv kernel (4.5 us each alone, the
+    # 27B int4's verify 3 215 us in 48 launches: tests/bench/profile_step.py, an H200). 0: never.
+    conv_in_product: int = 0
     # Short prefills through CUDA graphs rather than eager forwards, whose time the host's launches
     # set: 16 tokens of the 27B FP8 after an 8K history took 61-71 ms of wall time for 24.6 ms of
     # kernels in 924 launches (an H100, tests/bench/probe_turn.py, 2026-11-28).

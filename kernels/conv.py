@@ -14,6 +14,8 @@ state.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -100,6 +102,79 @@ def _conv_update_kernel(x, buf, off, live, w, y, T, C, WIDTH, s_x, s_y, s_buf,
         b_in = tl.load(x + o_in[None, :] * s_x + o_c[:, None], mask=m_in, other=0.)
         tl.debug_barrier()   # every read of the old window is done before the buffer is written
         tl.store(p_buf[:, None] + ((i_off + K - 1 + o_in) % WIDTH)[None, :], b_in.to(buf.dtype.element_ty), mask=m_in)
+
+
+class ConvStep(NamedTuple):
+    """A step's causal conv handed to the product that makes its inputs (matvec's `conv`, the GDN
+    in_proj): the product's first `channels` output columns are the pre-conv q | k | v, and its
+    kernel, once a column block's sums are stored, reads them back with the window, writes them
+    into the ring and replaces them with silu(conv), as conv_update does: no kernel of its own.
+    Each output is the same K-term sum in the same order as _conv_block's, so a token takes the
+    same bits through either."""
+    buf: torch.Tensor                   # [C, W] the window's ring (conv_update's buf)
+    off: torch.Tensor                   # [1] long: the committed window's offset
+    weight: torch.Tensor                # [C, K]
+    live: torch.Tensor | None           # [1] long, or None
+    channels: int                       # C: the product's columns that go through the conv
+
+    def check(self, T: int, dtype: torch.dtype) -> None:
+        C, K, W = self.channels, self.weight.shape[1], self.buf.shape[1]
+        assert self.buf.shape[0] == C and self.buf.stride(1) == 1 and self.buf.dtype == dtype, \
+            f"the conv's buf must be [{C}, W] in the rows' dtype with contiguous rows"
+        assert self.weight.shape == (C, K) and self.weight.is_contiguous(), f"the conv's weight must be [{C}, K] contiguous"
+        assert T <= W - (K - 1), f"a product's conv takes a step ({W - (K - 1)} tokens at most), not {T}"
+        assert self.off.numel() == 1 and self.off.dtype == torch.long, "off must be a 1-element long tensor"
+        assert self.live is None or (self.live.numel() == 1 and self.live.dtype == torch.long), \
+            "live must be a 1-element long tensor"
+
+    def args(self) -> dict:
+        """The product kernel's launch arguments for it (conv_columns')."""
+        return dict(cbuf=self.buf, coff=self.off, clive=self.live if self.live is not None else self.off,
+                    cw=self.weight, CC=self.channels, CWIDTH=self.buf.shape[1], s_cbuf=self.buf.stride(0),
+                    CK=self.weight.shape[1], CLIVE=self.live is not None)
+
+
+def conv_step_ref(y: torch.Tensor, conv: ConvStep) -> torch.Tensor:
+    """A product's output y [T, N] after its conv (ConvStep): the first C columns through
+    conv_update_ref (the window updated), the rest as they were."""
+    C = conv.channels
+    out = y.clone()
+    out[:, :C] = conv_update_ref(y[:, :C], conv.buf, conv.off, conv.weight, conv.live)
+    return out
+
+
+@triton.jit
+def conv_columns(y, o_n, m_n, T, s_y, buf, off, live, w, C, WIDTH, s_buf,
+                 K: tl.constexpr, BT: tl.constexpr, HAS_LIVE: tl.constexpr):
+    """A product program's conv (ConvStep), after it stored y's columns o_n (m_n) for rows 0 .. T-1:
+    for the columns below C, each row's K-term causal sum over [window | the rows] (the window's
+    K-1 columns from the ring at off), silu, written over y; the rows' pre-conv values written into
+    the ring at (off + K-1 + t) mod WIDTH (not for an ended generation's step: live 0). A step writes
+    no column of the ring it reads (T <= WIDTH - (K-1)). The sums as _conv_block's, term by term."""
+    tl.debug_barrier()      # the block's stores, by all its threads, are read back below
+    m_c = m_n & (o_n < C)
+    o_t = tl.arange(0, BT)
+    m_t = o_t < T
+    i_off = tl.load(off)
+    p_buf = buf + o_n * s_buf
+    b_y = tl.zeros([o_n.shape[0], BT], dtype=tl.float32)
+    for j in tl.static_range(K):
+        o_src = o_t + j - (K - 1)       # column t + j of [window | rows]: a window column while < 0
+        m_x = m_c[:, None] & (o_src >= 0)[None, :] & (o_src < T)[None, :]
+        b_x = tl.load(y + o_src[None, :] * s_y + o_n[:, None], mask=m_x, other=0.)
+        b_x = b_x.to(buf.dtype.element_ty).to(tl.float32)
+        m_w = m_c[:, None] & (o_src < 0)[None, :]
+        b_x += tl.load(p_buf[:, None] + ((i_off + K - 1 + o_src) % WIDTH)[None, :], mask=m_w, other=0.).to(tl.float32)
+        b_y += tl.load(w + o_n * K + j, mask=m_c, other=0.).to(tl.float32)[:, None] * b_x
+    b_y = b_y * tl.sigmoid(b_y)
+    m_y = m_c[:, None] & m_t[None, :]
+    b_in = tl.load(y + o_t[None, :] * s_y + o_n[:, None], mask=m_y, other=0.)
+    m_b = m_y
+    if HAS_LIVE:
+        m_b = m_b & (tl.zeros([o_n.shape[0], BT], dtype=tl.int64) + tl.load(live) > 0)
+    tl.debug_barrier()      # every read of the pre-conv values is done before they are overwritten
+    tl.store(p_buf[:, None] + ((i_off + K - 1 + o_t) % WIDTH)[None, :], b_in.to(buf.dtype.element_ty), mask=m_b)
+    tl.store(y + o_t[None, :] * s_y + o_n[:, None], b_y.to(y.dtype.element_ty), mask=m_y)
 
 
 def _tile() -> tuple[int, int]:

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from mtpchat.kernels._triton import pdl, pdl_release, pdl_start, tl, triton, use_triton
+from mtpchat.kernels.conv import ConvStep, conv_columns, conv_step_ref
 from mtpchat.kernels.forms import dense_ref, values_of
 from mtpchat.kernels.fp8 import BLOCK, BlockFP8, fp8_fit, fp8_run, widen, widen_args
 from mtpchat.kernels.int4 import (GroupInt4, check_int4, dot_int4, form_args, form_of, interleaved_args, measured,
@@ -133,9 +134,12 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
                    SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
                    BITS: tl.constexpr = 0, G: tl.constexpr = 0, BG: tl.constexpr = 0, zw=None, perm=None,
                    UNPACK: tl.constexpr = False, LATE: tl.constexpr = False, RUN: tl.constexpr = 1,
-                   w2=None, y2=None, N2=0, R=0, s_w2=0, s_y2=0, BN2: tl.constexpr = 0, BK2: tl.constexpr = 0):
+                   w2=None, y2=None, N2=0, R=0, s_w2=0, s_y2=0, BN2: tl.constexpr = 0, BK2: tl.constexpr = 0,
+                   cbuf=None, coff=None, clive=None, cw=None, CC=0, CWIDTH=0, s_cbuf=0, CK: tl.constexpr = 0,
+                   CLIVE: tl.constexpr = False):
     # With a rider (BN2 > 0, matvec_rider), programs 0 .. R - 1 take the rider's column blocks of
-    # BN2 rows of w2 over the same rows x, and program R + i the product's program i.
+    # BN2 rows of w2 over the same rows x, and program R + i the product's program i. With a conv
+    # (CK > 0, conv.ConvStep) a column block below CC goes through it once its sums are stored.
     pdl_start(PDL, LATE)
     pid = tl.program_id(0)
     if BN2 > 0:
@@ -143,10 +147,12 @@ def _matvec_kernel(x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, 
             _ride(x, w2, y2, ss, T, N2, K, NB, pid, s_x, s_w2, s_y2, s_ss, eps, BT, BN2, BK2, NBP, PDL, LATE)
         else:
             _main(pid - R, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
-                  BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN)
+                  BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN,
+                  cbuf, coff, clive, cw, CC, CWIDTH, s_cbuf, CK, CLIVE)
     else:
         _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw, s_y, s_ss, eps,
-              BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN)
+              BT, BN, BK, NBP, SWIGLU, SPLIT, FP8, PDL, BITS, G, BG, zw, perm, UNPACK, LATE, RUN,
+              cbuf, coff, clive, cw, CC, CWIDTH, s_cbuf, CK, CLIVE)
 
 
 @triton.jit
@@ -179,7 +185,8 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
           BT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NBP: tl.constexpr,
           SWIGLU: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
           BITS: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, zw, perm,
-          UNPACK: tl.constexpr, LATE: tl.constexpr, RUN: tl.constexpr):
+          UNPACK: tl.constexpr, LATE: tl.constexpr, RUN: tl.constexpr,
+          cbuf, coff, clive, cw, CC, CWIDTH, s_cbuf, CK: tl.constexpr, CLIVE: tl.constexpr):
     # Program pid: with no SPLIT, column block pid, all of K (with SWIGLU, the gate rows n and the
     # up rows N + n of w together). With SPLIT only the first F programs do; program F + j takes
     # part i_s = j % S of block F + j // S, K from i_s KS to the lesser of (i_s + 1) KS and K, and
@@ -232,8 +239,12 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
         pdl_release(PDL)
     if not SPLIT:
         _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
+        if CK > 0 and i_n * BN < CC:
+            conv_columns(y, o_n, m_n, T, s_y, cbuf, coff, clive, cw, CC, CWIDTH, s_cbuf, CK, BT, CLIVE)
     elif pid < F:
         _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
+        if CK > 0 and i_n * BN < CC:
+            conv_columns(y, o_n, m_n, T, s_y, cbuf, coff, clive, cw, CC, CWIDTH, s_cbuf, CK, BT, CLIVE)
     else:
         o_ws = tl.arange(0, BN)[:, None] * BT + o_t[None, :]
         s_ws: tl.constexpr = BN * BT * (2 if SWIGLU else 1)
@@ -251,6 +262,8 @@ def _main(pid, x, w, sw, y, ws, count, ss, T, N, K, NB, F, KS, S, s_x, s_w, s_sw
                 if SWIGLU:
                     b_u += tl.load(p_0 + i_p * s_ws + BN * BT + o_ws, cache_modifier=".cg")
             _finish(b_g, b_u, b_rstd, x, y, o_t, o_n, m_t, m_n, s_y, NBP, SWIGLU)
+            if CK > 0 and i_n * BN < CC:
+                conv_columns(y, o_n, m_n, T, s_y, cbuf, coff, clive, cw, CC, CWIDTH, s_cbuf, CK, BT, CLIVE)
             tl.atomic_xchg(count + j // S, 0)
 
 
@@ -428,9 +441,10 @@ def tail_split(blocks: int, KI: int, plan: ProductPlan) -> tuple[int, int] | Non
 
 
 def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: bool, plan: ProductPlan, BT: int,
-            rider: tuple | None = None):
+            rider: tuple | None = None, conv: ConvStep | None = None):
     """One program a column block (_matvec_kernel) over rows padded to BT, a small last wave split
-    over K where tail_split says so; `rider` (w2, y2): the rider's programs first (matvec_rider)."""
+    over K where tail_split says so; `rider` (w2, y2): the rider's programs first (matvec_rider);
+    `conv`: y's first conv.channels columns through a step's conv (conv.ConvStep)."""
     blocks, KI, P = triton.cdiv(N, BN), triton.cdiv(K, BK), plan.programs
     tail = tail_split(blocks, KI, plan)
     S, KS = tail or (1, KI)
@@ -449,7 +463,8 @@ def _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8: dict, swiglu: 
         x, w, sw, y, ws, count, T=x.shape[0], N=N, K=K, F=F, KS=KS * BK, S=S, s_x=x.stride(0), s_w=w.stride(0),
         s_y=y.stride(0), BT=BT, BN=BN, BK=BK, SWIGLU=swiglu, SPLIT=tail is not None, num_warps=warps,
         num_stages=stages, LATE=plan.late_release, **scale, **fp8, **pdl(x), **fp8_run(BK, fp8["FP8"]),
-        **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)), **ride)
+        **_format_args(x, w, BN, BK, warps, fp8, plan, ("swiglu" if swiglu else "plain", N, K)), **ride,
+        **(conv.args() if conv is not None else {}))
     return y
 
 
@@ -490,10 +505,13 @@ def pieces(T: int, BT: int) -> list[tuple[int, int]]:
     return [(a, min(T, a + BT)) for a in range(0, T, BT)]
 
 
-def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | None = None) -> torch.Tensor:
+def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | None = None,
+                  conv: ConvStep | None = None) -> torch.Tensor:
     N, K = w.shape
     plan = plan or default_products(x.device)
     BT = plan.rows_of(w)
+    if conv is not None:
+        _check_conv(conv, x, N, BT)
     if x.shape[0] > BT:
         ranges = pieces(x.shape[0], BT)
         y = _out(_rows_of(x), N, out)
@@ -506,7 +524,15 @@ def matvec_triton(x, w, out: torch.Tensor | None = None, plan: ProductPlan | Non
     y = _out(x, N, out)
     BN, BK, warps, stages = tiles(N, K, x.element_size(), fp8=fp8["FP8"], plan=plan, group=fp8.get("G", 0),
                                   interleaved=w.dtype == torch.int16)
-    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, False, plan, BT)
+    return _launch(x, w, sw, y, N, K, BN, BK, warps, stages, scale, fp8, False, plan, BT, conv=conv)
+
+
+def _check_conv(conv: ConvStep, x, N: int, BT: int) -> None:
+    """A product's conv (conv.ConvStep) over N output columns of x's rows, BT a launch."""
+    rows = _rows_of(x)
+    assert rows.shape[0] <= BT, f"a product's conv takes its rows in one launch ({BT} at most), not {rows.shape[0]}"
+    assert 0 < conv.channels <= N, f"a product's conv takes 1 .. {N} of its columns, not {conv.channels}"
+    conv.check(rows.shape[0], rows.dtype)
 
 
 def int4_buffer(BN: int, BK: int, BT: int, itemsize: int) -> int:
@@ -596,31 +622,38 @@ def matvec_rider_ref(x, w, w2) -> tuple[torch.Tensor, torch.Tensor]:
     return matvec_ref(x, w), matvec_ref(x, w2)
 
 
-def matvec_rider_triton(x, w, w2: torch.Tensor, plan: ProductPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def matvec_rider_triton(x, w, w2: torch.Tensor, plan: ProductPlan | None = None,
+                        conv: ConvStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x @ wᵀ and x @ w2ᵀ in one launch: w2, a small product over the same rows (a GDN's b|a rows, in
     the model dtype beside an FP8 or 4-bit in_proj), takes the first programs of the product's
     launch, each RIDER_TILE[0] rows of it over all of K, so it costs no launch of its own. More
-    rows than the plan's row tile run in pieces, as matvec's do."""
+    rows than the plan's row tile run in pieces, as matvec's do (not with a `conv`, matvec's)."""
     N, K = w.shape
     plan = plan or default_products(x.device)
     assert rides(x, w, w2), "the rider must be a tensor in x's dtype [N2, K] with contiguous rows, w without a perm"
     BT = plan.rows_of(w)
+    if conv is not None:
+        _check_conv(conv, x, N, BT)
     y, y2 = _out(_rows_of(x), N, None), _out(_rows_of(x), w2.shape[0], None)
     for a, b in pieces(x.shape[0], BT):
         xs, scale = _scale_args(rows_slice(x, a, b), K)
         wv, sw, fp8 = check_product(xs, w, K, BT)
         BN, BK, warps, stages = tiles(N, K, xs.element_size(), fp8=fp8["FP8"], plan=plan, group=fp8.get("G", 0),
                                       interleaved=wv.dtype == torch.int16)
-        _launch(xs, wv, sw, y[a:b], N, K, BN, BK, warps, stages, scale, fp8, False, plan, BT, rider=(w2, y2[a:b]))
+        _launch(xs, wv, sw, y[a:b], N, K, BN, BK, warps, stages, scale, fp8, False, plan, BT, rider=(w2, y2[a:b]),
+                conv=conv)
     return y, y2
 
 
-def matvec_rider(x, w, w2: torch.Tensor, plan: ProductPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def matvec_rider(x, w, w2: torch.Tensor, plan: ProductPlan | None = None,
+                 conv: ConvStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x @ wᵀ, x @ w2ᵀ) for x [T, K] or a Normed, w as matvec takes it and w2 a tensor that rides
-    (rides): one launch on CUDA (matvec_rider_triton), the float32 references otherwise."""
+    (rides): one launch on CUDA (matvec_rider_triton), the float32 references otherwise; `conv` as
+    matvec takes it."""
     if not use_triton(_rows_of(x), values_of(w), w2):
-        return matvec_rider_ref(x, w, w2)
-    return matvec_rider_triton(x, w, w2, plan)
+        y, y2 = matvec_rider_ref(x, w, w2)
+        return (y if conv is None else conv_step_ref(y, conv)), y2
+    return matvec_rider_triton(x, w, w2, plan, conv)
 
 
 _counts: dict = {}
@@ -670,14 +703,20 @@ def _out(x: torch.Tensor, N: int, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def matvec(x, w, out: torch.Tensor | None = None, plan: ProductPlan | None = None) -> torch.Tensor:
+def matvec(x, w, out: torch.Tensor | None = None, plan: ProductPlan | None = None,
+           conv: ConvStep | None = None) -> torch.Tensor:
     """x [T, K] (or a Normed) @ w [N, K]ᵀ (w a tensor, a BlockFP8 or a GroupInt4): the Triton kernel for CUDA
     tensors, in the plan's form (None: the measured defaults for the device), the float32
     reference otherwise. With `out` (e.g. float32 logits) the product, rounded to x's dtype, is
-    written there."""
+    written there. With `conv` (a step's, conv.ConvStep) its first conv.channels columns come out
+    through the causal conv and silu, the window updated (conv_update's contract): in the product's
+    own kernel on CUDA."""
     if not use_triton(_rows_of(x), values_of(w)):
-        return matvec_ref(x, w) if out is None else out.copy_(matvec_ref(x, w))
-    return matvec_triton(x, w, out, plan)
+        y = matvec_ref(x, w) if out is None else out.copy_(matvec_ref(x, w))
+        if conv is not None:
+            y.copy_(conv_step_ref(y, conv))
+        return y
+    return matvec_triton(x, w, out, plan, conv)
 
 
 def matvec_swiglu(x, w, plan: ProductPlan | None = None) -> torch.Tensor:

@@ -182,15 +182,17 @@ def test_drafts_past_the_captured_ones_keep_mtp_on_equal_off(ckpt):
 def test_conv_in_recurrence_changes_no_token(ckpt):
     # the GDN conv computed by the recurrence kernel (KernelPlan.conv_in_recurrence) in no step, in
     # one-token steps only (a verify's tokens then folded in by a decode with the conv inside, and
-    # the other way round) and in every step: the same greedy tokens, MTP off and on
+    # the other way round) and in every step; by the in_proj's kernel (conv_in_product) in the
+    # other steps, or in every step: the same greedy tokens, MTP off and on
     runs = []
-    for tokens in (0, 1, 1 << 10):
-        plan = KernelPlan.choose("cuda", ModelConfig.load(ckpt), fp8=False).replace(conv_in_recurrence=tokens)
+    for tokens, product in ((0, 0), (1, 0), (1 << 10, 0), (1, 1 << 10), (0, 1 << 10)):
+        plan = KernelPlan.choose("cuda", ModelConfig.load(ckpt), fp8=False).replace(conv_in_recurrence=tokens,
+                                                                                    conv_in_product=product)
         engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, plan=plan)
         runs.append(assert_mtp_on_equals_off(engine, gpu_prompts(engine, 3)[1:], 96, profile_ks=(1, 3), ks=(2,)))
         del engine
     tokens = [[list(done.token_ids) for done in run] for run in runs]
-    assert tokens[0] == tokens[1] == tokens[2]
+    assert all(t == tokens[0] for t in tokens[1:])
 
 
 @pytest.mark.parametrize("graphs", [True, False])

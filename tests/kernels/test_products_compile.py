@@ -1,6 +1,7 @@
 """The few-row products over bf16 and FP8 weights (kernels/matvec.py, matvec_parts.py), the MoE
 experts over them (kernels/moe.py), decode's and prefill's attention (kernels/attention.py, attention_chunk.py) and
-prefill's FP8 product where cuBLAS does not serve it (kernels/fp8_gemm.py) through Triton's
+prefill's FP8 product where cuBLAS does not serve it (kernels/fp8_gemm.py), and the plain product
+with a step's conv in it (kernels/conv.py ConvStep), through Triton's
 whole pipeline to a cubin, on a machine without a GPU, on the tiles the engine takes on each target
 (ProductPlan.shared_memory: an RTX 3090 or 4090, an A10, an L4 or an L40S gives a program 99 KB,
 an A100 163 KB, an H100 227 KB): for sm_90, sm_80, sm_86 and sm_89 (FP8 from sm_89), each within
@@ -40,6 +41,10 @@ def launches(cap):
                 if fmt == "fp8" else {}
             yield f"{fmt} {name}", mv, dict(consts, BT=plan.rows, BN=BN, BK=BK, NBP=8 if normed else 0, SWIGLU=swiglu,
                                             SPLIT=normed, **extra), types, warps, stages
+            if not swiglu:      # the GDN in_proj with a verify's conv (conv.ConvStep), its last wave split
+                yield f"{fmt} {name} with its conv", mv, \
+                    dict(consts, BT=plan.rows, BN=BN, BK=BK, NBP=0, SWIGLU=False, SPLIT=True, CK=4, CLIVE=True, **extra), \
+                    dict(types, cbuf="*bf16", coff="*i64", clive="*i64", cw="*bf16"), warps, stages
         _, BN, BK, warps, stages = matvec_parts.split_config(5120, 17408, 2, plan)
         if fmt == "fp8":
             stages = plan.split_fp8_stages
@@ -86,6 +91,6 @@ for cap in (90, 80, 86, 89):
 def test_products_compile_within_each_targets_shared_memory():
     """In a process of its own (compile_checks.run_children): this one may run Triton's interpreter."""
     stdout = run_children(COMPILE)
-    # bf16: plain, SwiGLU, split, 4 expert kernels, decode and prefill attention on 4 targets; FP8's 7
-    # and prefill's FP8 product on 3 tiles on sm_89 and sm_90
-    assert stdout.count("ok ") == 9 * 4 + (7 + 3) * 2, stdout[-2000:]
+    # bf16: plain (alone and with a conv), SwiGLU, split, 4 expert kernels, decode and prefill
+    # attention on 4 targets; FP8's 8 and prefill's FP8 product on 3 tiles on sm_89 and sm_90
+    assert stdout.count("ok ") == 10 * 4 + (8 + 3) * 2, stdout[-2000:]
