@@ -13,8 +13,9 @@ roll back the state on the device. Positions follow qwen35-model.md §6:
   leave). It commits them on the device: the conv offset moved on by n, GDN fold n (the next step folds those
   tokens into the recurrent states first; engine/state.py), L += n, next token, pending rows = the
   verified rows. A stop id or an exhausted room sets `room` to 0, after which a step
-  emits nothing and writes no state (the conv and recurrent kernels read `room` as their `live`
-  flag; the other writes land past the committed rows).
+  emits nothing and writes no state (the kernels that write the conv windows, the in_proj's with
+  the conv in it among them, and the recurrent states read `room` as their `live` flag; the other
+  writes land past the committed rows).
 - So the host never has to intervene: it can launch step s+1 before it reads step s (a CUDA
   device runs them back to back while the host handles the tokens), and learns (n, a, tokens) by
   one small copy per step into pinned memory.

@@ -227,12 +227,12 @@ class GatedDeltaNet(nn.Module):
         c, T = self.c, x.shape[0]
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         conv_buf, state, pend = cache
-        # a step's conv in the in_proj's own kernel (the plan's conv_in_product), its columns then
-        # post-conv; or in the recurrence kernel (conv_in_recurrence); else in a kernel of its own
-        in_recurrence = ctx.step and T <= ctx.plan.conv_in_recurrence
+        # a step's conv in the in_proj's own kernel (the plan's conv_in_product: its conv columns then
+        # come post-conv), or in the recurrence kernel (conv_in_recurrence), else in a kernel of its own
         in_product = None
-        if ctx.step and not in_recurrence and T <= ctx.plan.conv_in_product:
+        if ctx.step and T <= ctx.plan.conv_in_product and T <= ctx.products.rows_of(weight(self, "in_proj")):
             in_product = conv.ConvStep(conv_buf, ctx.conv_off, self.conv_weight, ctx.live, c.conv_dim)
+        in_recurrence = in_product is None and ctx.step and T <= ctx.plan.conv_in_recurrence
         if self.in_proj_ba is None:
             mixed, z, b, a = ctx.linear(x, self.in_proj, in_product).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
         else:

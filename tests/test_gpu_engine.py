@@ -182,10 +182,11 @@ def test_drafts_past_the_captured_ones_keep_mtp_on_equal_off(ckpt):
 def test_conv_in_recurrence_changes_no_token(ckpt):
     # the GDN conv computed by the recurrence kernel (KernelPlan.conv_in_recurrence) in no step, in
     # one-token steps only (a verify's tokens then folded in by a decode with the conv inside, and
-    # the other way round) and in every step; by the in_proj's kernel (conv_in_product) in the
-    # other steps, or in every step: the same greedy tokens, MTP off and on
+    # the other way round) and in every step; by the in_proj's kernel (conv_in_product) in every
+    # step, in one-token steps with the recurrence's in the others, or in steps of one and two
+    # tokens with the conv kernel in the others: the same greedy tokens, MTP off and on
     runs = []
-    for tokens, product in ((0, 0), (1, 0), (1 << 10, 0), (1, 1 << 10), (0, 1 << 10)):
+    for tokens, product in ((0, 0), (1, 0), (1 << 10, 0), (0, 1 << 10), (1 << 10, 1), (0, 2)):
         plan = KernelPlan.choose("cuda", ModelConfig.load(ckpt), fp8=False).replace(conv_in_recurrence=tokens,
                                                                                     conv_in_product=product)
         engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, plan=plan)

@@ -149,7 +149,7 @@ def test_a_short_4_bit_prefill_takes_the_few_row_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(dispatch, "matvec_prefill", lambda x, w, plan: calls.append(("few", x.shape[0])) or "few")
     monkeypatch.setattr(dispatch.int4_gemm, "gemm", lambda x, w, plan=None: calls.append(("slab", x.shape[0])) or "slab")
-    monkeypatch.setattr(dispatch, "matvec", lambda x, w, plan=None: calls.append(("step", x.shape[0])) or "step")
+    monkeypatch.setattr(dispatch, "matvec", lambda x, w, plan=None, conv=None: calls.append(("step", x.shape[0])) or "step")
     monkeypatch.setattr(dispatch, "use_triton", lambda *tensors: True)
     w = int4.quantize_ref(torch.randn(64, 128))
     plan = ProductPlan(programs=132, int4_prefill_rows=32)

@@ -260,13 +260,12 @@ def rows_plans(base: KernelPlan) -> dict:
 def conv_plans(base: KernelPlan) -> dict:
     """A step's GDN conv as a kernel of its own before the recurrence, computed by the recurrence
     kernel (KernelPlan.conv_in_recurrence: one launch a GDN layer fewer) in one-token steps or in
-    every step, or by the in_proj's kernel (conv_in_product) in the steps the recurrence does not
-    take (a verify's) or in every step. The logits must be the same bits."""
+    every step, or by the in_proj's kernel in every step (conv_in_product, the default). The
+    logits must be the same bits."""
     return {"conv kernel": base.replace(conv_in_recurrence=0, conv_in_product=0),
             "in decode": base.replace(conv_in_recurrence=1, conv_in_product=0),
             "in every step": base.replace(conv_in_recurrence=1 << 10, conv_in_product=0),
-            "in product": base.replace(conv_in_recurrence=1, conv_in_product=1 << 10),
-            "in product always": base.replace(conv_in_recurrence=0, conv_in_product=1 << 10)}
+            "in product": base.replace(conv_in_recurrence=0, conv_in_product=1 << 10)}
 
 
 def stacked_plans(base: KernelPlan) -> dict:
