@@ -260,7 +260,7 @@ def rows_plans(base: KernelPlan) -> dict:
 def conv_plans(base: KernelPlan) -> dict:
     """A step's GDN conv as a kernel of its own before the recurrence, computed by the recurrence
     kernel (KernelPlan.conv_in_recurrence: one launch a GDN layer fewer) in one-token steps or in
-    every step, or by the in_proj's kernel in every step (conv_in_product, the default). The
+    every step, or by the in_proj's kernel in every step (conv_in_product). The
     logits must be the same bits."""
     return {"conv kernel": base.replace(conv_in_recurrence=0, conv_in_product=0),
             "in decode": base.replace(conv_in_recurrence=1, conv_in_product=0),
