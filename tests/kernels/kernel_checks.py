@@ -62,3 +62,15 @@ def int4_weight(N: int, K: int, device, seed: int, group: int = 128, symmetric: 
     packed = int4.pack_ref(q.to(device))        # on the device: a CPU takes many seconds at the 35B's size
     w = int4.GroupInt4(packed, scale.to(scale_dtype), zero, p)
     return int4.GroupInt4(*(t.to(device) if t is not None else None for t in w))
+
+
+def product_weight(form: str, N: int, K: int, dtype, device, seed: int):
+    """A few-row product's weight in one of the forms the engine keeps an in_proj in: a tensor in
+    the rows' dtype ("tensor"), a BlockFP8 ("fp8"), or an interleaved GroupInt4 ("int4")."""
+    from mtpchat.kernels import fp8, int4
+    w = randn(N, K, device=device, seed=seed, scale=K ** -0.5)
+    if form == "fp8":
+        return fp8.quantize_ref(w)
+    if form == "int4":
+        return int4.interleave_ref(int4_weight(N, K, device, seed))
+    return w.to(dtype)

@@ -8,24 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import TOL, check, int4_weight, normed, randn
+from kernel_checks import TOL, check, normed, product_weight, randn
 
-from mtpchat.kernels import conv, fp8, int4, matvec
+from mtpchat.kernels import conv, matvec
 from mtpchat.kernels.plan import default_products
 
 # numpy's matmul treats Triton's bf16 as integers in the interpreter: bf16 rows on the GPU only
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 KC = 4           # the conv's taps
 WIDTH = KC - 1 + 5
-
-
-def weight(form: str, N: int, K: int, dtype, device, seed: int):
-    w = randn(N, K, device=device, seed=seed, scale=K ** -0.5)
-    if form == "fp8":
-        return fp8.quantize_ref(w)
-    if form == "int4":
-        return int4.interleave_ref(int4_weight(N, K, device, seed))
-    return w.to(dtype)
 
 
 def step(C, dtype, device, seed, off=3, live=None):
@@ -57,7 +48,7 @@ def test_the_conv_in_the_product(device, dtype, form, T, N, C, K, ride):
     # of its parts; 300 of 300: every column through the conv
     g = torch.Generator().manual_seed(T * C + K)
     x = randn(T, K, dtype=dtype, device=device, gen=g)
-    w = weight(form, N, K, dtype, device, seed=N + K)
+    w = product_weight(form, N, K, dtype, device, seed=N + K)
     rider = randn(24, K, dtype=dtype, device=device, gen=g, scale=K ** -0.5) if ride else None
     c = step(C, dtype, device, seed=C + T, off=T + 2)
     plan = default_products(device)
@@ -83,7 +74,7 @@ def test_around_the_ring_and_normed_rows(device, off):
     # ones wrap, 7 and 13: the window does), over Normed rows
     g = torch.Generator().manual_seed(off)
     x = normed(3, 256, torch.float32, device, g)
-    w = weight("int4", 160, 256, torch.float32, device, seed=off)
+    w = product_weight("int4", 160, 256, torch.float32, device, seed=off)
     c = step(96, torch.float32, device, seed=off, off=off)
     plan = default_products(device)
     want, _, want_buf = apart(x, w, c, plan)
@@ -94,7 +85,7 @@ def test_around_the_ring_and_normed_rows(device, off):
 @pytest.mark.parametrize("live", [0, 1])
 def test_an_ended_step_leaves_the_ring(device, live):
     x = randn(2, 256, device=device, seed=5)
-    w = weight("tensor", 128, 256, torch.float32, device, seed=5)
+    w = product_weight("tensor", 128, 256, torch.float32, device, seed=5)
     c = step(64, torch.float32, device, seed=5, live=live)
     before = c.buf.clone()
     plan = default_products(device)
@@ -134,7 +125,7 @@ def test_the_27b_in_proj_with_its_conv(T, form):
     N = C + 6144 + (96 if form == "tensor" else 0)
     g = torch.Generator().manual_seed(T)
     x = randn(T, K, dtype=torch.bfloat16, device="cuda", gen=g)
-    w = weight(form, N, K, torch.bfloat16, "cuda", seed=T)
+    w = product_weight(form, N, K, torch.bfloat16, "cuda", seed=T)
     rider = None if form == "tensor" else randn(96, K, dtype=torch.bfloat16, device="cuda", gen=g, scale=K ** -0.5)
     c = step(C, torch.bfloat16, "cuda", seed=T, off=1234)
     plan = default_products("cuda")

@@ -6,24 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import TOL, check, int4_weight, normed, randn
+from kernel_checks import TOL, check, int4_weight, normed, product_weight, randn
 
-from mtpchat.kernels import fp8, int4, matvec
+from mtpchat.kernels import fp8, matvec
 from mtpchat.kernels.plan import default_products
 
 # numpy's matmul treats Triton's bf16 as integers in the interpreter: bf16 rows on the GPU only
 DTYPES = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
-
-
-def product_weight(form: str, N: int, K: int, dtype, device, seed: int):
-    """The ridden product's weight: a tensor in the rows' dtype, a BlockFP8, or an interleaved
-    GroupInt4 (the forms the engine keeps an in_proj in)."""
-    w = randn(N, K, device=device, seed=seed, scale=K ** -0.5)
-    if form == "fp8":
-        return fp8.quantize_ref(w)
-    if form == "int4":
-        return int4.interleave_ref(int4_weight(N, K, device, seed))
-    return w.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
