@@ -221,7 +221,7 @@ class Decoder:
         self._flush_pending(keep_last=True)
         mixers = [layer.mixer for layer in self.model.layers if layer.kind != "full_attention"]
         hidden = self.pend_hidden[self.pending - 1] if self.pending else None
-        self.snapshots.save(tuple(self.tokens), self.state, mixers, self.conv_cols, hidden)
+        self.snapshots.save(tuple(self.tokens), self.state, mixers, self.conv_cols, hidden, self.plan.any_stride)
 
     def _restore(self, snap):
         """Make the state what it was when `snap` was taken (its KV rows are still in the caches)."""

@@ -167,8 +167,14 @@ class KernelPlan:
     #   35B-A3B FP8's 0.979 x and 0.968 x; draft 3 unchanged; the same logits; end to end both
     #   models' greedy MTP on == off held (0 mismatches). But on the GPU tests' tiny MoE model
     #   (tests/test_gpu_draft.py, moe=True, head drafts) greedy MTP on differed from off with it on
-    #   in every step (prompt 1, token 16; prompt 2, token 92), where the same tests with it off
-    #   pass and the dense model's pass with it on: off until that is understood. 0: never.
+    #   (prompt 1, token 16; prompt 2, token 92). The cause, found without a GPU: the recurrence
+    #   then reads q | k | v as views of the in_proj's rows, whose row stride Triton compiles into
+    #   the kernel where it is a multiple of 16, and a one-token step's views have another (the
+    #   heads' width) than a longer step's (N, 776 there): two compiled forms, which at dk = 64
+    #   sum q's and k's squares in other orders (tests/kernels/test_gdn_step_forms.py). With it
+    #   on, steps and folds now take the kernel's form that compiles in no row stride
+    #   (any_stride, below); the GPU tests and the timing with that form have not run yet, so it
+    #   stays off. 0: never.
     # - conv_in_recurrence: a step of at most this many tokens, where the product does not take it,
     #   has its conv computed by the GDN recurrence kernel (kernels/gdn.py conv_recurrent): each
     #   program first writes the conv of the channels it reads, then runs the same loop as after
@@ -292,6 +298,15 @@ class KernelPlan:
                    prefill_graphs=prefill_graph_sizes(config, four_bit, products.int4_prefill_rows)
                    if device.type == "cuda" else (),
                    prefill_early=EARLY_GRAPHS if device.type == "cuda" else ())
+
+    @property
+    def any_stride(self) -> bool:
+        """Whether the GDN recurrence, in steps and folds alike, runs in the form of its kernel that
+        takes no row stride into its code (kernels/gdn.py _ROW_STRIDES): under conv_in_product,
+        whose q | k | v are views of the in_proj's rows, a one-token step's views have another row
+        stride than a longer step's, and the stride-specialised forms of the two summed q's and
+        k's squares in other orders at dk = 64 (greedy MTP on != off on a tiny MoE model)."""
+        return self.conv_in_product > 0
 
     def replace(self, **changes) -> "KernelPlan":
         """This plan with some choices changed; products' fields may be given by name too."""

@@ -82,16 +82,18 @@ class Snapshots:
         return snap
 
     # --- the copies, between generations, eagerly ----------------------------------------------
-    def save(self, tokens: tuple[int, ...], state, mixers, conv_cols: torch.Tensor, hidden: torch.Tensor | None):
+    def save(self, tokens: tuple[int, ...], state, mixers, conv_cols: torch.Tensor, hidden: torch.Tensor | None,
+             any_stride: bool = False):
         """Keep the state (engine/state.py) at `tokens`: per GDN layer (`mixers`, in order) the
         committed conv inputs (`conv_cols` from the committed offset, no host sync) and the
-        recurrent state with the last step's tokens folded in, and the last row's `hidden`."""
+        recurrent state with the last step's tokens folded in (in the steps' form of the kernel:
+        KernelPlan.any_stride), and the last row's `hidden`."""
         i = self.slot_for(tokens).slot
         cols = (state.conv_off + conv_cols) % state.conv_width
         for j, ((conv_buf, ssm, pend), m) in enumerate(zip(state.gdn_layers, mixers)):
             self.conv[i, j].copy_(conv_buf.index_select(1, cols))
             self.ssm[i, j].copy_(ssm)
-            gdn.fold_pending(self.ssm[i, j], pend, state.fold, state.parity, m.A_log, m.dt_bias)
+            gdn.fold_pending(self.ssm[i, j], pend, state.fold, state.parity, m.A_log, m.dt_bias, any_stride)
         if hidden is not None:
             self.hidden[i].copy_(hidden)
 

@@ -52,14 +52,15 @@ class DecodeState:
             t.zero_()
         self.length = 0
 
-    def gdn_committed(self, model) -> list[torch.Tensor]:
+    def gdn_committed(self, model, any_stride: bool = False) -> list[torch.Tensor]:
         """Each GDN layer's recurrent state with every committed token run in (copies, for tests),
-        by the kernel a step folds them with. `model`: the Model whose layers these are."""
+        by the kernel a step folds them with (in the plan's form: KernelPlan.any_stride). `model`:
+        the Model whose layers these are."""
         mixers = [layer.mixer for layer in model.layers if layer.kind != "full_attention"]
         out = []
         for (_, state, pend), m in zip(self.gdn_layers, mixers):
             s = state.clone()
-            gdn.fold_pending(s, pend, self.fold, self.parity, m.A_log, m.dt_bias)
+            gdn.fold_pending(s, pend, self.fold, self.parity, m.A_log, m.dt_bias, any_stride)
             out.append(s)
         return out
 

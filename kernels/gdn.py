@@ -238,6 +238,21 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
         tl.store(p_out + t * s_pt + DK + DV + o_g, b_ab, mask=(tl.zeros([2], dtype=tl.int64) + b_head * b_keep) > 0)
 
 
+# Triton compiles a launch's integer arguments into it where they are multiples of 16, and a
+# one-token step's q | k | v views have another row stride than a longer step's where they are
+# views of a wider row (the in_proj's output, under KernelPlan.conv_in_product: at T = 1 torch gives
+# the heads' width, at T > 1 the row's): two compiled forms, which at dk = 64 laid q and k out two a
+# lane against one and summed their squares in another order, so a decode's token took other bits
+# than the same token in a verify (greedy MTP on != off). The form that takes no stride into its
+# code is one for every step and fold; the engine takes it with the product's conv (`any_stride`).
+_ROW_STRIDES = ("s_q", "s_k", "s_v", "s_a", "s_b", "s_o", "s_xc")
+_recurrent_kernel_any_stride = triton.jit(_recurrent_kernel.fn, do_not_specialize=["T", *_ROW_STRIDES])
+
+
+def _kernel(any_stride: bool):
+    return _recurrent_kernel_any_stride if any_stride else _recurrent_kernel
+
+
 def _tile(DV: int) -> tuple[int, int]:
     """(BV, warps): value columns a program and its warps, the same for a step and a prefill's
     fold (so both give the state the same bits). Small programs win: at T = 4 on an H100, BV 16
@@ -255,17 +270,20 @@ def _check_state(state, pend, fold, parity, Hv, DK, DV):
 
 
 def recurrent_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
-                     fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+                     fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
+                     any_stride: bool = False) -> torch.Tensor:
     """recurrent_ref's contract. q, k, v may be row-strided views (of the conv output) with each
-    token's heads contiguous; a, b likewise [T, Hv] views."""
-    return _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, {})
+    token's heads contiguous; a, b likewise [T, Hv] views. `any_stride`: the kernel's form that
+    takes no row stride into its code (_ROW_STRIDES), one for every T."""
+    return _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, {}, any_stride)
 
 
 def conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
                           fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                          key_heads: int = 1) -> torch.Tensor:
+                          key_heads: int = 1, any_stride: bool = False) -> torch.Tensor:
     """conv_recurrent_ref's contract in one kernel: the recurrence's, each program first computing
-    the conv of the channels it reads. x [T, C] may be a row-strided view (of the in_proj output)."""
+    the conv of the channels it reads. x [T, C] may be a row-strided view (of the in_proj output).
+    `any_stride` as recurrent_triton's."""
     T, C = x.shape
     Hv, DK, DV = state.shape
     KC, WIDTH = weight.shape[1], buf.shape[1]
@@ -279,11 +297,13 @@ def conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state: torc
     q, k, v = torch.empty(T, C, dtype=x.dtype, device=x.device).split([KEY, KEY, Hv * DV], dim=-1)
     return _step(q.view(T, key_heads, DK), k.view(T, key_heads, DK), v.view(T, Hv, DV), a, b, A_log, dt_bias, state,
                  pend, fold, parity, live, dict(xc=x, buf=buf, off=off, cw=weight, s_xc=x.stride(0), s_buf=buf.stride(0),
-                                                WIDTH=WIDTH, KEY=KEY, KC=KC, TP=triton.next_power_of_2(T)))
+                                                WIDTH=WIDTH, KEY=KEY, KC=KC, TP=triton.next_power_of_2(T)), any_stride)
 
 
-def _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, conv_args: dict) -> torch.Tensor:
-    """A step's launch of the recurrence kernel (conv_args: the conv form's, or none)."""
+def _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, conv_args: dict,
+          any_stride: bool = False) -> torch.Tensor:
+    """A step's launch of the recurrence kernel (conv_args: the conv form's, or none; any_stride:
+    recurrent_triton's)."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert k.shape == q.shape and v.shape[0] == T and Hv % Hk == 0, "q, k [T, Hk, dk], v [T, Hv, dv]"
@@ -297,7 +317,7 @@ def _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, conv_a
     assert live is None or (live.numel() == 1 and live.dtype == torch.long), "live must be a 1-element long tensor"
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=v.device)
     BV, warps = _tile(DV)
-    _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
+    _kernel(any_stride)[(Hv, triton.cdiv(DV, BV))](
         q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live if live is not None else fold, o, T,
         DK ** -0.5, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), o.stride(0),
         pend.stride(0), pend.stride(1), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV,
@@ -306,39 +326,41 @@ def _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, conv_a
 
 
 def fold_pending_triton(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
-                        A_log: torch.Tensor, dt_bias: torch.Tensor):
-    """fold_pending_ref's contract: the recurrent kernel with no tokens of its own."""
+                        A_log: torch.Tensor, dt_bias: torch.Tensor, any_stride: bool = False):
+    """fold_pending_ref's contract: the recurrent kernel with no tokens of its own (in the steps'
+    form: `any_stride` as theirs)."""
     Hv, DK, DV = state.shape
     _check_state(state, pend, fold, parity, Hv, DK, DV)
     BV, warps = _tile(DV)
-    _recurrent_kernel[(Hv, triton.cdiv(DV, BV))](
+    _kernel(any_stride)[(Hv, triton.cdiv(DV, BV))](
         state, state, state, state, state, A_log, dt_bias, state, pend, fold, parity, fold, state, 0, 1.,
         0, 0, 0, 0, 0, 0, pend.stride(0), pend.stride(1), GROUP=1, DK=DK, DV=DV, BV=BV,
         HAS_LIVE=False, num_warps=warps, **pdl(state))
 
 
 def recurrent(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor,
-              parity: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
-    """recurrent_ref's contract; the Triton kernel for CUDA tensors."""
+              parity: torch.Tensor, live: torch.Tensor | None = None, any_stride: bool = False) -> torch.Tensor:
+    """recurrent_ref's contract; the Triton kernel for CUDA tensors (any_stride: recurrent_triton's)."""
     if use_triton(q, k, v, a, b):
-        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live)
+        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, any_stride)
     return recurrent_ref(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live)
 
 
 def conv_recurrent(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
                    fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                   key_heads: int = 1) -> torch.Tensor:
-    """conv_recurrent_ref's contract; the one kernel for CUDA tensors."""
+                   key_heads: int = 1, any_stride: bool = False) -> torch.Tensor:
+    """conv_recurrent_ref's contract; the one kernel for CUDA tensors (any_stride: recurrent_triton's)."""
     if use_triton(x, a, b):
         return conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state, pend, fold, parity, live,
-                                     key_heads)
+                                     key_heads, any_stride)
     return conv_recurrent_ref(x, buf, off, weight, a, b, A_log, dt_bias, state, pend, fold, parity, live, key_heads)
 
 
 def fold_pending(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
-                 A_log: torch.Tensor, dt_bias: torch.Tensor):
-    """fold_pending_ref's contract; the Triton kernel for CUDA tensors."""
+                 A_log: torch.Tensor, dt_bias: torch.Tensor, any_stride: bool = False):
+    """fold_pending_ref's contract; the Triton kernel for CUDA tensors (in the steps' form:
+    any_stride as theirs)."""
     if use_triton(state):
-        fold_pending_triton(state, pend, fold, parity, A_log, dt_bias)
+        fold_pending_triton(state, pend, fold, parity, A_log, dt_bias, any_stride)
     else:
         fold_pending_ref(state, pend, fold, parity, A_log, dt_bias)

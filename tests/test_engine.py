@@ -235,7 +235,7 @@ def test_a_short_turn_in_the_step_form_goes_on_from_the_state(ckpt, n):
             forms.clear()
             dec.begin(history + turn)
             assert {form for _, form in forms} == {"step" if pieces and n <= 10 else None}
-            committed = dec.state.gdn_committed(engine.model)
+            committed = dec.state.gdn_committed(engine.model, engine.plan.any_stride)
             kv = [k[:dec.length].clone() for k, _ in dec.state.kv_layers]
             ends[pieces] = dec.last_logits.clone(), committed, kv, dec.length, int(dec.pos)
     finally:
