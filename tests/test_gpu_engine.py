@@ -12,7 +12,7 @@ from mtpchat.engine.spec import ProfileDrafter
 from mtpchat.kernels import attention_chunk
 from mtpchat.kernels.conv import window_columns
 from tools.tiny import write_tiny_checkpoint
-from helpers import FLOAT32_CHUNK, GPU_SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens, random_ids, rel_err
+from helpers import FLOAT32_CHUNK, GPU_MOE_SHAPE, GPU_SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy_tokens, random_ids, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -194,6 +194,22 @@ def test_conv_in_recurrence_changes_no_token(ckpt):
         del engine
     tokens = [[list(done.token_ids) for done in run] for run in runs]
     assert all(t == tokens[0] for t in tokens[1:])
+
+
+@pytest.mark.parametrize("tokens,product", [(0, 1 << 10), (1 << 10, 1)])
+def test_the_conv_in_the_product_keeps_mtp_exact_on_an_moe(tmp_path, tokens, product):
+    # the tiny MoE model, whose key heads of 64 and rows of 776 made the recurrence compile one form
+    # for a decode and another for a verify over the product's q | k | v views (greedy MTP on != off
+    # with the head's own drafts) until the plan took the kernel's form that compiles in no row
+    # stride (KernelPlan.any_stride): MTP on == off with the conv in the product in every step, and
+    # in one-token steps with the recurrence's in the others. (The dense model's key heads of 32
+    # compile one form either way: it cannot catch this.)
+    ckpt = write_tiny_checkpoint(tmp_path / "m", moe=True, **GPU_MOE_SHAPE)
+    plan = KernelPlan.choose("cuda", ModelConfig.load(ckpt), fp8=False).replace(conv_in_recurrence=tokens,
+                                                                                conv_in_product=product)
+    assert plan.any_stride
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, plan=plan)
+    assert_mtp_on_equals_off(engine, gpu_prompts(engine, 3), 96, profile_ks=(3,), ks=(1, 3))
 
 
 @pytest.mark.parametrize("graphs", [True, False])
