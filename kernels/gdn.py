@@ -246,7 +246,8 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
 # than the same token in a verify (greedy MTP on != off). The form that takes no stride into its
 # code is one for every step and fold; the engine takes it with the product's conv (`any_stride`).
 _ROW_STRIDES = ("s_q", "s_k", "s_v", "s_a", "s_b", "s_o", "s_xc")
-_recurrent_kernel_any_stride = triton.jit(_recurrent_kernel.fn, do_not_specialize=["T", *_ROW_STRIDES])
+_recurrent_kernel_any_stride = triton.jit(getattr(_recurrent_kernel, "fn", _recurrent_kernel),    # (no Triton: a function)
+                                          do_not_specialize=["T", *_ROW_STRIDES])
 
 
 def _kernel(any_stride: bool):
