@@ -229,14 +229,14 @@ class GatedDeltaNet(nn.Module):
         conv_buf, state, pend = cache
         # a step's conv in the in_proj's own kernel (the plan's conv_in_product: its conv columns then
         # come post-conv), or in the recurrence kernel (conv_in_recurrence), else in a kernel of its own
-        in_product = None
-        if ctx.step and T <= ctx.plan.conv_in_product and T <= ctx.products.rows_of(weight(self, "in_proj")):
+        in_proj, in_product = weight(self, "in_proj"), None
+        if ctx.step and T <= ctx.plan.conv_in_product and T <= ctx.products.rows_of(in_proj):
             in_product = conv.ConvStep(conv_buf, ctx.conv_off, self.conv_weight, ctx.live, c.conv_dim)
         in_recurrence = in_product is None and ctx.step and T <= ctx.plan.conv_in_recurrence
         if self.in_proj_ba is None:
-            mixed, z, b, a = ctx.linear(x, self.in_proj, in_product).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
+            mixed, z, b, a = ctx.linear(x, in_proj, in_product).split([c.conv_dim, c.value_dim, hv, hv], dim=-1)
         else:
-            mz, ba = ctx.linears(x, weight(self, "in_proj"), self.in_proj_ba, in_product)
+            mz, ba = ctx.linears(x, in_proj, self.in_proj_ba, in_product)
             mixed, z = mz.split([c.conv_dim, c.value_dim], dim=-1)
             b, a = ba.split([hv, hv], dim=-1)
         if in_product is not None:
