@@ -155,7 +155,7 @@ class KernelPlan:
     chunk_prep_products: str = "bf16"
     # A step's causal conv, in a kernel of its own between the in_proj and the recurrence, unless
     # one of two forms takes it in:
-    # - conv_in_product (a candidate, off): a step of at most this many tokens (and no more than its in_proj's one
+    # - conv_in_product (on): a step of at most this many tokens (and no more than its in_proj's one
     #   launch takes: ProductPlan.rows_of) has its conv computed by the product that makes its
     #   inputs, the GDN in_proj (kernels/conv.py ConvStep, in matvec's kernel): each column block's
     #   program, once it has stored the block's pre-conv values, reads them back with the window and
@@ -163,26 +163,26 @@ class KernelPlan:
     #   bits either way (tests/kernels/test_conv_in_product.py). Alone the conv kernel took 4.5 us
     #   a launch, 215 us of the 27B int4's verify 3 in 48 (profile_step.py). In every step, against
     #   the recurrence's conv in decode and the conv kernel in verify (tests/bench/ab_step.py
-    #   --plans conv, an H200, 2026-11-29): the 27B int4's decode 0.990 x, verify 3 0.984 x; the
-    #   35B-A3B FP8's 0.979 x and 0.968 x; draft 3 unchanged; the same logits; end to end both
-    #   models' greedy MTP on == off held (0 mismatches). But on the GPU tests' tiny MoE model
-    #   (tests/test_gpu_draft.py, moe=True, head drafts) greedy MTP on differed from off with it on
-    #   (prompt 1, token 16; prompt 2, token 92). The cause, found without a GPU: the recurrence
-    #   then reads q | k | v as views of the in_proj's rows, whose row stride Triton compiles into
-    #   the kernel where it is a multiple of 16, and a one-token step's views have another (the
-    #   heads' width) than a longer step's (N, 776 there): two compiled forms, which at dk = 64
-    #   sum q's and k's squares in other orders (tests/kernels/test_gdn_step_forms.py). With it
-    #   on, steps and folds now take the kernel's form that compiles in no row stride
-    #   (any_stride, below); the GPU tests and the timing with that form have not run yet, so it
-    #   stays off. 0: never.
+    #   --plans conv, an H200, 2026-11-29, with the recurrence's any-stride form below): the 27B
+    #   int4's decode 0.990 x, verify 3 0.983 x; the 35B-A3B FP8's 0.980 x and 0.966 x; draft 3
+    #   unchanged. The recurrence then reads q | k | v as views of the in_proj's rows, whose row
+    #   stride Triton compiles into the kernel where it is a multiple of 16, and a one-token step's
+    #   views have another (the heads' width) than a longer step's (N, 776 on the GPU tests' tiny
+    #   MoE model): two compiled forms, which at dk = 64 summed q's and k's squares in other
+    #   orders, and greedy MTP on differed from off there (tests/kernels/test_gdn_step_forms.py).
+    #   So under it steps and folds take the kernel's form that compiles in no row stride
+    #   (any_stride, below), which rounds otherwise than the default form: the logits move against
+    #   the other conv forms' (3.6e-2 on the 27B int4's random weights), MTP on == off holds
+    #   (tests/test_gpu_draft.py, tests/test_gpu_engine.py). 0: never.
     # - conv_in_recurrence: a step of at most this many tokens, where the product does not take it,
     #   has its conv computed by the GDN recurrence kernel (kernels/gdn.py conv_recurrent): each
     #   program first writes the conv of the channels it reads, then runs the same loop as after
-    #   the conv kernel, the same bits (tests/kernels/test_gdn_conv_step.py); 0: never. In one-token
-    #   steps (the default) the FP8 27B's decode step 0.994 x, verify 3 1.000 x; in every step
-    #   verify 3 1.007 x: the conv of four tokens for every channel a program reads costs more than
-    #   the launch it saves (an H200, ab_step.py --plans conv, 2026-11-27).
-    conv_in_product: int = 0
+    #   the conv kernel, the same bits (tests/kernels/test_gdn_conv_step.py); 0: never. Kept at
+    #   one-token steps for a plan whose product does not take them. In one-token steps the FP8
+    #   27B's decode step 0.994 x, verify 3 1.000 x; in every step verify 3 1.007 x: the conv of
+    #   four tokens for every channel a program reads costs more than the launch it saves (an
+    #   H200, ab_step.py --plans conv, 2026-11-27).
+    conv_in_product: int = 1 << 10
     conv_in_recurrence: int = 1
     # Short prefills through CUDA graphs rather than eager forwards, whose time the host's launches
     # set: 16 tokens of the 27B FP8 after an 8K history took 61-71 ms of wall time for 24.6 ms of

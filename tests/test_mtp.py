@@ -110,8 +110,8 @@ def test_greedy_exact_across_full_pending_rows(gqa3, greedy_refs, monkeypatch):
 @pytest.mark.parametrize("tokens,product", [(0, 0), (1 << 10, 0), (0, 1 << 10), (1 << 10, 1), (0, 2)])
 def test_greedy_exact_with_the_conv_in_the_recurrence(gqa3, greedy_refs, tokens, product):
     # the GDN conv as a call of its own in every step, taken by the recurrence's call in every step
-    # (KernelPlan.conv_in_recurrence; the default's in one-token steps), or by the in_proj's call
-    # (conv_in_product) in every step, in one-token steps with the recurrence's in the others, or
+    # (KernelPlan.conv_in_recurrence), or by the in_proj's call (conv_in_product; the default's)
+    # in every step, in one-token steps with the recurrence's in the others, or
     # in steps of one and two tokens with a call of its own in the others: MTP on and off emit MTP
     # off's tokens of the default plan
     plan = KernelPlan.choose("cpu", ModelConfig.load(gqa3), fp8=False).replace(conv_in_recurrence=tokens,
