@@ -91,9 +91,9 @@ def split_config(N: int, K: int, itemsize: int, plan: ProductPlan, group: int = 
     Tiles of 16 KB of w, 4 deep (80 KB of shared memory with x's), so that two programs fit on an
     SM and all 240 are resident at once on an H100; never a function of T. 4-bit weights in groups
     of `group` columns (kernels/int4.py), `interleaved` or not: the plan's int4_tiles rule
-    ("split"), else the measured tile (int4.measured, which for interleaved rows of 6144 or more,
-    the 27B's out_proj, o_proj and MLP down, comes with its parts: 4); interleaved ones in parts
-    for twice the programs (their 32-row tiles: 480 on 160 column blocks, 3 parts)."""
+    ("split"), else the measured tile (int4.measured, which for rows of 16384 or more, the 27B's
+    MLP down, comes with its parts: 4); interleaved ones in parts for twice the programs (their
+    32-row tiles: 480 on the 27B, 3 parts)."""
     if group:
         chosen = plan.int4_tiles("split", N, K, group) if plan.int4_tiles is not None else None
         tile = measured("split", N, K, interleaved)[0]
