@@ -298,8 +298,14 @@ def measured(product: str, N: int, K: int, interleaved: bool = False) -> tuple[t
     4 parts of 32 x 256, 2 warps, 6 deep, against 25.8 in 3 of 32 x 512 (out_proj: 11.6 either
     way; bench_int4.py --kinds split), and the decode step 0.986 x (verify 3 0.994: ab_step.py
     --plans int4tiles): a split tile of rows of 16384 or more comes with its parts,
-    (S, BN, BK, warps, stages). The experts' down [2048 x 512] in a verify of 4 rows (31 experts,
-    the layout derived by the kernels: bench_int4.py --experts-only --rows-timed 4,1) took 21.5 us
+    (S, BN, BK, warps, stages). On an H200 at a verify's 4 rows (bench_int4.py --interleaved-only
+    --kinds split --rows-timed 4,1, 2026-11-29) the down took 23.5 us in 4 parts of 32 x 512, 2
+    warps, 3 deep against 23.7 on 32 x 256, 6 deep, and the 27B int4's steps with it 0.994 x
+    (decode), 0.993 x (verify 3), draft 3 1.001 x (ab_step.py --plans int4tiles); the out_proj and
+    o_proj [5120 x 6144], 10.6 us alone in those 4 parts of 32 x 256 against 11.0 in 3 of 32 x 512,
+    4 deep, made the step's verify 3 1.009 x slower, so they keep the latter. The experts' down
+    [2048 x 512] in a verify of 4 rows (31 experts, the layout derived by the kernels:
+    bench_int4.py --experts-only --rows-timed 4,1) took 21.5 us
     on 128 x 256, 8 warps, 2 deep against 30.5 on 64 x 512, 4 warps, 3 deep (one K step a program:
     1,056 programs of 96 KB of shared memory, two an SM; 7.1 us either way for a decode's 8), and
     the 35B-A3B's verify 3 step 0.962 x (decode 0.991, draft 3 0.995: ab_step.py --plans int4tiles,
@@ -310,7 +316,7 @@ def measured(product: str, N: int, K: int, interleaved: bool = False) -> tuple[t
     (ab_step.py --plans int4stacked; 64 x 256 on 8 warps 0.983 / 1.009 / 0.997): the interleaved
     experts' SwiGLU tile, stacked (moe.tiles)."""
     if interleaved and product == "split" and K >= 16384:
-        return (4, 32, 256, 2, 6), "interleaved"           # parts too (matvec_parts.split_config)
+        return (4, 32, 512, 2, 3), "interleaved"           # parts too (matvec_parts.split_config)
     if interleaved and product in ("plain", "split"):
         return (32, 512, 2, 4), "interleaved"
     if interleaved and product == "swiglu":
