@@ -9,7 +9,7 @@ and the few calls through which every product and norm of a layer runs.
 - `Product`, `out_linear`, `add_norm`: a block's last product left for the residual add and the norm
   after it, which in a step on the GPU run it split over K and hand the next product its input as
   a `Normed` (kernels/matvec.py) rather than whole rows. `Experts` is an MoE layer's down product
-  and combine left for them alike (the plan's moe_fold).
+  and combine left for them alike (the plan's moe_fold and combine_normed).
 """
 from __future__ import annotations
 
@@ -169,7 +169,8 @@ class Experts(NamedTuple):
     where it is expert E), its down product (the experts' stack `down`, the shared expert's
     `shared_down` where it is expert E) and its combine (the routing's `weights`, the shared
     expert's output and `gate` where it is not) not yet run: with the plan's moe_fold, the
-    residual add and the norm after the layer run them in the down kernel (add_norm)."""
+    residual add and the norm after the layer run them in the down kernel, with combine_normed in
+    the combine (add_norm)."""
     h: torch.Tensor
     down: torch.Tensor
     layout: object
@@ -179,11 +180,14 @@ class Experts(NamedTuple):
     shared: torch.Tensor | None
     gate: torch.Tensor | None
 
-    def run(self, rowwise: bool, products: ProductPlan, dtype: torch.dtype, fold: moe.Fold | None = None):
-        """The layer's output [T, H] in dtype; with `fold`, (Normed, h) (moe.expert_down)."""
+    def run(self, rowwise: bool, products: ProductPlan, dtype: torch.dtype, fold: moe.Fold | None = None,
+            in_down: bool = True):
+        """The layer's output [T, H] in dtype; with `fold`, (Normed, h), made by the down kernel
+        (moe.expert_down) or, not `in_down`, by the combine (moe.combine)."""
+        down_fold = fold if in_down else None
         y = moe.expert_down(self.h, self.down, self.layout, self.n_experts, rowwise, shared=self.shared_down,
-                            plan=products, fold=fold)
-        return y if fold is not None else moe.combine(y, self.weights, self.shared, self.gate, dtype)
+                            plan=products, fold=down_fold)
+        return y if down_fold is not None else moe.combine(y, self.weights, self.shared, self.gate, dtype, fold)
 
 
 def add_norm(x, residual: torch.Tensor | None, norm_: nn.Module, plan: KernelPlan, whole: bool = False,
@@ -198,13 +202,14 @@ def add_norm(x, residual: torch.Tensor | None, norm_: nn.Module, plan: KernelPla
     the normalised rows. `norm_` is an RMSNorm (its weight and eps). `quantize` (a prefill's rows on
     the GPU): the normalised rows come quantized for an FP8 product (fp8_gemm.QuantizedRows). An Experts x
     (a step's MoE layer still to finish, SparseMoE) runs in its down kernel with the norm's two
-    pieces (the plan's moe_fold, whatever split_norm says; not `whole`), else its down and
-    combine first."""
+    pieces (the plan's moe_fold, whatever split_norm says; not `whole`), or its down then its
+    combine with them (combine_normed), else its down and combine first."""
     if isinstance(x, Experts):
-        if plan.moe_fold and not whole and residual is not None:
+        if (plan.moe_fold or plan.combine_normed) and not whole and residual is not None:
             assert out is None, "add_norm: a folded MoE layer gives a Normed, never whole rows into `out`"
             return x.run(True, plan.products, residual.dtype,
-                         moe.Fold(x.weights, x.shared, x.gate, residual, norm_.weight, norm_.eps))
+                         moe.Fold(x.weights, x.shared, x.gate, residual, norm_.weight, norm_.eps),
+                         in_down=plan.moe_fold)
         x = x.run(True, plan.products, x.h.dtype)
     if isinstance(x, Product):
         if plan.split_norm and not whole:

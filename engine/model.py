@@ -128,9 +128,11 @@ class SparseMoE(nn.Module):
         return self._finish(Experts(h, down, layout, E, None, weights, shared, gate), x, ctx)
 
     def _finish(self, experts: Experts, x, ctx: Ctx):
-        """The layer's output [T, H], or in a step on the GPU under the plan's moe_fold the Experts
-        for the norm after the layer to finish (add_norm): its down kernel does."""
-        if ctx.step and ctx.plan.moe_fold and use_triton(experts.h, values_of(experts.down)):
+        """The layer's output [T, H], or in a step on the GPU under the plan's moe_fold or
+        combine_normed the Experts for the norm after the layer to finish (add_norm): its down
+        kernel or its combine does."""
+        if (ctx.step and (ctx.plan.moe_fold or ctx.plan.combine_normed)
+                and use_triton(experts.h, values_of(experts.down))):
             return experts
         return experts.run(ctx.step, ctx.products, x.dtype)
 

@@ -42,6 +42,13 @@ Candidates, off:
   against moe_normed alone: the 35B-A3B's FP8 steps 0.994 / 0.995 / 1.002 x, int4 1.008 / 1.033 /
   1.000 x (decode / verify 3 / draft 3): the tail of each column block's last program costs what
   the launches saved.
+- combine_normed: a step's MoE layer finished in its combine kernel (the residual add and the next
+  norm's two pieces, kernels/moe.py combine with a Fold): each program, a row's block of 512
+  columns, writes its block's share of the Normed, so the norm kernel after the layer goes (a
+  launch a layer fewer, 40 a step on the 35B-A3B) with no arrival count and no program waiting for
+  another, where moe_fold's and the combine folded into the norm (2026-11-26, 1.01 x) lost. The
+  next layer's products read the Normed as the dense models' do after their split MLP down. Not
+  yet timed (ab_step.py --plans combine). Under moe_fold it does nothing.
 """
 from __future__ import annotations
 
@@ -65,6 +72,7 @@ class KernelPlan:
     shared_as_expert: bool = True
     moe_normed: bool = False        # choose() turns it on over bf16 and FP8 experts (above)
     moe_fold: bool = False
+    combine_normed: bool = False
     fc_split: bool = True
     draft_pick: bool = True
     head_input: bool = True

@@ -20,12 +20,15 @@ A prefill's blocks take 16, 32 or 64 pairs by its chunk's size (ProductPlan.pref
 with tiles to match over 4-bit experts: its results may depend on the chunk's size, as a
 prefill's do through its chunking anyway, never on its routing.
 
-Two forms of a step (engine/plan.py: moe_normed, a default over bf16 and FP8 experts, and
-moe_fold, a candidate): the SwiGLU may read x as a Normed (the norm before the layer in two
-pieces, kernels/matvec.py), scaling each pair by its row's 1 / rms; and the down kernel may finish
-the layer (`Fold`, _down_fold_kernel): each column block's last program
-combines, adds the residual and writes the next norm's two pieces, its rows one tile of STEP_ROWS
-whatever the step's T, so that a row's sums of squares reduce the same way in every step.
+Three forms of a step (engine/plan.py: moe_normed, a default over bf16 and FP8 experts, and
+moe_fold and combine_normed, candidates): the SwiGLU may read x as a Normed (the norm before the
+layer in two pieces, kernels/matvec.py), scaling each pair by its row's 1 / rms; the down kernel
+may finish the layer (`Fold`, _down_fold_kernel): each column block's last program combines, adds
+the residual and writes the next norm's two pieces, its rows one tile of STEP_ROWS whatever the
+step's T, so that a row's sums of squares reduce the same way in every step; or the combine
+kernel may (the same `Fold`): each of its programs, one row's block of columns, adds the residual
+and writes the block's share of the two pieces, so the norm kernel after it goes and no program
+waits for another.
 
 Experts are stored stacked: W_gate_up [E * 2F, H] (expert e's gate rows, then its up rows),
 W_down [E * H, F]; either may be a BlockFP8 (kernels/fp8.py) whose 128-row blocks never straddle
@@ -113,10 +116,10 @@ def combine_ref(y: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | N
 
 
 class Fold(NamedTuple):
-    """What finishes a step's MoE layer in its down kernel (expert_down): the combine's inputs (the
-    routing's weights [T, k]; the shared expert's output [T, H] and gate [T], or None where it is
-    expert E), the residual stream r [T, H] the layer's value is added to, and the next norm's
-    weight [H] and eps."""
+    """What finishes a step's MoE layer in its down kernel (expert_down) or its combine (combine):
+    the combine's inputs (the routing's weights [T, k]; the shared expert's output [T, H] and gate
+    [T], or None where it is expert E), the residual stream r [T, H] the layer's value is added to,
+    and the next norm's weight [H] and eps."""
     weights: torch.Tensor
     shared: torch.Tensor | None
     gate: torch.Tensor | None
@@ -421,13 +424,27 @@ def combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s,
 
 @triton.jit
 def _combine_kernel(y, weights, shared, gate, out, H, s_y, s_s, s_o,
-                    TOPK: tl.constexpr, BH: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr):
+                    TOPK: tl.constexpr, BH: tl.constexpr, HAS_SHARED: tl.constexpr, PDL: tl.constexpr,
+                    NORM: tl.constexpr = False, res=None, nw=None, xn=None, ss=None, s_r=0, s_xn=0, s_ss=0):
+    # program (row, i_h): the row's columns i_h*BH.. . NORM (a Fold): out is h = the combine rounded
+    # + the residual, rounded, and the block's share of the next norm as a Normed: x = h * (1 + w)
+    # and the block's sum of h² (kernels/matvec.py); each program its own block, no count
     pdl_start(PDL)
     r, i_h = tl.program_id(0), tl.program_id(1)
     o_h = i_h * BH + tl.arange(0, BH)
     m_h = o_h < H
     acc = combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s, BH, TOPK, HAS_SHARED)
-    tl.store(out + r * s_o + o_h, acc.to(out.dtype.element_ty), mask=m_h)
+    dtype = out.dtype.element_ty
+    if NORM:
+        b_r = tl.load(res + r * s_r + o_h, mask=m_h, other=0.).to(tl.float32)
+        b_h = (acc.to(dtype).to(tl.float32) + b_r).to(dtype)
+        tl.store(out + r * s_o + o_h, b_h, mask=m_h)
+        b_h = b_h.to(tl.float32)
+        b_nw = 1. + tl.load(nw + o_h, mask=m_h, other=0.).to(tl.float32)
+        tl.store(xn + r * s_xn + o_h, (b_h * b_nw).to(dtype), mask=m_h)
+        tl.store(ss + r * s_ss + i_h, tl.sum(b_h * b_h, axis=0))
+    else:
+        tl.store(out + r * s_o + o_h, acc.to(dtype), mask=m_h)
 
 
 def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductPlan | None = None,
@@ -673,17 +690,35 @@ def check_combine(y, weights, shared, gate):
             f"combine: gate {tuple(gate.shape)} must be float32 [{T}]"
 
 
-def combine_triton(y, weights, shared=None, gate=None, dtype=torch.bfloat16) -> torch.Tensor:
+COMBINE_COLUMNS = 512     # the combine kernel's columns a program (BH)
+
+
+def combine_triton(y, weights, shared=None, gate=None, dtype=torch.bfloat16, fold: Fold | None = None):
+    """The combine [T, H] in dtype; with `fold` (its weights, shared and gate stand for the
+    arguments), the layer finished: (Normed, h), h in the residual's dtype, the Normed's sums of h²
+    one a block of COMBINE_COLUMNS columns (combine)."""
+    if fold is not None:
+        weights, shared, gate = fold.weights, fold.shared, fold.gate
     check_combine(y, weights, shared, gate)
     T, k = weights.shape
     H = y.shape[1]
+    BH = COMBINE_COLUMNS
+    blocks = triton.cdiv(H, BH)
+    normed = {}
+    if fold is not None:
+        r, nw, eps = fold.residual, fold.norm_weight, fold.eps
+        assert r.shape == (T, H) and r.stride(1) == 1, f"the residual must be [{T}, {H}], rows contiguous"
+        assert nw.shape == (H,) and nw.is_contiguous(), f"the norm's weight must be [{H}] contiguous"
+        dtype = r.dtype
+        xn = torch.empty(T, H, dtype=dtype, device=y.device)
+        ss = torch.empty(T, blocks, dtype=torch.float32, device=y.device)
+        normed = dict(NORM=True, res=r, nw=nw, xn=xn, ss=ss, s_r=r.stride(0), s_xn=xn.stride(0), s_ss=ss.stride(0))
     out = torch.empty(T, H, dtype=dtype, device=y.device)
-    BH = 512
-    _combine_kernel[(T, triton.cdiv(H, BH))](
+    _combine_kernel[(T, blocks)](
         y, weights, shared if shared is not None else y, gate if gate is not None else weights, out, H,
         y.stride(0), shared.stride(0) if shared is not None else 0, out.stride(0),
-        TOPK=k, BH=BH, HAS_SHARED=shared is not None, num_warps=4, **pdl(y))
-    return out
+        TOPK=k, BH=BH, HAS_SHARED=shared is not None, num_warps=4, **pdl(y), **normed)
+    return out if fold is None else (Normed(normed["xn"], normed["ss"], fold.eps), out)
 
 
 # --- dispatch ----------------------------------------------------------------------------------
@@ -713,7 +748,11 @@ def expert_down(h, w_down, layout, n_experts: int, rowwise: bool, shared=None,
     return y if fold is None else fold_ref(y, fold)
 
 
-def combine(y, weights, shared=None, gate=None, dtype=torch.float32) -> torch.Tensor:
+def combine(y, weights, shared=None, gate=None, dtype=torch.float32, fold: Fold | None = None):
+    """The combine [T, H] in dtype; with `fold`, the layer finished there: (Normed, h) (the plan's
+    combine_normed; fold_ref on a CPU)."""
     if use_triton(y):
-        return combine_triton(y, weights, shared, gate, dtype)
+        return combine_triton(y, weights, shared, gate, dtype, fold)
+    if fold is not None:
+        return fold_ref(y, fold)
     return combine_ref(y, weights, shared, gate, dtype)

@@ -40,13 +40,17 @@ def test_greedy_mtp_on_equals_off(ckpts, layout, graphs):
 
 @pytest.mark.parametrize("layout,forms", [(STACKED, dict(moe_fold=True)), (STACKED, dict(moe_normed=True)),
                                           (STACKED, dict(moe_fold=True, moe_normed=True)),
-                                          (PER_EXPERT, dict(moe_fold=True, moe_normed=True))])
+                                          (PER_EXPERT, dict(moe_fold=True, moe_normed=True)),
+                                          (STACKED, dict(combine_normed=True)),
+                                          (STACKED, dict(combine_normed=True, moe_normed=True)),
+                                          (PER_EXPERT, dict(combine_normed=True, moe_normed=True))])
 def test_the_moe_layer_between_normeds(ckpts, layout, forms):
-    """KernelPlan.moe_fold (the layer finished in its down kernel) and moe_normed (the layer reading
-    its norm as a Normed): greedy MTP on == off (CUDA graphs), and in float32 the same greedy tokens
-    as the plan without either (the two differ only in where the norms' 1 / rms is applied)."""
+    """KernelPlan.moe_fold (the layer finished in its down kernel), combine_normed (in its combine)
+    and moe_normed (the layer reading its norm as a Normed): greedy MTP on == off (CUDA graphs), and
+    in float32 the same greedy tokens as the plan without any (they differ only in where the norms'
+    1 / rms is applied)."""
     base = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024)
-    without = base.plan.replace(moe_fold=False, moe_normed=False)     # moe_normed is a default
+    without = base.plan.replace(moe_fold=False, combine_normed=False, moe_normed=False)  # moe_normed is a default
     engine = Engine.load(ckpts[layout], device="cuda", dtype=torch.bfloat16, max_context=1024,
                          plan=without.replace(**forms))
     del base

@@ -19,6 +19,7 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans stacked --model qwen3.5-35b-a3b --weights fp8   # the expert SwiGLU's gate and up as one tile
     python3 ab_step.py --plans routed --model qwen3.5-35b-a3b --weights fp8    # a step's MoE layout written by the routing
     python3 ab_step.py --plans moefold --model qwen3.5-35b-a3b --weights fp8   # the MoE layer between Normeds, folded
+    python3 ab_step.py --plans combine --model qwen3.5-35b-a3b --weights fp8   # the MoE layer finished in its combine
     python3 ab_step.py --plans rides --weights fp8    # the GDN's b|a riding in the in_proj's launch, or apart
     python3 ab_step.py --plans int4stacked --model qwen3.5-35b-a3b --weights int4   # the 4-bit experts' SwiGLU stacked
 

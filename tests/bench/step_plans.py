@@ -323,6 +323,15 @@ def fold_plans(base: KernelPlan) -> dict:
             "folded normed": off.replace(moe_fold=True, moe_normed=True)}
 
 
+def combine_plans(base: KernelPlan) -> dict:
+    """A step's MoE layer finished by its combine kernel (KernelPlan.combine_normed: each program
+    adds the residual to its row's block and writes the block's share of the next norm as a
+    Normed; the norm kernel after the layer goes, a launch a layer fewer, with no arrival count)
+    against the default's combine then the next norm whole. The logits move by the norm's
+    rounding."""
+    return {"default": base, "combine normed": base.replace(combine_normed=True)}
+
+
 def rider_plans(base: KernelPlan) -> dict:
     """An FP8 or 4-bit model's GDN b|a product (bf16) as a launch of its own, or riding as the first
     programs of the in_proj's launch (ProductPlan.rides: a launch a GDN layer fewer). The in_proj's
@@ -344,5 +353,5 @@ def default_plans(base: KernelPlan) -> dict:
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
-            "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans,
+            "combine": combine_plans, "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans,
             "rides": rider_plans, "int4stacked": int4_stacked_plans}

@@ -486,6 +486,55 @@ def test_the_folded_layer_keeps_a_row_independent_of_the_rows_beside_it(device, 
         assert torch.equal(n_i.ss[0], n_all.ss[i]), f"row {i}: sums of h²"
 
 
+def combine_fold_case(device, dtype, T, shared, H=1100, k=4, seed=0):
+    """The down products y [T * k, H] float32 of a step's pairs and a Fold to finish the layer with
+    (rows 0.1 to 10 apart in scale; the shared expert's output and gate where `shared`)."""
+    y = randn(T * k, H, device=device, seed=81 + seed) * torch.logspace(-1, 1, T * k, device=device)[:, None]
+    w = torch.softmax(randn(T, k, seed=82 + seed), -1).to(device)
+    so = randn(T, H, dtype=dtype, device=device, seed=83 + seed) if shared else None
+    g = torch.sigmoid(randn(T, seed=84 + seed)).to(device) if shared else None
+    r = randn(T, H, dtype=dtype, device=device, seed=85 + seed, scale=3.0)
+    nw = randn(H, device=device, seed=86 + seed, scale=0.3).to(dtype)
+    return y, moe.Fold(w, so, g, r, nw, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_combine_finishes_the_layer(device, dtype, T, shared):
+    """The combine kernel finishing a step's MoE layer (moe.Fold, KernelPlan.combine_normed): h the
+    plain combine rounded to the model dtype plus the residual, rounded, bit for bit; x = h * (1 +
+    w) bit for bit; one sum of h² a block of COMBINE_COLUMNS columns (1100 columns: 3 blocks, the
+    last short), adding up to the row's; and against the float32 reference of the whole (fold_ref,
+    which the dispatcher takes on a CPU)."""
+    y, fold = combine_fold_case(device, dtype, T, shared, seed=T)
+    normed, h = moe.combine_triton(y, None, fold=fold)
+    want = (moe.combine_triton(y, fold.weights, fold.shared, fold.gate, dtype).float() + fold.residual.float()).to(dtype)
+    assert h.dtype == dtype and torch.equal(h, want)
+    assert torch.equal(normed.x, (want.float() * (1. + fold.norm_weight.float())).to(dtype))
+    assert normed.ss.shape == (T, 3) and normed.eps == fold.eps
+    for b, cols in enumerate(want.float().split(moe.COMBINE_COLUMNS, dim=1)):
+        check(normed.ss[:, b].cpu(), cols.square().sum(-1).cpu(), 1e-5, f"block {b}'s sums of h²")
+    cpu = moe.Fold(*(t.cpu().float() if isinstance(t, torch.Tensor) else t for t in fold))
+    n_ref, h_ref = moe.combine(y.cpu(), None, fold=cpu)
+    check(h.cpu().float(), h_ref, TOL[dtype], "h")
+    check(normed.x.cpu().float(), n_ref.x, TOL[dtype], "x")
+    check(matvec.rstd_ref(normed).cpu(), matvec.rstd_ref(n_ref), TOL[dtype], "1 / rms")
+
+
+def test_the_finishing_combine_keeps_a_row_independent_of_the_rows_beside_it(device):
+    """Row i's h, x and block sums of h² the same bits alone and among 5 rows."""
+    T, k = 5, 4
+    y, fold = combine_fold_case(device, torch.float32, T, True, k=k, seed=7)
+    n_all, h_all = moe.combine_triton(y, None, fold=fold)
+    for i in range(T):
+        f_i = moe.Fold(fold.weights[i:i + 1], fold.shared[i:i + 1], fold.gate[i:i + 1], fold.residual[i:i + 1],
+                       fold.norm_weight, fold.eps)
+        n_i, h_i = moe.combine_triton(y[k * i:k * (i + 1)], None, fold=f_i)
+        assert torch.equal(h_i[0], h_all[i]) and torch.equal(n_i.x[0], n_all.x[i]), f"row {i}"
+        assert torch.equal(n_i.ss[0], n_all.ss[i]), f"row {i}: sums of h²"
+
+
 @pytest.mark.parametrize("routed", [False, True])
 def test_the_expert_swiglu_of_a_normed_keeps_a_row_independent_of_the_rows_beside_it(device, routed):
     """Each pair's SwiGLU over a Normed the same bits alone and among 5 rows (its row's 1 / rms from
