@@ -74,11 +74,12 @@ def step_bytes(engine) -> int:
 
 def draft_bytes(engine) -> int:
     """Weight bytes one MTP draft step reads: the head's layer and fc, and the lm_head again (the
-    trimmed draft head's rows where there is one); in 4 bits the head as the memory plan counts it."""
+    trimmed draft head's rows and their ids where there is one, in the form it keeps them); in 4
+    bits the head as the memory plan counts it."""
     if engine.head is None:
         return 0
     draft = engine.decoder.draft_rows
-    rows = _size(draft.w if draft is not None else engine.model.head)
+    rows = draft.nbytes() if draft is not None else _size(engine.model.head)
     if engine.weight_format == "int4":
         return memory.head_read_bytes(engine.config, engine.dtype, "int4") + rows
     return (sum(_size(p) for p in engine.head.parameters()) - _unread_experts(engine.head, engine.config)

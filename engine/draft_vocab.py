@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from mtpchat.kernels import int4
+
 DEFAULT_DRAFT_VOCAB = 32768      # rows of the trimmed head (of Qwen3.5/3.6's 248,320)
 PIECES = Path(__file__).with_name("draft_pieces.json")
 
@@ -97,16 +99,31 @@ class DraftRows:
     """The trimmed head on the device: the lm_head rows of the subset `ids` (ascending) and
     `context` rows for tokens of the prompt and the reply outside it, in their own contiguous copy
     `w` [Vd + C, H], beside `ids` [Vd + C], the token of each row. The context rows start as copies
-    of the first row (a tie of equal tokens cannot change a draft)."""
+    of the first row (a tie of equal tokens cannot change a draft).
 
-    def __init__(self, head: torch.Tensor, ids: list[int], context: int):
+    `four_bit` (the plan's draft_head_int4): the copy is kept in 4 bits, each row quantized on its
+    own (kernels/int4.py quantize_ref: symmetric, groups of 128 columns; `interleave`d where the
+    plan stores 4-bit weights so), a quarter of the bytes each draft reads. Only which token is
+    proposed can change, never the output: the target verifies every draft (module docstring)."""
+
+    def __init__(self, head: torch.Tensor, ids: list[int], context: int, four_bit: bool = False,
+                 interleave: bool = False):
         self.head, self.static, self.context = head, len(ids), context
+        self.four_bit, self.interleave = four_bit, interleave
         self.subset, self.ring, self.slots, self.next = set(ids), {}, [None] * context, 0
         rows = torch.tensor(ids + [ids[0]] * context, device=head.device)
-        self.w, self.ids = head.detach().index_select(0, rows).contiguous(), rows
+        self.w, self.ids = self._stored(head.detach().index_select(0, rows).contiguous()), rows
+
+    def _stored(self, rows: torch.Tensor):
+        """Rows of the head as the copy keeps them: as they are, or quantized."""
+        if not self.four_bit:
+            return rows
+        q = int4.quantize_ref(rows, int4.GROUP)
+        return int4.interleave_ref(q) if self.interleave else q
 
     def nbytes(self) -> int:
-        return self.w.numel() * self.w.element_size() + self.ids.numel() * self.ids.element_size()
+        w = self.w.nbytes() if self.four_bit else self.w.numel() * self.w.element_size()
+        return w + self.ids.numel() * self.ids.element_size()
 
     def take(self, tokens: list[int]):
         """Give the tokens outside the subset a context row, oldest replaced first: a few small
@@ -127,7 +144,12 @@ class DraftRows:
             self.slots[i], self.ring[t] = t, i
             slots.append(self.static + i)
         toks, rows = _to_device([fresh, slots], self.w.device)
-        self.w.index_copy_(0, rows, self.head.detach().index_select(0, toks))
+        fresh_rows = self._stored(self.head.detach().index_select(0, toks))
+        if self.four_bit:               # each row quantized on its own: the others keep their bits
+            self.w.w.index_copy_(0, rows, fresh_rows.w)
+            self.w.scale.index_copy_(0, rows, fresh_rows.scale)
+        else:
+            self.w.index_copy_(0, rows, fresh_rows)
         self.ids.index_copy_(0, rows, toks)
 
 

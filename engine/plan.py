@@ -49,6 +49,13 @@ Candidates, off:
   another, where moe_fold's and the combine folded into the norm (2026-11-26, 1.01 x) lost. The
   next layer's products read the Normed as the dense models' do after their split MLP down. Not
   yet timed (ab_step.py --plans combine). Under moe_fold it does nothing.
+- draft_head_int4: the trimmed draft head (engine/draft_vocab.py DraftRows) kept in 4 bits, each
+  row quantized on its own (symmetric, groups of 128), interleaved where 4-bit weights are: each
+  draft reads a quarter of its bytes (the 27B's 34,816 rows x 5,120: 357 MB in bf16, half of a
+  draft's, against 92 MB), the draft's argmax taken over the 4-bit rows' logits. It can change
+  which token a draft proposes (tests/bench/quality_int4.py --draft-head: the acceptance it costs
+  the demo model), never the output. The memory plan still counts the rows in bf16. Not yet timed
+  (ab_step.py --plans drafthead).
 """
 from __future__ import annotations
 
@@ -73,6 +80,7 @@ class KernelPlan:
     moe_normed: bool = False        # choose() turns it on over bf16 and FP8 experts (above)
     moe_fold: bool = False
     combine_normed: bool = False
+    draft_head_int4: bool = False
     fc_split: bool = True
     draft_pick: bool = True
     head_input: bool = True

@@ -60,9 +60,15 @@ class GroupInt4(NamedTuple):
 
 def pack_ref(q: torch.Tensor) -> torch.Tensor:
     """[N, K] integers 0 .. 15 -> [N, K / 8] int32, weight k in bits 4 (k % 8) of word k // 8."""
+    assert int(q.min()) >= 0 and int(q.max()) <= 15, "4-bit values must lie in 0 .. 15"
+    return _pack(q)
+
+
+def _pack(q: torch.Tensor) -> torch.Tensor:
+    """pack_ref for values known to lie in 0 .. 15 (clamped, or unpacked), without the check's
+    wait for the device: a few rows quantized between steps queue behind them."""
     N, K = q.shape
     assert K % PACK == 0, f"4-bit weights pack 8 to a word: K = {K} is not a multiple of 8"
-    assert int(q.min()) >= 0 and int(q.max()) <= 15, "4-bit values must lie in 0 .. 15"
     nibbles = q.to(torch.int64).view(N, K // PACK, PACK) << (4 * torch.arange(PACK, device=q.device))
     words = nibbles.sum(-1)                                          # 0 .. 2^32 - 1
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
@@ -93,7 +99,7 @@ def interleave_ref(q: GroupInt4) -> GroupInt4:
     out = torch.empty(N, K // 4, dtype=torch.int16, device=q.w.device)
     rows = max(1, QUANTIZE_AT_ONCE // K)       # a few rows at a time: unpacked and repacked, some 20 bytes a weight
     for i in range(0, N, rows):
-        out[i:i + rows] = pack_ref(unpack_ref(q.w[i:i + rows])[:, order]).view(torch.int16)
+        out[i:i + rows] = _pack(unpack_ref(q.w[i:i + rows])[:, order]).view(torch.int16)
     return q._replace(w=out)
 
 
@@ -162,7 +168,7 @@ def quantize_ref(w: torch.Tensor, group: int = GROUP, symmetric: bool = True,
         scale = _representable(torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(hi)), scale_dtype)
         zero = torch.round(-lo / scale.float()).clamp(0, 15)
     q = torch.round(g / scale.float()[..., None] + zero[..., None]).clamp(0, 15).view(N, K)
-    return GroupInt4(pack_ref(q), scale.contiguous(), None if symmetric else zero.to(torch.uint8).contiguous())
+    return GroupInt4(_pack(q), scale.contiguous(), None if symmetric else zero.to(torch.uint8).contiguous())
 
 
 def _representable(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

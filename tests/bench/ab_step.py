@@ -20,6 +20,7 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans routed --model qwen3.5-35b-a3b --weights fp8    # a step's MoE layout written by the routing
     python3 ab_step.py --plans moefold --model qwen3.5-35b-a3b --weights fp8   # the MoE layer between Normeds, folded
     python3 ab_step.py --plans combine --model qwen3.5-35b-a3b --weights fp8   # the MoE layer finished in its combine
+    python3 ab_step.py --plans drafthead --weights int4   # the trimmed draft head in 4 bits
     python3 ab_step.py --plans rides --weights fp8    # the GDN's b|a riding in the in_proj's launch, or apart
     python3 ab_step.py --plans int4stacked --model qwen3.5-35b-a3b --weights int4   # the 4-bit experts' SwiGLU stacked
 
@@ -49,7 +50,7 @@ from mtpchat.engine.dispatch import weight
 from mtpchat.engine.engine import Engine, interleave_4bit
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.sampling import SamplingParams
-from mtpchat.kernels import matvec, matvec_parts
+from mtpchat.kernels import int4, matvec, matvec_parts
 
 CONFIGS = Path(bench.__file__).parent / "configs"
 
@@ -166,12 +167,16 @@ def main():
     # plans that store the 4-bit weights interleaved come last: the weights are converted once, in
     # place, the natural ones kept alive for the graphs captured before
     plans = dict(sorted(plans.items(), key=lambda kv: kv[1].products.int4_interleave))
-    kept_weights = []
+    kept_weights, kept_heads = [], []
     for name, plan in list(plans.items()):
         if plan.products.int4_interleave and not kept_weights:
             kept_weights = [p for m in (engine.model, engine.head) if m is not None for p in m.parameters()]
             interleave_4bit(engine.model, engine.head)
         d.plan = plan                              # the decoder's contexts carry it from here on
+        rows = d.draft_rows
+        if rows is not None and rows.four_bit != (plan.draft_head_int4 and rows.w.shape[1] % int4.GROUP == 0):
+            kept_heads.append(rows)                # the graphs captured before read its rows
+            d.trim_draft_head(sorted(rows.subset), rows.context)     # in this plan's form
         try:
             for phase, fn in phases.items():
                 restore(phase)

@@ -332,6 +332,12 @@ def combine_plans(base: KernelPlan) -> dict:
     return {"default": base, "combine normed": base.replace(combine_normed=True)}
 
 
+def draft_head_plans(base: KernelPlan) -> dict:
+    """The trimmed draft head in bf16 or in 4 bits (KernelPlan.draft_head_int4: a quarter of the
+    bytes of the lm_head rows each draft reads); the verify's logits stay the same bits."""
+    return {"default": base, "4-bit draft head": base.replace(draft_head_int4=True)}
+
+
 def rider_plans(base: KernelPlan) -> dict:
     """An FP8 or 4-bit model's GDN b|a product (bf16) as a launch of its own, or riding as the first
     programs of the in_proj's launch (ProductPlan.rides: a launch a GDN layer fewer). The in_proj's
@@ -353,5 +359,5 @@ def default_plans(base: KernelPlan) -> dict:
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
-            "combine": combine_plans, "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans,
+            "combine": combine_plans, "drafthead": draft_head_plans, "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans,
             "rides": rider_plans, "int4stacked": int4_stacked_plans}
