@@ -12,6 +12,7 @@ float32 on the CPU:
   MTP-on output equals MTP off (it must, in either format).
 
     PYTHONPATH=tests python tests/bench/quality_int4.py [--tokens 64] [--window 1024] [--json out.json]
+    PYTHONPATH=tests python tests/bench/quality_int4.py --draft-head --tokens 128   # the draft head in 4 bits
     PYTHONPATH=tests python tests/bench/quality_int4.py --prefill-forms      # on a GPU
     PYTHONPATH=tests python tests/bench/quality_int4.py --plans "chunk_terms=bfloat16;..."   # on a GPU
 
@@ -95,9 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--prefill-forms", action="store_true", help="on a GPU: int4 prefill's dense and fp8 forms")
     p.add_argument("--plans", default="", help="on a GPU: plans as changes to the engine's, ';'-separated")
+    p.add_argument("--draft-head", action="store_true",
+                   help="the acceptance of the trimmed draft head in float32 and in 4 bits (draft_head_int4)")
     args = p.parse_args(argv)
     if args.prefill_forms:
         return prefill_forms(args)
+    if args.draft_head:
+        return draft_head(args)
     if args.plans:
         return plan_forms(args)
 
@@ -128,6 +133,31 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(out, indent=1))
     identical = all(m["identical_to_mtp_off"] for by_k in out["mtp_real"].values() for m in by_k.values())
     return 0 if identical else 1
+
+
+def draft_head(args) -> int:
+    """The real head's mean acceptance length over the held-out prompts, greedy, k = 1..4, with a
+    trimmed draft head of 2,048 rows (+ context rows) kept as the checkpoint's (float32 here) and in
+    4 bits (KernelPlan.draft_head_int4), on the CPU; every output must equal MTP off."""
+    t0 = time.perf_counter()
+    out = {}
+    for name, four in (("float32", False), ("int4", True)):
+        e = Engine.load(DEMO, device="cpu", dtype=torch.float32, max_context=2048, draft_vocab=2048)
+        e.plan = e.decoder.plan = e.plan.replace(draft_head_int4=four)
+        e.decoder.trim_draft_head(sorted(e.decoder.draft_rows.subset), e.decoder.draft_rows.context)
+        assert e.decoder.draft_rows.four_bit == four
+        prompts, _ = heldout(e.tokenizer, args.window)
+        out[name] = {k: {"mean_acceptance_length": m["mean_acceptance_length"],
+                         "identical_to_mtp_off": m["identical_to_mtp_off"]}
+                     for k, m in real_acceptance(e, prompts, args.tokens).items()}
+        print(f"{name:<7} draft head ({e.decoder.draft_rows.nbytes()} bytes), mean acceptance length: " + ", ".join(
+            f"k={k} {m['mean_acceptance_length']:.3f}" + ("" if m["identical_to_mtp_off"] else " (OUTPUT DIFFERS)")
+            for k, m in out[name].items()), flush=True)
+    out["seconds"] = time.perf_counter() - t0
+    print(f"{out['seconds']:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0 if all(m["identical_to_mtp_off"] for name in ("float32", "int4") for m in out[name].values()) else 1
 
 
 def plan_forms(args) -> int:

@@ -7,10 +7,11 @@ function returns). The few-row products (plain, SwiGLU, split over K, a Normed i
 parts with and without the norm, the MoE expert products (SwiGLU and down, a step's layout with
 the shared expert and a prefill's without, on the tiles the engine takes for them), prefill's
 products (the fused form's, and the few-row kernel's for 64 rows: matvec.matvec_prefill), each with
-zeros and perm and with neither, in each unpack form (ProductPlan.int4_form;
-the pairs form's inline assembly assembled for each target), each within the target's shared
-memory; over interleaved weights, the products and experts on their own tiles; and with float32
-rows on a 99 KB GPU, where the widened weights take shared memory too."""
+zeros and perm and with neither, in the unpack form the engine takes for it on every target and in
+the plan's other forms (ProductPlan.int4_form) for Hopper (the pairs form's inline assembly
+assembled for each target), each within the target's shared memory; over interleaved weights, the
+products and experts on their own tiles; and with float32 rows on a 99 KB GPU, where the widened
+weights take shared memory too."""
 from __future__ import annotations
 
 import os
@@ -94,25 +95,32 @@ def variants():
         {"ws": "*fp32"}, (warps, stages)
 
 
-# Each variant compiles in each form for all four targets (the slices form for sm_90 and sm_80),
-# and once more without zeros and perm (reshape: for one target in turn): some 110 compilations,
-# about 8 min on one core from an empty cache (shared among the cores' processes), seconds from
-# Triton's cache after. Typing errors such as a None returned or a branch compiled with the other
-# format's tiles come before any target's code; the targets' own instructions and shared memory
-# (each variant on its own tiles and layout: a prefill's experts take more than a step's) are
-# checked on each.
-n, seen = 0, set()
+# Each variant in the form the engine takes for its product (int4.measured, where the plan names
+# none) compiles for all four targets with zeros and a perm, and without them for sm_86 (the
+# smaller GPUs' shared memory); the plan's other forms, which only a benchmark's plan names, with
+# zeros and a perm for sm_90. Some 100 compilations, and with the interleaved and float32 ones
+# below some 170: about 13 min on one core from an empty cache (shared among the cores'
+# processes), seconds from Triton's cache after. Typing errors such
+# as a None returned or a branch compiled with the other format's tiles come before any target's
+# code; the targets' own instructions and shared memory (each variant on its own tiles and layout:
+# a prefill's experts take more than a step's) are checked on each.
+PRODUCTS = {"matvec swiglu": "swiglu", "matvec plain": "plain", "matvec prefill": "plain", "parts": "split",
+            "expert swiglu": "expert_swiglu", "expert down": "expert_down", "gemm": "gemm"}
+
+
+def product_of(name):
+    return next(product for prefix, product in PRODUCTS.items() if name.startswith(prefix))
+
+
 for name, fn, consts, types, *launch in variants():
     warps, stages = launch[0] if launch else (4, 3)
+    default = int4.measured(product_of(name), 5120, 5120)[1]
     for form in int4.FORMS:
         for extra in ({}, dict(zw=None, perm=None, zw2=None, perm2=None)):
-            if form != "reshape" and (name, form, not extra) in seen:
+            if extra and form != default:
                 continue
+            caps = ((86,) if extra else (90, 80, 86, 89)) if form == default else (90,)
             c_ = dict(consts, UNPACK=int4.FORMS.index(form), **extra)
-            first = (name, form) not in seen
-            seen |= {(name, form), (name, form, not extra)}
-            caps = ((90, 80) if form == "slices" else (90, 80, 86, 89)) if first else ((90, 80, 86, 89)[n % 4],)
-            n += 1
             for cap in caps:
                 if not mine():
                     continue
@@ -174,7 +182,7 @@ for name, fn, consts, types, (warps, stages) in inter:
         assert name not in ("plain", "swiglu", "parts") or "cp.async.cg.shared.global" in k.asm["ptx"], \
             f"{what}: its weights load in copies of under 16 bytes"
 
-# float32 rows on a 99 KB GPU (sm_86, sm_89), where a dot's weights widened to float32 sit in shared
+# float32 rows on a 99 KB GPU (sm_86, as sm_89), where a dot's weights widened to float32 sit in shared
 # memory beside the buffers (matvec.int4_widened): a prefill's experts over blocks of 16, 32 and 64
 # pairs and its few-row products of 16, 32 and 64 rows on the tiles the engine takes there, and the
 # step's products on theirs
@@ -204,7 +212,7 @@ for product, fn, shape in (("swiglu", moe._swiglu_kernel, (1024, 2048, 128)), ("
 float32.append(("expert swiglu apart", moe._swiglu_kernel, dict(TOPK=8, BN=EN, BK=EK, COUNT=True, STACKED=False, **step, **il),
                 dict(i16, **f32), (ewarps, estages)))
 for name, fn, consts, types, (warps, stages) in float32:
-    for cap in (86, 89):
+    for cap in (86,):                   # sm_89's shared memory and instructions on this path are sm_86's
         if not mine():
             continue
         c_ = constexprs(fn, dict(consts, PDL=False))
