@@ -231,4 +231,4 @@ def test_every_int4_kernel_compiles_for_hopper_ampere_and_ada():
     stdout = run_children(COMPILE, shards, timeout=900)
     assert stdout.count("ok ") >= 80, stdout[-2000:]
     assert "pairs" in stdout and stdout.count("ok interleaved") == 15 * 4, stdout[-2000:]     # 15 kernels x 4 targets
-    assert stdout.count("ok float32") == 15 * 2, stdout[-2000:]                               # 15 kernels x 2 targets
+    assert stdout.count("ok float32") == 15, stdout[-2000:]                                   # 15 kernels, sm_86
