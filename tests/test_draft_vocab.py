@@ -236,6 +236,14 @@ def test_context_rows_take_the_tokens_the_subset_lacks(gqa3):
 def test_context_rows_are_written_without_a_host_sync(gqa3):
     """Between two steps in flight: a copy from pageable memory would wait for the one running."""
     e = Engine.load(gqa3, device="cuda", dtype=torch.bfloat16, max_context=256, draft_vocab=64, cuda_graphs=False)
+    outside = context_rows_without_a_sync(e)
+    w, ids = e.decoder.draft_rows.w, e.decoder.draft_rows.ids
+    assert set(ids[64:].tolist()) == set(outside[4:20]) and torch.equal(w, e.model.head[ids])
+
+
+def context_rows_without_a_sync(e) -> list[int]:
+    """20 tokens outside the subset given context rows in two calls, any host sync an error; the
+    tokens."""
     dec = e.decoder
     outside = [t for t in range(e.config.vocab_size) if t not in dec.draft_rows.subset][:20]
     torch.cuda.synchronize()
@@ -245,8 +253,7 @@ def test_context_rows_are_written_without_a_host_sync(gqa3):
         dec.draft_context(outside[5:20])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    w, ids = dec.draft_rows.w, dec.draft_rows.ids
-    assert set(ids[64:].tolist()) == set(outside[4:20]) and torch.equal(w, e.model.head[ids])
+    return outside
 
 
 @pytest.fixture(scope="module")
@@ -334,16 +341,10 @@ def test_a_four_bit_head_on_the_gpu_writes_its_context_rows_without_a_host_sync(
     and greedy MTP on == off through CUDA graphs."""
     e = Engine.load(wide, device="cuda", dtype=torch.bfloat16, max_context=256, draft_vocab=64,
                     plan=four_bit_plan(wide, "cuda"))
-    dec, rows = e.decoder, e.decoder.draft_rows
+    rows = e.decoder.draft_rows
     assert rows.four_bit
-    outside = [t for t in range(e.config.vocab_size) if t not in rows.subset][:20]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        dec.draft_context(outside[:5])
-        dec.draft_context(outside[5:20])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    outside = context_rows_without_a_sync(e)
+    assert set(rows.ids[64:].tolist()) == set(outside[4:20])
     q = int4.quantize_ref(e.model.head[rows.ids])
     q = int4.interleave_ref(q) if rows.w.interleaved else q
     assert torch.equal(rows.w.w, q.w) and torch.equal(rows.w.scale, q.scale)
