@@ -398,15 +398,26 @@ def _fold_columns(y, weights, shared, gate, r, nw, xn, hout, ss, count, i_n, T, 
         if HAS_SHARED:
             b_s = tl.load(shared + o_t[:, None] * s_s + o_n[None, :], mask=m, other=0.).to(tl.float32)
             acc += tl.load(gate + o_t, mask=m_t, other=0.)[:, None] * b_s
-        dtype = hout.dtype.element_ty
-        b_r = tl.load(r + o_t[:, None] * s_r + o_n[None, :], mask=m, other=0.).to(tl.float32)
-        b_h = (acc.to(dtype).to(tl.float32) + b_r).to(dtype)
-        tl.store(hout + o_t[:, None] * s_hout + o_n[None, :], b_h, mask=m)
-        b_h = b_h.to(tl.float32)
-        b_nw = 1. + tl.load(nw + o_n, mask=m_n, other=0.).to(tl.float32)
-        tl.store(xn + o_t[:, None] * s_xn + o_n[None, :], (b_h * b_nw[None, :]).to(dtype), mask=m)
+        b_h = finish_block(acc, r + o_t[:, None] * s_r + o_n[None, :], hout + o_t[:, None] * s_hout + o_n[None, :],
+                           xn + o_t[:, None] * s_xn + o_n[None, :], nw + o_n[None, :], m, m_n[None, :])
         tl.store(ss + o_t * s_ss + i_n, tl.sum(b_h * b_h, axis=1), mask=m_t)
         tl.atomic_xchg(count + i_n, 0)
+
+
+@triton.jit
+def finish_block(acc, p_r, p_h, p_xn, p_nw, m, m_nw):
+    """A block of the MoE layer's combined rows `acc` (float32) finished for the next norm, as the
+    combine and the norm after it round it: h = acc rounded to the model dtype + the residual
+    (p_r), rounded, stored at p_h; x = h * (1 + the norm's weight at p_nw) at p_xn (a Normed's
+    rows); returns h in float32 for the block's sums of h². The pointers' shapes are acc's (p_nw's
+    broadcast to it, masked by m_nw)."""
+    dtype = p_h.dtype.element_ty
+    b_h = (acc.to(dtype).to(tl.float32) + tl.load(p_r, mask=m, other=0.).to(tl.float32)).to(dtype)
+    tl.store(p_h, b_h, mask=m)
+    b_h = b_h.to(tl.float32)
+    b_nw = 1. + tl.load(p_nw, mask=m_nw, other=0.).to(tl.float32)
+    tl.store(p_xn, (b_h * b_nw).to(dtype), mask=m)
+    return b_h
 
 
 @triton.jit
@@ -434,17 +445,11 @@ def _combine_kernel(y, weights, shared, gate, out, H, s_y, s_s, s_o,
     o_h = i_h * BH + tl.arange(0, BH)
     m_h = o_h < H
     acc = combine_row(y, weights, shared, gate, r, o_h, m_h, s_y, s_s, BH, TOPK, HAS_SHARED)
-    dtype = out.dtype.element_ty
     if NORM:
-        b_r = tl.load(res + r * s_r + o_h, mask=m_h, other=0.).to(tl.float32)
-        b_h = (acc.to(dtype).to(tl.float32) + b_r).to(dtype)
-        tl.store(out + r * s_o + o_h, b_h, mask=m_h)
-        b_h = b_h.to(tl.float32)
-        b_nw = 1. + tl.load(nw + o_h, mask=m_h, other=0.).to(tl.float32)
-        tl.store(xn + r * s_xn + o_h, (b_h * b_nw).to(dtype), mask=m_h)
+        b_h = finish_block(acc, res + r * s_r + o_h, out + r * s_o + o_h, xn + r * s_xn + o_h, nw + o_h, m_h, m_h)
         tl.store(ss + r * s_ss + i_h, tl.sum(b_h * b_h, axis=0))
     else:
-        tl.store(out + r * s_o + o_h, acc.to(dtype), mask=m_h)
+        tl.store(out + r * s_o + o_h, acc.to(out.dtype.element_ty), mask=m_h)
 
 
 def tiles(product: str, step: bool, fp8: bool, itemsize: int = 2, plan: ProductPlan | None = None,
