@@ -50,7 +50,7 @@ from mtpchat.engine.dispatch import weight
 from mtpchat.engine.engine import Engine, interleave_4bit
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.sampling import SamplingParams
-from mtpchat.kernels import int4, matvec, matvec_parts
+from mtpchat.kernels import matvec, matvec_parts
 
 CONFIGS = Path(bench.__file__).parent / "configs"
 
@@ -173,10 +173,9 @@ def main():
             kept_weights = [p for m in (engine.model, engine.head) if m is not None for p in m.parameters()]
             interleave_4bit(engine.model, engine.head)
         d.plan = plan                              # the decoder's contexts carry it from here on
-        rows = d.draft_rows
-        if rows is not None and rows.four_bit != (plan.draft_head_int4 and rows.w.shape[1] % int4.GROUP == 0):
-            kept_heads.append(rows)                # the graphs captured before read its rows
-            d.trim_draft_head(sorted(rows.subset), rows.context)     # in this plan's form
+        if d.draft_rows is not None:               # the trimmed head in this plan's form (draft_head_int4)
+            kept_heads.append(d.draft_rows)        # the graphs captured before read its rows
+            d.trim_draft_head(sorted(d.draft_rows.subset), d.draft_rows.context)
         try:
             for phase, fn in phases.items():
                 restore(phase)

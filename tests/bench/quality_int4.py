@@ -43,6 +43,8 @@ import torch.nn.functional as F
 
 from mtpchat.engine import Engine
 from mtpchat.engine.bench import generate, real_acceptance
+from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.plan import KernelPlan
 from tools.demo import corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,9 +144,8 @@ def draft_head(args) -> int:
     t0 = time.perf_counter()
     out = {}
     for name, four in (("float32", False), ("int4", True)):
-        e = Engine.load(DEMO, device="cpu", dtype=torch.float32, max_context=2048, draft_vocab=2048)
-        e.plan = e.decoder.plan = e.plan.replace(draft_head_int4=four)
-        e.decoder.trim_draft_head(sorted(e.decoder.draft_rows.subset), e.decoder.draft_rows.context)
+        plan = KernelPlan.choose("cpu", ModelConfig.load(DEMO), fp8=False).replace(draft_head_int4=four)
+        e = Engine.load(DEMO, device="cpu", dtype=torch.float32, max_context=2048, draft_vocab=2048, plan=plan)
         assert e.decoder.draft_rows.four_bit == four
         prompts, _ = heldout(e.tokenizer, args.window)
         out[name] = {k: {"mean_acceptance_length": m["mean_acceptance_length"],
