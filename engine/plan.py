@@ -34,7 +34,25 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
   bf16 steps 0.991 / 0.998 / 1.000 x (decode / verify 3 / draft 3, tests/bench/ab_step.py
   --plans moefold). Over the derived layout (routed_layout off) a verify's SwiGLU took 143
   registers where 127 let 4 programs share an SM, and verify 3 some 1.15 x; its 1 / rms now adds
-  the sums a block at a time (128 registers), not timed there.
+  the sums a block at a time (128 registers), not timed there;
+- combine_normed (on a GPU, over an MoE): a step's MoE layer finished in its combine kernel (the
+  residual add and the next norm's two pieces, kernels/moe.py combine with a Fold): each program,
+  a row's block of 512 columns, writes its block's share of the Normed, so the norm kernel after
+  the layer goes (40 launches a step on the 35B-A3B) with no arrival count and no program waiting
+  for another, where moe_fold's and the combine folded into the norm (2026-11-26, 1.01 x) lost.
+  The next layer's products read the Normed as the dense models' do after their split MLP down.
+  The 35B-A3B's steps (decode / verify 3): FP8 0.995 / 0.991 x, bf16 0.992 / 0.991 x, int4
+  0.991 / 0.984 x (an H200, tests/bench/ab_step.py --plans combine, 2026-11-29). Under moe_fold
+  it does nothing;
+- draft_head_int4 (on a GPU): the trimmed draft head (engine/draft_vocab.py DraftRows) kept in 4
+  bits, each row quantized on its own (symmetric, groups of 128), interleaved where 4-bit weights
+  are: each draft reads a quarter of its bytes (the 27B's 34,816 rows x 5,120: 357 MB in bf16,
+  half of a draft's, against 92 MB), the draft's argmax taken over the 4-bit rows' logits. Draft 3
+  0.814 x on the 27B int4, 0.870 x on the 35B-A3B FP8, decode and verify unchanged (an H200,
+  ab_step.py --plans drafthead, 2026-11-29). It can change which token a draft proposes
+  (tests/bench/quality_int4.py --draft-head: on the demo model acceptance at k = 3 3.018 with
+  float32 rows, 3.048 with 4-bit ones), never the output. Rows that are not whole groups of 128
+  keep the head as it is. The memory plan still counts the rows in bf16.
 
 Candidates, off:
 - moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the
@@ -42,20 +60,6 @@ Candidates, off:
   against moe_normed alone: the 35B-A3B's FP8 steps 0.994 / 0.995 / 1.002 x, int4 1.008 / 1.033 /
   1.000 x (decode / verify 3 / draft 3): the tail of each column block's last program costs what
   the launches saved.
-- combine_normed: a step's MoE layer finished in its combine kernel (the residual add and the next
-  norm's two pieces, kernels/moe.py combine with a Fold): each program, a row's block of 512
-  columns, writes its block's share of the Normed, so the norm kernel after the layer goes (a
-  launch a layer fewer, 40 a step on the 35B-A3B) with no arrival count and no program waiting for
-  another, where moe_fold's and the combine folded into the norm (2026-11-26, 1.01 x) lost. The
-  next layer's products read the Normed as the dense models' do after their split MLP down. Not
-  yet timed (ab_step.py --plans combine). Under moe_fold it does nothing.
-- draft_head_int4: the trimmed draft head (engine/draft_vocab.py DraftRows) kept in 4 bits, each
-  row quantized on its own (symmetric, groups of 128), interleaved where 4-bit weights are: each
-  draft reads a quarter of its bytes (the 27B's 34,816 rows x 5,120: 357 MB in bf16, half of a
-  draft's, against 92 MB), the draft's argmax taken over the 4-bit rows' logits. It can change
-  which token a draft proposes (tests/bench/quality_int4.py --draft-head: the acceptance it costs
-  the demo model), never the output. The memory plan still counts the rows in bf16. Not yet timed
-  (ab_step.py --plans drafthead).
 """
 from __future__ import annotations
 
@@ -79,8 +83,8 @@ class KernelPlan:
     shared_as_expert: bool = True
     moe_normed: bool = False        # choose() turns it on over bf16 and FP8 experts (above)
     moe_fold: bool = False
-    combine_normed: bool = False
-    draft_head_int4: bool = False
+    combine_normed: bool = False    # choose() turns it on over an MoE on a GPU (above)
+    draft_head_int4: bool = False   # choose() turns it on on a GPU (above)
     fc_split: bool = True
     draft_pick: bool = True
     head_input: bool = True
@@ -309,6 +313,8 @@ class KernelPlan:
         four_bit = (int4 or config.quantization == "int4") if four_bit is None else four_bit
         return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late, int4_prefill=prefill),
                    shared_as_expert=config.is_moe and alike, moe_normed=normed,
+                   combine_normed=config.is_moe and device.type == "cuda",
+                   draft_head_int4=device.type == "cuda",
                    prefill_attention="triton" if timed else "flash",
                    step_prefill=2 if device.type == "cuda" else 0,
                    prefill_graphs=prefill_graph_sizes(config, four_bit, products.int4_prefill_rows)

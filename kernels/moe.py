@@ -20,8 +20,8 @@ A prefill's blocks take 16, 32 or 64 pairs by its chunk's size (ProductPlan.pref
 with tiles to match over 4-bit experts: its results may depend on the chunk's size, as a
 prefill's do through its chunking anyway, never on its routing.
 
-Three forms of a step (engine/plan.py: moe_normed, a default over bf16 and FP8 experts, and
-moe_fold and combine_normed, candidates): the SwiGLU may read x as a Normed (the norm before the
+Three forms of a step (engine/plan.py: moe_normed, a default over bf16 and FP8 experts,
+combine_normed, a default on a GPU, and moe_fold, a candidate): the SwiGLU may read x as a Normed (the norm before the
 layer in two pieces, kernels/matvec.py), scaling each pair by its row's 1 / rms; the down kernel
 may finish the layer (`Fold`, _down_fold_kernel): each column block's last program combines, adds
 the residual and writes the next norm's two pieces, its rows one tile of STEP_ROWS whatever the

@@ -9,6 +9,7 @@ from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.policy import AdaptiveK
 from mtpchat.engine.spec import ProfileDrafter
+from mtpchat.kernels import int4
 from tools.tiny import write_tiny_checkpoint
 from helpers import (GPU_LIKE, GPU_MOE_SHAPE, GPU_SHAPE as SHAPE, assert_mtp_on_equals_off, gpu_prompts, greedy,
                      greedy_tokens)
@@ -41,19 +42,31 @@ def test_trimmed_head_and_adaptive_k_equal_mtp_off_bf16(ckpt):
     assert len(ks) >= 3                     # the policy really changed k along the way
 
 
+@pytest.mark.parametrize("four_bit", [False, True])
 @pytest.mark.parametrize("pick", [False, True])
-def test_trimmed_draft_is_the_argmax_of_its_rows(ckpt, pick):
-    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256, draft_vocab=160)
-    engine.decoder.plan = engine.plan.replace(draft_pick=pick)      # torch's argmax, or the two kernels
-    w, ids = engine.decoder.draft_rows.w, engine.decoder.draft_rows.ids
+def test_trimmed_draft_is_the_argmax_of_its_rows(ckpt, pick, four_bit):
+    """The draft the argmax of the trimmed head's logits (torch's argmax, or the two kernels of
+    draft_pick), its rows in bf16 or in 4 bits (draft_head_int4, a default on a GPU): against the
+    float32 logits of the rows as stored, a row reaching the max; the 4-bit product's logits are
+    its own sums, so there within two bf16 steps of it."""
+    config = ModelConfig.load(ckpt)
+    assert config.hidden_size % int4.GROUP == 0                      # else the rows stay bf16
+    plan = KernelPlan.choose("cuda", config, fp8=False).replace(draft_pick=pick, draft_head_int4=four_bit)
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256, draft_vocab=160, plan=plan)
+    rows = engine.decoder.draft_rows
+    assert rows.four_bit == four_bit
+    w = int4.dequantize_ref(rows.w) if four_bit else rows.w.float()
     g = torch.Generator(device="cuda").manual_seed(0)
     for _ in range(16):
         h = torch.randn(1, engine.config.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
         into = torch.zeros(1, dtype=torch.long, device="cuda")
         engine.decoder._greedy(h, into)
-        logits = (h.float() @ w.float().T)[0].to(torch.bfloat16)
-        top = logits.max()
-        assert logits[(ids == into).nonzero()[0, 0]] == top       # a row reaching the max (bf16 ties allowed)
+        logits = (h.float() @ w.T)[0]
+        picked, top = logits[(rows.ids == into).nonzero()[0, 0]], logits.max()
+        if four_bit:
+            assert top - picked <= top.abs() * 2 ** -7, (picked, top)
+        else:                                                     # a row reaching the max (bf16 ties allowed)
+            assert picked.to(torch.bfloat16) == top.to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("moe", [False, True])

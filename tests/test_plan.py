@@ -213,6 +213,23 @@ def test_the_shared_expert_joins_the_routed_ones_only_as_wide(tmp_path):
     assert not KernelPlan.choose("cpu", wide, False).shared_as_expert
 
 
+def test_a_gpu_finishes_the_moe_layer_in_its_combine_and_drafts_from_4_bit_rows(tmp_path, gqa3, monkeypatch):
+    """combine_normed over an MoE and draft_head_int4, every weight format, on a GPU only (a CPU
+    keeps the plain combine and the head's own rows, which its tests compare against)."""
+    from mtpchat.engine import plan as plan_module
+    monkeypatch.setattr(plan_module, "default_products", lambda device: ProductPlan(programs=132))
+    monkeypatch.setattr(plan_module, "fp8_runs_on", lambda device: True)
+    monkeypatch.setattr(plan_module, "fp8_form_runs_on", lambda device: False)
+    moe = ModelConfig.load(write_tiny_checkpoint(tmp_path / "a", moe=True, **MOE))
+    dense = ModelConfig.load(gqa3)
+    for fp8, int4 in ((False, False), (True, False), (False, True)):
+        gpu, cpu = KernelPlan.choose("cuda", moe, fp8, int4), KernelPlan.choose("cpu", moe, fp8, int4)
+        assert gpu.combine_normed and gpu.draft_head_int4 and not gpu.moe_fold
+        assert not cpu.combine_normed and not cpu.draft_head_int4
+        assert not KernelPlan.choose("cuda", dense, fp8, int4).combine_normed
+        assert KernelPlan.choose("cuda", dense, fp8, int4).draft_head_int4
+
+
 def test_the_moe_layer_reads_a_normed_over_bf16_and_fp8_experts_only(tmp_path, gqa3):
     moe = ModelConfig.load(write_tiny_checkpoint(tmp_path / "a", moe=True, **MOE))
     assert KernelPlan.choose("cpu", moe, False).moe_normed and KernelPlan.choose("cpu", moe, True).moe_normed

@@ -152,7 +152,9 @@ def main():
     for _ in engine.generate(random_prompt(engine, a.context, 1), SamplingParams(max_tokens=2, stop_token_ids=())):
         pass
     d.room.fill_(a.room)
-    kept = (d.pos, d.state.fold, d.state.parity, d.state.conv_off, d.pend_n, d.room)
+    # the drafted tokens too (d.fed): a verify reads them, and a plan that drafts otherwise
+    # (draft_head_int4) writes others when its draft runs
+    kept = (d.pos, d.state.fold, d.state.parity, d.state.conv_off, d.pend_n, d.room, d.fed)
     save = [t.clone() for t in kept]
 
     def restore(phase: str = ""):

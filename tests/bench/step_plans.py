@@ -239,7 +239,8 @@ DEFAULT_FORMS = {"bits": dict(widen_bits=False), "small split": dict(small_split
                  "fc split": dict(fc_split=False), "pick": dict(draft_pick=False), "head input": dict(head_input=False),
                  "chain": dict(draft_chain=False),
                  "routed layout": dict(routed_layout=False), "moe normed": dict(moe_normed=False),
-                 "rides": dict(rides=False)}
+                 "rides": dict(rides=False), "combine normed": dict(combine_normed=False),
+                 "draft head int4": dict(draft_head_int4=False)}
 
 
 def release_plans(base: KernelPlan) -> dict:
@@ -327,15 +328,14 @@ def combine_plans(base: KernelPlan) -> dict:
     """A step's MoE layer finished by its combine kernel (KernelPlan.combine_normed: each program
     adds the residual to its row's block and writes the block's share of the next norm as a
     Normed; the norm kernel after the layer goes, a launch a layer fewer, with no arrival count)
-    against the default's combine then the next norm whole. The logits move by the norm's
-    rounding."""
-    return {"default": base, "combine normed": base.replace(combine_normed=True)}
+    against the combine then the next norm whole. The logits move by the norm's rounding."""
+    return {"norm apart": base.replace(combine_normed=False), "combine normed": base.replace(combine_normed=True)}
 
 
 def draft_head_plans(base: KernelPlan) -> dict:
     """The trimmed draft head in bf16 or in 4 bits (KernelPlan.draft_head_int4: a quarter of the
     bytes of the lm_head rows each draft reads); the verify's logits stay the same bits."""
-    return {"default": base, "4-bit draft head": base.replace(draft_head_int4=True)}
+    return {"bf16 draft head": base.replace(draft_head_int4=False), "4-bit draft head": base.replace(draft_head_int4=True)}
 
 
 def rider_plans(base: KernelPlan) -> dict:
