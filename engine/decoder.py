@@ -39,7 +39,7 @@ import torch
 
 from mtpchat.engine.memory import CAPTURED_K, EARLY_GRAPHS, chunk_attention_floats, prefill_graph_sizes
 from mtpchat.engine.dispatch import Ctx, linear
-from mtpchat.engine.draft_vocab import DraftRows
+from mtpchat.engine.draft_vocab import DraftRows, four_bit_rows
 from mtpchat.engine.events import PhaseTimes
 from mtpchat.engine.model import SparseMoE
 from mtpchat.engine.plan import KernelPlan
@@ -47,7 +47,6 @@ from mtpchat.engine.runner import elapsed_ms
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
 from mtpchat.engine.snapshots import Snapshots, begins
 from mtpchat.engine.spec import accept_sampled, seen_rows
-from mtpchat.kernels import int4
 from mtpchat.kernels.accept import (AcceptBuffers, accept_greedy, argmax_partials_buffers, chain_start, chain_start_ref,
                                     commit_ref, pick_argmax)
 
@@ -361,8 +360,8 @@ class Decoder:
     def trim_draft_head(self, ids: list[int], context: int):
         """Draft from the lm_head rows of `ids` (ascending) and `context` rows for the tokens of the
         prompt and the reply outside them; in 4 bits under the plan's draft_head_int4, where the
-        rows take groups of 128 columns."""
-        four_bit = self.plan.draft_head_int4 and self.model.head.shape[1] % int4.GROUP == 0
+        rows take whole groups (draft_vocab.four_bit_rows)."""
+        four_bit = self.plan.draft_head_int4 and four_bit_rows(self.model.head.shape[1])
         self.draft_rows = DraftRows(self.model.head, ids, context, four_bit, self.plan.products.int4_interleave)
 
     def draft_context(self, tokens: list[int]):

@@ -165,7 +165,7 @@ class Engine:
             stored = "fp8" if self.fp8 else "int4" if self.int4 is not None else "bf16"
             prefill_chunk = prefill_chunk_that_fits(
                 self.config, free, max_context, k_max, self.dtype, self.head is not None, cuda_graphs, snapshots,
-                stored, draft_vocab)
+                stored, draft_vocab, self.plan.draft_head_int4)
         prefill_chunk = prefill_chunk or 512
         self.decoder = Decoder(self.model, self.head, self.state, self.plan, prefill_chunk, snapshots,
                                four_bit=self.int4 is not None)

@@ -8,7 +8,8 @@ What each part counts (27B numbers in bf16, see qwen35-model.md §9):
   weights    text params (embedding, layers, final norm, lm_head unless tied) + the MTP head
              (fc, one decoder layer, three norms); 26,895,998,464 + 424,699,392 params; with the
              head, the trimmed draft vocabulary's own copy of its lm_head rows and their token ids
-             (engine/draft_vocab.py): 32,768 x (5,120 x 2 + 8) bytes. In FP8 (`weights="fp8"`, an
+             (engine/draft_vocab.py): 32,768 x (5,120 x 2 + 8) bytes, or in 4 bits where the kernel
+             plan keeps them so (`draft_int4`: on a GPU) 32,768 x (2,560 + 80 + 8). In FP8 (`weights="fp8"`, an
              FP8 release) or 4 bits (`weights="int4"`, a GPTQ / compressed-tensors release: the
              products its format quantizes, by the checkpoint's module names) the layers' products
              take their stored form's bytes; the embedding, lm_head, router and MTP fc stay as they are
@@ -213,10 +214,12 @@ def int4_format(cfg: ModelConfig, weights: str | None) -> Int4Format | None:
 
 
 def weight_bytes(cfg: ModelConfig, dtype="bfloat16", mtp: bool = True, fp8: bool = False,
-                 draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, int4: Int4Format | None = None) -> int:
+                 draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, int4: Int4Format | None = None,
+                 draft_int4: bool = False) -> int:
     """What the engine allocates for the weights: the products of FP8_PARAMS in FP8 with `fp8`, or
     those `int4` quantizes in 4 bits, the rest (embedding, lm_head, norms, the GDN's conv, [b | a],
-    the router, the MTP fc) in the model dtype, A_log and dt_bias in float32."""
+    the router, the MTP fc) in the model dtype, A_log and dt_bias in float32; the trimmed draft
+    head's rows in 4 bits with `draft_int4` (the kernel plan's draft_head_int4)."""
     nbytes = dtype_bytes(dtype)
     heads = 1 if cfg.tie_word_embeddings else 2
     total = heads * embedding_params(cfg) * nbytes + cfg.hidden_size * nbytes
@@ -227,7 +230,7 @@ def weight_bytes(cfg: ModelConfig, dtype="bfloat16", mtp: bool = True, fp8: bool
         total += (2 * h * h + 3 * h) * nbytes + sum(
             _layer_weight_bytes(cfg, "full_attention", nbytes, fp8, f"{MTP_LAYERS}.{j}", int4)
             for j in range(cfg.mtp_num_hidden_layers))
-        total += draft_vocab_bytes(cfg.vocab_size, h, draft_vocab, nbytes)
+        total += draft_vocab_bytes(cfg.vocab_size, h, draft_vocab, nbytes, draft_int4)
     return total
 
 
@@ -443,13 +446,15 @@ def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:
 def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="bfloat16",
                 mtp: bool = True, cuda_graphs: bool = True,
                 prefill_chunk: int = PREFILL_CHUNK, snapshots: int = DEFAULT_SNAPSHOTS,
-                weights: str | None = None, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> MemoryPlan:
+                weights: str | None = None, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
+                draft_int4: bool = False) -> MemoryPlan:
     """The plan for one sequence of up to max_context tokens, with room for up to k_max drafts per
     step. `mtp` says whether the MTP head is loaded (its weights, KV and the graphs of the
     speculative steps); the GDN step state is the same either way, as the engine allocates it.
     `weights`: "fp8", "int4", "bf16", or None for the checkpoint's own format (Engine's `weights`;
     "int4" keeps a 4-bit checkpoint's own format, and quantizes any other as config.rtn_format());
-    `draft_vocab`: Engine's (the trimmed draft head's rows; 0 or None: the full head)."""
+    `draft_vocab`: Engine's (the trimmed draft head's rows; 0 or None: the full head);
+    `draft_int4`: those rows kept in 4 bits (the kernel plan's draft_head_int4: on a GPU)."""
     mtp = mtp and cfg.has_mtp
     fp8, int4 = _is_fp8(cfg, weights), int4_format(cfg, weights)
     act = _activation_bytes_per_token(cfg, dtype)
@@ -461,7 +466,7 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
     rows = max_context + k_max + 1   # a verify step may write k_max+1 rows past the last position
     chunks = prefill_graph_sizes(cfg, bool(int4))       # (a 4-bit checkpoint may load dequantized)
     return MemoryPlan(
-        weights=weight_bytes(cfg, dtype, mtp, fp8, draft_vocab, int4),
+        weights=weight_bytes(cfg, dtype, mtp, fp8, draft_vocab, int4, draft_int4),
         kv=kv_bytes_per_token(cfg, dtype) * rows,
         mtp_kv=mtp_kv_bytes_per_token(cfg, dtype) * rows if mtp else 0,
         gdn_state=gdn_step_state_bytes(cfg, dtype, k_max),
@@ -477,14 +482,15 @@ def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="b
 
 def prefill_chunk_that_fits(cfg: ModelConfig, free: int, max_context: int, k_max: int = K_MAX, dtype="bfloat16",
                             mtp: bool = True, cuda_graphs: bool = True, snapshots: int = DEFAULT_SNAPSHOTS,
-                            weights: str | None = None, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> int:
+                            weights: str | None = None, draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
+                            draft_int4: bool = False) -> int:
     """The prefill chunk of an engine that finds `free` bytes on its device before it loads: the
     largest of LARGE_PREFILL_CHUNKS whose plan fits in `free`, else PREFILL_CHUNK (the plan the CLI
     checked before loading). A chunk that half of holds every prompt (max_context) is passed over
     for the next."""
     for chunk in LARGE_PREFILL_CHUNKS:
         if chunk // 2 < max_context and plan_memory(cfg, max_context, k_max, dtype, mtp, cuda_graphs, chunk,
-                                                    snapshots, weights, draft_vocab).fits(free):
+                                                    snapshots, weights, draft_vocab, draft_int4).fits(free):
             return chunk
     return PREFILL_CHUNK
 
@@ -492,7 +498,7 @@ def prefill_chunk_that_fits(cfg: ModelConfig, free: int, max_context: int, k_max
 def max_context_that_fits(cfg: ModelConfig, free: int, k_max: int = K_MAX, dtype="bfloat16",
                           mtp: bool = True, cuda_graphs: bool = True,
                           snapshots: int = DEFAULT_SNAPSHOTS, weights: str | None = None,
-                          draft_vocab: int | None = DEFAULT_DRAFT_VOCAB) -> int | None:
+                          draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, draft_int4: bool = False) -> int | None:
     """The longest context (a multiple of CONTEXT_STEP, at most max_position_embeddings) whose
     plan fits in `free` bytes, or None when not even CONTEXT_STEP tokens fit."""
     best = None
@@ -500,7 +506,7 @@ def max_context_that_fits(cfg: ModelConfig, free: int, k_max: int = K_MAX, dtype
     while lo <= hi:  # the plan grows with the context, so bisect on it
         mid = (lo + hi) // 2
         if plan_memory(cfg, mid * CONTEXT_STEP, k_max, dtype, mtp, cuda_graphs, snapshots=snapshots,
-                       weights=weights, draft_vocab=draft_vocab).fits(free):
+                       weights=weights, draft_vocab=draft_vocab, draft_int4=draft_int4).fits(free):
             best, lo = mid * CONTEXT_STEP, mid + 1
         else:
             hi = mid - 1

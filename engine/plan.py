@@ -76,6 +76,12 @@ from mtpchat.kernels.int4_gemm import fp8_form_runs_on
 from mtpchat.kernels.plan import ProductPlan, default_products
 
 
+def draft_head_int4_on(device: torch.device | str) -> bool:
+    """Where choose() keeps the trimmed draft head in 4 bits (draft_head_int4, above): on a GPU. The
+    memory plan asks it too (mtpchat/loader.py), so that it counts the rows as the engine keeps them."""
+    return torch.device(device).type == "cuda"
+
+
 @dataclass(frozen=True)
 class KernelPlan:
     products: ProductPlan
@@ -314,7 +320,7 @@ class KernelPlan:
         return cls(products=dataclasses.replace(products, widen_bits=bits, late_release=late, int4_prefill=prefill),
                    shared_as_expert=config.is_moe and alike, moe_normed=normed,
                    combine_normed=config.is_moe and device.type == "cuda",
-                   draft_head_int4=device.type == "cuda",
+                   draft_head_int4=draft_head_int4_on(device),
                    prefill_attention="triton" if timed else "flash",
                    step_prefill=2 if device.type == "cuda" else 0,
                    prefill_graphs=prefill_graph_sizes(config, four_bit, products.int4_prefill_rows)

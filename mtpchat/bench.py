@@ -63,6 +63,7 @@ def long_context(args, config, device: str, free: int | None = None, **plan) -> 
     plan_memory's weights and draft_vocab). One asked for that does not fit is refused in one line;
     the default is dropped with a line on stderr."""
     from mtpchat.engine import memory
+    from mtpchat.engine.plan import draft_head_int4_on
     asked = getattr(args, "long_context", None)
     n = LONG_CONTEXT if asked is None and device.startswith("cuda") else max(asked or 0, 0)
     if not n:
@@ -76,6 +77,7 @@ def long_context(args, config, device: str, free: int | None = None, **plan) -> 
         cuda = device.startswith("cuda")
         context = _max_context(args, config, getattr(getattr(args, "options", None), "max_context", None), n)
         need = memory.plan_memory(config, context, dtype="bfloat16" if cuda else "float32", cuda_graphs=cuda,
+                                  draft_int4=draft_head_int4_on(device),
                                   **{k: v for k, v in plan.items() if v is not None}).needed
         if need > free:
             why = f"does not fit: {context:,} tokens of context need {fmt_bytes(need)} but {fmt_bytes(free)} is free"

@@ -37,6 +37,7 @@ class Prepared:
     weights: str | None = None  # the weight format asked for: None (the checkpoint's), "fp8", "int4" or "bf16"
     draft_vocab: int = 32768    # rows of the trimmed draft head (0: the full head; engine/draft_vocab.py)
     adaptive_k: bool = True     # each step's k chosen by engine/policy.py, draft_tokens its maximum
+    draft_int4: bool = False    # the trimmed draft head kept in 4 bits (the kernel plan's draft_head_int4)
 
 
 def pick_device(requested: str, said: str | None = None) -> tuple[str, bool]:
@@ -96,6 +97,7 @@ def model_config(options: Options, dry_run: bool, notices: list[str]):
 
 def prepare(options: Options, dry_run: bool = False) -> Prepared:
     from mtpchat.engine import memory
+    from mtpchat.engine.plan import draft_head_int4_on
     notices: list[str] = []
     name, path, config, has_mtp = model_config(options, dry_run, notices)
     params = memory.text_params(config)
@@ -128,11 +130,14 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
     free = None if elsewhere else device_memory(device)[0]
     snaps, weights = options.snapshots, weight_format(options.weights, config, device, name, notices,
                                                                 options.said("weights"))
-    context = asked or default_context(config, name, free, k_max, dtype, has_mtp, graphs, snaps, notices, weights)
+    draft_int4 = draft_head_int4_on(device)
+    context = asked or default_context(config, name, free, k_max, dtype, has_mtp, graphs, snaps, notices, weights,
+                                       options.draft_vocab, draft_int4)
     plan = memory.plan_memory(config, context, k_max, dtype, mtp=has_mtp, cuda_graphs=graphs, snapshots=snaps,
-                              weights=weights, draft_vocab=options.draft_vocab)
+                              weights=weights, draft_vocab=options.draft_vocab, draft_int4=draft_int4)
     prep = Prepared(name, path, config, device, dtype, mtp, options.draft_tokens, k_max,
-                    context, graphs, plan, free, notices, snaps, weights, options.draft_vocab, options.adaptive_k)
+                    context, graphs, plan, free, notices, snaps, weights, options.draft_vocab, options.adaptive_k,
+                    draft_int4)
     if free is not None and not plan.fits(free) and not dry_run:
         raise NotEnoughMemory(not_enough_memory_message(prep))
     return prep
@@ -169,7 +174,8 @@ def weight_format(asked: str, config, device: str, name: str, notices: list[str]
 
 
 def default_context(config, name: str, free: int | None, k_max: int, dtype: str, mtp: bool, graphs: bool,
-                    snapshots: int, notices: list[str], weights: str | None = None) -> int:
+                    snapshots: int, notices: list[str], weights: str | None = None,
+                    draft_vocab: int | None = None, draft_int4: bool = False) -> int:
     """The context when none was asked for: DEFAULT_CONTEXT, or less where the model supports less
     or the free memory holds less (said in a notice). Where not even CONTEXT_STEP tokens fit, the
     default stays, and the plan's refusal says what would fit."""
@@ -178,9 +184,10 @@ def default_context(config, name: str, free: int | None, k_max: int, dtype: str,
     context = min(DEFAULT_CONTEXT, config.max_position_embeddings)
     if context < DEFAULT_CONTEXT:
         notices.append(f"context: {context:,} tokens, the most {name} supports")
+    rows = dict(draft_vocab=memory.DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab, draft_int4=draft_int4)
     if free is not None and not memory.plan_memory(config, context, k_max, dtype, mtp, graphs,
-                                                   snapshots=snapshots, weights=weights).fits(free):
-        fits = memory.max_context_that_fits(config, free, k_max, dtype, mtp, graphs, snapshots, weights)
+                                                   snapshots=snapshots, weights=weights, **rows).fits(free):
+        fits = memory.max_context_that_fits(config, free, k_max, dtype, mtp, graphs, snapshots, weights, **rows)
         if fits is not None and fits < context:
             notices.append(f"context: {fits:,} tokens, what fits in the {fmt_bytes(free)} free "
                            f"(--max-context to choose)")
@@ -202,12 +209,14 @@ def not_enough_memory_message(prep: Prepared) -> str:
 def what_would_fit(prep: Prepared) -> str:
     from mtpchat.engine import memory
     ctx = memory.max_context_that_fits(prep.config, prep.free, prep.k_max, prep.dtype,
-                                       prep.plan.mtp, prep.cuda_graphs, prep.snapshots, prep.weights)
+                                       prep.plan.mtp, prep.cuda_graphs, prep.snapshots, prep.weights,
+                                       prep.draft_vocab, prep.draft_int4)
     options = [f"--max-context {ctx}"] if ctx else []
     options += [fewer] if (fewer := fewer_bytes(prep)) else []
     smaller = [a.name for a in models.smaller_aliases(memory.text_params(prep.config))
                if memory.plan_memory(models.alias_config(a), prep.max_context, prep.k_max,
-                                     prep.dtype, True, prep.cuda_graphs).fits(prep.free)]
+                                     prep.dtype, True, prep.cuda_graphs, draft_vocab=prep.draft_vocab,
+                                     draft_int4=prep.draft_int4).fits(prep.free)]
     options += [f"--model {smaller[0]}"] if smaller else []
     if not options:
         return "nothing fits: free some memory (other processes on the GPU?) or use a larger GPU"
@@ -223,7 +232,7 @@ def fewer_bytes(prep: Prepared) -> str | None:
         return None
     fits = lambda config, weights: memory.plan_memory(
         config, prep.max_context, prep.k_max, prep.dtype, prep.plan.mtp, prep.cuda_graphs, snapshots=prep.snapshots,
-        weights=weights, draft_vocab=prep.draft_vocab).fits(prep.free)
+        weights=weights, draft_vocab=prep.draft_vocab, draft_int4=prep.draft_int4).fits(prep.free)
     held, stored = prep.plan.weight_format, prep.config.quantization
     if held not in ("fp8", "int4") and stored != "int4" and fp8_capable(prep.device) and fits(prep.config, "fp8"):
         # an FP8 release, or quantized on load: the same bytes

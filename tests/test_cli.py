@@ -220,7 +220,8 @@ def test_dry_run_of_an_alias_needs_no_download(capsys, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: pytest.fail("downloaded"))
     code, out, err = run(capsys, "run", "--model", "Qwen3.6-27B-MTP", "--dry-run")
     assert code == 0
-    assert "26,895,998,464 text + 424,699,392 MTP" in out and "weights             51.2 GiB" in out
+    # planned for a GPU: the trimmed draft head's rows in 4 bits (the kernel plan's draft_head_int4)
+    assert "26,895,998,464 text + 424,699,392 MTP" in out and "weights             51.0 GiB" in out
     assert "planned from its known shape" in err and "no CUDA GPU here" in err
     assert "kernel plan: chosen on the GPU at load" in out
 
@@ -335,7 +336,10 @@ def test_not_enough_memory_suggests_a_shorter_context(capsys, big, monkeypatch):
     code, _, err = run(capsys, "run", "--model", big, "--max-context", "262144", "--prompt", "x")
     from mtpchat.engine.config import ModelConfig
     # `run` answers once: no turn snapshots in its plan
-    fits = memory.max_context_that_fits(ModelConfig.load(big), 56 * GiB, memory.K_MAX, "bfloat16", snapshots=0)
+    # on a GPU, whose plan keeps the trimmed draft head's rows in 4 bits
+    fits = memory.max_context_that_fits(ModelConfig.load(big), 56 * GiB, memory.K_MAX, "bfloat16", snapshots=0,
+                                        draft_int4=True)
+    assert fits > memory.max_context_that_fits(ModelConfig.load(big), 56 * GiB, memory.K_MAX, "bfloat16", snapshots=0)
     assert code == 1 and 0 < fits < 262144
     assert f"what fits: --max-context {fits}, or --weights fp8, or --model Qwen3.5-9B" in err
 

@@ -285,6 +285,9 @@ def test_a_four_bit_draft_head_quantizes_each_row_on_its_own(wide, interleave):
     assert set(rows.ids[64:].tolist()) == set(outside[14:30])
     assert torch.equal(rows.w.w, want().w) and torch.equal(rows.w.scale, want().scale)
     assert rows.nbytes() < (64 + 16) * (128 * 4 / 7 + 8)       # float32 rows: under a seventh, ids beside
+    # what the memory plan counts for them on a GPU (draft_int4), exactly what the engine holds
+    assert e.memory()["weights"] == memory.weight_bytes(e.config, "float32", draft_vocab=64, draft_int4=True)
+    assert e.memory()["weights"] < memory.weight_bytes(e.config, "float32", draft_vocab=64)
     g = torch.Generator().manual_seed(1)
     for _ in range(10):
         h = torch.randn(1, 128, generator=g)

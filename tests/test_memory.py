@@ -102,6 +102,22 @@ def test_float32_doubles_weights_and_kv(c27):
     assert fp.weights - same == 2 * (bf.weights - same) and fp.kv == 2 * bf.kv
 
 
+def test_the_draft_heads_rows_in_4_bits_where_the_plan_keeps_them_so(c27):
+    """On a GPU the kernel plan keeps the trimmed head's rows in 4 bits (draft_head_int4): 2,560
+    bytes of weights and 40 float16 scales a row of the 27B's 5,120 where bf16 takes 10,240; rows
+    that are not whole groups of 128 stay as they are. The context that fits grows by the bytes."""
+    rows = 32768 + 2048
+    bf, four = memory.weight_bytes(c27, "bfloat16"), memory.weight_bytes(c27, "bfloat16", draft_int4=True)
+    assert bf - four == rows * (5120 * 2 - 5120 // 2 - 40 * 2)
+    assert memory.weight_bytes(c27, "bfloat16", draft_vocab=0, draft_int4=True) == \
+        memory.weight_bytes(c27, "bfloat16", draft_vocab=0)                   # the full head has no copy
+    odd = replace(c27, hidden_size=5120 + 64)
+    assert memory.weight_bytes(odd, "bfloat16", draft_int4=True) == memory.weight_bytes(odd, "bfloat16")
+    free = 60 * GiB
+    assert memory.plan_memory(c27, 4096, 4, draft_int4=True).weights == four
+    assert memory.max_context_that_fits(c27, free, 4, draft_int4=True) > memory.max_context_that_fits(c27, free, 4)
+
+
 def test_max_context_that_fits_is_the_boundary(c27):
     free = 60 * GiB
     ctx = memory.max_context_that_fits(c27, free, 4, "bfloat16")
