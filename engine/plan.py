@@ -52,7 +52,7 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
   ab_step.py --plans drafthead, 2026-11-29). It can change which token a draft proposes
   (tests/bench/quality_int4.py --draft-head: on the demo model acceptance at k = 3 3.018 with
   float32 rows, 3.048 with 4-bit ones), never the output. Rows that are not whole groups of 128
-  keep the head as it is. The memory plan still counts the rows in bf16.
+  keep the head as it is. The memory plan counts the rows as kept (draft_head_int4_on below).
 
 Candidates, off:
 - moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the
