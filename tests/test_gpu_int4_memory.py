@@ -61,11 +61,13 @@ def test_int4_fits_24_gb(capped, name, context):
     peak = torch.cuda.max_memory_allocated()
     # the prefill chunk the engine chose within the cap (memory.prefill_chunk_that_fits)
     chunk = engine.decoder.prefill_chunk
+    four = engine.plan.draft_head_int4          # the trimmed head's rows in 4 bits, as the plan counts them
     plan = memory.plan_memory(config, context, engine.k_max, "bfloat16", snapshots=4, weights="int4",
-                              prefill_chunk=chunk)
+                              prefill_chunk=chunk, draft_int4=four)
     print(f"{name}, {context:,} tokens, prefill chunk {chunk:,}: peak {peak / GiB:.2f} GiB allocated, "
           f"{torch.cuda.max_memory_reserved() / GiB:.2f} GiB reserved; planned {plan.needed / GiB:.2f} GiB")
     assert torch.cuda.max_memory_reserved() <= CAP and peak <= plan.needed
-    assert chunk == memory.prefill_chunk_that_fits(config, free, context, engine.k_max, snapshots=4, weights="int4")
+    assert chunk == memory.prefill_chunk_that_fits(config, free, context, engine.k_max, snapshots=4, weights="int4",
+                                                   draft_int4=four)
     assert free <= CAP
     del engine
