@@ -28,9 +28,10 @@ def dry_run(capsys, monkeypatch, free, *argv, command="run", capable=True):
 
 
 def needed(name, weights=None, context=8192):
-    """What `run` plans for an alias (no turn snapshots: it answers once)."""
+    """What `run` plans for an alias on a GPU (no turn snapshots: it answers once; the trimmed draft
+    head's rows in 4 bits, the kernel plan's draft_head_int4)."""
     return memory.plan_memory(models.alias_config(models.lookup_alias(name)), context, memory.K_MAX,
-                              snapshots=0, weights=weights).needed
+                              snapshots=0, weights=weights, draft_int4=True).needed
 
 
 def test_the_gptq_releases_have_aliases_with_their_format(capsys):
@@ -70,7 +71,7 @@ def test_weights_int4_plans_every_product_in_4_bits(capsys, monkeypatch):
     code, out, _ = dry_run(capsys, monkeypatch, 23 * GiB, "--model", "Qwen3.6-27B", "--weights", "int4")
     assert code == 0 and "int4 weights" in out and "fits" in out
     plan = memory.plan_memory(models.alias_config(models.lookup_alias("Qwen3.6-27B")), 8192, memory.K_MAX,
-                              snapshots=0, weights="int4")
+                              snapshots=0, weights="int4", draft_int4=True)          # on a GPU
     assert f"weights (int4)    {fmt_bytes(plan.weights):>10}" in out
 
 
@@ -103,7 +104,7 @@ def test_what_fits_on_a_gpu_without_fp8_is_4_bits(capsys, monkeypatch):
 def test_the_refusal_names_the_4bit_weights(capsys, monkeypatch):
     code, out, _ = dry_run(capsys, monkeypatch, 23 * GiB, "--model", "Qwen3.5-27B-GPTQ-Int4")
     weights = memory.plan_memory(models.alias_config(models.lookup_alias("Qwen3.5-27B-GPTQ-Int4")), 8192,
-                                 memory.K_MAX, snapshots=0).weights
+                                 memory.K_MAX, snapshots=0, draft_int4=True).weights  # on a GPU
     assert code == 1 and f"(weights in int4 {fmt_bytes(weights)}, KV" in out
 
 

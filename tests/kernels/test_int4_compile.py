@@ -34,15 +34,18 @@ POINTERS = dict(x="*bf16", w="*i32", sw="*fp16", ws="*fp16", w2="*i32", ws2="*fp
                 reads="*i32", h="*bf16", hin="*bf16", r="*bf16", nw="*bf16", xn="*bf16", eps="fp32")
 
 
-# this process compiles every SHARDS-th compilation from SHARD on (the test runs one process a core)
+# this process compiles every SHARDS-th compilation from SHARD on (the test runs one process a core),
+# an sm_89 one in the process of the sm_86 one before it (compile_checks.TWINS: its code from it)
 SHARD, SHARDS = map(int, os.environ.get("COMPILE_SHARD", "0/1").split("/"))
-_job = -1
+_job, _mine = -1, False
 
 
-def mine():
-    global _job
-    _job += 1
-    return _job % SHARDS == SHARD
+def mine(cap=None):
+    global _job, _mine
+    if cap != 89:
+        _job += 1
+        _mine = _job % SHARDS == SHARD
+    return _mine
 
 
 def aligned(fn, consts, sig):
@@ -99,8 +102,9 @@ def variants():
 # none) compiles for all four targets with zeros and a perm, and without them for sm_86 (the
 # smaller GPUs' shared memory); the plan's other forms, which only a benchmark's plan names, with
 # zeros and a perm for sm_90. Some 100 compilations, and with the interleaved and float32 ones
-# below some 170: about 13 min on one core from an empty cache (shared among the cores'
-# processes), seconds from Triton's cache after. Typing errors such
+# below some 170, of which sm_89's 29 are sm_86's PTX assembled (compile_checks.TWINS): about
+# 15 min on one core from an empty cache (shared among the cores' processes), seconds from
+# Triton's cache after. Typing errors such
 # as a None returned or a branch compiled with the other format's tiles come before any target's
 # code; the targets' own instructions and shared memory (each variant on its own tiles and layout:
 # a prefill's experts take more than a step's) are checked on each.
@@ -122,7 +126,7 @@ for name, fn, consts, types, *launch in variants():
             caps = ((86,) if extra else (90, 80, 86, 89)) if form == default else (90,)
             c_ = dict(consts, UNPACK=int4.FORMS.index(form), **extra)
             for cap in caps:
-                if not mine():
+                if not mine(cap):
                     continue
                 c_["PDL"] = cap >= 90
                 c_ = constexprs(fn, c_)
@@ -169,7 +173,7 @@ inter = prefill + [("plain", matvec._matvec_kernel, dict(BT=BT, BN=BN, BK=BK, NB
          ("dequantize", int4_gemm._dequantize_kernel, dict(G=128, BN=16, BK=1024, zw=None, INTERLEAVED=True), {"out": "*bf16"}, (4, 1))]
 for name, fn, consts, types, (warps, stages) in inter:
     for cap in (90, 80, 86, 89):
-        if not mine():
+        if not mine(cap):
             continue
         c_ = constexprs(fn, dict(consts, PDL=cap >= 90))
         sig = {a: types.get(a, dict(POINTERS, w="*i16").get(a, "i32")) for a in fn.arg_names if a not in c_}
