@@ -215,7 +215,7 @@ def test_fp8_where_it_cannot_run(capsys, tmp_path, monkeypatch):
 
 def test_bench_on_a_model_with_a_short_context(capsys, short):
     code, out, err = run(capsys, "bench", "--model", short, "--device", "cpu", "--tokens", "6", "--context", "24",
-                         "--exactness-tokens", "6", "--json")
+                         "--exactness-tokens", "6", "--policy-tokens", "6", "--policy-repeats", "1", "--json")
     assert code == 0, err
     result = json.loads(out)
     assert set(result["ttft_ms"]) == {"512"} and result["second_turn"]["second_reused"] == 512
