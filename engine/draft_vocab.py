@@ -43,6 +43,7 @@ import torch
 from mtpchat.kernels import int4
 
 DEFAULT_DRAFT_VOCAB = 32768      # rows of the trimmed head (of Qwen3.5/3.6's 248,320)
+QUANTIZE_AT_ONCE = 1 << 20       # weights of the head quantized at once into a 4-bit copy (some 25 MB of work)
 PIECES = Path(__file__).with_name("draft_pieces.json")
 
 
@@ -122,14 +123,26 @@ class DraftRows:
         self.four_bit, self.interleave = four_bit, interleave
         self.subset, self.ring, self.slots, self.next = set(ids), {}, [None] * context, 0
         rows = torch.tensor(ids + [ids[0]] * context, device=head.device)
-        self.w, self.ids = self._stored(head.detach().index_select(0, rows).contiguous()), rows
+        self.w, self.ids = self._stored(rows), rows
 
     def _stored(self, rows: torch.Tensor):
-        """Rows of the head as the copy keeps them: as they are, or quantized."""
+        """The head's rows `rows` (ids) as the copy keeps them: as they are, or quantized a slice at
+        a time into the 4-bit copy, so that neither a bf16 copy of them all nor quantize_ref's
+        float32 work on them all ever sits beside it (the memory plan counts the 4-bit rows only:
+        memory.weight_bytes' draft_int4)."""
+        head = self.head.detach()
         if not self.four_bit:
-            return rows
-        q = int4.quantize_ref(rows, int4.GROUP)
-        return int4.interleave_ref(q) if self.interleave else q
+            return head.index_select(0, rows).contiguous()
+        out, step = None, max(1, QUANTIZE_AT_ONCE // head.shape[1])
+        for i in range(0, len(rows), step):
+            q = int4.quantize_ref(head.index_select(0, rows[i:i + step]), int4.GROUP)
+            q = int4.interleave_ref(q) if self.interleave else q
+            if out is None:
+                out = int4.GroupInt4(*(None if t is None else t.new_empty(len(rows), *t.shape[1:]) for t in q))
+            for kept, t in zip(out, q):
+                if t is not None:
+                    kept[i:i + len(t)] = t
+        return out
 
     def nbytes(self) -> int:
         w = self.w.nbytes() if self.four_bit else self.w.numel() * self.w.element_size()
@@ -154,7 +167,7 @@ class DraftRows:
             self.slots[i], self.ring[t] = t, i
             slots.append(self.static + i)
         toks, rows = _to_device([fresh, slots], self.w.device)
-        fresh_rows = self._stored(self.head.detach().index_select(0, toks))
+        fresh_rows = self._stored(toks)
         if self.four_bit:               # each row quantized on its own: the others keep their bits
             self.w.w.index_copy_(0, rows, fresh_rows.w)
             self.w.scale.index_copy_(0, rows, fresh_rows.scale)

@@ -132,7 +132,7 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
                                                                 options.said("weights"))
     draft_int4 = draft_head_int4_on(device)
     context = asked or default_context(config, name, free, k_max, dtype, has_mtp, graphs, snaps, notices, weights,
-                                       options.draft_vocab, draft_int4)
+                                       draft_vocab=options.draft_vocab, draft_int4=draft_int4)
     plan = memory.plan_memory(config, context, k_max, dtype, mtp=has_mtp, cuda_graphs=graphs, snapshots=snaps,
                               weights=weights, draft_vocab=options.draft_vocab, draft_int4=draft_int4)
     prep = Prepared(name, path, config, device, dtype, mtp, options.draft_tokens, k_max,
@@ -174,8 +174,8 @@ def weight_format(asked: str, config, device: str, name: str, notices: list[str]
 
 
 def default_context(config, name: str, free: int | None, k_max: int, dtype: str, mtp: bool, graphs: bool,
-                    snapshots: int, notices: list[str], weights: str | None = None,
-                    draft_vocab: int | None = None, draft_int4: bool = False) -> int:
+                    snapshots: int, notices: list[str], weights: str | None = None, *,
+                    draft_vocab: int, draft_int4: bool) -> int:
     """The context when none was asked for: DEFAULT_CONTEXT, or less where the model supports less
     or the free memory holds less (said in a notice). Where not even CONTEXT_STEP tokens fit, the
     default stays, and the plan's refusal says what would fit."""
@@ -184,7 +184,7 @@ def default_context(config, name: str, free: int | None, k_max: int, dtype: str,
     context = min(DEFAULT_CONTEXT, config.max_position_embeddings)
     if context < DEFAULT_CONTEXT:
         notices.append(f"context: {context:,} tokens, the most {name} supports")
-    rows = dict(draft_vocab=memory.DEFAULT_DRAFT_VOCAB if draft_vocab is None else draft_vocab, draft_int4=draft_int4)
+    rows = dict(draft_vocab=draft_vocab, draft_int4=draft_int4)
     if free is not None and not memory.plan_memory(config, context, k_max, dtype, mtp, graphs,
                                                    snapshots=snapshots, weights=weights, **rows).fits(free):
         fits = memory.max_context_that_fits(config, free, k_max, dtype, mtp, graphs, snapshots, weights, **rows)

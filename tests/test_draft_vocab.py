@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtpchat.engine import Engine, SamplingParams, memory
+from mtpchat.engine import Engine, SamplingParams, draft_vocab, memory
 from mtpchat.engine.bench import real_acceptance
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.draft_vocab import (DEFAULT_DRAFT_VOCAB, PIECES, context_rows, draft_token_ids,
@@ -268,11 +268,14 @@ def four_bit_plan(path, device="cpu", **changes) -> KernelPlan:
     return KernelPlan.choose(device, ModelConfig.load(path), fp8=False).replace(draft_head_int4=True, **changes)
 
 
-@pytest.mark.parametrize("interleave", [False, True])
-def test_a_four_bit_draft_head_quantizes_each_row_on_its_own(wide, interleave):
+@pytest.mark.parametrize("interleave, at_once", [(False, None), (True, None), (False, 3 * 128), (True, 5 * 128)])
+def test_a_four_bit_draft_head_quantizes_each_row_on_its_own(wide, interleave, at_once, monkeypatch):
     """The trimmed head's rows in 4 bits (symmetric, groups of 128, interleaved where the plan stores
-    4-bit weights so): quantize_ref of the head's rows bit for bit, the context rows written later
-    too, a quarter of the bytes and less; the draft the argmax of the 4-bit rows' logits."""
+    4-bit weights so): quantize_ref of the head's rows bit for bit, also when they are quantized a
+    few rows at a time (`at_once` weights: draft_vocab.QUANTIZE_AT_ONCE), the context rows written
+    later too, a quarter of the bytes and less; the draft the argmax of the 4-bit rows' logits."""
+    if at_once:
+        monkeypatch.setattr(draft_vocab, "QUANTIZE_AT_ONCE", at_once)
     e = load(wide, draft_tokens=3, draft_vocab=64, plan=four_bit_plan(wide, int4_interleave=interleave))
     dec, rows = e.decoder, e.decoder.draft_rows
 

@@ -16,6 +16,7 @@ from mtpchat.engine import memory
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.engine import free_memory
 from mtpchat.engine.events import Finished
+from mtpchat.engine.plan import draft_head_int4_on
 from helpers import random_ids
 
 pytestmark = [pytest.mark.gpu,
@@ -62,6 +63,7 @@ def test_int4_fits_24_gb(capped, name, context):
     # the prefill chunk the engine chose within the cap (memory.prefill_chunk_that_fits)
     chunk = engine.decoder.prefill_chunk
     four = engine.plan.draft_head_int4          # the trimmed head's rows in 4 bits, as the plan counts them
+    assert four == draft_head_int4_on("cuda")   # what the CLI's memory plan asks (mtpchat/loader.py)
     plan = memory.plan_memory(config, context, engine.k_max, "bfloat16", snapshots=4, weights="int4",
                               prefill_chunk=chunk, draft_int4=four)
     print(f"{name}, {context:,} tokens, prefill chunk {chunk:,}: peak {peak / GiB:.2f} GiB allocated, "

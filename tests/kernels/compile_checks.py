@@ -33,11 +33,12 @@ def ptxas_or_exit():
 # Triton's pipeline gives sm_89 the PTX it gives sm_86 for the same kernel, the .target line aside,
 # on every path these tests compile but FP8's (sm_86 has none). Its MLIR passes are what a
 # compilation costs (some 3-5 s a kernel on one core, where ptxas takes 0.3), so a kernel this
-# process compiled for sm_86 gets its sm_89 code from ptxas alone: the first such pair in a process
-# through Triton for both targets, their PTX checked to agree; the others assembled from sm_86's.
+# process compiled for sm_86 gets its sm_89 code from ptxas alone: of each kernel function, the
+# first such pair in a process through Triton for both targets, their PTX checked to agree; its
+# other specialisations assembled from sm_86's.
 TWINS = {89: 86}
 _compiled: dict = {}           # (cap, the kernel and its specialisation) -> what Triton compiled
-_twins_agree: set = set()      # targets whose PTX this process has seen agree with their twin's
+_twins_agree: set = set()      # (target, kernel function) whose PTX this process has seen agree with the twin's
 
 
 def _retarget(ptx: str, cap: int, twin: int) -> str:
@@ -67,8 +68,8 @@ def compile_checked(fn, constexprs: dict, signature: dict, cap: int, warps: int,
     only those fn takes) and the types of its other arguments; `aligned`: the arguments a launch
     marks 16-divisible (default: every pointer). Checked: a cubin for the target, within its shared
     memory, and below sm_90 nothing of Hopper's. For sm_89, where this process compiled the same
-    kernel for sm_86 and has seen the two targets' PTX agree (TWINS), sm_86's PTX assembled for
-    sm_89. Prints "ok <what>"; on a compile error, the error and exit 1."""
+    kernel for sm_86 and has seen the two targets' PTX of its function agree (TWINS), sm_86's PTX
+    assembled for sm_89. Prints "ok <what>"; on a compile error, the error and exit 1."""
     import triton
     from triton.backends.compiler import GPUTarget
     consts = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
@@ -76,10 +77,10 @@ def compile_checked(fn, constexprs: dict, signature: dict, cap: int, warps: int,
     sig = {a: "constexpr" if a in consts else signature[a] for a in fn.arg_names}
     aligned = aligned if aligned is not None else {a for a in fn.arg_names if sig[a].startswith("*")}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in aligned and a not in consts}
-    key = (fn.fn.__qualname__ if hasattr(fn, "fn") else repr(fn), repr(sorted(consts.items())), repr(sig),
-           repr(sorted(aligned)), warps, stages)
+    kernel = f"{fn.fn.__module__}.{fn.fn.__qualname__}" if hasattr(fn, "fn") else repr(fn)
+    key = (kernel, repr(sorted(consts.items())), repr(sig), repr(sorted(aligned)), warps, stages)
     twin = _compiled.get((TWINS.get(cap), key))
-    if twin is not None and cap in _twins_agree:
+    if twin is not None and (cap, kernel) in _twins_agree:
         ptx = _retarget(twin.asm["ptx"], cap, TWINS[cap])
         k = SimpleNamespace(asm={"ptx": ptx, "cubin": _assembled(ptx, cap, warps, stages, what)},
                             metadata=twin.metadata)
@@ -95,7 +96,7 @@ def compile_checked(fn, constexprs: dict, signature: dict, cap: int, warps: int,
         if twin is not None:
             assert k.asm["ptx"] == _retarget(twin.asm["ptx"], cap, TWINS[cap]), \
                 f"{what}: Triton's PTX for sm_{cap} is no longer sm_{TWINS[cap]}'s (compile_checks.TWINS)"
-            _twins_agree.add(cap)
+            _twins_agree.add((cap, kernel))
     ptx = k.asm["ptx"]
     assert f".target sm_{cap}" in ptx and len(k.asm["cubin"]) > 0, what
     # what a launch would refuse (OutOfResources), which compiling alone lets through

@@ -102,9 +102,9 @@ def variants():
 # none) compiles for all four targets with zeros and a perm, and without them for sm_86 (the
 # smaller GPUs' shared memory); the plan's other forms, which only a benchmark's plan names, with
 # zeros and a perm for sm_90. Some 100 compilations, and with the interleaved and float32 ones
-# below some 170, of which sm_89's 29 are sm_86's PTX assembled (compile_checks.TWINS): about
-# 15 min on one core from an empty cache (shared among the cores' processes), seconds from
-# Triton's cache after. Typing errors such
+# below some 170, most of sm_89's 29 sm_86's PTX assembled (compile_checks.TWINS): some 6 min
+# of CPU from an empty cache (shared among the cores' processes), seconds from Triton's cache
+# after. Typing errors such
 # as a None returned or a branch compiled with the other format's tiles come before any target's
 # code; the targets' own instructions and shared memory (each variant on its own tiles and layout:
 # a prefill's experts take more than a step's) are checked on each.
