@@ -68,15 +68,11 @@ def four_bit_rows(hidden_size: int) -> bool:
     return hidden_size % int4.GROUP == 0
 
 
-def draft_vocab_bytes(vocab_size: int, hidden_size: int, asked: int | None, nbytes: int,
-                      four_bit: bool = False) -> int:
-    """What the trimmed head allocates: its rows (the subset's and the context's) in the model
-    dtype, or with `four_bit` (the plan's draft_head_int4) where four_bit_rows allows in 4 bits
-    and a float16 scale a group, and the int64 map to token ids."""
+def draft_vocab_bytes(vocab_size: int, asked: int | None, row_bytes: int) -> int:
+    """What the trimmed head allocates: its rows (the subset's and the context's) of `row_bytes`
+    each as it keeps them, and the int64 map to token ids."""
     size = draft_vocab_size(vocab_size, asked)
-    row = hidden_size // 2 + hidden_size // int4.GROUP * 2 if four_bit and four_bit_rows(hidden_size) \
-        else hidden_size * nbytes
-    return (size + context_rows(size)) * (row + 8)
+    return (size + context_rows(size)) * (row_bytes + 8)
 
 
 def shipped_pieces() -> dict[str, int]:

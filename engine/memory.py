@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from mtpchat.engine.config import Int4Format, ModelConfig, rtn_format
-from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocab_bytes
+from mtpchat.engine.draft_vocab import DEFAULT_DRAFT_VOCAB, draft_vocab_bytes, four_bit_rows
 from mtpchat.engine.units import fmt_bytes
 from mtpchat.kernels.attention import split_workspace_floats
 from mtpchat.kernels.int4_gemm import dense_workspace
@@ -230,7 +230,9 @@ def weight_bytes(cfg: ModelConfig, dtype="bfloat16", mtp: bool = True, fp8: bool
         total += (2 * h * h + 3 * h) * nbytes + sum(
             _layer_weight_bytes(cfg, "full_attention", nbytes, fp8, f"{MTP_LAYERS}.{j}", int4)
             for j in range(cfg.mtp_num_hidden_layers))
-        total += draft_vocab_bytes(cfg.vocab_size, h, draft_vocab, nbytes, draft_int4)
+        # each row quantized on its own where the plan keeps them in 4 bits (DraftRows)
+        row = int4_bytes(1, h, rtn_format()) if draft_int4 and four_bit_rows(h) else h * nbytes
+        total += draft_vocab_bytes(cfg.vocab_size, draft_vocab, row)
     return total
 
 

@@ -37,7 +37,12 @@ class Prepared:
     weights: str | None = None  # the weight format asked for: None (the checkpoint's), "fp8", "int4" or "bf16"
     draft_vocab: int = 32768    # rows of the trimmed draft head (0: the full head; engine/draft_vocab.py)
     adaptive_k: bool = True     # each step's k chosen by engine/policy.py, draft_tokens its maximum
-    draft_int4: bool = False    # the trimmed draft head kept in 4 bits (the kernel plan's draft_head_int4)
+
+    @property
+    def draft_int4(self) -> bool:
+        """Whether the engine keeps the trimmed draft head in 4 bits there (the kernel plan's rule)."""
+        from mtpchat.engine.plan import draft_head_int4_on
+        return draft_head_int4_on(self.device)
 
 
 def pick_device(requested: str, said: str | None = None) -> tuple[str, bool]:
@@ -136,8 +141,7 @@ def prepare(options: Options, dry_run: bool = False) -> Prepared:
     plan = memory.plan_memory(config, context, k_max, dtype, mtp=has_mtp, cuda_graphs=graphs, snapshots=snaps,
                               weights=weights, draft_vocab=options.draft_vocab, draft_int4=draft_int4)
     prep = Prepared(name, path, config, device, dtype, mtp, options.draft_tokens, k_max,
-                    context, graphs, plan, free, notices, snaps, weights, options.draft_vocab, options.adaptive_k,
-                    draft_int4)
+                    context, graphs, plan, free, notices, snaps, weights, options.draft_vocab, options.adaptive_k)
     if free is not None and not plan.fits(free) and not dry_run:
         raise NotEnoughMemory(not_enough_memory_message(prep))
     return prep

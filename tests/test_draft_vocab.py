@@ -43,7 +43,7 @@ def test_size_clamps_to_the_full_head():
     assert context_rows(32768) == 2048 and draft_vocab_size(33000, DEFAULT_DRAFT_VOCAB) == 0
     assert draft_vocab_size(34817, DEFAULT_DRAFT_VOCAB) == 32768 and draft_vocab_size(34816, DEFAULT_DRAFT_VOCAB) == 0
     assert draft_vocab_size(523, 492) == 492 and draft_vocab_size(523, 493) == 0      # 492 + 30 < 523 <= 493 + 30
-    assert draft_vocab_bytes(523, 64, 493, 4) == 0 and draft_vocab_bytes(523, 64, 492, 4) == (492 + 30) * (64 * 4 + 8)
+    assert draft_vocab_bytes(523, 493, 64 * 4) == 0 and draft_vocab_bytes(523, 492, 64 * 4) == (492 + 30) * (64 * 4 + 8)
 
 
 @pytest.fixture(scope="module")
