@@ -11,8 +11,9 @@ What each part counts (27B numbers in bf16, see qwen35-model.md §9):
              (engine/draft_vocab.py): 32,768 x (5,120 x 2 + 8) bytes, or in 4 bits where the kernel
              plan keeps them so (`draft_int4`: on a GPU) 32,768 x (2,560 + 80 + 8). In FP8 (`weights="fp8"`, an
              FP8 release) or 4 bits (`weights="int4"`, a GPTQ / compressed-tensors release: the
-             products its format quantizes, by the checkpoint's module names) the layers' products
-             take their stored form's bytes; the embedding, lm_head, router and MTP fc stay as they are
+             products its format quantizes, by the checkpoint's module names, `--weights int4`'s
+             the MTP fc too) the layers' products take their stored form's bytes; the embedding,
+             lm_head and router stay as they are, and so does the MTP fc in FP8
   kv         K and V of the main full-attention layers for max_context tokens (plus the k_max+1
              rows a verify step may write past the end): 64 KiB/token
   mtp_kv     the same for the MTP layer(s): 4 KiB/token
@@ -205,6 +206,13 @@ def _layer_weight_bytes(cfg: ModelConfig, kind: str, nbytes: int, fp8: bool, pre
     return mixer + mlp_bytes + norms
 
 
+def _mtp_fc_bytes(cfg: ModelConfig, nbytes: int, int4: Int4Format | None) -> int:
+    """The MTP head's fc [H, 2H]: in 4 bits where the format quantizes it (engine/weights.py
+    INT4_PARAMS), else in the model dtype (FP8 keeps it so too)."""
+    h = cfg.hidden_size
+    return _product([("mtp.fc", h)], 2 * h, nbytes, False, int4)
+
+
 def int4_format(cfg: ModelConfig, weights: str | None) -> Int4Format | None:
     """The 4-bit format the engine keeps the products in for Engine's `weights`: a 4-bit
     checkpoint's own (None or "int4"), config.rtn_format() for "int4" on any other; else None."""
@@ -217,8 +225,8 @@ def weight_bytes(cfg: ModelConfig, dtype="bfloat16", mtp: bool = True, fp8: bool
                  draft_vocab: int | None = DEFAULT_DRAFT_VOCAB, int4: Int4Format | None = None,
                  draft_int4: bool = False) -> int:
     """What the engine allocates for the weights: the products of FP8_PARAMS in FP8 with `fp8`, or
-    those `int4` quantizes in 4 bits, the rest (embedding, lm_head, norms, the GDN's conv, [b | a],
-    the router, the MTP fc) in the model dtype, A_log and dt_bias in float32; the trimmed draft
+    those `int4` quantizes in 4 bits (the MTP fc among them), the rest (embedding, lm_head, norms,
+    the GDN's conv, [b | a], the router) in the model dtype, A_log and dt_bias in float32; the trimmed draft
     head's rows in 4 bits with `draft_int4` (the kernel plan's draft_head_int4)."""
     nbytes = dtype_bytes(dtype)
     heads = 1 if cfg.tie_word_embeddings else 2
@@ -227,7 +235,7 @@ def weight_bytes(cfg: ModelConfig, dtype="bfloat16", mtp: bool = True, fp8: bool
                  for i, kind in enumerate(cfg.layer_types))
     if mtp and cfg.has_mtp:
         h = cfg.hidden_size
-        total += (2 * h * h + 3 * h) * nbytes + sum(
+        total += _mtp_fc_bytes(cfg, nbytes, int4) + 3 * h * nbytes + sum(
             _layer_weight_bytes(cfg, "full_attention", nbytes, fp8, f"{MTP_LAYERS}.{j}", int4)
             for j in range(cfg.mtp_num_hidden_layers))
         # each row quantized on its own where the plan keeps them in 4 bits (DraftRows)
@@ -253,7 +261,7 @@ def head_read_bytes(cfg: ModelConfig, dtype="bfloat16", weights: str | None = No
     norms and the head's layer(s) (of their routed experts the k one token chooses)."""
     nbytes, fp8, int4 = dtype_bytes(dtype), _is_fp8(cfg, weights), int4_format(cfg, weights)
     k, h = (cfg.num_experts_per_tok if cfg.is_moe else None), cfg.hidden_size
-    return (2 * h * h + 3 * h) * nbytes + sum(
+    return _mtp_fc_bytes(cfg, nbytes, int4) + 3 * h * nbytes + sum(
         _layer_weight_bytes(cfg, "full_attention", nbytes, fp8, f"{MTP_LAYERS}.{j}", int4, experts=k)
         for j in range(cfg.mtp_num_hidden_layers))
 

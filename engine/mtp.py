@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpchat.engine.config import ModelConfig
-from mtpchat.engine.dispatch import Ctx
+from mtpchat.engine.dispatch import Ctx, weight
 from mtpchat.engine.model import DecoderLayer, RMSNorm, empty
 from mtpchat.kernels import norm
 
@@ -40,6 +40,6 @@ class MTPHead(nn.Module):
         # the plan's fc_split: in a step on the GPU the fc's rows (5120 for the 27B: 80 column blocks
         # on 132 SMs) run split over K and finished by the layer's input norm, as the blocks' last
         # products are, rather than one program a block and a norm kernel
-        u = (ctx.out_linear if ctx.plan.fc_split else ctx.linear)(x, self.fc)
+        u = (ctx.out_linear if ctx.plan.fc_split else ctx.linear)(x, weight(self, "fc"))
         out, residual = self.layer(u, None, cache, ctx)
         return ctx.add_norm(out, residual, self.norm, whole=True)[0]

@@ -15,7 +15,7 @@ model is, reading FP8 as it is and quantizing bf16 on the device as it is read; 
 bf16 dequantizes FP8 tensors instead. A fused product whose parts do not start on whole blocks of
 128 rows cannot share block scales: it is kept in the model dtype.
 
-4 bits (kernels/int4.py: GroupInt4): the products of INT4_PARAMS (the same ones) are stored as
+4 bits (kernels/int4.py: GroupInt4): the products of INT4_PARAMS (the same ones and the MTP fc) are stored as
 `<param>` (packed int32), `<param>_scale` and, where present, `<param>_zero` and `<param>_perm`,
 read from a GPTQ or compressed-tensors checkpoint (int4_checkpoint.py: each module's tensors in
 place of its `.weight`) or quantized on the device as they are read (`--weights int4`: bf16, and
@@ -63,8 +63,10 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")     # safetensors' names of the dtypes a w
 DTYPE_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "I32": 4, "I64": 8}
 SCALE_SUFFIX = "_scale_inv"               # an FP8 tensor's block scales: `<name>_scale_inv`
 # the products kept in FP8 in an FP8 model, and in 4 bits in a 4-bit one (our parameter names, by suffix)
-FP8_PARAMS = INT4_PARAMS = ("mixer.in_proj", "mixer.out_proj", "mixer.qkv", "mixer.o_proj", "mlp.gate_up", "mlp.down",
+FP8_PARAMS = ("mixer.in_proj", "mixer.out_proj", "mixer.qkv", "mixer.o_proj", "mlp.gate_up", "mlp.down",
               "shared.gate_up", "shared.down", "mlp.experts_gate_up", "mlp.experts_down")
+# the MTP head's fc too (`fc` of engine/mtp.py's MTPHead), where the format quantizes `mtp.fc`
+INT4_PARAMS = FP8_PARAMS + ("fc",)
 
 
 @dataclass(frozen=True)

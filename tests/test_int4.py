@@ -206,7 +206,9 @@ def test_weights_int4_on_load_equals_quantizing_offline(tmp_path, source):
     assert on_load.int4 == rtn_format() and on_load.weight_format == from_disk.weight_format == "int4"
     mine, theirs = stored_tensors(on_load), stored_tensors(from_disk)
     assert mine.keys() == theirs.keys()
-    assert len(int4_params(on_load)) == 4 * 4 and len(int4_params(on_load, on_load.head)) == 4
+    # the head's layer's four products and its fc ([H, 2H], a draft's largest read after the head rows)
+    assert len(int4_params(on_load)) == 4 * 4 and len(int4_params(on_load, on_load.head)) == 5
+    assert mine["mtp.fc"].dtype == torch.int16 and mine["mtp.fc_scale"].dtype == torch.float16
     for name in mine:
         assert mine[name].dtype == theirs[name].dtype and torch.equal(mine[name], theirs[name]), name
     kept = dict(on_load.model.named_parameters())

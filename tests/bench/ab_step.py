@@ -23,12 +23,16 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans drafthead --weights int4   # the trimmed draft head in 4 bits
     python3 ab_step.py --plans rides --weights fp8    # the GDN's b|a riding in the in_proj's launch, or apart
     python3 ab_step.py --plans int4stacked --model qwen3.5-35b-a3b --weights int4   # the 4-bit experts' SwiGLU stacked
+    python3 ab_step.py --plans draft --only default --fc-bf16 --weights int4   # the MTP fc in 4 bits, or in bf16
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed (the families
 are in step_plans.py). One engine is
 loaded; for each plan the decoder takes that plan (its forward contexts carry it) and its phases are
 compiled and captured under it. Steps of a live generation write the GDN state they start from, so
-logits are compared on ended steps only (`--room 0`). Every plan is also checked for what greedy MTP
+logits are compared on ended steps only (`--room 0`). `--fc-bf16` adds the first plan once more with the MTP head's
+fc, 4-bit under --weights int4 (engine/weights.py INT4_PARAMS), swapped for its bf16 dequantization
+while that plan's phases are captured: a weight's form, not a plan's, measured the same way.
+Every plan is also checked for what greedy MTP
 on == off asks: verify 3's first row the decode step's row bit for bit, and a captured verify 3 what
 it gives run eagerly (a plan that fails either says so on its line).
 """
@@ -41,6 +45,7 @@ import statistics
 from pathlib import Path
 
 import torch
+from torch import nn
 from step_plans import FAMILIES, fp8_tile_plans, int4_tile_plans
 
 from mtpchat.engine import bench
@@ -51,6 +56,7 @@ from mtpchat.engine.engine import Engine, interleave_4bit
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.sampling import SamplingParams
 from mtpchat.kernels import matvec, matvec_parts
+from mtpchat.kernels.int4 import GroupInt4, dequantize_ref
 
 CONFIGS = Path(bench.__file__).parent / "configs"
 
@@ -97,6 +103,24 @@ def products_ms(model, plan: KernelPlan, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def fc_in_bf16(head) -> dict:
+    """The MTP head's 4-bit fc swapped for its bf16 dequantization; what fc_put_back restores."""
+    q = weight(head, "fc")
+    if not isinstance(q, GroupInt4):
+        raise SystemExit("--fc-bf16: this model's MTP fc is not 4-bit (load it with --weights int4)")
+    kept = {n: getattr(head, n) for n in ("fc", "fc_scale", "fc_zero", "fc_perm") if hasattr(head, n)}
+    for n in kept:
+        delattr(head, n)
+    head.fc = nn.Parameter(dequantize_ref(q, torch.bfloat16), requires_grad=False)
+    return kept
+
+
+def fc_put_back(head, kept: dict) -> None:
+    del head.fc
+    for n, p in kept.items():
+        setattr(head, n, p)
+
+
 def kernel_resources():
     """Warps, stages, shared memory and registers of each compiled matvec kernel."""
     out = []
@@ -130,6 +154,8 @@ def main():
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a field of the base plan changed before the family's plans are built "
                         "(e.g. widen_bits=False); repeatable")
+    p.add_argument("--fc-bf16", action="store_true", help="also the first plan with the MTP fc in bf16 (its 4-bit "
+                   "weight dequantized), as 'PLAN, fc bf16'")
     p.add_argument("--json")
     a = p.parse_args()
     config = ModelConfig.load(CONFIGS / f"{a.model}.json")
@@ -148,6 +174,11 @@ def main():
         plans = FAMILIES[a.plans](default)
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
+    fc_bf16 = set()
+    if a.fc_bf16:
+        first = next(iter(plans))
+        fc_bf16.add(first + ", fc bf16")
+        plans[first + ", fc bf16"] = plans[first]
     d = engine.decoder
     for _ in engine.generate(random_prompt(engine, a.context, 1), SamplingParams(max_tokens=2, stop_token_ids=())):
         pass
@@ -175,6 +206,7 @@ def main():
             kept_weights = [p for m in (engine.model, engine.head) if m is not None for p in m.parameters()]
             interleave_4bit(engine.model, engine.head)
         d.plan = plan                              # the decoder's contexts carry it from here on
+        fc_kept = fc_in_bf16(engine.head) if name in fc_bf16 else None
         if d.draft_rows is not None:               # the trimmed head in this plan's form (draft_head_int4)
             kept_heads.append(d.draft_rows)        # the graphs captured before read its rows
             d.trim_draft_head(sorted(d.draft_rows.subset), d.draft_rows.context)
@@ -192,6 +224,8 @@ def main():
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             del plans[name]
             graphs = {key: g for key, g in graphs.items() if key[0] != name}
+            if fc_kept is not None:
+                fc_put_back(engine.head, fc_kept)
             continue
         restore("verify 0")
         graphs[name, "verify 0"].replay()
@@ -208,6 +242,9 @@ def main():
                         "verify 3 captured == eager": bool(torch.equal(rows, d.v_logits[:4]))}
         if a.verify_fold is not None:               # another state: its first row is another row
             del checks[name]["verify 3 row 0 == decode"]
+        if fc_kept is not None:                     # its graphs keep the bf16 fc they read alive
+            kept_heads.append(weight(engine.head, "fc"))
+            fc_put_back(engine.head, fc_kept)
     d.plan = engine.plan
     first = next(iter(plans))
     products = {}

@@ -9,7 +9,8 @@ float32 on the CPU:
   from bf16's;
 - the real MTP head's mean acceptance length, greedy, at k = 1, 2, 3, 4 over the held-out prompts
   (engine/bench.py real_acceptance, what `mtpchat bench` reports as mtp_real), and whether every
-  MTP-on output equals MTP off (it must, in either format).
+  MTP-on output equals MTP off (it must, in either format); for the int4 model also with the MTP
+  fc as the checkpoint holds it (what the fc's 4 bits cost the drafts).
 
     PYTHONPATH=tests python tests/bench/quality_int4.py [--tokens 64] [--window 1024] [--json out.json]
     PYTHONPATH=tests python tests/bench/quality_int4.py --draft-head --tokens 128   # the draft head in 4 bits
@@ -44,7 +45,9 @@ import torch.nn.functional as F
 from mtpchat.engine import Engine
 from mtpchat.engine.bench import generate, real_acceptance
 from mtpchat.engine.config import ModelConfig
+from mtpchat.engine.dispatch import weight
 from mtpchat.engine.plan import KernelPlan
+from mtpchat.kernels.int4 import GroupInt4
 from tools.demo import corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,15 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     same = [next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref))
             for ref, got in zip(replies["bf16"], replies["int4"])]
     out["greedy_first_difference"] = same
+    # and the int4 model with the MTP fc as the checkpoint holds it: what the fc's 4 bits cost the drafts
+    drafters = engines | {"int4, fc as stored": with_stored_fc(
+        Engine.load(DEMO, device="cpu", dtype=torch.float32, max_context=2048, weights="int4"), engines["bf16"])}
     out["mtp_real"] = {w: {k: {"mean_acceptance_length": m["mean_acceptance_length"],
                                "identical_to_mtp_off": m["identical_to_mtp_off"]}
-                           for k, m in real_acceptance(e, prompts, args.tokens).items()} for w, e in engines.items()}
+                           for k, m in real_acceptance(e, prompts, args.tokens).items()} for w, e in drafters.items()}
     out["seconds"] = time.perf_counter() - t0
 
     show_perplexity(out, engines)
     print(f"greedy reply ({args.tokens} tokens, MTP off), int4's first token unlike bf16's, per prompt: {same}")
     for w, by_k in out["mtp_real"].items():
-        print(f"{w:<5} mean acceptance length: " + ", ".join(
+        print(f"{w:<18} mean acceptance length: " + ", ".join(
             f"k={k} {m['mean_acceptance_length']:.3f}" + ("" if m["identical_to_mtp_off"] else " (OUTPUT DIFFERS)")
             for k, m in by_k.items()))
     print(f"{out['seconds']:.0f} s")
@@ -135,6 +141,17 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(out, indent=1))
     identical = all(m["identical_to_mtp_off"] for by_k in out["mtp_real"].values() for m in by_k.values())
     return 0 if identical else 1
+
+
+def with_stored_fc(engine: Engine, source: Engine) -> Engine:
+    """`engine` (4-bit) with its MTP head's fc replaced by `source`'s (the checkpoint's own)."""
+    head = engine.head
+    assert isinstance(weight(head, "fc"), GroupInt4), "--weights int4 keeps the MTP fc in 4 bits"
+    for name in ("fc", "fc_scale", "fc_zero", "fc_perm"):
+        if hasattr(head, name):
+            delattr(head, name)
+    head.fc = source.head.fc
+    return engine
 
 
 def draft_head(args) -> int:

@@ -394,8 +394,8 @@ def test_float32_rows_count_the_widened_weights():
 
 # --- the 27B's shapes on the GPU --------------------------------------------------------------------
 
-# GDN in_proj [qkv | z], attention q|gate|k|v, GDN out_proj and attention o_proj, MLP down
-SHAPES_27B = [(16384, 5120), (14336, 5120), (5120, 6144), (5120, 17408)]
+# GDN in_proj [qkv | z], attention q|gate|k|v, GDN out_proj and attention o_proj, MLP down, the MTP fc
+SHAPES_27B = [(16384, 5120), (14336, 5120), (5120, 6144), (5120, 17408), (5120, 10240)]
 
 
 @pytest.mark.gpu

@@ -23,12 +23,12 @@ from mtpchat.engine.weights import PER_EXPERT, STACKED
 from tools.tiny import write_tiny_checkpoint
 
 # every linear module of a decoder layer (and of the MTP layer), by the checkpoint's names
-LINEAR = re.compile(r".*\.((q|k|v|o|gate|up|down)_proj|in_proj_(qkv|z|b|a)|out_proj)$")
+LINEAR = re.compile(r".*\.((q|k|v|o|gate|up|down)_proj|in_proj_(qkv|z|b|a)|out_proj)$|^mtp\.fc$")
 # the official releases' dynamic map: attention (GDN and full), the shared expert, the MTP layer
 # and the vision tower stay bf16
 OFFICIAL_DYNAMIC = {"-:.*attn.*": {}, "-:.*shared_expert.*": {}, "-:.*mtp.*": {}, "-:.*visual.*": {}}
 # what --weights int4 leaves in the model dtype (config.RTN_SKIP), as compressed-tensors' ignore
-RTN_IGNORE = ["re:.*\\.linear_attn\\.in_proj_[ab]$", "re:.*\\.mlp\\.gate$", "re:.*shared_expert_gate$", "mtp.fc",
+RTN_IGNORE = ["re:.*\\.linear_attn\\.in_proj_[ab]$", "re:.*\\.mlp\\.gate$", "re:.*shared_expert_gate$",
               "lm_head", "re:model\\.visual\\..*"]
 # every fused product's parts on whole 128-column groups (the tiny shapes' K of 64 are not)
 ALIGNED = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
