@@ -202,3 +202,42 @@ def test_decodes_are_a_verify_over_the_products_rows(device, N, any_stride):
     gdn.fold_pending_triton(stepped, pend, _long(T, device), _long(1, device), A_log, dt_bias, any_stride)
     assert torch.equal(torch.cat(outs), verified), "outputs"
     assert torch.equal(one_by_one, stepped), "state"
+
+
+@pytest.mark.parametrize("T,fold", [(1, 0), (1, 3), (4, 2), (5, 0)])
+@pytest.mark.parametrize("Hk,Hv,dk,dv", [(2, 4, 16, 40), (1, 3, 32, 48)])
+def test_inputs_loaded_ahead_give_the_same_bits(device, T, fold, Hk, Hv, dk, dv):
+    # KernelPlan.recurrence_ahead: each token's inputs loaded while the token before it runs. The
+    # same outputs, state and kept tokens as the loads in each token's turn, bit for bit (a plan's
+    # steps and folds must agree, and both forms with the reference), and the fold alone alike
+    args, state, pend = _inputs(T, Hk, Hv, dk, dv, torch.bfloat16, device, seed=31 * T + fold + Hv)
+    n, parity = _long(fold, device), _long(fold % 2, device)
+    runs = {}
+    for ahead in (False, True):
+        s, p, folded = state.clone(), pend.clone(), state.clone()
+        o = gdn.recurrent_triton(*args, s, p, n, parity, ahead=ahead)
+        gdn.fold_pending_triton(folded, pend, n, parity, *args[5:], ahead=ahead)
+        runs[ahead] = (o, s, p, folded)
+    for what, a, b in zip(("output", "state", "kept tokens", "fold"), runs[False], runs[True]):
+        assert torch.equal(a, b), what
+    ref_state, ref_pend = state.clone(), pend.clone()
+    check(runs[True][0], gdn.recurrent_ref(*args, ref_state, ref_pend, n, parity), TOL[torch.bfloat16])
+    check(runs[True][1], ref_state, TOL[torch.float32], "state")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,fold", [(1, 0), (1, 3), (4, 2), (4, 4)])
+def test_inputs_loaded_ahead_give_the_same_bits_27b(T, fold):
+    args, state, pend = _inputs(T, 16, 48, 128, 128, torch.bfloat16, "cuda", seed=T + 7 * fold)
+    n, parity, live = _long(fold, "cuda"), _long(fold % 2, "cuda"), _long(1, "cuda")
+    runs = {}
+    for ahead in (False, True):
+        for any_stride in (False, True):
+            s, p, folded = state.clone(), pend.clone(), state.clone()
+            o = gdn.recurrent(*args, s, p, n, parity, live, any_stride=any_stride, ahead=ahead)
+            gdn.fold_pending(folded, pend, n, parity, *args[5:], any_stride=any_stride, ahead=ahead)
+            runs[ahead, any_stride] = (o, s, p, folded)
+    for any_stride in (False, True):
+        for what, a, b in zip(("output", "state", "kept tokens", "fold"), runs[False, any_stride],
+                              runs[True, any_stride]):
+            assert torch.equal(a, b), (what, any_stride)
