@@ -247,7 +247,7 @@ class GatedDeltaNet(nn.Module):
             # the recurrence kernel computes the conv of the channels each of its programs reads
             o = gdn.conv_recurrent(mixed, conv_buf, ctx.conv_off, self.conv_weight, a, b, self.A_log, self.dt_bias,
                                    state, pend, ctx.fold, ctx.parity, ctx.live, c.linear_num_key_heads,
-                                   ctx.plan.any_stride, ctx.plan.recurrence_ahead)
+                                   ctx.plan.any_stride)
         else:
             o = self._conv_then_recurrence(mixed, a, b, cache, ctx)
         out_proj = weight(self, "out_proj")
@@ -269,7 +269,7 @@ class GatedDeltaNet(nn.Module):
         """A step's recurrence over post-conv heads (the state and kept tokens in `cache`)."""
         _, state, pend = cache
         return gdn.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, state, pend, ctx.fold, ctx.parity, ctx.live,
-                             ctx.plan.any_stride, ctx.plan.recurrence_ahead)
+                             ctx.plan.any_stride)
 
     def _conv_then_recurrence(self, mixed, a, b, cache, ctx: Ctx):
         """The conv kernel, then the recurrence (a step) or the chunked form (a prefill)."""
@@ -285,8 +285,7 @@ class GatedDeltaNet(nn.Module):
         # reference returns it (from a copy of the start state, which a training forward's
         # gradients may still need)
         with torch.no_grad():
-            gdn.fold_pending(state, pend, ctx.fold, ctx.parity, self.A_log, self.dt_bias, ctx.plan.any_stride,
-                             ctx.plan.recurrence_ahead)
+            gdn.fold_pending(state, pend, ctx.fold, ctx.parity, self.A_log, self.dt_bias, ctx.plan.any_stride)
         o, end_state = gdn_chunk.chunk(q, k, v, a, b, self.A_log, self.dt_bias, state, out=state,
                                        fused_out=ctx.plan.chunk_fused_out, solved=ctx.plan.chunk_solved,
                                        terms=ctx.plan.chunk_terms, products=ctx.plan.chunk_products,

@@ -210,13 +210,6 @@ class KernelPlan:
     #   H200, ab_step.py --plans conv, 2026-11-27).
     conv_in_product: int = 1 << 10
     conv_in_recurrence: int = 1
-    # The GDN recurrence (kernels/gdn.py, steps and folds alike) with each token's inputs (k, v, the
-    # gates' a and b, q; a folded token's from pend) loaded while the token before it runs, where
-    # each token waited on its own loads: a step runs its fold's tokens and its own T one after the
-    # other through the state, and a 27B int4 verify of 3 (4 tokens and the fold) took 306 us in its
-    # 48 recurrences against a decode's 189 (tests/bench/profile_step.py, an H200, 2026-11-29). The
-    # same arithmetic, the same bits. A candidate, off until ab_step.py --plans recurrence times it.
-    recurrence_ahead: bool = False
     # Short prefills through CUDA graphs rather than eager forwards, whose time the host's launches
     # set: 16 tokens of the 27B FP8 after an 8K history took 61-71 ms of wall time for 24.6 ms of
     # kernels in 924 launches (an H100, tests/bench/probe_turn.py, 2026-11-28).

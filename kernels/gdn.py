@@ -154,31 +154,12 @@ def _conv_rows(x, buf, cw, y, o_c, m_c, own, T, s_x, s_y, s_buf, i_off, WIDTH, K
                  mask=m_y & ((tl.zeros([TB, N], dtype=tl.int64) + own) > 0))
 
 
-@triton.jit
-def _token_inputs(j, b_fold, p_in, s_pt, q, k, v, a, b, s_q, s_k, s_v, s_a, s_b, i_h, i_kh, o_k, o_v, m_v, o_g,
-                  DK: tl.constexpr, DV: tl.constexpr):
-    """Token j's k, v, [a, b] and q in float32: a token folded in (j < b_fold) from pend (its q is
-    its k: its output is not kept), else the step's token j - b_fold."""
-    if j < b_fold:
-        b_k = tl.load(p_in + j * s_pt + o_k)
-        b_v = tl.load(p_in + j * s_pt + DK + o_v, mask=m_v, other=0.)
-        b_ab = tl.load(p_in + j * s_pt + DK + DV + o_g)
-        b_q = b_k
-    else:
-        t = j - b_fold
-        b_k = tl.load(k + t * s_k + i_kh * DK + o_k).to(tl.float32)
-        b_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v, other=0.).to(tl.float32)
-        b_ab = tl.where(o_g == 0, tl.load(a + t * s_a + i_h), tl.load(b + t * s_b + i_h)).to(tl.float32)
-        b_q = tl.load(q + t * s_q + i_kh * DK + o_k).to(tl.float32)
-    return b_k, b_v, b_ab, b_q
-
-
 @triton.jit(do_not_specialize=["T"])
 def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, scale,
                       s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt,
                       GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
                       HAS_LIVE: tl.constexpr, PDL: tl.constexpr, xc=None, buf=None, off=None, cw=None, s_xc=0,
-                      s_buf=0, WIDTH=1, KEY=0, KC: tl.constexpr = 0, TP: tl.constexpr = 1, AHEAD: tl.constexpr = False):
+                      s_buf=0, WIDTH=1, KEY=0, KC: tl.constexpr = 0, TP: tl.constexpr = 1):
     # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
     # stays in registers through the last step's accepted tokens (read back from pend) and this
     # step's T; one loop body runs both, so a token gives the same bits folded in later as when
@@ -224,21 +205,18 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
     p_out = pend + (1 - b_par) * s_pp + i_h * W
     b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
     b_dt = tl.load(dt_bias + i_h).to(tl.float32)
-    # AHEAD: token j + 1's inputs loaded while token j's arithmetic runs (the last token's loaded
-    # again past the end), so a token waits on no load; the same arithmetic, the same bits
-    n = b_fold + T
-    if AHEAD:
-        n_k, n_v, n_ab, n_q = _token_inputs(0, b_fold, p_in, s_pt, q, k, v, a, b, s_q, s_k, s_v, s_a, s_b,
-                                            i_h, i_kh, o_k, o_v, m_v, o_g, DK, DV)
-    for j in range(n):
+    for j in range(b_fold + T):
         t = j - b_fold                                                   # < 0: a token folded in
-        if AHEAD:
-            b_k, b_v, b_ab, b_q = n_k, n_v, n_ab, n_q
-            n_k, n_v, n_ab, n_q = _token_inputs(tl.minimum(j + 1, n - 1), b_fold, p_in, s_pt, q, k, v, a, b, s_q,
-                                                s_k, s_v, s_a, s_b, i_h, i_kh, o_k, o_v, m_v, o_g, DK, DV)
+        if j < b_fold:
+            b_k = tl.load(p_in + j * s_pt + o_k)
+            b_v = tl.load(p_in + j * s_pt + DK + o_v, mask=m_v, other=0.)
+            b_ab = tl.load(p_in + j * s_pt + DK + DV + o_g)
+            b_q = b_k                                                    # its output is not kept
         else:
-            b_k, b_v, b_ab, b_q = _token_inputs(j, b_fold, p_in, s_pt, q, k, v, a, b, s_q, s_k, s_v, s_a, s_b,
-                                                i_h, i_kh, o_k, o_v, m_v, o_g, DK, DV)
+            b_k = tl.load(k + t * s_k + i_kh * DK + o_k).to(tl.float32)
+            b_v = tl.load(v + t * s_v + i_h * DV + o_v, mask=m_v, other=0.).to(tl.float32)
+            b_ab = tl.where(o_g == 0, tl.load(a + t * s_a + i_h), tl.load(b + t * s_b + i_h)).to(tl.float32)
+            b_q = tl.load(q + t * s_q + i_kh * DK + o_k).to(tl.float32)
         b_x = tl.sum(tl.where(o_g == 0, b_ab, 0.)) + b_dt
         b_softplus = tl.where(b_x > 20., b_x, tl.log(1. + tl.exp(b_x)))      # torch's threshold 20
         b_beta = tl.sigmoid(tl.sum(tl.where(o_g == 1, b_ab, 0.)))
@@ -294,20 +272,19 @@ def _check_state(state, pend, fold, parity, Hv, DK, DV):
 
 def recurrent_triton(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
                      fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                     any_stride: bool = False, ahead: bool = False) -> torch.Tensor:
+                     any_stride: bool = False) -> torch.Tensor:
     """recurrent_ref's contract. q, k, v may be row-strided views (of the conv output) with each
     token's heads contiguous; a, b likewise [T, Hv] views. `any_stride`: the kernel's form that
-    takes no row stride into its code (_ROW_STRIDES), one for every T. `ahead`: each token's
-    inputs loaded while the token before it runs (the kernel's AHEAD), the same bits."""
-    return _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, {}, any_stride, ahead)
+    takes no row stride into its code (_ROW_STRIDES), one for every T."""
+    return _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, {}, any_stride)
 
 
 def conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
                           fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                          key_heads: int = 1, any_stride: bool = False, ahead: bool = False) -> torch.Tensor:
+                          key_heads: int = 1, any_stride: bool = False) -> torch.Tensor:
     """conv_recurrent_ref's contract in one kernel: the recurrence's, each program first computing
     the conv of the channels it reads. x [T, C] may be a row-strided view (of the in_proj output).
-    `any_stride` and `ahead` as recurrent_triton's."""
+    `any_stride` as recurrent_triton's."""
     T, C = x.shape
     Hv, DK, DV = state.shape
     KC, WIDTH = weight.shape[1], buf.shape[1]
@@ -321,14 +298,13 @@ def conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state: torc
     q, k, v = torch.empty(T, C, dtype=x.dtype, device=x.device).split([KEY, KEY, Hv * DV], dim=-1)
     return _step(q.view(T, key_heads, DK), k.view(T, key_heads, DK), v.view(T, Hv, DV), a, b, A_log, dt_bias, state,
                  pend, fold, parity, live, dict(xc=x, buf=buf, off=off, cw=weight, s_xc=x.stride(0), s_buf=buf.stride(0),
-                                                WIDTH=WIDTH, KEY=KEY, KC=KC, TP=triton.next_power_of_2(T)), any_stride,
-                 ahead)
+                                                WIDTH=WIDTH, KEY=KEY, KC=KC, TP=triton.next_power_of_2(T)), any_stride)
 
 
 def _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, conv_args: dict,
-          any_stride: bool = False, ahead: bool = False) -> torch.Tensor:
-    """A step's launch of the recurrence kernel (conv_args: the conv form's, or none; any_stride
-    and ahead: recurrent_triton's)."""
+          any_stride: bool = False) -> torch.Tensor:
+    """A step's launch of the recurrence kernel (conv_args: the conv form's, or none; any_stride:
+    recurrent_triton's)."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     assert k.shape == q.shape and v.shape[0] == T and Hv % Hk == 0, "q, k [T, Hk, dk], v [T, Hv, dv]"
@@ -346,47 +322,46 @@ def _step(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, conv_a
         q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live if live is not None else fold, o, T,
         DK ** -0.5, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), o.stride(0),
         pend.stride(0), pend.stride(1), GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV,
-        HAS_LIVE=live is not None, AHEAD=ahead, num_warps=warps, **pdl(q), **conv_args)
+        HAS_LIVE=live is not None, num_warps=warps, **pdl(q), **conv_args)
     return o
 
 
 def fold_pending_triton(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
-                        A_log: torch.Tensor, dt_bias: torch.Tensor, any_stride: bool = False, ahead: bool = False):
+                        A_log: torch.Tensor, dt_bias: torch.Tensor, any_stride: bool = False):
     """fold_pending_ref's contract: the recurrent kernel with no tokens of its own (in the steps'
-    form: `any_stride` and `ahead` as theirs)."""
+    form: `any_stride` as theirs)."""
     Hv, DK, DV = state.shape
     _check_state(state, pend, fold, parity, Hv, DK, DV)
     BV, warps = _tile(DV)
     _kernel(any_stride)[(Hv, triton.cdiv(DV, BV))](
         state, state, state, state, state, A_log, dt_bias, state, pend, fold, parity, fold, state, 0, 1.,
         0, 0, 0, 0, 0, 0, pend.stride(0), pend.stride(1), GROUP=1, DK=DK, DV=DV, BV=BV,
-        HAS_LIVE=False, AHEAD=ahead, num_warps=warps, **pdl(state))
+        HAS_LIVE=False, num_warps=warps, **pdl(state))
 
 
 def recurrent(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor,
-              parity: torch.Tensor, live: torch.Tensor | None = None, any_stride: bool = False,
-              ahead: bool = False) -> torch.Tensor:
-    """recurrent_ref's contract; the Triton kernel for CUDA tensors (any_stride, ahead: recurrent_triton's)."""
+              parity: torch.Tensor, live: torch.Tensor | None = None, any_stride: bool = False) -> torch.Tensor:
+    """recurrent_ref's contract; the Triton kernel for CUDA tensors (any_stride: recurrent_triton's)."""
     if use_triton(q, k, v, a, b):
-        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, any_stride, ahead)
+        return recurrent_triton(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, any_stride)
     return recurrent_ref(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live)
 
 
 def conv_recurrent(x, buf, off, weight, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor,
                    fold: torch.Tensor, parity: torch.Tensor, live: torch.Tensor | None = None,
-                   key_heads: int = 1, any_stride: bool = False, ahead: bool = False) -> torch.Tensor:
-    """conv_recurrent_ref's contract; the one kernel for CUDA tensors (any_stride, ahead: recurrent_triton's)."""
+                   key_heads: int = 1, any_stride: bool = False) -> torch.Tensor:
+    """conv_recurrent_ref's contract; the one kernel for CUDA tensors (any_stride: recurrent_triton's)."""
     if use_triton(x, a, b):
         return conv_recurrent_triton(x, buf, off, weight, a, b, A_log, dt_bias, state, pend, fold, parity, live,
-                                     key_heads, any_stride, ahead)
+                                     key_heads, any_stride)
     return conv_recurrent_ref(x, buf, off, weight, a, b, A_log, dt_bias, state, pend, fold, parity, live, key_heads)
 
 
 def fold_pending(state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
-                 A_log: torch.Tensor, dt_bias: torch.Tensor, any_stride: bool = False, ahead: bool = False):
+                 A_log: torch.Tensor, dt_bias: torch.Tensor, any_stride: bool = False):
     """fold_pending_ref's contract; the Triton kernel for CUDA tensors (in the steps' form:
-    any_stride and ahead as theirs)."""
+    any_stride as theirs)."""
     if use_triton(state):
-        fold_pending_triton(state, pend, fold, parity, A_log, dt_bias, any_stride, ahead)
+        fold_pending_triton(state, pend, fold, parity, A_log, dt_bias, any_stride)
     else:
         fold_pending_ref(state, pend, fold, parity, A_log, dt_bias)

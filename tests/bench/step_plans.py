@@ -117,13 +117,6 @@ def bits_plans(base: KernelPlan) -> dict:
             "bits x4": base.replace(widen_bits=True, widen_group=4)}
 
 
-def recurrence_plans(base: KernelPlan) -> dict:
-    """The GDN recurrence with each token's inputs loaded while the token before it runs
-    (recurrence_ahead), against the loads in each token's turn. Read "verify 3": a verify runs its
-    fold and its 4 tokens through the state one after the other."""
-    return {"default": base, "ahead": base.replace(recurrence_ahead=not base.recurrence_ahead)}
-
-
 def draft_plans(base: KernelPlan) -> dict:
     """The draft step's forms, each off alone and both off: the MTP head's fc split over K and
     finished by its layer's input norm (fc_split) and the draft's argmax and id map as two PDL
@@ -364,7 +357,7 @@ def default_plans(base: KernelPlan) -> dict:
 
 
 FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident_plans, "split": split_plans,
-            "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans, "recurrence": recurrence_plans,
+            "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
             "combine": combine_plans, "drafthead": draft_head_plans, "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans,
             "rides": rider_plans, "int4stacked": int4_stacked_plans}

@@ -132,16 +132,3 @@ def test_a_fold_is_the_conv_forms_fold_27b():
     gdn.conv_recurrent_triton(x, buf.clone(), _long(9, "cuda"), cw, a, b, A_log, dt_bias, stepped, pend.clone(), n,
                               parity, _long(1, "cuda"), 16)
     assert torch.equal(folded, stepped)
-
-
-@pytest.mark.parametrize("T,fold", [(1, 2), (4, 1)])
-def test_conv_recurrent_inputs_loaded_ahead_give_the_same_bits(device, T, fold):
-    # KernelPlan.recurrence_ahead in the conv form: the inputs each program wrote by its conv,
-    # loaded a token ahead, give the same bits as loaded in each token's turn
-    x, a, b, weights, kept = _inputs(T, 2, 4, 16, 40, torch.bfloat16, device, seed=5 * T + fold)
-    args = (x, a, b, weights, kept, _long(3, device), _long(fold, device), _long(fold % 2, device), None, 2)
-    ahead = lambda *args: gdn.conv_recurrent_triton(*args, ahead=True)
-    got, want = _run(ahead, *args), _run(gdn.conv_recurrent_triton, *args)
-    differ = _differ(got, want)
-    assert not differ, differ
-    _compare(got, _run(gdn.conv_recurrent_ref, *args), torch.bfloat16)
