@@ -11,9 +11,10 @@ What each part counts (27B numbers in bf16, see qwen35-model.md §9):
              (engine/draft_vocab.py): 32,768 x (5,120 x 2 + 8) bytes, or in 4 bits where the kernel
              plan keeps them so (`draft_int4`: on a GPU) 32,768 x (2,560 + 80 + 8). In FP8 (`weights="fp8"`, an
              FP8 release) or 4 bits (`weights="int4"`, a GPTQ / compressed-tensors release: the
-             products its format quantizes, by the checkpoint's module names, `--weights int4`'s
-             the MTP fc too) the layers' products take their stored form's bytes; the embedding,
-             lm_head and router stay as they are, and so does the MTP fc in FP8
+             products its format quantizes, by the checkpoint's module names, the MTP fc among
+             them where the format quantizes `mtp.fc`, as `--weights int4` does) the layers'
+             products take their stored form's bytes; the embedding, lm_head and router stay as
+             they are, and so does the MTP fc in FP8
   kv         K and V of the main full-attention layers for max_context tokens (plus the k_max+1
              rows a verify step may write past the end): 64 KiB/token
   mtp_kv     the same for the MTP layer(s): 4 KiB/token
@@ -448,9 +449,10 @@ def prefill_graph_sizes(cfg: ModelConfig, four_bit: bool, four_bit_rows: int = P
 def _int4_prefill_bytes(cfg: ModelConfig, chunk: int, itemsize: int) -> int:
     """What prefill's dense 4-bit products take beside their outputs (kernels/int4_gemm.py): the
     products' columns run from the hidden size up to the widest input (the MLP's, the GDN's values,
-    the attention's heads)."""
-    return dense_workspace(chunk, cfg.hidden_size,
-                           max(cfg.hidden_size, cfg.intermediate_size, cfg.value_dim, cfg.q_dim), itemsize)
+    the attention's heads, the MTP fc's two rows side by side)."""
+    widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.value_dim, cfg.q_dim,
+                 2 * cfg.hidden_size if cfg.has_mtp else 0)
+    return dense_workspace(chunk, cfg.hidden_size, widest, itemsize)
 
 
 def plan_memory(cfg: ModelConfig, max_context: int, k_max: int = K_MAX, dtype="bfloat16",

@@ -69,6 +69,12 @@ FP8_PARAMS = ("mixer.in_proj", "mixer.out_proj", "mixer.qkv", "mixer.o_proj", "m
 INT4_PARAMS = FP8_PARAMS + ("fc",)
 
 
+def _int4_param(param: str) -> bool:
+    """Whether a parameter is among INT4_PARAMS: a layer's product by its name's end, the head's fc
+    by its whole name."""
+    return param == "fc" or param.endswith(FP8_PARAMS)
+
+
 @dataclass(frozen=True)
 class Place:
     param: str              # our parameter, e.g. "layers.3.mixer.qkv"
@@ -324,7 +330,7 @@ def _int4_params(places: dict[str, dict[str, Place]], fmt: Int4Format | None, fo
             parts.setdefault((key, place.param), []).append((name, place))
     out = {}
     for (key, param), named in parts.items():
-        if not param.endswith(INT4_PARAMS) or named[0][1].shape[-1] % fmt.group:
+        if not _int4_param(param) or named[0][1].shape[-1] % fmt.group:
             continue
         if fmt.method == "rtn":
             if all(fmt.quantizes(_module(n)) for n, _ in named):

@@ -116,11 +116,13 @@ def head_rows(engine, prompt, ref_tokens) -> list[torch.Tensor]:
     return rows
 
 
-@pytest.mark.parametrize("kind", ["ct-sym", "ct-moe"])
+@pytest.mark.parametrize("kind", ["ct-sym", "ct-moe", "gptq-v2-asym"])
 def test_the_4bit_mtp_head_equals_the_float32_one_on_the_dequantized_weights(ckpts, kind):
     quantized, twin = ckpts(kind)
     mine, plain = load(quantized, draft_tokens=3), load(twin, draft_tokens=3)
     assert int4_params(mine, mine.head)        # the MTP layer's products in 4 bits
+    # the fc too where the checkpoint holds it so (GPTQ with an empty dynamic map: with its zeros)
+    assert ("fc_zero" in dict(mine.head.named_parameters())) == (kind == "gptq-v2-asym")
     prompt = random_ids(60, 5, mine.config.vocab_size)
     ref = list(generate(plain, prompt, SamplingParams(max_tokens=40, stop_token_ids=()))[-1].token_ids)
     got, want = head_rows(mine, prompt, ref), head_rows(plain, prompt, ref)

@@ -174,11 +174,6 @@ def main():
         plans = FAMILIES[a.plans](default)
     if a.only:
         plans = {name: plans[name] for name in a.only.split(",")}
-    fc_bf16 = set()
-    if a.fc_bf16:
-        first = next(iter(plans))
-        fc_bf16.add(first + ", fc bf16")
-        plans[first + ", fc bf16"] = plans[first]
     d = engine.decoder
     for _ in engine.generate(random_prompt(engine, a.context, 1), SamplingParams(max_tokens=2, stop_token_ids=())):
         pass
@@ -200,6 +195,11 @@ def main():
     # plans that store the 4-bit weights interleaved come last: the weights are converted once, in
     # place, the natural ones kept alive for the graphs captured before
     plans = dict(sorted(plans.items(), key=lambda kv: kv[1].products.int4_interleave))
+    fc_bf16 = set()
+    if a.fc_bf16:        # the first plan once more, right after it (its weights' layout, before any other's)
+        first, *rest = plans
+        fc_bf16.add(first + ", fc bf16")
+        plans = {first: plans[first], first + ", fc bf16": plans[first], **{name: plans[name] for name in rest}}
     kept_weights, kept_heads = [], []
     for name, plan in list(plans.items()):
         if plan.products.int4_interleave and not kept_weights:

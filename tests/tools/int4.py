@@ -22,7 +22,7 @@ from mtpchat.kernels.int4 import GroupInt4, dequantize_ref, pack_ref, quantize_r
 from mtpchat.engine.weights import PER_EXPERT, STACKED
 from tools.tiny import write_tiny_checkpoint
 
-# every linear module of a decoder layer (and of the MTP layer), by the checkpoint's names
+# every linear module of a decoder layer (and of the MTP layer), and the MTP head's fc, by the checkpoint's names
 LINEAR = re.compile(r".*\.((q|k|v|o|gate|up|down)_proj|in_proj_(qkv|z|b|a)|out_proj)$|^mtp\.fc$")
 # the official releases' dynamic map: attention (GDN and full), the shared expert, the MTP layer
 # and the vision tower stay bf16
