@@ -84,7 +84,9 @@ def variants():
     # a step with the shared expert, a prefill without over blocks of 64 and of 16 pairs (each on its tiles)
     for step, shared, bm in ((True, True, STEP_ROWS), (False, False, moe_layout.PREFILL_ROWS), (False, False, 16)):
         # the tiles the engine takes for the 35B-A3B's experts (gate|up 1024 x 2048, down 2048 x 512)
-        lay = dict(BM=bm, STEP=True, BP=STEP_PAIRS) if step else dict(BM=bm, STEP=False, BP=16)
+        # a step's layout as the plan has it (routed_layout: written by the routing kernel)
+        lay = dict(BM=bm, STEP=True, BP=STEP_PAIRS, LAID=ProductPlan(programs=132).routed_layout) if step else \
+            dict(BM=bm, STEP=False, BP=16)
         BN, BK, warps, stages = moe.tiles("swiglu", step, False, 2, None, (1024, 2048, 128), rows=bm)
         yield f"expert swiglu step={step} shared={shared} rows={bm}", moe._swiglu_kernel, dict(
             TOPK=8, BN=BN, BK=BK, COUNT=step, SHARED=shared, **lay, **i4), {}, (warps, stages)
@@ -143,7 +145,8 @@ BT = ProductPlan(programs=132).int4_rows
 (SN, SK, swarps, sstages), _ = int4.measured("swiglu", 17408, 5120, True)
 (PS, PN, PK, pwarps, pstages), _ = int4.measured("split", 5120, 17408, True)     # the 27B's down: with its parts
 (QN, QK, qwarps, qstages) = ProductPlan(programs=132).int4_prefill_tile           # a short prefill's (matvec_prefill)
-step = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS, SHARED=True, zw2=None, perm2=None)
+step = dict(BM=STEP_ROWS, STEP=True, BP=STEP_PAIRS, SHARED=True, zw2=None, perm2=None,
+            LAID=ProductPlan(programs=132).routed_layout)
 (EN, EK, ewarps, estages) = moe.tiles("swiglu", True, False, 2, None, (1024, 2048, 128), True)
 (DN, DK, dwarps, dstages) = moe.tiles("down", True, False, 2, None, (2048, 512, 128), True)
 i16 = {"w2": "*i16"}
