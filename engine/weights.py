@@ -65,14 +65,14 @@ SCALE_SUFFIX = "_scale_inv"               # an FP8 tensor's block scales: `<name
 # the products kept in FP8 in an FP8 model, and in 4 bits in a 4-bit one (our parameter names, by suffix)
 FP8_PARAMS = ("mixer.in_proj", "mixer.out_proj", "mixer.qkv", "mixer.o_proj", "mlp.gate_up", "mlp.down",
               "shared.gate_up", "shared.down", "mlp.experts_gate_up", "mlp.experts_down")
-# the MTP head's fc too (`fc` of engine/mtp.py's MTPHead), where the format quantizes `mtp.fc`
-INT4_PARAMS = FP8_PARAMS + ("fc",)
+MTP_FC = "fc"      # the MTP head's fc (engine/mtp.py MTPHead), 4-bit where the format quantizes `mtp.fc`
+INT4_PARAMS = FP8_PARAMS + (MTP_FC,)
 
 
 def _int4_param(param: str) -> bool:
     """Whether a parameter is among INT4_PARAMS: a layer's product by its name's end, the head's fc
     by its whole name."""
-    return param == "fc" or param.endswith(FP8_PARAMS)
+    return param == MTP_FC or param.endswith(FP8_PARAMS)
 
 
 @dataclass(frozen=True)

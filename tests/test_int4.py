@@ -15,9 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from mtpchat.engine import Engine, SamplingParams, memory
 from mtpchat.engine.config import ModelConfig, UnsupportedFormat, rtn_format
+from mtpchat.engine.dispatch import weight
 from mtpchat.engine.weights import WeightsError
 from mtpchat.kernels import int4
-from mtpchat.kernels.int4 import quantize_ref
+from mtpchat.kernels.int4 import GroupInt4, quantize_ref
 from tools.int4 import ALIGNED, write_compressed_checkpoint, write_gptq_checkpoint, write_rtn_checkpoint
 from tools.tiny import write_tiny_checkpoint
 from helpers import assert_mtp_on_equals_off, random_ids, rel_err
@@ -121,8 +122,13 @@ def test_the_4bit_mtp_head_equals_the_float32_one_on_the_dequantized_weights(ckp
     quantized, twin = ckpts(kind)
     mine, plain = load(quantized, draft_tokens=3), load(twin, draft_tokens=3)
     assert int4_params(mine, mine.head)        # the MTP layer's products in 4 bits
-    # the fc too where the checkpoint holds it so (GPTQ with an empty dynamic map: with its zeros)
-    assert ("fc_zero" in dict(mine.head.named_parameters())) == (kind == "gptq-v2-asym")
+    # the fc too where the checkpoint holds it so (GPTQ with an empty dynamic map, with its zeros;
+    # compressed-tensors here keeps it in bf16)
+    fc = weight(mine.head, "fc")
+    if kind == "gptq-v2-asym":
+        assert isinstance(fc, GroupInt4) and fc.zero is not None
+    else:
+        assert isinstance(fc, torch.Tensor) and fc.is_floating_point()
     prompt = random_ids(60, 5, mine.config.vocab_size)
     ref = list(generate(plain, prompt, SamplingParams(max_tokens=40, stop_token_ids=()))[-1].token_ids)
     got, want = head_rows(mine, prompt, ref), head_rows(plain, prompt, ref)

@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import triton
 
 from mtpchat.kernels import gdn
 
@@ -116,15 +117,11 @@ def recurrent_gluon(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, ro
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=v.device)
-    _recurrent_gluon[(Hv, triton_cdiv(DV, BV))](
+    _recurrent_gluon[(Hv, triton.cdiv(DV, BV))](
         q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, o, T, DK ** -0.5,
         q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), o.stride(0), pend.stride(0), pend.stride(1),
         GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV, LS=state_layout(rows_a_thread), num_warps=1)
     return o
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def inputs(T, fold, device, seed, Hk=16, Hv=48, dk=128, dv=128, R=5):
