@@ -141,8 +141,11 @@ SIGNATURE = {"x": "*bf16", "w": "*i32", "s": "*fp32", "y": "*bf16", "ws": "*fp32
 
 
 def label(variant: tuple) -> str:
-    W, R, MT, depth, per_sm = variant
-    return f"{W}x{R}" + (f"m{MT}" if MT > 1 else "") + "p" * depth + (f"/{per_sm}" if per_sm else "")
+    """A variant's label: W x R [m MT] p.. (steps ahead) [/ warps an SM]; a ring's (probe_int4_ring.py,
+    a sixth field: groups a step) W x R [m MT] g NG d DEPTH [/ warps an SM]."""
+    W, R, MT, depth, per_sm = variant[:5]
+    ahead = f"g{variant[5]}d{depth}" if len(variant) > 5 else "p" * depth
+    return f"{W}x{R}" + (f"m{MT}" if MT > 1 else "") + ahead + (f"/{per_sm}" if per_sm else "")
 
 
 def parse_args() -> tuple[bool, list]:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 from mtpchat.kernels import gdn
 
@@ -41,11 +42,13 @@ BV = 16          # value columns a program, as the engine's kernel (gdn._tile)
 LAYERS = 48      # the 27B's GDN layers: one launch each, over its own state
 
 
-def state_layout(rows_a_thread: int = 4):
-    """The state tile [dk, BV] on one warp: 8 lanes down the rows, 4 across the columns, each lane
-    `rows_a_thread` neighbouring rows (repeated down dk) x 4 neighbouring columns."""
-    return gl.BlockedLayout(size_per_thread=[rows_a_thread, 4], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
-                            order=[1, 0])
+def state_layout(rows_a_thread: int = 4, lanes_down: int = 8, bv: int = BV):
+    """The state tile [dk, bv] on one warp: `lanes_down` lanes down the rows, the rest across the
+    columns, each lane `rows_a_thread` neighbouring rows (repeated down dk) x its share of the columns."""
+    across = 32 // lanes_down
+    assert bv % across == 0, f"{across} lanes across {bv} columns"
+    return gl.BlockedLayout(size_per_thread=[rows_a_thread, bv // across], threads_per_warp=[lanes_down, across],
+                            warps_per_cta=[1, 1], order=[1, 0])
 
 
 @gluon.jit
@@ -57,8 +60,12 @@ def _flag(x, n: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def _recurrent_gluon(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, o, T, scale,
                      s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt,
-                     GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BV: gl.constexpr, LS: gl.constexpr):
+                     GROUP: gl.constexpr, DK: gl.constexpr, DV: gl.constexpr, BV: gl.constexpr, LS: gl.constexpr,
+                     PDL: gl.constexpr = False):
     # one program per (value head, block of BV value columns), as the engine's kernel
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     LR: gl.constexpr = gl.SliceLayout(1, LS)          # [DK]: a token's k and q
     LC: gl.constexpr = gl.SliceLayout(0, LS)          # [BV]: v, the delta, the output
     i_h = gl.program_id(0)
@@ -112,15 +119,38 @@ def _recurrent_gluon(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, o
         gl.store(p_out + t * s_pt + DK + DV + o_g, gl.where(o_g == 0, b_a, b_b), mask=_flag(b_head * b_keep, 2, LC))
 
 
-def recurrent_gluon(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, rows_a_thread: int = 4):
+# (bv, rows a lane, lanes down the rows, PDL): the Gluon forms timed
+VARIANTS = {"g16 r4 d8": (16, 4, 8, False), "g16 r1 d8": (16, 1, 8, False), "g16 r4 d4": (16, 4, 4, False),
+            "g16 r4 d2": (16, 4, 2, False), "g16 r8 d2": (16, 8, 2, False), "g16 r4 d16": (16, 4, 16, False),
+            "g8 r4 d8": (8, 4, 8, False), "g8 r4 d4": (8, 4, 4, False), "g8 r8 d4": (8, 8, 4, False),
+            "g16 r4 d4 pdl": (16, 4, 4, True), "g8 r4 d4 pdl": (8, 4, 4, True)}
+
+
+def recurrent_gluon(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, variant=(BV, 4, 8, False)):
     """gdn.recurrent_ref's contract for a plain step (no live flag): q, k [T, Hk, dk], v [T, Hv, dv]."""
     T, Hk, DK = q.shape
     Hv, DV = v.shape[1], v.shape[2]
+    bv, rows, down, with_pdl = variant
     o = torch.empty(T, Hv, DV, dtype=v.dtype, device=v.device)
-    _recurrent_gluon[(Hv, triton.cdiv(DV, BV))](
+    _recurrent_gluon[(Hv, triton.cdiv(DV, bv))](
         q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, o, T, DK ** -0.5,
         q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), o.stride(0), pend.stride(0), pend.stride(1),
-        GROUP=Hv // Hk, DK=DK, DV=DV, BV=BV, LS=state_layout(rows_a_thread), num_warps=1)
+        GROUP=Hv // Hk, DK=DK, DV=DV, BV=bv, LS=state_layout(rows, down, bv), num_warps=1, PDL=with_pdl,
+        **({"launch_pdl": True} if with_pdl else {}))
+    return o
+
+
+def recurrent_engine(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, bv=BV, with_pdl=True):
+    """The engine's any-stride kernel launched as gdn._step launches it, with `bv` value columns a
+    program and PDL on or off."""
+    T, Hk, DK = q.shape
+    Hv, DV = v.shape[1], v.shape[2]
+    o = torch.empty(T, Hv, DV, dtype=v.dtype, device=v.device)
+    gdn._recurrent_kernel_any_stride[(Hv, triton.cdiv(DV, bv))](
+        q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, fold, o, T,
+        DK ** -0.5, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), o.stride(0),
+        pend.stride(0), pend.stride(1), GROUP=Hv // Hk, DK=DK, DV=DV, BV=bv,
+        HAS_LIVE=False, num_warps=1, **({"PDL": True, "launch_pdl": True} if with_pdl else {"PDL": False}))
     return o
 
 
@@ -139,16 +169,16 @@ def inputs(T, fold, device, seed, Hk=16, Hv=48, dk=128, dv=128, R=5):
     return args, state, pend, long(fold), long(fold % 2)
 
 
-def check(T, fold, rows_a_thread):
+def check(T, fold, variant):
     args, state, pend, n, parity = inputs(T, fold, "cuda", seed=T + 7 * fold)
     got_s, got_p, want_s, want_p = state.clone(), pend.clone(), state.clone(), pend.clone()
-    got = recurrent_gluon(*args, got_s, got_p, n, parity, rows_a_thread)
+    got = recurrent_gluon(*args, got_s, got_p, n, parity, variant)
     want = gdn.recurrent_ref(*args, want_s, want_p, n, parity)
     rel = lambda x, y: ((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30)).item()
     return {"output": rel(got, want), "state": rel(got_s, want_s), "kept": rel(got_p, want_p)}
 
 
-def time_step(T, fold, form, rows_a_thread=4) -> float:
+def time_step(T, fold, form, variant=None) -> float:
     """us a launch, LAYERS launches over their own states in a graph (graph_timing.graph_time)."""
     from graph_timing import graph_time
     args, state, pend, n, parity = inputs(T, fold, "cuda", seed=1)
@@ -156,9 +186,9 @@ def time_step(T, fold, form, rows_a_thread=4) -> float:
     pends = [pend.clone() for _ in range(LAYERS)]
     saved = [s.clone() for s in states], [p.clone() for p in pends]
     if form == "engine":
-        fn = lambda i: gdn.recurrent_triton(*args, states[i], pends[i], n, parity, any_stride=True)
+        fn = lambda i: recurrent_engine(*args, states[i], pends[i], n, parity, *variant)
     else:
-        fn = lambda i: recurrent_gluon(*args, states[i], pends[i], n, parity, rows_a_thread)
+        fn = lambda i: recurrent_gluon(*args, states[i], pends[i], n, parity, variant)
     us = min(graph_time(fn, LAYERS, LAYERS) for _ in range(3))
     for s, p, s0, p0 in zip(states, pends, *saved):       # a step's writes, undone (fold > 0 writes the state)
         s.copy_(s0)
@@ -195,13 +225,13 @@ def compile_only():
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=3))
     sass_counts(kernel, "the engine's kernel (Triton)")
     fn = _recurrent_gluon
-    for rows in (1, 4):
-        consts = dict(GROUP=3, DK=128, DV=128, BV=BV, LS=state_layout(rows))
+    for name, (bv, rows, down, with_pdl) in VARIANTS.items():
+        consts = dict(GROUP=3, DK=128, DV=128, BV=bv, LS=state_layout(rows, down, bv), PDL=with_pdl)
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         kernel = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                                 target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
-        sass_counts(kernel, f"Gluon, {rows} row(s) a lane")
+        sass_counts(kernel, f"Gluon {name}")
 
 
 def main():
@@ -211,13 +241,21 @@ def main():
     if a.compile_only:
         return compile_only()
     print(f"{torch.cuda.get_device_name()}: us a launch, {LAYERS} launches in a graph (the 27B's GDN shapes)")
-    for T, fold in ((1, 0), (1, 3), (4, 2), (4, 4)):
-        line = [f"T={T} fold={fold}: engine {time_step(T, fold, 'engine'):.2f}"]
-        for rows in (1, 4):
-            err = check(T, fold, rows)
-            line.append(f"Gluon {rows} row(s) a lane {time_step(T, fold, 'gluon', rows):.2f} "
-                        f"(against float32: output {err['output']:.1e}, state {err['state']:.1e}, kept {err['kept']:.1e})")
-        print("  ".join(line), flush=True)
+    cases = ((1, 0), (1, 3), (4, 2), (4, 4), (4, 3))
+    print(f"{'form':18s}" + "".join(f"  T={T} f={f}" for T, f in cases) + "   worst error against float32 (output, state, kept)")
+    engines = {"engine 16 pdl": (16, True), "engine 16": (16, False), "engine 8 pdl": (8, True), "engine 32 pdl": (32, True)}
+    for name, variant in engines.items():
+        print(f"{name:18s}" + "".join(f"  {time_step(T, f, 'engine', variant):8.2f}" for T, f in cases), flush=True)
+    for name, variant in VARIANTS.items():
+        try:
+            errs = [check(T, f, variant) for T, f in cases]
+            worst = [max(e[key] for e in errs) for key in ("output", "state", "kept")]
+            times = [time_step(T, f, "gluon", variant) for T, f in cases]
+        except Exception as e:          # a form this Triton cannot lay out
+            print(f"{name:18s}  failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        print(f"{name:18s}" + "".join(f"  {t:8.2f}" for t in times) + "   " + " ".join(f"{w:.1e}" for w in worst),
+              flush=True)
 
 
 if __name__ == "__main__":
