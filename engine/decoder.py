@@ -47,6 +47,7 @@ from mtpchat.engine.runner import elapsed_ms
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
 from mtpchat.engine.snapshots import Snapshots, begins
 from mtpchat.engine.spec import accept_sampled, seen_rows
+from mtpchat.kernels import gdn
 from mtpchat.kernels.accept import (AcceptBuffers, accept_greedy, argmax_partials_buffers, chain_start, chain_start_ref,
                                     commit_ref, pick_argmax)
 
@@ -137,6 +138,8 @@ class Decoder:
         self.draft_rows: DraftRows | None = None   # the trimmed draft vocabulary's head, or None
         self.draft_row = long(1)             # the trimmed head's argmax, before its map to a token id
         self.drafter = None                  # optional ProfileDrafter (engine/spec.py)
+        self.fold_stream = None              # the GDN fold's stream beside a draft (plan.fold_beside_draft)
+        self.gdn_gates = None                # its layers' A_log and dt_bias stacked [layers, Hv], made at its first use
         # the sampled acceptance rule (engine/spec.py): (logits, drafts, params, seen rows, generator)
         # -> (a, tokens); a value so that a test can hand the step a deliberately broken one
         self.accept_rule = accept_sampled
@@ -370,7 +373,45 @@ class Decoder:
 
     # --- the three phases of a step: pure functions of the buffers above -----------------------
     def draft(self, k: int):
-        """Catch the head up over R (CAPTURED_K+1) pending rows, then draft k tokens greedily into `drafts`."""
+        """Catch the head up over R (CAPTURED_K+1) pending rows, then draft k tokens greedily into
+        `drafts`; under the plan's fold_beside_draft, the GDN layers fold the last step's accepted
+        tokens meanwhile (_fold_beside)."""
+        beside = self._fold_beside()
+        self._draft(k)
+        if beside is not None:
+            torch.cuda.current_stream().wait_stream(beside)
+
+    def _fold_beside(self):
+        """Under fold_beside_draft: the committed tokens still to fold run into every GDN layer's
+        state in one launch (kernels/gdn.py fold_pending_layers: the kernel a step folds them with,
+        in the plan's form, any_stride; fold_beside_draft layers a program), then fold is 0, so the
+        verify after the draft folds none; on a second stream where the draft runs on a GPU
+        (returned, for the draft to wait on at its end), else at once. The head reads no GDN state.
+        A step launched after its generation ended folds too: the tokens it folds were committed,
+        and the state with them run in and fold 0 is the same committed state."""
+        if not self.plan.fold_beside_draft or not self.state.gdn_layers:
+            return None
+        if self.gdn_gates is None:       # the layers' gate parameters side by side, as the launch reads them
+            mixers = [layer.mixer for layer in self.model.layers if layer.kind != "full_attention"]
+            self.gdn_gates = tuple(torch.stack([getattr(m, name) for m in mixers]) for name in ("A_log", "dt_bias"))
+        s = self.state
+
+        def fold():
+            gdn.fold_pending_layers(s.gdn_states, s.gdn_pends, s.fold, s.parity, *self.gdn_gates, self.plan.any_stride,
+                                    self.plan.fold_beside_draft)
+            s.fold.zero_()
+
+        if self.device.type != "cuda":
+            fold()
+            return None
+        if self.fold_stream is None:
+            self.fold_stream = torch.cuda.Stream(self.device)
+        self.fold_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.fold_stream):
+            fold()
+        return self.fold_stream
+
+    def _draft(self, k: int):
         R, L = self.R, self.pos
         start = L - self.pend_n
         # rows past pend_n are stale: an MoE head routes them as the last live one, reading no more experts

@@ -53,6 +53,16 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
   (tests/bench/quality_int4.py --draft-head: on the demo model acceptance at k = 3 3.018 with
   float32 rows, 3.048 with 4-bit ones), never the output. Rows that are not whole groups of 128
   keep the head as it is. The memory plan counts the rows as kept (draft_head_int4_on below).
+- fold_beside_draft (on a GPU; the layers a program of its launch, 0: off): the last step's
+  accepted tokens run into every GDN layer's state while the MTP head drafts, in one launch on a
+  second stream of the draft's graph (kernels/gdn.py fold_pending_layers: the kernel a step folds
+  with, the same bits), so that the verify after it folds none. A verify of k = 3 ran the last
+  step's accepted tokens (3.26 at the benchmark's profile) before its own 4, one after another in
+  each GDN layer's recurrence. In one process, engines alternated (an H200, 2026-11-29): the 27B
+  int4's verify 3 7.350 -> 7.171 ms, its draft 0.173 -> 0.212 ms a token, MTP k = 1 / 3 / 4
+  steps 0.998 / 0.992 / 0.993 x; the 35B-A3B int4's k = 1 / 3 / 4 0.995 / 0.987 / 0.988 x. A
+  layer a program (18,432 programs of a warp on the 27B) beat 8 (0.996 x at k = 3) and 48 (1.005
+  x): the fold runs beside the draft's kernels but hardly under them, so its own time counts.
 
 Candidates, off:
 - moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the
@@ -95,6 +105,7 @@ class KernelPlan:
     draft_pick: bool = True
     head_input: bool = True
     draft_chain: bool = True
+    fold_beside_draft: int = 0
     # The MTP head's rows kept while MTP is off (hidden_size x 2 bytes each: 5 MiB for the 27B), run
     # through it when MTP comes back on or when they fill up. A flush waits for the steps in flight
     # and runs the head eagerly: at 64 rows it cost a 27B decode some 2.5 ms every 63 tokens.
@@ -321,6 +332,7 @@ class KernelPlan:
                    shared_as_expert=config.is_moe and alike, moe_normed=normed,
                    combine_normed=config.is_moe and device.type == "cuda",
                    draft_head_int4=draft_head_int4_on(device),
+                   fold_beside_draft=1 if device.type == "cuda" else 0,
                    prefill_attention="triton" if timed else "flash",
                    step_prefill=2 if device.type == "cuda" else 0,
                    prefill_graphs=prefill_graph_sizes(config, four_bit, products.int4_prefill_rows)

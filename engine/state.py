@@ -29,12 +29,18 @@ class DecodeState:
         kv = lambda: (torch.zeros(rows, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype),
                       torch.zeros(rows, c.num_key_value_heads, c.head_dim, device=device, dtype=dtype))
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        gdn_state = lambda: (torch.zeros(c.conv_dim, self.conv_width, device=device, dtype=dtype),
-                             torch.zeros(hv, dk, dv, device=device, dtype=torch.float32),
-                             torch.zeros(2, k_max + 1, hv, gdn.pending_width(dk, dv), device=device,
-                                         dtype=torch.float32))
+        # the GDN layers' recurrent states and kept tokens, each one tensor with a layer a row, so
+        # that one launch may fold every layer (kernels/gdn.py fold_pending_layers); a layer's own
+        # are views of its row, each row starting 256 bytes on from a multiple of 256, as a tensor
+        # of its own would (a kernel compiled for an aligned pointer is the one every layer takes)
+        n = sum(kind != "full_attention" for kind in c.layer_types)
+        self.gdn_states = _rows((n, hv, dk, dv), device)
+        self.gdn_pends = _rows((n, 2, k_max + 1, hv, gdn.pending_width(dk, dv)), device)
+        index = iter(range(n))
+        gdn_state = lambda i: (torch.zeros(c.conv_dim, self.conv_width, device=device, dtype=dtype),
+                               self.gdn_states[i], self.gdn_pends[i])
         self.kernel = c.linear_conv_kernel_dim
-        self.layers = [kv() if kind == "full_attention" else gdn_state() for kind in c.layer_types]
+        self.layers = [kv() if kind == "full_attention" else gdn_state(next(index)) for kind in c.layer_types]
         self.gdn_layers = [cache for kind, cache in zip(c.layer_types, self.layers) if kind != "full_attention"]
         self.kv_layers = [cache for kind, cache in zip(c.layer_types, self.layers) if kind == "full_attention"]
         self.mtp = kv() if mtp else None
@@ -87,3 +93,13 @@ class DecodeState:
         return {"kv": size(t for pair in self.kv_layers for t in pair),
                 "mtp_kv": size(self.mtp) if self.mtp else 0,
                 "gdn_state": size(t for layer in self.gdn_layers for t in layer)}
+
+
+def _rows(shape: tuple, device, align: int = 64) -> torch.Tensor:
+    """Zeros of float32 `shape`, its first axis' rows each `align` floats aligned (padded between),
+    the rest of each row contiguous."""
+    inner = [1]
+    for d in reversed(shape[1:]):
+        inner.insert(0, inner[0] * d)            # inner[0]: a row's size, then each axis' stride
+    row = -(-inner[0] // align) * align
+    return torch.zeros(shape[0] * row, device=device, dtype=torch.float32).as_strided(shape, (row, *inner[1:]))

@@ -154,45 +154,12 @@ def _conv_rows(x, buf, cw, y, o_c, m_c, own, T, s_x, s_y, s_buf, i_off, WIDTH, K
                  mask=m_y & ((tl.zeros([TB, N], dtype=tl.int64) + own) > 0))
 
 
-@triton.jit(do_not_specialize=["T"])
-def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, scale,
-                      s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt,
-                      GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                      HAS_LIVE: tl.constexpr, PDL: tl.constexpr, xc=None, buf=None, off=None, cw=None, s_xc=0,
-                      s_buf=0, WIDTH=1, KEY=0, KC: tl.constexpr = 0, TP: tl.constexpr = 1):
-    # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
-    # stays in registers through the last step's accepted tokens (read back from pend) and this
-    # step's T; one loop body runs both, so a token gives the same bits folded in later as when
-    # its step ran it. The gates and the q/k l2norm are computed here. Each program reads and
-    # writes only its own slice of the state and of v in pend (k, a and b are written by the
-    # head's first program); pend's halves alternate, so no program reads what another writes.
-    pdl_start(PDL)
-    i_h, i_v = tl.program_id(0), tl.program_id(1)
-    i_kh = i_h // GROUP
-    o_k = tl.arange(0, DK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < DV
-    m_s = (o_k < DK)[:, None] & m_v[None, :]
-    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
-    o_g = tl.arange(0, 2)
-    if KC > 0:
-        # the conv form: xc [T, 2 KEY + Hv DV] holds q | k | v before a conv of KC taps (buf, off and
-        # cw: its window, offset and weight, as kernels/conv.py takes them), and q points at the
-        # rows [T, 2 KEY + Hv DV] that k and v are views of, still to be written. This program
-        # writes the conv of the channels it reads there (its key head's q and k, which the head's
-        # other programs write alike, and its own v columns), then reads them below as the plain
-        # kernel does. The window takes the step's inputs from the programs that own the channels:
-        # q and k from a key head's first value head's program 0, v from each program its own.
-        b_own = tl.full([], 1, tl.int64)
-        if HAS_LIVE:
-            b_own = tl.minimum(tl.maximum(tl.load(live), 0), 1)
-        b_qk = b_own * (1 - tl.minimum(i_v, 1)) * tl.where(i_h % GROUP == 0, 1, 0)
-        b_off = tl.load(off)
-        o_q = i_kh * DK + o_k
-        _conv_rows(xc, buf, cw, q, o_q, o_q < KEY, b_qk, T, s_xc, s_q, s_buf, b_off, WIDTH, KC, TP, DK)
-        _conv_rows(xc, buf, cw, q, KEY + o_q, o_q < KEY, b_qk, T, s_xc, s_q, s_buf, b_off, WIDTH, KC, TP, DK)
-        _conv_rows(xc, buf, cw, q, 2 * KEY + i_h * DV + o_v, m_v, b_own, T, s_xc, s_q, s_buf, b_off, WIDTH, KC, TP, BV)
-        tl.debug_barrier()   # the rows written above, before any thread of the program reads them
+@triton.jit
+def _run_layer(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, scale, s_q, s_k, s_v, s_a, s_b,
+               s_o, s_pp, s_pt, i_h, i_v, i_kh, o_k, o_v, m_v, m_s, o_s, o_g, DK: tl.constexpr, DV: tl.constexpr,
+               BV: tl.constexpr, HAS_LIVE: tl.constexpr):
+    # one layer's program: its slice of the state through the fold and the step's T tokens (the
+    # kernel's comment below)
     b_S = tl.load(state + o_s, mask=m_s, other=0.)
     # what this program may write, as integers (scalar booleans do not make masks everywhere)
     b_live = tl.full([], 1, tl.int64)
@@ -236,6 +203,59 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
         tl.store(p_out + t * s_pt + DK + o_v, b_v, mask=m_v & ((tl.zeros([BV], dtype=tl.int64) + b_live * b_keep) > 0))
         tl.store(p_out + t * s_pt + o_k, b_k, mask=(tl.zeros([DK], dtype=tl.int64) + b_head * b_keep) > 0)
         tl.store(p_out + t * s_pt + DK + DV + o_g, b_ab, mask=(tl.zeros([2], dtype=tl.int64) + b_head * b_keep) > 0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, scale,
+                      s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt,
+                      GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                      HAS_LIVE: tl.constexpr, PDL: tl.constexpr, xc=None, buf=None, off=None, cw=None, s_xc=0,
+                      s_buf=0, WIDTH=1, KEY=0, KC: tl.constexpr = 0, TP: tl.constexpr = 1, LAYERED: tl.constexpr = False,
+                      NL=1, LG=1, s_ls=0, s_lp=0, s_lg=0):
+    # One program per (value head, block of BV value columns): its [DK, BV] slice of the state
+    # stays in registers through the last step's accepted tokens (read back from pend) and this
+    # step's T; one loop body runs both, so a token gives the same bits folded in later as when
+    # its step ran it. The gates and the q/k l2norm are computed here. Each program reads and
+    # writes only its own slice of the state and of v in pend (k, a and b are written by the
+    # head's first program); pend's halves alternate, so no program reads what another writes.
+    # LAYERED (a fold of every layer at once, fold_pending_layers): grid axis 2 takes LG layers of NL.
+    pdl_start(PDL)
+    i_h, i_v, i_g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_kh = i_h // GROUP
+    o_k = tl.arange(0, DK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < DV
+    m_s = (o_k < DK)[:, None] & m_v[None, :]
+    o_s = i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+    o_g = tl.arange(0, 2)
+    if KC > 0:
+        # the conv form: xc [T, 2 KEY + Hv DV] holds q | k | v before a conv of KC taps (buf, off and
+        # cw: its window, offset and weight, as kernels/conv.py takes them), and q points at the
+        # rows [T, 2 KEY + Hv DV] that k and v are views of, still to be written. This program
+        # writes the conv of the channels it reads there (its key head's q and k, which the head's
+        # other programs write alike, and its own v columns), then reads them below as the plain
+        # kernel does. The window takes the step's inputs from the programs that own the channels:
+        # q and k from a key head's first value head's program 0, v from each program its own.
+        b_own = tl.full([], 1, tl.int64)
+        if HAS_LIVE:
+            b_own = tl.minimum(tl.maximum(tl.load(live), 0), 1)
+        b_qk = b_own * (1 - tl.minimum(i_v, 1)) * tl.where(i_h % GROUP == 0, 1, 0)
+        b_off = tl.load(off)
+        o_q = i_kh * DK + o_k
+        _conv_rows(xc, buf, cw, q, o_q, o_q < KEY, b_qk, T, s_xc, s_q, s_buf, b_off, WIDTH, KC, TP, DK)
+        _conv_rows(xc, buf, cw, q, KEY + o_q, o_q < KEY, b_qk, T, s_xc, s_q, s_buf, b_off, WIDTH, KC, TP, DK)
+        _conv_rows(xc, buf, cw, q, 2 * KEY + i_h * DV + o_v, m_v, b_own, T, s_xc, s_q, s_buf, b_off, WIDTH, KC, TP, BV)
+        tl.debug_barrier()   # the rows written above, before any thread of the program reads them
+    if LAYERED:
+        # a fold of every layer at once (fold_pending_layers; T = 0): program (i_h, i_v, i_g) takes
+        # layers i_g LG .. i_g LG + LG - 1 of NL in turn, each layer's state, pend and gates s_ls,
+        # s_lp and s_lg elements on from the last's, through the very code a step runs
+        for i_l in range(i_g * LG, tl.minimum(i_g * LG + LG, NL)):
+            _run_layer(q, k, v, a, b, A_log + i_l * s_lg, dt_bias + i_l * s_lg, state + i_l * s_ls,
+                       pend + i_l * s_lp, fold, parity, live, o, T, scale, s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt,
+                       i_h, i_v, i_kh, o_k, o_v, m_v, m_s, o_s, o_g, DK, DV, BV, HAS_LIVE)
+    else:
+        _run_layer(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, scale, s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt, i_h, i_v, i_kh, o_k, o_v, m_v, m_s, o_s, o_g, DK, DV, BV, HAS_LIVE)
 
 
 # Triton compiles a launch's integer arguments into it where they are multiples of 16, and a
@@ -337,6 +357,48 @@ def fold_pending_triton(state: torch.Tensor, pend: torch.Tensor, fold: torch.Ten
         state, state, state, state, state, A_log, dt_bias, state, pend, fold, parity, fold, state, 0, 1.,
         0, 0, 0, 0, 0, 0, pend.stride(0), pend.stride(1), GROUP=1, DK=DK, DV=DV, BV=BV,
         HAS_LIVE=False, num_warps=warps, **pdl(state))
+
+
+def fold_pending_layers_ref(states: torch.Tensor, pends: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
+                            A_logs: torch.Tensor, dt_biases: torch.Tensor):
+    """fold_pending_ref over L layers at once: states [L, Hv, dk, dv], pends [L, 2, R, Hv, dk+dv+2],
+    A_logs and dt_biases [L, Hv], one fold and parity for all."""
+    for state, pend, A_log, dt_bias in zip(states, pends, A_logs, dt_biases):
+        fold_pending_ref(state, pend, fold, parity, A_log, dt_bias)
+
+
+def fold_pending_layers_triton(states: torch.Tensor, pends: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
+                               A_logs: torch.Tensor, dt_biases: torch.Tensor, any_stride: bool = False,
+                               layers: int = 1):
+    """fold_pending_layers_ref's contract in one launch: fold_pending_triton's programs for each
+    layer, each taking `layers` layers in turn (fewer, longer programs: room on the SMs for what
+    runs beside them), each layer's state the bits its own launch gives. A layer's state and pend
+    are contiguous; the layers may lie further apart, the same distance for every layer, in
+    multiples of 16 floats from 16-byte aligned starts (engine/state.py pads them so): a kernel
+    compiled for other alignments may sum in another order."""
+    L, Hv, DK, DV = states.shape
+    assert pends.shape[0] == L and A_logs.shape == dt_biases.shape == (L, Hv), \
+        f"pends [{L}, 2, R, {Hv}, dk+dv+2], A_logs and dt_biases [{L}, {Hv}]"
+    assert A_logs.is_contiguous() and dt_biases.is_contiguous(), "A_logs and dt_biases must be contiguous"
+    _check_state(states[0], pends[0], fold, parity, Hv, DK, DV)
+    assert states.stride(0) % 16 == 0 and pends.stride(0) % 16 == 0 and states.data_ptr() % 16 == 0 \
+        and pends.data_ptr() % 16 == 0, "the layers' rows must start 16-byte aligned, 16 floats apart"
+    BV, warps = _tile(DV)
+    _kernel(any_stride)[(Hv, triton.cdiv(DV, BV), triton.cdiv(L, layers))](
+        states, states, states, states, states, A_logs, dt_biases, states, pends, fold, parity, fold, states, 0, 1.,
+        0, 0, 0, 0, 0, 0, pends.stride(1), pends.stride(2), GROUP=1, DK=DK, DV=DV, BV=BV,
+        HAS_LIVE=False, num_warps=warps, LAYERED=True, NL=L, LG=layers, s_ls=states.stride(0),
+        s_lp=pends.stride(0), s_lg=A_logs.stride(0), **pdl(states))
+
+
+def fold_pending_layers(states: torch.Tensor, pends: torch.Tensor, fold: torch.Tensor, parity: torch.Tensor,
+                        A_logs: torch.Tensor, dt_biases: torch.Tensor, any_stride: bool = False, layers: int = 1):
+    """fold_pending_layers_ref's contract; the one launch for CUDA tensors (any_stride as the steps',
+    `layers` a program: fold_pending_layers_triton's)."""
+    if use_triton(states):
+        fold_pending_layers_triton(states, pends, fold, parity, A_logs, dt_biases, any_stride, layers)
+    else:
+        fold_pending_layers_ref(states, pends, fold, parity, A_logs, dt_biases)
 
 
 def recurrent(q, k, v, a, b, A_log, dt_bias, state: torch.Tensor, pend: torch.Tensor, fold: torch.Tensor,

@@ -185,3 +185,28 @@ def test_draft_chain_in_one_kernel_keeps_the_drafts(tmp_path, monkeypatch, moe):
             drafts.append(d.drafts[:4].clone())
         assert torch.equal(drafts[0], drafts[1]), n
     assert checked[0] >= 2
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_fold_beside_the_draft_keeps_mtp_exact(tmp_path, moe):
+    """The last step's accepted tokens folded into the GDN states on a second stream of the draft's
+    graph (the plan's fold_beside_draft), so each verify folds none: greedy MTP on == off at k =
+    1..4 with the profile's drafts and the head's, and after a generation the state a draft folds
+    is, bit for bit, what the step kernels' fold gives (DecodeState.gdn_committed)."""
+    ckpt = write_tiny_checkpoint(tmp_path / "m", moe=moe, **(GPU_MOE_SHAPE if moe else SHAPE))
+    plan = KernelPlan.choose("cuda", ModelConfig.load(ckpt), False).replace(fold_beside_draft=8)
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, plan=plan)
+    assert engine.decoder.runner.graphs, "the draft's graph holds the fold's stream"
+    prompts = gpu_prompts(engine, 3)
+    assert_mtp_on_equals_off(engine, prompts, 96, ks=(1, 2, 3, 4), profile_ks=(1, 3, 4))
+    ref = greedy_tokens(engine, prompts[0], 40)
+    greedy(engine, prompts[0], 13, mtp=True, k=3,
+           drafter=ProfileDrafter(ref, (1.0,) * 4, seed=0, vocab=engine.config.vocab_size))
+    d = engine.decoder
+    assert int(d.state.fold) == 4
+    want = d.state.gdn_committed(engine.model, plan.any_stride)
+    d.draft(3)                                   # eagerly: the fold on its own stream, as captured
+    torch.cuda.synchronize()
+    assert int(d.state.fold) == 0
+    for (_, state, _), w in zip(d.state.gdn_layers, want):
+        assert torch.equal(state, w)

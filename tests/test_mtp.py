@@ -123,6 +123,45 @@ def test_greedy_exact_with_the_conv_in_the_recurrence(gqa3, greedy_refs, tokens,
             assert list(generate(e, ids)[-1].token_ids) == ref
 
 
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_greedy_exact_with_the_fold_beside_the_draft(gqa3, greedy_refs, k):
+    # the last step's accepted tokens folded into the GDN states by the draft phase
+    # (KernelPlan.fold_beside_draft), not by the verify after it: MTP on emits MTP off's tokens with
+    # the profile's drafts and the head's, and at the end of a generation the committed state is
+    # the one step-by-step feeding gives, whether or not a draft folded it last
+    plan = KernelPlan.choose("cpu", ModelConfig.load(gqa3), fp8=False).replace(fold_beside_draft=8)
+    e = load(gqa3, draft_tokens=k, plan=plan)
+    folded = []
+    fold = e.decoder._fold_beside
+    e.decoder._fold_beside = lambda: folded.append(int(e.state.fold)) or fold()
+    for i, (ids, ref) in enumerate(list(zip(*greedy_refs))[:3]):
+        for drafter in ("profile", "head"):
+            e.drafter = profile_drafter(ref, i, e) if drafter == "profile" else None
+            events = generate(e, ids)
+            assert list(events[-1].token_ids) == ref, f"prompt {i} ({drafter}) diverges at {first_diff(events[-1].token_ids, ref)}"
+            emitted = [t for s in steps_of(events) for t in s.token_ids]
+            assert_same_state(snapshot(e), sequential_state(gqa3, ids, emitted))
+    assert any(n > 1 for n in folded), f"the drafts folded {sorted(set(folded))} tokens: no accepted window was folded there"
+
+
+def test_fold_beside_the_draft_runs_the_committed_tokens_in(gqa3, greedy_refs):
+    # after a window whose drafts were all accepted, the draft phase under fold_beside_draft leaves
+    # fold 0 and every GDN layer's state with the committed tokens run in by its own gates, bit for
+    # bit what a step's fold gives (DecodeState.gdn_committed, before)
+    plan = KernelPlan.choose("cpu", ModelConfig.load(gqa3), fp8=False).replace(fold_beside_draft=8)
+    e = load(gqa3, draft_tokens=3, plan=plan)
+    ids, ref = greedy_refs[0][2], greedy_refs[1][2]
+    e.drafter = ProfileDrafter(ref, ALL_RIGHT, seed=0, vocab=e.config.vocab_size)
+    generate(e, ids, SamplingParams(max_tokens=13, stop_token_ids=()))    # 1 + 4 + 4 + 4: full windows
+    assert int(e.state.fold) == 4
+    want = e.state.gdn_committed(e.model, e.plan.any_stride)
+    before = [state.clone() for _, state, _ in e.state.gdn_layers]
+    e.decoder._fold_beside()
+    assert int(e.state.fold) == 0
+    for (_, state, _), w, b in zip(e.state.gdn_layers, want, before):
+        assert not torch.equal(w, b) and torch.equal(state, w)
+
+
 # --- 2. rollback leaves exactly the state of one-at-a-time feeding ---------------------------------
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 @pytest.mark.parametrize("ckpt", ["gqa3", "tied"])

@@ -203,7 +203,7 @@ def compile_only():
     from triton.experimental.gluon._runtime import GluonASTSource
     types = {n: "*bf16" for n in ("q", "k", "v", "a", "b", "o")} | {n: "*fp32" for n in ("A_log", "dt_bias", "state", "pend")} \
         | {n: "*i64" for n in ("fold", "parity", "live")} | {"scale": "fp32"}
-    aligned = ("q", "k", "v", "a", "b", "o", "state", "pend")
+    aligned = ("q", "k", "v", "a", "b", "o", "state", "pend", "s_ls", "s_lp", "s_lg")
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
     def sass_counts(kernel, what):
@@ -220,7 +220,7 @@ def compile_only():
     consts = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
     consts.update(GROUP=3, DK=128, DV=128, BV=BV, HAS_LIVE=True, PDL=True, xc=None, buf=None, off=None, cw=None)
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in fn.arg_names}
     kernel = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1, num_stages=3))
     sass_counts(kernel, "the engine's kernel (Triton)")
@@ -228,7 +228,7 @@ def compile_only():
     for name, (bv, rows, down, with_pdl) in VARIANTS.items():
         consts = dict(GROUP=3, DK=128, DV=128, BV=bv, LS=state_layout(rows, down, bv), PDL=with_pdl)
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in fn.arg_names}
         kernel = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                                 target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
         sass_counts(kernel, f"Gluon {name}")

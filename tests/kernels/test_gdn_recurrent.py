@@ -3,6 +3,8 @@ folded into the state first) against recurrent_ref: outputs, the state and the k
 decode (T = 1), verify (T = k+1), GQA ratios 1-3, rollback, ended steps and the fold alone."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from kernel_checks import TOL, check, randn
@@ -153,6 +155,72 @@ def test_fold_pending(device, fold):
     stepped, p = state.clone(), pend.clone()
     gdn.recurrent_triton(*args, stepped, p, n, parity)
     assert torch.equal(got, stepped if fold else state)
+
+
+def _layers(L, Hv, dk, dv, device, seed, pad=0, align=16):
+    """L layers' states, kept tokens and gate parameters, each a tensor with a layer a row: the
+    rows of the first two `pad` floats longer than their values, then rounded up to `align`
+    floats (as engine/state.py lays them out)."""
+    g = torch.Generator().manual_seed(seed)
+    W = gdn.pending_width(dk, dv)
+    width = lambda n: -(-(n + pad) // align) * align
+    rows = lambda *shape, scale=1.0: randn(L, width(math.prod(shape)), device=device, gen=g, scale=scale)[
+        :, :math.prod(shape)].view(L, *shape)
+    states, pends = rows(Hv, dk, dv, scale=0.2), rows(2, R, Hv, W)
+    A_logs, dt_biases = randn(L, Hv, device=device, gen=g, scale=0.5), randn(L, Hv, device=device, gen=g)
+    return states, pends, A_logs, dt_biases
+
+
+@pytest.mark.parametrize("fold,parity,pad,layers", [(0, 0, 0, 1), (1, 1, 0, 2), (3, 0, 48, 3), (5, 1, 7, 2),
+                                                     (4, 0, 0, 5)])
+@pytest.mark.parametrize("any_stride", [True, False])
+def test_fold_pending_layers(device, fold, parity, pad, layers, any_stride):
+    # every layer's fold in one launch: each layer's state the very bits its own launch gives
+    # (fold_pending_triton, the kernel the steps fold with), near the reference, the kept tokens
+    # only read; at odd sizes (3 value heads, 40 value columns: a partial column block), the
+    # layers' rows padded apart or not
+    states, pends, A_logs, dt_biases = _layers(3, 3, 16, 40, device, seed=fold + 10 * parity, pad=pad)
+    kept = pends.clone()
+    n, par = _long(fold, device), _long(parity, device)
+    got, want = states.clone(), states.clone()
+    if pad:                                   # (clone() packs the rows: padded again, as given)
+        got = _layers(3, 3, 16, 40, device, seed=0, pad=pad)[0].copy_(states)
+    gdn.fold_pending_layers_triton(got, pends, n, par, A_logs, dt_biases, any_stride, layers)
+    gdn.fold_pending_layers_ref(want, pends, n, par, A_logs, dt_biases)
+    check(got, want, TOL[torch.float32], "states")
+    assert torch.equal(pends, kept), "the kept tokens are only read"
+    for i in range(3):
+        own = states[i].clone()
+        gdn.fold_pending_triton(own, pends[i], n, par, A_logs[i], dt_biases[i], any_stride)
+        assert torch.equal(got[i], own), f"layer {i}"
+        assert fold == 0 or not torch.equal(own, states[i]), f"layer {i} folded nothing"
+    if fold == 0:
+        assert torch.equal(got, states)
+    again = states.clone()
+    gdn.fold_pending_layers(again, pends, n, par, A_logs, dt_biases, any_stride, layers)    # the dispatcher
+    assert torch.equal(again, got if device == "cuda" else want)
+
+
+def test_fold_pending_layers_refuses_unaligned_rows(device):
+    # rows 7 floats apart would compile the fold for other alignments than a layer's own launch
+    states, pends, A_logs, dt_biases = _layers(2, 3, 16, 40, device, seed=1, pad=7, align=1)
+    with pytest.raises(AssertionError, match="aligned"):
+        gdn.fold_pending_layers_triton(states, pends, _long(1, device), _long(0, device), A_logs, dt_biases)
+
+
+@pytest.mark.gpu
+def test_fold_pending_layers_is_a_steps_fold_27b():
+    # the 27B's 48 GDN layers folded in one launch: each layer's state the bits of its own step's
+    # fold (a verify with the step's launch options, in the any-stride form the engine takes)
+    states, pends, A_logs, dt_biases = _layers(48, 48, 128, 128, "cuda", seed=6)
+    n, parity = _long(4, "cuda"), _long(1, "cuda")
+    folded = states.clone()
+    gdn.fold_pending_layers(folded, pends, n, parity, A_logs, dt_biases, any_stride=True, layers=6)
+    args = _inputs(2, 16, 48, 128, 128, torch.bfloat16, "cuda", seed=7)[0]
+    for i in (0, 17, 47):
+        stepped, p = states[i].clone(), pends[i].clone()
+        gdn.recurrent(*args[:5], A_logs[i], dt_biases[i], stepped, p, n, parity, _long(1, "cuda"), any_stride=True)
+        assert torch.equal(folded[i], stepped), f"layer {i}"
 
 
 @pytest.mark.gpu
