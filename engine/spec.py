@@ -73,16 +73,7 @@ class ProfileDrafter:
         k, dev = drafts.shape[0], drafts.device
         n = len(self.reference)
         if self._table is None or self._table.device != dev:
-            true = torch.tensor(self.reference + [0], device=dev)          # past the end: token 0
-            wrong = (true + 1) % self.vocab if self.vocab else true + 1
-            # one table, the wrong tokens first: a draft is table[right * (n + 1) + position + i]
-            self._table = torch.cat([wrong, true])
-            self._ahead = torch.arange(16 + len(self.profile), device=dev)
-            self._rng = torch.Generator(device=dev).manual_seed(self.seed)
-            # P(draft i right | the drafts before it right) = profile[i] / profile[i-1]; 0 past the profile
-            prev = [1.0] + self.profile[:-1]
-            cond = [p / q if q > 0 else 0.0 for p, q in zip(self.profile, prev)]
-            self._cond = torch.tensor(cond + [0.0] * 16, device=dev)
+            self._setup(dev)
         # A step runs this eagerly between its draft and its verify, on the GPU's time but not a real
         # draft's: seven small kernels (a where over the true and the wrong tokens took twelve), with
         # the same draws, k uniforms a call.
@@ -90,3 +81,16 @@ class ProfileDrafter:
         right = (u < self._cond[:k]).cumprod(0)                               # 1 while every draft so far is right
         at = (torch.as_tensor(position, device=dev).view(-1)[:1] + self._ahead[:k]).clamp_(max=n)
         return self._table.index_select(0, at.add_(right, alpha=n + 1))
+
+    def _setup(self, dev):
+        """The tokens' table, the draws' generator and their thresholds, on the drafts' device."""
+        true = torch.tensor(self.reference + [0], device=dev)              # past the end: token 0
+        wrong = (true + 1) % self.vocab if self.vocab else true + 1
+        # one table, the wrong tokens first: a draft is table[right * (n + 1) + position + i]
+        self._table = torch.cat([wrong, true])
+        self._ahead = torch.arange(16 + len(self.profile), device=dev)
+        self._rng = torch.Generator(device=dev).manual_seed(self.seed)
+        # P(draft i right | the drafts before it right) = profile[i] / profile[i-1]; 0 past the profile
+        prev = [1.0] + self.profile[:-1]
+        cond = [p / q if q > 0 else 0.0 for p, q in zip(self.profile, prev)]
+        self._cond = torch.tensor(cond + [0.0] * 16, device=dev)
