@@ -180,19 +180,21 @@ def registers(ptx: str, cap: int) -> str:
     return m.group(1) if m else "?"
 
 
-def compile_variants(fn, layouts_of, signature: dict, aligned: tuple, caps: tuple, ops: tuple, variants):
+def compile_variants(fn, layouts_of, signature: dict, aligned: tuple, caps: tuple, ops: tuple, variants,
+                     more=lambda variant: {}):
     """Each variant of a probe's kernel compiled for each sm_<cap> without a GPU (`layouts_of(W, R)`:
-    its layouts; `aligned`: the arguments a launch marks 16-divisible; S 2 where the variant splits):
-    its shared memory, registers where ptxas says, and the counts of `ops` in its PTX."""
+    its layouts; `more(variant)`: any further constexprs; `aligned`: the arguments a launch marks
+    16-divisible; S 2 where the variant splits): its shared memory, registers where ptxas says, and
+    the counts of `ops` in its PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     for cap in caps:
         for variant in variants:
-            W, R, MT, depth, per_sm = variant
+            W, R, MT, depth, per_sm = variant[:5]
             mma, a, b, lx, lw = layouts_of(W, R, MT)
             cons = {"W": W, "R": R, "MT": MT, "DEPTH": depth, "S": 2 if per_sm else 1, "MMA": mma, "LA": a, "LB": b,
-                    "LX": lx, "LW": lw}
+                    "LX": lx, "LW": lw, **more(variant)}
             src = GluonASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in cons}}, constexprs=cons,
                                  attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
             k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=W))

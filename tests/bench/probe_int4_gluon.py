@@ -192,6 +192,13 @@ def main():
         return compile_variants(w4_gemv, layouts, SIGNATURE, ("x", "w", "s", "y", "ws", "KC", "KS", "s_x"), (90, 80),
                                 ("ld.global.v4", "ld.global.b32", "lop3.b32", "fma.rn.bf16x2", "mma.sync", "ld.shared",
                                  "shfl", "atom"), variants)
+    time_shapes(run, variants)
+
+
+def time_shapes(run_variant, variants):
+    """The 27B's four 4-bit shapes (probe_int4_libraries.SHAPES): random weights in pack()'s words,
+    each variant `run_variant(x, P, scale, variant)` timed beside the engine's product of the same
+    values (gluon_gemv.time_shape); a shared harness of the probes of this form."""
     from probe_int4_libraries import SHAPES, copies_for
     from mtpchat.kernels import int4
     bw, plan, gen = gpu_setup()
@@ -211,8 +218,7 @@ def main():
                        for _ in range(copies - 1)]
         product = engine_product(kind, plan)
         time_shape(f"{name} [{N} x {K}] (ours: {kind})", nbytes / bw * 1e6, lambda xt, i: product(xt, wq[i]),
-                   lambda xt, i, v: run(xt, Ps[i], Ss[i], v), x.float() @ dense.T, x, copies, variants)
-
+                   lambda xt, i, v: run_variant(xt, Ps[i], Ss[i], v), x.float() @ dense.T, x, copies, variants)
 
 if __name__ == "__main__":
     main()

@@ -30,8 +30,8 @@ try:
 except ImportError as e:            # a Triton without Gluon (before 3.5)
     sys.exit(f"this probe needs Triton's Gluon (triton.experimental.gluon): {e}")
 
-from gluon_gemv import (SIGNATURE, _finish, _part, _tiles, _x_operand, gpu_setup, programs, registers, time_shape)
-from probe_int4_gluon import GROUP, ROWS, G, layouts, pack, unpack, _mma_step
+from gluon_gemv import SIGNATURE, _finish, _part, _tiles, compile_variants, programs
+from probe_int4_gluon import GROUP, ROWS, G, layouts, time_shapes, _mma_step
 
 # the copy into shared memory: async_load from Triton 3.7, async_copy_global_to_shared before
 _copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -162,51 +162,19 @@ def parse_args() -> tuple[bool, list]:
 
 def compile_only(variants):
     """Each variant compiled for sm_90 and sm_80 without a GPU: shared memory, registers, PTX counts."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    aligned = ("x", "w", "s", "y", "ws", "K", "KC", "KS", "s_x")
-    ops = ("cp.async", "ld.shared.v4", "ld.shared", "bar.sync", "lop3.b32", "mma.sync", "ld.global")
-    for cap in (90, 80):
-        for variant in variants:
-            W, R, MT, depth, per_sm, NG = variant
-            mma, a, b, lx, lw, sw, sx, lxc = ring_layouts(W, R, MT)
-            cons = {"W": W, "R": R, "MT": MT, "DEPTH": depth, "S": 2 if per_sm else 1, "MMA": mma, "LA": a, "LB": b,
-                    "LX": lx, "LW": lw, "SW": sw, "SX": sx, "LXC": lxc, "NG": NG}
-            src = GluonASTSource(fn=w4_ring, signature={**SIGNATURE, **{k: "constexpr" for k in cons}}, constexprs=cons,
-                                 attrs={(w4_ring.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-            k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=W))
-            counts = {op: k.asm["ptx"].count(op) for op in ops}
-            print(f"sm_{cap} {W}x{R}m{MT}g{NG}d{depth}: shared {k.metadata.shared} B, regs {registers(k.asm['ptx'], cap)}, "
-                  f"PTX {counts}", flush=True)
+    def more(variant):
+        _, _, _, _, _, sw, sx, lxc = ring_layouts(*variant[:3])
+        return {"SW": sw, "SX": sx, "LXC": lxc, "NG": variant[5]}
+    compile_variants(w4_ring, layouts, SIGNATURE, ("x", "w", "s", "y", "ws", "K", "KC", "KS", "s_x"), (90, 80),
+                     ("cp.async", "ld.shared.v4", "ld.shared", "bar.sync", "lop3.b32", "mma.sync", "ld.global"), variants,
+                     more)
 
 
 def main():
     only, variants = parse_args()
     if only:
         return compile_only(variants)
-    from probe_int4_libraries import SHAPES, copies_for
-    from mtpchat.kernels import int4
-    from gluon_gemv import engine_product
-    bw, plan, gen = gpu_setup()
-    for name, N, K, kind in SHAPES:
-        q = torch.randint(0, 16, (N, K), device="cuda", generator=gen, dtype=torch.int32)
-        scale = torch.rand(N, K // G, device="cuda", generator=gen) * 0.02 + 0.005
-        P = pack(q)
-        assert torch.equal(unpack(P), q.to(torch.int64)), "pack / unpack"
-        dense = ((q - 8).float().view(N, K // G, G) * scale[..., None]).view(N, K)
-        x = torch.randn(ROWS, K, device="cuda", generator=gen).to(torch.bfloat16)
-        nbytes = P.nbytes + scale.nbytes
-        copies = copies_for(nbytes)
-        Ps = [P] + [torch.randint_like(P, -2 ** 31, 2 ** 31 - 1) for _ in range(copies - 1)]
-        Ss = [scale] + [scale.clone() for _ in range(copies - 1)]
-        ours = int4.interleave_ref(int4.quantize_ref(dense))
-        wq = [ours] + [int4.GroupInt4(torch.randint_like(ours.w, -2 ** 15, 2 ** 15), ours.scale.clone(), *ours[2:])
-                       for _ in range(copies - 1)]
-        product = engine_product(kind, plan)
-        time_shape(f"{name} [{N} x {K}] (ours: {kind})", nbytes / bw * 1e6, lambda xt, i: product(xt, wq[i]),
-                   lambda xt, i, v: run(xt, Ps[i], Ss[i], v), x.float() @ dense.T, x, copies, variants)
-
+    time_shapes(run, variants)
 
 if __name__ == "__main__":
     main()
