@@ -148,20 +148,23 @@ def label(variant: tuple) -> str:
     return f"{W}x{R}" + (f"m{MT}" if MT > 1 else "") + ahead + (f"/{per_sm}" if per_sm else "")
 
 
-def parse_args() -> tuple[bool, list]:
+def parse_args(default: str = "4x4p/32,8x4p/32,4x4m2p/32,8x4m2p/24,4x4m2pp/24,2x4m4p/16",
+               ring: bool = False) -> tuple[bool, list]:
     """--compile-only, and the variants [(W, R, MT, depth, warps an SM)] from labels W x R, m and the
     tiles of 16 rows a warp takes (1 without), a p for each step in flight ahead (at most 2), / the
-    warps an SM a split over K aims at (none: no split)."""
+    warps an SM a split over K aims at (none: no split); with `ring` (probe_int4_ring.py) a sixth
+    field, g and the groups a step (1 without), and d and the ring's depth for the p's."""
     import re
     p = argparse.ArgumentParser()
     p.add_argument("--compile-only", action="store_true")
-    p.add_argument("--variants", default="4x4p/32,8x4p/32,4x4m2p/32,8x4m2p/24,4x4m2pp/24,2x4m4p/16")
+    p.add_argument("--variants", default=default)
     a = p.parse_args()
     variants = []
     for v in a.variants.split(","):
-        m = re.fullmatch(r"(\d+)x(\d+)(?:m(\d+))?(p{0,2})(?:/(\d+))?", v)
-        assert m, f"a variant is W x R [m MT] [p | pp] [/ warps an SM]: {v}"
-        variants.append((int(m[1]), int(m[2]), int(m[3] or 1), len(m[4]), int(m[5] or 0)))
+        m = re.fullmatch(r"(\d+)x(\d+)(?:m(\d+))?(?:g(\d+))?(?:d(\d+)|(p{0,2}))(?:/(\d+))?", v)
+        assert m and (ring or not (m[4] or m[5])), f"a variant is W x R [m MT] {'[g NG] d DEPTH' if ring else '[p | pp]'} [/ warps an SM]: {v}"
+        depth = int(m[5]) if m[5] else len(m[6])
+        variants.append((int(m[1]), int(m[2]), int(m[3] or 1), depth, int(m[7] or 0)) + ((int(m[4] or 1),) if ring else ()))
     return a.compile_only, variants
 
 

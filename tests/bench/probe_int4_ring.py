@@ -10,15 +10,14 @@ takes another path (`ldmatrix` of the words, then a layout change into the opera
     cd tests/bench && python3 probe_int4_ring.py [--variants 4x4d4/32,...]   # GPU: against float32, timed
     cd tests/bench && python3 probe_int4_ring.py --compile-only             # no GPU: sm_90 and sm_80
 
-A variant is W x R [m MT] d DEPTH [/ warps an SM a split over K aims at]: W warps a program, steps
-of 32 R columns (R = 4: one group of 128), MT tiles of 16 rows a warp, DEPTH steps in the ring (a power of two).
+A variant is W x R [m MT] [g NG] d DEPTH [/ warps an SM a split over K aims at]: W warps a
+program, MT tiles of 16 rows a warp, steps of NG groups of 32 R columns (R = 4: a group of 128),
+DEPTH steps in the ring (a power of two).
 Checked on the GPU as probe_int4_gluon.py checks (float32 of the dequantized weight; row 0's bits
 at T = 1 and 8), timed beside the engine's product of each shape.
 """
 from __future__ import annotations
 
-import argparse
-import re
 import sys
 
 import torch
@@ -30,7 +29,7 @@ try:
 except ImportError as e:            # a Triton without Gluon (before 3.5)
     sys.exit(f"this probe needs Triton's Gluon (triton.experimental.gluon): {e}")
 
-from gluon_gemv import SIGNATURE, _finish, _part, _tiles, compile_variants, programs
+from gluon_gemv import SIGNATURE, _finish, _part, _tiles, compile_variants, parse_args, programs
 from probe_int4_gluon import GROUP, ROWS, G, layouts, time_shapes, _mma_step
 
 # the copy into shared memory: async_load from Triton 3.7, async_copy_global_to_shared before
@@ -146,20 +145,6 @@ def run(x: torch.Tensor, P: torch.Tensor, scale: torch.Tensor, variant: tuple, o
     return y
 
 
-def parse_args() -> tuple[bool, list]:
-    """--compile-only, and the variants [(W, R, MT, depth, warps an SM)] (the module docstring)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--compile-only", action="store_true")
-    p.add_argument("--variants", default="4x4g4d2/32,4x4g4d4/32,2x4g4d4/32,2x4g2d4/32,4x4m2g4d2/32,8x4g2d4/32")
-    a = p.parse_args()
-    variants = []
-    for v in a.variants.split(","):
-        m = re.fullmatch(r"(\d+)x(\d+)(?:m(\d+))?(?:g(\d+))?d(\d+)(?:/(\d+))?", v)
-        assert m, f"a variant is W x R [m MT] [g NG] d DEPTH [/ warps an SM]: {v}"
-        variants.append((int(m[1]), int(m[2]), int(m[3] or 1), int(m[5]), int(m[6] or 0), int(m[4] or 1)))
-    return a.compile_only, variants
-
-
 def compile_only(variants):
     """Each variant compiled for sm_90 and sm_80 without a GPU: shared memory, registers, PTX counts."""
     def more(variant):
@@ -171,7 +156,7 @@ def compile_only(variants):
 
 
 def main():
-    only, variants = parse_args()
+    only, variants = parse_args("4x4g4d2/32,4x4g4d4/32,2x4g4d4/32,2x4g2d4/32,4x4m2g4d2/32,8x4g2d4/32", ring=True)
     if only:
         return compile_only(variants)
     time_shapes(run, variants)
