@@ -62,7 +62,7 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
   int4's verify 3 7.350 -> 7.171 ms, its draft 0.173 -> 0.212 ms a token, MTP k = 1 / 3 / 4
   steps 0.998 / 0.992 / 0.993 x; the 35B-A3B int4's k = 1 / 3 / 4 0.995 / 0.987 / 0.988 x. A
   layer a program (18,432 programs of a warp on the 27B) beat 8 (0.996 x at k = 3) and 48 (1.005
-  x): the fold runs beside the draft's kernels but hardly under them, so its own time counts.
+  x): the draft's kernels slow while a fold runs under them, so the fastest fold wins.
 
 Candidates, off:
 - moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the

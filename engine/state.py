@@ -31,16 +31,15 @@ class DecodeState:
         hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         # the GDN layers' recurrent states and kept tokens, each one tensor with a layer a row, so
         # that one launch may fold every layer (kernels/gdn.py fold_pending_layers); a layer's own
-        # are views of its row, each row starting 256 bytes on from a multiple of 256, as a tensor
-        # of its own would (a kernel compiled for an aligned pointer is the one every layer takes)
+        # are views of its row, each row 256-byte aligned as a tensor of its own would be (a kernel
+        # compiled for an aligned pointer is the one every layer takes)
         n = sum(kind != "full_attention" for kind in c.layer_types)
         self.gdn_states = _rows((n, hv, dk, dv), device)
         self.gdn_pends = _rows((n, 2, k_max + 1, hv, gdn.pending_width(dk, dv)), device)
-        index = iter(range(n))
-        gdn_state = lambda i: (torch.zeros(c.conv_dim, self.conv_width, device=device, dtype=dtype),
-                               self.gdn_states[i], self.gdn_pends[i])
+        gdn_rows = iter(zip(self.gdn_states, self.gdn_pends))
+        gdn_state = lambda: (torch.zeros(c.conv_dim, self.conv_width, device=device, dtype=dtype), *next(gdn_rows))
         self.kernel = c.linear_conv_kernel_dim
-        self.layers = [kv() if kind == "full_attention" else gdn_state(next(index)) for kind in c.layer_types]
+        self.layers = [kv() if kind == "full_attention" else gdn_state() for kind in c.layer_types]
         self.gdn_layers = [cache for kind, cache in zip(c.layer_types, self.layers) if kind != "full_attention"]
         self.kv_layers = [cache for kind, cache in zip(c.layer_types, self.layers) if kind == "full_attention"]
         self.mtp = kv() if mtp else None

@@ -255,7 +255,8 @@ def _recurrent_kernel(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, 
                        pend + i_l * s_lp, fold, parity, live, o, T, scale, s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt,
                        i_h, i_v, i_kh, o_k, o_v, m_v, m_s, o_s, o_g, DK, DV, BV, HAS_LIVE)
     else:
-        _run_layer(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, scale, s_q, s_k, s_v, s_a, s_b, s_o, s_pp, s_pt, i_h, i_v, i_kh, o_k, o_v, m_v, m_s, o_s, o_g, DK, DV, BV, HAS_LIVE)
+        _run_layer(q, k, v, a, b, A_log, dt_bias, state, pend, fold, parity, live, o, T, scale, s_q, s_k, s_v, s_a, s_b,
+                   s_o, s_pp, s_pt, i_h, i_v, i_kh, o_k, o_v, m_v, m_s, o_s, o_g, DK, DV, BV, HAS_LIVE)
 
 
 # Triton compiles a launch's integer arguments into it where they are multiples of 16, and a
@@ -371,8 +372,8 @@ def fold_pending_layers_triton(states: torch.Tensor, pends: torch.Tensor, fold: 
                                A_logs: torch.Tensor, dt_biases: torch.Tensor, any_stride: bool = False,
                                layers: int = 1):
     """fold_pending_layers_ref's contract in one launch: fold_pending_triton's programs for each
-    layer, each taking `layers` layers in turn (fewer, longer programs: room on the SMs for what
-    runs beside them), each layer's state the bits its own launch gives. A layer's state and pend
+    layer, each program taking `layers` layers in turn (KernelPlan.fold_beside_draft), each layer's
+    state the bits its own launch gives. A layer's state and pend
     are contiguous; the layers may lie further apart, the same distance for every layer, in
     multiples of 16 floats from 16-byte aligned starts (engine/state.py pads them so): a kernel
     compiled for other alignments may sum in another order."""
