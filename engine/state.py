@@ -36,7 +36,9 @@ class DecodeState:
         n = sum(kind != "full_attention" for kind in c.layer_types)
         self.gdn_states = _rows((n, hv, dk, dv), device)
         self.gdn_pends = _rows((n, 2, k_max + 1, hv, gdn.pending_width(dk, dv)), device)
-        gdn_rows = iter(zip(self.gdn_states, self.gdn_pends))
+        # indexed, not iterated: iterating a tensor unbinds it, and views that come out of one call
+        # together may not be written in place once autograd is on (a caller's training loop)
+        gdn_rows = iter([(self.gdn_states[i], self.gdn_pends[i]) for i in range(n)])
         gdn_state = lambda: (torch.zeros(c.conv_dim, self.conv_width, device=device, dtype=dtype), *next(gdn_rows))
         self.kernel = c.linear_conv_kernel_dim
         self.layers = [kv() if kind == "full_attention" else gdn_state() for kind in c.layer_types]
