@@ -405,7 +405,7 @@ class Decoder:
             fold()
             return None
         if self.fold_stream is None:
-            self.fold_stream = torch.cuda.Stream(self.device)
+            self.fold_stream = torch.cuda.Stream(self.device, priority=0)     # CUDA's lowest (runner.capture_stream)
         self.fold_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.fold_stream):
             fold()

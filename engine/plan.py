@@ -65,6 +65,14 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
   x): the draft's kernels slow while a fold runs under them, so the fastest fold wins.
 
 Candidates, off:
+- fold_yields: under fold_beside_draft, the fold's programs yield the SMs to the draft's: the step
+  graphs are captured on a stream of a higher priority than the fold's (engine/runner.py
+  capture_stream), and torch instantiates a graph with its nodes' own priorities, which a capture
+  takes from the stream each kernel was launched on. With one priority the fold, launched first,
+  has its 18,432 programs placed before the draft's first kernel gets an SM: the 27B int4's draft
+  grew by 91-117 us a cycle with the fold beside it at k = 1..4, about the fold's whole time, where
+  the draft's own kernels leave most of the GPU's bandwidth unused. Only graphs take it: an eager
+  draft runs on the default stream, of CUDA's lowest priority, which the fold's already has.
 - moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the
   next norm's two pieces: kernels/moe.py Fold), two launches a layer fewer. With moe_normed,
   against moe_normed alone: the 35B-A3B's FP8 steps 0.994 / 0.995 / 1.002 x, int4 1.008 / 1.033 /
@@ -106,6 +114,7 @@ class KernelPlan:
     head_input: bool = True
     draft_chain: bool = True
     fold_beside_draft: int = 0
+    fold_yields: bool = False
     # The MTP head's rows kept while MTP is off (hidden_size x 2 bytes each: 5 MiB for the 27B), run
     # through it when MTP comes back on or when they fill up. A flush waits for the steps in flight
     # and runs the head eagerly: at 64 rows it cost a 27B decode some 2.5 ms every 63 tokens.

@@ -24,6 +24,7 @@ class Runner:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if graphs else None
         self.capture_s, self.pool_bytes = 0.0, 0
+        self.stream = None                     # the stream the graphs are captured on (capture_stream)
 
     def run(self, key, fn):
         """Run a phase (its graph if captured); returns a pair of events to time it."""
@@ -82,10 +83,11 @@ class Runner:
         gc.collect()
         collecting = gc.isenabled()
         gc.disable()
+        self.stream = capture_stream(d.plan)      # one for every capture, so they share the pool's memory
         try:
             for i, (key, fn) in enumerate(phases):  # capture records the kernels without running them
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                     fn()
                 self.graphs[key] = graph
                 report(len(phases) + i + 1)
@@ -101,6 +103,16 @@ class Runner:
         self.capture_s = time.perf_counter() - t0
         torch.cuda.empty_cache()
         self.pool_bytes = torch.cuda.memory_reserved() - reserved
+
+
+def capture_stream(plan) -> torch.cuda.Stream:
+    """The stream a runner captures its graphs on: under the plan's fold_yields one of a higher
+    priority than the fold's stream beside the draft (decoder.fold_stream: 0, CUDA's lowest), else
+    of that priority too. torch instantiates a graph to run each node at its own priority
+    (cudaGraphInstantiateFlagUseNodePriority), which a capture takes from the node's stream: when
+    the two streams' kernels contend, the block scheduler places the draft's programs before the
+    fold's waiting ones."""
+    return torch.cuda.Stream(priority=-1 if plan.fold_yields else 0)
 
 
 def elapsed_ms(timing) -> float:

@@ -1,6 +1,8 @@
 """On the GPU in bf16, CUDA graphs on: greedy output with the trimmed draft vocabulary and adaptive
 k equals MTP off, 8 prompts x 256 tokens, with the real head and with drafts of a chosen
 acceptance; the trimmed head's draft is the argmax of its rows."""
+import ctypes
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from mtpchat.engine import Engine, SamplingParams
 from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.plan import KernelPlan
 from mtpchat.engine.policy import AdaptiveK
+from mtpchat.engine.runner import capture_stream
 from mtpchat.engine.spec import ProfileDrafter
 from mtpchat.kernels import int4
 from tools.tiny import write_tiny_checkpoint
@@ -187,14 +190,15 @@ def test_draft_chain_in_one_kernel_keeps_the_drafts(tmp_path, monkeypatch, moe):
     assert checked[0] >= 2
 
 
-@pytest.mark.parametrize("moe", [False, True])
-def test_fold_beside_the_draft_keeps_mtp_exact(tmp_path, moe):
+@pytest.mark.parametrize("moe,yields", [(False, False), (True, False), (False, True)])
+def test_fold_beside_the_draft_keeps_mtp_exact(tmp_path, moe, yields):
     """The last step's accepted tokens folded into the GDN states on a second stream of the draft's
-    graph (the plan's fold_beside_draft), so each verify folds none: greedy MTP on == off at k =
-    1..4 with the profile's drafts and the head's, and after a generation the state a draft folds
-    is, bit for bit, what the step kernels' fold gives (DecodeState.gdn_committed)."""
+    graph (the plan's fold_beside_draft; under fold_yields, that stream's kernels of a lower
+    priority than the draft's), so each verify folds none: greedy MTP on == off at k = 1..4 with
+    the profile's drafts and the head's, and after a generation the state a draft folds is, bit for
+    bit, what the step kernels' fold gives (DecodeState.gdn_committed)."""
     ckpt = write_tiny_checkpoint(tmp_path / "m", moe=moe, **(GPU_MOE_SHAPE if moe else SHAPE))
-    plan = KernelPlan.choose("cuda", ModelConfig.load(ckpt), False).replace(fold_beside_draft=8)
+    plan = KernelPlan.choose("cuda", ModelConfig.load(ckpt), False).replace(fold_beside_draft=8, fold_yields=yields)
     engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024, plan=plan)
     assert engine.decoder.runner.graphs, "the draft's graph holds the fold's stream"
     prompts = gpu_prompts(engine, 3)
@@ -210,3 +214,42 @@ def test_fold_beside_the_draft_keeps_mtp_exact(tmp_path, moe):
     assert int(d.state.fold) == 0
     for (_, state, _), w in zip(d.state.gdn_layers, want):
         assert torch.equal(state, w)
+
+
+def _kernel_priorities(graph: torch.cuda.CUDAGraph) -> list[int]:
+    """The priority of each kernel node of a graph captured with keep_graph (CUDA's driver API)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    g, n = ctypes.c_void_p(graph.raw_cuda_graph()), ctypes.c_size_t(0)
+    assert cuda.cuGraphGetNodes(g, None, ctypes.byref(n)) == 0
+    nodes = (ctypes.c_void_p * n.value)()
+    assert cuda.cuGraphGetNodes(g, nodes, ctypes.byref(n)) == 0
+    out = []
+    for node in nodes:
+        kind = ctypes.c_int()
+        assert cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) == 0
+        if kind.value == 0:                                             # CU_GRAPH_NODE_TYPE_KERNEL
+            value = (ctypes.c_char * 64)()                              # CUlaunchAttributeValue
+            assert cuda.cuGraphKernelNodeGetAttribute(ctypes.c_void_p(node), 8, value) == 0   # its priority
+            out.append(int.from_bytes(value.raw[:4], "little", signed=True))
+    return out
+
+
+@pytest.mark.parametrize("yields", [False, True])
+def test_the_fold_yields_to_the_draft_in_its_graph(ckpt, yields):
+    """Under fold_yields the draft's graph holds the fold's kernels (the fold and the zeroing of its
+    count) at CUDA's lowest priority and every other kernel at the capture stream's higher one, as
+    the runner captures it (runner.capture_stream); without it, one priority for all."""
+    plan = KernelPlan.choose("cuda", ModelConfig.load(ckpt), False).replace(fold_yields=yields)
+    engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=256, plan=plan)
+    stream = capture_stream(plan)
+    assert engine.decoder.runner.stream.priority == stream.priority
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph, stream=stream):
+        engine.decoder.draft(3)
+    priorities = _kernel_priorities(graph)
+    low = [p for p in priorities if p == engine.decoder.fold_stream.priority]
+    if yields:
+        assert stream.priority < engine.decoder.fold_stream.priority == 0
+        assert 1 <= len(low) <= 2 and set(priorities) == {stream.priority, 0}, priorities
+    else:
+        assert set(priorities) == {0}, priorities
