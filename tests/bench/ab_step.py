@@ -54,6 +54,7 @@ from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.dispatch import weight
 from mtpchat.engine.engine import Engine, interleave_4bit
 from mtpchat.engine.plan import KernelPlan
+from mtpchat.engine.runner import capture_stream
 from mtpchat.engine.sampling import SamplingParams
 from mtpchat.kernels import matvec, matvec_parts
 from mtpchat.kernels.int4 import GroupInt4, dequantize_ref
@@ -200,7 +201,7 @@ def main():
         first, *rest = plans
         fc_bf16.add(first + ", fc bf16")
         plans = {first: plans[first], first + ", fc bf16": plans[first], **{name: plans[name] for name in rest}}
-    kept_weights, kept_heads = [], []
+    kept_weights, kept_heads, streams = [], [], {}
     for name, plan in list(plans.items()):
         if plan.products.int4_interleave and not kept_weights:
             kept_weights = [p for m in (engine.model, engine.head) if m is not None for p in m.parameters()]
@@ -216,7 +217,9 @@ def main():
                 fn()                               # compiles this plan's kernels
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                # on the stream the engine's runner captures on for this plan (its priority: fold_yields)
+                stream = streams.setdefault(plan.fold_yields, capture_stream(plan))
+                with torch.cuda.graph(g, pool=pool, stream=stream):
                     restore(phase)
                     fn()
                 graphs[name, phase] = g
