@@ -109,9 +109,9 @@ def capture_stream(plan) -> torch.cuda.Stream:
     """The stream a runner captures its graphs on: under the plan's fold_yields one of a higher
     priority than the fold's stream beside the draft (decoder.fold_stream: 0, CUDA's lowest), else
     of that priority too. torch instantiates a graph to run each node at its own priority
-    (cudaGraphInstantiateFlagUseNodePriority), which a capture takes from the node's stream: when
-    the two streams' kernels contend, the block scheduler places the draft's programs before the
-    fold's waiting ones."""
+    (cudaGraphInstantiateFlagUseNodePriority), which a capture takes from the node's stream
+    (tests/test_gpu_draft.py reads them back): when the two streams' kernels contend, the block
+    scheduler places the draft's programs before the fold's waiting ones."""
     return torch.cuda.Stream(priority=-1 if plan.fold_yields else 0)
 
 
