@@ -211,14 +211,16 @@ def main():
         if d.draft_rows is not None:               # the trimmed head in this plan's form (draft_head_int4)
             kept_heads.append(d.draft_rows)        # the graphs captured before read its rows
             d.trim_draft_head(sorted(d.draft_rows.subset), d.draft_rows.context)
+        # captured on the stream the engine's runner takes for this plan (its priority: fold_yields)
+        if plan.fold_yields not in streams:
+            streams[plan.fold_yields] = capture_stream(plan)
+        stream = streams[plan.fold_yields]
         try:
             for phase, fn in phases.items():
                 restore(phase)
                 fn()                               # compiles this plan's kernels
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
-                # on the stream the engine's runner captures on for this plan (its priority: fold_yields)
-                stream = streams.setdefault(plan.fold_yields, capture_stream(plan))
                 with torch.cuda.graph(g, pool=pool, stream=stream):
                     restore(phase)
                     fn()
