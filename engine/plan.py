@@ -63,16 +63,19 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
   steps 0.998 / 0.992 / 0.993 x; the 35B-A3B int4's k = 1 / 3 / 4 0.995 / 0.987 / 0.988 x. A
   layer a program (18,432 programs of a warp on the 27B) beat 8 (0.996 x at k = 3) and 48 (1.005
   x): the draft's kernels slow while a fold runs under them, so the fastest fold wins.
+- fold_yields (on a GPU): under fold_beside_draft, the fold's programs yield the SMs to the
+  draft's: the step graphs are captured on a stream of a higher priority than the fold's
+  (engine/runner.py capture_stream), and torch instantiates a graph with its nodes' own priorities,
+  which a capture takes from the stream each kernel was launched on (tests/test_gpu_draft.py reads
+  them back). With one priority the fold, launched first, had its 18,432 programs placed before
+  the draft's first kernel got an SM: the 27B int4's draft grew by 91-117 us a cycle with the fold
+  beside it at k = 1..4. With it, in one process, engines alternated (an H200, 2026-11-29,
+  ab_generate.py --plans "fold_yields=0;fold_yields=1"): the draft 0.212 -> 0.202 ms a token at
+  k = 3, MTP k = 1 / 3 / 4 steps 0.997 / 0.998 / 0.996 x, k = 3 2.410 -> 2.405 ms a token; with
+  8 layers a program 1.002 x (the fastest fold still wins). Only graphs take it: an eager draft
+  runs on the default stream, of CUDA's lowest priority, which the fold's already has.
 
 Candidates, off:
-- fold_yields: under fold_beside_draft, the fold's programs yield the SMs to the draft's: the step
-  graphs are captured on a stream of a higher priority than the fold's (engine/runner.py
-  capture_stream), and torch instantiates a graph with its nodes' own priorities, which a capture
-  takes from the stream each kernel was launched on. With one priority the fold, launched first,
-  has its 18,432 programs placed before the draft's first kernel gets an SM: the 27B int4's draft
-  grew by 91-117 us a cycle with the fold beside it at k = 1..4, about the fold's whole time, where
-  the draft's own kernels leave most of the GPU's bandwidth unused. Only graphs take it: an eager
-  draft runs on the default stream, of CUDA's lowest priority, which the fold's already has.
 - moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the
   next norm's two pieces: kernels/moe.py Fold), two launches a layer fewer. With moe_normed,
   against moe_normed alone: the 35B-A3B's FP8 steps 0.994 / 0.995 / 1.002 x, int4 1.008 / 1.033 /
@@ -342,6 +345,7 @@ class KernelPlan:
                    combine_normed=config.is_moe and device.type == "cuda",
                    draft_head_int4=draft_head_int4_on(device),
                    fold_beside_draft=1 if device.type == "cuda" else 0,
+                   fold_yields=device.type == "cuda",
                    prefill_attention="triton" if timed else "flash",
                    step_prefill=2 if device.type == "cuda" else 0,
                    prefill_graphs=prefill_graph_sizes(config, four_bit, products.int4_prefill_rows)
