@@ -179,7 +179,8 @@ class GatedAttention(nn.Module):
                           rows=1 if ctx.step else ctx.plan.prefill_rows)
         scale = c.head_dim ** -0.5
         if ctx.step:
-            o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale, gate)   # the gate fused in
+            o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale, gate,    # the gate fused in
+                                           programs=ctx.attention_programs)
         else:
             if isinstance(ctx.start, torch.Tensor):
                 # a prefill chunk replayed as a graph (engine/decoder.py): its start on the device,
@@ -187,7 +188,7 @@ class GatedAttention(nn.Module):
                 # chunk's over the first rows alone: fewer spans, fewer partials)
                 rows = ctx.attention_rows or k_cache.shape[0]
                 o = attention.decode_attention(q, k_cache[:rows], v_cache[:rows], ctx.start, scale,
-                                               workspace=ctx.attention_workspace)
+                                               workspace=ctx.attention_workspace, programs=ctx.attention_programs)
             else:
                 o = self._prefill_attention(q, k_cache, v_cache, scale, ctx)
             if ctx.plan.prefill_gate and c.head_dim & (c.head_dim - 1) == 0:

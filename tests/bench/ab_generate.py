@@ -32,6 +32,8 @@ def main():
     p.add_argument("--ks", default="3,1,4", help="the drafts a step, each its own rounds (the first: --rounds)")
     p.add_argument("--rounds", type=int, default=4, help="rounds at the first k (2 at the others)")
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--max-context", type=int, default=4096,
+                   help="the engines' context (the app's default; mtpchat bench takes 8,320)")
     a = p.parse_args()
     config = random_config(a.model)
     weights = None if a.weights == "bf16" else a.weights
@@ -39,7 +41,7 @@ def main():
     engines = {}
     for changes in a.plans.split(";"):
         plan = base.replace(**parse_changes(changes))
-        engines[changes or "chosen"] = Engine(config, device="cuda", max_context=4096, cuda_graphs=True,
+        engines[changes or "chosen"] = Engine(config, device="cuda", max_context=a.max_context, cuda_graphs=True,
                                               weights=weights, plan=plan)
     first = next(iter(engines.values()))
     prompt = bench.random_prompt(first, 1024, 0)

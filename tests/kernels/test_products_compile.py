@@ -73,7 +73,11 @@ def launches(cap):
                         dict(types, w2=types.get("w", "*bf16"), y="*fp32"), warps, stages
     first, split, BN, warps, stages = attention._config(32768, 2, 256, plan)
     yield "decode attention", attention._attn_split_kernel, dict(HQ=24, GROUP=6, D=256, BM=32, BN=BN, FIRST=first,
-                                                                   SPLIT=split), {}, warps, stages
+                                                                   SPLIT=split, SWEEP=False), {}, warps, stages
+    if cap >= 90:     # its split walking the spans, which only a benchmark's plan names (KernelPlan.attention_sweep)
+        yield "decode attention swept", attention._attn_split_kernel, dict(HQ=24, GROUP=6, D=256, BM=32, BN=BN,
+                                                                           FIRST=first, SPLIT=split, SWEEP=True), \
+            {}, warps, stages
     if cap >= 89:     # prefill's FP8 product where cuBLAS does not serve: the wide tile and the few-row ones
         for tname, t in (("wide", fp8_gemm.WIDE), ("small", fp8_gemm.SMALL), ("small 16", fp8_gemm.gemm_tiles(16, fp8_gemm.SMALL, 16))):
             yield f"fp8 gemm {tname}", fp8_gemm._gemm_kernel, dict(BM=t.BM, BN=t.BN, BK=fp8_gemm.BK,
@@ -99,5 +103,6 @@ def test_products_compile_within_each_targets_shared_memory():
     stdout = run_children(COMPILE)
     # bf16: plain (alone and with a conv), SwiGLU, split, 4 expert kernels, decode and prefill
     # attention on 4 targets; FP8's 8 and prefill's FP8 product on 3 tiles on sm_89 and sm_90; a
-    # step's 2 expert kernels over the other MoE layout, bf16 and FP8, on sm_90
-    assert stdout.count("ok ") == 10 * 4 + (8 + 3) * 2 + 2 * 2, stdout[-2000:]
+    # step's 2 expert kernels over the other MoE layout, bf16 and FP8, and decode attention walking
+    # its spans, on sm_90
+    assert stdout.count("ok ") == 10 * 4 + (8 + 3) * 2 + 2 * 2 + 1, stdout[-2000:]
