@@ -60,7 +60,8 @@ class Ctx:
     @property
     def attention_programs(self) -> int | None:
         """The programs a step's attention splits its keys over at most (KernelPlan.attention_sweep),
-        or None: a program a span of keys."""
+        or None: a program a span of keys. A prefill chunk's attention takes a program a span: its
+        rows' blocks fill the device, and most of its spans hold keys."""
         return self.plan.attention_sweep or None
 
     def linear(self, x, w, conv: ConvStep | None = None) -> torch.Tensor:

@@ -188,7 +188,7 @@ class GatedAttention(nn.Module):
                 # chunk's over the first rows alone: fewer spans, fewer partials)
                 rows = ctx.attention_rows or k_cache.shape[0]
                 o = attention.decode_attention(q, k_cache[:rows], v_cache[:rows], ctx.start, scale,
-                                               workspace=ctx.attention_workspace, programs=ctx.attention_programs)
+                                               workspace=ctx.attention_workspace)
             else:
                 o = self._prefill_attention(q, k_cache, v_cache, scale, ctx)
             if ctx.plan.prefill_gate and c.head_dim & (c.head_dim - 1) == 0:

@@ -79,7 +79,7 @@ Candidates, off:
 - attention_sweep (the programs at most, 0: off; one wave is the products' `programs`, one an
   SM): a step's attention over the KV cache (kernels/attention.py) with its split kernel on that
   many programs, each walking every P-th span of keys up to the last span with keys, in place of
-  a program a span. The spans are fixed
+  a program a span (steps only: a prefill chunk's blocks of rows fill the device). The spans are fixed
   by the cache's size, so a short context in a cache sized for a long one leaves most of them
   empty, and at head_dim 256 a program takes 151,552 bytes of shared memory, one an SM: the 27B's
   cache of 8,329 rows is 74 spans x 4 kv heads = 296 programs, 2.2 waves, of which 64 hold keys
