@@ -14,10 +14,9 @@ programs a device holds at once, a grid of that many at most, each program walki
 span up to the last with keys: the spans of a cache sized for a long context and a short one
 filled leave most programs of the first form with no keys, and a program holds a whole SM's
 shared memory at head_dim 256, so those empty programs took waves of their own. The same spans,
-each by the same code: the same bits. The start is read
-from a device tensor, so a CUDA graph captured once serves every length. Row t sees exactly the
-spans and blocks it would see in a 1-row call at start + t, and masked keys add exact zeros, so a
-row's result does not depend on T.
+each by the same code: the same bits. The start is read from a device tensor, so a CUDA graph
+captured once serves every length. Row t sees exactly the spans and blocks it would see in a 1-row
+call at start + t, and masked keys add exact zeros, so a row's result does not depend on T.
 """
 from __future__ import annotations
 
