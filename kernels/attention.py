@@ -10,13 +10,14 @@ The kernels split the keys into fixed spans (a function of the cache size only):
 FIRST spans of BN keys, the rest of SPLIT keys (so a short context is spread over many programs
 and a long one over few spans); one program per (span, kv head, block of query rows) computes a
 partial softmax, a second kernel combines the spans of each row in span order. Or, given the
-programs a device holds at once, a grid of that many at most, each program walking every P-th
-span up to the last with keys: the spans of a cache sized for a long context and a short one
-filled leave most programs of the first form with no keys, and a program holds a whole SM's
-shared memory at head_dim 256, so those empty programs took waves of their own. The same spans,
-each by the same code: the same bits. The start is read from a device tensor, so a CUDA graph
-captured once serves every length. Row t sees exactly the spans and blocks it would see in a 1-row
-call at start + t, and masked keys add exact zeros, so a row's result does not depend on T.
+programs a device holds at once, a grid of that many (at least one a kv head and block of rows),
+each program walking every P-th span up to the last with keys: the spans of a cache sized for a
+long context and a short one filled leave most programs of the first form with no keys, and a
+program holds a whole SM's shared memory at head_dim 256, so those empty programs took waves of
+their own. The same spans, each by the same code: the same bits. The start is read from a device
+tensor, so a CUDA graph captured once serves every length. Row t sees exactly the spans and
+blocks it would see in a 1-row call at start + t, and masked keys add exact zeros, so a row's
+result does not depend on T.
 """
 from __future__ import annotations
 
@@ -101,18 +102,19 @@ def _attn_span(q, k_cache, v_cache, b_start, ws_m, ws_l, ws_o, T, scale, i_s, i_
 
 
 @triton.jit(do_not_specialize=["T"])
-def _attn_split_kernel(q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale,
+def _attn_split_kernel(q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale, spans,
                        s_qt, s_qh, s_kl, s_kh, s_vl, s_vh,
                        HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr, SPLIT: tl.constexpr,
                        SWEEP: tl.constexpr, PDL: tl.constexpr):
     # A program a span, or under SWEEP programs that walk every P-th span (P: the grid's first
-    # axis) up to the last span with keys: the same spans, each computed by the same code
+    # axis) up to the last span with keys, and never past the cache's `spans`, whose partials the
+    # workspace holds: the same spans, each computed by the same code
     pdl_start(PDL)
     i_p, i_kv, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b_start = tl.load(start)
     if SWEEP:
-        n_spans = _spans_to(b_start + T - 1, BN, FIRST, SPLIT)
+        n_spans = tl.minimum(_spans_to(b_start + T - 1, BN, FIRST, SPLIT), spans)
         for i_s in range(i_p, n_spans, tl.num_programs(0)):
             _attn_span(q, k_cache, v_cache, b_start, ws_m, ws_l, ws_o, T, scale, i_s, i_kv, i_m,
                        s_qt, s_qh, s_kl, s_kh, s_vl, s_vh, HQ, GROUP, D, BM, BN, FIRST, SPLIT)
@@ -205,7 +207,8 @@ def _combine_config() -> tuple[int, int]:
 
 def sweep_programs(spans: int, Hkv: int, blocks: int, programs: int) -> int:
     """The programs a (kv head, block of query rows) takes in the sweeping form: the device's
-    `programs` shared among the Hkv x blocks, at least one, at most one a span."""
+    `programs` shared among the Hkv x blocks, at most one a span, and at least one, so that where
+    Hkv x blocks exceeds `programs` the grid does too."""
     return max(1, min(spans, programs // (Hkv * blocks)))
 
 
@@ -216,8 +219,9 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """decode_attention_ref's contract with `start` a 1-element long tensor on q's device.
     `config` overrides _config(L), for tuning. `workspace`: float32 memory for the spans' partials
     (at least split_workspace_floats of them), else allocated here. `programs`: the split kernel's
-    programs in all at most, each walking every P-th span (sweep_programs; the device's programs
-    resident at once: KernelPlan.attention_sweep); None: a program a span."""
+    programs in all, shared among the kv heads and blocks of rows, each walking every P-th span
+    (sweep_programs: at least one a kv head and block; the device's programs resident at once:
+    KernelPlan.attention_sweep); None: a program a span."""
     T, Hq, D = q.shape
     L, Hkv = k_cache.shape[0], k_cache.shape[1]
     assert v_cache.shape == k_cache.shape == (L, Hkv, D) and Hq % Hkv == 0, "caches must be [L, Hkv, D]"
@@ -242,7 +246,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     blocks = triton.cdiv(T * group, BM)
     P = spans if programs is None else sweep_programs(spans, Hkv, blocks, programs)
     _attn_split_kernel[(P, Hkv, blocks)](
-        q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale, q.stride(0), q.stride(1),
+        q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale, spans, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HQ=Hq, GROUP=group, D=D, BM=BM, BN=BN, FIRST=first, SPLIT=split, SWEEP=programs is not None,
         num_warps=warps, num_stages=stages, **pdl(q))

@@ -201,11 +201,13 @@ def test_conv_in_recurrence_changes_no_token(ckpt):
 
 def test_attention_sweeping_its_spans_changes_no_token(ckpt):
     # a step's attention on fewer programs walking the key spans (KernelPlan.attention_sweep): on
-    # the device's programs, and on one a (kv head, block of rows), each walking every span: the
-    # same greedy tokens as a program a span, MTP off and on
+    # the device's programs (more than this small cache's spans: each walks one), on three a kv head
+    # (a decode's walk every third span) and on one a (kv head, block of rows), each walking every
+    # span: the same greedy tokens as a program a span, MTP off and on
     runs = []
-    base = KernelPlan.choose("cuda", ModelConfig.load(ckpt), fp8=False)
-    for programs in (0, base.products.programs, 1):
+    config = ModelConfig.load(ckpt)
+    base = KernelPlan.choose("cuda", config, fp8=False)
+    for programs in (0, base.products.programs, 3 * config.num_key_value_heads, 1):
         engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024,
                              plan=base.replace(attention_sweep=programs))
         runs.append(assert_mtp_on_equals_off(engine, gpu_prompts(engine, 3)[1:], 96, profile_ks=(1, 3), ks=(2,)))

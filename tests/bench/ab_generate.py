@@ -33,7 +33,7 @@ def main():
     p.add_argument("--rounds", type=int, default=4, help="rounds at the first k (2 at the others)")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--max-context", type=int, default=4096,
-                   help="the engines' context (the app's default; mtpchat bench takes 8,320)")
+                   help="the engines' context (Engine.load's default; the app's is 8,192, mtpchat bench's 8,320)")
     a = p.parse_args()
     config = random_config(a.model)
     weights = None if a.weights == "bf16" else a.weights

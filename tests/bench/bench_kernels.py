@@ -259,9 +259,13 @@ def bench_attention(bw, sweep):
                 attn_mask=mask, scale=HD ** -0.5, enable_gqa=True) for kc, vc in caches]) / len(caches)
             row(f"attention ctx={ctx} T={T}", ms, n * HKV * HD * 2 * 2, bw, sdpa, "sdpa")
     # the split kernel on one wave of programs walking the spans (KernelPlan.attention_sweep) against a
-    # program a span, in caches of the app's default context, mtpchat bench's and 32K, alternated
+    # program a span, alternated, in the caches of engines of 4,096 tokens (Engine.load's default),
+    # of the app's default 8,192, of mtpchat bench's 8,320 and of 32K (context + 9 rows: k_max + 1)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for cap in (4096 + 160, 8329, 32768):
+    rows = 32777
+    caches = [(torch.randn(rows, HKV, HD, device="cuda").bfloat16(), torch.randn(rows, HKV, HD, device="cuda").bfloat16())
+              for _ in range(ATTN_LAYERS)]
+    for cap in (4105, 8201, 8329, rows):
         small = [(kc[:cap], vc[:cap]) for kc, vc in caches]
         for ctx in (c for c in (1024, 4000, 8000, 32000) if c + 8 < cap):
             for T in (1, 4):
