@@ -101,7 +101,7 @@ def _attn_span(q, k_cache, v_cache, b_start, ws_m, ws_l, ws_o, T, scale, i_s, i_
         tl.store(ws_o + o_w[:, None] * D + o_d[None, :], b_o, mask=m_r[:, None])
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "spans"])     # one compiled kernel for every cache size, as before
 def _attn_split_kernel(q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale, spans,
                        s_qt, s_qh, s_kl, s_kh, s_vl, s_vh,
                        HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,

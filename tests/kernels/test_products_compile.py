@@ -92,8 +92,8 @@ for cap in (90, 80, 86, 89):
     for name, fn, consts, types, warps, stages in launches(cap):
         consts = dict(consts, PDL=cap >= 90)
         sig = {a: types.get(a, TYPES.get(a, "i32")) for a in fn.arg_names if a not in consts}
-        # as a launch specialises them: pointers, shapes and strides 16-divisible (T, eps, scale aside)
-        aligned = {a for a in sig if a not in ("T", "n", "M", "eps", "scale") and sig[a] != "fp32"}
+        # as a launch specialises them: pointers, shapes and strides 16-divisible (T, eps, scale, spans aside)
+        aligned = {a for a in sig if a not in ("T", "n", "M", "eps", "scale", "spans") and sig[a] != "fp32"}
         compile_checked(fn, consts, sig, cap, warps, stages, f"{name} sm_{cap}", aligned)
 """
 
