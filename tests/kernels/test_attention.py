@@ -151,9 +151,11 @@ def test_decode_attention_sweeping_the_spans(device, dtype, T, Hq, Hkv, D, L, st
     got = attention.decode_attention_triton(q, kc, vc, at, D ** -0.5, gate, config=config, workspace=workspace,
                                             programs=programs)
     assert torch.equal(got, attention.decode_attention_triton(q, kc, vc, at, D ** -0.5, gate, config=config))
-    check(got, attention.decode_attention_ref(q, kc, vc, start, D ** -0.5, gate), TOL[dtype])
+    want = attention.decode_attention_ref(q, kc, vc, start, D ** -0.5, gate)
+    check(got, want, TOL[dtype])
+    # the dispatcher: these kernels on a GPU, the reference (which takes no programs) elsewhere
     via = attention.decode_attention(q, kc, vc, start, D ** -0.5, gate, programs=programs)
-    assert torch.equal(via, got) if attention.use_triton(q, kc, vc) else via.shape == got.shape
+    assert torch.equal(via, got if attention.use_triton(q, kc, vc) else want)
 
 
 def test_the_sweep_shares_the_devices_programs():
