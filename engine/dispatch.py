@@ -57,13 +57,6 @@ class Ctx:
     def products(self) -> ProductPlan:
         return self.plan.products
 
-    @property
-    def attention_programs(self) -> int | None:
-        """The programs a step's attention splits its keys over at most (KernelPlan.attention_sweep),
-        or None: a program a span of keys. A prefill chunk's attention takes a program a span: its
-        rows' blocks fill the device, and most of its spans hold keys."""
-        return self.plan.attention_sweep or None
-
     def linear(self, x, w, conv: ConvStep | None = None) -> torch.Tensor:
         return linear(x, w, self.step, self.plan.products, conv)
 

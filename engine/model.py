@@ -179,8 +179,7 @@ class GatedAttention(nn.Module):
                           rows=1 if ctx.step else ctx.plan.prefill_rows)
         scale = c.head_dim ** -0.5
         if ctx.step:
-            o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale, gate,    # the gate fused in
-                                           programs=ctx.attention_programs)
+            o = attention.decode_attention(q, k_cache, v_cache, ctx.start, scale, gate)   # the gate fused in
         else:
             if isinstance(ctx.start, torch.Tensor):
                 # a prefill chunk replayed as a graph (engine/decoder.py): its start on the device,

@@ -76,18 +76,6 @@ The defaults are the forms measured fastest on an H100 in whole decode steps (do
   runs on the default stream, of CUDA's lowest priority, which the fold's already has.
 
 Candidates, off:
-- attention_sweep (programs, 0: off; one wave is the products' `programs`, one an SM): a step's
-  attention over the KV cache (kernels/attention.py) with its split kernel on that many programs
-  (at least one a kv head and block of rows), each walking every P-th span of keys up to the last
-  span with keys, in place of a program a span (steps only: a prefill chunk's blocks of rows fill
-  the device). The spans are fixed by the cache's size, so a short context in a cache sized for a
-  long one leaves most of them empty, and at head_dim 256 a program takes 151,552 bytes of shared
-  memory, one an SM: mtpchat bench's 27B cache of 8,329 rows is 74 spans x 4 kv heads = 296
-  programs, 2.2 waves, of which 64 hold keys at 1K context; the app's default of 8,192 tokens
-  the same; a 32K context 79 spans, 316 programs. On an H100 (2026-11-25, _config's docstring) a
-  layer's attention at 1K context took 15 us in a cache of 32,768 rows (140 spans), its KV bytes
-  some 1 us. The same spans by the same code: the same bits (tests/kernels/test_attention.py).
-  Not yet timed.
 - moe_fold: a step's MoE layer finished in its down kernel (the combine, the residual add and the
   next norm's two pieces: kernels/moe.py Fold), two launches a layer fewer. With moe_normed,
   against moe_normed alone: the 35B-A3B's FP8 steps 0.994 / 0.995 / 1.002 x, int4 1.008 / 1.033 /
@@ -130,7 +118,6 @@ class KernelPlan:
     draft_chain: bool = True
     fold_beside_draft: int = 0
     fold_yields: bool = False
-    attention_sweep: int = 0
     # The MTP head's rows kept while MTP is off (hidden_size x 2 bytes each: 5 MiB for the 27B), run
     # through it when MTP comes back on or when they fill up. A flush waits for the steps in flight
     # and runs the head eagerly: at 64 rows it cost a 27B decode some 2.5 ms every 63 tokens.
@@ -305,8 +292,6 @@ class KernelPlan:
             raise ValueError(f"prefill_early {self.prefill_early} and prefill_graphs {self.prefill_graphs} share sizes")
         if self.prefill_early_beside < 0:
             raise ValueError(f"prefill_early_beside counts chunks: 0 or more, not {self.prefill_early_beside}")
-        if self.attention_sweep < 0:
-            raise ValueError(f"attention_sweep counts programs: 0 (off) or more, not {self.attention_sweep}")
         if self.prefill_early and self.prefill_early_rows < max(self.prefill_early):
             raise ValueError(f"prefill_early_rows {self.prefill_early_rows} must hold the largest early chunk, "
                              f"{max(self.prefill_early)}")

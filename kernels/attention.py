@@ -9,15 +9,10 @@ in the cache; k_cache, v_cache [L, Hkv, D]. Query head h reads kv head h // (Hq 
 The kernels split the keys into fixed spans (a function of the cache size only): the first
 FIRST spans of BN keys, the rest of SPLIT keys (so a short context is spread over many programs
 and a long one over few spans); one program per (span, kv head, block of query rows) computes a
-partial softmax, a second kernel combines the spans of each row in span order. Or, given the
-programs a device holds at once, a grid of that many (at least one a kv head and block of rows),
-each program walking every P-th span up to the last with keys: the spans of a cache sized for a
-long context and a short one filled leave most programs of the first form with no keys, and a
-program holds a whole SM's shared memory at head_dim 256, so those empty programs took waves of
-their own. The same spans, each by the same code: the same bits. The start is read from a device
-tensor, so a CUDA graph captured once serves every length. Row t sees exactly the spans and
-blocks it would see in a 1-row call at start + t, and masked keys add exact zeros, so a row's
-result does not depend on T.
+partial softmax, a second kernel combines the spans of each row in span order. The start is read
+from a device tensor, so a CUDA graph captured once serves every length. Row t sees exactly the
+spans and blocks it would see in a 1-row call at start + t, and masked keys add exact zeros, so a
+row's result does not depend on T.
 """
 from __future__ import annotations
 
@@ -60,12 +55,15 @@ def _spans_to(last, BN: tl.constexpr, FIRST: tl.constexpr, SPLIT: tl.constexpr):
     return tl.where(last < FIRST * BN, last // BN + 1, FIRST + (last - FIRST * BN) // SPLIT + 1)
 
 
-@triton.jit
-def _attn_span(q, k_cache, v_cache, b_start, ws_m, ws_l, ws_o, T, scale, i_s, i_kv, i_m,
-               s_qt, s_qh, s_kl, s_kh, s_vl, s_vh,
-               HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr, SPLIT: tl.constexpr):
-    """Span i_s's partial softmax for kv head i_kv's block i_m of query rows, into the partials."""
+@triton.jit(do_not_specialize=["T"])
+def _attn_split_kernel(q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale,
+                       s_qt, s_qh, s_kl, s_kh, s_vl, s_vh,
+                       HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr, SPLIT: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_start(PDL)
+    i_s, i_kv, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b_start = tl.load(start)
     lo = _span_start(i_s, BN, FIRST, SPLIT)
     hi = tl.minimum(_span_start(i_s + 1, BN, FIRST, SPLIT), b_start + T)
     if lo < hi:
@@ -99,28 +97,6 @@ def _attn_span(q, k_cache, v_cache, b_start, ws_m, ws_l, ws_o, T, scale, i_s, i_
         tl.store(ws_m + o_w, b_m, mask=m_r)
         tl.store(ws_l + o_w, b_l, mask=m_r)
         tl.store(ws_o + o_w[:, None] * D + o_d[None, :], b_o, mask=m_r[:, None])
-
-
-@triton.jit(do_not_specialize=["T", "spans"])     # one compiled kernel for every cache size, as before
-def _attn_split_kernel(q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale, spans,
-                       s_qt, s_qh, s_kl, s_kh, s_vl, s_vh,
-                       HQ: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr, SPLIT: tl.constexpr,
-                       SWEEP: tl.constexpr, PDL: tl.constexpr):
-    # A program a span, or under SWEEP programs that walk every P-th span (P: the grid's first
-    # axis) up to the last span with keys, and never past the cache's `spans`, whose partials the
-    # workspace holds: the same spans, each computed by the same code
-    pdl_start(PDL)
-    i_p, i_kv, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b_start = tl.load(start)
-    if SWEEP:
-        n_spans = tl.minimum(_spans_to(b_start + T - 1, BN, FIRST, SPLIT), spans)
-        for i_s in range(i_p, n_spans, tl.num_programs(0)):
-            _attn_span(q, k_cache, v_cache, b_start, ws_m, ws_l, ws_o, T, scale, i_s, i_kv, i_m,
-                       s_qt, s_qh, s_kl, s_kh, s_vl, s_vh, HQ, GROUP, D, BM, BN, FIRST, SPLIT)
-    else:
-        _attn_span(q, k_cache, v_cache, b_start, ws_m, ws_l, ws_o, T, scale, i_p, i_kv, i_m,
-                   s_qt, s_qh, s_kl, s_kh, s_vl, s_vh, HQ, GROUP, D, BM, BN, FIRST, SPLIT)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -205,23 +181,12 @@ def _combine_config() -> tuple[int, int]:
     return 16, 4
 
 
-def sweep_programs(spans: int, Hkv: int, blocks: int, programs: int) -> int:
-    """The programs a (kv head, block of query rows) takes in the sweeping form: the device's
-    `programs` shared among the Hkv x blocks, at most one a span, and at least one, so that where
-    Hkv x blocks exceeds `programs` the grid does too."""
-    return max(1, min(spans, programs // (Hkv * blocks)))
-
-
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             start: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
-                            config: tuple | None = None, workspace: torch.Tensor | None = None,
-                            programs: int | None = None) -> torch.Tensor:
+                            config: tuple | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """decode_attention_ref's contract with `start` a 1-element long tensor on q's device.
     `config` overrides _config(L), for tuning. `workspace`: float32 memory for the spans' partials
-    (at least split_workspace_floats of them), else allocated here. `programs`: the split kernel's
-    programs in all, shared among the kv heads and blocks of rows, each walking every P-th span
-    (sweep_programs: at least one a kv head and block; the device's programs resident at once:
-    KernelPlan.attention_sweep); None: a program a span."""
+    (at least split_workspace_floats of them), else allocated here."""
     T, Hq, D = q.shape
     L, Hkv = k_cache.shape[0], k_cache.shape[1]
     assert v_cache.shape == k_cache.shape == (L, Hkv, D) and Hq % Hkv == 0, "caches must be [L, Hkv, D]"
@@ -243,13 +208,11 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         "the workspace must be contiguous float32 of split_workspace_floats at least"
     ws_m, ws_l = workspace[:n].view(spans, T, Hq), workspace[n:2 * n].view(spans, T, Hq)
     ws_o = workspace[2 * n:n * (D + 2)].view(spans, T, Hq, D)
-    blocks = triton.cdiv(T * group, BM)
-    P = spans if programs is None else sweep_programs(spans, Hkv, blocks, programs)
-    _attn_split_kernel[(P, Hkv, blocks)](
-        q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale, spans, q.stride(0), q.stride(1),
+    _attn_split_kernel[(spans, Hkv, triton.cdiv(T * group, BM))](
+        q, k_cache, v_cache, start, ws_m, ws_l, ws_o, T, scale, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HQ=Hq, GROUP=group, D=D, BM=BM, BN=BN, FIRST=first, SPLIT=split, SWEEP=programs is not None,
-        num_warps=warps, num_stages=stages, **pdl(q))
+        HQ=Hq, GROUP=group, D=D, BM=BM, BN=BN, FIRST=first, SPLIT=split, num_warps=warps, num_stages=stages,
+        **pdl(q))
     out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     g = gate if gate is not None else out
     BS, combine_warps = _combine_config()
@@ -261,15 +224,13 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      start: int | torch.Tensor, scale: float, gate: torch.Tensor | None = None,
-                     workspace: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor:
+                     workspace: torch.Tensor | None = None) -> torch.Tensor:
     """decode_attention_ref's contract; the Triton kernels for CUDA tensors, where `start` is best
-    a device tensor (an int is accepted and copied over), their partials in `workspace` if given,
-    the split kernel on at most `programs` (decode_attention_triton)."""
+    a device tensor (an int is accepted and copied over), their partials in `workspace` if given."""
     if use_triton(q, k_cache, v_cache):
         if not isinstance(start, torch.Tensor):
             start = torch.tensor([start], dtype=torch.long, device=q.device)
-        return decode_attention_triton(q, k_cache, v_cache, start, scale, gate, workspace=workspace,
-                                       programs=programs)
+        return decode_attention_triton(q, k_cache, v_cache, start, scale, gate, workspace=workspace)
     return decode_attention_ref(q, k_cache, v_cache, int(start), scale, gate)
 
 

@@ -199,23 +199,6 @@ def test_conv_in_recurrence_changes_no_token(ckpt):
     assert all(t == tokens[0] for t in tokens[1:])
 
 
-def test_attention_sweeping_its_spans_changes_no_token(ckpt):
-    # a step's attention on fewer programs walking the key spans (KernelPlan.attention_sweep): on
-    # the device's programs (more than this small cache's spans: each walks one), on three a kv head
-    # (a decode's walk every third span) and on one a (kv head, block of rows), each walking every
-    # span: the same greedy tokens as a program a span, MTP off and on
-    runs = []
-    config = ModelConfig.load(ckpt)
-    base = KernelPlan.choose("cuda", config, fp8=False)
-    for programs in (0, base.products.programs, 3 * config.num_key_value_heads, 1):
-        engine = Engine.load(ckpt, device="cuda", dtype=torch.bfloat16, max_context=1024,
-                             plan=base.replace(attention_sweep=programs))
-        runs.append(assert_mtp_on_equals_off(engine, gpu_prompts(engine, 3)[1:], 96, profile_ks=(1, 3), ks=(2,)))
-        del engine
-    tokens = [[list(done.token_ids) for done in run] for run in runs]
-    assert all(t == tokens[0] for t in tokens[1:])
-
-
 @pytest.mark.parametrize("tokens,product", [(0, 1 << 10), (1 << 10, 1)])
 def test_the_conv_in_the_product_keeps_mtp_exact_on_an_moe(tmp_path, tokens, product):
     # the tiny MoE model, whose key heads of 64 and rows of 776 made the recurrence compile one form

@@ -231,8 +231,7 @@ def test_a_gpu_finishes_the_moe_layer_in_its_combine_and_drafts_from_4_bit_rows(
 
 
 def test_a_gpu_folds_beside_the_draft_at_a_lower_priority(gqa3, monkeypatch):
-    """fold_beside_draft and fold_yields on a GPU (a CPU folds in the step, its tests' reference);
-    attention_sweep off until timed, everywhere."""
+    """fold_beside_draft and fold_yields on a GPU (a CPU folds in the step, its tests' reference)."""
     from mtpchat.engine import plan as plan_module
     monkeypatch.setattr(plan_module, "default_products", lambda device: ProductPlan(programs=132))
     monkeypatch.setattr(plan_module, "fp8_runs_on", lambda device: True)
@@ -242,13 +241,6 @@ def test_a_gpu_folds_beside_the_draft_at_a_lower_priority(gqa3, monkeypatch):
         gpu, cpu = KernelPlan.choose("cuda", config, fp8, int4), KernelPlan.choose("cpu", config, fp8, int4)
         assert gpu.fold_beside_draft == 1 and gpu.fold_yields
         assert cpu.fold_beside_draft == 0 and not cpu.fold_yields
-        assert gpu.attention_sweep == cpu.attention_sweep == 0
-    with pytest.raises(ValueError, match="attention_sweep"):
-        cpu.replace(attention_sweep=-1)
-    assert Ctx(positions=None, start=0, step=True, conv_off=None, fold=None, parity=None,
-               plan=cpu.replace(attention_sweep=7)).attention_programs == 7
-    assert Ctx(positions=None, start=0, step=True, conv_off=None, fold=None, parity=None,
-               plan=cpu).attention_programs is None
 
 
 def test_the_moe_layer_reads_a_normed_over_bf16_and_fp8_experts_only(tmp_path, gqa3):

@@ -24,7 +24,6 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans rides --weights fp8    # the GDN's b|a riding in the in_proj's launch, or apart
     python3 ab_step.py --plans int4stacked --model qwen3.5-35b-a3b --weights int4   # the 4-bit experts' SwiGLU stacked
     python3 ab_step.py --plans draft --only default --fc-bf16 --weights int4   # the MTP fc in 4 bits, or in bf16
-    python3 ab_step.py --plans attention --weights int4 --max-context 8320   # attention's split on a wave walking the spans
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed (the families
 are in step_plans.py). One engine is

@@ -258,26 +258,6 @@ def bench_attention(bw, sweep):
                 q.transpose(0, 1)[None], kc[:n].transpose(0, 1)[None], vc[:n].transpose(0, 1)[None],
                 attn_mask=mask, scale=HD ** -0.5, enable_gqa=True) for kc, vc in caches]) / len(caches)
             row(f"attention ctx={ctx} T={T}", ms, n * HKV * HD * 2 * 2, bw, sdpa, "sdpa")
-    # the split kernel on one wave of programs walking the spans (KernelPlan.attention_sweep) against a
-    # program a span, alternated, in the caches of engines of 4,096 tokens (Engine.load's default),
-    # of the app's default 8,192, of mtpchat bench's 8,320 and of 32K (context + 9 rows: k_max + 1)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = 32777
-    caches = [(torch.randn(rows, HKV, HD, device="cuda").bfloat16(), torch.randn(rows, HKV, HD, device="cuda").bfloat16())
-              for _ in range(ATTN_LAYERS)]
-    for cap in (4105, 8201, 8329, rows):
-        small = [(kc[:cap], vc[:cap]) for kc, vc in caches]
-        for ctx in (c for c in (1024, 4000, 8000, 32000) if c + 8 < cap):
-            for T in (1, 4):
-                q = torch.randn(T, HQ, HD, dtype=torch.bfloat16, device="cuda")
-                start = torch.tensor([ctx], device="cuda")
-                times = {0: [], sms: []}
-                for _ in range(3):
-                    for programs in times:
-                        times[programs].append(graph_ms(lambda: [attention.decode_attention(
-                            q, kc, vc, start, HD ** -0.5, programs=programs or None) for kc, vc in small]) / len(small))
-                plain, swept = (statistics.median(times[p]) for p in (0, sms))
-                row(f"attention cap={cap} ctx={ctx} T={T} swept", swept, (ctx + T) * HKV * HD * 2 * 2, bw, plain, "a span a program")
 
 
 def bench_chunk(bw, sweep):

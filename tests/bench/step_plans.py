@@ -346,16 +346,6 @@ def rider_plans(base: KernelPlan) -> dict:
     return {"apart": base.replace(rides=False), "rides": base.replace(rides=True)}
 
 
-def attention_plans(base: KernelPlan) -> dict:
-    """A step's attention over the KV cache with a program a span of keys, or its split kernel on
-    one wave of the device's programs (the products' `programs`) walking the spans, or on two
-    (KernelPlan.attention_sweep). The same spans by the same code: the logits must be the same bits.
-    What it saves grows with the cache's spans past the context (ab_step.py --max-context)."""
-    return {"a span a program": base.replace(attention_sweep=0),
-            "one wave": base.replace(attention_sweep=base.products.programs),
-            "two waves": base.replace(attention_sweep=2 * base.products.programs)}
-
-
 def default_plans(base: KernelPlan) -> dict:
     """The plan's defaults that were measured in (DEFAULT_FORMS), each off alone against all on, and
     all off: the ratios say what each still buys on this model and weight format (the bit form
@@ -370,4 +360,4 @@ FAMILIES = {"defaults": default_plans, "tiles": tile_plans, "resident": resident
             "tail": tail_plans, "fp8glu": fp8_glu_plans, "bits": bits_plans, "draft": draft_plans,
             "int4": int4_plans, "rows": rows_plans, "release": release_plans, "conv": conv_plans,
             "combine": combine_plans, "drafthead": draft_head_plans, "stacked": stacked_plans, "routed": routed_plans, "moefold": fold_plans,
-            "rides": rider_plans, "int4stacked": int4_stacked_plans, "attention": attention_plans}
+            "rides": rider_plans, "int4stacked": int4_stacked_plans}

@@ -102,22 +102,6 @@ def test_decode_attention_rows_do_not_depend_on_T(T, Hq, Hkv, start):
     assert torch.equal(out, _rows_one_by_one(q, kc, vc, start, 0.0625))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("T,L,start", [(1, 8329, 1000), (4, 8329, 1000), (4, 32777, 30000), (1, 32777, 5), (4, 131081, 2000),
-                                       (1, 32768, 1000)])
-def test_the_sweep_at_the_27b_shapes(T, L, start):
-    # bf16 on the GPU, on the device's programs: the bits of a program a span
-    q, kc, vc = _case(T, 24, 4, 256, L, torch.bfloat16, "cuda", seed=T)
-    gate = randn(T, 24, 256, dtype=torch.bfloat16, device="cuda", seed=start)
-    at = torch.tensor([start], device="cuda")
-    programs = torch.cuda.get_device_properties(0).multi_processor_count
-    workspace = torch.full((attention.split_workspace_floats(T, 24, 256, L, 2),), float("nan"), device="cuda")
-    got = attention.decode_attention(q, kc, vc, at, 256 ** -0.5, gate, workspace=workspace, programs=programs)
-    assert torch.equal(got, attention.decode_attention(q, kc, vc, at, 256 ** -0.5, gate))
-    assert torch.equal(got, torch.cat([attention.decode_attention(q[t:t + 1], kc, vc, at + t, 256 ** -0.5, gate[t:t + 1],
-                                                                  programs=programs) for t in range(T)]))
-
-
 @pytest.mark.parametrize("T,start", [(1, 30), (5, 44), (3, 47), (4, 200)])
 def test_decode_attention_two_sizes_of_span(device, T, start):
     # 3 spans of 16 keys, then spans of 32: rows before, across and after the change of size
@@ -125,44 +109,6 @@ def test_decode_attention_two_sizes_of_span(device, T, start):
     out = attention.decode_attention_triton(q, kc, vc, torch.tensor([start], device=device), 0.25,
                                             config=(3, 32, 16, 4, 2))
     check(out, attention.decode_attention_ref(q, kc, vc, start, 0.25), TOL[torch.float32])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,Hq,Hkv,D,L,start,programs,config", [
-    (1, 6, 2, 32, 300, 0, 4, None),         # the first token: one span with keys, one program walks it
-    (5, 6, 2, 32, 300, 0, 4, None),         # ... and the four after it
-    (1, 6, 2, 32, 300, 200, 4, None),       # 2 programs a kv head over 7 spans with keys
-    (6, 12, 2, 16, 300, 60, 8, None),       # 36 rows a kv head: 2 blocks of rows, 2 programs each
-    (6, 12, 2, 16, 300, 60, 3, None),       # ... fewer programs than kv heads x blocks: one each
-    (1, 6, 2, 32, 300, 200, 1, None),       # one program walks every span
-    (5, 12, 2, 32, 700, 400, 7, None),      # 3 a kv head over 19 spans, 30 rows of query per kv head
-    (2, 4, 2, 16, 2600, 2400, 10, None),    # 5 over 46 spans with keys of 49
-    (5, 8, 1, 16, 520, 508, 10_000, None),  # a program a span: each walks at most one
-    (3, 6, 2, 16, 300, 47, 6, (3, 32, 16, 4, 2)),   # across the change of span size (3 of 16 keys, then 32)
-])
-def test_decode_attention_sweeping_the_spans(device, dtype, T, Hq, Hkv, D, L, start, programs, config):
-    # the split kernel on fewer programs, each walking every P-th span (KernelPlan.attention_sweep):
-    # the same spans by the same code, so the same bits as a program a span; its partials in a
-    # workspace of NaNs, so that a span no program walks cannot pass
-    q, kc, vc = _case(T, Hq, Hkv, D, L, dtype, device, seed=start + programs)
-    gate = randn(T, Hq, 2 * D, dtype=dtype, device=device, seed=start, scale=2.0)[..., D:]
-    at = torch.tensor([start], device=device)
-    workspace = torch.full((L * T * Hq * (D + 2),), float("nan"), device=device)     # room for a span a key
-    got = attention.decode_attention_triton(q, kc, vc, at, D ** -0.5, gate, config=config, workspace=workspace,
-                                            programs=programs)
-    assert torch.equal(got, attention.decode_attention_triton(q, kc, vc, at, D ** -0.5, gate, config=config))
-    want = attention.decode_attention_ref(q, kc, vc, start, D ** -0.5, gate)
-    check(got, want, TOL[dtype])
-    # the dispatcher: these kernels on a GPU, the reference (which takes no programs) elsewhere
-    via = attention.decode_attention(q, kc, vc, start, D ** -0.5, gate, programs=programs)
-    assert torch.equal(via, got if attention.use_triton(q, kc, vc) else want)
-
-
-def test_the_sweep_shares_the_devices_programs():
-    # the 27B on an H100 (132 SMs): 4 kv heads, one block of rows a decode or verify of 3, 33 programs each
-    assert attention.sweep_programs(74, 4, 1, 132) == 33
-    assert attention.sweep_programs(16, 4, 1, 132) == 16          # never more than a program a span
-    assert attention.sweep_programs(140, 4, 96, 132) == 1         # a 512-token chunk: one a (kv head, block)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -73,11 +73,7 @@ def launches(cap):
                         dict(types, w2=types.get("w", "*bf16"), y="*fp32"), warps, stages
     first, split, BN, warps, stages = attention._config(32768, 2, 256, plan)
     yield "decode attention", attention._attn_split_kernel, dict(HQ=24, GROUP=6, D=256, BM=32, BN=BN, FIRST=first,
-                                                                   SPLIT=split, SWEEP=False), {}, warps, stages
-    if cap >= 90:     # its split walking the spans, which only a benchmark's plan names (KernelPlan.attention_sweep)
-        yield "decode attention swept", attention._attn_split_kernel, dict(HQ=24, GROUP=6, D=256, BM=32, BN=BN,
-                                                                           FIRST=first, SPLIT=split, SWEEP=True), \
-            {}, warps, stages
+                                                                   SPLIT=split), {}, warps, stages
     if cap >= 89:     # prefill's FP8 product where cuBLAS does not serve: the wide tile and the few-row ones
         for tname, t in (("wide", fp8_gemm.WIDE), ("small", fp8_gemm.SMALL), ("small 16", fp8_gemm.gemm_tiles(16, fp8_gemm.SMALL, 16))):
             yield f"fp8 gemm {tname}", fp8_gemm._gemm_kernel, dict(BM=t.BM, BN=t.BN, BK=fp8_gemm.BK,
@@ -92,8 +88,8 @@ for cap in (90, 80, 86, 89):
     for name, fn, consts, types, warps, stages in launches(cap):
         consts = dict(consts, PDL=cap >= 90)
         sig = {a: types.get(a, TYPES.get(a, "i32")) for a in fn.arg_names if a not in consts}
-        # as a launch specialises them: pointers, shapes and strides 16-divisible (T, eps, scale, spans aside)
-        aligned = {a for a in sig if a not in ("T", "n", "M", "eps", "scale", "spans") and sig[a] != "fp32"}
+        # as a launch specialises them: pointers, shapes and strides 16-divisible (T, eps, scale aside)
+        aligned = {a for a in sig if a not in ("T", "n", "M", "eps", "scale") and sig[a] != "fp32"}
         compile_checked(fn, consts, sig, cap, warps, stages, f"{name} sm_{cap}", aligned)
 """
 
@@ -103,6 +99,5 @@ def test_products_compile_within_each_targets_shared_memory():
     stdout = run_children(COMPILE)
     # bf16: plain (alone and with a conv), SwiGLU, split, 4 expert kernels, decode and prefill
     # attention on 4 targets; FP8's 8 and prefill's FP8 product on 3 tiles on sm_89 and sm_90; a
-    # step's 2 expert kernels over the other MoE layout, bf16 and FP8, and decode attention walking
-    # its spans, on sm_90
-    assert stdout.count("ok ") == 10 * 4 + (8 + 3) * 2 + 2 * 2 + 1, stdout[-2000:]
+    # step's 2 expert kernels over the other MoE layout, bf16 and FP8, on sm_90
+    assert stdout.count("ok ") == 10 * 4 + (8 + 3) * 2 + 2 * 2, stdout[-2000:]
