@@ -491,7 +491,9 @@ class Decoder:
             times[0] = self._run(("draft", k), lambda: self.draft(k))
             if self.drafter is not None:
                 where = self.gen if getattr(self.drafter, "on_device", False) else self.generated
-                self.drafts[:k] = self.drafter(where, self.drafts[:k])
+                drafts = self.drafter(where, self.drafts[:k])
+                if drafts.data_ptr() != self.drafts.data_ptr():     # ProfileDrafter writes them in place
+                    self.drafts[:k] = drafts
         times[1] = self._run(("verify", k), lambda: self.verify(k))
         # greedy acceptance is captured per k; sampling runs eagerly (its parameters vary per request)
         times[2] = self._run(("accept", k) if params.greedy else ("accept, sampled", k),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from mtpchat.engine.sampling import SamplingParams, process_logits, sample
+from mtpchat.kernels.profile_drafts import profile_drafts
 
 
 def accept_sampled(logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams,
@@ -65,22 +66,21 @@ class ProfileDrafter:
 
     def __init__(self, reference: list[int], profile=(0.95, 0.83, 0.70, 0.55), seed: int = 0, vocab: int = 0):
         self.reference, self.profile, self.vocab, self.seed = list(reference), list(profile), vocab, seed
-        self._table = self._rng = self._cond = self._ahead = None     # made on the drafts' device at the first call
+        self._table = self._rng = self._cond = None     # made on the drafts' device at the first call
 
     def __call__(self, position, drafts: torch.Tensor) -> torch.Tensor:
         """position: index in `reference` of the first token to draft (an int, or a 1-element
-        device tensor); drafts: the head's [k] tokens."""
+        device tensor); drafts: the head's [k] tokens (long, contiguous), overwritten with the
+        drafts, which are returned."""
         k, dev = drafts.shape[0], drafts.device
-        n = len(self.reference)
         if self._table is None or self._table.device != dev:
             self._setup(dev)
         # A step runs this eagerly between its draft and its verify, on the GPU's time but not a real
-        # draft's: seven small kernels (a where over the true and the wrong tokens took twelve), with
-        # the same draws, k uniforms a call.
+        # draft's: two kernels, the draws and the drafts written over the head's (a where over the
+        # true and the wrong tokens took twelve, then a table in torch seven and a copy), with the
+        # same draws, k uniforms a call.
         u = torch.rand(k, generator=self._rng, device=dev)
-        right = (u < self._cond[:k]).cumprod(0)                               # 1 while every draft so far is right
-        at = (torch.as_tensor(position, device=dev).view(-1)[:1] + self._ahead[:k]).clamp_(max=n)
-        return self._table.index_select(0, at.add_(right, alpha=n + 1))
+        return profile_drafts(u, self._cond, torch.as_tensor(position, device=dev).view(-1), self._table, drafts)
 
     def _setup(self, dev):
         """The tokens' table, the draws' generator and their thresholds, on the drafts' device."""
@@ -88,7 +88,6 @@ class ProfileDrafter:
         wrong = (true + 1) % self.vocab if self.vocab else true + 1
         # one table, the wrong tokens first: a draft is table[right * (n + 1) + position + i]
         self._table = torch.cat([wrong, true])
-        self._ahead = torch.arange(16 + len(self.profile), device=dev)
         self._rng = torch.Generator(device=dev).manual_seed(self.seed)
         # P(draft i right | the drafts before it right) = profile[i] / profile[i-1]; 0 past the profile
         prev = [1.0] + self.profile[:-1]

@@ -1,5 +1,6 @@
-"""What the benchmark's drafter costs a step: engine/spec.py's ProfileDrafter against its earlier form
-(a where over the true and the wrong tokens: twelve small kernels a call where it now takes seven;
+"""What the benchmark's drafter costs a step: engine/spec.py's ProfileDrafter (the draws and one
+kernel that writes the drafts in place) against its earlier forms (a table in torch: seven small
+kernels and the decoder's copy; a where over the true and the wrong tokens: twelve and the copy;
 the same draws, the same drafts), MTP on at k = 3 under the benchmark's profile, alternated rounds
 in one process. The drafter runs eagerly between a step's draft and its verify, on the GPU's time
 but not a real draft's, so the lower its cost the nearer a profile's figures are to a real head's.
@@ -16,6 +17,21 @@ import torch
 from mtpchat.bench import random_config
 from mtpchat.engine import Engine, bench
 from mtpchat.engine.spec import ProfileDrafter
+
+
+class TableDrafter(ProfileDrafter):
+    """The earlier form: one table of the wrong and the true tokens, looked up in torch, returned
+    as a new tensor (the decoder copies it into its drafts)."""
+
+    def __call__(self, position, drafts: torch.Tensor) -> torch.Tensor:
+        k, dev = drafts.shape[0], drafts.device
+        if self._rng is None:
+            self._setup(dev)
+        n = len(self.reference)
+        u = torch.rand(k, generator=self._rng, device=dev)
+        right = (u < self._cond[:k]).cumprod(0)
+        at = (torch.as_tensor(position, device=dev).view(-1)[:1] + torch.arange(k, device=dev)).clamp_(max=n)
+        return self._table.index_select(0, at.add_(right, alpha=n + 1))
 
 
 class WhereDrafter(ProfileDrafter):
@@ -43,7 +59,7 @@ def main():
     engine = Engine(config, device="cuda", max_context=4096, cuda_graphs=True, weights=a.weights)
     prompt = bench.random_prompt(engine, 1024, 0)
     ref = bench.generate(engine, prompt, 128, mtp=False)["tokens"]
-    forms = {"where (twelve kernels)": WhereDrafter, "table (seven)": ProfileDrafter}
+    forms = {"where (twelve kernels)": WhereDrafter, "table (seven)": TableDrafter, "one kernel": ProfileDrafter}
     make = lambda form: forms[form](ref, bench.PROFILE, seed=3, vocab=config.vocab_size)
     for form in forms:
         bench.generate(engine, prompt, 128, mtp=True, k=3, drafter=make(form))
@@ -56,8 +72,10 @@ def main():
     for form, rs in rows.items():
         print(f"{form:24s} ms a step {[round(x[0], 4) for x in rs]}  beside the phases (us) {[round(x[1] * 1e3, 1) for x in rs]}"
               f"  length {sorted({x[2] for x in rs})}  exact {all(x[3] for x in rs)}")
-    old, new = (statistics.median(x[0] for x in rs) for rs in rows.values())
-    print(f"median step, table / where: {new / old:.4f} ({(old - new) * 1e3:.1f} us a step)")
+    steps = {form: statistics.median(x[0] for x in rs) for form, rs in rows.items()}
+    last = steps["one kernel"]
+    for form, step in steps.items():
+        print(f"median step, one kernel / {form}: {last / step:.4f} ({(step - last) * 1e3:.1f} us a step)")
 
 
 if __name__ == "__main__":
