@@ -29,7 +29,7 @@ def profile_drafts_ref(u: torch.Tensor, cond: torch.Tensor, position: torch.Tens
     return out.copy_(table.index_select(0, at + right * (n + 1)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k", "n"])    # one compiled kernel for every k and reference: none mid-run
 def _profile_drafts_kernel(u, cond, position, table, out, k, n, BK: tl.constexpr):
     o_i = tl.arange(0, BK)
     m_i = o_i < k
