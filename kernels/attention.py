@@ -183,10 +183,12 @@ def _combine_config() -> tuple[int, int]:
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             start: torch.Tensor, scale: float, gate: torch.Tensor | None = None,
-                            config: tuple | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+                            config: tuple | None = None, workspace: torch.Tensor | None = None,
+                            rows: int = 32) -> torch.Tensor:
     """decode_attention_ref's contract with `start` a 1-element long tensor on q's device.
-    `config` overrides _config(L), for tuning. `workspace`: float32 memory for the spans' partials
-    (at least split_workspace_floats of them), else allocated here."""
+    `config` overrides _config(L), and `rows` the query rows (token x head of a kv head's group) a
+    program takes, for tuning. `workspace`: float32 memory for the spans' partials (at least
+    split_workspace_floats of them), else allocated here."""
     T, Hq, D = q.shape
     L, Hkv = k_cache.shape[0], k_cache.shape[1]
     assert v_cache.shape == k_cache.shape == (L, Hkv, D) and Hq % Hkv == 0, "caches must be [L, Hkv, D]"
@@ -197,7 +199,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert start.numel() == 1 and start.dtype == torch.long, "start must be a 1-element long tensor"
     if gate is not None:
         assert gate.shape == q.shape and gate.stride(2) == 1 and gate.dtype == q.dtype, "gate must be like q"
-    group, BM = Hq // Hkv, 32
+    group, BM = Hq // Hkv, rows
     first, split, BN, warps, stages = config or _config(L, q.element_size(), D, default_products(q.device), BM)
     assert split % BN == 0, "a span is whole tiles"
     spans = _spans(L, first, split, BN)
