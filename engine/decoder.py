@@ -492,7 +492,7 @@ class Decoder:
             if self.drafter is not None:
                 where = self.gen if getattr(self.drafter, "on_device", False) else self.generated
                 drafts = self.drafter(where, self.drafts[:k])
-                if drafts.data_ptr() != self.drafts.data_ptr():     # ProfileDrafter writes them in place
+                if not getattr(self.drafter, "writes_in_place", False):
                     self.drafts[:k] = drafts
         times[1] = self._run(("verify", k), lambda: self.verify(k))
         # greedy acceptance is captured per k; sampling runs eagerly (its parameters vary per request)

@@ -63,6 +63,7 @@ class ProfileDrafter:
     right/wrong draws from a generator on the device), so no step waits for the host.
     """
     on_device = True
+    writes_in_place = True            # into the drafts it is given (engine/decoder.py skips its copy)
 
     def __init__(self, reference: list[int], profile=(0.95, 0.83, 0.70, 0.55), seed: int = 0, vocab: int = 0):
         self.reference, self.profile, self.vocab, self.seed = list(reference), list(profile), vocab, seed
@@ -75,10 +76,8 @@ class ProfileDrafter:
         k, dev = drafts.shape[0], drafts.device
         if self._table is None or self._table.device != dev:
             self._setup(dev)
-        # A step runs this eagerly between its draft and its verify, on the GPU's time but not a real
-        # draft's: two kernels, the draws and the drafts written over the head's (a where over the
-        # true and the wrong tokens took twelve, then a table in torch seven and a copy), with the
-        # same draws, k uniforms a call.
+        # Run eagerly between a step's draft and its verify, on the GPU's time but not a real draft's:
+        # two kernels, the k draws and one that writes the drafts over the head's.
         u = torch.rand(k, generator=self._rng, device=dev)
         return profile_drafts(u, self._cond, torch.as_tensor(position, device=dev).view(-1), self._table, drafts)
 
@@ -86,7 +85,7 @@ class ProfileDrafter:
         """The tokens' table, the draws' generator and their thresholds, on the drafts' device."""
         true = torch.tensor(self.reference + [0], device=dev)              # past the end: token 0
         wrong = (true + 1) % self.vocab if self.vocab else true + 1
-        # one table, the wrong tokens first: a draft is table[right * (n + 1) + position + i]
+        # one table, the wrong tokens first: a draft is table[right * (n + 1) + min(position + i, n)]
         self._table = torch.cat([wrong, true])
         self._rng = torch.Generator(device=dev).manual_seed(self.seed)
         # P(draft i right | the drafts before it right) = profile[i] / profile[i-1]; 0 past the profile

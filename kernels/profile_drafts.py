@@ -5,9 +5,9 @@ reference otherwise.
 The drafter stands in for the MTP head's tokens on random weights, so that a benchmark meets a
 chosen acceptance: draft i is the reference continuation's token at position + i when draws
 0..i all fell under their thresholds, and a wrong token otherwise. It runs eagerly between a step's
-draft and its verify, on the GPU's time but not a real head's; in torch that is six small kernels
-and a copy into the decoder's drafts, here one kernel that writes them in place (the uniform draws
-stay torch's, so a seed gives the drafts it gave before).
+draft and its verify, on the GPU's time but not a real head's: torch's uniform draws (so a seed
+gives the drafts it gave before), then here one kernel that writes the drafts in place, where torch
+took six small kernels and the decoder a copy.
 
 table [2 (n + 1)] long holds the wrong tokens, then the true ones, each followed by a token for
 positions past the end of the reference's n: draft i is table[right_i * (n + 1) + min(position + i, n)].
@@ -29,7 +29,7 @@ def profile_drafts_ref(u: torch.Tensor, cond: torch.Tensor, position: torch.Tens
     return out.copy_(table.index_select(0, at + right * (n + 1)))
 
 
-@triton.jit(do_not_specialize=["k", "n"])    # one compiled kernel for every k and reference: none mid-run
+@triton.jit(do_not_specialize=["k", "n"])    # one compiled kernel for every k up to 16 and every reference
 def _profile_drafts_kernel(u, cond, position, table, out, k, n, BK: tl.constexpr):
     o_i = tl.arange(0, BK)
     m_i = o_i < k
@@ -39,14 +39,6 @@ def _profile_drafts_kernel(u, cond, position, table, out, k, n, BK: tl.constexpr
     b_at = tl.minimum(tl.load(position) + o_i, n)
     b_tok = tl.load(table + b_at + tl.where(b_right, n + 1, 0), mask=m_i)
     tl.store(out + o_i, b_tok, mask=m_i)
-
-
-def profile_drafts(u: torch.Tensor, cond: torch.Tensor, position: torch.Tensor, table: torch.Tensor,
-                   out: torch.Tensor) -> torch.Tensor:
-    """profile_drafts_ref's contract: the kernel for CUDA tensors, the reference otherwise."""
-    if use_triton(out):
-        return profile_drafts_triton(u, cond, position, table, out)
-    return profile_drafts_ref(u, cond, position, table, out)
 
 
 def profile_drafts_triton(u: torch.Tensor, cond: torch.Tensor, position: torch.Tensor, table: torch.Tensor,
@@ -62,3 +54,11 @@ def profile_drafts_triton(u: torch.Tensor, cond: torch.Tensor, position: torch.T
     _profile_drafts_kernel[(1,)](u, cond, position, table, out, k, table.shape[0] // 2 - 1,
                                  BK=max(16, triton.next_power_of_2(k)), num_warps=1)
     return out
+
+
+def profile_drafts(u: torch.Tensor, cond: torch.Tensor, position: torch.Tensor, table: torch.Tensor,
+                   out: torch.Tensor) -> torch.Tensor:
+    """profile_drafts_ref's contract: the kernel for CUDA tensors, the reference otherwise."""
+    if use_triton(out):
+        return profile_drafts_triton(u, cond, position, table, out)
+    return profile_drafts_ref(u, cond, position, table, out)

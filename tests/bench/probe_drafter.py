@@ -20,22 +20,25 @@ from mtpchat.engine.spec import ProfileDrafter
 
 
 class TableDrafter(ProfileDrafter):
-    """The earlier form: one table of the wrong and the true tokens, looked up in torch, returned
-    as a new tensor (the decoder copies it into its drafts)."""
+    """The earlier form: one table of the wrong and the true tokens, looked up in torch (seven
+    kernels), returned as a new tensor that the decoder copies into its drafts."""
+    writes_in_place = False
 
     def __call__(self, position, drafts: torch.Tensor) -> torch.Tensor:
         k, dev = drafts.shape[0], drafts.device
         if self._rng is None:
             self._setup(dev)
+            self._ahead = torch.arange(16 + len(self.profile), device=dev)
         n = len(self.reference)
         u = torch.rand(k, generator=self._rng, device=dev)
         right = (u < self._cond[:k]).cumprod(0)
-        at = (torch.as_tensor(position, device=dev).view(-1)[:1] + torch.arange(k, device=dev)).clamp_(max=n)
+        at = (torch.as_tensor(position, device=dev).view(-1)[:1] + self._ahead[:k]).clamp_(max=n)
         return self._table.index_select(0, at.add_(right, alpha=n + 1))
 
 
 class WhereDrafter(ProfileDrafter):
-    """The earlier form: the true and the wrong tokens looked up apart, then a where."""
+    """The form before it: the true and the wrong tokens looked up apart, then a where."""
+    writes_in_place = False
 
     def __call__(self, position, drafts: torch.Tensor) -> torch.Tensor:
         k, dev = drafts.shape[0], drafts.device

@@ -1,12 +1,14 @@
 """The benchmark drafter's one kernel (kernels/profile_drafts.py) against its torch reference, and
 that reference against the rule spelt out draft by draft: random draws and thresholds, so that some
 windows are right throughout, some wrong from the start and most right up to a point; positions at,
-near and past the reference's end; odd k."""
+near and past the reference's end; odd k. Then engine/spec.py's ProfileDrafter through it (the
+kernel on a GPU) against its earlier torch form from the same generator."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from mtpchat.engine.spec import ProfileDrafter
 from mtpchat.kernels import profile_drafts as pd
 
 
@@ -41,3 +43,21 @@ def test_profile_drafts_against_the_reference(device, k, n, position):
         assert got is out and torch.equal(out.cpu(), want)
         # the kernel itself, also where the dispatcher takes the reference (a CPU, under the interpreter)
         assert torch.equal(pd.profile_drafts_triton(u, cond, at, table, out.fill_(-7)).cpu(), want)
+
+
+def test_profile_drafter_draws_as_its_torch_form_did(device):
+    # the drafts written in place by the kernel are those of the earlier form in torch, a table
+    # looked up, from the same generator: a seed gives the drafts it gave
+    ref, V, profile = list(range(100, 140)), 512, (0.9, 0.6, 0.45, 0.2)
+    drafter = ProfileDrafter(ref, profile=profile, seed=5, vocab=V)
+    g, n = torch.Generator(device=device).manual_seed(5), len(ref)
+    true = torch.tensor(ref + [0], device=device)
+    table = torch.cat([(true + 1) % V, true])
+    cond = torch.tensor([p / q for p, q in zip(profile, (1.0,) + profile[:-1])] + [0.0] * 16, device=device)
+    fed = torch.full((9,), -1, dtype=torch.long, device=device)             # the decoder's x_L, then its drafts
+    for t, k in zip(range(0, 60, 3), [4, 1, 3, 6, 2] * 4):                   # past the reference's end too
+        at_t = t if t % 2 else torch.tensor([t], device=device)               # a host int or a device tensor
+        got = drafter(at_t, fed[1:1 + k])
+        right = (torch.rand(k, generator=g, device=device) < cond[:k]).cumprod(0)
+        at = (t + torch.arange(k, device=device)).clamp(max=n)
+        assert got.data_ptr() == fed[1:].data_ptr() and torch.equal(fed[1:1 + k], table[at + right * (n + 1)])
