@@ -24,6 +24,7 @@ an official shape, so the ratios come from one process on one device.
     python3 ab_step.py --plans rides --weights fp8    # the GDN's b|a riding in the in_proj's launch, or apart
     python3 ab_step.py --plans int4stacked --model qwen3.5-35b-a3b --weights int4   # the 4-bit experts' SwiGLU stacked
     python3 ab_step.py --plans draft --only default --fc-bf16 --weights int4   # the MTP fc in 4 bits, or in bf16
+    python3 ab_step.py --plans tiles --model qwen3.5-27b-gptq-int4 --weights int4   # a release's layout: bf16 attention and GDN
 
 A plan is a name and a KernelPlan: the engine's own plan with some choices changed (the families
 are in step_plans.py). One engine is
@@ -48,9 +49,8 @@ import torch
 from torch import nn
 from step_plans import FAMILIES, fp8_tile_plans, int4_tile_plans
 
-from mtpchat.engine import bench
+from mtpchat.bench import random_config
 from mtpchat.engine.bench import random_prompt
-from mtpchat.engine.config import ModelConfig
 from mtpchat.engine.dispatch import weight
 from mtpchat.engine.engine import Engine, interleave_4bit
 from mtpchat.engine.plan import KernelPlan
@@ -59,7 +59,6 @@ from mtpchat.engine.sampling import SamplingParams
 from mtpchat.kernels import matvec, matvec_parts
 from mtpchat.kernels.int4 import GroupInt4, dequantize_ref
 
-CONFIGS = Path(bench.__file__).parent / "configs"
 
 
 def _x_key(w) -> tuple:
@@ -159,7 +158,7 @@ def main():
                    "weight dequantized), as 'PLAN, fc bf16'")
     p.add_argument("--json")
     a = p.parse_args()
-    config = ModelConfig.load(CONFIGS / f"{a.model}.json")
+    config = random_config(a.model)          # a shipped shape, or a 4-bit release's (qwen3.5-27b-gptq-int4)
     # the engine loads its 4-bit weights natural; plans that take them interleaved convert them below
     default = KernelPlan.choose("cuda", config, fp8=a.weights == "fp8", int4=a.weights == "int4")
     for item in a.set:
