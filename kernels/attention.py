@@ -199,6 +199,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     assert start.numel() == 1 and start.dtype == torch.long, "start must be a 1-element long tensor"
     if gate is not None:
         assert gate.shape == q.shape and gate.stride(2) == 1 and gate.dtype == q.dtype, "gate must be like q"
+    assert rows >= 16 and rows & (rows - 1) == 0, "rows must be a power of two >= 16 (a dot's M)"
     group, BM = Hq // Hkv, rows
     first, split, BN, warps, stages = config or _config(L, q.element_size(), D, default_products(q.device), BM)
     assert split % BN == 0, "a span is whole tiles"
